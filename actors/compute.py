@@ -1,0 +1,226 @@
+"""ComputeActor: runs the model block by block with weights it does not own.
+
+For each step: forward over shards 0..L+1 fetching each shard's weights when the store says
+they are valid for this step (prefetching the next shard while the current one computes),
+keeping only block inputs; loss; backward L..0 recomputing each block from its saved input;
+each shard's gradient handed to the store as soon as it exists. Between steps the actor holds
+no weights: only mappings of the store's segments (same node) or nothing (object refs).
+
+The model is built on the ``meta`` device and called with ``torch.func.functional_call`` on
+views into the fetched flat buffer, so the model code does not know it is streamed.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Protocol
+
+import numpy as np
+import torch
+from torch.func import functional_call
+
+from actors.param_store import DTYPES, ShardInfo, map_segment
+from megaslide_ray.config import Config
+from megaslide_ray.diffusion import flow_loss, sample_flow_inputs
+from megaslide_ray.model import build_shard, num_shards
+
+log = logging.getLogger(__name__)
+
+
+class StoreClient(Protocol):
+    """How the compute actor talks to the store: in-process (tests) or through Ray."""
+
+    def wait_version(self, shard: int, step: int) -> int: ...
+    def get_weights(self, shard: int, step: int) -> np.ndarray: ...
+    def report_grad(self, shard: int, step: int, sqnorm: float, grad: np.ndarray | None) -> None: ...
+    def flush(self) -> None: ...
+
+
+@dataclass(frozen=True)
+class StepResult:
+    step: int
+    loss: float
+    tokens: int
+    seconds: float
+    forward_seconds: float
+    backward_seconds: float
+    weight_wait_seconds: float   # time blocked on a shard version or a weight transfer
+    data_position: int
+    skipped_files: int
+    device: str
+
+
+def select_device(cfg: Config) -> str:
+    if cfg.runtime.device == "cuda" and not torch.cuda.is_available():
+        raise RuntimeError("runtime.device='cuda' but this process sees no CUDA device; use 'auto' or 'cpu'")
+    if cfg.runtime.device in ("auto", "cuda") and torch.cuda.is_available():
+        return "cuda"
+    return "cpu"
+
+
+class ComputeActor:
+    def __init__(self, cfg: Config, shards: list[ShardInfo], store: StoreClient, transport: str = "shm",
+                 store_node: str | None = None):
+        if transport == "auto":
+            transport = "shm" if store_node in (None, self.node_id()) else "object_ref"
+        if transport not in ("shm", "object_ref"):
+            raise ValueError(f"transport={transport!r}: use 'auto', 'shm' or 'object_ref'")
+        self.cfg = cfg
+        self.device = torch.device(select_device(cfg))
+        if self.device.type == "cpu":
+            torch.set_num_threads(cfg.runtime.compute_threads or os.cpu_count() or 1)
+        self.store = store
+        self.transport = transport
+        self.infos = shards
+        self.n = num_shards(cfg)
+        if len(shards) != self.n:
+            raise ValueError(f"store has {len(shards)} shards, the model needs {self.n}")
+        self.dtype = DTYPES[shards[0].w_dtype]
+        self.modules = [build_shard(cfg, i, "meta") for i in range(self.n)]
+        # Same node: map the store's segments. These are the store's pages, not a copy.
+        self.w_maps: list[torch.Tensor] = []
+        self.g_maps: list[torch.Tensor] = []
+        if transport == "shm":
+            for info in shards:
+                self.w_maps.append(map_segment(info.paths["w"], info.numel, self.dtype))
+                self.g_maps.append(map_segment(info.paths["g"], info.numel, self.dtype))
+        # One background thread stages the next shard while the current one computes.
+        self._prefetcher = ThreadPoolExecutor(max_workers=1, thread_name_prefix="shard-prefetch")
+
+    # -- weights ------------------------------------------------------------------------------
+    def _fetch(self, shard: int, step: int) -> tuple[torch.Tensor, float]:
+        t0 = time.perf_counter()
+        if self.transport == "shm":
+            self.store.wait_version(shard, step)
+            w = self.w_maps[shard]
+        else:
+            raw = self.store.get_weights(shard, step)
+            w = torch.from_numpy(np.array(raw, copy=True)).view(self.dtype)
+        # CPU: compute straight from the mapped pages (no copy). CUDA: one H2D copy per shard.
+        w = w.to(self.device)
+        return w, time.perf_counter() - t0
+
+    def _run(self, shard: int, flat: torch.Tensor, *args):
+        params = self.infos[shard].layout.views(flat)
+        return functional_call(self.modules[shard], params, args)
+
+    def _push_grad(self, shard: int, step: int, flat: torch.Tensor) -> float:
+        g = flat.grad if flat.grad is not None else torch.zeros_like(flat)
+        sqnorm = float(g.float().pow(2).sum())  # host sync: the store needs the number
+        if self.transport == "shm":
+            self.g_maps[shard].copy_(g)
+            self.store.report_grad(shard, step, sqnorm, None)
+        else:
+            self.store.report_grad(shard, step, sqnorm, g.cpu().view(torch.uint8).numpy())
+        return sqnorm
+
+    # -- one step -----------------------------------------------------------------------------
+    def train_step(self, batch: dict, step: int) -> StepResult:
+        t_start = time.perf_counter()
+        L = self.cfg.model.depth
+        head = L + 1
+        order = list(range(self.n)) + list(range(L, -1, -1))  # forward 0..L+1, backward L..0
+        futures: list[Future] = []
+
+        def fetch(pos: int) -> None:
+            futures.append(self._prefetcher.submit(self._fetch, order[pos], step))
+
+        wait = 0.0
+        fetch(0)
+
+        def take(pos: int) -> torch.Tensor:
+            nonlocal wait
+            if pos + 1 < len(order):
+                fetch(pos + 1)
+            w, waited = futures[pos].result()
+            wait += waited
+            return w
+
+        fx = sample_flow_inputs(batch["video"], self.cfg.training.seed, step, self.cfg.training.t_sampling)
+        dev = self.device
+        x_t, t, target = fx.x_t.to(dev), fx.t.to(dev), fx.target.to(dev)
+        cap = torch.from_numpy(np.array(batch["caption"])).to(dev)
+        cap_len = torch.from_numpy(np.array(batch["caption_len"])).to(dev)
+
+        # -- forward: keep only block inputs (activation checkpointing at block boundaries)
+        pos = 0
+        with torch.no_grad():
+            x, c = self._run(0, take(pos), x_t, t, cap, cap_len)
+            pos += 1
+            inputs = []
+            for shard in range(1, L + 1):
+                inputs.append(x)
+                x = self._run(shard, take(pos), x, c)
+                pos += 1
+        w_head = take(pos).detach().requires_grad_(True)
+        pos += 1
+        x_last = x.detach().requires_grad_(True)
+        c_leaf = c.detach().requires_grad_(True)
+        t_fwd = time.perf_counter()
+        pred = self._run(head, w_head, x_last, c_leaf)
+        loss = flow_loss(pred, target)
+        loss.backward()
+        self._push_grad(head, step, w_head)
+        dx, dc = x_last.grad, c_leaf.grad.clone()
+        del pred, w_head
+
+        # -- backward: recompute each block from its input, newest first
+        for shard in range(L, 0, -1):
+            w = take(pos).detach().requires_grad_(True)
+            pos += 1
+            x_in = inputs.pop().detach().requires_grad_(True)
+            c_leaf = c.detach().requires_grad_(True)
+            y = self._run(shard, w, x_in, c_leaf)
+            torch.autograd.backward(y, dx)
+            self._push_grad(shard, step, w)
+            dx = x_in.grad
+            dc += c_leaf.grad
+            del y, w
+        w0 = take(pos).detach().requires_grad_(True)
+        x0, c0 = self._run(0, w0, x_t, t, cap, cap_len)
+        torch.autograd.backward([x0, c0], [dx, dc])
+        self._push_grad(0, step, w0)
+        self.store.flush()
+        t_end = time.perf_counter()
+        B = x_t.shape[0]
+        return StepResult(
+            step=step, loss=float(loss), tokens=B * self.cfg.tokens_per_sample, seconds=t_end - t_start,
+            forward_seconds=t_fwd - t_start, backward_seconds=t_end - t_fwd, weight_wait_seconds=wait,
+            data_position=int(batch.get("position", -1)), skipped_files=int(batch.get("skipped", 0)),
+            device=str(dev),
+        )
+
+    def transport_name(self) -> str:
+        return self.transport
+
+    def node_id(self) -> str:
+        import ray
+
+        return ray.get_runtime_context().get_node_id() if ray.is_initialized() else "local"
+
+    def close(self) -> None:
+        self._prefetcher.shutdown(wait=True)
+        self.w_maps, self.g_maps = [], []
+
+
+class LocalStoreClient:
+    """In-process store client (unit tests and single-process tools)."""
+
+    def __init__(self, store):
+        self._store = store
+
+    def wait_version(self, shard: int, step: int) -> int:
+        return self._store.wait_version(shard, step)
+
+    def get_weights(self, shard: int, step: int) -> np.ndarray:
+        return self._store.get_weights(shard, step)
+
+    def report_grad(self, shard: int, step: int, sqnorm: float, grad) -> None:
+        self._store.report_grad(shard, step, sqnorm, grad)
+
+    def flush(self) -> None:
+        pass

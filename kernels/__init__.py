@@ -1,0 +1,81 @@
+"""Kernels: 3D Deformable Slide Attention (3D-DSA) and its PyTorch reference.
+
+``deformable_slide_attention`` is the one entry point model code calls. It picks a
+backend per call:
+
+- ``"reference"``: ``dsa_reference`` (pure PyTorch; the CPU path and the spec).
+- ``"chunked"``: ``dsa_reference_chunked`` (same math, queries in chunks, backward
+  recomputes: bounded memory for large inputs on CPU).
+- ``"triton"``: the fused Triton kernels (CUDA tensors; see ``dsa_triton``, which
+  so far is verified only under the Triton CPU interpreter).
+- ``"auto"`` (default): Triton for CUDA tensors when Triton imports, else reference.
+
+Force a path with ``backend=...`` or the environment variable
+``MEGASLIDE_DSA_BACKEND=reference|chunked|triton|auto`` (the argument wins).
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Literal, Sequence
+
+import torch
+
+from .dsa_reference import dsa_reference, dsa_reference_chunked, window_base_positions
+
+__all__ = [
+    "deformable_slide_attention",
+    "dsa_reference",
+    "dsa_reference_chunked",
+    "resolve_dsa_backend",
+    "window_base_positions",
+    "BACKEND_ENV_VAR",
+]
+
+BACKEND_ENV_VAR = "MEGASLIDE_DSA_BACKEND"
+DSABackend = Literal["reference", "chunked", "triton", "auto"]
+_BACKENDS = ("reference", "chunked", "triton", "auto")
+
+
+def resolve_dsa_backend(q: torch.Tensor, backend: str | None = None) -> str:
+    """The concrete backend ("reference", "chunked" or "triton") a call on ``q`` will use."""
+    choice = backend if backend is not None else os.environ.get(BACKEND_ENV_VAR, "auto")
+    choice = choice.strip().lower()
+    if choice not in _BACKENDS:
+        source = "backend=" if backend is not None else f"${BACKEND_ENV_VAR}="
+        raise ValueError(f"unknown DSA backend {source}{choice!r}; choose one of {_BACKENDS}")
+    if choice == "auto":
+        return "triton" if (q.is_cuda and _triton_available()) else "reference"
+    return choice
+
+
+def _triton_available() -> bool:
+    try:
+        from . import dsa_triton  # noqa: F401
+    except Exception:  # triton missing or broken: the reference still works
+        return False
+    return True
+
+
+def deformable_slide_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    offsets: torch.Tensor,
+    window: Sequence[int],
+    scale: float | None = None,
+    backend: DSABackend | None = None,
+) -> torch.Tensor:
+    """3D-DSA: ``(B, T, H, W, nh, d)`` q, k, v and ``(B, T, H, W, nh, K, 3)`` offsets.
+
+    Returns ``out`` ``(B, T, H, W, nh, d)`` in q's dtype; half inputs are computed in
+    fp32 internally. See DESIGN.md for the exact semantics and ``dsa_reference``.
+    """
+    path = resolve_dsa_backend(q, backend)
+    if path == "triton":
+        from .dsa_triton import dsa_triton
+
+        return dsa_triton(q, k, v, offsets, window, scale=scale)
+    if path == "chunked":
+        return dsa_reference_chunked(q, k, v, offsets, window, scale=scale)
+    return dsa_reference(q, k, v, offsets, window, scale=scale)

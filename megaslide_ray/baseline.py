@@ -1,0 +1,59 @@
+"""The same model trained the ordinary way: one process, whole model, ``torch.optim.AdamW``.
+
+It is the correctness anchor of the streamed trainer (same init, same batches, same noise, same
+schedule and clipping: parameters must agree step by step) and the baseline of the pipeline
+overhead benchmark.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from megaslide_ray.config import Config
+from megaslide_ray.diffusion import flow_loss, sample_flow_inputs
+from megaslide_ray.model import build_model
+from megaslide_ray.schedule import lr_at
+
+
+@dataclass(frozen=True)
+class BaselineStep:
+    step: int
+    loss: float
+    grad_norm: float
+    seconds: float
+
+
+class InProcessTrainer:
+    def __init__(self, cfg: Config, threads: int = 0):
+        torch.set_num_threads(threads or os.cpu_count() or 1)
+        self.cfg = cfg
+        self.model = build_model(cfg)
+        o = cfg.optim
+        self.opt = torch.optim.AdamW(self.model.parameters(), lr=o.lr, betas=o.betas, eps=o.eps,
+                                     weight_decay=o.weight_decay)
+        self.step = 0
+
+    def train_step(self, batch: dict) -> BaselineStep:
+        t0 = time.perf_counter()
+        cfg = self.cfg
+        fx = sample_flow_inputs(batch["video"], cfg.training.seed, self.step, cfg.training.t_sampling)
+        cap = torch.from_numpy(np.array(batch["caption"]))
+        cap_len = torch.from_numpy(np.array(batch["caption_len"]))
+        loss = flow_loss(self.model(fx.x_t, fx.t, cap, cap_len), fx.target)
+        self.opt.zero_grad(set_to_none=True)
+        loss.backward()
+        if cfg.optim.grad_clip > 0:
+            norm = float(torch.nn.utils.clip_grad_norm_(self.model.parameters(), cfg.optim.grad_clip))
+        else:
+            norm = float(torch.linalg.vector_norm(torch.stack([p.grad.norm() for p in self.model.parameters()])))
+        for group in self.opt.param_groups:
+            group["lr"] = lr_at(cfg.optim, cfg.training.steps, self.step)
+        self.opt.step()
+        result = BaselineStep(self.step, float(loss), norm, time.perf_counter() - t0)
+        self.step += 1
+        return result

@@ -1,0 +1,462 @@
+"""Run configuration: one dataclass per section, presets as functions, TOML and CLI overrides.
+
+Every field carries a docstring (the string literal under it); ``describe_fields`` reads them
+back for ``--help`` and the README. Validation runs before Ray starts and names the field and
+the value in every message.
+"""
+
+from __future__ import annotations
+
+import ast
+import dataclasses
+import json
+import math
+import sys
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover - exercised only on 3.10
+    import tomli as tomllib
+
+
+class ConfigError(ValueError):
+    """A configuration value was refused. The message names the field, the value and the fix."""
+
+
+# ---------------------------------------------------------------------------------------------
+# Sections
+# ---------------------------------------------------------------------------------------------
+
+
+@dataclass
+class ModelConfig:
+    hidden_size: int = 128
+    """Transformer width (channels per token)."""
+    depth: int = 4
+    """Number of transformer blocks; each block is one streamed shard."""
+    num_heads: int = 4
+    """Attention heads; must divide ``hidden_size``."""
+    mlp_ratio: float = 4.0
+    """MLP hidden width as a multiple of ``hidden_size``."""
+    patch_size: tuple[int, int, int] = (2, 8, 8)
+    """3D patch (frames, height, width) in pixels; must divide ``data.num_frames/height/width``."""
+    in_channels: int = 3
+    """Input channels (3 for RGB pixels)."""
+    timestep_freq_dim: int = 256
+    """Sinusoidal features fed to the timestep MLP."""
+    caption_dim: int = 64
+    """Width of the built-in byte-level caption encoder before projection to ``hidden_size``."""
+    caption_max_bytes: int = 128
+    """Captions are UTF-8 encoded and cut to this many bytes."""
+
+
+@dataclass
+class AttentionConfig:
+    kind: Literal["dense", "swin", "neighborhood", "dsa"] = "dsa"
+    """Attention operator: ``dense`` (SDPA over all tokens), ``swin`` (3D shifted windows),
+    ``neighborhood`` (DSA with offsets fixed at zero), ``dsa`` (3D Deformable Slide Attention)."""
+    window: tuple[int, int, int] = (3, 3, 3)
+    """Sampling window (kt, kh, kw) in tokens; each odd and at most the token grid's size."""
+    max_offset: float = 0.0
+    """If > 0, offsets are bounded as ``max_offset * tanh(raw)``; 0 leaves them unbounded."""
+    scale: float = 0.0
+    """Softmax scale; 0 means ``head_dim ** -0.5``."""
+
+
+@dataclass
+class DataConfig:
+    manifest: str = ""
+    """Parquet manifest of videos (columns ``path``, ``caption``). Empty: the built-in demo set,
+    generated on first use in the cache directory."""
+    num_frames: int = 16
+    """Frames per training clip."""
+    height: int = 64
+    """Clip height in pixels after resize (shorter side) and center crop."""
+    width: int = 64
+    """Clip width in pixels after resize and center crop."""
+    frame_stride: int = 1
+    """Take every ``frame_stride``-th frame of the source video."""
+    batch_size: int = 2
+    """Clips per training step."""
+    prefetch: int = 2
+    """Batches each decoder keeps decoded ahead of the trainer."""
+    num_decoders: int = 1
+    """Decoder actors (the spine uses one; more come with the data-loading work)."""
+    random_crop: bool = True
+    """Random temporal start of each clip (False: the first frames)."""
+
+
+@dataclass
+class OptimizerConfig:
+    lr: float = 1e-3
+    """Peak learning rate of AdamW."""
+    betas: tuple[float, float] = (0.9, 0.999)
+    """AdamW (beta1, beta2)."""
+    eps: float = 1e-8
+    """AdamW epsilon."""
+    weight_decay: float = 0.0
+    """Decoupled weight decay (applied to every parameter)."""
+    grad_clip: float = 1.0
+    """Clip the global gradient L2 norm to this value; 0 disables clipping."""
+    warmup_steps: int = 0
+    """Linear warm-up steps from 0 to ``lr``."""
+    schedule: Literal["constant", "cosine", "linear"] = "cosine"
+    """Learning-rate decay after warm-up, over ``training.steps``."""
+    min_lr_ratio: float = 0.1
+    """Final learning rate as a fraction of ``lr`` for the cosine and linear schedules."""
+
+
+@dataclass
+class RuntimeConfig:
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+    """Where the compute actor runs: ``auto`` takes a GPU when the Ray cluster has one."""
+    state_dir: str = ""
+    """Directory of the host parameter store's shared-memory segments. Empty: ``/dev/shm``
+    when it exists, else the system temp dir. A disk path lets state exceed RAM."""
+    transport: Literal["auto", "shm", "object_ref"] = "auto"
+    """How weights and gradients move between the store and the compute actor: ``shm`` maps the
+    store's segments (same node only), ``object_ref`` sends them through Ray's object store;
+    ``auto`` picks ``shm`` when both actors share a node."""
+    compute_threads: int = 0
+    """Torch intra-op threads in the compute actor; 0 uses every core of the machine."""
+    optimizer_threads: int = 0
+    """Torch threads in the parameter store for AdamW; 0 uses every core of the machine."""
+
+
+@dataclass
+class TrainingConfig:
+    steps: int = 30
+    """Optimizer steps to run (in total, counting steps done before a ``--resume``)."""
+    seed: int = 0
+    """Seed for initial weights, data order, noise and timesteps."""
+    log_every: int = 5
+    """Write one log line every this many steps (every step goes to metrics.jsonl)."""
+    checkpoint_every: int = 0
+    """Checkpoint every this many steps; 0 only at the end of the run."""
+    run_dir: str = ""
+    """Output directory; empty means ``runs/<timestamp>``."""
+    t_sampling: Literal["uniform", "logit_normal"] = "logit_normal"
+    """Distribution of the flow-matching time t in (0, 1)."""
+
+
+@dataclass
+class RayConfig:
+    address: str = ""
+    """Ray cluster to join (``auto`` or ``host:port``); empty starts a local cluster."""
+    dashboard_host: str = "127.0.0.1"
+    """Interface the dashboard of a locally started cluster listens on."""
+    num_cpus: int = 0
+    """CPUs a locally started cluster offers; 0 lets Ray count them."""
+
+
+@dataclass
+class Config:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    attention: AttentionConfig = field(default_factory=AttentionConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    optim: OptimizerConfig = field(default_factory=OptimizerConfig)
+    runtime: RuntimeConfig = field(default_factory=RuntimeConfig)
+    training: TrainingConfig = field(default_factory=TrainingConfig)
+    ray: RayConfig = field(default_factory=RayConfig)
+    preset: str = "tiny"
+    """Name of the preset this config started from (informational)."""
+
+    # -- derived quantities -------------------------------------------------------------------
+    @property
+    def token_grid(self) -> tuple[int, int, int]:
+        pt, ph, pw = self.model.patch_size
+        return (self.data.num_frames // pt, self.data.height // ph, self.data.width // pw)
+
+    @property
+    def tokens_per_sample(self) -> int:
+        t, h, w = self.token_grid
+        return t * h * w
+
+    @property
+    def head_dim(self) -> int:
+        return self.model.hidden_size // self.model.num_heads
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+SECTIONS = ("model", "attention", "data", "optim", "runtime", "training", "ray")
+
+
+# ---------------------------------------------------------------------------------------------
+# Presets
+# ---------------------------------------------------------------------------------------------
+
+
+def tiny() -> Config:
+    """A few seconds per step on two CPU cores: 16 frames of 64x64, 4 blocks of width 128."""
+    return Config(preset="tiny")
+
+
+def _paper(name: str, hidden: int, depth: int, heads: int) -> Config:
+    cfg = Config(preset=name)
+    cfg.model = ModelConfig(
+        hidden_size=hidden, depth=depth, num_heads=heads, mlp_ratio=4.0, patch_size=(1, 2, 2),
+        in_channels=3, caption_dim=1024, caption_max_bytes=256,
+    )
+    cfg.attention = AttentionConfig(kind="dsa", window=(3, 5, 5))
+    cfg.data = DataConfig(num_frames=16, height=256, width=256, batch_size=1)
+    cfg.optim = OptimizerConfig(lr=1e-5, warmup_steps=100, weight_decay=0.01)
+    cfg.training = TrainingConfig(steps=1000, checkpoint_every=100)
+    return cfg
+
+
+def dit_105b() -> Config:
+    """The paper's 105B model: width 12288, 35 blocks, 96 heads (104.9e9 parameters)."""
+    return _paper("dit-105b", hidden=12288, depth=35, heads=96)
+
+
+def dit_33b() -> Config:
+    """The 33.3B scaling point: width 5632, 53 blocks, 44 heads (33.33e9 parameters)."""
+    return _paper("dit-33b", hidden=5632, depth=53, heads=44)
+
+
+def dit_28b() -> Config:
+    """The 28.4B scaling point: width 5632, 45 blocks, 44 heads (28.32e9 parameters)."""
+    return _paper("dit-28b", hidden=5632, depth=45, heads=44)
+
+
+PRESETS: dict[str, typing.Callable[[], Config]] = {
+    "tiny": tiny,
+    "dit-105b": dit_105b,
+    "dit-33b": dit_33b,
+    "dit-28b": dit_28b,
+}
+
+
+def preset(name: str) -> Config:
+    if name not in PRESETS:
+        raise ConfigError(f"unknown preset {name!r}; choose one of {sorted(PRESETS)}")
+    return PRESETS[name]()
+
+
+# ---------------------------------------------------------------------------------------------
+# Field docs, overrides, TOML
+# ---------------------------------------------------------------------------------------------
+
+
+def describe_fields(cls: type) -> dict[str, str]:
+    """Field name -> docstring, read from the source of a config dataclass."""
+    import inspect
+    import textwrap
+
+    tree = ast.parse(textwrap.dedent(inspect.getsource(cls)))
+    body = tree.body[0].body  # type: ignore[attr-defined]
+    docs: dict[str, str] = {}
+    for node, nxt in zip(body, body[1:]):
+        if (isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name)
+                and isinstance(nxt, ast.Expr) and isinstance(nxt.value, ast.Constant)
+                and isinstance(nxt.value.value, str)):
+            docs[node.target.id] = " ".join(nxt.value.value.split())
+    return docs
+
+
+def _field_types(cls: type) -> dict[str, Any]:
+    return typing.get_type_hints(cls)
+
+
+def _coerce(section: str, name: str, tp: Any, value: Any) -> Any:
+    """Convert ``value`` (a CLI string, or a TOML value) to the field's declared type."""
+    where = f"{section}.{name}"
+    origin = typing.get_origin(tp)
+    if origin is Literal:
+        choices = typing.get_args(tp)
+        if value not in choices:
+            raise ConfigError(f"{where}={value!r} is not one of {list(choices)}")
+        return value
+    if origin is tuple:
+        args = typing.get_args(tp)
+        if isinstance(value, str):
+            parts = [p for p in value.replace("(", "").replace(")", "").replace("x", ",").split(",") if p.strip()]
+        else:
+            parts = list(value)
+        if len(parts) != len(args):
+            raise ConfigError(f"{where}={value!r} needs {len(args)} values, e.g. "
+                              f"--{where} {','.join('1' for _ in args)}")
+        return tuple(_coerce(section, name, a, p) for a, p in zip(args, parts))
+    try:
+        if tp is bool:
+            if isinstance(value, bool):
+                return value
+            if str(value).lower() in ("1", "true", "yes", "on"):
+                return True
+            if str(value).lower() in ("0", "false", "no", "off"):
+                return False
+            raise ValueError(value)
+        if tp is int:
+            if isinstance(value, float) and not value.is_integer():
+                raise ValueError(value)
+            if isinstance(value, str):
+                f = float(value)
+                if not f.is_integer():
+                    raise ValueError(value)
+                return int(f)
+            return int(value)
+        if tp is float:
+            return float(value)
+        if tp is str:
+            return str(value)
+    except (TypeError, ValueError):
+        raise ConfigError(f"{where}={value!r} is not a valid {tp.__name__}") from None
+    raise ConfigError(f"{where}: unsupported field type {tp}")  # pragma: no cover
+
+
+def apply_overrides(cfg: Config, overrides: dict[str, Any]) -> Config:
+    """Set dotted keys (``model.depth``) on ``cfg``; unknown keys are refused."""
+    for key, value in overrides.items():
+        if key == "preset":
+            cfg.preset = str(value)
+            continue
+        if "." not in key:
+            raise ConfigError(f"unknown config key {key!r}: use SECTION.FIELD with SECTION in {list(SECTIONS)}")
+        section, name = key.split(".", 1)
+        if section not in SECTIONS:
+            raise ConfigError(f"unknown config section {section!r} in {key!r}; sections are {list(SECTIONS)}")
+        sec = getattr(cfg, section)
+        types = _field_types(type(sec))
+        if name not in types:
+            raise ConfigError(f"unknown config key {key!r}; {section} has {sorted(types)}")
+        setattr(sec, name, _coerce(section, name, types[name], value))
+    return cfg
+
+
+def _flatten_toml(doc: dict[str, Any]) -> dict[str, Any]:
+    flat: dict[str, Any] = {}
+    for key, value in doc.items():
+        if isinstance(value, dict):
+            for sub, v in value.items():
+                if isinstance(v, dict):
+                    raise ConfigError(f"config table [{key}.{sub}] is nested too deeply; use [{key}] with {sub} = ...")
+                flat[f"{key}.{sub}"] = v
+        else:
+            flat[key] = value
+    return flat
+
+
+def load_toml(path: str | Path) -> dict[str, Any]:
+    p = Path(path)
+    if not p.is_file():
+        raise ConfigError(f"config file {str(p)!r} does not exist")
+    try:
+        with p.open("rb") as f:
+            return _flatten_toml(tomllib.load(f))
+    except tomllib.TOMLDecodeError as e:
+        raise ConfigError(f"config file {str(p)!r} is not valid TOML: {e}") from None
+
+
+def _toml_value(v: Any) -> str:
+    if isinstance(v, bool):
+        return "true" if v else "false"
+    if isinstance(v, (int, float)):
+        return repr(v)
+    if isinstance(v, str):
+        return json.dumps(v)
+    if isinstance(v, (tuple, list)):
+        return "[" + ", ".join(_toml_value(x) for x in v) + "]"
+    raise TypeError(v)  # pragma: no cover
+
+
+def to_toml(cfg: Config) -> str:
+    """The resolved config as TOML; ``--config`` reads it back to the same Config."""
+    lines = [f"preset = {_toml_value(cfg.preset)}"]
+    for section in SECTIONS:
+        lines.append(f"\n[{section}]")
+        for f in dataclasses.fields(getattr(cfg, section)):
+            lines.append(f"{f.name} = {_toml_value(getattr(getattr(cfg, section), f.name))}")
+    return "\n".join(lines) + "\n"
+
+
+def build_config(preset_name: str | None = None, config_file: str | None = None,
+                 overrides: dict[str, Any] | None = None) -> Config:
+    """Preset, then TOML file, then CLI overrides; validated."""
+    file_values = load_toml(config_file) if config_file else {}
+    name = preset_name or file_values.pop("preset", None) or "tiny"
+    file_values.pop("preset", None)
+    cfg = preset(name)
+    apply_overrides(cfg, file_values)
+    apply_overrides(cfg, overrides or {})
+    validate(cfg)
+    return cfg
+
+
+# ---------------------------------------------------------------------------------------------
+# Validation
+# ---------------------------------------------------------------------------------------------
+
+
+def validate(cfg: Config) -> Config:
+    m, a, d, o, t = cfg.model, cfg.attention, cfg.data, cfg.optim, cfg.training
+
+    def positive(where: str, value: float) -> None:
+        if not value > 0:
+            raise ConfigError(f"{where}={value!r} must be > 0")
+
+    for where, value in [("model.hidden_size", m.hidden_size), ("model.depth", m.depth),
+                         ("model.num_heads", m.num_heads), ("model.mlp_ratio", m.mlp_ratio),
+                         ("model.in_channels", m.in_channels), ("model.caption_dim", m.caption_dim),
+                         ("model.caption_max_bytes", m.caption_max_bytes),
+                         ("model.timestep_freq_dim", m.timestep_freq_dim),
+                         ("data.num_frames", d.num_frames), ("data.height", d.height),
+                         ("data.width", d.width), ("data.frame_stride", d.frame_stride),
+                         ("data.batch_size", d.batch_size), ("data.prefetch", d.prefetch),
+                         ("data.num_decoders", d.num_decoders), ("training.steps", t.steps),
+                         ("training.log_every", t.log_every), ("optim.lr", o.lr),
+                         ("optim.eps", o.eps)]:
+        positive(where, value)
+    for i, p in enumerate(m.patch_size):
+        positive(f"model.patch_size[{i}]", p)
+    if m.hidden_size % m.num_heads:
+        raise ConfigError(f"model.hidden_size={m.hidden_size} is not divisible by model.num_heads={m.num_heads}; "
+                          f"pick heads that divide the width (e.g. {_divisor_near(m.hidden_size, m.num_heads)})")
+    if m.timestep_freq_dim % 2:
+        raise ConfigError(f"model.timestep_freq_dim={m.timestep_freq_dim} must be even")
+    for axis, size, p in (("num_frames", d.num_frames, m.patch_size[0]), ("height", d.height, m.patch_size[1]),
+                          ("width", d.width, m.patch_size[2])):
+        if size % p:
+            raise ConfigError(f"data.{axis}={size} is not divisible by the patch size {p} "
+                              f"(model.patch_size={m.patch_size}); use a multiple of {p}")
+    grid = cfg.token_grid
+    for i, (axis, k, n) in enumerate(zip(("frames", "height", "width"), a.window, grid)):
+        if k <= 0 or k % 2 == 0:
+            raise ConfigError(f"attention.window={a.window}: the {axis} size {k} must be odd and positive")
+        if a.kind in ("dsa", "neighborhood", "swin") and k > n:
+            raise ConfigError(f"attention.window={a.window}: the {axis} size {k} exceeds the token grid's "
+                              f"{n} {axis} (grid {grid} = data size / model.patch_size); shrink the window")
+    if a.max_offset < 0:
+        raise ConfigError(f"attention.max_offset={a.max_offset} must be >= 0 (0 = unbounded)")
+    if a.scale < 0:
+        raise ConfigError(f"attention.scale={a.scale} must be >= 0 (0 = head_dim ** -0.5)")
+    b1, b2 = o.betas
+    if not (0 <= b1 < 1 and 0 <= b2 < 1):
+        raise ConfigError(f"optim.betas={o.betas} must each lie in [0, 1)")
+    for where, value in [("optim.weight_decay", o.weight_decay), ("optim.grad_clip", o.grad_clip),
+                         ("optim.warmup_steps", o.warmup_steps), ("training.checkpoint_every", t.checkpoint_every),
+                         ("runtime.compute_threads", cfg.runtime.compute_threads),
+                         ("runtime.optimizer_threads", cfg.runtime.optimizer_threads),
+                         ("ray.num_cpus", cfg.ray.num_cpus)]:
+        if value < 0:
+            raise ConfigError(f"{where}={value} must be >= 0")
+    if not 0 <= o.min_lr_ratio <= 1:
+        raise ConfigError(f"optim.min_lr_ratio={o.min_lr_ratio} must lie in [0, 1]")
+    if cfg.preset not in PRESETS:
+        raise ConfigError(f"preset={cfg.preset!r} is unknown; choose one of {sorted(PRESETS)}")
+    if d.manifest and not Path(d.manifest).is_file():
+        raise ConfigError(f"data.manifest={d.manifest!r} does not exist; build one with "
+                          f"`python -m megaslide_ray.index VIDEO_DIR --out manifest.parquet` or leave it empty "
+                          f"for the demo set")
+    if not math.isfinite(o.lr):
+        raise ConfigError(f"optim.lr={o.lr} must be finite")
+    return cfg
+
+
+def _divisor_near(n: int, k: int) -> int:
+    return min((d for d in range(1, n + 1) if n % d == 0), key=lambda d: (abs(d - k), d))

@@ -1,0 +1,323 @@
+"""The video Diffusion Transformer (DiT) and its shard layout.
+
+The model is an ordinary ``nn.Module`` and does not know that its weights are streamed: the
+compute actor builds it on the ``meta`` device and calls each shard with
+``torch.func.functional_call`` on views into a flat weight buffer (see ``shards.py``).
+
+Shards, in execution order:
+  0          ``InputEmbed``   video patches + 3D position + timestep + caption -> (x, c)
+  1 .. L     ``DiTBlock``     adaLN-Zero transformer block: x, c -> x
+  L + 1      ``FinalLayer``   adaLN head: x, c -> per-patch velocity
+
+Tokens are kept channels-last, ``x: (B, T, H, W, D)``, the layout 3D-DSA wants.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from megaslide_ray.config import Config
+from kernels import deformable_slide_attention
+
+# ---------------------------------------------------------------------------------------------
+# Helpers
+# ---------------------------------------------------------------------------------------------
+
+
+def modulate(x: torch.Tensor, shift: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """adaLN modulation; ``shift, scale: (B, D)`` broadcast over the token grid of ``x``."""
+    shape = (x.shape[0],) + (1,) * (x.dim() - 2) + (x.shape[-1],)
+    return x * (1 + scale.view(shape)) + shift.view(shape)
+
+
+def gate(x: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
+    return x * g.view((x.shape[0],) + (1,) * (x.dim() - 2) + (x.shape[-1],))
+
+
+def sincos_1d(positions: torch.Tensor, dim: int) -> torch.Tensor:
+    """(N,) positions -> (N, dim) sin/cos features; ``dim`` even."""
+    half = dim // 2
+    freqs = torch.exp(-math.log(10000.0) * torch.arange(half, dtype=torch.float32, device=positions.device) / max(half, 1))
+    args = positions.float()[:, None] * freqs[None]
+    return torch.cat([torch.sin(args), torch.cos(args)], dim=-1)
+
+
+def pos_embed_3d(grid: tuple[int, int, int], dim: int, device: torch.device) -> torch.Tensor:
+    """Fixed 3D sin/cos position encoding, (T, H, W, dim). Channels are split between the
+    axes (even counts each); leftover channels stay zero. Not a parameter: nothing to stream."""
+    t, h, w = grid
+    d_axis = (dim // 3) // 2 * 2
+    out = torch.zeros(t, h, w, dim, device=device)
+    if d_axis == 0:
+        return out
+    et = sincos_1d(torch.arange(t, device=device), d_axis)
+    eh = sincos_1d(torch.arange(h, device=device), d_axis)
+    ew = sincos_1d(torch.arange(w, device=device), d_axis)
+    out[..., :d_axis] = et[:, None, None, :]
+    out[..., d_axis:2 * d_axis] = eh[None, :, None, :]
+    out[..., 2 * d_axis:3 * d_axis] = ew[None, None, :, :]
+    return out
+
+
+def timestep_features(t: torch.Tensor, dim: int) -> torch.Tensor:
+    """Flow time t in [0, 1] -> sinusoidal features (B, dim), on the DiT scale of 0..1000."""
+    return sincos_1d(t * 1000.0, dim)
+
+
+# ---------------------------------------------------------------------------------------------
+# Shard 0: input side
+# ---------------------------------------------------------------------------------------------
+
+
+class CaptionEncoder(nn.Module):
+    """Bytes -> embedding -> MLP -> masked mean pool -> (B, hidden). Small and built in, so the
+    system needs no text model downloaded from a hub."""
+
+    def __init__(self, caption_dim: int, hidden: int):
+        super().__init__()
+        self.embed = nn.Embedding(257, caption_dim)  # 0 = padding, byte b -> b + 1
+        self.mlp = nn.Sequential(nn.Linear(caption_dim, caption_dim), nn.GELU(approximate="tanh"))
+        self.proj = nn.Linear(caption_dim, hidden)
+
+    def forward(self, caption: torch.Tensor, caption_len: torch.Tensor) -> torch.Tensor:
+        # caption: (B, Lc) uint8 bytes; caption_len: (B,)
+        B, Lc = caption.shape
+        mask = torch.arange(Lc, device=caption.device)[None, :] < caption_len[:, None]  # (B, Lc)
+        ids = torch.where(mask, caption.long() + 1, torch.zeros_like(caption, dtype=torch.long))
+        e = self.mlp(self.embed(ids))  # (B, Lc, Cd)
+        m = mask.to(e.dtype)[..., None]
+        pooled = (e * m).sum(1) / m.sum(1).clamp(min=1.0)  # empty caption -> zeros
+        return self.proj(pooled)
+
+
+class InputEmbed(nn.Module):
+    def __init__(self, cfg: Config):
+        super().__init__()
+        m = cfg.model
+        self.patch_size = tuple(m.patch_size)
+        self.freq_dim = m.timestep_freq_dim
+        self.patch = nn.Conv3d(m.in_channels, m.hidden_size, kernel_size=m.patch_size, stride=m.patch_size)
+        self.t_mlp = nn.Sequential(nn.Linear(m.timestep_freq_dim, m.hidden_size), nn.SiLU(),
+                                   nn.Linear(m.hidden_size, m.hidden_size))
+        self.caption = CaptionEncoder(m.caption_dim, m.hidden_size)
+
+    def forward(self, x_t: torch.Tensor, t: torch.Tensor, caption: torch.Tensor,
+                caption_len: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        # x_t: (B, F, Hp, Wp, C) pixels in [-1, 1] (noised); t: (B,)
+        dtype = self.patch.weight.dtype
+        x = self.patch(x_t.to(dtype).permute(0, 4, 1, 2, 3))  # (B, D, T, H, W)
+        x = x.permute(0, 2, 3, 4, 1)  # (B, T, H, W, D)
+        x = x + pos_embed_3d(tuple(x.shape[1:4]), x.shape[-1], x.device).to(dtype)
+        c = self.t_mlp(timestep_features(t, self.freq_dim).to(dtype)) + self.caption(caption, caption_len)
+        return x, c
+
+
+# ---------------------------------------------------------------------------------------------
+# Shards 1..L: adaLN-Zero blocks
+# ---------------------------------------------------------------------------------------------
+
+
+class OffsetPredictor(nn.Module):
+    """Depthwise Conv3d(k=3) -> GELU -> Linear(D -> nh*K*3), last layer zero-initialised so a
+    fresh model starts as 3D neighborhood attention."""
+
+    def __init__(self, hidden: int, num_heads: int, window: tuple[int, int, int], max_offset: float):
+        super().__init__()
+        self.num_heads = num_heads
+        self.K = window[0] * window[1] * window[2]
+        self.max_offset = max_offset
+        self.dwconv = nn.Conv3d(hidden, hidden, kernel_size=3, padding=1, groups=hidden)
+        self.out = nn.Linear(hidden, num_heads * self.K * 3)
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        # h: (B, T, H, W, D) -> offsets (B, T, H, W, nh, K, 3)
+        y = self.dwconv(h.permute(0, 4, 1, 2, 3)).permute(0, 2, 3, 4, 1)
+        y = self.out(F.gelu(y))
+        if self.max_offset > 0:
+            y = self.max_offset * torch.tanh(y)
+        return y.view(*h.shape[:4], self.num_heads, self.K, 3)
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: Config):
+        super().__init__()
+        m, a = cfg.model, cfg.attention
+        self.kind = a.kind
+        self.num_heads = m.num_heads
+        self.head_dim = m.hidden_size // m.num_heads
+        self.window = tuple(a.window)
+        self.scale = a.scale if a.scale > 0 else self.head_dim ** -0.5
+        self.qkv = nn.Linear(m.hidden_size, 3 * m.hidden_size)
+        self.proj = nn.Linear(m.hidden_size, m.hidden_size)
+        self.offsets = (OffsetPredictor(m.hidden_size, m.num_heads, self.window, a.max_offset)
+                        if a.kind == "dsa" else None)
+        if a.kind == "swin":
+            raise NotImplementedError("attention.kind='swin' is not available yet; use 'dsa', 'neighborhood' or 'dense'")
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        B, T, H, W, D = h.shape
+        q, k, v = self.qkv(h).view(B, T, H, W, 3, self.num_heads, self.head_dim).unbind(4)  # (B,T,H,W,nh,d)
+        if self.kind == "dense":
+            qf, kf, vf = (z.reshape(B, T * H * W, self.num_heads, self.head_dim).transpose(1, 2) for z in (q, k, v))
+            o = F.scaled_dot_product_attention(qf, kf, vf, scale=self.scale)  # (B, nh, N, d)
+            o = o.transpose(1, 2).reshape(B, T, H, W, D)
+        else:
+            if self.offsets is not None:
+                off = self.offsets(h)
+            else:  # neighborhood: the DSA operator with offsets fixed at zero
+                K = self.window[0] * self.window[1] * self.window[2]
+                off = h.new_zeros(B, T, H, W, self.num_heads, K, 3)
+            o = deformable_slide_attention(q, k, v, off, self.window, scale=self.scale).reshape(B, T, H, W, D)
+        return self.proj(o)
+
+
+class DiTBlock(nn.Module):
+    def __init__(self, cfg: Config):
+        super().__init__()
+        D = cfg.model.hidden_size
+        hidden = int(D * cfg.model.mlp_ratio)
+        self.norm1 = nn.LayerNorm(D, elementwise_affine=False, eps=1e-6)
+        self.attn = Attention(cfg)
+        self.norm2 = nn.LayerNorm(D, elementwise_affine=False, eps=1e-6)
+        self.mlp = nn.Sequential(nn.Linear(D, hidden), nn.GELU(approximate="tanh"), nn.Linear(hidden, D))
+        self.ada = nn.Sequential(nn.SiLU(), nn.Linear(D, 6 * D))
+
+    def forward(self, x: torch.Tensor, c: torch.Tensor) -> torch.Tensor:
+        shift_a, scale_a, gate_a, shift_m, scale_m, gate_m = self.ada(c).chunk(6, dim=-1)
+        x = x + gate(self.attn(modulate(self.norm1(x), shift_a, scale_a)), gate_a)
+        x = x + gate(self.mlp(modulate(self.norm2(x), shift_m, scale_m)), gate_m)
+        return x
+
+
+# ---------------------------------------------------------------------------------------------
+# Shard L+1: head
+# ---------------------------------------------------------------------------------------------
+
+
+class FinalLayer(nn.Module):
+    def __init__(self, cfg: Config):
+        super().__init__()
+        m = cfg.model
+        self.patch_size = tuple(m.patch_size)
+        self.channels = m.in_channels
+        self.norm = nn.LayerNorm(m.hidden_size, elementwise_affine=False, eps=1e-6)
+        self.ada = nn.Sequential(nn.SiLU(), nn.Linear(m.hidden_size, 2 * m.hidden_size))
+        self.linear = nn.Linear(m.hidden_size, math.prod(m.patch_size) * m.in_channels)
+
+    def forward(self, x: torch.Tensor, c: torch.Tensor) -> torch.Tensor:
+        shift, scale = self.ada(c).chunk(2, dim=-1)
+        y = self.linear(modulate(self.norm(x), shift, scale))  # (B, T, H, W, pt*ph*pw*C)
+        return unpatchify(y, self.patch_size, self.channels)
+
+
+def unpatchify(y: torch.Tensor, patch: tuple[int, int, int], channels: int) -> torch.Tensor:
+    """(B, T, H, W, pt*ph*pw*C) -> (B, T*pt, H*ph, W*pw, C), the inverse of the Conv3d patching."""
+    B, T, H, W, _ = y.shape
+    pt, ph, pw = patch
+    y = y.view(B, T, H, W, pt, ph, pw, channels).permute(0, 1, 4, 2, 5, 3, 6, 7)
+    return y.reshape(B, T * pt, H * ph, W * pw, channels)
+
+
+# ---------------------------------------------------------------------------------------------
+# The model
+# ---------------------------------------------------------------------------------------------
+
+
+class VideoDiT(nn.Module):
+    def __init__(self, cfg: Config):
+        super().__init__()
+        self.embed = InputEmbed(cfg)
+        self.blocks = nn.ModuleList(DiTBlock(cfg) for _ in range(cfg.model.depth))
+        self.head = FinalLayer(cfg)
+
+    def shards(self) -> list[nn.Module]:
+        """Modules in streaming order: input side, each block, head."""
+        return [self.embed, *self.blocks, self.head]
+
+    def forward(self, x_t, t, caption, caption_len):
+        x, c = self.embed(x_t, t, caption, caption_len)
+        for block in self.blocks:
+            x = block(x, c)
+        return self.head(x, c)
+
+    def initialize_weights(self, seed: int) -> None:
+        for index, shard in enumerate(self.shards()):
+            initialize_shard(shard, seed, index)
+
+
+def build_shard(cfg: Config, index: int, device: str | torch.device = "cpu") -> nn.Module:
+    """One shard module, alone (the store initialises a 105B model this way, a block at a time)."""
+    with torch.device(device):
+        if index == 0:
+            return InputEmbed(cfg)
+        if index == cfg.model.depth + 1:
+            return FinalLayer(cfg)
+        if 1 <= index <= cfg.model.depth:
+            return DiTBlock(cfg)
+    raise IndexError(f"shard index {index} out of range 0..{cfg.model.depth + 1}")
+
+
+def num_shards(cfg: Config) -> int:
+    return cfg.model.depth + 2
+
+
+@torch.no_grad()
+def initialize_shard(module: nn.Module, seed: int, index: int) -> None:
+    """Deterministic init of one shard from (seed, index), independent of every other shard,
+    so a shard-by-shard init equals a whole-model init. DiT recipe: xavier linears, zeroed
+    adaLN modulations and output layer (adaLN-Zero), zeroed offset head."""
+    g = torch.Generator(device="cpu").manual_seed(_mix(seed, index))
+
+    def fill_(p: torch.Tensor, fn) -> None:
+        tmp = torch.empty(p.shape, dtype=torch.float32)
+        fn(tmp, g)
+        p.copy_(tmp)
+
+    for name, mod in module.named_modules():
+        if isinstance(mod, nn.Linear):
+            bound = math.sqrt(6.0 / (mod.in_features + mod.out_features))
+            fill_(mod.weight, lambda t, g, b=bound: t.uniform_(-b, b, generator=g))
+            nn.init.zeros_(mod.bias)
+        elif isinstance(mod, nn.Conv3d):
+            fan_in = mod.weight[0].numel()
+            fan_out = mod.weight.shape[0] * mod.weight[0, 0].numel()
+            bound = math.sqrt(6.0 / (fan_in + fan_out))
+            fill_(mod.weight, lambda t, g, b=bound: t.uniform_(-b, b, generator=g))
+            nn.init.zeros_(mod.bias)
+        elif isinstance(mod, nn.Embedding):
+            fill_(mod.weight, lambda t, g: t.normal_(0.0, 0.02, generator=g))
+    if isinstance(module, InputEmbed):
+        for lin in (module.t_mlp[0], module.t_mlp[2]):
+            fill_(lin.weight, lambda t, g: t.normal_(0.0, 0.02, generator=g))
+    if isinstance(module, DiTBlock):
+        nn.init.zeros_(module.ada[-1].weight)
+        nn.init.zeros_(module.ada[-1].bias)
+        if module.attn.offsets is not None:
+            nn.init.zeros_(module.attn.offsets.out.weight)
+            nn.init.zeros_(module.attn.offsets.out.bias)
+    if isinstance(module, FinalLayer):
+        for lin in (module.ada[-1], module.linear):
+            nn.init.zeros_(lin.weight)
+            nn.init.zeros_(lin.bias)
+
+
+def _mix(seed: int, index: int) -> int:
+    return (seed * 1_000_003 + index * 7919 + 0x5EED) % (2**63 - 1)
+
+
+def param_count(cfg: Config) -> int:
+    """Exact parameter count, from a model built on the meta device (no memory used)."""
+    with torch.device("meta"):
+        return sum(p.numel() for i in range(num_shards(cfg)) for p in build_shard(cfg, i, "meta").parameters())
+
+
+def build_model(cfg: Config, seed: int | None = None, device: str = "cpu") -> VideoDiT:
+    """A whole, materialised model (for the in-process baseline and tests)."""
+    with torch.device(device):
+        model = VideoDiT(cfg)
+    model.initialize_weights(cfg.training.seed if seed is None else seed)
+    return model

@@ -1,0 +1,29 @@
+"""Learning-rate schedule: linear warm-up, then constant, cosine or linear decay."""
+
+from __future__ import annotations
+
+import math
+
+from megaslide_ray.config import OptimizerConfig
+
+
+def lr_at(optim: OptimizerConfig, total_steps: int, step: int) -> float:
+    """Learning rate for optimizer step ``step`` (0-based) of a ``total_steps`` run."""
+    if optim.warmup_steps and step < optim.warmup_steps:
+        return optim.lr * (step + 1) / optim.warmup_steps
+    if optim.schedule == "constant":
+        return optim.lr
+    span = max(1, total_steps - optim.warmup_steps)
+    progress = min(1.0, (step - optim.warmup_steps) / span)
+    if optim.schedule == "cosine":
+        factor = optim.min_lr_ratio + (1 - optim.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
+    else:  # linear
+        factor = 1 - (1 - optim.min_lr_ratio) * progress
+    return optim.lr * factor
+
+
+def clip_coefficient(total_norm: float, max_norm: float) -> float:
+    """The factor ``torch.nn.utils.clip_grad_norm_`` applies: min(1, max_norm / (norm + 1e-6))."""
+    if max_norm <= 0:
+        return 1.0
+    return min(1.0, max_norm / (total_norm + 1e-6))

@@ -1,0 +1,48 @@
+"""Flat shard layout: one contiguous buffer per shard, and views that rebuild its tensors.
+
+Why flat: a shard moves host<->device as one copy, AdamW runs over one vector, and a shared-
+memory segment per shard per kind is a single file. Tensor views into the buffer give the
+module its parameters without copies (``torch.func.functional_call``), and the gradient of
+the flat leaf is the flat gradient.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn as nn
+
+
+@dataclass(frozen=True)
+class ShardLayout:
+    index: int
+    names: tuple[str, ...]
+    shapes: tuple[tuple[int, ...], ...]
+    offsets: tuple[int, ...]
+    numel: int
+
+    @classmethod
+    def of(cls, module: nn.Module, index: int) -> "ShardLayout":
+        names, shapes, offsets = [], [], []
+        off = 0
+        for name, p in module.named_parameters():
+            names.append(name)
+            shapes.append(tuple(p.shape))
+            offsets.append(off)
+            off += math.prod(p.shape)
+        return cls(index, tuple(names), tuple(shapes), tuple(offsets), off)
+
+    def views(self, flat: torch.Tensor) -> dict[str, torch.Tensor]:
+        """name -> view of ``flat`` with the parameter's shape (no copy)."""
+        if flat.numel() != self.numel:
+            raise ValueError(f"shard {self.index}: flat buffer has {flat.numel()} elements, layout needs {self.numel}")
+        return {n: flat[o:o + math.prod(s)].view(s) for n, s, o in zip(self.names, self.shapes, self.offsets)}
+
+    def flatten_into(self, module: nn.Module, flat: torch.Tensor) -> None:
+        """Copy the module's parameters into ``flat`` (in layout order)."""
+        views = self.views(flat)
+        with torch.no_grad():
+            for name, p in module.named_parameters():
+                views[name].copy_(p.detach().reshape(views[name].shape))

@@ -1,0 +1,150 @@
+"""``python -m megaslide_ray.train``: the main job.
+
+With no arguments: a local Ray cluster, the demo dataset (made on first use), the ``tiny``
+preset on whatever this machine has. Every config field can be overridden with a dotted flag
+(``--model.depth 8``); ``--help-config`` lists them all.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+from pathlib import Path
+
+from megaslide_ray.config import SECTIONS, Config, ConfigError, build_config, describe_fields
+
+log = logging.getLogger("megaslide_ray")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="python -m megaslide_ray.train",
+        description="Fine-tune a video DiT with streamed weights, a host-RAM parameter store and 3D-DSA.",
+        epilog="Any config field: --SECTION.FIELD VALUE (e.g. --model.depth 8 --attention.kind dense). "
+               "See --help-config.")
+    p.add_argument("--preset", default=None, help="tiny (default), dit-105b, dit-33b or dit-28b")
+    p.add_argument("--config", default=None, help="TOML file with [section] tables (e.g. a run's config.toml)")
+    p.add_argument("--steps", type=int, default=None, help="total optimizer steps (training.steps)")
+    p.add_argument("--run-dir", default=None, help="output directory (default runs/<timestamp>)")
+    p.add_argument("--data", default=None, help="Parquet manifest of your videos (data.manifest)")
+    p.add_argument("--resume", action="store_true", help="continue from the run dir's latest checkpoint")
+    p.add_argument("--seed", type=int, default=None, help="training.seed")
+    p.add_argument("--ray-address", default=None, help="join this Ray cluster instead of starting one")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar (log lines only)")
+    p.add_argument("--print-config", action="store_true", help="print the resolved config as TOML and exit")
+    p.add_argument("--help-config", action="store_true", help="list every config field with its meaning and exit")
+    p.add_argument("--log-level", default="INFO", help="logging level (default INFO)")
+    return p
+
+
+def parse_overrides(extra: list[str]) -> dict[str, str]:
+    """``--section.field value`` / ``--section.field=value`` pairs -> {"section.field": "value"}."""
+    out: dict[str, str] = {}
+    i = 0
+    while i < len(extra):
+        tok = extra[i]
+        if not tok.startswith("--") or "." not in tok:
+            raise ConfigError(f"unrecognised argument {tok!r}; config fields are given as --SECTION.FIELD VALUE "
+                              f"with SECTION in {list(SECTIONS)} (see --help-config)")
+        key = tok[2:]
+        if "=" in key:
+            key, value = key.split("=", 1)
+        else:
+            if i + 1 >= len(extra):
+                raise ConfigError(f"{tok} needs a value")
+            i += 1
+            value = extra[i]
+        out[key] = value
+        i += 1
+    return out
+
+
+def config_from_args(args: argparse.Namespace, extra: list[str]) -> Config:
+    overrides = parse_overrides(extra)
+    for flag, key in (("steps", "training.steps"), ("seed", "training.seed"), ("data", "data.manifest"),
+                      ("run_dir", "training.run_dir"), ("ray_address", "ray.address")):
+        if getattr(args, flag) is not None:
+            overrides[key] = getattr(args, flag)
+    config_file = args.config
+    if args.resume and config_file is None and args.preset is None and args.run_dir:
+        saved = Path(args.run_dir) / "config.toml"
+        if saved.is_file():  # a resumed run keeps its own config unless told otherwise
+            config_file = str(saved)
+    return build_config(args.preset, config_file, overrides)
+
+
+def help_config() -> str:
+    import dataclasses
+
+    cfg = Config()
+    lines = []
+    for section in SECTIONS:
+        sec = getattr(cfg, section)
+        docs = describe_fields(type(sec))
+        lines.append(f"[{section}]")
+        for f in dataclasses.fields(sec):
+            lines.append(f"  --{section}.{f.name} (default {getattr(sec, f.name)!r}): {docs.get(f.name, '')}")
+    return "\n".join(lines)
+
+
+def start_ray(cfg: Config):
+    import ray
+
+    if cfg.ray.address:
+        return ray.init(address=cfg.ray.address, namespace="megaslide", log_to_driver=True)
+    return ray.init(num_cpus=cfg.ray.num_cpus or None, include_dashboard=True,
+                    dashboard_host=cfg.ray.dashboard_host, namespace="megaslide",
+                    logging_level=logging.WARNING, log_to_driver=True)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args, extra = parser.parse_known_args(argv)
+    logging.basicConfig(level=getattr(logging, args.log_level.upper(), logging.INFO),
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if args.help_config:
+        print(help_config())
+        return 0
+    try:
+        cfg = config_from_args(args, extra)  # refused here, before Ray starts
+    except ConfigError as e:
+        print(f"config error: {e}", file=sys.stderr)
+        return 2
+    if args.print_config:
+        from megaslide_ray.config import to_toml
+
+        print(to_toml(cfg), end="")
+        return 0
+
+    import ray
+
+    from megaslide_ray.trainer import Trainer
+
+    ctx = start_ray(cfg)
+    url = getattr(ctx, "dashboard_url", None)
+    if url:
+        print(f"Ray dashboard: http://{url}  (token auth: see `ray dashboard --help`; the token is in the "
+              f"Ray session directory)", flush=True)
+    trainer = None
+    try:
+        trainer = Trainer(cfg, run_dir=cfg.training.run_dir or None, resume=args.resume,
+                          progress=not args.no_progress)
+        print(f"run dir: {trainer.run_dir}", flush=True)
+        summary = trainer.train()
+        print(f"done: steps {summary.first_step}->{summary.last_step}, loss {summary.first_loss:.4f} -> "
+              f"{summary.last_loss:.4f}, {summary.mean_step_seconds:.2f} s/step, "
+              f"{summary.tokens_per_second:.0f} tokens/s, checkpoint {summary.checkpoint}", flush=True)
+        print(f"resume with: python -m megaslide_ray.train --run-dir {trainer.run_dir} --resume --steps N")
+    except KeyboardInterrupt:
+        print("interrupted; the latest complete checkpoint is intact", file=sys.stderr)
+        return 130
+    finally:
+        if trainer is not None:
+            trainer.close()
+        ray.shutdown()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,132 @@
+"""The Trainer: ``__init__`` builds everything, ``train_step`` runs one step, ``train`` loops,
+``close`` cleans up. Ray must already be initialised (the CLI in ``train.py`` does that)."""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+from tqdm import tqdm
+
+from actors.param_store import latest_checkpoint, read_checkpoint_state
+from megaslide_ray.config import Config, to_toml
+from pipelines.streaming import StreamingPipeline
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class TrainSummary:
+    run_dir: str
+    first_step: int
+    last_step: int          # steps completed in total
+    first_loss: float
+    last_loss: float
+    mean_step_seconds: float
+    tokens_per_second: float
+    checkpoint: str
+
+
+def default_run_dir() -> str:
+    return str(Path("runs") / time.strftime("%Y%m%d-%H%M%S"))
+
+
+def resolve_data(cfg: Config) -> Config:
+    """An empty manifest means the demo set: make it here, once, before any actor starts."""
+    if cfg.data.manifest:
+        return cfg
+    from megaslide_ray.demo_data import ensure_demo_dataset
+
+    cfg.data = replace(cfg.data, manifest=str(ensure_demo_dataset()))
+    return cfg
+
+
+class Trainer:
+    def __init__(self, cfg: Config, run_dir: str | None = None, resume: bool = False, progress: bool = True):
+        self.cfg = cfg
+        self.run_dir = Path(run_dir or cfg.training.run_dir or default_run_dir())
+        self.progress = progress
+        self.start_step, position, ckpt = 0, 0, None
+        if resume:
+            ckpt = latest_checkpoint(self.run_dir)
+            if ckpt is None:
+                raise FileNotFoundError(f"--resume: no complete checkpoint under {self.run_dir / 'checkpoints'}; "
+                                        f"start without --resume or point --run-dir at an earlier run")
+            state = read_checkpoint_state(ckpt)
+            self.start_step, position = int(state["step"]), int(state.get("data_position", 0))
+            if self.start_step >= cfg.training.steps:
+                log.warning("checkpoint is at step %d and training.steps=%d: nothing to do; raise --steps",
+                            self.start_step, cfg.training.steps)
+        resolve_data(cfg)
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        (self.run_dir / "config.toml").write_text(to_toml(cfg))
+        self.pipeline = StreamingPipeline(cfg, str(self.run_dir), str(ckpt) if ckpt else None, position)
+        self.metrics_path = self.run_dir / "metrics.jsonl"
+        self._metrics = self.metrics_path.open("a")
+        self._last_time = time.perf_counter()
+        self.last_checkpoint = str(ckpt) if ckpt else ""
+
+    def _checkpoint_due(self, step: int) -> bool:
+        every = self.cfg.training.checkpoint_every
+        done = step + 1
+        return done == self.cfg.training.steps or (every > 0 and done % every == 0)
+
+    def train_step(self, step: int) -> dict:
+        due = self._checkpoint_due(step)
+        report = self.pipeline.run_step(step, queue_next=not due and step + 1 < self.cfg.training.steps)
+        now = time.perf_counter()
+        wall, self._last_time = now - self._last_time, now
+        c, u = report.compute, report.update
+        row = {
+            "step": step + 1, "loss": c.loss, "lr": u.lr, "grad_norm": u.grad_norm, "clip_coef": u.clip_coef,
+            "update_skipped": u.skipped, "tokens": c.tokens, "tokens_per_s": c.tokens / wall, "step_seconds": wall,
+            "compute_seconds": c.seconds, "forward_seconds": c.forward_seconds,
+            "backward_seconds": c.backward_seconds, "weight_wait_seconds": c.weight_wait_seconds,
+            "optimizer_seconds": u.optimizer_seconds, "data_position": c.data_position,
+            "skipped_files": c.skipped_files, "device": c.device, "time": time.time(),
+        }
+        self._metrics.write(json.dumps(row) + "\n")
+        self._metrics.flush()
+        if due:
+            self.last_checkpoint = self.pipeline.save_checkpoint(
+                str(self.run_dir), step + 1, {"data_position": c.data_position, "seed": self.cfg.training.seed})
+        return row
+
+    def train(self) -> TrainSummary:
+        steps = self.cfg.training.steps
+        rows = []
+        bar = tqdm(total=steps, initial=self.start_step, disable=not self.progress, unit="step", dynamic_ncols=True)
+        self._last_time = time.perf_counter()
+        try:
+            for step in range(self.start_step, steps):
+                row = self.train_step(step)
+                rows.append(row)
+                bar.update(1)
+                bar.set_postfix(loss=f"{row['loss']:.4f}", tok_s=f"{row['tokens_per_s']:.0f}")
+                if row["step"] % self.cfg.training.log_every == 0 or row["step"] == steps:
+                    msg = (f"step {row['step']}/{steps} | loss {row['loss']:.4f} | lr {row['lr']:.2e} | "
+                           f"grad {row['grad_norm']:.3f} | {row['tokens_per_s']:.0f} tok/s | "
+                           f"{row['step_seconds']:.2f} s/step | skipped files {row['skipped_files']}")
+                    if self.progress:
+                        bar.write(msg)
+                    log.info(msg)
+        finally:
+            bar.close()
+        if not rows:
+            return TrainSummary(str(self.run_dir), self.start_step, self.start_step, float("nan"), float("nan"),
+                                0.0, 0.0, self.last_checkpoint)
+        timed = rows[1:] or rows  # the first step includes warm-up
+        mean_s = sum(r["step_seconds"] for r in timed) / len(timed)
+        return TrainSummary(
+            run_dir=str(self.run_dir), first_step=self.start_step, last_step=rows[-1]["step"],
+            first_loss=rows[0]["loss"], last_loss=rows[-1]["loss"], mean_step_seconds=mean_s,
+            tokens_per_second=sum(r["tokens"] for r in timed) / sum(r["step_seconds"] for r in timed),
+            checkpoint=self.last_checkpoint,
+        )
+
+    def close(self) -> None:
+        self.pipeline.close()
+        self._metrics.close()

@@ -1,0 +1,423 @@
+"""3D Deformable Slide Attention: the reference against independent implementations.
+
+- offsets == 0  -> naive loop 3D neighborhood attention (window shifted at borders);
+- offsets == 0, window == (T, H, W) -> dense attention (torch SDPA);
+- float64 gradcheck of q, k, v, offsets (positions off the floor kinks, some clamped);
+- input validation messages;
+- the chunked CPU path and the Triton kernels against the reference. No GPU here: the
+  Triton kernels run under the CPU interpreter (TRITON_INTERPRET=1, small shapes, slow);
+  ``test_triton_compiled_on_cuda`` runs the compiled kernels only where CUDA exists.
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from kernels import (
+    deformable_slide_attention,
+    dsa_reference,
+    dsa_reference_chunked,
+    window_base_positions,
+)
+
+
+# -----------------------------------------------------------------------------
+# Independent helpers
+
+
+def naive_neighborhood_attention(q, k, v, window, scale=None):
+    """Loop-per-query 3D neighborhood attention, non-causal, dilation 1.
+
+    The window is centred on the query and shifted inward where it would leave the
+    volume, so every query sees exactly kt*kh*kw keys.
+    """
+    B, T, H, W, nh, d = q.shape
+    kt, kh, kw = window
+    scale = d ** -0.5 if scale is None else scale
+    out = torch.empty_like(q)
+
+    def start(i, w, size):
+        return min(max(i - w // 2, 0), size - w)
+
+    for t, y, x in itertools.product(range(T), range(H), range(W)):
+        st, sy, sx = start(t, kt, T), start(y, kh, H), start(x, kw, W)
+        keys = k[:, st:st + kt, sy:sy + kh, sx:sx + kw].reshape(B, -1, nh, d)
+        vals = v[:, st:st + kt, sy:sy + kh, sx:sx + kw].reshape(B, -1, nh, d)
+        s = torch.einsum("bhd,bjhd->bhj", q[:, t, y, x], keys) * scale
+        out[:, t, y, x] = torch.einsum("bhj,bjhd->bhd", s.softmax(-1), vals)
+    return out
+
+
+def dense_attention(q, k, v, scale=None):
+    B, T, H, W, nh, d = q.shape
+    flat = [x.reshape(B, T * H * W, nh, d).transpose(1, 2) for x in (q, k, v)]
+    out = F.scaled_dot_product_attention(*flat, scale=scale)
+    return out.transpose(1, 2).reshape(B, T, H, W, nh, d)
+
+
+def make_qkv(shape, dtype=torch.float32, seed=0, requires_grad=False):
+    g = torch.Generator().manual_seed(seed)
+    return [
+        torch.randn(shape, generator=g, dtype=dtype).requires_grad_(requires_grad)
+        for _ in range(3)
+    ]
+
+
+def off_kink_offsets(shape, window, span, dtype=torch.float64, seed=1):
+    """Offsets whose positions sit strictly between integers (fraction in [0.15, 0.85]).
+
+    Base positions are integers, so the position fraction equals the offset fraction;
+    no sample lies on a floor kink or exactly on a clamp bound, and finite differences
+    see the same piecewise-linear branch as autograd. ``span`` controls how far
+    samples go: large spans push positions outside the volume (clamped, gradient 0).
+    """
+    B, T, H, W, nh, _ = shape
+    K = window[0] * window[1] * window[2]
+    g = torch.Generator().manual_seed(seed)
+    whole = torch.randint(-span, span + 1, (B, T, H, W, nh, K, 3), generator=g)
+    frac = 0.15 + 0.7 * torch.rand((B, T, H, W, nh, K, 3), generator=g)
+    return (whole + frac).to(dtype)
+
+
+# -----------------------------------------------------------------------------
+# Identities
+
+
+@pytest.mark.parametrize(
+    "grid,window",
+    [
+        ((3, 5, 4), (3, 3, 3)),
+        ((4, 5, 7), (3, 3, 5)),
+        ((5, 3, 6), (1, 3, 5)),
+        ((2, 4, 3), (1, 1, 1)),
+    ],
+)
+def test_zero_offsets_is_neighborhood_attention(grid, window):
+    shape = (2, *grid, 2, 8)
+    q, k, v = make_qkv(shape, torch.float64)
+    K = window[0] * window[1] * window[2]
+    offsets = torch.zeros(*shape[:5], K, 3, dtype=torch.float64)
+    out = dsa_reference(q, k, v, offsets, window)
+    ref = naive_neighborhood_attention(q, k, v, window)
+    torch.testing.assert_close(out, ref, rtol=1e-10, atol=1e-10)
+
+
+@pytest.mark.parametrize("grid", [(3, 5, 3), (1, 3, 3), (3, 1, 5)])
+def test_zero_offsets_full_window_is_dense_attention(grid):
+    shape = (2, *grid, 2, 8)
+    q, k, v = make_qkv(shape, torch.float64, seed=3)
+    K = grid[0] * grid[1] * grid[2]
+    offsets = torch.zeros(*shape[:5], K, 3, dtype=torch.float64)
+    out = dsa_reference(q, k, v, offsets, grid, scale=0.3)
+    torch.testing.assert_close(out, dense_attention(q, k, v, scale=0.3), rtol=1e-10, atol=1e-10)
+
+
+def test_integer_offsets_move_the_sample_to_that_token():
+    """An integer offset inside the volume samples exactly one token (no blending)."""
+    shape = (1, 3, 4, 5, 1, 4)
+    q, k, v = make_qkv(shape, torch.float64, seed=4)
+    window = (1, 1, 1)
+    offsets = torch.zeros(*shape[:5], 1, 3, dtype=torch.float64)
+    offsets[..., 0, :] = torch.tensor([1.0, -2.0, 7.0])  # x clamps to W-1
+    out = dsa_reference(q, k, v, offsets, window)
+    # one sample -> softmax weight 1 -> out = v at the moved position
+    t, y = 0, 3
+    torch.testing.assert_close(out[0, t, y, 0, 0], v[0, t + 1, y - 2, 4, 0])
+
+
+def test_fractional_offset_is_linear_blend():
+    shape = (1, 1, 1, 4, 1, 3)
+    q, k, v = make_qkv(shape, torch.float64, seed=5)
+    offsets = torch.zeros(1, 1, 1, 4, 1, 1, 3, dtype=torch.float64)
+    offsets[0, 0, 0, 0, 0, 0, 2] = 1.25  # x = 0 + 1.25
+    out = dsa_reference(q, k, v, offsets, (1, 1, 1))
+    torch.testing.assert_close(out[0, 0, 0, 0, 0], 0.75 * v[0, 0, 0, 1, 0] + 0.25 * v[0, 0, 0, 2, 0])
+
+
+def test_base_positions_shift_inward_at_borders():
+    base = window_base_positions((3, 5, 4), (3, 3, 3))
+    assert base.shape == (3, 5, 4, 27, 3)
+    # query (0, 0, 3): window starts (0, 0, 1); sample j=(jt*3+jy)*3+jx
+    assert base[0, 0, 3, 0].tolist() == [0, 0, 1]
+    assert base[0, 0, 3, (1 * 3 + 2) * 3 + 2].tolist() == [1, 2, 3]
+    # centre query (1, 2, 2): window starts (0, 1, 1)
+    assert base[1, 2, 2, 13].tolist() == [1, 2, 2]
+
+
+def test_half_inputs_upcast_and_keep_dtype():
+    shape = (2, 3, 4, 5, 2, 8)
+    q, k, v = make_qkv(shape, torch.float32, seed=6)
+    offsets = off_kink_offsets(shape, (3, 3, 3), span=2, dtype=torch.float32)
+    ref = dsa_reference(q, k, v, offsets, (3, 3, 3))
+    out = dsa_reference(*(x.bfloat16() for x in (q, k, v)), offsets.bfloat16(), (3, 3, 3))
+    assert out.dtype == torch.bfloat16
+    torch.testing.assert_close(out.float(), ref, atol=0.1, rtol=0.05)
+
+
+# -----------------------------------------------------------------------------
+# Gradients
+
+
+@pytest.mark.parametrize(
+    "grid,window,span,fast",
+    [
+        ((3, 2, 2), (3, 1, 1), 1, False),  # full jacobian, small
+        ((3, 4, 5), (3, 3, 3), 1, True),  # random projections, all borders
+        ((3, 4, 5), (3, 3, 3), 6, True),  # big offsets: many samples clamped
+    ],
+)
+def test_gradcheck_float64(grid, window, span, fast):
+    shape = (2, *grid, 2, 2 if not fast else 3)
+    q, k, v = make_qkv(shape, torch.float64, seed=7, requires_grad=True)
+    offsets = off_kink_offsets(shape, window, span).requires_grad_(True)
+
+    def fn(q, k, v, offsets):
+        return dsa_reference(q, k, v, offsets, window)
+
+    assert torch.autograd.gradcheck(fn, (q, k, v, offsets), fast_mode=fast)
+
+
+def test_clamped_samples_have_zero_offset_gradient():
+    shape = (1, 3, 3, 3, 1, 2)
+    q, k, v = make_qkv(shape, torch.float64, seed=8)
+    offsets = torch.full((*shape[:5], 1, 3), 0.4, dtype=torch.float64)
+    offsets[..., 0, 1] = 10.3  # every y position clamped to H-1
+    offsets.requires_grad_(True)
+    dsa_reference(q, k, v, offsets, (1, 1, 1)).sum().backward()
+    assert torch.all(offsets.grad[..., 1] == 0)
+    assert offsets.grad[..., 2].abs().sum() > 0
+
+
+# -----------------------------------------------------------------------------
+# Public API and validation
+
+
+def test_public_function_uses_reference_on_cpu(monkeypatch):
+    shape = (1, 3, 3, 3, 1, 4)
+    q, k, v = make_qkv(shape)
+    offsets = off_kink_offsets(shape, (3, 3, 3), span=1, dtype=torch.float32)
+    ref = dsa_reference(q, k, v, offsets, (3, 3, 3))
+    torch.testing.assert_close(deformable_slide_attention(q, k, v, offsets, (3, 3, 3)), ref)
+    monkeypatch.setenv("MEGASLIDE_DSA_BACKEND", "reference")
+    torch.testing.assert_close(deformable_slide_attention(q, k, v, offsets, (3, 3, 3)), ref)
+    monkeypatch.setenv("MEGASLIDE_DSA_BACKEND", "bogus")
+    with pytest.raises(ValueError, match="bogus"):
+        deformable_slide_attention(q, k, v, offsets, (3, 3, 3))
+
+
+def _inputs(shape=(1, 3, 5, 4, 2, 4), window=(3, 3, 3)):
+    q, k, v = make_qkv(shape)
+    K = window[0] * window[1] * window[2]
+    return q, k, v, torch.zeros(*shape[:5], K, 3)
+
+
+@pytest.mark.parametrize(
+    "window,match",
+    [
+        ((2, 3, 3), r"kt=2 must be a positive odd"),
+        ((3, 3, 5), r"kw=5 exceeds the axis size 4"),
+        ((5, 3, 3), r"kt=5 exceeds the axis size 3"),
+        ((3, 3), r"three odd ints"),
+    ],
+)
+def test_bad_window(window, match):
+    q, k, v, _ = _inputs()
+    K = 1
+    for w in window:
+        K *= w
+    offsets = torch.zeros(*q.shape[:5], K, 3)
+    with pytest.raises(ValueError, match=match):
+        dsa_reference(q, k, v, offsets, window)
+
+
+def test_bad_shapes():
+    q, k, v, offsets = _inputs()
+    with pytest.raises(ValueError, match=r"k shape \(1, 3, 5, 4, 2, 8\) != q shape"):
+        dsa_reference(q, torch.zeros(1, 3, 5, 4, 2, 8), v, offsets, (3, 3, 3))
+    with pytest.raises(ValueError, match=r"6 dims"):
+        dsa_reference(q[0], k[0], v[0], offsets, (3, 3, 3))
+    with pytest.raises(ValueError, match=r"last dim 3"):
+        dsa_reference(q, k, v, offsets[..., :2], (3, 3, 3))
+    with pytest.raises(ValueError, match=r"K=9 samples per query but window \(3, 3, 3\) needs K = 3\*3\*3 = 27"):
+        dsa_reference(q, k, v, offsets[..., :9, :], (3, 3, 3))
+    with pytest.raises(ValueError, match=r"leading dims"):
+        dsa_reference(q, k, v, offsets[:, :, :, :, :1], (3, 3, 3))
+    with pytest.raises(TypeError, match=r"share a dtype"):
+        dsa_reference(q, k.double(), v, offsets, (3, 3, 3))
+
+
+# -----------------------------------------------------------------------------
+# Chunked CPU path
+
+
+@pytest.mark.parametrize("chunk", [7, 1000])
+def test_chunked_matches_reference(chunk):
+    shape = (2, 3, 4, 5, 2, 3)
+    window = (3, 3, 3)
+    q, k, v = make_qkv(shape, torch.float64, seed=9, requires_grad=True)
+    offsets = off_kink_offsets(shape, window, span=4).requires_grad_(True)
+    dout = torch.randn(shape, dtype=torch.float64)
+    ref = dsa_reference(q, k, v, offsets, window)
+    out = dsa_reference_chunked(q, k, v, offsets, window, chunk_size=chunk)
+    torch.testing.assert_close(out, ref, rtol=1e-12, atol=1e-12)
+    g_ref = torch.autograd.grad(ref, (q, k, v, offsets), dout)
+    g_out = torch.autograd.grad(out, (q, k, v, offsets), dout)
+    for name, a, b in zip("q k v offsets".split(), g_out, g_ref):
+        torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-10, msg=f"d{name}")
+
+
+def test_chunked_gradcheck_and_dispatch():
+    shape = (2, 3, 3, 4, 2, 2)
+    window = (3, 1, 3)
+    q, k, v = make_qkv(shape, torch.float64, seed=10, requires_grad=True)
+    offsets = off_kink_offsets(shape, window, span=3).requires_grad_(True)
+
+    def fn(q, k, v, offsets):
+        return deformable_slide_attention(q, k, v, offsets, window, backend="chunked")
+
+    assert torch.autograd.gradcheck(fn, (q, k, v, offsets), fast_mode=True)
+
+
+# -----------------------------------------------------------------------------
+# Triton kernels under the CPU interpreter
+
+
+# triton 3.9 decides "interpreted or compiled" for every @triton.jit function when it is
+# decorated -- including triton.language's own helpers (tl.zeros, ...) at `import triton`.
+# So TRITON_INTERPRET=1 must be in the environment before triton is first imported; in
+# a normal run (where torch or other tests may already have imported triton compiled)
+# the interpreter tests run in a child pytest started with that variable set.
+INTERPRETER_ACTIVE = os.environ.get("TRITON_INTERPRET", "0") == "1"
+interpreter_only = pytest.mark.skipif(
+    not INTERPRETER_ACTIVE, reason="runs in the child started by test_triton_kernels_under_interpreter"
+)
+
+
+@pytest.mark.skipif(INTERPRETER_ACTIVE, reason="already inside the interpreter run")
+def test_triton_kernels_under_interpreter():
+    """Run the ``test_interp_*`` tests below in a child process with TRITON_INTERPRET=1."""
+    pytest.importorskip("triton")
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    env.pop("MEGASLIDE_DSA_BACKEND", None)
+    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-k", "test_interp_", __file__]
+    proc = subprocess.run(
+        cmd, cwd=Path(__file__).resolve().parents[1], env=env,
+        capture_output=True, text=True, timeout=900,
+    )
+    summary = proc.stdout.strip().splitlines()[-1] if proc.stdout.strip() else ""
+    assert proc.returncode == 0, f"interpreter tests failed ({summary}):\n{proc.stdout[-6000:]}\n{proc.stderr[-2000:]}"
+    assert " passed" in summary and "skipped" not in summary, summary
+
+
+def wild_offsets(shape, window, dtype=torch.float32, seed=11):
+    """Offsets mixing small moves, whole-token moves and far-outside (clamped) samples."""
+    B, T, H, W, nh, _ = shape
+    K = window[0] * window[1] * window[2]
+    g = torch.Generator().manual_seed(seed)
+    off = torch.randn((B, T, H, W, nh, K, 3), generator=g) * 1.5
+    far = torch.rand((B, T, H, W, nh, K, 3), generator=g) < 0.1
+    off = torch.where(far, off.sign() * 9.5, off)
+    whole = torch.rand((B, T, H, W, nh, K, 3), generator=g) < 0.1
+    off = torch.where(whole, off.round(), off)
+    return off.to(dtype)
+
+
+def _grads(fn, inputs, dout):
+    leaves = [x.detach().clone().requires_grad_(True) for x in inputs]
+    out = fn(*leaves)
+    return (out, *torch.autograd.grad(out, leaves, dout.to(out.dtype)))
+
+
+@pytest.mark.parametrize(
+    "grid,window,d,block_m",
+    [
+        ((3, 5, 4), (3, 3, 3), 6, 32),  # d not a power of 2; partial last query block
+        ((5, 3, 7), (5, 1, 3), 4, 64),  # window spans all of T; every border on x
+    ],
+)
+@interpreter_only
+def test_interp_fp32_matches_reference(grid, window, d, block_m):
+    from kernels.dsa_triton import dsa_triton
+
+    shape = (2, *grid, 2, d)
+    q, k, v = make_qkv(shape, seed=12)
+    offsets = wild_offsets(shape, window)
+    dout = torch.randn(shape, generator=torch.Generator().manual_seed(13))
+
+    def tri(q, k, v, offsets):
+        return dsa_triton(q, k, v, offsets, window, block_m=block_m)
+
+    def ref(q, k, v, offsets):
+        return dsa_reference(q, k, v, offsets, window)
+
+    got = _grads(tri, (q, k, v, offsets), dout)
+    want = _grads(ref, (q, k, v, offsets), dout)
+    for name, a, b in zip("out dq dk dv doffsets".split(), got, want):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=2e-5, msg=f"{name}")
+
+
+@interpreter_only
+def test_interp_bf16_tolerance_rule():
+    """flash-attention rule: |tri - ref32| <= 2 |torch_bf16 - ref32| + atol (max abs)."""
+    from kernels.dsa_triton import dsa_triton
+
+    window = (3, 3, 3)
+    shape = (2, 3, 4, 5, 2, 8)
+    q, k, v = (x.bfloat16() for x in make_qkv(shape, seed=14))
+    offsets = wild_offsets(shape, window, dtype=torch.bfloat16, seed=15)
+    dout = torch.randn(shape, generator=torch.Generator().manual_seed(16))
+    inputs = (q, k, v, offsets)
+
+    got = _grads(
+        lambda *a: dsa_triton(*a, window, block_m=64), inputs, dout
+    )
+    ref32 = _grads(
+        lambda *a: dsa_reference(*a, window), [x.float() for x in inputs], dout
+    )
+    same = _grads(lambda *a: dsa_reference(*a, window, upcast=False), inputs, dout)
+    for name, a, r, b in zip("out dq dk dv doffsets".split(), got, ref32, same):
+        assert a.dtype == torch.bfloat16, name
+        err = (a.float() - r).abs().max().item()
+        bound = 2 * (b.float() - r).abs().max().item() + 1e-3 * (1 + r.abs().max().item())
+        assert err <= bound, f"{name}: triton err {err:.3g} > bound {bound:.3g}"
+
+
+@interpreter_only
+def test_interp_noncontiguous_neighborhood_public_api():
+    """Public API, backend='triton': q, k, v sliced from one qkv tensor (non-contiguous)."""
+    B, T, H, W, nh, d = 2, 3, 3, 5, 2, 4
+    window = (3, 3, 3)
+    qkv = torch.randn(B, T, H, W, 3, nh, d, dtype=torch.float64)
+    q, k, v = qkv.float().unbind(dim=4)
+    assert not q.is_contiguous()
+    offsets = torch.zeros(B, T, H, W, nh, 27, 3).transpose(0, 1).contiguous().transpose(0, 1)
+    out = deformable_slide_attention(q, k, v, offsets, window, backend="triton")
+    ref = naive_neighborhood_attention(*(x.double() for x in (q, k, v)), window)
+    torch.testing.assert_close(out.double(), ref, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_triton_compiled_on_cuda():
+    from kernels.dsa_triton import dsa_triton
+
+    window = (3, 5, 5)
+    shape = (2, 5, 9, 11, 3, 64)
+    for dtype in (torch.float32, torch.bfloat16):
+        q, k, v = (x.cuda().to(dtype) for x in make_qkv(shape, seed=17))
+        offsets = wild_offsets(shape, window, seed=18).cuda()
+        dout = torch.randn(shape, device="cuda")
+        got = _grads(lambda *a: dsa_triton(*a, window), (q, k, v, offsets), dout)
+        ref32 = _grads(lambda *a: dsa_reference(*a, window), [x.float() for x in (q, k, v, offsets)], dout)
+        same = _grads(lambda *a: dsa_reference(*a, window, upcast=False), (q, k, v, offsets), dout)
+        for name, a, r, b in zip("out dq dk dv doffsets".split(), got, ref32, same):
+            err = (a.float() - r).abs().max().item()
+            bound = 2 * (b.float() - r).abs().max().item() + 1e-4 * (1 + r.abs().max().item())
+            assert err <= bound, f"{dtype} {name}: err {err:.3g} > bound {bound:.3g}"
