@@ -140,7 +140,8 @@ class ComputeActor:
             wait += waited
             return w
 
-        fx = sample_flow_inputs(batch["video"], self.cfg.training.seed, step, self.cfg.training.t_sampling)
+        noise_step = 0 if self.cfg.training.overfit_one_batch else step
+        fx = sample_flow_inputs(batch["video"], self.cfg.training.seed, noise_step, self.cfg.training.t_sampling)
         dev = self.device
         x_t, t, target = fx.x_t.to(dev), fx.t.to(dev), fx.target.to(dev)
         cap = torch.from_numpy(np.array(batch["caption"])).to(dev)
@@ -188,7 +189,7 @@ class ComputeActor:
         t_end = time.perf_counter()
         B = x_t.shape[0]
         return StepResult(
-            step=step, loss=float(loss), tokens=B * self.cfg.tokens_per_sample, seconds=t_end - t_start,
+            step=step, loss=float(loss.detach()), tokens=B * self.cfg.tokens_per_sample, seconds=t_end - t_start,
             forward_seconds=t_fwd - t_start, backward_seconds=t_end - t_fwd, weight_wait_seconds=wait,
             data_position=int(batch.get("position", -1)), skipped_files=int(batch.get("skipped", 0)),
             device=str(dev),

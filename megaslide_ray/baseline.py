@@ -38,10 +38,11 @@ class InProcessTrainer:
                                      weight_decay=o.weight_decay)
         self.step = 0
 
-    def train_step(self, batch: dict) -> BaselineStep:
+    def train_step(self, batch: dict, noise_step: int | None = None) -> BaselineStep:
         t0 = time.perf_counter()
         cfg = self.cfg
-        fx = sample_flow_inputs(batch["video"], cfg.training.seed, self.step, cfg.training.t_sampling)
+        fx = sample_flow_inputs(batch["video"], cfg.training.seed, self.step if noise_step is None else noise_step,
+                                cfg.training.t_sampling)
         cap = torch.from_numpy(np.array(batch["caption"]))
         cap_len = torch.from_numpy(np.array(batch["caption_len"]))
         loss = flow_loss(self.model(fx.x_t, fx.t, cap, cap_len), fx.target)
@@ -54,6 +55,6 @@ class InProcessTrainer:
         for group in self.opt.param_groups:
             group["lr"] = lr_at(cfg.optim, cfg.training.steps, self.step)
         self.opt.step()
-        result = BaselineStep(self.step, float(loss), norm, time.perf_counter() - t0)
+        result = BaselineStep(self.step, float(loss.detach()), norm, time.perf_counter() - t0)
         self.step += 1
         return result

@@ -26,7 +26,8 @@ class FlowInputs:
 
 def video_to_unit(video: torch.Tensor | np.ndarray) -> torch.Tensor:
     """uint8 (B, F, H, W, C) -> float32 in [-1, 1]."""
-    v = torch.as_tensor(np.asarray(video)) if not isinstance(video, torch.Tensor) else video
+    # np.array copies: batches from Ray are read-only views of the object store.
+    v = video if isinstance(video, torch.Tensor) else torch.from_numpy(np.array(video))
     return v.to(torch.float32) / 127.5 - 1.0
 
 

@@ -22,6 +22,7 @@ import torch.nn.functional as F
 
 from megaslide_ray.config import Config
 from kernels import deformable_slide_attention
+from kernels.swin import swin_attention_3d
 
 # ---------------------------------------------------------------------------------------------
 # Helpers
@@ -143,8 +144,9 @@ class OffsetPredictor(nn.Module):
 
 
 class Attention(nn.Module):
-    def __init__(self, cfg: Config):
+    def __init__(self, cfg: Config, shift: bool = False):
         super().__init__()
+        self.shift = shift  # swin only: odd-numbered blocks use shifted windows
         m, a = cfg.model, cfg.attention
         self.kind = a.kind
         self.num_heads = m.num_heads
@@ -155,8 +157,6 @@ class Attention(nn.Module):
         self.proj = nn.Linear(m.hidden_size, m.hidden_size)
         self.offsets = (OffsetPredictor(m.hidden_size, m.num_heads, self.window, a.max_offset)
                         if a.kind == "dsa" else None)
-        if a.kind == "swin":
-            raise NotImplementedError("attention.kind='swin' is not available yet; use 'dsa', 'neighborhood' or 'dense'")
 
     def forward(self, h: torch.Tensor) -> torch.Tensor:
         B, T, H, W, D = h.shape
@@ -165,6 +165,8 @@ class Attention(nn.Module):
             qf, kf, vf = (z.reshape(B, T * H * W, self.num_heads, self.head_dim).transpose(1, 2) for z in (q, k, v))
             o = F.scaled_dot_product_attention(qf, kf, vf, scale=self.scale)  # (B, nh, N, d)
             o = o.transpose(1, 2).reshape(B, T, H, W, D)
+        elif self.kind == "swin":
+            o = swin_attention_3d(q, k, v, self.window, self.shift, scale=self.scale).reshape(B, T, H, W, D)
         else:
             if self.offsets is not None:
                 off = self.offsets(h)
@@ -176,12 +178,12 @@ class Attention(nn.Module):
 
 
 class DiTBlock(nn.Module):
-    def __init__(self, cfg: Config):
+    def __init__(self, cfg: Config, index: int = 1):
         super().__init__()
         D = cfg.model.hidden_size
         hidden = int(D * cfg.model.mlp_ratio)
         self.norm1 = nn.LayerNorm(D, elementwise_affine=False, eps=1e-6)
-        self.attn = Attention(cfg)
+        self.attn = Attention(cfg, shift=index % 2 == 0)
         self.norm2 = nn.LayerNorm(D, elementwise_affine=False, eps=1e-6)
         self.mlp = nn.Sequential(nn.Linear(D, hidden), nn.GELU(approximate="tanh"), nn.Linear(hidden, D))
         self.ada = nn.Sequential(nn.SiLU(), nn.Linear(D, 6 * D))
@@ -231,7 +233,7 @@ class VideoDiT(nn.Module):
     def __init__(self, cfg: Config):
         super().__init__()
         self.embed = InputEmbed(cfg)
-        self.blocks = nn.ModuleList(DiTBlock(cfg) for _ in range(cfg.model.depth))
+        self.blocks = nn.ModuleList(DiTBlock(cfg, i) for i in range(1, cfg.model.depth + 1))
         self.head = FinalLayer(cfg)
 
     def shards(self) -> list[nn.Module]:
@@ -257,7 +259,7 @@ def build_shard(cfg: Config, index: int, device: str | torch.device = "cpu") -> 
         if index == cfg.model.depth + 1:
             return FinalLayer(cfg)
         if 1 <= index <= cfg.model.depth:
-            return DiTBlock(cfg)
+            return DiTBlock(cfg, index)
     raise IndexError(f"shard index {index} out of range 0..{cfg.model.depth + 1}")
 
 

@@ -85,14 +85,19 @@ class StreamingPipeline:
             for i in range(cfg.data.num_decoders)
         ]
         self._queued: dict[int, object] = {}
+        self._first_batch = None
         log.info("pipeline up: %d shards, weights %s, transport %s, %s", len(infos), w_dtype, transport,
                  "GPU" if use_gpu else "CPU")
 
     def _submit(self, step: int) -> None:
         if step in self._queued:
             return
-        decoder = self.decoders[step % len(self.decoders)]
-        batch_ref = decoder.next_batch.remote()
+        if self.cfg.training.overfit_one_batch and self._first_batch is not None:
+            batch_ref = self._first_batch
+        else:
+            batch_ref = self.decoders[step % len(self.decoders)].next_batch.remote()
+            if self._first_batch is None:
+                self._first_batch = batch_ref
         self._queued[step] = self.compute.train_step.remote(batch_ref, step)
 
     def run_step(self, step: int, queue_next: bool) -> StepReport:

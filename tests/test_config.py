@@ -1,0 +1,95 @@
+"""Config: presets, TOML + dotted overrides, and validation before any work starts."""
+
+import subprocess
+import sys
+
+import pytest
+
+from megaslide_ray.config import (ConfigError, PRESETS, Config, apply_overrides, build_config, describe_fields,
+                                  to_toml, validate)
+from megaslide_ray.model import param_count
+
+
+@pytest.mark.parametrize("name,target", [("dit-105b", 105e9), ("dit-33b", 33.3e9), ("dit-28b", 28.4e9)])
+def test_paper_presets_match_parameter_counts(name, target):
+    cfg = build_config(name)
+    assert abs(param_count(cfg) / target - 1) < 0.01
+    assert cfg.attention.kind == "dsa"
+
+
+def test_every_preset_defaults_to_dsa_and_validates():
+    for name in PRESETS:
+        cfg = build_config(name)
+        assert cfg.attention.kind == "dsa", name
+
+
+def test_every_field_has_a_docstring():
+    cfg = Config()
+    import dataclasses
+
+    for section in ("model", "attention", "data", "optim", "runtime", "training", "ray"):
+        sec = getattr(cfg, section)
+        docs = describe_fields(type(sec))
+        missing = [f.name for f in dataclasses.fields(sec) if not docs.get(f.name)]
+        assert not missing, f"{section}: {missing}"
+
+
+def test_dotted_overrides_and_types():
+    cfg = build_config("tiny", None, {"model.depth": "8", "attention.window": "3,5,5", "optim.lr": "2e-4",
+                                      "data.random_crop": "false", "attention.kind": "dense"})
+    assert cfg.model.depth == 8 and cfg.attention.window == (3, 5, 5)
+    assert cfg.optim.lr == 2e-4 and cfg.data.random_crop is False and cfg.attention.kind == "dense"
+
+
+def test_toml_round_trip(tmp_path):
+    cfg = build_config("tiny", None, {"model.depth": 3, "optim.betas": "0.8,0.95", "training.seed": 7})
+    path = tmp_path / "c.toml"
+    path.write_text(to_toml(cfg))
+    again = build_config(None, str(path))
+    assert again == cfg
+
+
+def test_toml_then_cli_precedence(tmp_path):
+    path = tmp_path / "c.toml"
+    path.write_text('[model]\ndepth = 6\nhidden_size = 96\nnum_heads = 4\n[training]\nsteps = 11\n')
+    cfg = build_config(None, str(path), {"model.depth": "2"})
+    assert (cfg.model.depth, cfg.model.hidden_size, cfg.training.steps) == (2, 96, 11)
+
+
+@pytest.mark.parametrize("overrides,needle", [
+    ({"model.num_heads": "3"}, "model.hidden_size=128 is not divisible by model.num_heads=3"),
+    ({"attention.window": "3,4,3"}, "the height size 4 must be odd"),
+    ({"attention.window": "3,3,9"}, "the width size 9 exceeds the token grid's 8"),
+    ({"data.num_frames": "15"}, "data.num_frames=15 is not divisible by the patch size 2"),
+    ({"model.depth": "0"}, "model.depth=0 must be > 0"),
+    ({"attention.kind": "global"}, "attention.kind='global' is not one of"),
+    ({"model.dept": "3"}, "unknown config key 'model.dept'"),
+    ({"modle.depth": "3"}, "unknown config section 'modle'"),
+    ({"optim.lr": "fast"}, "optim.lr='fast' is not a valid float"),
+    ({"data.manifest": "no/such/manifest.parquet"}, "data.manifest='no/such/manifest.parquet' does not exist"),
+])
+def test_invalid_values_are_refused_with_field_and_value(overrides, needle):
+    with pytest.raises(ConfigError) as e:
+        build_config("tiny", None, overrides)
+    assert needle in str(e.value)
+
+
+def test_unknown_key_in_toml_is_refused(tmp_path):
+    path = tmp_path / "c.toml"
+    path.write_text("[model]\nwidth = 3\n")
+    with pytest.raises(ConfigError, match="unknown config key 'model.width'"):
+        build_config(None, str(path))
+
+
+def test_cli_refuses_bad_config_before_ray_starts(tmp_path):
+    proc = subprocess.run([sys.executable, "-m", "megaslide_ray.train", "--model.num_heads", "5",
+                           "--run-dir", str(tmp_path / "run")], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2
+    assert "model.num_heads=5" in proc.stderr
+    assert "Ray" not in proc.stdout and not (tmp_path / "run").exists()
+
+
+def test_validate_is_idempotent_on_presets():
+    for name in PRESETS:
+        cfg = build_config(name)
+        assert validate(apply_overrides(cfg, {})) is cfg
