@@ -85,7 +85,8 @@ class DataConfig:
     prefetch: int = 2
     """Batches each decoder keeps decoded ahead of the trainer."""
     num_decoders: int = 1
-    """Decoder actors (the spine uses one; more come with the data-loading work)."""
+    """Decoder actors. Only 1 for now: resuming the data position of a decoder pool is not
+    implemented yet, and a run must resume exactly."""
     random_crop: bool = True
     """Random temporal start of each clip (False: the first frames)."""
 
@@ -419,6 +420,9 @@ def validate(cfg: Config) -> Config:
         positive(where, value)
     for i, p in enumerate(m.patch_size):
         positive(f"model.patch_size[{i}]", p)
+    if d.num_decoders != 1:
+        raise ConfigError(f"data.num_decoders={d.num_decoders}: only 1 decoder is supported so far (a pool could "
+                          f"not resume its data position exactly); use 1")
     if m.hidden_size % m.num_heads:
         raise ConfigError(f"model.hidden_size={m.hidden_size} is not divisible by model.num_heads={m.num_heads}; "
                           f"pick heads that divide the width (e.g. {_divisor_near(m.hidden_size, m.num_heads)})")

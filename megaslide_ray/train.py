@@ -124,8 +124,8 @@ def main(argv: list[str] | None = None) -> int:
     ctx = start_ray(cfg)
     url = getattr(ctx, "dashboard_url", None)
     if url:
-        print(f"Ray dashboard: http://{url}  (token auth: see `ray dashboard --help`; the token is in the "
-              f"Ray session directory)", flush=True)
+        print(f"Ray dashboard: http://{url}  (Ray token auth is on: `ray get-auth-token` prints the token "
+              f"to paste into the dashboard's login)", flush=True)
     trainer = None
     try:
         trainer = Trainer(cfg, run_dir=cfg.training.run_dir or None, resume=args.resume,
