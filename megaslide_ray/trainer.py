@@ -50,6 +50,7 @@ class Trainer:
         self.run_dir = Path(run_dir or cfg.training.run_dir or default_run_dir())
         self.progress = progress
         self.start_step, position, ckpt = 0, 0, None
+        self._skipped_before = 0  # files skipped before a resume (a new decoder counts from 0)
         if resume:
             ckpt = latest_checkpoint(self.run_dir)
             if ckpt is None:
@@ -57,6 +58,7 @@ class Trainer:
                                         f"start without --resume or point --run-dir at an earlier run")
             state = read_checkpoint_state(ckpt)
             self.start_step, position = int(state["step"]), int(state.get("data_position", 0))
+            self._skipped_before = int(state.get("skipped_files", 0))
             if self.start_step >= cfg.training.steps:
                 log.warning("checkpoint is at step %d and training.steps=%d: nothing to do; raise --steps",
                             self.start_step, cfg.training.steps)
@@ -86,13 +88,14 @@ class Trainer:
             "compute_seconds": c.seconds, "forward_seconds": c.forward_seconds,
             "backward_seconds": c.backward_seconds, "weight_wait_seconds": c.weight_wait_seconds,
             "optimizer_seconds": u.optimizer_seconds, "data_position": c.data_position,
-            "skipped_files": c.skipped_files, "device": c.device, "time": time.time(),
+            "skipped_files": self._skipped_before + c.skipped_files, "device": c.device, "time": time.time(),
         }
         self._metrics.write(json.dumps(row) + "\n")
         self._metrics.flush()
         if due:
             self.last_checkpoint = self.pipeline.save_checkpoint(
-                str(self.run_dir), step + 1, {"data_position": c.data_position, "seed": self.cfg.training.seed})
+                str(self.run_dir), step + 1, {"data_position": c.data_position, "seed": self.cfg.training.seed,
+                                              "skipped_files": row["skipped_files"]})
         return row
 
     def train(self) -> TrainSummary:
