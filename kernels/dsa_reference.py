@@ -2,8 +2,8 @@
 
 This is the operator exactly as DESIGN.md ("3D-DSA: the operator") writes it, and
 its autograd gradients are *by definition* the gradients of the operator: every
-faster implementation (the Triton kernels in ``dsa_triton.py``, the chunked CPU
-path) is tested against this file.
+faster implementation (the Triton kernels in ``dsa_triton.py``, the fast CPU path in
+``dsa_cpu.py``, the chunked path below) is tested against this file.
 
 Layout (channels-last, so a token's heads and channels are contiguous):
 
@@ -19,9 +19,11 @@ For the query at (t, y, x) and sample j = (jt*kh + jy)*kw + jx:
     out = sum_j softmax_j(scale * <q, k_j>) v_j
 
 Memory is O(N*K*d) for N = T*H*W tokens (the 8 corner gathers are kept for
-backward); no Python loop runs over tokens. For long videos use
-``dsa_reference_chunked`` (O(chunk*K*d) extra, recomputes in backward) or the Triton
-kernel (O(N*d): samples are never materialised).
+backward); no Python loop runs over tokens. For speed and long videos on CPU use
+``dsa_cpu`` (same function, ~10x faster, chunked, recomputes in backward; what
+``deformable_slide_attention`` picks for CPU tensors), ``dsa_reference_chunked`` (this
+math in chunks: O(chunk*K*d) extra, reference speed) or, on GPU, the Triton kernel
+(O(N*d): samples are never materialised).
 """
 
 from __future__ import annotations

@@ -59,7 +59,7 @@ def test_toml_then_cli_precedence(tmp_path):
 @pytest.mark.parametrize("overrides,needle", [
     ({"model.num_heads": "3"}, "model.hidden_size=128 is not divisible by model.num_heads=3"),
     ({"attention.window": "3,4,3"}, "the height size 4 must be odd"),
-    ({"attention.window": "3,3,9"}, "the width size 9 exceeds the token grid's 8"),
+    ({"attention.window": "3,3,17"}, "the width size 17 exceeds the token grid's 16"),
     ({"data.num_frames": "15"}, "data.num_frames=15 is not divisible by the patch size 2"),
     ({"model.depth": "0"}, "model.depth=0 must be > 0"),
     ({"attention.kind": "global"}, "attention.kind='global' is not one of"),

@@ -4,6 +4,9 @@
 - offsets == 0, window == (T, H, W) -> dense attention (torch SDPA);
 - float64 gradcheck of q, k, v, offsets (positions off the floor kinks, some clamped);
 - input validation messages;
+- the fast CPU path (``dsa_cpu``, what ``auto`` picks on CPU): forward and all four
+  gradients against the reference (fp32 tight, fp64 incl. integer/clamped positions),
+  fp64 gradcheck, both identities, chunk boundaries, size-1 axes, dispatch;
 - the chunked CPU path and the Triton kernels against the reference. No GPU here: the
   Triton kernels run under the CPU interpreter (TRITON_INTERPRET=1, small shapes, slow);
   ``test_triton_compiled_on_cuda`` runs the compiled kernels only where CUDA exists.
@@ -11,6 +14,7 @@
 
 from __future__ import annotations
 
+import importlib
 import itertools
 import os
 import subprocess
@@ -23,10 +27,14 @@ import torch.nn.functional as F
 
 from kernels import (
     deformable_slide_attention,
+    dsa_cpu,
     dsa_reference,
     dsa_reference_chunked,
+    resolve_dsa_backend,
     window_base_positions,
 )
+
+dsa_cpu_module = importlib.import_module("kernels.dsa_cpu")  # the package exports the function
 
 
 # -----------------------------------------------------------------------------
@@ -284,6 +292,191 @@ def test_chunked_gradcheck_and_dispatch():
         return deformable_slide_attention(q, k, v, offsets, window, backend="chunked")
 
     assert torch.autograd.gradcheck(fn, (q, k, v, offsets), fast_mode=True)
+
+
+# -----------------------------------------------------------------------------
+# Fast CPU path (dsa_cpu)
+
+
+def edge_offsets(shape, window, dtype=torch.float64, seed=20):
+    """Offsets hitting every special case of the operator's piecewise definition.
+
+    Mixes fractional moves, exact integers (incl. zero: positions exactly on a floor
+    kink, exactly 0 or size-1), far moves (clamped) and moves to exactly -base (p = 0).
+    """
+    B, T, H, W, nh, _ = shape
+    K = window[0] * window[1] * window[2]
+    g = torch.Generator().manual_seed(seed)
+    full = (B, T, H, W, nh, K, 3)
+    off = torch.randn(full, generator=g, dtype=torch.float64) * 1.5
+    kind = torch.randint(0, 5, full, generator=g)
+    off = torch.where(kind == 1, off.round(), off)  # integer: on a kink
+    off = torch.where(kind == 2, torch.zeros_like(off), off)
+    off = torch.where(kind == 3, off.sign() * 20.5, off)  # clamped
+    base = window_base_positions((T, H, W), window).to(torch.float64)[None, :, :, :, None]
+    upper = torch.tensor([T - 1, H - 1, W - 1], dtype=torch.float64)
+    to_edge = torch.where(torch.rand(full, generator=g) < 0.5, -base, upper - base)
+    off = torch.where(kind == 4, to_edge, off)  # exactly onto a clamp bound
+    return off.to(dtype)
+
+
+def _all_grads(fn, inputs, dout):
+    leaves = [x.detach().clone().requires_grad_(True) for x in inputs]
+    out = fn(*leaves)
+    return (out, *torch.autograd.grad(out, leaves, dout.to(out.dtype)))
+
+
+CPU_CASES = [
+    # grid, window, nh, d, chunk (tokens of B*T*H*W per chunk)
+    ((3, 5, 4), (3, 3, 3), 2, 6, 7),  # odd sizes; chunk does not divide B*N = 120
+    ((4, 3, 7), (3, 3, 5), 2, 4, 13),
+    ((1, 6, 5), (1, 3, 3), 2, 5, 11),  # T == 1
+    ((5, 1, 4), (3, 1, 3), 3, 4, 1000),  # H == 1; one chunk
+    ((3, 4, 1), (3, 3, 1), 2, 3, 1),  # W == 1; a chunk per token
+]
+
+
+@pytest.mark.parametrize("grid,window,nh,d,chunk", CPU_CASES)
+def test_cpu_matches_reference_float32(grid, window, nh, d, chunk):
+    shape = (2, *grid, nh, d)
+    q, k, v = make_qkv(shape, seed=21)
+    offsets = edge_offsets(shape, window, dtype=torch.float32)
+    dout = torch.randn(shape, generator=torch.Generator().manual_seed(22))
+    got = _all_grads(lambda *a: dsa_cpu(*a, window, chunk_size=chunk), (q, k, v, offsets), dout)
+    want = _all_grads(lambda *a: dsa_reference(*a, window), (q, k, v, offsets), dout)
+    for name, a, b in zip("out dq dk dv doffsets".split(), got, want):
+        assert a.dtype == b.dtype == torch.float32, name
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5, msg=name)
+
+
+@pytest.mark.parametrize("grid,window,nh,d,chunk", CPU_CASES[:3])
+def test_cpu_matches_reference_float64_on_kinks(grid, window, nh, d, chunk):
+    """Integer, zero and clamp-bound positions: same one-sided derivatives as autograd."""
+    shape = (2, *grid, nh, d)
+    q, k, v = make_qkv(shape, torch.float64, seed=23)
+    offsets = edge_offsets(shape, window, seed=24)
+    dout = torch.randn(shape, dtype=torch.float64, generator=torch.Generator().manual_seed(25))
+    got = _all_grads(lambda *a: dsa_cpu(*a, window, chunk_size=chunk), (q, k, v, offsets), dout)
+    want = _all_grads(lambda *a: dsa_reference(*a, window), (q, k, v, offsets), dout)
+    for name, a, b in zip("out dq dk dv doffsets".split(), got, want):
+        torch.testing.assert_close(a, b, rtol=1e-11, atol=1e-11, msg=name)
+
+
+@pytest.mark.parametrize(
+    "grid,window,span,chunk,fast",
+    [
+        ((3, 2, 1), (3, 1, 1), 1, 5, False),  # full jacobian (tiny: every call counts)
+        ((3, 4, 5), (3, 3, 3), 1, 17, True),
+        ((3, 4, 5), (3, 3, 3), 6, 50, True),  # many samples clamped
+        ((1, 3, 4), (1, 3, 3), 2, 7, True),  # T == 1
+    ],
+)
+def test_cpu_gradcheck_float64(grid, window, span, chunk, fast):
+    shape = (2, *grid, 2, 3) if fast else (1, *grid, 2, 2)
+    q, k, v = make_qkv(shape, torch.float64, seed=26, requires_grad=True)
+    offsets = off_kink_offsets(shape, window, span, seed=27).requires_grad_(True)
+
+    def fn(q, k, v, offsets):
+        return dsa_cpu(q, k, v, offsets, window, chunk_size=chunk)
+
+    assert torch.autograd.gradcheck(fn, (q, k, v, offsets), fast_mode=fast)
+
+
+@pytest.mark.parametrize(
+    "grid,window",
+    [((3, 5, 4), (3, 3, 3)), ((4, 5, 7), (3, 3, 5)), ((1, 4, 3), (1, 3, 3)), ((3, 1, 5), (3, 1, 5))],
+)
+def test_cpu_zero_offsets_is_neighborhood_attention(grid, window):
+    shape = (2, *grid, 2, 8)
+    K = window[0] * window[1] * window[2]
+    for dtype, tol in ((torch.float64, 1e-12), (torch.float32, 2e-6)):
+        q, k, v = make_qkv(shape, dtype, seed=28)
+        offsets = torch.zeros(*shape[:5], K, 3, dtype=dtype)
+        out = dsa_cpu(q, k, v, offsets, window, chunk_size=9)
+        ref = naive_neighborhood_attention(*(x.double() for x in (q, k, v)), window)
+        torch.testing.assert_close(out.double(), ref, rtol=tol, atol=tol)
+
+
+@pytest.mark.parametrize("grid", [(3, 5, 3), (1, 3, 3), (3, 1, 5), (3, 3, 1)])
+def test_cpu_zero_offsets_full_window_is_dense_attention(grid):
+    shape = (2, *grid, 2, 8)
+    q, k, v = make_qkv(shape, torch.float64, seed=29)
+    K = grid[0] * grid[1] * grid[2]
+    offsets = torch.zeros(*shape[:5], K, 3, dtype=torch.float64)
+    out = dsa_cpu(q, k, v, offsets, grid, scale=0.3, chunk_size=4)
+    torch.testing.assert_close(out, dense_attention(q, k, v, scale=0.3), rtol=1e-12, atol=1e-12)
+
+
+def test_cpu_partial_grads_and_noncontiguous_inputs():
+    """q, k, v sliced from one qkv tensor; offsets without grad (neighborhood mode)."""
+    B, T, H, W, nh, d = 2, 3, 4, 5, 2, 4
+    window = (3, 3, 3)
+    qkv = torch.randn(B, T, H, W, 3, nh, d, generator=torch.Generator().manual_seed(30))
+    qkv.requires_grad_(True)
+    q, k, v = qkv.unbind(dim=4)
+    assert not q.is_contiguous()
+    offsets = edge_offsets((B, T, H, W, nh, d), window, dtype=torch.float32, seed=31)
+    dout = torch.randn(B, T, H, W, nh, d)
+    (g_cpu,) = torch.autograd.grad(dsa_cpu(q, k, v, offsets, window, chunk_size=16), qkv, dout)
+    (g_ref,) = torch.autograd.grad(dsa_reference(q, k, v, offsets, window), qkv, dout)
+    torch.testing.assert_close(g_cpu, g_ref, rtol=1e-5, atol=1e-5)
+    # only offsets need a gradient
+    off = offsets.clone().requires_grad_(True)
+    qd, kd, vd = (x.detach() for x in (q, k, v))
+    (go_cpu,) = torch.autograd.grad(dsa_cpu(qd, kd, vd, off, window), off, dout)
+    (go_ref,) = torch.autograd.grad(dsa_reference(qd, kd, vd, off, window), off, dout)
+    torch.testing.assert_close(go_cpu, go_ref, rtol=1e-5, atol=1e-5)
+
+
+def test_cpu_half_inputs_and_sddmm_fallback(monkeypatch):
+    shape = (2, 3, 4, 5, 2, 8)
+    window = (3, 3, 3)
+    q, k, v = make_qkv(shape, seed=32)
+    offsets = edge_offsets(shape, window, dtype=torch.float32, seed=33)
+    dout = torch.randn(shape, generator=torch.Generator().manual_seed(34))
+    want = _all_grads(lambda *a: dsa_reference(*a, window), (q, k, v, offsets), dout)
+    half = _all_grads(lambda *a: dsa_cpu(*a, window), [x.bfloat16() for x in (q, k, v, offsets)], dout)
+    for name, a, b in zip("out dq dk dv doffsets".split(), half, want):
+        assert a.dtype == torch.bfloat16, name
+    same = _all_grads(
+        lambda *a: dsa_reference(*a, window), [x.bfloat16() for x in (q, k, v, offsets)], dout
+    )
+    for name, a, b in zip("out dq dk dv doffsets".split(), half, same):
+        torch.testing.assert_close(a, b, rtol=1e-2, atol=1e-2, msg=name)
+    # public autograd fallback for the corner dots (if aten's private op goes away)
+    monkeypatch.setattr(dsa_cpu_module, "USE_PRIVATE_SDDMM", False)
+    got = _all_grads(lambda *a: dsa_cpu(*a, window, chunk_size=13), (q, k, v, offsets), dout)
+    for name, a, b in zip("out dq dk dv doffsets".split(), got, want):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5, msg=name)
+
+
+def test_cpu_nan_offset_poisons_only_its_query():
+    shape = (1, 2, 3, 3, 2, 4)
+    q, k, v = make_qkv(shape, seed=35)
+    offsets = torch.zeros(*shape[:5], 1, 3)
+    offsets[0, 1, 2, 0, 1, 0, 1] = float("nan")
+    out = dsa_cpu(q, k, v, offsets, (1, 1, 1))
+    nan = torch.isnan(out).any(-1)
+    assert nan[0, 1, 2, 0, 1] and nan.sum() == 1
+
+
+def test_dispatch_auto_picks_cpu_path(monkeypatch):
+    shape = (1, 3, 3, 3, 1, 4)
+    q, k, v = make_qkv(shape)
+    offsets = off_kink_offsets(shape, (3, 3, 3), span=1, dtype=torch.float32)
+    monkeypatch.delenv("MEGASLIDE_DSA_BACKEND", raising=False)
+    assert resolve_dsa_backend(q) == "cpu"
+    assert resolve_dsa_backend(q, "reference") == "reference"
+    fast = dsa_cpu(q, k, v, offsets, (3, 3, 3))
+    assert torch.equal(deformable_slide_attention(q, k, v, offsets, (3, 3, 3)), fast)
+    assert torch.equal(deformable_slide_attention(q, k, v, offsets, (3, 3, 3), backend="cpu"), fast)
+    monkeypatch.setenv("MEGASLIDE_DSA_BACKEND", "reference")
+    assert resolve_dsa_backend(q) == "reference"
+    ref = dsa_reference(q, k, v, offsets, (3, 3, 3))
+    assert torch.equal(deformable_slide_attention(q, k, v, offsets, (3, 3, 3)), ref)
+    assert torch.equal(deformable_slide_attention(q, k, v, offsets, (3, 3, 3), backend="cpu"), fast)
+    with pytest.raises(ValueError, match="chunk_size"):
+        dsa_cpu(q, k, v, offsets, (3, 3, 3), chunk_size=0)
 
 
 # -----------------------------------------------------------------------------
