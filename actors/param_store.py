@@ -140,6 +140,10 @@ class ParameterStore:
             (self.dir / "layout.json").write_text(json.dumps(self._layout_doc()))
         else:
             log.info("parameter store re-attached to %s at versions %s", self.dir, self.versions.tolist())
+        # bf16 runs: gradients are upcast into one reused fp32 buffer (a fresh ``g.float()`` per
+        # shard per step costs an allocation and page faults: ~3x slower, see benchmarks/adamw.py).
+        self._grad32 = (torch.empty(max(lay.numel for lay in self.layouts), dtype=torch.float32)
+                        if w_dtype != "float32" else None)
         self._queue: list[int] = []
         self._worker = threading.Thread(target=self._update_loop, name="adamw-updates", daemon=True)
         self._worker.start()
@@ -278,7 +282,11 @@ class ParameterStore:
         step_t = torch.tensor(float(step), dtype=torch.float32)
         for i in range(self.n):  # shard order: the next forward needs shard 0 first
             s = self.seg[i]
-            g = s["g"] if s["g"].dtype == torch.float32 else s["g"].float()
+            if self._grad32 is None:
+                g = s["g"]
+            else:
+                g = self._grad32[:s["g"].numel()]
+                g.copy_(s["g"])
             if coef < 1.0:
                 g.mul_(coef)
             st = step_t.clone()

@@ -8,6 +8,9 @@ the figure of merit is the fraction of the machine's STREAM triad bandwidth an u
 1. Triad ``a = b + s * c`` over three large fp32 arrays (``torch.add(b, c, alpha=s, out=a)``,
    one pass, every thread), best of several repetitions. Counted as STREAM counts it:
    3 arrays x 4 bytes per element (2 reads + 1 write; write-allocate traffic not counted).
+   Beside it, in-place ``a += b`` counted the same way (12 B per element): the write lands
+   on a line just read, as AdamW's writes of master, m and v do, so no write-allocate read
+   is hidden in it. On this kind of machine it runs well above the triad, and so can AdamW.
 2. One full AdamW update of a flat shard (``master``, ``m``, ``v`` fp32) from a gradient,
    then writing the compute copy ``w``, for each implementation:
 
@@ -26,10 +29,16 @@ the figure of merit is the fraction of the machine's STREAM triad bandwidth an u
    write master, m, v, w. fp32 g and w: 4 + 12 + 12 + 4 = 32 B; bf16 g and w: 2 + 12 + 12 + 2
    = 28 B. Implementations that make more passes move more bytes than they are credited.
 
+Timing: every figure is the best of 3 rounds x several calls; within a round each variant in
+turn gets an untimed warm-up call and then its timed calls, so a burst of load from another
+process spoils one round, not a whole variant. The bandwidth references are measured at the
+start and at the end (best of both). Absolute GB/s hold for this machine at this moment only;
+compare the ratios.
+
 Each variant's result (master, m, v after three steps, and w) is compared with
-``torch.optim.AdamW(foreach=True)`` on the smallest size: max |x - ref| / max |ref| over
-the four tensors (bf16 variants against a reference fed the same bf16-rounded gradients;
-their w is compared in bf16).
+``torch.optim.AdamW(foreach=True)`` on 1e6 parameters: max |x - ref| / max |ref| over the
+four tensors (bf16 variants against a reference fed the same bf16-rounded gradients; their
+w is compared in bf16).
 """
 
 from __future__ import annotations
@@ -49,7 +58,8 @@ from torch.optim.adamw import adamw as adamw_functional
 
 LR, BETAS, EPS, WEIGHT_DECAY = 1e-3, (0.9, 0.999), 1e-8, 0.01
 TRIAD_NUMEL = 1 << 27          # 512 MiB per fp32 array: far beyond any cache
-TRIAD_REPS = 10
+TRIAD_REPS = 4
+ROUNDS = 3                     # every variant is timed in 3 separate rounds (min over all)
 CHECK_STEPS = 3
 CHECK_NUMEL = 10**6
 
@@ -67,6 +77,7 @@ class Row:
     speedup_vs_foreach: float | None = None
     max_rel_diff: float | None = None  # vs torch.optim.AdamW(foreach=True), CHECK_NUMEL, 3 steps
     skipped: str = ""                  # reason, when the variant did not run
+    frac_rmw: float | None = None      # gbps / in-place a += b gbps
 
 
 # ---------------------------------------------------------------------------------------------
@@ -277,24 +288,35 @@ def build_variants(compile_timeout: int, try_deepspeed: bool) -> tuple[list[Vari
 # ---------------------------------------------------------------------------------------------
 
 
-def best_of(fn: Callable[[], None], reps: int) -> float:
-    fn()  # warm-up: first touch, lazy state, compiled-code load
-    best = math.inf
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        fn()
-        best = min(best, time.perf_counter() - t0)
+def best_of_rounds(fns: dict[str, Callable[[], None]], reps: int, rounds: int = ROUNDS) -> dict[str, float]:
+    """Best time of each function over ``rounds`` rounds; in each round every function in turn
+    gets one untimed warm-up call (first touch, lazy state, compiled-code load, waking the
+    thread pool) and then ``reps`` timed calls. A burst of load from another process thus
+    spoils one round of a variant, not all of its samples."""
+    best = {name: math.inf for name in fns}
+    for _ in range(rounds):
+        for name, fn in fns.items():
+            fn()
+            for _ in range(reps):
+                t0 = time.perf_counter()
+                fn()
+                best[name] = min(best[name], time.perf_counter() - t0)
     return best
 
 
-def triad_gbps(numel: int = TRIAD_NUMEL, reps: int = TRIAD_REPS) -> tuple[float, float]:
-    a = torch.empty(numel)
+def bandwidth_references(numel: int = TRIAD_NUMEL, reps: int = TRIAD_REPS) -> dict[str, tuple[float, float]]:
+    """name -> (GB/s, seconds) of two memory-bound loops, both counted at 12 B per element:
+    ``triad``  a = b + s * c: 2 reads and 1 write to a third array (STREAM's kernel);
+    ``rmw``    a += b in place: 2 reads, the write going to a line just read. AdamW's pattern is
+               mostly this one (master, m, v are read and written back in place), and it
+               avoids the write-allocate read that triad's output stream costs uncounted."""
+    a = torch.zeros(numel)  # zeros, not empty: fault every page in before timing
     b = torch.full((numel,), 1.0)
     c = torch.full((numel,), 2.0)
-    a.fill_(0.0)  # fault every page in before timing
-    secs = best_of(lambda: torch.add(b, c, alpha=3.0, out=a), reps)
+    best = best_of_rounds({"triad": lambda: torch.add(b, c, alpha=3.0, out=a),
+                           "rmw": lambda: a.add_(b)}, reps)
     del a, b, c
-    return 3 * 4 * numel / secs / 1e9, secs
+    return {name: (12 * numel / secs / 1e9, secs) for name, secs in best.items()}
 
 
 def max_rel_diff(variant: Variant) -> float:
@@ -318,36 +340,48 @@ def max_rel_diff(variant: Variant) -> float:
 
 
 def reps_for(numel: int) -> int:
-    return max(5, min(20, int(3e8 // numel)))
+    return max(3, min(10, int(3e8 // numel)))
 
 
 def run(sizes: list[int], compile_timeout: int = 240, try_deepspeed: bool = True,
         log=lambda msg: print(msg, file=sys.stderr)) -> tuple[list[Row], dict]:
     load_before = os.getloadavg()[0]
-    tri, tri_s = triad_gbps()
-    info = {"threads": torch.get_num_threads(), "torch": torch.__version__,
-            "cpu_capability": torch.backends.cpu.get_cpu_capability(), "triad_gbps": round(tri, 2)}
-    log(f"triad: {tri:.2f} GB/s ({torch.get_num_threads()} threads)")
-    rows = [Row("triad", "triad a=b+s*c", TRIAD_NUMEL, 12, tri_s, tri, TRIAD_NUMEL / tri_s, 1.0)]
-    variants, vinfo = build_variants(compile_timeout, try_deepspeed)
-    info.update(vinfo)
+    refs = bandwidth_references()
+    log(f"triad {refs['triad'][0]:.2f} GB/s, in-place a += b {refs['rmw'][0]:.2f} GB/s "
+        f"({torch.get_num_threads()} threads)")
+    variants, info = build_variants(compile_timeout, try_deepspeed)
     checks = {v.name: max_rel_diff(v) for v in variants if v.make is not None}
+    timed: dict[int, dict[str, float]] = {}
     for numel in sizes:
         shard = Shard.random(numel)
-        baseline = None
+        timed[numel] = best_of_rounds({v.name: v.make(shard) for v in variants if v.make is not None},
+                                      reps_for(numel))
+        for name, secs in timed[numel].items():
+            log(f"  {name:<18} {numel:>11,}  {secs * 1e3:9.2f} ms")
+        del shard
+    # the references again at the end, best of both: the machine's bandwidth, not its noise
+    for name, (gbps, secs) in bandwidth_references().items():
+        if secs < refs[name][1]:
+            refs[name] = (gbps, secs)
+    tri, rmw = refs["triad"][0], refs["rmw"][0]
+    info = {"threads": torch.get_num_threads(), "torch": torch.__version__,
+            "cpu_capability": torch.backends.cpu.get_cpu_capability(), "triad_gbps": round(tri, 2),
+            "rmw_gbps": round(rmw, 2), **info,
+            # other processes on the machine skew every figure: record how busy it was
+            "loadavg_1min": [round(load_before, 2), round(os.getloadavg()[0], 2)]}
+    rows = [Row("bandwidth", label, TRIAD_NUMEL, 12, refs[name][1], refs[name][0], TRIAD_NUMEL / refs[name][1],
+                refs[name][0] / tri, frac_rmw=refs[name][0] / rmw)
+            for name, label in (("triad", "triad a=b+s*c"), ("rmw", "in-place a+=b"))]
+    for numel in sizes:
+        best = timed[numel]
         for v in variants:
             if v.make is None:
                 rows.append(Row("adamw", v.name, numel, v.bytes_per_param, skipped=v.skipped))
                 continue
-            secs = best_of(v.make(shard), reps_for(numel))
-            baseline = secs if v.name == "foreach" else baseline
+            secs = best[v.name]
             gbps = v.bytes_per_param * numel / secs / 1e9
             rows.append(Row("adamw", v.name, numel, v.bytes_per_param, secs, gbps, numel / secs, gbps / tri,
-                            baseline / secs if baseline else None, checks[v.name]))
-            log(f"  {v.name:<18} {numel:>11,}  {secs * 1e3:9.2f} ms  {gbps:6.2f} GB/s")
-        del shard
-    # other processes on the machine skew every figure: record how busy it was
-    info["loadavg_1min"] = [round(load_before, 2), round(os.getloadavg()[0], 2)]
+                            best["foreach"] / secs, checks[v.name], frac_rmw=gbps / rmw))
     return rows, info
 
 
@@ -358,7 +392,7 @@ def run(sizes: list[int], compile_timeout: int = 240, try_deepspeed: bool = True
 
 def render(rows: list[Row], info: dict) -> str:
     head = (f"{'variant':<19}{'params':>12}{'ms':>10}{'Mparam/s':>10}{'B/param':>8}{'GB/s':>8}"
-            f"{'% triad':>8}{'x foreach':>10}{'rel diff*':>11}")
+            f"{'% triad':>8}{'% rmw':>7}{'x foreach':>10}{'rel diff*':>11}")
     out = [f"threads {info['threads']}, torch {info['torch']} ({info['cpu_capability']}), "
            f"torch.compile warm-up {info.get('compile_seconds', '-')} s, load average before/after "
            f"{info['loadavg_1min']}", head, "-" * len(head)]
@@ -369,10 +403,11 @@ def render(rows: list[Row], info: dict) -> str:
         diff = "" if r.max_rel_diff is None else f"{r.max_rel_diff:.1e}"
         speed = "" if r.speedup_vs_foreach is None else f"{r.speedup_vs_foreach:.2f}"
         out.append(f"{r.variant:<19}{r.numel:>12,}{r.seconds * 1e3:>10.2f}{r.params_per_s / 1e6:>10.0f}"
-                   f"{r.bytes_per_param:>8}{r.gbps:>8.2f}{100 * r.frac_triad:>7.0f}%{speed:>10}{diff:>11}")
+                   f"{r.bytes_per_param:>8}{r.gbps:>8.2f}{100 * r.frac_triad:>7.0f}%{100 * r.frac_rmw:>6.0f}%{speed:>10}{diff:>11}")
     out.append(f"* max |x - ref| / max |ref| over master, m, v, w after {CHECK_STEPS} steps on {CHECK_NUMEL:,} "
-               f"params vs torch.optim.AdamW(foreach=True); % triad counts the bytes in B/param against "
-               f"{info['triad_gbps']} GB/s")
+               f"params vs torch.optim.AdamW(foreach=True)\n"
+               f"% triad, % rmw: the bytes in B/param per second against triad {info['triad_gbps']} GB/s and "
+               f"in-place a+=b {info['rmw_gbps']} GB/s (both counted at 12 B per element)")
     return "\n".join(out)
 
 
