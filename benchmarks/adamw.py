@@ -18,8 +18,8 @@ the figure of merit is the fraction of the machine's STREAM triad bandwidth an u
    fused       ``torch.optim.AdamW(fused=True)`` + ``w.copy_(master)``
    store       the store's path: ``torch.optim.adamw.adamw(..., fused=True)`` on the flat
                buffer + ``w.copy_(master)``
-   store-bf16  the store on CUDA runs: bf16 grad -> ``g.float()`` -> fused -> bf16 ``w``
-   store-bf16-scratch  the same, upcasting into a preallocated fp32 buffer instead
+   bf16-alloc  bf16 grad -> ``g.float()`` (a fresh allocation per shard) -> fused -> bf16 ``w``
+   store-bf16  the store on CUDA runs: the same, upcasting into its preallocated fp32 buffer
    compiled    ``torch.compile`` of one single-pass function (fp32 grad and w)
    compiled-bf16  the same reading a bf16 grad and writing a bf16 w
    deepspeed   DeepSpeed's ``DeepSpeedCPUAdam`` + ``w.copy_(master)``, only if
@@ -154,7 +154,7 @@ def make_store_bf16(s: Shard) -> Callable[[], None]:
 
 
 def make_store_bf16_scratch(s: Shard) -> Callable[[], None]:
-    """As ``store-bf16`` but upcasting into a preallocated fp32 scratch buffer: shows what the
+    """As ``bf16-alloc`` but upcasting into a preallocated fp32 scratch buffer: shows what the
     per-update allocation (fresh pages, faulted in every time) costs."""
     st = torch.tensor(0.0)
     scratch = torch.empty_like(s.master)
@@ -274,8 +274,8 @@ def build_variants(compile_timeout: int, try_deepspeed: bool) -> tuple[list[Vari
         Variant("foreach", False, lambda s: make_torch_optim(s, "foreach")),
         Variant("fused", False, lambda s: make_torch_optim(s, "fused")),
         Variant("store", False, make_store),
-        Variant("store-bf16", True, make_store_bf16),
-        Variant("store-bf16-scratch", True, make_store_bf16_scratch),
+        Variant("bf16-alloc", True, make_store_bf16),
+        Variant("store-bf16", True, make_store_bf16_scratch),
         Variant("compiled", False, (lambda s: make_compiled(s, False, fn)) if fn else None, why),
         Variant("compiled-bf16", True, (lambda s: make_compiled(s, True, fn)) if fn else None, why),
         Variant("deepspeed", False, (lambda s: make_deepspeed(s, ds_cls)) if ds_cls else None, ds_why),

@@ -10,7 +10,8 @@ Kinds (the ``attention.kind`` choices of the model):
 - ``dsa``: the 3D-DSA operator with random offsets in [-1.5, 1.5] that require grad;
 - ``dsa_ref`` (CPU only, small grids): ``dsa`` through the ``reference`` backend.
 
-On CPU the DSA kinds use the ``chunked`` backend (bounded memory); on CUDA ``triton``.
+On CPU the DSA kinds use the ``cpu`` backend (the model's CPU path: chunked, hand-written
+backward, bounded memory); on CUDA ``triton``.
 Shapes: B=1, nh=2, d=32; DSA window (3, 3, 3) (K=27), swin window (2, 4, 4) (V=32).
 fp32 on CPU, bf16 on CUDA.
 
@@ -118,7 +119,7 @@ def _backend(kind: str, device: str) -> str:
         return "sdpa-windows"
     if kind == "dsa_ref":
         return "reference"
-    return "triton" if device == "cuda" else "chunked"
+    return "triton" if device == "cuda" else "cpu"
 
 
 def _peak_rss_bytes() -> int:
