@@ -60,6 +60,20 @@ def _as_window(window: Sequence[int]) -> tuple[int, int, int]:
     return win  # type: ignore[return-value]
 
 
+def validate_qkv_shapes(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+    """q, k, v must be channels-last ``(B, T, H, W, nh, d)`` and of one shape."""
+    if q.dim() != 6:
+        raise ValueError(
+            f"q must be (B, T, H, W, nh, d) (6 dims), got shape {tuple(q.shape)}"
+        )
+    for name, t in (("k", k), ("v", v)):
+        if t.shape != q.shape:
+            raise ValueError(
+                f"{name} shape {tuple(t.shape)} != q shape {tuple(q.shape)}; "
+                "q, k, v must all be (B, T, H, W, nh, d)"
+            )
+
+
 def validate_dsa_inputs(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -72,16 +86,7 @@ def validate_dsa_inputs(
     Raises ``ValueError`` naming the offending value (and ``TypeError`` for dtypes).
     """
     win = _as_window(window)
-    if q.dim() != 6:
-        raise ValueError(
-            f"q must be (B, T, H, W, nh, d) (6 dims), got shape {tuple(q.shape)}"
-        )
-    for name, t in (("k", k), ("v", v)):
-        if t.shape != q.shape:
-            raise ValueError(
-                f"{name} shape {tuple(t.shape)} != q shape {tuple(q.shape)}; "
-                "q, k, v must all be (B, T, H, W, nh, d)"
-            )
+    validate_qkv_shapes(q, k, v)
     B, T, H, W, nh, d = q.shape
     for axis, w, size in (("kt", win[0], T), ("kh", win[1], H), ("kw", win[2], W)):
         if w < 1 or w % 2 == 0:

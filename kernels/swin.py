@@ -36,6 +36,8 @@ from typing import Sequence
 import torch
 import torch.nn.functional as F
 
+from .dsa_reference import validate_qkv_shapes
+
 __all__ = ["swin_attention_3d", "swin_geometry", "swin_window_mask"]
 
 
@@ -150,14 +152,7 @@ def swin_attention_3d(
     Returns:
         ``out`` ``(B, T, H, W, nh, d)`` in q's dtype.
     """
-    if q.dim() != 6:
-        raise ValueError(f"q must be (B, T, H, W, nh, d) (6 dims), got shape {tuple(q.shape)}")
-    for name, t in (("k", k), ("v", v)):
-        if t.shape != q.shape:
-            raise ValueError(
-                f"{name} shape {tuple(t.shape)} != q shape {tuple(q.shape)}; "
-                "q, k, v must all be (B, T, H, W, nh, d)"
-            )
+    validate_qkv_shapes(q, k, v)
     B, T, H, W, nh, d = q.shape
     win, shifts, padded = swin_geometry((T, H, W), window, shift)
     scale = d ** -0.5 if scale is None else float(scale)
