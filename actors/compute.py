@@ -195,6 +195,34 @@ class ComputeActor:
             device=str(dev),
         )
 
+    # -- forward only (sampling) -------------------------------------------------------------
+    @torch.no_grad()
+    def predict(self, x_t, t, caption, caption_len, step: int) -> torch.Tensor:
+        """The model's velocity for ``x_t`` at times ``t``, with the weights of version ``step``.
+
+        Forward only: shards 0..L+1 fetched as in training (the next one prefetched while the
+        current one computes), no activations kept, nothing sent back to the store.
+        ``x_t: (B, F, H, W, C)`` in [-1, 1] scale, ``t: (B,)``, ``caption: (B, Lc)`` uint8 bytes,
+        ``caption_len: (B,)``. Returns the prediction as float32 on the CPU, shaped like ``x_t``.
+        """
+        def as_tensor(a) -> torch.Tensor:
+            # np.array copies: arrays from Ray are read-only views of the object store.
+            return (a if isinstance(a, torch.Tensor) else torch.from_numpy(np.array(a))).to(self.device)
+
+        x_t, t, cap, cap_len = (as_tensor(a) for a in (x_t, t, caption, caption_len))
+        futures = [self._prefetcher.submit(self._fetch, 0, step)]
+        x = c = None
+        for shard in range(self.n):
+            if shard + 1 < self.n:
+                futures.append(self._prefetcher.submit(self._fetch, shard + 1, step))
+            w, _ = futures[shard].result()
+            if shard == 0:
+                x, c = self._run(0, w, x_t.float(), t.float(), cap, cap_len)
+            else:
+                x = self._run(shard, w, x, c)
+            del w
+        return x.float().cpu()  # host sync: the caller integrates on the CPU
+
     def transport_name(self) -> str:
         return self.transport
 

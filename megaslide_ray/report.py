@@ -1,0 +1,236 @@
+"""Plots and a summary of a training run, from its ``metrics.jsonl``.
+
+    python -m megaslide_ray.report RUN_DIR [--out DIR]
+
+Writes ``loss.png``, ``tokens_per_s.png`` and ``time_split.png`` into ``RUN_DIR/report/`` (or
+``--out``) and prints a summary table. How a step's wall time splits: ``step_seconds`` is the
+driver's time between two steps; the compute actor's share is ``forward_seconds +
+backward_seconds`` (= ``compute_seconds``), and the rest (``step_seconds - compute_seconds``)
+is waiting for data and driver overhead. ``weight_wait_seconds`` (blocked on a shard version
+or a weight transfer) lies inside forward and backward; ``optimizer_seconds`` (CPU AdamW in
+the store) overlaps the next step's forward, so neither adds to the stack.
+
+Rows may lack fields (older runs, other tools): a missing value is skipped, never guessed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+PLOTS = ("loss.png", "tokens_per_s.png", "time_split.png")
+
+
+@dataclass(frozen=True)
+class RunSummary:
+    rows: int
+    first_step: int
+    last_step: int
+    first_loss: float
+    last_loss: float
+    min_loss: float
+    min_loss_step: int
+    mean_step_seconds: float      # over the steps after the first (the first includes start-up), if any
+    tokens_per_second: float      # tokens / wall seconds over the same steps
+    split: dict                   # name -> fraction of step time (forward, backward, other, weight wait, optimizer)
+
+
+def read_metrics(path: str | Path) -> list[dict]:
+    """The rows of a ``metrics.jsonl``, sorted by step; a later row for the same step wins."""
+    p = Path(path)
+    if not p.is_file():
+        raise FileNotFoundError(f"{p} does not exist: point the report at a run directory written by "
+                                f"`python -m megaslide_ray.train` (it holds metrics.jsonl)")
+    by_step: dict[int, dict] = {}
+    for n, line in enumerate(p.read_text().splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError:
+            raise ValueError(f"{p} line {n} is not JSON: {line[:80]!r}") from None
+        if "step" in row:
+            by_step[int(row["step"])] = row
+    if not by_step:
+        raise ValueError(f"{p} holds no metrics rows yet: run some training steps first")
+    return [by_step[s] for s in sorted(by_step)]
+
+
+def _values(rows: list[dict], key: str) -> tuple[list[int], list[float]]:
+    """(steps, values) of the rows that have a finite ``key``."""
+    steps, values = [], []
+    for r in rows:
+        v = r.get(key)
+        if isinstance(v, (int, float)) and math.isfinite(v):
+            steps.append(int(r["step"]))
+            values.append(float(v))
+    return steps, values
+
+
+def _mean(xs: list[float]) -> float:
+    return sum(xs) / len(xs) if xs else float("nan")
+
+
+def summarize(rows: list[dict]) -> RunSummary:
+    steps, losses = _values(rows, "loss")
+    steady = rows[1:] if len(rows) > 1 else rows
+    _, step_s = _values(steady, "step_seconds")
+    tokens = [r.get("tokens") for r in steady if isinstance(r.get("tokens"), (int, float))]
+    if tokens and step_s and len(tokens) == len(step_s):
+        tok_s = sum(tokens) / sum(step_s)
+    else:
+        tok_s = _mean(_values(steady, "tokens_per_s")[1])
+    split: dict[str, float] = {}
+    total = sum(step_s)
+    if total > 0:
+        for name, key in (("forward", "forward_seconds"), ("backward", "backward_seconds"),
+                          ("weight wait", "weight_wait_seconds"), ("optimizer", "optimizer_seconds")):
+            _, xs = _values(steady, key)
+            if len(xs) == len(step_s):
+                split[name] = sum(xs) / total
+        other = [max(r["step_seconds"] - r["compute_seconds"], 0.0) for r in steady
+                 if isinstance(r.get("step_seconds"), (int, float)) and isinstance(r.get("compute_seconds"), (int, float))]
+        if len(other) == len(step_s):
+            split["other (data, driver)"] = sum(other) / total
+    i_min = min(range(len(losses)), key=losses.__getitem__) if losses else None
+    nan = float("nan")
+    return RunSummary(
+        rows=len(rows), first_step=int(rows[0]["step"]), last_step=int(rows[-1]["step"]),
+        first_loss=losses[0] if losses else nan, last_loss=losses[-1] if losses else nan,
+        min_loss=losses[i_min] if i_min is not None else nan, min_loss_step=steps[i_min] if i_min is not None else -1,
+        mean_step_seconds=_mean(step_s), tokens_per_second=tok_s, split=split,
+    )
+
+
+def format_summary(s: RunSummary) -> str:
+    lines = [
+        f"{'steps':<24} {s.first_step}..{s.last_step} ({s.rows} rows)",
+        f"{'loss first / last':<24} {s.first_loss:.4f} / {s.last_loss:.4f}",
+        f"{'loss min':<24} {s.min_loss:.4f} (step {s.min_loss_step})",
+        f"{'mean s/step':<24} {s.mean_step_seconds:.3f}" + ("  (first step excluded)" if s.rows > 1 else ""),
+        f"{'tokens/s':<24} {s.tokens_per_second:.0f}",
+    ]
+    if s.split:
+        lines.append("time split (% of step time):")
+        notes = {"weight wait": "  (inside forward/backward)", "optimizer": "  (overlaps the next forward)"}
+        for name in ("forward", "backward", "other (data, driver)", "weight wait", "optimizer"):
+            if name in s.split:
+                lines.append(f"  {name:<22} {100 * s.split[name]:5.1f}%{notes.get(name, '')}")
+    return "\n".join(lines)
+
+
+# ---------------------------------------------------------------------------------------------
+# Plots
+# ---------------------------------------------------------------------------------------------
+
+
+def _pyplot():
+    try:
+        import matplotlib
+    except ImportError:
+        raise RuntimeError("the report needs matplotlib: pip install matplotlib "
+                           "(or pip install -e \".[test]\")") from None
+    matplotlib.use("Agg")  # files only, no display
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def plot_run(rows: list[dict], out_dir: str | Path) -> list[Path]:
+    """Write the three PNGs into ``out_dir``; returns their paths."""
+    plt = _pyplot()
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    written = []
+
+    fig, ax = plt.subplots(figsize=(7, 4))
+    steps, loss = _values(rows, "loss")
+    ax.plot(steps, loss, marker="." if len(steps) < 50 else None, label="loss")
+    if len(loss) >= 10:  # a running mean makes the trend readable through per-batch noise
+        k = max(len(loss) // 10, 2)
+        smooth = [_mean(loss[max(0, i - k + 1): i + 1]) for i in range(len(loss))]
+        ax.plot(steps, smooth, label=f"mean of last {k}")
+    ax.set(xlabel="step", ylabel="flow-matching loss (MSE)", title="loss")
+    ax.grid(alpha=0.3)
+    ax.legend()
+    written.append(_save(fig, out / "loss.png", plt))
+
+    fig, ax = plt.subplots(figsize=(7, 4))
+    steps, tps = _values(rows, "tokens_per_s")
+    ax.plot(steps, tps, marker="." if len(steps) < 50 else None)
+    ax.set(xlabel="step", ylabel="tokens / s", title="throughput")
+    ax.grid(alpha=0.3)
+    written.append(_save(fig, out / "tokens_per_s.png", plt))
+
+    fig, (top, bottom) = plt.subplots(2, 1, figsize=(8, 6), sharex=True, gridspec_kw={"height_ratios": [3, 2]})
+    have = [r for r in rows if all(isinstance(r.get(k), (int, float))
+                                   for k in ("step_seconds", "forward_seconds", "backward_seconds", "compute_seconds"))]
+    if have:
+        s = [int(r["step"]) for r in have]
+        fwd = [r["forward_seconds"] for r in have]
+        bwd = [r["backward_seconds"] for r in have]
+        other = [max(r["step_seconds"] - r["compute_seconds"], 0.0) for r in have]
+        top.bar(s, fwd, label="forward", color="tab:blue")
+        top.bar(s, bwd, bottom=fwd, label="backward", color="tab:orange")
+        top.bar(s, other, bottom=[a + b for a, b in zip(fwd, bwd)], label="other (data wait, driver)",
+                color="tab:gray")
+        top.legend(fontsize=8)
+    else:
+        top.text(0.5, 0.5, "no timing fields in metrics.jsonl", ha="center", transform=top.transAxes)
+    top.set(ylabel="seconds", title="time per step")
+    top.grid(alpha=0.3, axis="y")
+    for key, label in (("weight_wait_seconds", "weight wait (inside forward/backward)"),
+                       ("optimizer_seconds", "optimizer (overlaps the next forward)")):
+        xs, ys = _values(rows, key)
+        if xs:
+            bottom.plot(xs, ys, marker="." if len(xs) < 50 else None, label=label)
+    bottom.set(xlabel="step", ylabel="seconds")
+    bottom.grid(alpha=0.3)
+    if bottom.get_legend_handles_labels()[0]:
+        bottom.legend(fontsize=8)
+    written.append(_save(fig, out / "time_split.png", plt))
+    return written
+
+
+def _save(fig, path: Path, plt) -> Path:
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return path
+
+
+# ---------------------------------------------------------------------------------------------
+# CLI
+# ---------------------------------------------------------------------------------------------
+
+
+def report(run_dir: str | Path, out_dir: str | Path | None = None) -> tuple[RunSummary, list[Path]]:
+    rows = read_metrics(Path(run_dir) / "metrics.jsonl")
+    summary = summarize(rows)
+    plots = plot_run(rows, out_dir if out_dir is not None else Path(run_dir) / "report")
+    return summary, plots
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m megaslide_ray.report",
+                                description="Plot a run's metrics.jsonl and print a summary.")
+    p.add_argument("run_dir", help="run directory (holds metrics.jsonl)")
+    p.add_argument("--out", default=None, help="where to write the PNGs (default RUN_DIR/report)")
+    a = p.parse_args(argv)
+    try:
+        summary, plots = report(a.run_dir, a.out)
+    except (FileNotFoundError, ValueError, RuntimeError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    print(f"run {a.run_dir}")
+    print(format_summary(summary))
+    print("plots: " + ", ".join(str(x) for x in plots))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,312 @@
+"""Sample a video from a checkpoint: Euler integration of the rectified flow, streamed.
+
+The model predicts the velocity ``v = noise - x0`` of ``x_t = (1 - t) x0 + t noise``, so
+sampling starts from noise at t = 1 and steps ``x <- x - dt * v`` down to t = 0. Every model
+evaluation goes through ``ComputeActor.predict``: the shards run block by block with weights
+fetched one shard at a time, exactly as in training, so a model larger than device memory
+samples the same way it trains. Weights come from the checkpoint's safetensors files through
+``CheckpointWeights``, a read-only stand-in for the parameter store (object-ref transport:
+each shard's bytes on request; AdamW moments are never read). No Ray is needed.
+
+    python -m megaslide_ray.sample --checkpoint runs/X --prompt "a red circle moving right" \\
+        --frames 16 --steps 20 --seed 0 --out video.mp4
+
+Writes the H.264 mp4 and, beside it (same name, ``.png``), a contact sheet of its frames.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import math
+import struct
+import sys
+import time
+import zlib
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+from safetensors import safe_open
+
+from actors.compute import ComputeActor
+from actors.decoder import encode_caption
+from actors.param_store import DTYPES, ShardInfo, latest_checkpoint
+from megaslide_ray.config import Config, ConfigError, SECTIONS, apply_overrides, preset, validate
+from megaslide_ray.model import build_shard, num_shards
+from megaslide_ray.shards import ShardLayout
+
+log = logging.getLogger(__name__)
+
+SHEET_MAX_FRAMES = 16   # the contact sheet shows at most this many frames, evenly spaced
+SHEET_COLUMNS = 8
+
+
+# ---------------------------------------------------------------------------------------------
+# Checkpoint: config and a read-only weight source
+# ---------------------------------------------------------------------------------------------
+
+
+def resolve_checkpoint(path: str | Path) -> Path:
+    """A checkpoint directory (with state.json), or a run directory (its latest checkpoint)."""
+    p = Path(path)
+    if (p / "state.json").is_file():
+        return p
+    ckpt = latest_checkpoint(p)
+    if ckpt is not None:
+        return ckpt
+    raise FileNotFoundError(f"--checkpoint {str(p)!r}: neither a checkpoint directory (with state.json) nor a run "
+                            f"directory with checkpoints/latest; pass e.g. runs/NAME or runs/NAME/checkpoints/step_N")
+
+
+def sampling_config(state: dict, frames: int | None = None, height: int | None = None, width: int | None = None,
+                    device: str = "auto") -> Config:
+    """The checkpoint's config (``state.json``'s ``config``), with the clip shape and device for
+    sampling. Raises ``ConfigError`` if a size does not divide by the patch size."""
+    doc = state["config"]
+    cfg = preset(doc.get("preset", "tiny"))
+    flat = {f"{section}.{name}": value for section in SECTIONS for name, value in doc.get(section, {}).items()}
+    apply_overrides(cfg, flat)
+    cfg.data.manifest = ""            # training data is not needed (and may live on another machine)
+    cfg.runtime.state_dir = ""
+    cfg.runtime.device = device
+    cfg.data.batch_size = 1
+    patch = cfg.model.patch_size
+    for flag, value, p, attr in (("--frames", frames, patch[0], "num_frames"), ("--height", height, patch[1], "height"),
+                                 ("--width", width, patch[2], "width")):
+        if value is None:
+            continue
+        if value <= 0 or value % p:
+            raise ConfigError(f"{flag} {value} is not a positive multiple of the model's patch size {p} "
+                              f"(model.patch_size={tuple(patch)}); use e.g. {flag} {max(p, value // p * p)}")
+        setattr(cfg.data, attr, int(value))
+    try:
+        return validate(cfg)
+    except ConfigError as e:
+        raise ConfigError(f"sampling {cfg.data.num_frames} frames of {cfg.data.width}x{cfg.data.height} with this "
+                          f"checkpoint's model: {e} (or ask for more --frames/--height/--width)") from None
+
+
+class CheckpointWeights:
+    """Serves each shard's compute weights from a checkpoint, read-only.
+
+    Implements the ``StoreClient`` calls ``ComputeActor`` makes with the ``object_ref``
+    transport: ``get_weights`` returns the shard's raw bytes (uint8). Files are opened once and
+    read shard by shard on request, so only one or two shards are in memory at a time.
+    ``kind`` is ``w`` (the compute copy) or ``master`` (fp32; for sampling a bf16 run on a CPU).
+    """
+
+    def __init__(self, checkpoint: str | Path, cfg: Config, kind: str = "w"):
+        self.dir = Path(checkpoint)
+        self.state = json.loads((self.dir / "state.json").read_text())
+        self.step = int(self.state["step"])
+        self.kind = kind
+        self.w_dtype = self.state.get("w_dtype", "float32") if kind == "w" else "float32"
+        n = num_shards(cfg)
+        if int(self.state["num_shards"]) != n:
+            raise RuntimeError(f"checkpoint {self.dir} has {self.state['num_shards']} shards; its config needs {n}")
+        self.layouts = [ShardLayout.of(build_shard(cfg, i, "meta"), i) for i in range(n)]
+        self._files = []
+        for i, lay in enumerate(self.layouts):
+            path = self.dir / f"shard_{i:04d}.safetensors"
+            if not path.is_file():
+                raise FileNotFoundError(f"checkpoint {self.dir} is missing {path.name}")
+            f = safe_open(str(path), framework="pt")
+            names = json.loads(f.metadata().get("names", "null"))
+            if names is not None and tuple(names) != lay.names:
+                raise RuntimeError(f"checkpoint {self.dir} shard {i} holds tensors {names[:3]}..., the model built "
+                                   f"from its config expects {list(lay.names[:3])}...: config and weights disagree")
+            self._files.append(f)
+
+    def shard_infos(self) -> list[ShardInfo]:
+        return [ShardInfo(i, lay.numel, self.w_dtype, {}, lay) for i, lay in enumerate(self.layouts)]
+
+    # -- StoreClient --------------------------------------------------------------------------
+    def wait_version(self, shard: int, step: int) -> int:
+        if step > self.step:
+            raise RuntimeError(f"weights of step {step} requested; checkpoint {self.dir} holds step {self.step}")
+        return self.step
+
+    def get_weights(self, shard: int, step: int) -> np.ndarray:
+        self.wait_version(shard, step)
+        t = self._files[shard].get_tensor(self.kind)
+        if t.numel() != self.layouts[shard].numel:
+            raise RuntimeError(f"checkpoint {self.dir} shard {shard} has {t.numel()} values, the model needs "
+                               f"{self.layouts[shard].numel}")
+        return t.contiguous().view(torch.uint8).numpy()
+
+    def report_grad(self, shard: int, step: int, sqnorm: float, grad) -> None:
+        raise RuntimeError("CheckpointWeights is read-only: sampling sends no gradients")
+
+    def flush(self) -> None:
+        pass
+
+    def close(self) -> None:
+        self._files = []
+
+
+# ---------------------------------------------------------------------------------------------
+# Euler sampling
+# ---------------------------------------------------------------------------------------------
+
+
+def caption_batch(prompt: str, max_bytes: int, batch: int = 1) -> tuple[np.ndarray, np.ndarray]:
+    """``prompt`` as the decoder encodes captions: zero-padded UTF-8 bytes and their length."""
+    text = encode_caption(prompt, max_bytes)
+    caption = np.zeros((batch, max_bytes), dtype=np.uint8)
+    caption[:, : len(text)] = np.frombuffer(text, dtype=np.uint8)
+    return caption, np.full((batch,), len(text), dtype=np.int32)
+
+
+def euler_sample(compute: ComputeActor, cfg: Config, prompt: str, steps: int, seed: int, version: int,
+                 cfg_scale: float = 1.0) -> torch.Tensor:
+    """Integrate from noise (t = 1) to data (t = 0) in ``steps`` Euler steps.
+    Returns ``x0`` as float32 ``(1, F, H, W, C)``. With ``cfg_scale != 1`` each step also
+    predicts with an empty caption and mixes ``v_u + cfg_scale * (v_c - v_u)`` (one batch of 2)."""
+    d, m = cfg.data, cfg.model
+    g = torch.Generator(device="cpu").manual_seed(int(seed))
+    x = torch.randn((1, d.num_frames, d.height, d.width, m.in_channels), generator=g, dtype=torch.float32)
+    guided = cfg_scale != 1.0
+    cap, cap_len = caption_batch(prompt, m.caption_max_bytes, 2 if guided else 1)
+    if guided:
+        cap_len[1] = 0  # the unconditional half: an empty caption
+    ts = torch.linspace(1.0, 0.0, steps + 1)
+    for i in range(steps):
+        t, dt = float(ts[i]), float(ts[i] - ts[i + 1])
+        xb = torch.cat([x, x]) if guided else x
+        v = compute.predict(xb, torch.full((xb.shape[0],), t), cap, cap_len, version)
+        if guided:
+            v = v[1:] + cfg_scale * (v[:1] - v[1:])
+        x = x - dt * v
+    return x
+
+
+def to_uint8_frames(x: torch.Tensor) -> np.ndarray:
+    """(1, F, H, W, C) in [-1, 1] -> uint8 (F, H, W, 3); one channel is repeated to RGB."""
+    frames = ((x[0].clamp(-1, 1) + 1) * 127.5).round().to(torch.uint8).numpy()
+    if frames.shape[-1] == 1:
+        frames = np.repeat(frames, 3, axis=-1)
+    if frames.shape[-1] != 3:
+        raise ValueError(f"the model makes {frames.shape[-1]} channels; a video needs 1 or 3 (model.in_channels)")
+    return frames
+
+
+# ---------------------------------------------------------------------------------------------
+# Contact sheet (a dependency-free PNG writer: zlib + the PNG chunk format)
+# ---------------------------------------------------------------------------------------------
+
+
+def contact_sheet(frames: np.ndarray, max_frames: int = SHEET_MAX_FRAMES, columns: int = SHEET_COLUMNS,
+                  gap: int = 2) -> np.ndarray:
+    """Up to ``max_frames`` evenly spaced frames of uint8 ``(F, H, W, 3)`` in a grid, row-major."""
+    f, h, w, _ = frames.shape
+    picks = np.unique(np.linspace(0, f - 1, min(f, max_frames)).round().astype(int))
+    cols = min(columns, len(picks))
+    rows = math.ceil(len(picks) / cols)
+    sheet = np.full((rows * h + (rows - 1) * gap, cols * w + (cols - 1) * gap, 3), 255, dtype=np.uint8)
+    for k, i in enumerate(picks):
+        r, c = divmod(k, cols)
+        sheet[r * (h + gap): r * (h + gap) + h, c * (w + gap): c * (w + gap) + w] = frames[i]
+    return sheet
+
+
+def write_png(path: str | Path, image: np.ndarray) -> None:
+    """uint8 (H, W, 3) RGB -> 8-bit PNG."""
+    h, w, _ = image.shape
+    raw = b"".join(b"\x00" + image[y].tobytes() for y in range(h))  # filter type 0 per row
+
+    def chunk(tag: bytes, data: bytes) -> bytes:
+        return struct.pack(">I", len(data)) + tag + data + struct.pack(">I", zlib.crc32(tag + data) & 0xFFFFFFFF)
+
+    png = (b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", struct.pack(">IIBBBBB", w, h, 8, 2, 0, 0, 0))
+           + chunk(b"IDAT", zlib.compress(raw, 9)) + chunk(b"IEND", b""))
+    Path(path).write_bytes(png)
+
+
+# ---------------------------------------------------------------------------------------------
+# Public API
+# ---------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class SampleResult:
+    video_path: str
+    sheet_path: str
+    frames: np.ndarray        # uint8 (F, H, W, 3), as written to the mp4 (before H.264)
+    checkpoint: str
+    checkpoint_step: int
+    seconds: float
+
+
+def sample_video(checkpoint: str | Path, prompt: str, out: str | Path, frames: int | None = None,
+                 steps: int = 20, seed: int = 0, height: int | None = None, width: int | None = None,
+                 cfg_scale: float = 1.0, fps: int = 8, device: str = "auto") -> SampleResult:
+    """Sample one video from ``checkpoint`` (a checkpoint or run directory) and write
+    ``out`` (mp4) and ``out`` with suffix ``.png`` (contact sheet)."""
+    from megaslide_ray.demo_data import write_video
+
+    if steps < 1:
+        raise ValueError(f"--steps {steps} must be >= 1")
+    if fps < 1:
+        raise ValueError(f"--fps {fps} must be >= 1")
+    t0 = time.perf_counter()
+    ckpt = resolve_checkpoint(checkpoint)
+    state = json.loads((ckpt / "state.json").read_text())
+    cfg = sampling_config(state, frames, height, width, device)
+    if cfg.data.height % 2 or cfg.data.width % 2:
+        raise ConfigError(f"video size {cfg.data.width}x{cfg.data.height} must be even for H.264 (yuv420p); "
+                          f"choose even --height/--width")
+    # A bf16 checkpoint sampled on the CPU: serve the fp32 master copy (CPU kernels want fp32).
+    on_cpu = device == "cpu" or not torch.cuda.is_available()
+    kind = "master" if on_cpu and DTYPES.get(state.get("w_dtype", "float32")) is torch.bfloat16 else "w"
+    source = CheckpointWeights(ckpt, cfg, kind)
+    compute = ComputeActor(cfg, source.shard_infos(), source, transport="object_ref")
+    try:
+        x = euler_sample(compute, cfg, prompt, steps, seed, source.step, cfg_scale)
+    finally:
+        compute.close()
+        source.close()
+    video = to_uint8_frames(x)
+    out = Path(out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    write_video(out, video, fps)
+    sheet = out.with_suffix(".png")
+    write_png(sheet, contact_sheet(video))
+    return SampleResult(str(out), str(sheet), video, str(ckpt), source.step, time.perf_counter() - t0)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m megaslide_ray.sample",
+                                description="Sample a video from a checkpoint (Euler, rectified flow, streamed).")
+    p.add_argument("--checkpoint", required=True, help="checkpoint directory, or a run directory (its latest)")
+    p.add_argument("--prompt", default="", help="caption text")
+    p.add_argument("--frames", type=int, default=None, help="frames (default: the training clip's)")
+    p.add_argument("--height", type=int, default=None, help="height in pixels (default: the training clip's)")
+    p.add_argument("--width", type=int, default=None, help="width in pixels (default: the training clip's)")
+    p.add_argument("--steps", type=int, default=20, help="Euler steps")
+    p.add_argument("--seed", type=int, default=0, help="noise seed")
+    p.add_argument("--cfg-scale", type=float, default=1.0, help="classifier-free guidance scale (1 = off)")
+    p.add_argument("--fps", type=int, default=8)
+    p.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
+    p.add_argument("--out", default="sample.mp4", help="output mp4; the contact sheet goes beside it as .png")
+    p.add_argument("--log-level", default="WARNING")
+    a = p.parse_args(argv)
+    logging.basicConfig(level=a.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
+    try:
+        r = sample_video(a.checkpoint, a.prompt, a.out, a.frames, a.steps, a.seed, a.height, a.width,
+                         a.cfg_scale, a.fps, a.device)
+    except (ConfigError, FileNotFoundError, ValueError, RuntimeError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    f, h, w, _ = r.frames.shape
+    print(f"checkpoint {r.checkpoint} (step {r.checkpoint_step}): {f} frames {w}x{h}, {a.steps} steps, "
+          f"seed {a.seed}, {r.seconds:.1f} s")
+    print(f"video: {r.video_path}")
+    print(f"contact sheet: {r.sheet_path}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,68 @@
+"""The run report: PNGs and a summary from metrics.jsonl, tolerant of missing fields."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from megaslide_ray.report import PLOTS, format_summary, main, read_metrics, report
+
+
+def _rows(n=12):
+    rows = []
+    for i in range(n):
+        fwd, bwd, wait = 0.3 + 0.01 * i, 0.9, 0.04
+        rows.append({"step": i + 1, "loss": 1.5 * 0.95 ** i, "lr": 5e-3, "grad_norm": 1.2, "tokens": 1024,
+                     "tokens_per_s": 1024 / 1.5, "step_seconds": 1.5, "compute_seconds": fwd + bwd,
+                     "forward_seconds": fwd, "backward_seconds": bwd, "weight_wait_seconds": wait,
+                     "optimizer_seconds": 0.01, "data_position": 2 * (i + 1), "skipped_files": 0})
+    return rows
+
+
+def _write(run_dir, rows):
+    run_dir.mkdir(parents=True, exist_ok=True)
+    (run_dir / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+
+
+def test_report_writes_plots_and_summary(tmp_path, capsys):
+    _write(tmp_path / "run", _rows())
+    assert main([str(tmp_path / "run")]) == 0
+    out = capsys.readouterr().out
+    for png in PLOTS:
+        data = (tmp_path / "run" / "report" / png).read_bytes()
+        assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 1000
+    assert "1..12 (12 rows)" in out and "1.5000 /" in out and "tokens/s" in out and "683" in out
+    # 2..12: step 1.5 s, forward 0.31..0.41, backward 0.9, other = 1.5 - compute
+    split = {line.rsplit(None, 1)[0].strip(): line.rsplit(None, 1)[1] for line in out.splitlines()
+             if line.startswith("  ") and line.rstrip().endswith("%")}
+    assert split == {"forward": "24.0%", "backward": "60.0%", "other (data, driver)": "16.0%"}
+    assert "weight wait              2.7%  (inside forward/backward)" in out
+
+
+def test_report_tolerates_missing_fields_and_custom_out(tmp_path):
+    rows = [{"step": 1, "loss": 2.0}, {"step": 2, "loss": 1.0, "tokens_per_s": 500.0}, {"step": 3}]
+    _write(tmp_path / "run", rows)
+    summary, plots = report(tmp_path / "run", tmp_path / "plots")
+    assert [p.name for p in plots] == list(PLOTS) and all(p.is_file() for p in plots)
+    assert summary.first_loss == 2.0 and summary.min_loss == 1.0 and summary.min_loss_step == 2
+    assert summary.split == {}
+    assert "time split" not in format_summary(summary)
+
+
+def test_report_reads_a_real_run_row_format(tmp_path):
+    # The trainer's rows carry extra fields (clip_coef, device, time, ...): they are ignored.
+    rows = [{**r, "clip_coef": 1.0, "update_skipped": False, "device": "cpu", "time": 1.0e9 + i}
+            for i, r in enumerate(_rows(3))]
+    _write(tmp_path / "run", rows)
+    assert [r["step"] for r in read_metrics(tmp_path / "run" / "metrics.jsonl")] == [1, 2, 3]
+
+
+def test_report_missing_or_empty_metrics_is_a_clear_error(tmp_path):
+    proc = subprocess.run([sys.executable, "-m", "megaslide_ray.report", str(tmp_path / "nowhere")],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2 and "metrics.jsonl does not exist" in proc.stderr
+    (tmp_path / "empty").mkdir()
+    (tmp_path / "empty" / "metrics.jsonl").write_text("")
+    with pytest.raises(ValueError, match="holds no metrics rows"):
+        report(tmp_path / "empty")
