@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import logging
 import os
+import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
@@ -88,35 +89,59 @@ class ComputeActor:
             for info in shards:
                 self.w_maps.append(map_segment(info.paths["w"], info.numel, self.dtype))
                 self.g_maps.append(map_segment(info.paths["g"], info.numel, self.dtype))
-        # One background thread stages the next shard while the current one computes.
+        rt = cfg.runtime
+        self.overlap = rt.overlap
+        self.prefetch_depth = rt.prefetch_depth if rt.overlap else 0
+        self.link_gbps = rt.link_gbps
+        # Staging: on CUDA every shard is copied to the device; on CPU only when a link is
+        # simulated (``link_gbps``), else the compute reads the mapped pages directly.
+        self._staging = _StagingPool()
+        self._stage = self.device.type == "cpu" and self.link_gbps > 0
+        # "Streams" on CPU: one thread stages shards ahead (host-to-device), one returns
+        # gradients (device-to-host), so both transfers overlap the compute thread.
         self._prefetcher = ThreadPoolExecutor(max_workers=1, thread_name_prefix="shard-prefetch")
+        self._returner = ThreadPoolExecutor(max_workers=1, thread_name_prefix="grad-return")
 
     # -- weights ------------------------------------------------------------------------------
     def _fetch(self, shard: int, step: int) -> tuple[torch.Tensor, float]:
         t0 = time.perf_counter()
         if self.transport == "shm":
             self.store.wait_version(shard, step)
-            w = self.w_maps[shard]
+            src = self.w_maps[shard]
         else:
             raw = self.store.get_weights(shard, step)
-            w = torch.from_numpy(np.array(raw, copy=True)).view(self.dtype)
-        # CPU: compute straight from the mapped pages (no copy). CUDA: one H2D copy per shard.
-        w = w.to(self.device)
+            src = torch.from_numpy(np.array(raw, copy=True)).view(self.dtype)
+        if self._stage:  # simulated link: a throttled copy into a reused buffer
+            w = self._staging.acquire(src.numel(), src.dtype)
+            throttled_copy(w, src, self.link_gbps)
+        else:  # CPU: compute straight from the mapped pages (no copy). CUDA: one H2D copy.
+            w = src.to(self.device)
         return w, time.perf_counter() - t0
+
+    def _release(self, w: torch.Tensor) -> None:
+        if self._stage:
+            self._staging.release(w)
 
     def _run(self, shard: int, flat: torch.Tensor, *args):
         params = self.infos[shard].layout.views(flat)
         return functional_call(self.modules[shard], params, args)
 
-    def _push_grad(self, shard: int, step: int, flat: torch.Tensor) -> float:
+    def _push_grad(self, shard: int, step: int, flat: torch.Tensor) -> Future | None:
         g = flat.grad if flat.grad is not None else torch.zeros_like(flat)
         sqnorm = float(g.float().pow(2).sum())  # host sync: the store needs the number
-        if self.transport == "shm":
-            self.g_maps[shard].copy_(g)
-            self.store.report_grad(shard, step, sqnorm, None)
-        else:
-            self.store.report_grad(shard, step, sqnorm, g.cpu().view(torch.uint8).numpy())
-        return sqnorm
+
+        def send() -> None:
+            if self.transport == "shm":
+                throttled_copy(self.g_maps[shard], g, self.link_gbps)
+                self.store.report_grad(shard, step, sqnorm, None)
+            else:
+                host = g.cpu()
+                self.store.report_grad(shard, step, sqnorm, host.view(torch.uint8).numpy())
+
+        if not self.overlap:
+            send()
+            return None
+        return self._returner.submit(send)
 
     # -- one step -----------------------------------------------------------------------------
     def train_step(self, batch: dict, step: int) -> StepResult:
@@ -124,20 +149,22 @@ class ComputeActor:
         L = self.cfg.model.depth
         head = L + 1
         order = list(range(self.n)) + list(range(L, -1, -1))  # forward 0..L+1, backward L..0
-        futures: list[Future] = []
-
-        def fetch(pos: int) -> None:
-            futures.append(self._prefetcher.submit(self._fetch, order[pos], step))
-
+        futures: dict[int, Future] = {}
+        returns: list[Future | None] = []
         wait = 0.0
-        fetch(0)
 
         def take(pos: int) -> torch.Tensor:
+            """Weights for ``order[pos]``; keeps ``prefetch_depth`` shards in flight after it."""
             nonlocal wait
-            if pos + 1 < len(order):
-                fetch(pos + 1)
-            w, waited = futures[pos].result()
-            wait += waited
+            for ahead in range(pos, min(pos + self.prefetch_depth + 1, len(order))):
+                if ahead not in futures and ahead != pos:
+                    futures[ahead] = self._prefetcher.submit(self._fetch, order[ahead], step)
+            t0 = time.perf_counter()
+            if pos in futures:
+                w, _ = futures.pop(pos).result()
+            else:  # no overlap: fetch now, in sequence
+                w, _ = self._fetch(order[pos], step)
+            wait += time.perf_counter() - t0  # time the compute thread was blocked
             return w
 
         noise_step = 0 if self.cfg.training.overfit_one_batch else step
@@ -150,14 +177,19 @@ class ComputeActor:
         # -- forward: keep only block inputs (activation checkpointing at block boundaries)
         pos = 0
         with torch.no_grad():
-            x, c = self._run(0, take(pos), x_t, t, cap, cap_len)
+            w = take(pos)
+            x, c = self._run(0, w, x_t, t, cap, cap_len)
+            self._release(w)
             pos += 1
             inputs = []
             for shard in range(1, L + 1):
                 inputs.append(x)
-                x = self._run(shard, take(pos), x, c)
+                w = take(pos)
+                x = self._run(shard, w, x, c)
+                self._release(w)
                 pos += 1
-        w_head = take(pos).detach().requires_grad_(True)
+        w_staged = take(pos)
+        w_head = w_staged.detach().requires_grad_(True)
         pos += 1
         x_last = x.detach().requires_grad_(True)
         c_leaf = c.detach().requires_grad_(True)
@@ -165,26 +197,34 @@ class ComputeActor:
         pred = self._run(head, w_head, x_last, c_leaf)
         loss = flow_loss(pred, target)
         loss.backward()
-        self._push_grad(head, step, w_head)
+        returns.append(self._push_grad(head, step, w_head))
+        self._release(w_staged)
         dx, dc = x_last.grad, c_leaf.grad.clone()
         del pred, w_head
 
         # -- backward: recompute each block from its input, newest first
         for shard in range(L, 0, -1):
-            w = take(pos).detach().requires_grad_(True)
+            w_staged = take(pos)
+            w = w_staged.detach().requires_grad_(True)
             pos += 1
             x_in = inputs.pop().detach().requires_grad_(True)
             c_leaf = c.detach().requires_grad_(True)
             y = self._run(shard, w, x_in, c_leaf)
             torch.autograd.backward(y, dx)
-            self._push_grad(shard, step, w)
+            returns.append(self._push_grad(shard, step, w))
+            self._release(w_staged)
             dx = x_in.grad
             dc += c_leaf.grad
             del y, w
-        w0 = take(pos).detach().requires_grad_(True)
+        w_staged = take(pos)
+        w0 = w_staged.detach().requires_grad_(True)
         x0, c0 = self._run(0, w0, x_t, t, cap, cap_len)
         torch.autograd.backward([x0, c0], [dx, dc])
-        self._push_grad(0, step, w0)
+        returns.append(self._push_grad(0, step, w0))
+        self._release(w_staged)
+        for r in returns:  # every gradient has reached the store (errors surface here)
+            if r is not None:
+                r.result()
         self.store.flush()
         t_end = time.perf_counter()
         B = x_t.shape[0]
@@ -220,6 +260,7 @@ class ComputeActor:
                 x, c = self._run(0, w, x_t.float(), t.float(), cap, cap_len)
             else:
                 x = self._run(shard, w, x, c)
+            self._release(w)
             del w
         return x.float().cpu()  # host sync: the caller integrates on the CPU
 
@@ -233,6 +274,7 @@ class ComputeActor:
 
     def close(self) -> None:
         self._prefetcher.shutdown(wait=True)
+        self._returner.shutdown(wait=True)
         self.w_maps, self.g_maps = [], []
 
 
@@ -253,3 +295,47 @@ class LocalStoreClient:
 
     def flush(self) -> None:
         pass
+
+
+class _StagingPool:
+    """Reused staging buffers, by size: the working set stays at prefetch_depth + 1 shards
+    whatever the depth of the model (buffers are handed back after each shard's compute)."""
+
+    def __init__(self):
+        self._free: dict[tuple[int, torch.dtype], list[torch.Tensor]] = {}
+        self._lock = threading.Lock()
+        self.allocated = 0
+
+    def acquire(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
+        with self._lock:
+            free = self._free.get((numel, dtype))
+            if free:
+                return free.pop()
+            self.allocated += 1
+        return torch.empty(numel, dtype=dtype)
+
+    def release(self, buf: torch.Tensor) -> None:
+        with self._lock:
+            self._free.setdefault((buf.numel(), buf.dtype), []).append(buf)
+
+
+THROTTLE_CHUNK_BYTES = 4 << 20
+
+
+def throttled_copy(dst: torch.Tensor, src: torch.Tensor, gbps: float) -> None:
+    """``dst.copy_(src)`` at no more than ``gbps`` GB/s (0: unthrottled), in 4 MiB pieces with
+    sleeps: a CPU stand-in for a PCIe link, so overlap can be tested without a GPU."""
+    if gbps <= 0:
+        dst.copy_(src)
+        return
+    d, s_ = dst.view(-1), src.view(-1)
+    step = max(1, THROTTLE_CHUNK_BYTES // s_.element_size())
+    t0 = time.perf_counter()
+    done = 0
+    for i in range(0, s_.numel(), step):
+        piece = s_[i:i + step]
+        d[i:i + step].copy_(piece)
+        done += piece.numel() * piece.element_size()
+        ahead = done / (gbps * 1e9) - (time.perf_counter() - t0)
+        if ahead > 0:
+            time.sleep(ahead)

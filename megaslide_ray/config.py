@@ -124,6 +124,14 @@ class RuntimeConfig:
     ``auto`` picks ``shm`` when both actors share a node."""
     compute_threads: int = 0
     """Torch intra-op threads in the compute actor; 0 uses every core of the machine."""
+    overlap: bool = True
+    """Stage the next shards and return gradients on background threads while the current shard
+    computes. False: fetch, compute, return strictly in sequence (the "no async streaming" ablation)."""
+    prefetch_depth: int = 1
+    """Shards staged ahead of the one computing (with ``overlap``)."""
+    link_gbps: float = 0.0
+    """CPU runs: throttle weight staging and gradient return to this many GB/s, to simulate a PCIe
+    link without a GPU (0: no throttle; weights are then read in place from shared memory)."""
     optimizer_threads: int = 0
     """Torch threads in the parameter store for AdamW; 0 uses every core of the machine."""
 
@@ -420,6 +428,8 @@ def validate(cfg: Config) -> Config:
         positive(where, value)
     for i, p in enumerate(m.patch_size):
         positive(f"model.patch_size[{i}]", p)
+    if cfg.runtime.prefetch_depth < 1:
+        raise ConfigError(f"runtime.prefetch_depth={cfg.runtime.prefetch_depth} must be >= 1")
     if d.num_decoders != 1:
         raise ConfigError(f"data.num_decoders={d.num_decoders}: only 1 decoder is supported so far (a pool could "
                           f"not resume its data position exactly); use 1")
@@ -451,6 +461,7 @@ def validate(cfg: Config) -> Config:
                          ("optim.warmup_steps", o.warmup_steps), ("training.checkpoint_every", t.checkpoint_every),
                          ("runtime.compute_threads", cfg.runtime.compute_threads),
                          ("runtime.optimizer_threads", cfg.runtime.optimizer_threads),
+                         ("runtime.link_gbps", cfg.runtime.link_gbps),
                          ("ray.num_cpus", cfg.ray.num_cpus)]:
         if value < 0:
             raise ConfigError(f"{where}={value} must be >= 0")
