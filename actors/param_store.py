@@ -11,6 +11,31 @@ Versions: ``versions[l]`` is the step whose weights ``w_l`` holds. Step k's upda
 l runs only after every shard reported its gradient for step k (exact global-norm clipping),
 in shard order 0..L-1, so the next forward can start on shard 0 while the rest update.
 
+Restarts: the segments outlive the store's process. A store constructed again over a state
+directory that holds a ``layout.json`` (``attach=True``, or Ray re-running ``__init__`` after a
+crash) maps the same segments instead of initialising. Two small control segments make an
+update crash-consistent: ``updating[l]`` holds the step whose update of shard l is in progress
+(-1 when none), written before the shard is touched and cleared after its version is bumped;
+``records`` keeps the global norm, clipping coefficient and learning rate of recent steps,
+written before the first shard is updated. On re-attach:
+
+* a shard marked mid-update has a half-written state: the store refuses to start and says to
+  resume from the latest checkpoint;
+* versions k+1 on some shards and k on the rest (a cut between two shards): the update of
+  step k is finished from the gradients still in the ``g`` segments (nothing overwrites them
+  before every shard reached k+1) with the recorded coefficient, so every shard gets step k
+  exactly once;
+* all versions equal: nothing was in flight in the state; the gradients reported for the
+  next step lived in the old process only, so the driver redoes that step
+  (``pipelines/streaming.py``).
+
+AdamW kernels (``adamw=`` or ``MEGASLIDE_ADAMW``): ``fused`` (default) is torch's fused CPU
+AdamW on the flat shard plus a copy into ``w``; ``compiled`` is one ``torch.compile``d pass
+that reads g, master, m, v and writes master, m, v, w (28 B/param in bf16 instead of 40, see
+benchmarks/adamw.py), but compiling costs 4-13 s per store process on 2 cores (warm / cold
+inductor cache), so it is opt-in; ``auto`` tries ``compiled`` with a self-test against
+``torch.optim.AdamW`` and falls back to ``fused``.
+
 The class is plain; ``pipelines/`` makes it a threaded Ray actor, so ``wait_version`` calls
 block in their own threads while the update thread works.
 """
@@ -26,6 +51,7 @@ import shutil
 import tempfile
 import threading
 import time
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -45,6 +71,9 @@ log = logging.getLogger(__name__)
 KINDS = ("w", "master", "m", "v", "g")
 CHECKPOINT_KINDS = ("w", "master", "m", "v")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+ADAMW_KINDS = ("fused", "compiled", "auto")
+RECORDS = 4          # update records kept in shared memory (ring indexed by step % RECORDS)
+RECORD_FIELDS = 6    # step, grad_norm, clip_coef, lr, skipped, optimizer_seconds
 
 
 @dataclass(frozen=True)
@@ -97,9 +126,25 @@ def map_segment(path: str | Path, numel: int, dtype: torch.dtype, create: bool =
     return torch.from_file(str(path), shared=True, size=numel, dtype=dtype)
 
 
+class StateNotTrustedError(RuntimeError):
+    """The store's shared state was cut in the middle of an update: resume from a checkpoint."""
+
+
+class GradientsLostError(RuntimeError):
+    """Asked for a step whose gradients this store process never received (it was restarted
+    after they were reported): the driver redoes the step."""
+
+
 class ParameterStore:
     def __init__(self, cfg: Config, run_dir: str, w_dtype: str = "float32",
-                 resume_checkpoint: str | None = None, attach: bool = False):
+                 resume_checkpoint: str | None = None, attach: bool = False, init_from: str | None = None,
+                 adamw: str | None = None):
+        """``run_dir`` names the state (a restarted store finds it again); ``w_dtype`` is the
+        compute copy's dtype. Fresh state comes from ``resume_checkpoint`` (everything, at its
+        step), else ``init_from`` (pretrained weights, moments zero, step 0; see
+        ``megaslide_ray/pretrained.py``), else the seeded initialisation. ``attach`` maps an
+        existing state instead (Ray restarts attach by themselves). ``adamw``: ``fused``,
+        ``compiled`` or ``auto`` (default: ``MEGASLIDE_ADAMW``, else ``fused``)."""
         if w_dtype not in DTYPES:
             raise ValueError(f"w_dtype={w_dtype!r}; use one of {list(DTYPES)}")
         threads = cfg.runtime.optimizer_threads or os.cpu_count() or 1
@@ -113,10 +158,13 @@ class ParameterStore:
         self._lock = threading.Condition()
         self._pending: dict[int, dict[int, float]] = {}   # step -> {shard: ||g||^2}
         self._results: dict[int, UpdateResult] = {}
+        self._inflight: set[int] = set()                  # steps queued or being applied here
+        self._generation = 0                              # compute actor whose reports count
         self._closed = False
         self._error: BaseException | None = None
 
-        attached = attach and (self.dir / "layout.json").is_file()
+        # Ray re-runs __init__ with the original arguments when it restarts a crashed store.
+        attached = (attach or _was_reconstructed()) and (self.dir / "layout.json").is_file()
         if attached:
             self._check_layout()
         else:
@@ -132,18 +180,29 @@ class ParameterStore:
                 segs[kind] = map_segment(self._path(i, kind), lay.numel, dtype, create=not attached)
             self.seg.append(segs)
         self.versions = map_segment(self.dir / "versions.i64", self.n, torch.int64, create=not attached)
-        if not attached:
-            if resume_checkpoint:
-                self._load_checkpoint(resume_checkpoint)
-            else:
-                self._initialize(cfg.training.seed)
-            (self.dir / "layout.json").write_text(json.dumps(self._layout_doc()))
-        else:
-            log.info("parameter store re-attached to %s at versions %s", self.dir, self.versions.tolist())
+        self.updating = map_segment(self.dir / "updating.i64", self.n, torch.int64, create=not attached)
+        self.records = map_segment(self.dir / "records.f64", RECORDS * RECORD_FIELDS, torch.float64,
+                                   create=not attached).view(RECORDS, RECORD_FIELDS)
         # bf16 runs: gradients are upcast into one reused fp32 buffer (a fresh ``g.float()`` per
         # shard per step costs an allocation and page faults: ~3x slower, see benchmarks/adamw.py).
         self._grad32 = (torch.empty(max(lay.numel for lay in self.layouts), dtype=torch.float32)
                         if w_dtype != "float32" else None)
+        self.adamw, self._single_pass = self._choose_adamw(adamw)
+        if not attached:
+            self.updating.fill_(-1)
+            self.records[:, 0] = -1
+            if resume_checkpoint:
+                self._load_checkpoint(resume_checkpoint)
+            elif init_from:
+                from megaslide_ray.pretrained import load_pretrained_into
+
+                load_pretrained_into(self, init_from)
+            else:
+                self._initialize(cfg.training.seed)
+            (self.dir / "layout.json").write_text(json.dumps(self._layout_doc()))
+        else:
+            self._recover()
+            log.warning("parameter store re-attached to %s at versions %s", self.dir, self.versions.tolist())
         self._queue: list[int] = []
         self._worker = threading.Thread(target=self._update_loop, name="adamw-updates", daemon=True)
         self._worker.start()
@@ -214,13 +273,20 @@ class ParameterStore:
         return self.seg[shard]["w"].view(torch.uint8).numpy().copy()
 
     # -- gradients and updates ----------------------------------------------------------------
-    def report_grad(self, shard: int, step: int, sqnorm: float, grad: np.ndarray | None = None) -> None:
+    def report_grad(self, shard: int, step: int, sqnorm: float, grad: np.ndarray | None = None,
+                    generation: int | None = None) -> None:
         """The compute actor's gradient of ``shard`` for ``step`` is complete: in the ``g``
-        segment already (shm transport) or in ``grad`` (object-ref transport, raw bytes)."""
+        segment already (shm transport) or in ``grad`` (object-ref transport, raw bytes).
+        ``generation`` names the compute actor (see ``set_client_generation``)."""
+        if generation is not None and generation != self._generation:
+            log.warning("dropped a gradient report of shard %d for step %d from a replaced compute actor", shard, step)
+            return
         if grad is not None:
             g = self.seg[shard]["g"]
             g.view(torch.uint8).copy_(torch.from_numpy(np.asarray(grad)).view(torch.uint8))
         with self._lock:
+            if generation is not None and generation != self._generation:
+                return  # the compute actor was replaced while this report was on its way
             if int(self.versions[shard]) != step:
                 raise RuntimeError(f"gradient of shard {shard} for step {step} arrived but the shard is at "
                                    f"version {int(self.versions[shard])}")
@@ -228,7 +294,23 @@ class ParameterStore:
             got[shard] = float(sqnorm)
             if len(got) == self.n:
                 self._queue.append(step)
+                self._inflight.add(step)
                 self._lock.notify_all()
+
+    def set_client_generation(self, generation: int, timeout: float = 600.0) -> tuple[int, ...]:
+        """The driver replaced the compute actor: from now on only reports of ``generation``
+        count, and partial reports of unfinished steps are forgotten (the step is redone).
+        Returns the versions once the updates already queued are applied."""
+        deadline = time.monotonic() + timeout
+        with self._lock:
+            self._generation = generation
+            self._pending.clear()
+            while self._inflight:
+                self._raise_if_failed()
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"updates of steps {sorted(self._inflight)} not finished after {timeout:.0f} s")
+                self._lock.wait(1.0)
+            return tuple(self.versions.tolist())
 
     def wait_step(self, step: int, timeout: float = 600.0) -> UpdateResult:
         """Block until step ``step``'s update is applied to every shard."""
@@ -236,6 +318,15 @@ class ParameterStore:
         with self._lock:
             while step not in self._results:
                 self._raise_if_failed()
+                if step not in self._inflight:
+                    # The caller has seen every report of ``step`` acknowledged, so the step is
+                    # queued here, applied here (in _results), or applied by an earlier process.
+                    done = self._record(step) if int(self.versions.min()) > step else None
+                    if done is not None:
+                        return done
+                    raise GradientsLostError(
+                        f"step {step}: this parameter store process holds no gradients of that step (it was "
+                        f"restarted after they were reported; versions {self.versions.tolist()}): redo the step")
                 left = deadline - time.monotonic()
                 if left <= 0:
                     raise TimeoutError(f"update of step {step} not finished after {timeout:.0f} s")
@@ -265,6 +356,7 @@ class ParameterStore:
                 return
             with self._lock:
                 self._results[step] = result
+                self._inflight.discard(step)
                 self._lock.notify_all()
 
     def _apply_update(self, step: int, sqnorms: dict[int, float]) -> UpdateResult:
@@ -272,33 +364,112 @@ class ParameterStore:
         t0 = time.perf_counter()
         total = math.sqrt(sum(sqnorms.values()))
         lr = lr_at(o, self.cfg.training.steps, step)
-        if not math.isfinite(total):
+        finite = math.isfinite(total)
+        coef = clip_coefficient(total, o.grad_clip) if finite else 0.0
+        # The record goes first: a store that restarts between two shards finishes from it.
+        self._write_record(step, total, coef, lr, skipped=not finite, seconds=0.0)
+        if not finite:
             log.warning("step %d: gradient norm is %s; update skipped on every shard", step, total)
-            with self._lock:
-                self.versions.add_(1)
-                self._lock.notify_all()
-            return UpdateResult(step, total, 0.0, lr, time.perf_counter() - t0, skipped=True)
-        coef = clip_coefficient(total, o.grad_clip)
-        step_t = torch.tensor(float(step), dtype=torch.float32)
         for i in range(self.n):  # shard order: the next forward needs shard 0 first
-            s = self.seg[i]
-            if self._grad32 is None:
-                g = s["g"]
+            self._update_shard(i, step, coef, lr, skip=not finite)
+        seconds = time.perf_counter() - t0
+        self.records[step % RECORDS, 5] = seconds
+        return UpdateResult(step, total, coef, lr, seconds, skipped=not finite)
+
+    def _update_shard(self, i: int, step: int, coef: float, lr: float, skip: bool = False) -> None:
+        """AdamW of step ``step`` on shard ``i``, bracketed by its crash marker."""
+        s = self.seg[i]
+        self.updating[i] = step  # from here until the marker is cleared, shard i is half-written
+        if not skip:
+            if self._single_pass is not None:
+                self._single_pass_update(s, step, coef, lr)
             else:
-                g = self._grad32[:s["g"].numel()]
-                g.copy_(s["g"])
-            if coef < 1.0:
-                g.mul_(coef)
-            st = step_t.clone()
-            # One fused pass over master, m, v and the gradient (torch's vectorised CPU kernel).
-            adamw_functional([s["master"]], [g], [s["m"]], [s["v"]], [], [st], fused=True,
-                             amsgrad=False, beta1=o.betas[0], beta2=o.betas[1], lr=lr,
-                             weight_decay=o.weight_decay, eps=o.eps, maximize=False)
-            s["w"].copy_(s["master"])  # the compute copy (a cast for bf16 runs)
-            with self._lock:
-                self.versions[i] = step + 1
-                self._lock.notify_all()
-        return UpdateResult(step, total, coef, lr, time.perf_counter() - t0)
+                self._fused_update(s, step, coef, lr)
+        with self._lock:
+            self.versions[i] = step + 1
+            self.updating[i] = -1
+            self._lock.notify_all()
+
+    def _fused_update(self, s: dict[str, torch.Tensor], step: int, coef: float, lr: float) -> None:
+        o = self.cfg.optim
+        if self._grad32 is None:
+            g = s["g"]  # scaled in place below: the marker of this shard is set
+        else:
+            g = self._grad32[:s["g"].numel()]
+            g.copy_(s["g"])
+        if coef < 1.0:
+            g.mul_(coef)
+        st = torch.tensor(float(step), dtype=torch.float32)
+        # One fused pass over master, m, v and the gradient (torch's vectorised CPU kernel).
+        adamw_functional([s["master"]], [g], [s["m"]], [s["v"]], [], [st], fused=True,
+                         amsgrad=False, beta1=o.betas[0], beta2=o.betas[1], lr=lr,
+                         weight_decay=o.weight_decay, eps=o.eps, maximize=False)
+        s["w"].copy_(s["master"])  # the compute copy (a cast for bf16 runs)
+
+    def _single_pass_update(self, s: dict[str, torch.Tensor], step: int, coef: float, lr: float) -> None:
+        o = self.cfg.optim
+        self._single_pass(s["g"], s["master"], s["m"], s["v"], s["w"], *adamw_scalars(o, step, coef, lr))
+
+    # -- crash consistency --------------------------------------------------------------------
+    def _write_record(self, step: int, total: float, coef: float, lr: float, skipped: bool,
+                      seconds: float) -> None:
+        row = self.records[step % RECORDS]
+        row[1:] = torch.tensor([total, coef, lr, float(skipped), seconds], dtype=torch.float64)
+        row[0] = step  # written last: a row is valid once its step field names it
+
+    def _record(self, step: int) -> UpdateResult | None:
+        row = self.records[step % RECORDS].tolist()
+        if int(row[0]) != step:
+            return None
+        return UpdateResult(step, row[1], row[2], row[3], row[5], skipped=bool(row[4]))
+
+    def _recover(self) -> None:
+        """Re-attached to segments a previous store process left: check them, finish a cut update."""
+        for i in range(self.n):
+            marker = int(self.updating[i])
+            if marker >= 0 and int(self.versions[i]) == marker + 1:
+                self.updating[i] = -1  # the cut came after the version bump: the shard is complete
+        cut = [i for i in range(self.n) if int(self.updating[i]) >= 0]
+        if cut:
+            raise StateNotTrustedError(
+                f"the parameter store in {self.dir} was stopped in the middle of updating shard(s) {cut} "
+                f"(step {int(self.updating[cut[0]])}): their weights and moments are half-written and cannot be "
+                f"trusted. Resume from the latest checkpoint (python -m megaslide_ray.train --run-dir RUN --resume)")
+        versions = self.versions.tolist()
+        lo, hi = min(versions), max(versions)
+        if lo == hi:
+            return
+        rec = self._record(lo)
+        if hi != lo + 1 or rec is None:
+            raise StateNotTrustedError(
+                f"the parameter store in {self.dir} holds shard versions {versions} with no record of the update "
+                f"of step {lo}; it cannot be finished. Resume from the latest checkpoint "
+                f"(python -m megaslide_ray.train --run-dir RUN --resume)")
+        todo = [i for i in range(self.n) if versions[i] == lo]
+        log.warning("the update of step %d was cut between shards; finishing it on shards %s", lo, todo)
+        for i in todo:  # their gradients of step lo are still in the g segments
+            self._update_shard(i, lo, rec.clip_coef, rec.lr, skip=rec.skipped)
+
+    # -- AdamW kernel choice ------------------------------------------------------------------
+    def _choose_adamw(self, requested: str | None):
+        kind = requested or os.environ.get("MEGASLIDE_ADAMW", "") or "fused"
+        if kind not in ADAMW_KINDS:
+            raise ValueError(f"AdamW kernel {kind!r} (argument or MEGASLIDE_ADAMW); use one of {list(ADAMW_KINDS)}")
+        if kind == "fused":
+            log.info("parameter store AdamW: fused (torch fused CPU AdamW + copy into w)")
+            return "fused", None
+        t0 = time.perf_counter()
+        try:
+            fn = compile_single_pass(self.cfg.optim, DTYPES[self.w_dtype])
+        except Exception as e:  # noqa: BLE001 - any compiler failure: fall back (auto) or report (compiled)
+            if kind == "compiled":
+                raise RuntimeError(f"AdamW kernel 'compiled' was requested but does not work here: {e}; "
+                                   f"use MEGASLIDE_ADAMW=fused") from e
+            log.warning("parameter store AdamW: fused (torch.compile single pass unusable: %s)", e)
+            return "fused", None
+        log.info("parameter store AdamW: compiled single pass (compiled and checked in %.1f s)",
+                 time.perf_counter() - t0)
+        return "compiled", fn
 
     # -- checkpoints --------------------------------------------------------------------------
     def save_checkpoint(self, run_dir: str, step: int, extra: dict) -> str:
@@ -362,6 +533,63 @@ class ParameterStore:
             shutil.rmtree(self.dir, ignore_errors=True)
 
 
+# -- the single-pass AdamW ------------------------------------------------------------------------
+
+
+def adamw_single_pass(g: torch.Tensor, master: torch.Tensor, m: torch.Tensor, v: torch.Tensor, w: torch.Tensor,
+                      coef: torch.Tensor, decay: torch.Tensor, step_size: torch.Tensor, bc2_sqrt: torch.Tensor,
+                      beta1: float, beta2: float, eps: float) -> None:
+    """AdamW with clipping, written as torch's single-tensor AdamW computes it; once compiled,
+    one loop reads g (bf16 or fp32), master, m, v and writes master, m, v and w (a cast for
+    bf16). Step-dependent scalars are 0-d tensors, so a new step or lr does not recompile."""
+    g32 = g.float() * coef
+    m_new = torch.lerp(m, g32, 1 - beta1)
+    v_new = v * beta2 + g32 * g32 * (1 - beta2)
+    denom = v_new.sqrt() / bc2_sqrt + eps
+    p = master * decay - step_size * (m_new / denom)
+    m.copy_(m_new)
+    v.copy_(v_new)
+    master.copy_(p)
+    w.copy_(p)
+
+
+def adamw_scalars(o, step: int, coef: float, lr: float) -> tuple:
+    """The step-dependent arguments of ``adamw_single_pass`` for 0-based ``step``, computed in
+    Python floats exactly as ``torch.optim.AdamW`` computes them."""
+    k = step + 1
+    t = lambda x: torch.tensor(x, dtype=torch.float32)  # noqa: E731
+    return (t(coef), t(1 - lr * o.weight_decay), t(lr / (1 - o.betas[0] ** k)),
+            t(math.sqrt(1 - o.betas[1] ** k)), o.betas[0], o.betas[1], o.eps)
+
+
+def compile_single_pass(o, w_dtype: torch.dtype, numel: int = 4099, steps: int = 3):
+    """``torch.compile`` the single pass and check it against ``torch.optim.AdamW`` (clipped
+    gradients, ``steps`` steps, an odd size). Returns the compiled function or raises."""
+    fn = torch.compile(adamw_single_pass, dynamic=True, fullgraph=True)
+    gen = torch.Generator().manual_seed(0)
+    master = torch.randn(numel, generator=gen)
+    ref = torch.nn.Parameter(master.clone())
+    opt = torch.optim.AdamW([ref], lr=1e-2, betas=o.betas, eps=o.eps, weight_decay=o.weight_decay,
+                            foreach=False)
+    m, v = torch.zeros(numel), torch.zeros(numel)
+    w = torch.empty(numel, dtype=w_dtype)
+    for step in range(steps):
+        g = torch.randn(numel, generator=gen).to(w_dtype)
+        coef = 0.5
+        fn(g, master, m, v, w, *adamw_scalars(o, step, coef, 1e-2))
+        ref.grad = g.float().mul_(coef)
+        opt.step()
+    state = opt.state[ref]
+    for name, got, want in (("master", master, ref.detach()), ("m", m, state["exp_avg"]),
+                            ("v", v, state["exp_avg_sq"])):
+        err = float((got - want).abs().max() / want.abs().max())
+        if not err <= 1e-6:
+            raise RuntimeError(f"compiled AdamW differs from torch.optim.AdamW in {name} by {err:.1e} (relative)")
+    if not torch.equal(w, master.to(w_dtype)):
+        raise RuntimeError("compiled AdamW wrote a compute copy w that is not master cast to its dtype")
+    return fn
+
+
 def read_checkpoint_state(path: str | Path) -> dict:
     return json.loads((Path(path) / "state.json").read_text())
 
@@ -380,6 +608,20 @@ def _fsync(path: Path) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
+
+
+def _was_reconstructed() -> bool:
+    """True inside a Ray actor that Ray has restarted after a crash."""
+    try:
+        import ray
+
+        if not ray.is_initialized() or ray.get_runtime_context().get_actor_id() is None:
+            return False
+        with warnings.catch_warnings():  # the property reads Ray's deprecated actor_id internally
+            warnings.simplefilter("ignore")
+            return bool(ray.get_runtime_context().was_current_actor_reconstructed)
+    except Exception:  # noqa: BLE001 - outside an actor: not reconstructed
+        return False
 
 
 def _node_id() -> str:

@@ -20,7 +20,8 @@ the figure of merit is the fraction of the machine's STREAM triad bandwidth an u
                buffer + ``w.copy_(master)``
    bf16-alloc  bf16 grad -> ``g.float()`` (a fresh allocation per shard) -> fused -> bf16 ``w``
    store-bf16  the store on CUDA runs: the same, upcasting into its preallocated fp32 buffer
-   compiled    ``torch.compile`` of one single-pass function (fp32 grad and w)
+   compiled    the store's ``compiled`` kernel (``MEGASLIDE_ADAMW=compiled``): ``torch.compile``
+               of ``actors.param_store.adamw_single_pass`` (fp32 grad and w)
    compiled-bf16  the same reading a bf16 grad and writing a bf16 w
    deepspeed   DeepSpeed's ``DeepSpeedCPUAdam`` + ``w.copy_(master)``, only if
                ``deepspeed`` imports (it is not a project dependency)
@@ -51,10 +52,13 @@ import signal
 import sys
 import time
 from dataclasses import asdict, dataclass
+from types import SimpleNamespace
 from typing import Callable
 
 import torch
 from torch.optim.adamw import adamw as adamw_functional
+
+from actors.param_store import adamw_scalars, adamw_single_pass
 
 LR, BETAS, EPS, WEIGHT_DECAY = 1e-3, (0.9, 0.999), 1e-8, 0.01
 TRIAD_NUMEL = 1 << 27          # 512 MiB per fp32 array: far beyond any cache
@@ -168,33 +172,17 @@ def make_store_bf16_scratch(s: Shard) -> Callable[[], None]:
     return step
 
 
-def adamw_single_pass(g: torch.Tensor, master: torch.Tensor, m: torch.Tensor, v: torch.Tensor,
-                      w: torch.Tensor, decay: torch.Tensor, step_size: torch.Tensor,
-                      bc2_sqrt: torch.Tensor) -> None:
-    """AdamW as torch's single-tensor path writes it, every output in one loop once compiled.
-    Step-dependent scalars come in as 0-d tensors so a new step does not recompile."""
-    g = g.float()
-    m_new = torch.lerp(m, g, 1 - BETAS[0])
-    v_new = v * BETAS[1] + g * g * (1 - BETAS[1])
-    denom = v_new.sqrt() / bc2_sqrt + EPS
-    p = master * decay - step_size * (m_new / denom)
-    m.copy_(m_new)
-    v.copy_(v_new)
-    master.copy_(p)
-    w.copy_(p)  # a cast when w is bf16
-
-
 def make_compiled(s: Shard, bf16: bool, compiled_fn) -> Callable[[], None]:
+    """The store's ``compiled`` kernel: ``actors.param_store.adamw_single_pass`` (one pass that
+    reads g, master, m, v and writes master, m, v, w), called exactly as the store calls it."""
     g, w = (s.g16, s.w16) if bf16 else (s.g32, s.w32)
+    hyper = SimpleNamespace(betas=BETAS, eps=EPS, weight_decay=WEIGHT_DECAY)
     count = [0]
 
     def step() -> None:
-        count[0] += 1
         k = count[0]
-        decay = torch.tensor(1 - LR * WEIGHT_DECAY)
-        step_size = torch.tensor(LR / (1 - BETAS[0] ** k))
-        bc2_sqrt = torch.tensor(math.sqrt(1 - BETAS[1] ** k))
-        compiled_fn(g, s.master, s.m, s.v, w, decay, step_size, bc2_sqrt)
+        count[0] += 1
+        compiled_fn(g, s.master, s.m, s.v, w, *adamw_scalars(hyper, k, 1.0, LR))
     return step
 
 

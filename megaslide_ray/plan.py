@@ -50,8 +50,12 @@ Traffic per step:
     device -> host   P * w bytes       (gradients: 210 GB)
     AdamW DRAM       P * ADAMW_BYTES_PER_PARAM: one ideal pass reads g (w bytes) + master +
                      m + v (12) and writes master + m + v (12) + w (w bytes) = 28 B/param in
-                     bf16 (2.94 TB for 105B), 32 in fp32. The store as written today makes
-                     extra passes in bf16 (g.float(): +6 B, w.copy_(master): +6 B) = 40 B.
+                     bf16 (2.94 TB for 105B), 32 in fp32. The store's two AdamW kernels
+                     (``actors/param_store.py``): ``compiled`` (MEGASLIDE_ADAMW=compiled) is
+                     that single pass, 28 / 32 B; ``fused`` (the default: no compile time)
+                     makes extra passes, in bf16 the upcast of g into fp32 (+6 B, and the
+                     fused kernel reads 4 B of g instead of 2) and w.copy_(master) (+6 B) =
+                     40 B; in fp32 w.copy_(master) (+4 B) = 36 B.
 
 FLOPs per step (executed on the device):
     linear     6 * P_tok * B * N + 6 * P_sample * B. P_tok are parameters applied to every
@@ -139,7 +143,8 @@ class Plan:
     h2d_bytes: int
     d2h_bytes: int
     adamw_bytes_per_param: int
-    adamw_store_bytes_per_param: int
+    adamw_store_bytes_per_param: int       # the store's default (fused) kernel
+    adamw_compiled_bytes_per_param: int    # the store's compiled single pass (= the ideal pass)
     adamw_dram_bytes: int
     flops_6pt: float               # the 6 * P * tokens convention, for reference
     flops_linear: float            # 6 * P_tok * tokens + 6 * P_sample * B
@@ -290,7 +295,7 @@ def plan(cfg: Config, w_dtype: str = "bfloat16", pcie_gbps: float = 55.0, dram_g
     h2d = 2 * P * wb
     d2h = P * wb
     adamw_pp = wb + 12 + 12 + wb
-    adamw_store_pp = adamw_pp + (12 if wb == 2 else 4)  # bf16: g.float() and w cast; fp32: w.copy_
+    adamw_store_pp = adamw_pp + (12 if wb == 2 else 4)  # fused; bf16: g upcast and w cast; fp32: w.copy_
     adamw_bytes = P * adamw_pp
 
     # -- FLOPs
@@ -343,6 +348,7 @@ def plan(cfg: Config, w_dtype: str = "bfloat16", pcie_gbps: float = 55.0, dram_g
         prefetch_depth=PREFETCH_DEPTH, device_shard_bytes=shard_bytes, activation_parts=parts,
         activation_bytes=act_totals, activation_variant=variant, device_activation_bytes=act_totals[variant],
         h2d_bytes=h2d, d2h_bytes=d2h, adamw_bytes_per_param=adamw_pp, adamw_store_bytes_per_param=adamw_store_pp,
+        adamw_compiled_bytes_per_param=adamw_pp,
         adamw_dram_bytes=adamw_bytes, flops_6pt=6.0 * P * tokens, flops_linear=flops_linear,
         flops_attention=flops_attention, flops_recompute=flops_recompute, flops_executed=flops_executed,
         pcie_gbps=pcie_gbps, dram_gbps=dram_gbps, device_tflops=device_tflops, time_terms=terms,
@@ -436,7 +442,8 @@ def render(p: Plan) -> str:
     row("host -> device: weights twice (fwd + bwd)", fmt_bytes(p.h2d_bytes))
     row("device -> host: gradients", fmt_bytes(p.d2h_bytes))
     row(f"AdamW DRAM traffic, {p.adamw_bytes_per_param} B/param", fmt_bytes(p.adamw_dram_bytes),
-        f"(the store as written: {p.adamw_store_bytes_per_param} B/param)")
+        f"(the store: fused {p.adamw_store_bytes_per_param} B/param, "
+        f"compiled {p.adamw_compiled_bytes_per_param})")
     row("FLOPs executed", f"{p.flops_executed:.3e}")
     row("  linear: 6 x P_tok x tokens", f"{p.flops_linear:.3e}", f"(6 x P x tokens: {p.flops_6pt:.3e})")
     row("  attention: forward + backward", f"{p.flops_attention:.3e}")

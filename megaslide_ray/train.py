@@ -29,6 +29,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--run-dir", default=None, help="output directory (default runs/<timestamp>)")
     p.add_argument("--data", default=None, help="Parquet manifest of your videos (data.manifest)")
     p.add_argument("--resume", action="store_true", help="continue from the run dir's latest checkpoint")
+    p.add_argument("--init-from", default=None, metavar="FILE_OR_DIR",
+                   help="start from pretrained weights: a checkpoint dir (RUN/checkpoints/step_N), a .safetensors "
+                        "file or a directory of them with VideoDiT state-dict names; moments start at zero, step at 0")
     p.add_argument("--seed", type=int, default=None, help="training.seed")
     p.add_argument("--ray-address", default=None, help="join this Ray cluster instead of starting one")
     p.add_argument("--no-progress", action="store_true", help="no progress bar (log lines only)")
@@ -117,6 +120,15 @@ def main(argv: list[str] | None = None) -> int:
         print(to_toml(cfg), end="")
         return 0
 
+    if args.init_from and not args.resume:
+        from megaslide_ray.pretrained import PretrainedMismatchError, check_pretrained
+
+        try:
+            check_pretrained(cfg, args.init_from)  # every mismatch in one message, before Ray starts
+        except (PretrainedMismatchError, FileNotFoundError) as e:
+            print(f"init-from error: {e}", file=sys.stderr)
+            return 2
+
     import ray
 
     from megaslide_ray.trainer import Trainer
@@ -129,7 +141,7 @@ def main(argv: list[str] | None = None) -> int:
     trainer = None
     try:
         trainer = Trainer(cfg, run_dir=cfg.training.run_dir or None, resume=args.resume,
-                          progress=not args.no_progress)
+                          progress=not args.no_progress, init_from=args.init_from)
         print(f"run dir: {trainer.run_dir}", flush=True)
         summary = trainer.train()
         print(f"done: steps {summary.first_step}->{summary.last_step}, loss {summary.first_loss:.4f} -> "

@@ -45,7 +45,8 @@ def resolve_data(cfg: Config) -> Config:
 
 
 class Trainer:
-    def __init__(self, cfg: Config, run_dir: str | None = None, resume: bool = False, progress: bool = True):
+    def __init__(self, cfg: Config, run_dir: str | None = None, resume: bool = False, progress: bool = True,
+                 init_from: str | None = None):
         self.cfg = cfg
         self.run_dir = Path(run_dir or cfg.training.run_dir or default_run_dir())
         self.progress = progress
@@ -62,10 +63,18 @@ class Trainer:
             if self.start_step >= cfg.training.steps:
                 log.warning("checkpoint is at step %d and training.steps=%d: nothing to do; raise --steps",
                             self.start_step, cfg.training.steps)
+        if init_from and ckpt is not None:
+            log.warning("--init-from %s ignored: resuming from %s, which holds the trained weights", init_from, ckpt)
+            init_from = None
+        if init_from:
+            from megaslide_ray.pretrained import check_pretrained
+
+            check_pretrained(cfg, init_from)  # every mismatch in one error, before any actor starts
         resolve_data(cfg)
         self.run_dir.mkdir(parents=True, exist_ok=True)
         (self.run_dir / "config.toml").write_text(to_toml(cfg))
-        self.pipeline = StreamingPipeline(cfg, str(self.run_dir), str(ckpt) if ckpt else None, position)
+        self.pipeline = StreamingPipeline(cfg, str(self.run_dir), str(ckpt) if ckpt else None, position,
+                                          init_from=str(Path(init_from).resolve()) if init_from else None)
         self.metrics_path = self.run_dir / "metrics.jsonl"
         self._metrics = self.metrics_path.open("a")
         self._last_time = time.perf_counter()

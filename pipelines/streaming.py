@@ -7,30 +7,53 @@ The driver keeps the compute actor one step ahead: step k+1 is queued before ste
 update is collected, so the store's AdamW (shard order 0..L+1) overlaps step k+1's forward,
 which waits shard by shard for ``version == k+1``. Before a checkpoint the driver does not
 queue ahead, so the saved state is exactly the state after step k.
+
+Failures: the store is restartable (``STORE_MAX_RESTARTS``); a restarted store re-attaches to
+its shared-memory state (see ``actors/param_store.py``). Gradients reported for an unfinished
+step lived only in the dead process, so when a step fails because an actor died, the driver
+waits for the store to come back, replaces the compute actor (it holds no state between
+steps; a new one cannot be left blocked on a version that will never come), and redoes the
+step on the same batch. Steps whose update the store already holds are not redone.
 """
 
 from __future__ import annotations
 
 import logging
+import time
 from dataclasses import dataclass
 
 import ray
+from ray.exceptions import ActorUnavailableError, RayActorError
 
 from actors.compute import ComputeActor, StepResult
 from actors.decoder import VideoDecoder
-from actors.param_store import ParameterStore, UpdateResult
+from actors.param_store import GradientsLostError, ParameterStore, UpdateResult
 
 log = logging.getLogger(__name__)
 
 NAMESPACE = "megaslide"
+STORE_MAX_RESTARTS = 3
+"""Times Ray restarts a crashed parameter store (it re-attaches to its segments)."""
+STEP_ATTEMPTS = 3
+"""Times the driver runs one step when actors die under it (the first run included)."""
+STORE_RESTART_TIMEOUT_S = 300.0
+"""How long the driver waits for a restarted store to answer."""
+
+
+def is_actor_failure(error: BaseException) -> bool:
+    """An actor died under the call (directly, or inside the task that made the call), or a
+    restarted store no longer holds a step's gradients: redoing the step recovers."""
+    kinds = (RayActorError, GradientsLostError)
+    return isinstance(error, kinds) or isinstance(getattr(error, "cause", None), kinds)
 
 
 class RayStoreClient:
     """The compute actor's view of a remote ParameterStore. Gradient reports are fire-and-
     forget (their refs are kept and checked once per step, so an error is never lost)."""
 
-    def __init__(self, store_handle):
+    def __init__(self, store_handle, generation: int = 0):
         self._store = store_handle
+        self._generation = generation  # which compute actor this is: the store drops stale reports
         self._inflight: list = []
 
     def wait_version(self, shard: int, step: int) -> int:
@@ -40,14 +63,14 @@ class RayStoreClient:
         return ray.get(self._store.get_weights.remote(shard, step))
 
     def report_grad(self, shard: int, step: int, sqnorm: float, grad) -> None:
-        self._inflight.append(self._store.report_grad.remote(shard, step, sqnorm, grad))
+        self._inflight.append(self._store.report_grad.remote(shard, step, sqnorm, grad, self._generation))
 
     def flush(self) -> None:
         refs, self._inflight = self._inflight, []
         ray.get(refs)
 
     def __getstate__(self):
-        return {"_store": self._store, "_inflight": []}
+        return {"_store": self._store, "_generation": self._generation, "_inflight": []}
 
 
 @dataclass(frozen=True)
@@ -59,23 +82,23 @@ class StepReport:
 class StreamingPipeline:
     """Owns the actors of one run. ``run_step(k)`` returns step k's compute and update results."""
 
-    def __init__(self, cfg, run_dir: str, resume_checkpoint: str | None = None, start_position: int = 0):
+    def __init__(self, cfg, run_dir: str, resume_checkpoint: str | None = None, start_position: int = 0,
+                 init_from: str | None = None):
         self.cfg = cfg
         use_gpu = cfg.runtime.device != "cpu" and ray.cluster_resources().get("GPU", 0) >= 1
         if cfg.runtime.device == "cuda" and not use_gpu:
             raise RuntimeError("runtime.device='cuda' but the Ray cluster has no GPU; use 'auto' or 'cpu'")
+        self.use_gpu = use_gpu
         w_dtype = "bfloat16" if use_gpu else "float32"
-        # The store serves many blocking calls (wait_version) at once: a threaded actor.
+        # The store serves many blocking calls (wait_version) at once: a threaded actor. On a
+        # restart Ray re-runs __init__ with these arguments; it then re-attaches to its segments.
         store_cls = ray.remote(ParameterStore).options(
-            name=f"{NAMESPACE}/param-store", num_cpus=0, max_concurrency=64)
-        self.store = store_cls.remote(cfg, run_dir, w_dtype, resume_checkpoint)
-        infos = ray.get(self.store.shard_infos.remote())
-        store_node = ray.get(self.store.status.remote()).node_id
-
-        # transport "auto": the compute actor compares its node with the store's once placed.
-        self.compute = ray.remote(ComputeActor).options(
-            name=f"{NAMESPACE}/compute", num_cpus=0 if use_gpu else 1, num_gpus=1 if use_gpu else 0,
-        ).remote(cfg, infos, RayStoreClient(self.store), cfg.runtime.transport, store_node)
+            name=f"{NAMESPACE}/param-store", num_cpus=0, max_concurrency=64, max_restarts=STORE_MAX_RESTARTS)
+        self.store = store_cls.remote(cfg, run_dir, w_dtype, resume_checkpoint, False, init_from)
+        self.infos = ray.get(self.store.shard_infos.remote())
+        self.store_node = ray.get(self.store.status.remote()).node_id
+        self._compute_generation = 0
+        self.compute = self._make_compute()
         transport = ray.get(self.compute.transport_name.remote())
         self.transport = transport
 
@@ -84,33 +107,113 @@ class StreamingPipeline:
                 cfg.data, cfg.training.seed, cfg.model.caption_max_bytes, start_position, i, cfg.data.num_decoders)
             for i in range(cfg.data.num_decoders)
         ]
-        self._queued: dict[int, object] = {}
+        self._queued: dict[int, object] = {}        # step -> ref of the compute actor's StepResult
+        self._computed: dict[int, StepResult] = {}  # step -> result whose update is not confirmed yet
+        self._batches: dict[int, object] = {}       # step -> batch ref, kept until the step is done
         self._first_batch = None
-        log.info("pipeline up: %d shards, weights %s, transport %s, %s", len(infos), w_dtype, transport,
+        self.redone_steps = 0
+        log.info("pipeline up: %d shards, weights %s, transport %s, %s", len(self.infos), w_dtype, transport,
                  "GPU" if use_gpu else "CPU")
 
+    def _make_compute(self):
+        # transport "auto": the compute actor compares its node with the store's once placed.
+        gen = self._compute_generation
+        name = f"{NAMESPACE}/compute" + (f"-{gen}" if gen else "")
+        return ray.remote(ComputeActor).options(
+            name=name, num_cpus=0 if self.use_gpu else 1, num_gpus=1 if self.use_gpu else 0,
+        ).remote(self.cfg, self.infos, RayStoreClient(self.store, gen), self.cfg.runtime.transport, self.store_node)
+
+    def _batch(self, step: int):
+        if step not in self._batches:
+            if self.cfg.training.overfit_one_batch and self._first_batch is not None:
+                self._batches[step] = self._first_batch
+            else:
+                self._batches[step] = self.decoders[step % len(self.decoders)].next_batch.remote()
+                if self._first_batch is None:
+                    self._first_batch = self._batches[step]
+        return self._batches[step]
+
     def _submit(self, step: int) -> None:
-        if step in self._queued:
+        if step in self._queued or step in self._computed:
             return
-        if self.cfg.training.overfit_one_batch and self._first_batch is not None:
-            batch_ref = self._first_batch
-        else:
-            batch_ref = self.decoders[step % len(self.decoders)].next_batch.remote()
-            if self._first_batch is None:
-                self._first_batch = batch_ref
-        self._queued[step] = self.compute.train_step.remote(batch_ref, step)
+        self._queued[step] = self.compute.train_step.remote(self._batch(step), step)
 
     def run_step(self, step: int, queue_next: bool) -> StepReport:
-        """Run step ``step``; with ``queue_next`` also queue step + 1 behind it."""
+        """Run step ``step``; with ``queue_next`` also queue step + 1 behind it. A step that an
+        actor's death cut short is redone (up to ``STEP_ATTEMPTS`` runs in all)."""
+        for attempt in range(1, STEP_ATTEMPTS + 1):
+            try:
+                return self._run_step_once(step, queue_next)
+            except Exception as e:
+                if not is_actor_failure(e) or attempt == STEP_ATTEMPTS:
+                    raise
+                log.warning("step %d: an actor died (%s); recovering and redoing the step (attempt %d of %d)",
+                            step + 1, type(e).__name__, attempt + 1, STEP_ATTEMPTS)
+                self._recover(step)
+                self.redone_steps += 1
+        raise AssertionError("unreachable")
+
+    def _run_step_once(self, step: int, queue_next: bool) -> StepReport:
         self._submit(step)
         if queue_next:
             self._submit(step + 1)
-        result = ray.get(self._queued.pop(step))
+        if step not in self._computed:
+            self._computed[step] = ray.get(self._queued.pop(step))
         update = ray.get(self.store.wait_step.remote(step))
-        return StepReport(result, update)
+        self._batches.pop(step, None)
+        return StepReport(self._computed.pop(step), update)
+
+    def _wait_for_store(self):
+        """The store's status once it answers again (Ray restarts it after a crash)."""
+        deadline = time.monotonic() + STORE_RESTART_TIMEOUT_S
+        while True:
+            try:
+                return ray.get(self.store.status.remote(), timeout=max(1.0, deadline - time.monotonic()))
+            except ActorUnavailableError:
+                if time.monotonic() > deadline:
+                    raise
+                time.sleep(0.5)
+            except RayActorError as e:
+                raise RuntimeError(f"the parameter store died and cannot be restarted ({e}). Resume from the "
+                                   f"latest checkpoint: python -m megaslide_ray.train --run-dir RUN --resume") from e
+
+    def _recover(self, step: int) -> None:
+        """After an actor died during ``step``: wait for the store, replace the compute actor,
+        and keep only the results of steps whose update the store holds."""
+        self._wait_for_store()
+        for s, ref in list(self._queued.items()):  # finished results of queued steps are kept
+            ready, _ = ray.wait([ref], timeout=0)
+            if ready:
+                try:
+                    self._computed[s] = ray.get(ref)
+                except Exception:  # noqa: BLE001 - a failed run of that step: it is redone
+                    pass
+        self._queued.clear()
+        ray.kill(self.compute)
+        self._compute_generation += 1
+        # Reports the dead compute actor still had in flight must not count towards a step.
+        versions = ray.get(self.store.set_client_generation.remote(self._compute_generation))
+        self.compute = self._make_compute()
+        applied = min(versions)  # the restarted store finished any update cut between shards
+        # A result counts only if the store applied its update (the gradients are gone otherwise).
+        self._computed = {s: r for s, r in self._computed.items() if s < applied}
+        if applied > step and step not in self._computed:
+            raise RuntimeError(f"the parameter store applied step {step + 1} but the compute result of that "
+                               f"step was lost; resume from the latest checkpoint (--resume)")
+        log.warning("recovered: store at versions %s, compute actor replaced; redoing from step %d",
+                    sorted(set(versions)), applied + 1)
 
     def save_checkpoint(self, run_dir: str, step: int, extra: dict) -> str:
-        return ray.get(self.store.save_checkpoint.remote(run_dir, step, extra))
+        for attempt in range(1, STEP_ATTEMPTS + 1):
+            try:
+                return ray.get(self.store.save_checkpoint.remote(run_dir, step, extra))
+            except RayActorError:
+                if attempt == STEP_ATTEMPTS:
+                    raise
+                # A cut save leaves only a temporary directory; the state itself is intact.
+                log.warning("the parameter store died while saving the step-%d checkpoint; saving again", step)
+                self._wait_for_store()
+        raise AssertionError("unreachable")
 
     def decoder_stats(self):
         return ray.get([d.stats.remote() for d in self.decoders])
@@ -119,6 +222,7 @@ class StreamingPipeline:
         for ref in self._queued.values():
             ray.cancel(ref, force=False)
         self._queued.clear()
+        self._batches.clear()
         handles = [self.compute, *self.decoders]
         for h, method in [(self.compute, "close"), *[(d, "close") for d in self.decoders]]:
             try:

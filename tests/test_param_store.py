@@ -1,14 +1,18 @@
-"""ParameterStore on its own: shared segments, exact AdamW with clipping, bf16 compute copies,
-checkpoint round trip."""
+"""ParameterStore on its own: shared segments, exact AdamW with clipping (both AdamW kernels),
+bf16 compute copies, checkpoint round trip, pretrained weights in (--init-from) and out."""
 
 import math
 
 import pytest
 import torch
+from safetensors.torch import load_file, save_file
 
+from actors import param_store
 from actors.param_store import ParameterStore, latest_checkpoint, map_segment
 from megaslide_ray.config import build_config
 from megaslide_ray.model import build_model
+from megaslide_ray.pretrained import PretrainedMismatchError, check_pretrained, export_state_dict
+from megaslide_ray.train import main as train_main
 from megaslide_ray.schedule import lr_at
 
 OVR = {"model.depth": 2, "model.hidden_size": 32, "model.num_heads": 2, "optim.weight_decay": 0.1,
@@ -20,9 +24,11 @@ def cfg(tmp_path):
     return build_config("tiny", None, {**OVR, "runtime.state_dir": str(tmp_path)})
 
 
+@pytest.mark.parametrize("adamw", ["fused", "compiled"])
 @pytest.mark.parametrize("w_dtype", ["float32", "bfloat16"])
-def test_update_equals_torch_adamw_with_global_clipping(cfg, tmp_path, w_dtype):
-    store = ParameterStore(cfg, str(tmp_path / "run"), w_dtype=w_dtype)
+def test_update_equals_torch_adamw_with_global_clipping(cfg, tmp_path, w_dtype, adamw):
+    store = ParameterStore(cfg, str(tmp_path / "run"), w_dtype=w_dtype, adamw=adamw)
+    assert store.adamw == adamw
     model = build_model(cfg)
     params = [torch.cat([p.detach().reshape(-1) for p in s.parameters()]).clone().requires_grad_() for s in
               model.shards()]
@@ -50,6 +56,31 @@ def test_update_equals_torch_adamw_with_global_clipping(cfg, tmp_path, w_dtype):
             rel = float((store.seg[i]["master"] - p.detach()).norm() / p.detach().norm())
             assert rel < 1e-6, f"shard {i}: {rel:.2e}"
             assert torch.equal(store.seg[i]["w"], store.seg[i]["master"].to(store.seg[i]["w"].dtype))
+    finally:
+        store.close()
+
+
+def test_adamw_kernel_choice(cfg, tmp_path, monkeypatch):
+    monkeypatch.setenv("MEGASLIDE_ADAMW", "sideways")
+    with pytest.raises(ValueError, match="sideways"):
+        ParameterStore(cfg, str(tmp_path / "run"))
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("no compiler here")
+
+    monkeypatch.setattr(param_store, "compile_single_pass", broken)
+    monkeypatch.setenv("MEGASLIDE_ADAMW", "auto")
+    store = ParameterStore(cfg, str(tmp_path / "run"))
+    try:
+        assert store.adamw == "fused"  # auto falls back
+    finally:
+        store.close()
+    with pytest.raises(RuntimeError, match="no compiler here"):
+        ParameterStore(cfg, str(tmp_path / "run"), adamw="compiled")  # forced: no silent fallback
+    monkeypatch.delenv("MEGASLIDE_ADAMW")
+    store = ParameterStore(cfg, str(tmp_path / "run"))
+    try:
+        assert store.adamw == "fused"  # the default
     finally:
         store.close()
 
@@ -86,3 +117,79 @@ def test_checkpoint_round_trip_is_bit_exact(cfg, tmp_path):
                 assert torch.equal(restored.seg[i][k], t), (i, k)
     finally:
         restored.close()
+
+
+# -- pretrained weights (--init-from) ------------------------------------------------------------
+
+
+def _flat_shards(model):
+    return [torch.cat([p.detach().reshape(-1) for p in s.parameters()]) for s in model.shards()]
+
+
+def test_init_from_a_state_dict_file_gives_exactly_those_weights(cfg, tmp_path):
+    model = build_model(cfg, seed=7)
+    with torch.no_grad():
+        for p in model.parameters():  # nothing zero-initialised: every tensor must really land
+            p.add_(torch.randn(p.shape, generator=torch.Generator().manual_seed(p.numel())))
+    save_file({k: v.contiguous() for k, v in model.state_dict().items()}, str(tmp_path / "weights.safetensors"))
+    store = ParameterStore(cfg, str(tmp_path / "run"), w_dtype="bfloat16",
+                           init_from=str(tmp_path / "weights.safetensors"))
+    try:
+        assert store.status().versions == (0,) * store.n
+        for i, want in enumerate(_flat_shards(model)):
+            assert torch.equal(store.seg[i]["master"], want), i
+            assert torch.equal(store.seg[i]["w"], want.to(torch.bfloat16)), i
+            assert not store.seg[i]["m"].any() and not store.seg[i]["v"].any()
+    finally:
+        store.close()
+
+
+def test_init_from_checkpoint_and_its_export(cfg, tmp_path):
+    store = ParameterStore(cfg, str(tmp_path / "run"))
+    try:
+        for i in range(store.n):
+            store.seg[i]["g"].normal_()
+            store.report_grad(i, 0, float(store.seg[i]["g"].pow(2).sum()), None)
+        store.wait_step(0)
+        ckpt = store.save_checkpoint(str(tmp_path / "run"), 1, {})
+        trained = [store.seg[i]["master"].clone() for i in range(store.n)]
+    finally:
+        store.close()
+    one = export_state_dict(ckpt, tmp_path / "export.safetensors")
+    per_shard = export_state_dict(ckpt, tmp_path / "export_dir")
+    assert len(one) == 1 and len(per_shard) == len(trained)
+    model = build_model(cfg)
+    model.load_state_dict(load_file(one[0]))  # standard names: loads into VideoDiT as is
+    assert all(torch.equal(a, b) for a, b in zip(_flat_shards(model), trained))
+    for k, source in enumerate([ckpt, one[0], str(tmp_path / "export_dir")]):
+        fresh = ParameterStore(cfg, str(tmp_path / f"fresh{k}"), init_from=source)
+        try:
+            assert fresh.status().versions == (0,) * fresh.n
+            for i, want in enumerate(trained):
+                assert torch.equal(fresh.seg[i]["master"], want) and torch.equal(fresh.seg[i]["w"], want)
+                assert not fresh.seg[i]["m"].any() and not fresh.seg[i]["v"].any()
+        finally:
+            fresh.close()
+
+
+def test_init_from_mismatches_are_listed_in_one_error(cfg, tmp_path, capsys):
+    sd = {k: v.contiguous() for k, v in build_model(cfg).state_dict().items()}
+    del sd["blocks.1.attn.qkv.bias"]
+    sd["blocks.7.attn.qkv.bias"] = torch.zeros(3)
+    sd["head.linear.weight"] = torch.zeros(5, 5)
+    bad = tmp_path / "bad.safetensors"
+    save_file(sd, str(bad))
+    with pytest.raises(PretrainedMismatchError) as err:
+        check_pretrained(cfg, bad)
+    msg = str(err.value)
+    for text in ("missing from the source (1)", "blocks.1.attn.qkv.bias", "unexpected in the source (1)",
+                 "blocks.7.attn.qkv.bias", "wrong shape (1)", "head.linear.weight: source [5, 5]"):
+        assert text in msg, text
+    with pytest.raises(PretrainedMismatchError, match="blocks.7.attn.qkv.bias"):  # the store refuses it too
+        ParameterStore(cfg, str(tmp_path / "run"), init_from=str(bad))
+    # The CLI refuses it before Ray starts, exit code 2.
+    argv = ["--init-from", str(bad), "--run-dir", str(tmp_path / "cli")] + [
+        f"--{k}={v}" for k, v in {**OVR, "runtime.state_dir": str(tmp_path)}.items()]
+    assert train_main(argv) == 2
+    assert "head.linear.weight" in capsys.readouterr().err
+    assert not (tmp_path / "cli").exists()

@@ -1,0 +1,194 @@
+"""The parameter store survives a restart: it re-attaches to its shared-memory state, a step
+cut short by its death is redone, and the run ends exactly where an uninterrupted one does.
+Plus the crash markers on their own (no Ray): an update cut between two shards is finished on
+re-attach, one cut inside a shard is refused."""
+
+import json
+import math
+from pathlib import Path
+
+import pytest
+import ray
+import torch
+from safetensors import safe_open
+
+from actors.param_store import ParameterStore, StateNotTrustedError, map_segment
+from megaslide_ray.config import build_config
+from megaslide_ray.demo_data import ensure_demo_dataset
+from megaslide_ray.schedule import clip_coefficient, lr_at
+from megaslide_ray.trainer import Trainer
+
+SMALL = {"model.depth": 2, "model.hidden_size": 64, "model.num_heads": 2, "model.caption_dim": 32,
+         "model.patch_size": "2,8,8", "data.num_frames": 8, "data.height": 32, "data.width": 32,
+         "data.batch_size": 2, "attention.window": "3,3,3", "training.log_every": 1}
+
+
+def checkpoint_master(ckpt_dir: Path) -> list[torch.Tensor]:
+    state = json.loads((ckpt_dir / "state.json").read_text())
+    out = []
+    for i in range(state["num_shards"]):
+        with safe_open(str(ckpt_dir / f"shard_{i:04d}.safetensors"), framework="pt") as f:
+            out.append(f.get_tensor("master"))
+    return out
+
+
+@pytest.fixture(scope="module")
+def ray_session():
+    ray.init(num_cpus=2, include_dashboard=False, namespace="megaslide", logging_level="ERROR")
+    yield
+    ray.shutdown()
+
+
+@pytest.fixture(scope="module")
+def manifest(tmp_path_factory):
+    return str(ensure_demo_dataset(tmp_path_factory.mktemp("cache"), num_videos=6))
+
+
+def test_store_killed_between_steps_changes_nothing(ray_session, manifest, tmp_path):
+    cfg = build_config("tiny", None, {**SMALL, "data.manifest": manifest, "training.steps": 4,
+                                      "optim.grad_clip": 0.05})
+    straight = Trainer(cfg, run_dir=str(tmp_path / "a"), progress=False)
+    try:
+        expected = checkpoint_master(Path(straight.train().checkpoint))
+    finally:
+        straight.close()
+
+    trainer = Trainer(cfg, run_dir=str(tmp_path / "b"), progress=False)
+    try:
+        rows = []
+        for step in range(4):
+            rows.append(trainer.train_step(step))
+            if step in (0, 2):  # step 2 (and 4) is already queued on the compute actor: it gets cut
+                ray.kill(trainer.pipeline.store, no_restart=False)
+        status = ray.get(trainer.pipeline.store.status.remote())
+        redone = trainer.pipeline.redone_steps
+    finally:
+        trainer.close()
+    assert [r["step"] for r in rows] == [1, 2, 3, 4]
+    assert status.versions == (4,) * len(expected)
+    assert redone >= 1, "the kill must have cut a step for this test to mean anything"
+    got = checkpoint_master(Path(trainer.last_checkpoint))
+    for i, (a, b) in enumerate(zip(got, expected)):
+        assert torch.equal(a, b), f"shard {i} differs from the uninterrupted run"
+
+
+# -- crash markers, in-process ------------------------------------------------------------------
+
+OVR = {"model.depth": 2, "model.hidden_size": 32, "model.num_heads": 2, "optim.grad_clip": 0.5,
+       "training.steps": 3}
+
+
+@pytest.fixture
+def cfg(tmp_path):
+    return build_config("tiny", None, {**OVR, "runtime.state_dir": str(tmp_path)})
+
+
+def _report_all(store, step, seed):
+    gen = torch.Generator().manual_seed(seed)
+    sq = {}
+    for i in range(store.n):
+        store.seg[i]["g"].copy_(torch.randn(store.seg[i]["g"].numel(), generator=gen))
+        sq[i] = float(store.seg[i]["g"].pow(2).sum())
+    return sq
+
+
+def _state(store):
+    return [{k: store.seg[i][k].clone() for k in ("w", "master", "m", "v")} for i in range(store.n)]
+
+
+def test_update_cut_between_shards_is_finished_on_reattach(cfg, tmp_path):
+    whole = ParameterStore(cfg, str(tmp_path / "whole"))
+    try:
+        sq = _report_all(whole, 0, seed=1)
+        for i in range(whole.n):
+            whole.report_grad(i, 0, sq[i])
+        whole.wait_step(0)
+        expected = _state(whole)
+    finally:
+        whole.close()
+
+    cut = ParameterStore(cfg, str(tmp_path / "cut"))
+    sq = _report_all(cut, 0, seed=1)
+    # What _apply_update does, stopped after shard 1 of 4 (as a SIGKILL there would leave it).
+    total = math.sqrt(sum(sq.values()))
+    coef, lr = clip_coefficient(total, cfg.optim.grad_clip), lr_at(cfg.optim, cfg.training.steps, 0)
+    cut._write_record(0, total, coef, lr, skipped=False, seconds=0.0)
+    cut._update_shard(0, 0, coef, lr)
+    cut._update_shard(1, 0, coef, lr)
+    assert cut.versions.tolist() == [1, 1, 0, 0]
+    cut.close(remove_state=False)
+
+    again = ParameterStore(cfg, str(tmp_path / "cut"), attach=True)
+    try:
+        assert again.status().versions == (1,) * again.n
+        done = again.wait_step(0)  # answered from the shared-memory record
+        assert done.step == 0 and done.clip_coef == coef
+        for i, (got, want) in enumerate(zip(_state(again), expected)):
+            for k in got:
+                assert torch.equal(got[k], want[k]), (i, k)
+    finally:
+        again.close()
+
+
+def test_update_cut_inside_a_shard_is_refused(cfg, tmp_path):
+    store = ParameterStore(cfg, str(tmp_path / "run"))
+    store.updating[2] = 0  # the marker of a shard whose update of step 0 never finished
+    store.close(remove_state=False)
+    with pytest.raises(StateNotTrustedError, match=r"shard\(s\) \[2\].*--resume"):
+        ParameterStore(cfg, str(tmp_path / "run"), attach=True)
+    ParameterStore(cfg, str(tmp_path / "run")).close()  # a fresh store over it starts clean
+
+
+def test_reattach_between_steps_keeps_state(cfg, tmp_path):
+    store = ParameterStore(cfg, str(tmp_path / "run"))
+    sq = _report_all(store, 0, seed=2)
+    for i in range(store.n):
+        store.report_grad(i, 0, sq[i])
+    store.wait_step(0)
+    before = _state(store)
+    store.close(remove_state=False)
+    again = ParameterStore(cfg, str(tmp_path / "run"), attach=True)
+    try:
+        assert again.status().versions == (1,) * again.n
+        for got, want in zip(_state(again), before):
+            assert all(torch.equal(got[k], want[k]) for k in got)
+    finally:
+        again.close()
+
+
+def test_lost_gradients_and_stale_reports(cfg, tmp_path):
+    from actors.param_store import GradientsLostError
+
+    store = ParameterStore(cfg, str(tmp_path / "run"))
+    try:
+        # A restarted store asked for a step whose reports went to its predecessor: redo it.
+        with pytest.raises(GradientsLostError, match="redo the step"):
+            store.wait_step(0, timeout=5)
+        sq = _report_all(store, 0, seed=3)
+        store.report_grad(0, 0, sq[0], None, generation=0)
+        assert store.set_client_generation(1) == (0,) * store.n  # compute replaced: partial step forgotten
+        for i in range(store.n):  # the dead actor's late reports do not count
+            store.report_grad(i, 0, sq[i], None, generation=0)
+        assert not store._inflight and not store._pending
+        for i in range(store.n):
+            store.report_grad(i, 0, sq[i], None, generation=1)
+        assert store.wait_step(0).step == 0 and store.status().versions == (1,) * store.n
+    finally:
+        store.close()
+
+
+def test_store_cut_inside_a_shard_stops_training_with_a_clear_error(ray_session, manifest, tmp_path):
+    cfg = build_config("tiny", None, {**SMALL, "data.manifest": manifest, "training.steps": 3})
+    trainer = Trainer(cfg, run_dir=str(tmp_path / "run"), progress=False)
+    try:
+        trainer.train_step(0)
+        status = ray.get(trainer.pipeline.store.status.remote())
+        # What a crash inside shard 1's AdamW leaves behind: its marker still set.
+        markers = map_segment(Path(status.state_dir) / "updating.i64", len(status.versions), torch.int64)
+        markers[1] = status.versions[1]
+        ray.kill(trainer.pipeline.store, no_restart=False)
+        with pytest.raises(RuntimeError, match=r"(?s)cannot be restarted.*--resume") as err:
+            trainer.train_step(1)
+        assert "middle of updating shard(s) [1]" in str(err.value)  # the store's own reason is passed on
+    finally:
+        trainer.close()
