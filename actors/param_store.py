@@ -33,8 +33,10 @@ AdamW kernels (``adamw=`` or ``MEGASLIDE_ADAMW``): ``fused`` (default) is torch'
 AdamW on the flat shard plus a copy into ``w``; ``compiled`` is one ``torch.compile``d pass
 that reads g, master, m, v and writes master, m, v, w (28 B/param in bf16 instead of 40, see
 benchmarks/adamw.py), but compiling costs 4-13 s per store process on 2 cores (warm / cold
-inductor cache), so it is opt-in; ``auto`` tries ``compiled`` with a self-test against
-``torch.optim.AdamW`` and falls back to ``fused``.
+inductor cache); ``auto`` tries ``compiled`` with a self-test against ``torch.optim.AdamW`` and
+falls back to ``fused``. Default: ``auto`` for models of at least ``COMPILE_MIN_PARAMS``
+parameters (there the saved 12 B/param per step repays the compile within a few hundred steps),
+``fused`` below (the tiny preset and the tests would pay seconds of compile for nothing).
 
 The class is plain; ``pipelines/`` makes it a threaded Ray actor, so ``wait_version`` calls
 block in their own threads while the update thread works.
@@ -72,6 +74,7 @@ KINDS = ("w", "master", "m", "v", "g")
 CHECKPOINT_KINDS = ("w", "master", "m", "v")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 ADAMW_KINDS = ("fused", "compiled", "auto")
+COMPILE_MIN_PARAMS = 100_000_000
 RECORDS = 4          # update records kept in shared memory (ring indexed by step % RECORDS)
 RECORD_FIELDS = 6    # step, grad_norm, clip_coef, lr, skipped, optimizer_seconds
 
@@ -452,7 +455,8 @@ class ParameterStore:
 
     # -- AdamW kernel choice ------------------------------------------------------------------
     def _choose_adamw(self, requested: str | None):
-        kind = requested or os.environ.get("MEGASLIDE_ADAMW", "") or "fused"
+        default = "auto" if sum(lay.numel for lay in self.layouts) >= COMPILE_MIN_PARAMS else "fused"
+        kind = requested or os.environ.get("MEGASLIDE_ADAMW", "") or default
         if kind not in ADAMW_KINDS:
             raise ValueError(f"AdamW kernel {kind!r} (argument or MEGASLIDE_ADAMW); use one of {list(ADAMW_KINDS)}")
         if kind == "fused":
