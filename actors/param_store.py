@@ -598,6 +598,17 @@ def read_checkpoint_state(path: str | Path) -> dict:
     return json.loads((Path(path) / "state.json").read_text())
 
 
+def read_checkpoint_shards(path: str | Path, kind: str = "master") -> list[torch.Tensor]:
+    """Each shard's flat ``kind`` tensor (``w``, ``master``, ``m`` or ``v``) from a checkpoint."""
+    ckpt = Path(path)
+    n = read_checkpoint_state(ckpt)["num_shards"]
+    out = []
+    for i in range(n):
+        with safe_open(str(ckpt / f"shard_{i:04d}.safetensors"), framework="pt") as f:
+            out.append(f.get_tensor(kind))
+    return out
+
+
 def latest_checkpoint(run_dir: str | Path) -> Path | None:
     pointer = Path(run_dir) / "checkpoints" / "latest"
     if not pointer.is_file():

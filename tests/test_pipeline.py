@@ -5,47 +5,13 @@ import json
 from pathlib import Path
 
 import numpy as np
-import pytest
-import ray
 import torch
-from safetensors import safe_open
 
 from actors.decoder import VideoDecoder
+from actors.param_store import read_checkpoint_shards
 from megaslide_ray.baseline import InProcessTrainer
-from megaslide_ray.config import build_config
-from megaslide_ray.demo_data import ensure_demo_dataset
 from megaslide_ray.manifest import read_manifest, write_manifest
 from megaslide_ray.trainer import Trainer
-
-SMALL = {"model.depth": 2, "model.hidden_size": 64, "model.num_heads": 2, "model.caption_dim": 32,
-         "model.patch_size": "2,8,8", "data.num_frames": 8, "data.height": 32, "data.width": 32,
-         "data.batch_size": 2, "attention.window": "3,3,3", "training.log_every": 1}
-
-
-@pytest.fixture(scope="module")
-def ray_session():
-    ray.init(num_cpus=2, include_dashboard=False, namespace="megaslide", logging_level="ERROR")
-    yield
-    ray.shutdown()
-
-
-@pytest.fixture(scope="module")
-def manifest(tmp_path_factory):
-    return str(ensure_demo_dataset(tmp_path_factory.mktemp("cache"), num_videos=6))
-
-
-def small_config(manifest, **extra):
-    return build_config("tiny", None, {**SMALL, "data.manifest": manifest, **extra})
-
-
-def checkpoint_master(ckpt_dir: Path) -> list[torch.Tensor]:
-    state = json.loads((ckpt_dir / "state.json").read_text())
-    out = []
-    for i in range(state["num_shards"]):
-        with safe_open(str(ckpt_dir / f"shard_{i:04d}.safetensors"), framework="pt") as f:
-            out.append(f.get_tensor("master"))
-    return out
-
 
 def run(cfg, run_dir, steps=None, resume=False):
     trainer = Trainer(cfg, run_dir=str(run_dir), resume=resume, progress=False)
@@ -59,12 +25,12 @@ def run(cfg, run_dir, steps=None, resume=False):
         trainer.close()
 
 
-def test_streamed_trainer_equals_in_process_adamw(ray_session, manifest, tmp_path):
+def test_streamed_trainer_equals_in_process_adamw(ray_session, manifest, small_config, tmp_path):
     # Clipping active, weight decay and a warm-up + cosine schedule: all of the step semantics.
-    cfg = small_config(manifest, **{"training.steps": 5, "optim.grad_clip": 0.05, "optim.weight_decay": 0.05,
+    cfg = small_config(**{"training.steps": 5, "optim.grad_clip": 0.05, "optim.weight_decay": 0.05,
                                     "optim.warmup_steps": 2, "optim.lr": 3e-3})
     summary = run(cfg, tmp_path / "run")
-    streamed = checkpoint_master(Path(summary.checkpoint))
+    streamed = read_checkpoint_shards(Path(summary.checkpoint))
 
     baseline = InProcessTrainer(cfg)
     initial = [torch.cat([p.detach().reshape(-1) for p in s.parameters()]).clone() for s in baseline.model.shards()]
@@ -85,8 +51,8 @@ def test_streamed_trainer_equals_in_process_adamw(ray_session, manifest, tmp_pat
     assert moved > 1e-3  # the parameters really changed, so agreement means something
 
 
-def test_resume_continues_bit_identical(ray_session, manifest, tmp_path):
-    cfg = small_config(manifest, **{"training.steps": 4, "training.checkpoint_every": 2})
+def test_resume_continues_bit_identical(ray_session, manifest, small_config, tmp_path):
+    cfg = small_config(**{"training.steps": 4, "training.checkpoint_every": 2})
     run(cfg, tmp_path / "a", steps=2)  # interrupted after the step-2 checkpoint
     assert (tmp_path / "a" / "checkpoints" / "latest").read_text().strip() == "step_2"
     resumed = run(cfg, tmp_path / "a", resume=True)
@@ -95,19 +61,19 @@ def test_resume_continues_bit_identical(ray_session, manifest, tmp_path):
     assert steps == [1, 2, 3, 4]
 
     straight = run(cfg, tmp_path / "b")
-    for i, (x, y) in enumerate(zip(checkpoint_master(Path(resumed.checkpoint)),
-                                   checkpoint_master(Path(straight.checkpoint)))):
+    for i, (x, y) in enumerate(zip(read_checkpoint_shards(Path(resumed.checkpoint)),
+                                   read_checkpoint_shards(Path(straight.checkpoint)))):
         assert torch.equal(x, y), f"shard {i} differs after resume"
 
 
-def test_bad_files_are_skipped_and_counted(ray_session, manifest, tmp_path):
+def test_bad_files_are_skipped_and_counted(ray_session, manifest, small_config, tmp_path):
     rows = read_manifest(manifest)
     (tmp_path / "zero.mp4").write_bytes(b"")
     (tmp_path / "garbage.mp4").write_bytes(b"this is not a video" * 100)
     bad = [str(tmp_path / "zero.mp4"), str(tmp_path / "garbage.mp4"), str(tmp_path / "missing.mp4")]
     entries = [{"path": r.path, "caption": r.caption} for r in rows] + [{"path": p, "caption": "bad"} for p in bad]
     path = write_manifest(entries, tmp_path / "manifest.parquet")
-    cfg = small_config(str(path), **{"training.steps": 4})
+    cfg = small_config(**{"data.manifest": str(path), "training.steps": 4})
     run(cfg, tmp_path / "run")
     metrics = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     assert len(metrics) == 4 and all(np.isfinite(m["loss"]) for m in metrics)

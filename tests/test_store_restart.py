@@ -3,53 +3,24 @@ cut short by its death is redone, and the run ends exactly where an uninterrupte
 Plus the crash markers on their own (no Ray): an update cut between two shards is finished on
 re-attach, one cut inside a shard is refused."""
 
-import json
 import math
 from pathlib import Path
 
 import pytest
 import ray
 import torch
-from safetensors import safe_open
 
-from actors.param_store import ParameterStore, StateNotTrustedError, map_segment
+from actors.param_store import ParameterStore, StateNotTrustedError, map_segment, read_checkpoint_shards
 from megaslide_ray.config import build_config
-from megaslide_ray.demo_data import ensure_demo_dataset
 from megaslide_ray.schedule import clip_coefficient, lr_at
 from megaslide_ray.trainer import Trainer
 
-SMALL = {"model.depth": 2, "model.hidden_size": 64, "model.num_heads": 2, "model.caption_dim": 32,
-         "model.patch_size": "2,8,8", "data.num_frames": 8, "data.height": 32, "data.width": 32,
-         "data.batch_size": 2, "attention.window": "3,3,3", "training.log_every": 1}
-
-
-def checkpoint_master(ckpt_dir: Path) -> list[torch.Tensor]:
-    state = json.loads((ckpt_dir / "state.json").read_text())
-    out = []
-    for i in range(state["num_shards"]):
-        with safe_open(str(ckpt_dir / f"shard_{i:04d}.safetensors"), framework="pt") as f:
-            out.append(f.get_tensor("master"))
-    return out
-
-
-@pytest.fixture(scope="module")
-def ray_session():
-    ray.init(num_cpus=2, include_dashboard=False, namespace="megaslide", logging_level="ERROR")
-    yield
-    ray.shutdown()
-
-
-@pytest.fixture(scope="module")
-def manifest(tmp_path_factory):
-    return str(ensure_demo_dataset(tmp_path_factory.mktemp("cache"), num_videos=6))
-
-
-def test_store_killed_between_steps_changes_nothing(ray_session, manifest, tmp_path):
-    cfg = build_config("tiny", None, {**SMALL, "data.manifest": manifest, "training.steps": 4,
+def test_store_killed_between_steps_changes_nothing(ray_session, small_config, tmp_path):
+    cfg = small_config(**{"training.steps": 4,
                                       "optim.grad_clip": 0.05})
     straight = Trainer(cfg, run_dir=str(tmp_path / "a"), progress=False)
     try:
-        expected = checkpoint_master(Path(straight.train().checkpoint))
+        expected = read_checkpoint_shards(Path(straight.train().checkpoint))
     finally:
         straight.close()
 
@@ -67,7 +38,7 @@ def test_store_killed_between_steps_changes_nothing(ray_session, manifest, tmp_p
     assert [r["step"] for r in rows] == [1, 2, 3, 4]
     assert status.versions == (4,) * len(expected)
     assert redone >= 1, "the kill must have cut a step for this test to mean anything"
-    got = checkpoint_master(Path(trainer.last_checkpoint))
+    got = read_checkpoint_shards(Path(trainer.last_checkpoint))
     for i, (a, b) in enumerate(zip(got, expected)):
         assert torch.equal(a, b), f"shard {i} differs from the uninterrupted run"
 
@@ -177,8 +148,8 @@ def test_lost_gradients_and_stale_reports(cfg, tmp_path):
         store.close()
 
 
-def test_store_cut_inside_a_shard_stops_training_with_a_clear_error(ray_session, manifest, tmp_path):
-    cfg = build_config("tiny", None, {**SMALL, "data.manifest": manifest, "training.steps": 3})
+def test_store_cut_inside_a_shard_stops_training_with_a_clear_error(ray_session, small_config, tmp_path):
+    cfg = small_config(**{"training.steps": 3})
     trainer = Trainer(cfg, run_dir=str(tmp_path / "run"), progress=False)
     try:
         trainer.train_step(0)
