@@ -9,10 +9,12 @@ import time
 from dataclasses import dataclass, replace
 from pathlib import Path
 
+import ray
 from tqdm import tqdm
 
 from actors.param_store import latest_checkpoint, read_checkpoint_state
 from megaslide_ray.config import Config, to_toml
+from megaslide_ray.metrics import RunMetrics
 from pipelines.streaming import StreamingPipeline
 
 log = logging.getLogger(__name__)
@@ -77,6 +79,8 @@ class Trainer:
                                           init_from=str(Path(init_from).resolve()) if init_from else None)
         self.metrics_path = self.run_dir / "metrics.jsonl"
         self._metrics = self.metrics_path.open("a")
+        # Ray dashboard / Prometheus: the same numbers, tagged by run name.
+        self.ray_metrics = RunMetrics(self.run_dir.name, ray.get(self.pipeline.store.status.remote()).state_bytes)
         self._last_time = time.perf_counter()
         self.last_checkpoint = str(ckpt) if ckpt else ""
 
@@ -101,6 +105,7 @@ class Trainer:
         }
         self._metrics.write(json.dumps(row) + "\n")
         self._metrics.flush()
+        self.ray_metrics.record(row)
         if due:
             self.last_checkpoint = self.pipeline.save_checkpoint(
                 str(self.run_dir), step + 1, {"data_position": c.data_position, "seed": self.cfg.training.seed,

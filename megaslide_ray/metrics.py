@@ -1,0 +1,41 @@
+"""Custom Ray metrics for a run (``ray.util.metrics``), tagged by run name.
+
+Ray exports them with its own metrics (Prometheus text at each node's metrics export port,
+shown in the dashboard's Metrics view when Prometheus/Grafana are set up), prefixed ``ray_``:
+``ray_megaslide_loss{run="..."}`` and so on. Recorded by the driver once per step.
+"""
+
+from __future__ import annotations
+
+from ray.util.metrics import Gauge
+
+# metrics.jsonl field -> (metric name, description)
+STEP_GAUGES = {
+    "step": ("megaslide_step", "optimizer steps completed"),
+    "loss": ("megaslide_loss", "training loss of the last step"),
+    "lr": ("megaslide_learning_rate", "learning rate of the last step"),
+    "grad_norm": ("megaslide_grad_norm", "global gradient L2 norm before clipping"),
+    "tokens_per_s": ("megaslide_tokens_per_second", "tokens trained per second (wall clock)"),
+    "step_seconds": ("megaslide_step_seconds", "wall-clock seconds of the last step"),
+    "compute_seconds": ("megaslide_compute_seconds", "compute actor seconds of the last step"),
+    "weight_wait_seconds": ("megaslide_weight_wait_seconds",
+                            "seconds the compute actor was blocked on a shard version or transfer"),
+    "optimizer_seconds": ("megaslide_optimizer_seconds", "seconds of the store's AdamW for the last step"),
+    "skipped_files": ("megaslide_skipped_files", "video files skipped as unreadable so far"),
+    "data_position": ("megaslide_data_position", "manifest draws consumed so far"),
+}
+
+
+class RunMetrics:
+    def __init__(self, run: str, host_state_bytes: int | None = None):
+        self.tags = {"run": run}
+        self.gauges = {key: Gauge(name, description=desc, tag_keys=("run",))
+                       for key, (name, desc) in STEP_GAUGES.items()}
+        if host_state_bytes is not None:
+            Gauge("megaslide_host_state_bytes", description="bytes of model state held by the parameter store",
+                  tag_keys=("run",)).set(float(host_state_bytes), tags=self.tags)
+
+    def record(self, row: dict) -> None:
+        for key, gauge in self.gauges.items():
+            if key in row and row[key] is not None:
+                gauge.set(float(row[key]), tags=self.tags)
