@@ -163,6 +163,9 @@ class RayConfig:
     """Interface the dashboard of a locally started cluster listens on."""
     num_cpus: int = 0
     """CPUs a locally started cluster offers; 0 lets Ray count them."""
+    metrics_export_port: int = 0
+    """Port where a locally started cluster exports metrics in Prometheus text (the megaslide_*
+    metrics among them); 0 lets Ray choose one."""
 
 
 @dataclass
@@ -462,7 +465,8 @@ def validate(cfg: Config) -> Config:
                          ("runtime.compute_threads", cfg.runtime.compute_threads),
                          ("runtime.optimizer_threads", cfg.runtime.optimizer_threads),
                          ("runtime.link_gbps", cfg.runtime.link_gbps),
-                         ("ray.num_cpus", cfg.ray.num_cpus)]:
+                         ("ray.num_cpus", cfg.ray.num_cpus),
+                         ("ray.metrics_export_port", cfg.ray.metrics_export_port)]:
         if value < 0:
             raise ConfigError(f"{where}={value} must be >= 0")
     if not 0 <= o.min_lr_ratio <= 1:
