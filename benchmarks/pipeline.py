@@ -44,7 +44,7 @@ def main(argv: list[str] | None = None) -> int:
     del base
 
     # -- the main job
-    ray.init(num_cpus=cfg.ray.num_cpus or None, include_dashboard=False, namespace="megaslide",
+    ray.init(address="local", num_cpus=cfg.ray.num_cpus or None, include_dashboard=False, namespace="megaslide",
              logging_level="ERROR")
     try:
         run_dir = tempfile.mkdtemp(prefix="megaslide-bench-")

@@ -150,6 +150,13 @@ class TrainingConfig:
     """Output directory; empty means ``runs/<timestamp>``."""
     t_sampling: Literal["uniform", "logit_normal"] = "logit_normal"
     """Distribution of the flow-matching time t in (0, 1)."""
+    sample_every: int = 0
+    """Every this many steps, sample ``sample_prompt`` through the compute actor into
+    ``RUN_DIR/samples/step_N.mp4`` (and a ``.png`` contact sheet); 0 never."""
+    sample_prompt: str = "a red circle moving right on a dark blue background"
+    """Caption of the samples taken during training."""
+    sample_steps: int = 10
+    """Euler steps of each sample taken during training."""
     overfit_one_batch: bool = False
     """Debug: train on the first batch only, with the same noise and timesteps every step (the loss
     must fall steadily; a quick check that model, streaming and optimizer work together)."""
@@ -426,7 +433,8 @@ def validate(cfg: Config) -> Config:
                          ("data.width", d.width), ("data.frame_stride", d.frame_stride),
                          ("data.batch_size", d.batch_size), ("data.prefetch", d.prefetch),
                          ("data.num_decoders", d.num_decoders), ("training.steps", t.steps),
-                         ("training.log_every", t.log_every), ("optim.lr", o.lr),
+                         ("training.log_every", t.log_every), ("training.sample_steps", t.sample_steps),
+                         ("optim.lr", o.lr),
                          ("optim.eps", o.eps)]:
         positive(where, value)
     for i, p in enumerate(m.patch_size):
@@ -462,6 +470,7 @@ def validate(cfg: Config) -> Config:
         raise ConfigError(f"optim.betas={o.betas} must each lie in [0, 1)")
     for where, value in [("optim.weight_decay", o.weight_decay), ("optim.grad_clip", o.grad_clip),
                          ("optim.warmup_steps", o.warmup_steps), ("training.checkpoint_every", t.checkpoint_every),
+                         ("training.sample_every", t.sample_every),
                          ("runtime.compute_threads", cfg.runtime.compute_threads),
                          ("runtime.optimizer_threads", cfg.runtime.optimizer_threads),
                          ("runtime.link_gbps", cfg.runtime.link_gbps),

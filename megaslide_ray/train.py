@@ -97,7 +97,7 @@ def start_ray(cfg: Config):
     if cfg.ray.address:
         return ray.init(address=cfg.ray.address, namespace="megaslide", log_to_driver=True)
     extra = {"_metrics_export_port": cfg.ray.metrics_export_port} if cfg.ray.metrics_export_port else {}
-    return ray.init(num_cpus=cfg.ray.num_cpus or None, include_dashboard=True,
+    return ray.init(address="local", num_cpus=cfg.ray.num_cpus or None, include_dashboard=True,
                     dashboard_host=cfg.ray.dashboard_host, namespace="megaslide",
                     logging_level=logging.WARNING, log_to_driver=True, **extra)
 

@@ -89,9 +89,38 @@ class Trainer:
         done = step + 1
         return done == self.cfg.training.steps or (every > 0 and done % every == 0)
 
+    def _sample_due(self, step: int) -> bool:
+        every = self.cfg.training.sample_every
+        return every > 0 and (step + 1) % every == 0
+
+    def sample(self, version: int) -> Path:
+        """Sample the fixed prompt with the weights of ``version`` through the compute actor
+        (forward only) into ``samples/step_N.mp4`` and its ``.png`` contact sheet."""
+        from megaslide_ray.demo_data import write_video
+        from megaslide_ray.sample import contact_sheet, euler_sample, to_uint8_frames, write_png
+
+        compute = self.pipeline.compute
+
+        class RemotePredict:  # euler_sample's view of the remote actor
+            @staticmethod
+            def predict(*args):
+                return ray.get(compute.predict.remote(*args))
+
+        t = self.cfg.training
+        x = euler_sample(RemotePredict, self.cfg, t.sample_prompt, t.sample_steps, t.seed, version)
+        frames = to_uint8_frames(x)
+        out = self.run_dir / "samples" / f"step_{version}.mp4"
+        out.parent.mkdir(parents=True, exist_ok=True)
+        write_video(out, frames)
+        write_png(out.with_suffix(".png"), contact_sheet(frames))
+        return out
+
     def train_step(self, step: int) -> dict:
         due = self._checkpoint_due(step)
-        report = self.pipeline.run_step(step, queue_next=not due and step + 1 < self.cfg.training.steps)
+        sample_due = self._sample_due(step)
+        # Before a checkpoint or a sample nothing is queued ahead: the state must be step k's.
+        report = self.pipeline.run_step(step, queue_next=not (due or sample_due)
+                                        and step + 1 < self.cfg.training.steps)
         now = time.perf_counter()
         wall, self._last_time = now - self._last_time, now
         c, u = report.compute, report.update
@@ -106,10 +135,14 @@ class Trainer:
         self._metrics.write(json.dumps(row) + "\n")
         self._metrics.flush()
         self.ray_metrics.record(row)
+        if sample_due:
+            row["sample"] = str(self.sample(step + 1))
         if due:
             self.last_checkpoint = self.pipeline.save_checkpoint(
                 str(self.run_dir), step + 1, {"data_position": c.data_position, "seed": self.cfg.training.seed,
                                               "skipped_files": row["skipped_files"]})
+        if due or sample_due:  # the next step's time should not include saving or sampling
+            self._last_time = time.perf_counter()
         return row
 
     def train(self) -> TrainSummary:

@@ -14,7 +14,7 @@ SMALL = {"model.depth": 2, "model.hidden_size": 64, "model.num_heads": 2, "model
 
 @pytest.fixture(scope="module")
 def ray_session():
-    ray.init(num_cpus=2, include_dashboard=False, namespace="megaslide", logging_level="ERROR")
+    ray.init(address="local", num_cpus=2, include_dashboard=False, namespace="megaslide", logging_level="ERROR")
     yield
     ray.shutdown()
 

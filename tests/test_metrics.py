@@ -18,7 +18,7 @@ def metrics_port():
     s.bind(("127.0.0.1", 0))
     port = s.getsockname()[1]
     s.close()
-    ray.init(num_cpus=2, include_dashboard=False, _metrics_export_port=port, namespace="megaslide",
+    ray.init(address="local", num_cpus=2, include_dashboard=False, _metrics_export_port=port, namespace="megaslide",
              logging_level="ERROR")
     yield port
     ray.shutdown()

@@ -83,3 +83,17 @@ def test_bad_files_are_skipped_and_counted(ray_session, manifest, small_config, 
     expected = sum(1 for row in drawn if row >= len(rows))
     assert expected > 0, "the seed must draw at least one bad file for this test to mean anything"
     assert metrics[-1]["skipped_files"] == expected
+
+
+def test_samples_during_training(ray_session, small_config, tmp_path):
+    from actors.decoder import read_frames
+    import decord
+
+    cfg = small_config(**{"training.steps": 2, "training.sample_every": 2, "training.sample_steps": 2})
+    run(cfg, tmp_path / "run")
+    video = tmp_path / "run" / "samples" / "step_2.mp4"
+    assert video.is_file() and video.with_suffix(".png").is_file()
+    reader = decord.VideoReader(str(video))
+    assert len(reader) == cfg.data.num_frames
+    frames = read_frames(reader, list(range(len(reader))))
+    assert frames.shape[1:] == (cfg.data.height, cfg.data.width, 3)
