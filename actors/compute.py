@@ -53,6 +53,7 @@ class StepResult:
     data_position: int
     skipped_files: int
     device: str
+    data_wait_seconds: float = 0.0  # time blocked waiting for the decoded batch
 
 
 def select_device(cfg: Config) -> str:
@@ -144,8 +145,15 @@ class ComputeActor:
         return self._returner.submit(send)
 
     # -- one step -----------------------------------------------------------------------------
-    def train_step(self, batch: dict, step: int) -> StepResult:
+    def train_step(self, batch, step: int) -> StepResult:
+        """One step. ``batch``: the decoder's dict, or ``[ObjectRef]`` of it (the pipeline wraps
+        the ref in a list so Ray does not resolve it before the call: the wait is then measured)."""
         t_start = time.perf_counter()
+        if isinstance(batch, list):
+            import ray
+
+            batch = ray.get(batch[0])
+        data_wait = time.perf_counter() - t_start
         L = self.cfg.model.depth
         head = L + 1
         order = list(range(self.n)) + list(range(L, -1, -1))  # forward 0..L+1, backward L..0
@@ -232,7 +240,7 @@ class ComputeActor:
             step=step, loss=float(loss.detach()), tokens=B * self.cfg.tokens_per_sample, seconds=t_end - t_start,
             forward_seconds=t_fwd - t_start, backward_seconds=t_end - t_fwd, weight_wait_seconds=wait,
             data_position=int(batch.get("position", -1)), skipped_files=int(batch.get("skipped", 0)),
-            device=str(dev),
+            device=str(dev), data_wait_seconds=data_wait,
         )
 
     # -- forward only (sampling) -------------------------------------------------------------

@@ -21,6 +21,7 @@ STEP_GAUGES = {
     "weight_wait_seconds": ("megaslide_weight_wait_seconds",
                             "seconds the compute actor was blocked on a shard version or transfer"),
     "optimizer_seconds": ("megaslide_optimizer_seconds", "seconds of the store's AdamW for the last step"),
+    "data_wait_seconds": ("megaslide_data_wait_seconds", "seconds the compute actor waited for the batch"),
     "skipped_files": ("megaslide_skipped_files", "video files skipped as unreadable so far"),
     "data_position": ("megaslide_data_position", "manifest draws consumed so far"),
 }

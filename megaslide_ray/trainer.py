@@ -129,7 +129,8 @@ class Trainer:
             "update_skipped": u.skipped, "tokens": c.tokens, "tokens_per_s": c.tokens / wall, "step_seconds": wall,
             "compute_seconds": c.seconds, "forward_seconds": c.forward_seconds,
             "backward_seconds": c.backward_seconds, "weight_wait_seconds": c.weight_wait_seconds,
-            "optimizer_seconds": u.optimizer_seconds, "data_position": c.data_position,
+            "optimizer_seconds": u.optimizer_seconds, "data_wait_seconds": c.data_wait_seconds,
+            "data_position": c.data_position,
             "skipped_files": self._skipped_before + c.skipped_files, "device": c.device, "time": time.time(),
         }
         self._metrics.write(json.dumps(row) + "\n")
@@ -155,7 +156,8 @@ class Trainer:
                 row = self.train_step(step)
                 rows.append(row)
                 bar.update(1)
-                bar.set_postfix(loss=f"{row['loss']:.4f}", tok_s=f"{row['tokens_per_s']:.0f}")
+                bar.set_postfix(loss=f"{row['loss']:.4f}", tok_s=f"{row['tokens_per_s']:.0f}",
+                                data_wait=f"{100 * row['data_wait_seconds'] / row['step_seconds']:.0f}%")
                 if row["step"] % self.cfg.training.log_every == 0 or row["step"] == steps:
                     msg = (f"step {row['step']}/{steps} | loss {row['loss']:.4f} | lr {row['lr']:.2e} | "
                            f"grad {row['grad_norm']:.3f} | {row['tokens_per_s']:.0f} tok/s | "

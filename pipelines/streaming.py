@@ -136,7 +136,8 @@ class StreamingPipeline:
     def _submit(self, step: int) -> None:
         if step in self._queued or step in self._computed:
             return
-        self._queued[step] = self.compute.train_step.remote(self._batch(step), step)
+        # In a list, the ref reaches the actor unresolved, so it can measure its wait for data.
+        self._queued[step] = self.compute.train_step.remote([self._batch(step)], step)
 
     def run_step(self, step: int, queue_next: bool) -> StepReport:
         """Run step ``step``; with ``queue_next`` also queue step + 1 behind it. A step that an
