@@ -162,9 +162,10 @@ class Trainer:
                     msg = (f"step {row['step']}/{steps} | loss {row['loss']:.4f} | lr {row['lr']:.2e} | "
                            f"grad {row['grad_norm']:.3f} | {row['tokens_per_s']:.0f} tok/s | "
                            f"{row['step_seconds']:.2f} s/step | skipped files {row['skipped_files']}")
-                    if self.progress:
+                    if self.progress:  # the bar owns the terminal: print above it
                         bar.write(msg)
-                    log.info(msg)
+                    else:
+                        log.info(msg)
         finally:
             bar.close()
         if not rows:
