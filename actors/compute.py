@@ -54,6 +54,11 @@ class StepResult:
     skipped_files: int
     device: str
     data_wait_seconds: float = 0.0  # time blocked waiting for the decoded batch
+    h2d_bytes: int = 0              # weight bytes copied towards the compute (0 when read in place)
+    h2d_seconds: float = 0.0        # time those copies took (on the staging thread)
+    d2h_bytes: int = 0              # gradient bytes returned to the store
+    d2h_seconds: float = 0.0
+    device_memory_peak_bytes: int = 0  # CUDA: max_memory_allocated; CPU: the process's peak RSS
 
 
 def select_device(cfg: Config) -> str:
@@ -100,6 +105,8 @@ class ComputeActor:
         self._stage = self.device.type == "cpu" and self.link_gbps > 0
         # "Streams" on CPU: one thread stages shards ahead (host-to-device), one returns
         # gradients (device-to-host), so both transfers overlap the compute thread.
+        self._h2d = [0, 0.0]  # bytes, seconds of this step's weight copies
+        self._d2h = [0, 0.0]  # bytes, seconds of this step's gradient returns
         self._prefetcher = ThreadPoolExecutor(max_workers=1, thread_name_prefix="shard-prefetch")
         self._returner = ThreadPoolExecutor(max_workers=1, thread_name_prefix="grad-return")
 
@@ -109,14 +116,23 @@ class ComputeActor:
         if self.transport == "shm":
             self.store.wait_version(shard, step)
             src = self.w_maps[shard]
+            t_copy, moved = time.perf_counter(), 0
         else:
+            t_copy = time.perf_counter()  # the transfer is the object fetch itself
             raw = self.store.get_weights(shard, step)
             src = torch.from_numpy(np.array(raw, copy=True)).view(self.dtype)
+            moved = src.numel() * src.element_size()
         if self._stage:  # simulated link: a throttled copy into a reused buffer
             w = self._staging.acquire(src.numel(), src.dtype)
             throttled_copy(w, src, self.link_gbps)
+            moved = src.numel() * src.element_size()
         else:  # CPU: compute straight from the mapped pages (no copy). CUDA: one H2D copy.
             w = src.to(self.device)
+            if self.device.type != "cpu":
+                moved = src.numel() * src.element_size()
+        if moved:  # only the prefetch thread writes these (one fetch at a time)
+            self._h2d[0] += moved
+            self._h2d[1] += time.perf_counter() - t_copy
         return w, time.perf_counter() - t0
 
     def _release(self, w: torch.Tensor) -> None:
@@ -132,12 +148,16 @@ class ComputeActor:
         sqnorm = float(g.float().pow(2).sum())  # host sync: the store needs the number
 
         def send() -> None:
+            t0 = time.perf_counter()
             if self.transport == "shm":
                 throttled_copy(self.g_maps[shard], g, self.link_gbps)
+                self._d2h[1] += time.perf_counter() - t0
                 self.store.report_grad(shard, step, sqnorm, None)
             else:
                 host = g.cpu()
+                self._d2h[1] += time.perf_counter() - t0
                 self.store.report_grad(shard, step, sqnorm, host.view(torch.uint8).numpy())
+            self._d2h[0] += g.numel() * g.element_size()  # only the return thread writes these
 
         if not self.overlap:
             send()
@@ -154,6 +174,7 @@ class ComputeActor:
 
             batch = ray.get(batch[0])
         data_wait = time.perf_counter() - t_start
+        self._h2d, self._d2h = [0, 0.0], [0, 0.0]  # no transfer is in flight between steps
         L = self.cfg.model.depth
         head = L + 1
         order = list(range(self.n)) + list(range(L, -1, -1))  # forward 0..L+1, backward L..0
@@ -240,7 +261,8 @@ class ComputeActor:
             step=step, loss=float(loss.detach()), tokens=B * self.cfg.tokens_per_sample, seconds=t_end - t_start,
             forward_seconds=t_fwd - t_start, backward_seconds=t_end - t_fwd, weight_wait_seconds=wait,
             data_position=int(batch.get("position", -1)), skipped_files=int(batch.get("skipped", 0)),
-            device=str(dev), data_wait_seconds=data_wait,
+            device=str(dev), data_wait_seconds=data_wait, h2d_bytes=self._h2d[0], h2d_seconds=self._h2d[1],
+            d2h_bytes=self._d2h[0], d2h_seconds=self._d2h[1], device_memory_peak_bytes=peak_memory(dev),
         )
 
     # -- forward only (sampling) -------------------------------------------------------------
@@ -303,6 +325,14 @@ class LocalStoreClient:
 
     def flush(self) -> None:
         pass
+
+
+def peak_memory(device: torch.device) -> int:
+    if device.type == "cuda":
+        return int(torch.cuda.max_memory_allocated(device))
+    import resource
+
+    return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024  # Linux reports KiB
 
 
 class _StagingPool:

@@ -22,6 +22,12 @@ STEP_GAUGES = {
                             "seconds the compute actor was blocked on a shard version or transfer"),
     "optimizer_seconds": ("megaslide_optimizer_seconds", "seconds of the store's AdamW for the last step"),
     "data_wait_seconds": ("megaslide_data_wait_seconds", "seconds the compute actor waited for the batch"),
+    "h2d_bytes": ("megaslide_h2d_bytes", "weight bytes copied host->device in the last step"),
+    "h2d_gbps": ("megaslide_h2d_gbps", "GB/s of those copies"),
+    "d2h_bytes": ("megaslide_d2h_bytes", "gradient bytes returned device->host in the last step"),
+    "d2h_gbps": ("megaslide_d2h_gbps", "GB/s of those returns"),
+    "device_memory_peak_bytes": ("megaslide_device_memory_peak_bytes",
+                                 "compute actor peak memory (CUDA: max allocated; CPU: peak RSS)"),
     "skipped_files": ("megaslide_skipped_files", "video files skipped as unreadable so far"),
     "data_position": ("megaslide_data_position", "manifest draws consumed so far"),
 }
@@ -35,6 +41,12 @@ class RunMetrics:
         if host_state_bytes is not None:
             Gauge("megaslide_host_state_bytes", description="bytes of model state held by the parameter store",
                   tag_keys=("run",)).set(float(host_state_bytes), tags=self.tags)
+        self.decoder_fps = Gauge("megaslide_decoder_frames_per_second",
+                                 description="frames decoded per second of decoding, all decoders",
+                                 tag_keys=("run",))
+
+    def record_decoders(self, frames_per_second: float) -> None:
+        self.decoder_fps.set(float(frames_per_second), tags=self.tags)
 
     def record(self, row: dict) -> None:
         for key, gauge in self.gauges.items():

@@ -130,11 +130,18 @@ class Trainer:
             "compute_seconds": c.seconds, "forward_seconds": c.forward_seconds,
             "backward_seconds": c.backward_seconds, "weight_wait_seconds": c.weight_wait_seconds,
             "optimizer_seconds": u.optimizer_seconds, "data_wait_seconds": c.data_wait_seconds,
+            "h2d_bytes": c.h2d_bytes, "h2d_gbps": c.h2d_bytes / c.h2d_seconds / 1e9 if c.h2d_seconds else 0.0,
+            "d2h_bytes": c.d2h_bytes, "d2h_gbps": c.d2h_bytes / c.d2h_seconds / 1e9 if c.d2h_seconds else 0.0,
+            "device_memory_peak_bytes": c.device_memory_peak_bytes,
             "data_position": c.data_position,
             "skipped_files": self._skipped_before + c.skipped_files, "device": c.device, "time": time.time(),
         }
         self._metrics.write(json.dumps(row) + "\n")
         self._metrics.flush()
+        if (step + 1) % self.cfg.training.log_every == 0 or step == self.start_step:
+            stats = self.pipeline.decoder_stats()
+            seconds = sum(st.decode_seconds for st in stats)
+            self.ray_metrics.record_decoders(sum(st.frames_decoded for st in stats) / seconds if seconds else 0.0)
         self.ray_metrics.record(row)
         if sample_due:
             row["sample"] = str(self.sample(step + 1))

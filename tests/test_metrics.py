@@ -41,7 +41,8 @@ def test_megaslide_metrics_are_exported(metrics_port, small_config, tmp_path):
     finally:
         trainer.close()
     last = json.loads((tmp_path / "metricsrun" / "metrics.jsonl").read_text().splitlines()[-1])
-    wanted = {f"ray_{name}" for name, _ in STEP_GAUGES.values()} | {"ray_megaslide_host_state_bytes"}
+    wanted = {f"ray_{name}" for name, _ in STEP_GAUGES.values()} | {"ray_megaslide_host_state_bytes",
+                                                                   "ray_megaslide_decoder_frames_per_second"}
     deadline = time.monotonic() + 60  # Ray reports metrics every few seconds
     values: dict[str, float] = {}
     while time.monotonic() < deadline and not wanted <= values.keys():
@@ -52,3 +53,6 @@ def test_megaslide_metrics_are_exported(metrics_port, small_config, tmp_path):
     assert values["ray_megaslide_loss"] == pytest.approx(last["loss"], rel=1e-6)
     assert values["ray_megaslide_tokens_per_second"] > 0
     assert values["ray_megaslide_host_state_bytes"] > 0
+    assert values["ray_megaslide_decoder_frames_per_second"] > 0
+    assert values["ray_megaslide_device_memory_peak_bytes"] > 0
+    assert values["ray_megaslide_d2h_bytes"] > 0  # gradients always return to the store
