@@ -33,6 +33,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="start from pretrained weights: a checkpoint dir (RUN/checkpoints/step_N), a .safetensors "
                         "file or a directory of them with VideoDiT state-dict names; moments start at zero, step at 0")
     p.add_argument("--seed", type=int, default=None, help="training.seed")
+    p.add_argument("--sample-every", type=int, default=None, metavar="N",
+                   help="sample training.sample_prompt into RUN_DIR/samples every N steps (training.sample_every)")
     p.add_argument("--ray-address", default=None, help="join this Ray cluster instead of starting one")
     p.add_argument("--no-progress", action="store_true", help="no progress bar (log lines only)")
     p.add_argument("--print-config", action="store_true", help="print the resolved config as TOML and exit")
@@ -66,7 +68,8 @@ def parse_overrides(extra: list[str]) -> dict[str, str]:
 def config_from_args(args: argparse.Namespace, extra: list[str]) -> Config:
     overrides = parse_overrides(extra)
     for flag, key in (("steps", "training.steps"), ("seed", "training.seed"), ("data", "data.manifest"),
-                      ("run_dir", "training.run_dir"), ("ray_address", "ray.address")):
+                      ("run_dir", "training.run_dir"), ("ray_address", "ray.address"),
+                      ("sample_every", "training.sample_every")):
         if getattr(args, flag) is not None:
             overrides[key] = getattr(args, flag)
     config_file = args.config
