@@ -178,23 +178,9 @@ class ComputeActor:
         L = self.cfg.model.depth
         head = L + 1
         order = list(range(self.n)) + list(range(L, -1, -1))  # forward 0..L+1, backward L..0
-        futures: dict[int, Future] = {}
+        feed = _ShardFeed(self, order, step)
+        take = feed.take
         returns: list[Future | None] = []
-        wait = 0.0
-
-        def take(pos: int) -> torch.Tensor:
-            """Weights for ``order[pos]``; keeps ``prefetch_depth`` shards in flight after it."""
-            nonlocal wait
-            for ahead in range(pos, min(pos + self.prefetch_depth + 1, len(order))):
-                if ahead not in futures and ahead != pos:
-                    futures[ahead] = self._prefetcher.submit(self._fetch, order[ahead], step)
-            t0 = time.perf_counter()
-            if pos in futures:
-                w, _ = futures.pop(pos).result()
-            else:  # no overlap: fetch now, in sequence
-                w, _ = self._fetch(order[pos], step)
-            wait += time.perf_counter() - t0  # time the compute thread was blocked
-            return w
 
         noise_step = 0 if self.cfg.training.overfit_one_batch else step
         fx = sample_flow_inputs(batch["video"], self.cfg.training.seed, noise_step, self.cfg.training.t_sampling)
@@ -259,7 +245,7 @@ class ComputeActor:
         B = x_t.shape[0]
         return StepResult(
             step=step, loss=float(loss.detach()), tokens=B * self.cfg.tokens_per_sample, seconds=t_end - t_start,
-            forward_seconds=t_fwd - t_start, backward_seconds=t_end - t_fwd, weight_wait_seconds=wait,
+            forward_seconds=t_fwd - t_start, backward_seconds=t_end - t_fwd, weight_wait_seconds=feed.wait,
             data_position=int(batch.get("position", -1)), skipped_files=int(batch.get("skipped", 0)),
             device=str(dev), data_wait_seconds=data_wait, h2d_bytes=self._h2d[0], h2d_seconds=self._h2d[1],
             d2h_bytes=self._d2h[0], d2h_seconds=self._d2h[1], device_memory_peak_bytes=peak_memory(dev),
@@ -270,8 +256,8 @@ class ComputeActor:
     def predict(self, x_t, t, caption, caption_len, step: int) -> torch.Tensor:
         """The model's velocity for ``x_t`` at times ``t``, with the weights of version ``step``.
 
-        Forward only: shards 0..L+1 fetched as in training (the next one prefetched while the
-        current one computes), no activations kept, nothing sent back to the store.
+        Forward only: shards 0..L+1 fetched as in training (prefetched while the current one
+        computes), no activations kept, nothing sent back to the store.
         ``x_t: (B, F, H, W, C)`` in [-1, 1] scale, ``t: (B,)``, ``caption: (B, Lc)`` uint8 bytes,
         ``caption_len: (B,)``. Returns the prediction as float32 on the CPU, shaped like ``x_t``.
         """
@@ -280,12 +266,10 @@ class ComputeActor:
             return (a if isinstance(a, torch.Tensor) else torch.from_numpy(np.array(a))).to(self.device)
 
         x_t, t, cap, cap_len = (as_tensor(a) for a in (x_t, t, caption, caption_len))
-        futures = [self._prefetcher.submit(self._fetch, 0, step)]
+        feed = _ShardFeed(self, list(range(self.n)), step)
         x = c = None
         for shard in range(self.n):
-            if shard + 1 < self.n:
-                futures.append(self._prefetcher.submit(self._fetch, shard + 1, step))
-            w, _ = futures[shard].result()
+            w = feed.take(shard)
             if shard == 0:
                 x, c = self._run(0, w, x_t.float(), t.float(), cap, cap_len)
             else:
@@ -325,6 +309,30 @@ class LocalStoreClient:
 
     def flush(self) -> None:
         pass
+
+
+class _ShardFeed:
+    """The weights of ``order`` (shard indices) for one step, in that order: with overlap, the
+    prefetch thread keeps ``prefetch_depth`` shards in flight after the one being taken;
+    without, each is fetched when taken. ``wait`` = time the compute thread was blocked."""
+
+    def __init__(self, actor: "ComputeActor", order: list[int], step: int):
+        self.actor, self.order, self.step = actor, order, step
+        self.futures: dict[int, Future] = {}
+        self.wait = 0.0
+
+    def take(self, pos: int) -> torch.Tensor:
+        a = self.actor
+        for ahead in range(pos + 1, min(pos + a.prefetch_depth + 1, len(self.order))):
+            if ahead not in self.futures:
+                self.futures[ahead] = a._prefetcher.submit(a._fetch, self.order[ahead], self.step)
+        t0 = time.perf_counter()
+        if pos in self.futures:
+            w, _ = self.futures.pop(pos).result()
+        else:  # the first shard, or no overlap: fetch now, in sequence
+            w, _ = a._fetch(self.order[pos], self.step)
+        self.wait += time.perf_counter() - t0
+        return w
 
 
 def peak_memory(device: torch.device) -> int:
