@@ -19,6 +19,14 @@ OVR = {"model.depth": 2, "model.hidden_size": 32, "model.num_heads": 2, "optim.w
        "optim.grad_clip": 0.5, "optim.warmup_steps": 1, "training.steps": 3}
 
 
+def apply_random_step(store: ParameterStore, step: int) -> None:
+    """Play the compute actor for one step: random gradients into every shard, then the update."""
+    for i in range(store.n):
+        store.seg[i]["g"].normal_()
+        store.report_grad(i, step, float(store.seg[i]["g"].pow(2).sum()), None)
+    store.wait_step(step)
+
+
 @pytest.fixture
 def cfg(tmp_path):
     return build_config("tiny", None, {**OVR, "runtime.state_dir": str(tmp_path)})
@@ -100,10 +108,7 @@ def test_segments_are_shared_memory(cfg, tmp_path):
 def test_checkpoint_round_trip_is_bit_exact(cfg, tmp_path):
     store = ParameterStore(cfg, str(tmp_path / "run"))
     try:
-        for i in range(store.n):
-            store.seg[i]["g"].normal_()
-            store.report_grad(i, 0, float(store.seg[i]["g"].pow(2).sum()), None)
-        store.wait_step(0)
+        apply_random_step(store, 0)
         path = store.save_checkpoint(str(tmp_path / "run"), 1, {"data_position": 7})
         saved = [{k: store.seg[i][k].clone() for k in ("w", "master", "m", "v")} for i in range(store.n)]
     finally:
@@ -147,10 +152,7 @@ def test_init_from_a_state_dict_file_gives_exactly_those_weights(cfg, tmp_path):
 def test_init_from_checkpoint_and_its_export(cfg, tmp_path):
     store = ParameterStore(cfg, str(tmp_path / "run"))
     try:
-        for i in range(store.n):
-            store.seg[i]["g"].normal_()
-            store.report_grad(i, 0, float(store.seg[i]["g"].pow(2).sum()), None)
-        store.wait_step(0)
+        apply_random_step(store, 0)
         ckpt = store.save_checkpoint(str(tmp_path / "run"), 1, {})
         trained = [store.seg[i]["master"].clone() for i in range(store.n)]
     finally:
