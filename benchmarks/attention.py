@@ -1,6 +1,7 @@
 """Attention kinds vs token count: time, peak memory and FLOPs of forward + backward.
 
-    python -m benchmarks.attention [--json] [--plot PATH.png] [--max-tokens N] [--device cpu|cuda]
+    python -m benchmarks.attention [--json] [--plot PATH.png] [--min-tokens N] [--max-tokens N]
+                                   [--rounds R] [--device cpu|cuda]
 
 Kinds (the ``attention.kind`` choices of the model):
 
@@ -14,6 +15,12 @@ On CPU the DSA kinds use the ``cpu`` backend (the model's CPU path: chunked, han
 backward, bounded memory); on CUDA ``triton``.
 Shapes: B=1, nh=2, d=32; DSA window (3, 3, 3) (K=27), swin window (2, 4, 4) (V=32).
 fp32 on CPU, bf16 on CUDA.
+
+Clock: ``--clock wall`` (default) times each rep with ``time.perf_counter``; ``--clock
+cpu`` (CPU only) with ``time.process_time``, the CPU time of the measuring process: with
+one thread that is the work itself, and unlike wall time it does not count the time the
+process waits for a core that other processes hold (on the shared 2-core CI box wall time
+at load 7 was 3-5x the CPU time and its growth ratios were meaningless).
 
 CPU threads: ``--threads`` (default 1) intra-op threads per measurement. On a small
 shared box another process's threads make OpenMP oversubscribe: every parallel region
@@ -37,7 +44,12 @@ convention: 2 matmuls forward, 5 in a recomputing backward):
   plus trilinear interpolation of k and v: 8 corners x (mul + add) x 2 tensors = 32 per
   sample and channel; the operator interpolates even when the offsets are zero).
 
-Machines are noisy; read ratios within one run (DESIGN.md "Measuring").
+Growth: for every kind, time(4N)/time(N) and memory(4N)/memory(N) for every measured 4x
+pair with N >= ``--growth-from`` (default 4096: 4096 -> 16384 and 8192 -> 32768), and
+whether ``dsa`` meets the linear-growth goal (at most x4.6 in time and memory per 4x).
+
+Machines are noisy; read ratios within one run (DESIGN.md "Measuring"). ``--rounds R``
+repeats every measurement in R fresh processes and keeps the median time and memory.
 """
 
 from __future__ import annotations
@@ -72,6 +84,7 @@ DSA_WINDOW = (3, 3, 3)
 SWIN_WINDOW = (2, 4, 4)
 OFFSET_MAGNITUDE = 1.5
 FWD_BWD_FACTOR = 3.5
+GROWTH_GOAL = 4.6  # dsa: 4x tokens -> at most this factor in time and in peak memory
 
 
 @dataclass(frozen=True)
@@ -86,6 +99,8 @@ class Row:
     gflops_per_s: float | None
     reps: int
     status: str  # "ok", "skipped: ...", "timeout ...", "error: ..."
+    rounds: int = 1  # fresh-process measurements behind the medians
+    clock: str = "wall"  # "wall" or "cpu" (process CPU time): what ``seconds`` measures
 
 
 # -----------------------------------------------------------------------------
@@ -129,9 +144,16 @@ def _peak_rss_bytes() -> int:
 
 
 def measure(
-    kind: str, grid: tuple[int, int, int], device: str, reps: int, slow_s: float, threads: int
+    kind: str, grid: tuple[int, int, int], device: str, reps: int, slow_s: float, threads: int,
+    clock: str = "wall",
 ) -> dict:
-    """Median fwd+bwd seconds and extra peak bytes of one kind on one grid."""
+    """Median fwd+bwd seconds and extra peak bytes of one kind on one grid.
+
+    ``clock``: "wall" (perf_counter) or "cpu" (process_time; CPU device only).
+    """
+    if clock not in ("wall", "cpu") or (clock == "cpu" and device != "cpu"):
+        raise ValueError(f"clock must be 'wall', or 'cpu' on the cpu device; got {clock!r} on {device}")
+    timer = time.process_time if clock == "cpu" else time.perf_counter
     import torch
     import torch.nn.functional as F
 
@@ -180,34 +202,35 @@ def measure(
     else:
         base = _peak_rss_bytes()  # after imports and inputs: the baseline high-water mark
 
-    t0 = time.perf_counter()
+    t0 = timer()
     step()
     sync()
-    warm = time.perf_counter() - t0
+    warm = timer() - t0
     # slow cases: one timed rep after the warm-up keeps the sweep inside its budget
     n = reps if warm < slow_s else 1
     times = []
     for _ in range(n):
-        t0 = time.perf_counter()
+        t0 = timer()
         step()
         sync()
-        times.append(time.perf_counter() - t0)
+        times.append(timer() - t0)
     if device == "cuda":
         peak = torch.cuda.max_memory_allocated() - base
     else:
         peak = _peak_rss_bytes() - base
-    return {"seconds": statistics.median(times), "peak_bytes": int(peak), "reps": n, "backend": backend}
+    return {"seconds": statistics.median(times), "peak_bytes": int(peak), "reps": n,
+            "backend": backend, "clock": clock}
 
 
 # -----------------------------------------------------------------------------
 # The sweep (driver process)
 
 
-def _run_isolated(kind, grid, device, reps, slow_s, threads, timeout_s) -> dict:
+def _run_isolated(kind, grid, device, reps, slow_s, threads, timeout_s, clock="wall") -> dict:
     cmd = [
         sys.executable, "-m", "benchmarks.attention", "--worker", kind, *map(str, grid),
         "--device", device, "--reps", str(reps), "--slow-seconds", str(slow_s),
-        "--threads", str(threads),
+        "--threads", str(threads), "--clock", clock,
     ]
     env = os.environ.copy()
     if threads > 0:
@@ -222,27 +245,52 @@ def _run_isolated(kind, grid, device, reps, slow_s, threads, timeout_s) -> dict:
     return {"status": "ok", **json.loads(proc.stdout.strip().splitlines()[-1])}
 
 
+def make_row(kind: str, grid: tuple[int, int, int], device: str, res: dict) -> Row:
+    """A result row from one measurement's dict (``measure`` output plus ``status``)."""
+    sec = res.get("seconds")
+    flops = attention_flops(kind, grid)
+    return Row(
+        kind=kind, backend=res.get("backend", _backend(kind, device)), grid=grid,
+        tokens=math.prod(grid), seconds=sec, peak_bytes=res.get("peak_bytes"), flops=flops,
+        gflops_per_s=(flops / sec / 1e9) if sec else None, reps=res.get("reps", 0),
+        status=res["status"], rounds=res.get("rounds", 1 if sec is not None else 0),
+        clock=res.get("clock", "wall"),
+    )
+
+
+def _median_of_rounds(results: list[dict]) -> dict:
+    """Median time and peak memory over fresh-process rounds; the first failure if none ran."""
+    ok = [r for r in results if r.get("status") == "ok"]
+    if not ok:
+        return results[0]
+    return {
+        **ok[0],
+        "seconds": statistics.median(r["seconds"] for r in ok),
+        "peak_bytes": int(statistics.median(r["peak_bytes"] for r in ok)),
+        "rounds": len(ok),
+    }
+
+
 def sweep(args) -> list[Row]:
     rows = []
-    grids = [g for g in GRIDS if math.prod(g) <= args.max_tokens]
+    grids = [g for g in GRIDS if args.min_tokens <= math.prod(g) <= args.max_tokens]
     kinds = [k for k in args.kinds if not (k == "dsa_ref" and args.device == "cuda")]
     for grid in grids:
         N = math.prod(grid)
         for kind in kinds:
-            flops = attention_flops(kind, grid)
-            cap = {"dense": args.dense_max_tokens, "dsa_ref": args.reference_max_tokens}.get(kind)
+            option, cap = {
+                "dense": ("--dense-max-tokens", args.dense_max_tokens),
+                "dsa_ref": ("--reference-max-tokens", args.reference_max_tokens),
+            }.get(kind, (None, None))
             if cap is not None and N > cap:
-                res = {"status": f"skipped: N > {cap} (--{kind.replace('_', '-')}-max-tokens)"}
+                res = {"status": f"skipped: N > {cap} ({option})"}
             else:
-                res = _run_isolated(kind, grid, args.device, args.reps, args.slow_seconds,
-                                    args.threads, args.timeout)
-            sec = res.get("seconds")
-            row = Row(
-                kind=kind, backend=res.get("backend", _backend(kind, args.device)), grid=grid,
-                tokens=N, seconds=sec, peak_bytes=res.get("peak_bytes"), flops=flops,
-                gflops_per_s=(flops / sec / 1e9) if sec else None, reps=res.get("reps", 0),
-                status=res["status"],
-            )
+                res = _median_of_rounds([
+                    _run_isolated(kind, grid, args.device, args.reps, args.slow_seconds,
+                                  args.threads, args.timeout, args.clock)
+                    for _ in range(args.rounds)
+                ])
+            row = make_row(kind, grid, args.device, res)
             rows.append(row)
             if args.json:
                 print(json.dumps(asdict(row)), flush=True)
@@ -273,16 +321,35 @@ def _measured(rows: list[Row], kind: str) -> dict[int, Row]:
     return {r.tokens: r for r in rows if r.kind == kind and r.seconds is not None}
 
 
-def growth(rows: list[Row], kind: str) -> tuple[int, float, float | None] | None:
-    """(N, time(4N)/time(N), mem(4N)/mem(N)) at the largest measured 4x pair of ``kind``."""
+def growth(rows: list[Row], kind: str, min_tokens: int = 0) -> list[tuple[int, float, float | None]]:
+    """``(N, time(4N)/time(N), mem(4N)/mem(N))`` for every measured 4x pair of ``kind``.
+
+    Pairs with ``N >= min_tokens``; if there are none, the largest pair (small sweeps).
+    """
     m = _measured(rows, kind)
-    pairs = [n for n in m if 4 * n in m]
+    pairs = sorted(n for n in m if 4 * n in m)
     if not pairs:
-        return None
-    n = max(pairs)
-    a, b = m[n], m[4 * n]
-    mem = (b.peak_bytes / a.peak_bytes) if (a.peak_bytes and b.peak_bytes and a.peak_bytes > 0) else None
-    return n, b.seconds / a.seconds, mem
+        return []
+    pairs = [n for n in pairs if n >= min_tokens] or pairs[-1:]
+    out = []
+    for n in pairs:
+        a, b = m[n], m[4 * n]
+        mem = (b.peak_bytes / a.peak_bytes) if (a.peak_bytes and b.peak_bytes and a.peak_bytes > 0) else None
+        out.append((n, b.seconds / a.seconds, mem))
+    return out
+
+
+def growth_goal(rows: list[Row], min_tokens: int, kind: str = "dsa") -> str:
+    """Whether ``kind`` grows linearly: every 4x pair at most GROWTH_GOAL in time and memory."""
+    g = growth(rows, kind, min_tokens)
+    if not g:
+        return f"{kind} growth goal: no measured 4x pair"
+    bad = [f"{n}->{4 * n} time x{tr:.2f}" for n, tr, _ in g if tr > GROWTH_GOAL]
+    bad += [f"{n}->{4 * n} memory x{mr:.2f}" for n, _, mr in g if mr is not None and mr > GROWTH_GOAL]
+    pairs = ", ".join(f"{n}->{4 * n}" for n, _, _ in g)
+    if bad:
+        return f"{kind} growth goal (<= x{GROWTH_GOAL} per 4x tokens): NOT met ({'; '.join(bad)})"
+    return f"{kind} growth goal (<= x{GROWTH_GOAL} per 4x tokens, time and memory): met for {pairs}"
 
 
 def crossover(rows: list[Row], fast: str = "dsa", slow: str = "dense") -> str:
@@ -311,16 +378,22 @@ def crossover(rows: list[Row], fast: str = "dsa", slow: str = "dense") -> str:
     return msg
 
 
-def summary(rows: list[Row]) -> list[str]:
+def summary(rows: list[Row], growth_from: int = 4096) -> list[str]:
     lines = []
-    for kind in ("dsa", "neighborhood", "swin", "dense"):
-        g = growth(rows, kind)
-        if g is None:
+    for kind in ("dsa", "neighborhood", "swin", "dense", "dsa_ref"):
+        if not any(r.kind == kind for r in rows):
+            continue
+        g = growth(rows, kind, growth_from)
+        if not g:
             lines.append(f"{kind}: no measured 4x pair")
             continue
-        n, tr, mr = g
-        mem = f"{mr:.2f}x" if mr is not None else "n/a"
-        lines.append(f"{kind}: N={n} -> {4 * n}: time x{tr:.2f}, memory {mem}")
+        parts = []
+        for n, tr, mr in g:
+            mem = f"x{mr:.2f}" if mr is not None else "n/a"
+            parts.append(f"N={n} -> {4 * n}: time x{tr:.2f}, memory {mem}")
+        lines.append(f"{kind}: " + "; ".join(parts))
+    if any(r.kind == "dsa" for r in rows):
+        lines.append(growth_goal(rows, growth_from))
     lines.append(f"crossover (dsa faster than dense): {crossover(rows)}")
     return lines
 
@@ -349,7 +422,9 @@ def plot(rows: list[Row], path: str, title: str) -> None:
             xs = [m[0].tokens, n1]
             ax_t.plot(xs, [t1 * (x / n1) ** power for x in xs], ":", color="gray", lw=1)
             ax_t.annotate(f"~N^{power}", (xs[0], t1 * (xs[0] / n1) ** power), fontsize=7, color="gray")
-    for ax, ylabel in ((ax_t, "forward+backward time [s]"), (ax_m, "extra peak memory [MiB]")):
+    clock = rows[0].clock if rows else "wall"
+    t_label = "forward+backward " + ("CPU time [s]" if clock == "cpu" else "time [s]")
+    for ax, ylabel in ((ax_t, t_label), (ax_m, "extra peak memory [MiB]")):
         ax.set_xscale("log", base=2)
         ax.set_yscale("log")
         ax.set_xlabel("tokens N = T*H*W")
@@ -374,6 +449,13 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--json", action="store_true", help="one JSON object per result row")
     p.add_argument("--plot", metavar="PATH.png", help="save time and memory vs tokens (log-log)")
     p.add_argument("--max-tokens", type=int, default=32768, help="largest grid to measure")
+    p.add_argument("--min-tokens", type=int, default=0, help="smallest grid to measure")
+    p.add_argument("--rounds", type=int, default=1,
+                   help="fresh-process measurements per (kind, grid); reports their medians")
+    p.add_argument("--clock", choices=("wall", "cpu"), default="wall",
+                   help="time reps by wall clock or by the process's CPU time (cpu device only)")
+    p.add_argument("--growth-from", type=int, default=4096,
+                   help="report growth ratios for every 4x pair from this many tokens up")
     p.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     p.add_argument("--kinds", nargs="+", choices=KINDS, default=list(KINDS))
     p.add_argument("--dense-max-tokens", type=int, default=32768,
@@ -392,10 +474,14 @@ def main(argv: list[str] | None = None) -> None:
 
     if args.threads is None:
         args.threads = 1 if args.device == "cpu" else 0
+    if args.rounds < 1:
+        p.error(f"--rounds must be >= 1, got {args.rounds}")
+    if args.clock == "cpu" and args.device != "cpu":
+        p.error("--clock cpu measures CPU time; on cuda use the default --clock wall")
     if args.worker:
         kind, *grid = args.worker
         res = measure(kind, tuple(int(g) for g in grid), args.device, args.reps,
-                      args.slow_seconds, args.threads)
+                      args.slow_seconds, args.threads, args.clock)
         print(json.dumps(res))
         return
 
@@ -404,10 +490,11 @@ def main(argv: list[str] | None = None) -> None:
         print(f"B={BATCH} nh={HEADS} d={HEAD_DIM}; dsa window {DSA_WINDOW}, swin window "
               f"{SWIN_WINDOW} (shifted); {args.device}, "
               f"{'bf16' if args.device == 'cuda' else 'fp32'}; fwd+bwd FLOPs = "
-              f"{FWD_BWD_FACTOR} x forward; threads={args.threads or 'default'}")
+              f"{FWD_BWD_FACTOR} x forward; threads={args.threads or 'default'}; "
+              f"rounds={args.rounds}; clock={args.clock}")
         print(_format_header())
     rows = sweep(args)
-    lines = summary(rows)
+    lines = summary(rows, args.growth_from)
     if args.json:  # stdout stays one JSON object per row; the reading goes to stderr
         print("\n".join(lines), file=sys.stderr)
     else:
@@ -416,7 +503,8 @@ def main(argv: list[str] | None = None) -> None:
         print(f"sweep wall time: {time.perf_counter() - start:.0f} s")
     if args.plot:
         plot(rows, args.plot, f"attention fwd+bwd, B={BATCH} nh={HEADS} d={HEAD_DIM}, {args.device}, "
-                              f"threads={args.threads or 'default'}")
+                              f"threads={args.threads or 'default'}, clock={args.clock}, "
+                              f"rounds={args.rounds}")
 
 
 if __name__ == "__main__":

@@ -22,9 +22,16 @@ kernels instead of materialised corner gathers:
   reference clamps the upper corner (``t1 = min(t0+1, T-1)``) the position is exactly
   ``T-1``, its weight is exactly 0, and the padded row contributes nothing; the
   position gradient there is 0 in both (the reference's ``t1 == t0``).
-* Queries are processed in chunks of ``chunk_size`` tokens (all heads); forward keeps
-  only the inputs and backward recomputes each chunk, so extra memory is
+* Queries are processed in chunks of at most ``chunk_size`` tokens (all heads); forward
+  keeps only the inputs and backward recomputes each chunk, so extra memory is
   O(chunk * nh * K * 8) plus O(N * nh * d) for the padded k, v and their gradients.
+* A chunk is a near-cubic tile of the (t, y, x) grid (``tile_shape``), not a run of
+  consecutive tokens. A tile's samples land in a box only a few tokens larger than
+  the tile on every side, so the k/v rows a chunk reads and the dk/dv rows it writes
+  stay proportional to the tile, whatever the grid's shape. (A run of consecutive
+  tokens shorter than an H*W plane touches ~kt+3 whole planes: the work per chunk then
+  grows with H*W, and time grew x5.3 for 4x tokens from 8x32x32 to 8x64x64.) The dk/dv
+  scatter writes only the rows a chunk touched (``_transposed_add``), never a span.
 
 Numerics: floor, clamp and the corner weights are computed exactly as the reference
 computes them (same dtype, same operation order), so positions sitting exactly on
@@ -41,9 +48,9 @@ import torch
 import torch.nn.functional as F
 from torch.autograd.function import once_differentiable
 
-from .dsa_reference import validate_dsa_inputs, window_base_positions
+from .dsa_reference import validate_dsa_inputs, window_starts
 
-__all__ = ["dsa_cpu", "default_chunk_size", "CHUNK_SAMPLES"]
+__all__ = ["dsa_cpu", "default_chunk_size", "tile_shape", "CHUNK_SAMPLES"]
 
 # Default chunk: about this many (query, head, sample) triples, i.e. 8x as many corner
 # entries (~4 MB per fp32 per-corner array; backward holds ~15 such arrays at once):
@@ -84,38 +91,95 @@ def _sort_1d(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return values.view(-1), perm.view(-1)
 
 
+def _balanced(size: int, want: int) -> int:
+    """Largest tile side <= ``want`` that splits ``size`` into equal-ish parts."""
+    want = max(1, min(size, want))
+    parts = -(-size // want)
+    return -(-size // parts)
+
+
+def _iroot(x: int, n: int) -> int:
+    """Integer n-th root: the largest r with r**n <= x."""
+    r = max(1, round(x ** (1.0 / n)))
+    while r ** n > x:
+        r -= 1
+    while (r + 1) ** n <= x:
+        r += 1
+    return r
+
+
+def tile_shape(batch: int, grid: Sequence[int], chunk: int) -> tuple[int, int, int, int]:
+    """Query tile ``(cb, ct, cy, cx)`` of at most ``chunk`` tokens for a ``(T, H, W)`` grid.
+
+    Near-cubic in (t, y, x) so the box a tile's samples land in is only a window (plus
+    offsets) wider than the tile on every side; sides split their axis evenly, an axis
+    shorter than its share gives the rest to the others. ``cb > 1`` (several batch
+    items per tile) only when one tile holds the whole grid.
+    """
+    T, H, W = (int(g) for g in grid)
+    chunk = max(1, int(chunk))
+    ct = _balanced(T, _iroot(chunk, 3))
+    cy = _balanced(H, _iroot(chunk // ct, 2))
+    cx = _balanced(W, chunk // (ct * cy))
+    cb = 1
+    if (ct, cy, cx) == (T, H, W):
+        cb = max(1, min(int(batch), chunk // (T * H * W)))
+    return cb, ct, cy, cx
+
+
 class _Geometry:
-    """Shapes, padded-volume strides and base positions shared by all chunks."""
+    """Shapes, padded-volume strides, window bases and query tiles shared by all chunks."""
 
     def __init__(self, q: torch.Tensor, win: tuple[int, int, int], chunk: int):
         B, T, H, W, nh, d = q.shape
         self.B, self.T, self.H, self.W, self.nh, self.d = B, T, H, W, nh, d
         self.K = K = win[0] * win[1] * win[2]
+        self.win = win
         self.N = T * H * W
         self.cdtype = cdtype = torch.promote_types(q.dtype, torch.float32)
         self.Tp, self.Hp, self.Wp = T + 1, H + 1, W + 1
         self.rows = B * self.Tp * self.Hp * self.Wp * nh  # rows of the padded tables
         self.idtype = idt = torch.int32 if self.rows + 8 < 2**31 else torch.int64
-        dev = q.device
+        self.device = dev = q.device
         strides = (self.Hp * self.Wp * nh, self.Wp * nh, nh)
         self.strides = torch.tensor(strides, dtype=idt, device=dev)
         corner = torch.tensor([[c >> 2, (c >> 1) & 1, c & 1] for c in range(8)])
         shifts = (corner * torch.tensor(strides)).sum(-1)  # corner c = (t, y, x) bits
         self.shifts = shifts.to(device=dev, dtype=idt)
-        self.shift_list = [int(s) for s in shifts]
+        # dk and dv rows of corner c in the stacked (2 * rows, d) accumulator
+        self.scatter_shifts = torch.cat((shifts, shifts + self.rows)).to(dev).view(16, 1)
         self.batch_stride = self.Tp * self.Hp * self.Wp * nh
         self.head = torch.arange(nh, dtype=idt, device=dev).view(1, nh, 1)
         self.zero = torch.zeros(3, dtype=cdtype, device=dev)
         self.upper = torch.tensor([T - 1, H - 1, W - 1], dtype=cdtype, device=dev)
-        # base positions in the position dtype (what the reference adds offsets to)
-        self.base = window_base_positions((T, H, W), win, dev).reshape(self.N, K, 1, 3)
-        self.base = self.base.transpose(1, 2).to(cdtype)  # (N, 1, K, 3)
+        # per-axis base positions (size, k_axis) in the position dtype; a query's K bases
+        # are their outer sum (exactly ``window_base_positions``, what the reference uses)
+        self.axis_base = [
+            (window_starts(size, w, dev)[:, None] + torch.arange(w, device=dev)).to(cdtype)
+            for size, w in zip((T, H, W), win)
+        ]
+        self.tile = tile_shape(B, (T, H, W), chunk)
         L = K * 8
-        Mq = min(chunk, B * self.N) * nh
+        Mq = self.tile[0] * self.tile[1] * self.tile[2] * self.tile[3] * nh
         self.bags = (
             torch.arange(0, Mq * L, L, dtype=idt, device=dev),
             torch.arange(Mq, dtype=idt, device=dev).repeat_interleave(L),
         )
+
+    def tiles(self):
+        """Flat query rows (over B*T*H*W, int64) of every tile, tile by tile."""
+        cb, ct, cy, cx = self.tile
+        B, T, H, W, N = self.B, self.T, self.H, self.W, self.N
+        dev = self.device
+        for b0 in range(0, B, cb):
+            bb = torch.arange(b0, min(b0 + cb, B), device=dev).view(-1, 1, 1, 1) * N
+            for t0 in range(0, T, ct):
+                tt = torch.arange(t0, min(t0 + ct, T), device=dev).view(-1, 1, 1) * (H * W)
+                for y0 in range(0, H, cy):
+                    yy = torch.arange(y0, min(y0 + cy, H), device=dev).view(-1, 1) * W
+                    for x0 in range(0, W, cx):
+                        xx = torch.arange(x0, min(x0 + cx, W), device=dev)
+                        yield (bb + tt + yy + xx).view(-1)
 
     def pad(self, x: torch.Tensor) -> torch.Tensor:
         """``(B, T, H, W, nh, d)`` -> rows ``(B*Tp*Hp*Wp*nh, d)`` zero-padded, cdtype."""
@@ -127,18 +191,27 @@ class _Geometry:
         xp = rows.view(self.B, self.Tp, self.Hp, self.Wp, self.nh, self.d)
         return xp[:, : self.T, : self.H, : self.W]
 
-    def corners(self, off: torch.Tensor, lo: int, hi: int, need_grad_info: bool):
-        """Corner rows and weights of the samples of query tokens ``[lo, hi)`` of B*N.
+    def base(self, n: torch.Tensor) -> torch.Tensor:
+        """Base positions ``(M, 1, K, 3)`` (cdtype) of grid tokens ``n`` (flat over T*H*W)."""
+        kt, kh, kw = self.win
+        M = n.numel()
+        shape = (M, kt, kh, kw)
+        bt = self.axis_base[0][n // (self.H * self.W)].view(M, kt, 1, 1).expand(shape)
+        by = self.axis_base[1][(n // self.W) % self.H].view(M, 1, kh, 1).expand(shape)
+        bx = self.axis_base[2][n % self.W].view(M, 1, 1, kw).expand(shape)
+        return torch.stack((bt, by, bx), dim=-1).view(M, 1, self.K, 3)
+
+    def corners(self, off: torch.Tensor, rows: torch.Tensor, need_grad_info: bool):
+        """Corner rows and weights of the samples of query tokens ``rows`` (of B*N).
 
         ``off``: their offsets ``(M, nh, K, 3)`` in cdtype. Returns the lower-corner row
         ``r000 (M*nh*K,)``, corner rows ``idx (M*nh, K*8)``, weights ``Wc (M, nh, K, 8)``,
-        the per-axis weight pairs ``Wp (M, nh, K, 3, 2)`` = (1 - frac, frac) and (if
-        asked) the position-gradient mask ``(M, nh, K, 3)``.
+        the per-axis weight pairs ``Wp (M, nh, K, 3, 2)`` = (1 - frac, frac), the (t, y)
+        weight products ``Wty`` and (if asked) the position-gradient mask ``(M, nh, K, 3)``.
         """
-        M = hi - lo
-        rows = torch.arange(lo, hi, device=off.device)
+        M = rows.numel()
         b = rows // self.N
-        pos = self.base[rows - b * self.N] + off  # == the reference's positions
+        pos = self.base(rows - b * self.N) + off  # == the reference's positions
         p = torch.clamp(pos, self.zero, self.upper)
         # NaN offsets: index row 0 with NaN weights (NaN out, as in the reference),
         # never a garbage row index
@@ -169,29 +242,32 @@ def _transposed_add(geo: _Geometry, acc, r000, xk, xv, wk, wv):
     """``acc[0, r000_j + shift_c] += wk[j, c] * xk[j // K]``, same for ``acc[1]`` with v.
 
     Samples sorted by lower-corner row; one embedding_bag with a bag per
-    (k|v, corner, lower-corner row spanned by the chunk), added at the shifted rows.
+    (k|v, corner, distinct lower-corner row of the chunk), added at the shifted rows.
+    Output and scatter are O(rows the chunk touched), never O(span of row numbers):
+    a tile's rows lie in several far-apart t-planes.
     """
     sorted_r, perm = _sort_1d(r000)
     R = r000.numel()
-    lo = int(sorted_r[0])
-    span = int(sorted_r[-1]) - lo + 1
+    rows, counts = torch.unique_consecutive(sorted_r, return_counts=True)
+    U = rows.numel()
     Mq = xk.shape[0]
     # entry/bag indices of the single embedding_bag: int32 unless 16 R overflows it
     edtype = torch.int32 if 16 * R < 2**31 - 1 else torch.int64
-    targets = torch.arange(lo, lo + span + 1, dtype=sorted_r.dtype, device=acc.device)
-    offsets = torch.searchsorted(sorted_r, targets, out_int32=edtype == torch.int32)
+    starts = torch.zeros(U, dtype=edtype, device=acc.device)
+    starts[1:] = counts[:-1].cumsum(0)
     bag_of = (perm // geo.K).to(edtype)  # query-head row (in this chunk) of each sample
     entries = bag_of + torch.tensor([[0], [Mq]], dtype=edtype, device=acc.device)
     entries = entries.view(2, 1, R).expand(2, 8, R).reshape(-1)
-    bag_starts = offsets[:-1] + torch.arange(16, dtype=edtype, device=acc.device).view(16, 1) * R
+    bag_starts = starts + torch.arange(16, dtype=edtype, device=acc.device).view(16, 1) * R
     bag_starts = torch.cat((bag_starts.view(-1), bag_starts.new_tensor([16 * R])))
     weights = torch.cat((wk.reshape(R, 8), wv.reshape(R, 8)), dim=1).index_select(0, perm)
     parts = F.embedding_bag(
         entries, torch.cat((xk, xv)), bag_starts, mode="sum",
         per_sample_weights=weights.t().reshape(-1), include_last_offset=True,
-    ).view(2, 8, span, geo.d)
-    for ct, shift in enumerate(geo.shift_list):
-        acc[:, lo + shift: lo + shift + span] += parts[:, ct]
+    )  # (16 * U, d): (k|v, corner, row)
+    # each (k|v, corner) block's targets are distinct and ascending: a cache-friendly add
+    targets = rows.to(torch.int64) + geo.scatter_shifts
+    acc.view(-1, geo.d).index_add_(0, targets.view(-1), parts)
 
 
 class _DSACPU(torch.autograd.Function):
@@ -203,14 +279,14 @@ class _DSACPU(torch.autograd.Function):
         q_rows = q.reshape(B * N, nh, d)
         off_rows = offsets.reshape(B * N, nh, K, 3)
         out = torch.empty((B * N, nh, d), dtype=q.dtype, device=q.device)
-        for lo in range(0, B * N, chunk):
-            hi = min(lo + chunk, B * N)
-            qs = (q_rows[lo:hi].reshape(-1, d).to(cdtype) * scale).contiguous()
-            _, idx, Wc, _, _, _ = geo.corners(off_rows[lo:hi].to(cdtype), lo, hi, False)
+        for rows in geo.tiles():
+            qs = (q_rows.index_select(0, rows).view(-1, d).to(cdtype) * scale).contiguous()
+            off = off_rows.index_select(0, rows).to(cdtype)
+            _, idx, Wc, _, _, _ = geo.corners(off, rows, False)
             _, a = _scores(geo, qs, kp, idx, Wc)
             pw = (a.unsqueeze(-1) * Wc).view(idx.shape)
             o = F.embedding_bag(idx, vp, mode="sum", per_sample_weights=pw)
-            out[lo:hi] = o.view(hi - lo, nh, d)
+            out.index_copy_(0, rows, o.view(-1, nh, d).to(out.dtype))
         ctx.save_for_backward(q, k, v, offsets)
         ctx.meta = (win, scale, chunk)
         return out.view(q.shape)
@@ -233,13 +309,11 @@ class _DSACPU(torch.autograd.Function):
             if need_off else None
         )
         dkv = kp.new_zeros((2, geo.rows, d)) if (need_k or need_v) else None
-        for lo in range(0, B * N, chunk):
-            hi = min(lo + chunk, B * N)
-            qs = (q_rows[lo:hi].reshape(-1, d).to(cdtype) * scale).contiguous()
-            g_c = g_rows[lo:hi].reshape(-1, d).to(cdtype).contiguous()
-            r000, idx, Wc, Wp, Wty, mask = geo.corners(
-                off_rows[lo:hi].to(cdtype), lo, hi, need_off
-            )
+        for rows in geo.tiles():
+            qs = (q_rows.index_select(0, rows).view(-1, d).to(cdtype) * scale).contiguous()
+            g_c = g_rows.index_select(0, rows).view(-1, d).to(cdtype).contiguous()
+            off = off_rows.index_select(0, rows).to(cdtype)
+            r000, idx, Wc, Wp, Wty, mask = geo.corners(off, rows, need_off)
             E, a = _scores(geo, qs, kp, idx, Wc)
             Fd = _sddmm(g_c, vp, idx, geo.bags).view(Wc.shape)  # <dout_m, v[corner]>
             da = (Fd * Wc).sum(-1)
@@ -250,7 +324,7 @@ class _DSACPU(torch.autograd.Function):
                 dq_c = F.embedding_bag(
                     idx, kp, mode="sum", per_sample_weights=dsW.view(idx.shape)
                 )
-                dq[lo:hi] = (dq_c * scale).view(hi - lo, nh, d)
+                dq.index_copy_(0, rows, (dq_c * scale).view(-1, nh, d).to(dq.dtype))
             if need_k or need_v:
                 _transposed_add(geo, dkv, r000, qs, g_c, dsW, aW)
             if need_off:
@@ -260,7 +334,8 @@ class _DSACPU(torch.autograd.Function):
                 dWx = dW[..., 0] * Wp[..., 2, None, None, 0] + dW[..., 1] * Wp[..., 2, None, None, 1]
                 gy = ((dWx[..., 1] - dWx[..., 0]) * Wp[..., 0, :]).sum(-1)
                 gt = ((dWx[..., 1, :] - dWx[..., 0, :]) * Wp[..., 1, :]).sum(-1)
-                doff[lo:hi] = torch.stack((gt, gy, gx), dim=-1) * mask
+                doff_c = torch.stack((gt, gy, gx), dim=-1) * mask
+                doff.index_copy_(0, rows, doff_c.to(doff.dtype))
         dk = geo.unpad(dkv[0]).to(k.dtype) if need_k else None
         dv = geo.unpad(dkv[1]).to(v.dtype) if need_v else None
         return (
@@ -287,9 +362,10 @@ def dsa_cpu(
     """3D-DSA, fast CPU path: same function and gradients as ``dsa_reference``.
 
     Args as ``dsa_reference`` (always computes in at least fp32, like its default).
-    ``chunk_size``: query tokens (over the flattened B*T*H*W) per chunk; default
-    ``default_chunk_size(nh, K)``. Extra memory: O(chunk_size * nh * K * 8) per chunk
-    plus O(B*N*nh*d) for padded k, v (and, in backward, their gradients).
+    ``chunk_size``: at most this many query tokens per chunk, a near-cubic tile of the
+    grid (``tile_shape``); default ``default_chunk_size(nh, K)``. Extra memory:
+    O(chunk_size * nh * K * 8) per chunk plus O(B*N*nh*d) for padded k, v (and, in
+    backward, their gradients).
     Returns ``(B, T, H, W, nh, d)`` in q's dtype. Not twice differentiable.
     """
     win = validate_dsa_inputs(q, k, v, offsets, window)

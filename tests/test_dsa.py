@@ -1,12 +1,13 @@
 """3D Deformable Slide Attention: the reference against independent implementations.
 
 - offsets == 0  -> naive loop 3D neighborhood attention (window shifted at borders);
-- offsets == 0, window == (T, H, W) -> dense attention (torch SDPA);
+- offsets == 0, window == (T, H, W) -> dense attention (torch SDPA), forward and the
+  gradients of q, k, v, on every path (reference, cpu, chunked, Triton interpreter);
 - float64 gradcheck of q, k, v, offsets (positions off the floor kinks, some clamped);
 - input validation messages;
 - the fast CPU path (``dsa_cpu``, what ``auto`` picks on CPU): forward and all four
   gradients against the reference (fp32 tight, fp64 incl. integer/clamped positions),
-  fp64 gradcheck, both identities, chunk boundaries, size-1 axes, dispatch;
+  fp64 gradcheck, both identities, chunk (tile) boundaries, size-1 axes, dispatch;
 - the chunked CPU path and the Triton kernels against the reference. No GPU here: the
   Triton kernels run under the CPU interpreter (TRITON_INTERPRET=1, small shapes, slow);
   ``test_triton_compiled_on_cuda`` runs the compiled kernels only where CUDA exists.
@@ -71,6 +72,28 @@ def dense_attention(q, k, v, scale=None):
     return out.transpose(1, 2).reshape(B, T, H, W, nh, d)
 
 
+def assert_dense_identity(attn, grid, dtype, tol, seed, scale=0.3):
+    """``attn(q, k, v, offsets, window, scale)`` with zero offsets and window == grid is
+    dense attention: forward and the gradients of q, k, v against fp64 SDPA.
+
+    B=2, nh=2, d=8; ``grid`` must be odd on every axis (windows are odd).
+    """
+    shape = (2, *grid, 2, 8)
+    q, k, v = make_qkv(shape, dtype, seed=seed)
+    K = grid[0] * grid[1] * grid[2]
+    offsets = torch.zeros(*shape[:5], K, 3, dtype=dtype)
+    dout = torch.randn(shape, dtype=torch.float64, generator=torch.Generator().manual_seed(seed + 1))
+    leaves = [x.detach().clone().requires_grad_(True) for x in (q, k, v)]
+    out = attn(*leaves, offsets, grid, scale)
+    assert out.dtype == dtype
+    got = (out, *torch.autograd.grad(out, leaves, dout.to(dtype)))
+    leaves64 = [x.detach().double().requires_grad_(True) for x in (q, k, v)]
+    ref = dense_attention(*leaves64, scale=scale)
+    want = (ref, *torch.autograd.grad(ref, leaves64, dout))
+    for name, a, b in zip("out dq dk dv".split(), got, want):
+        torch.testing.assert_close(a.double(), b, rtol=tol, atol=tol, msg=f"{grid} {name}")
+
+
 def make_qkv(shape, dtype=torch.float32, seed=0, requires_grad=False):
     g = torch.Generator().manual_seed(seed)
     return [
@@ -120,12 +143,10 @@ def test_zero_offsets_is_neighborhood_attention(grid, window):
 
 @pytest.mark.parametrize("grid", [(3, 5, 3), (1, 3, 3), (3, 1, 5)])
 def test_zero_offsets_full_window_is_dense_attention(grid):
-    shape = (2, *grid, 2, 8)
-    q, k, v = make_qkv(shape, torch.float64, seed=3)
-    K = grid[0] * grid[1] * grid[2]
-    offsets = torch.zeros(*shape[:5], K, 3, dtype=torch.float64)
-    out = dsa_reference(q, k, v, offsets, grid, scale=0.3)
-    torch.testing.assert_close(out, dense_attention(q, k, v, scale=0.3), rtol=1e-10, atol=1e-10)
+    def attn(q, k, v, offsets, window, scale):
+        return dsa_reference(q, k, v, offsets, window, scale=scale)
+
+    assert_dense_identity(attn, grid, torch.float64, 1e-10, seed=3)
 
 
 def test_integer_offsets_move_the_sample_to_that_token():
@@ -282,6 +303,14 @@ def test_chunked_matches_reference(chunk):
         torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-10, msg=f"d{name}")
 
 
+@pytest.mark.parametrize("grid", [(3, 5, 3), (3, 1, 5)])
+def test_chunked_zero_offsets_full_window_is_dense_attention(grid):
+    def attn(q, k, v, offsets, window, scale):  # chunks of 4 tokens: several per batch item
+        return dsa_reference_chunked(q, k, v, offsets, window, scale=scale, chunk_size=4)
+
+    assert_dense_identity(attn, grid, torch.float64, 1e-10, seed=36)
+
+
 def test_chunked_gradcheck_and_dispatch():
     shape = (2, 3, 3, 4, 2, 2)
     window = (3, 1, 3)
@@ -399,12 +428,30 @@ def test_cpu_zero_offsets_is_neighborhood_attention(grid, window):
 
 @pytest.mark.parametrize("grid", [(3, 5, 3), (1, 3, 3), (3, 1, 5), (3, 3, 1)])
 def test_cpu_zero_offsets_full_window_is_dense_attention(grid):
-    shape = (2, *grid, 2, 8)
-    q, k, v = make_qkv(shape, torch.float64, seed=29)
-    K = grid[0] * grid[1] * grid[2]
-    offsets = torch.zeros(*shape[:5], K, 3, dtype=torch.float64)
-    out = dsa_cpu(q, k, v, offsets, grid, scale=0.3, chunk_size=4)
-    torch.testing.assert_close(out, dense_attention(q, k, v, scale=0.3), rtol=1e-12, atol=1e-12)
+    def attn(q, k, v, offsets, window, scale):
+        return dsa_cpu(q, k, v, offsets, window, scale=scale, chunk_size=4)
+
+    assert_dense_identity(attn, grid, torch.float64, 1e-12, seed=29)
+    # fp32, default chunks, through the public dispatch
+    def public(q, k, v, offsets, window, scale):
+        return deformable_slide_attention(q, k, v, offsets, window, scale=scale, backend="cpu")
+
+    assert_dense_identity(public, grid, torch.float32, 2e-5, seed=37)
+
+
+@pytest.mark.parametrize(
+    "batch,grid,chunk",
+    [(2, (3, 5, 4), 7), (2, (3, 4, 1), 1), (3, (2, 3, 4), 100), (1, (5, 1, 7), 6), (1, (8, 64, 64), 2427)],
+)
+def test_cpu_tiles_partition_the_queries(batch, grid, chunk):
+    """Chunks are tiles of at most ``chunk`` tokens that cover every query exactly once."""
+    cb, ct, cy, cx = dsa_cpu_module.tile_shape(batch, grid, chunk)
+    assert cb * ct * cy * cx <= chunk
+    geo = dsa_cpu_module._Geometry(torch.empty(batch, *grid, 1, 1), (1, 1, 1), chunk)
+    tiles = list(geo.tiles())
+    assert max(t.numel() for t in tiles) <= chunk
+    rows = torch.cat(tiles)
+    assert torch.equal(rows.sort().values, torch.arange(batch * grid[0] * grid[1] * grid[2]))
 
 
 def test_cpu_partial_grads_and_noncontiguous_inputs():
@@ -529,6 +576,23 @@ def _grads(fn, inputs, dout):
     return (out, *torch.autograd.grad(out, leaves, dout.to(out.dtype)))
 
 
+GRAD_NAMES = ("out", "dq", "dk", "dv", "doffsets")
+
+
+def flash_rule_errors(got, ref32, same, rel_atol):
+    """flash-attention tolerance rule, per tensor, on max abs errors:
+    ``|got - ref32| <= 2 |same - ref32| + rel_atol * (1 + |ref32|)``, ``same`` being the
+    reference computed in got's dtype. One message per violation (empty: all hold).
+    """
+    errors = []
+    for name, a, r, b in zip(GRAD_NAMES, got, ref32, same):
+        err = (a.float() - r.float()).abs().max().item()
+        bound = 2 * (b.float() - r.float()).abs().max().item() + rel_atol * (1 + r.abs().max().item())
+        if not err <= bound:  # NaN fails too
+            errors.append(f"{name}: err {err:.3g} > bound {bound:.3g}")
+    return errors
+
+
 @pytest.mark.parametrize(
     "grid,window,d,block_m",
     [
@@ -576,11 +640,10 @@ def test_interp_bf16_tolerance_rule():
         lambda *a: dsa_reference(*a, window), [x.float() for x in inputs], dout
     )
     same = _grads(lambda *a: dsa_reference(*a, window, upcast=False), inputs, dout)
-    for name, a, r, b in zip("out dq dk dv doffsets".split(), got, ref32, same):
+    for name, a in zip(GRAD_NAMES, got):
         assert a.dtype == torch.bfloat16, name
-        err = (a.float() - r).abs().max().item()
-        bound = 2 * (b.float() - r).abs().max().item() + 1e-3 * (1 + r.abs().max().item())
-        assert err <= bound, f"{name}: triton err {err:.3g} > bound {bound:.3g}"
+    errors = flash_rule_errors(got, ref32, same, rel_atol=1e-3)
+    assert not errors, "triton: " + "; ".join(errors)
 
 
 @interpreter_only
@@ -597,6 +660,18 @@ def test_interp_noncontiguous_neighborhood_public_api():
     torch.testing.assert_close(out.double(), ref, rtol=1e-5, atol=1e-5)
 
 
+@interpreter_only
+def test_interp_zero_offsets_full_window_is_dense_attention():
+    """Dense identity through the public API, backend='triton': fp32 against fp64 SDPA.
+
+    Grid (3, 1, 5): non-cube, H == 1; N = 15 tokens: one partial query block per (b, head).
+    """
+    def attn(q, k, v, offsets, window, scale):
+        return deformable_slide_attention(q, k, v, offsets, window, scale=scale, backend="triton")
+
+    assert_dense_identity(attn, (3, 1, 5), torch.float32, 2e-5, seed=38)
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_triton_compiled_on_cuda():
     from kernels.dsa_triton import dsa_triton
@@ -610,7 +685,5 @@ def test_triton_compiled_on_cuda():
         got = _grads(lambda *a: dsa_triton(*a, window), (q, k, v, offsets), dout)
         ref32 = _grads(lambda *a: dsa_reference(*a, window), [x.float() for x in (q, k, v, offsets)], dout)
         same = _grads(lambda *a: dsa_reference(*a, window, upcast=False), (q, k, v, offsets), dout)
-        for name, a, r, b in zip("out dq dk dv doffsets".split(), got, ref32, same):
-            err = (a.float() - r).abs().max().item()
-            bound = 2 * (b.float() - r).abs().max().item() + 1e-4 * (1 + r.abs().max().item())
-            assert err <= bound, f"{dtype} {name}: err {err:.3g} > bound {bound:.3g}"
+        errors = flash_rule_errors(got, ref32, same, rel_atol=1e-4)
+        assert not errors, f"{dtype}: " + "; ".join(errors)
