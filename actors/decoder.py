@@ -15,21 +15,44 @@ followed. A row that fails to decode is *skipped*: its position is used up, the 
 filled from the next positions, and the ``skipped`` counter grows. Skipping depends only on
 the files, so it repeats identically on a resumed run.
 
+Decoder pools
+-------------
+``pipelines.decoder_pool`` runs ``data.num_decoders`` of these with ``world_size`` = that number:
+decoder ``i`` takes the positions ``p % n == i`` and step ``k``'s batch comes from decoder
+``k % n``. ``first_step`` tells a decoder the step of its first batch (its ``j``-th batch then
+serves step ``first_step + j * world_size``), which is how ``faults.fault_point`` and
+``BatchInfo.step`` name steps. ``skipped_before`` and ``bad_rows`` carry what an earlier
+decoder of the same stream knew (a resumed run, or a replacement for a decoder that hung or
+died), so counts and skips continue exactly.
+
 Clips
 -----
-The temporal start is drawn from ``default_rng([seed, p, 1])`` when ``data.random_crop``
-(uniform over the starts that fit the whole clip), else 0. Frame indices are
-``start + arange(F) * frame_stride``; **a video shorter than the clip's span loops**:
-indices wrap modulo its frame count (a 10-frame video read as 16 frames plays 0..9, 0..5).
-Frames are resized so the shorter side covers the target (aspect kept; bilinear with
-antialias, in float) and center-cropped to ``(data.height, data.width)``.
+Frame offsets within a clip are ``arange(F) * data.frame_stride``, or with ``data.fps > 0``
+``floor(j * source_fps / data.fps + 0.5)`` (the video's own average frame rate; a video
+without one is skipped). The clip *spans* ``offsets[-1] + 1`` source frames. Its start is
+drawn from ``default_rng([seed, p, 1])`` when ``data.random_crop`` (uniform over the starts that
+fit the whole span), else ``data.fixed_start``: 0 (``first``) or ``(frames - span) // 2``
+(``center``). A video shorter than the span either loops (``data.short_clips = "loop"``:
+indices wrap modulo its frame count, so a 10-frame video read as 16 frames plays 0..9, 0..5)
+or is skipped (``"skip"``). Frames are resized so the shorter side covers the target (aspect
+kept; bilinear with antialias, in float), then cropped to ``(data.height, data.width)``: at the
+center, or (``data.spatial_crop = "random"``) at an offset drawn from ``default_rng([seed, p, 2])``,
+the same for every frame of the clip.
 
 Bad files
 ---------
-A missing, zero-byte, unopenable or undecodable file never raises: it is skipped, logged
-once per path (``logging.warning`` with the path and the reason) and counted. When every
-row of the manifest has failed, ``next_batch`` raises a ``RuntimeError`` naming some of
-them, instead of looping forever.
+A missing, zero-byte, unopenable or undecodable file, one of a single frame (or one too short,
+with ``short_clips = "skip"``) never raises: it is skipped, logged once per path
+(``logging.warning`` with the path and the reason) and counted. Once a decoder has tried
+``min(BAD_FRACTION_MIN_ROWS, ceil(rows / world_size))`` distinct rows, it stops with a
+``RuntimeError`` listing examples when more than ``data.max_bad_fraction`` of the distinct rows
+it tried are unusable (each decoder judges the rows it drew: a random sample of the manifest).
+
+A decode that never returns cannot be caught here (decord can spin holding the GIL). Instead
+the decoder writes what it is about to decode (position, row, path) to ``status_path`` before
+it enters decord; the driver's watchdog (``pipelines.decoder_pool``) reads it, kills a decoder
+stuck on one file longer than ``data.decode_timeout_s``, and starts a replacement that knows the
+file is bad.
 
 Caution (decord2 3.4): for some frame widths (16, 24, 32, 48, 96, 144, ... : where the
 padded RGB row stride divides evenly by the width) decord reports a wrong channel count
@@ -39,9 +62,12 @@ exactly match". ``read_frames`` then reads frame by frame and strips the row pad
 
 from __future__ import annotations
 
+import json
 import logging
+import math
 import os
 import queue
+import stat
 import threading
 import time
 from dataclasses import dataclass
@@ -52,14 +78,19 @@ import torch
 import torch.nn.functional as F
 
 from megaslide_ray.config import DataConfig
+from megaslide_ray.faults import fault_point
 from megaslide_ray.manifest import ManifestEntry, read_manifest
 
 logger = logging.getLogger(__name__)
 
 MAX_REPORTED_PATHS = 8
 """``DecoderStats.skipped_paths`` keeps the first this-many distinct bad paths."""
+BAD_FRACTION_MIN_ROWS = 20
+"""Distinct rows a decoder tries before ``data.max_bad_fraction`` is judged (fewer if its share
+of the manifest is smaller)."""
 
-_CROP_STREAM = 1  # third word of the crop RNG's seed: keeps it apart from the permutation's [seed, e]
+_CROP_STREAM = 1     # third word of the temporal-crop RNG's seed: apart from the permutation's [seed, e]
+_SPATIAL_STREAM = 2  # third word of the spatial-crop RNG's seed
 
 
 @dataclass(frozen=True)
@@ -73,13 +104,30 @@ class DecoderStats:
     clips: int
     """Clips in those batches."""
     skipped: int
-    """Draws skipped because the file could not be decoded (a bad row drawn twice counts twice)."""
+    """Draws skipped because the file could not be used, counting ``skipped_before`` (a bad row
+    drawn twice counts twice)."""
     skipped_paths: tuple[str, ...]
     """The first few distinct paths that were skipped."""
     frames_decoded: int
     """Clip frames produced for those batches (F per clip; a looped frame counts each time)."""
     decode_seconds: float
     """Time spent opening, decoding and resizing for those batches."""
+
+
+@dataclass(frozen=True)
+class BatchInfo:
+    """What the driver needs to know about a batch without fetching its pixels."""
+
+    step: int
+    """The training step this batch serves (``first_step + j * world_size`` for the j-th batch)."""
+    rank: int
+    """The decoder that made it."""
+    position: int
+    """Data position after the batch (a decoder built with it continues exactly)."""
+    skipped: int
+    """This decoder stream's skipped draws up to and including this batch (with ``skipped_before``)."""
+    rows: tuple[int, ...]
+    """Manifest rows of the clips, in batch order."""
 
 
 class ClipUnreadable(Exception):
@@ -91,18 +139,37 @@ class ClipUnreadable(Exception):
 # ---------------------------------------------------------------------------------------------
 
 
+def clip_offsets(num_frames: int, stride: int = 1, source_fps: float = 0.0, target_fps: float = 0.0) -> np.ndarray:
+    """Frame offsets from the clip's start: ``arange(F) * stride``, or, with ``target_fps > 0``,
+    ``floor(j * source_fps / target_fps + 0.5)`` (frames repeat when the target is the faster)."""
+    j = np.arange(num_frames, dtype=np.int64)
+    if target_fps <= 0:
+        return j * stride
+    return np.floor(j * (source_fps / target_fps) + 0.5).astype(np.int64)
+
+
 def clip_frame_indices(video_frames: int, num_frames: int, stride: int, start: int) -> np.ndarray:
     """``start + arange(num_frames) * stride``, wrapped modulo ``video_frames`` (short videos loop)."""
-    return (start + np.arange(num_frames, dtype=np.int64) * stride) % video_frames
+    return (start + clip_offsets(num_frames, stride)) % video_frames
 
 
-def clip_start(video_frames: int, num_frames: int, stride: int, seed: int, position: int, random: bool) -> int:
-    """Temporal start of the clip drawn at ``position``: uniform over the starts that fit, else 0."""
-    span = (num_frames - 1) * stride + 1
-    if not random or video_frames <= span:
+def clip_start(video_frames: int, span: int, seed: int, position: int, random: bool, fixed: str = "first") -> int:
+    """Temporal start of the clip drawn at ``position`` for a clip spanning ``span`` source frames:
+    uniform over the starts that fit when ``random``, else 0 (``first``) or centered (``center``)."""
+    if video_frames <= span:
         return 0
+    if not random:
+        return (video_frames - span) // 2 if fixed == "center" else 0
     rng = np.random.default_rng([seed, position, _CROP_STREAM])
     return int(rng.integers(0, video_frames - span + 1))
+
+
+def spatial_offset(seed: int, position: int, random: bool) -> tuple[float, float] | None:
+    """Crop offset as fractions (top, left) of the slack for the clip at ``position``; None = center."""
+    if not random:
+        return None
+    top, left = np.random.default_rng([seed, position, _SPATIAL_STREAM]).random(2)
+    return float(top), float(left)
 
 
 def _strip_row_padding(frames: np.ndarray) -> np.ndarray:
@@ -133,8 +200,9 @@ def read_frames(reader, indices: np.ndarray) -> np.ndarray:
     return _strip_row_padding(frames)[inverse]
 
 
-def resize_center_crop(frames: np.ndarray, height: int, width: int) -> np.ndarray:
-    """uint8 ``(F, h, w, 3)`` -> uint8 ``(F, height, width, 3)``: cover-resize, then center crop."""
+def resize_crop(frames: np.ndarray, height: int, width: int, offset: tuple[float, float] | None = None) -> np.ndarray:
+    """uint8 ``(F, h, w, 3)`` -> uint8 ``(F, height, width, 3)``: cover-resize, then crop at the
+    center (``offset`` None) or at ``offset`` = (top, left) fractions of the slack in [0, 1]."""
     f, h, w, _ = frames.shape
     scale = max(height / h, width / w)
     new_h, new_w = max(height, round(h * scale)), max(width, round(w * scale))
@@ -142,13 +210,58 @@ def resize_center_crop(frames: np.ndarray, height: int, width: int) -> np.ndarra
         x = torch.from_numpy(np.ascontiguousarray(frames)).permute(0, 3, 1, 2).float()  # (F, 3, h, w)
         x = F.interpolate(x, size=(new_h, new_w), mode="bilinear", align_corners=False, antialias=True)
         frames = x.round_().clamp_(0, 255).to(torch.uint8).permute(0, 2, 3, 1).numpy()  # (F, H', W', 3)
-    top, left = (new_h - height) // 2, (new_w - width) // 2
+    if offset is None:
+        top, left = (new_h - height) // 2, (new_w - width) // 2
+    else:
+        top = min(new_h - height, int(offset[0] * (new_h - height + 1)))
+        left = min(new_w - width, int(offset[1] * (new_w - width + 1)))
     return np.ascontiguousarray(frames[:, top: top + height, left: left + width])
+
+
+def resize_center_crop(frames: np.ndarray, height: int, width: int) -> np.ndarray:
+    """uint8 ``(F, h, w, 3)`` -> uint8 ``(F, height, width, 3)``: cover-resize, then center crop."""
+    return resize_crop(frames, height, width, None)
 
 
 def encode_caption(text: str, max_bytes: int) -> bytes:
     """UTF-8 bytes of ``text`` cut to ``max_bytes`` without splitting a character."""
     return text.encode("utf-8")[:max_bytes].decode("utf-8", errors="ignore").encode("utf-8")
+
+
+# ---------------------------------------------------------------------------------------------
+# Decode status: what a decoder is doing, readable by the driver even when the decoder is frozen
+# ---------------------------------------------------------------------------------------------
+
+
+class DecodeStatus:
+    """A small JSON file, replaced atomically: ``{"token", "seq", "state", "position", "row",
+    "path"}``. ``state`` is ``started`` (constructor ran), ``decoding`` (inside decord for ``path``)
+    or ``idle`` (between files). ``seq`` grows with every write, so a reader can tell progress."""
+
+    def __init__(self, path: str | os.PathLike | None, token: str = ""):
+        self.path = Path(path) if path else None
+        self.token = token
+        self.seq = 0
+        if self.path is not None:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            self._tmp = self.path.with_name(f".{self.path.name}.{os.getpid()}")
+
+    def write(self, state: str, position: int = -1, row: int = -1, path: str = "") -> None:
+        if self.path is None:
+            return
+        self.seq += 1
+        record = {"token": self.token, "seq": self.seq, "state": state, "position": position, "row": row,
+                  "path": path}
+        # Replace, not rewrite in place: a reader never sees half a record, even if we are killed.
+        self._tmp.write_text(json.dumps(record))
+        os.replace(self._tmp, self.path)
+
+    @staticmethod
+    def read(path: str | os.PathLike) -> dict | None:
+        try:
+            return json.loads(Path(path).read_text())
+        except (OSError, ValueError):
+            return None
 
 
 # ---------------------------------------------------------------------------------------------
@@ -162,12 +275,15 @@ class VideoDecoder:
     ``next_batch()`` returns (B = ``data.batch_size``, F = ``data.num_frames``):
     ``video`` uint8 (B, F, H, W, 3); ``caption`` uint8 (B, caption_max_bytes) zero-padded
     UTF-8; ``caption_len`` int32 (B,); ``index`` int64 (B,) manifest rows; ``position`` int64
-    0-d, the data position after this batch; ``skipped`` int64 0-d, draws this decoder has
-    skipped since it was built (a resumed decoder counts from 0; checkpoint the sum if needed).
+    0-d, the data position after this batch; ``skipped`` int64 0-d, draws this decoder's stream
+    has skipped up to this batch (``skipped_before`` plus this decoder's own skips).
+    ``next_batch_and_info()`` returns the same batch with its ``BatchInfo``.
     """
 
     def __init__(self, data: DataConfig, seed: int, caption_max_bytes: int, start_position: int = 0,
-                 rank: int = 0, world_size: int = 1) -> None:
+                 rank: int = 0, world_size: int = 1, *, first_step: int = 0, skipped_before: int = 0,
+                 bad_rows: dict[int, str] | None = None, status_path: str | None = None,
+                 status_token: str = "") -> None:
         if world_size < 1 or not 0 <= rank < world_size:
             raise ValueError(f"rank={rank}, world_size={world_size}: need world_size >= 1 and 0 <= rank < world_size")
         if start_position < 0:
@@ -176,10 +292,15 @@ class VideoDecoder:
             raise ValueError(f"seed={seed} must be >= 0 (numpy seeds the sample order with it)")
         if caption_max_bytes < 1:
             raise ValueError(f"caption_max_bytes={caption_max_bytes} must be >= 1")
+        if skipped_before < 0 or first_step < 0:
+            raise ValueError(f"skipped_before={skipped_before}, first_step={first_step}: both must be >= 0")
+        self.status = DecodeStatus(status_path, status_token)
+        self.status.write("started")
         self.data = data
         self.seed = int(seed)
         self.caption_max_bytes = int(caption_max_bytes)
         self.rank, self.world_size = int(rank), int(world_size)
+        self.first_step = int(first_step)
         if data.manifest:
             self.manifest_path = Path(data.manifest)
         else:
@@ -190,15 +311,21 @@ class VideoDecoder:
         if not self.entries:
             raise ValueError(f"manifest {str(self.manifest_path)!r} has no rows; add videos to it or rebuild it "
                              f"with `python -m megaslide_ray.index VIDEO_DIR --out {self.manifest_path}`")
+        n = len(self.entries)
+        self._min_rows_judged = min(BAD_FRACTION_MIN_ROWS, math.ceil(n / self.world_size))
 
-        # -- producer state (touched only by the prefetch thread once it runs)
+        # -- producer state (touched only by the prefetch thread once it runs, except mark_bad)
         offset = (rank - start_position) % world_size
         self._next_position = start_position + offset  # first position >= start that belongs to this rank
         self._perm_epoch, self._perm = -1, np.empty(0, dtype=np.int64)
-        self._bad_rows: dict[int, str] = {}  # row -> reason; failures are permanent, so never retried
-        self._warned_paths: set[str] = set()
-        self._produced = DecoderStats(position=start_position, batches=0, clips=0, skipped=0, skipped_paths=(),
-                                      frames_decoded=0, decode_seconds=0.0)
+        # row -> reason; failures are permanent, so never retried. Rows known bad from the start
+        # (a replaced or resumed decoder) were logged by whoever found them.
+        self._bad_rows: dict[int, str] = {int(r): why for r, why in (bad_rows or {}).items() if 0 <= int(r) < n}
+        self._warned_paths: set[str] = {self.entries[r].path for r in self._bad_rows}
+        self._tried_rows: set[int] = set()
+        self._tried_bad = 0  # distinct rows in _tried_rows that are bad
+        self._produced = DecoderStats(position=start_position, batches=0, clips=0, skipped=int(skipped_before),
+                                      skipped_paths=(), frames_decoded=0, decode_seconds=0.0)
         # -- consumer state
         self._stats = self._produced
         self._error: BaseException | None = None
@@ -214,6 +341,11 @@ class VideoDecoder:
 
     def next_batch(self) -> dict[str, np.ndarray]:
         """The next batch, in the deterministic order; re-raises a failure of the decode thread."""
+        return self.next_batch_and_info()[0]
+
+    def next_batch_and_info(self) -> tuple[dict[str, np.ndarray], BatchInfo]:
+        """``(batch, info)``; the pipeline calls it with ``num_returns=2`` so the driver can read
+        the small ``info`` while the pixels go straight to the compute actor."""
         if self._closed:
             raise RuntimeError("VideoDecoder.next_batch() called after close()")
         if self._error is not None:
@@ -229,7 +361,19 @@ class VideoDecoder:
             self._error = payload
             raise payload
         self._stats = stats
-        return payload
+        batch = payload
+        info = BatchInfo(step=self.first_step + (stats.batches - 1) * self.world_size, rank=self.rank,
+                         position=int(batch["position"]), skipped=int(batch["skipped"]),
+                         rows=tuple(int(r) for r in batch["index"]))
+        return batch, info
+
+    def mark_bad(self, row: int, reason: str) -> None:
+        """Another decoder found ``row`` unusable (its decode hung): skip it from now on. Not
+        logged again here; the finder logged it."""
+        row = int(row)
+        if 0 <= row < len(self.entries) and row not in self._bad_rows:
+            self._warned_paths.add(self.entries[row].path)
+            self._bad_rows[row] = reason
 
     def stats(self) -> DecoderStats:
         return self._stats
@@ -286,6 +430,7 @@ class VideoDecoder:
         caption_len = np.zeros((b,), dtype=np.int32)
         index = np.zeros((b,), dtype=np.int64)
         s = self._produced
+        step = self.first_step + s.batches * self.world_size
         skipped, skipped_paths = s.skipped, list(s.skipped_paths)
         frames_decoded, seconds = s.frames_decoded, s.decode_seconds
         filled = 0
@@ -298,6 +443,9 @@ class VideoDecoder:
             entry = self.entries[row]
             if row not in self._bad_rows:
                 t0 = time.perf_counter()
+                # Written before decord is entered: if it never returns, the driver knows the file.
+                self.status.write("decoding", position, row, entry.path)
+                fault_point("decoder.mid_batch", step)
                 try:
                     clip = self._decode_clip(entry.path, position)
                 except ClipUnreadable as e:
@@ -310,9 +458,11 @@ class VideoDecoder:
                     index[filled] = row
                     frames_decoded += f
                     filled += 1
+                self.status.write("idle", position)
                 seconds += time.perf_counter() - t0
-                if row not in self._bad_rows:
-                    continue
+            self._note_tried(row)
+            if row not in self._bad_rows:
+                continue
             skipped += 1
             if entry.path not in skipped_paths and len(skipped_paths) < MAX_REPORTED_PATHS:
                 skipped_paths.append(entry.path)
@@ -322,16 +472,35 @@ class VideoDecoder:
         return {"video": video, "caption": caption, "caption_len": caption_len, "index": index,
                 "position": np.array(last + 1, dtype=np.int64), "skipped": np.array(skipped, dtype=np.int64)}
 
+    def _note_tried(self, row: int) -> None:
+        """Count distinct rows tried and stop when too many of them are unusable."""
+        if row in self._tried_rows:
+            return
+        self._tried_rows.add(row)
+        self._tried_bad += row in self._bad_rows
+        tried, bad = len(self._tried_rows), self._tried_bad
+        n = len(self.entries)
+        if bad == n:
+            raise RuntimeError(f"no row of manifest {str(self.manifest_path)!r} decodes (all {n} failed), e.g. "
+                               f"{self._examples()}. Check the files, or rebuild the manifest with "
+                               f"`python -m megaslide_ray.index VIDEO_DIR --out {self.manifest_path}`")
+        limit = self.data.max_bad_fraction
+        if tried >= self._min_rows_judged and bad > limit * tried:
+            raise RuntimeError(
+                f"{bad} of the {tried} distinct manifest rows decoder {self.rank} tried are unusable "
+                f"({100 * bad / tried:.0f}% > data.max_bad_fraction={limit}), e.g. {self._examples()}. "
+                f"Check the files or rebuild the manifest with `python -m megaslide_ray.index VIDEO_DIR --out "
+                f"{self.manifest_path}` (it leaves unusable files out), or raise data.max_bad_fraction")
+
+    def _examples(self, k: int = 3) -> str:
+        bad = [r for r in self._tried_rows if r in self._bad_rows] or list(self._bad_rows)
+        return "; ".join(f"{self.entries[r].path}: {self._bad_rows[r]}" for r in sorted(bad)[:k])
+
     def _mark_bad(self, row: int, path: str, reason: str) -> None:
         self._bad_rows[row] = reason
         if path not in self._warned_paths:
             self._warned_paths.add(path)
             logger.warning("skipping video %s: %s", path, reason)
-        if len(self._bad_rows) == len(self.entries):
-            examples = "; ".join(f"{self.entries[r].path}: {why}" for r, why in list(self._bad_rows.items())[:3])
-            raise RuntimeError(f"no row of manifest {str(self.manifest_path)!r} decodes (all {len(self.entries)} "
-                               f"failed), e.g. {examples}. Check the files, or rebuild the manifest with "
-                               f"`python -m megaslide_ray.index VIDEO_DIR --out {self.manifest_path}`")
 
     def _decode_clip(self, path: str, position: int) -> np.ndarray:
         """One clip as uint8 (F, H, W, 3); ``ClipUnreadable`` for any problem with the file."""
@@ -339,22 +508,31 @@ class VideoDecoder:
 
         d = self.data
         try:
-            size = os.path.getsize(path)
+            st = os.stat(path)
         except FileNotFoundError:
             raise ClipUnreadable("missing file") from None
         except OSError as e:
             raise ClipUnreadable(f"cannot stat: {e.strerror or e}") from None
-        if size == 0:
+        if not stat.S_ISREG(st.st_mode):  # a fifo or device could block the open forever
+            raise ClipUnreadable("not a regular file")
+        if st.st_size == 0:
             raise ClipUnreadable("zero bytes")
         try:
             reader = decord.VideoReader(path, ctx=decord.cpu(0))
             video_frames = len(reader)
+            source_fps = float(reader.get_avg_fps()) if d.fps > 0 else 0.0
         except Exception as e:  # noqa: BLE001 - decord raises RuntimeError / DECORDError
             raise ClipUnreadable(f"decord could not open it ({_first_line(e)})") from None
-        if video_frames < 1:
-            raise ClipUnreadable("no frames")
-        start = clip_start(video_frames, d.num_frames, d.frame_stride, self.seed, position, d.random_crop)
-        indices = clip_frame_indices(video_frames, d.num_frames, d.frame_stride, start)
+        if video_frames < 2:  # a still image is not a clip, whatever data.short_clips says
+            raise ClipUnreadable("no frames" if video_frames < 1 else "one frame")
+        if d.fps > 0 and not (math.isfinite(source_fps) and source_fps > 0):
+            raise ClipUnreadable(f"unknown frame rate ({source_fps}); data.fps={d.fps} needs it")
+        offsets = clip_offsets(d.num_frames, d.frame_stride, source_fps, d.fps)
+        span = int(offsets[-1]) + 1
+        if video_frames < span and d.short_clips == "skip":
+            raise ClipUnreadable(f"too short: {video_frames} frames, a clip spans {span} (data.short_clips='skip')")
+        start = clip_start(video_frames, span, self.seed, position, d.random_crop, d.fixed_start)
+        indices = (start + offsets) % video_frames
         try:
             frames = read_frames(reader, indices)
         except Exception as e:  # noqa: BLE001
@@ -365,7 +543,8 @@ class VideoDecoder:
         if frames.ndim != 4 or frames.shape[0] != d.num_frames or min(frames.shape[1:3]) < 1:
             raise ClipUnreadable(f"decord returned frames of shape {frames.shape}")
         # Resizing is our code, outside the try: a bug here must surface, not become a skip.
-        return resize_center_crop(frames, d.height, d.width)
+        offset = spatial_offset(self.seed, position, d.spatial_crop == "random")
+        return resize_crop(frames, d.height, d.width, offset)
 
 
 def _first_line(e: BaseException) -> str:

@@ -129,14 +129,16 @@ def render_frames(plan: dict) -> np.ndarray:
     return frames
 
 
-def write_video(path: str | Path, frames: np.ndarray, fps: int = DEMO_FPS) -> None:
-    """Encode uint8 ``(F, H, W, 3)`` RGB frames as an H.264 (yuv420p) mp4 with PyAV."""
+def write_video(path: str | Path, frames: np.ndarray, fps: int = DEMO_FPS, faststart: bool = False) -> None:
+    """Encode uint8 ``(F, H, W, 3)`` RGB frames as an H.264 (yuv420p) mp4 with PyAV
+    (``faststart``: the index (moov) before the frames, as streaming files have it)."""
     import av
 
     f, h, w, _ = frames.shape
     if h % 2 or w % 2:
         raise ValueError(f"frame size {w}x{h} must be even for yuv420p")
-    with av.open(str(path), mode="w") as container:
+    options = {"movflags": "faststart"} if faststart else {}
+    with av.open(str(path), mode="w", options=options) as container:
         stream = container.add_stream("libx264", rate=fps)
         stream.width, stream.height, stream.pix_fmt = w, h, "yuv420p"
         # One thread and a fixed preset: the bitstream is the same on every run.
@@ -146,6 +148,49 @@ def write_video(path: str | Path, frames: np.ndarray, fps: int = DEMO_FPS) -> No
                 container.mux(packet)
         for packet in stream.encode():  # flush the encoder's delayed frames
             container.mux(packet)
+
+
+# ---------------------------------------------------------------------------------------------
+# Bad files (for tests and for trying the decoder's skipping)
+# ---------------------------------------------------------------------------------------------
+
+BAD_VIDEO_KINDS: dict[str, str] = {
+    "zero_bytes.mp4": "an empty file",
+    "truncated.mp4": "the first half of an mp4 whose index (moov) is at the end: does not open",
+    "not_a_video.mp4": "a text file named .mp4",
+    "one_frame.mp4": "a valid video of a single frame",
+    "undecodable_frames.mp4": "a faststart mp4 whose frame data after the first frame is junk: it opens "
+                              "(the index is intact and lists every frame), its frames do not decode",
+}
+
+
+def write_bad_videos(folder: str | Path, num_frames: int = 24, size: int = 32) -> dict[str, Path]:
+    """One file of each kind in ``BAD_VIDEO_KINDS`` under ``folder``; returns name -> path."""
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    rng = np.random.default_rng(DEMO_SEED)
+    # Noise: every frame costs many bytes, so half the file really holds half the frames.
+    frames = rng.integers(0, 256, size=(num_frames, size, size, 3), dtype=np.uint8)
+    out = {name: folder / name for name in BAD_VIDEO_KINDS}
+    out["zero_bytes.mp4"].write_bytes(b"")
+    out["not_a_video.mp4"].write_text("this is a text file, not a video\n")
+    write_video(out["one_frame.mp4"], frames[:1])
+    import av
+
+    for name, faststart in (("truncated.mp4", False), ("undecodable_frames.mp4", True)):
+        whole = folder / f".whole-{name}"
+        write_video(whole, frames, faststart=faststart)
+        data = whole.read_bytes()
+        if faststart:  # keep the index (moov, in front) and the first frame; junk after it
+            with av.open(str(whole)) as container:
+                first = next(p for p in container.demux(video=0) if p.size)
+                end = first.pos + first.size
+            junk = np.random.default_rng(1).integers(0, 256, size=len(data) - end, dtype=np.uint8).tobytes()
+            out[name].write_bytes(data[:end] + junk)
+        else:  # the index is at the end: cut it off
+            out[name].write_bytes(data[: len(data) // 2])
+        whole.unlink()
+    return out
 
 
 # ---------------------------------------------------------------------------------------------

@@ -3,8 +3,10 @@
     python -m megaslide_ray.index VIDEO_DIR --out manifest.parquet [--captions FILE.csv|FILE.jsonl]
 
 Scans ``VIDEO_DIR`` recursively for ``.mp4 .mkv .webm .avi .mov .m4v`` files, opens each with
-decord to read its frame count, frame rate and size (and decodes its first frame to prove it
-decodes), and writes one manifest row per usable video (schema: ``megaslide_ray.manifest``).
+decord to read its frame count, frame rate and size (and decodes its first and last frames to
+prove it decodes: a truncated file often opens and shows its first frame; ``--first-frame-only``
+skips the last-frame check, which costs a seek per video), and writes one manifest row per
+usable video (schema: ``megaslide_ray.manifest``).
 Paths in the manifest are relative to the manifest's folder, so both can move together.
 
 Captions, first match wins:
@@ -14,8 +16,9 @@ Captions, first match wins:
 2. a sidecar text file beside the video with the same stem (``clip.mp4`` -> ``clip.txt``);
 3. otherwise "".
 
-A file that cannot be used (zero bytes, not decodable, a single frame) is left out of the
-manifest and listed with the reason in the summary; the scan never stops on a bad file.
+A file that cannot be used (zero bytes, not a video, truncated, undecodable frames, a single
+frame) is left out of the manifest and listed with the reason in the summary; the scan never
+stops on a bad file.
 The exit status is non-zero only when no usable video is found.
 """
 
@@ -83,7 +86,7 @@ def _pyav_reason(path: Path) -> str:
     return ""
 
 
-def probe_video(path: Path) -> tuple[dict | None, str]:
+def probe_video(path: Path, check_last_frame: bool = True) -> tuple[dict | None, str]:
     """``(metadata, "")`` for a usable video, ``(None, reason)`` otherwise."""
     import decord
 
@@ -107,6 +110,11 @@ def probe_video(path: Path) -> tuple[dict | None, str]:
         return None, "no frames"
     if num_frames == 1:
         return None, "one frame"
+    if check_last_frame:
+        try:
+            vr[num_frames - 1]
+        except Exception:  # noqa: BLE001 - decord's message is a long internal check; ours says what it means
+            return None, f"frame {num_frames - 1} (the last) does not decode: truncated or corrupt"
     return dict(num_frames=int(num_frames), fps=fps, width=int(width), height=int(height)), ""
 
 
@@ -122,7 +130,7 @@ def _caption_for(video: Path, root: Path, mapping: dict[str, str]) -> str:
     return ""
 
 
-def index_videos(video_dir: str | Path, captions: str | Path | None = None
+def index_videos(video_dir: str | Path, captions: str | Path | None = None, check_last_frame: bool = True
                  ) -> tuple[list[ManifestEntry], list[tuple[str, str]]]:
     """Probe every video under ``video_dir``.
 
@@ -136,7 +144,7 @@ def index_videos(video_dir: str | Path, captions: str | Path | None = None
     rows: list[ManifestEntry] = []
     problems: list[tuple[str, str]] = []
     for video in find_videos(root):
-        meta, reason = probe_video(video)
+        meta, reason = probe_video(video, check_last_frame)
         if meta is None:
             problems.append((str(video), reason))
             continue
@@ -155,10 +163,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("video_dir", help="folder scanned recursively for video files")
     parser.add_argument("--out", required=True, help="manifest to write (e.g. manifest.parquet)")
     parser.add_argument("--captions", default=None, help="CSV (path,caption) or JSONL caption mapping")
+    parser.add_argument("--first-frame-only", action="store_true",
+                        help="decode only the first frame of each video (faster; misses truncated files)")
     args = parser.parse_args(argv)
 
     try:
-        rows, problems = index_videos(args.video_dir, args.captions)
+        rows, problems = index_videos(args.video_dir, args.captions, not args.first_frame_only)
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -186,6 +186,30 @@ def test_index_cli(tmp_path, capsys):
     assert os.path.samefile(entries["b.mkv"].path, videos / "sub" / "b.mkv")
 
 
+def test_index_every_kind_of_bad_file(tmp_path, capsys):
+    videos = tmp_path / "videos"
+    good = [videos / f"good{i}.mp4" for i in range(3)]
+    for i, p in enumerate(good):
+        videos.mkdir(exist_ok=True)
+        _solid_video(p, num_frames=10 + i, seed=i)
+    bad = demo_data.write_bad_videos(videos)
+    out = tmp_path / "manifest.parquet"
+    assert index.main([str(videos), "--out", str(out)]) == 0
+    text = capsys.readouterr().out
+    assert f"found {len(good) + len(bad)} video files" in text
+    assert f"{len(good)} usable" in text and f"{len(bad)} unreadable" in text
+    reasons = {"zero_bytes.mp4": "zero bytes", "truncated.mp4": "decord: ", "not_a_video.mp4": "decord: ",
+               "one_frame.mp4": "one frame", "undecodable_frames.mp4": "decord: "}
+    assert sorted(reasons) == sorted(demo_data.BAD_VIDEO_KINDS)
+    lines = [line for line in text.splitlines() if "unreadable: " in line]
+    assert len(lines) == len(bad)
+    for name, reason in reasons.items():
+        assert any(name in line and reason in line for line in lines), (name, text)
+    rows = read_manifest(out)
+    assert sorted(os.path.basename(r.path) for r in rows) == [p.name for p in good]
+    assert [r.num_frames for r in sorted(rows, key=lambda r: r.path)] == [10, 11, 12]
+
+
 def test_index_csv_captions_and_no_usable_video(tmp_path, capsys):
     videos = tmp_path / "v"
     videos.mkdir()
@@ -362,7 +386,7 @@ def test_decoder_thread_error_reaches_caller(demo_manifest, monkeypatch):
     def broken(*args, **kwargs):
         raise ValueError("resize bug (simulated)")
 
-    monkeypatch.setattr(decoder_mod, "resize_center_crop", broken)
+    monkeypatch.setattr(decoder_mod, "resize_crop", broken)
     dec = VideoDecoder(_cfg(demo_manifest), seed=0, caption_max_bytes=8)
     with pytest.raises(ValueError, match="simulated"):
         dec.next_batch()
@@ -370,3 +394,98 @@ def test_decoder_thread_error_reaches_caller(demo_manifest, monkeypatch):
     dec.close()
     with pytest.raises(RuntimeError, match="after close"):
         dec.next_batch()
+
+
+# ---------------------------------------------------------------------------------------------
+# Clip-sampling options, bad-fraction stop, config checks
+# ---------------------------------------------------------------------------------------------
+
+
+def test_clip_offsets_and_starts():
+    np.testing.assert_array_equal(decoder_mod.clip_offsets(4, 3), [0, 3, 6, 9])
+    # 30 fps source sampled at 8 fps: every 3.75 frames, rounded
+    np.testing.assert_array_equal(decoder_mod.clip_offsets(5, 1, 30.0, 8.0), [0, 4, 8, 11, 15])
+    np.testing.assert_array_equal(decoder_mod.clip_offsets(3, 1, 8.0, 16.0), [0, 1, 1])  # faster target: repeats
+    assert decoder_mod.clip_start(40, 16, 0, 5, random=False, fixed="first") == 0
+    assert decoder_mod.clip_start(40, 16, 0, 5, random=False, fixed="center") == 12
+    starts = {decoder_mod.clip_start(40, 16, 3, p, random=True) for p in range(50)}
+    assert min(starts) >= 0 and max(starts) <= 24 and len(starts) > 5
+    assert decoder_mod.clip_start(10, 16, 3, 1, random=True) == 0  # does not fit: starts at 0 (then loops)
+
+
+def test_fixed_center_fps_and_random_spatial_crop(tmp_path):
+    path = tmp_path / "v.mp4"
+    frames = np.zeros((40, 32, 64, 3), dtype=np.uint8)  # gray levels survive yuv420p; colours blur
+    frames[:, :16] = (np.arange(40) * 6)[:, None, None, None]  # top half: the frame number
+    frames[:, 16:] = (np.arange(64) * 4)[None, None, :, None]  # bottom half: the column
+    write_video(path, frames)
+    manifest = write_manifest([{"path": "v.mp4"}], tmp_path / "m.parquet")
+
+    def clip(seed=0, **kw):
+        cfg = _cfg(manifest, num_frames=4, height=32, width=32, batch_size=1, frame_stride=1, **kw)
+        with VideoDecoder(cfg, seed=seed, caption_max_bytes=8) as dec:
+            return dec.next_batch()["video"][0].astype(int)  # (F, H, W, 3)
+
+    def frame_numbers(v):
+        return np.round(v[:, 4, 16, 0] / 6).astype(int).tolist()
+
+    assert frame_numbers(clip(random_crop=False)) == [0, 1, 2, 3]
+    assert frame_numbers(clip(random_crop=False, fixed_start="center")) == [18, 19, 20, 21]
+    # data.fps=4 on an 8 fps video: every second frame
+    assert frame_numbers(clip(random_crop=False, fps=4.0)) == [0, 2, 4, 6]
+    center = clip(random_crop=False)
+    assert abs(center[0, 24, 0, 1] - 16 * 4) <= 8  # columns 16..47 of 64
+    lefts = {int(round(clip(seed=s, random_crop=False, spatial_crop="random")[0, 24, 0, 1] / 4)) for s in range(6)}
+    assert len(lefts) > 1 and all(0 <= x <= 32 for x in lefts)
+    again = clip(seed=2, random_crop=False, spatial_crop="random")
+    np.testing.assert_array_equal(again, clip(seed=2, random_crop=False, spatial_crop="random"))  # per seed
+
+
+def test_short_clips_skip_or_loop(tmp_path):
+    for i, n in enumerate((6, 20)):
+        _solid_video(tmp_path / f"v{i}.mp4", num_frames=n, seed=i)
+    manifest = write_manifest([{"path": "v0.mp4"}, {"path": "v1.mp4"}], tmp_path / "m.parquet")
+    cfg = _cfg(manifest, num_frames=8, frame_stride=1, batch_size=2, max_bad_fraction=1.0)
+    with VideoDecoder(cfg, seed=0, caption_max_bytes=8) as dec:
+        assert sorted(dec.next_batch()["index"].tolist()) == [0, 1]  # looped
+    with VideoDecoder(dataclasses.replace(cfg, short_clips="skip"), seed=0, caption_max_bytes=8) as dec:
+        b = dec.next_batch()
+        assert b["index"].tolist() == [1, 1] and int(b["skipped"]) >= 1
+        assert "v0.mp4" in dec.stats().skipped_paths[0]
+
+
+def test_decoder_stops_when_too_many_files_are_bad(tmp_path, caplog):
+    _solid_video(tmp_path / "good.mp4")
+    for i in range(3):
+        (tmp_path / f"zero{i}.mp4").write_bytes(b"")
+    names = ["good.mp4", "zero0.mp4", "zero1.mp4", "zero2.mp4"]
+    manifest = write_manifest([{"path": n} for n in names], tmp_path / "m.parquet")
+    with VideoDecoder(_cfg(manifest, batch_size=2), seed=0, caption_max_bytes=8) as dec:
+        with pytest.raises(RuntimeError, match=r"3 of the 4 distinct manifest rows.*75% > data.max_bad_fraction=0.5"
+                                               r".*zero\d\.mp4: zero bytes.*megaslide_ray\.index"):
+            dec.next_batch()
+    # at the limit it goes on; the rows known bad (from a replaced decoder) count as skipped, unlogged
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger=decoder_mod.__name__):
+        with VideoDecoder(_cfg(manifest, batch_size=2, max_bad_fraction=0.75), seed=0, caption_max_bytes=8,
+                          skipped_before=5, bad_rows={1: "decode timed out after 1 s"}) as dec:
+            b = dec.next_batch()
+    assert b["index"].tolist() == [0, 0] and int(b["skipped"]) > 5
+    assert not [r for r in caplog.records if "zero0.mp4" in r.getMessage()]
+
+
+@pytest.mark.parametrize("overrides,needle", [
+    ({"data.fps": "8", "data.frame_stride": "2"}, "data.fps=8.0 and data.frame_stride=2 both set"),
+    ({"data.fps": "-1"}, "data.fps=-1.0 must be >= 0"),
+    ({"data.decode_timeout_s": "0"}, "data.decode_timeout_s=0.0 must be"),
+    ({"data.max_bad_fraction": "1.5"}, "data.max_bad_fraction=1.5 must lie in [0, 1]"),
+    ({"data.short_clips": "drop"}, "data.short_clips='drop' is not one of"),
+    ({"data.num_decoders": "0"}, "data.num_decoders=0 must be > 0"),
+])
+def test_data_config_is_checked(overrides, needle):
+    from megaslide_ray.config import ConfigError, build_config
+
+    with pytest.raises(ConfigError) as e:
+        build_config("tiny", None, overrides)
+    assert needle in str(e.value)
+    assert build_config("tiny", None, {"data.num_decoders": "3", "data.fps": "8"}).data.num_decoders == 3
