@@ -27,6 +27,7 @@ from torch.func import functional_call
 from actors.param_store import DTYPES, ShardInfo, map_segment
 from megaslide_ray.config import Config
 from megaslide_ray.diffusion import flow_loss, sample_flow_inputs
+from megaslide_ray.faults import fault_point
 from megaslide_ray.model import build_shard, num_shards
 
 log = logging.getLogger(__name__)
@@ -143,9 +144,13 @@ class ComputeActor:
         params = self.infos[shard].layout.views(flat)
         return functional_call(self.modules[shard], params, args)
 
-    def _push_grad(self, shard: int, step: int, flat: torch.Tensor) -> Future | None:
+    def _push_grad(self, shard: int, step: int, flat: torch.Tensor, poison: bool = False) -> Future | None:
+        """Hand shard ``shard``'s gradient to the store. ``poison``: report a NaN norm (the loss
+        was not finite), so the store skips the step's update on every shard."""
         g = flat.grad if flat.grad is not None else torch.zeros_like(flat)
         sqnorm = float(g.float().pow(2).sum())  # host sync: the store needs the number
+        if poison:
+            sqnorm = float("nan")
 
         def send() -> None:
             t0 = time.perf_counter()
@@ -169,6 +174,7 @@ class ComputeActor:
         """One step. ``batch``: the decoder's dict, or ``[ObjectRef]`` of it (the pipeline wraps
         the ref in a list so Ray does not resolve it before the call: the wait is then measured)."""
         t_start = time.perf_counter()
+        fault_point("compute.before_weights", step)
         if isinstance(batch, list):
             import ray
 
@@ -193,11 +199,14 @@ class ComputeActor:
         pos = 0
         with torch.no_grad():
             w = take(pos)
+            fault_point("compute.after_weights", step)
             x, c = self._run(0, w, x_t, t, cap, cap_len)
             self._release(w)
             pos += 1
             inputs = []
             for shard in range(1, L + 1):
+                if shard == (L + 2) // 2:
+                    fault_point("compute.mid_forward", step)
                 inputs.append(x)
                 w = take(pos)
                 x = self._run(shard, w, x, c)
@@ -211,8 +220,12 @@ class ComputeActor:
         t_fwd = time.perf_counter()
         pred = self._run(head, w_head, x_last, c_leaf)
         loss = flow_loss(pred, target)
+        if fault_point("compute.loss", step) == "nan":
+            loss = loss * float("nan")
+        # A NaN/Inf loss with finite gradients must not slip through: poison the step's norm.
+        bad_loss = not bool(torch.isfinite(loss.detach()))
         loss.backward()
-        returns.append(self._push_grad(head, step, w_head))
+        returns.append(self._push_grad(head, step, w_head, poison=bad_loss))
         self._release(w_staged)
         dx, dc = x_last.grad, c_leaf.grad.clone()
         del pred, w_head
@@ -228,6 +241,8 @@ class ComputeActor:
             torch.autograd.backward(y, dx)
             returns.append(self._push_grad(shard, step, w))
             self._release(w_staged)
+            if shard == (L + 1) // 2:
+                fault_point("compute.mid_backward", step)
             dx = x_in.grad
             dc += c_leaf.grad
             del y, w

@@ -64,6 +64,7 @@ from torch.optim.adamw import adamw as adamw_functional
 from safetensors.torch import save_file
 
 from megaslide_ray.config import Config
+from megaslide_ray.faults import fault_point
 from megaslide_ray.model import build_shard, initialize_shard, num_shards
 from megaslide_ray.schedule import clip_coefficient, lr_at
 from megaslide_ray.shards import ShardLayout
@@ -133,6 +134,10 @@ class StateNotTrustedError(RuntimeError):
     """The store's shared state was cut in the middle of an update: resume from a checkpoint."""
 
 
+class CheckpointWriteError(RuntimeError):
+    """A checkpoint could not be written (disk full, unwritable directory); the previous one is intact."""
+
+
 class GradientsLostError(RuntimeError):
     """Asked for a step whose gradients this store process never received (it was restarted
     after they were reported): the driver redoes the step."""
@@ -165,6 +170,8 @@ class ParameterStore:
         self._generation = 0                              # compute actor whose reports count
         self._closed = False
         self._error: BaseException | None = None
+        self._saving = 0                                  # checkpoints being written: no update starts
+        self._applying = False                            # the update thread is inside an update
 
         # Ray re-runs __init__ with the original arguments when it restarts a crashed store.
         attached = (attach or _was_reconstructed()) and (self.dir / "layout.json").is_file()
@@ -186,6 +193,12 @@ class ParameterStore:
         self.updating = map_segment(self.dir / "updating.i64", self.n, torch.int64, create=not attached)
         self.records = map_segment(self.dir / "records.f64", RECORDS * RECORD_FIELDS, torch.float64,
                                    create=not attached).view(RECORDS, RECORD_FIELDS)
+        # The compute actor whose reports count outlives a restart of this process: otherwise a
+        # restarted store would drop every report of the current (replaced) compute actor.
+        self._generation_seg = map_segment(self.dir / "generation.i64", 1, torch.int64, create=not attached)
+        if not attached:
+            self._generation_seg.zero_()
+        self._generation = int(self._generation_seg[0])
         # bf16 runs: gradients are upcast into one reused fp32 buffer (a fresh ``g.float()`` per
         # shard per step costs an allocation and page faults: ~3x slower, see benchmarks/adamw.py).
         self._grad32 = (torch.empty(max(lay.numel for lay in self.layouts), dtype=torch.float32)
@@ -307,6 +320,7 @@ class ParameterStore:
         deadline = time.monotonic() + timeout
         with self._lock:
             self._generation = generation
+            self._generation_seg[0] = generation
             self._pending.clear()
             while self._inflight:
                 self._raise_if_failed()
@@ -343,23 +357,26 @@ class ParameterStore:
     def _update_loop(self) -> None:
         while True:
             with self._lock:
-                while not self._queue and not self._closed:
+                while (not self._queue or self._saving) and not self._closed:
                     self._lock.wait()
                 if self._closed:
                     return
                 step = self._queue.pop(0)
                 sq = self._pending.pop(step)
+                self._applying = True
             try:
                 result = self._apply_update(step, sq)
             except BaseException as e:  # surfaced to every waiter
                 log.exception("AdamW update of step %d failed", step)
                 with self._lock:
                     self._error = e
+                    self._applying = False
                     self._lock.notify_all()
                 return
             with self._lock:
                 self._results[step] = result
                 self._inflight.discard(step)
+                self._applying = False
                 self._lock.notify_all()
 
     def _apply_update(self, step: int, sqnorms: dict[int, float]) -> UpdateResult:
@@ -374,6 +391,8 @@ class ParameterStore:
         if not finite:
             log.warning("step %d: gradient norm is %s; update skipped on every shard", step, total)
         for i in range(self.n):  # shard order: the next forward needs shard 0 first
+            if i == self.n // 2:
+                fault_point("store.mid_update", step)
             self._update_shard(i, step, coef, lr, skip=not finite)
         seconds = time.perf_counter() - t0
         self.records[step % RECORDS, 5] = seconds
@@ -383,6 +402,8 @@ class ParameterStore:
         """AdamW of step ``step`` on shard ``i``, bracketed by its crash marker."""
         s = self.seg[i]
         self.updating[i] = step  # from here until the marker is cleared, shard i is half-written
+        if i == self.n // 2:
+            fault_point("store.mid_shard_update", step)
         if not skip:
             if self._single_pass is not None:
                 self._single_pass_update(s, step, coef, lr)
@@ -478,15 +499,48 @@ class ParameterStore:
     # -- checkpoints --------------------------------------------------------------------------
     def save_checkpoint(self, run_dir: str, step: int, extra: dict) -> str:
         """Write ``run_dir/checkpoints/step_N`` shard by shard into a temporary directory,
-        fsync, rename, then point ``latest`` at it. A crash leaves the previous one intact."""
+        fsync, rename, then point ``latest`` at it. A crash leaves the previous one intact.
+
+        The state must be exactly step ``step``'s: this waits for that update, holds back any
+        later one while writing, and refuses if a later update was already applied. A write
+        that fails (full disk, unwritable directory) raises ``CheckpointWriteError`` naming
+        the directory and the reason; the previous checkpoint and ``latest`` stay as they were."""
         for i in range(self.n):
             self.wait_version(i, step)
+        with self._lock:
+            self._saving += 1
+            while self._applying:  # an update that started before we got here finishes first
+                self._lock.wait(1.0)
+        try:
+            versions = self.versions.tolist()
+            if any(v != step for v in versions):
+                raise RuntimeError(f"checkpoint of step {step} asked for, but the parameter store already holds "
+                                   f"versions {versions}: a later step was applied (queue no step ahead of a "
+                                   f"checkpoint)")
+            return self._write_checkpoint(run_dir, step, extra)
+        finally:
+            with self._lock:
+                self._saving -= 1
+                self._lock.notify_all()
+
+    def _write_checkpoint(self, run_dir: str, step: int, extra: dict) -> str:
         ckpt_root = Path(run_dir) / "checkpoints"
+        try:
+            return self._write_checkpoint_files(ckpt_root, step, extra)
+        except OSError as e:
+            raise CheckpointWriteError(
+                f"could not write the step-{step} checkpoint under {ckpt_root}: {e.strerror or e}. "
+                f"The previous checkpoint ({_latest_name(ckpt_root)}) is complete and loadable; free space or fix "
+                f"the directory's permissions, then resume from it with --resume") from e
+
+    def _write_checkpoint_files(self, ckpt_root: Path, step: int, extra: dict) -> str:
         ckpt_root.mkdir(parents=True, exist_ok=True)
         final = ckpt_root / f"step_{step}"
         tmp = Path(tempfile.mkdtemp(prefix=f".step_{step}.", dir=ckpt_root))
         try:
             for i, lay in enumerate(self.layouts):
+                if i == self.n // 2:
+                    fault_point("store.mid_checkpoint", step - 1)
                 tensors = {kind: self.seg[i][kind] for kind in CHECKPOINT_KINDS}
                 meta = {"names": json.dumps(lay.names), "shapes": json.dumps(lay.shapes),
                         "offsets": json.dumps(lay.offsets), "shard": str(i)}
@@ -607,6 +661,11 @@ def read_checkpoint_shards(path: str | Path, kind: str = "master") -> list[torch
         with safe_open(str(ckpt / f"shard_{i:04d}.safetensors"), framework="pt") as f:
             out.append(f.get_tensor(kind))
     return out
+
+
+def _latest_name(ckpt_root: Path) -> str:
+    latest = latest_checkpoint(ckpt_root.parent)
+    return str(latest) if latest is not None else "none yet"
 
 
 def latest_checkpoint(run_dir: str | Path) -> Path | None:

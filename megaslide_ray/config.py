@@ -75,20 +75,40 @@ class DataConfig:
     num_frames: int = 16
     """Frames per training clip."""
     height: int = 64
-    """Clip height in pixels after resize (shorter side) and center crop."""
+    """Clip height in pixels after resize (shorter side) and crop."""
     width: int = 64
-    """Clip width in pixels after resize and center crop."""
+    """Clip width in pixels after resize and crop."""
     frame_stride: int = 1
-    """Take every ``frame_stride``-th frame of the source video."""
+    """Take every ``frame_stride``-th frame of the source video (leave at 1 when ``fps`` is set)."""
+    fps: float = 0.0
+    """Sample clips at this frame rate instead of by ``frame_stride`` (frame ``j`` is source frame
+    ``start + round(j * source_fps / fps)``); 0: use ``frame_stride``. Videos without a known
+    frame rate are then skipped."""
     batch_size: int = 2
     """Clips per training step."""
     prefetch: int = 2
     """Batches each decoder keeps decoded ahead of the trainer."""
     num_decoders: int = 1
-    """Decoder actors. Only 1 for now: resuming the data position of a decoder pool is not
-    implemented yet, and a run must resume exactly."""
+    """Decoder actors. Decoder ``i`` draws the data positions ``p`` with ``p % num_decoders == i``
+    and serves the steps ``k`` with ``k % num_decoders == i``; a run must be resumed with the same
+    number (the checkpoint holds each decoder's position)."""
     random_crop: bool = True
-    """Random temporal start of each clip (False: the first frames)."""
+    """Random temporal start of each clip (False: ``fixed_start``, e.g. for evaluation)."""
+    fixed_start: Literal["first", "center"] = "first"
+    """Temporal start when ``random_crop`` is False: the video's first frames or its middle."""
+    spatial_crop: Literal["center", "random"] = "center"
+    """After resizing the shorter side, crop the center or a random window (drawn per clip from
+    the seed and the data position, the same for every frame of the clip)."""
+    short_clips: Literal["loop", "skip"] = "loop"
+    """A video shorter than a clip's span: ``loop`` it (frame indices wrap) or ``skip`` it (counted
+    as a skipped file)."""
+    decode_timeout_s: float = 60.0
+    """A decoder stuck this long on one file (or without progress while a batch is owed) is killed
+    and replaced; the file is marked bad ("decode timed out") and skipped from then on."""
+    max_bad_fraction: float = 0.5
+    """Stop with an error listing examples when more than this fraction of the distinct manifest
+    rows a decoder has tried are unusable (judged once it has tried 20 rows, or its whole share of
+    a smaller manifest); 1 never stops."""
 
 
 @dataclass
@@ -109,6 +129,9 @@ class OptimizerConfig:
     """Learning-rate decay after warm-up, over ``training.steps``."""
     min_lr_ratio: float = 0.1
     """Final learning rate as a fraction of ``lr`` for the cosine and linear schedules."""
+    max_bad_steps: int = 20
+    """A step whose loss or gradients hold NaN/Inf is skipped on every shard (counted and logged);
+    after this many such steps in a row the run stops with an error. 0: never stop."""
 
 
 @dataclass
@@ -134,6 +157,9 @@ class RuntimeConfig:
     link without a GPU (0: no throttle; weights are then read in place from shared memory)."""
     optimizer_threads: int = 0
     """Torch threads in the parameter store for AdamW; 0 uses every core of the machine."""
+    max_restarts: int = 3
+    """Actor failures (a parameter store, compute or decoder actor that died or hung) the run
+    recovers from; one more stops it with a message saying how to resume."""
 
 
 @dataclass
@@ -441,9 +467,16 @@ def validate(cfg: Config) -> Config:
         positive(f"model.patch_size[{i}]", p)
     if cfg.runtime.prefetch_depth < 1:
         raise ConfigError(f"runtime.prefetch_depth={cfg.runtime.prefetch_depth} must be >= 1")
-    if d.num_decoders != 1:
-        raise ConfigError(f"data.num_decoders={d.num_decoders}: only 1 decoder is supported so far (a pool could "
-                          f"not resume its data position exactly); use 1")
+    if d.fps < 0 or not math.isfinite(d.fps):
+        raise ConfigError(f"data.fps={d.fps} must be >= 0 (0: sample by data.frame_stride)")
+    if d.fps > 0 and d.frame_stride != 1:
+        raise ConfigError(f"data.fps={d.fps} and data.frame_stride={d.frame_stride} both set; choose one "
+                          f"(fps samples at a frame rate, frame_stride every n-th frame): set frame_stride=1 "
+                          f"or fps=0")
+    if not (d.decode_timeout_s > 0 and math.isfinite(d.decode_timeout_s)):
+        raise ConfigError(f"data.decode_timeout_s={d.decode_timeout_s} must be a finite number of seconds > 0")
+    if not 0 <= d.max_bad_fraction <= 1:
+        raise ConfigError(f"data.max_bad_fraction={d.max_bad_fraction} must lie in [0, 1] (1 never stops)")
     if m.hidden_size % m.num_heads:
         raise ConfigError(f"model.hidden_size={m.hidden_size} is not divisible by model.num_heads={m.num_heads}; "
                           f"pick heads that divide the width (e.g. {_divisor_near(m.hidden_size, m.num_heads)})")
@@ -474,6 +507,8 @@ def validate(cfg: Config) -> Config:
                          ("runtime.compute_threads", cfg.runtime.compute_threads),
                          ("runtime.optimizer_threads", cfg.runtime.optimizer_threads),
                          ("runtime.link_gbps", cfg.runtime.link_gbps),
+                         ("runtime.max_restarts", cfg.runtime.max_restarts),
+                         ("optim.max_bad_steps", o.max_bad_steps),
                          ("ray.num_cpus", cfg.ray.num_cpus),
                          ("ray.metrics_export_port", cfg.ray.metrics_export_port)]:
         if value < 0:

@@ -9,7 +9,10 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
+import signal
 import sys
+import tempfile
 from pathlib import Path
 
 from megaslide_ray.config import SECTIONS, Config, ConfigError, build_config, describe_fields
@@ -40,7 +43,37 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--print-config", action="store_true", help="print the resolved config as TOML and exit")
     p.add_argument("--help-config", action="store_true", help="list every config field with its meaning and exit")
     p.add_argument("--log-level", default="INFO", help="logging level (default INFO)")
+    # Hidden: fault injection for drills and tests (megaslide_ray/faults.py).
+    p.add_argument("--inject-fault", default=None, help=argparse.SUPPRESS)
     return p
+
+
+class StopOnSignal:
+    """SIGINT/SIGTERM: the first asks the trainer to stop after the current step, checkpoint and
+    exit 0; a second one (or one before training started) raises KeyboardInterrupt at once."""
+
+    def __init__(self):
+        self.trainer = None
+        self.count = 0
+        self._previous = {}
+
+    def __enter__(self):
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            self._previous[sig] = signal.signal(sig, self._handle)
+        return self
+
+    def __exit__(self, *exc):
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)
+
+    def _handle(self, signum, frame):
+        self.count += 1
+        name = signal.Signals(signum).name
+        if self.trainer is None or self.count > 1:
+            raise KeyboardInterrupt(name)
+        print(f"\n{name}: stopping after the current step and writing a checkpoint (press Ctrl-C again to "
+              f"quit at once; the latest complete checkpoint stays intact)", file=sys.stderr, flush=True)
+        self.trainer.request_stop(name)
 
 
 def parse_overrides(extra: list[str]) -> dict[str, str]:
@@ -94,6 +127,25 @@ def help_config() -> str:
     return "\n".join(lines)
 
 
+def check_resume(cfg: Config) -> str:
+    """Why ``--resume`` cannot continue this run ("" when it can): no complete checkpoint, or
+    one written with another number of decoders."""
+    from actors.param_store import latest_checkpoint, read_checkpoint_state
+    from pipelines.decoder_pool import DataCursor
+
+    if not cfg.training.run_dir:
+        return "--resume needs --run-dir (the run to continue)"
+    ckpt = latest_checkpoint(cfg.training.run_dir)
+    if ckpt is None:
+        return (f"no complete checkpoint under {Path(cfg.training.run_dir) / 'checkpoints'}; start without "
+                f"--resume or point --run-dir at an earlier run")
+    try:
+        DataCursor.from_state(read_checkpoint_state(ckpt), cfg.data.num_decoders, f"checkpoint {ckpt}")
+    except ValueError as e:
+        return str(e)
+    return ""
+
+
 def start_ray(cfg: Config):
     import ray
 
@@ -133,9 +185,29 @@ def main(argv: list[str] | None = None) -> int:
             print(f"init-from error: {e}", file=sys.stderr)
             return 2
 
+    if args.resume:
+        problem = check_resume(cfg)  # before Ray starts, like every other refusal
+        if problem:
+            print(f"resume error: {problem}", file=sys.stderr)
+            return 2
+
+    if args.inject_fault:
+        from megaslide_ray import faults
+
+        try:
+            faults.parse_faults(args.inject_fault)
+        except ValueError as e:
+            print(f"--inject-fault error: {e}", file=sys.stderr)
+            return 2
+        os.environ[faults.ENV_SPEC] = args.inject_fault  # the actors inherit it (pipelines/streaming.py)
+        os.environ.setdefault(faults.ENV_DIR, tempfile.mkdtemp(prefix="megaslide-faults-"))
+        log.warning("fault injection on: %s", args.inject_fault)
+
     import ray
 
-    from megaslide_ray.trainer import Trainer
+    from actors.param_store import CheckpointWriteError
+    from megaslide_ray.trainer import BadStepsError, Trainer
+    from pipelines.streaming import RestartLimitError
 
     ctx = start_ray(cfg)
     url = getattr(ctx, "dashboard_url", None)
@@ -143,23 +215,50 @@ def main(argv: list[str] | None = None) -> int:
         print(f"Ray dashboard: http://{url}  (Ray token auth is on: `ray get-auth-token` prints the token "
               f"to paste into the dashboard's login)", flush=True)
     trainer = None
-    try:
-        trainer = Trainer(cfg, run_dir=cfg.training.run_dir or None, resume=args.resume,
-                          progress=not args.no_progress, init_from=args.init_from)
-        print(f"run dir: {trainer.run_dir}", flush=True)
-        summary = trainer.train()
-        print(f"done: steps {summary.first_step}->{summary.last_step}, loss {summary.first_loss:.4f} -> "
-              f"{summary.last_loss:.4f}, {summary.mean_step_seconds:.2f} s/step, "
-              f"{summary.tokens_per_second:.0f} tokens/s, checkpoint {summary.checkpoint}", flush=True)
-        print(f"resume with: python -m megaslide_ray.train --run-dir {trainer.run_dir} --resume --steps N")
-    except KeyboardInterrupt:
-        print("interrupted; the latest complete checkpoint is intact", file=sys.stderr)
-        return 130
-    finally:
-        if trainer is not None:
-            trainer.close()
-        ray.shutdown()
-    return 0
+    with StopOnSignal() as stopper:  # installed until Ray is down: a Ctrl-C while closing aborts
+        rc = 0
+        try:
+            trainer = Trainer(cfg, run_dir=cfg.training.run_dir or None, resume=args.resume,
+                              progress=not args.no_progress, init_from=args.init_from)
+            stopper.trainer = trainer
+            print(f"run dir: {trainer.run_dir}", flush=True)
+            report_summary(trainer.train(), trainer, cfg)
+        except KeyboardInterrupt:
+            rc = 130
+        except (BadStepsError, RestartLimitError, CheckpointWriteError) as e:
+            print(f"error: {e}", file=sys.stderr)
+            rc = 1
+        try:
+            if trainer is not None:
+                trainer.abort() if rc == 130 else trainer.close()
+        except KeyboardInterrupt:
+            rc = 130
+            trainer.abort()
+        finally:
+            try:
+                ray.shutdown()
+            except KeyboardInterrupt:
+                rc = 130
+            if rc == 130:
+                print("interrupted: quitting at once; the latest complete checkpoint is intact"
+                      + (f" (resume with: python -m megaslide_ray.train --run-dir {trainer.run_dir} --resume)"
+                         if trainer is not None else ""), file=sys.stderr, flush=True)
+    return rc
+
+
+def report_summary(summary, trainer, cfg: Config) -> None:
+    resume = f"python -m megaslide_ray.train --run-dir {trainer.run_dir} --resume"
+    if summary.stopped_by:
+        print(f"stopped by {summary.stopped_by} after step {summary.last_step} of {cfg.training.steps}; "
+              f"checkpoint {summary.checkpoint or '(none: no step had finished)'}", flush=True)
+        print(f"resume with: {resume}", flush=True)
+        return
+    print(f"done: steps {summary.first_step}->{summary.last_step}, loss {summary.first_loss:.4f} -> "
+          f"{summary.last_loss:.4f}, {summary.mean_step_seconds:.2f} s/step, "
+          f"{summary.tokens_per_second:.0f} tokens/s, checkpoint {summary.checkpoint}"
+          + (f"; {summary.bad_steps} bad step(s) skipped" if summary.bad_steps else "")
+          + (f"; recovered from {summary.restarts} actor failure(s)" if summary.restarts else ""), flush=True)
+    print(f"resume with: {resume} --steps N", flush=True)
 
 
 if __name__ == "__main__":

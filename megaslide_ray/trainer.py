@@ -14,8 +14,10 @@ from tqdm import tqdm
 
 from actors.param_store import latest_checkpoint, read_checkpoint_state
 from megaslide_ray.config import Config, to_toml
+from megaslide_ray.faults import fault_point
 from megaslide_ray.metrics import RunMetrics
-from pipelines.streaming import StreamingPipeline
+from pipelines.decoder_pool import DataCursor
+from pipelines.streaming import StoreLostError, StreamingPipeline
 
 log = logging.getLogger(__name__)
 
@@ -30,6 +32,14 @@ class TrainSummary:
     mean_step_seconds: float
     tokens_per_second: float
     checkpoint: str
+    stopped_by: str = ""    # why the run stopped before training.steps (a signal), else ""
+    bad_steps: int = 0      # steps whose update was skipped (NaN/Inf loss or gradients)
+    restarts: int = 0       # actor failures recovered from
+    rollbacks: int = 0      # times the latest checkpoint was restored (the store's state was lost)
+
+
+class BadStepsError(RuntimeError):
+    """``optim.max_bad_steps`` steps in a row had NaN/Inf loss or gradients."""
 
 
 def default_run_dir() -> str:
@@ -53,15 +63,12 @@ class Trainer:
         self.run_dir = Path(run_dir or cfg.training.run_dir or default_run_dir())
         self.progress = progress
         self.start_step, position, ckpt = 0, 0, None
-        self._skipped_before = 0  # files skipped before a resume (a new decoder counts from 0)
         if resume:
             ckpt = latest_checkpoint(self.run_dir)
             if ckpt is None:
                 raise FileNotFoundError(f"--resume: no complete checkpoint under {self.run_dir / 'checkpoints'}; "
                                         f"start without --resume or point --run-dir at an earlier run")
-            state = read_checkpoint_state(ckpt)
-            self.start_step, position = int(state["step"]), int(state.get("data_position", 0))
-            self._skipped_before = int(state.get("skipped_files", 0))
+            self.start_step, position, _ = self._data_state_of(ckpt)
             if self.start_step >= cfg.training.steps:
                 log.warning("checkpoint is at step %d and training.steps=%d: nothing to do; raise --steps",
                             self.start_step, cfg.training.steps)
@@ -83,6 +90,48 @@ class Trainer:
         self.ray_metrics = RunMetrics(self.run_dir.name, ray.get(self.pipeline.store.status.remote()).state_bytes)
         self._last_time = time.perf_counter()
         self.last_checkpoint = str(ckpt) if ckpt else ""
+        self.init_from = str(Path(init_from).resolve()) if init_from else None
+        self.stop_reason = ""   # set by request_stop (a signal handler): stop after the current step
+        self.bad_steps = 0      # updates skipped for NaN/Inf in this run
+        self._bad_streak = 0    # ... of them in a row, up to the last step
+        self.rollbacks = 0
+
+    def request_stop(self, reason: str) -> None:
+        """Ask the loop to stop after the step in progress, checkpoint and return (safe to call
+        from a signal handler: it only sets a flag)."""
+        self.stop_reason = reason
+
+    def _data_state_of(self, ckpt: Path) -> tuple[int, DataCursor, int]:
+        """(steps done, where each decoder continues, files skipped so far) recorded in checkpoint
+        ``ckpt``. A checkpoint of a different ``data.num_decoders`` is refused (ValueError)."""
+        state = read_checkpoint_state(ckpt)
+        cursor = DataCursor.from_state(state, self.cfg.data.num_decoders, f"checkpoint {ckpt}")
+        return int(state["step"]), cursor, cursor.total_skipped
+
+    def _restore_latest(self, error: StoreLostError) -> int:
+        """The store's state is lost: rebuild the actors on the latest checkpoint (or on the
+        initial weights when there is none yet) and return the step to go on from. The store's
+        death was already counted as a restart where it was noticed; the steps after the
+        checkpoint are redone (same batches, same noise)."""
+        ckpt = latest_checkpoint(self.run_dir)
+        if ckpt is not None:
+            step, position, _ = self._data_state_of(ckpt)
+        else:
+            step, position = 0, 0
+        log.warning("%s\nRestoring %s and redoing the steps after it.", error,
+                    f"checkpoint {ckpt} (step {step})" if ckpt else "the initial weights (no checkpoint yet)")
+        t0 = time.monotonic()
+        restarts, redone = self.pipeline.restarts, self.pipeline.redone_steps
+        recovery = self.pipeline.recovery_seconds
+        self.pipeline.abort()  # the store is dead and its state garbage: kill the rest, drop the state
+        self.pipeline = StreamingPipeline(self.cfg, str(self.run_dir), str(ckpt) if ckpt else None, position,
+                                          init_from=None if ckpt else self.init_from, restarts=restarts)
+        self.pipeline.redone_steps = redone
+        self.pipeline.recovery_seconds = recovery + time.monotonic() - t0
+        self.rollbacks += 1
+        self._bad_streak = 0
+        self._last_time = time.perf_counter()
+        return step
 
     def _checkpoint_due(self, step: int) -> bool:
         every = self.cfg.training.checkpoint_every
@@ -118,8 +167,9 @@ class Trainer:
     def train_step(self, step: int) -> dict:
         due = self._checkpoint_due(step)
         sample_due = self._sample_due(step)
-        # Before a checkpoint or a sample nothing is queued ahead: the state must be step k's.
-        report = self.pipeline.run_step(step, queue_next=not (due or sample_due)
+        # Before a checkpoint, a sample or a requested stop nothing is queued ahead: the state
+        # must be step k's.
+        report = self.pipeline.run_step(step, queue_next=not (due or sample_due or self.stop_reason)
                                         and step + 1 < self.cfg.training.steps)
         now = time.perf_counter()
         wall, self._last_time = now - self._last_time, now
@@ -129,13 +179,19 @@ class Trainer:
             "update_skipped": u.skipped, "tokens": c.tokens, "tokens_per_s": c.tokens / wall, "step_seconds": wall,
             "compute_seconds": c.seconds, "forward_seconds": c.forward_seconds,
             "backward_seconds": c.backward_seconds, "weight_wait_seconds": c.weight_wait_seconds,
-            "optimizer_seconds": u.optimizer_seconds, "data_wait_seconds": c.data_wait_seconds,
+            # data wait: the compute actor's own, plus time lost to a decoder that hung or died
+            "optimizer_seconds": u.optimizer_seconds,
+            "data_wait_seconds": c.data_wait_seconds + report.data_lost_seconds,
             "h2d_bytes": c.h2d_bytes, "h2d_gbps": c.h2d_bytes / c.h2d_seconds / 1e9 if c.h2d_seconds else 0.0,
             "d2h_bytes": c.d2h_bytes, "d2h_gbps": c.d2h_bytes / c.d2h_seconds / 1e9 if c.d2h_seconds else 0.0,
             "device_memory_peak_bytes": c.device_memory_peak_bytes,
-            "data_position": c.data_position,
-            "skipped_files": self._skipped_before + c.skipped_files, "device": c.device, "time": time.time(),
+            "data_position": c.data_position, "data_rows": list(report.batch.rows) if report.batch else None,
+            "skipped_files": report.skipped_files, "decoders_replaced": self.pipeline.decoder_pool.replacements,
+            "device": c.device, "time": time.time(),
         }
+        self._count_bad_step(row)
+        row["bad_steps"] = self.bad_steps
+        row["restarts"] = self.pipeline.restarts
         self._metrics.write(json.dumps(row) + "\n")
         self._metrics.flush()
         if (step + 1) % self.cfg.training.log_every == 0 or step == self.start_step:
@@ -145,22 +201,75 @@ class Trainer:
         self.ray_metrics.record(row)
         if sample_due:
             row["sample"] = str(self.sample(step + 1))
+        # What a checkpoint after this step must record of the data (where the next batch starts).
+        self._data_extra = {**self.pipeline.data_cursor(step + 1).to_state(), "data_position": c.data_position,
+                            "seed": self.cfg.training.seed, "skipped_files": row["skipped_files"]}
         if due:
             self.last_checkpoint = self.pipeline.save_checkpoint(
-                str(self.run_dir), step + 1, {"data_position": c.data_position, "seed": self.cfg.training.seed,
-                                              "skipped_files": row["skipped_files"]})
+                str(self.run_dir), step + 1, self._checkpoint_extra(step + 1))
         if due or sample_due:  # the next step's time should not include saving or sampling
             self._last_time = time.perf_counter()
         return row
+
+    def _count_bad_step(self, row: dict) -> None:
+        """NaN/Inf in the loss or gradients: the store skipped the update on every shard. Count
+        it; ``optim.max_bad_steps`` in a row stop the run."""
+        if not row["update_skipped"]:
+            self._bad_streak = 0
+            return
+        self.bad_steps += 1
+        self._bad_streak += 1
+        limit = self.cfg.optim.max_bad_steps
+        log.warning("step %d: loss %s, gradient norm %s: not finite; the update was skipped on every shard "
+                    "(%d bad step(s) in a row; the run stops at optim.max_bad_steps=%d)", row["step"], row["loss"],
+                    row["grad_norm"], self._bad_streak, limit)
+        if limit and self._bad_streak >= limit:
+            raise BadStepsError(
+                f"{self._bad_streak} steps in a row (up to step {row['step']}) had NaN/Inf loss or gradients "
+                f"(optim.max_bad_steps={limit}); stopping. The weights are those before the first bad step (no "
+                f"update was applied); the latest checkpoint is {self.last_checkpoint or 'none'}. Lower optim.lr, "
+                f"raise optim.warmup_steps or check the data, then --resume")
+
+    def _finish_queued(self, step: int, rows: list, bar) -> int:
+        """A stop was requested: run ``step`` if it is already queued on the compute actor (its
+        gradients may be partly reported), so the state is a whole step; return the next step."""
+        if step < self.cfg.training.steps and self.pipeline.is_queued(step):
+            rows.append(self.train_step(step))
+            bar.update(1)
+            step += 1
+        return step
+
+    def _checkpoint_extra(self, step: int) -> dict:
+        """state.json fields of a checkpoint after ``step`` completed steps (the data state of the
+        last step run; ``train_step`` keeps it)."""
+        return dict(self._data_extra)
+
+    def _checkpoint_on_stop(self, step: int) -> None:
+        if step > self.start_step and not self.last_checkpoint.endswith(f"step_{step}"):
+            self.last_checkpoint = self.pipeline.save_checkpoint(
+                str(self.run_dir), step, self._checkpoint_extra(step))
 
     def train(self) -> TrainSummary:
         steps = self.cfg.training.steps
         rows = []
         bar = tqdm(total=steps, initial=self.start_step, disable=not self.progress, unit="step", dynamic_ncols=True)
         self._last_time = time.perf_counter()
+        step = self.start_step
         try:
-            for step in range(self.start_step, steps):
-                row = self.train_step(step)
+            while step < steps:
+                if self.stop_reason:
+                    step = self._finish_queued(step, rows, bar)
+                    self._checkpoint_on_stop(step)
+                    break
+                try:
+                    row = self.train_step(step)
+                except StoreLostError as e:
+                    step = self._restore_latest(e)
+                    bar.reset(total=steps)
+                    bar.update(step)
+                    continue
+                fault_point("driver.after_step", step)
+                step += 1
                 rows.append(row)
                 bar.update(1)
                 bar.set_postfix(loss=f"{row['loss']:.4f}", tok_s=f"{row['tokens_per_s']:.0f}",
@@ -175,18 +284,26 @@ class Trainer:
                         log.info(msg)
         finally:
             bar.close()
+        extra = {"stopped_by": self.stop_reason if step < steps else "", "bad_steps": self.bad_steps,
+                 "restarts": self.pipeline.restarts, "rollbacks": self.rollbacks}
         if not rows:
             return TrainSummary(str(self.run_dir), self.start_step, self.start_step, float("nan"), float("nan"),
-                                0.0, 0.0, self.last_checkpoint)
+                                0.0, 0.0, self.last_checkpoint, **extra)
         timed = rows[1:] or rows  # the first step includes warm-up
         mean_s = sum(r["step_seconds"] for r in timed) / len(timed)
         return TrainSummary(
             run_dir=str(self.run_dir), first_step=self.start_step, last_step=rows[-1]["step"],
             first_loss=rows[0]["loss"], last_loss=rows[-1]["loss"], mean_step_seconds=mean_s,
             tokens_per_second=sum(r["tokens"] for r in timed) / sum(r["step_seconds"] for r in timed),
-            checkpoint=self.last_checkpoint,
+            checkpoint=self.last_checkpoint, **extra,
         )
 
     def close(self) -> None:
         self.pipeline.close()
+        self._metrics.close()
+
+    def abort(self) -> None:
+        """Quit at once (a second Ctrl-C): kill the actors without waiting for them, drop the
+        shared-memory state. Checkpoints are written atomically, so the latest complete one stays."""
+        self.pipeline.abort()
         self._metrics.close()

@@ -8,36 +8,55 @@ update is collected, so the store's AdamW (shard order 0..L+1) overlaps step k+1
 which waits shard by shard for ``version == k+1``. Before a checkpoint the driver does not
 queue ahead, so the saved state is exactly the state after step k.
 
-Failures: the store is restartable (``STORE_MAX_RESTARTS``); a restarted store re-attaches to
-its shared-memory state (see ``actors/param_store.py``). Gradients reported for an unfinished
-step lived only in the dead process, so when a step fails because an actor died, the driver
-waits for the store to come back, replaces the compute actor (it holds no state between
-steps; a new one cannot be left blocked on a version that will never come), and redoes the
-step on the same batch. Steps whose update the store already holds are not redone.
+Failures: the store is restartable (``runtime.max_restarts``); a restarted store re-attaches
+to its shared-memory state (see ``actors/param_store.py``). Gradients reported for an
+unfinished step lived only in the dead process, so when a step fails because an actor died,
+the driver waits for the store to come back, replaces the compute actor (it holds no state
+between steps; a new one cannot be left blocked on a version that will never come), and
+redoes the step on the same batch. Steps whose update the store already holds are not
+redone. A store that cannot come back on its state (an update was cut inside a shard, or Ray
+gave up restarting it) raises ``StoreLostError``: the Trainer then restores the latest
+checkpoint and redoes the steps after it. Every recovery counts against
+``runtime.max_restarts``; one more stops the run with ``RestartLimitError``.
 """
 
 from __future__ import annotations
 
 import logging
+import os
 import time
 from dataclasses import dataclass
 
 import ray
-from ray.exceptions import ActorUnavailableError, RayActorError
+from ray.exceptions import ActorUnavailableError, RayActorError, RayTaskError
 
 from actors.compute import ComputeActor, StepResult
-from actors.decoder import VideoDecoder
+from actors.decoder import BatchInfo
 from actors.param_store import GradientsLostError, ParameterStore, UpdateResult
+from megaslide_ray import faults
+from pipelines.decoder_pool import DataCursor, DecoderPool
 
 log = logging.getLogger(__name__)
 
 NAMESPACE = "megaslide"
-STORE_MAX_RESTARTS = 3
-"""Times Ray restarts a crashed parameter store (it re-attaches to its segments)."""
-STEP_ATTEMPTS = 3
-"""Times the driver runs one step when actors die under it (the first run included)."""
 STORE_RESTART_TIMEOUT_S = 300.0
 """How long the driver waits for a restarted store to answer."""
+
+
+class StoreLostError(RuntimeError):
+    """The parameter store died and could not come back on its shared state: the run must
+    restore its latest checkpoint (the Trainer does)."""
+
+
+class RestartLimitError(RuntimeError):
+    """More actor failures than ``runtime.max_restarts``: the run stops."""
+
+
+def actor_options() -> dict:
+    """Options every actor of a run gets: the fault-injection settings of the driver's
+    environment (``megaslide_ray/faults.py``), so a fault can target any actor."""
+    env = {k: os.environ[k] for k in (faults.ENV_SPEC, faults.ENV_DIR) if os.environ.get(k)}
+    return {"runtime_env": {"env_vars": env}} if env else {}
 
 
 def is_actor_failure(error: BaseException) -> bool:
@@ -77,14 +96,23 @@ class RayStoreClient:
 class StepReport:
     compute: StepResult
     update: UpdateResult
+    batch: BatchInfo | None = None
+    """The step's batch as its decoder described it (rows, position)."""
+    skipped_files: int = 0
+    """Files skipped in all batches consumed so far, every decoder (resumes included)."""
+    data_lost_seconds: float = 0.0
+    """Time the step lost to a decoder that hung or died (its batch was redrawn); add it to the
+    compute actor's own data wait."""
 
 
 class StreamingPipeline:
     """Owns the actors of one run. ``run_step(k)`` returns step k's compute and update results."""
 
-    def __init__(self, cfg, run_dir: str, resume_checkpoint: str | None = None, start_position: int = 0,
-                 init_from: str | None = None):
+    def __init__(self, cfg, run_dir: str, resume_checkpoint: str | None = None,
+                 start_position: int | DataCursor = 0, init_from: str | None = None, restarts: int = 0):
         self.cfg = cfg
+        self.run_dir = run_dir
+        self.restarts = restarts  # actor failures recovered from so far in this run (carried over a rollback)
         use_gpu = cfg.runtime.device != "cpu" and ray.cluster_resources().get("GPU", 0) >= 1
         if cfg.runtime.device == "cuda" and not use_gpu:
             raise RuntimeError("runtime.device='cuda' but the Ray cluster has no GPU; use 'auto' or 'cpu'")
@@ -93,25 +121,29 @@ class StreamingPipeline:
         # The store serves many blocking calls (wait_version) at once: a threaded actor. On a
         # restart Ray re-runs __init__ with these arguments; it then re-attaches to its segments.
         store_cls = ray.remote(ParameterStore).options(
-            name=f"{NAMESPACE}/param-store", num_cpus=0, max_concurrency=64, max_restarts=STORE_MAX_RESTARTS)
+            name=f"{NAMESPACE}/param-store", num_cpus=0, max_concurrency=64,
+            max_restarts=cfg.runtime.max_restarts, **actor_options())
         self.store = store_cls.remote(cfg, run_dir, w_dtype, resume_checkpoint, False, init_from)
         self.infos = ray.get(self.store.shard_infos.remote())
-        self.store_node = ray.get(self.store.status.remote()).node_id
+        status = ray.get(self.store.status.remote())
+        self.store_node, self.state_dir = status.node_id, status.state_dir
         self._compute_generation = 0
         self.compute = self._make_compute()
         transport = ray.get(self.compute.transport_name.remote())
         self.transport = transport
 
-        self.decoders = [
-            ray.remote(VideoDecoder).options(name=f"{NAMESPACE}/decoder-{i}", num_cpus=0).remote(
-                cfg.data, cfg.training.seed, cfg.model.caption_max_bytes, start_position, i, cfg.data.num_decoders)
-            for i in range(cfg.data.num_decoders)
-        ]
+        # ``start_position``: where the data continues (a checkpoint's DataCursor; an int is one
+        # decoder's position). The pool's watchdog replaces decoders that hang or die.
+        cursor = (start_position if isinstance(start_position, DataCursor)
+                  else DataCursor.start(cfg.data.num_decoders, int(start_position)))
+        self.decoder_pool = DecoderPool(cfg, f"{run_dir}/decoders", cursor, NAMESPACE, actor_options())
+        self._data_lost: dict[int, float] = {}      # step -> seconds lost to a replaced decoder
         self._queued: dict[int, object] = {}        # step -> ref of the compute actor's StepResult
         self._computed: dict[int, StepResult] = {}  # step -> result whose update is not confirmed yet
         self._batches: dict[int, object] = {}       # step -> batch ref, kept until the step is done
         self._first_batch = None
         self.redone_steps = 0
+        self.recovery_seconds = 0.0  # driver time spent recovering from actor failures
         log.info("pipeline up: %d shards, weights %s, transport %s, %s", len(self.infos), w_dtype, transport,
                  "GPU" if use_gpu else "CPU")
 
@@ -120,7 +152,7 @@ class StreamingPipeline:
         gen = self._compute_generation
         name = f"{NAMESPACE}/compute" + (f"-{gen}" if gen else "")
         return ray.remote(ComputeActor).options(
-            name=name, num_cpus=0 if self.use_gpu else 1, num_gpus=1 if self.use_gpu else 0,
+            name=name, num_cpus=0 if self.use_gpu else 1, num_gpus=1 if self.use_gpu else 0, **actor_options(),
         ).remote(self.cfg, self.infos, RayStoreClient(self.store, gen), self.cfg.runtime.transport, self.store_node)
 
     def _batch(self, step: int):
@@ -128,7 +160,7 @@ class StreamingPipeline:
             if self.cfg.training.overfit_one_batch and self._first_batch is not None:
                 self._batches[step] = self._first_batch
             else:
-                self._batches[step] = self.decoders[step % len(self.decoders)].next_batch.remote()
+                self._batches[step] = self.decoder_pool.batch_ref(step)
                 if self._first_batch is None:
                     self._first_batch = self._batches[step]
         return self._batches[step]
@@ -139,30 +171,80 @@ class StreamingPipeline:
         # In a list, the ref reaches the actor unresolved, so it can measure its wait for data.
         self._queued[step] = self.compute.train_step.remote([self._batch(step)], step)
 
+    def count_restart(self, what: str, error: BaseException | None = None) -> None:
+        """One more actor failure recovered from; past ``runtime.max_restarts``, stop the run."""
+        self.restarts += 1
+        limit = self.cfg.runtime.max_restarts
+        if self.restarts > limit:
+            raise RestartLimitError(
+                f"{what}: that is {self.restarts} actor failures in this run, more than runtime.max_restarts={limit}; "
+                f"stopping. Look for the cause in the log above (and `ray logs`), then continue from the latest "
+                f"checkpoint: python -m megaslide_ray.train --run-dir {self.run_dir} --resume "
+                f"(raise --runtime.max_restarts to tolerate more)") from error
+
     def run_step(self, step: int, queue_next: bool) -> StepReport:
         """Run step ``step``; with ``queue_next`` also queue step + 1 behind it. A step that an
-        actor's death cut short is redone (up to ``STEP_ATTEMPTS`` runs in all)."""
-        for attempt in range(1, STEP_ATTEMPTS + 1):
+        actor's death cut short is redone, within the run's ``runtime.max_restarts``."""
+        while True:
             try:
                 return self._run_step_once(step, queue_next)
             except Exception as e:
-                if not is_actor_failure(e) or attempt == STEP_ATTEMPTS:
+                if not is_actor_failure(e):
                     raise
-                log.warning("step %d: an actor died (%s); recovering and redoing the step (attempt %d of %d)",
-                            step + 1, type(e).__name__, attempt + 1, STEP_ATTEMPTS)
+                self.count_restart(f"step {step + 1}: an actor died ({type(e).__name__})", e)
+                t0 = time.monotonic()
+                log.warning("step %d: an actor died (%s); recovering and redoing the step (failure %d of at most %d)",
+                            step + 1, type(e).__name__, self.restarts, self.cfg.runtime.max_restarts)
                 self._recover(step)
                 self.redone_steps += 1
-        raise AssertionError("unreachable")
+                self.recovery_seconds += time.monotonic() - t0
+
+    def is_queued(self, step: int) -> bool:
+        """Whether ``step`` was already handed to the compute actor (queued ahead)."""
+        return step in self._queued or step in self._computed
 
     def _run_step_once(self, step: int, queue_next: bool) -> StepReport:
         self._submit(step)
+        # Step k+1 is queued only once step k's batch exists: if k's decoder hangs or dies, k is
+        # then the last step on the compute actor and can be handed to it again (_await_batch).
+        self._await_batch(step)
         if queue_next:
             self._submit(step + 1)
         if step not in self._computed:
             self._computed[step] = ray.get(self._queued.pop(step))
         update = ray.get(self.store.wait_step.remote(step))
         self._batches.pop(step, None)
-        return StepReport(self._computed.pop(step), update)
+        info = self.decoder_pool.commit(step)
+        return StepReport(self._computed.pop(step), update, info, self.decoder_pool.skipped_files,
+                          self._data_lost.pop(step, 0.0))
+
+    def _await_batch(self, step: int) -> None:
+        """Wait until ``step``'s batch exists (the decoder watchdog: ``pipelines/decoder_pool.py``).
+        A decoder that hung or died was replaced and the batch redrawn; the compute actor's run of
+        the step waited on the lost batch, which is its first input, so it failed before touching
+        any weight or gradient: hand it the step again with the new batch."""
+        if step in self._computed:
+            return
+        ready = self.decoder_pool.wait_ready(step)
+        if ready is None or not ready.redrawn:
+            return
+        self.count_restart(f"step {step + 1}: the decoder of its batch hung or died and was replaced")
+        self._data_lost[step] = self._data_lost.get(step, 0.0) + ready.lost_seconds
+        self.recovery_seconds += ready.lost_seconds
+        old = self._batches.get(step)
+        self._batches[step] = self.decoder_pool.batch_ref(step)
+        if self._first_batch is old:
+            self._first_batch = self._batches[step]
+        ref = self._queued.pop(step, None)
+        if ref is not None:
+            try:
+                self._computed[step] = ray.get(ref)  # it had its batch after all
+            except RayTaskError as e:  # raised in train_step: the lost batch; nothing was computed
+                log.debug("step %d: the compute actor's run on the lost batch failed as expected: %r",
+                          step + 1, e)
+            # (a RayActorError that is not a RayTaskError: the compute actor itself died, and
+            # run_step's usual recovery takes over)
+        self._submit(step)
 
     def _wait_for_store(self):
         """The store's status once it answers again (Ray restarts it after a crash)."""
@@ -175,8 +257,9 @@ class StreamingPipeline:
                     raise
                 time.sleep(0.5)
             except RayActorError as e:
-                raise RuntimeError(f"the parameter store died and cannot be restarted ({e}). Resume from the "
-                                   f"latest checkpoint: python -m megaslide_ray.train --run-dir RUN --resume") from e
+                raise StoreLostError(f"the parameter store died and cannot be restarted on its state ({e}). "
+                                     f"Resume from the latest checkpoint: python -m megaslide_ray.train "
+                                     f"--run-dir {self.run_dir} --resume") from e
 
     def _recover(self, step: int) -> None:
         """After an actor died during ``step``: wait for the store, replace the compute actor,
@@ -205,19 +288,41 @@ class StreamingPipeline:
                     sorted(set(versions)), applied + 1)
 
     def save_checkpoint(self, run_dir: str, step: int, extra: dict) -> str:
-        for attempt in range(1, STEP_ATTEMPTS + 1):
+        while True:
             try:
                 return ray.get(self.store.save_checkpoint.remote(run_dir, step, extra))
-            except RayActorError:
-                if attempt == STEP_ATTEMPTS:
-                    raise
+            except RayActorError as e:
+                self.count_restart(f"the parameter store died while saving the step-{step} checkpoint", e)
                 # A cut save leaves only a temporary directory; the state itself is intact.
                 log.warning("the parameter store died while saving the step-%d checkpoint; saving again", step)
+                t0 = time.monotonic()
                 self._wait_for_store()
-        raise AssertionError("unreachable")
+                self.recovery_seconds += time.monotonic() - t0
 
     def decoder_stats(self):
-        return ray.get([d.stats.remote() for d in self.decoders])
+        """Counters of the decoders that answer promptly (a stuck one may not)."""
+        return self.decoder_pool.stats()
+
+    @property
+    def decoders(self) -> list:
+        """The decoder actors now in the pool."""
+        return self.decoder_pool.actors
+
+    def data_cursor(self, step: int) -> DataCursor:
+        """Where the data continues after ``step`` completed steps (for a checkpoint)."""
+        return self.decoder_pool.cursor(step)
+
+    def abort(self) -> None:
+        """Kill every actor now and remove the store's shared-memory state (same node only)."""
+        import shutil
+
+        for h in [self.compute, *self.decoders, self.store]:
+            try:
+                ray.kill(h, no_restart=True)
+            except Exception as e:  # noqa: BLE001 - already dead
+                log.debug("kill failed: %r", e)
+        if self.store_node == ray.get_runtime_context().get_node_id():
+            shutil.rmtree(self.state_dir, ignore_errors=True)
 
     def close(self) -> None:
         for ref in self._queued.values():

@@ -1,0 +1,136 @@
+"""Fault injection across the actors: each run with one injected failure recovers and ends with
+parameters bit-identical to the uninterrupted run. Plus NaN steps, a full disk during a
+checkpoint, the restart limit, and the fault-spec parser."""
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from actors.param_store import CheckpointWriteError, latest_checkpoint, read_checkpoint_shards
+from megaslide_ray import faults
+from megaslide_ray.trainer import BadStepsError, Trainer
+from pipelines.streaming import RestartLimitError
+
+# Recovery does not depend on the attention kind: the cheapest one keeps the matrix fast.
+STEPS = {"training.steps": 4, "training.checkpoint_every": 2, "optim.grad_clip": 0.05, "attention.kind": "dense"}
+
+
+def run(cfg, run_dir: Path, spec: str = "", monkeypatch=None):
+    """Train ``cfg`` into ``run_dir`` with the faults ``spec``; (summary, final master weights)."""
+    if spec:
+        monkeypatch.setenv(faults.ENV_SPEC, spec)
+        monkeypatch.setenv(faults.ENV_DIR, str(run_dir.parent / f"{run_dir.name}-faults"))
+    trainer = Trainer(cfg, run_dir=str(run_dir), progress=False)
+    try:
+        summary = trainer.train()
+    finally:
+        trainer.close()
+        if monkeypatch is not None:
+            monkeypatch.delenv(faults.ENV_SPEC, raising=False)
+    return summary, read_checkpoint_shards(Path(summary.checkpoint))
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(ray_session, small_config, tmp_path_factory):
+    return run(small_config(**STEPS), tmp_path_factory.mktemp("straight") / "run")[1]
+
+
+# Several faults per run keep CI short; each one is a separate actor death the run recovers
+# from (benchmarks/faults.py injects them one per run and times the recovery).
+MATRIX = [
+    # compute actor: killed at every point of a step (steps 1-4; step 2 is queued ahead of step 1's update)
+    ("compute.after_weights@1,compute.mid_forward@2,compute.mid_backward@3,compute.before_weights@4", 0),
+    # parameter store: killed between two shards' updates, and while writing the step-2 checkpoint
+    ("store.mid_update@1,store.mid_checkpoint@2", 0),
+    # parameter store killed inside a shard's update: the state is half-written, the step-2 checkpoint restored
+    ("store.mid_shard_update@3", 1),
+]
+
+
+@pytest.mark.parametrize("spec,rollbacks", MATRIX, ids=["compute", "store", "store-rollback"])
+def test_fault_matrix_recovers_bit_identical(spec, rollbacks, uninterrupted, small_config, tmp_path, monkeypatch):
+    cfg = small_config(**STEPS, **{"runtime.max_restarts": 4})
+    summary, got = run(cfg, tmp_path / "run", spec, monkeypatch)
+    for one in spec.split(","):
+        assert faults.fired(one, directory=tmp_path / "run-faults"), f"{one} never fired: the test proves nothing"
+    assert summary.last_step == 4
+    assert summary.restarts == len(spec.split(","))
+    assert summary.rollbacks == rollbacks
+    for i, (a, b) in enumerate(zip(got, uninterrupted)):
+        assert torch.equal(a, b), f"{spec}: shard {i} differs from the uninterrupted run"
+
+
+def test_restart_limit_stops_with_a_clear_message(ray_session, small_config, tmp_path, monkeypatch):
+    cfg = small_config(**STEPS, **{"runtime.max_restarts": 1})
+    with pytest.raises(RestartLimitError, match=r"runtime.max_restarts=1.*--resume"):
+        run(cfg, tmp_path / "run", "compute.mid_forward@2,compute.mid_backward@3", monkeypatch)
+    # The checkpoint of step 2 (written before the second failure) is complete and loadable.
+    ckpt = latest_checkpoint(tmp_path / "run")
+    assert ckpt is not None and ckpt.name == "step_2"
+    assert len(read_checkpoint_shards(ckpt)) == 4
+
+
+def test_nan_steps_are_skipped_then_too_many_stop(ray_session, small_config, tmp_path, monkeypatch):
+    cfg = small_config(**{"training.steps": 4, "training.checkpoint_every": 1, "optim.max_bad_steps": 3,
+                          "attention.kind": "dense"})
+    # Steps 2 and 3 have a NaN loss: skipped on every shard, the run goes on.
+    monkeypatch.setenv(faults.ENV_DIR, str(tmp_path / "f1"))
+    monkeypatch.setenv(faults.ENV_SPEC, "compute.loss@2-3:nan")
+    trainer = Trainer(cfg, run_dir=str(tmp_path / "a"), progress=False)
+    try:
+        rows = [trainer.train_step(s) for s in range(4)]
+        bad = trainer.bad_steps
+    finally:
+        trainer.close()
+    assert [r["update_skipped"] for r in rows] == [False, True, True, False]
+    assert [r["loss"] != r["loss"] for r in rows] == [False, True, True, False]  # NaN != NaN
+    assert bad == 2 and rows[-1]["bad_steps"] == 2
+    # A skipped update changes no weight and no moment: the state after step 3 is that after step 1.
+    root = tmp_path / "a" / "checkpoints"
+    for kind in ("master", "m", "v"):
+        for a, b in zip(read_checkpoint_shards(root / "step_1", kind), read_checkpoint_shards(root / "step_3", kind)):
+            assert torch.equal(a, b), kind
+    assert not all(torch.equal(a, b) for a, b in zip(read_checkpoint_shards(root / "step_3"),
+                                                      read_checkpoint_shards(root / "step_4")))
+
+    monkeypatch.setenv(faults.ENV_DIR, str(tmp_path / "f2"))
+    monkeypatch.setenv(faults.ENV_SPEC, "compute.loss@2-4:nan")
+    trainer = Trainer(cfg, run_dir=str(tmp_path / "b"), progress=False)
+    try:
+        with pytest.raises(BadStepsError, match=r"3 steps in a row.*optim.max_bad_steps=3"):
+            trainer.train()
+    finally:
+        trainer.close()
+
+
+def test_disk_full_during_checkpoint_keeps_the_previous_one(ray_session, small_config, tmp_path, monkeypatch):
+    cfg = small_config(**STEPS)
+    with pytest.raises(CheckpointWriteError, match=r"(?s)step-4 checkpoint.*No space left.*step_2.*--resume"):
+        run(cfg, tmp_path / "run", "store.mid_checkpoint@4:enospc", monkeypatch)
+    root = tmp_path / "run" / "checkpoints"
+    assert latest_checkpoint(tmp_path / "run") == root / "step_2"
+    assert not [p.name for p in root.iterdir() if p.name.startswith(".step_")], "temporary files left behind"
+    assert len(read_checkpoint_shards(root / "step_2")) == 4
+
+
+def test_parse_faults_refuses_unknown_points_and_actions():
+    with pytest.raises(ValueError, match="compute.nowhere.*use one of"):
+        faults.parse_faults("compute.nowhere@2")
+    with pytest.raises(ValueError, match="'explode'"):
+        faults.parse_faults("compute.loss@2:explode")
+    with pytest.raises(ValueError, match="range"):
+        faults.parse_faults("compute.loss@3-2")
+    spec, = faults.parse_faults("store.mid_update@4-6:hang")
+    assert (spec.first, spec.last, spec.action) == (4, 6, "hang")
+    assert spec.matches("store.mid_update", 4) and not spec.matches("store.mid_update", 6)
+
+
+def test_fault_fires_once(tmp_path, monkeypatch):
+    monkeypatch.setenv(faults.ENV_DIR, str(tmp_path))
+    monkeypatch.setenv(faults.ENV_SPEC, "compute.mid_forward@2:raise")
+    faults.fault_point("compute.mid_forward", 0)  # step 1: not this one
+    with pytest.raises(faults.FaultInjected):
+        faults.fault_point("compute.mid_forward", 1)
+    faults.fault_point("compute.mid_forward", 1)  # already fired: a restarted actor goes on
+    assert faults.fired("compute.mid_forward@2:raise", directory=tmp_path)
