@@ -9,6 +9,8 @@ temporal start) at the source resolution, so the resize is a no-op and the pool'
 decord is its own (prefetch thread, batch assembly, Ray object transfer).
 
 - ``decord``: one process, ``VideoReader`` + ``get_batch`` for the clips the pool draws, in order.
+- ``decoder no-Ray``: one ``VideoDecoder`` in this process (its prefetch thread, batch assembly),
+  no actor: what the decoder's own code costs over decord.
 - ``pool nD``: a ``DecoderPool`` of n actors; the driver asks for the batches in step order as the
   pipeline does and fetches each one (timed from the first request, after two warm-up batches).
   ``per_decoder_ratio`` = pool frames/s / n / decord frames/s (goal >= 0.9: the actor machinery
@@ -90,6 +92,20 @@ def plain_decord(cfg, batches: int) -> float:
     return frames / (time.perf_counter() - t0)
 
 
+def inprocess_fps(cfg, batches: int) -> float:
+    """Frames/s of one ``VideoDecoder`` in this process (no Ray): the decoder's own code against
+    plain decord, so the pool's remaining cost is the actor boundary."""
+    from actors.decoder import VideoDecoder
+
+    with VideoDecoder(cfg.data, cfg.training.seed, cfg.model.caption_max_bytes) as decoder:
+        for _ in range(2):  # warm-up, as for the pool
+            decoder.next_batch()
+        t0 = time.perf_counter()
+        for _ in range(batches):
+            decoder.next_batch()
+        return batches * BATCH * CLIP_FRAMES / (time.perf_counter() - t0)
+
+
 def pool_fps(cfg, batches: int, status_dir: str) -> float:
     """Frames/s the pool delivers to the driver (batches fetched in step order)."""
     from pipelines.decoder_pool import DecoderPool
@@ -147,6 +163,9 @@ def main(argv: list[str] | None = None) -> int:
                 base = statistics.median(plain_decord(cfg1, args.batches) for _ in range(args.repeats))
                 results.append({"row": f"decord {width}x{height}", "resolution": f"{width}x{height}",
                                 "decoders": 0, "frames_per_s": base, "per_decoder_ratio": 1.0})
+                local = statistics.median(inprocess_fps(cfg1, args.batches) for _ in range(args.repeats))
+                results.append({"row": f"decoder no-Ray {width}x{height}", "resolution": f"{width}x{height}",
+                                "decoders": 1, "frames_per_s": local, "per_decoder_ratio": local / base})
                 for n in (1, 2):
                     cfg = _config(manifest, width, height, n)
                     fps = statistics.median(pool_fps(cfg, args.batches, str(tmp_path / f"status-{r}"))
