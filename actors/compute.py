@@ -110,6 +110,19 @@ class ComputeActor:
         self._d2h = [0, 0.0]  # bytes, seconds of this step's gradient returns
         self._prefetcher = ThreadPoolExecutor(max_workers=1, thread_name_prefix="shard-prefetch")
         self._returner = ThreadPoolExecutor(max_workers=1, thread_name_prefix="grad-return")
+        # CUDA: real streams. Weights go host->device on their own stream, gradients device->host
+        # on another, the model runs on the default stream; events order them. The store's mapped
+        # segments are registered as pinned memory (in chunks), so both copies are asynchronous DMA
+        # straight from/to shared memory, with no extra host copy of the model.
+        self._cuda = self.device.type == "cuda"
+        self._pinning = HostPinning()
+        self._h2d_timing: list[tuple] = []  # (start, end) events of this step's weight copies
+        if self._cuda:
+            self._h2d_stream = torch.cuda.Stream(self.device)
+            self._d2h_stream = torch.cuda.Stream(self.device)
+            for seg in self.w_maps + self.g_maps:
+                if not self._pinning.register(seg):
+                    break  # copies from unpinned pages still work, only synchronously
 
     # -- weights ------------------------------------------------------------------------------
     def _fetch(self, shard: int, step: int) -> tuple[torch.Tensor, float]:
@@ -127,14 +140,40 @@ class ComputeActor:
             w = self._staging.acquire(src.numel(), src.dtype)
             throttled_copy(w, src, self.link_gbps)
             moved = src.numel() * src.element_size()
-        else:  # CPU: compute straight from the mapped pages (no copy). CUDA: one H2D copy.
-            w = src.to(self.device)
-            if self.device.type != "cpu":
-                moved = src.numel() * src.element_size()
+        elif self._cuda:  # enqueue the H2D copy on its stream; the compute waits on its event
+            w = self._copy_to_device(src)
+            self._h2d[0] += src.numel() * src.element_size()
+            return w, time.perf_counter() - t0
+        else:  # CPU: compute straight from the mapped pages (no copy)
+            w = src
         if moved:  # only the prefetch thread writes these (one fetch at a time)
             self._h2d[0] += moved
             self._h2d[1] += time.perf_counter() - t_copy
         return w, time.perf_counter() - t0
+
+    def _copy_to_device(self, src: torch.Tensor) -> torch.Tensor:
+        """Asynchronous host->device copy of ``src`` on the H2D stream (DMA when ``src`` is pinned).
+        The result carries the event that marks the copy done (see ``_ready``)."""
+        start, done = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        with torch.cuda.stream(self._h2d_stream):
+            start.record()
+            w = torch.empty(src.numel(), dtype=src.dtype, device=self.device)
+            w.copy_(src, non_blocking=True)
+            done.record()
+        w._megaslide_ready = done  # read and dropped by _ready on the compute thread
+        self._h2d_timing.append((start, done))
+        return w
+
+    def _ready(self, w: torch.Tensor) -> torch.Tensor:
+        """Make the compute stream wait for ``w``'s copy, and keep the caching allocator from
+        reusing its memory (allocated on the H2D stream) before the compute is done with it."""
+        done = getattr(w, "_megaslide_ready", None)
+        if done is not None:
+            current = torch.cuda.current_stream(self.device)
+            current.wait_event(done)
+            w.record_stream(current)
+            del w._megaslide_ready
+        return w
 
     def _release(self, w: torch.Tensor) -> None:
         if self._stage:
@@ -152,9 +191,25 @@ class ComputeActor:
         if poison:
             sqnorm = float("nan")
 
+        copied = None
+        if self._cuda and self.transport == "shm":
+            # D2H on its own stream, after the backward that produced g, into the pinned segment.
+            produced = torch.cuda.Event()
+            produced.record(torch.cuda.current_stream(self.device))
+            with torch.cuda.stream(self._d2h_stream):
+                self._d2h_stream.wait_event(produced)
+                self.g_maps[shard].copy_(g, non_blocking=True)
+                copied = torch.cuda.Event()
+                copied.record()
+            g.record_stream(self._d2h_stream)
+
         def send() -> None:
             t0 = time.perf_counter()
-            if self.transport == "shm":
+            if copied is not None:
+                copied.synchronize()  # the gradient is in the store's segment
+                self._d2h[1] += time.perf_counter() - t0
+                self.store.report_grad(shard, step, sqnorm, None)
+            elif self.transport == "shm":
                 throttled_copy(self.g_maps[shard], g, self.link_gbps)
                 self._d2h[1] += time.perf_counter() - t0
                 self.store.report_grad(shard, step, sqnorm, None)
@@ -181,6 +236,7 @@ class ComputeActor:
             batch = ray.get(batch[0])
         data_wait = time.perf_counter() - t_start
         self._h2d, self._d2h = [0, 0.0], [0, 0.0]  # no transfer is in flight between steps
+        self._h2d_timing = []
         L = self.cfg.model.depth
         head = L + 1
         order = list(range(self.n)) + list(range(L, -1, -1))  # forward 0..L+1, backward L..0
@@ -256,6 +312,10 @@ class ComputeActor:
             if r is not None:
                 r.result()
         self.store.flush()
+        if self._h2d_timing:  # CUDA: the copies' own duration on the H2D stream
+            self._h2d_timing[-1][1].synchronize()
+            self._h2d[1] = sum(a.elapsed_time(b) for a, b in self._h2d_timing) / 1e3
+            self._h2d_timing = []
         t_end = time.perf_counter()
         B = x_t.shape[0]
         return StepResult(
@@ -281,6 +341,7 @@ class ComputeActor:
             return (a if isinstance(a, torch.Tensor) else torch.from_numpy(np.array(a))).to(self.device)
 
         x_t, t, cap, cap_len = (as_tensor(a) for a in (x_t, t, caption, caption_len))
+        self._h2d_timing = []  # not reported for predictions
         feed = _ShardFeed(self, list(range(self.n)), step)
         x = c = None
         for shard in range(self.n):
@@ -304,6 +365,9 @@ class ComputeActor:
     def close(self) -> None:
         self._prefetcher.shutdown(wait=True)
         self._returner.shutdown(wait=True)
+        if self._cuda:
+            torch.cuda.synchronize(self.device)
+        self._pinning.release()
         self.w_maps, self.g_maps = [], []
 
 
@@ -347,7 +411,7 @@ class _ShardFeed:
         else:  # the first shard, or no overlap: fetch now, in sequence
             w, _ = a._fetch(self.order[pos], self.step)
         self.wait += time.perf_counter() - t0
-        return w
+        return a._ready(w)
 
 
 def peak_memory(device: torch.device) -> int:
@@ -378,6 +442,56 @@ class _StagingPool:
     def release(self, buf: torch.Tensor) -> None:
         with self._lock:
             self._free.setdefault((buf.numel(), buf.dtype), []).append(buf)
+
+
+PIN_CHUNK_BYTES = 256 << 20
+"""Pinned registration works in pieces of at most this size (never one huge registration)."""
+
+
+def pin_ranges(ptr: int, nbytes: int, chunk: int = PIN_CHUNK_BYTES, page: int = 4096) -> list[tuple[int, int]]:
+    """Page-aligned ``(start, length)`` pieces of at most ``chunk`` bytes that cover
+    ``[ptr, ptr + nbytes)``. A mapped file's pages are whole, so rounding out stays inside it."""
+    if nbytes <= 0:
+        return []
+    if chunk < page or chunk % page:
+        raise ValueError(f"chunk={chunk} must be a positive multiple of the page size {page}")
+    start = ptr - ptr % page
+    end = ptr + nbytes
+    end += -end % page
+    return [(s, min(chunk, end - s)) for s in range(start, end, chunk)]
+
+
+class HostPinning:
+    """Host memory registered as pinned (``cudaHostRegister``) in ``pin_ranges`` pieces, so
+    copies from and to it are asynchronous DMA; ``release`` unregisters every piece."""
+
+    def __init__(self):
+        self.ranges: list[tuple[int, int]] = []
+
+    def register(self, t: torch.Tensor) -> bool:
+        """Register ``t``'s memory; False (with a warning, nothing left registered from ``t``)
+        when the driver refuses, e.g. over the locked-memory limit."""
+        cudart = torch.cuda.cudart()
+        done = []
+        for start, n in pin_ranges(t.data_ptr(), t.numel() * t.element_size()):
+            err = int(cudart.cudaHostRegister(start, n, 0))
+            if err != 0:
+                for s, _ in done:
+                    cudart.cudaHostUnregister(s)
+                log.warning("could not register %d bytes of the store's segments as pinned memory (cudaError %d); "
+                            "weight copies will be synchronous. Check `ulimit -l`.", t.numel() * t.element_size(), err)
+                return False
+            done.append((start, n))
+        self.ranges.extend(done)
+        return True
+
+    def release(self) -> None:
+        if not self.ranges:
+            return
+        cudart = torch.cuda.cudart()
+        for start, _ in self.ranges:
+            cudart.cudaHostUnregister(start)
+        self.ranges = []
 
 
 THROTTLE_CHUNK_BYTES = 4 << 20

@@ -1,5 +1,5 @@
-"""One prepared GPU check for 3D-DSA: the Triton kernels' correctness on CUDA, then the
-attention benchmark rows on the GPU, in well under 5 minutes.
+"""One prepared GPU check: the Triton DSA kernels' correctness on CUDA, the CUDA weight
+streaming, then the attention benchmark rows on the GPU, in well under 5 minutes.
 
     python -m benchmarks.gpu_check --out DIR [--budget-s 240] [--max-tokens 262144]
 
@@ -15,12 +15,17 @@ finished):
    of two, several query block sizes, offsets that clamp far outside the volume and
    positions exactly on integers and on clamp bounds; plus both identities of DESIGN.md
    (zero offsets: neighborhood attention; zero offsets and window == grid: dense).
-2. ``benchmark``: ``benchmarks.attention.measure`` in this process (CUDA peak memory is
+2. ``streaming``: the compute actor on CUDA with the parameter store in this process
+   (width 512, depth 8, bf16 weights): weights copied from the store's shared memory,
+   registered as pinned, on the H2D stream; gradients back on the D2H stream. Overlap on
+   and off must give identical parameters; reports H2D GB/s, step time on/off, device
+   memory peak and how much memory was pinned.
+3. ``benchmark``: ``benchmarks.attention.measure`` in this process (CUDA peak memory is
    reset per measurement, so no fresh process is needed) for ``dense`` (SDPA restricted
    to the flash backend), ``swin``, ``neighborhood`` and ``dsa`` (Triton), bf16, B=1,
    nh=2, d=32, from 1,024 to 262,144 tokens: time, TFLOP/s, peak memory, the growth
    ratios per 4x tokens and the dsa/dense crossover.
-3. ``speedup``: Triton ``dsa`` against the pure-PyTorch reference on the GPU at 65,536
+4. ``speedup``: Triton ``dsa`` against the pure-PyTorch reference on the GPU at 65,536
    tokens (16x64x64), forward + backward (goal: at least 3x).
 
 Writes ``DIR/gpu_check.json`` (every number) and ``DIR/gpu_check.md`` (the summary).
@@ -36,6 +41,7 @@ import importlib.util
 import json
 import math
 import platform
+import statistics
 import sys
 import time
 import traceback
@@ -319,12 +325,73 @@ def markdown(report: dict) -> list[str]:
                       "|---|---|---|---|---|---|---|---|"]
             lines += [_row_line(Row(**{**r, "grid": tuple(r["grid"])})) for r in info["rows"]]
             lines += ["", *(f"- {s}" for s in info.get("summary", [])), ""]
+        if part == "streaming" and "overlap_on" in info:
+            for name in ("overlap_on", "overlap_off"):
+                r = info[name]
+                lines.append(f"- {name}: {r['step_s']:.3f} s/step, H2D {r['h2d_gbps']:.1f} GB/s, device peak "
+                             f"{r['device_peak_mib']:.0f} MiB, pinned {r['pinned_mib']:.0f} MiB")
+            lines += [f"- on/off speedup x{info['speedup_on_vs_off']:.2f}; parameters equal on/off: "
+                      f"{info['params_equal_on_off']}", ""]
         if part == "speedup" and "speedup" in info:
             lines.append(f"Triton dsa {info['triton']['seconds'] * 1e3:.2f} ms vs reference "
                          f"{info['reference']['seconds'] * 1e3:.2f} ms at {info['tokens']} tokens: "
                          f"**x{info['speedup']:.1f}** (goal >= x{info['goal']:.0f}).")
             lines.append("")
     return lines
+
+
+def part_streaming(steps: int = 4, width: int = 512, depth: int = 8) -> dict:
+    """The compute actor on CUDA with the store in this process (no Ray): bf16 weights streamed
+    from pinned shared memory on the H2D stream, gradients back on the D2H stream. Overlap on
+    and off must give identical parameters; reports H2D GB/s, step time on/off, device memory."""
+    import tempfile
+
+    import torch
+
+    from actors.compute import ComputeActor, LocalStoreClient
+    from actors.decoder import VideoDecoder
+    from actors.param_store import ParameterStore
+    from megaslide_ray.config import build_config
+    from megaslide_ray.trainer import resolve_data
+
+    results = {}
+    with tempfile.TemporaryDirectory(prefix="megaslide-gpu-stream-") as tmp:
+        for overlap in (True, False):
+            cfg = build_config("tiny", None, {"model.hidden_size": width, "model.num_heads": 8, "model.depth": depth,
+                                              "training.steps": steps, "runtime.overlap": overlap,
+                                              "runtime.prefetch_depth": 2, "runtime.state_dir": tmp})
+            resolve_data(cfg)
+            with VideoDecoder(cfg.data, cfg.training.seed, cfg.model.caption_max_bytes) as decoder:
+                batches = [decoder.next_batch() for _ in range(steps)]
+            w_dtype = "bfloat16" if torch.cuda.is_available() else "float32"  # (CPU: a smoke test)
+            store = ParameterStore(cfg, f"{tmp}/run-{overlap}", w_dtype)
+            compute = ComputeActor(cfg, store.shard_infos(), LocalStoreClient(store), "shm")
+            if torch.cuda.is_available():
+                torch.cuda.reset_peak_memory_stats()
+            rows = []
+            try:
+                pinned = sum(n for _, n in compute._pinning.ranges)
+                for k in range(steps):
+                    t0 = time.perf_counter()
+                    r = compute.train_step(batches[k], k)
+                    store.wait_step(k)
+                    rows.append((time.perf_counter() - t0, r))
+                master = [seg["master"].clone() for seg in store.seg]
+            finally:
+                compute.close()
+                store.close()
+            timed = rows[1:]
+            h2d_s = sum(r.h2d_seconds for _, r in timed)
+            results[overlap] = {
+                "step_s": statistics.mean(t for t, _ in timed),
+                "h2d_gbps": sum(r.h2d_bytes for _, r in timed) / h2d_s / 1e9 if h2d_s else 0.0,
+                "losses": [r.loss for _, r in rows], "device_peak_mib": rows[-1][1].device_memory_peak_bytes / 2**20,
+                "pinned_mib": pinned / 2**20, "master": master}
+    on, off = results[True], results[False]
+    equal = all(torch.equal(a, b) for a, b in zip(on.pop("master"), off.pop("master")))
+    finite = all(math.isfinite(x) for x in on["losses"] + off["losses"])
+    return {"ok": equal and finite, "params_equal_on_off": equal, "overlap_on": on, "overlap_off": off,
+            "speedup_on_vs_off": off["step_s"] / on["step_s"]}
 
 
 def run_part(report: dict, name: str, out: Path, fn):
@@ -352,8 +419,8 @@ def main(argv: list[str] | None = None) -> int:
                    help="wall-time budget; benchmark rows past it are skipped (default 240)")
     p.add_argument("--max-tokens", type=int, default=262144, help="largest benchmark grid")
     p.add_argument("--reps", type=int, default=5, help="timed reps per benchmark row")
-    p.add_argument("--parts", nargs="+", default=["correctness", "benchmark", "speedup"],
-                   choices=["correctness", "benchmark", "speedup"])
+    p.add_argument("--parts", nargs="+", default=["correctness", "streaming", "benchmark", "speedup"],
+                   choices=["correctness", "streaming", "benchmark", "speedup"])
     args = p.parse_args(argv)
 
     import torch
@@ -371,6 +438,8 @@ def main(argv: list[str] | None = None) -> int:
     slow_s = 5.0
     if "correctness" in args.parts:
         run_part(report, "correctness", args.out, part_correctness)
+    if "streaming" in args.parts:
+        run_part(report, "streaming", args.out, part_streaming)
     rows: list[Row] = []
     if "benchmark" in args.parts:
         grids = [g for g in BENCH_GRIDS if math.prod(g) <= args.max_tokens]

@@ -69,3 +69,20 @@ def test_throttle_limits_copy_rate():
     assert torch.equal(dst, src)
     rate = 40e6 / seconds / 1e9
     assert rate <= 0.5 * 1.1, f"copied at {rate:.2f} GB/s, limit 0.5"
+
+
+def test_pin_ranges_cover_the_segment_in_page_aligned_bounded_pieces():
+    from actors.compute import pin_ranges
+
+    page, chunk = 4096, 3 * 4096
+    for ptr, nbytes in [(0, 1), (4096, 4096), (8192, 5 * 4096 + 7), (4096 * 7, 3 * 4096), (12288, 0)]:
+        pieces = pin_ranges(ptr, nbytes, chunk, page)
+        if nbytes == 0:
+            assert pieces == []
+            continue
+        assert all(s % page == 0 and 0 < n <= chunk and n % page == 0 for s, n in pieces)
+        assert all(a + n == b for (a, n), (b, _) in zip(pieces, pieces[1:]))  # contiguous, no overlap
+        first, (last, last_n) = pieces[0][0], pieces[-1]
+        assert first <= ptr < first + page and ptr + nbytes <= last + last_n < ptr + nbytes + page
+    with pytest.raises(ValueError, match="multiple of the page size"):
+        pin_ranges(0, 10, chunk=5000, page=4096)
