@@ -315,7 +315,6 @@ class ComputeActor:
         if self._h2d_timing:  # CUDA: the copies' own duration on the H2D stream
             self._h2d_timing[-1][1].synchronize()
             self._h2d[1] = sum(a.elapsed_time(b) for a, b in self._h2d_timing) / 1e3
-            self._h2d_timing = []
         t_end = time.perf_counter()
         B = x_t.shape[0]
         return StepResult(

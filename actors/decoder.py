@@ -148,9 +148,9 @@ def clip_offsets(num_frames: int, stride: int = 1, source_fps: float = 0.0, targ
     return np.floor(j * (source_fps / target_fps) + 0.5).astype(np.int64)
 
 
-def clip_frame_indices(video_frames: int, num_frames: int, stride: int, start: int) -> np.ndarray:
-    """``start + arange(num_frames) * stride``, wrapped modulo ``video_frames`` (short videos loop)."""
-    return (start + clip_offsets(num_frames, stride)) % video_frames
+def clip_frame_indices(video_frames: int, offsets: np.ndarray, start: int) -> np.ndarray:
+    """``start + offsets`` (``clip_offsets``), wrapped modulo ``video_frames`` (short videos loop)."""
+    return (start + offsets) % video_frames
 
 
 def clip_start(video_frames: int, span: int, seed: int, position: int, random: bool, fixed: str = "first") -> int:
@@ -216,11 +216,6 @@ def resize_crop(frames: np.ndarray, height: int, width: int, offset: tuple[float
         top = min(new_h - height, int(offset[0] * (new_h - height + 1)))
         left = min(new_w - width, int(offset[1] * (new_w - width + 1)))
     return np.ascontiguousarray(frames[:, top: top + height, left: left + width])
-
-
-def resize_center_crop(frames: np.ndarray, height: int, width: int) -> np.ndarray:
-    """uint8 ``(F, h, w, 3)`` -> uint8 ``(F, height, width, 3)``: cover-resize, then center crop."""
-    return resize_crop(frames, height, width, None)
 
 
 def encode_caption(text: str, max_bytes: int) -> bytes:
@@ -532,7 +527,7 @@ class VideoDecoder:
         if video_frames < span and d.short_clips == "skip":
             raise ClipUnreadable(f"too short: {video_frames} frames, a clip spans {span} (data.short_clips='skip')")
         start = clip_start(video_frames, span, self.seed, position, d.random_crop, d.fixed_start)
-        indices = (start + offsets) % video_frames
+        indices = clip_frame_indices(video_frames, offsets, start)
         try:
             frames = read_frames(reader, indices)
         except Exception as e:  # noqa: BLE001

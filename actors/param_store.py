@@ -167,7 +167,6 @@ class ParameterStore:
         self._pending: dict[int, dict[int, float]] = {}   # step -> {shard: ||g||^2}
         self._results: dict[int, UpdateResult] = {}
         self._inflight: set[int] = set()                  # steps queued or being applied here
-        self._generation = 0                              # compute actor whose reports count
         self._closed = False
         self._error: BaseException | None = None
         self._saving = 0                                  # checkpoints being written: no update starts

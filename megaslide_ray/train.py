@@ -130,18 +130,13 @@ def help_config() -> str:
 def check_resume(cfg: Config) -> str:
     """Why ``--resume`` cannot continue this run ("" when it can): no complete checkpoint, or
     one written with another number of decoders."""
-    from actors.param_store import latest_checkpoint, read_checkpoint_state
-    from pipelines.decoder_pool import DataCursor
+    from megaslide_ray.trainer import resume_point  # the Trainer's own check, run before Ray starts
 
     if not cfg.training.run_dir:
         return "--resume needs --run-dir (the run to continue)"
-    ckpt = latest_checkpoint(cfg.training.run_dir)
-    if ckpt is None:
-        return (f"no complete checkpoint under {Path(cfg.training.run_dir) / 'checkpoints'}; start without "
-                f"--resume or point --run-dir at an earlier run")
     try:
-        DataCursor.from_state(read_checkpoint_state(ckpt), cfg.data.num_decoders, f"checkpoint {ckpt}")
-    except ValueError as e:
+        resume_point(cfg.training.run_dir, cfg.data.num_decoders)
+    except (FileNotFoundError, ValueError) as e:
         return str(e)
     return ""
 

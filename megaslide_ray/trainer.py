@@ -46,6 +46,24 @@ def default_run_dir() -> str:
     return str(Path("runs") / time.strftime("%Y%m%d-%H%M%S"))
 
 
+def checkpoint_data_state(ckpt: Path, num_decoders: int) -> tuple[int, DataCursor]:
+    """(steps done, where each decoder continues) recorded in checkpoint ``ckpt``. A checkpoint
+    of a different ``data.num_decoders`` is refused (ValueError)."""
+    state = read_checkpoint_state(ckpt)
+    return int(state["step"]), DataCursor.from_state(state, num_decoders, f"checkpoint {ckpt}")
+
+
+def resume_point(run_dir: str | Path, num_decoders: int) -> tuple[Path, int, DataCursor]:
+    """The latest complete checkpoint of ``run_dir`` with its step and data state, for
+    ``--resume``: FileNotFoundError when there is none, ValueError (see above) when it cannot
+    continue this run's data order."""
+    ckpt = latest_checkpoint(run_dir)
+    if ckpt is None:
+        raise FileNotFoundError(f"--resume: no complete checkpoint under {Path(run_dir) / 'checkpoints'}; "
+                                f"start without --resume or point --run-dir at an earlier run")
+    return (ckpt, *checkpoint_data_state(ckpt, num_decoders))
+
+
 def resolve_data(cfg: Config) -> Config:
     """An empty manifest means the demo set: make it here, once, before any actor starts."""
     if cfg.data.manifest:
@@ -64,11 +82,7 @@ class Trainer:
         self.progress = progress
         self.start_step, position, ckpt = 0, 0, None
         if resume:
-            ckpt = latest_checkpoint(self.run_dir)
-            if ckpt is None:
-                raise FileNotFoundError(f"--resume: no complete checkpoint under {self.run_dir / 'checkpoints'}; "
-                                        f"start without --resume or point --run-dir at an earlier run")
-            self.start_step, position, _ = self._data_state_of(ckpt)
+            ckpt, self.start_step, position = resume_point(self.run_dir, cfg.data.num_decoders)
             if self.start_step >= cfg.training.steps:
                 log.warning("checkpoint is at step %d and training.steps=%d: nothing to do; raise --steps",
                             self.start_step, cfg.training.steps)
@@ -101,13 +115,6 @@ class Trainer:
         from a signal handler: it only sets a flag)."""
         self.stop_reason = reason
 
-    def _data_state_of(self, ckpt: Path) -> tuple[int, DataCursor, int]:
-        """(steps done, where each decoder continues, files skipped so far) recorded in checkpoint
-        ``ckpt``. A checkpoint of a different ``data.num_decoders`` is refused (ValueError)."""
-        state = read_checkpoint_state(ckpt)
-        cursor = DataCursor.from_state(state, self.cfg.data.num_decoders, f"checkpoint {ckpt}")
-        return int(state["step"]), cursor, cursor.total_skipped
-
     def _restore_latest(self, error: StoreLostError) -> int:
         """The store's state is lost: rebuild the actors on the latest checkpoint (or on the
         initial weights when there is none yet) and return the step to go on from. The store's
@@ -115,7 +122,7 @@ class Trainer:
         checkpoint are redone (same batches, same noise)."""
         ckpt = latest_checkpoint(self.run_dir)
         if ckpt is not None:
-            step, position, _ = self._data_state_of(ckpt)
+            step, position = checkpoint_data_state(ckpt, self.cfg.data.num_decoders)
         else:
             step, position = 0, 0
         log.warning("%s\nRestoring %s and redoing the steps after it.", error,
@@ -206,7 +213,7 @@ class Trainer:
                             "seed": self.cfg.training.seed, "skipped_files": row["skipped_files"]}
         if due:
             self.last_checkpoint = self.pipeline.save_checkpoint(
-                str(self.run_dir), step + 1, self._checkpoint_extra(step + 1))
+                str(self.run_dir), step + 1, self._data_extra)
         if due or sample_due:  # the next step's time should not include saving or sampling
             self._last_time = time.perf_counter()
         return row
@@ -239,15 +246,10 @@ class Trainer:
             step += 1
         return step
 
-    def _checkpoint_extra(self, step: int) -> dict:
-        """state.json fields of a checkpoint after ``step`` completed steps (the data state of the
-        last step run; ``train_step`` keeps it)."""
-        return dict(self._data_extra)
-
     def _checkpoint_on_stop(self, step: int) -> None:
         if step > self.start_step and not self.last_checkpoint.endswith(f"step_{step}"):
             self.last_checkpoint = self.pipeline.save_checkpoint(
-                str(self.run_dir), step, self._checkpoint_extra(step))
+                str(self.run_dir), step, self._data_extra)
 
     def train(self) -> TrainSummary:
         steps = self.cfg.training.steps

@@ -71,10 +71,6 @@ class DataCursor:
             raise ValueError("a single start position only describes a pool of one decoder")
         return cls(step, (position,) * num_decoders, (skipped,) + (0,) * (num_decoders - 1))
 
-    @property
-    def total_skipped(self) -> int:
-        return sum(self.skipped)
-
     def to_state(self) -> dict:
         """JSON-able entries for a checkpoint's ``state.json``."""
         return {"data_positions": list(self.positions), "data_skipped": list(self.skipped),

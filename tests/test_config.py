@@ -67,11 +67,21 @@ def test_toml_then_cli_precedence(tmp_path):
     ({"modle.depth": "3"}, "unknown config section 'modle'"),
     ({"optim.lr": "fast"}, "optim.lr='fast' is not a valid float"),
     ({"data.manifest": "no/such/manifest.parquet"}, "data.manifest='no/such/manifest.parquet' does not exist"),
+    ({"data.fps": "8", "data.frame_stride": "2"}, "data.fps=8.0 and data.frame_stride=2 both set"),
+    ({"data.fps": "-1"}, "data.fps=-1.0 must be >= 0"),
+    ({"data.decode_timeout_s": "0"}, "data.decode_timeout_s=0.0 must be"),
+    ({"data.max_bad_fraction": "1.5"}, "data.max_bad_fraction=1.5 must lie in [0, 1]"),
+    ({"data.short_clips": "drop"}, "data.short_clips='drop' is not one of"),
+    ({"data.num_decoders": "0"}, "data.num_decoders=0 must be > 0"),
 ])
 def test_invalid_values_are_refused_with_field_and_value(overrides, needle):
     with pytest.raises(ConfigError) as e:
         build_config("tiny", None, overrides)
     assert needle in str(e.value)
+
+
+def test_decoder_pool_and_fps_sampling_are_accepted():
+    assert build_config("tiny", None, {"data.num_decoders": "3", "data.fps": "8"}).data.num_decoders == 3
 
 
 def test_unknown_key_in_toml_is_refused(tmp_path):
