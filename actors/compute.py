@@ -18,13 +18,14 @@ import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Protocol
 
 import numpy as np
 import torch
 from torch.func import functional_call
 
-from actors.param_store import DTYPES, ShardInfo, map_segment
+from actors.param_store import DTYPES, ShardInfo, default_state_root, map_segment
 from megaslide_ray.config import Config
 from megaslide_ray.diffusion import flow_loss, sample_flow_inputs
 from megaslide_ray.faults import fault_point
@@ -117,12 +118,15 @@ class ComputeActor:
         self._cuda = self.device.type == "cuda"
         self._pinning = HostPinning()
         self._h2d_timing: list[tuple] = []  # (start, end) events of this step's weight copies
+        # The last step's (start, _ShardFeed.log, end) on the perf_counter clock (benchmarks).
+        self.last_timeline: tuple[float, list[tuple[float, float]], float] = (0.0, [], 0.0)
         if self._cuda:
             self._h2d_stream = torch.cuda.Stream(self.device)
             self._d2h_stream = torch.cuda.Stream(self.device)
             for seg in self.w_maps + self.g_maps:
                 if not self._pinning.register(seg):
                     break  # copies from unpinned pages still work, only synchronously
+        self._stash = _ActivationStash(self, rt.offload_activations)
 
     # -- weights ------------------------------------------------------------------------------
     def _fetch(self, shard: int, step: int) -> tuple[torch.Tensor, float]:
@@ -239,9 +243,13 @@ class ComputeActor:
         self._h2d_timing = []
         L = self.cfg.model.depth
         head = L + 1
-        order = list(range(self.n)) + list(range(L, -1, -1))  # forward 0..L+1, backward L..0
-        feed = _ShardFeed(self, order, step)
-        take = feed.take
+        # Forward 0..L+1, backward L..0. The last block's weights, the forward's last fetch before
+        # the head, are kept for its backward instead of fetched again (the turn costs one fetch
+        # less); they take the slot the head's prefetch would use, so the device never holds
+        # more than prefetch_depth + 1 shards.
+        order = list(range(self.n)) + list(range(L, -1, -1))
+        feed = _ShardFeed(self, order, step, reuse={self.n: L})
+        take, done = feed.take, feed.done
         returns: list[Future | None] = []
 
         noise_step = 0 if self.cfg.training.overfit_one_batch else step
@@ -257,18 +265,21 @@ class ComputeActor:
             w = take(pos)
             fault_point("compute.after_weights", step)
             x, c = self._run(0, w, x_t, t, cap, cap_len)
-            self._release(w)
+            done(pos, w)
             pos += 1
-            inputs = []
+            stash = self._stash
+            stash.begin(L)
             for shard in range(1, L + 1):
                 if shard == (L + 2) // 2:
                     fault_point("compute.mid_forward", step)
-                inputs.append(x)
+                stash.put(shard - 1, x)
                 w = take(pos)
                 x = self._run(shard, w, x, c)
-                self._release(w)
+                done(pos, w)
                 pos += 1
         w_staged = take(pos)
+        for i in range(L - 1, L - 1 - self.prefetch_depth, -1):  # the backward's first inputs
+            stash.prefetch(i)
         w_head = w_staged.detach().requires_grad_(True)
         pos += 1
         x_last = x.detach().requires_grad_(True)
@@ -282,7 +293,7 @@ class ComputeActor:
         bad_loss = not bool(torch.isfinite(loss.detach()))
         loss.backward()
         returns.append(self._push_grad(head, step, w_head, poison=bad_loss))
-        self._release(w_staged)
+        done(pos - 1, w_staged)
         dx, dc = x_last.grad, c_leaf.grad.clone()
         del pred, w_head
 
@@ -291,12 +302,16 @@ class ComputeActor:
             w_staged = take(pos)
             w = w_staged.detach().requires_grad_(True)
             pos += 1
-            x_in = inputs.pop().detach().requires_grad_(True)
+            x_saved = stash.take(shard - 1)
+            stash.prefetch(shard - 1 - self.prefetch_depth)
+            x_in = x_saved.detach().requires_grad_(True)
             c_leaf = c.detach().requires_grad_(True)
             y = self._run(shard, w, x_in, c_leaf)
             torch.autograd.backward(y, dx)
             returns.append(self._push_grad(shard, step, w))
-            self._release(w_staged)
+            done(pos - 1, w_staged)
+            stash.give_back(x_saved)
+            del x_saved
             if shard == (L + 1) // 2:
                 fault_point("compute.mid_backward", step)
             dx = x_in.grad
@@ -307,7 +322,7 @@ class ComputeActor:
         x0, c0 = self._run(0, w0, x_t, t, cap, cap_len)
         torch.autograd.backward([x0, c0], [dx, dc])
         returns.append(self._push_grad(0, step, w0))
-        self._release(w_staged)
+        done(pos, w_staged)
         for r in returns:  # every gradient has reached the store (errors surface here)
             if r is not None:
                 r.result()
@@ -316,6 +331,7 @@ class ComputeActor:
             self._h2d_timing[-1][1].synchronize()
             self._h2d[1] = sum(a.elapsed_time(b) for a, b in self._h2d_timing) / 1e3
         t_end = time.perf_counter()
+        self.last_timeline = (t_start, feed.log, t_end)
         B = x_t.shape[0]
         return StepResult(
             step=step, loss=float(loss.detach()), tokens=B * self.cfg.tokens_per_sample, seconds=t_end - t_start,
@@ -366,6 +382,7 @@ class ComputeActor:
         self._returner.shutdown(wait=True)
         if self._cuda:
             torch.cuda.synchronize(self.device)
+        self._stash.release_host()
         self._pinning.release()
         self.w_maps, self.g_maps = [], []
 
@@ -392,25 +409,172 @@ class LocalStoreClient:
 class _ShardFeed:
     """The weights of ``order`` (shard indices) for one step, in that order: with overlap, the
     prefetch thread keeps ``prefetch_depth`` shards in flight after the one being taken;
-    without, each is fetched when taken. ``wait`` = time the compute thread was blocked."""
+    without, each is fetched when taken. ``wait`` = time the compute thread was blocked;
+    ``log`` = (asked, got) clock readings of each take, for the overlap benchmark's schedule model."""
 
-    def __init__(self, actor: "ComputeActor", order: list[int], step: int):
+    def __init__(self, actor: "ComputeActor", order: list[int], step: int, reuse: dict[int, int] | None = None):
         self.actor, self.order, self.step = actor, order, step
+        self.reuse = {src: dst for dst, src in (reuse or {}).items()}  # position kept -> position reusing it
+        self.kept: dict[int, torch.Tensor] = {}
         self.futures: dict[int, Future] = {}
         self.wait = 0.0
+        self.log: list[tuple[float, float]] = []
+        if any(order[src] != order[dst] for src, dst in self.reuse.items()):
+            raise ValueError(f"reuse {reuse} pairs positions of different shards in {order}")
 
     def take(self, pos: int) -> torch.Tensor:
         a = self.actor
+        reused = set(self.reuse.values())
         for ahead in range(pos + 1, min(pos + a.prefetch_depth + 1, len(self.order))):
-            if ahead not in self.futures:
+            if ahead not in self.futures and ahead not in reused:
                 self.futures[ahead] = a._prefetcher.submit(a._fetch, self.order[ahead], self.step)
         t0 = time.perf_counter()
-        if pos in self.futures:
+        if pos in reused:
+            w = self.kept.pop(pos)
+        elif pos in self.futures:
             w, _ = self.futures.pop(pos).result()
         else:  # the first shard, or no overlap: fetch now, in sequence
             w, _ = a._fetch(self.order[pos], self.step)
-        self.wait += time.perf_counter() - t0
+        t1 = time.perf_counter()
+        self.wait += t1 - t0
+        self.log.append((t0, t1))
         return a._ready(w)
+
+    def done(self, pos: int, w: torch.Tensor) -> None:
+        """The compute is done with position ``pos``'s weights ``w``: keep them for the position
+        that reuses them, else hand the buffer back."""
+        if pos in self.reuse:
+            self.kept[self.reuse[pos]] = w
+        else:
+            self.actor._release(w)
+
+
+class _ActivationStash:
+    """The block-boundary inputs a step keeps for its backward (activation checkpointing).
+
+    Default: a list on the compute device, which grows with model depth (L inputs of
+    batch x tokens x width). With ``runtime.offload_activations`` each input goes to a host
+    segment as soon as the next block has it (on the gradient-return thread: the device-to-host
+    direction, idle during the forward) and comes back on the staging thread ahead of its
+    block's backward, like the weights; at most ``prefetch_depth + 1`` inputs are then on the
+    device whatever the depth. The host segment is one file-backed mapping, unlinked as soon as
+    it is mapped (nothing is left behind by a crash), registered as pinned memory on CUDA.
+    With ``link_gbps`` both copies cross the simulated link and count as link traffic.
+    """
+
+    def __init__(self, actor: "ComputeActor", offload: bool):
+        self.actor, self.offload = actor, offload
+        self.kept: list[torch.Tensor] = []
+        self._host: torch.Tensor | None = None     # slots x slot numel, flat
+        self._slot = 0
+        self._shape: tuple = ()
+        self._slots = 0
+        self._put: dict[int, object] = {}            # Future (CPU), cuda.Event (CUDA) or None
+        self._get: dict[int, Future] = {}
+        self._pinning = HostPinning()
+        self.host_bytes = 0
+
+    def _ensure(self, slots: int, like: torch.Tensor) -> None:
+        numel = like.numel()
+        if self._host is not None and self._host.dtype == like.dtype and self._host.numel() >= slots * numel:
+            return
+        self.release_host()
+        root = Path(self.actor.cfg.runtime.state_dir) if self.actor.cfg.runtime.state_dir else default_state_root()
+        path = root / f"megaslide-activations-{os.getpid()}-{id(self):x}"
+        try:
+            self._host = map_segment(path, slots * numel, like.dtype, create=True)
+        except OSError as e:
+            raise RuntimeError(f"runtime.offload_activations: cannot make a {slots * numel * like.element_size()} "
+                               f"byte host segment in {root} ({e}); free space there, set runtime.state_dir, "
+                               f"or turn offload_activations off") from e
+        finally:
+            path.unlink(missing_ok=True)  # the mapping stays valid; no file outlives the process
+        self.host_bytes = self._host.numel() * self._host.element_size()
+        if self.actor._cuda:
+            self._pinning.register(self._host)
+
+    def begin(self, slots: int) -> None:
+        self.kept, self._put, self._get, self._slots = [], {}, {}, slots
+
+    def put(self, i: int, x: torch.Tensor) -> None:
+        """Keep block input ``i`` (0-based block index) for the backward."""
+        if not self.offload:
+            self.kept.append(x)
+            return
+        a = self.actor
+        if self._host is None or self._shape != tuple(x.shape):
+            self._ensure(self._slots, x)
+            self._shape, self._slot = tuple(x.shape), x.numel()
+        dst = self._host[i * self._slot:(i + 1) * self._slot]
+        if a._cuda:
+            produced = torch.cuda.Event()
+            produced.record(torch.cuda.current_stream(a.device))
+            with torch.cuda.stream(a._d2h_stream):
+                a._d2h_stream.wait_event(produced)
+                dst.copy_(x.reshape(-1), non_blocking=True)
+                done = torch.cuda.Event()
+                done.record()
+            x.record_stream(a._d2h_stream)
+            self._put[i] = done
+            a._d2h[0] += x.numel() * x.element_size()
+            return
+
+        def out() -> None:
+            t0 = time.perf_counter()
+            throttled_copy(dst, x.reshape(-1), a.link_gbps)
+            a._d2h[0] += x.numel() * x.element_size()
+            a._d2h[1] += time.perf_counter() - t0
+
+        if not a.overlap:
+            out()
+            self._put[i] = None
+            return
+        self._put[i] = a._returner.submit(out)
+        # Bound what waits for the link: no more than prefetch_depth + 1 inputs on the device.
+        waiting = [j for j, f in self._put.items() if isinstance(f, Future) and not f.done()]
+        for j in waiting[:max(0, len(waiting) - (a.prefetch_depth + 1))]:
+            self._put[j].result()
+
+    def _load(self, i: int) -> torch.Tensor:
+        a = self.actor
+        src = self._host[i * self._slot:(i + 1) * self._slot]
+        if a._cuda:
+            a._h2d_stream.wait_event(self._put[i])  # the input has reached the host
+            w = a._copy_to_device(src)
+            a._h2d[0] += src.numel() * src.element_size()
+            return w
+        done = self._put[i]
+        if isinstance(done, Future):
+            done.result()
+        t0 = time.perf_counter()
+        buf = a._staging.acquire(src.numel(), src.dtype)
+        throttled_copy(buf, src, a.link_gbps)
+        a._h2d[0] += src.numel() * src.element_size()
+        a._h2d[1] += time.perf_counter() - t0
+        return buf
+
+    def prefetch(self, i: int) -> None:
+        """Start bringing input ``i`` back (offload with overlap); a no-op otherwise."""
+        if self.offload and self.actor.overlap and 0 <= i < self._slots and i not in self._get:
+            self._get[i] = self.actor._prefetcher.submit(self._load, i)
+
+    def take(self, i: int) -> torch.Tensor:
+        """Block input ``i`` for its backward; inputs are taken newest first."""
+        if not self.offload:
+            return self.kept.pop()
+        got = self._get.pop(i, None)
+        buf = got.result() if isinstance(got, Future) else self._load(i)
+        return self.actor._ready(buf).view(self._shape)
+
+    def give_back(self, x: torch.Tensor) -> None:
+        """``x`` (from ``take``) is no longer needed: its staging buffer is reused (CPU)."""
+        if self.offload and not self.actor._cuda:
+            self.actor._staging.release(x.view(-1))
+
+    def release_host(self) -> None:
+        self._pinning.release()
+        self._host, self._shape = None, ()
+        self.host_bytes = 0
 
 
 def peak_memory(device: torch.device) -> int:

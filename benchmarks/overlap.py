@@ -1,7 +1,7 @@
 """Does streaming hide the transfers? Step time with overlap off and on, at a simulated link
 speed where moving a step's weights takes about as long as the step's compute.
 
-    python -m benchmarks.overlap [--steps 4] [--json] [--skip-memory]
+    python -m benchmarks.overlap [--steps 4] [--json] [--skip-memory] [--prefetch-depth 1]
 
 For each model: (1) the pure compute step time T_c (no throttle, weights read in place);
 (2) the link speed X = weight bytes staged per step / T_c, so transfer time T_x ~= T_c;
@@ -9,9 +9,21 @@ For each model: (1) the pure compute step time T_c (no throttle, weights read in
 (prefetch thread + gradient-return thread), both at ``runtime.link_gbps = X``.
 Overlap efficiency = max(T_c, T_x) / T_on (1.0 = transfers fully hidden); speedup = T_off / T_on.
 
+Schedule model: from the pure run's per-shard compute times (the gaps between the compute
+thread's weight takes) and each fetch's bytes at link speed X, ``simulate`` replays the
+actor's exact schedule (one link each way, ``prefetch_depth`` fetches ahead, gradients
+returned as they appear) with no contention: ``model on s`` is what this schedule can reach
+on an ideal machine, and ``model eff`` = max(T_c, T_x) / model on is its efficiency bound. The
+gap between ``on s`` and ``model on s`` is this machine (threads, GIL, two cores shared by
+compute and copies); the gap between ``model eff`` and 1.0 is the schedule itself (the forward
+does a quarter of the compute but half of the weight fetches, so it is link-bound when the
+step's transfer time equals its compute time).
+
 Memory: peak anonymous RSS growth during the first step of a fresh process (activations, staging
 buffers, gradients; the store's state is shared memory and is not counted), depth 4 vs 32 at
-the same width, each in its own process so allocator caches from earlier runs do not hide it.
+the same width, each in its own process so allocator caches from earlier runs do not hide it;
+with block inputs kept in the compute process and with ``runtime.offload_activations``
+(they then live in a host segment, like the store's state).
 Runs the actor classes in one process (no Ray), so only the streaming logic is measured.
 """
 
@@ -75,20 +87,51 @@ def run(overrides: dict, batches, steps: int, measure_memory: bool = False) -> d
             t0 = time.perf_counter()
             if measure_memory and step == 0:
                 with PeakSampler() as s:
-                    compute.train_step(batches[step % len(batches)], step)
+                    r = compute.train_step(batches[step % len(batches)], step)
                 peak = s.peak - s.base
             else:
-                compute.train_step(batches[step % len(batches)], step)
-            store.wait_step(step)
+                r = compute.train_step(batches[step % len(batches)], step)
             times.append(time.perf_counter() - t0)
-        order = list(range(compute.n)) + list(range(cfg.model.depth, -1, -1))
-        staged = sum(compute.infos[i].numel for i in order) * 4
-        grads = sum(info.numel for info in compute.infos) * 4
+            # No wait for the store's update here: as in training, it overlaps the next step's
+            # forward (whose weight fetches wait for each shard's new version).
+        store.wait_step(steps - 1)
+        L = cfg.model.depth
+        order = list(range(compute.n)) + list(range(L, -1, -1))
+        sizes = [compute.infos[i].numel * 4 for i in order]
+        timeline = compute.last_timeline
     finally:
         compute.close()
         store.close()
     return {"seconds": statistics.mean(times[1:]) if len(times) > 1 else times[0],
-            "staged_bytes": staged, "grad_bytes": grads, "peak_anon_bytes": peak}
+            "staged_bytes": sum(sizes), "sizes": sizes, "order": order, "n": compute.n,
+            "timeline": timeline, "h2d_bytes": r.h2d_bytes, "peak_anon_bytes": peak}
+
+
+def simulate(pure: dict, gbps: float, depth: int, overlap: bool = True) -> float:
+    """Step time of the actor's schedule on an ideal machine (see the module docstring):
+    compute times from the pure run's timeline, fetch and gradient-return times = bytes / link."""
+    start, takes, end = pure["timeline"]
+    sizes, order, n = pure["sizes"], pure["order"], pure["n"]
+    P = len(takes)
+    pre = takes[0][0] - start
+    comp = [takes[p + 1][0] - takes[p][1] for p in range(P - 1)] + [end - takes[-1][1]]
+    fetch = [b / (gbps * 1e9) for b in sizes]
+    # gradients: the head's after its position (n - 1), each backward position's after its own
+    grad = {n - 1: sizes[n - 1], **{p: sizes[p] for p in range(n, P)}}
+    if not overlap:
+        return pre + sum(fetch) + sum(comp) + sum(b / (gbps * 1e9) for b in grad.values())
+    link = pre
+    f_end, c_start, c_end = [0.0] * P, [0.0] * P, [0.0] * P
+    ret = 0.0
+    for p in range(P):
+        submit = pre if p <= depth else c_start[p - depth]
+        f_end[p] = max(link, submit) + fetch[p]
+        link = f_end[p]
+        c_start[p] = max(c_end[p - 1] if p else pre, f_end[p])
+        c_end[p] = c_start[p] + comp[p]
+        if p in grad:
+            ret = max(ret, c_end[p]) + grad[p] / (gbps * 1e9)
+    return max(c_end[-1], ret)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -96,51 +139,72 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--steps", type=int, default=4)
     p.add_argument("--json", action="store_true")
     p.add_argument("--skip-memory", action="store_true")
+    p.add_argument("--models", default=",".join(MODELS), help="comma-separated subset of " + ",".join(MODELS))
+    p.add_argument("--prefetch-depth", type=int, default=1, help="runtime.prefetch_depth of the overlap-on run")
     p.add_argument("--memory-depth", type=int, help=argparse.SUPPRESS)  # one measurement, in a child
+    p.add_argument("--memory-offload", action="store_true", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     base_cfg = resolve_data(build_config("tiny"))
     with VideoDecoder(base_cfg.data, 0, base_cfg.model.caption_max_bytes) as dec:
         batches = [dec.next_batch() for _ in range(2)]
     common = {"data.manifest": base_cfg.data.manifest, "training.steps": str(args.steps)}
     if args.memory_depth:
-        r = run({**common, "model.depth": str(args.memory_depth), "runtime.link_gbps": "100"}, batches, 1,
-                measure_memory=True)
+        r = run({**common, "model.depth": str(args.memory_depth), "runtime.link_gbps": "100",
+                 "runtime.offload_activations": str(args.memory_offload).lower()}, batches, 1, measure_memory=True)
         print(r["peak_anon_bytes"])
         return 0
     rows = []
-    for name, model in MODELS.items():
-        ov = {**common, **model}
+    depth = args.prefetch_depth
+    for name in args.models.split(","):
+        ov = {**common, **MODELS[name]}
         pure = run(ov, batches, args.steps)
         gbps = pure["staged_bytes"] / pure["seconds"] / 1e9
         transfer = pure["staged_bytes"] / (gbps * 1e9)
-        off = run({**ov, "runtime.link_gbps": str(gbps), "runtime.overlap": "false"}, batches, args.steps)
-        on = run({**ov, "runtime.link_gbps": str(gbps), "runtime.overlap": "true"}, batches, args.steps)
+        link = {"runtime.link_gbps": str(gbps), "runtime.prefetch_depth": str(depth)}
+        off = run({**ov, **link, "runtime.overlap": "false"}, batches, args.steps)
+        on = run({**ov, **link, "runtime.overlap": "true"}, batches, args.steps)
+        best = max(pure["seconds"], transfer)
+        model_on = simulate(pure, gbps, depth)
         rows.append({"model": name, "compute_s": pure["seconds"], "link_gbps": gbps, "transfer_s": transfer,
-                     "off_s": off["seconds"], "on_s": on["seconds"],
-                     "efficiency": max(pure["seconds"], transfer) / on["seconds"],
-                     "speedup": off["seconds"] / on["seconds"], "staged_mb": pure["staged_bytes"] / 1e6})
+                     "off_s": off["seconds"], "on_s": on["seconds"], "efficiency": best / on["seconds"],
+                     "speedup": off["seconds"] / on["seconds"], "staged_mb": pure["staged_bytes"] / 1e6,
+                     "prefetch_depth": depth, "model_off_s": simulate(pure, gbps, depth, overlap=False),
+                     "model_on_s": model_on, "model_efficiency": best / model_on,
+                     "unbounded_prefetch_efficiency": best / simulate(pure, gbps, len(pure["sizes"]))})
     mem = []
     if not args.skip_memory:
         import subprocess
         import sys
 
-        for depth in (4, 32):
-            out = subprocess.run([sys.executable, "-m", "benchmarks.overlap", "--memory-depth", str(depth)],
-                                 capture_output=True, text=True, check=True).stdout
-            mem.append({"model": f"tiny depth {depth}", "peak_anon_mb": float(out.split()[-1]) / 1e6})
+        for offload in (False, True):
+            for d in (4, 32):
+                cmd = [sys.executable, "-m", "benchmarks.overlap", "--memory-depth", str(d)]
+                out = subprocess.run(cmd + ["--memory-offload"] * offload, capture_output=True, text=True,
+                                     check=True).stdout
+                mem.append({"model": f"tiny depth {d}", "offload_activations": offload,
+                            "peak_anon_mb": float(out.split()[-1]) / 1e6})
     if args.json:
         for r in rows + mem:
             print(json.dumps(r))
         return 0
     print(f"{'model':<8}{'compute s':>10}{'link GB/s':>11}{'transfer s':>11}{'off s':>8}{'on s':>8}"
-          f"{'efficiency':>12}{'on/off speedup':>16}")
+          f"{'efficiency':>12}{'on/off speedup':>16}{'model off s':>13}{'model on s':>12}{'model eff':>11}")
     for r in rows:
         print(f"{r['model']:<8}{r['compute_s']:>10.3f}{r['link_gbps']:>11.3f}{r['transfer_s']:>11.3f}"
-              f"{r['off_s']:>8.3f}{r['on_s']:>8.3f}{r['efficiency']:>12.2f}{r['speedup']:>16.2f}")
+              f"{r['off_s']:>8.3f}{r['on_s']:>8.3f}{r['efficiency']:>12.2f}{r['speedup']:>16.2f}"
+              f"{r['model_off_s']:>13.3f}{r['model_on_s']:>12.3f}{r['model_efficiency']:>11.2f}")
+    if rows:
+        print(f"prefetch_depth {depth}; model eff with unlimited prefetch: "
+              + ", ".join(f"{r['model']} {r['unbounded_prefetch_efficiency']:.2f}" for r in rows))
     for m in mem:
-        print(f"{m['model']:<16} peak working memory during a step: {m['peak_anon_mb']:.1f} MB")
-    if len(mem) == 2:
-        print(f"peak working memory depth 32 / depth 4: {mem[1]['peak_anon_mb'] / mem[0]['peak_anon_mb']:.2f}")
+        where = "offloaded to host" if m["offload_activations"] else "kept in the process"
+        print(f"{m['model']:<16} block inputs {where:<20} peak working memory during a step: "
+              f"{m['peak_anon_mb']:.1f} MB")
+    for offload in (False, True):
+        pair = [m["peak_anon_mb"] for m in mem if m["offload_activations"] == offload]
+        if len(pair) == 2:
+            print(f"peak working memory depth 32 / depth 4, offload_activations={str(offload).lower()}: "
+                  f"{pair[1] / pair[0]:.2f}")
     return 0
 
 

@@ -155,6 +155,12 @@ class RuntimeConfig:
     link_gbps: float = 0.0
     """CPU runs: throttle weight staging and gradient return to this many GB/s, to simulate a PCIe
     link without a GPU (0: no throttle; weights are then read in place from shared memory)."""
+    offload_activations: bool = False
+    """Keep the block inputs saved for the backward in host memory instead of on the compute
+    device: each goes out right after the forward uses it and comes back ahead of its block's
+    backward, so device memory no longer grows with model depth. Costs one round trip of
+    depth x batch x tokens x width values per step over the link (the host copy lives under
+    ``runtime.state_dir``'s root, pinned on CUDA)."""
     optimizer_threads: int = 0
     """Torch threads in the parameter store for AdamW; 0 uses every core of the machine."""
     max_restarts: int = 3
