@@ -80,6 +80,8 @@ class ComputeActor:
             raise ValueError(f"transport={transport!r}: use 'auto', 'shm' or 'object_ref'")
         self.cfg = cfg
         self.device = torch.device(select_device(cfg))
+        if self.device.type == "cuda":  # with its index, as tensors report it (staging pool keys)
+            self.device = torch.device("cuda", torch.cuda.current_device())
         if self.device.type == "cpu":
             torch.set_num_threads(cfg.runtime.compute_threads or os.cpu_count() or 1)
         self.store = store
@@ -141,7 +143,7 @@ class ComputeActor:
             src = torch.from_numpy(np.array(raw, copy=True)).view(self.dtype)
             moved = src.numel() * src.element_size()
         if self._stage:  # simulated link: a throttled copy into a reused buffer
-            w = self._staging.acquire(src.numel(), src.dtype)
+            w, _ = self._staging.acquire(src.numel(), src.dtype)
             throttled_copy(w, src, self.link_gbps)
             moved = src.numel() * src.element_size()
         elif self._cuda:  # enqueue the H2D copy on its stream; the compute waits on its event
@@ -160,8 +162,11 @@ class ComputeActor:
         The result carries the event that marks the copy done (see ``_ready``)."""
         start, done = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         with torch.cuda.stream(self._h2d_stream):
+            # A reused device buffer: the copy waits until the compute is done with its last use.
+            w, fence = self._staging.acquire(src.numel(), src.dtype, self.device)
+            if fence is not None:
+                self._h2d_stream.wait_event(fence)
             start.record()
-            w = torch.empty(src.numel(), dtype=src.dtype, device=self.device)
             w.copy_(src, non_blocking=True)
             done.record()
         w._megaslide_ready = done  # read and dropped by _ready on the compute thread
@@ -180,8 +185,18 @@ class ComputeActor:
         return w
 
     def _release(self, w: torch.Tensor) -> None:
-        if self._stage:
-            self._staging.release(w)
+        """The compute is done with the weights ``w``: their staging buffer can be reused."""
+        if self._stage or self._cuda:
+            self._recycle(w)
+
+    def _recycle(self, buf: torch.Tensor) -> None:
+        """Hand a staging buffer back. CUDA: with an event after the compute work queued so far,
+        which the next copy into the buffer waits for."""
+        fence = None
+        if self._cuda:
+            fence = torch.cuda.Event()
+            fence.record(torch.cuda.current_stream(self.device))
+        self._staging.release(buf, fence)
 
     def _run(self, shard: int, flat: torch.Tensor, *args):
         params = self.infos[shard].layout.views(flat)
@@ -482,6 +497,7 @@ class _ActivationStash:
         root = Path(self.actor.cfg.runtime.state_dir) if self.actor.cfg.runtime.state_dir else default_state_root()
         path = root / f"megaslide-activations-{os.getpid()}-{id(self):x}"
         try:
+            root.mkdir(parents=True, exist_ok=True)  # (another node than the store's may lack it)
             self._host = map_segment(path, slots * numel, like.dtype, create=True)
         except OSError as e:
             raise RuntimeError(f"runtime.offload_activations: cannot make a {slots * numel * like.element_size()} "
@@ -547,7 +563,7 @@ class _ActivationStash:
         if isinstance(done, Future):
             done.result()
         t0 = time.perf_counter()
-        buf = a._staging.acquire(src.numel(), src.dtype)
+        buf, _ = a._staging.acquire(src.numel(), src.dtype)
         throttled_copy(buf, src, a.link_gbps)
         a._h2d[0] += src.numel() * src.element_size()
         a._h2d[1] += time.perf_counter() - t0
@@ -568,8 +584,8 @@ class _ActivationStash:
 
     def give_back(self, x: torch.Tensor) -> None:
         """``x`` (from ``take``) is no longer needed: its staging buffer is reused (CPU)."""
-        if self.offload and not self.actor._cuda:
-            self.actor._staging.release(x.view(-1))
+        if self.offload:
+            self.actor._recycle(x.view(-1))
 
     def release_host(self) -> None:
         self._pinning.release()
@@ -586,25 +602,28 @@ def peak_memory(device: torch.device) -> int:
 
 
 class _StagingPool:
-    """Reused staging buffers, by size: the working set stays at prefetch_depth + 1 shards
-    whatever the depth of the model (buffers are handed back after each shard's compute)."""
+    """Reused staging buffers, by size and device: the working set stays at prefetch_depth + 1
+    shards whatever the depth of the model (buffers are handed back after each shard's compute).
+    On CUDA these are the device buffers the H2D stream copies into; each comes back with a
+    ``fence`` event that the next copy into it must wait for."""
 
     def __init__(self):
-        self._free: dict[tuple[int, torch.dtype], list[torch.Tensor]] = {}
+        self._free: dict[tuple, list[tuple[torch.Tensor, object]]] = {}
         self._lock = threading.Lock()
         self.allocated = 0
 
-    def acquire(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
+    def acquire(self, numel: int, dtype: torch.dtype, device: torch.device | None = None) -> tuple[torch.Tensor, object]:
+        device = torch.device(device or "cpu")
         with self._lock:
-            free = self._free.get((numel, dtype))
+            free = self._free.get((numel, dtype, device))
             if free:
                 return free.pop()
             self.allocated += 1
-        return torch.empty(numel, dtype=dtype)
+        return torch.empty(numel, dtype=dtype, device=device), None
 
-    def release(self, buf: torch.Tensor) -> None:
+    def release(self, buf: torch.Tensor, fence: object = None) -> None:
         with self._lock:
-            self._free.setdefault((buf.numel(), buf.dtype), []).append(buf)
+            self._free.setdefault((buf.numel(), buf.dtype, buf.device), []).append((buf, fence))
 
 
 PIN_CHUNK_BYTES = 256 << 20

@@ -18,8 +18,8 @@ finished):
 2. ``streaming``: the compute actor on CUDA with the parameter store in this process
    (width 512, depth 8, bf16 weights): weights copied from the store's shared memory,
    registered as pinned, on the H2D stream; gradients back on the D2H stream. Overlap on
-   and off must give identical parameters; reports H2D GB/s, step time on/off, device
-   memory peak and how much memory was pinned.
+   and off, and on with ``runtime.offload_activations``, must give identical parameters;
+   reports H2D GB/s, step time on/off, device memory peak and how much memory was pinned.
 3. ``benchmark``: ``benchmarks.attention.measure`` in this process (CUDA peak memory is
    reset per measurement, so no fresh process is needed) for ``dense`` (SDPA restricted
    to the flash backend), ``swin``, ``neighborhood`` and ``dsa`` (Triton), bf16, B=1,
@@ -326,12 +326,12 @@ def markdown(report: dict) -> list[str]:
             lines += [_row_line(Row(**{**r, "grid": tuple(r["grid"])})) for r in info["rows"]]
             lines += ["", *(f"- {s}" for s in info.get("summary", [])), ""]
         if part == "streaming" and "overlap_on" in info:
-            for name in ("overlap_on", "overlap_off"):
+            for name in ("overlap_on", "overlap_off", "overlap_on_offload_activations"):
                 r = info[name]
                 lines.append(f"- {name}: {r['step_s']:.3f} s/step, H2D {r['h2d_gbps']:.1f} GB/s, device peak "
                              f"{r['device_peak_mib']:.0f} MiB, pinned {r['pinned_mib']:.0f} MiB")
             lines += [f"- on/off speedup x{info['speedup_on_vs_off']:.2f}; parameters equal on/off: "
-                      f"{info['params_equal_on_off']}", ""]
+                      f"{info['params_equal_on_off']}, with offloaded activations: {info['params_equal_offload']}", ""]
         if part == "speedup" and "speedup" in info:
             lines.append(f"Triton dsa {info['triton']['seconds'] * 1e3:.2f} ms vs reference "
                          f"{info['reference']['seconds'] * 1e3:.2f} ms at {info['tokens']} tokens: "
@@ -343,7 +343,9 @@ def markdown(report: dict) -> list[str]:
 def part_streaming(steps: int = 4, width: int = 512, depth: int = 8) -> dict:
     """The compute actor on CUDA with the store in this process (no Ray): bf16 weights streamed
     from pinned shared memory on the H2D stream, gradients back on the D2H stream. Overlap on
-    and off must give identical parameters; reports H2D GB/s, step time on/off, device memory."""
+    and off, and overlap on with the block inputs offloaded to pinned host memory, must give
+    identical parameters; reports H2D GB/s, step time on/off, device memory with and without
+    the offload."""
     import tempfile
 
     import torch
@@ -356,15 +358,16 @@ def part_streaming(steps: int = 4, width: int = 512, depth: int = 8) -> dict:
 
     results = {}
     with tempfile.TemporaryDirectory(prefix="megaslide-gpu-stream-") as tmp:
-        for overlap in (True, False):
+        for variant, overlap, offload in (("on", True, False), ("off", False, False), ("on_offload", True, True)):
             cfg = build_config("tiny", None, {"model.hidden_size": width, "model.num_heads": 8, "model.depth": depth,
                                               "training.steps": steps, "runtime.overlap": overlap,
+                                              "runtime.offload_activations": offload,
                                               "runtime.prefetch_depth": 2, "runtime.state_dir": tmp})
             resolve_data(cfg)
             with VideoDecoder(cfg.data, cfg.training.seed, cfg.model.caption_max_bytes) as decoder:
                 batches = [decoder.next_batch() for _ in range(steps)]
             w_dtype = "bfloat16" if torch.cuda.is_available() else "float32"  # (CPU: a smoke test)
-            store = ParameterStore(cfg, f"{tmp}/run-{overlap}", w_dtype)
+            store = ParameterStore(cfg, f"{tmp}/run-{variant}", w_dtype)
             compute = ComputeActor(cfg, store.shard_infos(), LocalStoreClient(store), "shm")
             if torch.cuda.is_available():
                 torch.cuda.reset_peak_memory_stats()
@@ -382,16 +385,19 @@ def part_streaming(steps: int = 4, width: int = 512, depth: int = 8) -> dict:
                 store.close()
             timed = rows[1:]
             h2d_s = sum(r.h2d_seconds for _, r in timed)
-            results[overlap] = {
+            results[variant] = {
                 "step_s": statistics.mean(t for t, _ in timed),
                 "h2d_gbps": sum(r.h2d_bytes for _, r in timed) / h2d_s / 1e9 if h2d_s else 0.0,
                 "losses": [r.loss for _, r in rows], "device_peak_mib": rows[-1][1].device_memory_peak_bytes / 2**20,
                 "pinned_mib": pinned / 2**20, "master": master}
-    on, off = results[True], results[False]
-    equal = all(torch.equal(a, b) for a, b in zip(on.pop("master"), off.pop("master")))
-    finite = all(math.isfinite(x) for x in on["losses"] + off["losses"])
-    return {"ok": equal and finite, "params_equal_on_off": equal, "overlap_on": on, "overlap_off": off,
-            "speedup_on_vs_off": off["step_s"] / on["step_s"]}
+    on, off, offloaded = results["on"], results["off"], results["on_offload"]
+    on_master = on.pop("master")
+    equal = all(torch.equal(a, b) for a, b in zip(on_master, off.pop("master")))
+    equal_offload = all(torch.equal(a, b) for a, b in zip(on_master, offloaded.pop("master")))
+    finite = all(math.isfinite(x) for x in on["losses"] + off["losses"] + offloaded["losses"])
+    return {"ok": equal and equal_offload and finite, "params_equal_on_off": equal,
+            "params_equal_offload": equal_offload, "overlap_on": on, "overlap_off": off,
+            "overlap_on_offload_activations": offloaded, "speedup_on_vs_off": off["step_s"] / on["step_s"]}
 
 
 def run_part(report: dict, name: str, out: Path, fn):

@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import tempfile
 import threading
@@ -81,7 +82,7 @@ def run(overrides: dict, batches, steps: int, measure_memory: bool = False) -> d
     state = tempfile.mkdtemp(prefix="megaslide-overlap-")
     store = ParameterStore(cfg, state)
     compute = ComputeActor(cfg, store.shard_infos(), LocalStoreClient(store), "shm")
-    times, peak = [], 0
+    times, peak, timelines = [], 0, []
     try:
         for step in range(steps):
             t0 = time.perf_counter()
@@ -92,30 +93,35 @@ def run(overrides: dict, batches, steps: int, measure_memory: bool = False) -> d
             else:
                 r = compute.train_step(batches[step % len(batches)], step)
             times.append(time.perf_counter() - t0)
+            timelines.append(compute.last_timeline)
             # No wait for the store's update here: as in training, it overlaps the next step's
             # forward (whose weight fetches wait for each shard's new version).
         store.wait_step(steps - 1)
-        L = cfg.model.depth
-        order = list(range(compute.n)) + list(range(L, -1, -1))
-        sizes = [compute.infos[i].numel * 4 for i in order]
-        timeline = compute.last_timeline
+        L, n = cfg.model.depth, compute.n
+        order = list(range(n)) + list(range(L, -1, -1))  # the actor's take order
+        grads = [compute.infos[i].numel * 4 for i in order]
+        fetches = [0 if p == n else b for p, b in enumerate(grads)]  # position n reuses the forward's block L
     finally:
         compute.close()
         store.close()
     return {"seconds": statistics.mean(times[1:]) if len(times) > 1 else times[0],
-            "staged_bytes": sum(sizes), "sizes": sizes, "order": order, "n": compute.n,
-            "timeline": timeline, "h2d_bytes": r.h2d_bytes, "peak_anon_bytes": peak}
+            "staged_bytes": sum(fetches), "fetch_bytes": fetches, "grad_bytes": grads, "n": n,
+            "timelines": timelines[1:] or timelines, "h2d_bytes": r.h2d_bytes, "peak_anon_bytes": peak}
 
 
 def simulate(pure: dict, gbps: float, depth: int, overlap: bool = True) -> float:
     """Step time of the actor's schedule on an ideal machine (see the module docstring):
-    compute times from the pure run's timeline, fetch and gradient-return times = bytes / link."""
-    start, takes, end = pure["timeline"]
-    sizes, order, n = pure["sizes"], pure["order"], pure["n"]
-    P = len(takes)
-    pre = takes[0][0] - start
-    comp = [takes[p + 1][0] - takes[p][1] for p in range(P - 1)] + [end - takes[-1][1]]
-    fetch = [b / (gbps * 1e9) for b in sizes]
+    compute times from the pure run's timelines (each position's mean over the timed steps),
+    fetch and gradient-return times = bytes / link."""
+    sizes, n = pure["grad_bytes"], pure["n"]
+    P = len(sizes)
+    pre, comp = 0.0, [0.0] * P
+    for start, takes, end in pure["timelines"]:
+        pre += (takes[0][0] - start) / len(pure["timelines"])
+        for p in range(P):
+            nxt = takes[p + 1][0] if p + 1 < P else end
+            comp[p] += (nxt - takes[p][1]) / len(pure["timelines"])
+    fetch = [b / (gbps * 1e9) for b in pure["fetch_bytes"]]
     # gradients: the head's after its position (n - 1), each backward position's after its own
     grad = {n - 1: sizes[n - 1], **{p: sizes[p] for p in range(n, P)}}
     if not overlap:
@@ -125,8 +131,9 @@ def simulate(pure: dict, gbps: float, depth: int, overlap: bool = True) -> float
     ret = 0.0
     for p in range(P):
         submit = pre if p <= depth else c_start[p - depth]
-        f_end[p] = max(link, submit) + fetch[p]
-        link = f_end[p]
+        if fetch[p]:  # a kept shard (fetch 0) neither waits for nor uses the link
+            f_end[p] = max(link, submit) + fetch[p]
+            link = f_end[p]
         c_start[p] = max(c_end[p - 1] if p else pre, f_end[p])
         c_end[p] = c_start[p] + comp[p]
         if p in grad:
@@ -141,6 +148,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--skip-memory", action="store_true")
     p.add_argument("--models", default=",".join(MODELS), help="comma-separated subset of " + ",".join(MODELS))
     p.add_argument("--prefetch-depth", type=int, default=1, help="runtime.prefetch_depth of the overlap-on run")
+    p.add_argument("--ratios", default="1.0,0.5",
+                   help="transfer time / compute time at which to set the link (comma-separated)")
     p.add_argument("--memory-depth", type=int, help=argparse.SUPPRESS)  # one measurement, in a child
     p.add_argument("--memory-offload", action="store_true", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
@@ -158,53 +167,61 @@ def main(argv: list[str] | None = None) -> int:
     for name in args.models.split(","):
         ov = {**common, **MODELS[name]}
         pure = run(ov, batches, args.steps)
-        gbps = pure["staged_bytes"] / pure["seconds"] / 1e9
-        transfer = pure["staged_bytes"] / (gbps * 1e9)
-        link = {"runtime.link_gbps": str(gbps), "runtime.prefetch_depth": str(depth)}
-        off = run({**ov, **link, "runtime.overlap": "false"}, batches, args.steps)
-        on = run({**ov, **link, "runtime.overlap": "true"}, batches, args.steps)
-        best = max(pure["seconds"], transfer)
-        model_on = simulate(pure, gbps, depth)
-        rows.append({"model": name, "compute_s": pure["seconds"], "link_gbps": gbps, "transfer_s": transfer,
-                     "off_s": off["seconds"], "on_s": on["seconds"], "efficiency": best / on["seconds"],
-                     "speedup": off["seconds"] / on["seconds"], "staged_mb": pure["staged_bytes"] / 1e6,
-                     "prefetch_depth": depth, "model_off_s": simulate(pure, gbps, depth, overlap=False),
-                     "model_on_s": model_on, "model_efficiency": best / model_on,
-                     "unbounded_prefetch_efficiency": best / simulate(pure, gbps, len(pure["sizes"]))})
+        for ratio in (float(r) for r in args.ratios.split(",")):
+            gbps = pure["staged_bytes"] / (ratio * pure["seconds"]) / 1e9
+            transfer = pure["staged_bytes"] / (gbps * 1e9)
+            link = {"runtime.link_gbps": str(gbps), "runtime.prefetch_depth": str(depth)}
+            off = run({**ov, **link, "runtime.overlap": "false"}, batches, args.steps)
+            on = run({**ov, **link, "runtime.overlap": "true"}, batches, args.steps)
+            best = max(pure["seconds"], transfer)
+            model_on = simulate(pure, gbps, depth)
+            rows.append({"model": name, "ratio": ratio, "compute_s": pure["seconds"], "link_gbps": gbps,
+                         "transfer_s": transfer,
+                         "off_s": off["seconds"], "on_s": on["seconds"], "efficiency": best / on["seconds"],
+                         "speedup": off["seconds"] / on["seconds"], "staged_mb": pure["staged_bytes"] / 1e6,
+                         "prefetch_depth": depth, "model_off_s": simulate(pure, gbps, depth, overlap=False),
+                         "model_on_s": model_on, "model_efficiency": best / model_on,
+                         "unbounded_prefetch_efficiency": best / simulate(pure, gbps, len(pure["grad_bytes"])),
+                         "h2d_bytes_on": on["h2d_bytes"]})
     mem = []
     if not args.skip_memory:
         import subprocess
         import sys
 
-        for offload in (False, True):
-            for d in (4, 32):
-                cmd = [sys.executable, "-m", "benchmarks.overlap", "--memory-depth", str(d)]
-                out = subprocess.run(cmd + ["--memory-offload"] * offload, capture_output=True, text=True,
-                                     check=True).stdout
-                mem.append({"model": f"tiny depth {d}", "offload_activations": offload,
-                            "peak_anon_mb": float(out.split()[-1]) / 1e6})
+        for malloc in ("default", "mmap"):
+            # mmap: blocks over 64 KiB are mapped and unmapped one by one, so RSS follows the live
+            # tensors; the default heap keeps freed blocks and adds its fragmentation.
+            env = {**os.environ, **({"MALLOC_MMAP_THRESHOLD_": "65536"} if malloc == "mmap" else {})}
+            for offload in (False, True):
+                for d in (4, 32):
+                    cmd = [sys.executable, "-m", "benchmarks.overlap", "--memory-depth", str(d)]
+                    out = subprocess.run(cmd + ["--memory-offload"] * offload, capture_output=True, text=True,
+                                         check=True, env=env).stdout
+                    mem.append({"model": f"tiny depth {d}", "offload_activations": offload, "malloc": malloc,
+                                "peak_anon_mb": float(out.split()[-1]) / 1e6})
     if args.json:
         for r in rows + mem:
             print(json.dumps(r))
         return 0
-    print(f"{'model':<8}{'compute s':>10}{'link GB/s':>11}{'transfer s':>11}{'off s':>8}{'on s':>8}"
+    print(f"{'model':<8}{'T_x/T_c':>8}{'compute s':>10}{'link GB/s':>11}{'transfer s':>11}{'off s':>8}{'on s':>8}"
           f"{'efficiency':>12}{'on/off speedup':>16}{'model off s':>13}{'model on s':>12}{'model eff':>11}")
     for r in rows:
-        print(f"{r['model']:<8}{r['compute_s']:>10.3f}{r['link_gbps']:>11.3f}{r['transfer_s']:>11.3f}"
+        print(f"{r['model']:<8}{r['ratio']:>8.2f}{r['compute_s']:>10.3f}{r['link_gbps']:>11.3f}{r['transfer_s']:>11.3f}"
               f"{r['off_s']:>8.3f}{r['on_s']:>8.3f}{r['efficiency']:>12.2f}{r['speedup']:>16.2f}"
               f"{r['model_off_s']:>13.3f}{r['model_on_s']:>12.3f}{r['model_efficiency']:>11.2f}")
     if rows:
         print(f"prefetch_depth {depth}; model eff with unlimited prefetch: "
-              + ", ".join(f"{r['model']} {r['unbounded_prefetch_efficiency']:.2f}" for r in rows))
+              + ", ".join(f"{r['model']}@{r['ratio']:.2f} {r['unbounded_prefetch_efficiency']:.2f}" for r in rows))
     for m in mem:
         where = "offloaded to host" if m["offload_activations"] else "kept in the process"
-        print(f"{m['model']:<16} block inputs {where:<20} peak working memory during a step: "
-              f"{m['peak_anon_mb']:.1f} MB")
-    for offload in (False, True):
-        pair = [m["peak_anon_mb"] for m in mem if m["offload_activations"] == offload]
-        if len(pair) == 2:
-            print(f"peak working memory depth 32 / depth 4, offload_activations={str(offload).lower()}: "
-                  f"{pair[1] / pair[0]:.2f}")
+        print(f"{m['model']:<14} malloc {m['malloc']:<8} block inputs {where:<20} peak working memory "
+              f"during a step: {m['peak_anon_mb']:.1f} MB")
+    for malloc in ("default", "mmap"):
+        for offload in (False, True):
+            pair = [m["peak_anon_mb"] for m in mem if m["offload_activations"] == offload and m["malloc"] == malloc]
+            if len(pair) == 2:
+                print(f"peak working memory depth 32 / depth 4, malloc {malloc}, "
+                      f"offload_activations={str(offload).lower()}: {pair[1] / pair[0]:.2f}")
     return 0
 
 

@@ -153,14 +153,15 @@ class RuntimeConfig:
     prefetch_depth: int = 1
     """Shards staged ahead of the one computing (with ``overlap``)."""
     link_gbps: float = 0.0
-    """CPU runs: throttle weight staging and gradient return to this many GB/s, to simulate a PCIe
-    link without a GPU (0: no throttle; weights are then read in place from shared memory)."""
+    """CPU runs: throttle weight staging and gradient return (and offloaded activations) to this
+    many GB/s, to simulate a PCIe link without a GPU (0: no throttle; weights are then read in
+    place from shared memory)."""
     offload_activations: bool = False
     """Keep the block inputs saved for the backward in host memory instead of on the compute
     device: each goes out right after the forward uses it and comes back ahead of its block's
     backward, so device memory no longer grows with model depth. Costs one round trip of
-    depth x batch x tokens x width values per step over the link (the host copy lives under
-    ``runtime.state_dir``'s root, pinned on CUDA)."""
+    depth x batch x tokens x width values per step over the link. The host copy is an unlinked
+    file in ``runtime.state_dir`` (``/dev/shm`` by default), pinned on CUDA."""
     optimizer_threads: int = 0
     """Torch threads in the parameter store for AdamW; 0 uses every core of the machine."""
     max_restarts: int = 3

@@ -23,7 +23,9 @@ Device memory:
     shard buffers = (PREFETCH_DEPTH + 1) * Smax * (w bytes + grad bytes): the block being
     computed plus two staged ahead, each with its weights and its gradient.
     activations   = checkpoints + one block's working set during recompute + pixel tensors.
-        checkpoints      L * B * N * D * a         (block inputs kept at block boundaries)
+        checkpoints      L * B * N * D * a         (block inputs kept at block boundaries;
+                         with ``runtime.offload_activations`` only (PREFETCH_DEPTH + 1) of them
+                         are on the device, the rest in host RAM)
         block linear     B * N * a * (12 D + 2 F + D + max(F, 3 D))
                          saved by autograd: x, norm1, modulated (3D), qkv (3D), attention
                          output (D), proj output (D), residual, norm2, modulated (3D),
@@ -48,6 +50,9 @@ Traffic per step:
     host -> device   2 * P * w bytes   (weights streamed for the forward and again for the
                                         backward's recompute: 420 GB for 105B in bf16)
     device -> host   P * w bytes       (gradients: 210 GB)
+    (the compute actor keeps the head's and the last block's forward weights for their
+    backward, so it moves slightly less than 2 P; with ``runtime.offload_activations`` the
+    block inputs add L * B * N * D * a in each direction)
     AdamW DRAM       P * ADAMW_BYTES_PER_PARAM: one ideal pass reads g (w bytes) + master +
                      m + v (12) and writes master + m + v (12) + w (w bytes) = 28 B/param in
                      bf16 (2.94 TB for 105B), 32 in fp32. The store's two AdamW kernels
@@ -233,8 +238,10 @@ def _activations(cfg: Config, a: int) -> tuple[dict[str, int], dict[str, int]]:
     offsets = BN * nh * K * 3 * a
     offset_predictor = 2 * BN * D * a
     lse = BN * nh * 4
+    kept = min(L, PREFETCH_DEPTH + 1) if cfg.runtime.offload_activations else L
     parts = {
-        "checkpoints": L * BN * D * a,
+        "checkpoints": kept * BN * D * a,
+        "offloaded_checkpoints": (L - kept) * BN * D * a if cfg.runtime.offload_activations else 0,
         "block_linear": BN * a * (12 * D + 2 * F + D + max(F, 3 * D)),
         "pixels": 3 * B * cfg.data.num_frames * cfg.data.height * cfg.data.width * m.in_channels * 4,
         "dense_flash": lse,
@@ -292,8 +299,9 @@ def plan(cfg: Config, w_dtype: str = "bfloat16", pcie_gbps: float = 55.0, dram_g
     variant = SELECTED_VARIANT[cfg.attention.kind]
 
     # -- traffic
-    h2d = 2 * P * wb
-    d2h = P * wb
+    offloaded = cfg.model.depth * B * N * cfg.model.hidden_size * wb if cfg.runtime.offload_activations else 0
+    h2d = 2 * P * wb + offloaded
+    d2h = P * wb + offloaded
     adamw_pp = wb + 12 + 12 + wb
     adamw_store_pp = adamw_pp + (12 if wb == 2 else 4)  # fused; bf16: g upcast and w cast; fp32: w.copy_
     adamw_bytes = P * adamw_pp
@@ -314,7 +322,7 @@ def plan(cfg: Config, w_dtype: str = "bfloat16", pcie_gbps: float = 55.0, dram_g
     binding = max(terms, key=terms.__getitem__)
 
     # -- fit
-    host_required = int(math.ceil(total * (1 + HOST_MARGIN)))
+    host_required = int(math.ceil((total + parts["offloaded_checkpoints"]) * (1 + HOST_MARGIN)))
     device_required = shard_bytes + act_totals[variant]
     fits_host = None if ram_gb is None else host_required <= ram_gb * 1e9
     fits_device = None if gpu_gb is None else device_required <= gpu_gb * 1e9
@@ -324,8 +332,8 @@ def plan(cfg: Config, w_dtype: str = "bfloat16", pcie_gbps: float = 55.0, dram_g
     notes = []
     if fits_device is False and parts["checkpoints"] > 0.25 * device_required:
         notes.append(f"block-boundary checkpoints alone take {fmt_bytes(parts['checkpoints'])} on the device; "
-                     f"offloading them to host RAM would add {fmt_bytes(parts['checkpoints'])} to each PCIe "
-                     f"direction per step")
+                     f"--runtime.offload_activations true keeps them in host RAM for "
+                     f"{fmt_bytes(parts['checkpoints'])} more in each PCIe direction per step")
     if fits_device is False and parts["block_linear"] > 0.25 * device_required:
         notes.append(f"one block's linear working set is {fmt_bytes(parts['block_linear'])}: the MLP and projections "
                      f"act per token, so running a block's recompute and backward in token chunks would divide it "
@@ -427,7 +435,11 @@ def render(p: Plan) -> str:
     parts = p.activation_parts
     row(f"shard buffers: {p.prefetch_depth + 1} x (w + grad) of shard {p.largest_shard}",
         fmt_bytes(p.device_shard_bytes))
-    row(f"checkpoints: L x B x N x D x {wb} B", fmt_bytes(parts["checkpoints"]))
+    if parts["offloaded_checkpoints"]:
+        row(f"checkpoints: {p.prefetch_depth + 1} x B x N x D x {wb} B (offloaded: the rest in host RAM)",
+            fmt_bytes(parts["checkpoints"]), f"(host: {fmt_bytes(parts['offloaded_checkpoints'])})")
+    else:
+        row(f"checkpoints: L x B x N x D x {wb} B", fmt_bytes(parts["checkpoints"]))
     row("one block's working set (linear part)", fmt_bytes(parts["block_linear"]))
     row("pixel tensors (x_t, target, prediction)", fmt_bytes(parts["pixels"]))
     lines.append("  activations in total, by attention:")
@@ -439,8 +451,9 @@ def render(p: Plan) -> str:
         row(f"  {VARIANT_LABELS[v]}", fmt_bytes(p.activation_bytes[v]), f"(attention part {fmt_bytes(parts[v])}){mark}")
 
     lines.append("\nper step")
-    row("host -> device: weights twice (fwd + bwd)", fmt_bytes(p.h2d_bytes))
-    row("device -> host: gradients", fmt_bytes(p.d2h_bytes))
+    inputs = " + block inputs (offloaded)" if parts["offloaded_checkpoints"] else ""
+    row("host -> device: weights twice (fwd + bwd)" + inputs, fmt_bytes(p.h2d_bytes))
+    row("device -> host: gradients" + inputs, fmt_bytes(p.d2h_bytes))
     row(f"AdamW DRAM traffic, {p.adamw_bytes_per_param} B/param", fmt_bytes(p.adamw_dram_bytes),
         f"(the store: fused {p.adamw_store_bytes_per_param} B/param, "
         f"compiled {p.adamw_compiled_bytes_per_param})")

@@ -103,3 +103,19 @@ def test_module_runs_as_a_program():
     assert out.returncode == 0, out.stderr
     doc = json.loads(out.stdout)
     assert doc["tokens_per_sample"] == 256 * 540 * 960
+
+
+def test_offloaded_block_inputs_move_from_device_to_host_and_link():
+    cfg = config_for("dit-28b", frames=32, height=256, width=256)
+    kept = plan(cfg)
+    cfg.runtime.offload_activations = True
+    off = plan(cfg)
+    m = cfg.model
+    inputs = m.depth * cfg.data.batch_size * cfg.tokens_per_sample * m.hidden_size * 2  # bf16
+    assert kept.activation_parts["checkpoints"] == inputs
+    assert off.activation_parts["checkpoints"] == inputs * (off.prefetch_depth + 1) // m.depth
+    assert off.activation_parts["offloaded_checkpoints"] == inputs - off.activation_parts["checkpoints"]
+    assert off.device_required_bytes == kept.device_required_bytes - off.activation_parts["offloaded_checkpoints"]
+    assert off.h2d_bytes == kept.h2d_bytes + inputs and off.d2h_bytes == kept.d2h_bytes + inputs
+    assert off.host_required_bytes > kept.host_required_bytes
+    assert "offloaded" in render(off)
