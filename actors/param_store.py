@@ -50,6 +50,7 @@ import logging
 import math
 import os
 import shutil
+import socket
 import tempfile
 import threading
 import time
@@ -130,6 +131,54 @@ def map_segment(path: str | Path, numel: int, dtype: torch.dtype, create: bool =
     return torch.from_file(str(path), shared=True, size=numel, dtype=dtype)
 
 
+def _this_machine() -> dict:
+    boot = Path("/proc/sys/kernel/random/boot_id")
+    return {"host": socket.gethostname(), "boot_id": boot.read_text().strip() if boot.is_file() else ""}
+
+
+def write_owner(state: Path, pid: int) -> None:
+    """Record which process's run the state belongs to (the driver's), for ``sweep_stale_states``."""
+    tmp = state / "owner.json.tmp"
+    tmp.write_text(json.dumps({**_this_machine(), "pid": int(pid)}))
+    os.replace(tmp, state / "owner.json")
+
+
+def _running(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's process: running
+        return True
+    return True
+
+
+def sweep_stale_states(root: Path, keep: Path | None = None) -> list[Path]:
+    """Remove the state directories under ``root`` left by runs that ended without cleaning up
+    (a driver killed with SIGKILL, a machine reset): those whose owner, recorded on this machine,
+    is no longer running (or ran before the last boot). A state without an owner record, or one
+    recorded on another machine, is left alone. Returns what was removed."""
+    me, removed = _this_machine(), []
+    for d in sorted(root.glob("megaslide-*")):
+        if d == keep or not d.is_dir():
+            continue
+        try:
+            owner = json.loads((d / "owner.json").read_text())
+            pid = int(owner["pid"])
+        except (OSError, ValueError, KeyError, TypeError):
+            continue
+        if owner.get("host") != me["host"] or pid <= 0:
+            continue
+        if owner.get("boot_id") == me["boot_id"] and _running(pid):
+            continue
+        size = sum(f.stat().st_size for f in d.iterdir() if f.is_file())
+        shutil.rmtree(d, ignore_errors=True)
+        log.warning("removed %s (%.2f GB): the state of a run whose driver (pid %d) ended without cleaning up",
+                    d, size / 1e9, pid)
+        removed.append(d)
+    return removed
+
+
 class StateNotTrustedError(RuntimeError):
     """The store's shared state was cut in the middle of an update: resume from a checkpoint."""
 
@@ -146,13 +195,15 @@ class GradientsLostError(RuntimeError):
 class ParameterStore:
     def __init__(self, cfg: Config, run_dir: str, w_dtype: str = "float32",
                  resume_checkpoint: str | None = None, attach: bool = False, init_from: str | None = None,
-                 adamw: str | None = None):
+                 adamw: str | None = None, owner_pid: int | None = None):
         """``run_dir`` names the state (a restarted store finds it again); ``w_dtype`` is the
         compute copy's dtype. Fresh state comes from ``resume_checkpoint`` (everything, at its
         step), else ``init_from`` (pretrained weights, moments zero, step 0; see
         ``megaslide_ray/pretrained.py``), else the seeded initialisation. ``attach`` maps an
         existing state instead (Ray restarts attach by themselves). ``adamw``: ``fused``,
-        ``compiled`` or ``auto`` (default: ``MEGASLIDE_ADAMW``, else ``fused``)."""
+        ``compiled`` or ``auto`` (default: ``MEGASLIDE_ADAMW``, else ``fused``). ``owner_pid``: the
+        process whose run this is (the driver; default this process): a fresh state records it,
+        and first removes states under the same root whose recorded owner is gone."""
         if w_dtype not in DTYPES:
             raise ValueError(f"w_dtype={w_dtype!r}; use one of {list(DTYPES)}")
         threads = cfg.runtime.optimizer_threads or os.cpu_count() or 1
@@ -177,10 +228,13 @@ class ParameterStore:
         if attached:
             self._check_layout()
         else:
+            root.mkdir(parents=True, exist_ok=True)
+            sweep_stale_states(root, keep=self.dir)
             self._check_space(root)
             if self.dir.exists():
                 shutil.rmtree(self.dir)
             self.dir.mkdir(parents=True)
+            write_owner(self.dir, owner_pid or os.getpid())
         self.seg: list[dict[str, torch.Tensor]] = []
         for i, lay in enumerate(self.layouts):
             segs = {}

@@ -123,7 +123,8 @@ class StreamingPipeline:
         store_cls = ray.remote(ParameterStore).options(
             name=f"{NAMESPACE}/param-store", num_cpus=0, max_concurrency=64,
             max_restarts=cfg.runtime.max_restarts, **actor_options())
-        self.store = store_cls.remote(cfg, run_dir, w_dtype, resume_checkpoint, False, init_from)
+        self.store = store_cls.remote(cfg, run_dir, w_dtype, resume_checkpoint, False, init_from,
+                                      owner_pid=os.getpid())
         self.infos = ray.get(self.store.shard_infos.remote())
         status = ray.get(self.store.status.remote())
         self.store_node, self.state_dir = status.node_id, status.state_dir

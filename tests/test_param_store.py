@@ -195,3 +195,35 @@ def test_init_from_mismatches_are_listed_in_one_error(cfg, tmp_path, capsys):
     assert train_main(argv) == 2
     assert "head.linear.weight" in capsys.readouterr().err
     assert not (tmp_path / "cli").exists()
+
+
+def test_a_fresh_store_removes_states_whose_driver_is_gone(cfg, tmp_path, caplog):
+    import json
+    import subprocess
+    import sys
+
+    gone = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True,
+                          text=True, check=True)
+    dead_pid = int(gone.stdout)
+    me = param_store._this_machine()
+    states = {}
+    for name, owner in {"dead": {**me, "pid": dead_pid}, "alive": {**me, "pid": 1},
+                        "rebooted": {**me, "boot_id": "another-boot", "pid": 1},
+                        "other-host": {**me, "host": me["host"] + "-elsewhere", "pid": dead_pid},
+                        "no-owner": None}.items():
+        d = tmp_path / f"megaslide-{name}"
+        d.mkdir()
+        (d / "shard_0000.w").write_bytes(b"\0" * 4096)
+        if owner is not None:
+            (d / "owner.json").write_text(json.dumps(owner))
+        states[name] = d
+    with caplog.at_level("WARNING"):
+        store = ParameterStore(cfg, str(tmp_path / "run"))
+    try:
+        left = {name for name, d in states.items() if d.exists()}
+        assert left == {"alive", "other-host", "no-owner"}
+        assert f"driver (pid {dead_pid})" in caplog.text
+        owner = json.loads((store.dir / "owner.json").read_text())
+        assert owner["pid"] == __import__("os").getpid() and owner["host"] == me["host"]
+    finally:
+        store.close()
