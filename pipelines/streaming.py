@@ -330,15 +330,15 @@ class StreamingPipeline:
             ray.cancel(ref, force=False)
         self._queued.clear()
         self._batches.clear()
-        handles = [self.compute, *self.decoders]
-        for h, method in [(self.compute, "close"), *[(d, "close") for d in self.decoders]]:
-            try:
-                ray.get(getattr(h, method).remote(), timeout=30)
-            except Exception as e:  # noqa: BLE001 - closing best-effort, then killed below
-                log.debug("closing actor failed: %r", e)
+        closing = self.compute.close.remote()
+        self.decoder_pool.close()  # all decoders at once: a frozen one is killed after one timeout
+        try:
+            ray.get(closing, timeout=30)
+        except Exception as e:  # noqa: BLE001 - closing best-effort, then killed below
+            log.debug("closing the compute actor failed: %r", e)
         try:
             ray.get(self.store.close.remote(), timeout=60)
         except Exception as e:  # noqa: BLE001
             log.warning("parameter store did not close cleanly: %r", e)
-        for h in handles + [self.store]:
+        for h in (self.compute, self.store):
             ray.kill(h)
