@@ -332,7 +332,7 @@ def plan(cfg: Config, w_dtype: str = "bfloat16", pcie_gbps: float = 55.0, dram_g
     notes = []
     if fits_device is False and parts["checkpoints"] > 0.25 * device_required:
         notes.append(f"block-boundary checkpoints alone take {fmt_bytes(parts['checkpoints'])} on the device; "
-                     f"--runtime.offload_activations true keeps them in host RAM for "
+                     f"runtime.offload_activations (--offload-activations here) keeps them in host RAM for "
                      f"{fmt_bytes(parts['checkpoints'])} more in each PCIe direction per step")
     if fits_device is False and parts["block_linear"] > 0.25 * device_required:
         notes.append(f"one block's linear working set is {fmt_bytes(parts['block_linear'])}: the MLP and projections "
@@ -436,7 +436,7 @@ def render(p: Plan) -> str:
     row(f"shard buffers: {p.prefetch_depth + 1} x (w + grad) of shard {p.largest_shard}",
         fmt_bytes(p.device_shard_bytes))
     if parts["offloaded_checkpoints"]:
-        row(f"checkpoints: {p.prefetch_depth + 1} x B x N x D x {wb} B (offloaded: the rest in host RAM)",
+        row(f"checkpoints: {p.prefetch_depth + 1} x B x N x D x {wb} B (offloaded)",
             fmt_bytes(parts["checkpoints"]), f"(host: {fmt_bytes(parts['offloaded_checkpoints'])})")
     else:
         row(f"checkpoints: L x B x N x D x {wb} B", fmt_bytes(parts["checkpoints"]))
@@ -451,8 +451,8 @@ def render(p: Plan) -> str:
         row(f"  {VARIANT_LABELS[v]}", fmt_bytes(p.activation_bytes[v]), f"(attention part {fmt_bytes(parts[v])}){mark}")
 
     lines.append("\nper step")
-    inputs = " + block inputs (offloaded)" if parts["offloaded_checkpoints"] else ""
-    row("host -> device: weights twice (fwd + bwd)" + inputs, fmt_bytes(p.h2d_bytes))
+    inputs = " + block inputs" if parts["offloaded_checkpoints"] else ""
+    row("host -> device: weights twice" + (inputs or " (fwd + bwd)"), fmt_bytes(p.h2d_bytes))
     row("device -> host: gradients" + inputs, fmt_bytes(p.d2h_bytes))
     row(f"AdamW DRAM traffic, {p.adamw_bytes_per_param} B/param", fmt_bytes(p.adamw_dram_bytes),
         f"(the store: fused {p.adamw_store_bytes_per_param} B/param, "
@@ -525,11 +525,15 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--device-tflops", type=float, default=990.0, help="device TFLOP/s (bf16 dense)")
     ap.add_argument("--ram-gb", type=float, default=None, help="host RAM in GB (1e9 B): check the fit")
     ap.add_argument("--gpu-gb", type=float, default=None, help="device memory in GB (1e9 B): check the fit")
+    ap.add_argument("--offload-activations", action="store_true",
+                    help="plan with runtime.offload_activations (block inputs in host RAM)")
     ap.add_argument("--json", action="store_true", help="print one JSON object")
     args = ap.parse_args(argv)
     try:
         cfg = config_for(args.preset, args.frames, args.height, args.width, args.batch_size, args.attention,
                          args.config)
+        if args.offload_activations:
+            cfg.runtime.offload_activations = True
         result = plan(cfg, args.w_dtype, args.pcie_gbps, args.dram_gbps, args.device_tflops, args.ram_gb,
                       args.gpu_gb)
     except ConfigError as e:

@@ -118,4 +118,4 @@ def test_offloaded_block_inputs_move_from_device_to_host_and_link():
     assert off.device_required_bytes == kept.device_required_bytes - off.activation_parts["offloaded_checkpoints"]
     assert off.h2d_bytes == kept.h2d_bytes + inputs and off.d2h_bytes == kept.d2h_bytes + inputs
     assert off.host_required_bytes > kept.host_required_bytes
-    assert "offloaded" in render(off)
+    assert "(offloaded)" in render(off) and "block inputs" in render(off)
