@@ -1,7 +1,8 @@
 """Does streaming hide the transfers? Step time with overlap off and on, at a simulated link
 speed where moving a step's weights takes about as long as the step's compute.
 
-    python -m benchmarks.overlap [--steps 4] [--json] [--skip-memory] [--prefetch-depth 1]
+    python -m benchmarks.overlap [--steps 4] [--rounds 1] [--ratios 1.0,0.5] [--models tiny,wide]
+                                 [--prefetch-depth 1] [--skip-memory] [--json]
 
 For each model: (1) the pure compute step time T_c (no throttle, weights read in place);
 (2) the link speed X = weight bytes staged per step / T_c, so transfer time T_x ~= T_c;
@@ -148,6 +149,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--skip-memory", action="store_true")
     p.add_argument("--models", default=",".join(MODELS), help="comma-separated subset of " + ",".join(MODELS))
     p.add_argument("--prefetch-depth", type=int, default=1, help="runtime.prefetch_depth of the overlap-on run")
+    p.add_argument("--rounds", type=int, default=1, help="repeat pure/off/on this many times; medians")
     p.add_argument("--ratios", default="1.0,0.5",
                    help="transfer time / compute time at which to set the link (comma-separated)")
     p.add_argument("--memory-depth", type=int, help=argparse.SUPPRESS)  # one measurement, in a child
@@ -164,25 +166,37 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     rows = []
     depth = args.prefetch_depth
+    ratios = [float(r) for r in args.ratios.split(",")]
     for name in args.models.split(","):
         ov = {**common, **MODELS[name]}
         pure = run(ov, batches, args.steps)
-        for ratio in (float(r) for r in args.ratios.split(",")):
-            gbps = pure["staged_bytes"] / (ratio * pure["seconds"]) / 1e9
+        links = {ratio: pure["staged_bytes"] / (ratio * pure["seconds"]) / 1e9 for ratio in ratios}
+        # Rounds: pure, then off and on at each link speed, again and again; medians per run kind,
+        # so a drift of the machine's speed hits every kind alike. The link speeds stay as set
+        # from the first pure run.
+        pures, offs, ons = [pure], {r: [] for r in ratios}, {r: [] for r in ratios}
+        for k in range(args.rounds):
+            if k:
+                pures.append(run(ov, batches, args.steps))
+            for ratio, gbps in links.items():
+                link = {"runtime.link_gbps": str(gbps), "runtime.prefetch_depth": str(depth)}
+                offs[ratio].append(run({**ov, **link, "runtime.overlap": "false"}, batches, args.steps)["seconds"])
+                ons[ratio].append(run({**ov, **link, "runtime.overlap": "true"}, batches, args.steps)["seconds"])
+        compute = statistics.median(r["seconds"] for r in pures)
+        pooled = {**pure, "timelines": [t for r in pures for t in r["timelines"]]}
+        for ratio, gbps in links.items():
             transfer = pure["staged_bytes"] / (gbps * 1e9)
-            link = {"runtime.link_gbps": str(gbps), "runtime.prefetch_depth": str(depth)}
-            off = run({**ov, **link, "runtime.overlap": "false"}, batches, args.steps)
-            on = run({**ov, **link, "runtime.overlap": "true"}, batches, args.steps)
-            best = max(pure["seconds"], transfer)
-            model_on = simulate(pure, gbps, depth)
-            rows.append({"model": name, "ratio": ratio, "compute_s": pure["seconds"], "link_gbps": gbps,
-                         "transfer_s": transfer,
-                         "off_s": off["seconds"], "on_s": on["seconds"], "efficiency": best / on["seconds"],
-                         "speedup": off["seconds"] / on["seconds"], "staged_mb": pure["staged_bytes"] / 1e6,
-                         "prefetch_depth": depth, "model_off_s": simulate(pure, gbps, depth, overlap=False),
+            off_s, on_s = statistics.median(offs[ratio]), statistics.median(ons[ratio])
+            best = max(compute, transfer)
+            model_on = simulate(pooled, gbps, depth)
+            rows.append({"model": name, "ratio": transfer / compute, "compute_s": compute, "link_gbps": gbps,
+                         "transfer_s": transfer, "off_s": off_s, "on_s": on_s, "efficiency": best / on_s,
+                         "speedup": off_s / on_s, "staged_mb": pure["staged_bytes"] / 1e6, "rounds": args.rounds,
+                         "on_s_each": ons[ratio], "off_s_each": offs[ratio],
+                         "compute_s_each": [r["seconds"] for r in pures],
+                         "prefetch_depth": depth, "model_off_s": simulate(pooled, gbps, depth, overlap=False),
                          "model_on_s": model_on, "model_efficiency": best / model_on,
-                         "unbounded_prefetch_efficiency": best / simulate(pure, gbps, len(pure["grad_bytes"])),
-                         "h2d_bytes_on": on["h2d_bytes"]})
+                         "unbounded_prefetch_efficiency": best / simulate(pooled, gbps, len(pure["grad_bytes"]))})
     mem = []
     if not args.skip_memory:
         import subprocess
