@@ -303,7 +303,6 @@ def bandwidth_references(numel: int = TRIAD_NUMEL, reps: int = TRIAD_REPS) -> di
     c = torch.full((numel,), 2.0)
     best = best_of_rounds({"triad": lambda: torch.add(b, c, alpha=3.0, out=a),
                            "rmw": lambda: a.add_(b)}, reps)
-    del a, b, c
     return {name: (12 * numel / secs / 1e9, secs) for name, secs in best.items()}
 
 

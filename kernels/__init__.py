@@ -22,6 +22,7 @@ Force a path with ``backend=...`` or the environment variable
 
 from __future__ import annotations
 
+import importlib
 import os
 from typing import Literal, Sequence
 
@@ -61,7 +62,7 @@ def resolve_dsa_backend(q: torch.Tensor, backend: str | None = None) -> str:
 
 def _triton_available() -> bool:
     try:
-        from . import dsa_triton  # noqa: F401
+        importlib.import_module(f"{__name__}.dsa_triton")
     except Exception:  # triton missing or broken: the reference still works
         return False
     return True
