@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import logging
 import os
+import shutil
 import time
 from dataclasses import dataclass
 
@@ -315,8 +316,6 @@ class StreamingPipeline:
 
     def abort(self) -> None:
         """Kill every actor now and remove the store's shared-memory state (same node only)."""
-        import shutil
-
         for h in [self.compute, *self.decoders, self.store]:
             try:
                 ray.kill(h, no_restart=True)
@@ -336,9 +335,15 @@ class StreamingPipeline:
             ray.get(closing, timeout=30)
         except Exception as e:  # noqa: BLE001 - closing best-effort, then killed below
             log.debug("closing the compute actor failed: %r", e)
+        closed = False
         try:
             ray.get(self.store.close.remote(), timeout=60)
+            closed = True
         except Exception as e:  # noqa: BLE001
             log.warning("parameter store did not close cleanly: %r", e)
         for h in (self.compute, self.store):
             ray.kill(h)
+        if not closed and self.store_node == ray.get_runtime_context().get_node_id():
+            # A dead store (e.g. one that could not be restarted) leaves its state behind; runs
+            # continue from checkpoints, never from this state, so it goes with the run.
+            shutil.rmtree(self.state_dir, ignore_errors=True)

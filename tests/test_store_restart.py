@@ -163,3 +163,4 @@ def test_store_cut_inside_a_shard_stops_training_with_a_clear_error(ray_session,
         assert "middle of updating shard(s) [1]" in str(err.value)  # the store's own reason is passed on
     finally:
         trainer.close()
+    assert not Path(status.state_dir).exists(), "the dead store's untrusted state must go with the run"
