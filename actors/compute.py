@@ -147,9 +147,7 @@ class ComputeActor:
             throttled_copy(w, src, self.link_gbps)
             moved = src.numel() * src.element_size()
         elif self._cuda:  # enqueue the H2D copy on its stream; the compute waits on its event
-            w = self._copy_to_device(src)
-            self._h2d[0] += src.numel() * src.element_size()
-            return w, time.perf_counter() - t0
+            return self._copy_to_device(src), time.perf_counter() - t0
         else:  # CPU: compute straight from the mapped pages (no copy)
             w = src
         if moved:  # only the prefetch thread writes these (one fetch at a time)
@@ -158,8 +156,9 @@ class ComputeActor:
         return w, time.perf_counter() - t0
 
     def _copy_to_device(self, src: torch.Tensor) -> torch.Tensor:
-        """Asynchronous host->device copy of ``src`` on the H2D stream (DMA when ``src`` is pinned).
-        The result carries the event that marks the copy done (see ``_ready``)."""
+        """Asynchronous host->device copy of ``src`` on the H2D stream (DMA when ``src`` is pinned),
+        counted in this step's H2D bytes. The result carries the event that marks the copy done
+        (see ``_ready``)."""
         start, done = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         with torch.cuda.stream(self._h2d_stream):
             # A reused device buffer: the copy waits until the compute is done with its last use.
@@ -171,7 +170,21 @@ class ComputeActor:
             done.record()
         w._megaslide_ready = done  # read and dropped by _ready on the compute thread
         self._h2d_timing.append((start, done))
+        self._h2d[0] += src.numel() * src.element_size()
         return w
+
+    def _copy_to_host(self, dst: torch.Tensor, src: torch.Tensor) -> "torch.cuda.Event":
+        """Asynchronous device->host copy of ``src`` into ``dst`` (pinned) on the D2H stream, after
+        the compute work queued so far; returns the event that marks it done."""
+        produced = torch.cuda.Event()
+        produced.record(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(self._d2h_stream):
+            self._d2h_stream.wait_event(produced)
+            dst.copy_(src, non_blocking=True)
+            copied = torch.cuda.Event()
+            copied.record()
+        src.record_stream(self._d2h_stream)
+        return copied
 
     def _ready(self, w: torch.Tensor) -> torch.Tensor:
         """Make the compute stream wait for ``w``'s copy, and keep the caching allocator from
@@ -211,16 +224,8 @@ class ComputeActor:
             sqnorm = float("nan")
 
         copied = None
-        if self._cuda and self.transport == "shm":
-            # D2H on its own stream, after the backward that produced g, into the pinned segment.
-            produced = torch.cuda.Event()
-            produced.record(torch.cuda.current_stream(self.device))
-            with torch.cuda.stream(self._d2h_stream):
-                self._d2h_stream.wait_event(produced)
-                self.g_maps[shard].copy_(g, non_blocking=True)
-                copied = torch.cuda.Event()
-                copied.record()
-            g.record_stream(self._d2h_stream)
+        if self._cuda and self.transport == "shm":  # into the pinned segment, after the backward
+            copied = self._copy_to_host(self.g_maps[shard], g)
 
         def send() -> None:
             t0 = time.perf_counter()
@@ -244,6 +249,15 @@ class ComputeActor:
         return self._returner.submit(send)
 
     # -- one step -----------------------------------------------------------------------------
+    def step_order(self) -> tuple[list[int], dict[int, int]]:
+        """The shards a training step takes, in order (forward 0..L+1, backward L..0), and which
+        positions reuse an earlier one's weights instead of fetching them: the last block's,
+        the forward's last fetch before the head, are kept for its backward (the turn costs
+        one fetch less). They take the slot the head's prefetch would use, so the device never
+        holds more than prefetch_depth + 1 shards."""
+        L = self.cfg.model.depth
+        return list(range(self.n)) + list(range(L, -1, -1)), {self.n: L}
+
     def train_step(self, batch, step: int) -> StepResult:
         """One step. ``batch``: the decoder's dict, or ``[ObjectRef]`` of it (the pipeline wraps
         the ref in a list so Ray does not resolve it before the call: the wait is then measured)."""
@@ -258,12 +272,8 @@ class ComputeActor:
         self._h2d_timing = []
         L = self.cfg.model.depth
         head = L + 1
-        # Forward 0..L+1, backward L..0. The last block's weights, the forward's last fetch before
-        # the head, are kept for its backward instead of fetched again (the turn costs one fetch
-        # less); they take the slot the head's prefetch would use, so the device never holds
-        # more than prefetch_depth + 1 shards.
-        order = list(range(self.n)) + list(range(L, -1, -1))
-        feed = _ShardFeed(self, order, step, reuse={self.n: L})
+        order, reuse = self.step_order()
+        feed = _ShardFeed(self, order, step, reuse=reuse)
         take, done = feed.take, feed.done
         returns: list[Future | None] = []
 
@@ -487,7 +497,6 @@ class _ActivationStash:
         self._put: dict[int, object] = {}            # Future (CPU), cuda.Event (CUDA) or None
         self._get: dict[int, Future] = {}
         self._pinning = HostPinning()
-        self.host_bytes = 0
 
     def _ensure(self, slots: int, like: torch.Tensor) -> None:
         numel = like.numel()
@@ -505,7 +514,6 @@ class _ActivationStash:
                                f"or turn offload_activations off") from e
         finally:
             path.unlink(missing_ok=True)  # the mapping stays valid; no file outlives the process
-        self.host_bytes = self._host.numel() * self._host.element_size()
         if self.actor._cuda:
             self._pinning.register(self._host)
 
@@ -523,15 +531,7 @@ class _ActivationStash:
             self._shape, self._slot = tuple(x.shape), x.numel()
         dst = self._host[i * self._slot:(i + 1) * self._slot]
         if a._cuda:
-            produced = torch.cuda.Event()
-            produced.record(torch.cuda.current_stream(a.device))
-            with torch.cuda.stream(a._d2h_stream):
-                a._d2h_stream.wait_event(produced)
-                dst.copy_(x.reshape(-1), non_blocking=True)
-                done = torch.cuda.Event()
-                done.record()
-            x.record_stream(a._d2h_stream)
-            self._put[i] = done
+            self._put[i] = a._copy_to_host(dst, x.reshape(-1))
             a._d2h[0] += x.numel() * x.element_size()
             return
 
@@ -556,9 +556,7 @@ class _ActivationStash:
         src = self._host[i * self._slot:(i + 1) * self._slot]
         if a._cuda:
             a._h2d_stream.wait_event(self._put[i])  # the input has reached the host
-            w = a._copy_to_device(src)
-            a._h2d[0] += src.numel() * src.element_size()
-            return w
+            return a._copy_to_device(src)
         done = self._put[i]
         if isinstance(done, Future):
             done.result()
@@ -590,7 +588,6 @@ class _ActivationStash:
     def release_host(self) -> None:
         self._pinning.release()
         self._host, self._shape = None, ()
-        self.host_bytes = 0
 
 
 def peak_memory(device: torch.device) -> int:

@@ -13,12 +13,12 @@ Overlap efficiency = max(T_c, T_x) / T_on (1.0 = transfers fully hidden); speedu
 Schedule model: from the pure run's per-shard compute times (the gaps between the compute
 thread's weight takes) and each fetch's bytes at link speed X, ``simulate`` replays the
 actor's exact schedule (one link each way, ``prefetch_depth`` fetches ahead, gradients
-returned as they appear) with no contention: ``model on s`` is what this schedule can reach
-on an ideal machine, and ``model eff`` = max(T_c, T_x) / model on is its efficiency bound. The
-gap between ``on s`` and ``model on s`` is this machine (threads, GIL, two cores shared by
-compute and copies); the gap between ``model eff`` and 1.0 is the schedule itself (the forward
-does a quarter of the compute but half of the weight fetches, so it is link-bound when the
-step's transfer time equals its compute time).
+returned as they appear) with no contention: ``model on s`` is this schedule on an ideal
+machine, and ``model eff`` = max(T_c, T_x) / model on. The gap between ``model eff`` and 1.0 is
+the schedule itself (the forward does about a fifth of the compute but needs L+2 of the 2L+2
+weight fetches, so it is link-bound when the step's transfer time equals its compute time).
+The pure runs' compute includes the store's AdamW competing for the cores during the forward,
+which a link-bound "on" run hides, so measured on-times can come out below the model.
 
 Memory: peak anonymous RSS growth during the first step of a fresh process (activations, staging
 buffers, gradients; the store's state is shared memory and is not counted), depth 4 vs 32 at
@@ -98,10 +98,10 @@ def run(overrides: dict, batches, steps: int, measure_memory: bool = False) -> d
             # No wait for the store's update here: as in training, it overlaps the next step's
             # forward (whose weight fetches wait for each shard's new version).
         store.wait_step(steps - 1)
-        L, n = cfg.model.depth, compute.n
-        order = list(range(n)) + list(range(L, -1, -1))  # the actor's take order
+        n = compute.n
+        order, reuse = compute.step_order()
         grads = [compute.infos[i].numel * 4 for i in order]
-        fetches = [0 if p == n else b for p, b in enumerate(grads)]  # position n reuses the forward's block L
+        fetches = [0 if p in reuse else b for p, b in enumerate(grads)]  # reused positions fetch nothing
     finally:
         compute.close()
         store.close()

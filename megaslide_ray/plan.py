@@ -241,7 +241,7 @@ def _activations(cfg: Config, a: int) -> tuple[dict[str, int], dict[str, int]]:
     kept = min(L, PREFETCH_DEPTH + 1) if cfg.runtime.offload_activations else L
     parts = {
         "checkpoints": kept * BN * D * a,
-        "offloaded_checkpoints": (L - kept) * BN * D * a if cfg.runtime.offload_activations else 0,
+        "offloaded_checkpoints": (L - kept) * BN * D * a,
         "block_linear": BN * a * (12 * D + 2 * F + D + max(F, 3 * D)),
         "pixels": 3 * B * cfg.data.num_frames * cfg.data.height * cfg.data.width * m.in_channels * 4,
         "dense_flash": lse,
@@ -299,7 +299,8 @@ def plan(cfg: Config, w_dtype: str = "bfloat16", pcie_gbps: float = 55.0, dram_g
     variant = SELECTED_VARIANT[cfg.attention.kind]
 
     # -- traffic
-    offloaded = cfg.model.depth * B * N * cfg.model.hidden_size * wb if cfg.runtime.offload_activations else 0
+    # offloaded block inputs all go out and come back, the ones a step holds on the device included
+    offloaded = parts["checkpoints"] + parts["offloaded_checkpoints"] if cfg.runtime.offload_activations else 0
     h2d = 2 * P * wb + offloaded
     d2h = P * wb + offloaded
     adamw_pp = wb + 12 + 12 + wb

@@ -321,6 +321,11 @@ class StreamingPipeline:
                 ray.kill(h, no_restart=True)
             except Exception as e:  # noqa: BLE001 - already dead
                 log.debug("kill failed: %r", e)
+        self._remove_state()
+
+    def _remove_state(self) -> None:
+        """Remove the store's shared-memory state, when it is on this node (runs continue from
+        checkpoints, never from this state)."""
         if self.store_node == ray.get_runtime_context().get_node_id():
             shutil.rmtree(self.state_dir, ignore_errors=True)
 
@@ -343,7 +348,5 @@ class StreamingPipeline:
             log.warning("parameter store did not close cleanly: %r", e)
         for h in (self.compute, self.store):
             ray.kill(h)
-        if not closed and self.store_node == ray.get_runtime_context().get_node_id():
-            # A dead store (e.g. one that could not be restarted) leaves its state behind; runs
-            # continue from checkpoints, never from this state, so it goes with the run.
-            shutil.rmtree(self.state_dir, ignore_errors=True)
+        if not closed:  # a dead store (e.g. one that could not be restarted) left its state behind
+            self._remove_state()

@@ -199,6 +199,7 @@ def test_init_from_mismatches_are_listed_in_one_error(cfg, tmp_path, capsys):
 
 def test_a_fresh_store_removes_states_whose_driver_is_gone(cfg, tmp_path, caplog):
     import json
+    import os
     import subprocess
     import sys
 
@@ -224,6 +225,6 @@ def test_a_fresh_store_removes_states_whose_driver_is_gone(cfg, tmp_path, caplog
         assert left == {"alive", "other-host", "no-owner"}
         assert f"driver (pid {dead_pid})" in caplog.text
         owner = json.loads((store.dir / "owner.json").read_text())
-        assert owner["pid"] == __import__("os").getpid() and owner["host"] == me["host"]
+        assert owner["pid"] == os.getpid() and owner["host"] == me["host"]
     finally:
         store.close()
