@@ -77,6 +77,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from megaslide_ray.captions import empty_captions, set_caption
 from megaslide_ray.config import DataConfig
 from megaslide_ray.faults import fault_point
 from megaslide_ray.manifest import ManifestEntry, read_manifest
@@ -218,11 +219,6 @@ def resize_crop(frames: np.ndarray, height: int, width: int, offset: tuple[float
     return np.ascontiguousarray(frames[:, top: top + height, left: left + width])
 
 
-def encode_caption(text: str, max_bytes: int) -> bytes:
-    """UTF-8 bytes of ``text`` cut to ``max_bytes`` without splitting a character."""
-    return text.encode("utf-8")[:max_bytes].decode("utf-8", errors="ignore").encode("utf-8")
-
-
 # ---------------------------------------------------------------------------------------------
 # Decode status: what a decoder is doing, readable by the driver even when the decoder is frozen
 # ---------------------------------------------------------------------------------------------
@@ -269,9 +265,10 @@ class VideoDecoder:
 
     ``next_batch()`` returns (B = ``data.batch_size``, F = ``data.num_frames``):
     ``video`` uint8 (B, F, H, W, 3); ``caption`` uint8 (B, caption_max_bytes) zero-padded
-    UTF-8; ``caption_len`` int32 (B,); ``index`` int64 (B,) manifest rows; ``position`` int64
-    0-d, the data position after this batch; ``skipped`` int64 0-d, draws this decoder's stream
-    has skipped up to this batch (``skipped_before`` plus this decoder's own skips).
+    UTF-8 and ``caption_len`` int32 (B,) (see ``megaslide_ray.captions``); ``index`` int64 (B,)
+    manifest rows; ``position`` int64 0-d, the data position after this batch; ``skipped``
+    int64 0-d, draws this decoder's stream has skipped up to this batch (``skipped_before`` plus
+    this decoder's own skips).
     ``next_batch_and_info()`` returns the same batch with its ``BatchInfo``.
     """
 
@@ -421,8 +418,7 @@ class VideoDecoder:
         d = self.data
         b, f = d.batch_size, d.num_frames
         video = np.empty((b, f, d.height, d.width, 3), dtype=np.uint8)
-        caption = np.zeros((b, self.caption_max_bytes), dtype=np.uint8)
-        caption_len = np.zeros((b,), dtype=np.int32)
+        caption, caption_len = empty_captions(b, self.caption_max_bytes)
         index = np.zeros((b,), dtype=np.int64)
         s = self._produced
         step = self.first_step + s.batches * self.world_size
@@ -447,9 +443,7 @@ class VideoDecoder:
                     self._mark_bad(row, entry.path, str(e))
                 else:
                     video[filled] = clip
-                    text = encode_caption(entry.caption, self.caption_max_bytes)
-                    caption[filled, : len(text)] = np.frombuffer(text, dtype=np.uint8)
-                    caption_len[filled] = len(text)
+                    set_caption(caption, caption_len, filled, entry.caption)
                     index[filled] = row
                     frames_decoded += f
                     filled += 1

@@ -60,10 +60,9 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from safetensors import safe_open
 from torch.optim.adamw import adamw as adamw_functional
-from safetensors.torch import save_file
 
+from megaslide_ray.checkpoint import CHECKPOINT_KINDS, CheckpointReader, write_checkpoint
 from megaslide_ray.config import Config
 from megaslide_ray.faults import fault_point
 from megaslide_ray.model import build_shard, initialize_shard, num_shards
@@ -73,7 +72,6 @@ from megaslide_ray.shards import ShardLayout
 log = logging.getLogger(__name__)
 
 KINDS = ("w", "master", "m", "v", "g")
-CHECKPOINT_KINDS = ("w", "master", "m", "v")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 ADAMW_KINDS = ("fused", "compiled", "auto")
 COMPILE_MIN_PARAMS = 100_000_000
@@ -181,10 +179,6 @@ def sweep_stale_states(root: Path, keep: Path | None = None) -> list[Path]:
 
 class StateNotTrustedError(RuntimeError):
     """The store's shared state was cut in the middle of an update: resume from a checkpoint."""
-
-
-class CheckpointWriteError(RuntimeError):
-    """A checkpoint could not be written (disk full, unwritable directory); the previous one is intact."""
 
 
 class GradientsLostError(RuntimeError):
@@ -551,8 +545,8 @@ class ParameterStore:
 
     # -- checkpoints --------------------------------------------------------------------------
     def save_checkpoint(self, run_dir: str, step: int, extra: dict) -> str:
-        """Write ``run_dir/checkpoints/step_N`` shard by shard into a temporary directory,
-        fsync, rename, then point ``latest`` at it. A crash leaves the previous one intact.
+        """Write ``run_dir/checkpoints/step_N`` shard by shard (``megaslide_ray.checkpoint``:
+        temporary directory, fsync, rename, then ``latest``; a crash leaves the previous one intact).
 
         The state must be exactly step ``step``'s: this waits for that update, holds back any
         later one while writing, and refuses if a later update was already applied. A write
@@ -577,62 +571,21 @@ class ParameterStore:
                 self._lock.notify_all()
 
     def _write_checkpoint(self, run_dir: str, step: int, extra: dict) -> str:
-        ckpt_root = Path(run_dir) / "checkpoints"
-        try:
-            return self._write_checkpoint_files(ckpt_root, step, extra)
-        except OSError as e:
-            raise CheckpointWriteError(
-                f"could not write the step-{step} checkpoint under {ckpt_root}: {e.strerror or e}. "
-                f"The previous checkpoint ({_latest_name(ckpt_root)}) is complete and loadable; free space or fix "
-                f"the directory's permissions, then resume from it with --resume") from e
-
-    def _write_checkpoint_files(self, ckpt_root: Path, step: int, extra: dict) -> str:
-        ckpt_root.mkdir(parents=True, exist_ok=True)
-        final = ckpt_root / f"step_{step}"
-        tmp = Path(tempfile.mkdtemp(prefix=f".step_{step}.", dir=ckpt_root))
-        try:
+        def shards():  # one shard at a time; the fault point fires halfway, as a kill mid-write would
             for i, lay in enumerate(self.layouts):
                 if i == self.n // 2:
                     fault_point("store.mid_checkpoint", step - 1)
-                tensors = {kind: self.seg[i][kind] for kind in CHECKPOINT_KINDS}
-                meta = {"names": json.dumps(lay.names), "shapes": json.dumps(lay.shapes),
-                        "offsets": json.dumps(lay.offsets), "shard": str(i)}
-                path = tmp / f"shard_{i:04d}.safetensors"
-                save_file(tensors, str(path), metadata=meta)
-                _fsync(path)
-            doc = {"format": 1, "step": step, "num_shards": self.n, "w_dtype": self.w_dtype,
-                   "config": self.cfg.to_dict(), **extra}
-            (tmp / "state.json").write_text(json.dumps(doc, indent=1))
-            _fsync(tmp / "state.json")
-            _fsync(tmp)
-            if final.exists():
-                shutil.rmtree(final)
-            os.replace(tmp, final)
-            _fsync(ckpt_root)
-        except BaseException:
-            shutil.rmtree(tmp, ignore_errors=True)
-            raise
-        latest_tmp = ckpt_root / ".latest.tmp"
-        latest_tmp.write_text(final.name + "\n")
-        _fsync(latest_tmp)
-        os.replace(latest_tmp, ckpt_root / "latest")
-        _fsync(ckpt_root)
-        return str(final)
+                yield lay, {kind: self.seg[i][kind] for kind in CHECKPOINT_KINDS}
+
+        doc = {"w_dtype": self.w_dtype, "config": self.cfg.to_dict(), **extra}
+        return write_checkpoint(run_dir, step, shards(), doc)
 
     def _load_checkpoint(self, path: str) -> None:
-        ckpt = Path(path)
-        doc = json.loads((ckpt / "state.json").read_text())
-        if doc["num_shards"] != self.n:
-            raise RuntimeError(f"checkpoint {ckpt} has {doc['num_shards']} shards; this model has {self.n}")
-        for i, lay in enumerate(self.layouts):
-            with safe_open(str(ckpt / f"shard_{i:04d}.safetensors"), framework="pt") as f:
+        with CheckpointReader(path, self.n) as ckpt:
+            for i, lay in enumerate(self.layouts):
                 for kind in CHECKPOINT_KINDS:
-                    t = f.get_tensor(kind)
-                    if t.numel() != lay.numel:
-                        raise RuntimeError(f"checkpoint {ckpt} shard {i} {kind} has {t.numel()} values, the model "
-                                           f"needs {lay.numel}: it was written for another configuration")
-                    self.seg[i][kind].copy_(t)
-        self.versions.fill_(int(doc["step"]))
+                    self.seg[i][kind].copy_(ckpt.tensor(i, kind, lay.numel))
+            self.versions.fill_(ckpt.step)
 
     def close(self, remove_state: bool = True) -> None:
         with self._lock:
@@ -699,42 +652,6 @@ def compile_single_pass(o, w_dtype: torch.dtype, numel: int = 4099, steps: int =
     if not torch.equal(w, master.to(w_dtype)):
         raise RuntimeError("compiled AdamW wrote a compute copy w that is not master cast to its dtype")
     return fn
-
-
-def read_checkpoint_state(path: str | Path) -> dict:
-    return json.loads((Path(path) / "state.json").read_text())
-
-
-def read_checkpoint_shards(path: str | Path, kind: str = "master") -> list[torch.Tensor]:
-    """Each shard's flat ``kind`` tensor (``w``, ``master``, ``m`` or ``v``) from a checkpoint."""
-    ckpt = Path(path)
-    n = read_checkpoint_state(ckpt)["num_shards"]
-    out = []
-    for i in range(n):
-        with safe_open(str(ckpt / f"shard_{i:04d}.safetensors"), framework="pt") as f:
-            out.append(f.get_tensor(kind))
-    return out
-
-
-def _latest_name(ckpt_root: Path) -> str:
-    latest = latest_checkpoint(ckpt_root.parent)
-    return str(latest) if latest is not None else "none yet"
-
-
-def latest_checkpoint(run_dir: str | Path) -> Path | None:
-    pointer = Path(run_dir) / "checkpoints" / "latest"
-    if not pointer.is_file():
-        return None
-    ckpt = pointer.parent / pointer.read_text().strip()
-    return ckpt if (ckpt / "state.json").is_file() else None
-
-
-def _fsync(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def _was_reconstructed() -> bool:

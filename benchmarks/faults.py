@@ -31,8 +31,8 @@ from pathlib import Path
 import ray
 import torch
 
-from actors.param_store import read_checkpoint_shards
 from megaslide_ray import faults
+from megaslide_ray.checkpoint import read_checkpoint_shards
 from megaslide_ray.config import build_config
 from megaslide_ray.demo_data import ensure_demo_dataset
 from megaslide_ray.trainer import Trainer

@@ -76,7 +76,8 @@ def timestep_features(t: torch.Tensor, dim: int) -> torch.Tensor:
 
 class CaptionEncoder(nn.Module):
     """Bytes -> embedding -> MLP -> masked mean pool -> (B, hidden). Small and built in, so the
-    system needs no text model downloaded from a hub."""
+    system needs no text model downloaded from a hub. Its input, zero-padded UTF-8 bytes and
+    their lengths, is built by ``megaslide_ray.captions``."""
 
     def __init__(self, caption_dim: int, hidden: int):
         super().__init__()

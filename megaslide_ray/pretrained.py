@@ -8,7 +8,8 @@ Sources ``--init-from`` accepts:
   ``VideoDiT(cfg).state_dict()``: ``embed.*``, ``blocks.{i}.*``, ``head.*``. Floating-point
   tensors of any dtype are accepted and converted to fp32.
 
-Everything goes through safetensors (no pickle is ever loaded). Only file headers are read to
+Everything goes through safetensors (no pickle is ever loaded); our checkpoints are read through
+``megaslide_ray.checkpoint``, which owns their format. Only file headers are read to
 check a source (``check_pretrained``): every missing name, unexpected name and wrong shape is
 listed in ONE error before any actor starts. Loading then streams shard by shard: one shard's
 tensors are read straight into the store's ``master`` segment, so a 105B model never exists
@@ -23,7 +24,6 @@ file (``OUT.safetensors``) or one file per shard (``OUT/`` directory):
 from __future__ import annotations
 
 import argparse
-import json
 import logging
 import sys
 from dataclasses import dataclass
@@ -33,6 +33,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
+from megaslide_ray.checkpoint import CheckpointReader, is_checkpoint_dir
 from megaslide_ray.config import Config
 from megaslide_ray.model import build_shard, num_shards
 from megaslide_ray.shards import ShardLayout
@@ -76,12 +77,8 @@ class Entry:
     shape: tuple[int, ...]
     dtype: str
     file: str
-    key: str              # tensor name inside the file
-    offset: int = -1      # checkpoint sources: element offset inside the flat ``master``
-
-
-def is_checkpoint_dir(path: Path) -> bool:
-    return path.is_dir() and (path / "state.json").is_file()
+    key: str              # tensor name inside the file (checkpoint sources: inside the shard)
+    shard: int = -1       # checkpoint sources: the checkpoint shard that holds it
 
 
 def index_source(path: str | Path) -> dict[str, Entry]:
@@ -112,20 +109,17 @@ def index_source(path: str | Path) -> dict[str, Entry]:
 
 
 def _index_checkpoint(path: Path) -> dict[str, Entry]:
-    state = json.loads((path / "state.json").read_text())
-    n = int(state["num_shards"])
+    try:
+        ckpt = CheckpointReader(path)
+    except FileNotFoundError as e:  # a shard file is missing
+        raise PretrainedMismatchError(f"--init-from {path}: {e}") from None
     out: dict[str, Entry] = {}
-    for i in range(n):
-        file = path / f"shard_{i:04d}.safetensors"
-        if not file.is_file():
-            raise PretrainedMismatchError(f"--init-from {path}: checkpoint shard {file.name} is missing "
-                                          f"(state.json says {n} shards)")
-        with safe_open(str(file), framework="pt") as f:
-            meta = f.metadata() or {}
-            dtype = f.get_slice("master").get_dtype()
-        names, shapes, offsets = (json.loads(meta[k]) for k in ("names", "shapes", "offsets"))
-        for name, shape, off in zip(names, shapes, offsets):
-            out[shard_prefix(i, n) + name] = Entry(tuple(shape), dtype, str(file), "master", int(off))
+    with ckpt:
+        n = ckpt.num_shards
+        for i in range(n):
+            lay, dtype = ckpt.layout(i), ckpt.dtype(i, "master")
+            for name, shape in zip(lay.names, lay.shapes):
+                out[shard_prefix(i, n) + name] = Entry(tuple(shape), dtype, str(ckpt.file(i)), name, i)
     return out
 
 
@@ -175,6 +169,7 @@ def load_pretrained_into(store, path: str | Path) -> None:
     by_shard: dict[int, list[str]] = {}
     for name, (_, shard, _) in model.items():
         by_shard.setdefault(shard, []).append(name)
+    ckpt = CheckpointReader(path) if is_checkpoint_dir(path) else None
     for i, lay in enumerate(store.layouts):
         views = lay.views(store.seg[i]["master"])
         prefix = shard_prefix(i, store.n)
@@ -182,24 +177,28 @@ def load_pretrained_into(store, path: str | Path) -> None:
         for name in by_shard[i]:
             files.setdefault(source[name].file, []).append(name)
         for file, names in files.items():
-            with safe_open(file, framework="pt") as f:
-                flat = None
-                for name in names:
-                    e = source[name]
-                    if e.offset >= 0:  # our checkpoint: a slice of the shard's flat master
-                        if flat is None:
-                            flat = f.get_tensor("master")
-                        numel = views[name[len(prefix):]].numel()
-                        t = flat[e.offset:e.offset + numel]
-                    else:
-                        t = f.get_tensor(e.key)
-                    views[name[len(prefix):]].copy_(t.reshape(e.shape).to(torch.float32))
-                del flat
+            for name, t in zip(names, _read_source(ckpt, file, [source[name] for name in names])):
+                views[name[len(prefix):]].copy_(t.reshape(source[name].shape).to(torch.float32))
         store.seg[i]["w"].copy_(store.seg[i]["master"])
         store.seg[i]["m"].zero_()
         store.seg[i]["v"].zero_()
+    if ckpt is not None:
+        ckpt.close()
     store.versions.fill_(0)
     log.info("initialised %d shards from %s", store.n, path)
+
+
+def _read_source(ckpt: CheckpointReader | None, file: str, entries: list[Entry]):
+    """The tensors of ``entries``, all in ``file``, one at a time. From our checkpoint (``ckpt``)
+    one shard's flat ``master`` is read once and served by parameter name."""
+    if ckpt is not None:
+        tensors = ckpt.tensors(entries[0].shard, "master")
+        for e in entries:
+            yield tensors[e.key]
+        return
+    with safe_open(file, framework="pt") as f:
+        for e in entries:
+            yield f.get_tensor(e.key)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -215,25 +214,15 @@ def export_state_dict(checkpoint: str | Path, out: str | Path, kind: str = "mast
     checkpoint, out = Path(checkpoint), Path(out)
     if kind not in ("master", "w"):
         raise ValueError(f"kind={kind!r}; use 'master' or 'w'")
-    if not is_checkpoint_dir(checkpoint):
-        raise FileNotFoundError(f"{checkpoint} is not a checkpoint directory (no state.json)")
-    n = int(json.loads((checkpoint / "state.json").read_text())["num_shards"])
+    ckpt = CheckpointReader(checkpoint)
+    n = ckpt.num_shards
     one_file = out.suffix == ".safetensors"
     if not one_file:
         out.mkdir(parents=True, exist_ok=True)
     written, together = [], {}
     for i in range(n):
-        with safe_open(str(checkpoint / f"shard_{i:04d}.safetensors"), framework="pt") as f:
-            meta = f.metadata()
-            flat = f.get_tensor(kind)
-        names, shapes, offsets = (json.loads(meta[k]) for k in ("names", "shapes", "offsets"))
-        tensors = {}
-        for name, shape, off in zip(names, shapes, offsets):
-            numel = 1
-            for d in shape:
-                numel *= d
-            t = flat[off:off + numel].reshape(shape)
-            tensors[shard_prefix(i, n) + name] = (t.to(dtype) if dtype else t).clone()
+        tensors = {shard_prefix(i, n) + name: (t.to(dtype) if dtype else t).clone()
+                   for name, t in ckpt.tensors(i, kind).items()}
         if one_file:
             together.update(tensors)
         else:
@@ -244,6 +233,7 @@ def export_state_dict(checkpoint: str | Path, out: str | Path, kind: str = "mast
         out.parent.mkdir(parents=True, exist_ok=True)
         save_file(together, str(out), metadata={"format": "pt"})
         written.append(str(out))
+    ckpt.close()
     return written
 
 

@@ -4,9 +4,11 @@ The model predicts the velocity ``v = noise - x0`` of ``x_t = (1 - t) x0 + t noi
 sampling starts from noise at t = 1 and steps ``x <- x - dt * v`` down to t = 0. Every model
 evaluation goes through ``ComputeActor.predict``: the shards run block by block with weights
 fetched one shard at a time, exactly as in training, so a model larger than device memory
-samples the same way it trains. Weights come from the checkpoint's safetensors files through
-``CheckpointWeights``, a read-only stand-in for the parameter store (object-ref transport:
-each shard's bytes on request; AdamW moments are never read). No Ray is needed.
+samples the same way it trains. Weights come from the checkpoint (read by
+``megaslide_ray.checkpoint``) through ``CheckpointWeights``, a read-only stand-in for the
+parameter store (object-ref transport: each shard's bytes on request; AdamW moments are never
+read). The prompt is encoded as training captions are (``megaslide_ray.captions``). No Ray is
+needed.
 
     python -m megaslide_ray.sample --checkpoint runs/X --prompt "a red circle moving right" \\
         --frames 16 --steps 20 --seed 0 --out video.mp4
@@ -17,7 +19,6 @@ Writes the H.264 mp4 and, beside it (same name, ``.png``), a contact sheet of it
 from __future__ import annotations
 
 import argparse
-import json
 import logging
 import math
 import struct
@@ -29,11 +30,11 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from safetensors import safe_open
 
 from actors.compute import ComputeActor
-from actors.decoder import encode_caption
-from actors.param_store import DTYPES, ShardInfo, latest_checkpoint
+from actors.param_store import DTYPES, ShardInfo
+from megaslide_ray.captions import caption_batch
+from megaslide_ray.checkpoint import CheckpointReader, read_checkpoint_state, resolve_checkpoint
 from megaslide_ray.config import Config, ConfigError, SECTIONS, apply_overrides, preset, validate
 from megaslide_ray.model import build_shard, num_shards
 from megaslide_ray.shards import ShardLayout
@@ -47,18 +48,6 @@ SHEET_COLUMNS = 8
 # ---------------------------------------------------------------------------------------------
 # Checkpoint: config and a read-only weight source
 # ---------------------------------------------------------------------------------------------
-
-
-def resolve_checkpoint(path: str | Path) -> Path:
-    """A checkpoint directory (with state.json), or a run directory (its latest checkpoint)."""
-    p = Path(path)
-    if (p / "state.json").is_file():
-        return p
-    ckpt = latest_checkpoint(p)
-    if ckpt is not None:
-        return ckpt
-    raise FileNotFoundError(f"--checkpoint {str(p)!r}: neither a checkpoint directory (with state.json) nor a run "
-                            f"directory with checkpoints/latest; pass e.g. runs/NAME or runs/NAME/checkpoints/step_N")
 
 
 def sampling_config(state: dict, frames: int | None = None, height: int | None = None, width: int | None = None,
@@ -99,26 +88,18 @@ class CheckpointWeights:
     """
 
     def __init__(self, checkpoint: str | Path, cfg: Config, kind: str = "w"):
-        self.dir = Path(checkpoint)
-        self.state = json.loads((self.dir / "state.json").read_text())
-        self.step = int(self.state["step"])
+        n = num_shards(cfg)
+        self.reader = CheckpointReader(checkpoint, n)
+        self.dir, self.state, self.step = self.reader.path, self.reader.state, self.reader.step
         self.kind = kind
         self.w_dtype = self.state.get("w_dtype", "float32") if kind == "w" else "float32"
-        n = num_shards(cfg)
-        if int(self.state["num_shards"]) != n:
-            raise RuntimeError(f"checkpoint {self.dir} has {self.state['num_shards']} shards; its config needs {n}")
         self.layouts = [ShardLayout.of(build_shard(cfg, i, "meta"), i) for i in range(n)]
-        self._files = []
         for i, lay in enumerate(self.layouts):
-            path = self.dir / f"shard_{i:04d}.safetensors"
-            if not path.is_file():
-                raise FileNotFoundError(f"checkpoint {self.dir} is missing {path.name}")
-            f = safe_open(str(path), framework="pt")
-            names = json.loads(f.metadata().get("names", "null"))
-            if names is not None and tuple(names) != lay.names:
-                raise RuntimeError(f"checkpoint {self.dir} shard {i} holds tensors {names[:3]}..., the model built "
-                                   f"from its config expects {list(lay.names[:3])}...: config and weights disagree")
-            self._files.append(f)
+            names = self.reader.layout(i).names
+            if names != lay.names:
+                raise RuntimeError(f"checkpoint {self.dir} shard {i} holds tensors {list(names[:3])}..., the model "
+                                   f"built from its config expects {list(lay.names[:3])}...: config and weights "
+                                   f"disagree")
 
     def shard_infos(self) -> list[ShardInfo]:
         return [ShardInfo(i, lay.numel, self.w_dtype, {}, lay) for i, lay in enumerate(self.layouts)]
@@ -131,10 +112,7 @@ class CheckpointWeights:
 
     def get_weights(self, shard: int, step: int) -> np.ndarray:
         self.wait_version(shard, step)
-        t = self._files[shard].get_tensor(self.kind)
-        if t.numel() != self.layouts[shard].numel:
-            raise RuntimeError(f"checkpoint {self.dir} shard {shard} has {t.numel()} values, the model needs "
-                               f"{self.layouts[shard].numel}")
+        t = self.reader.tensor(shard, self.kind, self.layouts[shard].numel)
         return t.contiguous().view(torch.uint8).numpy()
 
     def report_grad(self, shard: int, step: int, sqnorm: float, grad) -> None:
@@ -144,20 +122,12 @@ class CheckpointWeights:
         pass
 
     def close(self) -> None:
-        self._files = []
+        self.reader.close()
 
 
 # ---------------------------------------------------------------------------------------------
 # Euler sampling
 # ---------------------------------------------------------------------------------------------
-
-
-def caption_batch(prompt: str, max_bytes: int, batch: int = 1) -> tuple[np.ndarray, np.ndarray]:
-    """``prompt`` as the decoder encodes captions: zero-padded UTF-8 bytes and their length."""
-    text = encode_caption(prompt, max_bytes)
-    caption = np.zeros((batch, max_bytes), dtype=np.uint8)
-    caption[:, : len(text)] = np.frombuffer(text, dtype=np.uint8)
-    return caption, np.full((batch,), len(text), dtype=np.int32)
 
 
 def euler_sample(compute: ComputeActor, cfg: Config, prompt: str, steps: int, seed: int, version: int,
@@ -252,8 +222,11 @@ def sample_video(checkpoint: str | Path, prompt: str, out: str | Path, frames: i
     if fps < 1:
         raise ValueError(f"--fps {fps} must be >= 1")
     t0 = time.perf_counter()
-    ckpt = resolve_checkpoint(checkpoint)
-    state = json.loads((ckpt / "state.json").read_text())
+    try:
+        ckpt = resolve_checkpoint(checkpoint)
+    except FileNotFoundError as e:
+        raise FileNotFoundError(f"--checkpoint {e}") from None
+    state = read_checkpoint_state(ckpt)
     cfg = sampling_config(state, frames, height, width, device)
     if cfg.data.height % 2 or cfg.data.width % 2:
         raise ConfigError(f"video size {cfg.data.width}x{cfg.data.height} must be even for H.264 (yuv420p); "

@@ -200,7 +200,7 @@ def main(argv: list[str] | None = None) -> int:
 
     import ray
 
-    from actors.param_store import CheckpointWriteError
+    from megaslide_ray.checkpoint import CheckpointWriteError
     from megaslide_ray.trainer import BadStepsError, Trainer
     from pipelines.streaming import RestartLimitError
 

@@ -12,7 +12,7 @@ from pathlib import Path
 import ray
 from tqdm import tqdm
 
-from actors.param_store import latest_checkpoint, read_checkpoint_state
+from megaslide_ray.checkpoint import latest_checkpoint, read_checkpoint_state
 from megaslide_ray.config import Config, to_toml
 from megaslide_ray.faults import fault_point
 from megaslide_ray.metrics import RunMetrics

@@ -19,11 +19,11 @@ from actors.decoder import (  # noqa: E402
     VideoDecoder,
     clip_frame_indices,
     clip_offsets,
-    encode_caption,
     read_frames,
     resize_crop,
 )
 from megaslide_ray import demo_data, index  # noqa: E402
+from megaslide_ray.captions import encode_caption  # noqa: E402
 from megaslide_ray.config import DataConfig  # noqa: E402
 from megaslide_ray.demo_data import ensure_demo_dataset, write_video  # noqa: E402
 from megaslide_ray.manifest import ManifestEntry, read_manifest, write_manifest  # noqa: E402

@@ -156,7 +156,7 @@ def test_training_skips_bad_files_and_survives_a_hung_decode(ray_session, small_
 
 def test_pool_resume_and_decoder_death_see_the_same_batches(ray_session, small_config, mixed_manifest, tmp_path,
                                                             monkeypatch):
-    from actors.param_store import read_checkpoint_shards
+    from megaslide_ray.checkpoint import read_checkpoint_shards
     from megaslide_ray.trainer import Trainer
     from pathlib import Path
     import torch

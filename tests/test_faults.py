@@ -7,8 +7,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from actors.param_store import CheckpointWriteError, latest_checkpoint, read_checkpoint_shards
 from megaslide_ray import faults
+from megaslide_ray.checkpoint import CheckpointWriteError, latest_checkpoint, read_checkpoint_shards
 from megaslide_ray.trainer import BadStepsError, Trainer
 from pipelines.streaming import RestartLimitError
 

@@ -8,7 +8,8 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from actors import param_store
-from actors.param_store import ParameterStore, latest_checkpoint, map_segment
+from actors.param_store import ParameterStore, map_segment
+from megaslide_ray.checkpoint import latest_checkpoint
 from megaslide_ray.config import build_config
 from megaslide_ray.model import build_model
 from megaslide_ray.pretrained import PretrainedMismatchError, check_pretrained, export_state_dict

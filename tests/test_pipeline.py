@@ -8,8 +8,8 @@ import numpy as np
 import torch
 
 from actors.decoder import VideoDecoder
-from actors.param_store import read_checkpoint_shards
 from megaslide_ray.baseline import InProcessTrainer
+from megaslide_ray.checkpoint import read_checkpoint_shards
 from megaslide_ray.manifest import read_manifest, write_manifest
 from megaslide_ray.trainer import Trainer
 

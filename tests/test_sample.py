@@ -12,9 +12,10 @@ import pytest
 from actors.compute import ComputeActor, LocalStoreClient
 from actors.decoder import read_frames
 from actors.param_store import ParameterStore
+from megaslide_ray.captions import caption_batch
 from megaslide_ray.config import ConfigError, build_config
 from megaslide_ray.model import VideoDiT
-from megaslide_ray.sample import CheckpointWeights, caption_batch, sample_video, sampling_config
+from megaslide_ray.sample import CheckpointWeights, sample_video, sampling_config
 
 PROMPT = "a red circle moving right on a dark blue background"
 

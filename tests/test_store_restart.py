@@ -10,7 +10,8 @@ import pytest
 import ray
 import torch
 
-from actors.param_store import ParameterStore, StateNotTrustedError, map_segment, read_checkpoint_shards
+from actors.param_store import ParameterStore, StateNotTrustedError, map_segment
+from megaslide_ray.checkpoint import read_checkpoint_shards
 from megaslide_ray.config import build_config
 from megaslide_ray.schedule import clip_coefficient, lr_at
 from megaslide_ray.trainer import Trainer
