@@ -48,8 +48,9 @@ Growth: for every kind, time(4N)/time(N) and memory(4N)/memory(N) for every meas
 pair with N >= ``--growth-from`` (default 4096: 4096 -> 16384 and 8192 -> 32768), and
 whether ``dsa`` meets the linear-growth goal (at most x4.6 in time and memory per 4x).
 
-Machines are noisy; read ratios within one run (DESIGN.md "Measuring"). ``--rounds R``
-repeats every measurement in R fresh processes and keeps the median time and memory.
+Machines are noisy; read ratios within one run (docs/architecture.md, "Measuring").
+``--rounds R`` repeats every measurement in R fresh processes and keeps the median time and
+memory.
 """
 
 from __future__ import annotations

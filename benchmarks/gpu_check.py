@@ -13,8 +13,9 @@ finished):
    bf16: the flash-attention rule of tests/test_dsa.py (``flash_rule_errors``, as
    ``test_triton_compiled_on_cuda``). Cases: odd sizes, head dims that are not powers
    of two, several query block sizes, offsets that clamp far outside the volume and
-   positions exactly on integers and on clamp bounds; plus both identities of DESIGN.md
-   (zero offsets: neighborhood attention; zero offsets and window == grid: dense).
+   positions exactly on integers and on clamp bounds; plus both identities of
+   docs/architecture.md ("3D-DSA: the operator"; zero offsets: neighborhood attention; zero
+   offsets and window == grid: dense).
 2. ``streaming``: the compute actor on CUDA with the parameter store in this process
    (width 512, depth 8, bf16 weights): weights copied from the store's shared memory,
    registered as pinned, on the H2D stream; gradients back on the D2H stream. Overlap on
@@ -157,7 +158,8 @@ def check_case(t, case: Case, dtype, device: str) -> dict:
 
 
 def check_identities(t, device: str) -> list[dict]:
-    """DESIGN.md's identities through the public API with ``backend="triton"`` (fp32)."""
+    """The identities of docs/architecture.md ("3D-DSA: the operator") through the public API
+    with ``backend="triton"`` (fp32)."""
     import torch
 
     from kernels import deformable_slide_attention

@@ -80,7 +80,8 @@ def deformable_slide_attention(
     """3D-DSA: ``(B, T, H, W, nh, d)`` q, k, v and ``(B, T, H, W, nh, K, 3)`` offsets.
 
     Returns ``out`` ``(B, T, H, W, nh, d)`` in q's dtype; half inputs are computed in
-    fp32 internally. See DESIGN.md for the exact semantics and ``dsa_reference``.
+    fp32 internally. The exact semantics: docs/architecture.md ("3D-DSA: the operator")
+    and ``dsa_reference``.
     """
     path = resolve_dsa_backend(q, backend)
     if path == "triton":

@@ -1,6 +1,6 @@
 """Fused Triton kernels for 3D Deformable Slide Attention (3D-DSA).
 
-Semantics are those of ``dsa_reference`` (DESIGN.md, "3D-DSA: the operator"):
+Semantics are those of ``dsa_reference`` (docs/architecture.md, "3D-DSA: the operator"):
 channels-last ``q, k, v: (B, T, H, W, nh, d)``, ``offsets: (B, T, H, W, nh, K, 3)``.
 
 Algorithm (structure of the triton tutorial 06-fused-attention):

@@ -76,8 +76,8 @@ FLOPs per step (executed on the device):
                Backward = 2 x forward.
 
 Step-time floor = max(H2D / pcie, D2H / pcie, AdamW bytes / dram, FLOPs / device): PCIe is
-full duplex and AdamW overlaps the next step's forward (DESIGN.md), so the largest term
-binds. The floor is a bound, not a prediction.
+full duplex and AdamW overlaps the next step's forward (docs/architecture.md, "One training
+step"), so the largest term binds. The floor is a bound, not a prediction.
 """
 
 from __future__ import annotations

@@ -30,7 +30,7 @@ def test_105b_matches_the_papers_accounting(plan_105b):
     assert _close(p.moment_bytes, 840e9)                 # m + v
     assert _close(p.h2d_bytes, 420e9)                    # bf16 weights, forward and backward
     assert _close(p.d2h_bytes, 210e9)                    # bf16 gradients
-    assert _close(p.adamw_dram_bytes, 2.9e12, 0.02)      # DESIGN.md: about 2.9 TB
+    assert _close(p.adamw_dram_bytes, 2.9e12, 0.02)      # docs/architecture.md, "Traffic and floors": about 2.9 TB
     # the landing buffer is listed apart, outside the 14 B/param figure, but the store holds it
     assert p.grad_buffer_in_state is False
     assert p.grad_buffer_bytes == 2 * p.params
