@@ -9,7 +9,6 @@ import time
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-import ray
 from tqdm import tqdm
 
 from megaslide_ray.checkpoint import latest_checkpoint, read_checkpoint_state
@@ -96,19 +95,18 @@ class Trainer:
         resolve_data(cfg)
         self.run_dir.mkdir(parents=True, exist_ok=True)
         (self.run_dir / "config.toml").write_text(to_toml(cfg))
+        # The only pipeline of the run: a rollback rebuilds its actors in place.
         self.pipeline = StreamingPipeline(cfg, str(self.run_dir), str(ckpt) if ckpt else None, position,
                                           init_from=str(Path(init_from).resolve()) if init_from else None)
         self.metrics_path = self.run_dir / "metrics.jsonl"
         self._metrics = self.metrics_path.open("a")
         # Ray dashboard / Prometheus: the same numbers, tagged by run name.
-        self.ray_metrics = RunMetrics(self.run_dir.name, ray.get(self.pipeline.store.status.remote()).state_bytes)
+        self.ray_metrics = RunMetrics(self.run_dir.name, self.pipeline.status().state_bytes)
         self._last_time = time.perf_counter()
         self.last_checkpoint = str(ckpt) if ckpt else ""
-        self.init_from = str(Path(init_from).resolve()) if init_from else None
         self.stop_reason = ""   # set by request_stop (a signal handler): stop after the current step
         self.bad_steps = 0      # updates skipped for NaN/Inf in this run
         self._bad_streak = 0    # ... of them in a row, up to the last step
-        self.rollbacks = 0
 
     def request_stop(self, reason: str) -> None:
         """Ask the loop to stop after the step in progress, checkpoint and return (safe to call
@@ -116,10 +114,9 @@ class Trainer:
         self.stop_reason = reason
 
     def _restore_latest(self, error: StoreLostError) -> int:
-        """The store's state is lost: rebuild the actors on the latest checkpoint (or on the
-        initial weights when there is none yet) and return the step to go on from. The store's
-        death was already counted as a restart where it was noticed; the steps after the
-        checkpoint are redone (same batches, same noise)."""
+        """The store's state is lost: roll the pipeline back to the latest checkpoint (or to the
+        initial weights when there is none yet) and return the step to go on from. The steps
+        after the checkpoint are redone (same batches, same noise)."""
         ckpt = latest_checkpoint(self.run_dir)
         if ckpt is not None:
             step, position = checkpoint_data_state(ckpt, self.cfg.data.num_decoders)
@@ -127,15 +124,7 @@ class Trainer:
             step, position = 0, 0
         log.warning("%s\nRestoring %s and redoing the steps after it.", error,
                     f"checkpoint {ckpt} (step {step})" if ckpt else "the initial weights (no checkpoint yet)")
-        t0 = time.monotonic()
-        restarts, redone = self.pipeline.restarts, self.pipeline.redone_steps
-        recovery = self.pipeline.recovery_seconds
-        self.pipeline.abort()  # the store is dead and its state garbage: kill the rest, drop the state
-        self.pipeline = StreamingPipeline(self.cfg, str(self.run_dir), str(ckpt) if ckpt else None, position,
-                                          init_from=None if ckpt else self.init_from, restarts=restarts)
-        self.pipeline.redone_steps = redone
-        self.pipeline.recovery_seconds = recovery + time.monotonic() - t0
-        self.rollbacks += 1
+        self.pipeline.rollback_to(str(ckpt) if ckpt else None, position)
         self._bad_streak = 0
         self._last_time = time.perf_counter()
         return step
@@ -155,15 +144,8 @@ class Trainer:
         from megaslide_ray.demo_data import write_video
         from megaslide_ray.sample import contact_sheet, euler_sample, to_uint8_frames, write_png
 
-        compute = self.pipeline.compute
-
-        class RemotePredict:  # euler_sample's view of the remote actor
-            @staticmethod
-            def predict(*args):
-                return ray.get(compute.predict.remote(*args))
-
         t = self.cfg.training
-        x = euler_sample(RemotePredict, self.cfg, t.sample_prompt, t.sample_steps, t.seed, version)
+        x = euler_sample(self.pipeline, self.cfg, t.sample_prompt, t.sample_steps, t.seed, version)
         frames = to_uint8_frames(x)
         out = self.run_dir / "samples" / f"step_{version}.mp4"
         out.parent.mkdir(parents=True, exist_ok=True)
@@ -193,7 +175,7 @@ class Trainer:
             "d2h_bytes": c.d2h_bytes, "d2h_gbps": c.d2h_bytes / c.d2h_seconds / 1e9 if c.d2h_seconds else 0.0,
             "device_memory_peak_bytes": c.device_memory_peak_bytes,
             "data_position": c.data_position, "data_rows": list(report.batch.rows) if report.batch else None,
-            "skipped_files": report.skipped_files, "decoders_replaced": self.pipeline.decoder_pool.replacements,
+            "skipped_files": report.skipped_files, "decoders_replaced": self.pipeline.decoders_replaced,
             "device": c.device, "time": time.time(),
         }
         self._count_bad_step(row)
@@ -287,7 +269,7 @@ class Trainer:
         finally:
             bar.close()
         extra = {"stopped_by": self.stop_reason if step < steps else "", "bad_steps": self.bad_steps,
-                 "restarts": self.pipeline.restarts, "rollbacks": self.rollbacks}
+                 "restarts": self.pipeline.restarts, "rollbacks": self.pipeline.rollbacks}
         if not rows:
             return TrainSummary(str(self.run_dir), self.start_step, self.start_step, float("nan"), float("nan"),
                                 0.0, 0.0, self.last_checkpoint, **extra)

@@ -15,9 +15,16 @@ the driver waits for the store to come back, replaces the compute actor (it hold
 between steps; a new one cannot be left blocked on a version that will never come), and
 redoes the step on the same batch. Steps whose update the store already holds are not
 redone. A store that cannot come back on its state (an update was cut inside a shard, or Ray
-gave up restarting it) raises ``StoreLostError``: the Trainer then restores the latest
-checkpoint and redoes the steps after it. Every recovery counts against
-``runtime.max_restarts``; one more stops the run with ``RestartLimitError``.
+gave up restarting it) raises ``StoreLostError``: the Trainer then calls ``rollback_to`` with
+the latest checkpoint, which rebuilds the actors in place on it, and redoes the steps after it.
+Every recovery counts against ``runtime.max_restarts``; one more stops the run with
+``RestartLimitError``. The recovery counters (``restarts``, ``redone_steps``,
+``recovery_seconds``, ``rollbacks``, ``decoders_replaced``) are the whole run's: a rollback
+keeps them.
+
+The Trainer talks to the pipeline only through its methods (``run_step``, ``save_checkpoint``,
+``predict``, ``status``, ``rollback_to``, ...); ``actor_handles`` is for tests and drills that
+kill an actor on purpose.
 """
 
 from __future__ import annotations
@@ -106,48 +113,67 @@ class StepReport:
     compute actor's own data wait."""
 
 
+@dataclass(frozen=True)
+class ActorHandles:
+    """The live actors of a pipeline at one moment (``StreamingPipeline.actor_handles``)."""
+    store: object
+    compute: object
+    decoders: tuple
+
+
 class StreamingPipeline:
     """Owns the actors of one run. ``run_step(k)`` returns step k's compute and update results."""
 
     def __init__(self, cfg, run_dir: str, resume_checkpoint: str | None = None,
-                 start_position: int | DataCursor = 0, init_from: str | None = None, restarts: int = 0):
+                 start_position: int | DataCursor = 0, init_from: str | None = None):
         self.cfg = cfg
         self.run_dir = run_dir
-        self.restarts = restarts  # actor failures recovered from so far in this run (carried over a rollback)
+        self.init_from = init_from  # the weights a rollback with no checkpoint yet goes back to
         use_gpu = cfg.runtime.device != "cpu" and ray.cluster_resources().get("GPU", 0) >= 1
         if cfg.runtime.device == "cuda" and not use_gpu:
             raise RuntimeError("runtime.device='cuda' but the Ray cluster has no GPU; use 'auto' or 'cpu'")
         self.use_gpu = use_gpu
-        w_dtype = "bfloat16" if use_gpu else "float32"
+        self.w_dtype = "bfloat16" if use_gpu else "float32"
+        # Recovery counters, the whole run's (a rollback keeps them).
+        self.restarts = 0            # actor failures recovered from (bounded by runtime.max_restarts)
+        self.redone_steps = 0        # steps redone because an actor died under them
+        self.recovery_seconds = 0.0  # driver time spent recovering from actor failures, rollbacks included
+        self.rollbacks = 0           # times the store's state was lost and a checkpoint restored
+        self._replaced_before = 0    # decoders replaced by the pools before the last rollback
+        self._start_actors(resume_checkpoint, start_position, init_from)
+
+    def _start_actors(self, resume_checkpoint: str | None, start_position: int | DataCursor,
+                      init_from: str | None) -> None:
+        """Build the store (on ``resume_checkpoint``, else ``init_from``, else fresh weights), the
+        compute actor and the decoder pool (continuing from ``start_position``), with no step in
+        flight. Used by ``__init__`` and ``rollback_to``."""
+        cfg, run_dir = self.cfg, self.run_dir
         # The store serves many blocking calls (wait_version) at once: a threaded actor. On a
         # restart Ray re-runs __init__ with these arguments; it then re-attaches to its segments.
         store_cls = ray.remote(ParameterStore).options(
             name=f"{NAMESPACE}/param-store", num_cpus=0, max_concurrency=64,
             max_restarts=cfg.runtime.max_restarts, **actor_options())
-        self.store = store_cls.remote(cfg, run_dir, w_dtype, resume_checkpoint, False, init_from,
-                                      owner_pid=os.getpid())
-        self.infos = ray.get(self.store.shard_infos.remote())
-        status = ray.get(self.store.status.remote())
+        self._store = store_cls.remote(cfg, run_dir, self.w_dtype, resume_checkpoint, False, init_from,
+                                       owner_pid=os.getpid())
+        self.infos = ray.get(self._store.shard_infos.remote())
+        status = self.status()
         self.store_node, self.state_dir = status.node_id, status.state_dir
         self._compute_generation = 0
-        self.compute = self._make_compute()
-        transport = ray.get(self.compute.transport_name.remote())
-        self.transport = transport
+        self._compute = self._make_compute()
+        self.transport = ray.get(self._compute.transport_name.remote())
 
         # ``start_position``: where the data continues (a checkpoint's DataCursor; an int is one
         # decoder's position). The pool's watchdog replaces decoders that hang or die.
         cursor = (start_position if isinstance(start_position, DataCursor)
                   else DataCursor.start(cfg.data.num_decoders, int(start_position)))
-        self.decoder_pool = DecoderPool(cfg, f"{run_dir}/decoders", cursor, NAMESPACE, actor_options())
+        self._decoder_pool = DecoderPool(cfg, f"{run_dir}/decoders", cursor, NAMESPACE, actor_options())
         self._data_lost: dict[int, float] = {}      # step -> seconds lost to a replaced decoder
         self._queued: dict[int, object] = {}        # step -> ref of the compute actor's StepResult
         self._computed: dict[int, StepResult] = {}  # step -> result whose update is not confirmed yet
         self._batches: dict[int, object] = {}       # step -> batch ref, kept until the step is done
         self._first_batch = None
-        self.redone_steps = 0
-        self.recovery_seconds = 0.0  # driver time spent recovering from actor failures
-        log.info("pipeline up: %d shards, weights %s, transport %s, %s", len(self.infos), w_dtype, transport,
-                 "GPU" if use_gpu else "CPU")
+        log.info("pipeline up: %d shards, weights %s, transport %s, %s", len(self.infos), self.w_dtype,
+                 self.transport, "GPU" if self.use_gpu else "CPU")
 
     def _make_compute(self):
         # transport "auto": the compute actor compares its node with the store's once placed.
@@ -155,14 +181,14 @@ class StreamingPipeline:
         name = f"{NAMESPACE}/compute" + (f"-{gen}" if gen else "")
         return ray.remote(ComputeActor).options(
             name=name, num_cpus=0 if self.use_gpu else 1, num_gpus=1 if self.use_gpu else 0, **actor_options(),
-        ).remote(self.cfg, self.infos, RayStoreClient(self.store, gen), self.cfg.runtime.transport, self.store_node)
+        ).remote(self.cfg, self.infos, RayStoreClient(self._store, gen), self.cfg.runtime.transport, self.store_node)
 
     def _batch(self, step: int):
         if step not in self._batches:
             if self.cfg.training.overfit_one_batch and self._first_batch is not None:
                 self._batches[step] = self._first_batch
             else:
-                self._batches[step] = self.decoder_pool.batch_ref(step)
+                self._batches[step] = self._decoder_pool.batch_ref(step)
                 if self._first_batch is None:
                     self._first_batch = self._batches[step]
         return self._batches[step]
@@ -171,7 +197,7 @@ class StreamingPipeline:
         if step in self._queued or step in self._computed:
             return
         # In a list, the ref reaches the actor unresolved, so it can measure its wait for data.
-        self._queued[step] = self.compute.train_step.remote([self._batch(step)], step)
+        self._queued[step] = self._compute.train_step.remote([self._batch(step)], step)
 
     def count_restart(self, what: str, error: BaseException | None = None) -> None:
         """One more actor failure recovered from; past ``runtime.max_restarts``, stop the run."""
@@ -214,10 +240,10 @@ class StreamingPipeline:
             self._submit(step + 1)
         if step not in self._computed:
             self._computed[step] = ray.get(self._queued.pop(step))
-        update = ray.get(self.store.wait_step.remote(step))
+        update = ray.get(self._store.wait_step.remote(step))
         self._batches.pop(step, None)
-        info = self.decoder_pool.commit(step)
-        return StepReport(self._computed.pop(step), update, info, self.decoder_pool.skipped_files,
+        info = self._decoder_pool.commit(step)
+        return StepReport(self._computed.pop(step), update, info, self._decoder_pool.skipped_files,
                           self._data_lost.pop(step, 0.0))
 
     def _await_batch(self, step: int) -> None:
@@ -227,14 +253,14 @@ class StreamingPipeline:
         any weight or gradient: hand it the step again with the new batch."""
         if step in self._computed:
             return
-        ready = self.decoder_pool.wait_ready(step)
+        ready = self._decoder_pool.wait_ready(step)
         if ready is None or not ready.redrawn:
             return
         self.count_restart(f"step {step + 1}: the decoder of its batch hung or died and was replaced")
         self._data_lost[step] = self._data_lost.get(step, 0.0) + ready.lost_seconds
         self.recovery_seconds += ready.lost_seconds
         old = self._batches.get(step)
-        self._batches[step] = self.decoder_pool.batch_ref(step)
+        self._batches[step] = self._decoder_pool.batch_ref(step)
         if self._first_batch is old:
             self._first_batch = self._batches[step]
         ref = self._queued.pop(step, None)
@@ -253,7 +279,7 @@ class StreamingPipeline:
         deadline = time.monotonic() + STORE_RESTART_TIMEOUT_S
         while True:
             try:
-                return ray.get(self.store.status.remote(), timeout=max(1.0, deadline - time.monotonic()))
+                return ray.get(self._store.status.remote(), timeout=max(1.0, deadline - time.monotonic()))
             except ActorUnavailableError:
                 if time.monotonic() > deadline:
                     raise
@@ -275,11 +301,11 @@ class StreamingPipeline:
                 except Exception:  # noqa: BLE001 - a failed run of that step: it is redone
                     pass
         self._queued.clear()
-        ray.kill(self.compute)
+        ray.kill(self._compute)
         self._compute_generation += 1
         # Reports the dead compute actor still had in flight must not count towards a step.
-        versions = ray.get(self.store.set_client_generation.remote(self._compute_generation))
-        self.compute = self._make_compute()
+        versions = ray.get(self._store.set_client_generation.remote(self._compute_generation))
+        self._compute = self._make_compute()
         applied = min(versions)  # the restarted store finished any update cut between shards
         # A result counts only if the store applied its update (the gradients are gone otherwise).
         self._computed = {s: r for s, r in self._computed.items() if s < applied}
@@ -292,7 +318,7 @@ class StreamingPipeline:
     def save_checkpoint(self, run_dir: str, step: int, extra: dict) -> str:
         while True:
             try:
-                return ray.get(self.store.save_checkpoint.remote(run_dir, step, extra))
+                return ray.get(self._store.save_checkpoint.remote(run_dir, step, extra))
             except RayActorError as e:
                 self.count_restart(f"the parameter store died while saving the step-{step} checkpoint", e)
                 # A cut save leaves only a temporary directory; the state itself is intact.
@@ -303,20 +329,53 @@ class StreamingPipeline:
 
     def decoder_stats(self):
         """Counters of the decoders that answer promptly (a stuck one may not)."""
-        return self.decoder_pool.stats()
+        return self._decoder_pool.stats()
 
     @property
-    def decoders(self) -> list:
-        """The decoder actors now in the pool."""
-        return self.decoder_pool.actors
+    def decoders_replaced(self) -> int:
+        """Decoders replaced in this run because they hung or died (rollbacks included)."""
+        return self._replaced_before + self._decoder_pool.replacements
+
+    def status(self):
+        """The parameter store's ``StoreStatus`` now: shard versions, host state bytes, state dir
+        and node."""
+        return ray.get(self._store.status.remote())
+
+    def predict(self, x_t, t, caption, caption_len, version: int):
+        """The model's velocity for ``x_t`` at times ``t`` with the weights of ``version``, forward
+        only through the compute actor (``ComputeActor.predict``); so the pipeline can be handed to
+        ``euler_sample`` for sampling during training. Call it with no step queued past
+        ``version`` (the Trainer does not queue ahead of a sample)."""
+        return ray.get(self._compute.predict.remote(x_t, t, caption, caption_len, version))
+
+    def actor_handles(self) -> ActorHandles:
+        """The live actors' handles, for tests and fault drills that kill one on purpose. They
+        change when an actor is replaced or the pipeline rolls back: take them again after that.
+        Training code uses the pipeline's methods instead."""
+        return ActorHandles(self._store, self._compute, tuple(self._decoder_pool.actors))
+
+    def rollback_to(self, checkpoint: str | None, start_position: int | DataCursor = 0) -> None:
+        """The store's state is lost (``StoreLostError``): kill every actor, drop the dead state and
+        rebuild the store, compute actor and decoder pool in place on ``checkpoint`` (the data
+        continuing from ``start_position``, that checkpoint's cursor), or on the run's initial
+        weights (``init_from``, else fresh ones) when there is no checkpoint yet. The steps in
+        flight are dropped; the caller redoes those after the checkpoint. The recovery counters
+        carry on, the rollback's own time counted in ``recovery_seconds``. (The store's death was
+        already counted in ``restarts`` where it was noticed.)"""
+        t0 = time.monotonic()
+        self._replaced_before += self._decoder_pool.replacements
+        self.abort()
+        self._start_actors(checkpoint, start_position, None if checkpoint else self.init_from)
+        self.rollbacks += 1
+        self.recovery_seconds += time.monotonic() - t0
 
     def data_cursor(self, step: int) -> DataCursor:
         """Where the data continues after ``step`` completed steps (for a checkpoint)."""
-        return self.decoder_pool.cursor(step)
+        return self._decoder_pool.cursor(step)
 
     def abort(self) -> None:
         """Kill every actor now and remove the store's shared-memory state (same node only)."""
-        for h in [self.compute, *self.decoders, self.store]:
+        for h in [self._compute, *self._decoder_pool.actors, self._store]:
             try:
                 ray.kill(h, no_restart=True)
             except Exception as e:  # noqa: BLE001 - already dead
@@ -334,19 +393,19 @@ class StreamingPipeline:
             ray.cancel(ref, force=False)
         self._queued.clear()
         self._batches.clear()
-        closing = self.compute.close.remote()
-        self.decoder_pool.close()  # all decoders at once: a frozen one is killed after one timeout
+        closing = self._compute.close.remote()
+        self._decoder_pool.close()  # all decoders at once: a frozen one is killed after one timeout
         try:
             ray.get(closing, timeout=30)
         except Exception as e:  # noqa: BLE001 - closing best-effort, then killed below
             log.debug("closing the compute actor failed: %r", e)
         closed = False
         try:
-            ray.get(self.store.close.remote(), timeout=60)
+            ray.get(self._store.close.remote(), timeout=60)
             closed = True
         except Exception as e:  # noqa: BLE001
             log.warning("parameter store did not close cleanly: %r", e)
-        for h in (self.compute, self.store):
+        for h in (self._compute, self._store):
             ray.kill(h)
         if not closed:  # a dead store (e.g. one that could not be restarted) left its state behind
             self._remove_state()

@@ -31,8 +31,8 @@ def test_store_killed_between_steps_changes_nothing(ray_session, small_config, t
         for step in range(4):
             rows.append(trainer.train_step(step))
             if step in (0, 2):  # step 2 (and 4) is already queued on the compute actor: it gets cut
-                ray.kill(trainer.pipeline.store, no_restart=False)
-        status = ray.get(trainer.pipeline.store.status.remote())
+                ray.kill(trainer.pipeline.actor_handles().store, no_restart=False)
+        status = trainer.pipeline.status()
         redone = trainer.pipeline.redone_steps
     finally:
         trainer.close()
@@ -154,11 +154,11 @@ def test_store_cut_inside_a_shard_stops_training_with_a_clear_error(ray_session,
     trainer = Trainer(cfg, run_dir=str(tmp_path / "run"), progress=False)
     try:
         trainer.train_step(0)
-        status = ray.get(trainer.pipeline.store.status.remote())
+        status = trainer.pipeline.status()
         # What a crash inside shard 1's AdamW leaves behind: its marker still set.
         markers = map_segment(Path(status.state_dir) / "updating.i64", len(status.versions), torch.int64)
         markers[1] = status.versions[1]
-        ray.kill(trainer.pipeline.store, no_restart=False)
+        ray.kill(trainer.pipeline.actor_handles().store, no_restart=False)
         with pytest.raises(RuntimeError, match=r"(?s)cannot be restarted.*--resume") as err:
             trainer.train_step(1)
         assert "middle of updating shard(s) [1]" in str(err.value)  # the store's own reason is passed on
