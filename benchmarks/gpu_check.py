@@ -10,7 +10,7 @@ finished):
 1. ``correctness``: ``dsa_triton`` forward and the gradients of q, k, v and offsets
    against ``dsa_reference`` on CUDA, per case and dtype. fp32: against the fp64
    reference, ``|tri - ref| <= 2e-5 + 1e-4 |ref|`` (the interpreter tests' tolerance).
-   bf16: the flash-attention rule of tests/test_dsa.py (``flash_rule_errors``, as
+   bf16: the flash-attention rule of kernels/checks.py (``flash_rule_errors``, as
    ``test_triton_compiled_on_cuda``). Cases: odd sizes, head dims that are not powers
    of two, several query block sizes, offsets that clamp far outside the volume and
    positions exactly on integers and on clamp bounds; plus both identities of
@@ -38,7 +38,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import importlib.util
 import json
 import math
 import platform
@@ -88,15 +87,6 @@ CASES = (
 )
 
 
-def load_test_helpers():
-    """tests/test_dsa.py as a module (its helpers: inputs, identities, the bf16 rule)."""
-    path = REPO / "tests" / "test_dsa.py"
-    spec = importlib.util.spec_from_file_location("_gpu_check_test_dsa", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
 # -----------------------------------------------------------------------------
 # Part 1: correctness
 
@@ -133,11 +123,11 @@ def check_case(t, case: Case, dtype, device: str) -> dict:
     def ref(*a, **kw):
         return dsa_reference(*a, case.window, **kw)
 
-    got = t._grads(tri, inputs, dout)
+    got = t.grads(tri, inputs, dout)
     result = {"case": case.name, "shape": case.shape, "window": case.window,
               "dtype": str(dtype).replace("torch.", ""), "block_m": case.block_m}
     if dtype == torch.float32:
-        want = t._grads(ref, [x.double() for x in inputs], dout.double())
+        want = t.grads(ref, [x.double() for x in inputs], dout.double())
         errors, max_err = [], {}
         for name, a, b in zip(t.GRAD_NAMES, got, want):
             diff = (a.double() - b).abs()
@@ -148,8 +138,8 @@ def check_case(t, case: Case, dtype, device: str) -> dict:
                               f"atol {FP32_ATOL} + rtol {FP32_RTOL} (max err {max_err[name]:.3g})")
         result.update(rule=f"fp64 reference, atol {FP32_ATOL}, rtol {FP32_RTOL}", max_err=max_err)
     else:
-        ref32 = t._grads(ref, [x.float() for x in inputs], dout)
-        same = t._grads(lambda *a: ref(*a, upcast=False), inputs, dout)
+        ref32 = t.grads(ref, [x.float() for x in inputs], dout)
+        same = t.grads(lambda *a: ref(*a, upcast=False), inputs, dout)
         errors = t.flash_rule_errors(got, ref32, same, rel_atol=BF16_REL_ATOL)
         max_err = {n: (a.float() - r).abs().max().item() for n, a, r in zip(t.GRAD_NAMES, got, ref32)}
         result.update(rule=f"flash rule vs fp32 reference, rel atol {BF16_REL_ATOL}", max_err=max_err)
@@ -195,7 +185,7 @@ def check_identities(t, device: str) -> list[dict]:
 def part_correctness(device: str = "cuda", cases=CASES) -> dict:
     import torch
 
-    t = load_test_helpers()
+    from kernels import checks as t  # inputs, identities, the bf16 rule (shared with the tests)
     results = []
     for case in cases:
         for dtype in (torch.float32, torch.bfloat16):
@@ -375,7 +365,7 @@ def part_streaming(steps: int = 4, width: int = 512, depth: int = 8) -> dict:
                 torch.cuda.reset_peak_memory_stats()
             rows = []
             try:
-                pinned = sum(n for _, n in compute._pinning.ranges)
+                pinned = sum(n for _, n in compute.link.pinning.ranges)
                 for k in range(steps):
                     t0 = time.perf_counter()
                     r = compute.train_step(batches[k], k)

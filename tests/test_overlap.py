@@ -10,9 +10,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from actors.compute import ComputeActor, LocalStoreClient, throttled_copy
+from actors.compute import ComputeActor, LocalStoreClient
 from actors.decoder import VideoDecoder
 from actors.param_store import ParameterStore
+from actors.transfer import pin_ranges, throttled_copy
 from megaslide_ray.config import build_config
 from megaslide_ray.demo_data import ensure_demo_dataset
 
@@ -40,7 +41,7 @@ def train(tmp_path, manifest, batches, depth=3, **runtime):
             result = compute.train_step(b, step)
             store.wait_step(step)
         train.last, train.sizes = result, [info.numel * 4 for info in store.shard_infos()]
-        return [s["master"].clone() for s in store.seg], compute._staging.allocated
+        return [s["master"].clone() for s in store.seg], compute.link.staging.allocated
     finally:
         compute.close()
         store.close()
@@ -137,7 +138,6 @@ def test_throttle_limits_copy_rate():
 
 
 def test_pin_ranges_cover_the_segment_in_page_aligned_bounded_pieces():
-    from actors.compute import pin_ranges
 
     page, chunk = 4096, 3 * 4096
     for ptr, nbytes in [(0, 1), (4096, 4096), (8192, 5 * 4096 + 7), (4096 * 7, 3 * 4096), (12288, 0)]:

@@ -1,0 +1,503 @@
+"""Moving bytes between host memory and the compute device: the compute actor's transfer machinery.
+
+The compute actor (``actors/compute.py``) decides *what* runs; this module moves the bytes:
+
+* ``Transfers``: the link of one compute actor. It knows where a shard's weights come from
+  (the store's mapped ``w`` segments on the same node, or Ray object refs across nodes),
+  copies them towards the device (CUDA: an asynchronous H2D stream from pinned segments; CPU:
+  in place, or through a throttled copy that simulates a PCIe link), returns gradients (CUDA:
+  a D2H stream into the pinned ``g`` segments), and counts the bytes and seconds of each
+  direction per step. Two single-thread executors stand in for the streams on the CPU: one
+  stages weights ahead (host -> device), one returns gradients (device -> host).
+* ``ShardFeed``: the weights of one step's shards in schedule order, with ``prefetch_depth``
+  shards in flight behind the one computing, and the turn's kept shard.
+* ``ActivationStash``: the block inputs kept for the backward (activation checkpointing), on
+  the device or, with ``runtime.offload_activations``, in a host segment.
+* ``StagingPool``, ``HostPinning``/``pin_ranges``, ``throttled_copy``: the buffers, the pinned
+  registration and the simulated link underneath.
+
+Why the staging buffers are pooled: the device must hold at most ``prefetch_depth + 1`` shards
+whatever the model's depth, and a fresh device allocation per shard would both fragment memory
+and (on CUDA) need the caching allocator to know which stream last used it. Each buffer comes
+back with a fence event the next copy into it waits for.
+
+The step schedule these serve is described in docs/architecture.md ("One training step").
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from actors.param_store import default_state_root, map_segment
+
+log = logging.getLogger(__name__)
+
+
+class Transfers:
+    """The host <-> device link of one compute actor (see the module docstring).
+
+    ``store``: the compute actor's store client (``wait_version``, ``get_weights``,
+    ``report_grad``); ``shards``: the store's ``ShardInfo`` list; ``transport``: ``shm`` (map the
+    store's segments, same node) or ``object_ref``."""
+
+    def __init__(self, device: torch.device, store, shards: list, transport: str, dtype: torch.dtype,
+                 overlap: bool, prefetch_depth: int, link_gbps: float):
+        self.device = device
+        self.store = store
+        self.transport = transport
+        self.dtype = dtype
+        self.overlap = overlap
+        self.prefetch_depth = prefetch_depth if overlap else 0
+        self.link_gbps = link_gbps
+        self.cuda = device.type == "cuda"
+        # Same node: map the store's segments. These are the store's pages, not a copy.
+        self.w_maps: list[torch.Tensor] = []
+        self.g_maps: list[torch.Tensor] = []
+        if transport == "shm":
+            for info in shards:
+                self.w_maps.append(map_segment(info.paths["w"], info.numel, dtype))
+                self.g_maps.append(map_segment(info.paths["g"], info.numel, dtype))
+        # Staging: on CUDA every shard is copied to the device; on CPU only when a link is
+        # simulated (``link_gbps``), else the compute reads the mapped pages directly.
+        self.staging = StagingPool()
+        self.stage = device.type == "cpu" and link_gbps > 0
+        # "Streams" on CPU: one thread stages shards ahead (host-to-device), one returns
+        # gradients (device-to-host), so both transfers overlap the compute thread.
+        self.prefetcher = ThreadPoolExecutor(max_workers=1, thread_name_prefix="shard-prefetch")
+        self.returner = ThreadPoolExecutor(max_workers=1, thread_name_prefix="grad-return")
+        # Per-step counters. Both threads and the compute thread add to them: one lock.
+        self._lock = threading.Lock()
+        self._h2d = [0, 0.0]  # bytes, seconds of this step's host->device copies
+        self._d2h = [0, 0.0]  # bytes, seconds of this step's device->host copies
+        self._h2d_timing: list[tuple] = []  # CUDA: (start, end) events of this step's H2D copies
+        # CUDA: real streams. Weights go host->device on their own stream, gradients device->host
+        # on another, the model runs on the default stream; events order them. The store's mapped
+        # segments are registered as pinned memory (in pieces), so both copies are asynchronous
+        # DMA straight from/to shared memory, with no extra host copy of the model.
+        self.pinning = HostPinning()
+        if self.cuda:
+            self.h2d_stream = torch.cuda.Stream(device)
+            self.d2h_stream = torch.cuda.Stream(device)
+            for seg in self.w_maps + self.g_maps:
+                if not self.pinning.register(seg):
+                    break  # copies from unpinned pages still work, only synchronously
+
+    # -- per-step accounting --------------------------------------------------------------------
+    def begin_step(self) -> None:
+        """No transfer is in flight between steps: start this step's counters at zero."""
+        with self._lock:
+            self._h2d, self._d2h = [0, 0.0], [0, 0.0]
+            self._h2d_timing = []
+
+    def count(self, direction: str, nbytes: int, seconds: float = 0.0) -> None:
+        """Add a copy to this step's ``h2d`` or ``d2h`` counters (any thread)."""
+        with self._lock:
+            c = self._h2d if direction == "h2d" else self._d2h
+            c[0] += nbytes
+            c[1] += seconds
+
+    def step_counters(self) -> tuple[int, float, int, float]:
+        """(h2d bytes, h2d seconds, d2h bytes, d2h seconds) of this step. CUDA: the H2D seconds
+        are the copies' own duration on their stream (host sync on the last copy's event)."""
+        if self._h2d_timing:
+            self._h2d_timing[-1][1].synchronize()
+            seconds = sum(a.elapsed_time(b) for a, b in self._h2d_timing) / 1e3
+            with self._lock:
+                self._h2d[1] = seconds
+        with self._lock:
+            return self._h2d[0], self._h2d[1], self._d2h[0], self._d2h[1]
+
+    # -- weights towards the device ------------------------------------------------------------
+    def fetch(self, shard: int, step: int) -> torch.Tensor:
+        """Shard ``shard``'s compute weights, valid for ``step``, where the compute can use them
+        (CUDA: a device buffer whose copy may still be in flight: pass it through ``ready``)."""
+        if self.transport == "shm":
+            self.store.wait_version(shard, step)
+            src = self.w_maps[shard]
+            t_copy, moved = time.perf_counter(), 0
+        else:
+            t_copy = time.perf_counter()  # the transfer is the object fetch itself
+            raw = self.store.get_weights(shard, step)
+            # np.array copies: arrays from Ray are read-only views of the object store.
+            src = torch.from_numpy(np.array(raw, copy=True)).view(self.dtype)
+            moved = src.numel() * src.element_size()
+        if self.stage:  # simulated link: a throttled copy into a reused buffer
+            w, _ = self.staging.acquire(src.numel(), src.dtype)
+            throttled_copy(w, src, self.link_gbps)
+            moved = src.numel() * src.element_size()
+        elif self.cuda:  # enqueue the H2D copy on its stream; the compute waits on its event
+            return self.to_device(src)
+        else:  # CPU: compute straight from the mapped pages (no copy)
+            w = src
+        if moved:
+            self.count("h2d", moved, time.perf_counter() - t_copy)
+        return w
+
+    def to_device(self, src: torch.Tensor) -> torch.Tensor:
+        """Asynchronous host->device copy of ``src`` on the H2D stream (DMA when ``src`` is
+        pinned), counted in this step's H2D bytes. The result carries the event that marks the
+        copy done (see ``ready``)."""
+        start, done = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        with torch.cuda.stream(self.h2d_stream):
+            # A reused device buffer: the copy waits until the compute is done with its last use.
+            w, fence = self.staging.acquire(src.numel(), src.dtype, self.device)
+            if fence is not None:
+                self.h2d_stream.wait_event(fence)
+            start.record()
+            w.copy_(src, non_blocking=True)
+            done.record()
+        w._megaslide_ready = done  # read and dropped by ready() on the compute thread
+        with self._lock:
+            self._h2d_timing.append((start, done))
+        self.count("h2d", src.numel() * src.element_size())
+        return w
+
+    def ready(self, w: torch.Tensor) -> torch.Tensor:
+        """Make the compute stream wait for ``w``'s copy, and keep the caching allocator from
+        reusing its memory (allocated on the H2D stream) before the compute is done with it."""
+        done = getattr(w, "_megaslide_ready", None)
+        if done is not None:
+            current = torch.cuda.current_stream(self.device)
+            current.wait_event(done)
+            w.record_stream(current)
+            del w._megaslide_ready
+        return w
+
+    def release(self, w: torch.Tensor) -> None:
+        """The compute is done with the weights ``w``: their staging buffer can be reused."""
+        if self.stage or self.cuda:
+            self.recycle(w)
+
+    def recycle(self, buf: torch.Tensor) -> None:
+        """Hand a staging buffer back. CUDA: with an event after the compute work queued so
+        far, which the next copy into the buffer waits for."""
+        fence = None
+        if self.cuda:
+            fence = torch.cuda.Event()
+            fence.record(torch.cuda.current_stream(self.device))
+        self.staging.release(buf, fence)
+
+    # -- towards the host ---------------------------------------------------------------------
+    def to_host(self, dst: torch.Tensor, src: torch.Tensor) -> "torch.cuda.Event":
+        """CUDA: asynchronous device->host copy of ``src`` into ``dst`` (pinned) on the D2H
+        stream, after the compute work queued so far; returns the event that marks it done."""
+        produced = torch.cuda.Event()
+        produced.record(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(self.d2h_stream):
+            self.d2h_stream.wait_event(produced)
+            dst.copy_(src, non_blocking=True)
+            copied = torch.cuda.Event()
+            copied.record()
+        src.record_stream(self.d2h_stream)
+        return copied
+
+    def return_grad(self, shard: int, step: int, g: torch.Tensor, sqnorm: float) -> Future | None:
+        """Hand shard ``shard``'s flat gradient ``g`` and its squared norm to the store: into the
+        store's ``g`` segment (same node; CUDA: on the D2H stream), or as raw bytes in an object
+        ref. With overlap the report is sent from the return thread: the returned future
+        surfaces its errors; without, it is sent now and None is returned."""
+        copied = None
+        if self.cuda and self.transport == "shm":  # into the pinned segment, after the backward
+            copied = self.to_host(self.g_maps[shard], g)
+
+        def send() -> None:
+            t0 = time.perf_counter()
+            if copied is not None:
+                copied.synchronize()  # the gradient is in the store's segment
+                seconds = time.perf_counter() - t0
+                self.store.report_grad(shard, step, sqnorm, None)
+            elif self.transport == "shm":
+                throttled_copy(self.g_maps[shard], g, self.link_gbps)
+                seconds = time.perf_counter() - t0
+                self.store.report_grad(shard, step, sqnorm, None)
+            else:
+                host = g.cpu()
+                seconds = time.perf_counter() - t0
+                self.store.report_grad(shard, step, sqnorm, host.view(torch.uint8).numpy())
+            self.count("d2h", g.numel() * g.element_size(), seconds)
+
+        if not self.overlap:
+            send()
+            return None
+        return self.returner.submit(send)
+
+    def close(self) -> None:
+        self.prefetcher.shutdown(wait=True)
+        self.returner.shutdown(wait=True)
+        if self.cuda:
+            torch.cuda.synchronize(self.device)
+        self.pinning.release()
+        self.w_maps, self.g_maps = [], []
+
+
+class ShardFeed:
+    """The weights of ``order`` (shard indices) for one step, taken in that order: with overlap,
+    the prefetch thread keeps ``prefetch_depth`` shards in flight behind the one being taken;
+    without, each is fetched when taken. ``reuse`` maps a position to an earlier position whose
+    weights it takes again instead of fetching them (the turn: see ``ComputeActor.step_order``).
+
+    ``wait`` = time the compute thread was blocked; ``log`` = (asked, got) clock readings of each
+    take, for the overlap benchmark's schedule model."""
+
+    def __init__(self, link: Transfers, order: list[int], step: int, reuse: dict[int, int] | None = None):
+        self.link, self.order, self.step = link, order, step
+        self.reused_from = {src: dst for dst, src in (reuse or {}).items()}  # kept position -> reusing one
+        if any(order[src] != order[dst] for src, dst in self.reused_from.items()):
+            raise ValueError(f"reuse {reuse} pairs positions of different shards in {order}")
+        self.reusing = set(self.reused_from.values())
+        self.pos = -1  # the position last taken
+        self.kept: dict[int, torch.Tensor] = {}
+        self.futures: dict[int, Future] = {}
+        self.wait = 0.0
+        self.log: list[tuple[float, float]] = []
+
+    def take(self, shard: int) -> torch.Tensor:
+        """The next position's weights, which must be shard ``shard``'s (the caller states what
+        it expects, so a schedule and its order cannot drift apart)."""
+        pos = self.pos + 1
+        if pos >= len(self.order) or self.order[pos] != shard:
+            raise RuntimeError(f"the step takes shard {shard} at position {pos}, but the order is {self.order}")
+        self.pos = pos
+        link = self.link
+        for ahead in range(pos + 1, min(pos + link.prefetch_depth + 1, len(self.order))):
+            if ahead not in self.futures and ahead not in self.reusing:
+                self.futures[ahead] = link.prefetcher.submit(link.fetch, self.order[ahead], self.step)
+        t0 = time.perf_counter()
+        if pos in self.reusing:
+            w = self.kept.pop(pos)
+        elif pos in self.futures:
+            w = self.futures.pop(pos).result()
+        else:  # the first shard, or no overlap: fetch now, in sequence
+            w = link.fetch(shard, self.step)
+        t1 = time.perf_counter()
+        self.wait += t1 - t0
+        self.log.append((t0, t1))
+        return link.ready(w)
+
+    def done(self, w: torch.Tensor) -> None:
+        """The compute is done with the weights ``w`` of the position last taken: keep them for
+        the position that reuses them, else hand the buffer back."""
+        if self.pos in self.reused_from:
+            self.kept[self.reused_from[self.pos]] = w
+        else:
+            self.link.release(w)
+
+
+class ActivationStash:
+    """The block-boundary inputs a step keeps for its backward (activation checkpointing).
+
+    Default: a list on the compute device, which grows with model depth (L inputs of
+    batch x tokens x width). With ``offload`` (``runtime.offload_activations``) each input goes
+    to a host segment as soon as the next block has it (on the gradient-return thread: the
+    device-to-host direction, idle during the forward) and comes back on the staging thread
+    ahead of its block's backward, like the weights; at most ``prefetch_depth + 1`` inputs are
+    then on the device whatever the depth. The host segment is one file-backed mapping in
+    ``state_dir``, unlinked as soon as it is mapped (nothing is left behind by a crash),
+    registered as pinned memory on CUDA. With ``link_gbps`` both copies cross the simulated
+    link and count as link traffic.
+    """
+
+    def __init__(self, link: Transfers, offload: bool, state_dir: str = ""):
+        self.link, self.offload, self.state_dir = link, offload, state_dir
+        self.kept: list[torch.Tensor] = []
+        self._host: torch.Tensor | None = None     # slots x slot numel, flat
+        self._slot = 0
+        self._shape: tuple = ()
+        self._slots = 0
+        self._put: dict[int, object] = {}            # Future (CPU), cuda.Event (CUDA) or None
+        self._get: dict[int, Future] = {}
+        self._pinning = HostPinning()
+
+    def _ensure(self, slots: int, like: torch.Tensor) -> None:
+        numel = like.numel()
+        if self._host is not None and self._host.dtype == like.dtype and self._host.numel() >= slots * numel:
+            return
+        self.release_host()
+        root = Path(self.state_dir) if self.state_dir else default_state_root()
+        path = root / f"megaslide-activations-{os.getpid()}-{id(self):x}"
+        try:
+            root.mkdir(parents=True, exist_ok=True)  # (another node than the store's may lack it)
+            self._host = map_segment(path, slots * numel, like.dtype, create=True)
+        except OSError as e:
+            raise RuntimeError(f"runtime.offload_activations: cannot make a {slots * numel * like.element_size()} "
+                               f"byte host segment in {root} ({e}); free space there, set runtime.state_dir, "
+                               f"or turn offload_activations off") from e
+        finally:
+            path.unlink(missing_ok=True)  # the mapping stays valid; no file outlives the process
+        if self.link.cuda:
+            self._pinning.register(self._host)
+
+    def begin(self, slots: int) -> None:
+        self.kept, self._put, self._get, self._slots = [], {}, {}, slots
+
+    def put(self, i: int, x: torch.Tensor) -> None:
+        """Keep block input ``i`` (0-based block index) for the backward."""
+        if not self.offload:
+            self.kept.append(x)
+            return
+        link = self.link
+        if self._host is None or self._shape != tuple(x.shape):
+            self._ensure(self._slots, x)
+            self._shape, self._slot = tuple(x.shape), x.numel()
+        dst = self._host[i * self._slot:(i + 1) * self._slot]
+        if link.cuda:
+            self._put[i] = link.to_host(dst, x.reshape(-1))
+            link.count("d2h", x.numel() * x.element_size())
+            return
+
+        def out() -> None:
+            t0 = time.perf_counter()
+            throttled_copy(dst, x.reshape(-1), link.link_gbps)
+            link.count("d2h", x.numel() * x.element_size(), time.perf_counter() - t0)
+
+        if not link.overlap:
+            out()
+            self._put[i] = None
+            return
+        self._put[i] = link.returner.submit(out)
+        # Bound what waits for the link: no more than prefetch_depth + 1 inputs on the device.
+        waiting = [j for j, f in self._put.items() if isinstance(f, Future) and not f.done()]
+        for j in waiting[:max(0, len(waiting) - (link.prefetch_depth + 1))]:
+            self._put[j].result()
+
+    def _load(self, i: int) -> torch.Tensor:
+        link = self.link
+        src = self._host[i * self._slot:(i + 1) * self._slot]
+        if link.cuda:
+            link.h2d_stream.wait_event(self._put[i])  # the input has reached the host
+            return link.to_device(src)
+        done = self._put[i]
+        if isinstance(done, Future):
+            done.result()
+        t0 = time.perf_counter()
+        buf, _ = link.staging.acquire(src.numel(), src.dtype)
+        throttled_copy(buf, src, link.link_gbps)
+        link.count("h2d", src.numel() * src.element_size(), time.perf_counter() - t0)
+        return buf
+
+    def prefetch(self, i: int) -> None:
+        """Start bringing input ``i`` back (offload with overlap); a no-op otherwise."""
+        if self.offload and self.link.overlap and 0 <= i < self._slots and i not in self._get:
+            self._get[i] = self.link.prefetcher.submit(self._load, i)
+
+    def take(self, i: int) -> torch.Tensor:
+        """Block input ``i`` for its backward; inputs are taken newest first."""
+        if not self.offload:
+            return self.kept.pop()
+        got = self._get.pop(i, None)
+        buf = got.result() if isinstance(got, Future) else self._load(i)
+        return self.link.ready(buf).view(self._shape)
+
+    def give_back(self, x: torch.Tensor) -> None:
+        """``x`` (from ``take``) is no longer needed: its staging buffer is reused."""
+        if self.offload:
+            self.link.recycle(x.view(-1))
+
+    def release_host(self) -> None:
+        self._pinning.release()
+        self._host, self._shape = None, ()
+
+
+class StagingPool:
+    """Reused staging buffers, by size and device: the working set stays at prefetch_depth + 1
+    shards whatever the depth of the model (buffers are handed back after each shard's compute).
+    On CUDA these are the device buffers the H2D stream copies into; each comes back with a
+    ``fence`` event that the next copy into it must wait for."""
+
+    def __init__(self):
+        self._free: dict[tuple, list[tuple[torch.Tensor, object]]] = {}
+        self._lock = threading.Lock()
+        self.allocated = 0
+
+    def acquire(self, numel: int, dtype: torch.dtype, device: torch.device | None = None) -> tuple[torch.Tensor, object]:
+        device = torch.device(device or "cpu")
+        with self._lock:
+            free = self._free.get((numel, dtype, device))
+            if free:
+                return free.pop()
+            self.allocated += 1
+        return torch.empty(numel, dtype=dtype, device=device), None
+
+    def release(self, buf: torch.Tensor, fence: object = None) -> None:
+        with self._lock:
+            self._free.setdefault((buf.numel(), buf.dtype, buf.device), []).append((buf, fence))
+
+
+PIN_CHUNK_BYTES = 256 << 20
+"""Pinned registration works in pieces of at most this size (never one huge registration)."""
+
+
+def pin_ranges(ptr: int, nbytes: int, chunk: int = PIN_CHUNK_BYTES, page: int = 4096) -> list[tuple[int, int]]:
+    """Page-aligned ``(start, length)`` pieces of at most ``chunk`` bytes that cover
+    ``[ptr, ptr + nbytes)``. A mapped file's pages are whole, so rounding out stays inside it."""
+    if nbytes <= 0:
+        return []
+    if chunk < page or chunk % page:
+        raise ValueError(f"chunk={chunk} must be a positive multiple of the page size {page}")
+    start = ptr - ptr % page
+    end = ptr + nbytes
+    end += -end % page
+    return [(s, min(chunk, end - s)) for s in range(start, end, chunk)]
+
+
+class HostPinning:
+    """Host memory registered as pinned (``cudaHostRegister``) in ``pin_ranges`` pieces, so
+    copies from and to it are asynchronous DMA; ``release`` unregisters every piece."""
+
+    def __init__(self):
+        self.ranges: list[tuple[int, int]] = []
+
+    def register(self, t: torch.Tensor) -> bool:
+        """Register ``t``'s memory; False (with a warning, nothing left registered from ``t``)
+        when the driver refuses, e.g. over the locked-memory limit."""
+        cudart = torch.cuda.cudart()
+        done = []
+        for start, n in pin_ranges(t.data_ptr(), t.numel() * t.element_size()):
+            err = int(cudart.cudaHostRegister(start, n, 0))
+            if err != 0:
+                for s, _ in done:
+                    cudart.cudaHostUnregister(s)
+                log.warning("could not register %d bytes of the store's segments as pinned memory (cudaError %d); "
+                            "weight copies will be synchronous. Check `ulimit -l`.", t.numel() * t.element_size(), err)
+                return False
+            done.append((start, n))
+        self.ranges.extend(done)
+        return True
+
+    def release(self) -> None:
+        if not self.ranges:
+            return
+        cudart = torch.cuda.cudart()
+        for start, _ in self.ranges:
+            cudart.cudaHostUnregister(start)
+        self.ranges = []
+
+
+THROTTLE_CHUNK_BYTES = 4 << 20
+
+
+def throttled_copy(dst: torch.Tensor, src: torch.Tensor, gbps: float) -> None:
+    """``dst.copy_(src)`` at no more than ``gbps`` GB/s (0: unthrottled), in 4 MiB pieces with
+    sleeps: a CPU stand-in for a PCIe link, so overlap can be tested without a GPU."""
+    if gbps <= 0:
+        dst.copy_(src)
+        return
+    d, s_ = dst.view(-1), src.view(-1)
+    step = max(1, THROTTLE_CHUNK_BYTES // s_.element_size())
+    t0 = time.perf_counter()
+    done = 0
+    for i in range(0, s_.numel(), step):
+        piece = s_[i:i + step]
+        d[i:i + step].copy_(piece)
+        done += piece.numel() * piece.element_size()
+        ahead = done / (gbps * 1e9) - (time.perf_counter() - t0)
+        if ahead > 0:
+            time.sleep(ahead)
