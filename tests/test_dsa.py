@@ -16,7 +16,6 @@
 from __future__ import annotations
 
 import importlib
-import itertools
 import os
 import subprocess
 import sys
@@ -24,7 +23,6 @@ from pathlib import Path
 
 import pytest
 import torch
-import torch.nn.functional as F
 
 from kernels import (
     deformable_slide_attention,
@@ -34,88 +32,19 @@ from kernels import (
     resolve_dsa_backend,
     window_base_positions,
 )
+from kernels.checks import (
+    GRAD_NAMES,
+    assert_dense_identity,
+    edge_offsets,
+    flash_rule_errors,
+    grads,
+    make_qkv,
+    naive_neighborhood_attention,
+    off_kink_offsets,
+    wild_offsets,
+)
 
 dsa_cpu_module = importlib.import_module("kernels.dsa_cpu")  # the package exports the function
-
-
-# -----------------------------------------------------------------------------
-# Independent helpers
-
-
-def naive_neighborhood_attention(q, k, v, window, scale=None):
-    """Loop-per-query 3D neighborhood attention, non-causal, dilation 1.
-
-    The window is centred on the query and shifted inward where it would leave the
-    volume, so every query sees exactly kt*kh*kw keys.
-    """
-    B, T, H, W, nh, d = q.shape
-    kt, kh, kw = window
-    scale = d ** -0.5 if scale is None else scale
-    out = torch.empty_like(q)
-
-    def start(i, w, size):
-        return min(max(i - w // 2, 0), size - w)
-
-    for t, y, x in itertools.product(range(T), range(H), range(W)):
-        st, sy, sx = start(t, kt, T), start(y, kh, H), start(x, kw, W)
-        keys = k[:, st:st + kt, sy:sy + kh, sx:sx + kw].reshape(B, -1, nh, d)
-        vals = v[:, st:st + kt, sy:sy + kh, sx:sx + kw].reshape(B, -1, nh, d)
-        s = torch.einsum("bhd,bjhd->bhj", q[:, t, y, x], keys) * scale
-        out[:, t, y, x] = torch.einsum("bhj,bjhd->bhd", s.softmax(-1), vals)
-    return out
-
-
-def dense_attention(q, k, v, scale=None):
-    B, T, H, W, nh, d = q.shape
-    flat = [x.reshape(B, T * H * W, nh, d).transpose(1, 2) for x in (q, k, v)]
-    out = F.scaled_dot_product_attention(*flat, scale=scale)
-    return out.transpose(1, 2).reshape(B, T, H, W, nh, d)
-
-
-def assert_dense_identity(attn, grid, dtype, tol, seed, scale=0.3):
-    """``attn(q, k, v, offsets, window, scale)`` with zero offsets and window == grid is
-    dense attention: forward and the gradients of q, k, v against fp64 SDPA.
-
-    B=2, nh=2, d=8; ``grid`` must be odd on every axis (windows are odd).
-    """
-    shape = (2, *grid, 2, 8)
-    q, k, v = make_qkv(shape, dtype, seed=seed)
-    K = grid[0] * grid[1] * grid[2]
-    offsets = torch.zeros(*shape[:5], K, 3, dtype=dtype)
-    dout = torch.randn(shape, dtype=torch.float64, generator=torch.Generator().manual_seed(seed + 1))
-    leaves = [x.detach().clone().requires_grad_(True) for x in (q, k, v)]
-    out = attn(*leaves, offsets, grid, scale)
-    assert out.dtype == dtype
-    got = (out, *torch.autograd.grad(out, leaves, dout.to(dtype)))
-    leaves64 = [x.detach().double().requires_grad_(True) for x in (q, k, v)]
-    ref = dense_attention(*leaves64, scale=scale)
-    want = (ref, *torch.autograd.grad(ref, leaves64, dout))
-    for name, a, b in zip("out dq dk dv".split(), got, want):
-        torch.testing.assert_close(a.double(), b, rtol=tol, atol=tol, msg=f"{grid} {name}")
-
-
-def make_qkv(shape, dtype=torch.float32, seed=0, requires_grad=False):
-    g = torch.Generator().manual_seed(seed)
-    return [
-        torch.randn(shape, generator=g, dtype=dtype).requires_grad_(requires_grad)
-        for _ in range(3)
-    ]
-
-
-def off_kink_offsets(shape, window, span, dtype=torch.float64, seed=1):
-    """Offsets whose positions sit strictly between integers (fraction in [0.15, 0.85]).
-
-    Base positions are integers, so the position fraction equals the offset fraction;
-    no sample lies on a floor kink or exactly on a clamp bound, and finite differences
-    see the same piecewise-linear branch as autograd. ``span`` controls how far
-    samples go: large spans push positions outside the volume (clamped, gradient 0).
-    """
-    B, T, H, W, nh, _ = shape
-    K = window[0] * window[1] * window[2]
-    g = torch.Generator().manual_seed(seed)
-    whole = torch.randint(-span, span + 1, (B, T, H, W, nh, K, 3), generator=g)
-    frac = 0.15 + 0.7 * torch.rand((B, T, H, W, nh, K, 3), generator=g)
-    return (whole + frac).to(dtype)
 
 
 # -----------------------------------------------------------------------------
@@ -229,7 +158,7 @@ def test_clamped_samples_have_zero_offset_gradient():
 # Public API and validation
 
 
-def test_public_function_uses_reference_on_cpu(monkeypatch):
+def test_public_function_matches_reference_and_honours_the_backend_switch(monkeypatch):
     shape = (1, 3, 3, 3, 1, 4)
     q, k, v = make_qkv(shape)
     offsets = off_kink_offsets(shape, (3, 3, 3), span=1, dtype=torch.float32)
@@ -327,34 +256,6 @@ def test_chunked_gradcheck_and_dispatch():
 # Fast CPU path (dsa_cpu)
 
 
-def edge_offsets(shape, window, dtype=torch.float64, seed=20):
-    """Offsets hitting every special case of the operator's piecewise definition.
-
-    Mixes fractional moves, exact integers (incl. zero: positions exactly on a floor
-    kink, exactly 0 or size-1), far moves (clamped) and moves to exactly -base (p = 0).
-    """
-    B, T, H, W, nh, _ = shape
-    K = window[0] * window[1] * window[2]
-    g = torch.Generator().manual_seed(seed)
-    full = (B, T, H, W, nh, K, 3)
-    off = torch.randn(full, generator=g, dtype=torch.float64) * 1.5
-    kind = torch.randint(0, 5, full, generator=g)
-    off = torch.where(kind == 1, off.round(), off)  # integer: on a kink
-    off = torch.where(kind == 2, torch.zeros_like(off), off)
-    off = torch.where(kind == 3, off.sign() * 20.5, off)  # clamped
-    base = window_base_positions((T, H, W), window).to(torch.float64)[None, :, :, :, None]
-    upper = torch.tensor([T - 1, H - 1, W - 1], dtype=torch.float64)
-    to_edge = torch.where(torch.rand(full, generator=g) < 0.5, -base, upper - base)
-    off = torch.where(kind == 4, to_edge, off)  # exactly onto a clamp bound
-    return off.to(dtype)
-
-
-def _all_grads(fn, inputs, dout):
-    leaves = [x.detach().clone().requires_grad_(True) for x in inputs]
-    out = fn(*leaves)
-    return (out, *torch.autograd.grad(out, leaves, dout.to(out.dtype)))
-
-
 CPU_CASES = [
     # grid, window, nh, d, chunk (tokens of B*T*H*W per chunk)
     ((3, 5, 4), (3, 3, 3), 2, 6, 7),  # odd sizes; chunk does not divide B*N = 120
@@ -371,8 +272,8 @@ def test_cpu_matches_reference_float32(grid, window, nh, d, chunk):
     q, k, v = make_qkv(shape, seed=21)
     offsets = edge_offsets(shape, window, dtype=torch.float32)
     dout = torch.randn(shape, generator=torch.Generator().manual_seed(22))
-    got = _all_grads(lambda *a: dsa_cpu(*a, window, chunk_size=chunk), (q, k, v, offsets), dout)
-    want = _all_grads(lambda *a: dsa_reference(*a, window), (q, k, v, offsets), dout)
+    got = grads(lambda *a: dsa_cpu(*a, window, chunk_size=chunk), (q, k, v, offsets), dout)
+    want = grads(lambda *a: dsa_reference(*a, window), (q, k, v, offsets), dout)
     for name, a, b in zip("out dq dk dv doffsets".split(), got, want):
         assert a.dtype == b.dtype == torch.float32, name
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5, msg=name)
@@ -385,8 +286,8 @@ def test_cpu_matches_reference_float64_on_kinks(grid, window, nh, d, chunk):
     q, k, v = make_qkv(shape, torch.float64, seed=23)
     offsets = edge_offsets(shape, window, seed=24)
     dout = torch.randn(shape, dtype=torch.float64, generator=torch.Generator().manual_seed(25))
-    got = _all_grads(lambda *a: dsa_cpu(*a, window, chunk_size=chunk), (q, k, v, offsets), dout)
-    want = _all_grads(lambda *a: dsa_reference(*a, window), (q, k, v, offsets), dout)
+    got = grads(lambda *a: dsa_cpu(*a, window, chunk_size=chunk), (q, k, v, offsets), dout)
+    want = grads(lambda *a: dsa_reference(*a, window), (q, k, v, offsets), dout)
     for name, a, b in zip("out dq dk dv doffsets".split(), got, want):
         torch.testing.assert_close(a, b, rtol=1e-11, atol=1e-11, msg=name)
 
@@ -481,18 +382,18 @@ def test_cpu_half_inputs_and_sddmm_fallback(monkeypatch):
     q, k, v = make_qkv(shape, seed=32)
     offsets = edge_offsets(shape, window, dtype=torch.float32, seed=33)
     dout = torch.randn(shape, generator=torch.Generator().manual_seed(34))
-    want = _all_grads(lambda *a: dsa_reference(*a, window), (q, k, v, offsets), dout)
-    half = _all_grads(lambda *a: dsa_cpu(*a, window), [x.bfloat16() for x in (q, k, v, offsets)], dout)
+    want = grads(lambda *a: dsa_reference(*a, window), (q, k, v, offsets), dout)
+    half = grads(lambda *a: dsa_cpu(*a, window), [x.bfloat16() for x in (q, k, v, offsets)], dout)
     for name, a, b in zip("out dq dk dv doffsets".split(), half, want):
         assert a.dtype == torch.bfloat16, name
-    same = _all_grads(
+    same = grads(
         lambda *a: dsa_reference(*a, window), [x.bfloat16() for x in (q, k, v, offsets)], dout
     )
     for name, a, b in zip("out dq dk dv doffsets".split(), half, same):
         torch.testing.assert_close(a, b, rtol=1e-2, atol=1e-2, msg=name)
     # public autograd fallback for the corner dots (if aten's private op goes away)
     monkeypatch.setattr(dsa_cpu_module, "USE_PRIVATE_SDDMM", False)
-    got = _all_grads(lambda *a: dsa_cpu(*a, window, chunk_size=13), (q, k, v, offsets), dout)
+    got = grads(lambda *a: dsa_cpu(*a, window, chunk_size=13), (q, k, v, offsets), dout)
     for name, a, b in zip("out dq dk dv doffsets".split(), got, want):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5, msg=name)
 
@@ -557,42 +458,6 @@ def test_triton_kernels_under_interpreter():
     assert " passed" in summary and "skipped" not in summary, summary
 
 
-def wild_offsets(shape, window, dtype=torch.float32, seed=11):
-    """Offsets mixing small moves, whole-token moves and far-outside (clamped) samples."""
-    B, T, H, W, nh, _ = shape
-    K = window[0] * window[1] * window[2]
-    g = torch.Generator().manual_seed(seed)
-    off = torch.randn((B, T, H, W, nh, K, 3), generator=g) * 1.5
-    far = torch.rand((B, T, H, W, nh, K, 3), generator=g) < 0.1
-    off = torch.where(far, off.sign() * 9.5, off)
-    whole = torch.rand((B, T, H, W, nh, K, 3), generator=g) < 0.1
-    off = torch.where(whole, off.round(), off)
-    return off.to(dtype)
-
-
-def _grads(fn, inputs, dout):
-    leaves = [x.detach().clone().requires_grad_(True) for x in inputs]
-    out = fn(*leaves)
-    return (out, *torch.autograd.grad(out, leaves, dout.to(out.dtype)))
-
-
-GRAD_NAMES = ("out", "dq", "dk", "dv", "doffsets")
-
-
-def flash_rule_errors(got, ref32, same, rel_atol):
-    """flash-attention tolerance rule, per tensor, on max abs errors:
-    ``|got - ref32| <= 2 |same - ref32| + rel_atol * (1 + |ref32|)``, ``same`` being the
-    reference computed in got's dtype. One message per violation (empty: all hold).
-    """
-    errors = []
-    for name, a, r, b in zip(GRAD_NAMES, got, ref32, same):
-        err = (a.float() - r.float()).abs().max().item()
-        bound = 2 * (b.float() - r.float()).abs().max().item() + rel_atol * (1 + r.abs().max().item())
-        if not err <= bound:  # NaN fails too
-            errors.append(f"{name}: err {err:.3g} > bound {bound:.3g}")
-    return errors
-
-
 @pytest.mark.parametrize(
     "grid,window,d,block_m",
     [
@@ -615,8 +480,8 @@ def test_interp_fp32_matches_reference(grid, window, d, block_m):
     def ref(q, k, v, offsets):
         return dsa_reference(q, k, v, offsets, window)
 
-    got = _grads(tri, (q, k, v, offsets), dout)
-    want = _grads(ref, (q, k, v, offsets), dout)
+    got = grads(tri, (q, k, v, offsets), dout)
+    want = grads(ref, (q, k, v, offsets), dout)
     for name, a, b in zip("out dq dk dv doffsets".split(), got, want):
         torch.testing.assert_close(a, b, rtol=1e-4, atol=2e-5, msg=f"{name}")
 
@@ -633,13 +498,13 @@ def test_interp_bf16_tolerance_rule():
     dout = torch.randn(shape, generator=torch.Generator().manual_seed(16))
     inputs = (q, k, v, offsets)
 
-    got = _grads(
+    got = grads(
         lambda *a: dsa_triton(*a, window, block_m=64), inputs, dout
     )
-    ref32 = _grads(
+    ref32 = grads(
         lambda *a: dsa_reference(*a, window), [x.float() for x in inputs], dout
     )
-    same = _grads(lambda *a: dsa_reference(*a, window, upcast=False), inputs, dout)
+    same = grads(lambda *a: dsa_reference(*a, window, upcast=False), inputs, dout)
     for name, a in zip(GRAD_NAMES, got):
         assert a.dtype == torch.bfloat16, name
     errors = flash_rule_errors(got, ref32, same, rel_atol=1e-3)
@@ -682,8 +547,8 @@ def test_triton_compiled_on_cuda():
         q, k, v = (x.cuda().to(dtype) for x in make_qkv(shape, seed=17))
         offsets = wild_offsets(shape, window, seed=18).cuda()
         dout = torch.randn(shape, device="cuda")
-        got = _grads(lambda *a: dsa_triton(*a, window), (q, k, v, offsets), dout)
-        ref32 = _grads(lambda *a: dsa_reference(*a, window), [x.float() for x in (q, k, v, offsets)], dout)
-        same = _grads(lambda *a: dsa_reference(*a, window, upcast=False), (q, k, v, offsets), dout)
+        got = grads(lambda *a: dsa_triton(*a, window), (q, k, v, offsets), dout)
+        ref32 = grads(lambda *a: dsa_reference(*a, window), [x.float() for x in (q, k, v, offsets)], dout)
+        same = grads(lambda *a: dsa_reference(*a, window, upcast=False), (q, k, v, offsets), dout)
         errors = flash_rule_errors(got, ref32, same, rel_atol=1e-4)
         assert not errors, f"{dtype}: " + "; ".join(errors)

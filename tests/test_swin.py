@@ -11,8 +11,8 @@ import itertools
 
 import pytest
 import torch
-import torch.nn.functional as F
 
+from kernels.checks import dense_attention, make_qkv
 from kernels.swin import swin_attention_3d, swin_geometry
 
 
@@ -46,21 +46,6 @@ def naive_swin_attention(q, k, v, window, shift, scale=None):
     return out
 
 
-def dense_attention(q, k, v, scale=None):
-    B, T, H, W, nh, d = q.shape
-    flat = [x.reshape(B, T * H * W, nh, d).transpose(1, 2) for x in (q, k, v)]
-    out = F.scaled_dot_product_attention(*flat, scale=scale)
-    return out.transpose(1, 2).reshape(B, T, H, W, nh, d)
-
-
-def make_qkv(shape, dtype=torch.float64, seed=0, requires_grad=False):
-    g = torch.Generator().manual_seed(seed)
-    return [
-        torch.randn(shape, generator=g, dtype=dtype).requires_grad_(requires_grad)
-        for _ in range(3)
-    ]
-
-
 # -----------------------------------------------------------------------------
 # Against the loop
 
@@ -77,14 +62,14 @@ def make_qkv(shape, dtype=torch.float64, seed=0, requires_grad=False):
 )
 def test_matches_naive_loop(grid, window, shift):
     shape = (2, *grid, 2, 8)
-    q, k, v = make_qkv(shape, seed=sum(grid))
+    q, k, v = make_qkv(shape, torch.float64, seed=sum(grid))
     out = swin_attention_3d(q, k, v, window, shift=shift, scale=0.4)
     ref = naive_swin_attention(q, k, v, window, shift, scale=0.4)
     torch.testing.assert_close(out, ref, rtol=1e-10, atol=1e-10)
 
 
 def test_shift_changes_the_result():
-    q, k, v = make_qkv((1, 4, 8, 8, 2, 8), seed=7)
+    q, k, v = make_qkv((1, 4, 8, 8, 2, 8), torch.float64, seed=7)
     a = swin_attention_3d(q, k, v, (2, 4, 4), shift=False)
     b = swin_attention_3d(q, k, v, (2, 4, 4), shift=True)
     assert not torch.allclose(a, b)
@@ -107,7 +92,7 @@ def test_geometry_rules():
 def test_whole_grid_window_is_dense_attention(grid, shift):
     # window == grid: one window; shift is disabled because no axis exceeds its window
     shape = (2, *grid, 2, 8)
-    q, k, v = make_qkv(shape, seed=3)
+    q, k, v = make_qkv(shape, torch.float64, seed=3)
     out = swin_attention_3d(q, k, v, grid, shift=shift, scale=0.3)
     torch.testing.assert_close(out, dense_attention(q, k, v, scale=0.3), rtol=1e-10, atol=1e-10)
 
@@ -126,13 +111,13 @@ def test_gradients_finite_fp32_with_padding_and_shift():
 
 
 def test_gradcheck_fp64():
-    q, k, v = make_qkv((1, 3, 4, 3, 1, 2), seed=11, requires_grad=True)  # T, W padded; all shifted
+    q, k, v = make_qkv((1, 3, 4, 3, 1, 2), torch.float64, seed=11, requires_grad=True)  # T, W padded; all shifted
     fn = lambda q, k, v: swin_attention_3d(q, k, v, (2, 2, 2), shift=True)  # noqa: E731
     assert torch.autograd.gradcheck(fn, (q, k, v), eps=1e-6, atol=1e-6)
 
 
 def test_input_validation():
-    q, k, v = make_qkv((1, 2, 2, 2, 1, 4))
+    q, k, v = make_qkv((1, 2, 2, 2, 1, 4), torch.float64)
     with pytest.raises(ValueError, match="6 dims"):
         swin_attention_3d(q[0], k[0], v[0], (2, 2, 2), shift=False)
     with pytest.raises(ValueError, match="k shape"):
