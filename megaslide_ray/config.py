@@ -45,7 +45,8 @@ class ModelConfig:
     patch_size: tuple[int, int, int] = (2, 4, 4)
     """3D patch (frames, height, width) in pixels; must divide ``data.num_frames/height/width``."""
     in_channels: int = 3
-    """Input channels (3 for RGB pixels)."""
+    """Input channels: 3, the RGB pixels the video decoders deliver (other counts need latent
+    inputs, which the data pipeline does not read yet, and are refused)."""
     timestep_freq_dim: int = 256
     """Sinusoidal features fed to the timestep MLP."""
     caption_dim: int = 64
@@ -230,10 +231,6 @@ class Config:
     def tokens_per_sample(self) -> int:
         t, h, w = self.token_grid
         return t * h * w
-
-    @property
-    def head_dim(self) -> int:
-        return self.model.hidden_size // self.model.num_heads
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -472,6 +469,9 @@ def validate(cfg: Config) -> Config:
         positive(where, value)
     for i, p in enumerate(m.patch_size):
         positive(f"model.patch_size[{i}]", p)
+    if m.in_channels != 3:
+        raise ConfigError(f"model.in_channels={m.in_channels}: the video decoders deliver RGB clips (3 channels) and "
+                          f"latent inputs are not supported yet; use model.in_channels=3")
     if cfg.runtime.prefetch_depth < 1:
         raise ConfigError(f"runtime.prefetch_depth={cfg.runtime.prefetch_depth} must be >= 1")
     if d.fps < 0 or not math.isfinite(d.fps):

@@ -20,11 +20,12 @@ Host memory (the ParameterStore; see ``actors/param_store.py``), per parameter:
     total (plus ``HOST_MARGIN``) is what the RAM check uses.
 
 Device memory:
-    shard buffers = (PREFETCH_DEPTH + 1) * Smax * (w bytes + grad bytes): the block being
-    computed plus two staged ahead, each with its weights and its gradient.
+    shard buffers = (prefetch_depth + 1) * Smax * (w bytes + grad bytes): the block being
+    computed plus ``runtime.prefetch_depth`` staged ahead (none with ``runtime.overlap`` off),
+    each with its weights and its gradient.
     activations   = checkpoints + one block's working set during recompute + pixel tensors.
         checkpoints      L * B * N * D * a         (block inputs kept at block boundaries;
-                         with ``runtime.offload_activations`` only (PREFETCH_DEPTH + 1) of them
+                         with ``runtime.offload_activations`` only (prefetch_depth + 1) of them
                          are on the device, the rest in host RAM)
         block linear     B * N * a * (12 D + 2 F + D + max(F, 3 D))
                          saved by autograd: x, norm1, modulated (3D), qkv (3D), attention
@@ -93,8 +94,6 @@ from typing import Any
 from megaslide_ray.config import Config, ConfigError, build_config
 from megaslide_ray.model import build_shard, num_shards
 
-PREFETCH_DEPTH = 2
-"""Shards staged on the device ahead of the one computing (DESIGN.md: prefetch l+1, l+2)."""
 HOST_MARGIN = 0.10
 """Host RAM kept free beyond the store's segments: OS, Ray's object store, decoders, the
 compute actor's pinned staging. 10% of the store."""
@@ -198,19 +197,18 @@ def check_shape(cfg: Config) -> None:
                               f"e.g. {hint}")
 
 
+def staged_shards(cfg: Config) -> int:
+    """Shards on the device at once: the one computing plus ``runtime.prefetch_depth`` staged
+    ahead (with ``runtime.overlap``; without, each shard is fetched when it is needed)."""
+    return (cfg.runtime.prefetch_depth if cfg.runtime.overlap else 0) + 1
+
+
 def _shard_counts(cfg: Config) -> tuple[list[int], int, int]:
     """Per-shard parameter counts, and the totals of per-token / per-sample parameters.
 
     Every block is the same module, so three meta builds (embed, one block, head) suffice."""
-    shard_cfg = cfg
-    if cfg.attention.kind == "swin":
-        try:
-            build_shard(cfg, 1, "meta")
-        except NotImplementedError:  # same parameters as neighborhood (qkv, proj; no offsets)
-            shard_cfg = dataclasses.replace(cfg, attention=dataclasses.replace(cfg.attention, kind="neighborhood"))
     L = cfg.model.depth
-    kinds = {0: build_shard(shard_cfg, 0, "meta"), 1: build_shard(shard_cfg, 1, "meta"),
-             L + 1: build_shard(shard_cfg, L + 1, "meta")}
+    kinds = {0: build_shard(cfg, 0, "meta"), 1: build_shard(cfg, 1, "meta"), L + 1: build_shard(cfg, L + 1, "meta")}
     per_kind: dict[int, tuple[int, int]] = {}
     for i, module in kinds.items():
         tok = sample = 0
@@ -238,7 +236,7 @@ def _activations(cfg: Config, a: int) -> tuple[dict[str, int], dict[str, int]]:
     offsets = BN * nh * K * 3 * a
     offset_predictor = 2 * BN * D * a
     lse = BN * nh * 4
-    kept = min(L, PREFETCH_DEPTH + 1) if cfg.runtime.offload_activations else L
+    kept = min(L, staged_shards(cfg)) if cfg.runtime.offload_activations else L
     parts = {
         "checkpoints": kept * BN * D * a,
         "offloaded_checkpoints": (L - kept) * BN * D * a,
@@ -294,7 +292,7 @@ def plan(cfg: Config, w_dtype: str = "bfloat16", pcie_gbps: float = 55.0, dram_g
     total = state + host["g"]
 
     # -- device memory
-    shard_bytes = (PREFETCH_DEPTH + 1) * counts[largest] * (wb + wb)
+    shard_bytes = staged_shards(cfg) * counts[largest] * (wb + wb)
     parts, act_totals = _activations(cfg, wb)
     variant = SELECTED_VARIANT[cfg.attention.kind]
 
@@ -354,7 +352,7 @@ def plan(cfg: Config, w_dtype: str = "bfloat16", pcie_gbps: float = 55.0, dram_g
         host_bytes=host, host_state_bytes=state, host_state_bytes_per_param=wb + 12,
         moment_bytes=host["m"] + host["v"], grad_buffer_bytes=host["g"], grad_buffer_in_state=False,
         host_total_bytes=total,
-        prefetch_depth=PREFETCH_DEPTH, device_shard_bytes=shard_bytes, activation_parts=parts,
+        prefetch_depth=staged_shards(cfg) - 1, device_shard_bytes=shard_bytes, activation_parts=parts,
         activation_bytes=act_totals, activation_variant=variant, device_activation_bytes=act_totals[variant],
         h2d_bytes=h2d, d2h_bytes=d2h, adamw_bytes_per_param=adamw_pp, adamw_store_bytes_per_param=adamw_store_pp,
         adamw_compiled_bytes_per_param=adamw_pp,
@@ -526,6 +524,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--device-tflops", type=float, default=990.0, help="device TFLOP/s (bf16 dense)")
     ap.add_argument("--ram-gb", type=float, default=None, help="host RAM in GB (1e9 B): check the fit")
     ap.add_argument("--gpu-gb", type=float, default=None, help="device memory in GB (1e9 B): check the fit")
+    ap.add_argument("--prefetch-depth", type=int, default=None,
+                    help="shards staged ahead of the one computing (runtime.prefetch_depth; default: the config's)")
     ap.add_argument("--offload-activations", action="store_true",
                     help="plan with runtime.offload_activations (block inputs in host RAM)")
     ap.add_argument("--json", action="store_true", help="print one JSON object")
@@ -535,6 +535,10 @@ def main(argv: list[str] | None = None) -> int:
                          args.config)
         if args.offload_activations:
             cfg.runtime.offload_activations = True
+        if args.prefetch_depth is not None:
+            if args.prefetch_depth < 0:
+                raise ConfigError(f"--prefetch-depth {args.prefetch_depth} must be >= 0")
+            cfg.runtime.prefetch_depth = args.prefetch_depth
         result = plan(cfg, args.w_dtype, args.pcie_gbps, args.dram_gbps, args.device_tflops, args.ram_gb,
                       args.gpu_gb)
     except ConfigError as e:

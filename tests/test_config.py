@@ -5,7 +5,7 @@ import sys
 
 import pytest
 
-from megaslide_ray.config import (ConfigError, PRESETS, Config, apply_overrides, build_config, describe_fields,
+from megaslide_ray.config import (ConfigError, PRESETS, Config, build_config, describe_fields,
                                   to_toml, validate)
 from megaslide_ray.model import param_count
 
@@ -73,6 +73,8 @@ def test_toml_then_cli_precedence(tmp_path):
     ({"data.max_bad_fraction": "1.5"}, "data.max_bad_fraction=1.5 must lie in [0, 1]"),
     ({"data.short_clips": "drop"}, "data.short_clips='drop' is not one of"),
     ({"data.num_decoders": "0"}, "data.num_decoders=0 must be > 0"),
+    ({"model.in_channels": "4"}, "model.in_channels=4: the video decoders deliver RGB clips"),
+    ({"runtime.prefetch_depth": "0"}, "runtime.prefetch_depth=0"),
 ])
 def test_invalid_values_are_refused_with_field_and_value(overrides, needle):
     with pytest.raises(ConfigError) as e:
@@ -99,7 +101,13 @@ def test_cli_refuses_bad_config_before_ray_starts(tmp_path):
     assert "Ray" not in proc.stdout and not (tmp_path / "run").exists()
 
 
-def test_validate_is_idempotent_on_presets():
+def test_validate_checks_a_config_changed_after_building():
+    # validate() is what every entry point calls on a config assembled in code: a preset that
+    # was valid when built is refused once a field is set to a bad value, naming the field.
     for name in PRESETS:
         cfg = build_config(name)
-        assert validate(apply_overrides(cfg, {})) is cfg
+        assert validate(cfg) is cfg
+        cfg.model.num_heads = 7
+        with pytest.raises(ConfigError, match=f"model.hidden_size={cfg.model.hidden_size} is not divisible by "
+                                              f"model.num_heads=7"):
+            validate(cfg)

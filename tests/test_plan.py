@@ -35,7 +35,9 @@ def test_105b_matches_the_papers_accounting(plan_105b):
     assert p.grad_buffer_in_state is False
     assert p.grad_buffer_bytes == 2 * p.params
     assert p.host_total_bytes == p.host_state_bytes + p.grad_buffer_bytes
-    assert p.largest_shard_params * 3 * 4 == p.device_shard_bytes  # 3 buffers x (bf16 w + bf16 grad)
+    # runtime.prefetch_depth (1 by default) staged + the one computing, each bf16 w + bf16 grad
+    assert p.prefetch_depth == 1
+    assert p.largest_shard_params * 2 * 4 == p.device_shard_bytes
     assert p.binding in p.time_terms and p.step_floor_s == max(p.time_terms.values())
     assert _close(p.time_terms["h2d"], 420e9 / 55e9)
 
@@ -103,6 +105,19 @@ def test_module_runs_as_a_program():
     assert out.returncode == 0, out.stderr
     doc = json.loads(out.stdout)
     assert doc["tokens_per_sample"] == 256 * 540 * 960
+
+
+def test_device_shard_buffers_follow_runtime_prefetch_depth_and_overlap(capsys):
+    cfg = build_config("dit-28b")
+    one = plan(cfg)
+    cfg.runtime.prefetch_depth = 3
+    four = plan(cfg)
+    cfg.runtime.overlap = False  # no overlap: each shard is fetched when it is needed
+    alone = plan(cfg)
+    assert four.device_shard_bytes == 2 * one.device_shard_bytes == 4 * alone.device_shard_bytes
+    assert (one.prefetch_depth, four.prefetch_depth, alone.prefetch_depth) == (1, 3, 0)
+    assert main(["--preset", "dit-28b", "--prefetch-depth", "3", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["device_shard_bytes"] == four.device_shard_bytes
 
 
 def test_offloaded_block_inputs_move_from_device_to_host_and_link():
