@@ -54,7 +54,7 @@ class StepResult:
     step: int
     loss: float
     tokens: int
-    seconds: float
+    seconds: float               # forward + backward: from the batch's arrival to the last gradient sent
     forward_seconds: float
     backward_seconds: float
     weight_wait_seconds: float   # time blocked on a shard version or a weight transfer
@@ -145,7 +145,8 @@ class ComputeActor:
             import ray
 
             batch = ray.get(batch[0])
-        data_wait = time.perf_counter() - t_start
+        t_data = time.perf_counter()
+        data_wait = t_data - t_start  # the rest of the step is compute: the report counts the wait apart
         self.link.begin_step()
         self._returns = []
         order, reuse = self.step_order()
@@ -163,11 +164,11 @@ class ComputeActor:
         self.store.flush()
         h2d_bytes, h2d_seconds, d2h_bytes, d2h_seconds = self.link.step_counters()
         t_end = time.perf_counter()
-        self.last_timeline = (t_start, feed.log, t_end)
+        self.last_timeline = (t_data, feed.log, t_end)
         B = inputs.x_t.shape[0]
         return StepResult(
-            step=step, loss=float(loss.detach()), tokens=B * self.cfg.tokens_per_sample, seconds=t_end - t_start,
-            forward_seconds=t_fwd - t_start, backward_seconds=t_end - t_fwd, weight_wait_seconds=feed.wait,
+            step=step, loss=float(loss.detach()), tokens=B * self.cfg.tokens_per_sample, seconds=t_end - t_data,
+            forward_seconds=t_fwd - t_data, backward_seconds=t_end - t_fwd, weight_wait_seconds=feed.wait,
             data_position=int(batch.get("position", -1)), device=str(self.device), data_wait_seconds=data_wait,
             h2d_bytes=h2d_bytes, h2d_seconds=h2d_seconds, d2h_bytes=d2h_bytes, d2h_seconds=d2h_seconds,
             device_memory_peak_bytes=peak_memory(self.device),

@@ -1,5 +1,10 @@
 """Shared fixtures: one Ray session per test module that asks for it, a small demo dataset,
-and a small model config that still exercises every part of the pipeline."""
+a small model config that still exercises every part of the pipeline, and one real run of
+the main job's CLI that several modules read (its run directory is read-only to them)."""
+
+import os
+import subprocess
+import sys
 
 import pytest
 import ray
@@ -30,3 +35,26 @@ def small_config(manifest):
     def make(**extra):
         return build_config("tiny", None, {**SMALL, "data.manifest": manifest, **extra})
     return make
+
+
+CLI_SMALL = ["--model.depth", "1", "--model.hidden_size", "32", "--model.num_heads", "2", "--data.num_frames", "6",
+             "--data.height", "16", "--data.width", "16", "--ray.num_cpus", "2", "--no-progress"]
+"""The smallest model the CLI tests train: one block, 16x16 clips of 6 frames."""
+
+
+def run_cli(args, env, module="megaslide_ray.train", timeout=600):
+    """``python -m megaslide_ray.train`` (or ``module``) with ``args``, as a user runs it."""
+    return subprocess.run([sys.executable, "-m", module, *args], capture_output=True, text=True,
+                          timeout=timeout, env=env)
+
+
+@pytest.fixture(scope="session")
+def cli_run(tmp_path_factory):
+    """One 2-step run of the main job on the generated demo set, made once per test session:
+    ``(run_dir, completed process, env)``. Tests copy the run directory before changing it."""
+    root = tmp_path_factory.mktemp("cli")
+    env = {**os.environ, "MEGASLIDE_CACHE": str(root / "cache")}
+    run_dir = root / "run"
+    proc = run_cli([*CLI_SMALL, "--steps", "2", "--run-dir", str(run_dir)], env)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return run_dir, proc, env

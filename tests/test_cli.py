@@ -2,33 +2,32 @@
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
 import threading
 import time
 
+import pytest
 import torch
 
-SMALL = ["--model.depth", "1", "--model.hidden_size", "32", "--model.num_heads", "2", "--data.num_frames", "6",
-         "--data.height", "16", "--data.width", "16", "--ray.num_cpus", "2", "--no-progress"]
+from conftest import CLI_SMALL as SMALL, run_cli
 
 
 def _train(args, env):
-    return subprocess.run([sys.executable, "-m", "megaslide_ray.train", *SMALL, *args], capture_output=True,
-                          text=True, timeout=600, env=env)
+    return run_cli([*SMALL, *args], env)
 
 
-def test_train_then_resume_continues_the_step_count(tmp_path):
-    env = {**os.environ, "MEGASLIDE_CACHE": str(tmp_path / "cache")}
-    run_dir = tmp_path / "run"
-    first = _train(["--steps", "2", "--run-dir", str(run_dir)], env)
-    assert first.returncode == 0, first.stderr[-3000:]
+def test_train_then_resume_continues_the_step_count(cli_run, tmp_path):
+    first_dir, first, env = cli_run
     assert "Ray dashboard" in first.stdout and "done: steps 0->2" in first.stdout
-    assert (run_dir / "config.toml").is_file()
-    assert (run_dir / "checkpoints" / "latest").read_text().strip() == "step_2"
-    manifest = tmp_path / "cache" / "demo-v1" / "manifest.parquet"
+    assert (first_dir / "config.toml").is_file()
+    assert (first_dir / "checkpoints" / "latest").read_text().strip() == "step_2"
+    manifest = first_dir.parent / "cache" / "demo-v1" / "manifest.parquet"
     assert manifest.is_file(), "the demo dataset is generated on first use"
+    run_dir = tmp_path / "run"
+    shutil.copytree(first_dir, run_dir)  # the session's run stays as it was for other tests
 
     other_pool = _train(["--steps", "3", "--run-dir", str(run_dir), "--resume", "--data.num_decoders", "2"], env)
     assert other_pool.returncode == 2  # refused before Ray starts: the data order would not continue
@@ -74,6 +73,7 @@ def _wait_for_steps(proc, metrics, n, timeout=300):
     raise AssertionError(f"no {n} steps after {timeout} s")
 
 
+@pytest.mark.slow
 def test_sigterm_checkpoints_exits_0_and_resume_matches_an_uninterrupted_run(tmp_path):
     from megaslide_ray.checkpoint import latest_checkpoint, read_checkpoint_shards
 
@@ -100,6 +100,7 @@ def test_sigterm_checkpoints_exits_0_and_resume_matches_an_uninterrupted_run(tmp
     assert len(a) == len(b) and all(torch.equal(x, y) for x, y in zip(a, b))
 
 
+@pytest.mark.slow
 def test_second_ctrl_c_quits_at_once_and_keeps_the_latest_checkpoint(tmp_path):
     from actors.param_store import default_state_root, state_key
     from megaslide_ray.checkpoint import latest_checkpoint, read_checkpoint_shards

@@ -1,4 +1,5 @@
-"""The run report: PNGs and a summary from metrics.jsonl, tolerant of missing fields."""
+"""The run report: PNGs and a summary from metrics.jsonl (a real run of the main job, and
+hand-made rows where the arithmetic must be checked exactly), tolerant of missing fields."""
 
 import json
 import subprocess
@@ -6,7 +7,7 @@ import sys
 
 import pytest
 
-from megaslide_ray.report import PLOTS, format_summary, main, read_metrics, report
+from megaslide_ray.report import PLOTS, format_summary, main, read_metrics, report, summarize
 
 
 def _rows(n=12):
@@ -25,7 +26,7 @@ def _write(run_dir, rows):
     (run_dir / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
 
 
-def test_report_writes_plots_and_summary(tmp_path, capsys):
+def test_report_arithmetic_on_known_rows(tmp_path, capsys):
     _write(tmp_path / "run", _rows())
     assert main([str(tmp_path / "run")]) == 0
     out = capsys.readouterr().out
@@ -50,12 +51,27 @@ def test_report_tolerates_missing_fields_and_custom_out(tmp_path):
     assert "time split" not in format_summary(summary)
 
 
-def test_report_reads_a_real_run_row_format(tmp_path):
-    # The trainer's rows carry extra fields (clip_coef, device, time, ...): they are ignored.
-    rows = [{**r, "clip_coef": 1.0, "update_skipped": False, "device": "cpu", "time": 1.0e9 + i}
-            for i, r in enumerate(_rows(3))]
-    _write(tmp_path / "run", rows)
-    assert [r["step"] for r in read_metrics(tmp_path / "run" / "metrics.jsonl")] == [1, 2, 3]
+def test_report_of_a_real_run(cli_run, tmp_path, capsys):
+    run_dir, _, _ = cli_run  # the main job's own metrics.jsonl (2 steps), read-only here
+    rows = read_metrics(run_dir / "metrics.jsonl")
+    assert [r["step"] for r in rows] == [1, 2]
+    assert main([str(run_dir), "--out", str(tmp_path / "plots")]) == 0
+    out = capsys.readouterr().out
+    for png in PLOTS:
+        data = (tmp_path / "plots" / png).read_bytes()
+        assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 1000
+    s = summarize(rows)
+    assert (s.first_loss, s.last_loss) == (rows[0]["loss"], rows[1]["loss"])
+    assert s.mean_step_seconds == rows[1]["step_seconds"]  # the first step (start-up) is left out
+    assert "1..2 (2 rows)" in out and f"{rows[0]['loss']:.4f} / {rows[1]['loss']:.4f}" in out
+    # A real row has every part of the split; forward + backward + the rest is the whole step.
+    assert set(s.split) == {"forward", "backward", "other (data, driver)", "weight wait", "optimizer"}
+    assert all(v >= 0 for v in s.split.values())
+    # (a step queued ahead may have computed for longer than the driver's step; the rest is then 0)
+    r = rows[1]
+    assert r["compute_seconds"] == pytest.approx(r["forward_seconds"] + r["backward_seconds"])
+    whole = s.split["forward"] + s.split["backward"] + s.split["other (data, driver)"]
+    assert whole == pytest.approx(max(r["compute_seconds"], r["step_seconds"]) / r["step_seconds"])
 
 
 def test_report_missing_or_empty_metrics_is_a_clear_error(tmp_path):
