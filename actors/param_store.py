@@ -9,7 +9,7 @@ pages: weights are never copied between processes on one node.
 
 Versions: ``versions[l]`` is the step whose weights ``w_l`` holds. Step k's update of shard
 l runs only after every shard reported its gradient for step k (exact global-norm clipping),
-in shard order 0..L-1, so the next forward can start on shard 0 while the rest update.
+in shard order 0..L+1, so the next forward can start on shard 0 while the rest update.
 
 Restarts: the segments outlive the store's process. A store constructed again over a state
 directory that holds a ``layout.json`` (``attach=True``, or Ray re-running ``__init__`` after a
@@ -313,9 +313,6 @@ class ParameterStore:
 
     def status(self) -> StoreStatus:
         return StoreStatus(tuple(self.versions.tolist()), str(self.dir), self.state_bytes(), _node_id())
-
-    def version(self, shard: int) -> int:
-        return int(self.versions[shard])
 
     def wait_version(self, shard: int, step: int, timeout: float = 600.0) -> int:
         """Block until shard ``shard`` holds the weights of step ``step`` (or newer)."""

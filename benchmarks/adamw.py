@@ -143,9 +143,10 @@ def make_store(s: Shard) -> Callable[[], None]:
     return step
 
 
-def make_store_bf16(s: Shard) -> Callable[[], None]:
-    """The store on a CUDA run: the bf16 landing buffer is upcast (a fresh fp32 tensor, as
-    ``g.float()`` in the store), fused AdamW, then w = bf16(master)."""
+def make_bf16_alloc(s: Shard) -> Callable[[], None]:
+    """The ``bf16-alloc`` row (the store's path before it kept a scratch buffer): the bf16
+    landing buffer is upcast into a fresh fp32 tensor (``g.float()``) every update, fused
+    AdamW, then w = bf16(master)."""
     st = torch.tensor(0.0)
 
     def step() -> None:
@@ -157,9 +158,10 @@ def make_store_bf16(s: Shard) -> Callable[[], None]:
     return step
 
 
-def make_store_bf16_scratch(s: Shard) -> Callable[[], None]:
-    """As ``bf16-alloc`` but upcasting into a preallocated fp32 scratch buffer: shows what the
-    per-update allocation (fresh pages, faulted in every time) costs."""
+def make_store_bf16(s: Shard) -> Callable[[], None]:
+    """The ``store-bf16`` row, what the store does on a CUDA run: as ``bf16-alloc`` but
+    upcasting into one preallocated fp32 buffer (``ParameterStore._grad32``); the difference
+    is what the per-update allocation (fresh pages, faulted in every time) costs."""
     st = torch.tensor(0.0)
     scratch = torch.empty_like(s.master)
 
@@ -262,8 +264,8 @@ def build_variants(compile_timeout: int, try_deepspeed: bool) -> tuple[list[Vari
         Variant("foreach", False, lambda s: make_torch_optim(s, "foreach")),
         Variant("fused", False, lambda s: make_torch_optim(s, "fused")),
         Variant("store", False, make_store),
-        Variant("bf16-alloc", True, make_store_bf16),
-        Variant("store-bf16", True, make_store_bf16_scratch),
+        Variant("bf16-alloc", True, make_bf16_alloc),
+        Variant("store-bf16", True, make_store_bf16),
         Variant("compiled", False, (lambda s: make_compiled(s, False, fn)) if fn else None, why),
         Variant("compiled-bf16", True, (lambda s: make_compiled(s, True, fn)) if fn else None, why),
         Variant("deepspeed", False, (lambda s: make_deepspeed(s, ds_cls)) if ds_cls else None, ds_why),
