@@ -33,7 +33,7 @@ from torch.func import functional_call
 from actors.param_store import DTYPES, ShardInfo
 from actors.transfer import ActivationStash, ShardFeed, Transfers
 from megaslide_ray.config import Config
-from megaslide_ray.diffusion import flow_loss, sample_flow_inputs
+from megaslide_ray.diffusion import batch_conditioning, batch_flow_inputs, flow_loss
 from megaslide_ray.faults import fault_point
 from megaslide_ray.model import build_shard, num_shards
 
@@ -70,10 +70,10 @@ class StepResult:
 
 class FlowInputs(NamedTuple):
     """One step's model inputs on the compute device."""
-    x_t: torch.Tensor       # (B, F, H, W, C) noised clips
+    x_t: torch.Tensor       # (B, F, H, W, C) noised clips (pixels or latents)
     t: torch.Tensor         # (B,) flow-matching time
     target: torch.Tensor    # (B, F, H, W, C) velocity to predict
-    caption: torch.Tensor   # (B, Lc) uint8 caption bytes
+    caption: torch.Tensor   # (B, Lc) uint8 caption bytes, or (B, L, text_dim) text embeddings
     caption_len: torch.Tensor
 
 
@@ -176,13 +176,13 @@ class ComputeActor:
 
     def _inputs(self, batch: dict, step: int) -> FlowInputs:
         """Noise and t drawn from (seed, step) (the same step always sees the same noise), moved
-        to the device."""
-        noise_step = 0 if self.cfg.training.overfit_one_batch else step
-        fx = sample_flow_inputs(batch["video"], self.cfg.training.seed, noise_step, self.cfg.training.t_sampling)
+        to the device, with the batch's conditioning (caption bytes, or text embeddings)."""
+        t = self.cfg.training
+        noise_step = 0 if t.overfit_one_batch else step
+        fx = batch_flow_inputs(batch, t.seed, noise_step, t.t_sampling, t.flow_shift)
+        cond, cond_len = batch_conditioning(batch)
         dev = self.device
-        return FlowInputs(fx.x_t.to(dev), fx.t.to(dev), fx.target.to(dev),
-                          torch.from_numpy(np.array(batch["caption"])).to(dev),
-                          torch.from_numpy(np.array(batch["caption_len"])).to(dev))
+        return FlowInputs(fx.x_t.to(dev), fx.t.to(dev), fx.target.to(dev), cond.to(dev), cond_len.to(dev))
 
     @torch.no_grad()
     def _forward(self, feed: ShardFeed, inp: FlowInputs, step: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -11,11 +11,10 @@ import os
 import time
 from dataclasses import dataclass
 
-import numpy as np
 import torch
 
 from megaslide_ray.config import Config
-from megaslide_ray.diffusion import flow_loss, sample_flow_inputs
+from megaslide_ray.diffusion import batch_conditioning, batch_flow_inputs, flow_loss
 from megaslide_ray.model import build_model
 from megaslide_ray.schedule import lr_at
 
@@ -41,10 +40,9 @@ class InProcessTrainer:
     def train_step(self, batch: dict, noise_step: int | None = None) -> BaselineStep:
         t0 = time.perf_counter()
         cfg = self.cfg
-        fx = sample_flow_inputs(batch["video"], cfg.training.seed, self.step if noise_step is None else noise_step,
-                                cfg.training.t_sampling)
-        cap = torch.from_numpy(np.array(batch["caption"]))
-        cap_len = torch.from_numpy(np.array(batch["caption_len"]))
+        fx = batch_flow_inputs(batch, cfg.training.seed, self.step if noise_step is None else noise_step,
+                               cfg.training.t_sampling, cfg.training.flow_shift)
+        cap, cap_len = batch_conditioning(batch)
         loss = flow_loss(self.model(fx.x_t, fx.t, cap, cap_len), fx.target)
         self.opt.zero_grad(set_to_none=True)
         loss.backward()

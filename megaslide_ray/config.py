@@ -184,6 +184,10 @@ class TrainingConfig:
     """Output directory; empty means ``runs/<timestamp>``."""
     t_sampling: Literal["uniform", "logit_normal"] = "logit_normal"
     """Distribution of the flow-matching time t in (0, 1)."""
+    flow_shift: float = 1.0
+    """Time shift s of flow matching: a sampled t becomes ``s t / (1 + (s - 1) t)`` (more steps
+    near the noise end), in training and in the sampler's time grid; 1 = no shift. Wan 2.x
+    models use 3 (480p) to 5 (720p)."""
     sample_every: int = 0
     """Every this many steps, sample ``sample_prompt`` through the compute actor into
     ``RUN_DIR/samples/step_N.mp4`` (and a ``.png`` contact sheet); 0 never."""
@@ -465,7 +469,7 @@ def validate(cfg: Config) -> Config:
                          ("data.num_decoders", d.num_decoders), ("training.steps", t.steps),
                          ("training.log_every", t.log_every), ("training.sample_steps", t.sample_steps),
                          ("optim.lr", o.lr),
-                         ("optim.eps", o.eps)]:
+                         ("optim.eps", o.eps), ("training.flow_shift", t.flow_shift)]:
         positive(where, value)
     for i, p in enumerate(m.patch_size):
         positive(f"model.patch_size[{i}]", p)

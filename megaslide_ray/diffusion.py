@@ -4,6 +4,11 @@ x_t = (1 - t) * x0 + t * noise, and the model predicts the velocity v = noise - 
 integrates dx/dt = v from t = 1 (noise) to t = 0 (data). Noise and t for a step come from a
 generator seeded by (seed, step), so a streamed run, an in-process run and a resumed run all
 see the same draws without carrying RNG state around.
+
+``x0`` is either a decoded video batch (uint8 pixels, scaled to [-1, 1]) or precomputed VAE
+latents (already normalised). ``training.flow_shift`` s moves the sampled times towards the
+noise end, ``t' = s t / (1 + (s - 1) t)``, as Wan 2.x and SD3 train and sample at high
+resolution (s = 1: no shift). Wan's ``timestep`` is ``1000 t'``.
 """
 
 from __future__ import annotations
@@ -35,8 +40,41 @@ def step_generator(seed: int, step: int) -> torch.Generator:
     return torch.Generator(device="cpu").manual_seed((seed * 0x9E3779B1 + step * 0x85EBCA77 + 1) % (2**63 - 1))
 
 
-def sample_flow_inputs(video, seed: int, step: int, t_sampling: str = "logit_normal") -> FlowInputs:
-    x0 = video_to_unit(video)
+def shift_time(t: torch.Tensor, shift: float) -> torch.Tensor:
+    """``s t / (1 + (s - 1) t)``: the time shift of flow matching (identity for ``shift == 1``)."""
+    if shift == 1.0:
+        return t
+    return shift * t / (1 + (shift - 1) * t)
+
+
+def batch_conditioning(batch: dict) -> tuple[torch.Tensor, torch.Tensor]:
+    """The batch's conditioning as the input shard takes it: caption bytes and their lengths
+    (video batches), or text embeddings and their valid lengths (latent batches)."""
+    keys = ("text", "text_len") if "latents" in batch else ("caption", "caption_len")
+    # np.array copies: batches from Ray are read-only views of the object store.
+    return tuple(torch.from_numpy(np.array(batch[k])) for k in keys)
+
+
+def batch_flow_inputs(batch: dict, seed: int, step: int, t_sampling: str = "logit_normal",
+                      flow_shift: float = 1.0) -> FlowInputs:
+    """Flow-matching inputs of a decoder batch: its ``latents`` (float, normalised) if it has
+    them, else its ``video`` (uint8 pixels)."""
+    if "latents" in batch:
+        x0 = torch.from_numpy(np.array(batch["latents"], dtype=np.float32))
+    else:
+        x0 = video_to_unit(batch["video"])
+    return flow_inputs(x0, seed, step, t_sampling, flow_shift)
+
+
+def sample_flow_inputs(video, seed: int, step: int, t_sampling: str = "logit_normal",
+                       flow_shift: float = 1.0) -> FlowInputs:
+    """Flow-matching inputs of a uint8 video batch (B, F, H, W, C)."""
+    return flow_inputs(video_to_unit(video), seed, step, t_sampling, flow_shift)
+
+
+def flow_inputs(x0: torch.Tensor, seed: int, step: int, t_sampling: str = "logit_normal",
+                flow_shift: float = 1.0) -> FlowInputs:
+    """Noise and t for ``x0`` drawn from (seed, step); t shifted by ``flow_shift``."""
     g = step_generator(seed, step)
     noise = torch.randn(x0.shape, generator=g, dtype=torch.float32)
     B = x0.shape[0]
@@ -46,7 +84,7 @@ def sample_flow_inputs(video, seed: int, step: int, t_sampling: str = "logit_nor
         t = torch.sigmoid(torch.randn(B, generator=g, dtype=torch.float32))
     else:
         raise ValueError(f"t_sampling={t_sampling!r} is not 'uniform' or 'logit_normal'")
-    t = t.clamp(1e-4, 1 - 1e-4)
+    t = shift_time(t, flow_shift).clamp(1e-4, 1 - 1e-4)
     tb = t.view(B, *([1] * (x0.dim() - 1)))
     x_t = (1 - tb) * x0 + tb * noise
     return FlowInputs(x0=x0, noise=noise, t=t, x_t=x_t, target=noise - x0)

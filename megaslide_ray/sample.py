@@ -36,6 +36,7 @@ from actors.param_store import DTYPES, ShardInfo
 from megaslide_ray.captions import caption_batch
 from megaslide_ray.checkpoint import CheckpointReader, read_checkpoint_state, resolve_checkpoint
 from megaslide_ray.config import Config, ConfigError, SECTIONS, apply_overrides, preset, validate
+from megaslide_ray.diffusion import shift_time
 from megaslide_ray.model import build_shard, num_shards
 from megaslide_ray.shards import ShardLayout
 
@@ -142,7 +143,7 @@ def euler_sample(compute: ComputeActor, cfg: Config, prompt: str, steps: int, se
     cap, cap_len = caption_batch(prompt, m.caption_max_bytes, 2 if guided else 1)
     if guided:
         cap_len[1] = 0  # the unconditional half: an empty caption
-    ts = torch.linspace(1.0, 0.0, steps + 1)
+    ts = shift_time(torch.linspace(1.0, 0.0, steps + 1), cfg.training.flow_shift)  # t = 1 and 0 stay put
     for i in range(steps):
         t, dt = float(ts[i]), float(ts[i] - ts[i + 1])
         xb = torch.cat([x, x]) if guided else x

@@ -83,3 +83,24 @@ def test_shard_by_shard_init_and_views_rebuild_the_model():
     fresh = build_model(cfg, seed=3)
     for (n, p), q in zip(alone.named_parameters(), fresh.blocks[1].parameters()):
         assert torch.equal(p, q), n
+
+
+def test_flow_shift_moves_times_towards_noise_and_latent_batches_are_taken_as_is():
+    from megaslide_ray.diffusion import batch_conditioning, batch_flow_inputs, shift_time
+
+    t = torch.linspace(0, 1, 11)
+    assert torch.equal(shift_time(t, 1.0), t)
+    shifted = shift_time(t, 3.0)
+    assert shifted[0] == 0 and shifted[-1] == 1 and bool((shifted[1:-1] > t[1:-1]).all())
+    assert float(shift_time(torch.tensor(0.5), 3.0)) == pytest.approx(0.75)  # 3 * 0.5 / (1 + 2 * 0.5)
+    rng = np.random.default_rng(0)
+    latents = rng.standard_normal((2, 3, 4, 4, 16)).astype(np.float32)
+    text = rng.standard_normal((2, 512, 8)).astype(np.float32)
+    batch = {"latents": latents, "text": text, "text_len": np.array([5, 7], dtype=np.int32)}
+    plain, moved = batch_flow_inputs(batch, 0, 3), batch_flow_inputs(batch, 0, 3, flow_shift=3.0)
+    assert torch.equal(plain.x0, torch.from_numpy(latents)) and torch.equal(plain.noise, moved.noise)
+    assert torch.allclose(moved.t, shift_time(plain.t, 3.0).clamp(1e-4, 1 - 1e-4))
+    torch.testing.assert_close(moved.x_t, (1 - moved.t.view(2, 1, 1, 1, 1)) * plain.x0
+                               + moved.t.view(2, 1, 1, 1, 1) * plain.noise)
+    cond, cond_len = batch_conditioning(batch)
+    assert torch.equal(cond, torch.from_numpy(text)) and cond_len.tolist() == [5, 7]
