@@ -34,6 +34,10 @@ class ConfigError(ValueError):
 
 @dataclass
 class ModelConfig:
+    arch: Literal["videodit", "wan"] = "videodit"
+    """Architecture: ``videodit`` (this project's pixel-space DiT with a built-in byte caption encoder)
+    or ``wan`` (the Wan 2.x video transformer over VAE latents and UMT5 text embeddings; parameter
+    names as in diffusers' ``WanTransformer3DModel``; ``megaslide_ray/wan.py``)."""
     hidden_size: int = 128
     """Transformer width (channels per token)."""
     depth: int = 4
@@ -41,18 +45,40 @@ class ModelConfig:
     num_heads: int = 4
     """Attention heads; must divide ``hidden_size``."""
     mlp_ratio: float = 4.0
-    """MLP hidden width as a multiple of ``hidden_size``."""
+    """MLP hidden width as a multiple of ``hidden_size`` (unless ``ffn_dim`` is set)."""
     patch_size: tuple[int, int, int] = (2, 4, 4)
-    """3D patch (frames, height, width) in pixels; must divide ``data.num_frames/height/width``."""
+    """3D patch (frames, height, width): in pixels for ``videodit`` (must divide
+    ``data.num_frames/height/width``), in latent positions for ``wan`` (must divide the latent grid,
+    ``Config.latent_grid``)."""
     in_channels: int = 3
-    """Input channels: 3, the RGB pixels the video decoders deliver (other counts need latent
-    inputs, which the data pipeline does not read yet, and are refused)."""
+    """Input channels. ``videodit``: 3, the RGB pixels the video decoders deliver (other counts are
+    refused). ``wan``: the VAE's latent channels (16 for Wan2.1, 48 for Wan2.2 TI2V-5B)."""
     timestep_freq_dim: int = 256
-    """Sinusoidal features fed to the timestep MLP."""
+    """Sinusoidal features fed to the timestep MLP (diffusers' ``freq_dim`` for ``wan``)."""
     caption_dim: int = 64
-    """Width of the built-in byte-level caption encoder before projection to ``hidden_size``."""
+    """``videodit``: width of the built-in byte-level caption encoder before projection to ``hidden_size``."""
     caption_max_bytes: int = 128
-    """Captions are UTF-8 encoded and cut to this many bytes."""
+    """``videodit``: captions are UTF-8 encoded and cut to this many bytes."""
+    ffn_dim: int = 0
+    """Feed-forward hidden width; 0: ``mlp_ratio * hidden_size``. The Wan models set it (8960, 13824,
+    14336)."""
+    out_channels: int = 0
+    """Channels the model predicts per position; 0: ``in_channels`` (``videodit`` accepts nothing else)."""
+    text_dim: int = 4096
+    """``wan``: width of the text embeddings the model reads (UMT5-XXL's 4096)."""
+    text_len: int = 512
+    """``wan``: text tokens the cross-attention sees. Prompt embeddings are zeroed past each prompt's
+    length and zero-padded to this many tokens, as the Wan pipeline does; no mask is applied."""
+    latent_compression: tuple[int, int, int] = (4, 8, 8)
+    """``wan``: the VAE's compression (frames, height, width): ``F`` pixel frames give ``(F - 1) / 4 + 1``
+    latent frames, ``H`` pixels ``H / 8`` latent rows. (4, 8, 8) for Wan2.1's VAE, (4, 16, 16) for Wan2.2
+    TI2V-5B's."""
+    rope_max_seq_len: int = 1024
+    """``wan``: positions per axis of the 3D rotary embedding; every axis of the token grid must fit."""
+    eps: float = 1e-6
+    """``wan``: epsilon of the layer norms and the q/k RMS norms."""
+    cross_attn_norm: bool = True
+    """``wan``: an affine LayerNorm (``norm2``) before each block's cross-attention; False: none."""
 
 
 @dataclass
@@ -66,6 +92,10 @@ class AttentionConfig:
     """If > 0, offsets are bounded as ``max_offset * tanh(raw)``; 0 leaves them unbounded."""
     scale: float = 0.0
     """Softmax scale; 0 means ``head_dim ** -0.5``."""
+    offset_groups: int = 0
+    """``dsa``: heads share offsets in this many groups (consecutive heads, ``num_heads /
+    offset_groups`` per group): the offset head predicts ``offset_groups * K * 3`` values per token.
+    0: one group per head. Must divide ``model.num_heads``."""
 
 
 @dataclass
@@ -227,9 +257,22 @@ class Config:
 
     # -- derived quantities -------------------------------------------------------------------
     @property
+    def latent_grid(self) -> tuple[int, int, int]:
+        """The (frames, height, width) grid the model reads: for ``wan`` the VAE latents of the
+        pixel clip (``(F - 1) // ct + 1``, ``H // ch``, ``W // cw`` with ``model.latent_compression``),
+        for ``videodit`` the pixel clip itself."""
+        d = self.data
+        if self.model.arch == "wan":
+            ct, ch, cw = self.model.latent_compression
+            return ((d.num_frames - 1) // ct + 1, d.height // ch, d.width // cw)
+        return (d.num_frames, d.height, d.width)
+
+    @property
     def token_grid(self) -> tuple[int, int, int]:
+        """The token grid: ``latent_grid`` divided by ``model.patch_size``."""
         pt, ph, pw = self.model.patch_size
-        return (self.data.num_frames // pt, self.data.height // ph, self.data.width // pw)
+        f, h, w = self.latent_grid
+        return (f // pt, h // ph, w // pw)
 
     @property
     def tokens_per_sample(self) -> int:
@@ -283,11 +326,58 @@ def dit_28b() -> Config:
     return _paper("dit-28b", hidden=5632, depth=45, heads=44)
 
 
+WAN_WINDOW = (3, 7, 7)
+"""The Wan presets' DSA window, in tokens: 3 latent frames (about 12 video frames, 0.75 s at Wan's
+16 fps) by 7 x 7 tokens (112 x 112 pixels through Wan2.1's 8x VAE and 2x2 patches, 224 x 224 for
+Wan2.2 TI2V-5B), K = 147 keys per query against 32,760 for dense attention on an 81 x 480 x 832 clip;
+the learned offsets reach beyond it."""
+
+
+def _wan(name: str, hidden: int, depth: int, heads: int, ffn: int, channels: int,
+         compression: tuple[int, int, int], height: int, width: int) -> Config:
+    cfg = Config(preset=name)
+    cfg.model = ModelConfig(
+        arch="wan", hidden_size=hidden, depth=depth, num_heads=heads, ffn_dim=ffn, patch_size=(1, 2, 2),
+        in_channels=channels, out_channels=channels, timestep_freq_dim=256, text_dim=4096, text_len=512,
+        latent_compression=compression, rope_max_seq_len=1024, eps=1e-6, cross_attn_norm=True,
+    )
+    cfg.attention = AttentionConfig(kind="dsa", window=WAN_WINDOW)
+    cfg.data = DataConfig(num_frames=81, height=height, width=width, batch_size=1)
+    cfg.optim = OptimizerConfig(lr=1e-5, warmup_steps=100, weight_decay=0.01)
+    cfg.training = TrainingConfig(steps=1000, checkpoint_every=100)
+    return cfg
+
+
+def wan21_t2v_1_3b() -> Config:
+    """Wan2.1 text-to-video 1.3B: width 1536, 30 blocks, 12 heads, FFN 8960, 16 latent channels (1,418,996,800
+    parameters with dense attention, plus the DSA offset heads); 81 frames of 480x832."""
+    return _wan("wan2.1-t2v-1.3b", hidden=1536, depth=30, heads=12, ffn=8960, channels=16,
+                compression=(4, 8, 8), height=480, width=832)
+
+
+def wan21_t2v_14b() -> Config:
+    """Wan2.1 text-to-video 14B: width 5120, 40 blocks, 40 heads, FFN 13824, 16 latent channels
+    (14,288,491,584 parameters with dense attention, plus the DSA offset heads); 81 frames of 720x1280."""
+    return _wan("wan2.1-t2v-14b", hidden=5120, depth=40, heads=40, ffn=13824, channels=16,
+                compression=(4, 8, 8), height=720, width=1280)
+
+
+def wan22_ti2v_5b() -> Config:
+    """Wan2.2 TI2V-5B, trained here as text-to-video: width 3072, 30 blocks, 24 heads, FFN 14336, 48 latent
+    channels of a (4, 16, 16) VAE (4,999,787,712 parameters with dense attention, plus the DSA offset heads);
+    81 frames of 480x832."""
+    return _wan("wan2.2-ti2v-5b", hidden=3072, depth=30, heads=24, ffn=14336, channels=48,
+                compression=(4, 16, 16), height=480, width=832)
+
+
 PRESETS: dict[str, typing.Callable[[], Config]] = {
     "tiny": tiny,
     "dit-105b": dit_105b,
     "dit-33b": dit_33b,
     "dit-28b": dit_28b,
+    "wan2.1-t2v-1.3b": wan21_t2v_1_3b,
+    "wan2.1-t2v-14b": wan21_t2v_14b,
+    "wan2.2-ti2v-5b": wan22_ti2v_5b,
 }
 
 
@@ -473,9 +563,18 @@ def validate(cfg: Config) -> Config:
         positive(where, value)
     for i, p in enumerate(m.patch_size):
         positive(f"model.patch_size[{i}]", p)
-    if m.in_channels != 3:
+    if m.arch == "videodit" and m.in_channels != 3:
         raise ConfigError(f"model.in_channels={m.in_channels}: the video decoders deliver RGB clips (3 channels) and "
-                          f"latent inputs are not supported yet; use model.in_channels=3")
+                          f"the videodit model reads pixels; use model.in_channels=3 (latents: model.arch=wan)")
+    for where, value in [("model.ffn_dim", m.ffn_dim), ("model.out_channels", m.out_channels),
+                         ("attention.offset_groups", a.offset_groups)]:
+        if value < 0:
+            raise ConfigError(f"{where}={value} must be >= 0 (0 = the default it names)")
+    if m.arch == "videodit" and m.out_channels not in (0, m.in_channels):
+        raise ConfigError(f"model.out_channels={m.out_channels}: the videodit model predicts its "
+                          f"{m.in_channels} input channels; use 0 or {m.in_channels}")
+    if m.arch == "wan":
+        _validate_wan(cfg)
     if cfg.runtime.prefetch_depth < 1:
         raise ConfigError(f"runtime.prefetch_depth={cfg.runtime.prefetch_depth} must be >= 1")
     if d.fps < 0 or not math.isfinite(d.fps):
@@ -493,18 +592,25 @@ def validate(cfg: Config) -> Config:
                           f"pick heads that divide the width (e.g. {_divisor_near(m.hidden_size, m.num_heads)})")
     if m.timestep_freq_dim % 2:
         raise ConfigError(f"model.timestep_freq_dim={m.timestep_freq_dim} must be even")
-    for axis, size, p in (("num_frames", d.num_frames, m.patch_size[0]), ("height", d.height, m.patch_size[1]),
-                          ("width", d.width, m.patch_size[2])):
-        if size % p:
-            raise ConfigError(f"data.{axis}={size} is not divisible by the patch size {p} "
-                              f"(model.patch_size={m.patch_size}); use a multiple of {p}")
+    if a.offset_groups and m.num_heads % a.offset_groups:
+        raise ConfigError(f"attention.offset_groups={a.offset_groups} does not divide model.num_heads={m.num_heads}; "
+                          f"use a divisor (e.g. {_divisor_near(m.num_heads, a.offset_groups)}) or 0 (one group per head)")
+    if m.arch == "videodit":
+        for axis, size, p in (("num_frames", d.num_frames, m.patch_size[0]), ("height", d.height, m.patch_size[1]),
+                              ("width", d.width, m.patch_size[2])):
+            if size % p:
+                raise ConfigError(f"data.{axis}={size} is not divisible by the patch size {p} "
+                                  f"(model.patch_size={m.patch_size}); use a multiple of {p}")
+    else:
+        _validate_wan_clip(cfg)
     grid = cfg.token_grid
     for i, (axis, k, n) in enumerate(zip(("frames", "height", "width"), a.window, grid)):
         if k <= 0 or k % 2 == 0:
             raise ConfigError(f"attention.window={a.window}: the {axis} size {k} must be odd and positive")
         if a.kind in ("dsa", "neighborhood", "swin") and k > n:
             raise ConfigError(f"attention.window={a.window}: the {axis} size {k} exceeds the token grid's "
-                              f"{n} {axis} (grid {grid} = data size / model.patch_size); shrink the window")
+                              f"{n} {axis} (grid {grid} = {'latent' if m.arch == 'wan' else 'data'} size / model.patch_size); "
+                              f"shrink the window")
     if a.max_offset < 0:
         raise ConfigError(f"attention.max_offset={a.max_offset} must be >= 0 (0 = unbounded)")
     if a.scale < 0:
@@ -535,6 +641,49 @@ def validate(cfg: Config) -> Config:
     if not math.isfinite(o.lr):
         raise ConfigError(f"optim.lr={o.lr} must be finite")
     return cfg
+
+
+def _validate_wan(cfg: Config) -> None:
+    """The model fields only ``arch=wan`` reads (the clip is checked by ``_validate_wan_clip``)."""
+    m = cfg.model
+    for where, value in [("model.text_dim", m.text_dim), ("model.text_len", m.text_len),
+                         ("model.rope_max_seq_len", m.rope_max_seq_len), ("model.eps", m.eps)]:
+        if not value > 0:
+            raise ConfigError(f"{where}={value!r} must be > 0")
+    for i, c in enumerate(m.latent_compression):
+        if not c > 0:
+            raise ConfigError(f"model.latent_compression[{i}]={c} must be > 0")
+
+
+def _validate_wan_clip(cfg: Config) -> None:
+    """arch=wan: ``data.num_frames/height/width`` are the pixel clip the VAE encodes; the latent grid
+    must divide into patches and every token-grid axis must fit the rotary embedding."""
+    m, d = cfg.model, cfg.data
+    ct, ch, cw = m.latent_compression
+    if (d.num_frames - 1) % ct:
+        below = (d.num_frames - 1) // ct * ct + 1
+        choices = [f for f in (below, below + ct) if f >= 1]
+        raise ConfigError(f"data.num_frames={d.num_frames}: the Wan VAE encodes {ct}k+1 frames "
+                          f"(model.latent_compression={m.latent_compression}); use "
+                          f"{' or '.join(str(f) for f in choices)}")
+    head_dim = m.hidden_size // m.num_heads
+    if head_dim % 2:
+        raise ConfigError(f"model.hidden_size / model.num_heads = {head_dim}: the Wan rotary embedding needs an "
+                          f"even head width")
+    for axis, size, c, p in (("height", d.height, ch, m.patch_size[1]), ("width", d.width, cw, m.patch_size[2])):
+        if size % (c * p):
+            unit = c * p
+            near = sorted({max(unit, size // unit * unit), size // unit * unit + unit})
+            raise ConfigError(f"data.{axis}={size} is not divisible by {unit} (VAE compression {c} x "
+                              f"model.patch_size {p}); use {' or '.join(str(v) for v in near)}")
+    frames = cfg.latent_grid[0]
+    if frames % m.patch_size[0]:
+        raise ConfigError(f"data.num_frames={d.num_frames} gives {frames} latent frames, not divisible by the "
+                          f"patch size {m.patch_size[0]} (model.patch_size={m.patch_size})")
+    for axis, n in zip(("frames", "height", "width"), cfg.token_grid):
+        if n > m.rope_max_seq_len:
+            raise ConfigError(f"the token grid {cfg.token_grid} has {n} {axis}, more than model.rope_max_seq_len="
+                              f"{m.rope_max_seq_len} rotary positions; use a shorter clip or raise the field")
 
 
 def _divisor_near(n: int, k: int) -> int:

@@ -64,6 +64,11 @@ def pos_embed_3d(grid: tuple[int, int, int], dim: int, device: torch.device) -> 
     return out
 
 
+def ffn_width(cfg: Config) -> int:
+    """The feed-forward hidden width: ``model.ffn_dim``, or ``mlp_ratio * hidden_size`` when it is 0."""
+    return cfg.model.ffn_dim or int(cfg.model.hidden_size * cfg.model.mlp_ratio)
+
+
 def timestep_features(t: torch.Tensor, dim: int) -> torch.Tensor:
     """Flow time t in [0, 1] -> sinusoidal features (B, dim), on the DiT scale of 0..1000."""
     return sincos_1d(t * 1000.0, dim)
@@ -124,16 +129,21 @@ class InputEmbed(nn.Module):
 
 
 class OffsetPredictor(nn.Module):
-    """Depthwise Conv3d(k=3) -> GELU -> Linear(D -> nh*K*3), last layer zero-initialised so a
-    fresh model starts as 3D neighborhood attention."""
+    """Depthwise Conv3d(k=3) -> GELU -> Linear(D -> groups*K*3), last layer zero-initialised so a
+    fresh model starts as 3D neighborhood attention. ``groups`` (``attention.offset_groups``; 0:
+    one per head) sets of offsets, each shared by ``num_heads / groups`` consecutive heads."""
 
-    def __init__(self, hidden: int, num_heads: int, window: tuple[int, int, int], max_offset: float):
+    def __init__(self, hidden: int, num_heads: int, window: tuple[int, int, int], max_offset: float,
+                 groups: int = 0):
         super().__init__()
         self.num_heads = num_heads
+        self.groups = groups or num_heads
+        if num_heads % self.groups:
+            raise ValueError(f"offset groups {self.groups} do not divide {num_heads} heads")
         self.K = window[0] * window[1] * window[2]
         self.max_offset = max_offset
         self.dwconv = nn.Conv3d(hidden, hidden, kernel_size=3, padding=1, groups=hidden)
-        self.out = nn.Linear(hidden, num_heads * self.K * 3)
+        self.out = nn.Linear(hidden, self.groups * self.K * 3)
 
     def forward(self, h: torch.Tensor) -> torch.Tensor:
         # h: (B, T, H, W, D) -> offsets (B, T, H, W, nh, K, 3)
@@ -141,7 +151,10 @@ class OffsetPredictor(nn.Module):
         y = self.out(F.gelu(y))
         if self.max_offset > 0:
             y = self.max_offset * torch.tanh(y)
-        return y.view(*h.shape[:4], self.num_heads, self.K, 3)
+        y = y.view(*h.shape[:4], self.groups, self.K, 3)
+        if self.groups != self.num_heads:
+            y = y.repeat_interleave(self.num_heads // self.groups, dim=4)
+        return y
 
 
 class Attention(nn.Module):
@@ -156,7 +169,7 @@ class Attention(nn.Module):
         self.scale = a.scale if a.scale > 0 else self.head_dim ** -0.5
         self.qkv = nn.Linear(m.hidden_size, 3 * m.hidden_size)
         self.proj = nn.Linear(m.hidden_size, m.hidden_size)
-        self.offsets = (OffsetPredictor(m.hidden_size, m.num_heads, self.window, a.max_offset)
+        self.offsets = (OffsetPredictor(m.hidden_size, m.num_heads, self.window, a.max_offset, a.offset_groups)
                         if a.kind == "dsa" else None)
 
     def forward(self, h: torch.Tensor) -> torch.Tensor:
@@ -182,7 +195,7 @@ class DiTBlock(nn.Module):
     def __init__(self, cfg: Config, index: int = 1):
         super().__init__()
         D = cfg.model.hidden_size
-        hidden = int(D * cfg.model.mlp_ratio)
+        hidden = ffn_width(cfg)
         self.norm1 = nn.LayerNorm(D, elementwise_affine=False, eps=1e-6)
         self.attn = Attention(cfg, shift=index % 2 == 0)
         self.norm2 = nn.LayerNorm(D, elementwise_affine=False, eps=1e-6)
