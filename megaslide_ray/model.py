@@ -10,6 +10,10 @@ Shards, in execution order:
   L + 1      ``FinalLayer``   adaLN head: x, c -> per-patch velocity
 
 Tokens are kept channels-last, ``x: (B, T, H, W, D)``, the layout 3D-DSA wants.
+
+``model.arch = wan`` selects the Wan 2.x transformer (``megaslide_ray/wan.py``), with the same
+shard interface: ``build_shard``, ``initialize_shard``, ``param_count`` and ``build_model``
+dispatch on it.
 """
 
 from __future__ import annotations
@@ -267,6 +271,10 @@ class VideoDiT(nn.Module):
 
 def build_shard(cfg: Config, index: int, device: str | torch.device = "cpu") -> nn.Module:
     """One shard module, alone (the store initialises a 105B model this way, a block at a time)."""
+    if cfg.model.arch == "wan":
+        from megaslide_ray import wan
+
+        return wan.build_shard(cfg, index, device)
     with torch.device(device):
         if index == 0:
             return InputEmbed(cfg)
@@ -285,7 +293,12 @@ def num_shards(cfg: Config) -> int:
 def initialize_shard(module: nn.Module, seed: int, index: int) -> None:
     """Deterministic init of one shard from (seed, index), independent of every other shard,
     so a shard-by-shard init equals a whole-model init. DiT recipe: xavier linears, zeroed
-    adaLN modulations and output layer (adaLN-Zero), zeroed offset head."""
+    adaLN modulations and output layer (adaLN-Zero), zeroed offset head. Wan shards follow
+    Wan's recipe (``megaslide_ray.wan.initialize_shard``)."""
+    if getattr(module, "arch", None) == "wan":
+        from megaslide_ray import wan
+
+        return wan.initialize_shard(module, seed, index)
     g = torch.Generator(device="cpu").manual_seed(_mix(seed, index))
 
     def fill_(p: torch.Tensor, fn) -> None:
@@ -331,9 +344,15 @@ def param_count(cfg: Config) -> int:
         return sum(p.numel() for i in range(num_shards(cfg)) for p in build_shard(cfg, i, "meta").parameters())
 
 
-def build_model(cfg: Config, seed: int | None = None, device: str = "cpu") -> VideoDiT:
-    """A whole, materialised model (for the in-process baseline and tests)."""
+def build_model(cfg: Config, seed: int | None = None, device: str = "cpu") -> nn.Module:
+    """A whole, materialised model (for the in-process baseline and tests): ``VideoDiT``, or
+    ``wan.WanTransformer`` for ``model.arch = wan``; both have ``shards()``."""
     with torch.device(device):
-        model = VideoDiT(cfg)
+        if cfg.model.arch == "wan":
+            from megaslide_ray.wan import WanTransformer
+
+            model = WanTransformer(cfg)
+        else:
+            model = VideoDiT(cfg)
     model.initialize_weights(cfg.training.seed if seed is None else seed)
     return model

@@ -270,6 +270,11 @@ def _attention_flops_fwd(cfg: Config) -> float:
 def plan(cfg: Config, w_dtype: str = "bfloat16", pcie_gbps: float = 55.0, dram_gbps: float = 300.0,
          device_tflops: float = 990.0, ram_gb: float | None = None, gpu_gb: float | None = None) -> Plan:
     """Memory, traffic and step-time floor of one training step of ``cfg`` (module docstring)."""
+    if cfg.model.arch != "videodit":
+        # The formulas (per-sample parameters, a block's activations, pixel tensors) are the
+        # videodit model's; Wan's cross-attention, text condition and latents differ.
+        raise ConfigError(f"the planner does not support model.arch={cfg.model.arch} yet (preset {cfg.preset!r}); "
+                          f"its formulas describe the videodit model")
     if w_dtype not in W_DTYPES:
         raise ConfigError(f"w_dtype={w_dtype!r}; use one of {list(W_DTYPES)}")
     for name, value in (("pcie_gbps", pcie_gbps), ("dram_gbps", dram_gbps), ("device_tflops", device_tflops)):

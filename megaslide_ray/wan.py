@@ -1,0 +1,723 @@
+"""The Wan 2.x video transformer (``model.arch = wan``), in this project's shard layout.
+
+The model of diffusers' ``WanTransformer3DModel`` (Wan2.1 T2V 1.3B and 14B, Wan2.2 TI2V-5B used
+as text-to-video), written again for streaming: the same parameters under the same names and the
+same arithmetic, so diffusers weights load as they are and give diffusers' outputs
+(``tests/test_wan.py`` holds the two side by side). Tokens are channels-last,
+``x: (B, T, H, W, D)``, the layout 3D-DSA wants.
+
+Shards, in execution order (the interface of ``megaslide_ray/model.py``'s shards, so the compute
+actor and the parameter store treat both architectures alike):
+
+  0          ``WanEmbed``  ``patch_embedding`` (Conv3d over the latents) and ``condition_embedder``
+             (timestep MLP ``time_embedder``, ``time_proj`` to six modulations, text MLP
+             ``text_embedder``). ``forward(x_t, t, text, text_len) -> (x, c)``: ``x_t (B, F, H, W, C)``
+             channels-last latents, ``t (B,)`` flow time in [0, 1] (diffusers' timestep is
+             ``1000 * t``), ``text (B, L, text_dim)`` prompt embeddings, ``text_len (B,)`` their lengths.
+  1 .. L     ``WanBlock``  self-attention ``attn1`` (3D RoPE, ``attention.kind``), cross-attention
+             ``attn2`` to the text (always dense), feed-forward ``ffn``, modulated by
+             ``scale_shift_table + c``: ``forward(x, c) -> x``.
+  L + 1      ``WanHead``   ``norm_out`` (no parameters), ``scale_shift_table``, ``proj_out``:
+             ``forward(x, c) -> (B, F, H, W, C_out)`` channels-last.
+
+**The condition ``c``** is one tensor ``(B, 7 D + Lt D)``, concatenated in this order:
+``temb`` (D, the timestep embedding; the head's modulation), ``timestep_proj`` (6 D, the blocks'
+modulation), the projected text ``(Lt, D)`` flattened (the blocks' cross-attention keys and
+values come from it). ``Lt`` is ``model.text_len``: ``WanEmbed.forward`` zeroes each prompt past
+``text_len`` and pads it with zeros to ``model.text_len`` tokens, as the Wan pipeline does; no mask
+is applied. Blocks and head read what they need back out of ``c`` (``split_condition``), so its
+gradient, summed over the shards by the compute actor, flows back to shard 0.
+
+**Names.** Shard 0's parameters are ``patch_embedding.*`` and ``condition_embedder.*``; a block's
+are named as inside diffusers' ``blocks.{i}`` (``scale_shift_table``, ``attn1.to_q.weight``,
+``norm2.weight``, ``ffn.net.0.proj.weight``, ...); the head's are ``scale_shift_table`` and
+``proj_out.*``. With ``attention.kind = dsa`` each block adds the offset head
+``attn1.offsets.{dwconv,out}.*`` (``model.OffsetPredictor``), which diffusers does not have.
+``WanTransformer``, the whole model, has exactly diffusers' names; image-to-video models
+(``image_dim`` / ``added_kv_proj_dim``) are refused.
+
+**RoPE and local attention.** The 3D rotary embedding is diffusers' (head channels split into
+frame, height and width parts, angles computed in float64, tables kept in float32, nothing
+stored), recomputed in every block from the token grid and applied to q and k at their integer
+grid positions after the q/k RMS norms. For ``dsa``, ``neighborhood`` and ``swin`` the rotated q
+and k go into the operator, so 3D-DSA samples *rotated* keys: a key sampled at a fractional
+position is the trilinear blend of its neighbours' rotated keys, not the key rotated at the
+fractional position. With zero offsets every sample sits on a grid point and this is exactly
+Wan's attention restricted to the window (with the window equal to the grid, exactly Wan's dense
+attention); rotating before sampling keeps the operator unchanged and lets the offsets learn
+around the blend.
+
+**Precision.** diffusers keeps ``rope``, ``time_embedder``, ``scale_shift_table`` and
+``norm1/2/3`` in float32 (``KEEP_FP32``); this module computes the layer norms, the modulation
+(``scale_shift_table + c``), the residual sums and the RoPE tables in float32 whatever the
+weights' dtype, so a bf16 model (``cast_like_diffusers``) gives diffusers' bf16 results. The
+parameter store holds one dtype per shard, so in a streamed bf16 run those few parameters are
+bf16 too (the arithmetic is still float32).
+
+Public API: ``from_diffusers(path)`` loads a diffusers directory (safetensors only) as a module
+with diffusers' ``forward``; ``wan_config_from_diffusers`` / ``diffusers_overrides`` turn a
+``config.json`` into ``model.*`` overrides, ``check_against`` lists every field a config
+contradicts, ``diffusers_config`` writes the ``config.json`` of a config.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+from typing import Any, Sequence
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from kernels import deformable_slide_attention
+from kernels.swin import swin_attention_3d
+from megaslide_ray.config import WAN_WINDOW, Config, ConfigError, apply_overrides
+from megaslide_ray.model import OffsetPredictor, _mix, ffn_width, unpatchify
+
+KEEP_FP32 = ("time_embedder", "scale_shift_table", "norm1", "norm2", "norm3")
+"""diffusers' ``WanTransformer3DModel._keep_in_fp32_modules`` that hold parameters (``rope`` holds
+none here): a parameter whose dotted name has one of these as a component stays float32."""
+
+ROPE_THETA = 10000.0
+CONDITION_PARTS = 7
+"""``c`` starts with ``temb`` (1 x D) and ``timestep_proj`` (6 x D); the text follows."""
+
+
+# ---------------------------------------------------------------------------------------------
+# Helpers: timestep features, RoPE, the condition tensor, norms
+# ---------------------------------------------------------------------------------------------
+
+
+def timestep_features(timestep: torch.Tensor, dim: int) -> torch.Tensor:
+    """diffusers' timestep features on the 0..1000 scale, cos first: ``(B,) -> (B, dim)`` float32."""
+    half = dim // 2
+    exponent = -math.log(10000) * torch.arange(half, dtype=torch.float32, device=timestep.device)
+    freqs = torch.exp(exponent / half)
+    args = timestep[:, None].float() * freqs[None, :]
+    return torch.cat([torch.cos(args), torch.sin(args)], dim=-1)
+
+
+def rope_axis_dims(head_dim: int) -> tuple[int, int, int]:
+    """Head channels of the (frames, height, width) rotations; height and width get
+    ``2 * (head_dim // 6)`` each, frames the rest."""
+    hw = 2 * (head_dim // 6)
+    return head_dim - 2 * hw, hw, hw
+
+
+def rope_tables(grid: Sequence[int], head_dim: int, max_seq_len: int,
+                device: torch.device | str) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos and sin of the 3D rotary angles, each ``(T, H, W, 1, head_dim // 2)`` float32 (one entry
+    per channel pair), at the integer positions of the token grid."""
+    device = torch.device(device)
+    if any(n > max_seq_len for n in grid):
+        raise ValueError(f"token grid {tuple(grid)} exceeds the {max_seq_len} rotary positions per axis "
+                         f"(model.rope_max_seq_len)")
+    dtype = torch.float32 if device.type == "mps" else torch.float64  # as diffusers: float64 but on MPS
+    cos, sin = [], []
+    for axis, (n, dim) in enumerate(zip(grid, rope_axis_dims(head_dim))):
+        freqs = 1.0 / (ROPE_THETA ** (torch.arange(0, dim, 2, dtype=dtype, device=device) / dim))
+        angles = torch.outer(torch.arange(n, dtype=dtype, device=device), freqs)  # (n, dim / 2)
+        shape = [1, 1, 1, dim // 2]
+        shape[axis] = n
+        cos.append(angles.cos().float().view(shape).expand(*grid, dim // 2))
+        sin.append(angles.sin().float().view(shape).expand(*grid, dim // 2))
+    return torch.cat(cos, dim=-1).unsqueeze(3), torch.cat(sin, dim=-1).unsqueeze(3)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate channel pairs ``(2i, 2i+1)`` of ``x (B, T, H, W, nh, d)``; computed in float32,
+    returned in ``x``'s dtype."""
+    x1, x2 = x[..., 0::2], x[..., 1::2]
+    out = torch.stack((x1 * cos - x2 * sin, x1 * sin + x2 * cos), dim=-1).flatten(-2)
+    return out.to(x.dtype)
+
+
+def split_condition(c: torch.Tensor, dim: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``c (B, 7 D + Lt D)`` -> ``temb (B, D)``, ``timestep_proj (B, 6 D)``, ``text (B, Lt, D)``."""
+    start = CONDITION_PARTS * dim
+    if c.dim() != 2 or c.shape[1] <= start or (c.shape[1] - start) % dim:
+        raise ValueError(f"condition of shape {tuple(c.shape)} is not (B, 7 * {dim} + text tokens * {dim})")
+    return c[:, :dim], c[:, dim:start], c[:, start:].unflatten(1, (-1, dim))
+
+
+def pad_text(text: torch.Tensor, text_len: torch.Tensor, tokens: int) -> torch.Tensor:
+    """Zero each prompt past its length and pad to ``tokens`` tokens, as the Wan pipeline does."""
+    B, L, _ = text.shape
+    if L > tokens:
+        raise ValueError(f"text has {L} tokens, more than model.text_len={tokens}")
+    keep = torch.arange(L, device=text.device)[None, :] < text_len.to(text.device).view(B, 1)
+    text = torch.where(keep[..., None], text, torch.zeros((), dtype=text.dtype, device=text.device))
+    return F.pad(text, (0, 0, 0, tokens - L)) if L < tokens else text
+
+
+def layer_norm32(x: torch.Tensor, eps: float) -> torch.Tensor:
+    """Parameter-free LayerNorm computed in float32 (diffusers' ``FP32LayerNorm``, no affine)."""
+    return F.layer_norm(x.float(), (x.shape[-1],), eps=eps)
+
+
+def _broadcast(v: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    """(B, D) -> (B, 1, ..., 1, D) against channels-last ``x``."""
+    return v.view((v.shape[0],) + (1,) * (x.dim() - 2) + (v.shape[-1],))
+
+
+def keeps_fp32(name: str) -> bool:
+    return any(part in KEEP_FP32 for part in name.split("."))
+
+
+def cast_like_diffusers(module: nn.Module, dtype: torch.dtype) -> nn.Module:
+    """Cast parameters to ``dtype``, except those diffusers keeps in float32 (``KEEP_FP32``)."""
+    for name, p in module.named_parameters():
+        p.data = p.data.to(torch.float32 if keeps_fp32(name) else dtype)
+    return module
+
+
+# ---------------------------------------------------------------------------------------------
+# Modules
+# ---------------------------------------------------------------------------------------------
+
+
+class FP32LayerNorm(nn.LayerNorm):
+    """Affine LayerNorm computed in float32, returned in float32 (the cross-attention ``norm2``)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.layer_norm(x.float(), self.normalized_shape, self.weight.float(), self.bias.float(), self.eps)
+
+
+class MLP(nn.Module):
+    """``linear_1 -> act -> linear_2`` (diffusers' ``TimestepEmbedding`` and ``PixArtAlphaTextProjection``)."""
+
+    def __init__(self, dim_in: int, dim: int, act: nn.Module):
+        super().__init__()
+        self.linear_1 = nn.Linear(dim_in, dim)
+        self.act = act
+        self.linear_2 = nn.Linear(dim, dim)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.linear_2(self.act(self.linear_1(x)))
+
+
+class ConditionEmbedder(nn.Module):
+    """Timestep MLP, its projection to the six block modulations, and the text MLP."""
+
+    def __init__(self, cfg: Config):
+        super().__init__()
+        m = cfg.model
+        self.time_embedder = MLP(m.timestep_freq_dim, m.hidden_size, nn.SiLU())
+        self.time_proj = nn.Linear(m.hidden_size, 6 * m.hidden_size)
+        self.text_embedder = MLP(m.text_dim, m.hidden_size, nn.GELU(approximate="tanh"))
+
+
+class GELUProjection(nn.Module):
+    """``proj`` then tanh-GELU (diffusers' ``GELU`` activation module, ``ffn.net.0``)."""
+
+    def __init__(self, dim_in: int, dim_out: int):
+        super().__init__()
+        self.proj = nn.Linear(dim_in, dim_out)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.gelu(self.proj(x), approximate="tanh")
+
+
+class FeedForward(nn.Module):
+    def __init__(self, dim: int, hidden: int):
+        super().__init__()
+        self.net = nn.ModuleList([GELUProjection(dim, hidden), nn.Identity(), nn.Linear(hidden, dim)])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.net[2](self.net[0](x))
+
+
+class WanAttention(nn.Module):
+    """``attn1`` (``cross=False``: self-attention over the token grid with 3D RoPE, by
+    ``attention.kind``) or ``attn2`` (``cross=True``: dense cross-attention to the text)."""
+
+    def __init__(self, cfg: Config, cross: bool, shift: bool = False):
+        super().__init__()
+        m, a = cfg.model, cfg.attention
+        D = m.hidden_size
+        self.cross = cross
+        self.kind = "dense" if cross else a.kind
+        self.shift = shift  # swin only: even-numbered blocks use shifted windows
+        self.num_heads = m.num_heads
+        self.head_dim = D // m.num_heads
+        self.window = tuple(a.window)
+        self.scale = a.scale if (a.scale > 0 and not cross) else None  # None: head_dim ** -0.5
+        self.rope_max_seq_len = m.rope_max_seq_len
+        self.to_q = nn.Linear(D, D)
+        self.to_k = nn.Linear(D, D)
+        self.to_v = nn.Linear(D, D)
+        self.to_out = nn.ModuleList([nn.Linear(D, D), nn.Identity()])  # [1]: diffusers' dropout
+        self.norm_q = nn.RMSNorm(D, eps=m.eps)
+        self.norm_k = nn.RMSNorm(D, eps=m.eps)
+        self.offsets = (OffsetPredictor(D, m.num_heads, self.window, a.max_offset, a.offset_groups)
+                        if self.kind == "dsa" else None)
+
+    def _heads(self, z: torch.Tensor) -> torch.Tensor:
+        return z.unflatten(-1, (self.num_heads, self.head_dim))
+
+    def forward(self, h: torch.Tensor, text: torch.Tensor | None = None) -> torch.Tensor:
+        B, T, H, W, D = h.shape
+        src = text if self.cross else h
+        q = self._heads(self.norm_q(self.to_q(h)))  # (B, T, H, W, nh, d)
+        k = self._heads(self.norm_k(self.to_k(src)))
+        v = self._heads(self.to_v(src))
+        if self.cross:  # keys and values: (B, Lt, nh, d)
+            o = self._sdpa(q.reshape(B, T * H * W, self.num_heads, self.head_dim), k, v)
+        else:
+            cos, sin = rope_tables((T, H, W), self.head_dim, self.rope_max_seq_len, h.device)
+            q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+            if self.kind == "dense":
+                o = self._sdpa(*(z.reshape(B, T * H * W, self.num_heads, self.head_dim) for z in (q, k, v)))
+            elif self.kind == "swin":
+                o = swin_attention_3d(q, k, v, self.window, self.shift, scale=self.scale)
+            else:
+                if self.offsets is not None:
+                    off = self.offsets(h)
+                else:  # neighborhood: the DSA operator with offsets fixed at zero
+                    K = self.window[0] * self.window[1] * self.window[2]
+                    off = h.new_zeros(B, T, H, W, self.num_heads, K, 3)
+                o = deformable_slide_attention(q, k, v, off, self.window, scale=self.scale)
+        return self.to_out[0](o.reshape(B, T, H, W, D))
+
+    def _sdpa(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """(B, N, nh, d) queries against (B, M, nh, d) keys and values -> (B, N, nh, d)."""
+        o = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), scale=self.scale)
+        return o.transpose(1, 2)
+
+
+# ---------------------------------------------------------------------------------------------
+# Shards
+# ---------------------------------------------------------------------------------------------
+
+
+def embed_inputs(patch_embedding: nn.Conv3d, condition_embedder: ConditionEmbedder, freq_dim: int,
+                 x_t: torch.Tensor, timestep: torch.Tensor, text: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Shard 0's computation on diffusers' timestep scale and unpadded text: ``(x, c)``."""
+    x = patch_embedding(x_t.to(patch_embedding.weight.dtype).permute(0, 4, 1, 2, 3))
+    x = x.permute(0, 2, 3, 4, 1).contiguous()  # (B, T, H, W, D)
+    ce = condition_embedder
+    text = text.to(ce.text_embedder.linear_1.weight.dtype)
+    features = timestep_features(timestep, freq_dim).to(ce.time_embedder.linear_1.weight.dtype)
+    temb = ce.time_embedder(features).to(text.dtype)
+    proj = ce.time_proj(F.silu(temb))
+    ctx = ce.text_embedder(text)
+    return x, torch.cat([temb, proj.to(temb.dtype), ctx.flatten(1).to(temb.dtype)], dim=1)
+
+
+def head_output(scale_shift_table: torch.Tensor, proj_out: nn.Linear, patch: tuple[int, int, int], eps: float,
+                x: torch.Tensor, c: torch.Tensor) -> torch.Tensor:
+    """The head's computation: ``(B, T, H, W, D) -> (B, F, H, W, C_out)``."""
+    temb, _, _ = split_condition(c, x.shape[-1])
+    shift, scale = (scale_shift_table.float() + temb.float()[:, None, :]).unbind(1)
+    y = (layer_norm32(x, eps) * (1 + _broadcast(scale, x)) + _broadcast(shift, x)).to(x.dtype)
+    y = proj_out(y)
+    return unpatchify(y, patch, y.shape[-1] // math.prod(patch))
+
+
+class WanEmbed(nn.Module):
+    """Shard 0. ``patch_embedding`` / ``condition_embedder`` may be given (``WanTransformer.shards``
+    passes its own, so the shard shares the whole model's parameters)."""
+
+    arch = "wan"
+
+    def __init__(self, cfg: Config, patch_embedding: nn.Conv3d | None = None,
+                 condition_embedder: ConditionEmbedder | None = None):
+        super().__init__()
+        m = cfg.model
+        self.freq_dim = m.timestep_freq_dim
+        self.text_len = m.text_len
+        self.patch_embedding = (patch_embedding if patch_embedding is not None else
+                                nn.Conv3d(m.in_channels, m.hidden_size, kernel_size=m.patch_size, stride=m.patch_size))
+        self.condition_embedder = condition_embedder if condition_embedder is not None else ConditionEmbedder(cfg)
+
+    def forward(self, x_t: torch.Tensor, t: torch.Tensor, text: torch.Tensor,
+                text_len: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return embed_inputs(self.patch_embedding, self.condition_embedder, self.freq_dim, x_t, t * 1000.0,
+                            pad_text(text, text_len, self.text_len))
+
+
+class WanBlock(nn.Module):
+    """Shards 1..L: diffusers' ``WanTransformerBlock`` on channels-last tokens."""
+
+    arch = "wan"
+
+    def __init__(self, cfg: Config, index: int = 1):
+        super().__init__()
+        m = cfg.model
+        D = m.hidden_size
+        self.eps = m.eps
+        self.scale_shift_table = nn.Parameter(torch.randn(1, 6, D) / D ** 0.5)
+        self.attn1 = WanAttention(cfg, cross=False, shift=index % 2 == 0)
+        self.attn2 = WanAttention(cfg, cross=True)
+        self.norm2 = FP32LayerNorm(D, eps=m.eps) if m.cross_attn_norm else None
+        self.ffn = FeedForward(D, ffn_width(cfg))
+
+    def forward(self, x: torch.Tensor, c: torch.Tensor) -> torch.Tensor:
+        B, D = x.shape[0], x.shape[-1]
+        _, proj, text = split_condition(c, D)
+        mod = self.scale_shift_table.float() + proj.float().view(B, 6, D)
+        shift_a, scale_a, gate_a, shift_f, scale_f, gate_f = (_broadcast(z, x) for z in mod.unbind(1))
+        h = (layer_norm32(x, self.eps) * (1 + scale_a) + shift_a).to(x.dtype)
+        x = (x.float() + self.attn1(h) * gate_a).to(x.dtype)
+        h = self.norm2(x).to(x.dtype) if self.norm2 is not None else x
+        x = x + self.attn2(h, text)
+        h = (layer_norm32(x, self.eps) * (1 + scale_f) + shift_f).to(x.dtype)
+        return (x.float() + self.ffn(h).float() * gate_f).to(x.dtype)
+
+
+class WanHead(nn.Module):
+    """Shard L+1: output norm, modulation, projection and unpatchify. ``scale_shift_table`` /
+    ``proj_out`` may be given (see ``WanEmbed``)."""
+
+    arch = "wan"
+
+    def __init__(self, cfg: Config, scale_shift_table: torch.Tensor | None = None, proj_out: nn.Linear | None = None):
+        super().__init__()
+        m = cfg.model
+        D = m.hidden_size
+        self.patch_size = tuple(m.patch_size)
+        self.eps = m.eps
+        self.scale_shift_table = (scale_shift_table if scale_shift_table is not None
+                                  else nn.Parameter(torch.randn(1, 2, D) / D ** 0.5))
+        out = (m.out_channels or m.in_channels) * math.prod(m.patch_size)
+        self.proj_out = proj_out if proj_out is not None else nn.Linear(D, out)
+
+    def forward(self, x: torch.Tensor, c: torch.Tensor) -> torch.Tensor:
+        return head_output(self.scale_shift_table, self.proj_out, self.patch_size, self.eps, x, c)
+
+
+class WanTransformer(nn.Module):
+    """The whole model, with exactly diffusers' parameter names (``scale_shift_table``,
+    ``patch_embedding``, ``condition_embedder``, ``blocks``, ``proj_out``); ``shards()`` gives
+    the streamed shards as modules sharing these parameters.
+
+    ``forward(x_t, t, text, text_len)`` is the shards' interface (channels-last latents, flow time
+    in [0, 1]); ``forward_diffusers`` is diffusers' (``from_diffusers`` returns a module whose
+    ``forward`` it is)."""
+
+    def __init__(self, cfg: Config):
+        super().__init__()
+        if cfg.model.arch != "wan":
+            raise ValueError(f"model.arch={cfg.model.arch!r}: WanTransformer needs model.arch='wan'")
+        self.cfg = cfg
+        embed, head = WanEmbed(cfg), WanHead(cfg)
+        self.scale_shift_table = head.scale_shift_table
+        self.patch_embedding = embed.patch_embedding
+        self.condition_embedder = embed.condition_embedder
+        self.blocks = nn.ModuleList(WanBlock(cfg, i) for i in range(1, cfg.model.depth + 1))
+        self.proj_out = head.proj_out
+
+    def shards(self) -> list[nn.Module]:
+        """Modules in streaming order (input side, each block, head), on this model's parameters."""
+        return [WanEmbed(self.cfg, self.patch_embedding, self.condition_embedder), *self.blocks,
+                WanHead(self.cfg, self.scale_shift_table, self.proj_out)]
+
+    def _run(self, x: torch.Tensor, c: torch.Tensor) -> torch.Tensor:
+        for block in self.blocks:
+            x = block(x, c)
+        m = self.cfg.model
+        return head_output(self.scale_shift_table, self.proj_out, tuple(m.patch_size), m.eps, x, c)
+
+    def forward(self, x_t: torch.Tensor, t: torch.Tensor, text: torch.Tensor, text_len: torch.Tensor) -> torch.Tensor:
+        m = self.cfg.model
+        x, c = embed_inputs(self.patch_embedding, self.condition_embedder, m.timestep_freq_dim, x_t, t * 1000.0,
+                            pad_text(text, text_len, m.text_len))
+        return self._run(x, c)
+
+    def forward_diffusers(self, hidden_states: torch.Tensor, timestep: torch.Tensor,
+                          encoder_hidden_states: torch.Tensor) -> torch.Tensor:
+        """``WanTransformer3DModel(...)(hidden_states, timestep, encoder_hidden_states,
+        return_dict=False)[0]``: ``(B, C, F, H, W)`` latents, ``(B,)`` timesteps on the 0..1000
+        scale, ``(B, L, text_dim)`` text (used as given: not padded) -> ``(B, C_out, F, H, W)``."""
+        if timestep.dim() != 1:
+            raise ValueError(f"timestep of shape {tuple(timestep.shape)}: one timestep per sample (B,) is supported, "
+                             f"not per-token timesteps (Wan2.2 TI2V image conditioning)")
+        x, c = embed_inputs(self.patch_embedding, self.condition_embedder, self.cfg.model.timestep_freq_dim,
+                            hidden_states.permute(0, 2, 3, 4, 1), timestep, encoder_hidden_states)
+        return self._run(x, c).permute(0, 4, 1, 2, 3).contiguous()
+
+    def initialize_weights(self, seed: int) -> None:
+        for index, shard in enumerate(self.shards()):
+            initialize_shard(shard, seed, index)
+
+
+class DiffusersWanTransformer(WanTransformer):
+    """A ``WanTransformer`` called like diffusers' model (what ``from_diffusers`` returns)."""
+
+    def forward(self, hidden_states: torch.Tensor, timestep: torch.Tensor, encoder_hidden_states: torch.Tensor,
+                encoder_hidden_states_image: torch.Tensor | None = None) -> torch.Tensor:
+        if encoder_hidden_states_image is not None:
+            raise ValueError("image-to-video conditioning (encoder_hidden_states_image) is not supported")
+        return self.forward_diffusers(hidden_states, timestep, encoder_hidden_states)
+
+
+# ---------------------------------------------------------------------------------------------
+# Shard construction and initialisation (dispatched from megaslide_ray/model.py)
+# ---------------------------------------------------------------------------------------------
+
+
+def build_shard(cfg: Config, index: int, device: str | torch.device = "cpu") -> nn.Module:
+    L = cfg.model.depth
+    with torch.device(device):
+        if index == 0:
+            return WanEmbed(cfg)
+        if index == L + 1:
+            return WanHead(cfg)
+        if 1 <= index <= L:
+            return WanBlock(cfg, index)
+    raise IndexError(f"shard index {index} out of range 0..{L + 1}")
+
+
+@torch.no_grad()
+def initialize_shard(module: nn.Module, seed: int, index: int) -> None:
+    """Deterministic init of one Wan shard from ``(seed, index)`` alone (every parameter is set),
+    after Wan's own recipe: xavier-uniform linears with zero biases, the patch embedding xavier
+    over its flattened kernel, normal(0, 0.02) timestep and text MLPs, ``scale_shift_table``
+    normal / sqrt(D), unit norms, a zero output projection; the DSA offset head as in
+    ``megaslide_ray.model`` (its last layer zero: a fresh model starts as neighborhood attention)."""
+    g = torch.Generator(device="cpu").manual_seed(_mix(seed, index))
+
+    def fill_(p: torch.Tensor, fn) -> None:
+        tmp = torch.empty(p.shape, dtype=torch.float32)
+        fn(tmp)
+        p.copy_(tmp)
+
+    def xavier_(p: torch.Tensor, fan_in: int, fan_out: int) -> None:
+        bound = math.sqrt(6.0 / (fan_in + fan_out))
+        fill_(p, lambda t: t.uniform_(-bound, bound, generator=g))
+
+    def normal_(p: torch.Tensor, std: float) -> None:
+        fill_(p, lambda t: t.normal_(0.0, std, generator=g))
+
+    for name, mod in module.named_modules():
+        if isinstance(mod, nn.Linear):
+            if ".time_embedder." in f".{name}." or ".text_embedder." in f".{name}.":
+                normal_(mod.weight, 0.02)
+            else:
+                xavier_(mod.weight, mod.in_features, mod.out_features)
+            nn.init.zeros_(mod.bias)
+        elif isinstance(mod, nn.Conv3d):
+            fan_in = mod.weight[0].numel()
+            fan_out = mod.weight.shape[0] * (1 if mod.groups == 1 else mod.weight[0, 0].numel())
+            xavier_(mod.weight, fan_in, fan_out)
+            nn.init.zeros_(mod.bias)
+        elif isinstance(mod, (nn.RMSNorm, nn.LayerNorm)):
+            if mod.weight is not None:
+                nn.init.ones_(mod.weight)
+            if getattr(mod, "bias", None) is not None:
+                nn.init.zeros_(mod.bias)
+    if isinstance(module, (WanBlock, WanHead)):
+        normal_(module.scale_shift_table, module.scale_shift_table.shape[-1] ** -0.5)
+    if isinstance(module, WanHead):
+        nn.init.zeros_(module.proj_out.weight)
+    if isinstance(module, WanBlock) and module.attn1.offsets is not None:
+        nn.init.zeros_(module.attn1.offsets.out.weight)
+        nn.init.zeros_(module.attn1.offsets.out.bias)
+
+
+# ---------------------------------------------------------------------------------------------
+# diffusers configs and weights
+# ---------------------------------------------------------------------------------------------
+
+_DIFFUSERS_CLASS = "WanTransformer3DModel"
+_DIFFUSERS_DEFAULTS: dict[str, Any] = {
+    "patch_size": (1, 2, 2), "num_attention_heads": 40, "attention_head_dim": 128, "in_channels": 16,
+    "out_channels": 16, "text_dim": 4096, "freq_dim": 256, "ffn_dim": 13824, "num_layers": 40,
+    "cross_attn_norm": True, "qk_norm": "rms_norm_across_heads", "eps": 1e-6, "image_dim": None,
+    "added_kv_proj_dim": None, "rope_max_seq_len": 1024, "pos_embed_seq_len": None,
+}
+"""The arguments of diffusers' ``WanTransformer3DModel.__init__`` and their defaults (a config.json
+may leave out those at their default)."""
+_IMAGE_KEYS = ("image_dim", "added_kv_proj_dim", "pos_embed_seq_len")
+
+
+def wan_config_from_diffusers(config_json: dict, vae_config: dict | None = None) -> dict[str, Any]:
+    """``model.*`` overrides from a diffusers transformer ``config.json`` (and, when given, the
+    VAE's ``config.json``, for ``model.latent_compression``). Refuses image-to-video models, other
+    classes, other q/k norms and keys this module does not know, naming each."""
+    cls = config_json.get("_class_name", _DIFFUSERS_CLASS)
+    if cls != _DIFFUSERS_CLASS:
+        raise ConfigError(f"diffusers class {cls!r} is not supported; only {_DIFFUSERS_CLASS} (Wan2.1 / Wan2.2 "
+                          f"text-to-video transformers)")
+    image = {k: config_json[k] for k in _IMAGE_KEYS if config_json.get(k) is not None}
+    if image:
+        raise ConfigError(f"an image-to-video Wan model ({', '.join(f'{k}={v}' for k, v in image.items())}) is not "
+                          f"supported: its image embedder and image cross-attention are not implemented; use a "
+                          f"text-to-video model (Wan2.1 T2V, Wan2.2 TI2V-5B)")
+    unknown = sorted(k for k in config_json if not k.startswith("_") and k not in _DIFFUSERS_DEFAULTS)
+    if unknown:
+        raise ConfigError(f"unknown {_DIFFUSERS_CLASS} config keys {unknown}: this module re-implements the model "
+                          f"and would ignore them")
+    c = {**_DIFFUSERS_DEFAULTS, **{k: v for k, v in config_json.items() if not k.startswith("_")}}
+    if c["qk_norm"] != "rms_norm_across_heads":
+        raise ConfigError(f"qk_norm={c['qk_norm']!r} is not supported; only 'rms_norm_across_heads'")
+    if len(c["patch_size"]) != 3:
+        raise ConfigError(f"patch_size={c['patch_size']!r} must have three values (frames, height, width)")
+    heads, head_dim = int(c["num_attention_heads"]), int(c["attention_head_dim"])
+    out = {
+        "model.arch": "wan",
+        "model.hidden_size": heads * head_dim,
+        "model.num_heads": heads,
+        "model.depth": int(c["num_layers"]),
+        "model.ffn_dim": int(c["ffn_dim"]),
+        "model.patch_size": tuple(int(p) for p in c["patch_size"]),
+        "model.in_channels": int(c["in_channels"]),
+        "model.out_channels": int(c["out_channels"] or c["in_channels"]),
+        "model.text_dim": int(c["text_dim"]),
+        "model.timestep_freq_dim": int(c["freq_dim"]),
+        "model.cross_attn_norm": bool(c["cross_attn_norm"]),
+        "model.eps": float(c["eps"]),
+        "model.rope_max_seq_len": int(c["rope_max_seq_len"]),
+    }
+    if vae_config is not None:
+        z = vae_config.get("z_dim")
+        if z is not None and int(z) != out["model.in_channels"]:
+            raise ConfigError(f"the VAE makes {z} latent channels (z_dim) but the transformer reads "
+                              f"in_channels={out['model.in_channels']}")
+        ct = int(vae_config.get("scale_factor_temporal") or 4)
+        cs = int(vae_config.get("scale_factor_spatial") or 8)
+        out["model.latent_compression"] = (ct, cs, cs)
+    return out
+
+
+def transformer_dir(path: str | Path) -> Path:
+    """A diffusers model directory's ``transformer/`` folder, or ``path`` if it is that folder."""
+    p = Path(path)
+    if (p / "transformer" / "config.json").is_file():
+        return p / "transformer"
+    if (p / "config.json").is_file():
+        return p
+    raise FileNotFoundError(f"{str(p)!r} holds neither transformer/config.json nor config.json: not a diffusers "
+                            f"model directory or its transformer/ folder")
+
+
+def diffusers_overrides(path: str | Path) -> dict[str, Any]:
+    """``wan_config_from_diffusers`` of a directory: its transformer's ``config.json``, and the VAE's
+    (``vae/config.json`` beside ``transformer/``) when there is one."""
+    tdir = transformer_dir(path)
+    vae = tdir.parent / "vae" / "config.json"
+    return wan_config_from_diffusers(json.loads((tdir / "config.json").read_text()),
+                                     json.loads(vae.read_text()) if vae.is_file() else None)
+
+
+def _effective(cfg: Config, key: str) -> Any:
+    section, name = key.split(".", 1)
+    value = getattr(getattr(cfg, section), name)
+    if key == "model.out_channels":
+        return value or cfg.model.in_channels
+    if key == "model.ffn_dim":
+        return ffn_width(cfg)
+    return tuple(value) if isinstance(value, list) else value
+
+
+def check_against(cfg: Config, overrides: dict[str, Any], source: str = "the diffusers config") -> None:
+    """Raise one ``ConfigError`` listing every field where ``cfg`` contradicts ``overrides`` (values
+    compared as the model uses them: ``out_channels`` 0 is ``in_channels``, ``ffn_dim`` 0 is
+    ``mlp_ratio * hidden_size``)."""
+    bad = []
+    for key, want in overrides.items():
+        have = _effective(cfg, key)
+        want = tuple(want) if isinstance(want, list) else want
+        same = math.isclose(have, want, rel_tol=1e-9) if isinstance(want, float) else have == want
+        if not same:
+            bad.append(f"{key}: the config has {have!r}, {source} has {want!r}")
+    if bad:
+        raise ConfigError(f"the config contradicts {source} in {len(bad)} field(s):\n  " + "\n  ".join(bad)
+                          + "\nleave these fields unset (or set them to the model's values)")
+
+
+def diffusers_config(cfg: Config) -> dict[str, Any]:
+    """The ``config.json`` of diffusers' ``WanTransformer3DModel`` for ``cfg`` (the DSA offset heads
+    are not part of it)."""
+    m = cfg.model
+    if m.arch != "wan":
+        raise ConfigError(f"model.arch={m.arch!r}: only a wan model has a diffusers config")
+    return {
+        "_class_name": _DIFFUSERS_CLASS,
+        "patch_size": list(m.patch_size),
+        "num_attention_heads": m.num_heads,
+        "attention_head_dim": m.hidden_size // m.num_heads,
+        "in_channels": m.in_channels,
+        "out_channels": m.out_channels or m.in_channels,
+        "text_dim": m.text_dim,
+        "freq_dim": m.timestep_freq_dim,
+        "ffn_dim": ffn_width(cfg),
+        "num_layers": m.depth,
+        "cross_attn_norm": m.cross_attn_norm,
+        "qk_norm": "rms_norm_across_heads",
+        "eps": m.eps,
+        "image_dim": None,
+        "added_kv_proj_dim": None,
+        "rope_max_seq_len": m.rope_max_seq_len,
+        "pos_embed_seq_len": None,
+    }
+
+
+def weight_files(tdir: Path) -> list[Path]:
+    """The safetensors files of a transformer folder: those of its index, or the single file."""
+    index = tdir / "diffusion_pytorch_model.safetensors.index.json"
+    if index.is_file():
+        names = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        missing = [n for n in names if not (tdir / n).is_file()]
+        if missing:
+            raise FileNotFoundError(f"{index} names files that are not there: {missing}")
+        return [tdir / n for n in names]
+    single = tdir / "diffusion_pytorch_model.safetensors"
+    if single.is_file():
+        return [single]
+    raise FileNotFoundError(f"no safetensors weights in {tdir} (diffusion_pytorch_model.safetensors or its .index.json); "
+                            f"pickled .bin weights are never read")
+
+
+def from_diffusers(path: str | Path, attention_kind: str = "dense", window: Sequence[int] | None = None,
+                   offset_groups: int = 0, dtype: torch.dtype | None = None, seed: int = 0,
+                   device: str | torch.device = "cpu") -> DiffusersWanTransformer:
+    """Load a diffusers Wan transformer (a model directory with ``transformer/``, or that folder):
+    ``config.json`` and safetensors weights (sharded with an index, or one file); nothing pickled
+    is read. The module's ``forward(hidden_states, timestep, encoder_hidden_states)`` returns what
+    ``WanTransformer3DModel(...)(..., return_dict=False)[0]`` returns.
+
+    ``attention_kind``/``window``/``offset_groups`` choose the self-attention (default ``dense``,
+    diffusers' own; ``window`` defaults to the presets' ``WAN_WINDOW``). A ``dsa`` model gets offset
+    heads initialised from ``seed`` with the last layer zero. ``dtype``: float32 by default; bf16
+    keeps diffusers' float32 modules (``KEEP_FP32``) in float32."""
+    from safetensors import safe_open
+
+    tdir = transformer_dir(path)
+    cfg = Config()
+    apply_overrides(cfg, diffusers_overrides(tdir))
+    apply_overrides(cfg, {"attention.kind": attention_kind, "attention.window": tuple(window or WAN_WINDOW),
+                          "attention.offset_groups": offset_groups})
+    with torch.device("meta"):
+        model = DiffusersWanTransformer(cfg)
+    model.to_empty(device=device)
+    expected = {n: tuple(p.shape) for n, p in model.named_parameters()}
+    found: dict[str, torch.Tensor] = {}
+    problems, unexpected = [], []
+    for file in weight_files(tdir):
+        with safe_open(str(file), framework="pt", device="cpu") as f:
+            for key in f.keys():
+                if key not in expected:
+                    if "norm_added_q" not in key:  # diffusers ignores these too
+                        unexpected.append(key)
+                    continue
+                tensor = f.get_tensor(key)
+                if tuple(tensor.shape) != expected[key]:
+                    problems.append(f"{key}: shape {tuple(tensor.shape)} in {file.name}, the model needs {expected[key]}")
+                found[key] = tensor
+    missing = sorted(n for n in expected if n not in found and ".attn1.offsets." not in n)
+    if missing or unexpected or problems:
+        lines = [f"missing: {n}" for n in missing] + [f"unexpected: {n}" for n in sorted(unexpected)] + problems
+        raise ValueError(f"the weights in {tdir} do not fit the Wan transformer of its config.json "
+                         f"({len(lines)} problem(s)):\n  " + "\n  ".join(lines[:50]))
+    with torch.no_grad():
+        for index, block in enumerate(model.blocks, start=1):
+            if block.attn1.offsets is not None:  # fresh offset heads, last layer zero
+                initialize_shard(block.attn1.offsets, seed, index)
+                nn.init.zeros_(block.attn1.offsets.out.weight)
+        for name, p in model.named_parameters():
+            if name in found:
+                p.copy_(found[name])
+    return cast_like_diffusers(model, dtype) if dtype not in (None, torch.float32) else model
