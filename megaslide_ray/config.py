@@ -536,6 +536,15 @@ def build_config(preset_name: str | None = None, config_file: str | None = None,
     return cfg
 
 
+def config_from_dict(doc: dict[str, Any]) -> Config:
+    """The config a ``Config.to_dict()`` describes (a checkpoint's ``state.json``): its preset,
+    then every field it records. Not validated: the caller may still change the clip shape."""
+    cfg = preset(doc.get("preset", "tiny"))
+    apply_overrides(cfg, {f"{section}.{name}": value for section in SECTIONS
+                          for name, value in doc.get(section, {}).items()})
+    return cfg
+
+
 # ---------------------------------------------------------------------------------------------
 # Validation
 # ---------------------------------------------------------------------------------------------

@@ -24,6 +24,7 @@ file (``OUT.safetensors``) or one file per shard (``OUT/`` directory):
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import sys
 from dataclasses import dataclass
@@ -34,8 +35,8 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from megaslide_ray.checkpoint import CheckpointReader, is_checkpoint_dir
-from megaslide_ray.config import Config
-from megaslide_ray.model import build_shard, num_shards
+from megaslide_ray.config import Config, config_from_dict
+from megaslide_ray.model import build_shard, initialize_shard, num_shards
 from megaslide_ray.shards import ShardLayout
 
 log = logging.getLogger(__name__)
@@ -47,13 +48,68 @@ class PretrainedMismatchError(ValueError):
     """The pretrained weights do not fit the configured model."""
 
 
-def shard_prefix(index: int, shards: int) -> str:
-    """Standard state-dict prefix of shard ``index`` in a model of ``shards`` shards."""
-    if index == 0:
-        return "embed."
-    if index == shards - 1:
-        return "head."
-    return f"blocks.{index - 1}."
+def shard_prefix(index: int, shards: int, arch: str = "videodit") -> str:
+    """Standard state-dict prefix of shard ``index`` in a model of ``shards`` shards. ``wan``:
+    the diffusers names, whose input side (``patch_embedding.*``, ``condition_embedder.*``) and
+    head (``scale_shift_table``, ``proj_out.*``) sit at the top level."""
+    if 0 < index < shards - 1:
+        return f"blocks.{index - 1}."
+    if arch == "wan":
+        return ""
+    return "embed." if index == 0 else "head."
+
+
+def is_diffusers_dir(path: str | Path) -> bool:
+    """A diffusers model directory (with ``transformer/config.json``) or its ``transformer/``
+    folder (a ``config.json`` naming a diffusers transformer class)."""
+    p = Path(path)
+    if (p / "transformer" / "config.json").is_file():
+        return True
+    cfg = p / "config.json"
+    if not cfg.is_file():
+        return False
+    try:
+        return "Transformer" in str(json.loads(cfg.read_text()).get("_class_name", ""))
+    except (OSError, ValueError, AttributeError):
+        return False
+
+
+def config_for_diffusers_dir(path: str | Path, preset_name: str | None, config_file: str | None,
+                             overrides: dict) -> Config:
+    """The run's config when ``--init-from`` is a diffusers Wan directory: the model section comes
+    from its ``config.json`` (and ``vae/config.json``). With no ``--preset``/``--config`` the
+    rest starts from the ``wan`` preset of the same shape (else ``wan2.1-t2v-1.3b``); flags apply
+    on top. Anything the preset, the file or a flag sets that contradicts the directory is
+    listed in one ``ConfigError``."""
+    from megaslide_ray.config import PRESETS, build_config, preset as make_preset
+    from megaslide_ray.wan import check_against, diffusers_overrides
+
+    model = diffusers_overrides(path)
+    source = f"--init-from {path}"
+    if preset_name is None and config_file is None:
+        base = "wan2.1-t2v-1.3b"
+        for name in PRESETS:
+            m = make_preset(name).model
+            if m.arch == "wan" and (m.hidden_size, m.depth, m.in_channels) == (
+                    model["model.hidden_size"], model["model.depth"], model["model.in_channels"]):
+                base = name
+        cfg = build_config(base, None, {**model, **overrides})
+    else:
+        cfg = build_config(preset_name, config_file, overrides)
+    check_against(cfg, model, source)
+    return cfg
+
+
+def checkpoint_arch(ckpt: CheckpointReader) -> str:
+    """The architecture a checkpoint was written for (checkpoints before ``model.arch``: videodit)."""
+    return ckpt.state.get("config", {}).get("model", {}).get("arch", "videodit")
+
+
+def is_fresh_part(name: str) -> bool:
+    """Parameters a pretrained source may lack: the DSA offset head (``*.offsets.*``), which a
+    model without 3D-DSA does not have. They start as a fresh model's (last layer zero, so the
+    swapped model starts as neighborhood attention)."""
+    return ".offsets." in name
 
 
 def model_names(cfg: Config) -> dict[str, tuple[tuple[int, ...], int, int]]:
@@ -63,7 +119,7 @@ def model_names(cfg: Config) -> dict[str, tuple[tuple[int, ...], int, int]]:
     for i in range(n):
         lay = ShardLayout.of(build_shard(cfg, i, "meta"), i)
         for name, shape, off in zip(lay.names, lay.shapes, lay.offsets):
-            out[shard_prefix(i, n) + name] = (tuple(shape), i, off)
+            out[shard_prefix(i, n, cfg.model.arch) + name] = (tuple(shape), i, off)
     return out
 
 
@@ -88,6 +144,8 @@ def index_source(path: str | Path) -> dict[str, Entry]:
         raise FileNotFoundError(f"--init-from {path}: no such file or directory")
     if is_checkpoint_dir(path):
         return _index_checkpoint(path)
+    if (path / "transformer" / "config.json").is_file():  # a diffusers model directory: its transformer
+        path = path / "transformer"
     files = sorted(path.glob("*.safetensors")) if path.is_dir() else [path]
     if not files:
         raise PretrainedMismatchError(f"--init-from {path}: a directory with no .safetensors files and no "
@@ -115,11 +173,11 @@ def _index_checkpoint(path: Path) -> dict[str, Entry]:
         raise PretrainedMismatchError(f"--init-from {path}: {e}") from None
     out: dict[str, Entry] = {}
     with ckpt:
-        n = ckpt.num_shards
+        n, arch = ckpt.num_shards, checkpoint_arch(ckpt)
         for i in range(n):
             lay, dtype = ckpt.layout(i), ckpt.dtype(i, "master")
             for name, shape in zip(lay.names, lay.shapes):
-                out[shard_prefix(i, n) + name] = Entry(tuple(shape), dtype, str(ckpt.file(i)), name, i)
+                out[shard_prefix(i, n, arch) + name] = Entry(tuple(shape), dtype, str(ckpt.file(i)), name, i)
     return out
 
 
@@ -133,7 +191,7 @@ def check_pretrained(cfg: Config, path: str | Path) -> dict[str, Entry]:
     mismatch. Returns the source's index."""
     source = index_source(path)
     model = model_names(cfg)
-    missing = [n for n in model if n not in source]
+    missing = [n for n in model if n not in source and not is_fresh_part(n)]
     unexpected = [n for n in source if n not in model]
     wrong_shape = [n for n in model if n in source and source[n].shape != model[n][0]]
     not_float = [n for n in model if n in source and source[n].dtype not in FLOAT_DTYPES]
@@ -169,13 +227,23 @@ def load_pretrained_into(store, path: str | Path) -> None:
     by_shard: dict[int, list[str]] = {}
     for name, (_, shard, _) in model.items():
         by_shard.setdefault(shard, []).append(name)
+    fresh = [n for n in model if n not in source]  # the offset heads a source without DSA lacks
+    if fresh:
+        log.info("%d parameters not in %s start fresh (offset heads: the model starts as neighborhood "
+                 "attention): %s%s", len(fresh), path, ", ".join(fresh[:4]), " ..." if len(fresh) > 4 else "")
     ckpt = CheckpointReader(path) if is_checkpoint_dir(path) else None
     for i, lay in enumerate(store.layouts):
         views = lay.views(store.seg[i]["master"])
-        prefix = shard_prefix(i, store.n)
+        prefix = shard_prefix(i, store.n, store.cfg.model.arch)
+        if any(model[n][1] == i for n in fresh):  # a fresh shard first, then the source on top
+            module = build_shard(store.cfg, i, "cpu")
+            initialize_shard(module, store.cfg.training.seed, i)
+            lay.flatten_into(module, store.seg[i]["master"])
+            del module
         files: dict[str, list[str]] = {}
         for name in by_shard[i]:
-            files.setdefault(source[name].file, []).append(name)
+            if name in source:
+                files.setdefault(source[name].file, []).append(name)
         for file, names in files.items():
             for name, t in zip(names, _read_source(ckpt, file, [source[name] for name in names])):
                 views[name[len(prefix):]].copy_(t.reshape(source[name].shape).to(torch.float32))
@@ -215,13 +283,13 @@ def export_state_dict(checkpoint: str | Path, out: str | Path, kind: str = "mast
     if kind not in ("master", "w"):
         raise ValueError(f"kind={kind!r}; use 'master' or 'w'")
     ckpt = CheckpointReader(checkpoint)
-    n = ckpt.num_shards
+    n, arch = ckpt.num_shards, checkpoint_arch(ckpt)
     one_file = out.suffix == ".safetensors"
     if not one_file:
         out.mkdir(parents=True, exist_ok=True)
     written, together = [], {}
     for i in range(n):
-        tensors = {shard_prefix(i, n) + name: (t.to(dtype) if dtype else t).clone()
+        tensors = {shard_prefix(i, n, arch) + name: (t.to(dtype) if dtype else t).clone()
                    for name, t in ckpt.tensors(i, kind).items()}
         if one_file:
             together.update(tensors)
@@ -237,6 +305,46 @@ def export_state_dict(checkpoint: str | Path, out: str | Path, kind: str = "mast
     return written
 
 
+DIFFUSERS_INDEX = "diffusion_pytorch_model.safetensors.index.json"
+
+
+def export_diffusers(checkpoint: str | Path, out: str | Path, dtype: torch.dtype | None = None,
+                     drop_offsets: bool = False) -> list[str]:
+    """Write a ``wan`` checkpoint's master weights as a diffusers ``WanTransformer3DModel``
+    folder: ``config.json``, one ``diffusion_pytorch_model-XXXXX-of-NNNNN.safetensors`` per
+    shard and the index that maps each name to its file, so ``from_pretrained(out)`` loads it.
+    ``drop_offsets`` leaves out the DSA offset heads (``attn1.offsets.*``), which diffusers'
+    model does not have (it would ignore them with a warning)."""
+    from megaslide_ray.wan import diffusers_config
+
+    checkpoint, out = Path(checkpoint), Path(out)
+    with CheckpointReader(checkpoint) as ckpt:
+        if checkpoint_arch(ckpt) != "wan":
+            raise ValueError(f"{checkpoint} holds a {checkpoint_arch(ckpt)} model; --format diffusers exports "
+                             f"model.arch = 'wan' checkpoints (use --format safetensors for this one)")
+        cfg = config_from_dict(ckpt.state["config"])
+        n = ckpt.num_shards
+        out.mkdir(parents=True, exist_ok=True)
+        weight_map, total, written = {}, 0, []
+        for i in range(n):
+            name = f"diffusion_pytorch_model-{i + 1:05d}-of-{n:05d}.safetensors"
+            tensors = {}
+            for key, t in ckpt.tensors(i, "master").items():
+                full = shard_prefix(i, n, "wan") + key
+                if drop_offsets and is_fresh_part(full):
+                    continue
+                tensors[full] = (t.to(dtype) if dtype else t).contiguous()
+            save_file(tensors, str(out / name), metadata={"format": "pt"})
+            for full, t in tensors.items():
+                weight_map[full] = name
+                total += t.numel() * t.element_size()
+            written.append(str(out / name))
+    (out / DIFFUSERS_INDEX).write_text(json.dumps({"metadata": {"total_size": total},
+                                                   "weight_map": dict(sorted(weight_map.items()))}, indent=2))
+    (out / "config.json").write_text(json.dumps(diffusers_config(cfg), indent=2))
+    return [*written, str(out / DIFFUSERS_INDEX), str(out / "config.json")]
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m megaslide_ray.pretrained",
                                 description="Export a checkpoint's weights as a standard-named safetensors "
@@ -244,8 +352,26 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("checkpoint", help="RUN/checkpoints/step_N")
     p.add_argument("out", help="OUT.safetensors (one file) or a directory (one file per shard)")
     p.add_argument("--kind", default="master", choices=["master", "w"], help="which weights (default master)")
+    p.add_argument("--format", default="safetensors", choices=["safetensors", "diffusers"],
+                   help="safetensors: the project's standard names; diffusers: a WanTransformer3DModel folder "
+                        "(config.json + shards + index; wan checkpoints)")
+    p.add_argument("--dtype", default=None, choices=["float32", "bfloat16"],
+                   help="cast the weights on export (default: as stored, fp32 master)")
+    p.add_argument("--drop-offsets", action="store_true",
+                   help="--format diffusers: leave out the DSA offset heads (attn1.offsets.*)")
     args = p.parse_args(argv)
-    for path in export_state_dict(args.checkpoint, args.out, args.kind):
+    dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}.get(args.dtype)
+    try:
+        if args.format == "diffusers":
+            if args.kind != "master":
+                raise ValueError("--format diffusers exports the master weights (leave --kind at master)")
+            paths = export_diffusers(args.checkpoint, args.out, dtype, args.drop_offsets)
+        else:
+            paths = export_state_dict(args.checkpoint, args.out, args.kind, dtype)
+    except (ValueError, FileNotFoundError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    for path in paths:
         print(path)
     return 0
 

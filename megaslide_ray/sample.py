@@ -35,7 +35,7 @@ from actors.compute import ComputeActor
 from actors.param_store import DTYPES, ShardInfo
 from megaslide_ray.captions import caption_batch
 from megaslide_ray.checkpoint import CheckpointReader, read_checkpoint_state, resolve_checkpoint
-from megaslide_ray.config import Config, ConfigError, SECTIONS, apply_overrides, preset, validate
+from megaslide_ray.config import Config, ConfigError, config_from_dict, validate
 from megaslide_ray.diffusion import shift_time
 from megaslide_ray.model import build_shard, num_shards
 from megaslide_ray.shards import ShardLayout
@@ -55,10 +55,7 @@ def sampling_config(state: dict, frames: int | None = None, height: int | None =
                     device: str = "auto") -> Config:
     """The checkpoint's config (``state.json``'s ``config``), with the clip shape and device for
     sampling. Raises ``ConfigError`` if a size does not divide by the patch size."""
-    doc = state["config"]
-    cfg = preset(doc.get("preset", "tiny"))
-    flat = {f"{section}.{name}": value for section in SECTIONS for name, value in doc.get(section, {}).items()}
-    apply_overrides(cfg, flat)
+    cfg = config_from_dict(state["config"])
     cfg.data.manifest = ""            # training data is not needed (and may live on another machine)
     cfg.runtime.state_dir = ""
     cfg.runtime.device = device

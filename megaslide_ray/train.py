@@ -26,7 +26,8 @@ def build_parser() -> argparse.ArgumentParser:
         description="Fine-tune a video DiT with streamed weights, a host-RAM parameter store and 3D-DSA.",
         epilog="Any config field: --SECTION.FIELD VALUE (e.g. --model.depth 8 --attention.kind dense). "
                "See --help-config.")
-    p.add_argument("--preset", default=None, help="tiny (default), dit-105b, dit-33b or dit-28b")
+    p.add_argument("--preset", default=None, help="tiny (default), dit-105b, dit-33b, dit-28b, wan2.1-t2v-1.3b, "
+                                                  "wan2.1-t2v-14b or wan2.2-ti2v-5b")
     p.add_argument("--config", default=None, help="TOML file with [section] tables (e.g. a run's config.toml)")
     p.add_argument("--steps", type=int, default=None, help="total optimizer steps (training.steps)")
     p.add_argument("--run-dir", default=None, help="output directory (default runs/<timestamp>)")
@@ -34,7 +35,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--resume", action="store_true", help="continue from the run dir's latest checkpoint")
     p.add_argument("--init-from", default=None, metavar="FILE_OR_DIR",
                    help="start from pretrained weights: a checkpoint dir (RUN/checkpoints/step_N), a .safetensors "
-                        "file or a directory of them with VideoDiT state-dict names; moments start at zero, step at 0")
+                        "file or a directory of them with the model's state-dict names, or a diffusers Wan model "
+                        "directory (its config.json sets the model); moments start at zero, step at 0")
     p.add_argument("--seed", type=int, default=None, help="training.seed")
     p.add_argument("--sample-every", type=int, default=None, metavar="N",
                    help="sample training.sample_prompt into RUN_DIR/samples every N steps (training.sample_every)")
@@ -110,6 +112,11 @@ def config_from_args(args: argparse.Namespace, extra: list[str]) -> Config:
         saved = Path(args.run_dir) / "config.toml"
         if saved.is_file():  # a resumed run keeps its own config unless told otherwise
             config_file = str(saved)
+    if args.init_from and not args.resume:
+        from megaslide_ray.pretrained import config_for_diffusers_dir, is_diffusers_dir
+
+        if is_diffusers_dir(args.init_from):  # the model's shape comes from the directory's config.json
+            return config_for_diffusers_dir(args.init_from, args.preset, config_file, overrides)
     return build_config(args.preset, config_file, overrides)
 
 
