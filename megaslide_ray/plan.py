@@ -2,6 +2,16 @@
 
     python -m megaslide_ray.plan --preset dit-105b --frames 256 --height 1080 --width 1920
     python -m megaslide_ray.plan --preset dit-105b --ram-gb 2048 --gpu-gb 141 --json
+    python -m megaslide_ray.plan --preset wan2.1-t2v-14b --frames 81 --height 720 --width 1280 --ram-gb 1649
+
+The ``wan`` presets plan on VAE latents (the clip is given in pixels; the token grid is the
+latent grid, ``latent_compression`` then ``patch_size``) and add what the Wan blocks have and
+the videodit ones do not: parameters applied to each of the ``text_len`` text tokens (the text
+projection, the cross-attention's keys and values), the cross-attention FLOPs
+``4 * B * N * text_len * D`` per block, and a block working set of ``19 D + 2 F`` per token
+(rotated q and k, the cross-attention's query, output and projection, the second
+modulation) plus the text's keys and values. The DSA offset heads are reported apart
+(``attention.offset_groups`` makes them smaller).
 
 Everything is computed from shards built on the ``meta`` device (no memory is touched), so a
 105B plan takes a second. All byte figures are decimal (1 GB = 1e9 B, 1 TB = 1e12 B), the
@@ -91,8 +101,8 @@ import sys
 from dataclasses import dataclass, field
 from typing import Any
 
-from megaslide_ray.config import Config, ConfigError, build_config
-from megaslide_ray.model import build_shard, num_shards
+from megaslide_ray.config import Config, ConfigError, build_config, validate
+from megaslide_ray.model import build_shard, ffn_width, num_shards
 
 HOST_MARGIN = 0.10
 """Host RAM kept free beyond the store's segments: OS, Ray's object store, decoders, the
@@ -100,8 +110,13 @@ compute actor's pinned staging. 10% of the store."""
 W_DTYPES = {"bfloat16": 2, "float32": 4}
 ATTENTION_VARIANTS = ("dense_flash", "dense_materialised", "dsa_fused", "dsa_reference", "neighborhood", "swin")
 SELECTED_VARIANT = {"dense": "dense_flash", "dsa": "dsa_fused", "neighborhood": "neighborhood", "swin": "swin"}
-PER_SAMPLE_PREFIXES = ("ada", "t_mlp", "caption")
+PER_SAMPLE_PREFIXES = ("ada", "t_mlp", "caption", "condition_embedder.time_")
 """Parameter-name prefixes (inside a shard) of modules applied once per sample, not per token."""
+PER_TEXT_TOKEN = ("condition_embedder.text_embedder.", "attn2.to_k.", "attn2.to_v.")
+"""wan: parameters applied to each of the ``model.text_len`` text tokens of a sample (the text
+projection and the cross-attention's keys and values), not to the video tokens."""
+NO_MATMUL = ("scale_shift_table",)
+"""Parameters added elementwise (Wan's modulation tables): no FLOPs of their own."""
 
 
 # ---------------------------------------------------------------------------------------------
@@ -125,6 +140,7 @@ class Plan:
     # -- parameters
     params: int
     params_per_token: int          # P_tok: applied to every token
+    params_offset_heads: int       # the DSA offset heads' share of params (attention.offset_groups shrinks it)
     num_shards: int
     largest_shard: int             # shard index
     largest_shard_params: int
@@ -185,7 +201,11 @@ class Plan:
 
 
 def check_shape(cfg: Config) -> None:
-    """Frames, height and width must be multiples of the patch; the message names the value."""
+    """Frames, height and width must be multiples of the patch; the message names the value.
+    (wan: ``validate`` has checked the clip against the VAE compression and the patch.)"""
+    if cfg.model.arch == "wan":
+        validate(cfg)
+        return
     for flag, size, p in (("frames", cfg.data.num_frames, cfg.model.patch_size[0]),
                           ("height", cfg.data.height, cfg.model.patch_size[1]),
                           ("width", cfg.data.width, cfg.model.patch_size[2])):
@@ -203,26 +223,36 @@ def staged_shards(cfg: Config) -> int:
     return (cfg.runtime.prefetch_depth if cfg.runtime.overlap else 0) + 1
 
 
-def _shard_counts(cfg: Config) -> tuple[list[int], int, int]:
-    """Per-shard parameter counts, and the totals of per-token / per-sample parameters.
+def _shard_counts(cfg: Config) -> tuple[list[int], int, int, int]:
+    """Per-shard parameter counts, and the totals of parameters applied per video token, per
+    sample and per text token (wan; see ``PER_TEXT_TOKEN``).
 
     Every block is the same module, so three meta builds (embed, one block, head) suffice."""
     L = cfg.model.depth
     kinds = {0: build_shard(cfg, 0, "meta"), 1: build_shard(cfg, 1, "meta"), L + 1: build_shard(cfg, L + 1, "meta")}
-    per_kind: dict[int, tuple[int, int]] = {}
+    per_kind: dict[int, list[int]] = {}
     for i, module in kinds.items():
-        tok = sample = 0
+        roles = [0, 0, 0, 0]  # per token, per sample, per text token, no matmul
         for name, p in module.named_parameters():
             if name.startswith(PER_SAMPLE_PREFIXES):
-                sample += p.numel()
+                roles[1] += p.numel()
+            elif name.startswith(PER_TEXT_TOKEN):
+                roles[2] += p.numel()
+            elif name.startswith(NO_MATMUL):
+                roles[3] += p.numel()
             else:
-                tok += p.numel()
-        per_kind[i] = (tok, sample)
+                roles[0] += p.numel()
+        per_kind[i] = roles
     counts = [sum(per_kind[0]), *[sum(per_kind[1])] * L, sum(per_kind[L + 1])]
-    p_tok = per_kind[0][0] + L * per_kind[1][0] + per_kind[L + 1][0]
-    p_sample = per_kind[0][1] + L * per_kind[1][1] + per_kind[L + 1][1]
+    p_tok, p_sample, p_text = (per_kind[0][r] + L * per_kind[1][r] + per_kind[L + 1][r] for r in range(3))
     assert len(counts) == num_shards(cfg)
-    return counts, p_tok, p_sample
+    return counts, p_tok, p_sample, p_text
+
+
+def _offset_head_params(cfg: Config) -> int:
+    """Parameters of the DSA offset heads (``*.offsets.*``), 0 unless ``attention.kind`` is dsa."""
+    block = build_shard(cfg, 1, "meta")
+    return cfg.model.depth * sum(p.numel() for n, p in block.named_parameters() if ".offsets." in f".{n}")
 
 
 def _activations(cfg: Config, a: int) -> tuple[dict[str, int], dict[str, int]]:
@@ -230,18 +260,26 @@ def _activations(cfg: Config, a: int) -> tuple[dict[str, int], dict[str, int]]:
     m = cfg.model
     B, N, D, L, nh = cfg.data.batch_size, cfg.tokens_per_sample, m.hidden_size, m.depth, m.num_heads
     d = D // nh
-    F = int(D * m.mlp_ratio)
+    F = ffn_width(cfg)
     K = math.prod(cfg.attention.window)
     BN = B * N
     offsets = BN * nh * K * 3 * a
     offset_predictor = 2 * BN * D * a
     lse = BN * nh * 4
     kept = min(L, staged_shards(cfg)) if cfg.runtime.offload_activations else L
+    if m.arch == "wan":
+        # + rotated q, k (2D), the cross-attention's norm, query, output and projection (4D),
+        # the second modulation (D); the text's keys and values (2 x text_len x D per sample)
+        block_linear = BN * a * (19 * D + 2 * F + D + max(F, 3 * D)) + 2 * B * m.text_len * D * a + lse
+        inputs = 3 * B * math.prod(cfg.latent_grid) * m.in_channels * 4  # x_t, target, prediction (latents)
+    else:
+        block_linear = BN * a * (12 * D + 2 * F + D + max(F, 3 * D))
+        inputs = 3 * B * cfg.data.num_frames * cfg.data.height * cfg.data.width * m.in_channels * 4
     parts = {
         "checkpoints": kept * BN * D * a,
         "offloaded_checkpoints": (L - kept) * BN * D * a,
-        "block_linear": BN * a * (12 * D + 2 * F + D + max(F, 3 * D)),
-        "pixels": 3 * B * cfg.data.num_frames * cfg.data.height * cfg.data.width * m.in_channels * 4,
+        "block_linear": block_linear,
+        "pixels": inputs,
         "dense_flash": lse,
         "dense_materialised": 2 * B * nh * N * N * a,
         "dsa_fused": 2 * offsets + offset_predictor + lse,
@@ -264,17 +302,14 @@ def _attention_flops_fwd(cfg: Config) -> float:
         per_block = 36.0 * B * N * K * D
     else:  # swin
         per_block = 4.0 * B * N * K * D
+    if cfg.model.arch == "wan":  # cross-attention of every video token to the text tokens
+        per_block += 4.0 * B * N * cfg.model.text_len * D
     return L * per_block
 
 
 def plan(cfg: Config, w_dtype: str = "bfloat16", pcie_gbps: float = 55.0, dram_gbps: float = 300.0,
          device_tflops: float = 990.0, ram_gb: float | None = None, gpu_gb: float | None = None) -> Plan:
     """Memory, traffic and step-time floor of one training step of ``cfg`` (module docstring)."""
-    if cfg.model.arch != "videodit":
-        # The formulas (per-sample parameters, a block's activations, pixel tensors) are the
-        # videodit model's; Wan's cross-attention, text condition and latents differ.
-        raise ConfigError(f"the planner does not support model.arch={cfg.model.arch} yet (preset {cfg.preset!r}); "
-                          f"its formulas describe the videodit model")
     if w_dtype not in W_DTYPES:
         raise ConfigError(f"w_dtype={w_dtype!r}; use one of {list(W_DTYPES)}")
     for name, value in (("pcie_gbps", pcie_gbps), ("dram_gbps", dram_gbps), ("device_tflops", device_tflops)):
@@ -285,7 +320,7 @@ def plan(cfg: Config, w_dtype: str = "bfloat16", pcie_gbps: float = 55.0, dram_g
             raise ConfigError(f"{name}={value!r} must be > 0 (GB, 1e9 bytes)")
     check_shape(cfg)
     wb = W_DTYPES[w_dtype]
-    counts, p_tok, p_sample = _shard_counts(cfg)
+    counts, p_tok, p_sample, p_text = _shard_counts(cfg)
     P = sum(counts)
     B, N = cfg.data.batch_size, cfg.tokens_per_sample
     tokens = B * N
@@ -312,9 +347,10 @@ def plan(cfg: Config, w_dtype: str = "bfloat16", pcie_gbps: float = 55.0, dram_g
 
     # -- FLOPs
     attn_fwd = _attention_flops_fwd(cfg)
-    flops_linear = 6.0 * p_tok * tokens + 6.0 * p_sample * B
+    text_tokens = B * cfg.model.text_len if cfg.model.arch == "wan" else 0
+    flops_linear = 6.0 * p_tok * tokens + 6.0 * p_sample * B + 6.0 * p_text * text_tokens
     flops_attention = 3.0 * attn_fwd
-    flops_recompute = 2.0 * p_tok * tokens + attn_fwd
+    flops_recompute = 2.0 * p_tok * tokens + 2.0 * p_text * text_tokens + attn_fwd
     flops_executed = flops_linear + flops_attention + flops_recompute
 
     terms = {
@@ -352,7 +388,7 @@ def plan(cfg: Config, w_dtype: str = "bfloat16", pcie_gbps: float = 55.0, dram_g
         preset=cfg.preset, attention=cfg.attention.kind, w_dtype=w_dtype, batch_size=B,
         frames=cfg.data.num_frames, height=cfg.data.height, width=cfg.data.width,
         token_grid=tuple(cfg.token_grid), tokens_per_sample=N, tokens_per_step=tokens,
-        params=P, params_per_token=p_tok, num_shards=len(counts), largest_shard=largest,
+        params=P, params_per_token=p_tok, params_offset_heads=_offset_head_params(cfg), num_shards=len(counts), largest_shard=largest,
         largest_shard_params=counts[largest],
         host_bytes=host, host_state_bytes=state, host_state_bytes_per_param=wb + 12,
         moment_bytes=host["m"] + host["v"], grad_buffer_bytes=host["g"], grad_buffer_in_state=False,
@@ -423,6 +459,10 @@ def render(p: Plan) -> str:
                  f"{p.tokens_per_sample:,} tokens/sample, {p.tokens_per_step:,} tokens/step")
     lines.append(f"  parameters {p.params:,} ({fmt_count(p.params)}) in {p.num_shards} shards; largest: "
                  f"shard {p.largest_shard}, {p.largest_shard_params:,}")
+    if p.params_offset_heads:
+        lines.append(f"  of which DSA offset heads {p.params_offset_heads:,} ({fmt_count(p.params_offset_heads)}, "
+                     f"{100 * p.params_offset_heads / (p.params - p.params_offset_heads):.0f}% on top of the rest; "
+                     f"attention.offset_groups shares them between heads)")
 
     lines.append("\nhost memory (ParameterStore, B/param)")
     for kind, bpp, label in (("w", wb, f"w, compute copy ({p.w_dtype})"), ("master", 4, "master (fp32)"),
@@ -445,7 +485,7 @@ def render(p: Plan) -> str:
     else:
         row(f"checkpoints: L x B x N x D x {wb} B", fmt_bytes(parts["checkpoints"]))
     row("one block's working set (linear part)", fmt_bytes(parts["block_linear"]))
-    row("pixel tensors (x_t, target, prediction)", fmt_bytes(parts["pixels"]))
+    row("input tensors (x_t, target, prediction; fp32)", fmt_bytes(parts["pixels"]))
     lines.append("  activations in total, by attention:")
     shown = ["dense_flash", "dense_materialised", "dsa_fused", "dsa_reference"]
     if p.activation_variant not in shown:
@@ -515,7 +555,8 @@ def config_for(preset: str = "tiny", frames: int | None = None, height: int | No
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m megaslide_ray.plan", description=__doc__.split("\n\n")[0])
-    ap.add_argument("--preset", default="tiny", help="config preset (tiny, dit-105b, dit-33b, dit-28b)")
+    ap.add_argument("--preset", default="tiny", help="config preset (tiny, dit-105b, dit-33b, dit-28b, "
+                                                     "wan2.1-t2v-1.3b, wan2.1-t2v-14b, wan2.2-ti2v-5b)")
     ap.add_argument("--config", default=None, help="TOML config file (as for training)")
     ap.add_argument("--frames", type=int, default=None, help="frames per clip (default: the preset's)")
     ap.add_argument("--height", type=int, default=None, help="clip height in pixels (default: the preset's)")

@@ -134,3 +134,24 @@ def test_offloaded_block_inputs_move_from_device_to_host_and_link():
     assert off.h2d_bytes == kept.h2d_bytes + inputs and off.d2h_bytes == kept.d2h_bytes + inputs
     assert off.host_required_bytes > kept.host_required_bytes
     assert "(offloaded)" in render(off) and "block inputs" in render(off)
+
+
+def test_wan_plans_on_latents_with_text_tokens_and_offset_heads():
+    cfg = config_for("wan2.1-t2v-14b", frames=81, height=720, width=1280)
+    p = plan(cfg, ram_gb=1649, gpu_gb=141)
+    assert p.token_grid == (21, 45, 80) and p.tokens_per_sample == 21 * 45 * 80  # 4x temporal, 8x spatial, 1x2x2
+    assert p.params == param_count(cfg)
+    D, L, K = cfg.model.hidden_size, cfg.model.depth, 3 * 7 * 7
+    heads = cfg.model.num_heads
+    assert p.params_offset_heads == L * (D * 27 + D + (D + 1) * heads * K * 3)  # depthwise conv3d + linear
+    dense = plan(config_for("wan2.1-t2v-14b", frames=81, height=720, width=1280, attention="dense"))
+    assert dense.params == 14_288_491_584 and dense.params_offset_heads == 0
+    assert p.fits is True  # an H200 with a "1.5 TB" (24 x 64 GiB) server
+    # The text tokens cost FLOPs of their own: per-text-token parameters x 512 per sample.
+    cfg.model.text_len = 256
+    assert plan(cfg).flops_linear < p.flops_linear
+    # The inputs are latents (16 channels at 21 x 90 x 160), not pixels.
+    assert p.activation_parts["pixels"] == 3 * 21 * 90 * 160 * 16 * 4
+    cfg_groups = config_for("wan2.1-t2v-14b", frames=81, height=720, width=1280)
+    cfg_groups.attention.offset_groups = 8
+    assert plan(cfg_groups).params_offset_heads < p.params_offset_heads / 4
