@@ -1,0 +1,131 @@
+"""A Wan block at real width, streamed, against diffusers' WanTransformer3DModel in process.
+
+    python -m benchmarks.wan [--depth 2] [--grid 3,16,16] [--steps 4] [--attention dense] [--json]
+
+The model has the Wan2.1 T2V 1.3B widths (dim 1536, 12 heads, FFN 8960, text 4096, 16 latent
+channels, patch 1x2x2) but ``--depth`` blocks and a small latent clip, so it runs on a CPU. Rows,
+all fp32, forward + backward of one batch (B=1, 512 text tokens):
+
+    diffusers      ``WanTransformer3DModel`` in process (the reference; no optimizer)
+    ours           ``megaslide_ray.wan``'s model in process, the same weights (no optimizer)
+    streamed       the compute actor over a parameter store in this process: each shard's flat
+                   weights fetched per use, blocks recomputed in the backward (activation
+                   checkpointing), every shard's gradient returned to the store, which runs
+                   AdamW between the steps (not timed: ``StepResult.seconds`` is the compute)
+
+Ratios are against ``diffusers`` in the same run (see docs/architecture.md, "Measuring"). The
+first step of each row is a warm-up and not timed; the figure is the median of the rest.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import tempfile
+import time
+
+import numpy as np
+import torch
+
+WIDTHS = dict(num_attention_heads=12, attention_head_dim=128, in_channels=16, out_channels=16, text_dim=4096,
+              freq_dim=256, ffn_dim=8960, patch_size=(1, 2, 2))
+
+
+def _timed(fn, steps: int) -> float:
+    times = []
+    for _ in range(steps):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times[1:] or times)
+
+
+def run(depth: int, grid: tuple[int, int, int], steps: int, attention: str) -> list[dict]:
+    from diffusers import WanTransformer3DModel
+
+    from actors.compute import ComputeActor, LocalStoreClient
+    from actors.param_store import ParameterStore
+    from megaslide_ray.config import Config, apply_overrides
+    from megaslide_ray.wan import DiffusersWanTransformer, wan_config_from_diffusers
+
+    torch.manual_seed(0)
+    ref = WanTransformer3DModel(num_layers=depth, **WIDTHS).eval()
+    F_, H_, W_ = grid
+    g = torch.Generator().manual_seed(1)
+    latents = torch.randn(1, 16, F_, H_, W_, generator=g)
+    text = torch.randn(1, 512, 4096, generator=g)
+    timestep = torch.tensor([500.0])
+    weight = torch.randn(1, 16, F_, H_, W_, generator=g)
+
+    def diffusers_step():
+        ref.zero_grad(set_to_none=True)
+        (ref(latents, timestep, text, return_dict=False)[0] * weight).sum().backward()
+
+    cfg = Config()
+    apply_overrides(cfg, wan_config_from_diffusers(dict(ref.config)))
+    apply_overrides(cfg, {"attention.kind": attention, "attention.window": "3,7,7" if attention != "dense" else "3,3,3",
+                          "data.num_frames": 4 * (F_ - 1) + 1, "data.height": 8 * H_, "data.width": 8 * W_,
+                          "data.batch_size": 1, "training.steps": steps, "optim.lr": 1e-5})
+    ours = DiffusersWanTransformer(cfg)
+    ours.load_state_dict(ref.state_dict(), strict=attention != "dsa")
+
+    def ours_step():
+        ours.zero_grad(set_to_none=True)
+        (ours(latents, timestep, text) * weight).sum().backward()
+
+    rows = [{"row": "diffusers", "seconds": _timed(diffusers_step, steps)},
+            {"row": "ours", "seconds": _timed(ours_step, steps)}]
+    del ours
+
+    batch = {"latents": latents[0].permute(1, 2, 3, 0).numpy()[None], "text": text.numpy(),
+             "text_len": np.array([512], dtype=np.int32), "position": 0}
+    with tempfile.TemporaryDirectory(prefix="megaslide-wan-bench-") as tmp:
+        cfg.runtime.state_dir = tmp
+        store = ParameterStore(cfg, f"{tmp}/run")
+        compute = ComputeActor(cfg, store.shard_infos(), LocalStoreClient(store), "shm")
+        try:
+            seconds = []
+            for step in range(steps):
+                seconds.append(compute.train_step(batch, step).seconds)
+                store.wait_step(step)  # AdamW outside the timed compute
+        finally:
+            compute.close()
+            store.close()
+    rows.append({"row": "streamed", "seconds": statistics.median(seconds[1:] or seconds)})
+    base = rows[0]["seconds"]
+    tokens = F_ * (H_ // 2) * (W_ // 2)
+    for r in rows:
+        r.update(ratio=r["seconds"] / base, depth=depth, tokens=tokens, attention=attention,
+                 params=sum(p.numel() for p in ref.parameters()))
+    return rows
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m benchmarks.wan", description=__doc__.split("\n\n")[0])
+    p.add_argument("--depth", type=int, default=2)
+    p.add_argument("--grid", default="3,16,16", help="latent frames,height,width (patch 1x2x2 halves H and W)")
+    p.add_argument("--steps", type=int, default=4)
+    p.add_argument("--attention", default="dense", choices=["dense", "neighborhood", "dsa"],
+                   help="our self-attention in the ours/streamed rows (diffusers is always dense)")
+    p.add_argument("--threads", type=int, default=0, help="torch threads (0: all cores)")
+    p.add_argument("--json", action="store_true")
+    a = p.parse_args(argv)
+    if a.threads:
+        torch.set_num_threads(a.threads)
+    rows = run(a.depth, tuple(int(x) for x in a.grid.split(",")), a.steps, a.attention)
+    if a.json:
+        for r in rows:
+            print(json.dumps(r))
+        return 0
+    r0 = rows[0]
+    print(f"Wan 1.3B widths, {r0['depth']} blocks ({r0['params'] / 1e6:.0f}M parameters), {r0['tokens']} video "
+          f"tokens + 512 text tokens, fp32, attention {a.attention} (ours/streamed)")
+    print(f"{'row':<12}{'s/step':>10}{'vs diffusers':>15}")
+    for r in rows:
+        print(f"{r['row']:<12}{r['seconds']:>10.3f}{r['ratio']:>14.2f}x")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
