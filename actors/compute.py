@@ -65,7 +65,7 @@ class StepResult:
     h2d_seconds: float = 0.0        # time those copies took (on the staging thread / H2D stream)
     d2h_bytes: int = 0              # bytes returned to the host (gradients, offloaded inputs)
     d2h_seconds: float = 0.0
-    device_memory_peak_bytes: int = 0  # CUDA: max_memory_allocated; CPU: the process's peak RSS
+    device_memory_peak_bytes: int = 0  # CUDA: max_memory_allocated of this step; CPU: the process's peak RSS
 
 
 class FlowInputs(NamedTuple):
@@ -117,14 +117,21 @@ class ComputeActor:
         params = self.infos[shard].layout.views(flat)
         return functional_call(self.modules[shard], params, args)
 
-    def _push_grad(self, shard: int, step: int, flat: torch.Tensor, poison: bool = False) -> None:
-        """Hand shard ``shard``'s gradient to the store. ``poison``: report a NaN norm (the loss
-        was not finite), so the store skips the step's update on every shard."""
-        g = flat.grad if flat.grad is not None else torch.zeros_like(flat)
-        sqnorm = float(g.float().pow(2).sum())  # host sync: the store needs the number
-        if poison:
-            sqnorm = float("nan")
-        self._returns.append(self.link.return_grad(shard, step, g, sqnorm))
+    def _run_with_grad(self, shard: int, w: torch.Tensor, *args):
+        """Run shard ``shard`` on weights ``w`` so that its backward writes the gradient into one
+        flat buffer: returns ``(output, grad)``, ``grad`` zeroed and shaped like ``w``."""
+        params, grad = grad_views(self.infos[shard].layout, w)
+        return functional_call(self.modules[shard], params, args), grad
+
+    def _push_grad(self, shard: int, step: int, grad: torch.Tensor, poison: torch.Tensor | None = None) -> None:
+        """Hand shard ``shard``'s flat gradient to the store with its squared norm, computed on
+        the device without an fp32 copy of the gradient and read on the return thread (no host
+        sync here). ``poison``: a 0-d bool tensor, True when the loss was not finite: the norm is
+        then reported as NaN, so the store skips the step's update on every shard."""
+        sqnorm = torch.linalg.vector_norm(grad, dtype=torch.float32).square()
+        if poison is not None:
+            sqnorm = torch.where(poison, torch.full_like(sqnorm, float("nan")), sqnorm)
+        self._returns.append(self.link.return_grad(shard, step, grad, sqnorm))
 
     # -- one step -----------------------------------------------------------------------------
     def step_order(self) -> tuple[list[int], dict[int, int]]:
@@ -147,6 +154,8 @@ class ComputeActor:
             batch = ray.get(batch[0])
         t_data = time.perf_counter()
         data_wait = t_data - t_start  # the rest of the step is compute: the report counts the wait apart
+        if self.device.type == "cuda":  # the step's own peak (StepResult.device_memory_peak_bytes)
+            torch.cuda.reset_peak_memory_stats(self.device)
         self.link.begin_step()
         self._returns = []
         order, reuse = self.step_order()
@@ -212,19 +221,20 @@ class ComputeActor:
         w_staged = feed.take(head)
         for i in range(L - 1, L - 1 - self.link.prefetch_depth, -1):  # the backward's first inputs
             self.stash.prefetch(i)
-        w_head = w_staged.detach().requires_grad_(True)
         x_last = x.detach().requires_grad_(True)
         c_leaf = c.detach().requires_grad_(True)
-        pred = self._run(head, w_head, x_last, c_leaf)
+        pred, grad = self._run_with_grad(head, w_staged, x_last, c_leaf)
         loss = flow_loss(pred, inp.target)
         if fault_point("compute.loss", step) == "nan":
             loss = loss * float("nan")
-        # A NaN/Inf loss with finite gradients must not slip through: poison the step's norm.
-        bad_loss = not bool(torch.isfinite(loss.detach()))
+        # A NaN/Inf loss with finite gradients must not slip through: poison the step's norm
+        # (on the device: no host sync).
+        bad_loss = ~torch.isfinite(loss.detach())
         loss.backward()
-        self._push_grad(head, step, w_head, poison=bad_loss)
+        self._push_grad(head, step, grad, poison=bad_loss)
         feed.done(w_staged)
-        return loss, x_last.grad, c_leaf.grad.clone()
+        # dc sums one term per block: fp32 whatever c's dtype (bf16 on CUDA runs).
+        return loss, x_last.grad, c_leaf.grad.to(torch.float32, copy=True)
 
     def _backward(self, feed: ShardFeed, inp: FlowInputs, c: torch.Tensor, dx: torch.Tensor, dc: torch.Tensor,
                   step: int) -> None:
@@ -234,27 +244,25 @@ class ComputeActor:
         stash = self.stash
         for shard in range(L, 0, -1):
             w_staged = feed.take(shard)
-            w = w_staged.detach().requires_grad_(True)
             x_saved = stash.take(shard - 1)
             stash.prefetch(shard - 1 - self.link.prefetch_depth)
             x_in = x_saved.detach().requires_grad_(True)
             c_leaf = c.detach().requires_grad_(True)
-            y = self._run(shard, w, x_in, c_leaf)
+            y, grad = self._run_with_grad(shard, w_staged, x_in, c_leaf)
             torch.autograd.backward(y, dx)
-            self._push_grad(shard, step, w)
+            self._push_grad(shard, step, grad)
             feed.done(w_staged)
             stash.give_back(x_saved)
             del x_saved
             if shard == (L + 1) // 2:
                 fault_point("compute.mid_backward", step)
             dx = x_in.grad
-            dc += c_leaf.grad
-            del y, w
+            dc += c_leaf.grad  # (fp32 accumulator)
+            del y, grad
         w_staged = feed.take(0)
-        w0 = w_staged.detach().requires_grad_(True)
-        x0, c0 = self._run(0, w0, inp.x_t, inp.t, inp.caption, inp.caption_len)
-        torch.autograd.backward([x0, c0], [dx, dc])
-        self._push_grad(0, step, w0)
+        (x0, c0), grad = self._run_with_grad(0, w_staged, inp.x_t, inp.t, inp.caption, inp.caption_len)
+        torch.autograd.backward([x0, c0], [dx, dc.to(c0.dtype)])
+        self._push_grad(0, step, grad)
         feed.done(w_staged)
 
     # -- forward only (sampling) -------------------------------------------------------------
@@ -314,6 +322,25 @@ class LocalStoreClient:
 
     def flush(self) -> None:
         pass
+
+
+def grad_views(layout, w: torch.Tensor) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
+    """Parameters for ``functional_call`` that send their gradients into one flat buffer.
+
+    Returns ``(params, grad)``: ``grad`` is a zeroed buffer shaped like ``w``; every parameter is
+    a leaf view of ``w`` whose ``.grad`` is preset to its view of ``grad``, so the backward adds
+    each parameter's gradient in place (autograd accumulates into an existing ``.grad``). The
+    alternative, a flat leaf that requires grad with the parameters sliced out of it, makes
+    autograd's ``slice_backward`` build a zero tensor the size of the whole shard per parameter
+    (tests/test_overlap.py counts the zero fills). Adding to zeros is exact, so the gradient is
+    bit-identical to that of the flat leaf."""
+    grad = torch.zeros_like(w)
+    params = {}
+    for (name, view), gview in zip(layout.views(w).items(), layout.views(grad).values()):
+        leaf = view.detach().requires_grad_(True)
+        leaf.grad = gview
+        params[name] = leaf
+    return params, grad
 
 
 def peak_memory(device: torch.device) -> int:

@@ -13,8 +13,9 @@ The compute actor (``actors/compute.py``) decides *what* runs; this module moves
   shards in flight behind the one computing, and the turn's kept shard.
 * ``ActivationStash``: the block inputs kept for the backward (activation checkpointing), on
   the device or, with ``runtime.offload_activations``, in a host segment.
-* ``StagingPool``, ``HostPinning``/``pin_ranges``, ``throttled_copy``: the buffers, the pinned
-  registration and the simulated link underneath.
+* ``StagingPool``, ``HostPinning``/``pin_ranges``/``PINNED``, ``throttled_copy``: the buffers,
+  the pinned registration (and the registry of what is pinned, which every asynchronous copy
+  consults) and the simulated link underneath.
 
 Why the staging buffers are pooled: the device must hold at most ``prefetch_depth + 1`` shards
 whatever the model's depth, and a fresh device allocation per shard would both fragment memory
@@ -26,6 +27,7 @@ The step schedule these serve is described in docs/architecture.md ("One trainin
 
 from __future__ import annotations
 
+import bisect
 import logging
 import os
 import threading
@@ -77,12 +79,18 @@ class Transfers:
         self._lock = threading.Lock()
         self._h2d = [0, 0.0]  # bytes, seconds of this step's host->device copies
         self._d2h = [0, 0.0]  # bytes, seconds of this step's device->host copies
-        self._h2d_timing: list[tuple] = []  # CUDA: (start, end) events of this step's H2D copies
+        # CUDA: (start, end) timing events of this step per stream: H2D copies, D2H copies, and
+        # each shard's compute on the default stream (from its weights being ready to its done).
+        self._timing: dict[str, list[tuple]] = {"h2d": [], "d2h": [], "compute": []}
+        self._compute_start = None
         # CUDA: real streams. Weights go host->device on their own stream, gradients device->host
         # on another, the model runs on the default stream; events order them. The store's mapped
         # segments are registered as pinned memory (in pieces), so both copies are asynchronous
         # DMA straight from/to shared memory, with no extra host copy of the model.
         self.pinning = HostPinning()
+        # Object refs on CUDA: gradients go device->host on the D2H stream into reused pinned
+        # buffers (``g.cpu()`` would queue on the default stream, behind later compute).
+        self.host_staging = StagingPool(pin_memory=self.cuda)
         if self.cuda:
             self.h2d_stream = torch.cuda.Stream(device)
             self.d2h_stream = torch.cuda.Stream(device)
@@ -95,7 +103,8 @@ class Transfers:
         """No transfer is in flight between steps: start this step's counters at zero."""
         with self._lock:
             self._h2d, self._d2h = [0, 0.0], [0, 0.0]
-            self._h2d_timing = []
+            self._timing = {"h2d": [], "d2h": [], "compute": []}
+            self._compute_start = None
 
     def count(self, direction: str, nbytes: int, seconds: float = 0.0) -> None:
         """Add a copy to this step's ``h2d`` or ``d2h`` counters (any thread)."""
@@ -105,15 +114,49 @@ class Transfers:
             c[1] += seconds
 
     def step_counters(self) -> tuple[int, float, int, float]:
-        """(h2d bytes, h2d seconds, d2h bytes, d2h seconds) of this step. CUDA: the H2D seconds
-        are the copies' own duration on their stream (host sync on the last copy's event)."""
-        if self._h2d_timing:
-            self._h2d_timing[-1][1].synchronize()
-            seconds = sum(a.elapsed_time(b) for a, b in self._h2d_timing) / 1e3
-            with self._lock:
-                self._h2d[1] = seconds
+        """(h2d bytes, h2d seconds, d2h bytes, d2h seconds) of this step. CUDA: the seconds are
+        the copies' own durations on their streams (host sync on each stream's last event)."""
+        busy = self.stream_seconds()
         with self._lock:
+            if self._timing["h2d"]:
+                self._h2d[1] = busy["h2d"]
+            if self._timing["d2h"]:
+                self._d2h[1] = busy["d2h"]
             return self._h2d[0], self._h2d[1], self._d2h[0], self._d2h[1]
+
+    def stream_seconds(self) -> dict[str, float]:
+        """CUDA: this step's busy seconds per stream from its timing events (``h2d`` and ``d2h``:
+        the copies; ``compute``: the shards' compute on the default stream, each from its weights
+        being ready to its ``compute_end``). Waits for every end event (two threads may enqueue
+        H2D copies, so the list's order need not be the stream's). CPU: zeros."""
+        with self._lock:
+            timing = {k: list(v) for k, v in self._timing.items()}
+        out = {}
+        for kind, pairs in timing.items():
+            for _, end in pairs:
+                end.synchronize()
+            out[kind] = sum(a.elapsed_time(b) for a, b in pairs) / 1e3
+        return out
+
+    def _timed_event(self) -> "torch.cuda.Event":
+        # blocking: the host may wait on it (stream_seconds); a spinning wait would take a core
+        # from the CPU AdamW on the same node.
+        return torch.cuda.Event(enable_timing=True, blocking=True)
+
+    def compute_begin(self) -> None:
+        """CUDA: the default stream starts computing with a shard's weights (after ``ready``)."""
+        if self.cuda:
+            self._compute_start = self._timed_event()
+            self._compute_start.record(torch.cuda.current_stream(self.device))
+
+    def compute_end(self) -> None:
+        """CUDA: the default stream's work with the shard taken last is queued."""
+        if self.cuda and self._compute_start is not None:
+            end = self._timed_event()
+            end.record(torch.cuda.current_stream(self.device))
+            with self._lock:
+                self._timing["compute"].append((self._compute_start, end))
+            self._compute_start = None
 
     # -- weights towards the device ------------------------------------------------------------
     def fetch(self, shard: int, step: int) -> torch.Tensor:
@@ -142,21 +185,21 @@ class Transfers:
         return w
 
     def to_device(self, src: torch.Tensor) -> torch.Tensor:
-        """Asynchronous host->device copy of ``src`` on the H2D stream (DMA when ``src`` is
-        pinned), counted in this step's H2D bytes. The result carries the event that marks the
-        copy done (see ``ready``)."""
-        start, done = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        """Host->device copy of ``src`` on the H2D stream, counted in this step's H2D bytes:
+        asynchronous DMA, piece by piece, when ``src`` is pinned (see ``copy_pieces``), else one
+        synchronous copy. The result carries the event that marks the copy done (see ``ready``)."""
+        start, done = self._timed_event(), self._timed_event()
         with torch.cuda.stream(self.h2d_stream):
             # A reused device buffer: the copy waits until the compute is done with its last use.
             w, fence = self.staging.acquire(src.numel(), src.dtype, self.device)
             if fence is not None:
                 self.h2d_stream.wait_event(fence)
             start.record()
-            w.copy_(src, non_blocking=True)
+            copy_in_pieces(w, src, copy_pieces(src))
             done.record()
         w._megaslide_ready = done  # read and dropped by ready() on the compute thread
         with self._lock:
-            self._h2d_timing.append((start, done))
+            self._timing["h2d"].append((start, done))
         self.count("h2d", src.numel() * src.element_size())
         return w
 
@@ -186,42 +229,65 @@ class Transfers:
         self.staging.release(buf, fence)
 
     # -- towards the host ---------------------------------------------------------------------
-    def to_host(self, dst: torch.Tensor, src: torch.Tensor) -> "torch.cuda.Event":
-        """CUDA: asynchronous device->host copy of ``src`` into ``dst`` (pinned) on the D2H
-        stream, after the compute work queued so far; returns the event that marks it done."""
+    def to_host(self, dst: torch.Tensor, src: torch.Tensor, extra: tuple = ()) -> "torch.cuda.Event":
+        """CUDA: device->host copy of ``src`` into ``dst`` on the D2H stream, after the compute
+        work queued so far (asynchronous DMA, piece by piece, when ``dst`` is pinned; else
+        synchronous); ``extra``: more ``(dst, src)`` pairs copied after it (small ones: a norm).
+        Returns the event that marks them done (blocking: the host waits on it)."""
         produced = torch.cuda.Event()
         produced.record(torch.cuda.current_stream(self.device))
+        start, copied = self._timed_event(), self._timed_event()
         with torch.cuda.stream(self.d2h_stream):
             self.d2h_stream.wait_event(produced)
-            dst.copy_(src, non_blocking=True)
-            copied = torch.cuda.Event()
+            start.record()
+            copy_in_pieces(dst, src, copy_pieces(dst))
+            for d, s_ in extra:
+                copy_in_pieces(d, s_, copy_pieces(d))
             copied.record()
-        src.record_stream(self.d2h_stream)
+        for _, s_ in ((dst, src), *extra):
+            s_.record_stream(self.d2h_stream)
+        with self._lock:
+            self._timing["d2h"].append((start, copied))
         return copied
 
-    def return_grad(self, shard: int, step: int, g: torch.Tensor, sqnorm: float) -> Future | None:
-        """Hand shard ``shard``'s flat gradient ``g`` and its squared norm to the store: into the
-        store's ``g`` segment (same node; CUDA: on the D2H stream), or as raw bytes in an object
-        ref. With overlap the report is sent from the return thread: the returned future
-        surfaces its errors; without, it is sent now and None is returned."""
-        copied = None
-        if self.cuda and self.transport == "shm":  # into the pinned segment, after the backward
-            copied = self.to_host(self.g_maps[shard], g)
+    def return_grad(self, shard: int, step: int, g: torch.Tensor, sqnorm: torch.Tensor) -> Future | None:
+        """Hand shard ``shard``'s flat gradient ``g`` and its squared norm (a 0-d float32 tensor
+        on the compute device, NaN to poison the step) to the store: into the store's ``g``
+        segment (same node; CUDA: on the D2H stream), or as raw bytes in an object ref (CUDA: on
+        the D2H stream into a reused pinned buffer). The norm is read on the return thread, so
+        the compute thread never waits for it. With overlap the report is sent from the return
+        thread: the returned future surfaces its errors; without, it is sent now and None is
+        returned."""
+        copied = host = norm = None
+        if self.cuda:  # both after the backward, on the D2H stream
+            norm = self.host_staging.acquire(1, torch.float32)[0]
+            if self.transport == "shm":
+                dst = self.g_maps[shard]
+            else:
+                host = dst = self.host_staging.acquire(g.numel(), g.dtype)[0]
+            copied = self.to_host(dst, g, extra=((norm, sqnorm.reshape(1)),))
 
         def send() -> None:
             t0 = time.perf_counter()
+            grad = None
             if copied is not None:
-                copied.synchronize()  # the gradient is in the store's segment
-                seconds = time.perf_counter() - t0
-                self.store.report_grad(shard, step, sqnorm, None)
+                copied.synchronize()  # the gradient (and its norm) reached host memory
+                value = float(norm[0])
+                self.host_staging.release(norm)
+                if host is not None:
+                    grad = host.view(torch.uint8).numpy()
             elif self.transport == "shm":
                 throttled_copy(self.g_maps[shard], g, self.link_gbps)
-                seconds = time.perf_counter() - t0
-                self.store.report_grad(shard, step, sqnorm, None)
+                value = float(sqnorm)
             else:
-                host = g.cpu()
-                seconds = time.perf_counter() - t0
-                self.store.report_grad(shard, step, sqnorm, host.view(torch.uint8).numpy())
+                grad = g.view(torch.uint8).numpy()  # CPU: the report copies these bytes
+                value = float(sqnorm)
+            seconds = time.perf_counter() - t0
+            # The report copies ``grad`` before it returns (in-process into the g segment; a Ray
+            # actor call serializes its arguments when it is made), so the buffer is free after.
+            self.store.report_grad(shard, step, value, grad)
+            if host is not None:
+                self.host_staging.release(host)
             self.count("d2h", g.numel() * g.element_size(), seconds)
 
         if not self.overlap:
@@ -280,11 +346,14 @@ class ShardFeed:
         t1 = time.perf_counter()
         self.wait += t1 - t0
         self.log.append((t0, t1))
-        return link.ready(w)
+        w = link.ready(w)
+        link.compute_begin()
+        return w
 
     def done(self, w: torch.Tensor) -> None:
         """The compute is done with the weights ``w`` of the position last taken: keep them for
         the position that reuses them, else hand the buffer back."""
+        self.link.compute_end()
         if self.pos in self.reused_from:
             self.kept[self.reused_from[self.pos]] = w
         else:
@@ -410,11 +479,13 @@ class StagingPool:
     """Reused staging buffers, by size and device: the working set stays at prefetch_depth + 1
     shards whatever the depth of the model (buffers are handed back after each shard's compute).
     On CUDA these are the device buffers the H2D stream copies into; each comes back with a
-    ``fence`` event that the next copy into it must wait for."""
+    ``fence`` event that the next copy into it must wait for. ``pin_memory``: host buffers are
+    allocated pinned (torch's pinned allocator: one allocation each, so one DMA copy)."""
 
-    def __init__(self):
+    def __init__(self, pin_memory: bool = False):
         self._free: dict[tuple, list[tuple[torch.Tensor, object]]] = {}
         self._lock = threading.Lock()
+        self.pin_memory = pin_memory
         self.allocated = 0
 
     def acquire(self, numel: int, dtype: torch.dtype, device: torch.device | None = None) -> tuple[torch.Tensor, object]:
@@ -424,7 +495,8 @@ class StagingPool:
             if free:
                 return free.pop()
             self.allocated += 1
-        return torch.empty(numel, dtype=dtype, device=device), None
+        pin = self.pin_memory and device.type == "cpu"
+        return torch.empty(numel, dtype=dtype, device=device, pin_memory=pin), None
 
     def release(self, buf: torch.Tensor, fence: object = None) -> None:
         with self._lock:
@@ -448,36 +520,173 @@ def pin_ranges(ptr: int, nbytes: int, chunk: int = PIN_CHUNK_BYTES, page: int = 
     return [(s, min(chunk, end - s)) for s in range(start, end, chunk)]
 
 
-class HostPinning:
-    """Host memory registered as pinned (``cudaHostRegister``) in ``pin_ranges`` pieces, so
-    copies from and to it are asynchronous DMA; ``release`` unregisters every piece."""
+def split_at_pieces(ptr: int, nbytes: int, ranges: list[tuple[int, int]]) -> list[tuple[int, int]] | None:
+    """``[ptr, ptr + nbytes)`` cut where it crosses from one registered range to the next:
+    ``(offset from ptr, length)`` pieces, each inside one of ``ranges`` (sorted, disjoint
+    ``(start, length)``); None when some byte lies in no range (not pinned: no async copy)."""
+    if nbytes <= 0:
+        return []
+    starts = [s for s, _ in ranges]
+    pieces, pos, end = [], ptr, ptr + nbytes
+    while pos < end:
+        i = bisect.bisect_right(starts, pos) - 1
+        if i < 0 or pos >= ranges[i][0] + ranges[i][1]:
+            return None
+        stop = min(end, ranges[i][0] + ranges[i][1])
+        pieces.append((pos - ptr, stop - pos))
+        pos = stop
+    return pieces
+
+
+class PinnedRanges:
+    """The host memory this process registered as pinned, as sorted disjoint ``(start, length)``
+    ranges (thread-safe). Every asynchronous copy asks it where its host side may be cut.
+
+    Why copies are cut at registration boundaries rather than segments registered whole: a
+    dit-105b block is ~6 GB per segment, and one ``cudaHostRegister`` of that size takes long,
+    all or nothing, and fails more readily against ``ulimit -l``; pieces of 256 MiB keep the
+    registration bounded. But CUDA treats a copy as pinned DMA only within one registration:
+    one copy across two is undefined (staged or refused), so a shard larger than a piece is
+    copied as one asynchronous copy per piece, each at full DMA speed (about 24 for 6 GB)."""
 
     def __init__(self):
+        self._ranges: list[tuple[int, int]] = []
+        self._lock = threading.Lock()
+
+    def add(self, start: int, length: int) -> None:
+        with self._lock:
+            bisect.insort(self._ranges, (start, length))
+
+    def remove(self, start: int) -> None:
+        with self._lock:
+            self._ranges = [r for r in self._ranges if r[0] != start]
+
+    def split(self, ptr: int, nbytes: int) -> list[tuple[int, int]] | None:
+        with self._lock:
+            return split_at_pieces(ptr, nbytes, self._ranges)
+
+    def touches(self, ptr: int, nbytes: int) -> bool:
+        with self._lock:
+            return any(s < ptr + nbytes and ptr < s + n for s, n in self._ranges)
+
+    def total(self) -> int:
+        with self._lock:
+            return sum(n for _, n in self._ranges)
+
+
+PINNED = PinnedRanges()
+"""Every range HostPinning registered in this process."""
+
+
+def copy_pieces(t: torch.Tensor) -> list[tuple[int, int]] | None:
+    """Where an asynchronous copy to or from host tensor ``t`` must be cut: ``(element offset,
+    element count)`` pieces; None when ``t`` is not entirely pinned (copy it synchronously).
+    Registered memory is cut at its registration pieces (``PinnedRanges``); memory from torch's
+    own pinned allocator (``is_pinned()``, one allocation) is one piece. Device tensors: None."""
+    if t.device.type != "cpu":
+        return None
+    size = t.element_size()
+    nbytes = t.numel() * size
+    pieces = PINNED.split(t.data_ptr(), nbytes)
+    if pieces is None:
+        if PINNED.touches(t.data_ptr(), nbytes):
+            return None  # partly registered: only some of it could be DMA'd
+        if not (torch.cuda.is_available() and t.is_pinned()):
+            return None
+        pieces = [(0, nbytes)]
+    # Piece boundaries are page multiples and t's start is element-aligned: whole elements.
+    assert all(o % size == 0 and n % size == 0 for o, n in pieces), (pieces, size)
+    return [(o // size, n // size) for o, n in pieces]
+
+
+def copy_in_pieces(dst: torch.Tensor, src: torch.Tensor, pieces: list[tuple[int, int]] | None) -> None:
+    """``dst.copy_(src)`` for flat tensors: with ``pieces`` (from ``copy_pieces`` of the host
+    side) one asynchronous copy per piece on the current stream, else one synchronous copy (its
+    host side is not pinned: a ``non_blocking`` copy would stage it through pageable memory
+    anyway, and a device->host one could return before the data landed)."""
+    if pieces is None:
+        dst.copy_(src)
+        return
+    d, s_ = dst.view(-1), src.view(-1)
+    for offset, n in pieces:
+        d[offset:offset + n].copy_(s_[offset:offset + n], non_blocking=True)
+
+
+_REGISTER_FAILED_LOGGED = False
+
+
+def clear_cuda_error() -> int:
+    """Clear this thread's last CUDA runtime error (``cudaGetLastError``) after a failure that
+    was handled (a refused ``cudaHostRegister``): the runtime keeps it until it is read, and the
+    next kernel launch's check would report it as its own failure. Returns the error
+    code read (0: none). torch's ``cudart()`` does not bind ``cudaGetLastError``, so: the libcudart
+    this process has loaded (torch's, found in /proc/self/maps) through ctypes; then a tiny kernel
+    launch, whose check reads (and so clears) any error still set."""
+    code = 0
+    try:
+        import ctypes
+
+        with open("/proc/self/maps") as f:
+            libs = sorted({line.split()[-1] for line in f if "libcudart" in line.split()[-1]})
+        for lib in libs:
+            code = int(ctypes.CDLL(lib).cudaGetLastError()) or code
+    except Exception:  # noqa: BLE001 - no /proc, no such symbol: the launch below still clears it
+        pass
+    try:
+        torch.empty(1, device="cuda").fill_(0)
+    except RuntimeError as e:  # the check raised on the stale error and read it: it is clear now
+        code = code or -1
+        log.debug("cleared a stale CUDA error through a launch check: %s", e)
+    return code
+
+
+class HostPinning:
+    """Host memory registered as pinned (``cudaHostRegister``) in ``pin_ranges`` pieces, so
+    copies from and to it are asynchronous DMA (each cut at the pieces: see ``PinnedRanges``);
+    ``release`` unregisters every piece. ``cudart``: the runtime bindings (tests pass a fake)."""
+
+    def __init__(self, cudart=None, chunk: int = PIN_CHUNK_BYTES):
         self.ranges: list[tuple[int, int]] = []
+        self._cudart = cudart
+        self.chunk = chunk
+
+    def _rt(self):
+        return self._cudart if self._cudart is not None else torch.cuda.cudart()
 
     def register(self, t: torch.Tensor) -> bool:
-        """Register ``t``'s memory; False (with a warning, nothing left registered from ``t``)
-        when the driver refuses, e.g. over the locked-memory limit."""
-        cudart = torch.cuda.cudart()
+        """Register ``t``'s memory; False when the driver refuses (e.g. over the locked-memory
+        limit): nothing of ``t`` stays registered, the CUDA error is cleared, and a warning is
+        logged once per process."""
+        global _REGISTER_FAILED_LOGGED
+        cudart = self._rt()
         done = []
-        for start, n in pin_ranges(t.data_ptr(), t.numel() * t.element_size()):
+        for start, n in pin_ranges(t.data_ptr(), t.numel() * t.element_size(), self.chunk):
             err = int(cudart.cudaHostRegister(start, n, 0))
             if err != 0:
                 for s, _ in done:
                     cudart.cudaHostUnregister(s)
-                log.warning("could not register %d bytes of the store's segments as pinned memory (cudaError %d); "
-                            "weight copies will be synchronous. Check `ulimit -l`.", t.numel() * t.element_size(), err)
+                    PINNED.remove(s)
+                if self._cudart is None:
+                    clear_cuda_error()
+                if not _REGISTER_FAILED_LOGGED:
+                    _REGISTER_FAILED_LOGGED = True
+                    log.warning("could not register %d bytes of host memory as pinned (cudaError %d); copies "
+                                "from and to it will be synchronous. Check `ulimit -l` and the state_dir's "
+                                "filesystem (shared memory pins; some disk filesystems refuse).",
+                                t.numel() * t.element_size(), err)
                 return False
             done.append((start, n))
+            PINNED.add(start, n)
         self.ranges.extend(done)
         return True
 
     def release(self) -> None:
         if not self.ranges:
             return
-        cudart = torch.cuda.cudart()
+        cudart = self._rt()
         for start, _ in self.ranges:
             cudart.cudaHostUnregister(start)
+            PINNED.remove(start)
         self.ranges = []
 
 

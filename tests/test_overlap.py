@@ -9,11 +9,14 @@ from pathlib import Path
 
 import pytest
 import torch
+from torch.func import functional_call
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from actors.compute import ComputeActor, LocalStoreClient
 from actors.decoder import VideoDecoder
 from actors.param_store import ParameterStore
-from actors.transfer import pin_ranges, throttled_copy
+from actors.transfer import (PINNED, HostPinning, copy_in_pieces, copy_pieces, pin_ranges, split_at_pieces,
+                             throttled_copy)
 from megaslide_ray.config import build_config
 from megaslide_ray.demo_data import ensure_demo_dataset
 
@@ -151,3 +154,130 @@ def test_pin_ranges_cover_the_segment_in_page_aligned_bounded_pieces():
         assert first <= ptr < first + page and ptr + nbytes <= last + last_n < ptr + nbytes + page
     with pytest.raises(ValueError, match="multiple of the page size"):
         pin_ranges(0, 10, chunk=5000, page=4096)
+
+
+def test_copies_are_cut_where_registrations_meet():
+    """A copy to or from registered host memory is one asynchronous copy per registration
+    piece it crosses (CUDA does DMA within one registration only); memory that is not wholly
+    registered gets no asynchronous copy at all (None)."""
+    page, chunk = 4096, 3 * 4096
+    seg = pin_ranges(8 * page, 10 * page, chunk, page)  # 4 pieces: 3, 3, 3, 1 pages
+    assert split_at_pieces(8 * page, 10 * page, seg) == [(0, chunk), (chunk, chunk), (2 * chunk, chunk), (3 * chunk, page)]
+    assert split_at_pieces(9 * page, page, seg) == [(0, page)]                        # inside one piece
+    assert split_at_pieces(10 * page + 8, 2 * page, seg) == [(0, page - 8), (page - 8, page + 8)]  # across one edge
+    assert split_at_pieces(8 * page, 0, seg) == []
+    assert split_at_pieces(7 * page, 2 * page, seg) is None                           # starts before it
+    assert split_at_pieces(17 * page, 2 * page, seg) is None                          # runs past its end
+    holed = [r for i, r in enumerate(seg) if i != 1]                                  # a piece missing
+    assert split_at_pieces(8 * page, 10 * page, holed) is None
+    other = pin_ranges(30 * page, page, chunk, page)                                  # a second segment
+    assert split_at_pieces(30 * page, page, sorted(seg + other)) == [(0, page)]
+    for ptr, n in [(8 * page + 4, 5 * page), (8 * page, 10 * page), (12 * page + 12, 3)]:
+        pieces = split_at_pieces(ptr, n, seg)
+        assert sum(length for _, length in pieces) == n
+        assert all(a + la == b for (a, la), (b, _) in zip(pieces, pieces[1:]))    # contiguous
+
+
+class FakeCudart:
+    """cudaHostRegister that refuses piece ``fail_at`` (1-based); records what is registered."""
+
+    def __init__(self, fail_at=None):
+        self.fail_at, self.calls, self.live = fail_at, 0, set()
+
+    def cudaHostRegister(self, ptr, n, flags):
+        self.calls += 1
+        if self.fail_at is not None and self.calls >= self.fail_at:
+            return 2  # cudaErrorMemoryAllocation
+        self.live.add(ptr)
+        return 0
+
+    def cudaHostUnregister(self, ptr):
+        self.live.discard(ptr)
+        return 0
+
+
+def test_pinned_registry_drives_the_copy_pieces(caplog):
+    """HostPinning records its pieces in the process registry; copy_pieces cuts a tensor there
+    (in elements); a refused registration leaves nothing registered and warns once."""
+    chunk = 64 << 10
+    buf = torch.zeros(5 * chunk // 4, dtype=torch.float32)  # 5 pieces of 64 KiB (if page-aligned)
+    fake = FakeCudart()
+    pin = HostPinning(cudart=fake, chunk=chunk)
+    before = PINNED.total()
+    try:
+        assert pin.register(buf)
+        pieces = copy_pieces(buf)
+        assert pieces is not None and sum(n for _, n in pieces) == buf.numel()
+        assert all(n <= chunk // 4 for _, n in pieces) and len(pieces) >= 5
+        inner = buf[10:20]
+        assert copy_pieces(inner) == [(0, 10)]
+        dst = torch.empty_like(buf)
+        copy_in_pieces(dst, torch.arange(buf.numel(), dtype=torch.float32), pieces)
+        assert torch.equal(dst, torch.arange(buf.numel(), dtype=torch.float32))
+        assert copy_pieces(torch.zeros(100)) is None  # not registered, no CUDA: not pinned
+    finally:
+        pin.release()
+    assert PINNED.total() == before and not fake.live
+
+    import actors.transfer as transfer
+
+    transfer._REGISTER_FAILED_LOGGED = False
+    refusing = FakeCudart(fail_at=3)
+    pin = HostPinning(cudart=refusing, chunk=chunk)
+    with caplog.at_level("WARNING", logger="actors.transfer"):
+        assert not pin.register(buf)
+        assert not HostPinning(cudart=FakeCudart(fail_at=1), chunk=chunk).register(buf)
+    assert not refusing.live and not pin.ranges and PINNED.total() == before
+    assert copy_pieces(buf) is None
+    assert sum("could not register" in r.message for r in caplog.records) == 1, "the refusal warns once"
+    transfer._REGISTER_FAILED_LOGGED = False
+
+
+class ZeroFills(TorchDispatchMode):
+    """Counts the ops that create (or fill) a zero tensor of one of ``sizes`` elements, and every
+    ``slice_backward`` (which builds a zero tensor the size of the sliced input)."""
+
+    NAMES = ("zeros", "new_zeros", "zeros_like", "zero_", "fill_", "full", "new_full", "full_like")
+
+    def __init__(self, sizes):
+        super().__init__()
+        self.sizes, self.fills, self.slice_backward = set(sizes), 0, 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        name = func.overloadpacket.__name__
+        if name == "slice_backward":
+            self.slice_backward += 1
+        elif name in self.NAMES and isinstance(out, torch.Tensor) and out.numel() in self.sizes:
+            self.fills += 1
+        return out
+
+
+def test_a_shards_backward_makes_one_zero_fill_not_one_per_parameter(tmp_path, batches):
+    """Gradients land in one flat buffer per shard (each parameter's .grad a view of it): one
+    zero fill of the shard's size per shard backward. Before, the parameters were slices of a
+    flat leaf and autograd's slice_backward built a zero tensor of the whole shard for every
+    parameter (14 per block of this model; the counter sees them: checked below)."""
+    manifest, bs = batches
+    cfg = build_config("tiny", None, {**SMALL, "data.manifest": manifest, "runtime.state_dir": str(tmp_path),
+                                      "runtime.overlap": False})
+    store = ParameterStore(cfg, str(tmp_path / "run"))
+    compute = ComputeActor(cfg, store.shard_infos(), LocalStoreClient(store), "shm")
+    sizes = [info.numel for info in store.shard_infos()]
+    try:
+        with ZeroFills(sizes) as count:
+            compute.train_step(bs[0], 0)
+        store.wait_step(0)
+        # The old way, on one block: a flat leaf, the parameters sliced out of it.
+        layout = store.shard_infos()[1].layout
+        flat = store.seg[1]["w"].clone().requires_grad_(True)
+        x = torch.randn(2, 3, 4, 4, 32, requires_grad=True)
+        y = functional_call(compute.modules[1], layout.views(flat), (x, torch.randn(2, 32)))
+        with ZeroFills(sizes) as old:
+            y.sum().backward()
+    finally:
+        compute.close()
+        store.close()
+    assert old.slice_backward == len(layout.names) == 14, "the counter must see the old per-parameter fills"
+    assert count.slice_backward == 0
+    assert count.fills == len(sizes), f"{count.fills} shard-sized zero fills for {len(sizes)} shard backwards"
