@@ -23,6 +23,7 @@ Force a path with ``backend=...`` or the environment variable
 from __future__ import annotations
 
 import importlib
+import logging
 import os
 from typing import Literal, Sequence
 
@@ -41,6 +42,8 @@ __all__ = [
     "BACKEND_ENV_VAR",
 ]
 
+log = logging.getLogger(__name__)
+
 BACKEND_ENV_VAR = "MEGASLIDE_DSA_BACKEND"
 DSABackend = Literal["reference", "cpu", "chunked", "triton", "auto"]
 _BACKENDS = ("reference", "cpu", "chunked", "triton", "auto")
@@ -56,16 +59,38 @@ def resolve_dsa_backend(q: torch.Tensor, backend: str | None = None) -> str:
     if choice == "auto":
         if q.device.type == "cpu":
             return "cpu"
-        return "triton" if (q.is_cuda and _triton_available()) else "reference"
+        if q.is_cuda and _triton_available():
+            return "triton"
+        _warn_fallback(q)
+        return "reference"
     return choice
+
+
+_TRITON_ERROR: list[str] = []  # why the Triton kernels did not import (once known)
+_WARNED: set[str] = set()
 
 
 def _triton_available() -> bool:
     try:
         importlib.import_module(f"{__name__}.dsa_triton")
-    except Exception:  # triton missing or broken: the reference still works
+    except Exception as e:  # triton missing or broken: the reference still works
+        if not _TRITON_ERROR:
+            _TRITON_ERROR.append(f"{type(e).__name__}: {e}")
         return False
     return True
+
+
+def _warn_fallback(q: torch.Tensor) -> None:
+    """The automatic choice fell back to the reference on a device tensor: say so once (it is
+    O(N*K*d) in memory and far slower than the fused kernels)."""
+    key = q.device.type
+    if key in _WARNED:
+        return
+    _WARNED.add(key)
+    why = (f"the Triton kernels did not import ({_TRITON_ERROR[0]})" if _TRITON_ERROR
+           else f"no fused kernel for {q.device.type} tensors")
+    log.warning("3D-DSA: backend 'auto' falls back to the pure-PyTorch reference on %s: %s. Set %s to "
+                "choose a backend explicitly.", q.device, why, BACKEND_ENV_VAR)
 
 
 def deformable_slide_attention(

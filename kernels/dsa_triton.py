@@ -193,9 +193,11 @@ def _corner_bwd(Kx, V, head_base, tok, cols, mask2, row_stride, q, do):
 
 @triton.jit
 def _corner_scatter(DK, DV, head_base, tok, cols, mask2, row_stride, w, gk, gv):
-    """dk[c] += w * gk, dv[c] += w * gv (fp32 atomics: other queries hit the same rows)."""
-    tl.atomic_add(_row_ptrs(DK, head_base, tok, cols, row_stride), w[:, None] * gk, mask=mask2)
-    tl.atomic_add(_row_ptrs(DV, head_base, tok, cols, row_stride), w[:, None] * gv, mask=mask2)
+    """dk[c] += w * gk, dv[c] += w * gv (fp32 atomics: other queries hit the same rows).
+    ``relaxed``: the sums only need atomicity, no ordering against other memory (the default
+    ``acq_rel`` adds fences to every one); the buffers are read after the kernel ends."""
+    tl.atomic_add(_row_ptrs(DK, head_base, tok, cols, row_stride), w[:, None] * gk, mask=mask2, sem="relaxed")
+    tl.atomic_add(_row_ptrs(DV, head_base, tok, cols, row_stride), w[:, None] * gv, mask=mask2, sem="relaxed")
 
 
 @triton.jit
