@@ -171,6 +171,19 @@ def test_public_function_matches_reference_and_honours_the_backend_switch(monkey
         deformable_slide_attention(q, k, v, offsets, (3, 3, 3))
 
 
+def test_automatic_fallback_to_the_reference_warns_once(monkeypatch, caplog):
+    """'auto' on a device tensor without a fused kernel runs the reference: never silently."""
+    import kernels
+
+    monkeypatch.setattr(kernels, "_WARNED", set())
+    monkeypatch.delenv("MEGASLIDE_DSA_BACKEND", raising=False)
+    q = torch.empty(1, 3, 3, 3, 1, 4, device="meta")
+    with caplog.at_level("WARNING", logger="kernels"):
+        assert resolve_dsa_backend(q) == "reference"
+        assert resolve_dsa_backend(q) == "reference"
+    assert sum("falls back to the pure-PyTorch reference" in r.message for r in caplog.records) == 1
+
+
 def _inputs(shape=(1, 3, 5, 4, 2, 4), window=(3, 3, 3)):
     q, k, v = make_qkv(shape)
     K = window[0] * window[1] * window[2]
