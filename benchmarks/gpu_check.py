@@ -92,7 +92,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 PARTS = ("correctness", "pinning", "streaming", "attention", "model", "speedup")
-RESERVE_S = {"correctness": 0, "pinning": 15, "streaming": 35, "attention": 80, "model": 90, "speedup": 10}
+RESERVE_S = {"correctness": 0, "pinning": 12, "streaming": 30, "attention": 70, "model": 80, "speedup": 8}
 """Seconds kept for each part when the parts before it set their deadlines (GPU run)."""
 FP32_RTOL, FP32_ATOL = 1e-4, 2e-5
 BF16_REL_ATOL = 1e-4
@@ -577,20 +577,27 @@ def part_streaming(ctx: "Run") -> dict:
             batches = synthetic_batches(cfg, steps, seed=1)
             store = ParameterStore(cfg, f"{tmp}/run-{name}", w_dtype_for(dev), adamw="fused")
             client = Recorder(store)
-            compute = ComputeActor(cfg, store.shard_infos(), client, "shm")
             rows = []
             try:
-                if init is None:
-                    init = [seg["master"].clone() for seg in store.seg]
-                for k in range(steps):
-                    t0 = time.perf_counter()
-                    r = compute.train_step(batches[k], k)
-                    store.wait_step(k)
-                    rows.append((time.perf_counter() - t0, r))
-                masters[name] = [seg["master"].clone() for seg in store.seg]
-                norms[name] = dict(client.sqnorms)
+                compute = ComputeActor(cfg, store.shard_infos(), client, "shm")
+                try:
+                    if init is None:
+                        init = [seg["master"].clone() for seg in store.seg]
+                    for k in range(steps):
+                        t0 = time.perf_counter()
+                        r = compute.train_step(batches[k], k)
+                        store.wait_step(k)
+                        rows.append((time.perf_counter() - t0, r))
+                    masters[name] = [seg["master"].clone() for seg in store.seg]
+                    norms[name] = dict(client.sqnorms)
+                finally:
+                    compute.close()
+            except Exception as e:  # noqa: BLE001 - one variant's failure must not hide the others'
+                results[name] = {"status": f"error: {type(e).__name__}: {e}"[:300],
+                                 "traceback": traceback.format_exc()[-2000:]}
+                print(results[name]["traceback"], file=sys.stderr, flush=True)
+                continue
             finally:
-                compute.close()
                 store.close()
             timed = rows[1:] or rows
             results[name] = {"status": "ok", "step_s": statistics.median(t for t, _ in timed),
@@ -833,13 +840,14 @@ def part_model(ctx: "Run") -> dict:
         t0 = time.perf_counter()
         store = ParameterStore(config(sz.model_clips[0][1], True, tmp), f"{tmp}/run", w_dtype, adamw="fused")
         info["store_init_s"] = round(time.perf_counter() - t0, 1)
-        step = 0
+        step, broken = 0, False
         try:
             for clip_name, clip in sz.model_clips:
                 for overlap in (True, False):
                     name = f"{clip_name}_{'on' if overlap else 'off'}"
-                    if ctx.past_deadline():
-                        runs[name] = {"status": "skipped: time budget (--budget-s)"}
+                    if ctx.past_deadline() or broken:
+                        runs[name] = {"status": "skipped: " + ("an earlier run failed" if broken
+                                                               else "time budget (--budget-s)")}
                         continue
                     cfg = config(clip, overlap, tmp)
                     p = plan(cfg, w_dtype)
@@ -859,11 +867,16 @@ def part_model(ctx: "Run") -> dict:
                             step += 1
                             steps.append((r, busy))
                         pinned = sum(n for _, n in compute.link.pinning.ranges)
+                        runs[name] = {**_model_row(steps, p, info["peak_flops"], pinned, clip),
+                                      "setup_s": round(setup_s, 2)}
+                    except Exception as e:  # noqa: BLE001 - e.g. out of memory at the long clip: keep what ran
+                        runs[name] = {"status": f"error: {type(e).__name__}: {e}"[:300],
+                                      "traceback": traceback.format_exc()[-2000:]}
+                        print(runs[name]["traceback"], file=sys.stderr, flush=True)
+                        broken = True  # the store may hold half a step's reports: no later step can run
                     finally:
                         compute.close()
-                    runs[name] = {**_model_row(steps, p, info["peak_flops"], pinned, clip),
-                                  "setup_s": round(setup_s, 2)}
-                    del compute
+                        del compute
                     print(f"{name}: {json.dumps({k: v for k, v in runs[name].items() if k != 'steps'})}", flush=True)
         finally:
             store.close()
