@@ -11,10 +11,12 @@ all fp32, forward + backward of one batch (B=1, 512 text tokens):
     streamed       the compute actor over a parameter store in this process: each shard's flat
                    weights fetched per use, blocks recomputed in the backward (activation
                    checkpointing), every shard's gradient returned to the store, which runs
-                   AdamW between the steps (not timed: ``StepResult.seconds`` is the compute)
+                   AdamW between the steps (not timed: ``StepResult.seconds`` is the compute);
+                   the store holds its own seeded weights (the time does not depend on values)
 
 Ratios are against ``diffusers`` in the same run (see docs/architecture.md, "Measuring"). The
-first step of each row is a warm-up and not timed; the figure is the median of the rest.
+rows take turns step by step (a change in load hits them alike); the first step of each row is a
+warm-up and not counted; the figure is the median of the rest.
 """
 
 from __future__ import annotations
@@ -74,25 +76,24 @@ def run(depth: int, grid: tuple[int, int, int], steps: int, attention: str) -> l
         ours.zero_grad(set_to_none=True)
         (ours(latents, timestep, text) * weight).sum().backward()
 
-    rows = [{"row": "diffusers", "seconds": _timed(diffusers_step, steps)},
-            {"row": "ours", "seconds": _timed(ours_step, steps)}]
-    del ours
-
     batch = {"latents": latents[0].permute(1, 2, 3, 0).numpy()[None], "text": text.numpy(),
              "text_len": np.array([512], dtype=np.int32), "position": 0}
+    times: dict[str, list[float]] = {"diffusers": [], "ours": [], "streamed": []}
     with tempfile.TemporaryDirectory(prefix="megaslide-wan-bench-") as tmp:
         cfg.runtime.state_dir = tmp
         store = ParameterStore(cfg, f"{tmp}/run")
         compute = ComputeActor(cfg, store.shard_infos(), LocalStoreClient(store), "shm")
         try:
-            seconds = []
+            # The rows take turns, step by step, so a change in the machine's load hits them alike.
             for step in range(steps):
-                seconds.append(compute.train_step(batch, step).seconds)
+                times["diffusers"].append(_timed(diffusers_step, 1))
+                times["ours"].append(_timed(ours_step, 1))
+                times["streamed"].append(compute.train_step(batch, step).seconds)
                 store.wait_step(step)  # AdamW outside the timed compute
         finally:
             compute.close()
             store.close()
-    rows.append({"row": "streamed", "seconds": statistics.median(seconds[1:] or seconds)})
+    rows = [{"row": name, "seconds": statistics.median(ts[1:] or ts)} for name, ts in times.items()]
     base = rows[0]["seconds"]
     tokens = F_ * (H_ // 2) * (W_ // 2)
     for r in rows:
