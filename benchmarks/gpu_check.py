@@ -487,13 +487,16 @@ def part_pinning(ctx: "Run") -> dict:
     # A refused registration: the same memory again (CUDA: cudaErrorHostMemoryAlreadyRegistered;
     # smoke: a stand-in that refuses the second piece). Falls back, leaves nothing registered,
     # and the CUDA error it raised is cleared: the next kernel launch works.
-    second = HostPinning(cudart=None if cuda else _StandInCudart(fail_at=2), chunk=sz.pin_chunk)
-    target = seg if cuda else torch.empty(3 * sz.pin_chunk, dtype=torch.uint8)
-    total = PINNED.total()
-    print("pinning: provoking a refused registration; its warning below is expected", flush=True)
-    refused = not second.register(target)
-    transfer._REGISTER_FAILED_LOGGED = False  # that warning was this check's; real ones still log
-    checks["refused_registration_falls_back"] = refused and PINNED.total() == total and not second.ranges
+    # (When the first registration was refused already, that refusal is the one checked.)
+    if registered:
+        second = HostPinning(cudart=None if cuda else _StandInCudart(fail_at=2), chunk=sz.pin_chunk)
+        target = seg if cuda else torch.empty(3 * sz.pin_chunk, dtype=torch.uint8)
+        total = PINNED.total()
+        print("pinning: provoking a refused registration; its warning below is expected", flush=True)
+        refused = not second.register(target)
+        transfer._REGISTER_FAILED_LOGGED = False  # that warning was this check's; real ones still log
+        checks["refused_registration_falls_back"] = refused and PINNED.total() == total and not second.ranges
+        second.release()
     launch_ok = True
     if cuda:
         try:
