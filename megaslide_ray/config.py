@@ -649,6 +649,11 @@ def validate(cfg: Config) -> Config:
                           f"for the demo set")
     if not math.isfinite(o.lr):
         raise ConfigError(f"optim.lr={o.lr} must be finite")
+    if m.arch == "wan" and t.sample_every:
+        raise ConfigError(f"training.sample_every={t.sample_every} with model.arch='wan': samples during training "
+                          f"need the model's VAE and text encoder, which the trainer does not load; set it to 0 and "
+                          f"sample a checkpoint with `python -m megaslide_ray.sample --checkpoint RUN --model-dir "
+                          f"WAN_DIR --prompt TEXT`")
     return cfg
 
 

@@ -60,10 +60,14 @@ def sampling_config(state: dict, frames: int | None = None, height: int | None =
     cfg.runtime.state_dir = ""
     cfg.runtime.device = device
     cfg.data.batch_size = 1
+    cfg.training.sample_every = 0     # (a training-time option; sampling is what this is)
     patch = cfg.model.patch_size
     for flag, value, p, attr in (("--frames", frames, patch[0], "num_frames"), ("--height", height, patch[1], "height"),
                                  ("--width", width, patch[2], "width")):
         if value is None:
+            continue
+        if cfg.model.arch == "wan":  # a pixel clip over latents: validate() checks 4k+1 and the VAE x patch
+            setattr(cfg.data, attr, int(value))
             continue
         if value <= 0 or value % p:
             raise ConfigError(f"{flag} {value} is not a positive multiple of the model's patch size {p} "
@@ -128,27 +132,57 @@ class CheckpointWeights:
 # ---------------------------------------------------------------------------------------------
 
 
-def euler_sample(compute: ComputeActor, cfg: Config, prompt: str, steps: int, seed: int, version: int,
-                 cfg_scale: float = 1.0) -> torch.Tensor:
-    """Integrate from noise (t = 1) to data (t = 0) in ``steps`` Euler steps.
-    Returns ``x0`` as float32 ``(1, F, H, W, C)``. With ``cfg_scale != 1`` each step also
-    predicts with an empty caption and mixes ``v_u + cfg_scale * (v_c - v_u)`` (one batch of 2)."""
-    d, m = cfg.data, cfg.model
+def initial_noise(cfg: Config, seed: int) -> torch.Tensor:
+    """The sampler's starting point: seeded standard noise of one clip, ``(1, F, H, W, C)`` of
+    the model's input (pixels for videodit, the latent grid for wan)."""
     g = torch.Generator(device="cpu").manual_seed(int(seed))
-    x = torch.randn((1, d.num_frames, d.height, d.width, m.in_channels), generator=g, dtype=torch.float32)
+    return torch.randn((1, *cfg.latent_grid, cfg.model.in_channels), generator=g, dtype=torch.float32)
+
+
+def integrate(predictor, cfg: Config, x: torch.Tensor, cond, cond_len, steps: int, version: int,
+              cfg_scale: float = 1.0, uncond=None, uncond_len=None) -> torch.Tensor:
+    """Euler steps from noise (t = 1) to data (t = 0) on the grid ``linspace(1, 0)`` shifted by
+    ``training.flow_shift``. ``predictor.predict(x, t, cond, cond_len, version)`` is the model's
+    velocity (the compute actor, or the pipeline during training). With ``cfg_scale != 1`` each
+    step also predicts with ``uncond`` and mixes ``v_u + cfg_scale * (v_c - v_u)`` (one batch
+    of 2)."""
     guided = cfg_scale != 1.0
-    cap, cap_len = caption_batch(prompt, m.caption_max_bytes, 2 if guided else 1)
     if guided:
-        cap_len[1] = 0  # the unconditional half: an empty caption
+        cond = np.concatenate([np.asarray(cond), np.asarray(uncond)])
+        cond_len = np.concatenate([np.asarray(cond_len), np.asarray(uncond_len)])
     ts = shift_time(torch.linspace(1.0, 0.0, steps + 1), cfg.training.flow_shift)  # t = 1 and 0 stay put
     for i in range(steps):
         t, dt = float(ts[i]), float(ts[i] - ts[i + 1])
         xb = torch.cat([x, x]) if guided else x
-        v = compute.predict(xb, torch.full((xb.shape[0],), t), cap, cap_len, version)
+        v = predictor.predict(xb, torch.full((xb.shape[0],), t), cond, cond_len, version)
         if guided:
             v = v[1:] + cfg_scale * (v[:1] - v[1:])
         x = x - dt * v
     return x
+
+
+def euler_sample(compute: ComputeActor, cfg: Config, prompt: str, steps: int, seed: int, version: int,
+                 cfg_scale: float = 1.0) -> torch.Tensor:
+    """videodit: sample ``prompt`` (caption bytes; the unconditional half of guidance is the
+    empty caption). Returns ``x0`` as float32 ``(1, F, H, W, C)``."""
+    cap, cap_len = caption_batch(prompt, cfg.model.caption_max_bytes, 1)
+    return integrate(compute, cfg, initial_noise(cfg, seed), cap, cap_len, steps, version, cfg_scale,
+                     np.zeros_like(cap), np.zeros_like(cap_len))
+
+
+def wan_sample(compute: ComputeActor, cfg: Config, text: torch.Tensor, negative: torch.Tensor, steps: int,
+               seed: int, version: int, cfg_scale: float = 5.0) -> torch.Tensor:
+    """wan: sample from prompt embeddings ``text`` and ``negative`` (``(L, text_dim)`` each, valid
+    tokens only, as the text encoder gives them), zero-padded to ``model.text_len`` as the Wan
+    pipelines do. Returns normalised latents, float32 ``(1, F', H', W', C)``."""
+    from megaslide_ray.latents import pad_text
+
+    n = cfg.model.text_len
+    cond = pad_text(text, n)[None].numpy()
+    uncond = pad_text(negative, n)[None].numpy()
+    lens = (np.array([min(len(text), n)], dtype=np.int32), np.array([min(len(negative), n)], dtype=np.int32))
+    return integrate(compute, cfg, initial_noise(cfg, seed), cond, lens[0], steps, version, cfg_scale, uncond,
+                     lens[1])
 
 
 def to_uint8_frames(x: torch.Tensor) -> np.ndarray:
@@ -208,11 +242,31 @@ class SampleResult:
     seconds: float
 
 
+def decode_latents(vae, latents: torch.Tensor) -> np.ndarray:
+    """Normalised latents ``(1, F', H', W', C)`` -> uint8 video ``(F, H, W, 3)`` with a diffusers
+    ``AutoencoderKLWan``: undo the per-channel normalisation (``latents_mean``/``latents_std``
+    of its config, as precompute applied it), decode, map [-1, 1] to bytes."""
+    c = vae.config
+    shape = (1, len(c.latents_mean), 1, 1, 1)
+    mean = torch.tensor(c.latents_mean, dtype=torch.float32).view(shape)
+    std = torch.tensor(c.latents_std, dtype=torch.float32).view(shape)
+    z = latents.permute(0, 4, 1, 2, 3).float() * std + mean  # (1, C, F', H', W')
+    param = next(vae.parameters())
+    with torch.inference_mode():
+        video = vae.decode(z.to(param.device, param.dtype)).sample  # (1, 3, F, H, W) in [-1, 1]
+    return to_uint8_frames(video.permute(0, 2, 3, 4, 1).float().cpu())
+
+
 def sample_video(checkpoint: str | Path, prompt: str, out: str | Path, frames: int | None = None,
                  steps: int = 20, seed: int = 0, height: int | None = None, width: int | None = None,
-                 cfg_scale: float = 1.0, fps: int = 8, device: str = "auto") -> SampleResult:
+                 cfg_scale: float = 1.0, fps: int = 8, device: str = "auto", model_dir: str | Path | None = None,
+                 negative_prompt: str = "") -> SampleResult:
     """Sample one video from ``checkpoint`` (a checkpoint or run directory) and write
-    ``out`` (mp4) and ``out`` with suffix ``.png`` (contact sheet)."""
+    ``out`` (mp4) and ``out`` with suffix ``.png`` (contact sheet).
+
+    A ``wan`` checkpoint samples in latent space: ``model_dir`` (a local diffusers Wan folder)
+    provides the text encoder for ``prompt`` and ``negative_prompt`` (the unconditional half of
+    guidance) and the VAE that decodes the result; ``training.flow_shift`` shifts the time grid."""
     from megaslide_ray.demo_data import write_video
 
     if steps < 1:
@@ -232,14 +286,33 @@ def sample_video(checkpoint: str | Path, prompt: str, out: str | Path, frames: i
     # A bf16 checkpoint sampled on the CPU: serve the fp32 master copy (CPU kernels want fp32).
     on_cpu = device == "cpu" or not torch.cuda.is_available()
     kind = "master" if on_cpu and DTYPES.get(state.get("w_dtype", "float32")) is torch.bfloat16 else "w"
+    encoder = None
+    if cfg.model.arch == "wan":
+        if model_dir is None:
+            raise ConfigError("this checkpoint is a wan model: give --model-dir WAN_DIR, the local diffusers folder "
+                              "whose text_encoder/, tokenizer/ and vae/ encode the prompt and decode the video")
+        from megaslide_ray.precompute import Encoder, clip_config
+
+        d = cfg.data
+        encoder = Encoder(str(model_dir), clip_config(d.num_frames, d.height, d.width, 0.0),
+                          "cuda" if device != "cpu" and torch.cuda.is_available() else "cpu", "float32")
+        text, negative = encoder.encode_text([prompt, negative_prompt])
+        encoder.close()  # frees the text encoder before the transformer streams
     source = CheckpointWeights(ckpt, cfg, kind)
     compute = ComputeActor(cfg, source.shard_infos(), source, transport="object_ref")
     try:
-        x = euler_sample(compute, cfg, prompt, steps, seed, source.step, cfg_scale)
+        if encoder is not None:
+            x = wan_sample(compute, cfg, text, negative, steps, seed, source.step, cfg_scale)
+        else:
+            x = euler_sample(compute, cfg, prompt, steps, seed, source.step, cfg_scale)
     finally:
         compute.close()
         source.close()
-    video = to_uint8_frames(x)
+    if encoder is not None:
+        video = decode_latents(encoder.load_vae(), x)
+        encoder.close()
+    else:
+        video = to_uint8_frames(x)
     out = Path(out)
     out.parent.mkdir(parents=True, exist_ok=True)
     write_video(out, video, fps)
@@ -258,7 +331,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--width", type=int, default=None, help="width in pixels (default: the training clip's)")
     p.add_argument("--steps", type=int, default=20, help="Euler steps")
     p.add_argument("--seed", type=int, default=0, help="noise seed")
-    p.add_argument("--cfg-scale", type=float, default=1.0, help="classifier-free guidance scale (1 = off)")
+    p.add_argument("--cfg-scale", type=float, default=1.0,
+                   help="classifier-free guidance scale (1 = off; Wan models are usually sampled at 5)")
+    p.add_argument("--model-dir", default=None,
+                   help="wan checkpoints: the local diffusers Wan folder (text_encoder/, tokenizer/, vae/)")
+    p.add_argument("--negative-prompt", default="", help="wan: the prompt of guidance's unconditional half")
     p.add_argument("--fps", type=int, default=8)
     p.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
     p.add_argument("--out", default="sample.mp4", help="output mp4; the contact sheet goes beside it as .png")
@@ -267,8 +344,8 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=a.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
     try:
         r = sample_video(a.checkpoint, a.prompt, a.out, a.frames, a.steps, a.seed, a.height, a.width,
-                         a.cfg_scale, a.fps, a.device)
-    except (ConfigError, FileNotFoundError, ValueError, RuntimeError) as e:
+                         a.cfg_scale, a.fps, a.device, a.model_dir, a.negative_prompt)
+    except (ConfigError, FileNotFoundError, ValueError, RuntimeError, ImportError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     f, h, w, _ = r.frames.shape
