@@ -54,6 +54,21 @@ it enters decord; the driver's watchdog (``pipelines.decoder_pool``) reads it, k
 stuck on one file longer than ``data.decode_timeout_s``, and starts a replacement that knows the
 file is bad.
 
+Latent manifests
+----------------
+When ``data.manifest`` is a *latent manifest* (``megaslide_ray.latents``, made by ``python -m
+megaslide_ray.precompute``), the decoder decodes no video: it loads each row's precomputed latents
+and text embeddings and yields ``latents`` float32 (B, F', H', W', C), ``text`` float32
+(B, 512, text_dim) zero-padded after each caption's valid tokens, ``text_len`` int32 (B,), and
+the same ``index``, ``position`` and ``skipped`` as video batches. Sample order, ``start_position``,
+pools, ``bad_rows`` and the bad-fraction limit are exactly as above (a row is a clip). A missing,
+unreadable or mismatched latent or text file is a bad row: skipped, logged once and counted like
+a bad video. Every row must have one latent shape (checked when the decoder starts:
+``latents.single_latent_shape``). The video-specific options do not apply and are ignored:
+``data.num_frames``, ``height``, ``width``, ``frame_stride``, ``fps``, ``random_crop``,
+``fixed_start``, ``spatial_crop``, ``short_clips`` (the clip was fixed when it was precomputed), as
+is ``caption_max_bytes``. ``DecoderStats.frames_decoded`` then counts latent frames.
+
 Caution (decord2 3.4): for some frame widths (16, 24, 32, 48, 96, 144, ... : where the
 padded RGB row stride divides evenly by the width) decord reports a wrong channel count
 (e.g. ``(64, 96, 4)``) and ``get_batch`` fails with "DECORDArrayCopyFromTo: The size must
@@ -80,6 +95,15 @@ import torch.nn.functional as F
 from megaslide_ray.captions import empty_captions, set_caption
 from megaslide_ray.config import DataConfig
 from megaslide_ray.faults import fault_point
+from megaslide_ray.latents import (
+    TEXT_LEN,
+    LatentFileError,
+    is_latent_manifest,
+    load_latent_sample,
+    read_latent_manifest,
+    resolve,
+    single_latent_shape,
+)
 from megaslide_ray.manifest import ManifestEntry, read_manifest
 
 logger = logging.getLogger(__name__)
@@ -268,7 +292,8 @@ class VideoDecoder:
     UTF-8 and ``caption_len`` int32 (B,) (see ``megaslide_ray.captions``); ``index`` int64 (B,)
     manifest rows; ``position`` int64 0-d, the data position after this batch; ``skipped``
     int64 0-d, draws this decoder's stream has skipped up to this batch (``skipped_before`` plus
-    this decoder's own skips).
+    this decoder's own skips). From a latent manifest, ``latents``, ``text`` and ``text_len``
+    replace ``video``, ``caption`` and ``caption_len`` (module docstring, "Latent manifests").
     ``next_batch_and_info()`` returns the same batch with its ``BatchInfo``.
     """
 
@@ -299,7 +324,18 @@ class VideoDecoder:
             from megaslide_ray.demo_data import ensure_demo_dataset
 
             self.manifest_path = ensure_demo_dataset()
-        self.entries: list[ManifestEntry] = read_manifest(self.manifest_path)
+        self.latent_rows: list[dict] | None = None  # a latent manifest's rows (None: videos)
+        if is_latent_manifest(self.manifest_path):
+            rows, meta = read_latent_manifest(self.manifest_path)
+            self.latent_rows = rows
+            self.latent_shape = single_latent_shape(rows, self.manifest_path)  # raises on mixed shapes
+            self.text_dim, self.text_len = int(meta["text_dim"]), int(meta.get("text_len", TEXT_LEN))
+            # bad-row bookkeeping, logs and the watchdog's status name the latent file
+            self.entries: list[ManifestEntry] = [
+                ManifestEntry(path=str(resolve(self.manifest_path, r["latent_path"])), caption=r["caption"])
+                for r in rows]
+        else:
+            self.entries = read_manifest(self.manifest_path)
         if not self.entries:
             raise ValueError(f"manifest {str(self.manifest_path)!r} has no rows; add videos to it or rebuild it "
                              f"with `python -m megaslide_ray.index VIDEO_DIR --out {self.manifest_path}`")
@@ -416,9 +452,15 @@ class VideoDecoder:
 
     def _produce_batch(self) -> dict[str, np.ndarray]:
         d = self.data
-        b, f = d.batch_size, d.num_frames
-        video = np.empty((b, f, d.height, d.width, 3), dtype=np.uint8)
-        caption, caption_len = empty_captions(b, self.caption_max_bytes)
+        b = d.batch_size
+        if self.latent_rows is not None:
+            out = {"latents": np.empty((b, *self.latent_shape), dtype=np.float32),
+                   "text": np.zeros((b, self.text_len, self.text_dim), dtype=np.float32),
+                   "text_len": np.zeros((b,), dtype=np.int32)}
+        else:
+            caption, caption_len = empty_captions(b, self.caption_max_bytes)
+            out = {"video": np.empty((b, d.num_frames, d.height, d.width, 3), dtype=np.uint8), "caption": caption,
+                   "caption_len": caption_len}
         index = np.zeros((b,), dtype=np.int64)
         s = self._produced
         step = self.first_step + s.batches * self.world_size
@@ -438,14 +480,11 @@ class VideoDecoder:
                 self.status.write("decoding", position, row, entry.path)
                 fault_point("decoder.mid_batch", step)
                 try:
-                    clip = self._decode_clip(entry.path, position)
+                    frames_decoded += self._fill(out, filled, row, entry, position)
                 except ClipUnreadable as e:
                     self._mark_bad(row, entry.path, str(e))
                 else:
-                    video[filled] = clip
-                    set_caption(caption, caption_len, filled, entry.caption)
                     index[filled] = row
-                    frames_decoded += f
                     filled += 1
                 self.status.write("idle", position)
                 seconds += time.perf_counter() - t0
@@ -458,8 +497,25 @@ class VideoDecoder:
         self._produced = DecoderStats(position=last + 1, batches=s.batches + 1, clips=s.clips + b, skipped=skipped,
                                       skipped_paths=tuple(skipped_paths), frames_decoded=frames_decoded,
                                       decode_seconds=seconds)
-        return {"video": video, "caption": caption, "caption_len": caption_len, "index": index,
-                "position": np.array(last + 1, dtype=np.int64), "skipped": np.array(skipped, dtype=np.int64)}
+        return {**out, "index": index, "position": np.array(last + 1, dtype=np.int64),
+                "skipped": np.array(skipped, dtype=np.int64)}
+
+    def _fill(self, out: dict[str, np.ndarray], i: int, row: int, entry: ManifestEntry, position: int) -> int:
+        """Put row ``row`` into slot ``i`` of the batch ``out``; frames produced, or ``ClipUnreadable``."""
+        if self.latent_rows is None:
+            out["video"][i] = self._decode_clip(entry.path, position)
+            set_caption(out["caption"], out["caption_len"], i, entry.caption)
+            return self.data.num_frames
+        try:
+            latents, text = load_latent_sample(self.manifest_path, self.latent_rows[row], self.text_dim)
+        except LatentFileError as e:
+            raise ClipUnreadable(str(e)) from None
+        if text.shape[0] > self.text_len:
+            raise ClipUnreadable(f"{text.shape[0]} text tokens, more than the manifest's text_len={self.text_len}")
+        out["latents"][i] = latents.numpy()
+        out["text"][i, : text.shape[0]] = text.numpy()
+        out["text_len"][i] = text.shape[0]
+        return int(latents.shape[0])
 
     def _note_tried(self, row: int) -> None:
         """Count distinct rows tried and stop when too many of them are unusable."""
@@ -489,51 +545,81 @@ class VideoDecoder:
         self._bad_rows[row] = reason
         if path not in self._warned_paths:
             self._warned_paths.add(path)
-            logger.warning("skipping video %s: %s", path, reason)
+            logger.warning("skipping %s %s: %s", "video" if self.latent_rows is None else "latent file", path,
+                           reason)
 
     def _decode_clip(self, path: str, position: int) -> np.ndarray:
         """One clip as uint8 (F, H, W, 3); ``ClipUnreadable`` for any problem with the file."""
-        import decord
+        return decode_clip(path, self.data, self.seed, position).frames
 
-        d = self.data
-        try:
-            st = os.stat(path)
-        except FileNotFoundError:
-            raise ClipUnreadable("missing file") from None
-        except OSError as e:
-            raise ClipUnreadable(f"cannot stat: {e.strerror or e}") from None
-        if not stat.S_ISREG(st.st_mode):  # a fifo or device could block the open forever
-            raise ClipUnreadable("not a regular file")
-        if st.st_size == 0:
-            raise ClipUnreadable("zero bytes")
-        try:
-            reader = decord.VideoReader(path, ctx=decord.cpu(0))
-            video_frames = len(reader)
-            source_fps = float(reader.get_avg_fps()) if d.fps > 0 else 0.0
-        except Exception as e:  # noqa: BLE001 - decord raises RuntimeError / DECORDError
-            raise ClipUnreadable(f"decord could not open it ({_first_line(e)})") from None
-        if video_frames < 2:  # a still image is not a clip, whatever data.short_clips says
-            raise ClipUnreadable("no frames" if video_frames < 1 else "one frame")
-        if d.fps > 0 and not (math.isfinite(source_fps) and source_fps > 0):
-            raise ClipUnreadable(f"unknown frame rate ({source_fps}); data.fps={d.fps} needs it")
-        offsets = clip_offsets(d.num_frames, d.frame_stride, source_fps, d.fps)
-        span = int(offsets[-1]) + 1
-        if video_frames < span and d.short_clips == "skip":
-            raise ClipUnreadable(f"too short: {video_frames} frames, a clip spans {span} (data.short_clips='skip')")
-        start = clip_start(video_frames, span, self.seed, position, d.random_crop, d.fixed_start)
-        indices = clip_frame_indices(video_frames, offsets, start)
-        try:
-            frames = read_frames(reader, indices)
-        except Exception as e:  # noqa: BLE001
-            raise ClipUnreadable(f"decord could not decode frames {indices.min()}..{indices.max()} "
-                                 f"({_first_line(e)})") from None
-        finally:
-            del reader
-        if frames.ndim != 4 or frames.shape[0] != d.num_frames or min(frames.shape[1:3]) < 1:
-            raise ClipUnreadable(f"decord returned frames of shape {frames.shape}")
-        # Resizing is our code, outside the try: a bug here must surface, not become a skip.
-        offset = spatial_offset(self.seed, position, d.spatial_crop == "random")
-        return resize_crop(frames, d.height, d.width, offset)
+
+@dataclass(frozen=True)
+class Clip:
+    """A decoded clip and where it came from (``decode_clip``)."""
+
+    frames: np.ndarray
+    """uint8 ``(F, height, width, 3)``, resized and cropped."""
+    indices: np.ndarray
+    """The source frame of each clip frame (int64, ``(F,)``)."""
+    source_fps: float
+    """The video's average frame rate (0.0 when decord does not know it)."""
+    video_frames: int
+    """Frames in the video."""
+
+
+def decode_clip(path: str, d: DataConfig, seed: int, position: int) -> Clip:
+    """The clip drawn at ``position`` of the file ``path`` under the data config ``d`` (frame
+    indices, temporal start, resize and crop as the module docstring says); ``ClipUnreadable``
+    for any problem with the file. ``VideoDecoder`` and ``megaslide_ray.precompute`` both use it."""
+    import decord
+
+    try:
+        st = os.stat(path)
+    except FileNotFoundError:
+        raise ClipUnreadable("missing file") from None
+    except OSError as e:
+        raise ClipUnreadable(f"cannot stat: {e.strerror or e}") from None
+    if not stat.S_ISREG(st.st_mode):  # a fifo or device could block the open forever
+        raise ClipUnreadable("not a regular file")
+    if st.st_size == 0:
+        raise ClipUnreadable("zero bytes")
+    try:
+        reader = decord.VideoReader(path, ctx=decord.cpu(0))
+        video_frames = len(reader)
+    except Exception as e:  # noqa: BLE001 - decord raises RuntimeError / DECORDError
+        raise ClipUnreadable(f"decord could not open it ({_first_line(e)})") from None
+    source_fps = _reader_fps(reader)
+    if video_frames < 2:  # a still image is not a clip, whatever data.short_clips says
+        raise ClipUnreadable("no frames" if video_frames < 1 else "one frame")
+    if d.fps > 0 and source_fps == 0.0:
+        raise ClipUnreadable(f"unknown frame rate (decord reports none); data.fps={d.fps} needs it")
+    offsets = clip_offsets(d.num_frames, d.frame_stride, source_fps, d.fps)
+    span = int(offsets[-1]) + 1
+    if video_frames < span and d.short_clips == "skip":
+        raise ClipUnreadable(f"too short: {video_frames} frames, a clip spans {span} (data.short_clips='skip')")
+    start = clip_start(video_frames, span, seed, position, d.random_crop, d.fixed_start)
+    indices = clip_frame_indices(video_frames, offsets, start)
+    try:
+        frames = read_frames(reader, indices)
+    except Exception as e:  # noqa: BLE001
+        raise ClipUnreadable(f"decord could not decode frames {indices.min()}..{indices.max()} "
+                             f"({_first_line(e)})") from None
+    finally:
+        del reader
+    if frames.ndim != 4 or frames.shape[0] != d.num_frames or min(frames.shape[1:3]) < 1:
+        raise ClipUnreadable(f"decord returned frames of shape {frames.shape}")
+    # Resizing is our code, outside the try: a bug here must surface, not become a skip.
+    offset = spatial_offset(seed, position, d.spatial_crop == "random")
+    return Clip(resize_crop(frames, d.height, d.width, offset), indices, source_fps, video_frames)
+
+
+def _reader_fps(reader) -> float:
+    """A decord reader's average frame rate; 0.0 when it does not know one."""
+    try:
+        fps = float(reader.get_avg_fps())
+    except Exception:  # noqa: BLE001 - decord raises RuntimeError / DECORDError
+        return 0.0
+    return fps if math.isfinite(fps) and fps > 0 else 0.0
 
 
 def _first_line(e: BaseException) -> str:
