@@ -177,6 +177,13 @@ def main(argv: list[str] | None = None) -> int:
 
         print(to_toml(cfg), end="")
         return 0
+    try:
+        from megaslide_ray.trainer import check_data
+
+        check_data(cfg)  # the data must be what the model reads (video, or latents for wan)
+    except (ConfigError, ValueError, FileNotFoundError) as e:
+        print(f"data error: {e}", file=sys.stderr)
+        return 2
 
     if args.init_from and not args.resume:
         from megaslide_ray.pretrained import PretrainedMismatchError, check_pretrained

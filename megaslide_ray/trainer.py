@@ -12,7 +12,7 @@ from pathlib import Path
 from tqdm import tqdm
 
 from megaslide_ray.checkpoint import latest_checkpoint, read_checkpoint_state
-from megaslide_ray.config import Config, to_toml
+from megaslide_ray.config import Config, ConfigError, to_toml
 from megaslide_ray.faults import fault_point
 from megaslide_ray.metrics import RunMetrics
 from pipelines.decoder_pool import DataCursor
@@ -63,8 +63,56 @@ def resume_point(run_dir: str | Path, num_decoders: int) -> tuple[Path, int, Dat
     return (ckpt, *checkpoint_data_state(ckpt, num_decoders))
 
 
+def check_data(cfg: Config) -> None:
+    """The data must be what the model reads: video for ``videodit``, a latent manifest from
+    ``megaslide_ray.precompute`` for ``wan``, with the latent shape, text width and VAE
+    compression the config implies. One ``ConfigError`` names every disagreement (called before
+    Ray starts by the CLI, and by the Trainer)."""
+    from megaslide_ray.latents import is_latent_manifest, latent_manifest_info
+
+    m, d = cfg.model, cfg.data
+    if not d.manifest:
+        if m.arch == "wan":
+            raise ConfigError("model.arch='wan' trains on precomputed VAE latents and text embeddings, not on the "
+                              "demo videos: run `python -m megaslide_ray.precompute --model-dir WAN_DIR --data "
+                              "VIDEOS.parquet --out CACHE --frames F --height H --width W`, then pass --data with "
+                              "the latent manifest it writes")
+        return
+    latent = is_latent_manifest(d.manifest)
+    if m.arch == "wan" and not latent:
+        raise ConfigError(f"data.manifest={d.manifest!r} is a video manifest; model.arch='wan' reads latents: "
+                          f"precompute them first (python -m megaslide_ray.precompute ...)")
+    if m.arch != "wan" and latent:
+        raise ConfigError(f"data.manifest={d.manifest!r} holds precomputed latents; model.arch={m.arch!r} reads "
+                          f"video (latents are for --preset wan2.1-t2v-1.3b and the other wan presets)")
+    if not latent:
+        return
+    info = latent_manifest_info(d.manifest)
+    want = (*cfg.latent_grid, m.in_channels)
+    problems = []
+    if tuple(info.latent_shape) != want:
+        ct, cs, _ = info.compression
+        F_, H_, W_, C = info.latent_shape
+        problems.append(f"its latents are {tuple(info.latent_shape)} (frames, height, width, channels) but "
+                        f"data.num_frames={d.num_frames}, data.height={d.height}, data.width={d.width} and "
+                        f"model.in_channels={m.in_channels} make {want}: precomputed clips of "
+                        f"{ct * (F_ - 1) + 1} frames of {cs * W_}x{cs * H_} need --data.num_frames "
+                        f"{ct * (F_ - 1) + 1} --data.height {cs * H_} --data.width {cs * W_}")
+    if info.text_dim != m.text_dim:
+        problems.append(f"its text embeddings are {info.text_dim} wide, model.text_dim={m.text_dim}")
+    if tuple(info.compression) != tuple(m.latent_compression):
+        problems.append(f"its VAE compresses {tuple(info.compression)}, model.latent_compression="
+                        f"{tuple(m.latent_compression)}")
+    if info.text_len > m.text_len:
+        problems.append(f"its text is padded to {info.text_len} tokens, model.text_len={m.text_len}")
+    if problems:
+        raise ConfigError(f"data.manifest={d.manifest!r} does not fit the model:\n  " + "\n  ".join(problems))
+
+
 def resolve_data(cfg: Config) -> Config:
-    """An empty manifest means the demo set: make it here, once, before any actor starts."""
+    """An empty manifest means the demo set: make it here, once, before any actor starts. The
+    data is checked against the model first (``check_data``)."""
+    check_data(cfg)
     if cfg.data.manifest:
         return cfg
     from megaslide_ray.demo_data import ensure_demo_dataset
