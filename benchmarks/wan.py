@@ -1,6 +1,7 @@
 """A Wan block at real width, streamed, against diffusers' WanTransformer3DModel in process.
 
     python -m benchmarks.wan [--depth 2] [--grid 3,16,16] [--steps 4] [--attention dense] [--json]
+    python -m benchmarks.wan --data-wait [--steps 8]
 
 The model has the Wan2.1 T2V 1.3B widths (dim 1536, 12 heads, FFN 8960, text 4096, 16 latent
 channels, patch 1x2x2) but ``--depth`` blocks and a small latent clip, so it runs on a CPU. Rows,
@@ -13,6 +14,10 @@ all fp32, forward + backward of one batch (B=1, 512 text tokens):
                    checkpointing), every shard's gradient returned to the store, which runs
                    AdamW between the steps (not timed: ``StepResult.seconds`` is the compute);
                    the store holds its own seeded weights (the time does not depend on values)
+
+``--data-wait`` instead trains the same model through the main job's Ray actors on a latent
+manifest of random clips (bf16 latents of ``--grid``, 120 valid text tokens each, padded to 512)
+and reports the share of each step the compute actor waited for the decoder's latent batch.
 
 Ratios are against ``diffusers`` in the same run (see docs/architecture.md, "Measuring"). The
 rows take turns step by step (a change in load hits them alike); the first step of each row is a
@@ -102,6 +107,53 @@ def run(depth: int, grid: tuple[int, int, int], steps: int, attention: str) -> l
     return rows
 
 
+def data_wait(depth: int, grid: tuple[int, int, int], steps: int, clips: int = 16) -> dict:
+    """Mean data wait / step time of the main job (Ray actors) training on latents."""
+    import ray
+
+    from diffusers import WanTransformer3DModel
+    from megaslide_ray.config import build_config
+    from megaslide_ray.latents import save_tensor_file, write_latent_manifest
+    from megaslide_ray.trainer import Trainer
+    from megaslide_ray.wan import wan_config_from_diffusers
+
+    with torch.device("meta"):
+        model = wan_config_from_diffusers(dict(WanTransformer3DModel(num_layers=depth, **WIDTHS).config))
+    F_, H_, W_ = grid
+    g = torch.Generator().manual_seed(0)
+    with tempfile.TemporaryDirectory(prefix="megaslide-wan-data-") as tmp:
+        rows = []
+        for i in range(clips):
+            save_tensor_file(f"{tmp}/latents/{i}.safetensors", "latents",
+                             torch.randn(F_, H_, W_, 16, generator=g).to(torch.bfloat16))
+            save_tensor_file(f"{tmp}/text/{i}.safetensors", "text", torch.randn(120, 4096, generator=g).to(torch.bfloat16))
+            rows.append({"latent_path": f"latents/{i}.safetensors", "text_path": f"text/{i}.safetensors",
+                         "caption": f"clip {i}", "latent_shape": [F_, H_, W_, 16], "text_len": 120,
+                         "dtype": "bfloat16"})
+        manifest = write_latent_manifest(rows, {"latents_mean": [0.0] * 16, "latents_std": [1.0] * 16,
+                                                "compression": [4, 8, 8], "latent_channels": 16, "text_dim": 4096},
+                                         f"{tmp}/manifest.parquet")
+        cfg = build_config("wan2.1-t2v-1.3b", None, {
+            **model, "data.manifest": str(manifest), "data.num_frames": 4 * (F_ - 1) + 1, "data.height": 8 * H_,
+            "data.width": 8 * W_, "data.batch_size": 1, "attention.kind": "dense", "training.steps": steps,
+            "training.log_every": steps, "runtime.state_dir": tmp})
+        ray.init(address="local", include_dashboard=False, namespace="megaslide", logging_level="ERROR")
+        try:
+            trainer = Trainer(cfg, run_dir=f"{tmp}/run", progress=False)
+            try:
+                trainer.train()
+            finally:
+                trainer.close()
+            metrics = [json.loads(line) for line in open(f"{tmp}/run/metrics.jsonl")]
+        finally:
+            ray.shutdown()
+    timed = metrics[1:] or metrics  # the first step includes start-up
+    wait = sum(r["data_wait_seconds"] for r in timed)
+    total = sum(r["step_seconds"] for r in timed)
+    return {"row": "data_wait", "steps": len(timed), "data_wait_fraction": wait / total,
+            "step_seconds": total / len(timed), "depth": depth, "grid": list(grid)}
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m benchmarks.wan", description=__doc__.split("\n\n")[0])
     p.add_argument("--depth", type=int, default=2)
@@ -110,10 +162,16 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--attention", default="dense", choices=["dense", "neighborhood", "dsa"],
                    help="our self-attention in the ours/streamed rows (diffusers is always dense)")
     p.add_argument("--threads", type=int, default=0, help="torch threads (0: all cores)")
+    p.add_argument("--data-wait", action="store_true", help="measure the data wait of training on latents instead")
     p.add_argument("--json", action="store_true")
     a = p.parse_args(argv)
     if a.threads:
         torch.set_num_threads(a.threads)
+    if a.data_wait:
+        r = data_wait(a.depth, tuple(int(x) for x in a.grid.split(",")), a.steps)
+        print(json.dumps(r) if a.json else f"training on latents through the Ray actors: data wait "
+              f"{100 * r['data_wait_fraction']:.1f}% of {r['step_seconds']:.2f} s/step over {r['steps']} steps")
+        return 0
     rows = run(a.depth, tuple(int(x) for x in a.grid.split(",")), a.steps, a.attention)
     if a.json:
         for r in rows:

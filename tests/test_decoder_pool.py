@@ -155,6 +155,7 @@ def test_training_skips_bad_files_and_survives_a_hung_decode(ray_session, small_
     assert summary.last_step == 4
 
 
+@pytest.mark.slow
 def test_pool_resume_and_decoder_death_see_the_same_batches(ray_session, small_config, mixed_manifest, tmp_path,
                                                             monkeypatch):
     from megaslide_ray.checkpoint import read_checkpoint_shards

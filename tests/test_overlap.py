@@ -107,6 +107,7 @@ print(run(ov, [batch], 1, measure_memory=True)["peak_anon_bytes"])
 """
 
 
+@pytest.mark.slow
 def test_offloaded_activations_keep_working_memory_flat_in_depth(batches):
     """Peak anonymous memory of one step in a fresh process, depth 2 vs 24. Each block input is
     4 x 2048 tokens x 32 x fp32 = 1 MiB, so keeping them adds 22 MiB at depth 24; offloaded,

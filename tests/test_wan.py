@@ -361,10 +361,3 @@ def test_wan_clip_validation_and_grids():
         assert needle in str(e.value)
     with pytest.raises(ConfigError, match="model.out_channels=4: the videodit model predicts its 3 input channels"):
         build_config("tiny", None, {"model.out_channels": 4})
-
-
-def test_planner_refuses_wan_rather_than_give_videodit_numbers():
-    from megaslide_ray.plan import plan
-
-    with pytest.raises(ConfigError, match="the planner does not support model.arch=wan yet"):
-        plan(build_config("wan2.1-t2v-1.3b"))
