@@ -71,6 +71,8 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import torch
 
+from megaslide_ray.manifest import write_table_atomic
+
 KIND = "latent"
 FORMAT_VERSION = 1
 TEXT_LEN = 512
@@ -170,16 +172,8 @@ def write_latent_manifest(rows: Iterable[Mapping[str, Any]], metadata: Mapping[s
     if missing:
         raise ValueError(f"latent manifest metadata lacks {missing}")
     records = [{name: r.get(name) for name in COLUMNS} for r in rows]
-    table = pa.Table.from_pylist(records, schema=SCHEMA.with_metadata(_encode_metadata(meta)))
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    try:
-        pq.write_table(table, tmp)
-        os.replace(tmp, path)
-    finally:
-        if tmp.exists():
-            tmp.unlink()
-    return path
+    schema = SCHEMA.with_metadata(_encode_metadata(meta))
+    return write_table_atomic(pa.Table.from_pylist(records, schema=schema), path)
 
 
 def read_latent_manifest(path: str | os.PathLike) -> tuple[list[dict[str, Any]], dict[str, Any]]:

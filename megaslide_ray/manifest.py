@@ -82,7 +82,12 @@ def write_manifest(rows: Iterable[ManifestEntry | Mapping[str, Any]], path: str 
     """
     path = Path(path)
     records = [_row_dict(r, i) for i, r in enumerate(rows)]
-    table = pa.Table.from_pylist(records, schema=SCHEMA)
+    return write_table_atomic(pa.Table.from_pylist(records, schema=SCHEMA), path)
+
+
+def write_table_atomic(table: pa.Table, path: Path) -> Path:
+    """Write a Parquet table to a temporary sibling, then rename it into place: a reader never
+    sees half a manifest, and a crash leaves the previous one."""
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
     try:

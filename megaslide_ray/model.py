@@ -73,6 +73,18 @@ def ffn_width(cfg: Config) -> int:
     return cfg.model.ffn_dim or int(cfg.model.hidden_size * cfg.model.mlp_ratio)
 
 
+def window_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, h: torch.Tensor, offsets,
+                     window: tuple[int, int, int], scale: float | None) -> torch.Tensor:
+    """3D-DSA of channels-last ``q, k, v (B, T, H, W, nh, d)`` over ``window``: offsets from the
+    offset head ``offsets`` applied to ``h``, or zero when there is none (``neighborhood``)."""
+    if offsets is not None:
+        off = offsets(h)
+    else:
+        B, T, H, W, nh, _ = q.shape
+        off = h.new_zeros(B, T, H, W, nh, window[0] * window[1] * window[2], 3)
+    return deformable_slide_attention(q, k, v, off, window, scale=scale)
+
+
 def timestep_features(t: torch.Tensor, dim: int) -> torch.Tensor:
     """Flow time t in [0, 1] -> sinusoidal features (B, dim), on the DiT scale of 0..1000."""
     return sincos_1d(t * 1000.0, dim)
@@ -186,12 +198,7 @@ class Attention(nn.Module):
         elif self.kind == "swin":
             o = swin_attention_3d(q, k, v, self.window, self.shift, scale=self.scale).reshape(B, T, H, W, D)
         else:
-            if self.offsets is not None:
-                off = self.offsets(h)
-            else:  # neighborhood: the DSA operator with offsets fixed at zero
-                K = self.window[0] * self.window[1] * self.window[2]
-                off = h.new_zeros(B, T, H, W, self.num_heads, K, 3)
-            o = deformable_slide_attention(q, k, v, off, self.window, scale=self.scale).reshape(B, T, H, W, D)
+            o = window_attention(q, k, v, h, self.offsets, self.window, self.scale).reshape(B, T, H, W, D)
         return self.proj(o)
 
 

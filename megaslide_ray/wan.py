@@ -71,10 +71,9 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from kernels import deformable_slide_attention
 from kernels.swin import swin_attention_3d
 from megaslide_ray.config import WAN_WINDOW, Config, ConfigError, apply_overrides
-from megaslide_ray.model import OffsetPredictor, _mix, ffn_width, unpatchify
+from megaslide_ray.model import OffsetPredictor, _mix, ffn_width, unpatchify, window_attention
 
 KEEP_FP32 = ("time_embedder", "scale_shift_table", "norm1", "norm2", "norm3")
 """diffusers' ``WanTransformer3DModel._keep_in_fp32_modules`` that hold parameters (``rope`` holds
@@ -272,13 +271,8 @@ class WanAttention(nn.Module):
                 o = self._sdpa(*(z.reshape(B, T * H * W, self.num_heads, self.head_dim) for z in (q, k, v)))
             elif self.kind == "swin":
                 o = swin_attention_3d(q, k, v, self.window, self.shift, scale=self.scale)
-            else:
-                if self.offsets is not None:
-                    off = self.offsets(h)
-                else:  # neighborhood: the DSA operator with offsets fixed at zero
-                    K = self.window[0] * self.window[1] * self.window[2]
-                    off = h.new_zeros(B, T, H, W, self.num_heads, K, 3)
-                o = deformable_slide_attention(q, k, v, off, self.window, scale=self.scale)
+            else:  # dsa, or neighborhood (no offset head: offsets fixed at zero)
+                o = window_attention(q, k, v, h, self.offsets, self.window, self.scale)
         return self.to_out[0](o.reshape(B, T, H, W, D))
 
     def _sdpa(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:

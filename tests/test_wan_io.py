@@ -42,6 +42,16 @@ def wan_dir(tmp_path_factory):
     return root, {k: v.detach().clone() for k, v in ref.state_dict().items()}
 
 
+def _initial_checkpoint(cfg, source, run):
+    """A store initialised from ``source`` (--init-from), saved as the step-0 checkpoint of ``run``."""
+    store = ParameterStore(cfg, str(run), init_from=str(source))
+    try:
+        store.save_checkpoint(str(run), 0, {"data_position": 0})
+    finally:
+        store.close()
+    return run
+
+
 def test_model_config_comes_from_the_directory_and_contradictions_are_refused(wan_dir):
     root, _ = wan_dir
     assert is_diffusers_dir(root) and is_diffusers_dir(root / "transformer") and not is_diffusers_dir(root / "vae")
@@ -67,12 +77,7 @@ def test_init_from_loads_diffusers_weights_and_exports_back(wan_dir, tmp_path):
     assert fresh and all(".attn1.offsets." in n for n in fresh)
     assert set(source) == set(weights) == set(names) - set(fresh)
 
-    run = tmp_path / "run"
-    store = ParameterStore(cfg, str(run), init_from=str(root))
-    try:
-        store.save_checkpoint(str(run), 0, {"data_position": 0})
-    finally:
-        store.close()
+    run = _initial_checkpoint(cfg, root, tmp_path / "run")
     ckpt = latest_checkpoint(run)
     out = tmp_path / "export"
     export_diffusers(ckpt, out, drop_offsets=True)
@@ -97,12 +102,7 @@ def test_init_from_loads_diffusers_weights_and_exports_back(wan_dir, tmp_path):
 def test_export_cli_and_refusals(wan_dir, tmp_path):
     root, _ = wan_dir
     cfg = config_for_diffusers_dir(root, None, None, {**CLIP, "runtime.state_dir": str(tmp_path / "state")})
-    run = tmp_path / "run"
-    store = ParameterStore(cfg, str(run), init_from=str(root))
-    try:
-        store.save_checkpoint(str(run), 0, {"data_position": 0})
-    finally:
-        store.close()
+    run = _initial_checkpoint(cfg, root, tmp_path / "run")
     proc = subprocess.run([sys.executable, "-m", "megaslide_ray.pretrained", str(latest_checkpoint(run)),
                            str(tmp_path / "out"), "--format", "diffusers", "--dtype", "bfloat16"],
                           capture_output=True, text=True, timeout=300)
