@@ -144,8 +144,10 @@ def index_source(path: str | Path) -> dict[str, Entry]:
         raise FileNotFoundError(f"--init-from {path}: no such file or directory")
     if is_checkpoint_dir(path):
         return _index_checkpoint(path)
-    if (path / "transformer" / "config.json").is_file():  # a diffusers model directory: its transformer
-        path = path / "transformer"
+    if is_diffusers_dir(path):  # a diffusers model directory or its transformer/ folder: the weights' folder
+        from megaslide_ray.wan import transformer_dir
+
+        path = transformer_dir(path)
     files = sorted(path.glob("*.safetensors")) if path.is_dir() else [path]
     if not files:
         raise PretrainedMismatchError(f"--init-from {path}: a directory with no .safetensors files and no "
