@@ -183,6 +183,10 @@ class RuntimeConfig:
     computes. False: fetch, compute, return strictly in sequence (the "no async streaming" ablation)."""
     prefetch_depth: int = 1
     """Shards staged ahead of the one computing (with ``overlap``)."""
+    token_chunk: int = 0
+    """Run a block's per-token parts (modulation, norms, projections, MLP) over chunks of this
+    many tokens in forward, recompute and backward, and its attention over query chunks, so a
+    block's working set scales with the chunk instead of the clip. 0: whole clip at once."""
     link_gbps: float = 0.0
     """CPU runs: throttle weight staging and gradient return (and offloaded activations) to this
     many GB/s, to simulate a PCIe link without a GPU (0: no throttle; weights are then read in
@@ -586,6 +590,8 @@ def validate(cfg: Config) -> Config:
         _validate_wan(cfg)
     if cfg.runtime.prefetch_depth < 1:
         raise ConfigError(f"runtime.prefetch_depth={cfg.runtime.prefetch_depth} must be >= 1")
+    if cfg.runtime.token_chunk < 0:
+        raise ConfigError(f"runtime.token_chunk={cfg.runtime.token_chunk} must be >= 0 (0 = no chunking)")
     if d.fps < 0 or not math.isfinite(d.fps):
         raise ConfigError(f"data.fps={d.fps} must be >= 0 (0: sample by data.frame_stride)")
     if d.fps > 0 and d.frame_stride != 1:
