@@ -110,6 +110,10 @@ class ComputeActor:
                               rt.overlap, rt.prefetch_depth, rt.link_gbps)
         self.stash = ActivationStash(self.link, rt.offload_activations, rt.state_dir)
         self._returns: list[Future | None] = []  # this step's gradient reports in flight
+        # The last step whose gradients this actor sent: they replaced that step's weights in
+        # the store's w segments (a shard's gradient lands in its w), so predict cannot ask for
+        # that version any more.
+        self._grads_sent = -1
         # The last step's (start, ShardFeed.log, end) on the perf_counter clock (benchmarks).
         self.last_timeline: tuple[float, list[tuple[float, float]], float] = (0.0, [], 0.0)
 
@@ -163,6 +167,7 @@ class ComputeActor:
         inputs = self._inputs(batch, step)
 
         x, c = self._forward(feed, inputs, step)
+        self._grads_sent = max(self._grads_sent, step)
         t_fwd = time.perf_counter()
         loss, dx, dc = self._loss(feed, inputs, x, c, step)
         self._backward(feed, inputs, c, dx, dc, step)
@@ -279,6 +284,12 @@ class ComputeActor:
             # np.array copies: arrays from Ray are read-only views of the object store.
             return (a if isinstance(a, torch.Tensor) else torch.from_numpy(np.array(a))).to(self.device)
 
+        if step <= self._grads_sent:
+            # Shards at version ``step`` hold (or held) that step's gradients in w, not weights.
+            raise RuntimeError(f"predict with the weights of step {step} asked for after this compute actor ran "
+                               f"training step {self._grads_sent + 1}: those weights were replaced by its gradients. "
+                               f"Predict before queueing the next training step (the trainer queues nothing "
+                               f"ahead of a sample or an evaluation)")
         x_t, t, cap, cap_len = (as_tensor(a) for a in (x_t, t, caption, caption_len))
         self.link.begin_step()  # (predictions report no transfer counters)
         feed = ShardFeed(self.link, list(range(self.n)), step)

@@ -1,8 +1,15 @@
 """ParameterStore: every persistent byte of the model, in host shared memory, and CPU AdamW.
 
 Per shard, four flat segments: ``w`` (the compute copy: bf16 for CUDA runs, fp32 for CPU
-runs), ``master``, ``m``, ``v`` (fp32), plus a gradient landing buffer ``g`` (dtype of ``w``)
-that the compute actor fills. Each segment is a file under the state directory
+runs), ``master``, ``m``, ``v`` (fp32): 14 bytes per parameter in bf16, and nothing else.
+There is no gradient buffer: shard l's gradient lands in its own ``w`` segment. ``w_l`` is dead
+between shard l's backward (its weights are already on the device, or, on the CPU, the
+backward that read them in place has returned before the gradient is written) and its update,
+which reads the gradient from ``w_l`` and then rewrites ``w_l`` from ``master``. So between a
+step's backward and its update, ``w_l`` of a shard at version k holds step k's gradient, not
+weights: weights are read only once the shard is at the version asked for (``wait_version``),
+and every path that abandons a step's gradients (a skipped step, a replaced compute actor, a
+re-attached store) restores ``w`` from ``master``. Each segment is a file under the state directory
 (``/dev/shm`` by default: RAM; a disk path lets state exceed RAM), mapped with
 ``torch.from_file(shared=True)``, so the compute actor on the same node maps the very same
 pages: weights are never copied between processes on one node.
@@ -22,17 +29,18 @@ written before the first shard is updated. On re-attach:
 * a shard marked mid-update has a half-written state: the store refuses to start and says to
   resume from the latest checkpoint;
 * versions k+1 on some shards and k on the rest (a cut between two shards): the update of
-  step k is finished from the gradients still in the ``g`` segments (nothing overwrites them
-  before every shard reached k+1) with the recorded coefficient, so every shard gets step k
-  exactly once;
-* all versions equal: nothing was in flight in the state; the gradients reported for the
-  next step lived in the old process only, so the driver redoes that step
-  (``pipelines/streaming.py``).
+  step k is finished from the gradients still in the ``w`` segments of the shards at k
+  (nothing overwrites them before every shard reached k+1) with the recorded coefficient, so
+  every shard gets step k exactly once;
+* all versions equal: nothing was in flight in the state; the norms reported for the next
+  step lived in the old process only, so the driver redoes that step
+  (``pipelines/streaming.py``), and ``w`` is restored from ``master`` on every shard (the
+  compute actor may already have written some of that step's gradients into it).
 
 AdamW kernels (``adamw=`` or ``MEGASLIDE_ADAMW``): ``fused`` (default) is torch's fused CPU
 AdamW on the flat shard plus a copy into ``w``; ``compiled`` is one ``torch.compile``d pass
-that reads g, master, m, v and writes master, m, v, w (28 B/param in bf16 instead of 40, see
-benchmarks/adamw.py), but compiling costs 4-13 s per store process on 2 cores (warm / cold
+that reads the gradient (in w), master, m, v and writes master, m, v, w (28 B/param in bf16
+instead of 40, see benchmarks/adamw.py), but compiling costs 4-13 s per store process on 2 cores (warm / cold
 inductor cache); ``auto`` tries ``compiled`` with a self-test against ``torch.optim.AdamW`` and
 falls back to ``fused``. Default: ``auto`` for models of at least ``COMPILE_MIN_PARAMS``
 parameters (there the saved 12 B/param per step repays the compile within a few hundred steps),
@@ -44,6 +52,7 @@ block in their own threads while the update thread works.
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
 import logging
@@ -66,12 +75,13 @@ from megaslide_ray.checkpoint import CHECKPOINT_KINDS, CheckpointReader, write_c
 from megaslide_ray.config import Config
 from megaslide_ray.faults import fault_point
 from megaslide_ray.model import build_shard, initialize_shard, num_shards
+from megaslide_ray.preflight import StateSpaceError
 from megaslide_ray.schedule import clip_coefficient, lr_at
 from megaslide_ray.shards import ShardLayout
 
 log = logging.getLogger(__name__)
 
-KINDS = ("w", "master", "m", "v", "g")
+KINDS = ("w", "master", "m", "v")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 ADAMW_KINDS = ("fused", "compiled", "auto")
 COMPILE_MIN_PARAMS = 100_000_000
@@ -121,8 +131,19 @@ def map_segment(path: str | Path, numel: int, dtype: torch.dtype, create: bool =
     path = Path(path)
     nbytes = numel * torch.empty((), dtype=dtype).element_size()
     if create:
-        with open(path, "wb") as f:
-            f.truncate(nbytes)
+        # Private to the user who runs the job (the weights and moments are theirs), and every
+        # block reserved now: a sparse file on a filesystem that fills up later would SIGBUS the
+        # process that first writes a page; a reservation fails here, with ENOSPC.
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600)
+        try:
+            os.fchmod(fd, 0o600)
+            if nbytes:
+                os.posix_fallocate(fd, 0, nbytes)
+        except OSError:
+            os.close(fd)
+            path.unlink(missing_ok=True)
+            raise
+        os.close(fd)
     elif path.stat().st_size != nbytes:
         raise RuntimeError(f"segment {path} has {path.stat().st_size} bytes, expected {nbytes}; the state "
                            f"directory belongs to a different model: remove it or choose another runtime.state_dir")
@@ -227,15 +248,27 @@ class ParameterStore:
             self._check_space(root)
             if self.dir.exists():
                 shutil.rmtree(self.dir)
-            self.dir.mkdir(parents=True)
+            self.dir.mkdir(parents=True, mode=0o700)
+            os.chmod(self.dir, 0o700)  # only the user who runs the job reads its weights
             write_owner(self.dir, owner_pid or os.getpid())
         self.seg: list[dict[str, torch.Tensor]] = []
-        for i, lay in enumerate(self.layouts):
-            segs = {}
-            for kind in KINDS:
-                dtype = DTYPES[w_dtype] if kind in ("w", "g") else torch.float32
-                segs[kind] = map_segment(self._path(i, kind), lay.numel, dtype, create=not attached)
-            self.seg.append(segs)
+        try:
+            for i, lay in enumerate(self.layouts):
+                segs = {}
+                for kind in KINDS:
+                    dtype = DTYPES[w_dtype] if kind == "w" else torch.float32
+                    segs[kind] = map_segment(self._path(i, kind), lay.numel, dtype, create=not attached)
+                self.seg.append(segs)
+        except OSError as e:
+            if attached or e.errno not in (errno.ENOSPC, errno.EDQUOT):
+                raise
+            self.seg = []
+            shutil.rmtree(self.dir, ignore_errors=True)  # a fresh state: nothing in it to keep
+            raise StateSpaceError(
+                f"the parameter store could not reserve its {self.state_bytes() / 1e9:.2f} GB of state in {root}: "
+                f"{e.strerror} (the filesystem filled up after the driver's check). Nothing was written; free "
+                f"space there or set runtime.state_dir to a filesystem with room, then start again"
+                + (" (--resume continues from the latest checkpoint)" if resume_checkpoint else "")) from None
         self.versions = map_segment(self.dir / "versions.i64", self.n, torch.int64, create=not attached)
         self.updating = map_segment(self.dir / "updating.i64", self.n, torch.int64, create=not attached)
         self.records = map_segment(self.dir / "records.f64", RECORDS * RECORD_FIELDS, torch.float64,
@@ -246,8 +279,9 @@ class ParameterStore:
         if not attached:
             self._generation_seg.zero_()
         self._generation = int(self._generation_seg[0])
-        # bf16 runs: gradients are upcast into one reused fp32 buffer (a fresh ``g.float()`` per
-        # shard per step costs an allocation and page faults: ~3x slower, see benchmarks/adamw.py).
+        # bf16 runs: gradients are upcast into one reused fp32 buffer of the largest shard's size
+        # (a fresh ``g.float()`` per shard per step costs an allocation and page faults: ~3x
+        # slower, see benchmarks/adamw.py). Private memory, not state: the planner counts it.
         self._grad32 = (torch.empty(max(lay.numel for lay in self.layouts), dtype=torch.float32)
                         if w_dtype != "float32" else None)
         self.adamw, self._single_pass = self._choose_adamw(adamw)
@@ -285,14 +319,16 @@ class ParameterStore:
 
     def _check_space(self, root: Path) -> None:
         need = self.state_bytes()
-        free = shutil.disk_usage(root).free
-        if need > free:
-            raise RuntimeError(f"the parameter store needs {need / 1e9:.2f} GB in {root} but only {free / 1e9:.2f} GB "
-                               f"are free; set runtime.state_dir to a larger disk or memory path")
+        usage = shutil.disk_usage(root)
+        if need > usage.free:
+            from megaslide_ray.preflight import shm_advice
+
+            raise StateSpaceError(f"the parameter store needs {need / 1e9:.2f} GB in {root} but only "
+                                  f"{usage.free / 1e9:.2f} GB are free; " + shm_advice(root, need, usage.free, usage.total))
 
     def state_bytes(self) -> int:
         wbytes = DTYPES[self.w_dtype].itemsize
-        return sum(lay.numel * (2 * wbytes + 12) for lay in self.layouts)
+        return sum(lay.numel * (wbytes + 12) for lay in self.layouts)
 
     def _initialize(self, seed: int) -> None:
         """Shard by shard (a 105B model never exists whole in one process's memory)."""
@@ -308,7 +344,7 @@ class ParameterStore:
 
     # -- queries ------------------------------------------------------------------------------
     def shard_infos(self) -> list[ShardInfo]:
-        return [ShardInfo(i, lay.numel, self.w_dtype, {k: str(self._path(i, k)) for k in ("w", "g")}, lay)
+        return [ShardInfo(i, lay.numel, self.w_dtype, {"w": str(self._path(i, "w"))}, lay)
                 for i, lay in enumerate(self.layouts)]
 
     def status(self) -> StoreStatus:
@@ -335,21 +371,27 @@ class ParameterStore:
     # -- gradients and updates ----------------------------------------------------------------
     def report_grad(self, shard: int, step: int, sqnorm: float, grad: np.ndarray | None = None,
                     generation: int | None = None) -> None:
-        """The compute actor's gradient of ``shard`` for ``step`` is complete: in the ``g``
-        segment already (shm transport) or in ``grad`` (object-ref transport, raw bytes).
-        ``generation`` names the compute actor (see ``set_client_generation``)."""
-        if generation is not None and generation != self._generation:
-            log.warning("dropped a gradient report of shard %d for step %d from a replaced compute actor", shard, step)
-            return
+        """The compute actor's gradient of ``shard`` for ``step`` is complete: in the shard's ``w``
+        segment already (shm transport: the compute actor wrote it there) or in ``grad``
+        (object-ref transport, raw bytes, copied into ``w`` here). ``generation`` names the
+        compute actor (see ``set_client_generation``)."""
+        with self._lock:
+            if generation is not None and generation != self._generation:
+                log.warning("dropped a gradient report of shard %d for step %d from a replaced compute actor",
+                            shard, step)
+                return
+            if int(self.versions[shard]) != step:
+                # Checked before anything is written: w holds this shard's weights (or another
+                # step's gradient) and must not be overwritten by a report that does not belong.
+                raise RuntimeError(f"gradient of shard {shard} for step {step} arrived but the shard is at "
+                                   f"version {int(self.versions[shard])}")
         if grad is not None:
-            g = self.seg[shard]["g"]
-            g.view(torch.uint8).copy_(torch.from_numpy(np.asarray(grad)).view(torch.uint8))
+            # The shard is at version ``step`` and its update cannot start before this report
+            # is counted below, so nothing else reads or writes w_shard meanwhile.
+            self.seg[shard]["w"].view(torch.uint8).copy_(torch.from_numpy(np.asarray(grad)).view(torch.uint8))
         with self._lock:
             if generation is not None and generation != self._generation:
                 return  # the compute actor was replaced while this report was on its way
-            if int(self.versions[shard]) != step:
-                raise RuntimeError(f"gradient of shard {shard} for step {step} arrived but the shard is at "
-                                   f"version {int(self.versions[shard])}")
             got = self._pending.setdefault(step, {})
             got[shard] = float(sqnorm)
             if len(got) == self.n:
@@ -360,7 +402,9 @@ class ParameterStore:
     def set_client_generation(self, generation: int, timeout: float = 600.0) -> tuple[int, ...]:
         """The driver replaced the compute actor: from now on only reports of ``generation``
         count, and partial reports of unfinished steps are forgotten (the step is redone).
-        Returns the versions once the updates already queued are applied."""
+        Returns the versions once the updates already queued are applied; ``w`` then holds
+        weights again on every shard (the replaced actor may have written gradients of the
+        abandoned step into some of them)."""
         deadline = time.monotonic() + timeout
         with self._lock:
             self._generation = generation
@@ -371,7 +415,15 @@ class ParameterStore:
                 if time.monotonic() > deadline:
                     raise TimeoutError(f"updates of steps {sorted(self._inflight)} not finished after {timeout:.0f} s")
                 self._lock.wait(1.0)
+            self._restore_w()
             return tuple(self.versions.tolist())
+
+    def _restore_w(self, shards=None) -> None:
+        """``w = master`` (cast) on ``shards`` (default all): drop gradients of an abandoned step.
+        Only when no update is running on those shards (``w`` is then either weights equal to
+        ``master`` cast, or a gradient nobody will apply)."""
+        for i in range(self.n) if shards is None else shards:
+            self.seg[i]["w"].copy_(self.seg[i]["master"])
 
     def wait_step(self, step: int, timeout: float = 600.0) -> UpdateResult:
         """Block until step ``step``'s update is applied to every shard."""
@@ -443,16 +495,18 @@ class ParameterStore:
         return UpdateResult(step, total, coef, lr, seconds, skipped=not finite)
 
     def _update_shard(self, i: int, step: int, coef: float, lr: float, skip: bool = False) -> None:
-        """AdamW of step ``step`` on shard ``i``, bracketed by its crash marker."""
+        """AdamW of step ``step`` on shard ``i`` (its gradient is in ``w``), bracketed by its
+        crash marker. ``skip`` (non-finite gradients): no update, ``w`` gets its weights back."""
         s = self.seg[i]
         self.updating[i] = step  # from here until the marker is cleared, shard i is half-written
         if i == self.n // 2:
             fault_point("store.mid_shard_update", step)
-        if not skip:
-            if self._single_pass is not None:
-                self._single_pass_update(s, step, coef, lr)
-            else:
-                self._fused_update(s, step, coef, lr)
+        if skip:
+            s["w"].copy_(s["master"])
+        elif self._single_pass is not None:
+            self._single_pass_update(s, step, coef, lr)
+        else:
+            self._fused_update(s, step, coef, lr)
         with self._lock:
             self.versions[i] = step + 1
             self.updating[i] = -1
@@ -461,10 +515,10 @@ class ParameterStore:
     def _fused_update(self, s: dict[str, torch.Tensor], step: int, coef: float, lr: float) -> None:
         o = self.cfg.optim
         if self._grad32 is None:
-            g = s["g"]  # scaled in place below: the marker of this shard is set
+            g = s["w"]  # fp32 run: the gradient is scaled in place (the marker of this shard is set)
         else:
-            g = self._grad32[:s["g"].numel()]
-            g.copy_(s["g"])
+            g = self._grad32[:s["w"].numel()]
+            g.copy_(s["w"])
         if coef < 1.0:
             g.mul_(coef)
         st = torch.tensor(float(step), dtype=torch.float32)
@@ -472,11 +526,11 @@ class ParameterStore:
         adamw_functional([s["master"]], [g], [s["m"]], [s["v"]], [], [st], fused=True,
                          amsgrad=False, beta1=o.betas[0], beta2=o.betas[1], lr=lr,
                          weight_decay=o.weight_decay, eps=o.eps, maximize=False)
-        s["w"].copy_(s["master"])  # the compute copy (a cast for bf16 runs)
+        s["w"].copy_(s["master"])  # the gradient is consumed: w becomes the compute copy again
 
     def _single_pass_update(self, s: dict[str, torch.Tensor], step: int, coef: float, lr: float) -> None:
         o = self.cfg.optim
-        self._single_pass(s["g"], s["master"], s["m"], s["v"], s["w"], *adamw_scalars(o, step, coef, lr))
+        self._single_pass(s["w"], s["master"], s["m"], s["v"], *adamw_scalars(o, step, coef, lr))
 
     # -- crash consistency --------------------------------------------------------------------
     def _write_record(self, step: int, total: float, coef: float, lr: float, skipped: bool,
@@ -506,6 +560,9 @@ class ParameterStore:
         versions = self.versions.tolist()
         lo, hi = min(versions), max(versions)
         if lo == hi:
+            # The step in flight (if any) is redone: gradients the compute actor already wrote
+            # into w are dropped, every shard's w is its weights again.
+            self._restore_w()
             return
         rec = self._record(lo)
         if hi != lo + 1 or rec is None:
@@ -515,7 +572,7 @@ class ParameterStore:
                 f"(python -m megaslide_ray.train --run-dir RUN --resume)")
         todo = [i for i in range(self.n) if versions[i] == lo]
         log.warning("the update of step %d was cut between shards; finishing it on shards %s", lo, todo)
-        for i in todo:  # their gradients of step lo are still in the g segments
+        for i in todo:  # their gradients of step lo are still in their w segments
             self._update_shard(i, lo, rec.clip_coef, rec.lr, skip=rec.skipped)
 
     # -- AdamW kernel choice ------------------------------------------------------------------
@@ -582,6 +639,7 @@ class ParameterStore:
             for i, lay in enumerate(self.layouts):
                 for kind in CHECKPOINT_KINDS:
                     self.seg[i][kind].copy_(ckpt.tensor(i, kind, lay.numel))
+                self.seg[i]["w"].copy_(self.seg[i]["master"])  # w is master cast: not stored
             self.versions.fill_(ckpt.step)
 
     def close(self, remove_state: bool = True) -> None:
@@ -597,13 +655,14 @@ class ParameterStore:
 # -- the single-pass AdamW ------------------------------------------------------------------------
 
 
-def adamw_single_pass(g: torch.Tensor, master: torch.Tensor, m: torch.Tensor, v: torch.Tensor, w: torch.Tensor,
+def adamw_single_pass(w: torch.Tensor, master: torch.Tensor, m: torch.Tensor, v: torch.Tensor,
                       coef: torch.Tensor, decay: torch.Tensor, step_size: torch.Tensor, bc2_sqrt: torch.Tensor,
                       beta1: float, beta2: float, eps: float) -> None:
     """AdamW with clipping, written as torch's single-tensor AdamW computes it; once compiled,
-    one loop reads g (bf16 or fp32), master, m, v and writes master, m, v and w (a cast for
-    bf16). Step-dependent scalars are 0-d tensors, so a new step or lr does not recompile."""
-    g32 = g.float() * coef
+    one loop reads the gradient from ``w`` (bf16 or fp32), master, m, v and writes master, m, v
+    and the new weights into ``w`` (a cast for bf16): the gradient's buffer is the compute
+    copy's. Step-dependent scalars are 0-d tensors, so a new step or lr does not recompile."""
+    g32 = w.float() * coef
     m_new = torch.lerp(m, g32, 1 - beta1)
     v_new = v * beta2 + g32 * g32 * (1 - beta2)
     denom = v_new.sqrt() / bc2_sqrt + eps
@@ -637,7 +696,8 @@ def compile_single_pass(o, w_dtype: torch.dtype, numel: int = 4099, steps: int =
     for step in range(steps):
         g = torch.randn(numel, generator=gen).to(w_dtype)
         coef = 0.5
-        fn(g, master, m, v, w, *adamw_scalars(o, step, coef, 1e-2))
+        w.copy_(g)  # the gradient arrives in w, as in the store
+        fn(w, master, m, v, *adamw_scalars(o, step, coef, 1e-2))
         ref.grad = g.float().mul_(coef)
         opt.step()
     state = opt.state[ref]

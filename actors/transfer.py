@@ -5,8 +5,9 @@ The compute actor (``actors/compute.py``) decides *what* runs; this module moves
 * ``Transfers``: the link of one compute actor. It knows where a shard's weights come from
   (the store's mapped ``w`` segments on the same node, or Ray object refs across nodes),
   copies them towards the device (CUDA: an asynchronous H2D stream from pinned segments; CPU:
-  in place, or through a throttled copy that simulates a PCIe link), returns gradients (CUDA:
-  a D2H stream into the pinned ``g`` segments), and counts the bytes and seconds of each
+  in place, or through a throttled copy that simulates a PCIe link), returns gradients (into
+  the shard's own ``w`` segment, which holds no weights between the shard's backward and its
+  update; CUDA: a D2H stream into the pinned segments), and counts the bytes and seconds of each
   direction per step. Two single-thread executors stand in for the streams on the CPU: one
   stages weights ahead (host -> device), one returns gradients (device -> host).
 * ``ShardFeed``: the weights of one step's shards in schedule order, with ``prefetch_depth``
@@ -61,12 +62,11 @@ class Transfers:
         self.link_gbps = link_gbps
         self.cuda = device.type == "cuda"
         # Same node: map the store's segments. These are the store's pages, not a copy.
+        # A shard's gradient lands in the same mapping once its backward is done.
         self.w_maps: list[torch.Tensor] = []
-        self.g_maps: list[torch.Tensor] = []
         if transport == "shm":
             for info in shards:
                 self.w_maps.append(map_segment(info.paths["w"], info.numel, dtype))
-                self.g_maps.append(map_segment(info.paths["g"], info.numel, dtype))
         # Staging: on CUDA every shard is copied to the device; on CPU only when a link is
         # simulated (``link_gbps``), else the compute reads the mapped pages directly.
         self.staging = StagingPool()
@@ -94,7 +94,7 @@ class Transfers:
         if self.cuda:
             self.h2d_stream = torch.cuda.Stream(device)
             self.d2h_stream = torch.cuda.Stream(device)
-            for seg in self.w_maps + self.g_maps:
+            for seg in self.w_maps:
                 if not self.pinning.register(seg):
                     break  # copies from unpinned pages still work, only synchronously
 
@@ -262,7 +262,7 @@ class Transfers:
         if self.cuda:  # both after the backward, on the D2H stream
             norm = self.host_staging.acquire(1, torch.float32)[0]
             if self.transport == "shm":
-                dst = self.g_maps[shard]
+                dst = self.w_maps[shard]
             else:
                 host = dst = self.host_staging.acquire(g.numel(), g.dtype)[0]
             copied = self.to_host(dst, g, extra=((norm, sqnorm.reshape(1)),))
@@ -277,13 +277,15 @@ class Transfers:
                 if host is not None:
                     grad = host.view(torch.uint8).numpy()
             elif self.transport == "shm":
-                throttled_copy(self.g_maps[shard], g, self.link_gbps)
+                # CPU: the compute read w_shard in place; its backward has returned (this runs
+                # after it), and no later work of this step reads shard ``shard`` again.
+                throttled_copy(self.w_maps[shard], g, self.link_gbps)
                 value = float(sqnorm)
             else:
                 grad = g.view(torch.uint8).numpy()  # CPU: the report copies these bytes
                 value = float(sqnorm)
             seconds = time.perf_counter() - t0
-            # The report copies ``grad`` before it returns (in-process into the g segment; a Ray
+            # The report copies ``grad`` before it returns (in-process into the w segment; a Ray
             # actor call serializes its arguments when it is made), so the buffer is free after.
             self.store.report_grad(shard, step, value, grad)
             if host is not None:
@@ -301,7 +303,7 @@ class Transfers:
         if self.cuda:
             torch.cuda.synchronize(self.device)
         self.pinning.release()
-        self.w_maps, self.g_maps = [], []
+        self.w_maps = []
 
 
 class ShardFeed:

@@ -21,7 +21,7 @@ the figure of merit is the fraction of the machine's STREAM triad bandwidth an u
    bf16-alloc  bf16 grad -> ``g.float()`` (a fresh allocation per shard) -> fused -> bf16 ``w``
    store-bf16  the store on CUDA runs: the same, upcasting into its preallocated fp32 buffer
    compiled    the store's ``compiled`` kernel (``MEGASLIDE_ADAMW=compiled``): ``torch.compile``
-               of ``actors.param_store.adamw_single_pass`` (fp32 grad and w)
+               of ``actors.param_store.adamw_single_pass`` (fp32 w, holding the grad on entry)
    compiled-bf16  the same reading a bf16 grad and writing a bf16 w
    deepspeed   DeepSpeed's ``DeepSpeedCPUAdam`` + ``w.copy_(master)``, only if
                ``deepspeed`` imports (it is not a project dependency)
@@ -176,15 +176,17 @@ def make_store_bf16(s: Shard) -> Callable[[], None]:
 
 def make_compiled(s: Shard, bf16: bool, compiled_fn) -> Callable[[], None]:
     """The store's ``compiled`` kernel: ``actors.param_store.adamw_single_pass`` (one pass that
-    reads g, master, m, v and writes master, m, v, w), called exactly as the store calls it."""
-    g, w = (s.g16, s.w16) if bf16 else (s.g32, s.w32)
+    reads the gradient from w, and master, m, v, and writes master, m, v, w), called exactly as
+    the store calls it. In the timed calls w holds the previous call's weights in place of a
+    gradient (same bytes moved); ``max_rel_diff`` puts each step's gradient into w first."""
+    w = s.w16 if bf16 else s.w32
     hyper = SimpleNamespace(betas=BETAS, eps=EPS, weight_decay=WEIGHT_DECAY)
     count = [0]
 
     def step() -> None:
         k = count[0]
         count[0] += 1
-        compiled_fn(g, s.master, s.m, s.v, w, *adamw_scalars(hyper, k, 1.0, LR))
+        compiled_fn(w, s.master, s.m, s.v, *adamw_scalars(hyper, k, 1.0, LR))
     return step
 
 
@@ -321,6 +323,8 @@ def max_rel_diff(variant: Variant) -> float:
         ref.g32.copy_(g)
         mine.g32.copy_(g)
         mine.g16.copy_(g)  # exact: g is already bf16-representable for bf16 variants
+        mine.w32.copy_(g)  # the store's gradient lands in w (the compiled kernel reads it there;
+        mine.w16.copy_(g)  # every variant overwrites w with the new weights)
         ref_step()
         my_step()
     pairs = [(mine.master, ref.master), (mine.m, ref.m), (mine.v, ref.v)]

@@ -16,10 +16,13 @@ Layout on disk
             shard_0001.safetensors
             ...
 
-Each shard file holds four flat 1-D tensors, the shard's parameters laid end to end as in
-``megaslide_ray.shards.ShardLayout`` (``CHECKPOINT_KINDS``): ``w`` (the compute copy, dtype
-``w_dtype``: float32 or bfloat16), ``master`` (float32 weights), ``m`` and ``v`` (float32 AdamW
-moments). The gradient buffer is never saved. The safetensors metadata (strings) describes the
+Each shard file holds three flat 1-D tensors, the shard's parameters laid end to end as in
+``megaslide_ray.shards.ShardLayout`` (``CHECKPOINT_KINDS``): ``master`` (float32 weights),
+``m`` and ``v`` (float32 AdamW moments). The compute copy ``w`` is not saved: at a checkpoint it
+is exactly ``master`` cast to ``w_dtype`` (state.json), so a reader asked for ``w`` casts
+``master`` (12 instead of 14 bytes per parameter on disk for bf16 runs, 12 instead of 16 for
+fp32; benchmarks/RESULTS.md has the write times). Checkpoints written before that hold a
+``w`` tensor too; it is read when present. The safetensors metadata (strings) describes the
 flat layout, so a reader can rebuild the named tensors without building the model:
 ``names``, ``shapes``, ``offsets`` (JSON lists: parameter names inside the shard, their shapes,
 their element offsets in the flat tensors) and ``shard`` (the shard's index).
@@ -56,7 +59,8 @@ from safetensors.torch import save_file
 from megaslide_ray.shards import ShardLayout
 
 FORMAT_VERSION = 1
-CHECKPOINT_KINDS = ("w", "master", "m", "v")
+CHECKPOINT_KINDS = ("master", "m", "v")      # what a checkpoint stores per shard
+READABLE_KINDS = ("w",) + CHECKPOINT_KINDS   # what a reader serves (w: master cast to w_dtype)
 STATE_FILE = "state.json"
 LATEST = "latest"
 _RESERVED = ("format", "step", "num_shards")  # written by write_checkpoint itself
@@ -247,16 +251,30 @@ class CheckpointReader:
             self._layouts[shard] = ShardLayout(shard, tuple(names), shapes, tuple(offsets), numel)
         return self._layouts[shard]
 
+    @property
+    def w_dtype(self) -> torch.dtype:
+        """The compute copy's dtype (state.json ``w_dtype``; float32 when absent)."""
+        name = self.state.get("w_dtype", "float32")
+        if name not in ("float32", "bfloat16"):
+            raise RuntimeError(f"checkpoint {self.path} has w_dtype={name!r}; expected float32 or bfloat16")
+        return getattr(torch, name)
+
     def dtype(self, shard: int, kind: str) -> str:
-        """The safetensors dtype name (``F32``, ``BF16``) of the shard's ``kind`` tensor, from its header."""
+        """The safetensors dtype name (``F32``, ``BF16``) of the shard's ``kind`` tensor, from its
+        header (``w`` of a checkpoint that does not store it: its ``w_dtype``)."""
+        if kind == "w" and "w" not in self._files[shard].keys():
+            return {torch.float32: "F32", torch.bfloat16: "BF16"}[self.w_dtype]
         return self._files[shard].get_slice(kind).get_dtype()
 
     def tensor(self, shard: int, kind: str, numel: int | None = None) -> torch.Tensor:
         """The shard's flat ``kind`` tensor. ``numel``: the size the caller's model needs; a
         tensor of another size is refused (the checkpoint is of another configuration)."""
-        if kind not in CHECKPOINT_KINDS:
-            raise ValueError(f"kind={kind!r}; a checkpoint holds {list(CHECKPOINT_KINDS)}")
-        t = self._files[shard].get_tensor(kind)
+        if kind not in READABLE_KINDS:
+            raise ValueError(f"kind={kind!r}; a checkpoint serves {list(READABLE_KINDS)}")
+        if kind == "w" and "w" not in self._files[shard].keys():
+            t = self._files[shard].get_tensor("master").to(self.w_dtype)
+        else:
+            t = self._files[shard].get_tensor(kind)
         if numel is not None and t.numel() != numel:
             raise RuntimeError(f"checkpoint {self.path} shard {shard} {kind} has {t.numel()} values, the model "
                                f"needs {numel}: the checkpoint and the model's configuration disagree")

@@ -282,3 +282,26 @@ def test_a_shards_backward_makes_one_zero_fill_not_one_per_parameter(tmp_path, b
     assert old.slice_backward == len(layout.names) == 14, "the counter must see the old per-parameter fills"
     assert count.slice_backward == 0
     assert count.fills == len(sizes), f"{count.fills} shard-sized zero fills for {len(sizes)} shard backwards"
+
+
+def test_predict_refuses_weights_that_gradients_replaced(tmp_path, batches):
+    """After a training step's backward, the shards at that version hold its gradients in w:
+    predicting with that version is refused; the next version (after the update) serves."""
+    manifest, bs = batches
+    cfg = build_config("tiny", None, {**SMALL, "data.manifest": manifest, "runtime.state_dir": str(tmp_path)})
+    store = ParameterStore(cfg, str(tmp_path / "run"))
+    compute = ComputeActor(cfg, store.shard_infos(), LocalStoreClient(store), "shm")
+    b = bs[0]
+    x = torch.zeros((1, 6, 32, 32, 3))
+    args = (x, torch.full((1,), 0.5), torch.from_numpy(b["caption"][:1]), torch.from_numpy(b["caption_len"][:1]))
+    try:
+        before = compute.predict(*args, step=0)
+        compute.train_step(b, 0)
+        with pytest.raises(RuntimeError, match="replaced by its gradients"):
+            compute.predict(*args, step=0)
+        store.wait_step(0)
+        after = compute.predict(*args, step=1)
+        assert torch.isfinite(after).all() and not torch.equal(before, after)
+    finally:
+        compute.close()
+        store.close()

@@ -2,14 +2,16 @@
 bf16 compute copies, checkpoint round trip, pretrained weights in (--init-from) and out."""
 
 import math
+from pathlib import Path
 
 import pytest
 import torch
+from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
 from actors import param_store
 from actors.param_store import ParameterStore, map_segment
-from megaslide_ray.checkpoint import latest_checkpoint
+from megaslide_ray.checkpoint import CheckpointReader, latest_checkpoint, shard_file
 from megaslide_ray.config import build_config
 from megaslide_ray.model import build_model
 from megaslide_ray.pretrained import PretrainedMismatchError, check_pretrained, export_state_dict
@@ -23,8 +25,8 @@ OVR = {"model.depth": 2, "model.hidden_size": 32, "model.num_heads": 2, "optim.w
 def apply_random_step(store: ParameterStore, step: int) -> None:
     """Play the compute actor for one step: random gradients into every shard, then the update."""
     for i in range(store.n):
-        store.seg[i]["g"].normal_()
-        store.report_grad(i, step, float(store.seg[i]["g"].pow(2).sum()), None)
+        store.seg[i]["w"].normal_()
+        store.report_grad(i, step, float(store.seg[i]["w"].pow(2).sum()), None)
     store.wait_step(step)
 
 
@@ -48,9 +50,9 @@ def test_update_equals_torch_adamw_with_global_clipping(cfg, tmp_path, w_dtype, 
         for i, p in enumerate(params):
             assert torch.equal(store.seg[i]["master"], p.detach())
         for step in range(3):
-            grads = [torch.randn(p.shape, generator=gen).to(store.seg[0]["g"].dtype) for p in params]
+            grads = [torch.randn(p.shape, generator=gen).to(store.seg[0]["w"].dtype) for p in params]
             for i, g in enumerate(grads):  # the compute actor's side: fill g, report ||g||^2
-                store.seg[i]["g"].copy_(g)
+                store.seg[i]["w"].copy_(g)
                 store.report_grad(i, step, float(g.float().pow(2).sum()), None)
             result = store.wait_step(step)
             for p, g in zip(params, grads):
@@ -106,8 +108,9 @@ def test_segments_are_shared_memory(cfg, tmp_path):
     assert not store.dir.exists(), "closing the store removes its segments"
 
 
-def test_checkpoint_round_trip_is_bit_exact(cfg, tmp_path):
-    store = ParameterStore(cfg, str(tmp_path / "run"))
+@pytest.mark.parametrize("w_dtype", ["float32", "bfloat16"])
+def test_checkpoint_round_trip_is_bit_exact(cfg, tmp_path, w_dtype):
+    store = ParameterStore(cfg, str(tmp_path / "run"), w_dtype=w_dtype)
     try:
         apply_random_step(store, 0)
         path = store.save_checkpoint(str(tmp_path / "run"), 1, {"data_position": 7})
@@ -115,9 +118,40 @@ def test_checkpoint_round_trip_is_bit_exact(cfg, tmp_path):
     finally:
         store.close()
     assert latest_checkpoint(tmp_path / "run") == tmp_path / "run" / "checkpoints" / "step_1"
-    restored = ParameterStore(cfg, str(tmp_path / "run2"), resume_checkpoint=path)
+    # w (= master cast) is not stored: 12 bytes per parameter on disk, and a reader still serves it.
+    with CheckpointReader(path) as ckpt:
+        for i in range(ckpt.num_shards):
+            assert sorted(ckpt._files[i].keys()) == ["m", "master", "v"]
+            assert torch.equal(ckpt.tensor(i, "w"), saved[i]["w"])
+            assert ckpt.dtype(i, "w") == ("BF16" if w_dtype == "bfloat16" else "F32")
+    restored = ParameterStore(cfg, str(tmp_path / "run2"), w_dtype=w_dtype, resume_checkpoint=path)
     try:
         assert restored.status().versions == (1,) * restored.n
+        for i in range(restored.n):
+            for k, t in saved[i].items():
+                assert torch.equal(restored.seg[i][k], t), (i, k)
+    finally:
+        restored.close()
+
+
+def test_checkpoint_of_the_older_format_with_w_still_loads(cfg, tmp_path):
+    store = ParameterStore(cfg, str(tmp_path / "run"), w_dtype="bfloat16")
+    try:
+        apply_random_step(store, 0)
+        path = store.save_checkpoint(str(tmp_path / "run"), 1, {})
+        saved = [{k: store.seg[i][k].clone() for k in ("w", "master", "m", "v")} for i in range(store.n)]
+    finally:
+        store.close()
+    for i in range(len(saved)):  # rewrite each shard file as the format before it dropped w
+        file = Path(path) / shard_file(i)
+        with safe_open(str(file), framework="pt") as f:
+            meta, tensors = f.metadata(), {k: f.get_tensor(k) for k in f.keys()}
+        tensors["w"] = saved[i]["w"]
+        save_file(tensors, str(file), metadata=meta)
+    with CheckpointReader(path) as ckpt:
+        assert "w" in ckpt._files[0].keys() and torch.equal(ckpt.tensor(0, "w"), saved[0]["w"])
+    restored = ParameterStore(cfg, str(tmp_path / "run2"), w_dtype="bfloat16", resume_checkpoint=path)
+    try:
         for i in range(restored.n):
             for k, t in saved[i].items():
                 assert torch.equal(restored.seg[i][k], t), (i, k)

@@ -59,8 +59,8 @@ def _report_all(store, step, seed):
     gen = torch.Generator().manual_seed(seed)
     sq = {}
     for i in range(store.n):
-        store.seg[i]["g"].copy_(torch.randn(store.seg[i]["g"].numel(), generator=gen))
-        sq[i] = float(store.seg[i]["g"].pow(2).sum())
+        store.seg[i]["w"].copy_(torch.randn(store.seg[i]["w"].numel(), generator=gen))
+        sq[i] = float(store.seg[i]["w"].pow(2).sum())
     return sq
 
 
@@ -145,6 +145,62 @@ def test_lost_gradients_and_stale_reports(cfg, tmp_path):
         for i in range(store.n):
             store.report_grad(i, 0, sq[i], None, generation=1)
         assert store.wait_step(0).step == 0 and store.status().versions == (1,) * store.n
+    finally:
+        store.close()
+
+
+# -- 14 bytes per parameter: gradients land in w ---------------------------------------------------
+
+
+def test_store_has_no_gradient_segment_and_counts_14_bytes_per_parameter(cfg, tmp_path):
+    store = ParameterStore(cfg, str(tmp_path / "run"), w_dtype="bfloat16")
+    try:
+        params = sum(lay.numel for lay in store.layouts)
+        assert store.state_bytes() == 14 * params
+        assert sorted(p.suffix for p in store.dir.glob("shard_0000.*")) == [".m", ".master", ".v", ".w"]
+        assert sum(p.stat().st_size for p in store.dir.glob("shard_*")) == 14 * params
+    finally:
+        store.close()
+
+
+def test_gradients_of_an_abandoned_step_never_become_weights(cfg, tmp_path):
+    """A gradient written into w and never applied (compute actor replaced, store re-attached, or a
+    non-finite step) must not be mistaken for weights: w is restored from master."""
+    store = ParameterStore(cfg, str(tmp_path / "run"))
+    try:
+        weights = _state(store)
+        sq = _report_all(store, 0, seed=4)  # every shard's w now holds a gradient
+        store.report_grad(0, 0, sq[0], None, generation=0)
+        store.set_client_generation(1)  # the compute actor died mid-step
+        assert all(torch.equal(store.seg[i]["w"], weights[i]["w"]) for i in range(store.n))
+        # a step whose norm is not finite: skipped on every shard, w gets its weights back
+        _report_all(store, 0, seed=5)
+        for i in range(store.n):
+            store.report_grad(i, 0, float("nan") if i == 1 else sq[i], None, generation=1)
+        assert store.wait_step(0).skipped
+        for i in range(store.n):
+            for k in ("w", "master", "m", "v"):
+                assert torch.equal(store.seg[i][k], weights[i][k]), (i, k)
+        _report_all(store, 1, seed=6)  # versions are 1: a dead actor wrote gradients, then the store died
+        store.close(remove_state=False)
+        again = ParameterStore(cfg, str(tmp_path / "run"), attach=True)
+        try:
+            for i in range(again.n):
+                assert torch.equal(again.seg[i]["w"], weights[i]["w"]), i
+        finally:
+            again.close()
+    finally:
+        store.close()
+
+
+def test_object_ref_report_for_the_wrong_step_does_not_touch_w(cfg, tmp_path):
+    store = ParameterStore(cfg, str(tmp_path / "run"))
+    try:
+        before = store.seg[1]["w"].clone()
+        stale = torch.randn(before.numel()).numpy().view("uint8")
+        with pytest.raises(RuntimeError, match="version 0"):
+            store.report_grad(1, 3, 1.0, stale)
+        assert torch.equal(store.seg[1]["w"], before)
     finally:
         store.close()
 

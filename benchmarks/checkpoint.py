@@ -1,0 +1,105 @@
+"""Checkpoint size and write time with and without the compute copy ``w``.
+
+    python -m benchmarks.checkpoint [--params 1e8] [--shards 8] [--dir DIR] [--json]
+
+A checkpoint stores ``master``, ``m`` and ``v`` (fp32) per shard; ``w`` is ``master`` cast to the
+run's ``w_dtype`` and is rebuilt on load. This measures what storing ``w`` as well would cost:
+bytes on disk and the seconds of ``megaslide_ray.checkpoint.write_checkpoint`` (fsyncs
+included), for bf16 and fp32 compute copies, best of ``--repeats`` writes, both variants in
+the same run and alternating (so a burst of disk or CPU load hits both). ``--dir`` is where the
+checkpoints go (default: a temporary directory on the system temp disk); the ratio, not the
+absolute seconds, is the figure to compare.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+from megaslide_ray import checkpoint as ckpt_mod
+from megaslide_ray.shards import ShardLayout
+
+
+def _shards(params: int, shards: int, w_dtype: torch.dtype, seed: int = 0):
+    gen = torch.Generator().manual_seed(seed)
+    per = params // shards
+    out = []
+    for i in range(shards):
+        master = torch.randn(per, generator=gen)
+        lay = ShardLayout(i, ("weight",), ((per,),), (0,), per)
+        out.append((lay, {"w": master.to(w_dtype, copy=True), "master": master, "m": 0.01 * master,
+                          "v": 1e-4 * master.abs()}))
+    return out
+
+
+def _write(root: Path, shards, kinds: tuple[str, ...]) -> tuple[float, int]:
+    saved = ckpt_mod.CHECKPOINT_KINDS
+    ckpt_mod.CHECKPOINT_KINDS = kinds  # the writer stores exactly these kinds
+    try:
+        if root.exists():
+            shutil.rmtree(root)
+        t0 = time.perf_counter()
+        path = ckpt_mod.write_checkpoint(root, 1, iter(shards), {"w_dtype": "x"})
+        seconds = time.perf_counter() - t0
+    finally:
+        ckpt_mod.CHECKPOINT_KINDS = saved
+    size = sum(f.stat().st_size for f in Path(path).iterdir())
+    return seconds, size
+
+
+def run(params: int, shards: int, repeats: int, where: Path) -> list[dict]:
+    rows = []
+    for name, dtype in (("bfloat16", torch.bfloat16), ("float32", torch.float32)):
+        data = _shards(params, shards, dtype)
+        variants = {"without w (stored)": ("master", "m", "v"), "with w": ("w", "master", "m", "v")}
+        best = {k: (float("inf"), 0) for k in variants}
+        for _ in range(repeats):
+            for label, kinds in variants.items():
+                secs, size = _write(where / "ckpt", data, kinds)
+                best[label] = (min(best[label][0], secs), size)
+        base_s, base_b = best["without w (stored)"]
+        for label, (secs, size) in best.items():
+            rows.append({"w_dtype": name, "variant": label, "params": params, "bytes": size,
+                         "bytes_per_param": size / params, "seconds": secs, "gbps": size / secs / 1e9,
+                         "size_ratio": size / base_b, "time_ratio": secs / base_s})
+        shutil.rmtree(where / "ckpt", ignore_errors=True)
+    return rows
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m benchmarks.checkpoint", description=__doc__.split("\n\n")[0])
+    p.add_argument("--params", type=float, default=1e8, help="parameters in all (default 1e8)")
+    p.add_argument("--shards", type=int, default=8, help="shard files (default 8)")
+    p.add_argument("--repeats", type=int, default=3, help="writes per variant; the best counts (default 3)")
+    p.add_argument("--dir", default="", help="where to write (default: a temporary directory)")
+    p.add_argument("--json", action="store_true", help="one JSON object per row")
+    a = p.parse_args(argv)
+    if a.params < a.shards or a.shards < 1 or a.repeats < 1:
+        p.error(f"--params {a.params:g} / --shards {a.shards} / --repeats {a.repeats}: need params >= shards >= 1 "
+                f"and repeats >= 1")
+    where = Path(a.dir) if a.dir else Path(tempfile.mkdtemp(prefix="megaslide-ckpt-bench-"))
+    where.mkdir(parents=True, exist_ok=True)
+    try:
+        rows = run(int(a.params), a.shards, a.repeats, where)
+    finally:
+        if not a.dir:
+            shutil.rmtree(where, ignore_errors=True)
+    if a.json:
+        for r in rows:
+            print(json.dumps(r))
+        return 0
+    print(f"{'w_dtype':<10}{'variant':<22}{'GB':>8}{'B/param':>9}{'seconds':>9}{'GB/s':>7}{'size x':>8}{'time x':>8}")
+    for r in rows:
+        print(f"{r['w_dtype']:<10}{r['variant']:<22}{r['bytes'] / 1e9:>8.2f}{r['bytes_per_param']:>9.2f}"
+              f"{r['seconds']:>9.2f}{r['gbps']:>7.2f}{r['size_ratio']:>8.2f}{r['time_ratio']:>8.2f}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
