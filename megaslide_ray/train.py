@@ -148,12 +148,21 @@ def check_resume(cfg: Config) -> str:
     return ""
 
 
-def start_ray(cfg: Config):
+def start_ray(cfg: Config, space=None):
+    """Join ``ray.address`` or start a local cluster; ``space`` (``preflight.SpacePlan``) sizes a
+    local cluster's object store so that it and the parameter store's state fit in /dev/shm."""
     import ray
 
     if cfg.ray.address:
         return ray.init(address=cfg.ray.address, namespace="megaslide", log_to_driver=True)
     extra = {"_metrics_export_port": cfg.ray.metrics_export_port} if cfg.ray.metrics_export_port else {}
+    if space is not None and space.object_store_bytes:
+        extra["object_store_memory"] = space.object_store_bytes
+        if space.plasma_dir:
+            extra["_plasma_directory"] = space.plasma_dir
+        log.warning("Ray's object store: %.2f GB%s, so that it and the parameter store's %.2f GB of state fit in %s",
+                    space.object_store_bytes / 1e9, f" in {space.plasma_dir}" if space.plasma_dir else "",
+                    space.need_bytes / 1e9, space.root)
     return ray.init(address="local", num_cpus=cfg.ray.num_cpus or None, include_dashboard=True,
                     dashboard_host=cfg.ray.dashboard_host, namespace="megaslide",
                     logging_level=logging.WARNING, log_to_driver=True, **extra)
@@ -212,13 +221,24 @@ def main(argv: list[str] | None = None) -> int:
         os.environ.setdefault(faults.ENV_DIR, tempfile.mkdtemp(prefix="megaslide-faults-"))
         log.warning("fault injection on: %s", args.inject_fault)
 
+    space = None
+    if not cfg.ray.address:  # a local cluster: the store's state goes to this machine's state dir
+        from megaslide_ray.preflight import StateSpaceError, plan_state_space
+
+        try:
+            space = plan_state_space(cfg, cfg.training.run_dir or None)
+        except StateSpaceError as e:
+            print(f"state dir error: {e}", file=sys.stderr)
+            return 2
+
     import ray
 
     from megaslide_ray.checkpoint import CheckpointWriteError
+    from megaslide_ray.preflight import StateSpaceError
     from megaslide_ray.trainer import BadStepsError, Trainer
     from pipelines.streaming import RestartLimitError
 
-    ctx = start_ray(cfg)
+    ctx = start_ray(cfg, space)
     url = getattr(ctx, "dashboard_url", None)
     if url:
         print(f"Ray dashboard: http://{url}  (Ray token auth is on: `ray get-auth-token` prints the token "
@@ -234,7 +254,7 @@ def main(argv: list[str] | None = None) -> int:
             report_summary(trainer.train(), trainer, cfg)
         except KeyboardInterrupt:
             rc = 130
-        except (BadStepsError, RestartLimitError, CheckpointWriteError) as e:
+        except (BadStepsError, RestartLimitError, CheckpointWriteError, StateSpaceError) as e:
             print(f"error: {e}", file=sys.stderr)
             rc = 1
         try:

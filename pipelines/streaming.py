@@ -67,6 +67,17 @@ def actor_options() -> dict:
     return {"runtime_env": {"env_vars": env}} if env else {}
 
 
+def raise_state_space_error(e: BaseException) -> None:
+    """The store's constructor refused for want of room (``StateSpaceError``): raise it again
+    here with its own message, instead of Ray's actor traceback around it."""
+    text = str(e)
+    key = "StateSpaceError: "
+    if key in text:
+        from megaslide_ray.preflight import StateSpaceError
+
+        raise StateSpaceError(text[text.rindex(key) + len(key):].strip().splitlines()[0]) from None
+
+
 def is_actor_failure(error: BaseException) -> bool:
     """An actor died under the call (directly, or inside the task that made the call), or a
     restarted store no longer holds a step's gradients: redoing the step recovers."""
@@ -155,7 +166,11 @@ class StreamingPipeline:
             max_restarts=cfg.runtime.max_restarts, **actor_options())
         self._store = store_cls.remote(cfg, run_dir, self.w_dtype, resume_checkpoint, False, init_from,
                                        owner_pid=os.getpid())
-        self.infos = ray.get(self._store.shard_infos.remote())
+        try:
+            self.infos = ray.get(self._store.shard_infos.remote())
+        except RayActorError as e:
+            raise_state_space_error(e)
+            raise
         status = self.status()
         self.store_node, self.state_dir = status.node_id, status.state_dir
         self._compute_generation = 0
