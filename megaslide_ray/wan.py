@@ -62,6 +62,8 @@ contradicts, ``diffusers_config`` writes the ``config.json`` of a config.
 
 from __future__ import annotations
 
+import copy
+
 import json
 import math
 from pathlib import Path
@@ -676,7 +678,8 @@ def from_diffusers(path: str | Path, attention_kind: str = "dense", window: Sequ
     ``attention_kind``/``window``/``offset_groups`` choose the self-attention (default ``dense``,
     diffusers' own; ``window`` defaults to the presets' ``WAN_WINDOW``). A ``dsa`` model gets offset
     heads initialised from ``seed`` with the last layer zero. ``dtype``: float32 by default; bf16
-    keeps diffusers' float32 modules (``KEEP_FP32``) in float32."""
+    keeps diffusers' float32 modules (``KEEP_FP32``) in float32. The model is built in ``dtype``
+    and filled one tensor at a time: a bf16 14B model takes its 28.6 GB, not an fp32 copy first."""
     from safetensors import safe_open
 
     tdir = transformer_dir(path)
@@ -684,11 +687,15 @@ def from_diffusers(path: str | Path, attention_kind: str = "dense", window: Sequ
     apply_overrides(cfg, diffusers_overrides(tdir))
     apply_overrides(cfg, {"attention.kind": attention_kind, "attention.window": tuple(window or WAN_WINDOW),
                           "attention.offset_groups": offset_groups})
+    dtype = dtype or torch.float32
     with torch.device("meta"):
         model = DiffusersWanTransformer(cfg)
+    if dtype != torch.float32:
+        cast_like_diffusers(model, dtype)  # on the meta device: the model is only ever built in its dtype
     model.to_empty(device=device)
     expected = {n: tuple(p.shape) for n, p in model.named_parameters()}
-    found: dict[str, torch.Tensor] = {}
+    # Pass 1, headers only: every missing, unexpected or wrong-shape name in one error.
+    where: dict[str, Path] = {}
     problems, unexpected = [], []
     for file in weight_files(tdir):
         with safe_open(str(file), framework="pt", device="cpu") as f:
@@ -697,21 +704,28 @@ def from_diffusers(path: str | Path, attention_kind: str = "dense", window: Sequ
                     if "norm_added_q" not in key:  # diffusers ignores these too
                         unexpected.append(key)
                     continue
-                tensor = f.get_tensor(key)
-                if tuple(tensor.shape) != expected[key]:
-                    problems.append(f"{key}: shape {tuple(tensor.shape)} in {file.name}, the model needs {expected[key]}")
-                found[key] = tensor
-    missing = sorted(n for n in expected if n not in found and ".attn1.offsets." not in n)
+                shape = tuple(f.get_slice(key).get_shape())
+                if shape != expected[key]:
+                    problems.append(f"{key}: shape {shape} in {file.name}, the model needs {expected[key]}")
+                where[key] = file
+    missing = sorted(n for n in expected if n not in where and ".attn1.offsets." not in n)
     if missing or unexpected or problems:
         lines = [f"missing: {n}" for n in missing] + [f"unexpected: {n}" for n in sorted(unexpected)] + problems
         raise ValueError(f"the weights in {tdir} do not fit the Wan transformer of its config.json "
                          f"({len(lines)} problem(s)):\n  " + "\n  ".join(lines[:50]))
+    params = dict(model.named_parameters())
     with torch.no_grad():
         for index, block in enumerate(model.blocks, start=1):
-            if block.attn1.offsets is not None:  # fresh offset heads, last layer zero
-                initialize_shard(block.attn1.offsets, seed, index)
-                nn.init.zeros_(block.attn1.offsets.out.weight)
-        for name, p in model.named_parameters():
-            if name in found:
-                p.copy_(found[name])
-    return cast_like_diffusers(model, dtype) if dtype not in (None, torch.float32) else model
+            if block.attn1.offsets is not None:  # fresh offset heads, last layer zero (drawn in fp32, then cast)
+                fresh = copy.deepcopy(block.attn1.offsets).float()
+                initialize_shard(fresh, seed, index)
+                nn.init.zeros_(fresh.out.weight)
+                for (_, p), (_, q) in zip(block.attn1.offsets.named_parameters(), fresh.named_parameters()):
+                    p.copy_(q)
+        # Pass 2: one tensor at a time into its parameter (the whole checkpoint is never held).
+        for file in sorted(set(where.values())):
+            with safe_open(str(file), framework="pt", device="cpu") as f:
+                for key in f.keys():
+                    if where.get(key) == file:
+                        params[key].copy_(f.get_tensor(key))
+    return model
