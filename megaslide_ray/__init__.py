@@ -3,6 +3,8 @@
 Layers. Imports point down this list, never up:
 
     entry points   train (the main CLI), trainer (the driver loop), sample (CLI),
+                   evaluate (the validation loss: decodes with the decoder's rules, streams
+                   through the compute actor like sample; CLI),
                    precompute (the latent CLI: decodes with the decoder's rules, Ray encoder pool)
                    -> may import anything below
     pipelines/     streaming.py, decoder_pool.py: make the actor classes Ray actors, run the
