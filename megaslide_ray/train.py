@@ -192,6 +192,11 @@ def main(argv: list[str] | None = None) -> int:
         from megaslide_ray.trainer import check_data
 
         check_data(cfg)  # the data must be what the model reads (video, or latents for wan)
+        val_set = None
+        if cfg.training.eval_every:  # the validation clips must decode: found out before Ray starts
+            from megaslide_ray.evaluate import load_val_set
+
+            val_set = load_val_set(cfg)
     except (ConfigError, ValueError, FileNotFoundError) as e:
         print(f"data error: {e}", file=sys.stderr)
         return 2
@@ -239,7 +244,7 @@ def main(argv: list[str] | None = None) -> int:
         rc = 0
         try:
             trainer = Trainer(cfg, run_dir=cfg.training.run_dir or None, resume=args.resume,
-                              progress=not args.no_progress, init_from=args.init_from)
+                              progress=not args.no_progress, init_from=args.init_from, val_set=val_set)
             stopper.trainer = trainer
             print(f"run dir: {trainer.run_dir}", flush=True)
             report_summary(trainer.train(), trainer, cfg)

@@ -130,7 +130,7 @@ def resolve_data(cfg: Config) -> Config:
 
 class Trainer:
     def __init__(self, cfg: Config, run_dir: str | None = None, resume: bool = False, progress: bool = True,
-                 init_from: str | None = None):
+                 init_from: str | None = None, val_set=None):
         self.cfg = cfg
         self.run_dir = Path(run_dir or cfg.training.run_dir or default_run_dir())
         self.progress = progress
@@ -148,8 +148,10 @@ class Trainer:
 
             check_pretrained(cfg, init_from)  # every mismatch in one error, before any actor starts
         resolve_data(cfg)
-        self.val_set = None
-        if cfg.training.eval_every:  # decoded once, here, before any actor starts
+        # The validation clips (``evaluate.ValSet``; the CLI decodes them before Ray starts and
+        # hands them over), decoded once, here, before any actor starts.
+        self.val_set = val_set
+        if cfg.training.eval_every and val_set is None:
             from megaslide_ray.evaluate import load_val_set
 
             self.val_set = load_val_set(cfg)

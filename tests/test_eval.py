@@ -43,12 +43,17 @@ def test_config_refuses_a_missing_val_manifest_and_eval_without_one(tmp_path, ca
     assert "nowhere.parquet" in capsys.readouterr().err
 
 
-def test_a_latent_val_manifest_is_refused_for_videodit(tmp_path, manifest, capsys):
-    path = _latent_manifest(tmp_path, n=1)
+def test_unfitting_or_unreadable_val_manifests_are_refused_before_ray(tmp_path, manifest, capsys):
+    from megaslide_ray.manifest import write_manifest
     from megaslide_ray.train import main
 
+    path = _latent_manifest(tmp_path, n=1)
     assert main(["--data", manifest, "--data.val_manifest", str(path)]) == 2
     assert "data.val_manifest=" in capsys.readouterr().err
+    (tmp_path / "empty.mp4").write_bytes(b"")
+    bad = write_manifest([{"path": "empty.mp4", "caption": "x"}], tmp_path / "bad.parquet")
+    assert main(["--data", manifest, "--data.val_manifest", str(bad), "--training.eval_every", "1"]) == 2
+    assert "data error: validation manifest" in capsys.readouterr().err
 
 
 @pytest.fixture(scope="module")
