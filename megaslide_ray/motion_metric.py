@@ -190,15 +190,29 @@ def flicker(frames: np.ndarray, bg_tol: int = 24, dilate: int = 2) -> float:
     return float(np.mean(diffs)) if diffs else float("nan")
 
 
+def as_uint8(frames) -> np.ndarray:
+    """A clip as uint8 ``(T, H, W, 3)``: uint8 as it is; floats in [-1, 1] (the model's scale,
+    when any value is negative), in [0, 1] (when none exceeds 1), else in [0, 255]."""
+    f = np.asarray(frames)
+    if f.dtype == np.uint8:
+        return f
+    f = f.astype(np.float64)
+    if f.size and f.min() < 0:
+        f = (f + 1) * 127.5
+    elif f.size and f.max() <= 1:
+        f = f * 255
+    return np.clip(np.round(f), 0, 255).astype(np.uint8)
+
+
 def motion_fidelity(frames: np.ndarray, caption: str | CaptionMotion, tol: int = 50, min_area: int = 4,
                     visible_fraction: float = 0.8) -> dict:
-    """The metric of one clip (uint8 ``(T, H, W, 3)``) against its caption: a dict with
+    """The metric of one clip (``(T, H, W, 3)``, uint8 or float: ``as_uint8``) against its caption: a dict with
     ``detection_rate``, ``trajectory_error``, ``speed_error``, ``direction_error_deg``,
     ``area_cv``, ``colour_std``, ``flicker``, ``steps`` (frame pairs judged) and the caption's
     ``colour``, ``direction`` and ``speed``. NaN where a number cannot be measured (e.g. fewer
     than two visible frames)."""
     want = parse_caption(caption) if isinstance(caption, str) else caption
-    f = np.asarray(frames)
+    f = as_uint8(frames)
     T, H, W = f.shape[:3]
     tr = track_object(f, want.rgb, tol, min_area)
     found = tr.area > 0

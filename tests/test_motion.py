@@ -145,6 +145,14 @@ def test_flicker_and_shape_changes_are_caught(motion_set):
     assert min(recoloured) > 3 and np.mean(recoloured) > 6, recoloured
 
 
+def test_float_clips_score_like_uint8(motion_set):
+    caption, frames, _ = motion_set[2][0]
+    want = MM.motion_fidelity(frames, caption)
+    for scaled in (frames / 127.5 - 1.0, frames / 255.0, frames.astype(np.float32)):
+        got = MM.motion_fidelity(scaled, caption)
+        assert got["trajectory_error"] == pytest.approx(want["trajectory_error"], abs=1e-9)
+
+
 def test_metric_cli(motion_set, capsys):
     train, _, clips = motion_set
     caption, _, _ = clips[0]
