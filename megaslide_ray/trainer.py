@@ -206,14 +206,23 @@ class Trainer:
 
     def evaluate(self, version: int) -> dict:
         """The validation loss of the weights of ``version`` (forward only, through the compute
-        actor): the metrics.jsonl fields ``val_loss``, ``val_loss_t{b}`` and ``val_seconds``."""
+        actor): the metrics.jsonl fields ``val_loss``, ``val_loss_t{b}`` and ``val_seconds``
+        (none when the store's versions were not all ``version`` around it: see below)."""
         from megaslide_ray.evaluate import validation_loss
 
-        # ``version`` is k + 1 after step k: predict() waits until every shard's version is k + 1,
+        # ``version`` is k + 1 after step k: predict() waits until each shard's version is k + 1,
         # i.e. until the store has applied step k's update to it. Before that a shard's ``w``
         # segment may hold its gradient (between its backward and its update), never weights to
-        # read. Nothing is queued past step k (see train_step), so no shard can be further along.
-        return validation_loss(self.pipeline, self.cfg, self.val_set, version).as_row()
+        # read. Nothing is queued past step k (see train_step), so no shard can move on while the
+        # evaluation reads it (on a CPU the weights are read in place); checked before and after.
+        before = self.pipeline.status().versions
+        result = validation_loss(self.pipeline, self.cfg, self.val_set, version).as_row()
+        after = self.pipeline.status().versions
+        if any(v != version for v in (*before, *after)):
+            log.warning("validation after step %d skipped: shard versions %s / %s, not all %d (a step was queued "
+                        "past it)", version, before, after, version)
+            return {}
+        return result
 
     def sample(self, version: int) -> Path:
         """Sample the fixed prompt with the weights of ``version`` through the compute actor
