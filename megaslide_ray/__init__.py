@@ -3,14 +3,16 @@
 Layers. Imports point down this list, never up:
 
     entry points   train (the main CLI), trainer (the driver loop), sample (CLI),
+                   evaluate (the validation loss: decodes with the decoder's rules, streams
+                   through the compute actor like sample; CLI),
                    precompute (the latent CLI: decodes with the decoder's rules, Ray encoder pool)
                    -> may import anything below
     pipelines/     streaming.py, decoder_pool.py: make the actor classes Ray actors, run the
                    step schedule, recover from failures
     actors/        param_store.py, compute.py, transfer.py, decoder.py: plain classes
     foundation     config, model, wan, shards, schedule, diffusion, captions, checkpoint, latents,
-                   faults, metrics, manifest, index, demo_data, plan, baseline (and pretrained,
-                   report)
+                   faults, metrics, manifest, index, demo_data, motion, motion_metric, plan,
+                   baseline (and pretrained, report)
     kernels/       the 3D-DSA operator and 3D shifted windows: imports nothing of the project
 
 **Foundation modules** (this package) may be imported by actors/, pipelines/ and the entry
@@ -27,8 +29,8 @@ Wan 2.x transformer (diffusers' names); ``latents`` reads and writes the latent 
 ``precompute`` makes and the decoders load.
 
 Several foundation modules also have a command line (``python -m megaslide_ray.NAME``) but
-import only foundation modules: ``index``, ``demo_data``, ``plan``, ``pretrained`` and
-``report``. ``pretrained`` in particular is also a library: ``actors/param_store.py`` uses its
+import only foundation modules: ``index``, ``demo_data``, ``motion``, ``motion_metric``,
+``plan``, ``pretrained`` and ``report``. ``pretrained`` in particular is also a library: ``actors/param_store.py`` uses its
 loader for ``--init-from``, and ``actors/decoder.py`` uses ``demo_data`` for the demo set.
 
 The architecture is described in docs/architecture.md.

@@ -103,6 +103,11 @@ class DataConfig:
     manifest: str = ""
     """Parquet manifest of videos (columns ``path``, ``caption``). Empty: the built-in demo set,
     generated on first use in the cache directory."""
+    val_manifest: str = ""
+    """Held-out manifest for the validation loss (``training.eval_every``): a video manifest for
+    ``videodit``, a latent manifest for ``wan``, of the same clip shape as ``manifest``. Its first
+    ``training.val_clips`` readable rows are the validation clips (first frames, centre crop).
+    Empty: no validation set."""
     num_frames: int = 16
     """Frames per training clip."""
     height: int = 64
@@ -229,6 +234,16 @@ class TrainingConfig:
     """Caption of the samples taken during training."""
     sample_steps: int = 10
     """Euler steps of each sample taken during training."""
+    eval_every: int = 0
+    """Every this many steps, compute the validation loss on ``data.val_manifest`` (forward only,
+    through the compute actor, with the weights after that step's update) into metrics.jsonl
+    (``val_loss``, ``val_loss_t0``...); 0 never. Needs ``data.val_manifest``."""
+    val_clips: int = 4
+    """Validation clips: the first this many readable rows of ``data.val_manifest``."""
+    val_t_buckets: int = 4
+    """The validation loss is measured on every clip at one flow time t in each of this many equal
+    buckets of [0, 1] (t and the noise are fixed by ``seed``, the clip and the bucket), and reported
+    per bucket as ``val_loss_t{b}``."""
     overfit_one_batch: bool = False
     """Debug: train on the first batch only, with the same noise and timesteps every step (the loss
     must fall steadily; a quick check that model, streaming and optimizer work together)."""
@@ -635,7 +650,7 @@ def validate(cfg: Config) -> Config:
         raise ConfigError(f"optim.betas={o.betas} must each lie in [0, 1)")
     for where, value in [("optim.weight_decay", o.weight_decay), ("optim.grad_clip", o.grad_clip),
                          ("optim.warmup_steps", o.warmup_steps), ("training.checkpoint_every", t.checkpoint_every),
-                         ("training.sample_every", t.sample_every),
+                         ("training.sample_every", t.sample_every), ("training.eval_every", t.eval_every),
                          ("runtime.compute_threads", cfg.runtime.compute_threads),
                          ("runtime.optimizer_threads", cfg.runtime.optimizer_threads),
                          ("runtime.link_gbps", cfg.runtime.link_gbps),
@@ -653,6 +668,15 @@ def validate(cfg: Config) -> Config:
         raise ConfigError(f"data.manifest={d.manifest!r} does not exist; build one with "
                           f"`python -m megaslide_ray.index VIDEO_DIR --out manifest.parquet` or leave it empty "
                           f"for the demo set")
+    if d.val_manifest and not Path(d.val_manifest).is_file():
+        raise ConfigError(f"data.val_manifest={d.val_manifest!r} does not exist; give the held-out manifest "
+                          f"(video, or latents for wan) or leave it empty")
+    if t.val_clips < 1 or t.val_t_buckets < 1:
+        raise ConfigError(f"training.val_clips={t.val_clips} and training.val_t_buckets={t.val_t_buckets} must "
+                          f"both be >= 1")
+    if t.eval_every and not d.val_manifest:
+        raise ConfigError(f"training.eval_every={t.eval_every} needs data.val_manifest (the held-out clips); "
+                          f"give --data.val_manifest MANIFEST or set training.eval_every=0")
     if not math.isfinite(o.lr):
         raise ConfigError(f"optim.lr={o.lr} must be finite")
     if m.arch == "wan" and t.sample_every:

@@ -2,7 +2,9 @@
 
 Ray exports them with its own metrics (Prometheus text at each node's metrics export port,
 shown in the dashboard's Metrics view when Prometheus/Grafana are set up), prefixed ``ray_``:
-``ray_megaslide_loss{run="..."}`` and so on. Recorded by the driver once per step.
+``ray_megaslide_loss{run="..."}`` and so on. Recorded by the driver once per step (the
+validation losses when a step evaluated: ``ray_megaslide_val_loss`` and
+``ray_megaslide_val_loss_bucket{bucket="0"}`` ...).
 """
 
 from __future__ import annotations
@@ -31,16 +33,23 @@ STEP_GAUGES = {
     "skipped_files": ("megaslide_skipped_files", "video files skipped as unreadable so far"),
     "data_position": ("megaslide_data_position", "manifest draws consumed so far"),
 }
+# Set only by the steps that evaluate (training.eval_every).
+VAL_GAUGES = {
+    "val_loss": ("megaslide_val_loss", "validation loss at the last evaluation (training.eval_every)"),
+}
 
 
 class RunMetrics:
     def __init__(self, run: str, host_state_bytes: int | None = None):
         self.tags = {"run": run}
         self.gauges = {key: Gauge(name, description=desc, tag_keys=("run",))
-                       for key, (name, desc) in STEP_GAUGES.items()}
+                       for key, (name, desc) in {**STEP_GAUGES, **VAL_GAUGES}.items()}
         if host_state_bytes is not None:
             Gauge("megaslide_host_state_bytes", description="bytes of model state held by the parameter store",
                   tag_keys=("run",)).set(float(host_state_bytes), tags=self.tags)
+        self.val_bucket = Gauge("megaslide_val_loss_bucket",
+                                description="validation loss of one t-bucket at the last evaluation",
+                                tag_keys=("run", "bucket"))
         self.decoder_fps = Gauge("megaslide_decoder_frames_per_second",
                                  description="frames decoded per second of decoding, all decoders",
                                  tag_keys=("run",))
@@ -52,3 +61,6 @@ class RunMetrics:
         for key, gauge in self.gauges.items():
             if key in row and row[key] is not None:
                 gauge.set(float(row[key]), tags=self.tags)
+        for key, value in row.items():  # val_loss_t0, val_loss_t1, ...: one series per bucket
+            if key.startswith("val_loss_t") and key[10:].isdigit():
+                self.val_bucket.set(float(value), tags={**self.tags, "bucket": key[10:]})

@@ -3,7 +3,9 @@
     python -m megaslide_ray.report RUN_DIR [--out DIR]
 
 Writes ``loss.png``, ``tokens_per_s.png`` and ``time_split.png`` into ``RUN_DIR/report/`` (or
-``--out``) and prints a summary table. How a step's wall time splits: ``step_seconds`` is the
+``--out``) and prints a summary table. A run that evaluated (``training.eval_every``) also gets
+``val_loss.png`` (the validation loss and its t-buckets), and its validation loss is drawn on
+``loss.png`` too. How a step's wall time splits: ``step_seconds`` is the
 driver's time between two steps; the compute actor's share is ``forward_seconds +
 backward_seconds`` (= ``compute_seconds``), and the rest (``step_seconds - compute_seconds``)
 is waiting for data and driver overhead. ``weight_wait_seconds`` (blocked on a shard version
@@ -23,6 +25,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 PLOTS = ("loss.png", "tokens_per_s.png", "time_split.png")
+VAL_PLOT = "val_loss.png"  # only for runs with validation rows
 
 
 @dataclass(frozen=True)
@@ -37,6 +40,11 @@ class RunSummary:
     mean_step_seconds: float      # over the steps after the first (the first includes start-up), if any
     tokens_per_second: float      # tokens / wall seconds over the same steps
     split: dict                   # name -> fraction of step time (forward, backward, other, weight wait, optimizer)
+    val_first: float = float("nan")   # validation loss at the first / last evaluation, and its minimum
+    val_last: float = float("nan")
+    val_min: float = float("nan")
+    val_min_step: int = -1
+    val_evals: int = 0
 
 
 def read_metrics(path: str | Path) -> list[dict]:
@@ -98,11 +106,15 @@ def summarize(rows: list[dict]) -> RunSummary:
             split["other (data, driver)"] = sum(other) / total
     i_min = min(range(len(losses)), key=losses.__getitem__) if losses else None
     nan = float("nan")
+    val_steps, val = _values(rows, "val_loss")
+    v_min = min(range(len(val)), key=val.__getitem__) if val else None
+    val_fields = dict(val_first=val[0], val_last=val[-1], val_min=val[v_min], val_min_step=val_steps[v_min],
+                      val_evals=len(val)) if val else {}
     return RunSummary(
         rows=len(rows), first_step=int(rows[0]["step"]), last_step=int(rows[-1]["step"]),
         first_loss=losses[0] if losses else nan, last_loss=losses[-1] if losses else nan,
         min_loss=losses[i_min] if i_min is not None else nan, min_loss_step=steps[i_min] if i_min is not None else -1,
-        mean_step_seconds=_mean(step_s), tokens_per_second=tok_s, split=split,
+        mean_step_seconds=_mean(step_s), tokens_per_second=tok_s, split=split, **val_fields,
     )
 
 
@@ -114,6 +126,9 @@ def format_summary(s: RunSummary) -> str:
         f"{'mean s/step':<24} {s.mean_step_seconds:.3f}" + ("  (first step excluded)" if s.rows > 1 else ""),
         f"{'tokens/s':<24} {s.tokens_per_second:.0f}",
     ]
+    if s.val_evals:
+        lines.append(f"{'val loss first / last':<24} {s.val_first:.4f} / {s.val_last:.4f} ({s.val_evals} evaluations)")
+        lines.append(f"{'val loss min':<24} {s.val_min:.4f} (step {s.val_min_step})")
     if s.split:
         lines.append("time split (% of step time):")
         notes = {"weight wait": "  (inside forward/backward)", "optimizer": "  (overlaps the next forward)"}
@@ -141,7 +156,8 @@ def _pyplot():
 
 
 def plot_run(rows: list[dict], out_dir: str | Path) -> list[Path]:
-    """Write the three PNGs into ``out_dir``; returns their paths."""
+    """Write the three PNGs (and ``val_loss.png`` when rows have ``val_loss``) into ``out_dir``;
+    returns their paths."""
     plt = _pyplot()
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
@@ -154,6 +170,9 @@ def plot_run(rows: list[dict], out_dir: str | Path) -> list[Path]:
         k = max(len(loss) // 10, 2)
         smooth = [_mean(loss[max(0, i - k + 1): i + 1]) for i in range(len(loss))]
         ax.plot(steps, smooth, label=f"mean of last {k}")
+    val_steps, val = _values(rows, "val_loss")
+    if val:
+        ax.plot(val_steps, val, marker="o", label="validation loss")
     ax.set(xlabel="step", ylabel="flow-matching loss (MSE)", title="loss")
     ax.grid(alpha=0.3)
     ax.legend()
@@ -193,6 +212,20 @@ def plot_run(rows: list[dict], out_dir: str | Path) -> list[Path]:
     if bottom.get_legend_handles_labels()[0]:
         bottom.legend(fontsize=8)
     written.append(_save(fig, out / "time_split.png", plt))
+
+    if val:
+        fig, ax = plt.subplots(figsize=(7, 4))
+        ax.plot(val_steps, val, marker="o", color="black", label="val_loss (all buckets)")
+        buckets = sorted({k for r in rows for k in r if k.startswith("val_loss_t") and k[10:].isdigit()},
+                         key=lambda k: int(k[10:]))
+        for k in buckets:
+            b, n = int(k[10:]), len(buckets)
+            xs, ys = _values(rows, k)
+            ax.plot(xs, ys, marker=".", label=f"t in [{b / n:.2f}, {(b + 1) / n:.2f})")
+        ax.set(xlabel="step", ylabel="flow-matching loss (MSE)", title="validation loss by t-bucket")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+        written.append(_save(fig, out / VAL_PLOT, plt))
     return written
 
 

@@ -57,6 +57,8 @@ def sampling_config(state: dict, frames: int | None = None, height: int | None =
     sampling. Raises ``ConfigError`` if a size does not divide by the patch size."""
     cfg = config_from_dict(state["config"])
     cfg.data.manifest = ""            # training data is not needed (and may live on another machine)
+    cfg.data.val_manifest = ""
+    cfg.training.eval_every = 0
     cfg.runtime.state_dir = ""
     cfg.runtime.device = device
     cfg.data.batch_size = 1

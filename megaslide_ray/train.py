@@ -32,6 +32,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--steps", type=int, default=None, help="total optimizer steps (training.steps)")
     p.add_argument("--run-dir", default=None, help="output directory (default runs/<timestamp>)")
     p.add_argument("--data", default=None, help="Parquet manifest of your videos (data.manifest)")
+    p.add_argument("--demo", choices=["shapes", "motion"], default=None,
+                   help="without --data: the demo set to train on: shapes (default) or motion (megaslide_ray.motion: "
+                        "shapes at stated speeds and directions; its held-out split becomes data.val_manifest, "
+                        "evaluated every 10 steps unless training.eval_every says otherwise)")
     p.add_argument("--resume", action="store_true", help="continue from the run dir's latest checkpoint")
     p.add_argument("--init-from", default=None, metavar="FILE_OR_DIR",
                    help="start from pretrained weights: a checkpoint dir (RUN/checkpoints/step_N), a .safetensors "
@@ -107,6 +111,13 @@ def config_from_args(args: argparse.Namespace, extra: list[str]) -> Config:
                       ("sample_every", "training.sample_every")):
         if getattr(args, flag) is not None:
             overrides[key] = getattr(args, flag)
+    if args.demo == "motion" and args.data is None and "data.manifest" not in overrides:
+        from megaslide_ray.motion import ensure_motion_dataset
+
+        train, val = ensure_motion_dataset()
+        overrides["data.manifest"] = str(train)
+        overrides.setdefault("data.val_manifest", str(val))
+        overrides.setdefault("training.eval_every", 10)
     config_file = args.config
     if args.resume and config_file is None and args.preset is None and args.run_dir:
         saved = Path(args.run_dir) / "config.toml"
@@ -190,6 +201,11 @@ def main(argv: list[str] | None = None) -> int:
         from megaslide_ray.trainer import check_data
 
         check_data(cfg)  # the data must be what the model reads (video, or latents for wan)
+        val_set = None
+        if cfg.training.eval_every:  # the validation clips must decode: found out before Ray starts
+            from megaslide_ray.evaluate import load_val_set
+
+            val_set = load_val_set(cfg)
     except (ConfigError, ValueError, FileNotFoundError) as e:
         print(f"data error: {e}", file=sys.stderr)
         return 2
@@ -248,7 +264,7 @@ def main(argv: list[str] | None = None) -> int:
         rc = 0
         try:
             trainer = Trainer(cfg, run_dir=cfg.training.run_dir or None, resume=args.resume,
-                              progress=not args.no_progress, init_from=args.init_from)
+                              progress=not args.no_progress, init_from=args.init_from, val_set=val_set)
             stopper.trainer = trainer
             print(f"run dir: {trainer.run_dir}", flush=True)
             report_summary(trainer.train(), trainer, cfg)

@@ -67,27 +67,34 @@ def check_data(cfg: Config) -> None:
     """The data must be what the model reads: video for ``videodit``, a latent manifest from
     ``megaslide_ray.precompute`` for ``wan``, with the latent shape, text width and VAE
     compression the config implies. One ``ConfigError`` names every disagreement (called before
-    Ray starts by the CLI, and by the Trainer)."""
+    Ray starts by the CLI, and by the Trainer). ``data.val_manifest`` is held to the same rules."""
+    m, d = cfg.model, cfg.data
+    if not d.manifest and m.arch == "wan":
+        raise ConfigError("model.arch='wan' trains on precomputed VAE latents and text embeddings, not on the "
+                          "demo videos: run `python -m megaslide_ray.precompute --model-dir WAN_DIR --data "
+                          "VIDEOS.parquet --out CACHE --frames F --height H --width W`, then pass --data with "
+                          "the latent manifest it writes")
+    if d.manifest:
+        _check_manifest(cfg, "data.manifest", d.manifest)
+    if d.val_manifest:
+        _check_manifest(cfg, "data.val_manifest", d.val_manifest)
+
+
+def _check_manifest(cfg: Config, field: str, path: str) -> None:
+    """``check_data`` for one manifest (``field`` names it in the messages)."""
     from megaslide_ray.latents import is_latent_manifest, latent_manifest_info
 
     m, d = cfg.model, cfg.data
-    if not d.manifest:
-        if m.arch == "wan":
-            raise ConfigError("model.arch='wan' trains on precomputed VAE latents and text embeddings, not on the "
-                              "demo videos: run `python -m megaslide_ray.precompute --model-dir WAN_DIR --data "
-                              "VIDEOS.parquet --out CACHE --frames F --height H --width W`, then pass --data with "
-                              "the latent manifest it writes")
-        return
-    latent = is_latent_manifest(d.manifest)
+    latent = is_latent_manifest(path)
     if m.arch == "wan" and not latent:
-        raise ConfigError(f"data.manifest={d.manifest!r} is a video manifest; model.arch='wan' reads latents: "
+        raise ConfigError(f"{field}={path!r} is a video manifest; model.arch='wan' reads latents: "
                           f"precompute them first (python -m megaslide_ray.precompute ...)")
     if m.arch != "wan" and latent:
-        raise ConfigError(f"data.manifest={d.manifest!r} holds precomputed latents; model.arch={m.arch!r} reads "
+        raise ConfigError(f"{field}={path!r} holds precomputed latents; model.arch={m.arch!r} reads "
                           f"video (latents are for --preset wan2.1-t2v-1.3b and the other wan presets)")
     if not latent:
         return
-    info = latent_manifest_info(d.manifest)
+    info = latent_manifest_info(path)
     want = (*cfg.latent_grid, m.in_channels)
     problems = []
     if tuple(info.latent_shape) != want:
@@ -106,7 +113,7 @@ def check_data(cfg: Config) -> None:
     if info.text_len > m.text_len:
         problems.append(f"its text is padded to {info.text_len} tokens, model.text_len={m.text_len}")
     if problems:
-        raise ConfigError(f"data.manifest={d.manifest!r} does not fit the model:\n  " + "\n  ".join(problems))
+        raise ConfigError(f"{field}={path!r} does not fit the model:\n  " + "\n  ".join(problems))
 
 
 def resolve_data(cfg: Config) -> Config:
@@ -123,7 +130,7 @@ def resolve_data(cfg: Config) -> Config:
 
 class Trainer:
     def __init__(self, cfg: Config, run_dir: str | None = None, resume: bool = False, progress: bool = True,
-                 init_from: str | None = None):
+                 init_from: str | None = None, val_set=None):
         self.cfg = cfg
         self.run_dir = Path(run_dir or cfg.training.run_dir or default_run_dir())
         self.progress = progress
@@ -141,6 +148,13 @@ class Trainer:
 
             check_pretrained(cfg, init_from)  # every mismatch in one error, before any actor starts
         resolve_data(cfg)
+        # The validation clips (``evaluate.ValSet``; the CLI decodes them before Ray starts and
+        # hands them over), decoded once, here, before any actor starts.
+        self.val_set = val_set
+        if cfg.training.eval_every and val_set is None:
+            from megaslide_ray.evaluate import load_val_set
+
+            self.val_set = load_val_set(cfg)
         self.run_dir.mkdir(parents=True, exist_ok=True)
         (self.run_dir / "config.toml").write_text(to_toml(cfg))
         # The only pipeline of the run: a rollback rebuilds its actors in place.
@@ -186,6 +200,30 @@ class Trainer:
         every = self.cfg.training.sample_every
         return every > 0 and (step + 1) % every == 0
 
+    def _eval_due(self, step: int) -> bool:
+        every = self.cfg.training.eval_every
+        return every > 0 and (step + 1) % every == 0
+
+    def evaluate(self, version: int) -> dict:
+        """The validation loss of the weights of ``version`` (forward only, through the compute
+        actor): the metrics.jsonl fields ``val_loss``, ``val_loss_t{b}`` and ``val_seconds``
+        (none when the store's versions were not all ``version`` around it: see below)."""
+        from megaslide_ray.evaluate import validation_loss
+
+        # ``version`` is k + 1 after step k: predict() waits until each shard's version is k + 1,
+        # i.e. until the store has applied step k's update to it. Before that a shard's ``w``
+        # segment may hold its gradient (between its backward and its update), never weights to
+        # read. Nothing is queued past step k (see train_step), so no shard can move on while the
+        # evaluation reads it (on a CPU the weights are read in place); checked before and after.
+        before = self.pipeline.status().versions
+        result = validation_loss(self.pipeline, self.cfg, self.val_set, version).as_row()
+        after = self.pipeline.status().versions
+        if any(v != version for v in (*before, *after)):
+            log.warning("validation after step %d skipped: shard versions %s / %s, not all %d (a step was queued "
+                        "past it)", version, before, after, version)
+            return {}
+        return result
+
     def sample(self, version: int) -> Path:
         """Sample the fixed prompt with the weights of ``version`` through the compute actor
         (forward only) into ``samples/step_N.mp4`` and its ``.png`` contact sheet."""
@@ -204,9 +242,10 @@ class Trainer:
     def train_step(self, step: int) -> dict:
         due = self._checkpoint_due(step)
         sample_due = self._sample_due(step)
-        # Before a checkpoint, a sample or a requested stop nothing is queued ahead: the state
-        # must be step k's.
-        report = self.pipeline.run_step(step, queue_next=not (due or sample_due or self.stop_reason)
+        eval_due = self._eval_due(step)
+        # Before a checkpoint, a sample, an evaluation or a requested stop nothing is queued
+        # ahead: the state must be step k's.
+        report = self.pipeline.run_step(step, queue_next=not (due or sample_due or eval_due or self.stop_reason)
                                         and step + 1 < self.cfg.training.steps)
         now = time.perf_counter()
         wall, self._last_time = now - self._last_time, now
@@ -229,6 +268,8 @@ class Trainer:
         self._count_bad_step(row)
         row["bad_steps"] = self.bad_steps
         row["restarts"] = self.pipeline.restarts
+        if eval_due:
+            row.update(self.evaluate(step + 1))
         self._metrics.write(json.dumps(row) + "\n")
         self._metrics.flush()
         if (step + 1) % self.cfg.training.log_every == 0 or step == self.start_step:
@@ -244,7 +285,7 @@ class Trainer:
         if due:
             self.last_checkpoint = self.pipeline.save_checkpoint(
                 str(self.run_dir), step + 1, self._data_extra)
-        if due or sample_due:  # the next step's time should not include saving or sampling
+        if due or sample_due or eval_due:  # the next step's time excludes saving, sampling, evaluating
             self._last_time = time.perf_counter()
         return row
 
@@ -266,6 +307,12 @@ class Trainer:
                 f"(optim.max_bad_steps={limit}); stopping. The weights are those before the first bad step (no "
                 f"update was applied); the latest checkpoint is {self.last_checkpoint or 'none'}. Lower optim.lr, "
                 f"raise optim.warmup_steps or check the data, then --resume")
+
+    def _say(self, msg: str, bar) -> None:
+        if self.progress:  # the bar owns the terminal: print above it
+            bar.write(msg)
+        else:
+            log.info(msg)
 
     def _finish_queued(self, step: int, rows: list, bar) -> int:
         """A stop was requested: run ``step`` if it is already queued on the compute actor (its
@@ -310,10 +357,11 @@ class Trainer:
                     msg = (f"step {row['step']}/{steps} | loss {row['loss']:.4f} | lr {row['lr']:.2e} | "
                            f"grad {row['grad_norm']:.3f} | {row['tokens_per_s']:.0f} tok/s | "
                            f"{row['step_seconds']:.2f} s/step | skipped files {row['skipped_files']}")
-                    if self.progress:  # the bar owns the terminal: print above it
-                        bar.write(msg)
-                    else:
-                        log.info(msg)
+                    self._say(msg, bar)
+                if "val_loss" in row:
+                    buckets = sorted((k for k in row if k.startswith("val_loss_t")), key=lambda k: int(k[10:]))
+                    self._say(f"step {row['step']}/{steps} | val_loss {row['val_loss']:.4f} | by t-bucket "
+                              + " ".join(f"{row[k]:.4f}" for k in buckets), bar)
         finally:
             bar.close()
         extra = {"stopped_by": self.stop_reason if step < steps else "", "bad_steps": self.bad_steps,

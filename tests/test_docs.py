@@ -66,7 +66,7 @@ def test_docs_do_not_cite_the_design_card():
 
 
 FOUNDATION = ("config", "model", "wan", "shards", "schedule", "diffusion", "captions", "checkpoint", "latents",
-              "faults", "metrics", "manifest", "index", "demo_data", "plan", "baseline")
+              "faults", "metrics", "manifest", "index", "demo_data", "motion", "motion_metric", "plan", "baseline")
 """The foundation modules named in megaslide_ray/__init__.py."""
 
 

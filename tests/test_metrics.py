@@ -8,7 +8,7 @@ import urllib.request
 import pytest
 import ray
 
-from megaslide_ray.metrics import STEP_GAUGES
+from megaslide_ray.metrics import STEP_GAUGES, VAL_GAUGES
 from megaslide_ray.trainer import Trainer
 
 
@@ -33,16 +33,17 @@ def _scrape(port: int) -> dict[str, float]:
     return values
 
 
-def test_megaslide_metrics_are_exported(metrics_port, small_config, tmp_path):
-    cfg = small_config(**{"training.steps": 2})
+def test_megaslide_metrics_are_exported(metrics_port, small_config, manifest, tmp_path):
+    cfg = small_config(**{"training.steps": 2, "training.eval_every": 2, "data.val_manifest": manifest,
+                          "training.val_clips": 1, "training.val_t_buckets": 2})
     trainer = Trainer(cfg, run_dir=str(tmp_path / "metricsrun"), progress=False)
     try:
         trainer.train()
     finally:
         trainer.close()
     last = json.loads((tmp_path / "metricsrun" / "metrics.jsonl").read_text().splitlines()[-1])
-    wanted = {f"ray_{name}" for name, _ in STEP_GAUGES.values()} | {"ray_megaslide_host_state_bytes",
-                                                                   "ray_megaslide_decoder_frames_per_second"}
+    wanted = {f"ray_{name}" for name, _ in [*STEP_GAUGES.values(), *VAL_GAUGES.values()]} | {
+        "ray_megaslide_host_state_bytes", "ray_megaslide_decoder_frames_per_second", "ray_megaslide_val_loss_bucket"}
     deadline = time.monotonic() + 60  # Ray reports metrics every few seconds
     values: dict[str, float] = {}
     while time.monotonic() < deadline and not wanted <= values.keys():
@@ -51,6 +52,7 @@ def test_megaslide_metrics_are_exported(metrics_port, small_config, tmp_path):
     assert wanted <= values.keys(), f"missing: {sorted(wanted - values.keys())}"
     assert values["ray_megaslide_step"] == 2
     assert values["ray_megaslide_loss"] == pytest.approx(last["loss"], rel=1e-6)
+    assert values["ray_megaslide_val_loss"] == pytest.approx(last["val_loss"], rel=1e-6)
     assert values["ray_megaslide_tokens_per_second"] > 0
     assert values["ray_megaslide_host_state_bytes"] > 0
     assert values["ray_megaslide_decoder_frames_per_second"] > 0
