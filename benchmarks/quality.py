@@ -1,0 +1,334 @@
+"""Does 3D-DSA learn motion? The attention kinds trained alike and compared on held-out motion.
+
+    python -m benchmarks.quality [--steps N] [--seeds 0 1 2] [--kinds dense swin neighborhood dsa]
+                                 [--samples M] [--out DIR] [--json]
+
+Every (kind, seed) trains the same small model (the ``tiny`` preset: 16 frames of 64x64 in 2x4x4
+patches, 2048 tokens, 4 blocks of width 128) for the same steps on the same batches of the
+motion set's training split (``megaslide_ray.motion``: shapes moving 1-8 px per frame, so the
+fast ones move 2.5-4 tokens per patch frame), with the same initial weights per seed; only
+``attention.kind`` differs (``dense``; ``swin``, ``neighborhood`` and ``dsa`` with the same
+(3,3,3) window, K = 27 keys per query: swin's windows are fixed tiles (shifted every other
+block), neighborhood's slide with the query, dsa's slide and move by learned offsets). Training runs in process (``megaslide_ray.baseline``: the
+model and objective of the streamed trainer, which the tests hold equal to it), so the table
+compares the attention operators, not the plumbing.
+
+Per (kind, seed) it records:
+
+* **validation loss** on the held-out split (combinations of colour, shape, direction and speed
+  never seen in training), at fixed noise and t (``megaslide_ray.evaluate.validation_loss``),
+  at several steps, and per t-bucket at the end;
+* **motion fidelity** of samples (``megaslide_ray.motion_metric``): the held-out captions are
+  sampled from fixed noise (Euler, ``training.sample_steps``) and each clip is scored against
+  its caption: detection rate, trajectory error (px per frame), direction error, area
+  variation, background flicker;
+* **step time** (in-process, this machine);
+* for ``dsa``, the **learned offsets** on the validation clips at t = 0.5: mean |offset| in
+  tokens, and whether they point along the object's motion: the per-block motion estimate of
+  ``megaslide_ray.offsets_view`` (the slope of the mean spatial offset over the window's time
+  slices) averaged over the object's tokens, against the true velocity from the set's
+  ``motion.json``: cosine and length ratio, per block.
+
+The table gives mean and spread (standard deviation over seeds) per kind; ``--out`` receives
+``quality.json``, ``quality.md`` and two plots (val loss against steps, motion metrics per
+kind). Nothing is tuned per kind: the preset's optimizer settings serve all four.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+KINDS = ("dense", "swin", "neighborhood", "dsa")
+WINDOWS = {"swin": "3,3,3", "neighborhood": "3,3,3", "dsa": "3,3,3"}
+METRICS = ("detection_rate", "trajectory_error", "direction_error_deg", "area_cv", "flicker")
+
+
+class ModelPredictor:
+    """``predict(x_t, t, cond, cond_len, version)`` of an in-process model (the interface the
+    compute actor offers to sampling and validation)."""
+
+    def __init__(self, model: torch.nn.Module):
+        self.model = model
+
+    @torch.no_grad()
+    def predict(self, x_t, t, cond, cond_len, version: int) -> torch.Tensor:
+        as_t = lambda a: a if isinstance(a, torch.Tensor) else torch.from_numpy(np.asarray(a))  # noqa: E731
+        return self.model(as_t(x_t).float(), as_t(t).float(), as_t(cond), as_t(cond_len)).float()
+
+
+def kind_config(kind: str, seed: int, steps: int, train_manifest: str, val_manifest: str, extra: dict):
+    from megaslide_ray.config import build_config
+
+    over = {"attention.kind": kind, "training.seed": seed, "training.steps": steps,
+            "data.manifest": train_manifest, "data.val_manifest": val_manifest, **extra}
+    if kind in WINDOWS:
+        over["attention.window"] = WINDOWS[kind]
+    return build_config("tiny", None, {k: str(v) for k, v in over.items()})
+
+
+def training_batches(cfg, steps: int) -> list[dict]:
+    """The decoder's first ``steps`` batches for ``cfg.training.seed`` (the same for every kind)."""
+    from actors.decoder import VideoDecoder
+
+    with VideoDecoder(cfg.data, cfg.training.seed, cfg.model.caption_max_bytes) as dec:
+        return [dec.next_batch() for _ in range(steps)]
+
+
+def _offset_modules(model):
+    from megaslide_ray.model import OffsetPredictor
+
+    return [m for m in model.modules() if isinstance(m, OffsetPredictor)]
+
+
+@torch.no_grad()
+def offset_statistics(model, cfg, val, truth: dict, val_files: list[str]) -> dict:
+    """Mean |offset| (tokens) and, per block, the motion estimate against the true velocity on
+    the object's tokens (module docstring), over the validation clips at t = 0.5."""
+    from megaslide_ray.evaluate import val_generator
+    from megaslide_ray.offsets_view import motion_estimate
+
+    mods = _offset_modules(model)
+    got: dict[int, list] = {i: [] for i in range(len(mods))}
+    hooks = [m.register_forward_hook(lambda mod, a, out, i=i: got[i].append(out[0].float()))
+             for i, m in enumerate(mods)]
+    pt, ph, pw = cfg.model.patch_size
+    window = tuple(cfg.attention.window)
+    abs_mean, cos_by_block, ratio_by_block = [], {i: [] for i in got}, {i: [] for i in got}
+    try:
+        for c in range(len(val.rows)):
+            for m in got.values():
+                m.clear()
+            noise = torch.randn(val.x0[c].shape, generator=val_generator(cfg.training.seed, c, 999))
+            x_t = 0.5 * val.x0[c] + 0.5 * noise  # fixed noise, t = 0.5
+            model(x_t[None], torch.full((1,), 0.5), torch.from_numpy(val.cond[c:c + 1]),
+                  torch.from_numpy(val.cond_len[c:c + 1]))
+            plan = truth[val_files[c]]
+            centres = np.asarray(plan["centres"], dtype=np.float64)  # (F, 2) x, y in pixels
+            T, H, W = cfg.token_grid
+            for i, outs in got.items():
+                off = outs[0]  # (T, H, W, nh, K, 3)
+                abs_mean.append(float(off.abs().mean()))
+                est = motion_estimate(off, window)  # (T, H, W, nh, 2): (vy, vx) tokens per patch frame
+                for ti in range(T - 1):
+                    f0, f1 = ti * pt, min((ti + 1) * pt, len(centres) - 1)
+                    v_px = (centres[f1] - centres[f0])  # pixels per patch frame (x, y)
+                    v_tok = torch.tensor([v_px[1] / ph, v_px[0] / pw], dtype=torch.float32)
+                    cx, cy = centres[f0]
+                    ys = (torch.arange(H, dtype=torch.float32) + 0.5) * ph
+                    xs = (torch.arange(W, dtype=torch.float32) + 0.5) * pw
+                    near = ((ys[:, None] - cy) ** 2 + (xs[None, :] - cx) ** 2) <= (1.5 * plan["radius"]) ** 2
+                    if not bool(near.any()) or float(v_tok.norm()) < 1e-6:
+                        continue
+                    mean = est[ti][near].mean(dim=(0, 1))
+                    if float(mean.norm()) < 1e-9:
+                        cos_by_block[i].append(0.0)
+                    else:
+                        cos_by_block[i].append(float(mean @ v_tok) / float(mean.norm() * v_tok.norm()))
+                    ratio_by_block[i].append(float(mean.norm() / v_tok.norm()))
+    finally:
+        for h in hooks:
+            h.remove()
+    return {"mean_abs_offset": statistics.fmean(abs_mean) if abs_mean else math.nan,
+            "cosine_by_block": [statistics.fmean(v) if v else math.nan for v in cos_by_block.values()],
+            "length_ratio_by_block": [statistics.fmean(v) if v else math.nan for v in ratio_by_block.values()]}
+
+
+def run_one(kind: str, seed: int, steps: int, eval_steps: list[int], data: dict, samples: int,
+            extra: dict, log=print) -> dict:
+    from megaslide_ray.baseline import InProcessTrainer
+    from megaslide_ray.captions import caption_batch
+    from megaslide_ray.evaluate import validation_loss
+    from megaslide_ray.motion_metric import motion_fidelity
+    from megaslide_ray.sample import initial_noise, integrate, to_uint8_frames
+
+    cfg = kind_config(kind, seed, steps, data["train"], data["val"], extra)
+    torch.manual_seed(seed)
+    trainer = InProcessTrainer(cfg, threads=data["threads"])
+    pred = ModelPredictor(trainer.model)
+    batches = data["batches"][seed]
+    curve, losses, times = [], [], []
+    for step in range(steps):
+        r = trainer.train_step(batches[step])
+        losses.append(r.loss)
+        times.append(r.seconds)
+        if step + 1 in eval_steps:
+            trainer.model.eval()
+            v = validation_loss(pred, cfg, data["valset"], step + 1)
+            trainer.model.train()
+            curve.append({"step": step + 1, "val_loss": v.val_loss, "buckets": list(v.bucket_losses)})
+            log(f"  {kind:<12} seed {seed} step {step + 1:>4}: train loss {statistics.fmean(losses[-20:]):.4f}, "
+                f"val loss {v.val_loss:.4f}")
+    trainer.model.eval()
+    fidelity = []
+    for j, caption in enumerate(data["captions"][:samples]):
+        cap, cap_len = caption_batch(caption, cfg.model.caption_max_bytes, 1)
+        x = integrate(pred, cfg, initial_noise(cfg, 1000 + j), cap, cap_len, cfg.training.sample_steps, steps)
+        fidelity.append(motion_fidelity(to_uint8_frames(x), caption))
+    out = {"kind": kind, "seed": seed, "steps": steps, "val_curve": curve, "val_loss": curve[-1]["val_loss"],
+           "val_buckets": curve[-1]["buckets"], "train_loss_last20": statistics.fmean(losses[-20:]),
+           "step_seconds": statistics.median(times[1:] or times),
+           "samples": [{k: f[k] for k in METRICS + ("steps",)} for f in fidelity],
+           **{m: _nanmean([f[m] for f in fidelity]) for m in METRICS}}
+    if kind == "dsa":
+        out["offsets"] = offset_statistics(trainer.model, cfg, data["valset"], data["truth"], data["val_files"])
+    return out
+
+
+def _nanmean(xs) -> float:
+    xs = [x for x in xs if isinstance(x, (int, float)) and not math.isnan(x)]
+    return statistics.fmean(xs) if xs else math.nan
+
+
+def _spread(xs) -> tuple[float, float]:
+    xs = [x for x in xs if not math.isnan(x)]
+    if not xs:
+        return math.nan, math.nan
+    return statistics.fmean(xs), (statistics.stdev(xs) if len(xs) > 1 else 0.0)
+
+
+def summarize(runs: list[dict], kinds: list[str]) -> list[dict]:
+    rows = []
+    for kind in kinds:
+        rs = [r for r in runs if r["kind"] == kind]
+        if not rs:
+            continue
+        row = {"kind": kind, "seeds": len(rs)}
+        for key in ("val_loss", "train_loss_last20", "step_seconds") + METRICS:
+            row[key], row[key + "_sd"] = _spread([r[key] for r in rs])
+        if kind == "dsa":
+            row["mean_abs_offset"], row["mean_abs_offset_sd"] = _spread([r["offsets"]["mean_abs_offset"] for r in rs])
+            per_block = list(zip(*[r["offsets"]["cosine_by_block"] for r in rs]))
+            row["offset_cosine_by_block"] = [_spread(list(b))[0] for b in per_block]
+            per_block = list(zip(*[r["offsets"]["length_ratio_by_block"] for r in rs]))
+            row["offset_length_ratio_by_block"] = [_spread(list(b))[0] for b in per_block]
+        rows.append(row)
+    return rows
+
+
+def markdown(rows: list[dict], meta: dict) -> str:
+    lines = [f"{meta['steps']} steps, seeds {meta['seeds']}, {meta['samples']} samples per run, "
+             f"{meta['val_clips']} validation clips x {meta['buckets']} t-buckets; total {meta['minutes']:.1f} min",
+             "",
+             "| kind | val loss | trajectory err (px/f) | direction err (deg) | detection | area CV | flicker | step s |",
+             "|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        def f(k, spec=".4f"):
+            return f"{r[k]:{spec}} ± {r[k + '_sd']:{spec}}"
+        lines.append(f"| {r['kind']} | {f('val_loss')} | {f('trajectory_error', '.2f')} | "
+                     f"{f('direction_error_deg', '.1f')} | {f('detection_rate', '.2f')} | {f('area_cv', '.2f')} | "
+                     f"{f('flicker', '.2f')} | {f('step_seconds', '.2f')} |")
+    for r in rows:
+        if r["kind"] == "dsa":
+            cos = ", ".join(f"{c:+.2f}" for c in r["offset_cosine_by_block"])
+            ratio = ", ".join(f"{c:.2f}" for c in r["offset_length_ratio_by_block"])
+            lines += ["", f"dsa offsets: mean |offset| {r['mean_abs_offset']:.3f} ± {r['mean_abs_offset_sd']:.3f} "
+                          f"tokens; motion estimate vs true velocity on the object's tokens, per block: cosine "
+                          f"[{cos}], length ratio [{ratio}]"]
+    return "\n".join(lines) + "\n"
+
+
+def plots(runs: list[dict], rows: list[dict], out: Path) -> list[Path]:
+    from megaslide_ray.report import _pyplot
+
+    plt = _pyplot()
+    written = []
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for kind in dict.fromkeys(r["kind"] for r in runs):
+        rs = [r for r in runs if r["kind"] == kind]
+        steps = [p["step"] for p in rs[0]["val_curve"]]
+        vals = np.array([[p["val_loss"] for p in r["val_curve"]] for r in rs])
+        mean, sd = vals.mean(axis=0), vals.std(axis=0)
+        ax.plot(steps, mean, marker="o", label=kind)
+        ax.fill_between(steps, mean - sd, mean + sd, alpha=0.2)
+    ax.set_xlabel("step")
+    ax.set_ylabel("held-out val loss (mean ± sd over seeds)")
+    ax.legend()
+    ax.grid(alpha=0.3)
+    written.append(out / "quality_val_loss.png")
+    fig.savefig(written[-1], dpi=110, bbox_inches="tight")
+    plt.close(fig)
+    fig, axes = plt.subplots(1, 3, figsize=(11, 3.4))
+    for ax, key, label in zip(axes, ("trajectory_error", "direction_error_deg", "detection_rate"),
+                              ("trajectory error (px/frame)", "direction error (deg)", "detection rate")):
+        ax.bar([r["kind"] for r in rows], [r[key] for r in rows], yerr=[r[key + "_sd"] for r in rows], capsize=4)
+        ax.set_title(label, fontsize=9)
+        ax.grid(alpha=0.3, axis="y")
+    written.append(out / "quality_motion.png")
+    fig.savefig(written[-1], dpi=110, bbox_inches="tight")
+    plt.close(fig)
+    return written
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m benchmarks.quality", description=__doc__.split("\n\n")[0])
+    p.add_argument("--steps", type=int, default=150, help="training steps per run (default 150)")
+    p.add_argument("--evals", type=int, default=3, help="validation points, evenly spaced, the last at --steps")
+    p.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
+    p.add_argument("--kinds", nargs="+", default=list(KINDS), choices=KINDS)
+    p.add_argument("--samples", type=int, default=4, help="held-out captions sampled per run (default 4)")
+    p.add_argument("--val-clips", type=int, default=6, help="validation clips (default 6)")
+    p.add_argument("--threads", type=int, default=0, help="torch threads (0: all cores)")
+    p.add_argument("--out", type=Path, default=None, help="folder for quality.json/.md and the plots")
+    p.add_argument("--json", action="store_true", help="one JSON object per kind")
+    p.add_argument("--set", nargs=2, action="append", default=[], metavar=("FIELD", "VALUE"),
+                   help="a config override for every run (e.g. --set attention.max_offset 4); recorded")
+    a = p.parse_args(argv)
+    for name in ("steps", "evals", "samples", "val_clips"):
+        if getattr(a, name) < 1:
+            p.error(f"--{name.replace('_', '-')} {getattr(a, name)} must be >= 1")
+    if a.evals > a.steps:
+        p.error(f"--evals {a.evals} exceeds --steps {a.steps}")
+    extra = dict(a.set)
+    extra["training.val_clips"] = a.val_clips
+
+    from megaslide_ray.evaluate import load_val_set
+    from megaslide_ray.manifest import read_manifest
+    from megaslide_ray.motion import ensure_motion_dataset, load_ground_truth
+
+    t0 = time.perf_counter()
+    train, val = (str(x) for x in ensure_motion_dataset())
+    cfg0 = kind_config("dense", a.seeds[0], a.steps, train, val, extra)
+    valset = load_val_set(cfg0)
+    entries = read_manifest(val)
+    data = {"train": train, "val": val, "valset": valset, "threads": a.threads,
+            "captions": [e.caption for e in entries], "truth": load_ground_truth(val),
+            "val_files": [Path(entries[r].path).name for r in valset.rows],
+            "batches": {s: training_batches(kind_config("dense", s, a.steps, train, val, extra), a.steps)
+                        for s in a.seeds}}
+    eval_steps = sorted({round(a.steps * (k + 1) / a.evals) for k in range(a.evals)})
+    log = (lambda *x: print(*x, file=sys.stderr, flush=True))
+    runs = []
+    for seed in a.seeds:
+        for kind in a.kinds:
+            t1 = time.perf_counter()
+            runs.append(run_one(kind, seed, a.steps, eval_steps, data, a.samples, extra, log))
+            log(f"{kind} seed {seed}: {time.perf_counter() - t1:.0f} s")
+    rows = summarize(runs, a.kinds)
+    meta = {"steps": a.steps, "seeds": a.seeds, "samples": a.samples, "val_clips": a.val_clips,
+            "buckets": cfg0.training.val_t_buckets, "minutes": (time.perf_counter() - t0) / 60, "overrides": extra,
+            "threads": a.threads or os.cpu_count(), "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())}
+    if a.out:
+        a.out.mkdir(parents=True, exist_ok=True)
+        (a.out / "quality.json").write_text(json.dumps({"meta": meta, "summary": rows, "runs": runs}, indent=1))
+        (a.out / "quality.md").write_text(markdown(rows, meta))
+        plots(runs, rows, a.out)
+    if a.json:
+        for r in rows:
+            print(json.dumps(r))
+    else:
+        print(markdown(rows, meta), end="")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
