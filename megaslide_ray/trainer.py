@@ -71,6 +71,14 @@ def check_data(cfg: Config) -> None:
     from megaslide_ray.latents import is_latent_manifest, latent_manifest_info
 
     m, d = cfg.model, cfg.data
+    if m.arch == "videodit" and m.inputs == "latents":
+        # The decoders read latent manifests (for wan: latents + UMT5 text); feeding a videodit its
+        # byte captions from the manifest's caption column is not wired yet (issue #15, item 4).
+        raise ConfigError(f"preset {cfg.preset!r} (model.arch='videodit', model.inputs='latents') reads VAE latents; "
+                          f"the trainer cannot feed a videodit from a latent manifest yet (byte captions from the "
+                          f"manifest's caption column are not wired). Plan it with `python -m megaslide_ray.plan "
+                          f"--preset {cfg.preset}`, or train a pixel videodit (--model.inputs pixels "
+                          f"--model.in_channels 3) or a wan preset")
     if not d.manifest:
         if m.arch == "wan":
             raise ConfigError("model.arch='wan' trains on precomputed VAE latents and text embeddings, not on the "
