@@ -680,11 +680,13 @@ def validate(cfg: Config) -> Config:
                           f"for the demo set")
     if not math.isfinite(o.lr):
         raise ConfigError(f"optim.lr={o.lr} must be finite")
-    if m.arch == "wan" and t.sample_every:
-        raise ConfigError(f"training.sample_every={t.sample_every} with model.arch='wan': samples during training "
-                          f"need the model's VAE and text encoder, which the trainer does not load; set it to 0 and "
-                          f"sample a checkpoint with `python -m megaslide_ray.sample --checkpoint RUN --model-dir "
-                          f"WAN_DIR --prompt TEXT`")
+    if cfg.latent_space and t.sample_every:
+        after = ("sample a checkpoint with `python -m megaslide_ray.sample --checkpoint RUN --model-dir WAN_DIR "
+                 "--prompt TEXT`" if m.arch == "wan" else "sample it later (decoding a latent videodit's samples "
+                 "with a VAE is not wired into `megaslide_ray.sample` yet)")
+        raise ConfigError(f"training.sample_every={t.sample_every} with model.arch={m.arch!r} on latents: samples "
+                          f"during training need the model's VAE (and for wan its text encoder), which the trainer "
+                          f"does not load; set it to 0 and {after}")
     return cfg
 
 

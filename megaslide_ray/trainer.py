@@ -71,15 +71,12 @@ def check_data(cfg: Config) -> None:
     from megaslide_ray.latents import is_latent_manifest, latent_manifest_info
 
     m, d = cfg.model, cfg.data
-    if m.arch == "videodit" and m.inputs == "latents":
-        # The decoders read latent manifests (for wan: latents + UMT5 text); feeding a videodit its
-        # byte captions from the manifest's caption column is not wired yet (issue #15, item 4).
-        raise ConfigError(f"preset {cfg.preset!r} (model.arch='videodit', model.inputs='latents') reads VAE latents; "
-                          f"the trainer cannot feed a videodit from a latent manifest yet (byte captions from the "
-                          f"manifest's caption column are not wired). Plan it with `python -m megaslide_ray.plan "
-                          f"--preset {cfg.preset}`, or train a pixel videodit (--model.inputs pixels "
-                          f"--model.in_channels 3) or a wan preset")
     if not d.manifest:
+        if m.arch == "videodit" and m.inputs == "latents":
+            raise ConfigError(f"model.inputs='latents' (preset {cfg.preset!r}) trains on precomputed VAE latents, not "
+                              f"on the demo videos: run `python -m megaslide_ray.precompute --model-dir WAN_DIR --data "
+                              f"VIDEOS.parquet --out CACHE --frames F --height H --width W`, then pass --data with the "
+                              f"latent manifest it writes (the videodit reads its caption column as bytes)")
         if m.arch == "wan":
             raise ConfigError("model.arch='wan' trains on precomputed VAE latents and text embeddings, not on the "
                               "demo videos: run `python -m megaslide_ray.precompute --model-dir WAN_DIR --data "
@@ -90,9 +87,13 @@ def check_data(cfg: Config) -> None:
     if m.arch == "wan" and not latent:
         raise ConfigError(f"data.manifest={d.manifest!r} is a video manifest; model.arch='wan' reads latents: "
                           f"precompute them first (python -m megaslide_ray.precompute ...)")
-    if m.arch != "wan" and latent:
-        raise ConfigError(f"data.manifest={d.manifest!r} holds precomputed latents; model.arch={m.arch!r} reads "
-                          f"video (latents are for --preset wan2.1-t2v-1.3b and the other wan presets)")
+    if not cfg.latent_space and latent:
+        raise ConfigError(f"data.manifest={d.manifest!r} holds precomputed latents; model.arch={m.arch!r} with "
+                          f"model.inputs='pixels' reads video (latents are for the wan presets and the dit-* presets, "
+                          f"model.inputs=latents)")
+    if cfg.latent_space and not latent:
+        raise ConfigError(f"data.manifest={d.manifest!r} is a video manifest; model.inputs='latents' reads latents: "
+                          f"precompute them first (python -m megaslide_ray.precompute ...)")
     if not latent:
         return
     info = latent_manifest_info(d.manifest)
@@ -106,12 +107,12 @@ def check_data(cfg: Config) -> None:
                         f"model.in_channels={m.in_channels} make {want}: precomputed clips of "
                         f"{ct * (F_ - 1) + 1} frames of {cs * W_}x{cs * H_} need --data.num_frames "
                         f"{ct * (F_ - 1) + 1} --data.height {cs * H_} --data.width {cs * W_}")
-    if info.text_dim != m.text_dim:
+    if m.arch == "wan" and info.text_dim != m.text_dim:
         problems.append(f"its text embeddings are {info.text_dim} wide, model.text_dim={m.text_dim}")
     if tuple(info.compression) != tuple(m.latent_compression):
         problems.append(f"its VAE compresses {tuple(info.compression)}, model.latent_compression="
                         f"{tuple(m.latent_compression)}")
-    if info.text_len > m.text_len:
+    if m.arch == "wan" and info.text_len > m.text_len:
         problems.append(f"its text is padded to {info.text_len} tokens, model.text_len={m.text_len}")
     if problems:
         raise ConfigError(f"data.manifest={d.manifest!r} does not fit the model:\n  " + "\n  ".join(problems))

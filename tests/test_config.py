@@ -155,8 +155,10 @@ def test_a_scaled_down_latent_preset_runs_forward_and_backward():
     assert model.blocks[0].mlp[0].weight.grad.abs().sum() > 0 or model.head.linear.weight.grad.abs().sum() > 0
 
 
-def test_trainer_refuses_a_latent_videodit_clearly():
+def test_a_latent_videodit_needs_a_latent_manifest():
     from megaslide_ray.trainer import check_data
 
-    with pytest.raises(ConfigError, match="cannot feed a videodit from a latent manifest yet"):
+    with pytest.raises(ConfigError, match="model.inputs='latents' .* trains on precomputed VAE latents"):
         check_data(build_config("dit-28b"))
+    with pytest.raises(ConfigError, match="training.sample_every=5 with model.arch='videodit' on latents"):
+        build_config("dit-28b", None, {"training.sample_every": 5})
