@@ -85,3 +85,24 @@ def test_streamed_training_steps_on_latents(manifest, tmp_path):
         store.close()
     assert all(np.isfinite(losses))
     assert any(not torch.equal(a, b) for a, b in zip(before, after))
+
+
+def test_sample_decodes_a_latent_videodit_with_the_vae(tmp_path):
+    from megaslide_ray.sample import sample_video
+    from wan_models import Z, make_wan_dir
+
+    wan_dir = make_wan_dir(tmp_path / "wan-tiny")
+    cfg = build_config("dit-28b", None, {
+        "model.hidden_size": 32, "model.depth": 2, "model.num_heads": 2, "model.caption_dim": 16,
+        "model.in_channels": Z, "attention.window": "3,3,3", "data.num_frames": 9, "data.height": 64,
+        "data.width": 64, "runtime.state_dir": str(tmp_path), "runtime.device": "cpu"})
+    store = ParameterStore(cfg, str(tmp_path / "run"))
+    try:
+        store.save_checkpoint(str(tmp_path / "run"), 0, {"data_position": 0})
+    finally:
+        store.close()
+    with pytest.raises(ConfigError, match="--model-dir"):
+        sample_video(tmp_path / "run", "a red circle", tmp_path / "no.mp4", steps=1, device="cpu")
+    result = sample_video(tmp_path / "run", "a red circle", tmp_path / "out.mp4", steps=2, device="cpu",
+                          model_dir=wan_dir)
+    assert result.frames.shape == (9, 64, 64, 3) and result.frames.dtype == np.uint8
