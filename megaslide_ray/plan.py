@@ -709,11 +709,36 @@ def plan_with_chunk(cfg: Config, token_chunk: int | str | None, **kw: Any) -> Pl
             raise ConfigError("--token-chunk auto needs --gpu-gb (the device it must fit)")
         found = auto_token_chunk(cfg, **kw)
         if found is not None:
-            return found[1]
+            return _with_partial_offload_note(cfg, found[1], kw)
         return plan(_with(cfg, token_chunk=chunk_candidates(cfg)[0]), **kw)
     if int(token_chunk) < 0:
         raise ConfigError(f"--token-chunk {token_chunk} must be >= 0 (0: whole clip) or auto")
     return plan(_with(cfg, token_chunk=int(token_chunk)), **kw)
+
+
+def _with_partial_offload_note(cfg: Config, p: Plan, kw: dict) -> Plan:
+    """A plan short of host RAM with offloaded block inputs, whose device fits: would keeping some
+    block inputs on the device (with a smaller token chunk to make room) close the gap? Adds a
+    note naming the chunk and the count when it would."""
+    if not (p.fits_host is False and p.fits_device and cfg.runtime.offload_activations and p.token_chunk):
+        return p
+    L = cfg.model.depth
+    ND = p.host_offloaded_bytes // L
+    need = -(-p.host_shortfall_bytes // ND)
+    if need > L:
+        return p
+    for c in reversed(chunk_candidates(cfg)):
+        if c > p.token_chunk:
+            continue
+        q = plan(_with(cfg, token_chunk=c), **kw)
+        spare = int(kw["gpu_gb"] * 1e9) - q.device_required_bytes
+        if spare >= need * ND:
+            note = (f"keeping {need} of the {L} block inputs on the device instead of offloading them would close "
+                    f"the host gap ({fmt_bytes(need * ND)}); with token_chunk {c:,} the device has "
+                    f"{fmt_bytes(spare)} spare for them (not implemented: runtime.offload_activations offloads "
+                    f"all of them)")
+            return dataclasses.replace(p, notes=p.notes + (note,))
+    return p
 
 
 def frame_candidates(cfg: Config, limit: int) -> list[int]:
