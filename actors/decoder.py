@@ -64,10 +64,13 @@ the same ``index``, ``position`` and ``skipped`` as video batches. Sample order,
 pools, ``bad_rows`` and the bad-fraction limit are exactly as above (a row is a clip). A missing,
 unreadable or mismatched latent or text file is a bad row: skipped, logged once and counted like
 a bad video. Every row must have one latent shape (checked when the decoder starts:
-``latents.single_latent_shape``). The video-specific options do not apply and are ignored:
+``latents.single_latent_shape``). With ``latent_captions="bytes"`` (a ``videodit`` reading
+latents, ``model.inputs = latents``) the text files are not read: each row's ``caption`` column
+becomes ``caption`` / ``caption_len`` bytes as for video batches (``megaslide_ray.captions``). The video-specific options do not apply and are ignored:
 ``data.num_frames``, ``height``, ``width``, ``frame_stride``, ``fps``, ``random_crop``,
 ``fixed_start``, ``spatial_crop``, ``short_clips`` (the clip was fixed when it was precomputed), as
-is ``caption_max_bytes``. ``DecoderStats.frames_decoded`` then counts latent frames.
+is ``caption_max_bytes`` unless ``latent_captions="bytes"``. ``DecoderStats.frames_decoded`` then
+counts latent frames.
 
 Caution (decord2 3.4): for some frame widths (16, 24, 32, 48, 96, 144, ... : where the
 padded RGB row stride divides evenly by the width) decord reports a wrong channel count
@@ -100,6 +103,7 @@ from megaslide_ray.latents import (
     LatentFileError,
     is_latent_manifest,
     load_latent_sample,
+    load_latents,
     read_latent_manifest,
     resolve,
     single_latent_shape,
@@ -300,7 +304,7 @@ class VideoDecoder:
     def __init__(self, data: DataConfig, seed: int, caption_max_bytes: int, start_position: int = 0,
                  rank: int = 0, world_size: int = 1, *, first_step: int = 0, skipped_before: int = 0,
                  bad_rows: dict[int, str] | None = None, status_path: str | None = None,
-                 status_token: str = "") -> None:
+                 status_token: str = "", latent_captions: str = "text") -> None:
         if world_size < 1 or not 0 <= rank < world_size:
             raise ValueError(f"rank={rank}, world_size={world_size}: need world_size >= 1 and 0 <= rank < world_size")
         if start_position < 0:
@@ -309,6 +313,9 @@ class VideoDecoder:
             raise ValueError(f"seed={seed} must be >= 0 (numpy seeds the sample order with it)")
         if caption_max_bytes < 1:
             raise ValueError(f"caption_max_bytes={caption_max_bytes} must be >= 1")
+        if latent_captions not in ("text", "bytes"):
+            raise ValueError(f"latent_captions={latent_captions!r} is not 'text' or 'bytes'")
+        self.latent_captions = latent_captions
         if skipped_before < 0 or first_step < 0:
             raise ValueError(f"skipped_before={skipped_before}, first_step={first_step}: both must be >= 0")
         self.status = DecodeStatus(status_path, status_token)
@@ -453,7 +460,11 @@ class VideoDecoder:
     def _produce_batch(self) -> dict[str, np.ndarray]:
         d = self.data
         b = d.batch_size
-        if self.latent_rows is not None:
+        if self.latent_rows is not None and self.latent_captions == "bytes":
+            caption, caption_len = empty_captions(b, self.caption_max_bytes)
+            out = {"latents": np.empty((b, *self.latent_shape), dtype=np.float32), "caption": caption,
+                   "caption_len": caption_len}
+        elif self.latent_rows is not None:
             out = {"latents": np.empty((b, *self.latent_shape), dtype=np.float32),
                    "text": np.zeros((b, self.text_len, self.text_dim), dtype=np.float32),
                    "text_len": np.zeros((b,), dtype=np.int32)}
@@ -506,6 +517,14 @@ class VideoDecoder:
             out["video"][i] = self._decode_clip(entry.path, position)
             set_caption(out["caption"], out["caption_len"], i, entry.caption)
             return self.data.num_frames
+        if self.latent_captions == "bytes":
+            try:
+                latents = load_latents(self.manifest_path, self.latent_rows[row])
+            except LatentFileError as e:
+                raise ClipUnreadable(str(e)) from None
+            out["latents"][i] = latents.numpy()
+            set_caption(out["caption"], out["caption_len"], i, entry.caption)
+            return int(latents.shape[0])
         try:
             latents, text = load_latent_sample(self.manifest_path, self.latent_rows[row], self.text_dim)
         except LatentFileError as e:

@@ -830,12 +830,12 @@ def part_model(ctx: "Run") -> dict:
             "runtime.device": ctx.device_kind, "training.steps": 1000})
 
     probe = plan(config(sz.model_clips[0][1], True, ""), w_dtype)
-    root, fs = state_root(probe.host_total_bytes)
+    root, fs = state_root(probe.host_store_bytes)
     info: dict = {"params": probe.params, "largest_shard_params": probe.largest_shard_params,
-                  "store_bytes": probe.host_total_bytes, "state_root": root, "filesystem": fs,
+                  "store_bytes": probe.host_store_bytes, "state_root": root, "filesystem": fs,
                   "w_dtype": w_dtype, "peak_flops": peak_flops(dev), "config": dict(sz.model)}
     if fs not in ("tmpfs", "ramfs", "?") and ctx.cuda:
-        info["note"] = (f"no shared memory with {probe.host_total_bytes / 1e9:.1f} GB free: the store lives on {fs}; "
+        info["note"] = (f"no shared memory with {probe.host_store_bytes / 1e9:.1f} GB free: the store lives on {fs}; "
                         "AdamW and pinning then run at that filesystem's pace")
     tmp = tempfile.mkdtemp(prefix="megaslide-gpu-model-", dir=root)
     runs = {}

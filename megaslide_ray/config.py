@@ -47,12 +47,18 @@ class ModelConfig:
     mlp_ratio: float = 4.0
     """MLP hidden width as a multiple of ``hidden_size`` (unless ``ffn_dim`` is set)."""
     patch_size: tuple[int, int, int] = (2, 4, 4)
-    """3D patch (frames, height, width): in pixels for ``videodit`` (must divide
-    ``data.num_frames/height/width``), in latent positions for ``wan`` (must divide the latent grid,
-    ``Config.latent_grid``)."""
+    """3D patch (frames, height, width): in pixels for a pixel-space ``videodit`` (must divide
+    ``data.num_frames/height/width``), in latent positions for ``wan`` and a latent-space ``videodit``
+    (must divide the latent grid, ``Config.latent_grid``)."""
+    inputs: Literal["pixels", "latents"] = "pixels"
+    """``videodit``: what the model reads. ``pixels``: the RGB clips the video decoders deliver
+    (``in_channels`` 3). ``latents``: VAE latents of the clip (``model.latent_compression`` maps the
+    pixel clip to the latent grid; ``in_channels`` latent channels), as the paper's presets and real
+    video DiTs do. ``wan`` always reads latents (this field is ignored)."""
     in_channels: int = 3
-    """Input channels. ``videodit``: 3, the RGB pixels the video decoders deliver (other counts are
-    refused). ``wan``: the VAE's latent channels (16 for Wan2.1, 48 for Wan2.2 TI2V-5B)."""
+    """Input channels. ``videodit`` on pixels: 3, the RGB pixels the video decoders deliver (other counts
+    are refused); on latents: the VAE's latent channels. ``wan``: the VAE's latent channels (16 for
+    Wan2.1, 48 for Wan2.2 TI2V-5B)."""
     timestep_freq_dim: int = 256
     """Sinusoidal features fed to the timestep MLP (diffusers' ``freq_dim`` for ``wan``)."""
     caption_dim: int = 64
@@ -70,7 +76,7 @@ class ModelConfig:
     """``wan``: text tokens the cross-attention sees. Prompt embeddings are zeroed past each prompt's
     length and zero-padded to this many tokens, as the Wan pipeline does; no mask is applied."""
     latent_compression: tuple[int, int, int] = (4, 8, 8)
-    """``wan``: the VAE's compression (frames, height, width): ``F`` pixel frames give ``(F - 1) / 4 + 1``
+    """``wan`` and ``videodit`` with ``inputs = latents``: the VAE's compression (frames, height, width): ``F`` pixel frames give ``(F - 1) / 4 + 1``
     latent frames, ``H`` pixels ``H / 8`` latent rows. (4, 8, 8) for Wan2.1's VAE, (4, 16, 16) for Wan2.2
     TI2V-5B's."""
     rope_max_seq_len: int = 1024
@@ -276,12 +282,18 @@ class Config:
 
     # -- derived quantities -------------------------------------------------------------------
     @property
+    def latent_space(self) -> bool:
+        """True when the model reads VAE latents (``wan``, or ``videodit`` with ``model.inputs =
+        latents``): ``data.num_frames/height/width`` are then the pixel clip the VAE encodes."""
+        return self.model.arch == "wan" or self.model.inputs == "latents"
+
+    @property
     def latent_grid(self) -> tuple[int, int, int]:
-        """The (frames, height, width) grid the model reads: for ``wan`` the VAE latents of the
-        pixel clip (``(F - 1) // ct + 1``, ``H // ch``, ``W // cw`` with ``model.latent_compression``),
-        for ``videodit`` the pixel clip itself."""
+        """The (frames, height, width) grid the model reads: in latent space (``latent_space``) the
+        VAE latents of the pixel clip (``(F - 1) // ct + 1``, ``H // ch``, ``W // cw`` with
+        ``model.latent_compression``), else the pixel clip itself."""
         d = self.data
-        if self.model.arch == "wan":
+        if self.latent_space:
             ct, ch, cw = self.model.latent_compression
             return ((d.num_frames - 1) // ct + 1, d.height // ch, d.width // cw)
         return (d.num_frames, d.height, d.width)
@@ -318,30 +330,36 @@ def tiny() -> Config:
 
 
 def _paper(name: str, hidden: int, depth: int, heads: int) -> Config:
+    """The paper's presets work on VAE latents as real video DiTs do: 16 channels of a VAE that
+    compresses 4x in time and 8x in space (Wan2.1's), patches of 1x2x2 latent positions; the clip
+    (81 frames of 480x832, 21 x 30 x 52 tokens) is given in pixels, 4k+1 frames."""
     cfg = Config(preset=name)
     cfg.model = ModelConfig(
         hidden_size=hidden, depth=depth, num_heads=heads, mlp_ratio=4.0, patch_size=(1, 2, 2),
-        in_channels=3, caption_dim=1024, caption_max_bytes=256,
+        inputs="latents", in_channels=16, latent_compression=(4, 8, 8), caption_dim=1024, caption_max_bytes=256,
     )
     cfg.attention = AttentionConfig(kind="dsa", window=(3, 5, 5))
-    cfg.data = DataConfig(num_frames=16, height=256, width=256, batch_size=1)
+    cfg.data = DataConfig(num_frames=81, height=480, width=832, batch_size=1)
     cfg.optim = OptimizerConfig(lr=1e-5, warmup_steps=100, weight_decay=0.01)
     cfg.training = TrainingConfig(steps=1000, checkpoint_every=100)
     return cfg
 
 
 def dit_105b() -> Config:
-    """The paper's 105B model: width 12288, 35 blocks, 96 heads (104.9e9 parameters)."""
+    """The paper's 105B model: width 12288, 35 blocks, 96 heads (104.9e9 parameters), on VAE latents
+    (16 channels, 4x8x8 compression, 1x2x2 patches)."""
     return _paper("dit-105b", hidden=12288, depth=35, heads=96)
 
 
 def dit_33b() -> Config:
-    """The 33.3B scaling point: width 5632, 53 blocks, 44 heads (33.33e9 parameters)."""
+    """The 33.3B scaling point: width 5632, 53 blocks, 44 heads (33.33e9 parameters), on VAE latents
+    like ``dit-105b``."""
     return _paper("dit-33b", hidden=5632, depth=53, heads=44)
 
 
 def dit_28b() -> Config:
-    """The 28.4B scaling point: width 5632, 45 blocks, 44 heads (28.32e9 parameters)."""
+    """The 28.4B scaling point: width 5632, 45 blocks, 44 heads (28.32e9 parameters), on VAE latents
+    like ``dit-105b``."""
     return _paper("dit-28b", hidden=5632, depth=45, heads=44)
 
 
@@ -591,9 +609,12 @@ def validate(cfg: Config) -> Config:
         positive(where, value)
     for i, p in enumerate(m.patch_size):
         positive(f"model.patch_size[{i}]", p)
-    if m.arch == "videodit" and m.in_channels != 3:
+    if m.inputs not in ("pixels", "latents"):
+        raise ConfigError(f"model.inputs={m.inputs!r} is not one of ['pixels', 'latents']")
+    if m.arch == "videodit" and m.inputs == "pixels" and m.in_channels != 3:
         raise ConfigError(f"model.in_channels={m.in_channels}: the video decoders deliver RGB clips (3 channels) and "
-                          f"the videodit model reads pixels; use model.in_channels=3 (latents: model.arch=wan)")
+                          f"the videodit model reads pixels (model.inputs='pixels'); use model.in_channels=3 "
+                          f"(VAE latents: model.inputs=latents)")
     for where, value in [("model.ffn_dim", m.ffn_dim), ("model.out_channels", m.out_channels),
                          ("attention.offset_groups", a.offset_groups)]:
         if value < 0:
@@ -603,6 +624,10 @@ def validate(cfg: Config) -> Config:
                           f"{m.in_channels} input channels; use 0 or {m.in_channels}")
     if m.arch == "wan":
         _validate_wan(cfg)
+    elif m.inputs == "latents":
+        for i, c in enumerate(m.latent_compression):
+            if not c > 0:
+                raise ConfigError(f"model.latent_compression[{i}]={c} must be > 0")
     if cfg.runtime.prefetch_depth < 1:
         raise ConfigError(f"runtime.prefetch_depth={cfg.runtime.prefetch_depth} must be >= 1")
     if cfg.runtime.token_chunk < 0:
@@ -625,21 +650,21 @@ def validate(cfg: Config) -> Config:
     if a.offset_groups and m.num_heads % a.offset_groups:
         raise ConfigError(f"attention.offset_groups={a.offset_groups} does not divide model.num_heads={m.num_heads}; "
                           f"use a divisor (e.g. {_divisor_near(m.num_heads, a.offset_groups)}) or 0 (one group per head)")
-    if m.arch == "videodit":
+    if not cfg.latent_space:
         for axis, size, p in (("num_frames", d.num_frames, m.patch_size[0]), ("height", d.height, m.patch_size[1]),
                               ("width", d.width, m.patch_size[2])):
             if size % p:
                 raise ConfigError(f"data.{axis}={size} is not divisible by the patch size {p} "
                                   f"(model.patch_size={m.patch_size}); use a multiple of {p}")
     else:
-        _validate_wan_clip(cfg)
+        _validate_latent_clip(cfg)
     grid = cfg.token_grid
     for i, (axis, k, n) in enumerate(zip(("frames", "height", "width"), a.window, grid)):
         if k <= 0 or k % 2 == 0:
             raise ConfigError(f"attention.window={a.window}: the {axis} size {k} must be odd and positive")
         if a.kind in ("dsa", "neighborhood", "swin") and k > n:
             raise ConfigError(f"attention.window={a.window}: the {axis} size {k} exceeds the token grid's "
-                              f"{n} {axis} (grid {grid} = {'latent' if m.arch == 'wan' else 'data'} size / model.patch_size); "
+                              f"{n} {axis} (grid {grid} = {'latent' if cfg.latent_space else 'data'} size / model.patch_size); "
                               f"shrink the window")
     if a.max_offset < 0:
         raise ConfigError(f"attention.max_offset={a.max_offset} must be >= 0 (0 = unbounded)")
@@ -679,16 +704,18 @@ def validate(cfg: Config) -> Config:
                           f"give --data.val_manifest MANIFEST or set training.eval_every=0")
     if not math.isfinite(o.lr):
         raise ConfigError(f"optim.lr={o.lr} must be finite")
-    if m.arch == "wan" and t.sample_every:
-        raise ConfigError(f"training.sample_every={t.sample_every} with model.arch='wan': samples during training "
-                          f"need the model's VAE and text encoder, which the trainer does not load; set it to 0 and "
-                          f"sample a checkpoint with `python -m megaslide_ray.sample --checkpoint RUN --model-dir "
-                          f"WAN_DIR --prompt TEXT`")
+    if cfg.latent_space and t.sample_every:
+        after = ("sample a checkpoint with `python -m megaslide_ray.sample --checkpoint RUN --model-dir WAN_DIR "
+                 "--prompt TEXT`" if m.arch == "wan" else "sample it later (decoding a latent videodit's samples "
+                 "with a VAE is not wired into `megaslide_ray.sample` yet)")
+        raise ConfigError(f"training.sample_every={t.sample_every} with model.arch={m.arch!r} on latents: samples "
+                          f"during training need the model's VAE (and for wan its text encoder), which the trainer "
+                          f"does not load; set it to 0 and {after}")
     return cfg
 
 
 def _validate_wan(cfg: Config) -> None:
-    """The model fields only ``arch=wan`` reads (the clip is checked by ``_validate_wan_clip``)."""
+    """The model fields only ``arch=wan`` reads (the clip is checked by ``_validate_latent_clip``)."""
     m = cfg.model
     for where, value in [("model.text_dim", m.text_dim), ("model.text_len", m.text_len),
                          ("model.rope_max_seq_len", m.rope_max_seq_len), ("model.eps", m.eps)]:
@@ -699,19 +726,20 @@ def _validate_wan(cfg: Config) -> None:
             raise ConfigError(f"model.latent_compression[{i}]={c} must be > 0")
 
 
-def _validate_wan_clip(cfg: Config) -> None:
-    """arch=wan: ``data.num_frames/height/width`` are the pixel clip the VAE encodes; the latent grid
-    must divide into patches and every token-grid axis must fit the rotary embedding."""
+def _validate_latent_clip(cfg: Config) -> None:
+    """Latent space (``wan``, or ``videodit`` with ``model.inputs = latents``):
+    ``data.num_frames/height/width`` are the pixel clip the VAE encodes; the latent grid must divide
+    into patches, and for ``wan`` every token-grid axis must fit the rotary embedding."""
     m, d = cfg.model, cfg.data
     ct, ch, cw = m.latent_compression
     if (d.num_frames - 1) % ct:
         below = (d.num_frames - 1) // ct * ct + 1
         choices = [f for f in (below, below + ct) if f >= 1]
-        raise ConfigError(f"data.num_frames={d.num_frames}: the Wan VAE encodes {ct}k+1 frames "
+        raise ConfigError(f"data.num_frames={d.num_frames}: the {'Wan ' if m.arch == 'wan' else ''}VAE encodes {ct}k+1 frames "
                           f"(model.latent_compression={m.latent_compression}); use "
                           f"{' or '.join(str(f) for f in choices)}")
     head_dim = m.hidden_size // m.num_heads
-    if head_dim % 2:
+    if m.arch == "wan" and head_dim % 2:
         raise ConfigError(f"model.hidden_size / model.num_heads = {head_dim}: the Wan rotary embedding needs an "
                           f"even head width")
     for axis, size, c, p in (("height", d.height, ch, m.patch_size[1]), ("width", d.width, cw, m.patch_size[2])):
@@ -725,7 +753,7 @@ def _validate_wan_clip(cfg: Config) -> None:
         raise ConfigError(f"data.num_frames={d.num_frames} gives {frames} latent frames, not divisible by the "
                           f"patch size {m.patch_size[0]} (model.patch_size={m.patch_size})")
     for axis, n in zip(("frames", "height", "width"), cfg.token_grid):
-        if n > m.rope_max_seq_len:
+        if m.arch == "wan" and n > m.rope_max_seq_len:
             raise ConfigError(f"the token grid {cfg.token_grid} has {n} {axis}, more than model.rope_max_seq_len="
                               f"{m.rope_max_seq_len} rotary positions; use a shorter clip or raise the field")
 

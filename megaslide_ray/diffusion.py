@@ -49,8 +49,9 @@ def shift_time(t: torch.Tensor, shift: float) -> torch.Tensor:
 
 def batch_conditioning(batch: dict) -> tuple[torch.Tensor, torch.Tensor]:
     """The batch's conditioning as the input shard takes it: caption bytes and their lengths
-    (video batches), or text embeddings and their valid lengths (latent batches)."""
-    keys = ("text", "text_len") if "latents" in batch else ("caption", "caption_len")
+    (video batches, and latent batches for a ``videodit``), or text embeddings and their valid
+    lengths (latent batches for ``wan``)."""
+    keys = ("text", "text_len") if "text" in batch else ("caption", "caption_len")
     # np.array copies: batches from Ray are read-only views of the object store.
     return tuple(torch.from_numpy(np.array(batch[k])) for k in keys)
 

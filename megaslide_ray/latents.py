@@ -274,6 +274,22 @@ def _load_tensor(path: Path, key: str, what: str) -> torch.Tensor:
                               ) from None
 
 
+def load_latents(manifest_path: str | os.PathLike, row: Mapping[str, Any]) -> torch.Tensor:
+    """The latents of one manifest row, float32 ``(F', H', W', C)``, without its text (a
+    ``videodit`` reads the row's caption as bytes instead); errors as ``load_latent_sample``."""
+    dtype_name = row.get("dtype")
+    if dtype_name not in DTYPES:
+        raise LatentFileError(f"row has dtype {dtype_name!r}; expected one of {sorted(DTYPES)}")
+    latent_file = resolve(manifest_path, row["latent_path"])
+    latents = _load_tensor(latent_file, LATENT_KEY, "latent")
+    shape = tuple(row["latent_shape"])
+    if tuple(latents.shape) != shape or latents.dtype != DTYPES[dtype_name]:
+        raise LatentFileError(f"latent file {str(latent_file)!r} holds {latents.dtype} {tuple(latents.shape)}, but "
+                              f"its manifest row says {DTYPES[dtype_name]} {shape}; delete it and run "
+                              f"`python -m megaslide_ray.precompute` again (or rebuild the manifest)")
+    return latents.float()
+
+
 def load_latent_sample(manifest_path: str | os.PathLike, row: Mapping[str, Any],
                        text_dim: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """``(latents, text)`` of one manifest row, both float32: latents ``(F', H', W', C)``, text

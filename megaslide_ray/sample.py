@@ -68,7 +68,7 @@ def sampling_config(state: dict, frames: int | None = None, height: int | None =
                                  ("--width", width, patch[2], "width")):
         if value is None:
             continue
-        if cfg.model.arch == "wan":  # a pixel clip over latents: validate() checks 4k+1 and the VAE x patch
+        if cfg.latent_space:  # a pixel clip over latents: validate() checks 4k+1 and the VAE x patch
             setattr(cfg.data, attr, int(value))
             continue
         if value <= 0 or value % p:
@@ -268,7 +268,9 @@ def sample_video(checkpoint: str | Path, prompt: str, out: str | Path, frames: i
 
     A ``wan`` checkpoint samples in latent space: ``model_dir`` (a local diffusers Wan folder)
     provides the text encoder for ``prompt`` and ``negative_prompt`` (the unconditional half of
-    guidance) and the VAE that decodes the result; ``training.flow_shift`` shifts the time grid."""
+    guidance) and the VAE that decodes the result; ``training.flow_shift`` shifts the time grid.
+    A ``videodit`` on latents (``model.inputs = latents``, the ``dit-*`` presets) reads the prompt
+    as bytes and needs ``model_dir`` only for its VAE (the one its latents were made with)."""
     from megaslide_ray.demo_data import write_video
 
     if steps < 1:
@@ -300,10 +302,20 @@ def sample_video(checkpoint: str | Path, prompt: str, out: str | Path, frames: i
                           "cuda" if device != "cpu" and torch.cuda.is_available() else "cpu", "float32")
         text, negative = encoder.encode_text([prompt, negative_prompt])
         encoder.close()  # frees the text encoder before the transformer streams
+    elif cfg.latent_space:
+        if model_dir is None:
+            raise ConfigError("this checkpoint's model reads VAE latents (model.inputs='latents'): give --model-dir "
+                              "DIR, the local diffusers folder whose vae/ made its latents (e.g. a Wan2.1 folder), "
+                              "to decode the video")
+        from megaslide_ray.precompute import Encoder, clip_config
+
+        d = cfg.data
+        encoder = Encoder(str(model_dir), clip_config(d.num_frames, d.height, d.width, 0.0),
+                          "cuda" if device != "cpu" and torch.cuda.is_available() else "cpu", "float32")
     source = CheckpointWeights(ckpt, cfg, kind)
     compute = ComputeActor(cfg, source.shard_infos(), source, transport="object_ref")
     try:
-        if encoder is not None:
+        if cfg.model.arch == "wan":
             x = wan_sample(compute, cfg, text, negative, steps, seed, source.step, cfg_scale)
         else:
             x = euler_sample(compute, cfg, prompt, steps, seed, source.step, cfg_scale)
@@ -336,7 +348,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--cfg-scale", type=float, default=1.0,
                    help="classifier-free guidance scale (1 = off; Wan models are usually sampled at 5)")
     p.add_argument("--model-dir", default=None,
-                   help="wan checkpoints: the local diffusers Wan folder (text_encoder/, tokenizer/, vae/)")
+                   help="wan checkpoints: the local diffusers Wan folder (text_encoder/, tokenizer/, vae/); a videodit on "
+                        "latents (dit-* presets): the folder whose vae/ decodes its latents")
     p.add_argument("--negative-prompt", default="", help="wan: the prompt of guidance's unconditional half")
     p.add_argument("--fps", type=int, default=8)
     p.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")

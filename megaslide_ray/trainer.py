@@ -69,6 +69,11 @@ def check_data(cfg: Config) -> None:
     compression the config implies. One ``ConfigError`` names every disagreement (called before
     Ray starts by the CLI, and by the Trainer). ``data.val_manifest`` is held to the same rules."""
     m, d = cfg.model, cfg.data
+    if not d.manifest and m.arch == "videodit" and m.inputs == "latents":
+        raise ConfigError(f"model.inputs='latents' (preset {cfg.preset!r}) trains on precomputed VAE latents, not "
+                          f"on the demo videos: run `python -m megaslide_ray.precompute --model-dir WAN_DIR --data "
+                          f"VIDEOS.parquet --out CACHE --frames F --height H --width W`, then pass --data with the "
+                          f"latent manifest it writes (the videodit reads its caption column as bytes)")
     if not d.manifest and m.arch == "wan":
         raise ConfigError("model.arch='wan' trains on precomputed VAE latents and text embeddings, not on the "
                           "demo videos: run `python -m megaslide_ray.precompute --model-dir WAN_DIR --data "
@@ -89,9 +94,13 @@ def _check_manifest(cfg: Config, field: str, path: str) -> None:
     if m.arch == "wan" and not latent:
         raise ConfigError(f"{field}={path!r} is a video manifest; model.arch='wan' reads latents: "
                           f"precompute them first (python -m megaslide_ray.precompute ...)")
-    if m.arch != "wan" and latent:
-        raise ConfigError(f"{field}={path!r} holds precomputed latents; model.arch={m.arch!r} reads "
-                          f"video (latents are for --preset wan2.1-t2v-1.3b and the other wan presets)")
+    if not cfg.latent_space and latent:
+        raise ConfigError(f"{field}={path!r} holds precomputed latents; model.arch={m.arch!r} with "
+                          f"model.inputs='pixels' reads video (latents are for the wan presets and the dit-* presets, "
+                          f"model.inputs=latents)")
+    if cfg.latent_space and not latent:
+        raise ConfigError(f"{field}={path!r} is a video manifest; model.inputs='latents' reads latents: "
+                          f"precompute them first (python -m megaslide_ray.precompute ...)")
     if not latent:
         return
     info = latent_manifest_info(path)
@@ -105,12 +114,12 @@ def _check_manifest(cfg: Config, field: str, path: str) -> None:
                         f"model.in_channels={m.in_channels} make {want}: precomputed clips of "
                         f"{ct * (F_ - 1) + 1} frames of {cs * W_}x{cs * H_} need --data.num_frames "
                         f"{ct * (F_ - 1) + 1} --data.height {cs * H_} --data.width {cs * W_}")
-    if info.text_dim != m.text_dim:
+    if m.arch == "wan" and info.text_dim != m.text_dim:
         problems.append(f"its text embeddings are {info.text_dim} wide, model.text_dim={m.text_dim}")
     if tuple(info.compression) != tuple(m.latent_compression):
         problems.append(f"its VAE compresses {tuple(info.compression)}, model.latent_compression="
                         f"{tuple(m.latent_compression)}")
-    if info.text_len > m.text_len:
+    if m.arch == "wan" and info.text_len > m.text_len:
         problems.append(f"its text is padded to {info.text_len} tokens, model.text_len={m.text_len}")
     if problems:
         raise ConfigError(f"{field}={path!r} does not fit the model:\n  " + "\n  ".join(problems))

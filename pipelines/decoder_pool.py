@@ -124,6 +124,12 @@ class _Watch:
     record: dict | None = None
 
 
+def latent_captions(cfg) -> str:
+    """How decoders condition latent batches: ``bytes`` (the caption column as byte captions) for
+    a videodit on latents, ``text`` (the manifest's text embeddings) otherwise."""
+    return "bytes" if cfg.model.arch == "videodit" and cfg.model.inputs == "latents" else "text"
+
+
 class DecoderPool:
     def __init__(self, cfg, status_dir: str | Path, cursor: DataCursor | None = None,
                  namespace: str = "megaslide", actor_options: dict | None = None):
@@ -165,7 +171,7 @@ class DecoderPool:
         self._actors[i] = ray.remote(VideoDecoder).options(name=name, num_cpus=0, **self._options).remote(
             d.data, d.training.seed, d.model.caption_max_bytes, position, i, self.n, first_step=self._next_step[i],
             skipped_before=skipped, bad_rows=dict(self._bad_rows), status_path=str(self._status_path(i)),
-            status_token=token)
+            status_token=token, latent_captions=latent_captions(d))
         self._watch[i] = _Watch(token)
 
     @property

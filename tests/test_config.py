@@ -111,3 +111,54 @@ def test_validate_checks_a_config_changed_after_building():
         with pytest.raises(ConfigError, match=f"model.hidden_size={cfg.model.hidden_size} is not divisible by "
                                               f"model.num_heads=7"):
             validate(cfg)
+
+
+@pytest.mark.parametrize("name", ["dit-105b", "dit-33b", "dit-28b"])
+def test_paper_presets_read_vae_latents(name):
+    cfg = build_config(name)
+    m = cfg.model
+    assert (m.arch, m.inputs, m.in_channels, m.patch_size, m.latent_compression) == \
+        ("videodit", "latents", 16, (1, 2, 2), (4, 8, 8))
+    assert cfg.latent_space and cfg.latent_grid == (21, 60, 104) and cfg.token_grid == (21, 30, 52)
+    # the clip is in pixels, 4k+1 frames, height and width multiples of 8 x 2
+    with pytest.raises(ConfigError, match="data.num_frames=80: the VAE encodes 4k\\+1 frames"):
+        build_config(name, None, {"data.num_frames": 80})
+    with pytest.raises(ConfigError, match="data.height=1080 is not divisible by 16"):
+        build_config(name, None, {"data.height": 1080})
+    # pixel space keeps refusing latent channel counts
+    with pytest.raises(ConfigError, match="model.in_channels=16: the video decoders deliver RGB clips"):
+        build_config(name, None, {"model.inputs": "pixels"})
+    assert not build_config("tiny").latent_space
+
+
+def test_a_scaled_down_latent_preset_runs_forward_and_backward():
+    import torch
+
+    from megaslide_ray.captions import caption_batch
+    from megaslide_ray.model import build_model
+
+    cfg = build_config("dit-105b", None, {"model.hidden_size": 32, "model.depth": 2, "model.num_heads": 2,
+                                          "model.caption_dim": 16, "data.num_frames": 9, "data.height": 80,
+                                          "data.width": 96, "data.batch_size": 2})
+    assert cfg.latent_grid == (3, 10, 12) and cfg.token_grid == (3, 5, 6)
+    model = build_model(cfg, seed=0)
+    g = torch.Generator().manual_seed(0)
+    B = cfg.data.batch_size
+    x_t = torch.randn(B, *cfg.latent_grid, 16, generator=g)
+    cap, cap_len = (torch.from_numpy(a) for a in caption_batch("a red circle", cfg.model.caption_max_bytes, B))
+    out = model(x_t, torch.rand(B, generator=g), cap, cap_len)
+    assert out.shape == x_t.shape
+    loss = (out - torch.randn(out.shape, generator=g)).pow(2).mean()
+    loss.backward()
+    grads = [p.grad for p in model.parameters() if p.grad is not None]
+    assert grads and all(torch.isfinite(gr).all() for gr in grads)
+    assert model.blocks[0].mlp[0].weight.grad.abs().sum() > 0 or model.head.linear.weight.grad.abs().sum() > 0
+
+
+def test_a_latent_videodit_needs_a_latent_manifest():
+    from megaslide_ray.trainer import check_data
+
+    with pytest.raises(ConfigError, match="model.inputs='latents' .* trains on precomputed VAE latents"):
+        check_data(build_config("dit-28b"))
+    with pytest.raises(ConfigError, match="training.sample_every=5 with model.arch='videodit' on latents"):
+        build_config("dit-28b", None, {"training.sample_every": 5})

@@ -10,7 +10,7 @@ import pytest
 
 from megaslide_ray.config import ConfigError, build_config
 from megaslide_ray.model import param_count
-from megaslide_ray.plan import config_for, main, plan, render
+from megaslide_ray.plan import HOST_RESERVE_GB, config_for, main, max_frames, plan, plan_with_chunk, render
 
 
 @pytest.fixture(scope="module")
@@ -31,10 +31,14 @@ def test_105b_matches_the_papers_accounting(plan_105b):
     assert _close(p.h2d_bytes, 420e9)                    # bf16 weights, forward and backward
     assert _close(p.d2h_bytes, 210e9)                    # bf16 gradients
     assert _close(p.adamw_dram_bytes, 2.9e12, 0.02)      # docs/architecture.md, "Traffic and floors": about 2.9 TB
-    # the landing buffer is listed apart, outside the 14 B/param figure, but the store holds it
-    assert p.grad_buffer_in_state is False
-    assert p.grad_buffer_bytes == 2 * p.params
-    assert p.host_total_bytes == p.host_state_bytes + p.grad_buffer_bytes
+    # 14 B/param exactly: gradients land in w, so there is no gradient buffer; a bf16 run adds one
+    # fp32 update scratch of the largest shard
+    assert p.host_bytes == {"w": 2 * p.params, "master": 4 * p.params, "m": 4 * p.params, "v": 4 * p.params,
+                            "scratch": 4 * p.largest_shard_params}
+    assert p.host_state_bytes == 14 * p.params
+    assert p.host_store_bytes == 14 * p.params + 4 * p.largest_shard_params
+    assert p.scratch_bytes < 0.01 * p.host_state_bytes
+    assert p.host_required_bytes == p.host_store_bytes + int(HOST_RESERVE_GB * 1e9)  # no offload: nothing else
     # runtime.prefetch_depth (1 by default) staged + the one computing, each bf16 w + bf16 grad
     assert p.prefetch_depth == 1
     assert p.largest_shard_params * 2 * 4 == p.device_shard_bytes
@@ -48,7 +52,7 @@ def test_tiny_is_sane():
     assert p.params == param_count(cfg)
     assert p.tokens_per_sample == cfg.tokens_per_sample
     assert p.tokens_per_step == cfg.tokens_per_sample * cfg.data.batch_size
-    assert p.host_state_bytes_per_param == 16 and p.host_total_bytes == 20 * p.params
+    assert p.host_state_bytes_per_param == 16 and p.host_store_bytes == 16 * p.params  # fp32: no scratch
     assert p.adamw_bytes_per_param == 32
     assert p.fits is True and p.host_shortfall_bytes == 0 and p.device_shortfall_bytes == 0
     # every activation estimate is positive; materialising N^2 costs more than flash
@@ -60,12 +64,13 @@ def test_tiny_is_sane():
 
 
 def test_dense_attention_scales_quadratically_and_dsa_linearly():
-    small = plan(config_for("dit-28b", frames=16, height=256, width=256))
-    big = plan(config_for("dit-28b", frames=32, height=256, width=256))  # twice the tokens
+    small = plan(config_for("dit-28b", frames=17, height=256, width=256))
+    big = plan(config_for("dit-28b", frames=17, height=256, width=512))  # twice the tokens
+    assert big.tokens_per_sample == 2 * small.tokens_per_sample
     for name, factor in (("dense_materialised", 4), ("dsa_fused", 2), ("dsa_reference", 2), ("checkpoints", 2)):
         assert big.activation_parts[name] == pytest.approx(factor * small.activation_parts[name], rel=1e-9)
     d_small = plan(config_for("dit-28b", attention="dense"))
-    d_big = plan(config_for("dit-28b", frames=32, attention="dense"))
+    d_big = plan(config_for("dit-28b", width=2 * 832, attention="dense"))
     assert d_big.flops_attention == pytest.approx(4 * d_small.flops_attention)
 
 
@@ -75,28 +80,38 @@ def test_fit_and_shortfall(plan_105b):
     need_dev = plan_105b.device_required_bytes
     roomy = plan(cfg, ram_gb=need_host / 1e9 + 1, gpu_gb=need_dev / 1e9 + 1)
     assert roomy.fits_host and roomy.fits_device and roomy.fits is True
-    tight = plan(cfg, ram_gb=1024, gpu_gb=141)
+    tight = plan(cfg, ram_gb=1024, gpu_gb=40)
     assert tight.fits_host is False and tight.fits_device is False and tight.fits is False
     assert tight.host_shortfall_bytes == need_host - 1024 * 10**9
-    assert tight.device_shortfall_bytes == need_dev - 141 * 10**9
-    assert need_host > plan_105b.host_total_bytes  # the margin is on top of the store
+    assert tight.device_shortfall_bytes == need_dev - 40 * 10**9
+    assert need_host > plan_105b.host_store_bytes  # the reserve is on top of the store
+    assert tight.binding_memory[0] == "host"
+    assert sum(tight.host_terms.values()) == need_host and sum(tight.device_terms.values()) == need_dev
     unknown = plan(cfg)
     assert unknown.fits is None and unknown.fits_host is None
 
 
-def test_bad_shape_names_the_value():
-    with pytest.raises(ConfigError, match="height=1081"):
-        config_for("dit-105b", frames=256, height=1081, width=1920)
+def test_bad_shape_names_the_value_or_pads_a_latent_clip():
+    # pixel space (tiny): refused, naming the value
+    with pytest.raises(ConfigError, match="height=61"):
+        config_for("tiny", height=61)
     with pytest.raises(ConfigError, match="frames=15"):
         config_for("tiny", frames=15)  # tiny's temporal patch is 2
-    assert main(["--preset", "dit-105b", "--width", "1921"]) == 2
+    assert main(["--preset", "tiny", "--width", "63"]) == 2
+    # latent space: padded up to 4k+1 frames and multiples of 16 pixels (VAE 8 x patch 2) ...
+    cfg = config_for("dit-105b", frames=256, height=1081, width=1921)
+    assert (cfg.data.num_frames, cfg.data.height, cfg.data.width) == (257, 1088, 1936)
+    # ... or, without padding, refused as the trainer refuses it
+    with pytest.raises(ConfigError, match="num_frames=256: the VAE encodes 4k\\+1 frames"):
+        config_for("dit-105b", frames=256, height=1088, width=1920, pad=False)
 
 
 def test_cli_json_parses(capsys):
     assert main(["--preset", "tiny", "--json", "--ram-gb", "24", "--gpu-gb", "80"]) == 0
     doc = json.loads(capsys.readouterr().out)
     assert doc["preset"] == "tiny" and doc["fits"] is True
-    assert doc["host_bytes"]["g"] == 2 * doc["params"]
+    assert "g" not in doc["host_bytes"] and sum(doc["host_bytes"].values()) == doc["host_store_bytes"]
+    assert doc["host_state_bytes"] == 14 * doc["params"]
 
 
 def test_module_runs_as_a_program():
@@ -104,7 +119,8 @@ def test_module_runs_as_a_program():
                           "--height", "1080", "--width", "1920", "--json"], capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr
     doc = json.loads(out.stdout)
-    assert doc["tokens_per_sample"] == 256 * 540 * 960
+    assert doc["requested_clip"] == [256, 1080, 1920] and doc["latent_grid"] == [65, 136, 240]
+    assert doc["tokens_per_sample"] == 65 * 68 * 120
 
 
 def test_device_shard_buffers_follow_runtime_prefetch_depth_and_overlap(capsys):
@@ -121,7 +137,7 @@ def test_device_shard_buffers_follow_runtime_prefetch_depth_and_overlap(capsys):
 
 
 def test_offloaded_block_inputs_move_from_device_to_host_and_link():
-    cfg = config_for("dit-28b", frames=32, height=256, width=256)
+    cfg = config_for("dit-28b", frames=33, height=256, width=256)
     kept = plan(cfg)
     cfg.runtime.offload_activations = True
     off = plan(cfg)
@@ -129,8 +145,10 @@ def test_offloaded_block_inputs_move_from_device_to_host_and_link():
     inputs = m.depth * cfg.data.batch_size * cfg.tokens_per_sample * m.hidden_size * 2  # bf16
     assert kept.activation_parts["checkpoints"] == inputs
     assert off.activation_parts["checkpoints"] == inputs * (off.prefetch_depth + 1) // m.depth
-    assert off.activation_parts["offloaded_checkpoints"] == inputs - off.activation_parts["checkpoints"]
-    assert off.device_required_bytes == kept.device_required_bytes - off.activation_parts["offloaded_checkpoints"]
+    # the host segment has one slot per block
+    assert off.activation_parts["offloaded_checkpoints"] == off.host_offloaded_bytes == inputs
+    assert off.device_required_bytes == kept.device_required_bytes - inputs + off.activation_parts["checkpoints"]
+    assert off.host_required_bytes == kept.host_required_bytes + inputs
     assert off.h2d_bytes == kept.h2d_bytes + inputs and off.d2h_bytes == kept.d2h_bytes + inputs
     assert off.host_required_bytes > kept.host_required_bytes
     assert "(offloaded)" in render(off) and "block inputs" in render(off)
@@ -155,3 +173,118 @@ def test_wan_plans_on_latents_with_text_tokens_and_offset_heads():
     cfg_groups = config_for("wan2.1-t2v-14b", frames=81, height=720, width=1280)
     cfg_groups.attention.offset_groups = 8
     assert plan(cfg_groups).params_offset_heads < p.params_offset_heads / 4
+
+
+# ---------------------------------------------------------------------------------------------
+# Latent presets, generation, token chunks, searches (issue #15)
+# ---------------------------------------------------------------------------------------------
+
+
+def test_latent_and_token_grids_of_a_1080p_256_frame_clip():
+    cfg = config_for("dit-105b", frames=256, height=1080, width=1920)
+    p = plan(cfg, requested_clip=(256, 1080, 1920))
+    assert cfg.latent_space and cfg.model.in_channels == 16
+    assert p.latent_grid == (65, 136, 240) and p.token_grid == (65, 68, 120)
+    text = render(p)
+    assert "clip 256 x 1080 x 1920 pixels padded to 257 x 1088 x 1920" in text
+    assert "latent grid 65 x 136 x 240 x 16 -> token grid 65 x 68 x 120 = 530,400 tokens/sample" in text
+    # tiny stays in pixel space
+    tiny = plan(build_config("tiny"))
+    assert not tiny.latent_space and tiny.latent_grid == (16, 64, 64) and "latent grid" not in render(tiny)
+
+
+def test_generate_keeps_no_block_inputs_and_streams_weights_once():
+    cfg = config_for("dit-28b", frames=33, height=256, width=256)
+    cfg.runtime.offload_activations = True  # irrelevant to sampling
+    gen = plan(cfg, generate=True)
+    train = plan(cfg)
+    assert gen.mode == "generate"
+    assert gen.activation_parts["checkpoints"] == 0 and gen.activation_parts["offloaded_checkpoints"] == 0
+    assert gen.host_bytes == {"w": 2 * gen.params} and gen.host_offloaded_bytes == 0
+    assert gen.h2d_bytes == 2 * gen.params and gen.d2h_bytes == 0 and gen.adamw_dram_bytes == 0
+    assert gen.device_shard_bytes * 2 == train.device_shard_bytes  # weights only, no gradients
+    assert gen.flops_recompute == 0 and gen.flops_executed < train.flops_executed / 2.5
+    assert gen.device_required_bytes < train.device_required_bytes
+    assert "forward only" in render(gen)
+
+
+def test_token_chunk_splits_the_block_into_whole_clip_and_per_chunk_terms():
+    cfg = config_for("dit-105b", frames=81, height=1080, width=1920)
+    whole = plan(cfg)
+    chunked = plan_with_chunk(cfg, 8160)
+    bigger = plan_with_chunk(cfg, 4 * 8160)
+    D, N = cfg.model.hidden_size, cfg.tokens_per_sample
+    ND = N * D * 2
+    assert chunked.token_chunk == 8160 and chunked.attention_chunk_tokens == 8160  # one 68 x 120 time slice
+    whole_clip = sum(v for k, v in chunked.block_terms.items() if k.startswith("whole clip"))
+    assert whole_clip == 9 * ND
+    assert chunked.activation_parts["block_linear"] < whole.activation_parts["block_linear"] / 2
+    assert chunked.device_required_bytes < bigger.device_required_bytes < whole.device_required_bytes
+    assert chunked.flops_recompute > whole.flops_recompute  # the nested per-chunk checkpoint
+    gen = plan_with_chunk(cfg, 8160, generate=True)
+    assert sum(v for k, v in gen.block_terms.items() if k.startswith("whole clip")) == 5 * ND
+
+
+GOAL = dict(gpu_gb=141.0, ram_gb=1649.0)
+
+
+def test_goal_generation_256_frames_1080p_fits_one_h200(capsys):
+    assert main(["--preset", "dit-105b", "--generate", "--frames", "256", "--height", "1080", "--width", "1920",
+                 "--gpu-gb", "141"]) == 0
+    out = capsys.readouterr().out
+    assert "fits: this machine can run it" in out and "the planner chose token_chunk" in out
+    cfg = config_for("dit-105b", frames=256, height=1080, width=1920)
+    p = plan_with_chunk(cfg, None, generate=True, gpu_gb=141)
+    assert p.fits and p.token_chunk > 0 and p.device_required_bytes <= 141e9
+
+
+def test_goal_training_1080p_on_an_h200_and_1649_gb():
+    cfg = config_for("dit-105b", frames=81, height=1080, width=1920)
+    cfg.runtime.offload_activations = True
+    p = plan_with_chunk(cfg, "auto", **GOAL)
+    # 81 frames: the device fits with a token chunk; the host is short by a few GB, and the
+    # offloaded block inputs are the term the clip adds there
+    assert p.fits_device and p.token_chunk > 0
+    assert p.fits_host is False and 0 < p.host_shortfall_bytes < 20e9
+    assert p.binding_memory[:2] == ("host", "offloaded block inputs (L x ND)")
+    assert any("disk tier" in n for n in p.notes) and any("bf16 AdamW moments" in n for n in p.notes)
+    # partial offload (not implemented) would close the gap with a smaller chunk: the note says how
+    keep = [n for n in p.notes if "block inputs on the device instead of offloading" in n]
+    assert len(keep) == 1 and "keeping 3 of the 35" in keep[0]
+    # the longest clip that fits is well past the 33-frame floor
+    s = max_frames(cfg, "auto", **GOAL)
+    assert s.best_frames >= 33 and s.best.fits
+    assert s.next_frames == s.best_frames + 4 and s.next.fits is False
+
+
+def test_max_frames_returns_a_length_that_fits_and_four_more_does_not():
+    cfg = config_for("dit-105b", height=1080, width=1920)
+    s = max_frames(cfg, None, generate=True, gpu_gb=141)
+    assert s.best_frames >= 257 and s.best.fits and s.best.frames == s.best_frames
+    for frames, fits in ((s.best_frames, True), (s.best_frames + 4, False)):
+        c = config_for("dit-105b", frames=frames, height=1080, width=1920)
+        assert plan_with_chunk(c, None, generate=True, gpu_gb=141).fits is fits
+    # pixel space steps by the temporal patch
+    tiny = max_frames(build_config("tiny"), 0, gpu_gb=0.05, ram_gb=1)
+    assert tiny.best_frames % 2 == 0 and tiny.next_frames == tiny.best_frames + 2 and not tiny.next.fits
+
+
+def test_cli_help_and_refusals(capsys):
+    with pytest.raises(SystemExit) as e:
+        main(["--help"])
+    assert e.value.code == 0
+    out = capsys.readouterr().out
+    for flag in ("--generate", "--max-frames", "--token-chunk", "--host-reserve-gb", "--guidance", "--sample-steps",
+                 "--ram-gb", "--gpu-gb", "--offload-activations"):
+        assert flag in out
+    for argv in (["--token-chunk", "-1"], ["--token-chunk", "lots"], ["--ram-gb", "0"], ["--gpu-gb", "-3"],
+                 ["--frames", "0"], ["--host-reserve-gb", "-1"], ["--sample-steps", "0"]):
+        with pytest.raises(SystemExit) as e:
+            main(argv)
+        assert e.value.code == 2, argv
+    capsys.readouterr()
+    for argv in (["--max-frames"], ["--preset", "dit-28b", "--max-frames", "--gpu-gb", "141"],
+                 ["--guidance"], ["--token-chunk", "auto"], ["--max-frames", "--frames", "16", "--gpu-gb", "1"],
+                 ["--prefetch-depth", "0"]):
+        assert main(argv) == 2, argv
+        assert capsys.readouterr().err.startswith("error: ")
