@@ -169,3 +169,29 @@ def draw_run_offsets(checkpoint: str | Path, clip: np.ndarray, caption: str, out
     return draw_offset_field(frame, est[ti], tuple(cfg.model.patch_size), head_groups(cfg), out,
                              title=f"block {block}, frame {ti}: motion estimate from the learned offsets "
                                    f"(mean {mean_len:.2f} tokens/frame) for {caption!r}")
+
+
+def run_offsets_plot(run_dir: str | Path, out: str | Path, block: int = 1) -> tuple[Path | None, str]:
+    """``offsets.png`` for a run: its latest checkpoint and the first clip of its validation set
+    (else of its training data), decoded as the validation set is (first frames, centre crop).
+    Returns ``(path, "")``, or ``(None, why not)`` for a run that has no offsets to draw."""
+    from dataclasses import replace
+
+    from actors.decoder import decode_clip
+    from megaslide_ray.checkpoint import latest_checkpoint, read_checkpoint_state
+    from megaslide_ray.config import config_from_dict
+    from megaslide_ray.manifest import read_manifest
+
+    ckpt = latest_checkpoint(run_dir)
+    if ckpt is None:
+        return None, "no checkpoint yet"
+    cfg = config_from_dict(read_checkpoint_state(ckpt)["config"])
+    if cfg.attention.kind != "dsa" or cfg.model.arch != "videodit" or cfg.latent_space:
+        return None, f"attention.kind={cfg.attention.kind!r}, model.arch={cfg.model.arch!r}: no pixel-space dsa offsets"
+    manifest = cfg.data.val_manifest or cfg.data.manifest
+    if not manifest or not Path(manifest).is_file():
+        return None, f"its data manifest {manifest!r} is not here"
+    entry = read_manifest(manifest)[0]
+    d = replace(cfg.data, manifest=manifest, random_crop=False, spatial_crop="center")
+    clip = decode_clip(entry.path, d, cfg.training.seed, 0).frames
+    return draw_run_offsets(ckpt, clip, entry.caption, out, block), ""

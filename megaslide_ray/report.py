@@ -1,11 +1,14 @@
 """Plots and a summary of a training run, from its ``metrics.jsonl``.
 
-    python -m megaslide_ray.report RUN_DIR [--out DIR]
+    python -m megaslide_ray.report RUN_DIR [RUN_DIR ...] [--out DIR]
 
 Writes ``loss.png``, ``tokens_per_s.png`` and ``time_split.png`` into ``RUN_DIR/report/`` (or
 ``--out``) and prints a summary table. A run that evaluated (``training.eval_every``) also gets
 ``val_loss.png`` (the validation loss and its t-buckets), and its validation loss is drawn on
-``loss.png`` too. How a step's wall time splits: ``step_seconds`` is the
+``loss.png`` too. A ``dsa`` run with a checkpoint gets ``offsets.png``: the learned offset field
+of one clip, as arrows per head group (``megaslide_ray.offsets_view``). Several runs (e.g. one
+per attention kind) are each reported, and ``val_loss_by_run.png`` draws their validation
+losses side by side. How a step's wall time splits: ``step_seconds`` is the
 driver's time between two steps; the compute actor's share is ``forward_seconds +
 backward_seconds`` (= ``compute_seconds``), and the rest (``step_seconds - compute_seconds``)
 is waiting for data and driver overhead. ``weight_wait_seconds`` (blocked on a shard version
@@ -25,6 +28,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 PLOTS = ("loss.png", "tokens_per_s.png", "time_split.png")
+OFFSETS_PLOT = "offsets.png"          # dsa runs with a checkpoint
+COMPARE_PLOT = "val_loss_by_run.png"  # several runs
 VAL_PLOT = "val_loss.png"  # only for runs with validation rows
 
 
@@ -242,26 +247,80 @@ def _save(fig, path: Path, plt) -> Path:
 
 
 def report(run_dir: str | Path, out_dir: str | Path | None = None) -> tuple[RunSummary, list[Path]]:
+    """The run's plots; for a ``dsa`` run with a checkpoint also ``offsets.png`` (the learned
+    offset field of one clip, ``megaslide_ray.offsets_view``)."""
     rows = read_metrics(Path(run_dir) / "metrics.jsonl")
     summary = summarize(rows)
-    plots = plot_run(rows, out_dir if out_dir is not None else Path(run_dir) / "report")
+    out = Path(out_dir) if out_dir is not None else Path(run_dir) / "report"
+    plots = plot_run(rows, out)
+    try:
+        from megaslide_ray.offsets_view import run_offsets_plot
+
+        drawn, _ = run_offsets_plot(run_dir, out / OFFSETS_PLOT)
+    except (OSError, ValueError, RuntimeError, KeyError) as e:  # a plot that cannot be drawn is not fatal
+        print(f"warning: no {OFFSETS_PLOT}: {e}", file=sys.stderr)
+        drawn = None
+    if drawn is not None:
+        plots.append(drawn)
     return summary, plots
+
+
+def run_label(run_dir: str | Path) -> str:
+    """``name (attention kind)`` of a run, from its config.toml when it has one."""
+    name = Path(run_dir).name
+    try:
+        from megaslide_ray.config import load_toml
+
+        kind = load_toml(Path(run_dir) / "config.toml").get("attention.kind")
+    except Exception:  # noqa: BLE001 - a label without the kind is fine
+        kind = None
+    return f"{name} ({kind})" if kind else name
+
+
+def compare_runs(run_dirs: list[str | Path], out: str | Path) -> Path:
+    """``val_loss_by_run.png``: the validation loss of several runs side by side (e.g. one per
+    attention kind), each labelled with its name and attention kind."""
+    plt = _pyplot()
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    fig, ax = plt.subplots(figsize=(7, 4))
+    drawn = 0
+    for run in run_dirs:
+        xs, ys = _values(read_metrics(Path(run) / "metrics.jsonl"), "val_loss")
+        if xs:
+            ax.plot(xs, ys, marker="o", label=run_label(run))
+            drawn += 1
+    if not drawn:
+        plt.close(fig)
+        raise ValueError("none of these runs logged a val_loss: train with data.val_manifest and training.eval_every")
+    ax.set(xlabel="step", ylabel="validation loss (MSE)", title="validation loss by run")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    return _save(fig, out / COMPARE_PLOT, plt)
 
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m megaslide_ray.report",
                                 description="Plot a run's metrics.jsonl and print a summary.")
-    p.add_argument("run_dir", help="run directory (holds metrics.jsonl)")
-    p.add_argument("--out", default=None, help="where to write the PNGs (default RUN_DIR/report)")
+    p.add_argument("run_dirs", nargs="+", metavar="RUN_DIR",
+                   help="run directory (holds metrics.jsonl); several: each is reported and their validation "
+                        "losses are also drawn side by side")
+    p.add_argument("--out", default=None, help="where to write the PNGs (default RUN_DIR/report; with several runs "
+                                               "the comparison goes to the first run's)")
     a = p.parse_args(argv)
     try:
-        summary, plots = report(a.run_dir, a.out)
+        for run in a.run_dirs:
+            out = Path(a.out) / Path(run).name if a.out and len(a.run_dirs) > 1 else a.out
+            summary, plots = report(run, out)
+            print(f"run {run}")
+            print(format_summary(summary))
+            print("plots: " + ", ".join(str(x) for x in plots))
+        if len(a.run_dirs) > 1:
+            where = Path(a.out) if a.out else Path(a.run_dirs[0]) / "report"
+            print(f"comparison: {compare_runs(a.run_dirs, where)}")
     except (FileNotFoundError, ValueError, RuntimeError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    print(f"run {a.run_dir}")
-    print(format_summary(summary))
-    print("plots: " + ", ".join(str(x) for x in plots))
     return 0
 
 

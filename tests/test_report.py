@@ -7,7 +7,8 @@ import sys
 
 import pytest
 
-from megaslide_ray.report import PLOTS, format_summary, main, read_metrics, report, summarize
+from megaslide_ray.report import (COMPARE_PLOT, OFFSETS_PLOT, PLOTS, format_summary, main, read_metrics, report,
+                                  run_label, summarize)
 
 
 def _rows(n=12):
@@ -57,7 +58,7 @@ def test_report_of_a_real_run(cli_run, tmp_path, capsys):
     assert [r["step"] for r in rows] == [1, 2]
     assert main([str(run_dir), "--out", str(tmp_path / "plots")]) == 0
     out = capsys.readouterr().out
-    for png in PLOTS:
+    for png in PLOTS + (OFFSETS_PLOT,):  # the main job trains dsa: its offset field is drawn too
         data = (tmp_path / "plots" / png).read_bytes()
         assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 1000
     s = summarize(rows)
@@ -82,3 +83,21 @@ def test_report_missing_or_empty_metrics_is_a_clear_error(tmp_path):
     (tmp_path / "empty" / "metrics.jsonl").write_text("")
     with pytest.raises(ValueError, match="holds no metrics rows"):
         report(tmp_path / "empty")
+
+
+def test_several_runs_are_compared_by_validation_loss(tmp_path, capsys):
+    for kind, scale in (("dsa", 1.0), ("neighborhood", 1.1)):
+        rows = _rows()
+        for r in rows[3::4]:
+            r["val_loss"], r["val_loss_t0"] = scale * r["loss"], 0.5 * scale * r["loss"]
+        _write(tmp_path / kind, rows)
+        (tmp_path / kind / "config.toml").write_text(f'[attention]\nkind = "{kind}"\n')
+    assert run_label(tmp_path / "dsa") == "dsa (dsa)"
+    assert main([str(tmp_path / "dsa"), str(tmp_path / "neighborhood"), "--out", str(tmp_path / "cmp")]) == 0
+    out = capsys.readouterr().out
+    assert out.count("run ") == 2 and f"comparison: {tmp_path / 'cmp' / COMPARE_PLOT}" in out
+    assert (tmp_path / "cmp" / COMPARE_PLOT).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert (tmp_path / "cmp" / "neighborhood" / "val_loss.png").is_file()
+    _write(tmp_path / "noval", _rows())
+    assert main([str(tmp_path / "noval"), str(tmp_path / "noval"), "--out", str(tmp_path / "x")]) == 2
+    assert "logged a val_loss" in capsys.readouterr().err
