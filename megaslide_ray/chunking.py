@@ -15,6 +15,8 @@ The helpers here are architecture-neutral:
   checkpointed per chunk, outputs concatenated.
 * ``time_slabs``: the query slabs of windowed attention (whole time frames) and, per slab, the
   frames its keys and values come from (the slab plus the halo its windows and offsets reach).
+* ``FrameRanges``: overlapping frame ranges of a whole tensor (a slab's queries, its held keys)
+  whose gradients add into one buffer instead of one zero-filled whole-size tensor per slab.
 * ``bind``: a module's forward on the parameter tensors it has *now*. The compute actor runs a
   block under ``torch.func.functional_call``; a checkpoint recomputes during the backward,
   after that call has returned and the module holds its ``meta`` parameters again, so a
@@ -46,7 +48,7 @@ from torch.utils.checkpoint import checkpoint
 
 from kernels import deformable_slide_attention_slab, slab_kv_frames
 
-__all__ = ["Chunked", "bind", "checkpointed", "slab_attention", "slab_frames", "time_slabs", "token_map"]
+__all__ = ["Chunked", "FrameRanges", "bind", "checkpointed", "slab_attention", "slab_frames", "time_slabs", "token_map"]
 
 
 def bind(module: nn.Module) -> Callable:
@@ -125,3 +127,77 @@ def slab_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, off: torch
         B, Ts, H, W, nh, _ = q.shape
         off = q.new_zeros(B, Ts, H, W, nh, window[0] * window[1] * window[2], 3)
     return deformable_slide_attention_slab(q, k, v, off, window, t0, a, frames, scale=scale)
+
+
+# ---------------------------------------------------------------------------------------------
+# Frame ranges of one tensor whose gradients land in one buffer
+# ---------------------------------------------------------------------------------------------
+
+
+class _Sink:
+    """The gradient of a tensor, summed over its frame ranges as their backwards run."""
+
+    def __init__(self, like: torch.Tensor):
+        self.like = like
+        self.grad: torch.Tensor | None = None
+
+    def add(self, lo: int, hi: int, g: torch.Tensor) -> None:
+        if self.grad is None:
+            self.grad = torch.zeros_like(self.like)
+        self.grad[:, lo:hi] += g
+
+    def take(self) -> torch.Tensor | None:
+        grad, self.grad, self.like = self.grad, None, None
+        return grad
+
+
+class _Tap(torch.autograd.Function):
+    """Identity; its backward (run after every range's) hands on the sink's sum."""
+
+    @staticmethod
+    def forward(ctx, x, sink):
+        ctx.sink = sink
+        ctx.set_materialize_grads(False)
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, g):
+        grad = ctx.sink.take()
+        if grad is None:
+            return g, None
+        if g is not None:
+            grad += g
+        return grad, None
+
+
+class _Range(torch.autograd.Function):
+    """``x[:, lo:hi]``; its backward adds the range's gradient into the sink."""
+
+    @staticmethod
+    def forward(ctx, x, sink, lo, hi):
+        ctx.sink, ctx.lo, ctx.hi = sink, lo, hi
+        ctx.set_materialize_grads(False)
+        return x[:, lo:hi]
+
+    @staticmethod
+    def backward(ctx, g):
+        if g is not None:
+            ctx.sink.add(ctx.lo, ctx.hi, g)
+        return None, None, None, None
+
+
+class FrameRanges:
+    """Views ``x[:, lo:hi]`` of one tensor (``ranges(lo, hi)``; ranges may overlap) whose
+    gradients are added into one buffer the size of ``x`` as each range's backward runs, instead
+    of each becoming a zero-filled tensor the size of ``x`` (what slicing does): the slabs'
+    backward then holds one whole-size gradient, not one per slab. Make each range just before
+    the slab that uses it: autograd runs a range's backward right after that slab's (nodes run
+    newest first), so a slab's range gradients do not wait for the other slabs."""
+
+    def __init__(self, x: torch.Tensor):
+        self.track = torch.is_grad_enabled() and x.requires_grad
+        self.sink = _Sink(x) if self.track else None
+        self.x = _Tap.apply(x, self.sink) if self.track else x
+
+    def __call__(self, lo: int, hi: int) -> torch.Tensor:
+        return _Range.apply(self.x, self.sink, lo, hi) if self.track else self.x[:, lo:hi]

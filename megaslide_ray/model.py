@@ -24,7 +24,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from megaslide_ray.chunking import Chunked, bind, checkpointed, time_slabs, token_map, slab_attention
+from megaslide_ray.chunking import (Chunked, FrameRanges, bind, checkpointed, slab_attention, time_slabs,
+                                    token_map)
 from megaslide_ray.config import Config
 from kernels import deformable_slide_attention
 from kernels.swin import swin_attention_3d
@@ -255,19 +256,22 @@ class DiTBlock(nn.Module):
             off_f = bind(attn.offsets) if attn.offsets is not None else None
             max_off = attn.offsets.max_offset if attn.offsets is not None else 0.0
             slabs = time_slabs(N, (T, H, W), attn.window[0], max_off if max_off > 0 or off_f is None else None)
+            x_ranges, qkv_ranges = FrameRanges(x), FrameRanges(qkv)
             outs = []
             for t0, t1, a, b in slabs:
-                def slab(xw, qkvw, sh, sc, g, t0=t0, t1=t1, a=a, b=b):
-                    q = qkvw[:, t0:t1].unflatten(-1, (3, nh, hd))[..., 0, :, :]
-                    _, k, v = qkvw[:, a:b].unflatten(-1, (3, nh, hd)).unbind(4)
-                    off = None
-                    if off_f is not None:  # the offset head's conv reads one frame either side
-                        e0, e1 = max(0, t0 - 1), min(T, t1 + 1)
-                        off = off_f(modulate(norm1(xw[:, e0:e1]), sh, sc))[:, t0 - e0:t1 - e0]
-                    o = slab_attention(q, k, v, off, t0, a, T, attn.window, attn.scale)
-                    return xw[:, t0:t1] + gate(proj_f(o.reshape(B, t1 - t0, H, W, D)), g)
+                e0, e1 = max(0, t0 - 1), min(T, t1 + 1)  # the offset head's conv reads one frame either side
 
-                outs.append(checkpointed(slab, x, qkv, shift_a, scale_a, gate_a))
+                def slab(xe, qs, kvh, sh, sc, g, t0=t0, t1=t1, a=a, e0=e0):
+                    q = qs.unflatten(-1, (3, nh, hd))[..., 0, :, :]
+                    _, k, v = kvh.unflatten(-1, (3, nh, hd)).unbind(4)
+                    off = None
+                    if off_f is not None:
+                        off = off_f(modulate(norm1(xe), sh, sc))[:, t0 - e0:t1 - e0]
+                    o = slab_attention(q, k, v, off, t0, a, T, attn.window, attn.scale)
+                    return xe[:, t0 - e0:t1 - e0] + gate(proj_f(o.reshape(B, t1 - t0, H, W, D)), g)
+
+                outs.append(checkpointed(slab, x_ranges(e0, e1), qkv_ranges(t0, t1), qkv_ranges(a, b),
+                                         shift_a, scale_a, gate_a))
             x = torch.cat(outs, dim=1) if len(outs) > 1 else outs[0]
         del qkv
 
