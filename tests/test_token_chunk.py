@@ -303,3 +303,39 @@ def test_interp_slab_rows_equal_the_whole_grid_triton():
     got = [y.detach(), *torch.autograd.grad(y, leaves, dout[:, t0:t1])]
     for g_, w_ in ((got[0], want[0]), (got[1], want[1]), (got[4], want[4])):
         torch.testing.assert_close(g_, w_[:, t0:t1], rtol=1e-6, atol=1e-6)
+
+
+# -----------------------------------------------------------------------------
+# The streamed trainer: the compute actor's blocks honour runtime.token_chunk
+
+
+def test_streamed_training_with_token_chunk_matches_whole_blocks(tmp_path):
+    """Two steps of the compute actor and the parameter store (plain classes, one process) with
+    ``token_chunk`` 0 and 16 (one frame of the 3 x 4 x 4 token grid): the same parameters."""
+    from actors.compute import ComputeActor, LocalStoreClient
+    from actors.decoder import VideoDecoder
+    from actors.param_store import ParameterStore
+    from megaslide_ray.demo_data import ensure_demo_dataset
+
+    manifest = str(ensure_demo_dataset(tmp_path / "cache", num_videos=2))
+    small = {"model.depth": 2, "model.hidden_size": 32, "model.num_heads": 2, "model.caption_dim": 16,
+             "model.patch_size": "2,8,8", "data.num_frames": 6, "data.height": 32, "data.width": 32,
+             "data.manifest": manifest, "runtime.state_dir": str(tmp_path), "attention.max_offset": 1.5}
+    with VideoDecoder(build_config("tiny", None, small).data, 0, 64) as dec:
+        batches = [dec.next_batch() for _ in range(2)]
+    masters = []
+    for chunk in (0, 16):
+        cfg = build_config("tiny", None, {**small, "runtime.token_chunk": chunk})
+        store = ParameterStore(cfg, str(tmp_path / f"run-{chunk}"))
+        compute = ComputeActor(cfg, store.shard_infos(), LocalStoreClient(store), "shm")
+        try:
+            assert all(getattr(m, "token_chunk", chunk) == chunk for m in compute.modules)
+            for step, b in enumerate(batches):
+                compute.train_step(b, step)
+                store.wait_step(step)
+            masters.append([s["master"].clone() for s in store.seg])
+        finally:
+            compute.close()
+            store.close()
+    for a, b in zip(*masters):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
