@@ -16,6 +16,10 @@ backend per call:
 - ``"auto"`` (default): Triton for CUDA tensors when Triton imports, ``cpu`` for CPU
   tensors, else reference.
 
+``deformable_slide_attention_slab`` is the same operator for the queries of a slab of frames
+against only the frames of k and v they reach (token-chunked blocks, ``runtime.token_chunk``),
+on the same backends.
+
 Force a path with ``backend=...`` or the environment variable
 ``MEGASLIDE_DSA_BACKEND=reference|cpu|chunked|triton|auto`` (the argument wins).
 """

@@ -24,6 +24,10 @@ backward); no Python loop runs over tokens. For speed and long videos on CPU use
 ``deformable_slide_attention`` picks for CPU tensors), ``dsa_reference_chunked`` (this
 math in chunks: O(chunk*K*d) extra, reference speed) or, on GPU, the Triton kernel
 (O(N*d): samples are never materialised).
+
+``dsa_slab`` is the operator for the queries of a slab of frames against only the frames of
+k, v they reach (``slab_kv_frames``), computed on the whole grid's geometry: the token-chunked
+blocks (``runtime.token_chunk``) call it, through ``kernels.deformable_slide_attention_slab``.
 """
 
 from __future__ import annotations
@@ -415,9 +419,10 @@ def slab_kv_frames(q_start: int, q_stop: int, frames: int, window_t: int,
 
     The slab's windows cover frames ``[lo, hi]`` (``s_t`` to ``s_t + kt - 1``); an offset of at
     most ``m = max_offset`` in size moves a sample within ``[lo - m, hi + m]``, whose trilinear
-    corners lie in ``[lo - ceil(m), hi + ceil(m) + 1]``. Returns that range widened by one frame
-    on either side, clipped to the grid (so a position never sits on the held range's last
-    frame unless that is the grid's). ``max_offset`` None (offsets unbounded): the whole grid.
+    corners lie in ``[lo - ceil(m), hi + floor(m) + 1]``. Returns ``(a, b)`` with ``[a, b)`` the
+    frames ``lo - ceil(m) - 1 .. hi + ceil(m) + 1``, clipped to the grid: every corner is held,
+    and no position sits on the last held frame unless that is the grid's last (where the
+    operator clamps the upper corner). ``max_offset`` None (offsets unbounded): the whole grid.
     """
     if max_offset is None:
         return 0, frames

@@ -26,9 +26,8 @@ Windowed attention (``dsa``, ``neighborhood``) runs over slabs of whole time fra
 ``token_chunk`` tokens rounded down to whole frames, at least one frame (a chunk smaller than a
 frame is rounded up to one frame). The slab's queries and offsets go to the operator with only
 the frames of k and v that its samples can reach (``kernels.deformable_slide_attention_slab``):
-the frames its windows cover widened by ``ceil(attention.max_offset) + 1`` below and
-``ceil(attention.max_offset) + 2`` above (the upper trilinear neighbour), clipped to the clip
-(``kernels.slab_kv_frames``). The operator computes window starts, sample positions and clamps
+the frames its windows cover widened by ``ceil(attention.max_offset) + 1`` frames on either
+side, clipped to the clip (``kernels.slab_kv_frames``: every trilinear corner is held). The operator computes window starts, sample positions and clamps
 on the whole clip's grid and only looks keys up in the frames it holds, so a slab's rows are
 exactly the unchunked operator's. The halo needs ``|offset| <= attention.max_offset``, which the
 offset head's ``max_offset * tanh`` guarantees; with ``max_offset = 0`` (offsets unbounded) a
@@ -67,10 +66,10 @@ def checkpointed(fn: Callable, *args):
 
 
 def token_map(fn: Callable, x: torch.Tensor, chunk: int, *extra) -> torch.Tensor:
-    """``fn`` over chunks of ``chunk`` tokens of ``x (B, T, H, W, C)`` (or several tensors of
-    that grid: ``extra`` entries that are ``(B, T, H, W, *)`` tensors are chunked alike when
-    wrapped as ``Chunked``); ``fn(x_chunk (B, n, C), *extra)`` returns ``(B, n, C')``.
-    Each chunk runs under its own checkpoint; the result is ``(B, T, H, W, C')``."""
+    """``fn(x_chunk (B, n, C), *extra) -> (B, n, C')`` over chunks of ``chunk`` tokens of
+    ``x (B, T, H, W, C)``, each under its own checkpoint; returns ``(B, T, H, W, C')``. An
+    ``extra`` wrapped as ``Chunked`` is another tensor of the token grid, chunked alike; the
+    others are passed whole to every chunk."""
     B, T, H, W = x.shape[:4]
     N = T * H * W
     xs = x.reshape(B, N, *x.shape[4:]).split(chunk, dim=1)

@@ -178,7 +178,7 @@ def test_time_slabs_cover_the_clip_with_halo():
     assert [s[:2] for s in time_slabs(7, GRID, 3, 1.5)] == [(t, t + 1) for t in range(12)]
     slabs = time_slabs(40, GRID, 3, 1.5)
     assert [s[:2] for s in slabs] == [(0, 4), (4, 8), (8, 12)]
-    # frames 4..7: windows cover 3..8, widened by ceil(1.5) + 1 below, ceil(1.5) + 2 above
+    # frames 4..7: windows cover 3..8, widened by ceil(1.5) + 1 on either side (clipped)
     assert slabs[1][2:] == (0, 12)
     assert time_slabs(7, GRID, 3, 1.5)[6] == (6, 7, 2, 11)
     assert time_slabs(16, (20, 4, 4), 3, 0.0)[10] == (10, 11, 8, 13)
