@@ -133,7 +133,8 @@ def test_dsa_chunked_equals_whole_reference_and_cpu(monkeypatch, arch, chunk):
     for backend in ("reference", "cpu"):
         monkeypatch.setenv("MEGASLIDE_DSA_BACKEND", backend)
         whole = _compare(arch, "dsa", chunk)
-    # the same function: equal to 1e-12 in float64 (not the Wan block: its norms are float32)
+    # the same function: equal to 1e-12 in float64 (CPU path; not the Wan block: its norms are
+    # float32 whatever the dtype)
     if arch == "videodit":
         _compare(arch, "dsa", chunk, dtype=torch.float64)
     # the offsets were non-trivial and some saturated at max_offset
