@@ -16,6 +16,10 @@ backend per call:
 - ``"auto"`` (default): Triton for CUDA tensors when Triton imports, ``cpu`` for CPU
   tensors, else reference.
 
+``deformable_slide_attention_slab`` is the same operator for the queries of a slab of frames
+against only the frames of k and v they reach (token-chunked blocks, ``runtime.token_chunk``),
+on the same backends.
+
 Force a path with ``backend=...`` or the environment variable
 ``MEGASLIDE_DSA_BACKEND=reference|cpu|chunked|triton|auto`` (the argument wins).
 """
@@ -29,11 +33,13 @@ from typing import Literal, Sequence
 
 import torch
 
-from .dsa_cpu import dsa_cpu
-from .dsa_reference import dsa_reference, dsa_reference_chunked, window_base_positions
+from .dsa_cpu import dsa_cpu, dsa_cpu_slab
+from .dsa_reference import dsa_reference, dsa_reference_chunked, dsa_slab, slab_kv_frames, window_base_positions
 
 __all__ = [
     "deformable_slide_attention",
+    "deformable_slide_attention_slab",
+    "slab_kv_frames",
     "dsa_cpu",
     "dsa_reference",
     "dsa_reference_chunked",
@@ -118,3 +124,31 @@ def deformable_slide_attention(
     if path == "chunked":
         return dsa_reference_chunked(q, k, v, offsets, window, scale=scale)
     return dsa_reference(q, k, v, offsets, window, scale=scale)
+
+
+def deformable_slide_attention_slab(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    offsets: torch.Tensor,
+    window: Sequence[int],
+    q_start: int,
+    kv_start: int,
+    frames: int,
+    scale: float | None = None,
+    backend: DSABackend | None = None,
+) -> torch.Tensor:
+    """3D-DSA for the queries of frames ``[q_start, q_start + Tq)`` of a ``frames``-frame grid,
+    against k, v holding frames ``[kv_start, kv_start + Tk)`` (``dsa_reference.dsa_slab``): the
+    slab's rows of ``deformable_slide_attention`` on the whole grid, when k and v hold every
+    frame the samples reach (``slab_kv_frames``). Used by token-chunked blocks
+    (``runtime.token_chunk``). Backends as ``deformable_slide_attention`` (``chunked`` runs the
+    reference)."""
+    path = resolve_dsa_backend(q, backend)
+    if path == "triton":
+        from .dsa_triton import dsa_triton_slab
+
+        return dsa_triton_slab(q, k, v, offsets, window, q_start, kv_start, frames, scale=scale)
+    if path == "cpu":
+        return dsa_cpu_slab(q, k, v, offsets, window, q_start, kv_start, frames, scale=scale)
+    return dsa_slab(q, k, v, offsets, window, q_start, kv_start, frames, scale=scale)

@@ -48,9 +48,9 @@ import torch
 import torch.nn.functional as F
 from torch.autograd.function import once_differentiable
 
-from .dsa_reference import validate_dsa_inputs, window_starts
+from .dsa_reference import validate_dsa_inputs, validate_slab_inputs, window_starts
 
-__all__ = ["dsa_cpu", "default_chunk_size", "tile_shape", "CHUNK_SAMPLES"]
+__all__ = ["dsa_cpu", "dsa_cpu_slab", "default_chunk_size", "tile_shape", "CHUNK_SAMPLES"]
 
 # Default chunk: about this many (query, head, sample) triples, i.e. 8x as many corner
 # entries (~4 MB per fp32 per-corner array; backward holds ~15 such arrays at once):
@@ -130,14 +130,20 @@ def tile_shape(batch: int, grid: Sequence[int], chunk: int) -> tuple[int, int, i
 class _Geometry:
     """Shapes, padded-volume strides, window bases and query tiles shared by all chunks."""
 
-    def __init__(self, q: torch.Tensor, win: tuple[int, int, int], chunk: int):
+    def __init__(self, q: torch.Tensor, win: tuple[int, int, int], chunk: int,
+                 slab: tuple[int, int, int, int] | None = None):
+        # slab (Tk, frames, q_start, kv_start): q holds frames [q_start, q_start + Tq) and k, v
+        # frames [kv_start, kv_start + Tk) of a grid of ``frames`` frames (``dsa_slab``)
         B, T, H, W, nh, d = q.shape
+        Tk, frames, q_start, kv_start = (T, T, 0, 0) if slab is None else slab
+        self.slab = slab
         self.B, self.T, self.H, self.W, self.nh, self.d = B, T, H, W, nh, d
+        self.Tk = Tk
         self.K = K = win[0] * win[1] * win[2]
         self.win = win
         self.N = T * H * W
         self.cdtype = cdtype = torch.promote_types(q.dtype, torch.float32)
-        self.Tp, self.Hp, self.Wp = T + 1, H + 1, W + 1
+        self.Tp, self.Hp, self.Wp = Tk + 1, H + 1, W + 1
         self.rows = B * self.Tp * self.Hp * self.Wp * nh  # rows of the padded tables
         self.idtype = idt = torch.int32 if self.rows + 8 < 2**31 else torch.int64
         self.device = dev = q.device
@@ -151,13 +157,16 @@ class _Geometry:
         self.batch_stride = self.Tp * self.Hp * self.Wp * nh
         self.head = torch.arange(nh, dtype=idt, device=dev).view(1, nh, 1)
         self.zero = torch.zeros(3, dtype=cdtype, device=dev)
-        self.upper = torch.tensor([T - 1, H - 1, W - 1], dtype=cdtype, device=dev)
+        self.upper = torch.tensor([frames - 1, H - 1, W - 1], dtype=cdtype, device=dev)
+        self.origin = torch.tensor([kv_start, 0, 0], dtype=cdtype, device=dev)
+        self.held = torch.tensor([Tk - 1, H - 1, W - 1], dtype=cdtype, device=dev)
         # per-axis base positions (size, k_axis) in the position dtype; a query's K bases
         # are their outer sum (exactly ``window_base_positions``, what the reference uses)
         self.axis_base = [
             (window_starts(size, w, dev)[:, None] + torch.arange(w, device=dev)).to(cdtype)
-            for size, w in zip((T, H, W), win)
+            for size, w in zip((frames, H, W), win)
         ]
+        self.axis_base[0] = self.axis_base[0][q_start:q_start + T]
         self.tile = tile_shape(B, (T, H, W), chunk)
         L = K * 8
         Mq = self.tile[0] * self.tile[1] * self.tile[2] * self.tile[3] * nh
@@ -184,12 +193,12 @@ class _Geometry:
     def pad(self, x: torch.Tensor) -> torch.Tensor:
         """``(B, T, H, W, nh, d)`` -> rows ``(B*Tp*Hp*Wp*nh, d)`` zero-padded, cdtype."""
         xp = x.new_zeros((self.B, self.Tp, self.Hp, self.Wp, self.nh, self.d), dtype=self.cdtype)
-        xp[:, : self.T, : self.H, : self.W] = x
+        xp[:, : self.Tk, : self.H, : self.W] = x
         return xp.view(self.rows, self.d)
 
     def unpad(self, rows: torch.Tensor) -> torch.Tensor:
         xp = rows.view(self.B, self.Tp, self.Hp, self.Wp, self.nh, self.d)
-        return xp[:, : self.T, : self.H, : self.W]
+        return xp[:, : self.Tk, : self.H, : self.W]
 
     def base(self, n: torch.Tensor) -> torch.Tensor:
         """Base positions ``(M, 1, K, 3)`` (cdtype) of grid tokens ``n`` (flat over T*H*W)."""
@@ -217,6 +226,8 @@ class _Geometry:
         # never a garbage row index
         p0 = torch.floor(p).nan_to_num_(0.0)
         frac = p - p0
+        if self.slab is not None:  # whole-grid frame -> frame of the held slab
+            p0 = torch.minimum(torch.maximum(p0 - self.origin, self.zero), self.held)
         r000 = (p0.to(self.idtype) * self.strides).sum(-1, dtype=self.idtype)
         r000 += (b.to(self.idtype) * self.batch_stride).view(M, 1, 1) + self.head
         Wp = torch.stack((1 - frac, frac), dim=-1)  # (M, nh, K, 3, 2)
@@ -272,8 +283,8 @@ def _transposed_add(geo: _Geometry, acc, r000, xk, xv, wk, wv):
 
 class _DSACPU(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, offsets, win, scale, chunk):
-        geo = _Geometry(q, win, chunk)
+    def forward(ctx, q, k, v, offsets, win, scale, chunk, slab=None):
+        geo = _Geometry(q, win, chunk, slab)
         B, N, nh, d, K, cdtype = geo.B, geo.N, geo.nh, geo.d, geo.K, geo.cdtype
         kp, vp = geo.pad(k), geo.pad(v)
         q_rows = q.reshape(B * N, nh, d)
@@ -288,15 +299,15 @@ class _DSACPU(torch.autograd.Function):
             o = F.embedding_bag(idx, vp, mode="sum", per_sample_weights=pw)
             out.index_copy_(0, rows, o.view(-1, nh, d).to(out.dtype))
         ctx.save_for_backward(q, k, v, offsets)
-        ctx.meta = (win, scale, chunk)
+        ctx.meta = (win, scale, chunk, slab)
         return out.view(q.shape)
 
     @staticmethod
     @once_differentiable
     def backward(ctx, dout):
         q, k, v, offsets = ctx.saved_tensors
-        win, scale, chunk = ctx.meta
-        geo = _Geometry(q, win, chunk)
+        win, scale, chunk, slab = ctx.meta
+        geo = _Geometry(q, win, chunk, slab)
         B, N, nh, d, K, cdtype = geo.B, geo.N, geo.nh, geo.d, geo.K, geo.cdtype
         kp, vp = geo.pad(k), geo.pad(v)
         q_rows = q.reshape(B * N, nh, d)
@@ -341,7 +352,7 @@ class _DSACPU(torch.autograd.Function):
         return (
             dq.view(q.shape) if need_q else None, dk, dv,
             doff.view(offsets.shape) if need_off else None,
-            None, None, None,
+            None, None, None, None,
         )
 
 
@@ -375,3 +386,17 @@ def dsa_cpu(
         raise ValueError(f"chunk_size must be >= 1, got {chunk_size}")
     scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
     return _DSACPU.apply(q, k, v, offsets, win, scale, chunk)
+
+
+def dsa_cpu_slab(q, k, v, offsets, window, q_start: int, kv_start: int, frames: int,
+                 scale: float | None = None, chunk_size: int | None = None) -> torch.Tensor:
+    """``dsa_slab`` (the queries of some frames against the frames of k, v they reach), fast
+    CPU path: same function and gradients as ``dsa_reference.dsa_slab``."""
+    win = validate_slab_inputs(q, k, v, offsets, window, q_start, kv_start, frames)
+    nh, K = q.shape[4], win[0] * win[1] * win[2]
+    chunk = default_chunk_size(nh, K) if chunk_size is None else int(chunk_size)
+    if chunk < 1:
+        raise ValueError(f"chunk_size must be >= 1, got {chunk_size}")
+    scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
+    slab = (k.shape[1], int(frames), int(q_start), int(kv_start))
+    return _DSACPU.apply(q, k, v, offsets, win, scale, chunk, slab)

@@ -24,16 +24,23 @@ backward); no Python loop runs over tokens. For speed and long videos on CPU use
 ``deformable_slide_attention`` picks for CPU tensors), ``dsa_reference_chunked`` (this
 math in chunks: O(chunk*K*d) extra, reference speed) or, on GPU, the Triton kernel
 (O(N*d): samples are never materialised).
+
+``dsa_slab`` is the operator for the queries of a slab of frames against only the frames of
+k, v they reach (``slab_kv_frames``), computed on the whole grid's geometry: the token-chunked
+blocks (``runtime.token_chunk``) call it, through ``kernels.deformable_slide_attention_slab``.
 """
 
 from __future__ import annotations
 
+import math
 from typing import Sequence
 
 import torch
 
 __all__ = [
     "dsa_reference",
+    "dsa_slab",
+    "slab_kv_frames",
     "dsa_reference_chunked",
     "dsa_rows",
     "validate_dsa_inputs",
@@ -193,14 +200,21 @@ def dsa_rows(
     scale: float,
     cdtype: torch.dtype,
     pdtype: torch.dtype,
+    frames: int | None = None,
+    kv_start: int = 0,
 ) -> torch.Tensor:
     """The operator for M queries (any subset of the N tokens): ``(B, M, nh, d)`` in cdtype.
 
     ``dsa_reference`` calls it with every query; the chunked path with one chunk at a time.
+    ``frames``/``kv_start``: k and v hold only frames ``[kv_start, kv_start + Tk)`` of a grid
+    of ``frames`` frames (``dsa_slab``); positions are computed and clamped on the whole grid,
+    then looked up in the frames held (a frame outside them is clamped into them: the caller
+    must hold every frame the samples reach, see ``dsa_slab``).
     """
-    B, T, H, W, nh, d = k.shape
+    B, Tk, H, W, nh, d = k.shape
+    T = Tk if frames is None else int(frames)
     M, K = base_rows.shape[:2]
-    N = T * H * W
+    N = Tk * H * W
     device = k.device
 
     # -- sample positions p_j = clamp(base_j + offsets_j, 0, size-1)     (B, M, nh, K, 3)
@@ -215,6 +229,9 @@ def dsa_rows(
 
     # -- 8 trilinear corners: flat row index into (B*N*nh, d) and weight  (B, M, nh, K)
     (t0, t1, wt), (y0, y1, wy), (x0, x1, wx) = coords
+    if frames is not None:  # whole-grid frame -> frame of the held slab
+        t0 = (t0 - kv_start).clamp(0, Tk - 1)
+        t1 = (t1 - kv_start).clamp(0, Tk - 1)
     b_idx = torch.arange(B, device=device).view(B, 1, 1, 1)
     h_idx = torch.arange(nh, device=device).view(1, 1, nh, 1)
     corners = []
@@ -362,3 +379,87 @@ def dsa_reference_chunked(
         raise ValueError(f"chunk_size must be >= 1, got {chunk_size}")
     scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
     return _DSAChunked.apply(q, k, v, offsets, win, scale, upcast, int(chunk_size))
+
+
+# -----------------------------------------------------------------------------
+# Slabs: the queries of some frames against the frames their samples reach
+
+
+def validate_slab_inputs(q, k, v, offsets, window, q_start, kv_start, frames) -> tuple[int, int, int]:
+    """Checks of ``dsa_slab``'s arguments; returns the window."""
+    win = _as_window(window)
+    if q.dim() != 6 or k.dim() != 6:
+        raise ValueError(f"q and k must be (B, T, H, W, nh, d), got {tuple(q.shape)} and {tuple(k.shape)}")
+    if k.shape != v.shape:
+        raise ValueError(f"k shape {tuple(k.shape)} != v shape {tuple(v.shape)}")
+    B, Tq, H, W, nh, d = q.shape
+    Tk = k.shape[1]
+    if k.shape[0] != B or tuple(k.shape[2:]) != (H, W, nh, d):
+        raise ValueError(f"k shape {tuple(k.shape)} does not match q shape {tuple(q.shape)} but in frames")
+    if not (0 <= q_start and q_start + Tq <= frames and 0 <= kv_start and kv_start + Tk <= frames):
+        raise ValueError(f"frames [{q_start}, {q_start + Tq}) of q and [{kv_start}, {kv_start + Tk}) of k, v "
+                         f"must lie in a grid of {frames} frames")
+    for axis, w, size in (("kt", win[0], frames), ("kh", win[1], H), ("kw", win[2], W)):
+        if w < 1 or w % 2 == 0 or w > size:
+            raise ValueError(f"window {win}: {axis}={w} must be a positive odd int at most {size}")
+    K = win[0] * win[1] * win[2]
+    if tuple(offsets.shape) != (B, Tq, H, W, nh, K, 3):
+        raise ValueError(f"offsets shape {tuple(offsets.shape)} != {(B, Tq, H, W, nh, K, 3)}")
+    for name, t in (("q", q), ("k", k), ("v", v), ("offsets", offsets)):
+        if not t.is_floating_point():
+            raise TypeError(f"{name} must be a floating-point tensor, got {t.dtype}")
+    if not (q.dtype == k.dtype == v.dtype):
+        raise TypeError(f"q, k, v must share a dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
+    return win
+
+
+def slab_kv_frames(q_start: int, q_stop: int, frames: int, window_t: int,
+                   max_offset: float | None) -> tuple[int, int]:
+    """Frames ``[a, b)`` of k and v that the queries of frames ``[q_start, q_stop)`` can reach.
+
+    The slab's windows cover frames ``[lo, hi]`` (``s_t`` to ``s_t + kt - 1``); an offset of at
+    most ``m = max_offset`` in size moves a sample within ``[lo - m, hi + m]``, whose trilinear
+    corners lie in ``[lo - ceil(m), hi + floor(m) + 1]``. Returns ``(a, b)`` with ``[a, b)`` the
+    frames ``lo - ceil(m) - 1 .. hi + ceil(m) + 1``, clipped to the grid: every corner is held,
+    and no position sits on the last held frame unless that is the grid's last (where the
+    operator clamps the upper corner). ``max_offset`` None (offsets unbounded): the whole grid.
+    """
+    if max_offset is None:
+        return 0, frames
+    m = math.ceil(max_offset)
+    starts = window_starts(frames, window_t)
+    lo, hi = int(starts[q_start]), int(starts[q_stop - 1]) + window_t - 1
+    return max(0, lo - m - 1), min(frames, hi + m + 2)
+
+
+def dsa_slab(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    offsets: torch.Tensor,
+    window: Sequence[int],
+    q_start: int,
+    kv_start: int,
+    frames: int,
+    scale: float | None = None,
+    upcast: bool | None = None,
+) -> torch.Tensor:
+    """3D-DSA for the queries of frames ``[q_start, q_start + Tq)`` of a ``frames``-frame grid.
+
+    ``q (B, Tq, H, W, nh, d)`` and ``offsets (B, Tq, H, W, nh, K, 3)`` are those frames' queries
+    and offsets; ``k, v (B, Tk, H, W, nh, d)`` hold frames ``[kv_start, kv_start + Tk)``. The
+    result is exactly the slab's rows of ``dsa_reference`` on the whole grid (window starts,
+    positions and clamps are computed on the whole grid) provided k and v hold every frame the
+    samples reach, e.g. ``slab_kv_frames`` for offsets bounded by ``attention.max_offset``.
+    Returns ``(B, Tq, H, W, nh, d)`` in q's dtype.
+    """
+    win = validate_slab_inputs(q, k, v, offsets, window, q_start, kv_start, frames)
+    B, Tq, H, W, nh, d = q.shape
+    K = win[0] * win[1] * win[2]
+    M = Tq * H * W
+    cdtype, pdtype = _resolve_dtypes(q, upcast)
+    scale = d ** -0.5 if scale is None else scale
+    base = window_base_positions((frames, H, W), win, q.device)[q_start:q_start + Tq].reshape(M, K, 3)
+    out = dsa_rows(q.reshape(B, M, nh, d), k, v, offsets.reshape(B, M, nh, K, 3), base,
+                   scale, cdtype, pdtype, frames=frames, kv_start=kv_start)
+    return out.reshape(q.shape).to(q.dtype)

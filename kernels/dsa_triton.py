@@ -42,9 +42,9 @@ import torch
 import triton
 import triton.language as tl
 
-from .dsa_reference import validate_dsa_inputs
+from .dsa_reference import validate_dsa_inputs, validate_slab_inputs
 
-__all__ = ["dsa_triton", "INTERPRETED"]
+__all__ = ["dsa_triton", "dsa_triton_slab", "INTERPRETED"]
 
 LOG2E = 1.4426950408889634
 
@@ -96,6 +96,7 @@ def _dsa_fwd(
     Q, Kx, V, OFF, OUT, LSE,
     qk_scale,  # softmax scale * log2(e)
     N, T, H, W, NH,
+    NK, TK, Q0, K0,  # k, v: NK tokens = frames [K0, K0 + TK) of T; queries start at frame Q0
     HEAD_DIM: tl.constexpr,
     KT: tl.constexpr, KH: tl.constexpr, KW: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr,
@@ -106,7 +107,8 @@ def _dsa_fwd(
     h = pid_bh % NH
     KS: tl.constexpr = KT * KH * KW
     row_stride = NH * HEAD_DIM  # elements between consecutive tokens (channels-last)
-    head_base = b.to(tl.int64) * N * row_stride + h * HEAD_DIM
+    head_base = b.to(tl.int64) * N * row_stride + h * HEAD_DIM  # q, out, dout, dq rows
+    kv_base = b.to(tl.int64) * NK * row_stride + h * HEAD_DIM  # k, v, dk, dv rows
 
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)  # query token index n
     cols = tl.arange(0, BLOCK_D)
@@ -114,7 +116,7 @@ def _dsa_fwd(
     mask2 = mask_m[:, None] & (cols[None, :] < HEAD_DIM)
 
     # -- query coordinates and window starts (shifted inward at borders)
-    t = offs_m // (H * W)
+    t = Q0 + offs_m // (H * W)  # frame on the whole grid
     y = (offs_m // W) % H
     x = offs_m % W
     st = tl.minimum(tl.maximum(t - KT // 2, 0), T - KT)
@@ -137,6 +139,8 @@ def _dsa_fwd(
         t0, t1, wt, _ = _axis_position(off_base + j * 3 + 0, mask_m, st + jt, T)
         y0, y1, wy, _ = _axis_position(off_base + j * 3 + 1, mask_m, sy + jy, H)
         x0, x1, wx, _ = _axis_position(off_base + j * 3 + 2, mask_m, sx + jx, W)
+        t0 = tl.minimum(tl.maximum(t0 - K0, 0), TK - 1)  # whole-grid frame -> held frame
+        t1 = tl.minimum(tl.maximum(t1 - K0, 0), TK - 1)
         r00 = (t0 * H + y0) * W
         r01 = (t0 * H + y1) * W
         r10 = (t1 * H + y0) * W
@@ -146,23 +150,23 @@ def _dsa_fwd(
         w10 = wt * (1.0 - wy)
         w11 = wt * wy
         # -- interpolated key
-        k_j = (w00 * (1.0 - wx))[:, None] * _gather(Kx, head_base, r00 + x0, cols, mask2, row_stride)
-        k_j += (w00 * wx)[:, None] * _gather(Kx, head_base, r00 + x1, cols, mask2, row_stride)
-        k_j += (w01 * (1.0 - wx))[:, None] * _gather(Kx, head_base, r01 + x0, cols, mask2, row_stride)
-        k_j += (w01 * wx)[:, None] * _gather(Kx, head_base, r01 + x1, cols, mask2, row_stride)
-        k_j += (w10 * (1.0 - wx))[:, None] * _gather(Kx, head_base, r10 + x0, cols, mask2, row_stride)
-        k_j += (w10 * wx)[:, None] * _gather(Kx, head_base, r10 + x1, cols, mask2, row_stride)
-        k_j += (w11 * (1.0 - wx))[:, None] * _gather(Kx, head_base, r11 + x0, cols, mask2, row_stride)
-        k_j += (w11 * wx)[:, None] * _gather(Kx, head_base, r11 + x1, cols, mask2, row_stride)
+        k_j = (w00 * (1.0 - wx))[:, None] * _gather(Kx, kv_base, r00 + x0, cols, mask2, row_stride)
+        k_j += (w00 * wx)[:, None] * _gather(Kx, kv_base, r00 + x1, cols, mask2, row_stride)
+        k_j += (w01 * (1.0 - wx))[:, None] * _gather(Kx, kv_base, r01 + x0, cols, mask2, row_stride)
+        k_j += (w01 * wx)[:, None] * _gather(Kx, kv_base, r01 + x1, cols, mask2, row_stride)
+        k_j += (w10 * (1.0 - wx))[:, None] * _gather(Kx, kv_base, r10 + x0, cols, mask2, row_stride)
+        k_j += (w10 * wx)[:, None] * _gather(Kx, kv_base, r10 + x1, cols, mask2, row_stride)
+        k_j += (w11 * (1.0 - wx))[:, None] * _gather(Kx, kv_base, r11 + x0, cols, mask2, row_stride)
+        k_j += (w11 * wx)[:, None] * _gather(Kx, kv_base, r11 + x1, cols, mask2, row_stride)
         # -- interpolated value
-        v_j = (w00 * (1.0 - wx))[:, None] * _gather(V, head_base, r00 + x0, cols, mask2, row_stride)
-        v_j += (w00 * wx)[:, None] * _gather(V, head_base, r00 + x1, cols, mask2, row_stride)
-        v_j += (w01 * (1.0 - wx))[:, None] * _gather(V, head_base, r01 + x0, cols, mask2, row_stride)
-        v_j += (w01 * wx)[:, None] * _gather(V, head_base, r01 + x1, cols, mask2, row_stride)
-        v_j += (w10 * (1.0 - wx))[:, None] * _gather(V, head_base, r10 + x0, cols, mask2, row_stride)
-        v_j += (w10 * wx)[:, None] * _gather(V, head_base, r10 + x1, cols, mask2, row_stride)
-        v_j += (w11 * (1.0 - wx))[:, None] * _gather(V, head_base, r11 + x0, cols, mask2, row_stride)
-        v_j += (w11 * wx)[:, None] * _gather(V, head_base, r11 + x1, cols, mask2, row_stride)
+        v_j = (w00 * (1.0 - wx))[:, None] * _gather(V, kv_base, r00 + x0, cols, mask2, row_stride)
+        v_j += (w00 * wx)[:, None] * _gather(V, kv_base, r00 + x1, cols, mask2, row_stride)
+        v_j += (w01 * (1.0 - wx))[:, None] * _gather(V, kv_base, r01 + x0, cols, mask2, row_stride)
+        v_j += (w01 * wx)[:, None] * _gather(V, kv_base, r01 + x1, cols, mask2, row_stride)
+        v_j += (w10 * (1.0 - wx))[:, None] * _gather(V, kv_base, r10 + x0, cols, mask2, row_stride)
+        v_j += (w10 * wx)[:, None] * _gather(V, kv_base, r10 + x1, cols, mask2, row_stride)
+        v_j += (w11 * (1.0 - wx))[:, None] * _gather(V, kv_base, r11 + x0, cols, mask2, row_stride)
+        v_j += (w11 * wx)[:, None] * _gather(V, kv_base, r11 + x1, cols, mask2, row_stride)
         # -- online softmax update (base 2)
         s = tl.sum(q * k_j, axis=1) * qk_scale
         m_new = tl.maximum(m_i, s)
@@ -184,20 +188,20 @@ def _dsa_fwd(
 
 
 @triton.jit
-def _corner_bwd(Kx, V, head_base, tok, cols, mask2, row_stride, q, do):
+def _corner_bwd(Kx, V, kv_base, tok, cols, mask2, row_stride, q, do):
     """One corner: its key row and the dots q.k_c, do.v_c (BLOCK_M scalars each)."""
-    k_c = _gather(Kx, head_base, tok, cols, mask2, row_stride)
-    v_c = _gather(V, head_base, tok, cols, mask2, row_stride)
+    k_c = _gather(Kx, kv_base, tok, cols, mask2, row_stride)
+    v_c = _gather(V, kv_base, tok, cols, mask2, row_stride)
     return k_c, tl.sum(q * k_c, axis=1), tl.sum(do * v_c, axis=1)
 
 
 @triton.jit
-def _corner_scatter(DK, DV, head_base, tok, cols, mask2, row_stride, w, gk, gv):
+def _corner_scatter(DK, DV, kv_base, tok, cols, mask2, row_stride, w, gk, gv):
     """dk[c] += w * gk, dv[c] += w * gv (fp32 atomics: other queries hit the same rows).
     ``relaxed``: the sums only need atomicity, no ordering against other memory (the default
     ``acq_rel`` adds fences to every one); the buffers are read after the kernel ends."""
-    tl.atomic_add(_row_ptrs(DK, head_base, tok, cols, row_stride), w[:, None] * gk, mask=mask2, sem="relaxed")
-    tl.atomic_add(_row_ptrs(DV, head_base, tok, cols, row_stride), w[:, None] * gv, mask=mask2, sem="relaxed")
+    tl.atomic_add(_row_ptrs(DK, kv_base, tok, cols, row_stride), w[:, None] * gk, mask=mask2, sem="relaxed")
+    tl.atomic_add(_row_ptrs(DV, kv_base, tok, cols, row_stride), w[:, None] * gv, mask=mask2, sem="relaxed")
 
 
 @triton.jit
@@ -206,6 +210,7 @@ def _dsa_bwd(
     DQ, DK, DV, DOFF,
     sm_scale, qk_scale,
     N, T, H, W, NH,
+    NK, TK, Q0, K0,
     HEAD_DIM: tl.constexpr,
     KT: tl.constexpr, KH: tl.constexpr, KW: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr,
@@ -216,14 +221,15 @@ def _dsa_bwd(
     h = pid_bh % NH
     KS: tl.constexpr = KT * KH * KW
     row_stride = NH * HEAD_DIM
-    head_base = b.to(tl.int64) * N * row_stride + h * HEAD_DIM
+    head_base = b.to(tl.int64) * N * row_stride + h * HEAD_DIM  # q, out, dout, dq rows
+    kv_base = b.to(tl.int64) * NK * row_stride + h * HEAD_DIM  # k, v, dk, dv rows
 
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     cols = tl.arange(0, BLOCK_D)
     mask_m = offs_m < N
     mask2 = mask_m[:, None] & (cols[None, :] < HEAD_DIM)
 
-    t = offs_m // (H * W)
+    t = Q0 + offs_m // (H * W)  # frame on the whole grid
     y = (offs_m // W) % H
     x = offs_m % W
     st = tl.minimum(tl.maximum(t - KT // 2, 0), T - KT)
@@ -245,6 +251,8 @@ def _dsa_bwd(
         t0, t1, wt, in_t = _axis_position(OFF + off_row + j * 3 + 0, mask_m, st + jt, T)
         y0, y1, wy, in_y = _axis_position(OFF + off_row + j * 3 + 1, mask_m, sy + jy, H)
         x0, x1, wx, in_x = _axis_position(OFF + off_row + j * 3 + 2, mask_m, sx + jx, W)
+        t0 = tl.minimum(tl.maximum(t0 - K0, 0), TK - 1)  # whole-grid frame -> held frame
+        t1 = tl.minimum(tl.maximum(t1 - K0, 0), TK - 1)
         r00 = (t0 * H + y0) * W
         r01 = (t0 * H + y1) * W
         r10 = (t1 * H + y0) * W
@@ -254,17 +262,17 @@ def _dsa_bwd(
         ux = 1.0 - wx
 
         # -- recompute: corners (t, y, x) in {0,1}^3; qk_c = q.k_c, dv_c = do.v_c
-        k000, qk000, dv000 = _corner_bwd(Kx, V, head_base, r00 + x0, cols, mask2, row_stride, q, do)
-        k001, qk001, dv001 = _corner_bwd(Kx, V, head_base, r00 + x1, cols, mask2, row_stride, q, do)
+        k000, qk000, dv000 = _corner_bwd(Kx, V, kv_base, r00 + x0, cols, mask2, row_stride, q, do)
+        k001, qk001, dv001 = _corner_bwd(Kx, V, kv_base, r00 + x1, cols, mask2, row_stride, q, do)
         k_j = (ut * uy * ux)[:, None] * k000 + (ut * uy * wx)[:, None] * k001
-        k010, qk010, dv010 = _corner_bwd(Kx, V, head_base, r01 + x0, cols, mask2, row_stride, q, do)
-        k011, qk011, dv011 = _corner_bwd(Kx, V, head_base, r01 + x1, cols, mask2, row_stride, q, do)
+        k010, qk010, dv010 = _corner_bwd(Kx, V, kv_base, r01 + x0, cols, mask2, row_stride, q, do)
+        k011, qk011, dv011 = _corner_bwd(Kx, V, kv_base, r01 + x1, cols, mask2, row_stride, q, do)
         k_j += (ut * wy * ux)[:, None] * k010 + (ut * wy * wx)[:, None] * k011
-        k100, qk100, dv100 = _corner_bwd(Kx, V, head_base, r10 + x0, cols, mask2, row_stride, q, do)
-        k101, qk101, dv101 = _corner_bwd(Kx, V, head_base, r10 + x1, cols, mask2, row_stride, q, do)
+        k100, qk100, dv100 = _corner_bwd(Kx, V, kv_base, r10 + x0, cols, mask2, row_stride, q, do)
+        k101, qk101, dv101 = _corner_bwd(Kx, V, kv_base, r10 + x1, cols, mask2, row_stride, q, do)
         k_j += (wt * uy * ux)[:, None] * k100 + (wt * uy * wx)[:, None] * k101
-        k110, qk110, dv110 = _corner_bwd(Kx, V, head_base, r11 + x0, cols, mask2, row_stride, q, do)
-        k111, qk111, dv111 = _corner_bwd(Kx, V, head_base, r11 + x1, cols, mask2, row_stride, q, do)
+        k110, qk110, dv110 = _corner_bwd(Kx, V, kv_base, r11 + x0, cols, mask2, row_stride, q, do)
+        k111, qk111, dv111 = _corner_bwd(Kx, V, kv_base, r11 + x1, cols, mask2, row_stride, q, do)
         k_j += (wt * wy * ux)[:, None] * k110 + (wt * wy * wx)[:, None] * k111
 
         # -- probabilities from the saved log-sum-exp; softmax backward
@@ -280,14 +288,14 @@ def _dsa_bwd(
         # -- dk, dv: scatter to the 8 corners
         gk = ds[:, None] * q
         gv = a[:, None] * do
-        _corner_scatter(DK, DV, head_base, r00 + x0, cols, mask2, row_stride, ut * uy * ux, gk, gv)
-        _corner_scatter(DK, DV, head_base, r00 + x1, cols, mask2, row_stride, ut * uy * wx, gk, gv)
-        _corner_scatter(DK, DV, head_base, r01 + x0, cols, mask2, row_stride, ut * wy * ux, gk, gv)
-        _corner_scatter(DK, DV, head_base, r01 + x1, cols, mask2, row_stride, ut * wy * wx, gk, gv)
-        _corner_scatter(DK, DV, head_base, r10 + x0, cols, mask2, row_stride, wt * uy * ux, gk, gv)
-        _corner_scatter(DK, DV, head_base, r10 + x1, cols, mask2, row_stride, wt * uy * wx, gk, gv)
-        _corner_scatter(DK, DV, head_base, r11 + x0, cols, mask2, row_stride, wt * wy * ux, gk, gv)
-        _corner_scatter(DK, DV, head_base, r11 + x1, cols, mask2, row_stride, wt * wy * wx, gk, gv)
+        _corner_scatter(DK, DV, kv_base, r00 + x0, cols, mask2, row_stride, ut * uy * ux, gk, gv)
+        _corner_scatter(DK, DV, kv_base, r00 + x1, cols, mask2, row_stride, ut * uy * wx, gk, gv)
+        _corner_scatter(DK, DV, kv_base, r01 + x0, cols, mask2, row_stride, ut * wy * ux, gk, gv)
+        _corner_scatter(DK, DV, kv_base, r01 + x1, cols, mask2, row_stride, ut * wy * wx, gk, gv)
+        _corner_scatter(DK, DV, kv_base, r10 + x0, cols, mask2, row_stride, wt * uy * ux, gk, gv)
+        _corner_scatter(DK, DV, kv_base, r10 + x1, cols, mask2, row_stride, wt * uy * wx, gk, gv)
+        _corner_scatter(DK, DV, kv_base, r11 + x0, cols, mask2, row_stride, wt * wy * ux, gk, gv)
+        _corner_scatter(DK, DV, kv_base, r11 + x1, cols, mask2, row_stride, wt * wy * wx, gk, gv)
 
         # -- d(position): derivative of the trilinear weights; e_c = dL/d(corner weight)
         e000 = ds * qk000 + a * dv000
@@ -349,9 +357,17 @@ def _default_block_m(d: int, backward: bool) -> int:
     return max(16, min(64, tiles_elems // _block_d(d)))
 
 
-def _dsa_fwd_launch(q, k, v, offsets, win, scale, block_m):
+def _slab_args(q, k, slab):
+    """(NK, TK, Q0, K0) and the whole grid's frames for the kernels."""
+    B, T, H, W, nh, d = q.shape
+    Tk, frames, q0, k0 = (T, T, 0, 0) if slab is None else slab
+    return (Tk * H * W, Tk, q0, k0), frames
+
+
+def _dsa_fwd_launch(q, k, v, offsets, win, scale, block_m, slab=None):
     B, T, H, W, nh, d = q.shape
     N = T * H * W
+    kv_args, T = _slab_args(q, k, slab)
     block_m = block_m or _default_block_m(d, backward=False)
     out = torch.empty_like(q)
     lse = torch.empty((B, nh, N), device=q.device, dtype=torch.float32)
@@ -359,7 +375,7 @@ def _dsa_fwd_launch(q, k, v, offsets, win, scale, block_m):
     _dsa_fwd[grid](
         q, k, v, offsets, out, lse,
         scale * LOG2E,
-        N, T, H, W, nh,
+        N, T, H, W, nh, *kv_args,
         HEAD_DIM=d, KT=win[0], KH=win[1], KW=win[2],
         BLOCK_M=block_m, BLOCK_D=_block_d(d),
         num_warps=4,
@@ -367,21 +383,22 @@ def _dsa_fwd_launch(q, k, v, offsets, win, scale, block_m):
     return out, lse
 
 
-def _dsa_bwd_launch(q, k, v, offsets, out, dout, lse, win, scale, block_m):
+def _dsa_bwd_launch(q, k, v, offsets, out, dout, lse, win, scale, block_m, slab=None):
     B, T, H, W, nh, d = q.shape
     N = T * H * W
+    kv_args, T = _slab_args(q, k, slab)
     block_m = block_m or _default_block_m(d, backward=True)
     dq = torch.empty_like(q)
     # dk, dv receive atomics from many programs: fp32 accumulators, cast at the end
-    dk = torch.zeros(q.shape, device=q.device, dtype=torch.float32)
-    dv = torch.zeros(q.shape, device=q.device, dtype=torch.float32)
+    dk = torch.zeros(k.shape, device=q.device, dtype=torch.float32)
+    dv = torch.zeros(v.shape, device=q.device, dtype=torch.float32)
     doff = torch.empty_like(offsets)
     grid = (triton.cdiv(N, block_m), B * nh)
     _dsa_bwd[grid](
         q, k, v, offsets, out, dout, lse,
         dq, dk, dv, doff,
         scale, scale * LOG2E,
-        N, T, H, W, nh,
+        N, T, H, W, nh, *kv_args,
         HEAD_DIM=d, KT=win[0], KH=win[1], KW=win[2],
         BLOCK_M=block_m, BLOCK_D=_block_d(d),
         num_warps=4,
@@ -391,21 +408,21 @@ def _dsa_bwd_launch(q, k, v, offsets, out, dout, lse, win, scale, block_m):
 
 class _DSATriton(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, offsets, win, scale, block_m):
+    def forward(ctx, q, k, v, offsets, win, scale, block_m, slab=None):
         q, k, v, offsets = (x.contiguous() for x in (q, k, v, offsets))
         _check_launch(q, k, v, offsets)
-        out, lse = _dsa_fwd_launch(q, k, v, offsets, win, scale, block_m)
+        out, lse = _dsa_fwd_launch(q, k, v, offsets, win, scale, block_m, slab)
         ctx.save_for_backward(q, k, v, offsets, out, lse)
-        ctx.meta = (win, scale, block_m)
+        ctx.meta = (win, scale, block_m, slab)
         return out
 
     @staticmethod
     def backward(ctx, dout):
         q, k, v, offsets, out, lse = ctx.saved_tensors
-        win, scale, block_m = ctx.meta
+        win, scale, block_m, slab = ctx.meta
         dout = dout.contiguous().to(q.dtype)
-        dq, dk, dv, doff = _dsa_bwd_launch(q, k, v, offsets, out, dout, lse, win, scale, block_m)
-        return dq, dk, dv, doff, None, None, None
+        dq, dk, dv, doff = _dsa_bwd_launch(q, k, v, offsets, out, dout, lse, win, scale, block_m, slab)
+        return dq, dk, dv, doff, None, None, None, None
 
 
 def dsa_triton(
@@ -428,3 +445,15 @@ def dsa_triton(
         raise ValueError(f"block_m must be a power of two >= 16, got {block_m}")
     scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
     return _DSATriton.apply(q, k, v, offsets, win, scale, block_m)
+
+
+def dsa_triton_slab(q, k, v, offsets, window, q_start: int, kv_start: int, frames: int,
+                    scale: float | None = None, block_m: int | None = None) -> torch.Tensor:
+    """``dsa_slab`` (the queries of some frames against the frames of k, v they reach) with the
+    fused kernels: same arguments and result as ``dsa_reference.dsa_slab``."""
+    win = validate_slab_inputs(q, k, v, offsets, window, q_start, kv_start, frames)
+    if block_m is not None and (block_m < 16 or block_m & (block_m - 1)):
+        raise ValueError(f"block_m must be a power of two >= 16, got {block_m}")
+    scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
+    slab = (k.shape[1], int(frames), int(q_start), int(kv_start))
+    return _DSATriton.apply(q, k, v, offsets, win, scale, block_m, slab)

@@ -10,9 +10,10 @@ Layers. Imports point down this list, never up:
     pipelines/     streaming.py, decoder_pool.py: make the actor classes Ray actors, run the
                    step schedule, recover from failures
     actors/        param_store.py, compute.py, transfer.py, decoder.py: plain classes
-    foundation     config, model, wan, shards, schedule, diffusion, captions, checkpoint, latents,
-                   faults, metrics, manifest, index, demo_data, motion, motion_metric, plan,
-                   baseline (and pretrained, report)
+    foundation     config, model, wan, chunking, shards, schedule, diffusion, captions, checkpoint,
+                   latents, faults, metrics, manifest, index, demo_data, motion, motion_metric, plan,
+                   baseline (and pretrained, report, preflight, offsets_view, which also read
+                   what the actors' modules define: state paths, the decoder's clip rules)
     kernels/       the 3D-DSA operator and 3D shifted windows: imports nothing of the project
 
 **Foundation modules** (this package) may be imported by actors/, pipelines/ and the entry
@@ -25,7 +26,8 @@ import one another and ``kernels`` (``model`` calls the attention operators).
 ``precompute`` imports ``actors.decoder`` to decode clips exactly as training would.
 
 ``model`` holds the ``videodit`` architecture and dispatches on ``model.arch``; ``wan`` is the
-Wan 2.x transformer (diffusers' names); ``latents`` reads and writes the latent manifests that
+Wan 2.x transformer (diffusers' names); ``chunking`` holds what both blocks use to run token
+chunks (``runtime.token_chunk``); ``latents`` reads and writes the latent manifests that
 ``precompute`` makes and the decoders load.
 
 Several foundation modules also have a command line (``python -m megaslide_ray.NAME``) but

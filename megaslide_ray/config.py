@@ -195,9 +195,10 @@ class RuntimeConfig:
     prefetch_depth: int = 1
     """Shards staged ahead of the one computing (with ``overlap``)."""
     token_chunk: int = 0
-    """Run a block's per-token parts (modulation, norms, projections, MLP) over chunks of this
-    many tokens in forward, recompute and backward, and its attention over query chunks, so a
-    block's working set scales with the chunk instead of the clip. 0: whole clip at once."""
+    """Run a block's per-token parts (modulation, norms, projections, MLP, cross-attention) over
+    chunks of this many tokens in forward, recompute and backward, and its attention over query
+    chunks (``dsa``/``neighborhood``: slabs of whole frames, at least one; ``swin`` stays whole),
+    so a block's working set scales with the chunk instead of the clip. 0: whole clip at once."""
     link_gbps: float = 0.0
     """CPU runs: throttle weight staging and gradient return (and offloaded activations) to this
     many GB/s, to simulate a PCIe link without a GPU (0: no throttle; weights are then read in

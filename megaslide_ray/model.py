@@ -24,6 +24,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from megaslide_ray.chunking import (Chunked, FrameRanges, bind, checkpointed, slab_attention, time_slabs,
+                                    token_map)
 from megaslide_ray.config import Config
 from kernels import deformable_slide_attention
 from kernels.swin import swin_attention_3d
@@ -212,12 +214,71 @@ class DiTBlock(nn.Module):
         self.norm2 = nn.LayerNorm(D, elementwise_affine=False, eps=1e-6)
         self.mlp = nn.Sequential(nn.Linear(D, hidden), nn.GELU(approximate="tanh"), nn.Linear(hidden, D))
         self.ada = nn.Sequential(nn.SiLU(), nn.Linear(D, 6 * D))
+        self.token_chunk = cfg.runtime.token_chunk  # 0: whole clip; else chunked (see chunking.py)
 
     def forward(self, x: torch.Tensor, c: torch.Tensor) -> torch.Tensor:
+        if self.token_chunk:
+            return self._forward_chunked(x, c)
         shift_a, scale_a, gate_a, shift_m, scale_m, gate_m = self.ada(c).chunk(6, dim=-1)
         x = x + gate(self.attn(modulate(self.norm1(x), shift_a, scale_a)), gate_a)
         x = x + gate(self.mlp(modulate(self.norm2(x), shift_m, scale_m)), gate_m)
         return x
+
+    def _forward_chunked(self, x: torch.Tensor, c: torch.Tensor) -> torch.Tensor:
+        """``forward`` with ``runtime.token_chunk``: the same function, computed a chunk of
+        tokens (per-token parts) or a slab of frames (attention) at a time, each chunk
+        checkpointed (``megaslide_ray/chunking.py``). q, k, v stay whole."""
+        B, T, H, W, D = x.shape
+        attn, N = self.attn, self.token_chunk
+        shift_a, scale_a, gate_a, shift_m, scale_m, gate_m = self.ada(c).chunk(6, dim=-1)
+        norm1, norm2 = self.norm1, self.norm2  # no parameters
+        qkv_f, proj_f, mlp_f = bind(attn.qkv), bind(attn.proj), bind(self.mlp)
+
+        def qkv_chunk(xc, sh, sc):
+            return qkv_f(modulate(norm1(xc), sh, sc))
+
+        qkv = token_map(qkv_chunk, x, N, shift_a, scale_a)  # (B, T, H, W, 3D)
+        nh, hd = attn.num_heads, attn.head_dim
+        if attn.kind == "swin":  # attention whole (windows), its projection per chunk
+            q, k, v = qkv.view(B, T, H, W, 3, nh, hd).unbind(4)
+            o = swin_attention_3d(q, k, v, attn.window, attn.shift, scale=attn.scale).reshape(B, T, H, W, D)
+            x = token_map(lambda xc, oc, g: xc + gate(proj_f(oc), g), x, N, Chunked(o), gate_a)
+        elif attn.kind == "dense":  # query chunks against all keys
+            kv = qkv.view(B, T * H * W, 3, nh, hd)[:, :, 1:].transpose(1, 3)  # (B, nh, 2, N, d)
+
+            def dense_chunk(xc, qkvc, kvw, g):
+                qc = qkvc.view(B, -1, 3, nh, hd)[:, :, 0].transpose(1, 2)
+                o = F.scaled_dot_product_attention(qc, kvw[:, :, 0], kvw[:, :, 1], scale=attn.scale)
+                return xc + gate(proj_f(o.transpose(1, 2).reshape(B, -1, D)), g)
+
+            x = token_map(dense_chunk, x, N, Chunked(qkv), kv, gate_a)
+        else:  # dsa / neighborhood: slabs of whole frames, keys from the slab plus its halo
+            off_f = bind(attn.offsets) if attn.offsets is not None else None
+            max_off = attn.offsets.max_offset if attn.offsets is not None else 0.0
+            slabs = time_slabs(N, (T, H, W), attn.window[0], max_off if max_off > 0 or off_f is None else None)
+            x_ranges, qkv_ranges = FrameRanges(x), FrameRanges(qkv)
+            outs = []
+            for t0, t1, a, b in slabs:
+                e0, e1 = max(0, t0 - 1), min(T, t1 + 1)  # the offset head's conv reads one frame either side
+
+                def slab(xe, qs, kvh, sh, sc, g, t0=t0, t1=t1, a=a, e0=e0):
+                    q = qs.unflatten(-1, (3, nh, hd))[..., 0, :, :]
+                    _, k, v = kvh.unflatten(-1, (3, nh, hd)).unbind(4)
+                    off = None
+                    if off_f is not None:
+                        off = off_f(modulate(norm1(xe), sh, sc))[:, t0 - e0:t1 - e0]
+                    o = slab_attention(q, k, v, off, t0, a, T, attn.window, attn.scale)
+                    return xe[:, t0 - e0:t1 - e0] + gate(proj_f(o.reshape(B, t1 - t0, H, W, D)), g)
+
+                outs.append(checkpointed(slab, x_ranges(e0, e1), qkv_ranges(t0, t1), qkv_ranges(a, b),
+                                         shift_a, scale_a, gate_a))
+            x = torch.cat(outs, dim=1) if len(outs) > 1 else outs[0]
+        del qkv
+
+        def mlp_chunk(xc, sh, sc, g):
+            return xc + gate(mlp_f(modulate(norm2(xc), sh, sc)), g)
+
+        return token_map(mlp_chunk, x, N, shift_m, scale_m, gate_m)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -74,6 +74,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from kernels.swin import swin_attention_3d
+from megaslide_ray.chunking import Chunked, FrameRanges, bind, checkpointed, slab_attention, time_slabs, token_map
 from megaslide_ray.config import WAN_WINDOW, Config, ConfigError, apply_overrides
 from megaslide_ray.model import OffsetPredictor, _mix, ffn_width, unpatchify, window_attention
 
@@ -349,8 +350,11 @@ class WanBlock(nn.Module):
         self.attn2 = WanAttention(cfg, cross=True)
         self.norm2 = FP32LayerNorm(D, eps=m.eps) if m.cross_attn_norm else None
         self.ffn = FeedForward(D, ffn_width(cfg))
+        self.token_chunk = cfg.runtime.token_chunk  # 0: whole clip; else chunked (see chunking.py)
 
     def forward(self, x: torch.Tensor, c: torch.Tensor) -> torch.Tensor:
+        if self.token_chunk:
+            return self._forward_chunked(x, c)
         B, D = x.shape[0], x.shape[-1]
         _, proj, text = split_condition(c, D)
         mod = self.scale_shift_table.float() + proj.float().view(B, 6, D)
@@ -361,6 +365,85 @@ class WanBlock(nn.Module):
         x = x + self.attn2(h, text)
         h = (layer_norm32(x, self.eps) * (1 + scale_f) + shift_f).to(x.dtype)
         return (x.float() + self.ffn(h).float() * gate_f).to(x.dtype)
+
+    def _forward_chunked(self, x: torch.Tensor, c: torch.Tensor) -> torch.Tensor:
+        """``forward`` with ``runtime.token_chunk``: self-attention's projections, norms and RoPE
+        over chunks of tokens, its attention over query chunks (dense) or slabs of frames (dsa,
+        neighborhood; swin stays whole), cross-attention and feed-forward together over chunks
+        of tokens, each chunk checkpointed (``megaslide_ray/chunking.py``). The rotated q, k and
+        v stay whole, and so do the text's keys and values (computed once per block)."""
+        B, T, H, W, D = x.shape
+        N, eps, dtype = self.token_chunk, self.eps, x.dtype
+        a1, a2 = self.attn1, self.attn2
+        nh, hd = a1.num_heads, a1.head_dim
+        _, proj, text = split_condition(c, D)
+        mod = self.scale_shift_table.float() + proj.float().view(B, 6, D)
+        shift_a, scale_a, gate_a, shift_f, scale_f, gate_f = mod.unbind(1)  # (B, D) each
+        q1, k1, v1, qn1, kn1 = (bind(m) for m in (a1.to_q, a1.to_k, a1.to_v, a1.norm_q, a1.norm_k))
+        out1, out2, q2, qn2, ffn = (bind(m) for m in (a1.to_out[0], a2.to_out[0], a2.to_q, a2.norm_q, self.ffn))
+        norm2 = bind(self.norm2) if self.norm2 is not None else None
+
+        def modulated(xc, sh, sc):  # (B, D) modulations against (B, ..., D) tokens
+            return (layer_norm32(xc, eps) * (1 + _broadcast(sc, xc)) + _broadcast(sh, xc)).to(dtype)
+
+        def qkv_chunk(xc, cos, sin, sh, sc):
+            h = modulated(xc, sh, sc)
+            q = apply_rope(qn1(q1(h)).unflatten(-1, (nh, hd)), cos, sin)
+            k = apply_rope(kn1(k1(h)).unflatten(-1, (nh, hd)), cos, sin)
+            return torch.cat([q.flatten(-2), k.flatten(-2), v1(h)], dim=-1)
+
+        cos, sin = rope_tables((T, H, W), hd, a1.rope_max_seq_len, x.device)
+        qkv = token_map(qkv_chunk, x, N, Chunked(cos, batched=False), Chunked(sin, batched=False),
+                        shift_a, scale_a)  # (B, T, H, W, 3D), q and k rotated
+
+        def residual(xc, o, g):
+            return (xc.float() + out1(o) * _broadcast(g, xc)).to(dtype)
+
+        if a1.kind == "swin":
+            q, k, v = qkv.unflatten(-1, (3, nh, hd)).unbind(4)
+            o = swin_attention_3d(q, k, v, a1.window, a1.shift, scale=a1.scale).reshape(B, T, H, W, D)
+            x = token_map(residual, x, N, Chunked(o), gate_a)
+        elif a1.kind == "dense":
+            kv = qkv.view(B, T * H * W, 3, nh, hd)[:, :, 1:]  # (B, N, 2, nh, d)
+
+            def dense_chunk(xc, qkvc, kvw, g):
+                qc = qkvc.view(B, -1, 3, nh, hd)[:, :, 0]
+                o = a1._sdpa(qc, kvw[:, :, 0], kvw[:, :, 1])
+                return residual(xc, o.reshape(B, -1, D), g)
+
+            x = token_map(dense_chunk, x, N, Chunked(qkv), kv, gate_a)
+        else:  # dsa / neighborhood: slabs of whole frames, keys from the slab plus its halo
+            off_f = bind(a1.offsets) if a1.offsets is not None else None
+            max_off = a1.offsets.max_offset if a1.offsets is not None else 0.0
+            slabs = time_slabs(N, (T, H, W), a1.window[0], max_off if max_off > 0 or off_f is None else None)
+            x_ranges, qkv_ranges = FrameRanges(x), FrameRanges(qkv)
+            outs = []
+            for t0, t1, a, b in slabs:
+                e0, e1 = max(0, t0 - 1), min(T, t1 + 1)  # the offset head's conv reads one frame either side
+
+                def slab(xe, qs, kvh, sh, sc, g, t0=t0, t1=t1, a=a, e0=e0):
+                    q = qs.unflatten(-1, (3, nh, hd))[..., 0, :, :]
+                    _, k, v = kvh.unflatten(-1, (3, nh, hd)).unbind(4)
+                    off = None
+                    if off_f is not None:
+                        off = off_f(modulated(xe, sh, sc))[:, t0 - e0:t1 - e0]
+                    o = slab_attention(q, k, v, off, t0, a, T, a1.window, a1.scale)
+                    return residual(xe[:, t0 - e0:t1 - e0], o.reshape(B, t1 - t0, H, W, D), g)
+
+                outs.append(checkpointed(slab, x_ranges(e0, e1), qkv_ranges(t0, t1), qkv_ranges(a, b),
+                                         shift_a, scale_a, gate_a))
+            x = torch.cat(outs, dim=1) if len(outs) > 1 else outs[0]
+        del qkv
+        k_text = a2.norm_k(a2.to_k(text)).unflatten(-1, (nh, hd))  # (B, Lt, nh, d): once per block
+        v_text = a2.to_v(text).unflatten(-1, (nh, hd))
+
+        def cross_ffn_chunk(xc, kt, vt, sh, sc, g):
+            h = norm2(xc).to(dtype) if norm2 is not None else xc
+            o = a2._sdpa(qn2(q2(h)).unflatten(-1, (nh, hd)), kt, vt)
+            xc = xc + out2(o.flatten(-2))
+            return (xc.float() + ffn(modulated(xc, sh, sc)).float() * _broadcast(g, xc)).to(dtype)
+
+        return token_map(cross_ffn_chunk, x, N, k_text, v_text, shift_f, scale_f, gate_f)
 
 
 class WanHead(nn.Module):

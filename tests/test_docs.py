@@ -65,7 +65,7 @@ def test_docs_do_not_cite_the_design_card():
     assert not citing, f"{citing} cite DESIGN.md; cite docs/architecture.md (with the section name) instead"
 
 
-FOUNDATION = ("config", "model", "wan", "shards", "schedule", "diffusion", "captions", "checkpoint", "latents",
+FOUNDATION = ("config", "model", "wan", "chunking", "shards", "schedule", "diffusion", "captions", "checkpoint", "latents",
               "faults", "metrics", "manifest", "index", "demo_data", "motion", "motion_metric", "plan", "baseline")
 """The foundation modules named in megaslide_ray/__init__.py."""
 
