@@ -11,8 +11,10 @@ recorded and the next part still runs), each has a share of ``--budget-s`` (a pa
 start too late is skipped, loops inside a part stop at its deadline), and the results are
 rewritten after every part and marked ``running`` before it, so a killed run still reports:
 
-1. ``correctness``: ``dsa_triton`` forward and the gradients of q, k, v and offsets against
-   ``dsa_reference``, per case and dtype. fp32: against the fp64 reference,
+1. ``correctness``: the gather kernel ``dsa_triton`` and the tiled kernel ``dsa_triton_tiled``
+   (each row says which ran: the tiled one falls back, logged, where its halo does not fit),
+   forward and the gradients of q, k, v and offsets against ``dsa_reference``, per case,
+   kernel and dtype. fp32: against the fp64 reference,
    ``|tri - ref| <= 2e-5 + 1e-4 |ref|``. bf16: the flash-attention rule of kernels/checks.py.
    Cases: odd sizes, head dims that are not powers of two, several query block sizes, offsets
    that clamp far outside the volume, positions on integers and clamp bounds; plus both
@@ -27,7 +29,9 @@ rewritten after every part and marked ``running`` before it, so a killed run sti
    512, depth 4, bf16 weights): overlap on, on again, off, and on with offloaded activations,
    on the same synthetic batches. Compared with ``on`` under the tolerance below; the
    ``on again`` run measures the device's own run-to-run noise.
-4. ``attention``: 3D-DSA (Triton) forward and backward timed apart against flash SDPA
+4. ``attention``: 3D-DSA forward and backward timed apart -- ``dsa`` (the public ``triton``
+   path: the tiled kernel, ``max_offset`` 1.5; its ``backend`` says when it fell back to the
+   gather kernel), ``dsa_gather`` (the gather kernel, same offsets) -- against flash SDPA
    (``sdpa_kernel(FLASH_ATTENTION)``) and against the neighborhood case (zero offsets) at
    paper-like shapes: d = 128, nh = 8 (the paper's 44-96 heads scale time linearly and leave
    TFLOP/s as they are), K = 27 and 75, 16k / 64k / 256k tokens, bf16; TFLOP/s and the
@@ -108,7 +112,7 @@ class Case:
     name: str
     shape: tuple[int, int, int, int, int, int]
     window: tuple[int, int, int]
-    offsets: str  # "wild" (moves, whole tokens, far clamps), "edge" (kinks), "uniform"
+    offsets: str  # "wild" (moves, whole tokens, far clamps), "edge" (kinks), "uniform", "small"
     block_m: int | None = None  # None: the launcher's default
 
 
@@ -118,6 +122,7 @@ CASES = (
     Case("integer / zero / clamp-bound positions", (2, 4, 6, 5, 2, 8), (3, 3, 3), "edge", 32),
     Case("window spans T, d=6, block 64", (2, 5, 3, 7, 2, 6), (5, 1, 3), "wild", 64),
     Case("benchmark shape, uniform [-1.5, 1.5]", (1, 8, 32, 32, 2, 32), (3, 3, 3), "uniform"),
+    Case("halo inside the grid (tiled), uniform [-0.9, 0.9]", (2, 5, 24, 24, 3, 64), (3, 5, 5), "small"),
 )
 SMOKE_CASES = (  # small windows: the interpreter's time grows with K
     Case("smoke: odd sizes, wild offsets", (1, 3, 3, 5, 1, 8), (3, 1, 1), "wild", 16),
@@ -284,14 +289,21 @@ def _case_offsets(t, case: Case, seed: int):
         K = math.prod(case.window)
         g = torch.Generator().manual_seed(seed)
         return (2 * torch.rand((*case.shape[:5], K, 3), generator=g) - 1) * 1.5
+    if case.offsets == "small":
+        K = math.prod(case.window)
+        g = torch.Generator().manual_seed(seed)
+        return (2 * torch.rand((*case.shape[:5], K, 3), generator=g) - 1) * 0.9
     raise ValueError(f"unknown offsets kind {case.offsets!r}")
 
 
-def check_case(t, case: Case, dtype, device: str) -> dict:
-    """Triton vs reference for one case in one dtype: max errors and the verdict."""
+def check_case(t, case: Case, dtype, device: str, kernel: str = "gather") -> dict:
+    """Triton vs reference for one case in one dtype: max errors and the verdict. ``kernel``:
+    "gather" (``dsa_triton``) or "tiled" (``dsa_triton_tiled``; a case its tiles cannot take
+    runs the gather kernel, and the result says so)."""
     import torch
 
     from kernels import dsa_reference
+    from kernels import dsa_triton_tiled as tiled
     from kernels.dsa_triton import dsa_triton
 
     q, k, v = (x.to(device) for x in t.make_qkv(case.shape, seed=40))
@@ -300,14 +312,18 @@ def check_case(t, case: Case, dtype, device: str) -> dict:
     inputs = [x.to(dtype) for x in (q, k, v, offsets)]
 
     def tri(*a):
+        if kernel == "tiled":
+            return tiled.dsa_triton_tiled(*a, case.window, block_m=case.block_m)
         return dsa_triton(*a, case.window, block_m=case.block_m)
 
     def ref(*a, **kw):
         return dsa_reference(*a, case.window, **kw)
 
+    fallbacks = sum(tiled.FALLBACKS.values())
     got = t.grads(tri, inputs, dout)
-    result = {"case": case.name, "shape": case.shape, "window": case.window,
-              "dtype": str(dtype).replace("torch.", ""), "block_m": case.block_m}
+    ran = kernel if sum(tiled.FALLBACKS.values()) == fallbacks else "gather (tiled fell back, logged)"
+    result = {"case": f"{case.name} [{kernel}]", "shape": case.shape, "window": case.window,
+              "dtype": str(dtype).replace("torch.", ""), "block_m": case.block_m, "kernel": ran}
     if dtype == torch.float32:
         want = t.grads(ref, [x.double() for x in inputs], dout.double())
         errors, max_err = [], {}
@@ -370,15 +386,15 @@ def part_correctness(ctx: "Run") -> dict:
     from kernels import checks as t  # inputs, identities, the bf16 rule (shared with the tests)
     results = []
     for case in ctx.sizes.cases:
-        for dtype in (torch.float32, torch.bfloat16):
+        for kernel, dtype in ((kn, dt) for kn in ("gather", "tiled") for dt in (torch.float32, torch.bfloat16)):
             if ctx.past_deadline():
-                results.append({"case": case.name, "dtype": str(dtype).replace("torch.", ""), "ok": False,
-                                "errors": ["skipped: time budget (--budget-s)"]})
+                results.append({"case": f"{case.name} [{kernel}]", "dtype": str(dtype).replace("torch.", ""),
+                                "ok": False, "errors": ["skipped: time budget (--budget-s)"]})
                 continue
             try:
-                results.append(check_case(t, case, dtype, ctx.device))
+                results.append(check_case(t, case, dtype, ctx.device, kernel))
             except Exception as e:  # one broken case must not hide the others
-                results.append({"case": case.name, "dtype": str(dtype).replace("torch.", ""),
+                results.append({"case": f"{case.name} [{kernel}]", "dtype": str(dtype).replace("torch.", ""),
                                 "ok": False, "errors": [f"raised {type(e).__name__}: {e}"[:500]],
                                 "traceback": traceback.format_exc()[-3000:]})
     results += check_identities(t, ctx.device, ctx.sizes)
@@ -683,7 +699,7 @@ def measure_attention(kind: str, grid, window, nh: int, d: int, device, reps: in
     q, k, v = (rand(*shape).requires_grad_() for _ in range(3))
     dout = rand(*shape)
     offsets = None
-    if kind == "dsa":
+    if kind in ("dsa", "dsa_gather"):
         u = torch.rand((*shape[:5], K, 3), generator=gen, device=device)
         offsets = ((2 * u - 1) * 1.5).to(dtype).requires_grad_()
     elif kind == "neighborhood":
@@ -694,8 +710,15 @@ def measure_attention(kind: str, grid, window, nh: int, d: int, device, reps: in
         if kind == "dense":
             flat = [x.reshape(1, N, nh, d).transpose(1, 2) for x in (q, k, v)]
             return F.scaled_dot_product_attention(*flat).transpose(1, 2)
-        return deformable_slide_attention(q, k, v, offsets, window, backend="triton")
+        if kind == "dsa_gather":
+            return deformable_slide_attention(q, k, v, offsets, window, backend="triton_gather")
+        # the bound the offsets were drawn with (a model passes attention.max_offset): no host sync
+        return deformable_slide_attention(q, k, v, offsets, window, backend="triton",
+                                          max_offset=1.5 if kind == "dsa" else 0.0)
 
+    from kernels import dsa_triton_tiled as tiled
+
+    fallbacks = sum(tiled.FALLBACKS.values())
     clock = Clock(device)
 
     def once() -> tuple[float, float]:
@@ -719,7 +742,10 @@ def measure_attention(kind: str, grid, window, nh: int, d: int, device, reps: in
     return {"kind": kind, "grid": list(grid), "tokens": N, "window": list(window), "K": K, "heads": nh, "head_dim": d,
             "fwd_ms": fwd_s * 1e3, "bwd_ms": bwd_s * 1e3, "fwd_tflops": ff / fwd_s / 1e12,
             "bwd_tflops": fb / bwd_s / 1e12, "peak_mib": peak / 2**20 if peak is not None else None,
-            "reps": n, "status": "ok", "backend": "sdpa-flash" if kind == "dense" else "triton"}
+            "reps": n, "status": "ok",
+            "backend": {"dense": "sdpa-flash", "dsa_gather": "triton gather"}.get(
+                kind, "triton tiled" if sum(tiled.FALLBACKS.values()) == fallbacks
+                else "triton gather (tiled fell back, logged)")}
 
 
 @contextlib.contextmanager
@@ -763,7 +789,7 @@ def part_attention(ctx: "Run") -> dict:
     for grid in sz.attn_grids:
         plan.append(("dense", grid, sz.attn_windows[0]))
         for window in sz.attn_windows:
-            plan += [("dsa", grid, window), ("neighborhood", grid, window)]
+            plan += [("dsa", grid, window), ("dsa_gather", grid, window), ("neighborhood", grid, window)]
     for kind, grid, window in plan:
         key = (kind, tuple(window) if kind != "dense" else None)
         base = {"kind": kind, "grid": list(grid), "tokens": math.prod(grid), "window": list(window),
@@ -797,7 +823,8 @@ def _attn_line(r: dict) -> str:
 
     window = "x".join(map(str, r["window"])) if r["kind"] != "dense" else "-"
     return (f"| {r['kind']} | {r['tokens']} | {window} | {f('fwd_ms', '.2f')} | {f('bwd_ms', '.2f')} | "
-            f"{f('fwd_tflops', '.1f')} | {f('bwd_tflops', '.1f')} | {f('peak_mib', '.0f')} | {r['status']} |")
+            f"{f('fwd_tflops', '.1f')} | {f('bwd_tflops', '.1f')} | {f('peak_mib', '.0f')} | {r['status']} | "
+            f"{r.get('backend', '-')} |")
 
 
 # -----------------------------------------------------------------------------
@@ -1067,8 +1094,11 @@ def markdown(report: dict) -> list[str]:
             lines.append("")
         if part == "attention" and "rows" in info:
             lines += [f"bf16, B=1, nh={info['heads']}, d={info['head_dim']}; {info['flops_rule']}.", "",
-                      "| kind | tokens | window | fwd [ms] | bwd [ms] | fwd TFLOP/s | bwd TFLOP/s | peak [MiB] | status |",
-                      "|---|---|---|---|---|---|---|---|---|"]
+                      "`dsa` and `neighborhood`: the tiled kernel (backend column: where it fell back to "
+                      "the gather kernel); `dsa_gather`: the gather kernel, same offsets.", "",
+                      "| kind | tokens | window | fwd [ms] | bwd [ms] | fwd TFLOP/s | bwd TFLOP/s | peak [MiB] | status "
+                      "| backend |",
+                      "|---|---|---|---|---|---|---|---|---|---|"]
             lines += [_attn_line(r) for r in info["rows"]]
             lines += ["", "Crossover (dense flash slower than DSA from):"]
             for K, c in info["crossover_tokens"].items():

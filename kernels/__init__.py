@@ -11,17 +11,24 @@ backend per call:
   bounded memory).
 - ``"chunked"``: ``dsa_reference_chunked`` (the reference's math, queries in chunks,
   backward recomputes: bounded memory, reference speed).
-- ``"triton"``: the fused Triton kernels (CUDA tensors; see ``dsa_triton``, which
-  so far is verified only under the Triton CPU interpreter).
-- ``"auto"`` (default): Triton for CUDA tensors when Triton imports, ``cpu`` for CPU
-  tensors, else reference.
+- ``"triton"``: the tiled Triton kernels (``dsa_triton_tiled``: 3D query tiles, a staged
+  key/value halo, ``tl.dot``, dk/dv with one atomic per halo element per tile). Where the
+  halo of the call's offsets does not fit a tile (or the tiled kernel fails to compile) the
+  call runs the gather kernel below, and that is logged.
+- ``"triton_gather"``: the gather Triton kernels (``dsa_triton``: a strip of queries per
+  program, per-sample corner gathers, per-corner dk/dv atomics), the baseline.
+  Both Triton paths need CUDA tensors and are verified so far only under the Triton CPU
+  interpreter.
+- ``"auto"`` (default): ``triton`` for CUDA tensors when Triton imports, ``cpu`` for CPU
+  tensors, else reference. The first automatic pick per device type is logged (INFO).
 
 ``deformable_slide_attention_slab`` is the same operator for the queries of a slab of frames
 against only the frames of k and v they reach (token-chunked blocks, ``runtime.token_chunk``),
 on the same backends.
 
 Force a path with ``backend=...`` or the environment variable
-``MEGASLIDE_DSA_BACKEND=reference|cpu|chunked|triton|auto`` (the argument wins).
+``MEGASLIDE_DSA_BACKEND=reference|cpu|chunked|triton|triton_gather|auto`` (the argument
+wins).
 """
 
 from __future__ import annotations
@@ -51,12 +58,14 @@ __all__ = [
 log = logging.getLogger(__name__)
 
 BACKEND_ENV_VAR = "MEGASLIDE_DSA_BACKEND"
-DSABackend = Literal["reference", "cpu", "chunked", "triton", "auto"]
-_BACKENDS = ("reference", "cpu", "chunked", "triton", "auto")
+DSABackend = Literal["reference", "cpu", "chunked", "triton", "triton_gather", "auto"]
+_BACKENDS = ("reference", "cpu", "chunked", "triton", "triton_gather", "auto")
 
 
 def resolve_dsa_backend(q: torch.Tensor, backend: str | None = None) -> str:
-    """The concrete backend ("reference", "cpu", "chunked" or "triton") a call on ``q`` uses."""
+    """The concrete backend ("reference", "cpu", "chunked", "triton" or "triton_gather") a call
+    on ``q`` uses. (``triton`` may still run the gather kernel for a call whose offsets are too
+    large for its tiles; ``dsa_triton_tiled`` logs that.)"""
     choice = backend if backend is not None else os.environ.get(BACKEND_ENV_VAR, "auto")
     choice = choice.strip().lower()
     if choice not in _BACKENDS:
@@ -66,6 +75,7 @@ def resolve_dsa_backend(q: torch.Tensor, backend: str | None = None) -> str:
         if q.device.type == "cpu":
             return "cpu"
         if q.is_cuda and _triton_available():
+            _log_pick(q, "triton")
             return "triton"
         _warn_fallback(q)
         return "reference"
@@ -78,12 +88,20 @@ _WARNED: set[str] = set()
 
 def _triton_available() -> bool:
     try:
-        importlib.import_module(f"{__name__}.dsa_triton")
+        importlib.import_module(f"{__name__}.dsa_triton_tiled")  # imports dsa_triton too
     except Exception as e:  # triton missing or broken: the reference still works
         if not _TRITON_ERROR:
             _TRITON_ERROR.append(f"{type(e).__name__}: {e}")
         return False
     return True
+
+
+def _log_pick(q: torch.Tensor, path: str) -> None:
+    key = f"pick:{q.device.type}"
+    if key not in _WARNED:
+        _WARNED.add(key)
+        log.info("3D-DSA: backend 'auto' picks %r on %s (tiled Triton kernels; the gather kernel "
+                 "where a call's offsets are too large for a tile, logged)", path, q.device)
 
 
 def _warn_fallback(q: torch.Tensor) -> None:
@@ -107,15 +125,24 @@ def deformable_slide_attention(
     window: Sequence[int],
     scale: float | None = None,
     backend: DSABackend | None = None,
+    max_offset: float | None = None,
 ) -> torch.Tensor:
     """3D-DSA: ``(B, T, H, W, nh, d)`` q, k, v and ``(B, T, H, W, nh, K, 3)`` offsets.
 
     Returns ``out`` ``(B, T, H, W, nh, d)`` in q's dtype; half inputs are computed in
     fp32 internally. The exact semantics: docs/architecture.md ("3D-DSA: the operator")
     and ``dsa_reference``.
+
+    ``max_offset``: a bound on ``|offsets|`` the caller guarantees (a tanh-bounded offset head's
+    ``attention.max_offset``); only the tiled Triton path reads it (to size its halo without
+    measuring the offsets), the others ignore it.
     """
     path = resolve_dsa_backend(q, backend)
     if path == "triton":
+        from .dsa_triton_tiled import dsa_triton_tiled
+
+        return dsa_triton_tiled(q, k, v, offsets, window, scale=scale, max_offset=max_offset)
+    if path == "triton_gather":
         from .dsa_triton import dsa_triton
 
         return dsa_triton(q, k, v, offsets, window, scale=scale)

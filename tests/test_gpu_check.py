@@ -49,6 +49,8 @@ def test_gpu_check_smoke_runs_without_ray_decord_av_diffusers(tmp_path):
     assert report["smoke"] and report["ok"] and all(p["ok"] for p in parts.values())
 
     assert any("identity" in r["case"] for r in parts["correctness"]["results"])
+    tiled = [r for r in parts["correctness"]["results"] if r["case"].endswith("[tiled]")]
+    assert tiled and all(r["kernel"] == "tiled" for r in tiled)  # the smoke cases fit its tiles
     pin = parts["pinning"]
     assert pin["copy_pieces"] == pin["bytes"] // pin["piece_bytes"] > 1
     assert all(pin["checks"].values())
@@ -63,7 +65,7 @@ def test_gpu_check_smoke_runs_without_ray_decord_av_diffusers(tmp_path):
 
     attn = parts["attention"]
     kinds = {(r["kind"], r["tokens"]) for r in attn["rows"]}
-    assert {"dense", "dsa", "neighborhood"} == {k for k, _ in kinds} and len({n for _, n in kinds}) == 2
+    assert {"dense", "dsa", "dsa_gather", "neighborhood"} == {k for k, _ in kinds} and len({n for _, n in kinds}) == 2
     for r in attn["rows"]:
         assert r["status"] == "ok" and r["fwd_ms"] > 0 and r["bwd_ms"] > 0 and r["fwd_tflops"] > 0
     assert all({"fwd_ms", "bwd_ms", "total_ms"} == set(c) for c in attn["crossover_tokens"].values())
