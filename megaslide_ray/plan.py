@@ -658,11 +658,11 @@ def _notes(cfg: Config, generate: bool, wb: int, P: int, parts: dict[str, int], 
                          f"at 7 GB/s, against a compute floor of {time_terms['compute']:.0f} s")
             if gpu_gb is not None and fits_device:
                 spare = int(gpu_gb * 1e9) - device_required
-                keep = min(m.depth, spare // ND) if ND else 0
-                if keep:
-                    notes.append(f"the device has {fmt_bytes(spare)} spare: keeping {keep} of the {m.depth} block "
-                                 f"inputs there would move {fmt_bytes(keep * ND)} off the host (not implemented: "
-                                 f"runtime.offload_activations offloads all of them)")
+                room = min(m.depth - keep, spare // ND) if ND else 0
+                if room:
+                    notes.append(f"the device has {fmt_bytes(spare)} spare: runtime.offload_keep = {keep + room} "
+                                 f"(--offload-keep {keep + room}, or auto) would keep {keep + room} of the {m.depth} "
+                                 f"block inputs there, {fmt_bytes(room * ND)} off the host")
         if not generate:
             notes.append(f"bf16 AdamW moments (an option the store does not have) would save 4 B/param, "
                          f"{fmt_bytes(4 * P)}; runtime.state_dir on a fast disk lets the store exceed RAM, at "
