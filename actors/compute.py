@@ -108,7 +108,7 @@ class ComputeActor:
         rt = cfg.runtime
         self.link = Transfers(self.device, store, shards, transport, DTYPES[shards[0].w_dtype],
                               rt.overlap, rt.prefetch_depth, rt.link_gbps)
-        self.stash = ActivationStash(self.link, rt.offload_activations, rt.state_dir)
+        self.stash = ActivationStash(self.link, rt.offload_activations, rt.state_dir, rt.offload_keep)
         self._returns: list[Future | None] = []  # this step's gradient reports in flight
         # The last step whose gradients this actor sent: they replaced that step's weights in
         # the store's w segments (a shard's gradient lands in its w), so predict cannot ask for
@@ -257,7 +257,7 @@ class ComputeActor:
             torch.autograd.backward(y, dx)
             self._push_grad(shard, step, grad)
             feed.done(w_staged)
-            stash.give_back(x_saved)
+            stash.give_back(shard - 1, x_saved)
             del x_saved
             if shard == (L + 1) // 2:
                 fault_point("compute.mid_backward", step)

@@ -209,6 +209,12 @@ class RuntimeConfig:
     backward, so device memory no longer grows with model depth. Costs one round trip of
     depth x batch x tokens x width values per step over the link. The host copy is an unlinked
     file in ``runtime.state_dir`` (``/dev/shm`` by default), pinned on CUDA."""
+    offload_keep: int = 0
+    """With ``offload_activations``: the last N block inputs stay on the compute device (they are
+    the first the backward needs, so they also cost no round trip over the link); the rest go to
+    the host segment, which then has depth - N slots. Trades device memory (N more inputs of
+    batch x tokens x width) for host memory and link traffic. 0: all offloaded; N >= depth:
+    none. Ignored without ``offload_activations``."""
     optimizer_threads: int = 0
     """Torch threads in the parameter store for AdamW; 0 uses every core of the machine."""
     max_restarts: int = 3
@@ -633,6 +639,9 @@ def validate(cfg: Config) -> Config:
         raise ConfigError(f"runtime.prefetch_depth={cfg.runtime.prefetch_depth} must be >= 1")
     if cfg.runtime.token_chunk < 0:
         raise ConfigError(f"runtime.token_chunk={cfg.runtime.token_chunk} must be >= 0 (0 = no chunking)")
+    if cfg.runtime.offload_keep < 0:
+        raise ConfigError(f"runtime.offload_keep={cfg.runtime.offload_keep} must be >= 0 (0 = offload every "
+                          f"block input; only used with runtime.offload_activations)")
     if d.fps < 0 or not math.isfinite(d.fps):
         raise ConfigError(f"data.fps={d.fps} must be >= 0 (0: sample by data.frame_stride)")
     if d.fps > 0 and d.frame_stride != 1:

@@ -2,9 +2,9 @@
 
     python -m megaslide_ray.plan --preset dit-105b --generate --frames 256 --height 1080 --width 1920 --gpu-gb 141
     python -m megaslide_ray.plan --preset dit-105b --frames 81 --height 1080 --width 1920 \\
-        --gpu-gb 141 --ram-gb 1649 --offload-activations --token-chunk auto
+        --gpu-gb 141 --ram-gb 1649 --offload-activations --token-chunk auto --offload-keep auto
     python -m megaslide_ray.plan --preset dit-105b --height 1080 --width 1920 --gpu-gb 141 --ram-gb 1649 \\
-        --offload-activations --token-chunk auto --max-frames
+        --offload-activations --token-chunk auto --offload-keep auto --max-frames
     python -m megaslide_ray.plan --preset wan2.1-t2v-14b --frames 81 --height 720 --width 1280 --ram-gb 1649
 
 Two kinds of run are planned: a training step (the default) and, with ``--generate``, one
@@ -47,8 +47,9 @@ Host memory, training (the ParameterStore; see ``actors/param_store.py``), per p
     gradient lands in its own ``w`` segment (the weights are not needed again until AdamW
     rewrites them), so there is no gradient buffer. A bf16 run has one fp32 **update scratch**
     of the largest shard's size (4 * Smax: the gradient is upcast into it for AdamW).
-    + offloaded block inputs   L * ND   (``runtime.offload_activations``: the host segment has
-                                         one slot per block)
+    + offloaded block inputs   (L - k) * ND   (``runtime.offload_activations``: the host segment
+                                         has one slot per block not kept on the device;
+                                         k = ``runtime.offload_keep``, at most L)
     + reserve                  ``--host-reserve-gb`` (default 32 GB, at most a quarter of
                                ``--ram-gb``): the OS and page tables,
                                Ray's daemons, the actor processes with their CUDA context, the
@@ -63,8 +64,9 @@ Device memory:
     activations = checkpoints + max(one block's working set + its attention, the input side)
                   + the input tensors
         checkpoints      L * ND, the block inputs kept at block boundaries (training; with
-                         ``runtime.offload_activations`` only (prefetch_depth + 1) on the
-                         device); none in generation.
+                         ``runtime.offload_activations`` only (prefetch_depth + 1 + k) on the
+                         device, at most L: those in flight plus the last k kept there,
+                         ``runtime.offload_keep``); none in generation.
         block working set, unchunked (``runtime.token_chunk = 0``):
           training       B * N * a * (12 D + 2 F + D + max(F, 3 D))
                          saved by autograd: x, norm1, modulated (3D), qkv (3D), attention
@@ -109,7 +111,7 @@ Traffic per training step:
     device -> host   P * w bytes       (gradients: 210 GB)
     (the compute actor keeps the head's and the last block's forward weights for their
     backward, so it moves slightly less than 2 P; with ``runtime.offload_activations`` the
-    block inputs add L * ND in each direction)
+    offloaded block inputs add (L - k) * ND in each direction: the k kept on the device do not move)
     AdamW DRAM       P * ADAMW_BYTES_PER_PARAM: one ideal pass reads g (w bytes) + master +
                      m + v (12) and writes master + m + v (12) + w (w bytes) = 28 B/param in
                      bf16 (2.94 TB for 105B), 32 in fp32. The store's two AdamW kernels
@@ -142,10 +144,18 @@ full duplex and AdamW overlaps the next step's forward (docs/architecture.md, "O
 step"), so the largest term binds. The floor is a bound, not a prediction.
 
 Searches. ``--token-chunk auto`` picks the largest token chunk (whole time slices, or a
-fraction of one) whose plan fits the device. ``--max-frames`` finds the longest clip at the
+fraction of one) whose plan fits the device. ``--offload-keep auto`` (with
+``--offload-activations``, ``--gpu-gb`` and ``--ram-gb``) picks k = ``runtime.offload_keep``: the
+host terms do not depend on the token chunk and fall by ND per kept input, so the smallest k
+whose host fits is found first (the host shortfall with every input offloaded, divided by ND,
+rounded up; checked by planning it); then the token chunk is chosen with that k (``auto``: the
+largest that fits the device; a given chunk is kept). Device memory only grows with k, so no
+other pair fits with a larger chunk or a smaller k: when the device does not fit with that k, no
+k does, and the plan at that k shows by how much. ``--max-frames`` finds the longest clip at the
 given height and width that fits the machine (every valid frame count is tried in order of a
 binary search; memory grows with the clip), for training or, with ``--generate``, generation,
-and prints the plan at that length and what binds one step further. Without ``--token-chunk``
+and prints the plan at that length and what binds one step further (with ``--offload-keep auto``
+k is re-picked at each length, like the chunk). Without ``--token-chunk``
 a config that does not chunk is planned whole-clip, and with ``auto`` when that does not fit
 ``--gpu-gb`` (the plan's first note says so).
 """
@@ -224,10 +234,11 @@ class Plan:
     moment_bytes: int              # m + v
     scratch_bytes: int             # fp32 update scratch of the largest shard (bf16 training)
     host_store_bytes: int          # what the store allocates: state + scratch
-    host_offloaded_bytes: int      # offloaded block inputs (L * ND), 0 without offload
+    host_offloaded_bytes: int      # offloaded block inputs ((L - k) * ND), 0 without offload
     host_reserve_bytes: int
     # -- device memory
     prefetch_depth: int
+    offload_keep: int              # k: block inputs kept on the device with offload (0 without offload)
     device_shard_bytes: int        # (prefetch_depth + 1) * Smax * (w [+ grad] bytes)
     activation_parts: dict[str, int]   # checkpoints, block_linear, pixels, attention extras, ...
     block_terms: dict[str, int]        # the named terms of one block's working set
@@ -329,6 +340,12 @@ def staged_shards(cfg: Config) -> int:
     """Shards on the device at once: the one computing plus ``runtime.prefetch_depth`` staged
     ahead (with ``runtime.overlap``; without, each shard is fetched when it is needed)."""
     return (cfg.runtime.prefetch_depth if cfg.runtime.overlap else 0) + 1
+
+
+def offload_keep(cfg: Config) -> int:
+    """k: the block inputs kept on the device with ``runtime.offload_activations`` (the last
+    ``runtime.offload_keep``, at most the depth); 0 without offload."""
+    return min(cfg.runtime.offload_keep, cfg.model.depth) if cfg.runtime.offload_activations else 0
 
 
 _COUNT_CACHE: dict[str, tuple[list[int], int, int, int, int]] = {}
@@ -436,9 +453,12 @@ def _activations(cfg: Config, a: int, generate: bool) -> tuple[dict[str, int], d
         inputs = 3 * B * cfg.data.num_frames * cfg.data.height * cfg.data.width * m.in_channels * 4
     if generate:
         kept, offloaded = 0, 0
+    elif cfg.runtime.offload_activations:
+        k = offload_keep(cfg)
+        kept = min(L, staged_shards(cfg) + k)  # in flight + the last k, kept there
+        offloaded = (L - k) * ND
     else:
-        kept = min(L, staged_shards(cfg)) if cfg.runtime.offload_activations else L
-        offloaded = L * ND if cfg.runtime.offload_activations else 0
+        kept, offloaded = L, 0
     attention = _attention_terms(cfg, a, Q, Qp, 1 if generate else 2)
     parts = {
         "checkpoints": kept * ND,
@@ -552,7 +572,8 @@ def plan(cfg: Config, w_dtype: str = "bfloat16", pcie_gbps: float = 55.0, dram_g
     if scratch:
         host_terms["fp32 update scratch (largest shard)"] = scratch
     if parts["offloaded_checkpoints"]:
-        host_terms["offloaded block inputs (L x ND)"] = parts["offloaded_checkpoints"]
+        label = "offloaded block inputs ((L - k) x ND)" if offload_keep(cfg) else "offloaded block inputs (L x ND)"
+        host_terms[label] = parts["offloaded_checkpoints"]
     host_terms["reserve (OS, Ray, processes)"] = reserve
     host_required = sum(host_terms.values())
     block_total = parts["block_linear"] + parts[variant]
@@ -587,7 +608,8 @@ def plan(cfg: Config, w_dtype: str = "bfloat16", pcie_gbps: float = 55.0, dram_g
         host_bytes=host, host_state_bytes=state, host_state_bytes_per_param=wb if generate else wb + 12,
         moment_bytes=host.get("m", 0) + host.get("v", 0), scratch_bytes=scratch, host_store_bytes=store,
         host_offloaded_bytes=parts["offloaded_checkpoints"], host_reserve_bytes=reserve,
-        prefetch_depth=staged_shards(cfg) - 1, device_shard_bytes=shard_bytes, activation_parts=parts,
+        prefetch_depth=staged_shards(cfg) - 1, offload_keep=0 if generate else offload_keep(cfg),
+        device_shard_bytes=shard_bytes, activation_parts=parts,
         block_terms=block_terms, activation_bytes=act_totals, activation_variant=variant,
         device_activation_bytes=act_totals[variant],
         h2d_bytes=h2d, d2h_bytes=d2h, adamw_bytes_per_param=adamw_pp, adamw_store_bytes_per_param=adamw_store_pp,
@@ -611,7 +633,11 @@ def _notes(cfg: Config, generate: bool, wb: int, P: int, parts: dict[str, int], 
     m = cfg.model
     ND = cfg.data.batch_size * cfg.tokens_per_sample * m.hidden_size * wb
     whole = sum(v for k, v in block_terms.items() if k.startswith("whole clip"))
-    if fits_device is False and parts["checkpoints"] > 0.25 * device_required:
+    keep = offload_keep(cfg)
+    if fits_device is False and keep and not generate:
+        notes.append(f"runtime.offload_keep = {cfg.runtime.offload_keep} keeps {keep} block inputs on the device "
+                     f"({fmt_bytes(keep * ND)}); a smaller offload_keep frees that much there for as much host RAM")
+    if fits_device is False and not cfg.runtime.offload_activations and parts["checkpoints"] > 0.25 * device_required:
         notes.append(f"block-boundary checkpoints alone take {fmt_bytes(parts['checkpoints'])} on the device; "
                      f"runtime.offload_activations (--offload-activations here) keeps them in host RAM for "
                      f"{fmt_bytes(parts['checkpoints'])} more in each PCIe direction per step")
@@ -632,11 +658,11 @@ def _notes(cfg: Config, generate: bool, wb: int, P: int, parts: dict[str, int], 
                          f"at 7 GB/s, against a compute floor of {time_terms['compute']:.0f} s")
             if gpu_gb is not None and fits_device:
                 spare = int(gpu_gb * 1e9) - device_required
-                keep = min(m.depth, spare // ND) if ND else 0
-                if keep:
-                    notes.append(f"the device has {fmt_bytes(spare)} spare: keeping {keep} of the {m.depth} block "
-                                 f"inputs there would move {fmt_bytes(keep * ND)} off the host (not implemented: "
-                                 f"runtime.offload_activations offloads all of them)")
+                room = min(m.depth - keep, spare // ND) if ND else 0
+                if room:
+                    notes.append(f"the device has {fmt_bytes(spare)} spare: runtime.offload_keep = {keep + room} "
+                                 f"(--offload-keep {keep + room}, or auto) would keep {keep + room} of the {m.depth} "
+                                 f"block inputs there, {fmt_bytes(room * ND)} off the host")
         if not generate:
             notes.append(f"bf16 AdamW moments (an option the store does not have) would save 4 B/param, "
                          f"{fmt_bytes(4 * P)}; runtime.state_dir on a fast disk lets the store exceed RAM, at "
@@ -717,28 +743,69 @@ def plan_with_chunk(cfg: Config, token_chunk: int | str | None, **kw: Any) -> Pl
 
 
 def _with_partial_offload_note(cfg: Config, p: Plan, kw: dict) -> Plan:
-    """A plan short of host RAM with offloaded block inputs, whose device fits: would keeping some
-    block inputs on the device (with a smaller token chunk to make room) close the gap? Adds a
-    note naming the chunk and the count when it would."""
-    if not (p.fits_host is False and p.fits_device and cfg.runtime.offload_activations and p.token_chunk):
+    """A plan short of host RAM with offloaded block inputs, whose device fits: would keeping
+    (more of) them on the device (``runtime.offload_keep``, with a smaller token chunk to make
+    room) close the gap? Adds a note naming the count and the chunk when it would."""
+    if not (p.fits_host is False and p.fits_device and cfg.runtime.offload_activations and p.token_chunk
+            and p.host_offloaded_bytes):
         return p
-    L = cfg.model.depth
-    ND = p.host_offloaded_bytes // L
-    need = -(-p.host_shortfall_bytes // ND)
+    L, k0 = cfg.model.depth, p.offload_keep
+    ND = p.host_offloaded_bytes // (L - k0)
+    need = k0 + -(-p.host_shortfall_bytes // ND)
     if need > L:
         return p
     for c in reversed(chunk_candidates(cfg)):
         if c > p.token_chunk:
             continue
-        q = plan(_with(cfg, token_chunk=c), **kw)
-        spare = int(kw["gpu_gb"] * 1e9) - q.device_required_bytes
-        if spare >= need * ND:
-            note = (f"keeping {need} of the {L} block inputs on the device instead of offloading them would close "
-                    f"the host gap ({fmt_bytes(need * ND)}); with token_chunk {c:,} the device has "
-                    f"{fmt_bytes(spare)} spare for them (not implemented: runtime.offload_activations offloads "
-                    f"all of them)")
+        q = plan(_with(cfg, token_chunk=c, offload_keep=need), **kw)
+        if q.fits:
+            note = (f"runtime.offload_keep = {need} (--offload-keep {need}, or auto) keeps the last {need} of the "
+                    f"{L} block inputs on the device instead of offloading them, {fmt_bytes((need - k0) * ND)} off "
+                    f"the host, which closes the gap; with token_chunk {c:,} the device then needs "
+                    f"{fmt_bytes(q.device_required_bytes)}")
             return dataclasses.replace(p, notes=p.notes + (note,))
     return p
+
+
+def plan_with_keep(cfg: Config, token_chunk: int | str | None, keep: int | str | None, **kw: Any) -> Plan:
+    """``plan_with_chunk`` with ``runtime.offload_keep`` = ``keep``: an int (set on the config),
+    None (the config's), or ``auto``: the smallest k whose host fits ``ram_gb``, then the token
+    chunk for that k as ``plan_with_chunk`` picks it (module docstring, "Searches"). A note says
+    what was chosen."""
+    if keep is None:
+        return plan_with_chunk(cfg, token_chunk, **kw)
+    if not cfg.runtime.offload_activations or kw.get("generate"):
+        raise ConfigError("--offload-keep plans block inputs kept on the device instead of offloaded: it needs "
+                          "--offload-activations (and a training plan, not --generate)")
+    if keep != "auto":
+        if int(keep) < 0:
+            raise ConfigError(f"--offload-keep {keep} must be >= 0 or auto")
+        return plan_with_chunk(_with(cfg, offload_keep=int(keep)), token_chunk, **kw)
+    if kw.get("gpu_gb") is None or kw.get("ram_gb") is None:
+        raise ConfigError("--offload-keep auto needs --gpu-gb and --ram-gb (the machine it must fit)")
+    L = cfg.model.depth
+    # The host terms do not depend on the chunk: plan one (the smallest: cheapest to fit) unkept.
+    probe = _with(cfg, offload_keep=0, token_chunk=chunk_candidates(cfg)[0] if token_chunk == "auto"
+                  else cfg.runtime.token_chunk if token_chunk is None else int(token_chunk))
+    full = plan(probe, **kw)
+    ND = full.host_offloaded_bytes // L
+    k = min(L, -(-full.host_shortfall_bytes // ND)) if ND else 0
+    while k < L and plan(_with(probe, offload_keep=k), **kw).fits_host is False:
+        k += 1  # (the division above is exact; this guards the rounding of --ram-gb)
+    p = plan_with_chunk(_with(cfg, offload_keep=k), token_chunk, **kw)
+    if p.fits_host is False:
+        why = (f"--offload-keep auto: even keeping all {L} block inputs on the device leaves the host short by "
+               f"{fmt_bytes(p.host_shortfall_bytes)}")
+    elif not k:
+        why = "--offload-keep auto: the host fits with every block input offloaded (k = 0)"
+    else:
+        why = (f"--offload-keep auto: k = {k}, the fewest block inputs kept on the device that make the host fit "
+               f"(short by {fmt_bytes(full.host_shortfall_bytes)} with all {L} offloaded, {fmt_bytes(ND)} each)")
+        if not p.fits_device:
+            why += f"; the device does not fit with k = {k}, and a larger k only needs more there"
+        elif token_chunk == "auto":
+            why += f"; token chunk {p.token_chunk:,}, the largest that then fits the device"
+    return dataclasses.replace(p, notes=(why,) + p.notes)
 
 
 def frame_candidates(cfg: Config, limit: int) -> list[int]:
@@ -768,10 +835,12 @@ class FrameSearch:
     tried: int                     # plans evaluated
 
 
-def max_frames(cfg: Config, token_chunk: int | str | None = None, limit: int = 4097, **kw: Any) -> FrameSearch:
+def max_frames(cfg: Config, token_chunk: int | str | None = None, limit: int = 4097,
+               keep: int | str | None = None, **kw: Any) -> FrameSearch:
     """The longest clip (pixel frames, at ``cfg``'s height and width) whose plan fits the machine in
     ``kw`` (``ram_gb`` and/or ``gpu_gb``), by binary search over ``frame_candidates``: memory grows
-    with the clip. ``token_chunk`` as in ``plan_with_chunk`` (``auto`` re-picks it at each length)."""
+    with the clip. ``token_chunk`` as in ``plan_with_chunk``, ``keep`` (``runtime.offload_keep``) as
+    in ``plan_with_keep`` (``auto`` re-picks them at each length)."""
     if kw.get("gpu_gb") is None and kw.get("ram_gb") is None:
         raise ConfigError("--max-frames needs the machine: --gpu-gb and/or --ram-gb")
     if not kw.get("generate") and (kw.get("gpu_gb") is None or kw.get("ram_gb") is None):
@@ -788,7 +857,7 @@ def max_frames(cfg: Config, token_chunk: int | str | None = None, limit: int = 4
             tried += 1
             f = cands[i]
             c = dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, num_frames=f))
-            cache[i] = plan_with_chunk(c, token_chunk, **kw)
+            cache[i] = plan_with_keep(c, token_chunk, keep, **kw)
         return cache[i]
 
     if not at(0).fits:
@@ -897,7 +966,9 @@ def render(p: Plan) -> str:
         if p.scratch_bytes:
             row(f"fp32 update scratch: 4 B x shard {p.largest_shard}", fmt_bytes(p.scratch_bytes))
         if p.host_offloaded_bytes:
-            row("offloaded block inputs: L x B x N x D x a", fmt_bytes(p.host_offloaded_bytes))
+            label = (f"offloaded block inputs: (L - {p.offload_keep}) x B x N x D x a" if p.offload_keep
+                     else "offloaded block inputs: L x B x N x D x a")
+            row(label, fmt_bytes(p.host_offloaded_bytes))
     row("reserve (OS, Ray, processes; --host-reserve-gb)", fmt_bytes(p.host_reserve_bytes))
 
     lines.append("\ndevice memory")
@@ -905,7 +976,10 @@ def render(p: Plan) -> str:
     row(f"shard buffers: {p.prefetch_depth + 1} x ({'w' if gen else 'w + grad'}) of shard {p.largest_shard}",
         fmt_bytes(p.device_shard_bytes))
     if not gen:
-        if parts["offloaded_checkpoints"]:
+        if p.offload_keep:
+            row(f"checkpoints: min(L, {p.prefetch_depth + 1} + {p.offload_keep} kept) x B x N x D x {wb} B",
+                fmt_bytes(parts["checkpoints"]), f"(host: {fmt_bytes(parts['offloaded_checkpoints'])})")
+        elif parts["offloaded_checkpoints"]:
             row(f"checkpoints: {p.prefetch_depth + 1} x B x N x D x {wb} B (offloaded)",
                 fmt_bytes(parts["checkpoints"]), f"(host: {fmt_bytes(parts['offloaded_checkpoints'])})")
         else:
@@ -1059,6 +1133,18 @@ def _token_chunk_arg(text: str) -> int | str:
     return value
 
 
+def _offload_keep_arg(text: str) -> int | str:
+    if text == "auto":
+        return text
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number of block inputs or 'auto'") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"{value} must be >= 0 (0: all offloaded) or 'auto'")
+    return value
+
+
 def _positive(kind: type):
     def parse(text: str):
         try:
@@ -1111,6 +1197,11 @@ def main(argv: list[str] | None = None) -> int:
                     help="shards staged ahead of the one computing (runtime.prefetch_depth; default: the config's)")
     ap.add_argument("--offload-activations", action="store_true",
                     help="plan with runtime.offload_activations (block inputs in host RAM)")
+    ap.add_argument("--offload-keep", type=_offload_keep_arg, default=None, metavar="N|auto",
+                    help="with --offload-activations: runtime.offload_keep, the last N block inputs stay on the "
+                         "device (the host segment holds the rest); auto (needs --gpu-gb and --ram-gb): the "
+                         "smallest N whose host fits, then the token chunk for it (with --token-chunk auto the "
+                         "largest that fits the device). Default: the config's (0: all offloaded)")
     ap.add_argument("--token-chunk", type=_token_chunk_arg, default=None, metavar="N|auto",
                     help="runtime.token_chunk: tokens per chunk of a block's per-token parts (0: whole clip); "
                          "auto: the largest chunk that fits --gpu-gb. Default: the config's, or auto when the "
@@ -1145,7 +1236,7 @@ def main(argv: list[str] | None = None) -> int:
                   device_tflops=args.device_tflops, ram_gb=args.ram_gb, gpu_gb=args.gpu_gb,
                   generate=args.generate, sample_steps=args.sample_steps, host_reserve_gb=args.host_reserve_gb)
         if args.max_frames:
-            search = max_frames(cfg, args.token_chunk, **kw)
+            search = max_frames(cfg, args.token_chunk, keep=args.offload_keep, **kw)
             if args.json:
                 print(json.dumps({"max_frames": search.best_frames, "next_frames": search.next_frames,
                                   "tried": search.tried, "best": search.best.to_dict() if search.best else None,
@@ -1153,7 +1244,7 @@ def main(argv: list[str] | None = None) -> int:
             else:
                 print(render_search(search, asked[1:], "generate" if args.generate else "train"))
             return 0
-        result = plan_with_chunk(cfg, args.token_chunk, requested_clip=asked, **kw)
+        result = plan_with_keep(cfg, args.token_chunk, args.offload_keep, requested_clip=asked, **kw)
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

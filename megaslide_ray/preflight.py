@@ -81,10 +81,12 @@ def state_bytes(cfg: Config, wbytes: int) -> int:
 
 
 def offload_bytes(cfg: Config, wbytes: int) -> int:
-    """The host copy of the block inputs with ``runtime.offload_activations`` (0 without)."""
+    """The host copy of the block inputs with ``runtime.offload_activations`` (0 without): one slot
+    per block not kept on the device (``runtime.offload_keep``)."""
     if not cfg.runtime.offload_activations:
         return 0
-    return cfg.model.depth * cfg.training.batch_size * cfg.tokens_per_sample * cfg.model.hidden_size * wbytes
+    slots = max(0, cfg.model.depth - cfg.runtime.offload_keep)
+    return slots * cfg.data.batch_size * cfg.tokens_per_sample * cfg.model.hidden_size * wbytes
 
 
 def _existing(path: Path) -> Path:

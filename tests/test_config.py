@@ -75,6 +75,7 @@ def test_toml_then_cli_precedence(tmp_path):
     ({"data.num_decoders": "0"}, "data.num_decoders=0 must be > 0"),
     ({"model.in_channels": "4"}, "model.in_channels=4: the video decoders deliver RGB clips"),
     ({"runtime.prefetch_depth": "0"}, "runtime.prefetch_depth=0"),
+    ({"runtime.offload_keep": "-1"}, "runtime.offload_keep=-1 must be >= 0"),
 ])
 def test_invalid_values_are_refused_with_field_and_value(overrides, needle):
     with pytest.raises(ConfigError) as e:

@@ -44,6 +44,9 @@ def train(tmp_path, manifest, batches, depth=3, **runtime):
             result = compute.train_step(b, step)
             store.wait_step(step)
         train.last, train.sizes = result, [info.numel * 4 for info in store.shard_infos()]
+        stash = compute.stash  # the last step's: inputs on the device at most, host slots
+        train.peak = stash.peak_device_inputs
+        train.host_slots = 0 if stash._host is None else stash._host.numel() // stash._slot
         return [s["master"].clone() for s in store.seg], compute.link.staging.allocated
     finally:
         compute.close()
@@ -79,6 +82,35 @@ def test_offloaded_activations_give_identical_parameters(tmp_path, batches, runt
     inputs = 3 * len(bs[0]["caption_len"]) * 3 * 4 * 4 * 32 * 4
     assert after.d2h_bytes - before.d2h_bytes == inputs
     assert after.h2d_bytes - before.h2d_bytes == inputs
+    assert not list(tmp_path.glob("megaslide-activations-*")), "the host segment's file must be unlinked"
+
+
+@pytest.mark.parametrize("runtime", [{"overlap": "true", "link_gbps": 5, "prefetch_depth": 2},
+                                     {"overlap": "false", "link_gbps": 5}])
+def test_partial_offload_keeps_the_last_inputs_on_the_device_with_identical_parameters(tmp_path, batches, runtime):
+    """runtime.offload_keep = k: the last k block inputs stay on the device, the other L - k go
+    out and come back; the parameters are bit-identical to keeping all and to offloading all."""
+    manifest, bs = batches
+    L = 4
+    staged = (runtime.get("prefetch_depth", 1) if runtime["overlap"] == "true" else 0) + 1
+    one = len(bs[0]["caption_len"]) * 3 * 4 * 4 * 32 * 4  # (batch, tokens, width) fp32
+    plain, _ = train(tmp_path, manifest, bs, depth=L, **runtime)
+    base = train.last
+    assert train.peak == L  # measurement is not blind: without offload every input is held
+    full, _ = train(tmp_path, manifest, bs, depth=L, offload_activations="true", **runtime)
+    assert train.last.d2h_bytes - base.d2h_bytes == L * one and train.host_slots == L
+    assert train.peak <= staged
+    for a, b in zip(plain, full):
+        assert torch.equal(a, b)
+    for keep in (1, L - 1, L):
+        params, _ = train(tmp_path, manifest, bs, depth=L, offload_activations="true", offload_keep=keep, **runtime)
+        for a, b in zip(plain, params):
+            assert torch.equal(a, b), f"offload_keep={keep}"
+        # only the L - keep offloaded inputs move, once each way; the host segment has their slots
+        assert train.last.d2h_bytes - base.d2h_bytes == (L - keep) * one, f"offload_keep={keep}"
+        assert train.last.h2d_bytes - base.h2d_bytes == (L - keep) * one, f"offload_keep={keep}"
+        assert train.host_slots == L - keep
+        assert train.peak <= staged + keep, f"offload_keep={keep}: {train.peak} inputs on the device"
     assert not list(tmp_path.glob("megaslide-activations-*")), "the host segment's file must be unlinked"
 
 

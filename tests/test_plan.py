@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import subprocess
 import sys
@@ -10,7 +11,8 @@ import pytest
 
 from megaslide_ray.config import ConfigError, build_config
 from megaslide_ray.model import param_count
-from megaslide_ray.plan import HOST_RESERVE_GB, config_for, main, max_frames, plan, plan_with_chunk, render
+from megaslide_ray.plan import (HOST_RESERVE_GB, config_for, main, max_frames, plan, plan_with_chunk, plan_with_keep,
+                                render)
 
 
 @pytest.fixture(scope="module")
@@ -154,6 +156,30 @@ def test_offloaded_block_inputs_move_from_device_to_host_and_link():
     assert "(offloaded)" in render(off) and "block inputs" in render(off)
 
 
+def test_offload_keep_moves_the_last_block_inputs_back_to_the_device():
+    cfg = config_for("dit-28b", frames=33, height=256, width=256)
+    cfg.runtime.offload_activations = True
+    off = plan(cfg)
+    m = cfg.model
+    ND = cfg.data.batch_size * cfg.tokens_per_sample * m.hidden_size * 2  # bf16
+    staged = off.prefetch_depth + 1
+    for k in (1, 5, m.depth - staged, m.depth, m.depth + 7):
+        cfg.runtime.offload_keep = k
+        kept = plan(cfg)
+        assert kept.offload_keep == min(k, m.depth)
+        # the device holds the inputs in flight plus the last k (at most all L); the host the others
+        assert kept.activation_parts["checkpoints"] == min(m.depth, staged + k) * ND
+        assert kept.host_offloaded_bytes == kept.activation_parts["offloaded_checkpoints"] == (m.depth - kept.offload_keep) * ND
+        assert kept.host_required_bytes == off.host_required_bytes - kept.offload_keep * ND
+        assert kept.device_required_bytes == off.device_required_bytes + (min(m.depth, staged + k) - staged) * ND
+        # the kept inputs make no round trip
+        assert kept.h2d_bytes == off.h2d_bytes - kept.offload_keep * ND
+        assert kept.d2h_bytes == off.d2h_bytes - kept.offload_keep * ND
+    assert "kept" in render(plan(cfg)) and "offloaded block inputs" not in render(plan(cfg))  # k >= L: none
+    cfg.runtime.offload_activations = False  # offload_keep means nothing without offload
+    assert plan(cfg).offload_keep == 0 and plan(cfg).host_offloaded_bytes == 0
+
+
 def test_wan_plans_on_latents_with_text_tokens_and_offset_heads():
     cfg = config_for("wan2.1-t2v-14b", frames=81, height=720, width=1280)
     p = plan(cfg, ram_gb=1649, gpu_gb=141)
@@ -248,13 +274,45 @@ def test_goal_training_1080p_on_an_h200_and_1649_gb():
     assert p.fits_host is False and 0 < p.host_shortfall_bytes < 20e9
     assert p.binding_memory[:2] == ("host", "offloaded block inputs (L x ND)")
     assert any("disk tier" in n for n in p.notes) and any("bf16 AdamW moments" in n for n in p.notes)
-    # partial offload (not implemented) would close the gap with a smaller chunk: the note says how
+    # partial offload (runtime.offload_keep) would close the gap with a smaller chunk: the note says how
     keep = [n for n in p.notes if "block inputs on the device instead of offloading" in n]
-    assert len(keep) == 1 and "keeping 3 of the 35" in keep[0]
+    assert len(keep) == 1 and "runtime.offload_keep = 3 (--offload-keep 3, or auto)" in keep[0]
+    assert "token_chunk 73,440" in keep[0] and "not implemented" not in keep[0]
     # the longest clip that fits is well past the 33-frame floor
     s = max_frames(cfg, "auto", **GOAL)
     assert s.best_frames >= 33 and s.best.fits
     assert s.next_frames == s.best_frames + 4 and s.next.fits is False
+
+
+def test_goal_training_81_frames_1080p_fits_with_the_last_block_inputs_kept_on_the_device(capsys):
+    """The paper's target by the planner's own terms (reserve and margins untouched): with
+    --offload-keep auto the fewest inputs kept on the device that close the host gap, and the
+    largest token chunk that then fits the device."""
+    cfg = config_for("dit-105b", frames=81, height=1080, width=1920)
+    cfg.runtime.offload_activations = True
+    p = plan_with_keep(cfg, "auto", "auto", **GOAL)
+    L = cfg.model.depth
+    ND = cfg.tokens_per_sample * cfg.model.hidden_size * 2
+    assert p.fits and p.fits_host and p.fits_device
+    assert p.offload_keep == 3 and p.token_chunk == 73_440
+    assert p.host_offloaded_bytes == (L - 3) * ND and p.host_required_bytes <= 1649e9
+    assert p.device_terms["block-input checkpoints"] == (p.prefetch_depth + 1 + 3) * ND
+    assert p.device_required_bytes <= 141e9
+    # one fewer kept does not fit the host; the next larger chunk does not fit the device with 3
+    assert plan_with_chunk(_keep(cfg, 2), 73_440, **GOAL).fits_host is False
+    assert plan_with_chunk(_keep(cfg, 3), 81_600, **GOAL).fits_device is False
+    assert p.notes[0].startswith("--offload-keep auto: k = 3, the fewest")
+    assert main(["--preset", "dit-105b", "--frames", "81", "--height", "1080", "--width", "1920", "--gpu-gb", "141",
+                 "--ram-gb", "1649", "--offload-activations", "--token-chunk", "auto", "--offload-keep", "auto"]) == 0
+    assert "fits: this machine can run it" in capsys.readouterr().out
+    # the longest training clip at 1080p then: k and the chunk re-picked at every length
+    s = max_frames(cfg, "auto", keep="auto", **GOAL)
+    assert s.best_frames == 105 and s.best.fits and s.best.offload_keep == 10
+    assert s.next_frames == 109 and s.next.fits is False and s.next.binding_memory[0] == "device"
+
+
+def _keep(cfg, k):
+    return dataclasses.replace(cfg, runtime=dataclasses.replace(cfg.runtime, offload_keep=k))
 
 
 def test_max_frames_returns_a_length_that_fits_and_four_more_does_not():
@@ -275,16 +333,19 @@ def test_cli_help_and_refusals(capsys):
     assert e.value.code == 0
     out = capsys.readouterr().out
     for flag in ("--generate", "--max-frames", "--token-chunk", "--host-reserve-gb", "--guidance", "--sample-steps",
-                 "--ram-gb", "--gpu-gb", "--offload-activations"):
+                 "--ram-gb", "--gpu-gb", "--offload-activations", "--offload-keep"):
         assert flag in out
     for argv in (["--token-chunk", "-1"], ["--token-chunk", "lots"], ["--ram-gb", "0"], ["--gpu-gb", "-3"],
-                 ["--frames", "0"], ["--host-reserve-gb", "-1"], ["--sample-steps", "0"]):
+                 ["--frames", "0"], ["--host-reserve-gb", "-1"], ["--sample-steps", "0"], ["--offload-keep", "-1"],
+                 ["--offload-keep", "some"]):
         with pytest.raises(SystemExit) as e:
             main(argv)
         assert e.value.code == 2, argv
     capsys.readouterr()
     for argv in (["--max-frames"], ["--preset", "dit-28b", "--max-frames", "--gpu-gb", "141"],
                  ["--guidance"], ["--token-chunk", "auto"], ["--max-frames", "--frames", "16", "--gpu-gb", "1"],
-                 ["--prefetch-depth", "0"]):
+                 ["--prefetch-depth", "0"], ["--offload-keep", "2"],
+                 ["--offload-activations", "--offload-keep", "auto", "--gpu-gb", "141"],
+                 ["--offload-activations", "--offload-keep", "1", "--generate"]):
         assert main(argv) == 2, argv
         assert capsys.readouterr().err.startswith("error: ")

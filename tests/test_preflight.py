@@ -138,3 +138,15 @@ def test_state_dir_and_segments_are_private(tmp_path):
     finally:
         store.close()
     assert not shutil.os.path.exists(store.dir)
+
+
+def test_offloaded_block_inputs_count_one_slot_per_block_not_kept_on_the_device():
+    cfg = build_config("tiny", None, {**SMALL, "model.depth": 4, "runtime.offload_activations": "true"})
+    one = cfg.data.batch_size * cfg.tokens_per_sample * cfg.model.hidden_size * 2
+    assert preflight.offload_bytes(cfg, 2) == 4 * one
+    cfg.runtime.offload_keep = 1
+    assert preflight.offload_bytes(cfg, 2) == 3 * one
+    cfg.runtime.offload_keep = 9  # more than the depth: nothing offloaded
+    assert preflight.offload_bytes(cfg, 2) == 0
+    cfg.runtime.offload_activations = False
+    assert preflight.offload_bytes(cfg, 2) == 0
