@@ -5,6 +5,7 @@ import json
 from pathlib import Path
 
 import numpy as np
+import pytest
 import torch
 
 from actors.decoder import VideoDecoder
@@ -51,6 +52,7 @@ def test_streamed_trainer_equals_in_process_adamw(ray_session, manifest, small_c
     assert moved > 1e-3  # the parameters really changed, so agreement means something
 
 
+@pytest.mark.slow  # 25 s; test_cli's train-then-resume covers resume in the default run
 def test_resume_continues_bit_identical(ray_session, manifest, small_config, tmp_path):
     cfg = small_config(**{"training.steps": 4, "training.checkpoint_every": 2})
     run(cfg, tmp_path / "a", steps=2)  # interrupted after the step-2 checkpoint
