@@ -30,7 +30,6 @@ import json
 import os
 import subprocess
 import sys
-import threading
 import time
 from pathlib import Path
 
@@ -54,38 +53,6 @@ COMMON = {"data.batch_size": 1, "model.caption_dim": 64, "runtime.link_gbps": 10
 CHUNK_TOKENS = 4096
 
 
-def _rss_anon() -> int:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith("RssAnon:"):
-                return int(line.split()[1]) * 1024
-    return 0
-
-
-class _Peak:
-    """Highest ``RssAnon`` seen by a sampling thread between enter and exit."""
-
-    def __init__(self, period: float = 0.001):
-        self.period, self.peak, self._stop = period, 0, threading.Event()
-        self._thread = threading.Thread(target=self._loop, daemon=True)
-
-    def _loop(self) -> None:
-        while not self._stop.is_set():
-            self.peak = max(self.peak, _rss_anon())
-            time.sleep(self.period)
-
-    def __enter__(self):
-        self.base = _rss_anon()
-        self.peak = self.base
-        self._thread.start()
-        return self
-
-    def __exit__(self, *exc):
-        self._stop.set()
-        self._thread.join()
-        self.peak = max(self.peak, _rss_anon())
-
-
 def config_for(shape: str, token_chunk: int, device: str):
     from megaslide_ray.config import build_config
 
@@ -103,6 +70,7 @@ def measure_in_process(shape: str, token_chunk: int, device: str) -> dict:
     from actors.compute import ComputeActor, LocalStoreClient
     from actors.param_store import ParameterStore
     from benchmarks.gpu_check import synthetic_batches
+    from benchmarks.overlap import PeakSampler
 
     cfg = config_for(shape, token_chunk, device)
     state = tempfile.mkdtemp(prefix="megaslide-memory-")
@@ -123,7 +91,7 @@ def measure_in_process(shape: str, token_chunk: int, device: str) -> dict:
             seconds = time.perf_counter() - t0
             device_bytes = torch.cuda.max_memory_allocated() - base
         else:
-            with _Peak() as p:
+            with PeakSampler(period=0.001) as p:
                 t0 = time.perf_counter()
                 compute.train_step(batches[1], 1)
                 seconds = time.perf_counter() - t0
