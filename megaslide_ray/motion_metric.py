@@ -3,9 +3,11 @@
 The caption names the object, its direction and speed as the motion set writes them
 (``megaslide_ray.motion``: "a red circle moving up-right fast on a black background, bouncing
 off the edges"). Per frame, the object is found by its colour (every pixel within ``tol`` of the
-caption's colour in each channel), giving its area, centroid, bounding box and mean colour.
+caption's colour in each channel, and of those the largest 8-connected region), giving its area,
+centroid, bounding box and mean colour.
 
-* **detection_rate**: the fraction of frames where the object is found (``min_area`` pixels).
+* **detection_rate**: the fraction of frames where the object is found (a region of at least
+  ``min_area`` pixels; noise holding the colour in scattered pixels forms no such region).
 * **Trajectory** against the caption, on the *visible* frames (found, with at least
   ``visible_fraction`` of the median area: a partly occluded object's centroid is biased, so
   those frames are left out). Between consecutive visible frames ``t`` and ``t + k`` the
@@ -21,14 +23,18 @@ caption's colour in each channel), giving its area, centroid, bounding box and m
   coefficient of variation of the area (1.4826 x median absolute deviation / median: a few
   occluded frames do not move it), and ``colour_std``, the standard deviation of the object's
   mean colour over the visible frames (0..255, averaged over channels).
+* **shape_match**: the fraction of visible frames where the caption's shape (circle, square,
+  triangle) fits the object's mask best: each shape is drawn with the mask's area at its
+  centroid and compared by intersection over union (``shape_ious``).
 * **flicker**: VBench's temporal flicker without the score mapping: the mean absolute
   difference (0..255) of consecutive frames over the background only. Background = pixels that
   are within ``bg_tol`` of their frame's median colour in both frames, after dilating the
   foreground by 2 px (the object, an occluder and codec halos around them are excluded).
 
-Lower is better for every number except ``detection_rate``. The ground-truth clips of the
-motion set score close to zero (tests/test_motion.py); shuffled, frozen or jittered frames
-raise the trajectory numbers well above it.
+Lower is better for every number except ``detection_rate`` and ``shape_match``. The
+ground-truth clips of the motion set score close to zero (and match their shape in every
+frame; tests/test_motion.py); shuffled, frozen or jittered frames raise the trajectory numbers
+well above it, and a caption naming another shape scores ``shape_match`` near zero.
 
     python -m megaslide_ray.motion_metric CLIP.mp4 [--caption TEXT] [--json]
     python -m megaslide_ray.motion_metric MANIFEST.parquet [--json]    # each row with its caption
@@ -46,7 +52,7 @@ from pathlib import Path
 
 import numpy as np
 
-from megaslide_ray.demo_data import COLOURS, SHAPES
+from megaslide_ray.demo_data import COLOURS, SHAPES, _shape_mask
 from megaslide_ray.motion import DIRECTIONS, SPEEDS
 
 _CAPTION = re.compile(r"\b(" + "|".join(COLOURS) + r") (" + "|".join(SHAPES) + r") moving ("
@@ -82,17 +88,44 @@ class Track:
     lo: np.ndarray          # (T, 2) bounding box min (x, y), pixel edges; NaN where not found
     hi: np.ndarray          # (T, 2) bounding box max (x, y), pixel edges (exclusive)
     colour: np.ndarray      # (T, 3) mean colour of those pixels; NaN where not found
+    mask: np.ndarray        # (T, H, W) bool, the hard mask (pixels within ``tol`` of the colour)
 
 
 MIN_LUMA_CONTRAST = 30.0
 
 
-def track_object(frames: np.ndarray, rgb: tuple[int, int, int], tol: int = 50, min_area: int = 4,
+def largest_component(mask: np.ndarray) -> np.ndarray:
+    """The largest 8-connected region of a boolean ``(H, W)`` mask (ties: the first found in
+    row-major order). Scattered pixels of the right colour, as in noise, form only tiny regions."""
+    H, W = mask.shape
+    label = np.zeros((H, W), dtype=np.int32)
+    best, best_size, current = 0, 0, 0
+    for y0, x0 in zip(*np.nonzero(mask)):
+        if label[y0, x0]:
+            continue
+        current += 1
+        label[y0, x0] = current
+        stack, size = [(int(y0), int(x0))], 0
+        while stack:
+            y, x = stack.pop()
+            size += 1
+            for ny in (y - 1, y, y + 1):
+                for nx in (x - 1, x, x + 1):
+                    if 0 <= ny < H and 0 <= nx < W and mask[ny, nx] and not label[ny, nx]:
+                        label[ny, nx] = current
+                        stack.append((ny, nx))
+        if size > best_size:
+            best, best_size = current, size
+    return label == best if best else np.zeros_like(mask, dtype=bool)
+
+
+def track_object(frames: np.ndarray, rgb: tuple[int, int, int], tol: int = 50, min_area: int = 12,
                  residual_tol: int = 80) -> Track:
     """Find the object of colour ``rgb`` in every frame of uint8 ``(T, H, W, 3)``.
 
-    The object's pixels are those within ``tol`` of ``rgb`` (the hard mask: bounding box, mean
-    colour, ``min_area``). Its area and centroid count, in the hard mask grown by one pixel, each
+    The object's pixels are the largest 8-connected region of the pixels within ``tol`` of
+    ``rgb`` (the hard mask: bounding box, mean colour, ``min_area``; noise that happens to hold
+    the colour in scattered pixels is not an object). Its area and centroid count, in the hard mask grown by one pixel, each
     pixel's coverage ``a`` by the object: the pixel read as ``bg + a (rgb - bg)`` with ``bg`` the
     frame's median colour (pixels off that line by more than ``residual_tol`` count 0), so an
     antialiased edge moves the centroid by fractions of a pixel. The coverage is read from the luma
@@ -104,7 +137,7 @@ luma by ``MIN_LUMA_CONTRAST``, else the hard mask alone is used."""
     f = f.astype(np.float64) if f.dtype == np.uint8 else np.clip(np.round(f), 0, 255).astype(np.float64)
     T, H, W = f.shape[:3]
     obj = np.asarray(rgb, dtype=np.float64)
-    masks = np.abs(f - obj).max(axis=-1) <= tol
+    masks = np.stack([largest_component(m) for m in np.abs(f - obj).max(axis=-1) <= tol])
     nan2 = np.full((T, 2), np.nan)
     area = np.zeros(T)
     centroid, lo, hi, colour = nan2.copy(), nan2.copy(), nan2.copy(), np.full((T, 3), np.nan)
@@ -134,7 +167,7 @@ luma by ``MIN_LUMA_CONTRAST``, else the hard mask alone is used."""
         lo[t] = (xx.min(), yy.min())
         hi[t] = (xx.max() + 1, yy.max() + 1)
         colour[t] = f[t][m].mean(axis=0)
-    return Track(area, centroid, lo, hi, colour)
+    return Track(area, centroid, lo, hi, colour, masks)
 
 
 WALL_SLACK = 1.5
@@ -168,6 +201,27 @@ def _predict(p: np.ndarray, v: np.ndarray, k: int, lo: np.ndarray, hi: np.ndarra
                 best = (q, w)
         pos[a], vel[a] = best
     return pos, vel
+
+
+_SHAPE_AREA = {"circle": math.pi, "square": 4.0, "triangle": 2.0}
+"""Area of each shape of ``demo_data._shape_mask`` in units of its half-size squared."""
+
+
+def shape_ious(mask: np.ndarray) -> dict[str, float]:
+    """IoU of a hard object mask ``(H, W)`` with each shape of the same area drawn at the mask's
+    centroid (a triangle's centroid lies a third of its half-size below its centre)."""
+    H, W = mask.shape
+    n = float(mask.sum())
+    if n <= 0:
+        return {s: 0.0 for s in SHAPES}
+    ys, xs = np.nonzero(mask)
+    cx, cy = float(xs.mean()) + 0.5, float(ys.mean()) + 0.5
+    out = {}
+    for s in SHAPES:
+        r = math.sqrt(n / _SHAPE_AREA[s])
+        ideal = _shape_mask(s, cx, cy - (r / 3.0 if s == "triangle" else 0.0), r, H, W)
+        out[s] = float((ideal & mask).sum()) / float((ideal | mask).sum())
+    return out
 
 
 def flicker(frames: np.ndarray, bg_tol: int = 24, dilate: int = 2) -> float:
@@ -204,11 +258,11 @@ def as_uint8(frames) -> np.ndarray:
     return np.clip(np.round(f), 0, 255).astype(np.uint8)
 
 
-def motion_fidelity(frames: np.ndarray, caption: str | CaptionMotion, tol: int = 50, min_area: int = 4,
+def motion_fidelity(frames: np.ndarray, caption: str | CaptionMotion, tol: int = 50, min_area: int = 12,
                     visible_fraction: float = 0.8) -> dict:
     """The metric of one clip (``(T, H, W, 3)``, uint8 or float: ``as_uint8``) against its caption: a dict with
     ``detection_rate``, ``trajectory_error``, ``speed_error``, ``direction_error_deg``,
-    ``area_cv``, ``colour_std``, ``flicker``, ``steps`` (frame pairs judged) and the caption's
+    ``area_cv``, ``colour_std``, ``shape_match``, ``flicker``, ``steps`` (frame pairs judged) and the caption's
     ``colour``, ``direction`` and ``speed``. NaN where a number cannot be measured (e.g. fewer
     than two visible frames)."""
     want = parse_caption(caption) if isinstance(caption, str) else caption
@@ -258,6 +312,10 @@ def motion_fidelity(frames: np.ndarray, caption: str | CaptionMotion, tol: int =
         out["colour_std"] = float(tr.colour[idx].std(axis=0).mean()) if len(idx) >= 2 else nan
     else:
         out["area_cv"] = out["colour_std"] = nan
+    # the shape, on the visible frames: which of the shapes, drawn with the object's area at its
+    # centroid, overlaps its mask best
+    best = [max(ious, key=ious.get) for ious in (shape_ious(tr.mask[t]) for t in idx)]
+    out["shape_match"] = float(np.mean([b == want.shape for b in best])) if best else nan
     out["flicker"] = flicker(f)
     return out
 
@@ -281,7 +339,7 @@ def read_video(path: str | Path) -> np.ndarray:
 
 
 KEYS = ("detection_rate", "trajectory_error", "speed_error", "direction_error_deg", "area_cv", "colour_std",
-        "flicker")
+        "shape_match", "flicker")
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -78,6 +78,25 @@ def test_ground_truth_scores_near_perfect(motion_set):
         assert r["area_cv"] < 0.1 and r["colour_std"] < 4 and r["flicker"] < 1.0, r
     mean = {k: np.mean([r[k] for r in scores]) for k in MM.KEYS}
     assert mean["trajectory_error"] < 0.3 and mean["direction_error_deg"] < 10
+    assert min(r["shape_match"] for r in scores) >= 0.9, [r["shape_match"] for r in scores]
+
+
+def test_noise_holds_no_object():
+    # what an untrained model samples: every colour appears in scattered pixels, never as a shape
+    rng = np.random.default_rng(0)
+    for frames in (rng.standard_normal((16, 64, 64, 3)), rng.integers(0, 256, (16, 64, 64, 3), dtype=np.uint8)):
+        r = MM.motion_fidelity(frames, "a red circle moving right fast on a black background")
+        assert r["detection_rate"] == 0.0 and np.isnan(r["direction_error_deg"]), r
+
+
+def test_a_caption_naming_another_shape_does_not_match(motion_set):
+    _, _, clips = motion_set
+    for caption, frames, _ in clips:
+        said = MM.parse_caption(caption).shape
+        for other in MM.SHAPES:
+            if other != said:
+                r = MM.motion_fidelity(frames, caption.replace(f" {said} ", f" {other} "))
+                assert r["shape_match"] <= 0.1, (caption, other, r["shape_match"])
 
 
 def _shuffle(f, rng):

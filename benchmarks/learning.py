@@ -1,0 +1,158 @@
+"""How many steps before ``tiny``'s samples show the prompted shape, colour and direction?
+
+    python -m benchmarks.learning [--steps 1200] [--every 100] [--prompts 8] [--kind dsa]
+                                  [--set FIELD VALUE ...] [--out DIR] [--json]
+
+Trains the ``tiny`` preset on the motion set's training split (what ``python -m
+megaslide_ray.train --demo motion`` trains on) in process (``megaslide_ray.baseline``: the model
+and objective of the streamed trainer, which the tests hold equal to it), and every ``--every``
+steps samples ``--prompts`` captions from fixed noise (Euler, ``training.sample_steps``) and scores
+each sample against its caption with the motion-fidelity metric (``megaslide_ray.motion_metric``).
+
+A sample **shows its prompt** when the caption's colour is found in at least 75% of its frames
+(``detection_rate``), the object's mask fits the caption's shape best in at least half of the
+visible frames (``shape_match``), and it moves in the caption's direction: mean direction error
+at most 45 degrees. The table gives, per checkpoint, the fraction of samples that show their
+prompt and the metric means; the answer is the first checkpoint where at least half do.
+
+The prompts are the first ``--prompts`` captions of the training split (``--split val``: of the
+held-out split, combinations never trained on). ``--out`` receives ``learning.json``,
+``learning.md`` and a contact sheet of the samples at each checkpoint.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+DETECTED, SHAPED, DIRECTION_DEG = 0.75, 0.5, 45.0
+
+
+def shows_prompt(m: dict) -> bool:
+    """Whether one sample's metric says it shows its caption's colour, shape and direction."""
+    d = m["direction_error_deg"]
+    return (m["detection_rate"] >= DETECTED and not math.isnan(m["shape_match"]) and m["shape_match"] >= SHAPED
+            and not math.isnan(d) and d <= DIRECTION_DEG)
+
+
+def _nanmean(xs) -> float:
+    xs = [x for x in xs if not math.isnan(x)]
+    return statistics.fmean(xs) if xs else math.nan
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m benchmarks.learning", description=__doc__.split("\n\n")[0])
+    p.add_argument("--steps", type=int, default=1200, help="training steps (default 1200)")
+    p.add_argument("--every", type=int, default=100, help="sample and score every this many steps (default 100)")
+    p.add_argument("--prompts", type=int, default=8, help="captions sampled at each checkpoint (default 8)")
+    p.add_argument("--split", choices=["train", "val"], default="train", help="where the prompts come from")
+    p.add_argument("--kind", default="dsa", choices=["dense", "swin", "neighborhood", "dsa"])
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--threads", type=int, default=0, help="torch threads (0: all cores)")
+    p.add_argument("--set", nargs=2, action="append", default=[], metavar=("FIELD", "VALUE"),
+                   help="a config override (e.g. --set optim.lr 1e-3); recorded")
+    p.add_argument("--out", type=Path, default=None, help="folder for learning.json/.md and contact sheets")
+    p.add_argument("--json", action="store_true", help="one JSON object per checkpoint")
+    a = p.parse_args(argv)
+    for name in ("steps", "every", "prompts"):
+        if getattr(a, name) < 1:
+            p.error(f"--{name} {getattr(a, name)} must be >= 1")
+
+    from actors.decoder import VideoDecoder
+    from megaslide_ray.baseline import InProcessTrainer
+    from megaslide_ray.captions import caption_batch
+    from megaslide_ray.config import build_config
+    from megaslide_ray.manifest import read_manifest
+    from megaslide_ray.motion import ensure_motion_dataset
+    from megaslide_ray.motion_metric import KEYS, motion_fidelity
+    from megaslide_ray.sample import contact_sheet, initial_noise, integrate, to_uint8_frames, write_png
+
+    from benchmarks.quality import ModelPredictor
+
+    log = (lambda *x: print(*x, file=sys.stderr, flush=True))
+    t0 = time.perf_counter()
+    train, val = (str(x) for x in ensure_motion_dataset())
+    over = {"attention.kind": a.kind, "training.seed": a.seed, "training.steps": a.steps, "data.manifest": train,
+            **dict(a.set)}
+    cfg = build_config("tiny", None, {k: str(v) for k, v in over.items()})
+    captions = [e.caption for e in read_manifest(train if a.split == "train" else val)][:a.prompts]
+    torch.manual_seed(a.seed)
+    trainer = InProcessTrainer(cfg, threads=a.threads)
+    pred = ModelPredictor(trainer.model)
+    conds = [caption_batch(c, cfg.model.caption_max_bytes, 1) for c in captions]
+    if a.out:
+        a.out.mkdir(parents=True, exist_ok=True)
+    points, losses, train_s = [], [], 0.0
+    with VideoDecoder(cfg.data, cfg.training.seed, cfg.model.caption_max_bytes) as dec:
+        for step in range(a.steps):
+            r = trainer.train_step(dec.next_batch())
+            losses.append(r.loss)
+            train_s += r.seconds
+            if (step + 1) % a.every and step + 1 != a.steps:
+                continue
+            trainer.model.eval()
+            metrics, clips = [], []
+            for j, ((cap, cap_len), caption) in enumerate(zip(conds, captions)):
+                x = integrate(pred, cfg, initial_noise(cfg, 1000 + j), cap, cap_len, cfg.training.sample_steps,
+                              step + 1)
+                clips.append(to_uint8_frames(x))
+                metrics.append(motion_fidelity(clips[-1], caption))
+            trainer.model.train()
+            shown = [shows_prompt(m) for m in metrics]
+            point = {"step": step + 1, "train_loss": statistics.fmean(losses[-a.every:]),
+                     "shown": sum(shown) / len(shown), "train_seconds": train_s,
+                     **{k: _nanmean([m[k] for m in metrics]) for k in KEYS},
+                     "samples": [{"caption": c, "shows": s, **{k: m[k] for k in KEYS}}
+                                 for c, s, m in zip(captions, shown, metrics)]}
+            points.append(point)
+            log(f"step {step + 1:>5}: loss {point['train_loss']:.4f}, shown {point['shown']:.2f}, "
+                f"detection {point['detection_rate']:.2f}, shape {point['shape_match']:.2f}, "
+                f"direction err {point['direction_error_deg']:.0f} deg, train {train_s:.0f} s")
+            if a.out:
+                rows = [contact_sheet(c, max_frames=8, columns=8) for c in clips]
+                write_png(a.out / f"learning_step_{step + 1}.png", np.concatenate(rows, axis=0))
+            if a.json:
+                print(json.dumps({k: v for k, v in point.items() if k != "samples"}), flush=True)
+    first = next((pt["step"] for pt in points if pt["shown"] >= 0.5), None)
+    meta = {"kind": a.kind, "seed": a.seed, "steps": a.steps, "every": a.every, "prompts": a.prompts,
+            "split": a.split, "overrides": dict(a.set), "first_step_half_shown": first,
+            "step_seconds": train_s / max(a.steps, 1), "minutes": (time.perf_counter() - t0) / 60,
+            "threads": a.threads or os.cpu_count(), "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())}
+    md = markdown(points, meta)
+    if a.out:
+        (a.out / "learning.json").write_text(json.dumps({"meta": meta, "points": points}, indent=1))
+        (a.out / "learning.md").write_text(md)
+    if not a.json:
+        print(md, end="")
+    return 0
+
+
+def markdown(points: list[dict], meta: dict) -> str:
+    first = meta["first_step_half_shown"]
+    lines = [f"`tiny`, attention {meta['kind']}, seed {meta['seed']}, {meta['prompts']} {meta['split']} prompts, "
+             f"overrides {meta['overrides'] or 'none'}; {meta['step_seconds']:.2f} s/step in process; "
+             f"total {meta['minutes']:.1f} min",
+             "",
+             "| step | train loss | shows prompt | detection | shape match | direction err (deg) | "
+             "trajectory err (px/f) | area CV |",
+             "|---|---|---|---|---|---|---|---|"]
+    for pt in points:
+        lines.append(f"| {pt['step']} | {pt['train_loss']:.4f} | {pt['shown']:.2f} | {pt['detection_rate']:.2f} | "
+                     f"{pt['shape_match']:.2f} | {pt['direction_error_deg']:.1f} | {pt['trajectory_error']:.2f} | "
+                     f"{pt['area_cv']:.2f} |")
+    lines += ["", f"first checkpoint where at least half the samples show their prompt: "
+                  f"{first if first is not None else 'none within ' + str(meta['steps']) + ' steps'}"]
+    return "\n".join(lines) + "\n"
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
