@@ -7,7 +7,8 @@ caption's colour in each channel, and of those the largest 8-connected region), 
 centroid, bounding box and mean colour.
 
 * **detection_rate**: the fraction of frames where the object is found (a region of at least
-  ``min_area`` pixels; noise holding the colour in scattered pixels forms no such region).
+  ``min_area`` pixels, by default 12 in a 64x64 frame and in proportion to other frame areas,
+  at least 4; noise holding the colour in scattered pixels forms no such region).
 * **Trajectory** against the caption, on the *visible* frames (found, with at least
   ``visible_fraction`` of the median area: a partly occluded object's centroid is biased, so
   those frames are left out). Between consecutive visible frames ``t`` and ``t + k`` the
@@ -19,6 +20,8 @@ centroid, bounding box and mean colour.
   step (px/frame), ``speed_error`` the absolute difference between the median observed speed
   and the caption's (px/frame), ``direction_error_deg`` the mean angle between the observed
   and the predicted displacement (steps that moved less than 0.5 px are counted as 90 deg).
+  Captions state speeds in pixels of the motion set's 64-px-wide frames: a clip of another
+  width is judged at speeds (and that 0.5 px) scaled by its width / 64.
 * **Shape consistency** over the frames where the object is found: ``area_cv``, the robust
   coefficient of variation of the area (1.4826 x median absolute deviation / median: a few
   occluded frames do not move it), and ``colour_std``, the standard deviation of the object's
@@ -54,6 +57,7 @@ import numpy as np
 
 from megaslide_ray.demo_data import COLOURS, SHAPES, _shape_mask
 from megaslide_ray.motion import DIRECTIONS, SPEEDS
+from megaslide_ray.motion import WIDTH as MOTION_WIDTH
 
 _CAPTION = re.compile(r"\b(" + "|".join(COLOURS) + r") (" + "|".join(SHAPES) + r") moving ("
                       + "|".join(sorted(DIRECTIONS, key=len, reverse=True)) + r") ("
@@ -258,7 +262,7 @@ def as_uint8(frames) -> np.ndarray:
     return np.clip(np.round(f), 0, 255).astype(np.uint8)
 
 
-def motion_fidelity(frames: np.ndarray, caption: str | CaptionMotion, tol: int = 50, min_area: int = 12,
+def motion_fidelity(frames: np.ndarray, caption: str | CaptionMotion, tol: int = 50, min_area: int | None = None,
                     visible_fraction: float = 0.8) -> dict:
     """The metric of one clip (``(T, H, W, 3)``, uint8 or float: ``as_uint8``) against its caption: a dict with
     ``detection_rate``, ``trajectory_error``, ``speed_error``, ``direction_error_deg``,
@@ -268,9 +272,12 @@ def motion_fidelity(frames: np.ndarray, caption: str | CaptionMotion, tol: int =
     want = parse_caption(caption) if isinstance(caption, str) else caption
     f = as_uint8(frames)
     T, H, W = f.shape[:3]
+    if min_area is None:  # 12 px at the motion set's 64x64, in proportion to the frame's area
+        min_area = max(4, round(12 * H * W / MOTION_WIDTH ** 2))
     tr = track_object(f, want.rgb, tol, min_area)
     found = tr.area > 0
-    out = {"colour": want.colour, "direction": want.direction, "speed": want.speed,
+    speed = want.speed * W / MOTION_WIDTH  # captions state px/frame of the motion set's frames
+    out = {"colour": want.colour, "direction": want.direction, "speed": speed,
            "detection_rate": float(found.mean()) if T else float("nan")}
     nan = float("nan")
     if found.any():
@@ -284,7 +291,7 @@ def motion_fidelity(frames: np.ndarray, caption: str | CaptionMotion, tol: int =
         below = np.median(tr.centroid[idx] - tr.lo[idx], axis=0)
         above = np.median(tr.hi[idx] - tr.centroid[idx], axis=0)
         lo, hi = below, np.array([W, H], dtype=np.float64) - above
-        v = np.asarray(want.unit) * want.speed
+        v = np.asarray(want.unit) * speed
         for a, b in zip(idx[:-1], idx[1:]):
             k = int(b - a)
             p = tr.centroid[a]
@@ -293,14 +300,14 @@ def motion_fidelity(frames: np.ndarray, caption: str | CaptionMotion, tol: int =
             traj.append(float(np.linalg.norm(tr.centroid[b] - pred)) / k)
             speeds.append(float(np.linalg.norm(obs)) / k)
             exp = pred - p
-            if np.linalg.norm(obs) < 0.5 * k or np.linalg.norm(exp) < 1e-9:
+            if np.linalg.norm(obs) < 0.5 * k * W / MOTION_WIDTH or np.linalg.norm(exp) < 1e-9:
                 angles.append(90.0 if np.linalg.norm(exp) >= 1e-9 else 0.0)
             else:
                 cos = float(np.dot(obs, exp) / (np.linalg.norm(obs) * np.linalg.norm(exp)))
                 angles.append(math.degrees(math.acos(max(-1.0, min(1.0, cos)))))
             v = v_next
     out["trajectory_error"] = float(np.mean(traj)) if traj else nan
-    out["speed_error"] = abs(float(np.median(speeds)) - want.speed) if speeds else nan
+    out["speed_error"] = abs(float(np.median(speeds)) - speed) if speeds else nan
     out["direction_error_deg"] = float(np.mean(angles)) if angles else nan
     out["steps"] = len(traj)
     seen = np.nonzero(found)[0]
