@@ -16,9 +16,6 @@ from __future__ import annotations
 import logging
 import math
 import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import torch
@@ -27,11 +24,12 @@ from kernels import dsa_reference, resolve_dsa_backend
 from kernels.checks import (
     GRAD_NAMES,
     assert_dense_identity,
+    assert_interpreter_tests_pass,
     edge_offsets,
-    flash_rule_errors,
     grads,
     make_qkv,
     naive_neighborhood_attention,
+    reference_flash_errors,
     wild_offsets,
 )
 
@@ -41,32 +39,19 @@ interpreter_only = pytest.mark.skipif(
 )
 
 
-def _run_interpreter_child(marker: str):
-    pytest.importorskip("triton")
-    env = {**os.environ, "TRITON_INTERPRET": "1"}
-    env.pop("MEGASLIDE_DSA_BACKEND", None)
-    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-m", marker, "-k", "test_interp_",
-           __file__]
-    proc = subprocess.run(
-        cmd, cwd=Path(__file__).resolve().parents[1], env=env,
-        capture_output=True, text=True, timeout=900,
-    )
-    summary = proc.stdout.strip().splitlines()[-1] if proc.stdout.strip() else ""
-    assert proc.returncode == 0, f"interpreter tests failed ({summary}):\n{proc.stdout[-6000:]}\n{proc.stderr[-2000:]}"
-    assert " passed" in summary and "skipped" not in summary, summary
-
-
 @pytest.mark.skipif(INTERPRETER_ACTIVE, reason="already inside the interpreter run")
 def test_tiled_kernels_under_interpreter():
     """Run the ``test_interp_*`` tests below in a child process with TRITON_INTERPRET=1."""
-    _run_interpreter_child("not slow")
+    pytest.importorskip("triton")
+    assert_interpreter_tests_pass(__file__, "not slow")
 
 
 @pytest.mark.slow
 @pytest.mark.skipif(INTERPRETER_ACTIVE, reason="already inside the interpreter run")
 def test_tiled_kernels_under_interpreter_slow():
     """The heavier interpreter cases (d 128, B 2, nh 3, window (3, 5, 5))."""
-    _run_interpreter_child("slow")
+    pytest.importorskip("triton")
+    assert_interpreter_tests_pass(__file__, "slow")
 
 
 # -----------------------------------------------------------------------------
@@ -193,11 +178,9 @@ def test_interp_bf16_flash_rule():
     before = _fallbacks()
     got = grads(lambda *a: mod.dsa_triton_tiled(*a, window), inputs, dout)
     assert _fallbacks() == before
-    ref32 = grads(lambda *a: dsa_reference(*a, window), [x.float() for x in inputs], dout)
-    same = grads(lambda *a: dsa_reference(*a, window, upcast=False), inputs, dout)
     for name, a in zip(GRAD_NAMES, got):
         assert a.dtype == torch.bfloat16, name
-    errors = flash_rule_errors(got, ref32, same, rel_atol=1e-4)
+    errors = reference_flash_errors(got, inputs, dout, window, rel_atol=1e-4)
     assert not errors, "tiled: " + "; ".join(errors)
 
 
@@ -352,7 +335,5 @@ def test_tiled_compiled_on_cuda():
             before = _fallbacks()
             got = grads(lambda *a: mod.dsa_triton_tiled(*a, window), (q, k, v, offsets), dout)
             assert _fallbacks() == before
-            ref32 = grads(lambda *a: dsa_reference(*a, window), [x.float() for x in (q, k, v, offsets)], dout)
-            same = grads(lambda *a: dsa_reference(*a, window, upcast=False), (q, k, v, offsets), dout)
-            errors = flash_rule_errors(got, ref32, same, rel_atol=1e-4)
+            errors = reference_flash_errors(got, (q, k, v, offsets), dout, window, rel_atol=1e-4)
             assert not errors, f"{dtype}: " + "; ".join(errors)
