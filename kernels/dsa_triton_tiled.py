@@ -150,6 +150,26 @@ def _halo_tokens(ot, oy, ox, H, W, HT: tl.constexpr, HY: tl.constexpr, HX: tl.co
 
 
 @triton.jit
+def _tile_setup(pid, T, H, W, R, KT: tl.constexpr, KH: tl.constexpr, KW: tl.constexpr,
+                BT: tl.constexpr, BY: tl.constexpr, BX: tl.constexpr,
+                HT: tl.constexpr, HY: tl.constexpr, HX: tl.constexpr,
+                HTY_P: tl.constexpr, HX_P: tl.constexpr):
+    """Tile ``pid``'s queries and halo, as forward and backward both need them: the queries'
+    token index and mask, their window starts ``(st, sy, sx)``, the halo origin ``(ot, oy, ox)``
+    and the halo columns' token index and mask."""
+    t, y, x, qmask, t0, y0, x0 = _tile_queries(pid, T, H, W, BT, BY, BX)
+    qtok = tl.where(qmask, (t * H + y) * W + x, 0)
+    st = tl.minimum(tl.maximum(t - KT // 2, 0), T - KT)
+    sy = tl.minimum(tl.maximum(y - KH // 2, 0), H - KH)
+    sx = tl.minimum(tl.maximum(x - KW // 2, 0), W - KW)
+    ot = _halo_origin(t0, T, KT, R, HT)
+    oy = _halo_origin(y0, H, KH, R, HY)
+    ox = _halo_origin(x0, W, KW, R, HX)
+    htok, hmask = _halo_tokens(ot, oy, ox, H, W, HT, HY, HX, HTY_P, HX_P)
+    return qtok, qmask, st, sy, sx, ot, oy, ox, htok, hmask
+
+
+@triton.jit
 def _load_rows(X, head_base, tok, valid, cols, HEAD_DIM: tl.constexpr, ROW_STRIDE):
     ptrs = X + head_base + tok.to(tl.int64)[:, None] * ROW_STRIDE + cols[None, :]
     return tl.load(ptrs, mask=valid[:, None] & (cols[None, :] < HEAD_DIM), other=0.0)
@@ -270,15 +290,8 @@ def _tiled_fwd(
     head_base = b.to(tl.int64) * N * row_stride + h * HEAD_DIM
     cols = tl.arange(0, BLOCK_D)
 
-    t, y, x, qmask, t0, y0, x0 = _tile_queries(pid, T, H, W, BT, BY, BX)
-    qtok = tl.where(qmask, (t * H + y) * W + x, 0)
-    st = tl.minimum(tl.maximum(t - KT // 2, 0), T - KT)
-    sy = tl.minimum(tl.maximum(y - KH // 2, 0), H - KH)
-    sx = tl.minimum(tl.maximum(x - KW // 2, 0), W - KW)
-    ot = _halo_origin(t0, T, KT, R, HT)
-    oy = _halo_origin(y0, H, KH, R, HY)
-    ox = _halo_origin(x0, W, KW, R, HX)
-    htok, hmask = _halo_tokens(ot, oy, ox, H, W, HT, HY, HX, HTY_P, HX_P)
+    qtok, qmask, st, sy, sx, ot, oy, ox, htok, hmask = _tile_setup(
+        pid, T, H, W, R, KT, KH, KW, BT, BY, BX, HT, HY, HX, HTY_P, HX_P)
 
     q = _load_rows(Q, head_base, qtok, qmask, cols, HEAD_DIM, row_stride)
     k_halo = _load_rows(Kx, head_base, htok, hmask, cols, HEAD_DIM, row_stride)
@@ -342,15 +355,8 @@ def _tiled_bwd(
     cols = tl.arange(0, BLOCK_D)
     dmask = cols[None, :] < HEAD_DIM
 
-    t, y, x, qmask, t0, y0, x0 = _tile_queries(pid, T, H, W, BT, BY, BX)
-    qtok = tl.where(qmask, (t * H + y) * W + x, 0)
-    st = tl.minimum(tl.maximum(t - KT // 2, 0), T - KT)
-    sy = tl.minimum(tl.maximum(y - KH // 2, 0), H - KH)
-    sx = tl.minimum(tl.maximum(x - KW // 2, 0), W - KW)
-    ot = _halo_origin(t0, T, KT, R, HT)
-    oy = _halo_origin(y0, H, KH, R, HY)
-    ox = _halo_origin(x0, W, KW, R, HX)
-    htok, hmask = _halo_tokens(ot, oy, ox, H, W, HT, HY, HX, HTY_P, HX_P)
+    qtok, qmask, st, sy, sx, ot, oy, ox, htok, hmask = _tile_setup(
+        pid, T, H, W, R, KT, KH, KW, BT, BY, BX, HT, HY, HX, HTY_P, HX_P)
 
     q = _load_rows(Q, head_base, qtok, qmask, cols, HEAD_DIM, row_stride)
     do = _load_rows(DOUT, head_base, qtok, qmask, cols, HEAD_DIM, row_stride)
