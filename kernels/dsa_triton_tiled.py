@@ -93,7 +93,7 @@ import triton
 import triton.language as tl
 
 from .dsa_reference import validate_dsa_inputs
-from .dsa_triton import INTERPRETED, LOG2E, _check_launch, _dsa_bwd_launch, dsa_triton
+from .dsa_triton import INTERPRETED, LOG2E, _check_launch, _dsa_bwd_launch, _gather_validated
 
 __all__ = ["dsa_triton_tiled", "plan_tiles", "TilePlan", "MAX_TILE_ELEMS", "INTERPRETED"]
 
@@ -603,7 +603,8 @@ def dsa_triton_tiled(
     max_offset: float | None = None,
 ) -> torch.Tensor:
     """3D-DSA with the tiled kernels; the gather kernel (``dsa_triton``) where they do not
-    apply, with a logged warning.
+    apply, with a logged warning. Inputs are validated here, once (the fallback does not
+    validate them again).
 
     Same arguments and result as ``dsa_triton``; ``block_m`` only reaches the gather kernel.
     ``max_offset``: a bound on ``|offsets|`` the caller guarantees (``attention.max_offset``
@@ -616,9 +617,9 @@ def dsa_triton_tiled(
     plan, why = tiled_plan_for(q, offsets, win, max_offset)
     if plan is None:
         _log_fallback("halo", key, why)
-        return dsa_triton(q, k, v, offsets, win, scale=scale, block_m=block_m)
+        return _gather_validated(q, k, v, offsets, win, scale_f, block_m)
     try:
         return _DSATiled.apply(q, k, v, offsets, win, scale_f, plan)
     except (triton.CompilationError, triton.OutOfResources) as e:  # e.g. too many registers
         _log_fallback("compile", key, f"{type(e).__name__}: {str(e)[:300]}")
-        return dsa_triton(q, k, v, offsets, win, scale=scale, block_m=block_m)
+        return _gather_validated(q, k, v, offsets, win, scale_f, block_m)
