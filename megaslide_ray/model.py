@@ -77,13 +77,18 @@ def ffn_width(cfg: Config) -> int:
 def window_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, h: torch.Tensor, offsets,
                      window: tuple[int, int, int], scale: float | None) -> torch.Tensor:
     """3D-DSA of channels-last ``q, k, v (B, T, H, W, nh, d)`` over ``window``: offsets from the
-    offset head ``offsets`` applied to ``h``, or zero when there is none (``neighborhood``)."""
+    offset head ``offsets`` applied to ``h``, or zero when there is none (``neighborhood``). The
+    operator is told the offsets' bound where it is known (``attention.max_offset > 0``: the
+    head's ``max_offset * tanh``; zero offsets: 0), so the tiled Triton kernel sizes its halo
+    without measuring them (a host sync)."""
     if offsets is not None:
         off = offsets(h)
+        bound = offsets.max_offset if offsets.max_offset > 0 else None
     else:
         B, T, H, W, nh, _ = q.shape
         off = h.new_zeros(B, T, H, W, nh, window[0] * window[1] * window[2], 3)
-    return deformable_slide_attention(q, k, v, off, window, scale=scale)
+        bound = 0.0
+    return deformable_slide_attention(q, k, v, off, window, scale=scale, max_offset=bound)
 
 
 def timestep_features(t: torch.Tensor, dim: int) -> torch.Tensor:
