@@ -135,7 +135,8 @@ def deformable_slide_attention(
 
     ``max_offset``: a bound on ``|offsets|`` the caller guarantees (a tanh-bounded offset head's
     ``attention.max_offset``); only the tiled Triton path reads it (to size its halo without
-    measuring the offsets), the others ignore it.
+    measuring the offsets: no host sync), the others ignore it. There a query with an offset
+    beyond ``ceil(max_offset)`` gets NaN output and gradients (``dsa_triton_tiled``).
     """
     path = resolve_dsa_backend(q, backend)
     if path == "triton":

@@ -1,6 +1,7 @@
 """Checks for attention kernels: independent implementations, test inputs, tolerance rules.
 
-Used by the tests (``tests/test_dsa.py``, ``tests/test_swin.py``) and by the GPU check
+Used by the tests (``tests/test_dsa.py``, ``tests/test_dsa_tiled.py``, ``tests/test_swin.py``)
+and by the GPU check
 (``benchmarks/gpu_check.py``), which must run on a machine without pytest or the tests
 folder. Nothing here is used by training.
 
@@ -10,18 +11,25 @@ folder. Nothing here is used by training.
   integers, for finite differences), ``edge_offsets`` (every special case of the operator's
   piecewise definition), ``wild_offsets`` (small, whole-token and far, clamped moves).
 - ``grads``: output and input gradients of a function for a given output gradient.
-- ``flash_rule_errors``: the flash-attention tolerance rule for low-precision results.
+- ``flash_rule_errors``: the flash-attention tolerance rule for low-precision results;
+  ``reference_flash_errors``: that rule for a kernel's results against ``dsa_reference``.
 - ``assert_dense_identity``: zero offsets and a whole-grid window give dense attention.
+- ``assert_interpreter_tests_pass``: a test file's ``test_interp_*`` tests in a child pytest
+  under the Triton CPU interpreter (the tests' way to run the Triton kernels without a GPU).
 """
 
 from __future__ import annotations
 
 import itertools
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
-from .dsa_reference import window_base_positions
+from .dsa_reference import dsa_reference, window_base_positions
 
 GRAD_NAMES = ("out", "dq", "dk", "dv", "doffsets")
 
@@ -135,6 +143,15 @@ def flash_rule_errors(got, ref32, same, rel_atol):
     return errors
 
 
+def reference_flash_errors(got, inputs, dout, window, rel_atol):
+    """``flash_rule_errors`` of ``got`` (a kernel's output and gradients, ``grads`` order, on
+    ``inputs = (q, k, v, offsets)`` for ``dout``) against ``dsa_reference`` in fp32 (``ref32``)
+    and in the inputs' own dtype (``same``, ``upcast=False``)."""
+    ref32 = grads(lambda *a: dsa_reference(*a, window), [x.float() for x in inputs], dout)
+    same = grads(lambda *a: dsa_reference(*a, window, upcast=False), inputs, dout)
+    return flash_rule_errors(got, ref32, same, rel_atol)
+
+
 def assert_dense_identity(attn, grid, dtype, tol, seed, scale=0.3):
     """``attn(q, k, v, offsets, window, scale)`` with zero offsets and window == grid is
     dense attention: forward and the gradients of q, k, v against fp64 SDPA.
@@ -155,3 +172,23 @@ def assert_dense_identity(attn, grid, dtype, tol, seed, scale=0.3):
     want = (ref, *torch.autograd.grad(ref, leaves64, dout))
     for name, a, b in zip("out dq dk dv".split(), got, want):
         torch.testing.assert_close(a.double(), b, rtol=tol, atol=tol, msg=f"{grid} {name}")
+
+
+def assert_interpreter_tests_pass(test_file, marker: str | None = None, timeout: float = 900) -> None:
+    """Run the ``test_interp_*`` tests of ``test_file`` (under ``tests/``) in a child pytest with
+    ``TRITON_INTERPRET=1`` and without ``MEGASLIDE_DSA_BACKEND``; assert that it passed and
+    skipped none. ``marker``: the child's ``-m`` expression (default: the project's ``addopts``).
+
+    triton decides "interpreted or compiled" for every ``@triton.jit`` function when it is
+    decorated -- triton.language's own helpers included, at ``import triton`` -- so the variable
+    must be set before triton is first imported: hence a fresh process."""
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    env.pop("MEGASLIDE_DSA_BACKEND", None)
+    marks = ["-m", marker] if marker is not None else []
+    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *marks, "-k", "test_interp_",
+           str(test_file)]
+    proc = subprocess.run(cmd, cwd=Path(test_file).resolve().parents[1], env=env,
+                          capture_output=True, text=True, timeout=timeout)
+    summary = proc.stdout.strip().splitlines()[-1] if proc.stdout.strip() else ""
+    assert proc.returncode == 0, f"interpreter tests failed ({summary}):\n{proc.stdout[-6000:]}\n{proc.stderr[-2000:]}"
+    assert " passed" in summary and "skipped" not in summary, summary

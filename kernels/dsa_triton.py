@@ -445,10 +445,7 @@ def dsa_triton(
     per program for forward and backward; default: a heuristic on the head dim.
     """
     win = validate_dsa_inputs(q, k, v, offsets, window)
-    if block_m is not None and (block_m < 16 or block_m & (block_m - 1)):
-        raise ValueError(f"block_m must be a power of two >= 16, got {block_m}")
-    scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
-    return _DSATriton.apply(q, k, v, offsets, win, scale, block_m)
+    return _gather_validated(q, k, v, offsets, win, scale, block_m)
 
 
 def dsa_triton_slab(q, k, v, offsets, window, q_start: int, kv_start: int, frames: int,
@@ -456,8 +453,15 @@ def dsa_triton_slab(q, k, v, offsets, window, q_start: int, kv_start: int, frame
     """``dsa_slab`` (the queries of some frames against the frames of k, v they reach) with the
     fused kernels: same arguments and result as ``dsa_reference.dsa_slab``."""
     win = validate_slab_inputs(q, k, v, offsets, window, q_start, kv_start, frames)
+    slab = (k.shape[1], int(frames), int(q_start), int(kv_start))
+    return _gather_validated(q, k, v, offsets, win, scale, block_m, slab)
+
+
+def _gather_validated(q, k, v, offsets, win: tuple[int, int, int], scale: float | None, block_m: int | None,
+                     slab=None) -> torch.Tensor:
+    """The gather kernels on inputs an entry point has validated (``win``: its window tuple);
+    ``dsa_triton``, ``dsa_triton_slab`` and the tiled kernels' fallback call it."""
     if block_m is not None and (block_m < 16 or block_m & (block_m - 1)):
         raise ValueError(f"block_m must be a power of two >= 16, got {block_m}")
     scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
-    slab = (k.shape[1], int(frames), int(q_start), int(kv_start))
     return _DSATriton.apply(q, k, v, offsets, win, scale, block_m, slab)

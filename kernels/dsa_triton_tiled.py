@@ -18,9 +18,12 @@ Geometry
     ``[-R, R]`` (``R = ceil(max |offset|)``) and the trilinear upper corner ``+1``, every
     corner of every sample lies in the **halo**: per axis
     ``E = min(size, B + k + 2R)`` positions starting at ``clamp(s_first - R, 0, size - E)``.
-    ``R`` is the caller's ``max_offset`` when given (``attention.max_offset`` bounds the
-    offset head's output as ``max_offset * tanh``), else measured as ``max |offsets|``
-    (one reduction and a host sync per call).
+    ``R`` is ``ceil`` of the caller's ``max_offset`` when given (``attention.max_offset`` bounds
+    the offset head's output as ``max_offset * tanh``), else of the measured ``max |offsets|``
+    (one reduction and a host sync per call). A given bound is checked, not trusted: the forward
+    compares each offset it loads with ``R``, and a query with one beyond it (or a non-finite
+    one) is refused in-band -- NaN output and log-sum-exp, hence NaN gradients -- rather than
+    computed from a halo that may miss its corners.
   * The halo is staged once per program as a ``(HTY_P * HX_P, d)`` tile of k (and v):
     column ``n = (ht * HY + hy) * HX_P + hx`` (the (t, y) plane pairs flattened and padded to
     ``HTY_P``, x padded to ``HX_P``; padding rows are zero).
@@ -93,7 +96,7 @@ import triton
 import triton.language as tl
 
 from .dsa_reference import validate_dsa_inputs
-from .dsa_triton import INTERPRETED, LOG2E, _check_launch, _dsa_bwd_launch, dsa_triton
+from .dsa_triton import INTERPRETED, LOG2E, _check_launch, _dsa_bwd_launch, _gather_validated
 
 __all__ = ["dsa_triton_tiled", "plan_tiles", "TilePlan", "MAX_TILE_ELEMS", "INTERPRETED"]
 
@@ -150,6 +153,26 @@ def _halo_tokens(ot, oy, ox, H, W, HT: tl.constexpr, HY: tl.constexpr, HX: tl.co
 
 
 @triton.jit
+def _tile_setup(pid, T, H, W, R, KT: tl.constexpr, KH: tl.constexpr, KW: tl.constexpr,
+                BT: tl.constexpr, BY: tl.constexpr, BX: tl.constexpr,
+                HT: tl.constexpr, HY: tl.constexpr, HX: tl.constexpr,
+                HTY_P: tl.constexpr, HX_P: tl.constexpr):
+    """Tile ``pid``'s queries and halo, as forward and backward both need them: the queries'
+    token index and mask, their window starts ``(st, sy, sx)``, the halo origin ``(ot, oy, ox)``
+    and the halo columns' token index and mask."""
+    t, y, x, qmask, t0, y0, x0 = _tile_queries(pid, T, H, W, BT, BY, BX)
+    qtok = tl.where(qmask, (t * H + y) * W + x, 0)
+    st = tl.minimum(tl.maximum(t - KT // 2, 0), T - KT)
+    sy = tl.minimum(tl.maximum(y - KH // 2, 0), H - KH)
+    sx = tl.minimum(tl.maximum(x - KW // 2, 0), W - KW)
+    ot = _halo_origin(t0, T, KT, R, HT)
+    oy = _halo_origin(y0, H, KH, R, HY)
+    ox = _halo_origin(x0, W, KW, R, HX)
+    htok, hmask = _halo_tokens(ot, oy, ox, H, W, HT, HY, HX, HTY_P, HX_P)
+    return qtok, qmask, st, sy, sx, ot, oy, ox, htok, hmask
+
+
+@triton.jit
 def _load_rows(X, head_base, tok, valid, cols, HEAD_DIM: tl.constexpr, ROW_STRIDE):
     ptrs = X + head_base + tok.to(tl.int64)[:, None] * ROW_STRIDE + cols[None, :]
     return tl.load(ptrs, mask=valid[:, None] & (cols[None, :] < HEAD_DIM), other=0.0)
@@ -185,7 +208,7 @@ def _mm_split(a, b, PREC: tl.constexpr, F32_OPERANDS: tl.constexpr, HALF: tl.con
 
 
 @triton.jit
-def _sample_factors(OFF, off_row, j0, qmask, st, sy, sx, ot, oy, ox, T, H, W,
+def _sample_factors(OFF, off_row, j0, qmask, st, sy, sx, ot, oy, ox, T, H, W, R,
                     KT: tl.constexpr, KH: tl.constexpr, KW: tl.constexpr,
                     HY: tl.constexpr, HTY_P: tl.constexpr, HX_P: tl.constexpr,
                     BJ: tl.constexpr):
@@ -196,7 +219,9 @@ def _sample_factors(OFF, off_row, j0, qmask, st, sy, sx, ot, oy, ox, T, H, W,
     coordinates ``h`` the weight ``w(h) = (1-f)[h == i0] + f[h == i1]`` and its derivative
     ``dw(h) = -[h == i0] + [h == i1]``; ``in_*``: the unclamped position was in [0, size-1].
     Returns ``w_t, dw_t, w_y, dw_y`` on the (t, y) pairs (M, BJ, HTY_P), ``w_x, dw_x`` on x
-    (M, BJ, HX_P), the (M, BJ) sample mask, the chunk's j mask and the three ``in_*``.
+    (M, BJ, HX_P), the (M, BJ) sample mask, the chunk's j mask, the three ``in_*`` and ``far``
+    (M, BJ): an offset component beyond the halo radius ``R`` (or not finite), whose corners
+    the halo need not hold.
     """
     KS: tl.constexpr = KT * KH * KW
     j = j0 + tl.arange(0, BJ)
@@ -209,7 +234,8 @@ def _sample_factors(OFF, off_row, j0, qmask, st, sy, sx, ot, oy, ox, T, H, W,
     cx = tl.arange(0, HX_P)[None, None, :]
     # t
     p = (st[:, None] + (j // (KH * KW))[None, :]).to(tl.float32)
-    p += tl.load(ptr + 0, mask=mask, other=0.0).to(tl.float32)
+    d_t = tl.load(ptr + 0, mask=mask, other=0.0).to(tl.float32)
+    p += d_t
     in_t = (p >= 0.0) & (p <= T - 1.0)
     p = tl.minimum(tl.maximum(p, 0.0), T - 1.0)
     i0 = p.to(tl.int32)  # p >= 0: truncation == floor
@@ -220,7 +246,8 @@ def _sample_factors(OFF, off_row, j0, qmask, st, sy, sx, ot, oy, ox, T, H, W,
     dwt = tl.where(a0, -1.0, 0.0) + tl.where(a1, 1.0, 0.0)
     # y
     p = (sy[:, None] + ((j // KW) % KH)[None, :]).to(tl.float32)
-    p += tl.load(ptr + 1, mask=mask, other=0.0).to(tl.float32)
+    d_y = tl.load(ptr + 1, mask=mask, other=0.0).to(tl.float32)
+    p += d_y
     in_y = (p >= 0.0) & (p <= H - 1.0)
     p = tl.minimum(tl.maximum(p, 0.0), H - 1.0)
     i0 = p.to(tl.int32)
@@ -231,7 +258,8 @@ def _sample_factors(OFF, off_row, j0, qmask, st, sy, sx, ot, oy, ox, T, H, W,
     dwy = tl.where(a0, -1.0, 0.0) + tl.where(a1, 1.0, 0.0)
     # x
     p = (sx[:, None] + (j % KW)[None, :]).to(tl.float32)
-    p += tl.load(ptr + 2, mask=mask, other=0.0).to(tl.float32)
+    d_x = tl.load(ptr + 2, mask=mask, other=0.0).to(tl.float32)
+    p += d_x
     in_x = (p >= 0.0) & (p <= W - 1.0)
     p = tl.minimum(tl.maximum(p, 0.0), W - 1.0)
     i0 = p.to(tl.int32)
@@ -240,7 +268,8 @@ def _sample_factors(OFF, off_row, j0, qmask, st, sy, sx, ot, oy, ox, T, H, W,
     a1 = cx == (tl.minimum(i0 + 1, W - 1) - ox)[:, :, None]
     wx = tl.where(a0, 1.0 - f, 0.0) + tl.where(a1, f, 0.0)
     dwx = tl.where(a0, -1.0, 0.0) + tl.where(a1, 1.0, 0.0)
-    return wt, dwt, wy, dwy, wx, dwx, mask, jmask, in_t, in_y, in_x
+    far = ~((tl.abs(d_t) <= R) & (tl.abs(d_y) <= R) & (tl.abs(d_x) <= R)) & mask
+    return wt, dwt, wy, dwy, wx, dwx, mask, jmask, in_t, in_y, in_x, far
 
 
 # -----------------------------------------------------------------------------
@@ -270,15 +299,8 @@ def _tiled_fwd(
     head_base = b.to(tl.int64) * N * row_stride + h * HEAD_DIM
     cols = tl.arange(0, BLOCK_D)
 
-    t, y, x, qmask, t0, y0, x0 = _tile_queries(pid, T, H, W, BT, BY, BX)
-    qtok = tl.where(qmask, (t * H + y) * W + x, 0)
-    st = tl.minimum(tl.maximum(t - KT // 2, 0), T - KT)
-    sy = tl.minimum(tl.maximum(y - KH // 2, 0), H - KH)
-    sx = tl.minimum(tl.maximum(x - KW // 2, 0), W - KW)
-    ot = _halo_origin(t0, T, KT, R, HT)
-    oy = _halo_origin(y0, H, KH, R, HY)
-    ox = _halo_origin(x0, W, KW, R, HX)
-    htok, hmask = _halo_tokens(ot, oy, ox, H, W, HT, HY, HX, HTY_P, HX_P)
+    qtok, qmask, st, sy, sx, ot, oy, ox, htok, hmask = _tile_setup(
+        pid, T, H, W, R, KT, KH, KW, BT, BY, BX, HT, HY, HX, HTY_P, HX_P)
 
     q = _load_rows(Q, head_base, qtok, qmask, cols, HEAD_DIM, row_stride)
     k_halo = _load_rows(Kx, head_base, htok, hmask, cols, HEAD_DIM, row_stride)
@@ -288,10 +310,12 @@ def _tiled_fwd(
     m_i = tl.full([M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([M], dtype=tl.float32)
     p_acc = tl.zeros([M, HTY_P, HX_P], dtype=tl.float32)
+    n_far = tl.zeros([M], dtype=tl.int32)  # per query: samples with an offset beyond R
     for j0 in range(0, KS, BJ):
-        wt, dwt, wy, dwy, wx, dwx, mask, jmask, in_t, in_y, in_x = _sample_factors(
-            OFF, off_row, j0, qmask, st, sy, sx, ot, oy, ox, T, H, W,
+        wt, dwt, wy, dwy, wx, dwx, mask, jmask, in_t, in_y, in_x, far = _sample_factors(
+            OFF, off_row, j0, qmask, st, sy, sx, ot, oy, ox, T, H, W, R,
             KT, KH, KW, HY, HTY_P, HX_P, BJ)
+        n_far += tl.sum(far.to(tl.int32), axis=1)
         g_ty = wt * wy
         # sample scores = blends of corner scores: sum_x (G_ty @ S)[m, j, x] * w_x[m, j, x]
         s = tl.sum(tl.dot(g_ty, s3, input_precision=W_PREC) * wx, axis=2) * qk_scale
@@ -308,9 +332,14 @@ def _tiled_fwd(
     v_halo = _load_rows(V, head_base, htok, hmask, cols, HEAD_DIM, row_stride)
     probs = tl.reshape(p_acc, (M, NHP)) / l_i[:, None]
     out = _mm_split(probs, v_halo, PREC, F32_OPERANDS, HALF)
+    # a query whose samples may leave the halo (max_offset below its offsets) is refused: NaN
+    # output and log-sum-exp (so NaN gradients in the backward), no host sync
+    far_q = n_far > 0
+    out = tl.where(far_q[:, None], float("nan"), out)
     out_ptrs = OUT + head_base + qtok.to(tl.int64)[:, None] * row_stride + cols[None, :]
     tl.store(out_ptrs, out.to(OUT.dtype.element_ty), mask=qmask[:, None] & (cols[None, :] < HEAD_DIM))
-    tl.store(LSE + pid_bh.to(tl.int64) * N + qtok, m_i + tl.math.log2(l_i), mask=qmask)
+    lse = tl.where(far_q, float("nan"), m_i + tl.math.log2(l_i))
+    tl.store(LSE + pid_bh.to(tl.int64) * N + qtok, lse, mask=qmask)
 
 
 # -----------------------------------------------------------------------------
@@ -342,15 +371,8 @@ def _tiled_bwd(
     cols = tl.arange(0, BLOCK_D)
     dmask = cols[None, :] < HEAD_DIM
 
-    t, y, x, qmask, t0, y0, x0 = _tile_queries(pid, T, H, W, BT, BY, BX)
-    qtok = tl.where(qmask, (t * H + y) * W + x, 0)
-    st = tl.minimum(tl.maximum(t - KT // 2, 0), T - KT)
-    sy = tl.minimum(tl.maximum(y - KH // 2, 0), H - KH)
-    sx = tl.minimum(tl.maximum(x - KW // 2, 0), W - KW)
-    ot = _halo_origin(t0, T, KT, R, HT)
-    oy = _halo_origin(y0, H, KH, R, HY)
-    ox = _halo_origin(x0, W, KW, R, HX)
-    htok, hmask = _halo_tokens(ot, oy, ox, H, W, HT, HY, HX, HTY_P, HX_P)
+    qtok, qmask, st, sy, sx, ot, oy, ox, htok, hmask = _tile_setup(
+        pid, T, H, W, R, KT, KH, KW, BT, BY, BX, HT, HY, HX, HTY_P, HX_P)
 
     q = _load_rows(Q, head_base, qtok, qmask, cols, HEAD_DIM, row_stride)
     do = _load_rows(DOUT, head_base, qtok, qmask, cols, HEAD_DIM, row_stride)
@@ -368,8 +390,8 @@ def _tiled_bwd(
     ds_acc = tl.zeros([M, HTY_P, HX_P], dtype=tl.float32)
     out_ty = DOFF.dtype.element_ty
     for j0 in range(0, KS, BJ):
-        wt, dwt, wy, dwy, wx, dwx, mask, jmask, in_t, in_y, in_x = _sample_factors(
-            OFF, off_row, j0, qmask, st, sy, sx, ot, oy, ox, T, H, W,
+        wt, dwt, wy, dwy, wx, dwx, mask, jmask, in_t, in_y, in_x, _far = _sample_factors(
+            OFF, off_row, j0, qmask, st, sy, sx, ot, oy, ox, T, H, W, R,
             KT, KH, KW, HY, HTY_P, HX_P, BJ)
         g_ty = wt * wy
         g_ty_s = tl.dot(g_ty, s3, input_precision=W_PREC)  # (M, BJ, HX_P)
@@ -597,22 +619,31 @@ def dsa_triton_tiled(
     max_offset: float | None = None,
 ) -> torch.Tensor:
     """3D-DSA with the tiled kernels; the gather kernel (``dsa_triton``) where they do not
-    apply, with a logged warning.
+    apply, with a logged warning. Inputs are validated here, once (the fallback does not
+    validate them again).
 
     Same arguments and result as ``dsa_triton``; ``block_m`` only reaches the gather kernel.
     ``max_offset``: a bound on ``|offsets|`` the caller guarantees (``attention.max_offset``
-    of a tanh-bounded offset head); default: measured from ``offsets`` (a host sync).
-    An offset beyond a given ``max_offset`` gives wrong results: it is trusted, not checked.
+    of a tanh-bounded offset head), a number >= 0; the halo is then sized from it with no
+    host sync. Default None: measured from ``offsets`` (a reduction and a host sync per call).
+    Offsets beyond a given bound are not trusted: the kernel compares every offset with the
+    halo radius ``R = ceil(max_offset)`` as it loads it, and a query with any offset beyond
+    ``R`` (or a non-finite one) gets NaN output and NaN gradients, also spreading into the
+    dk/dv of its tile's halo -- loud, as a non-finite loss, and checked without a host sync.
+    Offsets up to ``R`` are computed exactly. (Where the bound's halo does not fit a tile the
+    gather kernel runs, and it computes every offset exactly.)
     """
     win = validate_dsa_inputs(q, k, v, offsets, window)
+    if max_offset is not None and not max_offset >= 0:
+        raise ValueError(f"max_offset must be a bound >= 0 on |offsets| (or None: measured), got {max_offset!r}")
     scale_f = q.shape[-1] ** -0.5 if scale is None else float(scale)
     key = (win, q.shape[-1])
     plan, why = tiled_plan_for(q, offsets, win, max_offset)
     if plan is None:
         _log_fallback("halo", key, why)
-        return dsa_triton(q, k, v, offsets, win, scale=scale, block_m=block_m)
+        return _gather_validated(q, k, v, offsets, win, scale_f, block_m)
     try:
         return _DSATiled.apply(q, k, v, offsets, win, scale_f, plan)
     except (triton.CompilationError, triton.OutOfResources) as e:  # e.g. too many registers
         _log_fallback("compile", key, f"{type(e).__name__}: {str(e)[:300]}")
-        return dsa_triton(q, k, v, offsets, win, scale=scale, block_m=block_m)
+        return _gather_validated(q, k, v, offsets, win, scale_f, block_m)

@@ -17,6 +17,9 @@ The helpers here are architecture-neutral:
   frames its keys and values come from (the slab plus the halo its windows and offsets reach).
 * ``FrameRanges``: overlapping frame ranges of a whole tensor (a slab's queries, its held keys)
   whose gradients add into one buffer instead of one zero-filled whole-size tensor per slab.
+* ``slabbed_attention``: the windowed self-attention driver both blocks call: the loop over
+  slabs, each checkpointed, with the block's offset input (norm and modulation) and residual
+  (projection, gate) passed in as functions.
 * ``bind``: a module's forward on the parameter tensors it has *now*. The compute actor runs a
   block under ``torch.func.functional_call``; a checkpoint recomputes during the backward,
   after that call has returned and the module holds its ``meta`` parameters again, so a
@@ -47,7 +50,8 @@ from torch.utils.checkpoint import checkpoint
 
 from kernels import deformable_slide_attention_slab, slab_kv_frames
 
-__all__ = ["Chunked", "FrameRanges", "bind", "checkpointed", "slab_attention", "slab_frames", "time_slabs", "token_map"]
+__all__ = ["Chunked", "FrameRanges", "bind", "checkpointed", "slab_attention", "slab_frames", "slabbed_attention",
+           "time_slabs", "token_map"]
 
 
 def bind(module: nn.Module) -> Callable:
@@ -200,3 +204,50 @@ class FrameRanges:
 
     def __call__(self, lo: int, hi: int) -> torch.Tensor:
         return _Range.apply(self.x, self.sink, lo, hi) if self.track else self.x[:, lo:hi]
+
+
+# ---------------------------------------------------------------------------------------------
+# Windowed attention over slabs of frames (both blocks' driver)
+# ---------------------------------------------------------------------------------------------
+
+
+def slabbed_attention(x: torch.Tensor, qkv: torch.Tensor, chunk: int, heads: int, head_dim: int,
+                      window: tuple[int, int, int], scale: float | None, max_offset: float,
+                      offsets: Callable | None, residual: Callable,
+                      offset_args: Sequence = (), residual_args: Sequence = ()) -> torch.Tensor:
+    """A chunked block's windowed self-attention (``dsa``, ``neighborhood``) and the residual
+    stream after it, over slabs of whole frames (``time_slabs``), each slab checkpointed; the
+    driver ``model.DiTBlock`` and ``wan.WanBlock`` share.
+
+    ``x (B, T, H, W, D)``: the block input; ``qkv (B, T, H, W, 3 D)``: q, k, v of every token
+    (heads ``(3, heads, head_dim)`` in the last axis; Wan's q and k rotated), whole. A slab
+    ``[t0, t1)`` sees its queries, the key/value frames ``[a, b)`` its samples reach and ``x`` on
+    ``[e0, e1)``: the slab plus one frame either side, clipped (what the offset head's 3x3x3
+    conv reads). ``offsets(xe, *offset_args)``: the offsets ``(B, e1 - e0, H, W, heads, K, 3)``
+    on those frames; None: zero offsets (``neighborhood``). ``residual(xs, o, *residual_args)``:
+    the block's stream after attention on the slab's frames, from ``xs = x[:, t0:t1]`` and the
+    attention output ``o (B, t1 - t0, H, W, D)`` (heads merged, before the output projection).
+    ``max_offset``: ``attention.max_offset``; 0 with an offset head: offsets unbounded, every
+    slab's keys are the whole clip. ``offset_args`` / ``residual_args`` (tensors, e.g. the
+    modulations) go through each slab's checkpoint. Returns ``(B, T, H, W, D)``."""
+    B, T, H, W, D = x.shape
+    n_off = len(offset_args)
+    bound = max_offset if max_offset > 0 or offsets is None else None
+    x_ranges, qkv_ranges = FrameRanges(x), FrameRanges(qkv)
+    outs = []
+    for t0, t1, a, b in time_slabs(chunk, (T, H, W), window[0], bound):
+        e0, e1 = max(0, t0 - 1), min(T, t1 + 1)  # the offset head's conv reads one frame either side
+
+        def slab(xe, qs, kvh, *args, t0=t0, t1=t1, a=a, e0=e0):
+            q = qs.unflatten(-1, (3, heads, head_dim))[..., 0, :, :]
+            _, k, v = kvh.unflatten(-1, (3, heads, head_dim)).unbind(4)
+            off = None
+            if offsets is not None:
+                off = offsets(xe, *args[:n_off])[:, t0 - e0:t1 - e0]
+            o = slab_attention(q, k, v, off, t0, a, T, window, scale)
+            return residual(xe[:, t0 - e0:t1 - e0], o.reshape(B, t1 - t0, H, W, D), *args[n_off:])
+
+        outs.append(checkpointed(slab, x_ranges(e0, e1), qkv_ranges(t0, t1), qkv_ranges(a, b),
+                                 *offset_args, *residual_args))
+    return torch.cat(outs, dim=1) if len(outs) > 1 else outs[0]
+

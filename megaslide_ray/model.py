@@ -24,8 +24,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from megaslide_ray.chunking import (Chunked, FrameRanges, bind, checkpointed, slab_attention, time_slabs,
-                                    token_map)
+from megaslide_ray.chunking import Chunked, bind, slabbed_attention, token_map
 from megaslide_ray.config import Config
 from kernels import deformable_slide_attention
 from kernels.swin import swin_attention_3d
@@ -78,13 +77,18 @@ def ffn_width(cfg: Config) -> int:
 def window_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, h: torch.Tensor, offsets,
                      window: tuple[int, int, int], scale: float | None) -> torch.Tensor:
     """3D-DSA of channels-last ``q, k, v (B, T, H, W, nh, d)`` over ``window``: offsets from the
-    offset head ``offsets`` applied to ``h``, or zero when there is none (``neighborhood``)."""
+    offset head ``offsets`` applied to ``h``, or zero when there is none (``neighborhood``). The
+    operator is told the offsets' bound where it is known (``attention.max_offset > 0``: the
+    head's ``max_offset * tanh``; zero offsets: 0), so the tiled Triton kernel sizes its halo
+    without measuring them (a host sync)."""
     if offsets is not None:
         off = offsets(h)
+        bound = offsets.max_offset if offsets.max_offset > 0 else None
     else:
         B, T, H, W, nh, _ = q.shape
         off = h.new_zeros(B, T, H, W, nh, window[0] * window[1] * window[2], 3)
-    return deformable_slide_attention(q, k, v, off, window, scale=scale)
+        bound = 0.0
+    return deformable_slide_attention(q, k, v, off, window, scale=scale, max_offset=bound)
 
 
 def timestep_features(t: torch.Tensor, dim: int) -> torch.Tensor:
@@ -254,25 +258,15 @@ class DiTBlock(nn.Module):
             x = token_map(dense_chunk, x, N, Chunked(qkv), kv, gate_a)
         else:  # dsa / neighborhood: slabs of whole frames, keys from the slab plus its halo
             off_f = bind(attn.offsets) if attn.offsets is not None else None
-            max_off = attn.offsets.max_offset if attn.offsets is not None else 0.0
-            slabs = time_slabs(N, (T, H, W), attn.window[0], max_off if max_off > 0 or off_f is None else None)
-            x_ranges, qkv_ranges = FrameRanges(x), FrameRanges(qkv)
-            outs = []
-            for t0, t1, a, b in slabs:
-                e0, e1 = max(0, t0 - 1), min(T, t1 + 1)  # the offset head's conv reads one frame either side
 
-                def slab(xe, qs, kvh, sh, sc, g, t0=t0, t1=t1, a=a, e0=e0):
-                    q = qs.unflatten(-1, (3, nh, hd))[..., 0, :, :]
-                    _, k, v = kvh.unflatten(-1, (3, nh, hd)).unbind(4)
-                    off = None
-                    if off_f is not None:
-                        off = off_f(modulate(norm1(xe), sh, sc))[:, t0 - e0:t1 - e0]
-                    o = slab_attention(q, k, v, off, t0, a, T, attn.window, attn.scale)
-                    return xe[:, t0 - e0:t1 - e0] + gate(proj_f(o.reshape(B, t1 - t0, H, W, D)), g)
+            def slab_offsets(xe, sh, sc):
+                return off_f(modulate(norm1(xe), sh, sc))
 
-                outs.append(checkpointed(slab, x_ranges(e0, e1), qkv_ranges(t0, t1), qkv_ranges(a, b),
-                                         shift_a, scale_a, gate_a))
-            x = torch.cat(outs, dim=1) if len(outs) > 1 else outs[0]
+            x = slabbed_attention(x, qkv, N, nh, hd, attn.window, attn.scale,
+                                  attn.offsets.max_offset if off_f is not None else 0.0,
+                                  slab_offsets if off_f is not None else None,
+                                  lambda xs, o, g: xs + gate(proj_f(o), g),
+                                  (shift_a, scale_a), (gate_a,))
         del qkv
 
         def mlp_chunk(xc, sh, sc, g):

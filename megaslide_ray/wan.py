@@ -74,7 +74,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from kernels.swin import swin_attention_3d
-from megaslide_ray.chunking import Chunked, FrameRanges, bind, checkpointed, slab_attention, time_slabs, token_map
+from megaslide_ray.chunking import Chunked, bind, slabbed_attention, token_map
 from megaslide_ray.config import WAN_WINDOW, Config, ConfigError, apply_overrides
 from megaslide_ray.model import OffsetPredictor, _mix, ffn_width, unpatchify, window_attention
 
@@ -414,25 +414,14 @@ class WanBlock(nn.Module):
             x = token_map(dense_chunk, x, N, Chunked(qkv), kv, gate_a)
         else:  # dsa / neighborhood: slabs of whole frames, keys from the slab plus its halo
             off_f = bind(a1.offsets) if a1.offsets is not None else None
-            max_off = a1.offsets.max_offset if a1.offsets is not None else 0.0
-            slabs = time_slabs(N, (T, H, W), a1.window[0], max_off if max_off > 0 or off_f is None else None)
-            x_ranges, qkv_ranges = FrameRanges(x), FrameRanges(qkv)
-            outs = []
-            for t0, t1, a, b in slabs:
-                e0, e1 = max(0, t0 - 1), min(T, t1 + 1)  # the offset head's conv reads one frame either side
 
-                def slab(xe, qs, kvh, sh, sc, g, t0=t0, t1=t1, a=a, e0=e0):
-                    q = qs.unflatten(-1, (3, nh, hd))[..., 0, :, :]
-                    _, k, v = kvh.unflatten(-1, (3, nh, hd)).unbind(4)
-                    off = None
-                    if off_f is not None:
-                        off = off_f(modulated(xe, sh, sc))[:, t0 - e0:t1 - e0]
-                    o = slab_attention(q, k, v, off, t0, a, T, a1.window, a1.scale)
-                    return residual(xe[:, t0 - e0:t1 - e0], o.reshape(B, t1 - t0, H, W, D), g)
+            def slab_offsets(xe, sh, sc):
+                return off_f(modulated(xe, sh, sc))
 
-                outs.append(checkpointed(slab, x_ranges(e0, e1), qkv_ranges(t0, t1), qkv_ranges(a, b),
-                                         shift_a, scale_a, gate_a))
-            x = torch.cat(outs, dim=1) if len(outs) > 1 else outs[0]
+            x = slabbed_attention(x, qkv, N, nh, hd, a1.window, a1.scale,
+                                  a1.offsets.max_offset if off_f is not None else 0.0,
+                                  slab_offsets if off_f is not None else None, residual,
+                                  (shift_a, scale_a), (gate_a,))
         del qkv
         k_text = a2.norm_k(a2.to_k(text)).unflatten(-1, (nh, hd))  # (B, Lt, nh, d): once per block
         v_text = a2.to_v(text).unflatten(-1, (nh, hd))

@@ -17,9 +17,6 @@ from __future__ import annotations
 
 import importlib
 import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import torch
@@ -35,12 +32,13 @@ from kernels import (
 from kernels.checks import (
     GRAD_NAMES,
     assert_dense_identity,
+    assert_interpreter_tests_pass,
     edge_offsets,
-    flash_rule_errors,
     grads,
     make_qkv,
     naive_neighborhood_attention,
     off_kink_offsets,
+    reference_flash_errors,
     wild_offsets,
 )
 
@@ -444,11 +442,6 @@ def test_dispatch_auto_picks_cpu_path(monkeypatch):
 # Triton kernels under the CPU interpreter
 
 
-# triton 3.9 decides "interpreted or compiled" for every @triton.jit function when it is
-# decorated -- including triton.language's own helpers (tl.zeros, ...) at `import triton`.
-# So TRITON_INTERPRET=1 must be in the environment before triton is first imported; in
-# a normal run (where torch or other tests may already have imported triton compiled)
-# the interpreter tests run in a child pytest started with that variable set.
 INTERPRETER_ACTIVE = os.environ.get("TRITON_INTERPRET", "0") == "1"
 interpreter_only = pytest.mark.skipif(
     not INTERPRETER_ACTIVE, reason="runs in the child started by test_triton_kernels_under_interpreter"
@@ -457,18 +450,10 @@ interpreter_only = pytest.mark.skipif(
 
 @pytest.mark.skipif(INTERPRETER_ACTIVE, reason="already inside the interpreter run")
 def test_triton_kernels_under_interpreter():
-    """Run the ``test_interp_*`` tests below in a child process with TRITON_INTERPRET=1."""
+    """Run the ``test_interp_*`` tests below in a child process with TRITON_INTERPRET=1
+    (it must be set before triton is first imported: ``assert_interpreter_tests_pass``)."""
     pytest.importorskip("triton")
-    env = {**os.environ, "TRITON_INTERPRET": "1"}
-    env.pop("MEGASLIDE_DSA_BACKEND", None)
-    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-k", "test_interp_", __file__]
-    proc = subprocess.run(
-        cmd, cwd=Path(__file__).resolve().parents[1], env=env,
-        capture_output=True, text=True, timeout=900,
-    )
-    summary = proc.stdout.strip().splitlines()[-1] if proc.stdout.strip() else ""
-    assert proc.returncode == 0, f"interpreter tests failed ({summary}):\n{proc.stdout[-6000:]}\n{proc.stderr[-2000:]}"
-    assert " passed" in summary and "skipped" not in summary, summary
+    assert_interpreter_tests_pass(__file__)
 
 
 @pytest.mark.parametrize(
@@ -514,13 +499,9 @@ def test_interp_bf16_tolerance_rule():
     got = grads(
         lambda *a: dsa_triton(*a, window, block_m=64), inputs, dout
     )
-    ref32 = grads(
-        lambda *a: dsa_reference(*a, window), [x.float() for x in inputs], dout
-    )
-    same = grads(lambda *a: dsa_reference(*a, window, upcast=False), inputs, dout)
     for name, a in zip(GRAD_NAMES, got):
         assert a.dtype == torch.bfloat16, name
-    errors = flash_rule_errors(got, ref32, same, rel_atol=1e-3)
+    errors = reference_flash_errors(got, inputs, dout, window, rel_atol=1e-3)
     assert not errors, "triton: " + "; ".join(errors)
 
 
@@ -561,7 +542,5 @@ def test_triton_compiled_on_cuda():
         offsets = wild_offsets(shape, window, seed=18).cuda()
         dout = torch.randn(shape, device="cuda")
         got = grads(lambda *a: dsa_triton(*a, window), (q, k, v, offsets), dout)
-        ref32 = grads(lambda *a: dsa_reference(*a, window), [x.float() for x in (q, k, v, offsets)], dout)
-        same = grads(lambda *a: dsa_reference(*a, window, upcast=False), (q, k, v, offsets), dout)
-        errors = flash_rule_errors(got, ref32, same, rel_atol=1e-4)
+        errors = reference_flash_errors(got, (q, k, v, offsets), dout, window, rel_atol=1e-4)
         assert not errors, f"{dtype}: " + "; ".join(errors)

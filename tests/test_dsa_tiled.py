@@ -16,9 +16,6 @@ from __future__ import annotations
 import logging
 import math
 import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import torch
@@ -27,11 +24,12 @@ from kernels import dsa_reference, resolve_dsa_backend
 from kernels.checks import (
     GRAD_NAMES,
     assert_dense_identity,
+    assert_interpreter_tests_pass,
     edge_offsets,
-    flash_rule_errors,
     grads,
     make_qkv,
     naive_neighborhood_attention,
+    reference_flash_errors,
     wild_offsets,
 )
 
@@ -41,32 +39,19 @@ interpreter_only = pytest.mark.skipif(
 )
 
 
-def _run_interpreter_child(marker: str):
-    pytest.importorskip("triton")
-    env = {**os.environ, "TRITON_INTERPRET": "1"}
-    env.pop("MEGASLIDE_DSA_BACKEND", None)
-    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-m", marker, "-k", "test_interp_",
-           __file__]
-    proc = subprocess.run(
-        cmd, cwd=Path(__file__).resolve().parents[1], env=env,
-        capture_output=True, text=True, timeout=900,
-    )
-    summary = proc.stdout.strip().splitlines()[-1] if proc.stdout.strip() else ""
-    assert proc.returncode == 0, f"interpreter tests failed ({summary}):\n{proc.stdout[-6000:]}\n{proc.stderr[-2000:]}"
-    assert " passed" in summary and "skipped" not in summary, summary
-
-
 @pytest.mark.skipif(INTERPRETER_ACTIVE, reason="already inside the interpreter run")
 def test_tiled_kernels_under_interpreter():
     """Run the ``test_interp_*`` tests below in a child process with TRITON_INTERPRET=1."""
-    _run_interpreter_child("not slow")
+    pytest.importorskip("triton")
+    assert_interpreter_tests_pass(__file__, "not slow")
 
 
 @pytest.mark.slow
 @pytest.mark.skipif(INTERPRETER_ACTIVE, reason="already inside the interpreter run")
 def test_tiled_kernels_under_interpreter_slow():
     """The heavier interpreter cases (d 128, B 2, nh 3, window (3, 5, 5))."""
-    _run_interpreter_child("slow")
+    pytest.importorskip("triton")
+    assert_interpreter_tests_pass(__file__, "slow")
 
 
 # -----------------------------------------------------------------------------
@@ -193,11 +178,9 @@ def test_interp_bf16_flash_rule():
     before = _fallbacks()
     got = grads(lambda *a: mod.dsa_triton_tiled(*a, window), inputs, dout)
     assert _fallbacks() == before
-    ref32 = grads(lambda *a: dsa_reference(*a, window), [x.float() for x in inputs], dout)
-    same = grads(lambda *a: dsa_reference(*a, window, upcast=False), inputs, dout)
     for name, a in zip(GRAD_NAMES, got):
         assert a.dtype == torch.bfloat16, name
-    errors = flash_rule_errors(got, ref32, same, rel_atol=1e-4)
+    errors = reference_flash_errors(got, inputs, dout, window, rel_atol=1e-4)
     assert not errors, "tiled: " + "; ".join(errors)
 
 
@@ -318,6 +301,76 @@ def test_interp_nan_offsets_fall_back():
     torch.testing.assert_close(out[keep], dsa_reference(q, k, v, clean, (1, 1, 1))[keep])
 
 
+def _bounded_case(seed):
+    """q, k, v and offsets within [-1, 1] (some exactly at the bound) on a grid whose halos of
+    radius 1 start inside it: (1, 2, 13, 15, 2, 8), window (1, 3, 3)."""
+    shape, window = (1, 2, 13, 15, 2, 8), (1, 3, 3)
+    q, k, v = make_qkv(shape, seed=seed)
+    g = torch.Generator().manual_seed(seed + 1)
+    offsets = torch.tanh(2 * torch.randn((*shape[:5], 9, 3), generator=g))
+    offsets[0, 1, 4, 6, 0, 3] = torch.tensor([0.0, 1.0, -1.0])
+    dout = torch.randn(shape, generator=torch.Generator().manual_seed(seed + 2))
+    return shape, window, (q, k, v, offsets), dout
+
+
+@interpreter_only
+def test_interp_max_offset_through_the_public_entry():
+    """``deformable_slide_attention(..., backend="triton", max_offset=m)``: the tiled kernel sizes
+    its halo from ``ceil(m)``, not from the offsets (no measuring), and matches the reference,
+    forward and every gradient; a bound that is not a number >= 0 is refused."""
+    from kernels import deformable_slide_attention
+    from kernels import dsa_triton_tiled as mod
+
+    shape, window, inputs, dout = _bounded_case(seed=80)
+    plan, _ = mod.tiled_plan_for(inputs[0], torch.zeros_like(inputs[3]), window, 1.0)
+    assert plan.radius == 1 and any(h < s for h, s in zip(plan.halo, shape[1:4])), plan
+    before = _fallbacks()
+    got = grads(lambda *a: deformable_slide_attention(*a, window, backend="triton", max_offset=1.0), inputs, dout)
+    assert _fallbacks() == before, "took the gather kernel"
+    want = grads(lambda *a: dsa_reference(*a, window), inputs, dout)
+    errs = _rel_errors(got, want)
+    assert all(e <= 1e-5 for e in errs.values()), errs
+    for bad in (-0.5, float("nan")):
+        with pytest.raises(ValueError, match="max_offset"):
+            mod.dsa_triton_tiled(*inputs, window, max_offset=bad)
+
+
+@interpreter_only
+def test_interp_offsets_beyond_max_offset_are_refused_with_nan():
+    """A ``max_offset`` below some offsets: the queries holding an offset beyond ``ceil(max_offset)``
+    (or a NaN one) get NaN output and dq, NaN d offsets (but where a position was clamped: 0,
+    as in the reference), and dk / dv turn NaN (loud, like a non-finite loss) -- never a
+    silently wrong value; every other query's output, dq and d offsets are the reference's. An
+    offset between ``max_offset`` and its ceiling is computed exactly."""
+    from kernels import dsa_triton_tiled as mod
+
+    shape, window, (q, k, v, offsets), dout = _bounded_case(seed=83)
+    # beyond ceil(1.0): with tiles of 2 rows, the halo of rows 6-7 holds rows 4-10, and this
+    # sample (row 5 - 2.5) lies in rows 2-3: computed anyway, it would be silently wrong
+    offsets[0, 0, 6, 7, 1, 1] = torch.tensor([0.0, -2.5, 0.0])
+    offsets[0, 1, 0, 14, 0, 8, 1] = -1.75  # at the corner of the grid
+    offsets[0, 1, 11, 2, 1, 0, 0] = float("nan")
+    refused = torch.zeros(shape[:5], dtype=torch.bool)
+    refused[0, 0, 6, 7, 1] = refused[0, 1, 0, 14, 0] = refused[0, 1, 11, 2, 1] = True
+    inputs = (q, k, v, offsets)
+    before = _fallbacks()
+    out, dq, dk, dv, doff = grads(lambda *a: mod.dsa_triton_tiled(*a, window, max_offset=1.0), inputs, dout)
+    assert _fallbacks() == before, "took the gather kernel"
+    assert out[refused].isnan().all() and dq[refused].isnan().all()
+    assert doff[refused].isnan().flatten(1).any(1).all()
+    assert dk.isnan().any() and dv.isnan().any()
+    clean = offsets.nan_to_num(0.0)
+    w_out, w_dq, _, _, w_doff = grads(lambda *a: dsa_reference(*a, window), (q, k, v, clean), dout)
+    keep = ~refused  # queries are independent in the output, dq and d offsets
+    for name, a, b in (("out", out, w_out), ("dq", dq, w_dq), ("doffsets", doff, w_doff)):
+        torch.testing.assert_close(a[keep], b[keep], rtol=1e-5, atol=1e-5, msg=name)
+    # the same offsets under a bound of 1.5 (ceil 2): 1.75 is inside the halo; only 2.5 and NaN refused
+    out = mod.dsa_triton_tiled(q, k, v, offsets, window, max_offset=1.5)
+    refused[0, 1, 0, 14, 0] = False
+    assert out[refused].isnan().all() and not out[~refused].isnan().any()
+    torch.testing.assert_close(out[~refused], w_out[~refused], rtol=1e-5, atol=1e-5)
+
+
 @interpreter_only
 def test_interp_identities_through_the_public_api():
     """backend='triton' (tiled): zero offsets + whole-grid window == dense attention (forward,
@@ -352,7 +405,5 @@ def test_tiled_compiled_on_cuda():
             before = _fallbacks()
             got = grads(lambda *a: mod.dsa_triton_tiled(*a, window), (q, k, v, offsets), dout)
             assert _fallbacks() == before
-            ref32 = grads(lambda *a: dsa_reference(*a, window), [x.float() for x in (q, k, v, offsets)], dout)
-            same = grads(lambda *a: dsa_reference(*a, window, upcast=False), (q, k, v, offsets), dout)
-            errors = flash_rule_errors(got, ref32, same, rel_atol=1e-4)
+            errors = reference_flash_errors(got, (q, k, v, offsets), dout, window, rel_atol=1e-4)
             assert not errors, f"{dtype}: " + "; ".join(errors)
