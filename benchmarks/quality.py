@@ -49,7 +49,8 @@ import numpy as np
 import torch
 
 KINDS = ("dense", "swin", "neighborhood", "dsa")
-WINDOWS = {"swin": "3,3,3", "neighborhood": "3,3,3", "dsa": "3,3,3"}
+WINDOWED = ("swin", "neighborhood", "dsa")
+DEFAULT_WINDOW = "3,3,3"
 METRICS = ("detection_rate", "trajectory_error", "direction_error_deg", "area_cv", "flicker")
 
 
@@ -71,8 +72,8 @@ def kind_config(kind: str, seed: int, steps: int, train_manifest: str, val_manif
 
     over = {"attention.kind": kind, "training.seed": seed, "training.steps": steps,
             "data.manifest": train_manifest, "data.val_manifest": val_manifest, **extra}
-    if kind in WINDOWS:
-        over["attention.window"] = WINDOWS[kind]
+    if kind in WINDOWED:  # one window for all three (``--window``), never the preset's per kind
+        over["attention.window"] = extra.get("attention.window", DEFAULT_WINDOW)
     return build_config("tiny", None, {k: str(v) for k, v in over.items()})
 
 
@@ -280,6 +281,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--threads", type=int, default=0, help="torch threads (0: all cores)")
     p.add_argument("--out", type=Path, default=None, help="folder for quality.json/.md and the plots")
     p.add_argument("--json", action="store_true", help="one JSON object per kind")
+    p.add_argument("--window", default=DEFAULT_WINDOW, help="kt,kh,kw of swin, neighborhood and dsa (default 3,3,3)")
     p.add_argument("--set", nargs=2, action="append", default=[], metavar=("FIELD", "VALUE"),
                    help="a config override for every run (e.g. --set attention.max_offset 4); recorded")
     a = p.parse_args(argv)
@@ -290,6 +292,7 @@ def main(argv: list[str] | None = None) -> int:
         p.error(f"--evals {a.evals} exceeds --steps {a.steps}")
     extra = dict(a.set)
     extra["training.val_clips"] = a.val_clips
+    extra["attention.window"] = a.window
 
     from megaslide_ray.evaluate import load_val_set
     from megaslide_ray.manifest import read_manifest
