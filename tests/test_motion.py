@@ -205,3 +205,25 @@ def test_train_demo_motion_sets_the_data_and_validation(tmp_path, monkeypatch, c
     assert f'manifest = "{tmp_path / M.MOTION_VERSION / M.TRAIN_MANIFEST}"' in out
     assert f'val_manifest = "{tmp_path / M.MOTION_VERSION / M.VAL_MANIFEST}"' in out
     assert "eval_every = 10" in out
+
+
+def test_learning_benchmark_scores_samples_at_each_checkpoint(motion_set, tmp_path, monkeypatch):
+    # benchmarks.learning end to end at the smallest size: an untrained model samples noise, which
+    # holds no object, so no sample shows its prompt yet
+    from benchmarks import learning
+
+    train, val, _ = motion_set
+    monkeypatch.setattr(M, "ensure_motion_dataset", lambda *a, **k: (train, val))
+    out = tmp_path / "learning"
+    assert learning.main(["--steps", "2", "--every", "1", "--prompts", "2", "--threads", "1", "--out", str(out),
+                          "--set", "model.depth", "1", "--set", "data.height", "32", "--set", "data.width", "32"]) == 0
+    got = json.loads((out / "learning.json").read_text())
+    assert [p["step"] for p in got["points"]] == [1, 2]
+    for p in got["points"]:
+        assert len(p["samples"]) == 2 and p["shown"] == 0.0 and p["detection_rate"] < 0.2
+    assert got["meta"]["first_step_half_shown"] is None
+    assert (out / "learning_step_2.png").is_file() and "none within 2 steps" in (out / "learning.md").read_text()
+    # the criterion can be met: every ground-truth clip shows its caption; a frozen one does not
+    _, _, clips = motion_set
+    assert all(learning.shows_prompt(r) for r in _scores(clips))
+    assert not any(learning.shows_prompt(r) for r in _scores(clips, lambda f, rng: np.repeat(f[:1], len(f), 0)))
