@@ -91,6 +91,27 @@ def _offset_modules(model):
     return [m for m in model.modules() if isinstance(m, OffsetPredictor)]
 
 
+def object_tokens(plan: dict, cfg):
+    """Per patch frame ``ti`` of a motion-set clip (its ``motion.json`` entry ``plan``): the
+    tokens within 1.5 radii of the object's centre ``(H, W)`` bool, and its true velocity
+    ``(vy, vx)`` in tokens per patch frame; frames where the object stands still or no token is
+    near are left out."""
+    pt, ph, pw = cfg.model.patch_size
+    T, H, W = cfg.token_grid
+    sy, sx = cfg.data.height / plan.get("height", cfg.data.height), cfg.data.width / plan.get("width", cfg.data.width)
+    centres = np.asarray(plan["centres"], dtype=np.float64) * (sx, sy)  # (F, 2) x, y in pixels of the clip
+    ys = (torch.arange(H, dtype=torch.float32) + 0.5) * ph
+    xs = (torch.arange(W, dtype=torch.float32) + 0.5) * pw
+    for ti in range(T - 1):
+        f0, f1 = ti * pt, min((ti + 1) * pt, len(centres) - 1)
+        v_px = centres[f1] - centres[f0]  # pixels per patch frame (x, y)
+        v_tok = torch.tensor([v_px[1] / ph, v_px[0] / pw], dtype=torch.float32)
+        cx, cy = centres[f0]
+        near = ((ys[:, None] - cy) ** 2 + (xs[None, :] - cx) ** 2) <= (1.5 * plan["radius"] * sx) ** 2
+        if bool(near.any()) and float(v_tok.norm()) >= 1e-6:
+            yield ti, near, v_tok
+
+
 @torch.no_grad()
 def offset_statistics(model, cfg, val, truth: dict, val_files: list[str]) -> dict:
     """Mean |offset| (tokens) and, per block, the motion estimate against the true velocity on
@@ -102,7 +123,6 @@ def offset_statistics(model, cfg, val, truth: dict, val_files: list[str]) -> dic
     got: dict[int, list] = {i: [] for i in range(len(mods))}
     hooks = [m.register_forward_hook(lambda mod, a, out, i=i: got[i].append(out[0].float()))
              for i, m in enumerate(mods)]
-    pt, ph, pw = cfg.model.patch_size
     window = tuple(cfg.attention.window)
     abs_mean, cos_by_block, ratio_by_block = [], {i: [] for i in got}, {i: [] for i in got}
     try:
@@ -114,22 +134,11 @@ def offset_statistics(model, cfg, val, truth: dict, val_files: list[str]) -> dic
             model(x_t[None], torch.full((1,), 0.5), torch.from_numpy(val.cond[c:c + 1]),
                   torch.from_numpy(val.cond_len[c:c + 1]))
             plan = truth[val_files[c]]
-            centres = np.asarray(plan["centres"], dtype=np.float64)  # (F, 2) x, y in pixels
-            T, H, W = cfg.token_grid
             for i, outs in got.items():
                 off = outs[0]  # (T, H, W, nh, K, 3)
                 abs_mean.append(float(off.abs().mean()))
                 est = motion_estimate(off, window)  # (T, H, W, nh, 2): (vy, vx) tokens per patch frame
-                for ti in range(T - 1):
-                    f0, f1 = ti * pt, min((ti + 1) * pt, len(centres) - 1)
-                    v_px = (centres[f1] - centres[f0])  # pixels per patch frame (x, y)
-                    v_tok = torch.tensor([v_px[1] / ph, v_px[0] / pw], dtype=torch.float32)
-                    cx, cy = centres[f0]
-                    ys = (torch.arange(H, dtype=torch.float32) + 0.5) * ph
-                    xs = (torch.arange(W, dtype=torch.float32) + 0.5) * pw
-                    near = ((ys[:, None] - cy) ** 2 + (xs[None, :] - cx) ** 2) <= (1.5 * plan["radius"]) ** 2
-                    if not bool(near.any()) or float(v_tok.norm()) < 1e-6:
-                        continue
+                for ti, near, v_tok in object_tokens(plan, cfg):
                     mean = est[ti][near].mean(dim=(0, 1))
                     if float(mean.norm()) < 1e-9:
                         cos_by_block[i].append(0.0)
