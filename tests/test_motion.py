@@ -227,3 +227,21 @@ def test_learning_benchmark_scores_samples_at_each_checkpoint(motion_set, tmp_pa
     _, _, clips = motion_set
     assert all(learning.shows_prompt(r) for r in _scores(clips))
     assert not any(learning.shows_prompt(r) for r in _scores(clips, lambda f, rng: np.repeat(f[:1], len(f), 0)))
+
+
+def test_offset_signal_benchmark(motion_set, monkeypatch, capsys):
+    # the fresh model's attention gates are zero (adaLN-Zero): no gradient reaches the offsets,
+    # every cosine is exactly 0; a few steps later the gradient exists and the cosines are real numbers
+    from benchmarks import offset_signal
+
+    train, val, _ = motion_set
+    monkeypatch.setattr(M, "ensure_motion_dataset", lambda *a, **k: (train, val))
+    assert offset_signal.main(["--seeds", "0", "--steps", "0", "3", "--clips", "4", "--threads", "1", "--json",
+                               "--set", "model.depth", "1", "--set", "data.height", "32",
+                               "--set", "data.width", "32"]) == 0
+    rows = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    assert [r["step"] for r in rows] == [0, 3]
+    assert sum(g["clips"] for g in rows[0]["groups"].values()) == 4
+    assert all(c == 0.0 for g in rows[0]["groups"].values() for c in g["cosine_by_block"])
+    later = [c for g in rows[1]["groups"].values() for c in g["cosine_by_block"]]
+    assert all(-1.0 <= c <= 1.0 for c in later) and any(c != 0.0 for c in later), later
