@@ -33,7 +33,7 @@ from torch.func import functional_call
 from actors.param_store import DTYPES, ShardInfo
 from actors.transfer import ActivationStash, ShardFeed, Transfers
 from megaslide_ray.config import Config
-from megaslide_ray.diffusion import batch_conditioning, batch_flow_inputs, flow_loss
+from megaslide_ray.diffusion import batch_conditioning, batch_flow_inputs, caption_dropout, flow_loss
 from megaslide_ray.faults import fault_point
 from megaslide_ray.model import build_shard, num_shards
 
@@ -93,6 +93,7 @@ class ComputeActor:
         if transport not in ("shm", "object_ref"):
             raise ValueError(f"transport={transport!r}: use 'auto', 'shm' or 'object_ref'")
         self.cfg = cfg
+        self._caption_dropout = caption_dropout(cfg)
         self.device = torch.device(select_device(cfg))
         if self.device.type == "cuda":  # with its index, as tensors report it (staging pool keys)
             self.device = torch.device("cuda", torch.cuda.current_device())
@@ -194,7 +195,7 @@ class ComputeActor:
         t = self.cfg.training
         noise_step = 0 if t.overfit_one_batch else step
         fx = batch_flow_inputs(batch, t.seed, noise_step, t.t_sampling, t.flow_shift)
-        cond, cond_len = batch_conditioning(batch)
+        cond, cond_len = batch_conditioning(batch, t.seed, noise_step, self._caption_dropout)
         dev = self.device
         return FlowInputs(fx.x_t.to(dev), fx.t.to(dev), fx.target.to(dev), cond.to(dev), cond_len.to(dev))
 

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import torch
 
 from megaslide_ray.config import Config
-from megaslide_ray.diffusion import batch_conditioning, batch_flow_inputs, flow_loss
+from megaslide_ray.diffusion import batch_conditioning, batch_flow_inputs, caption_dropout, flow_loss
 from megaslide_ray.model import build_model
 from megaslide_ray.schedule import lr_at
 
@@ -40,9 +40,9 @@ class InProcessTrainer:
     def train_step(self, batch: dict, noise_step: int | None = None) -> BaselineStep:
         t0 = time.perf_counter()
         cfg = self.cfg
-        fx = batch_flow_inputs(batch, cfg.training.seed, self.step if noise_step is None else noise_step,
-                               cfg.training.t_sampling, cfg.training.flow_shift)
-        cap, cap_len = batch_conditioning(batch)
+        step = self.step if noise_step is None else noise_step
+        fx = batch_flow_inputs(batch, cfg.training.seed, step, cfg.training.t_sampling, cfg.training.flow_shift)
+        cap, cap_len = batch_conditioning(batch, cfg.training.seed, step, caption_dropout(cfg))
         loss = flow_loss(self.model(fx.x_t, fx.t, cap, cap_len), fx.target)
         self.opt.zero_grad(set_to_none=True)
         loss.backward()

@@ -257,6 +257,12 @@ class TrainingConfig:
     """The validation loss is measured on every clip at one flow time t in each of this many equal
     buckets of [0, 1] (t and the noise are fixed by ``seed``, the clip and the bucket), and reported
     per bucket as ``val_loss_t{b}``."""
+    caption_dropout: float = 0.1
+    """``videodit``: the fraction of training clips whose caption is replaced by the empty caption
+    (drawn from ``seed`` and the step), so the model also learns the unconditional prediction that
+    classifier-free guidance (``sample --cfg-scale``) mixes in. 0: never (guidance then mixes in an
+    untrained prediction). ``wan`` ignores it: its unconditional input is a negative prompt's
+    embedding, which the training data does not carry."""
     overfit_one_batch: bool = False
     """Debug: train on the first batch only, with the same noise and timesteps every step (the loss
     must fall steadily; a quick check that model, streaming and optimizer work together)."""
@@ -697,6 +703,9 @@ def validate(cfg: Config) -> Config:
             raise ConfigError(f"{where}={value} must be >= 0")
     if not 0 <= o.min_lr_ratio <= 1:
         raise ConfigError(f"optim.min_lr_ratio={o.min_lr_ratio} must lie in [0, 1]")
+    if not 0 <= t.caption_dropout < 1:
+        raise ConfigError(f"training.caption_dropout={t.caption_dropout} must lie in [0, 1) (0.1 is usual; 0 never "
+                          f"drops a caption)")
     if cfg.preset not in PRESETS:
         raise ConfigError(f"preset={cfg.preset!r} is unknown; choose one of {sorted(PRESETS)}")
     if d.manifest and not Path(d.manifest).is_file():

@@ -47,13 +47,36 @@ def shift_time(t: torch.Tensor, shift: float) -> torch.Tensor:
     return shift * t / (1 + (shift - 1) * t)
 
 
-def batch_conditioning(batch: dict) -> tuple[torch.Tensor, torch.Tensor]:
+_DROP_STREAM = 0x5DEECE66D  # caption dropout draws from its own stream of (seed, step)
+
+
+def batch_conditioning(batch: dict, seed: int = 0, step: int = 0, caption_dropout: float = 0.0
+                       ) -> tuple[torch.Tensor, torch.Tensor]:
     """The batch's conditioning as the input shard takes it: caption bytes and their lengths
     (video batches, and latent batches for a ``videodit``), or text embeddings and their valid
-    lengths (latent batches for ``wan``)."""
+    lengths (latent batches for ``wan``). With ``caption_dropout`` > 0, each caption is replaced
+    by the empty caption (zero bytes, length 0) with that probability, drawn from (seed, step)
+    alone (``caption_drops``); text embeddings are never dropped."""
     keys = ("text", "text_len") if "text" in batch else ("caption", "caption_len")
     # np.array copies: batches from Ray are read-only views of the object store.
-    return tuple(torch.from_numpy(np.array(batch[k])) for k in keys)
+    cond, cond_len = (torch.from_numpy(np.array(batch[k])) for k in keys)
+    if caption_dropout > 0 and keys[0] == "caption":
+        drop = caption_drops(seed, step, cond.shape[0], caption_dropout)
+        cond[drop] = 0
+        cond_len[drop] = 0
+    return cond, cond_len
+
+
+def caption_dropout(cfg) -> float:
+    """The caption dropout a config trains with: ``training.caption_dropout`` for ``videodit``, 0
+    for ``wan`` (its conditioning is text embeddings)."""
+    return cfg.training.caption_dropout if cfg.model.arch == "videodit" else 0.0
+
+
+def caption_drops(seed: int, step: int, batch: int, p: float) -> torch.Tensor:
+    """``(batch,)`` bool: which captions of step ``step``'s batch are dropped (probability ``p``)."""
+    g = torch.Generator(device="cpu").manual_seed((seed * 0x9E3779B1 + step * 0x85EBCA77 + _DROP_STREAM) % (2**63 - 1))
+    return torch.rand(batch, generator=g, dtype=torch.float64) < p
 
 
 def batch_flow_inputs(batch: dict, seed: int, step: int, t_sampling: str = "logit_normal",

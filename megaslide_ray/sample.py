@@ -284,6 +284,12 @@ def sample_video(checkpoint: str | Path, prompt: str, out: str | Path, frames: i
         raise FileNotFoundError(f"--checkpoint {e}") from None
     state = read_checkpoint_state(ckpt)
     cfg = sampling_config(state, frames, height, width, device)
+    trained_dropout = state.get("config", {}).get("training", {}).get("caption_dropout", 0.0)
+    if cfg.model.arch == "videodit" and cfg_scale != 1.0 and not trained_dropout:
+        log.warning("--cfg-scale %s: this checkpoint was trained without caption dropout "
+                       "(training.caption_dropout = 0), so its unconditional prediction (the empty caption) "
+                       "is untrained and guidance mixes in noise; train with training.caption_dropout > 0 "
+                       "(0.1 is usual) or sample with --cfg-scale 1", cfg_scale)
     if cfg.data.height % 2 or cfg.data.width % 2:
         raise ConfigError(f"video size {cfg.data.width}x{cfg.data.height} must be even for H.264 (yuv420p); "
                           f"choose even --height/--width")

@@ -104,3 +104,26 @@ def test_flow_shift_moves_times_towards_noise_and_latent_batches_are_taken_as_is
                                + moved.t.view(2, 1, 1, 1, 1) * plain.noise)
     cond, cond_len = batch_conditioning(batch)
     assert torch.equal(cond, torch.from_numpy(text)) and cond_len.tolist() == [5, 7]
+
+
+def test_caption_dropout_is_a_function_of_seed_and_step_and_spares_text():
+    from megaslide_ray.captions import caption_batch
+    from megaslide_ray.diffusion import batch_conditioning, caption_drops
+
+    cap, cap_len = caption_batch("a red circle moving right", 32, 1)
+    batch = {"caption": np.repeat(cap, 64, axis=0), "caption_len": np.repeat(cap_len, 64)}
+    a, a_len = batch_conditioning(batch, 3, 7, 0.25)
+    b, b_len = batch_conditioning(batch, 3, 7, 0.25)
+    assert torch.equal(a, b) and torch.equal(a_len, b_len)
+    dropped = a_len == 0
+    assert torch.equal(dropped, caption_drops(3, 7, 64, 0.25))
+    assert bool((a[dropped] == 0).all()) and bool((a[~dropped] == torch.from_numpy(cap[0])).all())
+    assert 0 < int(dropped.sum()) < 64  # 0.25 of 64: both kinds present
+    rate = float(torch.stack([caption_drops(0, s, 64, 0.25) for s in range(200)]).float().mean())
+    assert abs(rate - 0.25) < 0.02, rate
+    assert not bool(caption_drops(3, 8, 64, 0.25).equal(dropped))  # another step draws anew
+    plain, plain_len = batch_conditioning(batch)
+    assert bool((plain_len > 0).all())  # no dropout unless asked for
+    text = {"text": np.ones((4, 8, 16), np.float32), "text_len": np.full(4, 8, np.int32)}
+    t, t_len = batch_conditioning(text, 0, 0, 0.99)
+    assert bool((t == 1).all()) and t_len.tolist() == [8] * 4  # text embeddings are never dropped

@@ -101,6 +101,23 @@ def test_sample_other_size_and_guidance(run_dir, tmp_path):
     assert _decode(r.video_path).shape == (6, 16, 24, 3)
 
 
+def test_guidance_without_caption_dropout_warns(run_dir, tmp_path, caplog):
+    import json
+    import shutil
+
+    ckpt = tmp_path / "ckpt"
+    shutil.copytree(run_dir / "checkpoints" / "step_2", ckpt)
+    state = json.loads((ckpt / "state.json").read_text())
+    assert state["config"]["training"]["caption_dropout"] == 0.1  # the default trains the empty caption
+    state["config"]["training"]["caption_dropout"] = 0.0
+    (ckpt / "state.json").write_text(json.dumps(state))
+    with caplog.at_level("WARNING", logger="megaslide_ray.sample"):
+        sample_video(ckpt, PROMPT, tmp_path / "a.mp4", steps=1, cfg_scale=1.0)
+        assert "caption dropout" not in caplog.text
+        sample_video(ckpt, PROMPT, tmp_path / "b.mp4", steps=1, cfg_scale=3.0)
+    assert "trained without caption dropout" in caplog.text
+
+
 def test_sample_refuses_sizes_off_the_patch_grid(run_dir, tmp_path):
     with pytest.raises(ConfigError, match="--height 30 is not a positive multiple of the model's patch size 4"):
         sample_video(run_dir, PROMPT, tmp_path / "x.mp4", height=30)
