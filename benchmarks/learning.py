@@ -1,12 +1,13 @@
 """How many steps before ``tiny``'s samples show the prompted shape, colour and direction?
 
     python -m benchmarks.learning [--steps 1200] [--every 100] [--prompts 8] [--kind dsa]
-                                  [--set FIELD VALUE ...] [--out DIR] [--json]
+                                  [--cfg-scale S] [--set FIELD VALUE ...] [--out DIR] [--json]
 
 Trains the ``tiny`` preset on the motion set's training split (what ``python -m
 megaslide_ray.train --demo motion`` trains on) in process (``megaslide_ray.baseline``: the model
 and objective of the streamed trainer, which the tests hold equal to it), and every ``--every``
-steps samples ``--prompts`` captions from fixed noise (Euler, ``training.sample_steps``) and scores
+steps samples ``--prompts`` captions from fixed noise (Euler, ``training.sample_steps``, guided by
+``--cfg-scale`` against the empty caption) and scores
 each sample against its caption with the motion-fidelity metric (``megaslide_ray.motion_metric``).
 
 A sample **shows its prompt** when the caption's colour is found in at least 75% of its frames
@@ -55,6 +56,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--every", type=int, default=100, help="sample and score every this many steps (default 100)")
     p.add_argument("--prompts", type=int, default=8, help="captions sampled at each checkpoint (default 8)")
     p.add_argument("--split", choices=["train", "val"], default="train", help="where the prompts come from")
+    p.add_argument("--cfg-scale", type=float, default=1.0,
+                   help="classifier-free guidance of the samples (1 = off; needs training.caption_dropout > 0)")
     p.add_argument("--kind", default="dsa", choices=["dense", "swin", "neighborhood", "dsa"])
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--threads", type=int, default=0, help="torch threads (0: all cores)")
@@ -89,6 +92,7 @@ def main(argv: list[str] | None = None) -> int:
     trainer = InProcessTrainer(cfg, threads=a.threads)
     pred = ModelPredictor(trainer.model)
     conds = [caption_batch(c, cfg.model.caption_max_bytes, 1) for c in captions]
+    empty = tuple(np.zeros_like(a) for a in conds[0])
     if a.out:
         a.out.mkdir(parents=True, exist_ok=True)
     points, losses, train_s = [], [], 0.0
@@ -103,7 +107,7 @@ def main(argv: list[str] | None = None) -> int:
             metrics, clips = [], []
             for j, ((cap, cap_len), caption) in enumerate(zip(conds, captions)):
                 x = integrate(pred, cfg, initial_noise(cfg, 1000 + j), cap, cap_len, cfg.training.sample_steps,
-                              step + 1)
+                              step + 1, a.cfg_scale, *empty)
                 clips.append(to_uint8_frames(x))
                 metrics.append(motion_fidelity(clips[-1], caption))
             trainer.model.train()
@@ -123,7 +127,7 @@ def main(argv: list[str] | None = None) -> int:
             if a.json:
                 print(json.dumps({k: v for k, v in point.items() if k != "samples"}), flush=True)
     first = next((pt["step"] for pt in points if pt["shown"] >= 0.5), None)
-    meta = {"kind": a.kind, "seed": a.seed, "steps": a.steps, "every": a.every, "prompts": a.prompts,
+    meta = {"kind": a.kind, "seed": a.seed, "cfg_scale": a.cfg_scale, "steps": a.steps, "every": a.every, "prompts": a.prompts,
             "split": a.split, "overrides": dict(a.set), "first_step_half_shown": first,
             "step_seconds": train_s / max(a.steps, 1), "minutes": (time.perf_counter() - t0) / 60,
             "threads": a.threads or os.cpu_count(), "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())}
@@ -139,6 +143,7 @@ def main(argv: list[str] | None = None) -> int:
 def markdown(points: list[dict], meta: dict) -> str:
     first = meta["first_step_half_shown"]
     lines = [f"`tiny`, attention {meta['kind']}, seed {meta['seed']}, {meta['prompts']} {meta['split']} prompts, "
+             f"guidance {meta['cfg_scale']:g}, "
              f"overrides {meta['overrides'] or 'none'}; {meta['step_seconds']:.2f} s/step in process; "
              f"total {meta['minutes']:.1f} min",
              "",
