@@ -9,7 +9,7 @@ sample point a gradient from its 8 surrounding tokens only, so a sample whose ta
 object's position in a neighbouring frame) is more than a token away gets no signal that points
 at it. This benchmark measures that signal. For each seed it builds the ``tiny`` dsa model
 (in process, ``megaslide_ray.baseline``), trains it on the motion set's training split, and at
-each step in ``--steps`` does three things on the held-out clips (fixed noise, flow time ``--t``):
+each step in ``--steps`` does three things on the clips of ``--split`` (fixed noise, flow time ``--t``):
 
 1. takes the gradient of the flow-matching loss with respect to every block's offsets;
 2. turns the descent direction (minus the gradient) into a motion estimate per token, exactly as
@@ -93,7 +93,10 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m benchmarks.offset_signal", description=__doc__.split("\n\n")[0])
     p.add_argument("--seeds", type=int, nargs="+", default=[0, 1])
     p.add_argument("--steps", type=int, nargs="+", default=[25, 150], help="measure after these training steps (the fresh model has zero attention gates: no gradient reaches the offsets at step 0)")
-    p.add_argument("--clips", type=int, default=12, help="held-out clips (default 12, the whole split)")
+    p.add_argument("--split", choices=["train", "val"], default="train",
+                   help="clips to measure on: the training split (default; 48 clips, all four speeds) or the "
+                        "held-out one (12 clips, 10 of them fast)")
+    p.add_argument("--clips", type=int, default=48, help="clips of the split (default 48; fewer if it has fewer)")
     p.add_argument("--t", type=float, default=0.5, help="flow time of the measurement (default 0.5)")
     p.add_argument("--window", default="3,3,3", help="dsa's window kt,kh,kw (default 3,3,3)")
     p.add_argument("--threads", type=int, default=0, help="torch threads (0: all cores)")
@@ -118,15 +121,16 @@ def main(argv: list[str] | None = None) -> int:
     log = (lambda *x: print(*x, file=sys.stderr, flush=True))
     t0 = time.perf_counter()
     train, val = (str(x) for x in ensure_motion_dataset())
-    truth = load_ground_truth(val)
-    entries = read_manifest(val)
+    measured = train if a.split == "train" else val
+    truth = load_ground_truth(measured)
+    entries = read_manifest(measured)
     results = []
     for seed in a.seeds:
         over = {"attention.kind": "dsa", "attention.window": a.window, "training.seed": seed,
                 "training.steps": max(a.steps) or 1, "data.manifest": train, "data.val_manifest": val,
-                "training.val_clips": a.clips, **dict(a.set)}
+                "training.val_clips": min(a.clips, len(entries)), **dict(a.set)}
         cfg = build_config("tiny", None, {k: str(v) for k, v in over.items()})
-        valset = load_val_set(cfg)
+        valset = load_val_set(cfg, measured)
         files = [Path(entries[r].path).name for r in valset.rows]
         torch.manual_seed(seed)
         trainer = InProcessTrainer(cfg, threads=a.threads)
@@ -150,7 +154,8 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def markdown(results: list[dict], a, minutes: float) -> str:
-    lines = [f"dsa, window {a.window}, t = {a.t}, seeds {a.seeds}, overrides {dict(a.set) or 'none'}; "
+    lines = [f"dsa, window {a.window}, t = {a.t}, seeds {a.seeds}, {a.split} split, "
+             f"overrides {dict(a.set) or 'none'}; "
              f"total {minutes:.1f} min", "",
              "| step | speed | clips | cosine(descent direction, true motion) per block, mean over seeds |",
              "|---|---|---|---|"]
