@@ -20,7 +20,7 @@ each step in ``--steps`` does three things on the clips of ``--split`` (fixed no
 (Not at step 0: a fresh model's attention output gates are zero, as in DiT's adaLN-Zero, so
 no gradient reaches its offsets; its offset head is zero too, i.e. it starts as neighborhood
 attention.) A positive cosine means the gradient pulls the offsets along the motion; about 0, no useful
-signal. Results are split by speed: ``slow`` clips move at most one token per patch frame
+signal. The same comparison for the learned offsets themselves says whether they follow. Results are split by speed: ``slow`` clips move at most one token per patch frame
 (``slowly``, 0.5 token with ``tiny``'s 2x4x4 patches), ``fast`` clips 2.5-4 tokens (``fast``,
 ``very fast``), beyond a 3x3x3 window's reach. (``at medium speed``, 1.25 tokens, is its own group.)
 """
@@ -41,8 +41,9 @@ GROUPS = {"slowly": "slow", "at medium speed": "medium", "fast": "fast", "very f
 
 
 def gradient_alignment(model, cfg, val, truth: dict, val_files: list[str], t: float, seed: int) -> dict:
-    """``{group: {"cosine_by_block": [...], "clips": n}}``: per speed group and block, the mean
-    cosine between the offsets' descent direction (as a motion estimate) and the true velocity."""
+    """``{group: {"cosine_by_block": [...], "offset_cosine_by_block": [...], "clips": n}}``: per
+    speed group and block, the mean cosine between the true velocity and the motion estimate of
+    the offsets' descent direction (``cosine_by_block``) and of the offsets themselves."""
     from megaslide_ray.diffusion import flow_loss
     from megaslide_ray.evaluate import val_generator
     from megaslide_ray.offsets_view import motion_estimate
@@ -51,9 +52,11 @@ def gradient_alignment(model, cfg, val, truth: dict, val_files: list[str], t: fl
 
     mods = _offset_modules(model)
     grads: dict[int, torch.Tensor] = {}
+    offsets: dict[int, torch.Tensor] = {}
 
     def keep(i):
         def hook(mod, args, out):
+            offsets[i] = out.detach().float()
             out.register_hook(lambda g: grads.__setitem__(i, g.detach().float()))
         return hook
 
@@ -71,22 +74,27 @@ def gradient_alignment(model, cfg, val, truth: dict, val_files: list[str], t: fl
             pred = model(x_t, torch.full((1,), t), torch.from_numpy(val.cond[c:c + 1]),
                          torch.from_numpy(val.cond_len[c:c + 1]))
             flow_loss(pred, noise[None] - x0).backward()
-            per_block = []
-            for i in range(len(mods)):
-                est = motion_estimate(-grads[i][0], window)  # (T, H, W, nh, 2)
-                vals = []
-                for ti, near, v_tok in object_tokens(plan, cfg):
-                    m = est[ti][near].mean(dim=(0, 1))
-                    n = float(m.norm())
-                    vals.append(float(m @ v_tok) / (n * float(v_tok.norm())) if n > 0 else 0.0)
-                per_block.append(statistics.fmean(vals) if vals else math.nan)
-            cos.setdefault(group, []).append(per_block)
+            for name, field in (("gradient", {i: -grads[i][0] for i in grads}),
+                                ("offsets", {i: offsets[i][0] for i in offsets})):
+                per_block = []
+                for i in range(len(mods)):
+                    est = motion_estimate(field[i], window)  # (T, H, W, nh, 2)
+                    vals = []
+                    for ti, near, v_tok in object_tokens(plan, cfg):
+                        m = est[ti][near].mean(dim=(0, 1))
+                        n = float(m.norm())
+                        vals.append(float(m @ v_tok) / (n * float(v_tok.norm())) if n > 0 else 0.0)
+                    per_block.append(statistics.fmean(vals) if vals else math.nan)
+                cos.setdefault((group, name), []).append(per_block)
     finally:
         for h in handles:
             h.remove()
         model.zero_grad(set_to_none=True)
-    return {g: {"cosine_by_block": [float(np.nanmean(b)) for b in zip(*rows)], "clips": len(rows)}
-            for g, rows in sorted(cos.items())}
+    out: dict[str, dict] = {}
+    for (g, name), rows in sorted(cos.items()):
+        key = "cosine_by_block" if name == "gradient" else "offset_cosine_by_block"
+        out.setdefault(g, {"clips": len(rows)})[key] = [float(np.nanmean(b)) for b in zip(*rows)]
+    return out
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -144,7 +152,8 @@ def main(argv: list[str] | None = None) -> int:
                      "groups": gradient_alignment(trainer.model, cfg, valset, truth, files, a.t, seed)}
                 results.append(r)
                 log(f"seed {seed} step {target}: " + "; ".join(
-                    f"{g} ({v['clips']} clips) " + ", ".join(f"{x:+.2f}" for x in v["cosine_by_block"])
+                    f"{g} ({v['clips']} clips) gradient " + ", ".join(f"{x:+.2f}" for x in v["cosine_by_block"])
+                    + " offsets " + ", ".join(f"{x:+.2f}" for x in v["offset_cosine_by_block"])
                     for g, v in r["groups"].items()))
                 if a.json:
                     print(json.dumps(r), flush=True)
@@ -157,15 +166,22 @@ def markdown(results: list[dict], a, minutes: float) -> str:
     lines = [f"dsa, window {a.window}, t = {a.t}, seeds {a.seeds}, {a.split} split, "
              f"overrides {dict(a.set) or 'none'}; "
              f"total {minutes:.1f} min", "",
-             "| step | speed | clips | cosine(descent direction, true motion) per block, mean over seeds |",
-             "|---|---|---|---|"]
+             "| step | speed | clips | cosine(descent direction, true motion) per block | "
+             "cosine(learned offsets, true motion) per block |",
+             "|---|---|---|---|---|"]
+
+    def cell(rs, g, key):
+        blocks = list(zip(*[r["groups"][g][key] for r in rs if g in r["groups"]]))
+        return ", ".join(f"{statistics.fmean(b):+.2f} ± {statistics.stdev(b) if len(b) > 1 else 0.0:.2f}"
+                         for b in blocks)
+
     for step in a.steps:
         rs = [r for r in results if r["step"] == step]
         for g in sorted({g for r in rs for g in r["groups"]}):
-            blocks = list(zip(*[r["groups"][g]["cosine_by_block"] for r in rs if g in r["groups"]]))
             clips = sum(r["groups"][g]["clips"] for r in rs if g in r["groups"])
-            lines.append(f"| {step} | {g} | {clips} | " + ", ".join(
-                f"{statistics.fmean(b):+.2f} ± {statistics.stdev(b) if len(b) > 1 else 0.0:.2f}" for b in blocks) + " |")
+            lines.append(f"| {step} | {g} | {clips} | {cell(rs, g, 'cosine_by_block')} | "
+                         f"{cell(rs, g, 'offset_cosine_by_block')} |")
+    lines += ["", "mean ± sd over seeds of the per-seed means over clips"]
     return "\n".join(lines) + "\n"
 
 

@@ -242,6 +242,7 @@ def test_offset_signal_benchmark(motion_set, monkeypatch, capsys):
     rows = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
     assert [r["step"] for r in rows] == [0, 3]
     assert sum(g["clips"] for g in rows[0]["groups"].values()) == 4
-    assert all(c == 0.0 for g in rows[0]["groups"].values() for c in g["cosine_by_block"])
+    assert all(c == 0.0 for g in rows[0]["groups"].values() for k in ("cosine_by_block", "offset_cosine_by_block")
+               for c in g[k])  # (the fresh offset head is zero too)
     later = [c for g in rows[1]["groups"].values() for c in g["cosine_by_block"]]
     assert all(-1.0 <= c <= 1.0 for c in later) and any(c != 0.0 for c in later), later
