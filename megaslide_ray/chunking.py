@@ -214,7 +214,7 @@ class FrameRanges:
 def slabbed_attention(x: torch.Tensor, qkv: torch.Tensor, chunk: int, heads: int, head_dim: int,
                       window: tuple[int, int, int], scale: float | None, max_offset: float,
                       offsets: Callable | None, residual: Callable,
-                      offset_args: Sequence = (), residual_args: Sequence = ()) -> torch.Tensor:
+                      offset_args: Sequence = (), residual_args: Sequence = (), offset_halo: int = 1) -> torch.Tensor:
     """A chunked block's windowed self-attention (``dsa``, ``neighborhood``) and the residual
     stream after it, over slabs of whole frames (``time_slabs``), each slab checkpointed; the
     driver ``model.DiTBlock`` and ``wan.WanBlock`` share.
@@ -222,8 +222,8 @@ def slabbed_attention(x: torch.Tensor, qkv: torch.Tensor, chunk: int, heads: int
     ``x (B, T, H, W, D)``: the block input; ``qkv (B, T, H, W, 3 D)``: q, k, v of every token
     (heads ``(3, heads, head_dim)`` in the last axis; Wan's q and k rotated), whole. A slab
     ``[t0, t1)`` sees its queries, the key/value frames ``[a, b)`` its samples reach and ``x`` on
-    ``[e0, e1)``: the slab plus one frame either side, clipped (what the offset head's 3x3x3
-    conv reads). ``offsets(xe, *offset_args)``: the offsets ``(B, e1 - e0, H, W, heads, K, 3)``
+    ``[e0, e1)``: the slab plus ``offset_halo`` frames either side, clipped (what the offset
+    head's convolution reads: 1 for its default 3x3x3 kernel). ``offsets(xe, *offset_args)``: the offsets ``(B, e1 - e0, H, W, heads, K, 3)``
     on those frames; None: zero offsets (``neighborhood``). ``residual(xs, o, *residual_args)``:
     the block's stream after attention on the slab's frames, from ``xs = x[:, t0:t1]`` and the
     attention output ``o (B, t1 - t0, H, W, D)`` (heads merged, before the output projection).
@@ -236,7 +236,7 @@ def slabbed_attention(x: torch.Tensor, qkv: torch.Tensor, chunk: int, heads: int
     x_ranges, qkv_ranges = FrameRanges(x), FrameRanges(qkv)
     outs = []
     for t0, t1, a, b in time_slabs(chunk, (T, H, W), window[0], bound):
-        e0, e1 = max(0, t0 - 1), min(T, t1 + 1)  # the offset head's conv reads one frame either side
+        e0, e1 = max(0, t0 - offset_halo), min(T, t1 + offset_halo)  # what the offset head's conv reads
 
         def slab(xe, qs, kvh, *args, t0=t0, t1=t1, a=a, e0=e0):
             q = qs.unflatten(-1, (3, heads, head_dim))[..., 0, :, :]

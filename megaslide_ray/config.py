@@ -98,6 +98,11 @@ class AttentionConfig:
     """If > 0, offsets are bounded as ``max_offset * tanh(raw)``; 0 leaves them unbounded."""
     scale: float = 0.0
     """Softmax scale; 0 means ``head_dim ** -0.5``."""
+    offset_kernel: tuple[int, int, int] = (3, 3, 3)
+    """``dsa``: the (frames, height, width) kernel, in tokens, of the offset head's depthwise
+    convolution: how far around a token the head looks to choose its offsets. Motion it is to
+    follow must show inside it (an object moving 3 tokens per frame is invisible to a 3x3x3
+    head's view of the next frame: ``benchmarks/offset_signal.py``). Each size odd."""
     offset_groups: int = 0
     """``dsa``: heads share offsets in this many groups (consecutive heads, ``num_heads /
     offset_groups`` per group): the offset head predicts ``offset_groups * K * 3`` values per token.
@@ -682,6 +687,10 @@ def validate(cfg: Config) -> Config:
             raise ConfigError(f"attention.window={a.window}: the {axis} size {k} exceeds the token grid's "
                               f"{n} {axis} (grid {grid} = {'latent' if cfg.latent_space else 'data'} size / model.patch_size); "
                               f"shrink the window")
+    for i, k in enumerate(a.offset_kernel):
+        if k <= 0 or k % 2 == 0:
+            raise ConfigError(f"attention.offset_kernel={tuple(a.offset_kernel)}: size {k} (axis {i}) must be odd "
+                              f"and positive, e.g. (3, 3, 3) or (3, 7, 7)")
     if a.max_offset < 0:
         raise ConfigError(f"attention.max_offset={a.max_offset} must be >= 0 (0 = unbounded)")
     if a.scale < 0:

@@ -151,12 +151,12 @@ class InputEmbed(nn.Module):
 
 
 class OffsetPredictor(nn.Module):
-    """Depthwise Conv3d(k=3) -> GELU -> Linear(D -> groups*K*3), last layer zero-initialised so a
+    """Depthwise Conv3d (``kernel``, default 3x3x3) -> GELU -> Linear(D -> groups*K*3), last layer zero-initialised so a
     fresh model starts as 3D neighborhood attention. ``groups`` (``attention.offset_groups``; 0:
     one per head) sets of offsets, each shared by ``num_heads / groups`` consecutive heads."""
 
     def __init__(self, hidden: int, num_heads: int, window: tuple[int, int, int], max_offset: float,
-                 groups: int = 0):
+                 groups: int = 0, kernel: tuple[int, int, int] = (3, 3, 3)):
         super().__init__()
         self.num_heads = num_heads
         self.groups = groups or num_heads
@@ -164,7 +164,10 @@ class OffsetPredictor(nn.Module):
             raise ValueError(f"offset groups {self.groups} do not divide {num_heads} heads")
         self.K = window[0] * window[1] * window[2]
         self.max_offset = max_offset
-        self.dwconv = nn.Conv3d(hidden, hidden, kernel_size=3, padding=1, groups=hidden)
+        kernel = tuple(int(k) for k in kernel)
+        self.halo = kernel[0] // 2  # frames the conv reads on either side of a token's own
+        self.dwconv = nn.Conv3d(hidden, hidden, kernel_size=kernel, padding=tuple(k // 2 for k in kernel),
+                                groups=hidden)
         self.out = nn.Linear(hidden, self.groups * self.K * 3)
 
     def forward(self, h: torch.Tensor) -> torch.Tensor:
@@ -191,8 +194,8 @@ class Attention(nn.Module):
         self.scale = a.scale if a.scale > 0 else self.head_dim ** -0.5
         self.qkv = nn.Linear(m.hidden_size, 3 * m.hidden_size)
         self.proj = nn.Linear(m.hidden_size, m.hidden_size)
-        self.offsets = (OffsetPredictor(m.hidden_size, m.num_heads, self.window, a.max_offset, a.offset_groups)
-                        if a.kind == "dsa" else None)
+        self.offsets = (OffsetPredictor(m.hidden_size, m.num_heads, self.window, a.max_offset, a.offset_groups,
+                                        a.offset_kernel) if a.kind == "dsa" else None)
 
     def forward(self, h: torch.Tensor) -> torch.Tensor:
         B, T, H, W, D = h.shape
@@ -266,7 +269,7 @@ class DiTBlock(nn.Module):
                                   attn.offsets.max_offset if off_f is not None else 0.0,
                                   slab_offsets if off_f is not None else None,
                                   lambda xs, o, g: xs + gate(proj_f(o), g),
-                                  (shift_a, scale_a), (gate_a,))
+                                  (shift_a, scale_a), (gate_a,), attn.offsets.halo if off_f is not None else 0)
         del qkv
 
         def mlp_chunk(xc, sh, sc, g):

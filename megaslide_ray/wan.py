@@ -253,7 +253,7 @@ class WanAttention(nn.Module):
         self.to_out = nn.ModuleList([nn.Linear(D, D), nn.Identity()])  # [1]: diffusers' dropout
         self.norm_q = nn.RMSNorm(D, eps=m.eps)
         self.norm_k = nn.RMSNorm(D, eps=m.eps)
-        self.offsets = (OffsetPredictor(D, m.num_heads, self.window, a.max_offset, a.offset_groups)
+        self.offsets = (OffsetPredictor(D, m.num_heads, self.window, a.max_offset, a.offset_groups, a.offset_kernel)
                         if self.kind == "dsa" else None)
 
     def _heads(self, z: torch.Tensor) -> torch.Tensor:
@@ -421,7 +421,7 @@ class WanBlock(nn.Module):
             x = slabbed_attention(x, qkv, N, nh, hd, a1.window, a1.scale,
                                   a1.offsets.max_offset if off_f is not None else 0.0,
                                   slab_offsets if off_f is not None else None, residual,
-                                  (shift_a, scale_a), (gate_a,))
+                                  (shift_a, scale_a), (gate_a,), a1.offsets.halo if off_f is not None else 0)
         del qkv
         k_text = a2.norm_k(a2.to_k(text)).unflatten(-1, (nh, hd))  # (B, Lt, nh, d): once per block
         v_text = a2.to_v(text).unflatten(-1, (nh, hd))

@@ -27,10 +27,10 @@ CHUNKS = [36, 40, 7, 500]  # divides; does not; < one frame (9 tokens); > the cl
 TOL = 1e-6
 
 
-def _config(arch: str, kind: str, chunk: int, max_offset: float = 1.5):
+def _config(arch: str, kind: str, chunk: int, max_offset: float = 1.5, offset_kernel: str = "3,3,3"):
     over = {"model.depth": 1, "model.hidden_size": 32, "model.num_heads": 2, "model.ffn_dim": 64,
             "attention.kind": kind, "attention.window": "3,3,3", "attention.max_offset": max_offset,
-            "runtime.token_chunk": chunk}
+            "attention.offset_kernel": offset_kernel, "runtime.token_chunk": chunk}
     if arch == "wan":
         over.update({"model.arch": "wan", "model.text_dim": 16, "model.text_len": 5, "model.in_channels": 4,
                      "model.patch_size": "1,2,2", "model.timestep_freq_dim": 16, "data.num_frames": 9,
@@ -38,9 +38,9 @@ def _config(arch: str, kind: str, chunk: int, max_offset: float = 1.5):
     return build_config("tiny", None, over)
 
 
-def _blocks(arch, kind, chunk, max_offset=1.5, seed=0):
-    whole = build_shard(_config(arch, kind, 0, max_offset), 1)
-    chunked = build_shard(_config(arch, kind, chunk, max_offset), 1)
+def _blocks(arch, kind, chunk, max_offset=1.5, seed=0, offset_kernel="3,3,3"):
+    whole = build_shard(_config(arch, kind, 0, max_offset, offset_kernel), 1)
+    chunked = build_shard(_config(arch, kind, chunk, max_offset, offset_kernel), 1)
     g = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for p in whole.parameters():
@@ -98,8 +98,9 @@ def _assert_same(got, want, tol, exact=None):
             assert err <= tol, f"{name}: relative error {err:.2e}"
 
 
-def _compare(arch, kind, chunk, max_offset=1.5, functional=False, dtype=torch.float32, grid=GRID, B=2):
-    whole, chunked = _blocks(arch, kind, chunk, max_offset)
+def _compare(arch, kind, chunk, max_offset=1.5, functional=False, dtype=torch.float32, grid=GRID, B=2,
+             offset_kernel="3,3,3"):
+    whole, chunked = _blocks(arch, kind, chunk, max_offset, offset_kernel=offset_kernel)
     whole, chunked = whole.to(dtype), chunked.to(dtype)
     x, c = _inputs(arch, grid=grid, B=B)
     x, c = x.to(dtype), c.to(dtype)
@@ -142,6 +143,16 @@ def test_dsa_chunked_equals_whole_reference_and_cpu(monkeypatch, arch, chunk):
     h = torch.randn(1, *GRID, 32)
     off = attn.offsets(h)
     assert off.abs().max() == 1.5 and (off.abs() < 1.4).float().mean() > 0.1
+
+
+@pytest.mark.parametrize("offset_kernel", ["5,3,3", "3,5,5"])
+@pytest.mark.parametrize("arch", ["videodit", "wan"])
+def test_a_wider_offset_head_chunked_equals_whole(monkeypatch, arch, offset_kernel):
+    # a 5-frame kernel reads two frames either side of a slab: the slab's x halo must follow
+    monkeypatch.setenv("MEGASLIDE_DSA_BACKEND", "cpu")
+    whole = _compare(arch, "dsa", 7, offset_kernel=offset_kernel)
+    attn = getattr(whole, "attn", None) or whole.attn1
+    assert tuple(attn.offsets.dwconv.kernel_size) == tuple(int(k) for k in offset_kernel.split(","))
 
 
 @pytest.mark.parametrize("kind", ["dense", "swin", "neighborhood"])
