@@ -98,6 +98,11 @@ class AttentionConfig:
     """If > 0, offsets are bounded as ``max_offset * tanh(raw)``; 0 leaves them unbounded."""
     scale: float = 0.0
     """Softmax scale; 0 means ``head_dim ** -0.5``."""
+    offset_scale: float = 1.0
+    """``dsa``: the offset head's raw output is multiplied by this before ``max_offset``'s bound.
+    The head's last layer starts at zero and AdamW moves each weight by about the learning rate
+    per step whatever the gradient's size, so this scales how fast offsets move: in effect the
+    offsets' learning rate relative to ``optim.lr`` (0.1: ten times slower)."""
     offset_kernel: tuple[int, int, int] = (3, 3, 3)
     """``dsa``: the (frames, height, width) kernel, in tokens, of the offset head's depthwise
     convolution: how far around a token the head looks to choose its offsets. Motion it is to
@@ -691,6 +696,9 @@ def validate(cfg: Config) -> Config:
         if k <= 0 or k % 2 == 0:
             raise ConfigError(f"attention.offset_kernel={tuple(a.offset_kernel)}: size {k} (axis {i}) must be odd "
                               f"and positive, e.g. (3, 3, 3) or (3, 7, 7)")
+    if not (a.offset_scale > 0 and math.isfinite(a.offset_scale)):
+        raise ConfigError(f"attention.offset_scale={a.offset_scale} must be a finite number > 0 (1: the offsets "
+                          f"learn at optim.lr; 0.1: ten times slower)")
     if a.max_offset < 0:
         raise ConfigError(f"attention.max_offset={a.max_offset} must be >= 0 (0 = unbounded)")
     if a.scale < 0:

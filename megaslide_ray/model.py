@@ -156,7 +156,7 @@ class OffsetPredictor(nn.Module):
     one per head) sets of offsets, each shared by ``num_heads / groups`` consecutive heads."""
 
     def __init__(self, hidden: int, num_heads: int, window: tuple[int, int, int], max_offset: float,
-                 groups: int = 0, kernel: tuple[int, int, int] = (3, 3, 3)):
+                 groups: int = 0, kernel: tuple[int, int, int] = (3, 3, 3), scale: float = 1.0):
         super().__init__()
         self.num_heads = num_heads
         self.groups = groups or num_heads
@@ -164,6 +164,7 @@ class OffsetPredictor(nn.Module):
             raise ValueError(f"offset groups {self.groups} do not divide {num_heads} heads")
         self.K = window[0] * window[1] * window[2]
         self.max_offset = max_offset
+        self.scale = float(scale)
         kernel = tuple(int(k) for k in kernel)
         self.halo = kernel[0] // 2  # frames the conv reads on either side of a token's own
         self.dwconv = nn.Conv3d(hidden, hidden, kernel_size=kernel, padding=tuple(k // 2 for k in kernel),
@@ -174,6 +175,8 @@ class OffsetPredictor(nn.Module):
         # h: (B, T, H, W, D) -> offsets (B, T, H, W, nh, K, 3)
         y = self.dwconv(h.permute(0, 4, 1, 2, 3)).permute(0, 2, 3, 4, 1)
         y = self.out(F.gelu(y))
+        if self.scale != 1.0:
+            y = y * self.scale
         if self.max_offset > 0:
             y = self.max_offset * torch.tanh(y)
         y = y.view(*h.shape[:4], self.groups, self.K, 3)
@@ -195,7 +198,7 @@ class Attention(nn.Module):
         self.qkv = nn.Linear(m.hidden_size, 3 * m.hidden_size)
         self.proj = nn.Linear(m.hidden_size, m.hidden_size)
         self.offsets = (OffsetPredictor(m.hidden_size, m.num_heads, self.window, a.max_offset, a.offset_groups,
-                                        a.offset_kernel) if a.kind == "dsa" else None)
+                                        a.offset_kernel, a.offset_scale) if a.kind == "dsa" else None)
 
     def forward(self, h: torch.Tensor) -> torch.Tensor:
         B, T, H, W, D = h.shape

@@ -253,7 +253,8 @@ class WanAttention(nn.Module):
         self.to_out = nn.ModuleList([nn.Linear(D, D), nn.Identity()])  # [1]: diffusers' dropout
         self.norm_q = nn.RMSNorm(D, eps=m.eps)
         self.norm_k = nn.RMSNorm(D, eps=m.eps)
-        self.offsets = (OffsetPredictor(D, m.num_heads, self.window, a.max_offset, a.offset_groups, a.offset_kernel)
+        self.offsets = (OffsetPredictor(D, m.num_heads, self.window, a.max_offset, a.offset_groups, a.offset_kernel,
+                                        a.offset_scale)
                         if self.kind == "dsa" else None)
 
     def _heads(self, z: torch.Tensor) -> torch.Tensor:

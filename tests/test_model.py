@@ -127,3 +127,26 @@ def test_caption_dropout_is_a_function_of_seed_and_step_and_spares_text():
     text = {"text": np.ones((4, 8, 16), np.float32), "text_len": np.full(4, 8, np.int32)}
     t, t_len = batch_conditioning(text, 0, 0, 0.99)
     assert bool((t == 1).all()) and t_len.tolist() == [8] * 4  # text embeddings are never dropped
+
+
+def test_offset_scale_scales_the_offset_heads_output():
+    from megaslide_ray.config import build_config
+    from megaslide_ray.model import build_shard
+
+    over = {"model.depth": 1, "model.hidden_size": 32, "model.num_heads": 2, "attention.kind": "dsa"}
+    one = build_shard(build_config("tiny", None, over), 1)
+    tenth = build_shard(build_config("tiny", None, {**over, "attention.offset_scale": 0.1}), 1)
+    bounded = build_shard(build_config("tiny", None, {**over, "attention.offset_scale": 0.1,
+                                                      "attention.max_offset": 2.0}), 1)
+    with torch.no_grad():
+        for p in one.parameters():
+            p.normal_(0.0, 0.5, generator=torch.Generator().manual_seed(p.numel()))
+    tenth.load_state_dict(one.state_dict())
+    bounded.load_state_dict(one.state_dict())
+    h = torch.randn(1, 4, 4, 4, 32, generator=torch.Generator().manual_seed(0))
+    raw = one.attn.offsets(h)
+    assert raw.abs().max() > 1.0
+    torch.testing.assert_close(tenth.attn.offsets(h), 0.1 * raw)
+    torch.testing.assert_close(bounded.attn.offsets(h), 2.0 * torch.tanh(0.1 * raw))
+    with pytest.raises(Exception, match="offset_scale"):
+        build_config("tiny", None, {"attention.offset_scale": 0})
