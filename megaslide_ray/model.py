@@ -361,20 +361,26 @@ def num_shards(cfg: Config) -> int:
 def initialize_shard(module: nn.Module, seed: int, index: int) -> None:
     """Deterministic init of one shard from (seed, index), independent of every other shard,
     so a shard-by-shard init equals a whole-model init. DiT recipe: xavier linears, zeroed
-    adaLN modulations and output layer (adaLN-Zero), zeroed offset head. Wan shards follow
+    adaLN modulations and output layer (adaLN-Zero), zeroed offset head (drawn from a stream of
+    its own, so the rest of a dsa model equals a neighborhood or swin model of the same seed). Wan shards follow
     Wan's recipe (``megaslide_ray.wan.initialize_shard``)."""
     if getattr(module, "arch", None) == "wan":
         from megaslide_ray import wan
 
         return wan.initialize_shard(module, seed, index)
-    g = torch.Generator(device="cpu").manual_seed(_mix(seed, index))
+    main = torch.Generator(device="cpu").manual_seed(_mix(seed, index))
+    # the offset heads draw from their own stream: every other weight is the same with or
+    # without them, so dsa and the fixed-window kinds start from the same weights per seed
+    heads = torch.Generator(device="cpu").manual_seed(_mix(seed, index) ^ 0x0FF5E7)
 
     def fill_(p: torch.Tensor, fn) -> None:
         tmp = torch.empty(p.shape, dtype=torch.float32)
         fn(tmp, g)
         p.copy_(tmp)
 
+    in_head = {id(m) for head in module.modules() if isinstance(head, OffsetPredictor) for m in head.modules()}
     for name, mod in module.named_modules():
+        g = heads if id(mod) in in_head else main
         if isinstance(mod, nn.Linear):
             bound = math.sqrt(6.0 / (mod.in_features + mod.out_features))
             fill_(mod.weight, lambda t, g, b=bound: t.uniform_(-b, b, generator=g))
@@ -387,6 +393,7 @@ def initialize_shard(module: nn.Module, seed: int, index: int) -> None:
             nn.init.zeros_(mod.bias)
         elif isinstance(mod, nn.Embedding):
             fill_(mod.weight, lambda t, g: t.normal_(0.0, 0.02, generator=g))
+    g = main
     if isinstance(module, InputEmbed):
         for lin in (module.t_mlp[0], module.t_mlp[2]):
             fill_(lin.weight, lambda t, g: t.normal_(0.0, 0.02, generator=g))

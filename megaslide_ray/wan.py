@@ -545,8 +545,11 @@ def initialize_shard(module: nn.Module, seed: int, index: int) -> None:
     after Wan's own recipe: xavier-uniform linears with zero biases, the patch embedding xavier
     over its flattened kernel, normal(0, 0.02) timestep and text MLPs, ``scale_shift_table``
     normal / sqrt(D), unit norms, a zero output projection; the DSA offset head as in
-    ``megaslide_ray.model`` (its last layer zero: a fresh model starts as neighborhood attention)."""
-    g = torch.Generator(device="cpu").manual_seed(_mix(seed, index))
+    ``megaslide_ray.model`` (its last layer zero: a fresh model starts as neighborhood attention;
+    drawn from a stream of its own, so every other weight is the same with or without it)."""
+    main = torch.Generator(device="cpu").manual_seed(_mix(seed, index))
+    heads = torch.Generator(device="cpu").manual_seed(_mix(seed, index) ^ 0x0FF5E7)  # offset heads' own stream
+    g = main
 
     def fill_(p: torch.Tensor, fn) -> None:
         tmp = torch.empty(p.shape, dtype=torch.float32)
@@ -560,7 +563,9 @@ def initialize_shard(module: nn.Module, seed: int, index: int) -> None:
     def normal_(p: torch.Tensor, std: float) -> None:
         fill_(p, lambda t: t.normal_(0.0, std, generator=g))
 
+    in_head = {id(m) for head in module.modules() if isinstance(head, OffsetPredictor) for m in head.modules()}
     for name, mod in module.named_modules():
+        g = heads if id(mod) in in_head else main
         if isinstance(mod, nn.Linear):
             if ".time_embedder." in f".{name}." or ".text_embedder." in f".{name}.":
                 normal_(mod.weight, 0.02)
@@ -577,6 +582,7 @@ def initialize_shard(module: nn.Module, seed: int, index: int) -> None:
                 nn.init.ones_(mod.weight)
             if getattr(mod, "bias", None) is not None:
                 nn.init.zeros_(mod.bias)
+    g = main
     if isinstance(module, (WanBlock, WanHead)):
         normal_(module.scale_shift_table, module.scale_shift_table.shape[-1] ** -0.5)
     if isinstance(module, WanHead):

@@ -150,3 +150,27 @@ def test_offset_scale_scales_the_offset_heads_output():
     torch.testing.assert_close(bounded.attn.offsets(h), 2.0 * torch.tanh(0.1 * raw))
     with pytest.raises(Exception, match="offset_scale"):
         build_config("tiny", None, {"attention.offset_scale": 0})
+
+
+@pytest.mark.parametrize("arch", ["videodit", "wan"])
+def test_dsa_starts_from_the_weights_of_the_fixed_window_kinds(arch):
+    # the attention-kind comparisons (benchmarks.quality) hold everything but the kind equal
+    from megaslide_ray.config import build_config
+    from megaslide_ray.model import build_shard, initialize_shard
+
+    over = {"model.depth": 1, "model.hidden_size": 32, "model.num_heads": 2}
+    if arch == "wan":
+        over.update({"model.arch": "wan", "model.text_dim": 16, "model.text_len": 5, "model.in_channels": 4,
+                     "model.patch_size": "1,2,2", "model.timestep_freq_dim": 16, "data.num_frames": 9,
+                     "data.height": 48, "data.width": 80})
+    blocks = {}
+    for kind in ("dsa", "neighborhood", "swin"):
+        b = build_shard(build_config("tiny", None, {**over, "attention.kind": kind}), 1)
+        initialize_shard(b, 3, 1)
+        blocks[kind] = dict(b.named_parameters())
+    rest = {n: p for n, p in blocks["dsa"].items() if ".offsets." not in f".{n}"}
+    assert len(rest) < len(blocks["dsa"])  # the dsa block has an offset head
+    for kind in ("neighborhood", "swin"):
+        assert rest.keys() == blocks[kind].keys()
+        for n, p in rest.items():
+            assert torch.equal(p, blocks[kind][n]), (kind, n)
