@@ -207,6 +207,7 @@ def test_train_demo_motion_sets_the_data_and_validation(tmp_path, monkeypatch, c
     assert "eval_every = 10" in out
 
 
+@pytest.mark.slow  # a benchmark end to end (10-20 s): the default run stays under 10 minutes
 def test_learning_benchmark_scores_samples_at_each_checkpoint(motion_set, tmp_path, monkeypatch):
     # benchmarks.learning end to end at the smallest size: an untrained model samples noise, which
     # holds no object, so no sample shows its prompt yet
@@ -229,6 +230,7 @@ def test_learning_benchmark_scores_samples_at_each_checkpoint(motion_set, tmp_pa
     assert not any(learning.shows_prompt(r) for r in _scores(clips, lambda f, rng: np.repeat(f[:1], len(f), 0)))
 
 
+@pytest.mark.slow  # a benchmark end to end (10-20 s): the default run stays under 10 minutes
 def test_offset_signal_benchmark(motion_set, monkeypatch, capsys):
     # the fresh model's attention gates are zero (adaLN-Zero): no gradient reaches the offsets,
     # every cosine is exactly 0; a few steps later the gradient exists and the cosines are real numbers
