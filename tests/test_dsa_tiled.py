@@ -39,6 +39,7 @@ interpreter_only = pytest.mark.skipif(
 )
 
 
+@pytest.mark.slow  # about 30 s: the default run stays under 10 minutes (`.ci/run` runs the slow half too)
 @pytest.mark.skipif(INTERPRETER_ACTIVE, reason="already inside the interpreter run")
 def test_tiled_kernels_under_interpreter():
     """Run the ``test_interp_*`` tests below in a child process with TRITON_INTERPRET=1."""
