@@ -36,8 +36,9 @@ def video_to_unit(video: torch.Tensor | np.ndarray) -> torch.Tensor:
     return v.to(torch.float32) / 127.5 - 1.0
 
 
-def step_generator(seed: int, step: int) -> torch.Generator:
-    return torch.Generator(device="cpu").manual_seed((seed * 0x9E3779B1 + step * 0x85EBCA77 + 1) % (2**63 - 1))
+def step_generator(seed: int, step: int, stream: int = 1) -> torch.Generator:
+    """The generator of step ``step``'s draws in ``stream`` (1: noise and t)."""
+    return torch.Generator(device="cpu").manual_seed((seed * 0x9E3779B1 + step * 0x85EBCA77 + stream) % (2**63 - 1))
 
 
 def shift_time(t: torch.Tensor, shift: float) -> torch.Tensor:
@@ -75,8 +76,7 @@ def caption_dropout(cfg) -> float:
 
 def caption_drops(seed: int, step: int, batch: int, p: float) -> torch.Tensor:
     """``(batch,)`` bool: which captions of step ``step``'s batch are dropped (probability ``p``)."""
-    g = torch.Generator(device="cpu").manual_seed((seed * 0x9E3779B1 + step * 0x85EBCA77 + _DROP_STREAM) % (2**63 - 1))
-    return torch.rand(batch, generator=g, dtype=torch.float64) < p
+    return torch.rand(batch, generator=step_generator(seed, step, _DROP_STREAM), dtype=torch.float64) < p
 
 
 def batch_flow_inputs(batch: dict, seed: int, step: int, t_sampling: str = "logit_normal",
