@@ -38,17 +38,20 @@ def uninterrupted(ray_session, small_config, tmp_path_factory):
 
 # Several faults per run keep CI short; each one is a separate actor death the run recovers
 # from (benchmarks/faults.py injects them one per run and times the recovery).
+# The two store rows (about 22 s each) run in the slow half; test_store_restart's cut inside a
+# shard kills the store in the default run.
 MATRIX = [
     # compute actor: killed at every point of a step (steps 1-4; step 2 is queued ahead of step 1's update)
-    ("compute.after_weights@1,compute.mid_forward@2,compute.mid_backward@3,compute.before_weights@4", 0),
+    pytest.param("compute.after_weights@1,compute.mid_forward@2,compute.mid_backward@3,compute.before_weights@4", 0,
+                 id="compute"),
     # parameter store: killed between two shards' updates, and while writing the step-2 checkpoint
-    ("store.mid_update@1,store.mid_checkpoint@2", 0),
+    pytest.param("store.mid_update@1,store.mid_checkpoint@2", 0, id="store", marks=pytest.mark.slow),
     # parameter store killed inside a shard's update: the state is half-written, the step-2 checkpoint restored
-    ("store.mid_shard_update@3", 1),
+    pytest.param("store.mid_shard_update@3", 1, id="store-rollback", marks=pytest.mark.slow),
 ]
 
 
-@pytest.mark.parametrize("spec,rollbacks", MATRIX, ids=["compute", "store", "store-rollback"])
+@pytest.mark.parametrize("spec,rollbacks", MATRIX)
 def test_fault_matrix_recovers_bit_identical(spec, rollbacks, uninterrupted, small_config, tmp_path, monkeypatch):
     cfg = small_config(**STEPS, **{"runtime.max_restarts": 4})
     summary, got = run(cfg, tmp_path / "run", spec, monkeypatch)

@@ -8,6 +8,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[1]
 BLOCKED = ("ray", "decord", "av", "diffusers")
 
@@ -35,6 +37,7 @@ finally:
 """
 
 
+@pytest.mark.slow  # 18 s: a fresh process of the GPU script on CPU
 def test_gpu_check_smoke_runs_without_ray_decord_av_diffusers(tmp_path):
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env.update(PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
