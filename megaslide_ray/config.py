@@ -65,6 +65,12 @@ class ModelConfig:
     """``videodit``: width of the built-in byte-level caption encoder before projection to ``hidden_size``."""
     caption_max_bytes: int = 128
     """``videodit``: captions are UTF-8 encoded and cut to this many bytes."""
+    caption_layers: int = 2
+    """``videodit``: self-attention layers over the caption's bytes (with learned byte positions)
+    before they are pooled into the condition. They make word order count: "a red circle on a dark
+    blue background" and "a blue circle on a dark red background" hold the same bytes. 0: a bag
+    of bytes, the first encoder (needed to resume or sample a checkpoint trained before this
+    field existed)."""
     ffn_dim: int = 0
     """Feed-forward hidden width; 0: ``mlp_ratio * hidden_size``. The Wan models set it (8960, 13824,
     14336)."""
@@ -375,13 +381,13 @@ def dit_105b() -> Config:
 
 
 def dit_33b() -> Config:
-    """The 33.3B scaling point: width 5632, 53 blocks, 44 heads (33.33e9 parameters), on VAE latents
+    """The 33.3B scaling point: width 5632, 53 blocks, 44 heads (33.36e9 parameters), on VAE latents
     like ``dit-105b``."""
     return _paper("dit-33b", hidden=5632, depth=53, heads=44)
 
 
 def dit_28b() -> Config:
-    """The 28.4B scaling point: width 5632, 45 blocks, 44 heads (28.32e9 parameters), on VAE latents
+    """The 28.4B scaling point: width 5632, 45 blocks, 44 heads (28.34e9 parameters), on VAE latents
     like ``dit-105b``."""
     return _paper("dit-28b", hidden=5632, depth=45, heads=44)
 
@@ -642,6 +648,9 @@ def validate(cfg: Config) -> Config:
                          ("attention.offset_groups", a.offset_groups)]:
         if value < 0:
             raise ConfigError(f"{where}={value} must be >= 0 (0 = the default it names)")
+    if m.caption_layers < 0:
+        raise ConfigError(f"model.caption_layers={m.caption_layers} must be >= 0 (0: a bag of bytes, no "
+                          f"self-attention over the caption)")
     if m.arch == "videodit" and m.out_channels not in (0, m.in_channels):
         raise ConfigError(f"model.out_channels={m.out_channels}: the videodit model predicts its "
                           f"{m.in_channels} input channels; use 0 or {m.in_channels}")

@@ -101,14 +101,45 @@ def timestep_features(t: torch.Tensor, dim: int) -> torch.Tensor:
 # ---------------------------------------------------------------------------------------------
 
 
-class CaptionEncoder(nn.Module):
-    """Bytes -> embedding -> MLP -> masked mean pool -> (B, hidden). Small and built in, so the
-    system needs no text model downloaded from a hub. Its input, zero-padded UTF-8 bytes and
-    their lengths, is built by ``megaslide_ray.captions``."""
+class CaptionLayer(nn.Module):
+    """One pre-norm transformer layer over a caption's bytes: self-attention among the caption's
+    own bytes (padding is never attended to), then an MLP."""
 
-    def __init__(self, caption_dim: int, hidden: int):
+    def __init__(self, dim: int):
+        super().__init__()
+        self.heads = dim // 32 if dim % 32 == 0 and dim >= 64 else 1
+        self.norm1 = nn.LayerNorm(dim)
+        self.qkv = nn.Linear(dim, 3 * dim)
+        self.out = nn.Linear(dim, dim)
+        self.norm2 = nn.LayerNorm(dim)
+        self.mlp = nn.Sequential(nn.Linear(dim, 4 * dim), nn.GELU(approximate="tanh"), nn.Linear(4 * dim, dim))
+
+    def forward(self, x: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
+        # x: (B, Lc, D); keys: (B, 1, 1, Lc) bool, the positions each query may attend to
+        B, L, D = x.shape
+        q, k, v = self.qkv(self.norm1(x)).view(B, L, 3, self.heads, D // self.heads).permute(2, 0, 3, 1, 4)
+        a = F.scaled_dot_product_attention(q, k, v, attn_mask=keys)
+        x = x + self.out(a.transpose(1, 2).reshape(B, L, D))
+        return x + self.mlp(self.norm2(x))
+
+
+class CaptionEncoder(nn.Module):
+    """Bytes -> embedding (+ position) -> ``layers`` self-attention layers -> MLP -> masked mean
+    pool -> (B, hidden). Small and built in, so the system needs no text model downloaded from a
+    hub. Its input, zero-padded UTF-8 bytes and their lengths, is built by
+    ``megaslide_ray.captions``.
+
+    The self-attention layers are what let the pooled vector depend on word order: "a red circle
+    on a dark blue background" and "a blue circle on a dark red background" hold the same bytes,
+    so with ``layers = 0`` (a bag of bytes, this model's first encoder) they are the same
+    condition and the model cannot tell the object's colour from the background's. An empty
+    caption (length 0) pools to zeros either way: the unconditional input is ``proj``'s bias."""
+
+    def __init__(self, caption_dim: int, hidden: int, layers: int = 0, max_bytes: int = 128):
         super().__init__()
         self.embed = nn.Embedding(257, caption_dim)  # 0 = padding, byte b -> b + 1
+        self.position = nn.Embedding(max_bytes, caption_dim) if layers > 0 else None
+        self.layers = nn.ModuleList(CaptionLayer(caption_dim) for _ in range(layers))
         self.mlp = nn.Sequential(nn.Linear(caption_dim, caption_dim), nn.GELU(approximate="tanh"))
         self.proj = nn.Linear(caption_dim, hidden)
 
@@ -117,7 +148,20 @@ class CaptionEncoder(nn.Module):
         B, Lc = caption.shape
         mask = torch.arange(Lc, device=caption.device)[None, :] < caption_len[:, None]  # (B, Lc)
         ids = torch.where(mask, caption.long() + 1, torch.zeros_like(caption, dtype=torch.long))
-        e = self.mlp(self.embed(ids))  # (B, Lc, Cd)
+        e = self.embed(ids)  # (B, Lc, Cd)
+        if self.position is not None:
+            if Lc > self.position.num_embeddings:
+                raise ValueError(f"captions of {Lc} bytes, but the encoder has positions for "
+                                 f"{self.position.num_embeddings} (model.caption_max_bytes)")
+            pos = self.position.weight
+            if Lc != pos.shape[0]:  # batches come padded to caption_max_bytes: this is rare (a slice's
+                pos = pos[:Lc]  # backward fills a zero table of the whole size, one more per step)
+            e = e + pos.to(e.dtype)
+            # an empty caption's queries attend to everything (they are pooled away), never to nothing
+            keys = (mask | (caption_len[:, None] <= 0))[:, None, None, :]
+            for layer in self.layers:
+                e = layer(e, keys)
+        e = self.mlp(e)
         m = mask.to(e.dtype)[..., None]
         pooled = (e * m).sum(1) / m.sum(1).clamp(min=1.0)  # empty caption -> zeros
         return self.proj(pooled)
@@ -132,7 +176,7 @@ class InputEmbed(nn.Module):
         self.patch = nn.Conv3d(m.in_channels, m.hidden_size, kernel_size=m.patch_size, stride=m.patch_size)
         self.t_mlp = nn.Sequential(nn.Linear(m.timestep_freq_dim, m.hidden_size), nn.SiLU(),
                                    nn.Linear(m.hidden_size, m.hidden_size))
-        self.caption = CaptionEncoder(m.caption_dim, m.hidden_size)
+        self.caption = CaptionEncoder(m.caption_dim, m.hidden_size, m.caption_layers, m.caption_max_bytes)
 
     def forward(self, x_t: torch.Tensor, t: torch.Tensor, caption: torch.Tensor,
                 caption_len: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

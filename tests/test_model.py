@@ -174,3 +174,57 @@ def test_dsa_starts_from_the_weights_of_the_fixed_window_kinds(arch):
         assert rest.keys() == blocks[kind].keys()
         for n, p in rest.items():
             assert torch.equal(p, blocks[kind][n]), (kind, n)
+
+
+def _encode(enc, texts, width=128, pad_byte=0):
+    from megaslide_ray.captions import empty_captions, set_caption
+
+    cap, cap_len = empty_captions(len(texts), width)
+    for row, text in enumerate(texts):
+        set_caption(cap, cap_len, row, text)
+        cap[row, cap_len[row]:] = pad_byte
+    return enc(torch.from_numpy(cap), torch.from_numpy(cap_len))
+
+
+def test_caption_encoder_tells_the_objects_colour_from_the_backgrounds():
+    """The same bytes in another order are another condition once the encoder has self-attention
+    layers; a bag of bytes (caption_layers 0, the first encoder) cannot tell them apart."""
+    a = "a red circle moving right fast on a dark blue background"
+    b = "a blue circle moving right fast on a dark red background"
+    assert sorted(a) == sorted(b)
+    for layers in (0, 1, 2):
+        cfg = build_config("tiny", None, {"model.caption_layers": layers})
+        enc = build_model(cfg).embed.caption
+        with torch.no_grad():
+            ca, cb = _encode(enc, [a, b])
+            gap = float((ca - cb).abs().max())
+            scale = float(ca.abs().max())
+        if layers == 0:
+            assert gap < 1e-6 * scale, gap
+        else:
+            assert gap > 0.05 * scale, (layers, gap, scale)
+
+
+def test_caption_encoder_ignores_padding_and_pools_an_empty_caption_to_zeros():
+    cfg = build_config("tiny", None, {"model.caption_layers": 2})
+    enc = build_model(cfg).embed.caption
+    with torch.no_grad():
+        texts = ["a green square moving up slowly", "", "a yellow triangle"]
+        clean = _encode(enc, texts)
+        dirty = _encode(enc, texts, pad_byte=77)  # garbage past each caption's length
+        alone = _encode(enc, texts[:1])  # another batch around it
+    assert torch.isfinite(clean).all()
+    torch.testing.assert_close(dirty, clean, rtol=0, atol=1e-6)
+    torch.testing.assert_close(alone[0], clean[0], rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(clean[1], enc.proj.bias.detach(), rtol=0, atol=0)  # unconditional = bias
+
+
+def test_caption_layers_zero_keeps_the_first_encoders_parameters():
+    """Checkpoints trained before ``model.caption_layers`` hold the bag-of-bytes encoder: with 0
+    layers the parameter names and shapes are those, so such runs resume and sample."""
+    names = {k: tuple(v.shape) for k, v in build_shard(build_config("tiny", None, {"model.caption_layers": 0}),
+                                                        0).state_dict().items() if k.startswith("caption.")}
+    assert names == {"caption.embed.weight": (257, 64), "caption.mlp.0.weight": (64, 64),
+                     "caption.mlp.0.bias": (64,), "caption.proj.weight": (128, 64), "caption.proj.bias": (128,)}
+    with pytest.raises(Exception, match="caption_layers=-1"):
+        build_config("tiny", None, {"model.caption_layers": -1})
