@@ -589,10 +589,27 @@ def to_toml(cfg: Config) -> str:
     return "\n".join(lines) + "\n"
 
 
+ADDED_LATER: dict[str, Any] = {
+    "model.caption_layers": 0,  # before it: a bag-of-bytes caption encoder
+    "training.caption_dropout": 0.0,  # before it: captions were never dropped
+}
+"""Fields added after runs were already being saved, with the behaviour of the time before them.
+A saved config (a run's ``config.toml``, a checkpoint's state) records every field of its day, so
+a field it lacks was not there yet: the run is continued, evaluated or sampled as it was trained
+(its checkpoint holds that model), not with today's default."""
+
+
+def _with_old_behaviour(values: dict[str, Any]) -> dict[str, Any]:
+    return {**{k: v for k, v in ADDED_LATER.items() if k not in values}, **values}
+
+
 def build_config(preset_name: str | None = None, config_file: str | None = None,
-                 overrides: dict[str, Any] | None = None) -> Config:
-    """Preset, then TOML file, then CLI overrides; validated."""
+                 overrides: dict[str, Any] | None = None, saved_run: bool = False) -> Config:
+    """Preset, then TOML file, then CLI overrides; validated. ``saved_run``: the file is a run's
+    own ``config.toml``, so fields it lacks keep their old behaviour (``ADDED_LATER``)."""
     file_values = load_toml(config_file) if config_file else {}
+    if saved_run:
+        file_values = _with_old_behaviour(file_values)
     name = preset_name or file_values.pop("preset", None) or "tiny"
     file_values.pop("preset", None)
     cfg = preset(name)
@@ -604,10 +621,11 @@ def build_config(preset_name: str | None = None, config_file: str | None = None,
 
 def config_from_dict(doc: dict[str, Any]) -> Config:
     """The config a ``Config.to_dict()`` describes (a checkpoint's ``state.json``): its preset,
-    then every field it records. Not validated: the caller may still change the clip shape."""
+    then every field it records; fields it lacks keep their old behaviour (``ADDED_LATER``). Not
+    validated: the caller may still change the clip shape."""
     cfg = preset(doc.get("preset", "tiny"))
-    apply_overrides(cfg, {f"{section}.{name}": value for section in SECTIONS
-                          for name, value in doc.get(section, {}).items()})
+    apply_overrides(cfg, _with_old_behaviour({f"{section}.{name}": value for section in SECTIONS
+                                              for name, value in doc.get(section, {}).items()}))
     return cfg
 
 

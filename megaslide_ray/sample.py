@@ -284,8 +284,7 @@ def sample_video(checkpoint: str | Path, prompt: str, out: str | Path, frames: i
         raise FileNotFoundError(f"--checkpoint {e}") from None
     state = read_checkpoint_state(ckpt)
     cfg = sampling_config(state, frames, height, width, device)
-    trained_dropout = state.get("config", {}).get("training", {}).get("caption_dropout", 0.0)
-    if cfg.model.arch == "videodit" and cfg_scale != 1.0 and not trained_dropout:
+    if cfg.model.arch == "videodit" and cfg_scale != 1.0 and not cfg.training.caption_dropout:
         log.warning("--cfg-scale %s: this checkpoint was trained without caption dropout "
                        "(training.caption_dropout = 0), so its unconditional prediction (the empty caption) "
                        "is untrained and guidance mixes in noise; train with training.caption_dropout > 0 "

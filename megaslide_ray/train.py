@@ -118,17 +118,17 @@ def config_from_args(args: argparse.Namespace, extra: list[str]) -> Config:
         overrides["data.manifest"] = str(train)
         overrides.setdefault("data.val_manifest", str(val))
         overrides.setdefault("training.eval_every", 10)
-    config_file = args.config
+    config_file, saved_run = args.config, False
     if args.resume and config_file is None and args.preset is None and args.run_dir:
         saved = Path(args.run_dir) / "config.toml"
         if saved.is_file():  # a resumed run keeps its own config unless told otherwise
-            config_file = str(saved)
+            config_file, saved_run = str(saved), True
     if args.init_from and not args.resume:
         from megaslide_ray.pretrained import config_for_diffusers_dir, is_diffusers_dir
 
         if is_diffusers_dir(args.init_from):  # the model's shape comes from the directory's config.json
             return config_for_diffusers_dir(args.init_from, args.preset, config_file, overrides)
-    return build_config(args.preset, config_file, overrides)
+    return build_config(args.preset, config_file, overrides, saved_run=saved_run)
 
 
 def help_config() -> str:
