@@ -405,7 +405,8 @@ def num_shards(cfg: Config) -> int:
 def initialize_shard(module: nn.Module, seed: int, index: int) -> None:
     """Deterministic init of one shard from (seed, index), independent of every other shard,
     so a shard-by-shard init equals a whole-model init. DiT recipe: xavier linears, zeroed
-    adaLN modulations and output layer (adaLN-Zero), zeroed offset head (drawn from a stream of
+    adaLN modulations and output layer (adaLN-Zero), zeroed residual branches of the caption
+    encoder's layers, zeroed offset head (drawn from a stream of
     its own, so the rest of a dsa model equals a neighborhood or swin model of the same seed). Wan shards follow
     Wan's recipe (``megaslide_ray.wan.initialize_shard``)."""
     if getattr(module, "arch", None) == "wan":
@@ -441,6 +442,11 @@ def initialize_shard(module: nn.Module, seed: int, index: int) -> None:
     if isinstance(module, InputEmbed):
         for lin in (module.t_mlp[0], module.t_mlp[2]):
             fill_(lin.weight, lambda t, g: t.normal_(0.0, 0.02, generator=g))
+    for layer in module.modules():
+        if isinstance(layer, CaptionLayer):  # residual branches start at zero: at init the caption
+            for lin in (layer.out, layer.mlp[-1]):  # encoder is the bag of bytes plus positions, and
+                nn.init.zeros_(lin.weight)  # its output stays as small as the timestep's in ``c``
+                nn.init.zeros_(lin.bias)
     if isinstance(module, DiTBlock):
         nn.init.zeros_(module.ada[-1].weight)
         nn.init.zeros_(module.ada[-1].bias)
