@@ -7,6 +7,7 @@ import json
 
 import numpy as np
 import pytest
+import torch
 
 from megaslide_ray import motion as M
 from megaslide_ray import motion_metric as MM
@@ -248,3 +249,34 @@ def test_offset_signal_benchmark(motion_set, monkeypatch, capsys):
                for c in g[k])  # (the fresh offset head is zero too)
     later = [c for g in rows[1]["groups"].values() for c in g["cosine_by_block"]]
     assert all(-1.0 <= c <= 1.0 for c in later) and any(c != 0.0 for c in later), later
+
+
+def test_denoise_probe_scores_an_oracle_perfect_and_the_mean_clip_as_its_baseline():
+    from benchmarks.denoise_probe import probe
+
+    g = torch.Generator().manual_seed(0)
+    x0 = torch.rand((3, 4, 8, 8, 3), generator=g) * 2 - 1
+    cap, cap_len = torch.zeros((3, 16), dtype=torch.uint8), torch.zeros(3, dtype=torch.int32)
+
+    def towards(target):  # the velocity that makes x0_hat = target at every t
+        return lambda x_t, t, c, cl: (x_t - target) / t.view(-1, 1, 1, 1, 1)
+
+    exact = probe(towards(x0), x0, cap, cap_len, seed=1)
+    assert all(r["x0_rms"] < 1e-5 and r["background_err"] < 1e-5 and r["v_loss"] < 1e-8 for r in exact["per_t"])
+    assert all(r["x0_rms"] < 1e-5 for r in exact["denoise"])
+    mean = probe(towards(x0.mean(0, keepdim=True)), x0, cap, cap_len, seed=1)
+    assert mean["mean_clip_rms"] > 0.1
+    assert all(abs(r["x0_rms"] - mean["mean_clip_rms"]) < 1e-5 for r in mean["per_t"])
+
+
+@pytest.mark.slow  # a benchmark end to end (about 10 s)
+def test_denoise_probe_end_to_end(motion_set, monkeypatch, capsys):
+    from benchmarks import denoise_probe
+
+    train, val, _ = motion_set
+    monkeypatch.setattr(M, "ensure_motion_dataset", lambda *a, **k: (train, val))
+    assert denoise_probe.main(["--steps", "2", "--clips", "3", "--set", "model.depth", "1",
+                               "--set", "data.height", "32", "--set", "data.width", "32", "--json"]) == 0
+    got = json.loads(capsys.readouterr().out)
+    assert [r["t"] for r in got["per_t"]] == list(denoise_probe.T_GRID) and len(got["denoise"]) == 4
+    assert got["meta"]["steps"] == 2 and got["mean_clip_rms"] > 0
