@@ -11,6 +11,8 @@ then takes the next ``--clips`` training clips with their captions and fixed noi
   per-channel median of the clip, mean absolute difference), and its roughness (mean absolute
   difference of horizontally adjacent pixels; the real clips' value is given beside it);
 * denoising from t0 to 0 in 10 Euler steps, for t0 = 1 (sampling) and partly noised clips;
+* the **caption effect**: at t = 1, how far the estimate moves between the clip's caption and
+  the empty caption (mean absolute difference), beside how far the clips differ from their mean;
 * two estimates that use no model: the dataset's **mean clip** (RMS error) and the **mean
   background colour** (background error). At t = 1 the input is pure noise, so the best
   estimate is the mean clip *given the caption*: a model that reads its caption beats both.
@@ -55,6 +57,11 @@ def probe(model, x0: torch.Tensor, cap: torch.Tensor, cap_len: torch.Tensor, see
                          "x0_rms": float(((x0_hat - x0) ** 2).mean().sqrt()),
                          "background_err": float((background(x0_hat) - bg).abs().mean()),
                          "roughness": roughness(x0_hat)})
+        # how much the caption moves the estimate from pure noise: its own caption against none
+        ones = torch.ones(x0.shape[0])
+        with_caption = noise - model(noise, ones, cap, cap_len).float()
+        without = noise - model(noise, ones, torch.zeros_like(cap), torch.zeros_like(cap_len)).float()
+        caption_effect = float((with_caption - without).abs().mean())
         for t0 in DENOISE_FROM:
             x = (1 - t0) * x0 + t0 * noise
             ts = torch.linspace(t0, 0.0, 11)
@@ -63,7 +70,8 @@ def probe(model, x0: torch.Tensor, cap: torch.Tensor, cap_len: torch.Tensor, see
                 x = x - dt * model(x, torch.full((x0.shape[0],), t), cap, cap_len).float()
             denoised.append({"from_t": t0, "x0_rms": float(((x - x0) ** 2).mean().sqrt()),
                              "background_err": float((background(x) - bg).abs().mean()), "roughness": roughness(x)})
-    return {"per_t": rows, "denoise": denoised,
+    return {"per_t": rows, "denoise": denoised, "caption_effect": caption_effect,
+            "true_clip_spread": float((x0 - x0.mean(0, keepdim=True)).abs().mean()),
             "mean_clip_rms": float(((x0 - x0.mean(0, keepdim=True)) ** 2).mean().sqrt()),
             "mean_background_err": float((bg - bg.mean(0)).abs().mean()), "true_roughness": roughness(x0)}
 
@@ -81,7 +89,9 @@ def markdown(result: dict, meta: dict) -> str:
     for r in result["denoise"]:
         lines.append(f"| {r['from_t']:.1f} | {r['x0_rms']:.3f} | {r['background_err']:.3f} | {r['roughness']:.3f} |")
     lines += ["", f"no model: mean clip RMS err {result['mean_clip_rms']:.3f}, mean background err "
-                  f"{result['mean_background_err']:.3f}; the real clips' roughness {result['true_roughness']:.3f}"]
+                  f"{result['mean_background_err']:.3f}; the real clips' roughness {result['true_roughness']:.3f}",
+              "", f"caption effect at t = 1 (mean |x0_hat with the caption - x0_hat with the empty caption|): "
+                  f"{result['caption_effect']:.3f}; the clips' own mean |x0 - mean clip|: {result['true_clip_spread']:.3f}"]
     return "\n".join(lines) + "\n"
 
 

@@ -264,6 +264,7 @@ def test_denoise_probe_scores_an_oracle_perfect_and_the_mean_clip_as_its_baselin
     exact = probe(towards(x0), x0, cap, cap_len, seed=1)
     assert all(r["x0_rms"] < 1e-5 and r["background_err"] < 1e-5 and r["v_loss"] < 1e-8 for r in exact["per_t"])
     assert all(r["x0_rms"] < 1e-5 for r in exact["denoise"])
+    assert exact["caption_effect"] == 0.0  # this oracle ignores its caption
     mean = probe(towards(x0.mean(0, keepdim=True)), x0, cap, cap_len, seed=1)
     assert mean["mean_clip_rms"] > 0.1
     assert all(abs(r["x0_rms"] - mean["mean_clip_rms"]) < 1e-5 for r in mean["per_t"])
