@@ -413,19 +413,15 @@ def initialize_shard(module: nn.Module, seed: int, index: int) -> None:
         from megaslide_ray import wan
 
         return wan.initialize_shard(module, seed, index)
-    main = torch.Generator(device="cpu").manual_seed(_mix(seed, index))
-    # the offset heads draw from their own stream: every other weight is the same with or
-    # without them, so dsa and the fixed-window kinds start from the same weights per seed
-    heads = torch.Generator(device="cpu").manual_seed(_mix(seed, index) ^ 0x0FF5E7)
+    main, stream_of = init_streams(module, seed, index)
 
     def fill_(p: torch.Tensor, fn) -> None:
         tmp = torch.empty(p.shape, dtype=torch.float32)
         fn(tmp, g)
         p.copy_(tmp)
 
-    in_head = {id(m) for head in module.modules() if isinstance(head, OffsetPredictor) for m in head.modules()}
     for name, mod in module.named_modules():
-        g = heads if id(mod) in in_head else main
+        g = stream_of(mod)
         if isinstance(mod, nn.Linear):
             bound = math.sqrt(6.0 / (mod.in_features + mod.out_features))
             fill_(mod.weight, lambda t, g, b=bound: t.uniform_(-b, b, generator=g))
@@ -457,6 +453,17 @@ def initialize_shard(module: nn.Module, seed: int, index: int) -> None:
         for lin in (module.ada[-1], module.linear):
             nn.init.zeros_(lin.weight)
             nn.init.zeros_(lin.bias)
+
+
+def init_streams(module: nn.Module, seed: int, index: int):
+    """The generators a shard's init draws from: ``main``, and ``stream_of(submodule)``, which is
+    a stream of the offset heads' own inside an ``OffsetPredictor`` and ``main`` elsewhere. So
+    every other weight is the same with or without offset heads: dsa and the fixed-window kinds
+    start from the same weights per seed (``videodit`` and ``wan`` alike)."""
+    main = torch.Generator(device="cpu").manual_seed(_mix(seed, index))
+    heads = torch.Generator(device="cpu").manual_seed(_mix(seed, index) ^ 0x0FF5E7)
+    in_head = {id(m) for head in module.modules() if isinstance(head, OffsetPredictor) for m in head.modules()}
+    return main, (lambda mod: heads if id(mod) in in_head else main)
 
 
 def _mix(seed: int, index: int) -> int:

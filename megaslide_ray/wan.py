@@ -76,7 +76,7 @@ import torch.nn.functional as F
 from kernels.swin import swin_attention_3d
 from megaslide_ray.chunking import Chunked, bind, slabbed_attention, token_map
 from megaslide_ray.config import WAN_WINDOW, Config, ConfigError, apply_overrides
-from megaslide_ray.model import OffsetPredictor, _mix, ffn_width, unpatchify, window_attention
+from megaslide_ray.model import OffsetPredictor, ffn_width, init_streams, unpatchify, window_attention
 
 KEEP_FP32 = ("time_embedder", "scale_shift_table", "norm1", "norm2", "norm3")
 """diffusers' ``WanTransformer3DModel._keep_in_fp32_modules`` that hold parameters (``rope`` holds
@@ -547,8 +547,7 @@ def initialize_shard(module: nn.Module, seed: int, index: int) -> None:
     normal / sqrt(D), unit norms, a zero output projection; the DSA offset head as in
     ``megaslide_ray.model`` (its last layer zero: a fresh model starts as neighborhood attention;
     drawn from a stream of its own, so every other weight is the same with or without it)."""
-    main = torch.Generator(device="cpu").manual_seed(_mix(seed, index))
-    heads = torch.Generator(device="cpu").manual_seed(_mix(seed, index) ^ 0x0FF5E7)  # offset heads' own stream
+    main, stream_of = init_streams(module, seed, index)
     g = main
 
     def fill_(p: torch.Tensor, fn) -> None:
@@ -563,9 +562,8 @@ def initialize_shard(module: nn.Module, seed: int, index: int) -> None:
     def normal_(p: torch.Tensor, std: float) -> None:
         fill_(p, lambda t: t.normal_(0.0, std, generator=g))
 
-    in_head = {id(m) for head in module.modules() if isinstance(head, OffsetPredictor) for m in head.modules()}
     for name, mod in module.named_modules():
-        g = heads if id(mod) in in_head else main
+        g = stream_of(mod)
         if isinstance(mod, nn.Linear):
             if ".time_embedder." in f".{name}." or ".text_embedder." in f".{name}.":
                 normal_(mod.weight, 0.02)
