@@ -71,6 +71,13 @@ class ModelConfig:
     blue background" and "a blue circle on a dark red background" hold the same bytes. 0: a bag
     of bytes, the first encoder (needed to resume or sample a checkpoint trained before this
     field existed)."""
+    cross_attention: bool = True
+    """``videodit``: every block cross-attends from the video tokens to the caption's tokens (each
+    byte's feature from the caption encoder, plus a learned null token), as Wan and PixArt do, so
+    what the caption says can reach each position; the pooled caption still joins the timestep
+    in the adaLN condition. Adds ``4 D^2`` parameters per block. false: the pooled caption is the
+    only condition (the model before this field; the ``dit-*`` presets keep it off so their
+    parameter counts stay the paper's)."""
     ffn_dim: int = 0
     """Feed-forward hidden width; 0: ``mlp_ratio * hidden_size``. The Wan models set it (8960, 13824,
     14336)."""
@@ -366,6 +373,7 @@ def _paper(name: str, hidden: int, depth: int, heads: int) -> Config:
     cfg.model = ModelConfig(
         hidden_size=hidden, depth=depth, num_heads=heads, mlp_ratio=4.0, patch_size=(1, 2, 2),
         inputs="latents", in_channels=16, latent_compression=(4, 8, 8), caption_dim=1024, caption_max_bytes=256,
+        cross_attention=False,
     )
     cfg.attention = AttentionConfig(kind="dsa", window=(3, 5, 5))
     cfg.data = DataConfig(num_frames=81, height=480, width=832, batch_size=1)
@@ -592,6 +600,7 @@ def to_toml(cfg: Config) -> str:
 ADDED_LATER: dict[str, Any] = {
     "model.caption_layers": 0,  # before it: a bag-of-bytes caption encoder
     "training.caption_dropout": 0.0,  # before it: captions were never dropped
+    "model.cross_attention": False,  # before it: the pooled caption was the only condition
 }
 """Fields added after runs were already being saved, with the behaviour of the time before them.
 A saved config (a run's ``config.toml``, a checkpoint's state) records every field of its day, so

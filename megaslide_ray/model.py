@@ -9,6 +9,11 @@ Shards, in execution order:
   1 .. L     ``DiTBlock``     adaLN-Zero transformer block: x, c -> x
   L + 1      ``FinalLayer``   adaLN head: x, c -> per-patch velocity
 
+``c`` is one tensor per sample, so the compute actor can carry it (and sum its gradient) without
+knowing what is in it: the adaLN condition ``(B, D)``, then with ``model.cross_attention`` the
+caption's tokens ``(B, Lk * D)`` and their key mask ``(B, Lk)`` (1.0: may be attended to), laid
+out by ``pack_condition`` and read back by ``split_condition``.
+
 Tokens are kept channels-last, ``x: (B, T, H, W, D)``, the layout 3D-DSA wants.
 
 ``model.arch = wan`` selects the Wan 2.x transformer (``megaslide_ray/wan.py``), with the same
@@ -133,17 +138,26 @@ class CaptionEncoder(nn.Module):
     on a dark blue background" and "a blue circle on a dark red background" hold the same bytes,
     so with ``layers = 0`` (a bag of bytes, this model's first encoder) they are the same
     condition and the model cannot tell the object's colour from the background's. An empty
-    caption (length 0) pools to zeros either way: the unconditional input is ``proj``'s bias."""
+    caption (length 0) pools to zeros either way: the unconditional input is ``proj``'s bias.
 
-    def __init__(self, caption_dim: int, hidden: int, layers: int = 0, max_bytes: int = 128):
+    With ``tokens`` (``model.cross_attention``) it also returns the caption's tokens for the
+    blocks' cross-attention: every byte's feature projected to ``hidden``, after a learned null
+    token that every caption has (so an empty caption, or a dropped one, still has a key to attend
+    to), and their key mask. Returns ``pooled`` or ``(pooled, tokens (B, 1 + Lc, hidden), keys
+    (B, 1 + Lc) bool)``."""
+
+    def __init__(self, caption_dim: int, hidden: int, layers: int = 0, max_bytes: int = 128,
+                 tokens: bool = False):
         super().__init__()
         self.embed = nn.Embedding(257, caption_dim)  # 0 = padding, byte b -> b + 1
         self.position = nn.Embedding(max_bytes, caption_dim) if layers > 0 else None
         self.layers = nn.ModuleList(CaptionLayer(caption_dim) for _ in range(layers))
         self.mlp = nn.Sequential(nn.Linear(caption_dim, caption_dim), nn.GELU(approximate="tanh"))
         self.proj = nn.Linear(caption_dim, hidden)
+        self.token_proj = nn.Linear(caption_dim, hidden) if tokens else None
+        self.null_token = nn.Embedding(1, hidden) if tokens else None
 
-    def forward(self, caption: torch.Tensor, caption_len: torch.Tensor) -> torch.Tensor:
+    def forward(self, caption: torch.Tensor, caption_len: torch.Tensor):
         # caption: (B, Lc) uint8 bytes; caption_len: (B,)
         B, Lc = caption.shape
         mask = torch.arange(Lc, device=caption.device)[None, :] < caption_len[:, None]  # (B, Lc)
@@ -163,8 +177,33 @@ class CaptionEncoder(nn.Module):
                 e = layer(e, keys)
         e = self.mlp(e)
         m = mask.to(e.dtype)[..., None]
-        pooled = (e * m).sum(1) / m.sum(1).clamp(min=1.0)  # empty caption -> zeros
-        return self.proj(pooled)
+        pooled = self.proj((e * m).sum(1) / m.sum(1).clamp(min=1.0))  # empty caption -> proj's bias
+        if self.token_proj is None:
+            return pooled
+        null = self.null_token.weight.to(e.dtype).expand(B, 1, -1)
+        tokens = torch.cat([null, self.token_proj(e)], dim=1)  # (B, 1 + Lc, hidden)
+        keys = torch.cat([mask.new_ones(B, 1), mask], dim=1)
+        return pooled, tokens, keys
+
+
+def pack_condition(cond: torch.Tensor, tokens: torch.Tensor | None = None,
+                   keys: torch.Tensor | None = None) -> torch.Tensor:
+    """``c`` from the adaLN condition ``(B, D)`` and, with cross-attention, the caption's tokens
+    ``(B, Lk, D)`` and key mask ``(B, Lk)`` (module docstring)."""
+    if tokens is None:
+        return cond
+    return torch.cat([cond, tokens.flatten(1).to(cond.dtype), keys.to(cond.dtype)], dim=1)
+
+
+def split_condition(c: torch.Tensor, hidden: int) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+    """``(cond (B, D), tokens (B, Lk, D) or None, keys (B, Lk) bool or None)`` from ``c``."""
+    if c.shape[1] == hidden:
+        return c, None, None
+    lk = (c.shape[1] - hidden) // (hidden + 1)
+    if hidden + lk * (hidden + 1) != c.shape[1]:
+        raise ValueError(f"condition of width {c.shape[1]} is not D + Lk * (D + 1) for D = {hidden}")
+    tokens = c[:, hidden:hidden + lk * hidden].unflatten(1, (lk, hidden))
+    return c[:, :hidden], tokens, c[:, hidden + lk * hidden:] > 0.5
 
 
 class InputEmbed(nn.Module):
@@ -176,7 +215,8 @@ class InputEmbed(nn.Module):
         self.patch = nn.Conv3d(m.in_channels, m.hidden_size, kernel_size=m.patch_size, stride=m.patch_size)
         self.t_mlp = nn.Sequential(nn.Linear(m.timestep_freq_dim, m.hidden_size), nn.SiLU(),
                                    nn.Linear(m.hidden_size, m.hidden_size))
-        self.caption = CaptionEncoder(m.caption_dim, m.hidden_size, m.caption_layers, m.caption_max_bytes)
+        self.caption = CaptionEncoder(m.caption_dim, m.hidden_size, m.caption_layers, m.caption_max_bytes,
+                                      tokens=m.cross_attention)
 
     def forward(self, x_t: torch.Tensor, t: torch.Tensor, caption: torch.Tensor,
                 caption_len: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -185,8 +225,10 @@ class InputEmbed(nn.Module):
         x = self.patch(x_t.to(dtype).permute(0, 4, 1, 2, 3))  # (B, D, T, H, W)
         x = x.permute(0, 2, 3, 4, 1)  # (B, T, H, W, D)
         x = x + pos_embed_3d(tuple(x.shape[1:4]), x.shape[-1], x.device).to(dtype)
-        c = self.t_mlp(timestep_features(t, self.freq_dim).to(dtype)) + self.caption(caption, caption_len)
-        return x, c
+        cap = self.caption(caption, caption_len)
+        pooled, tokens, keys = cap if isinstance(cap, tuple) else (cap, None, None)
+        c = self.t_mlp(timestep_features(t, self.freq_dim).to(dtype)) + pooled
+        return x, pack_condition(c, tokens, keys)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -258,6 +300,42 @@ class Attention(nn.Module):
         return self.proj(o)
 
 
+class CrossAttention(nn.Module):
+    """Video tokens (queries) attend to the caption's tokens (keys, values); padding is masked out
+    and every caption has its null token, so no query is left with nothing to attend to. Pre-norm
+    (an affine LayerNorm) and residual, without adaLN gating, as in PixArt and Wan; the output
+    projection starts at zero, so a fresh block is still the identity plus its gated branches."""
+
+    def __init__(self, hidden: int, num_heads: int):
+        super().__init__()
+        self.num_heads = num_heads
+        self.head_dim = hidden // num_heads
+        self.norm = nn.LayerNorm(hidden, eps=1e-6)
+        self.q = nn.Linear(hidden, hidden)
+        self.kv = nn.Linear(hidden, 2 * hidden)
+        self.proj = nn.Linear(hidden, hidden)
+
+    def keys_values(self, tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(B, Lk, D) caption tokens -> keys and values (B, nh, Lk, d)."""
+        B, L, _ = tokens.shape
+        k, v = self.kv(tokens).view(B, L, 2, self.num_heads, self.head_dim).permute(2, 0, 3, 1, 4)
+        return k, v
+
+    def forward(self, x: torch.Tensor, tokens: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
+        return cross_attend(self.norm, self.q, self.proj, self.num_heads, x, *self.keys_values(tokens), keys)
+
+
+def cross_attend(norm, q_proj, out_proj, num_heads: int, x: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                 keys: torch.Tensor) -> torch.Tensor:
+    """Cross-attention's residual branch for tokens ``x (B, ..., D)`` against the caption's keys
+    and values ``(B, nh, Lk, d)`` and key mask ``(B, Lk)``; ``norm, q_proj, out_proj`` are the
+    modules or their ``chunking.bind`` forms."""
+    B, D = x.shape[0], x.shape[-1]
+    q = q_proj(norm(x)).reshape(B, -1, num_heads, D // num_heads).transpose(1, 2)
+    o = F.scaled_dot_product_attention(q, k.to(q.dtype), v.to(q.dtype), attn_mask=keys[:, None, None, :])
+    return out_proj(o.transpose(1, 2).reshape(x.shape))
+
+
 class DiTBlock(nn.Module):
     def __init__(self, cfg: Config, index: int = 1):
         super().__init__()
@@ -265,6 +343,7 @@ class DiTBlock(nn.Module):
         hidden = ffn_width(cfg)
         self.norm1 = nn.LayerNorm(D, elementwise_affine=False, eps=1e-6)
         self.attn = Attention(cfg, shift=index % 2 == 0)
+        self.cross = CrossAttention(D, cfg.model.num_heads) if cfg.model.cross_attention else None
         self.norm2 = nn.LayerNorm(D, elementwise_affine=False, eps=1e-6)
         self.mlp = nn.Sequential(nn.Linear(D, hidden), nn.GELU(approximate="tanh"), nn.Linear(hidden, D))
         self.ada = nn.Sequential(nn.SiLU(), nn.Linear(D, 6 * D))
@@ -273,8 +352,11 @@ class DiTBlock(nn.Module):
     def forward(self, x: torch.Tensor, c: torch.Tensor) -> torch.Tensor:
         if self.token_chunk:
             return self._forward_chunked(x, c)
+        c, tokens, keys = split_condition(c, x.shape[-1])
         shift_a, scale_a, gate_a, shift_m, scale_m, gate_m = self.ada(c).chunk(6, dim=-1)
         x = x + gate(self.attn(modulate(self.norm1(x), shift_a, scale_a)), gate_a)
+        if self.cross is not None:
+            x = x + self.cross(x, tokens, keys)
         x = x + gate(self.mlp(modulate(self.norm2(x), shift_m, scale_m)), gate_m)
         return x
 
@@ -284,6 +366,7 @@ class DiTBlock(nn.Module):
         checkpointed (``megaslide_ray/chunking.py``). q, k, v stay whole."""
         B, T, H, W, D = x.shape
         attn, N = self.attn, self.token_chunk
+        c, tokens, keys = split_condition(c, D)
         shift_a, scale_a, gate_a, shift_m, scale_m, gate_m = self.ada(c).chunk(6, dim=-1)
         norm1, norm2 = self.norm1, self.norm2  # no parameters
         qkv_f, proj_f, mlp_f = bind(attn.qkv), bind(attn.proj), bind(self.mlp)
@@ -319,10 +402,20 @@ class DiTBlock(nn.Module):
                                   (shift_a, scale_a), (gate_a,), attn.offsets.halo if off_f is not None else 0)
         del qkv
 
-        def mlp_chunk(xc, sh, sc, g):
+        if self.cross is None:
+            def mlp_chunk(xc, sh, sc, g):
+                return xc + gate(mlp_f(modulate(norm2(xc), sh, sc)), g)
+
+            return token_map(mlp_chunk, x, N, shift_m, scale_m, gate_m)
+        cr = self.cross  # the caption's keys and values once per block, queries per chunk
+        c_norm, c_q, c_out = bind(cr.norm), bind(cr.q), bind(cr.proj)
+        k_cap, v_cap = cr.keys_values(tokens)
+
+        def cross_mlp_chunk(xc, kc, vc, km, sh, sc, g):
+            xc = xc + cross_attend(c_norm, c_q, c_out, cr.num_heads, xc, kc, vc, km)
             return xc + gate(mlp_f(modulate(norm2(xc), sh, sc)), g)
 
-        return token_map(mlp_chunk, x, N, shift_m, scale_m, gate_m)
+        return token_map(cross_mlp_chunk, x, N, k_cap, v_cap, keys, shift_m, scale_m, gate_m)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -341,7 +434,7 @@ class FinalLayer(nn.Module):
         self.linear = nn.Linear(m.hidden_size, math.prod(m.patch_size) * m.in_channels)
 
     def forward(self, x: torch.Tensor, c: torch.Tensor) -> torch.Tensor:
-        shift, scale = self.ada(c).chunk(2, dim=-1)
+        shift, scale = self.ada(c[:, :x.shape[-1]]).chunk(2, dim=-1)
         y = self.linear(modulate(self.norm(x), shift, scale))  # (B, T, H, W, pt*ph*pw*C)
         return unpatchify(y, self.patch_size, self.channels)
 
@@ -406,7 +499,7 @@ def initialize_shard(module: nn.Module, seed: int, index: int) -> None:
     """Deterministic init of one shard from (seed, index), independent of every other shard,
     so a shard-by-shard init equals a whole-model init. DiT recipe: xavier linears, zeroed
     adaLN modulations and output layer (adaLN-Zero), zeroed residual branches of the caption
-    encoder's layers, zeroed offset head (drawn from a stream of
+    encoder's layers and zeroed cross-attention output projections, zeroed offset head (drawn from a stream of
     its own, so the rest of a dsa model equals a neighborhood or swin model of the same seed). Wan shards follow
     Wan's recipe (``megaslide_ray.wan.initialize_shard``)."""
     if getattr(module, "arch", None) == "wan":
@@ -446,6 +539,9 @@ def initialize_shard(module: nn.Module, seed: int, index: int) -> None:
     if isinstance(module, DiTBlock):
         nn.init.zeros_(module.ada[-1].weight)
         nn.init.zeros_(module.ada[-1].bias)
+        if module.cross is not None:
+            nn.init.zeros_(module.cross.proj.weight)
+            nn.init.zeros_(module.cross.proj.bias)
         if module.attn.offsets is not None:
             nn.init.zeros_(module.attn.offsets.out.weight)
             nn.init.zeros_(module.attn.offsets.out.bias)

@@ -166,14 +166,14 @@ def test_a_latent_videodit_needs_a_latent_manifest():
 
 
 def test_a_saved_run_lacking_later_fields_keeps_their_old_behaviour(tmp_path):
-    """A run saved before ``model.caption_layers`` and ``training.caption_dropout`` existed is
-    resumed, evaluated and sampled as it was trained (its checkpoint holds a bag-of-bytes
-    encoder); a config file a user writes gets today's defaults; an explicit override wins."""
+    """A run saved before ``model.caption_layers``, ``training.caption_dropout`` and
+    ``model.cross_attention`` existed is resumed, evaluated and sampled as it was trained (its
+    checkpoint holds a bag-of-bytes encoder and blocks without cross-attention); a config file a user writes gets today's defaults; an explicit override wins."""
     from megaslide_ray.config import ADDED_LATER, config_from_dict
     from megaslide_ray.train import build_parser, config_from_args
 
     cfg = build_config("tiny", None, {"model.depth": 3})
-    assert (cfg.model.caption_layers, cfg.training.caption_dropout) == (2, 0.1)
+    assert (cfg.model.caption_layers, cfg.training.caption_dropout, cfg.model.cross_attention) == (2, 0.1, True)
     doc = cfg.to_dict()
     assert config_from_dict(doc) == cfg  # everything recorded: taken as is
     for key in ADDED_LATER:
@@ -181,11 +181,12 @@ def test_a_saved_run_lacking_later_fields_keeps_their_old_behaviour(tmp_path):
         del doc[section][name]
     old = config_from_dict(doc)
     assert (old.model.caption_layers, old.training.caption_dropout, old.model.depth) == (0, 0.0, 3)
+    assert not old.model.cross_attention
 
     run = tmp_path / "run"
     run.mkdir()
     text = "\n".join(line for line in to_toml(cfg).splitlines()
-                     if not line.startswith(("caption_layers", "caption_dropout")))
+                     if not line.startswith(("caption_layers", "caption_dropout", "cross_attention")))
     (run / "config.toml").write_text(text + "\n")
 
     def from_cli(*argv):
@@ -194,7 +195,9 @@ def test_a_saved_run_lacking_later_fields_keeps_their_old_behaviour(tmp_path):
 
     resumed = from_cli("--resume", "--run-dir", str(run))
     assert (resumed.model.caption_layers, resumed.training.caption_dropout, resumed.model.depth) == (0, 0.0, 3)
+    assert not resumed.model.cross_attention
     told = from_cli("--resume", "--run-dir", str(run), "--training.caption_dropout", "0.2")
     assert told.training.caption_dropout == 0.2
     written = build_config(None, str(run / "config.toml"))  # a file, not a saved run: today's defaults
     assert (written.model.caption_layers, written.training.caption_dropout) == (2, 0.1)
+    assert written.model.cross_attention

@@ -176,14 +176,15 @@ def test_dsa_starts_from_the_weights_of_the_fixed_window_kinds(arch):
             assert torch.equal(p, blocks[kind][n]), (kind, n)
 
 
-def _encode(enc, texts, width=128, pad_byte=0):
+def _encode(enc, texts, width=128, pad_byte=0, tokens=False):
     from megaslide_ray.captions import empty_captions, set_caption
 
     cap, cap_len = empty_captions(len(texts), width)
     for row, text in enumerate(texts):
         set_caption(cap, cap_len, row, text)
         cap[row, cap_len[row]:] = pad_byte
-    return enc(torch.from_numpy(cap), torch.from_numpy(cap_len))
+    out = enc(torch.from_numpy(cap), torch.from_numpy(cap_len))
+    return out if tokens else (out[0] if isinstance(out, tuple) else out)
 
 
 def test_caption_encoder_tells_the_objects_colour_from_the_backgrounds():
@@ -224,10 +225,86 @@ def test_caption_encoder_ignores_padding_and_pools_an_empty_caption_to_zeros():
     torch.testing.assert_close(clean[1], enc.proj.bias.detach(), rtol=0, atol=0)  # unconditional = bias
 
 
+def test_caption_tokens_ignore_padding_and_start_with_the_null_token():
+    """The tokens the blocks cross-attend to: one per byte after a learned null token; padding
+    is masked out (and its garbage changes no valid token), an empty caption keeps the null."""
+    cfg = build_config("tiny", None, {"model.cross_attention": True})
+    enc = build_model(cfg).embed.caption
+    gen = torch.Generator().manual_seed(3)
+    with torch.no_grad():
+        for p in enc.parameters():
+            p.add_(torch.randn(p.shape, generator=gen) * 0.05)
+        texts = ["a green square moving up slowly", "", "a yellow triangle"]
+        _, tok, keys = _encode(enc, texts, tokens=True)
+        _, tok_dirty, keys_dirty = _encode(enc, texts, pad_byte=77, tokens=True)
+    lengths = [len(t.encode()) for t in texts]
+    assert tok.shape == (3, 1 + 128, cfg.model.hidden_size) and keys.dtype == torch.bool
+    assert keys.sum(1).tolist() == [1 + n for n in lengths] and keys[:, 0].all()
+    assert torch.equal(keys, keys_dirty)
+    torch.testing.assert_close(tok[keys], tok_dirty[keys], rtol=0, atol=1e-6)
+    torch.testing.assert_close(tok[:, 0], enc.null_token.weight.expand(3, -1), rtol=0, atol=0)
+    # with self-attention layers a byte's token depends on its neighbours: the same byte differs
+    assert float((tok[0, 1] - tok[2, 1]).abs().max()) > 1e-3  # both "a", different captions
+
+
+def test_condition_packs_and_splits():
+    from megaslide_ray.model import pack_condition, split_condition
+
+    B, D, L = 3, 8, 5
+    cond, tokens = torch.randn(B, D), torch.randn(B, L, D)
+    keys = torch.rand(B, L) > 0.5
+    c2, t2, k2 = split_condition(pack_condition(cond, tokens, keys), D)
+    assert torch.equal(c2, cond) and torch.equal(t2, tokens) and torch.equal(k2, keys)
+    assert split_condition(pack_condition(cond), D)[1] is None
+    with pytest.raises(ValueError, match="not D"):
+        split_condition(torch.zeros(B, D + 3), D)
+
+
+def test_cross_attention_carries_the_caption_to_every_token():
+    """With the adaLN branches closed (zero gates: the pooled caption cannot act), a block's output
+    still depends on the caption, at every token, through cross-attention; garbage past a
+    caption's length changes nothing; a fresh block (zero output projection) is the identity."""
+    cfg = build_config("tiny", None, {"model.cross_attention": True, "data.height": 16, "data.width": 16})
+    model = build_model(cfg)
+    embed, block = model.embed, model.blocks[0]
+    x_t = torch.randn(2, cfg.data.num_frames, 16, 16, 3, generator=torch.Generator().manual_seed(0))
+    t = torch.full((2,), 0.7)
+    texts = ["a red circle moving left fast on a dark blue background",
+             "a blue circle moving left fast on a dark red background"]
+
+    def run(pad_byte=0):
+        from megaslide_ray.captions import empty_captions, set_caption
+
+        cap, cap_len = empty_captions(2, cfg.model.caption_max_bytes)
+        for row, text in enumerate(texts):
+            set_caption(cap, cap_len, row, text)
+            cap[row, cap_len[row]:] = pad_byte
+        x, c = embed(x_t, t, torch.from_numpy(cap), torch.from_numpy(cap_len))
+        return x, block(x, c)
+
+    with torch.no_grad():
+        x, y = run()
+        torch.testing.assert_close(y, x, rtol=0, atol=0)  # fresh: identity
+        gen = torch.Generator().manual_seed(1)
+        for p in embed.caption.parameters():
+            p.add_(torch.randn(p.shape, generator=gen) * 0.05)
+        for p in block.cross.parameters():
+            p.add_(torch.randn(p.shape, generator=gen) * 0.05)
+        assert float(block.ada[-1].weight.abs().max()) == 0.0
+        x, y = run()
+        _, y_dirty = run(pad_byte=77)
+    delta = (y - x).flatten(1, 3)  # (B, tokens, D): the cross-attention branch alone
+    assert (delta.norm(dim=-1) > 0).all()
+    assert float((delta[0] - delta[1]).norm(dim=-1).min()) > 1e-4  # every token tells the two captions apart
+    torch.testing.assert_close(y_dirty, y, rtol=0, atol=1e-6)
+
+
 def test_caption_layers_zero_keeps_the_first_encoders_parameters():
     """Checkpoints trained before ``model.caption_layers`` hold the bag-of-bytes encoder: with 0
-    layers the parameter names and shapes are those, so such runs resume and sample."""
-    names = {k: tuple(v.shape) for k, v in build_shard(build_config("tiny", None, {"model.caption_layers": 0}),
+    layers (and no cross-attention, also later) the parameter names and shapes are those, so such
+    runs resume and sample."""
+    old = {"model.caption_layers": 0, "model.cross_attention": False}
+    names = {k: tuple(v.shape) for k, v in build_shard(build_config("tiny", None, old),
                                                         0).state_dict().items() if k.startswith("caption.")}
     assert names == {"caption.embed.weight": (257, 64), "caption.mlp.0.weight": (64, 64),
                      "caption.mlp.0.bias": (64,), "caption.proj.weight": (128, 64), "caption.proj.bias": (128,)}

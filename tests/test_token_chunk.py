@@ -57,9 +57,13 @@ def _inputs(arch, seed=1, B=2, grid=GRID):
     g = torch.Generator().manual_seed(seed)
     D = 32
     x = torch.randn(B, *grid, D, generator=g)
-    width = 7 * D + 5 * D if arch == "wan" else D
-    c = torch.randn(B, width, generator=g)
-    return x, c
+    if arch == "wan":
+        return x, torch.randn(B, 7 * D + 5 * D, generator=g)
+    # videodit: the condition, 6 caption tokens and their key mask (padding at the end of the
+    # second caption; the null token is always a key)
+    keys = torch.ones(B, 6)
+    keys[-1, 3:] = 0.0
+    return x, torch.cat([torch.randn(B, D + 6 * D, generator=g), keys], dim=1)
 
 
 def _run(block, x, c, params=None):
