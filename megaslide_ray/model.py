@@ -195,15 +195,22 @@ def pack_condition(cond: torch.Tensor, tokens: torch.Tensor | None = None,
     return torch.cat([cond, tokens.flatten(1).to(cond.dtype), keys.to(cond.dtype)], dim=1)
 
 
-def split_condition(c: torch.Tensor, hidden: int) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
-    """``(cond (B, D), tokens (B, Lk, D) or None, keys (B, Lk) bool or None)`` from ``c``."""
+def split_condition(c: torch.Tensor, hidden: int, tokens: bool = False
+                    ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+    """``(cond (B, D), tokens (B, Lk, D) or None, keys (B, Lk) bool or None)`` from ``c``;
+    ``tokens``: the caller cross-attends, so ``c`` must carry them."""
     if c.shape[1] == hidden:
+        if tokens:
+            raise ValueError(f"this block cross-attends to caption tokens (model.cross_attention) but its "
+                             f"condition of width {hidden} carries none: the input shard was built without "
+                             f"model.cross_attention")
         return c, None, None
     lk = (c.shape[1] - hidden) // (hidden + 1)
     if hidden + lk * (hidden + 1) != c.shape[1]:
         raise ValueError(f"condition of width {c.shape[1]} is not D + Lk * (D + 1) for D = {hidden}")
-    tokens = c[:, hidden:hidden + lk * hidden].unflatten(1, (lk, hidden))
-    return c[:, :hidden], tokens, c[:, hidden + lk * hidden:] > 0.5
+    # split, not slices: its backward concatenates, where each slice's would zero-fill all of c
+    cond, tokens, keys = c.split([hidden, lk * hidden, lk], dim=1)
+    return cond, tokens.unflatten(1, (lk, hidden)), keys > 0.5
 
 
 class InputEmbed(nn.Module):
@@ -352,7 +359,7 @@ class DiTBlock(nn.Module):
     def forward(self, x: torch.Tensor, c: torch.Tensor) -> torch.Tensor:
         if self.token_chunk:
             return self._forward_chunked(x, c)
-        c, tokens, keys = split_condition(c, x.shape[-1])
+        c, tokens, keys = split_condition(c, x.shape[-1], self.cross is not None)
         shift_a, scale_a, gate_a, shift_m, scale_m, gate_m = self.ada(c).chunk(6, dim=-1)
         x = x + gate(self.attn(modulate(self.norm1(x), shift_a, scale_a)), gate_a)
         if self.cross is not None:
@@ -366,7 +373,7 @@ class DiTBlock(nn.Module):
         checkpointed (``megaslide_ray/chunking.py``). q, k, v stay whole."""
         B, T, H, W, D = x.shape
         attn, N = self.attn, self.token_chunk
-        c, tokens, keys = split_condition(c, D)
+        c, tokens, keys = split_condition(c, D, self.cross is not None)
         shift_a, scale_a, gate_a, shift_m, scale_m, gate_m = self.ada(c).chunk(6, dim=-1)
         norm1, norm2 = self.norm1, self.norm2  # no parameters
         qkv_f, proj_f, mlp_f = bind(attn.qkv), bind(attn.proj), bind(self.mlp)
@@ -434,7 +441,7 @@ class FinalLayer(nn.Module):
         self.linear = nn.Linear(m.hidden_size, math.prod(m.patch_size) * m.in_channels)
 
     def forward(self, x: torch.Tensor, c: torch.Tensor) -> torch.Tensor:
-        shift, scale = self.ada(c[:, :x.shape[-1]]).chunk(2, dim=-1)
+        shift, scale = self.ada(split_condition(c, x.shape[-1])[0]).chunk(2, dim=-1)
         y = self.linear(modulate(self.norm(x), shift, scale))  # (B, T, H, W, pt*ph*pw*C)
         return unpatchify(y, self.patch_size, self.channels)
 

@@ -25,7 +25,9 @@ The ``wan`` presets add what the Wan blocks have and the videodit ones do not: p
 applied to each of the ``text_len`` text tokens (the text projection, the cross-attention's keys
 and values), the cross-attention FLOPs ``4 * B * N * text_len * D`` per block, rotated q and k,
 the cross-attention's query, output and projection, the second modulation, and the text's keys
-and values. The DSA offset heads are reported apart (``attention.offset_groups`` makes them
+and values. A ``videodit`` with ``model.cross_attention`` (``tiny``; not the ``dit-*`` presets)
+has cross-attention too, over ``Lt = caption_max_bytes + 1`` caption tokens: the same FLOPs and
+keys and values, and parameters per caption token (the token projection, the keys and values). The DSA offset heads are reported apart (``attention.offset_groups`` makes them
 smaller).
 
 Everything is computed from shards built on the ``meta`` device (no memory is touched), so a
@@ -38,6 +40,8 @@ of 24 x 64 GiB DIMMs has 1649 GB; an H200 141 GB). Symbols used in the formulas 
     K  DSA window volume kt*kh*kw                        a  activation bytes (= w dtype size)
     F  MLP hidden width mlp_ratio * D                    Smax  parameters of the largest shard
     ND = B * N * D * a: one whole-clip tensor of the block width
+    Lt text tokens a block cross-attends to: wan ``text_len``, videodit ``caption_max_bytes + 1``
+       (0 without ``model.cross_attention``)
     c  token chunk (runtime.token_chunk)  S  tokens of one time slice of the token grid
     Q  attention query chunk: c rounded down to whole time slices, at least one (Q = N unchunked)
 
@@ -73,7 +77,9 @@ Device memory:
                          output (D), proj output (D), residual, norm2, modulated (3D),
                          fc1 and GELU outputs (2F), fc2 output (D) = 12D + 2F; plus the
                          backward's live gradients: residual (D) + the widest (F or qkv 3D).
-                         wan: 19 D instead of 12 D, + the text's keys and values.
+                         wan: 19 D instead of 12 D, + the text's keys and values;
+                         videodit with cross-attention: 16 D (its norm, query, output,
+                         residual), + the caption's keys and values.
           generation     B * N * a * max(8 D, 2 D + 2 F): x, modulated, q, k, v, attention
                          output, projection, residual; then x, modulated, fc1, GELU.
         block working set, chunked (token_chunk = c > 0): the per-token parts (modulation,
@@ -184,9 +190,11 @@ ATTENTION_VARIANTS = ("dense_flash", "dense_materialised", "dsa_fused", "dsa_ref
 SELECTED_VARIANT = {"dense": "dense_flash", "dsa": "dsa_fused", "neighborhood": "neighborhood", "swin": "swin"}
 PER_SAMPLE_PREFIXES = ("ada", "t_mlp", "caption", "condition_embedder.time_")
 """Parameter-name prefixes (inside a shard) of modules applied once per sample, not per token."""
-PER_TEXT_TOKEN = ("condition_embedder.text_embedder.", "attn2.to_k.", "attn2.to_v.")
-"""wan: parameters applied to each of the ``model.text_len`` text tokens of a sample (the text
-projection and the cross-attention's keys and values), not to the video tokens."""
+PER_TEXT_TOKEN = ("condition_embedder.text_embedder.", "attn2.to_k.", "attn2.to_v.", "caption.token_proj.",
+                  "cross.kv.")
+"""Parameters applied to each text token a block cross-attends to (``text_tokens``), not to the
+video tokens: wan's text projection and cross-attention keys and values; videodit's caption
+token projection and cross-attention keys and values."""
 NO_MATMUL = ("scale_shift_table",)
 """Parameters added elementwise (Wan's modulation tables): no FLOPs of their own."""
 FIXED_TERMS = ("store state", "weights w", "fp32 update scratch", "reserve", "shard buffers")
@@ -366,10 +374,10 @@ def _shard_counts(cfg: Config) -> tuple[list[int], int, int, int, int]:
     for i, module in kinds.items():
         roles = [0, 0, 0, 0]  # per token, per sample, per text token, no matmul
         for name, p in module.named_parameters():
-            if name.startswith(PER_SAMPLE_PREFIXES):
-                roles[1] += p.numel()
-            elif name.startswith(PER_TEXT_TOKEN):
+            if name.startswith(PER_TEXT_TOKEN):
                 roles[2] += p.numel()
+            elif name.startswith(PER_SAMPLE_PREFIXES):
+                roles[1] += p.numel()
             elif name.startswith(NO_MATMUL):
                 roles[3] += p.numel()
             else:
@@ -413,22 +421,23 @@ def _activations(cfg: Config, a: int, generate: bool) -> tuple[dict[str, int], d
     BN = B * N
     ND = BN * D * a
     wan = m.arch == "wan"
-    text_kv = 2 * B * m.text_len * D * a if wan else 0
+    text_kv = 2 * B * text_tokens(cfg) * D * a
+    cross = text_kv > 0
     chunk = min(cfg.runtime.token_chunk, N)
     if chunk:
         Q = min(T, max(1, chunk // S)) * S
         Qp = min(N, Q + 2 * S)
     else:
         Q = Qp = N
-    width = 19 * D if wan else 12 * D
+    width = 19 * D if wan else 16 * D if cross else 12 * D
     terms: dict[str, int] = {}
     if not chunk:
         if generate:
             terms["whole block, forward (max(8 D, 2 D + 2 F) per token)"] = \
-                BN * a * max((10 if wan else 8) * D, 2 * D + 2 * F) + text_kv
+                BN * a * max((10 if cross else 8) * D, 2 * D + 2 * F) + text_kv
         else:
-            terms[f"whole block: saved + grads ({'19' if wan else '12'} D + 2 F + D + max(F, 3 D))"] = \
-                BN * a * (width + 2 * F + D + max(F, 3 * D)) + (2 * text_kv if wan else 0)
+            terms[f"whole block: saved + grads ({width // D} D + 2 F + D + max(F, 3 D))"] = \
+                BN * a * (width + 2 * F + D + max(F, 3 * D)) + 2 * text_kv
     else:
         if generate:
             terms["whole clip: input x, attention residual (2 ND)"] = 2 * ND
@@ -439,10 +448,11 @@ def _activations(cfg: Config, a: int, generate: bool) -> tuple[dict[str, int], d
             terms["whole clip: dq, dk, dv (3 ND)"] = 3 * ND
         if wan:
             terms["whole clip: rotated q, k (2 ND)"] = 2 * ND
+        if cross:
             terms["text keys and values" + ("" if generate else " + grads")] = text_kv * (1 if generate else 2)
         if generate:
-            terms[f"per chunk of {chunk:,} tokens: fwd ({'5' if wan else '3'} D + 2 F)"] = \
-                B * chunk * a * ((5 if wan else 3) * D + 2 * F)
+            terms[f"per chunk of {chunk:,} tokens: fwd ({'5' if cross else '3'} D + 2 F)"] = \
+                B * chunk * a * ((5 if cross else 3) * D + 2 * F)
         else:
             terms[f"per chunk of {chunk:,} tokens: recompute + bwd"] = \
                 B * chunk * a * (width + 2 * F + D + max(F, 3 * D))
@@ -484,9 +494,15 @@ def _attention_flops_fwd(cfg: Config) -> float:
         per_block = 36.0 * B * N * K * D
     else:  # swin
         per_block = 4.0 * B * N * K * D
-    if cfg.model.arch == "wan":  # cross-attention of every video token to the text tokens
-        per_block += 4.0 * B * N * cfg.model.text_len * D
+    per_block += 4.0 * B * N * text_tokens(cfg) * D  # cross-attention of every video token to the text
     return L * per_block
+
+
+def text_tokens(cfg: Config) -> int:
+    """``Lt``, the text tokens a block cross-attends to per sample (module docstring)."""
+    if cfg.model.arch == "wan":
+        return cfg.model.text_len
+    return cfg.model.caption_max_bytes + 1 if cfg.model.cross_attention else 0
 
 
 def plan(cfg: Config, w_dtype: str = "bfloat16", pcie_gbps: float = 55.0, dram_gbps: float = 300.0,
@@ -536,10 +552,10 @@ def plan(cfg: Config, w_dtype: str = "bfloat16", pcie_gbps: float = 55.0, dram_g
 
     # -- traffic
     attn_fwd = _attention_flops_fwd(cfg)
-    text_tokens = B * cfg.model.text_len if cfg.model.arch == "wan" else 0
+    n_text = B * text_tokens(cfg)
     if generate:
         h2d, d2h, adamw_pp, adamw_store_pp, adamw_bytes = P * wb, 0, 0, 0, 0
-        flops_linear = 2.0 * p_tok * tokens + 2.0 * p_sample * B + 2.0 * p_text * text_tokens
+        flops_linear = 2.0 * p_tok * tokens + 2.0 * p_sample * B + 2.0 * p_text * n_text
         flops_attention = attn_fwd
         flops_recompute = 0.0
         flops_6pt = 2.0 * P * tokens
@@ -551,9 +567,9 @@ def plan(cfg: Config, w_dtype: str = "bfloat16", pcie_gbps: float = 55.0, dram_g
         adamw_pp = wb + 12 + 12 + wb
         adamw_store_pp = adamw_pp + (12 if wb == 2 else 4)  # fused; bf16: g upcast and w cast; fp32: w.copy_
         adamw_bytes = P * adamw_pp
-        flops_linear = 6.0 * p_tok * tokens + 6.0 * p_sample * B + 6.0 * p_text * text_tokens
+        flops_linear = 6.0 * p_tok * tokens + 6.0 * p_sample * B + 6.0 * p_text * n_text
         flops_attention = 3.0 * attn_fwd
-        flops_recompute = 2.0 * p_tok * tokens + 2.0 * p_text * text_tokens + attn_fwd
+        flops_recompute = 2.0 * p_tok * tokens + 2.0 * p_text * n_text + attn_fwd
         if chunk:  # the nested per-chunk checkpoint: one more forward of the blocks
             flops_recompute += 2.0 * p_tok * tokens + attn_fwd
         flops_6pt = 6.0 * P * tokens

@@ -256,6 +256,8 @@ def test_condition_packs_and_splits():
     c2, t2, k2 = split_condition(pack_condition(cond, tokens, keys), D)
     assert torch.equal(c2, cond) and torch.equal(t2, tokens) and torch.equal(k2, keys)
     assert split_condition(pack_condition(cond), D)[1] is None
+    with pytest.raises(ValueError, match="carries none"):
+        split_condition(pack_condition(cond), D, tokens=True)
     with pytest.raises(ValueError, match="not D"):
         split_condition(torch.zeros(B, D + 3), D)
 

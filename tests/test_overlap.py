@@ -19,6 +19,7 @@ from actors.transfer import (PINNED, HostPinning, copy_in_pieces, copy_pieces, p
                              throttled_copy)
 from megaslide_ray.config import build_config
 from megaslide_ray.demo_data import ensure_demo_dataset
+from megaslide_ray.model import pack_condition
 
 SMALL = {"model.depth": 3, "model.hidden_size": 32, "model.num_heads": 2, "model.caption_dim": 16,
          "model.patch_size": "2,8,8", "data.num_frames": 6, "data.height": 32, "data.width": 32,
@@ -290,7 +291,7 @@ def test_a_shards_backward_makes_one_zero_fill_not_one_per_parameter(tmp_path, b
     """Gradients land in one flat buffer per shard (each parameter's .grad a view of it): one
     zero fill of the shard's size per shard backward. Before, the parameters were slices of a
     flat leaf and autograd's slice_backward built a zero tensor of the whole shard for every
-    parameter (14 per block of this model; the counter sees them: checked below)."""
+    parameter (22 per block of this model; the counter sees them: checked below)."""
     manifest, bs = batches
     cfg = build_config("tiny", None, {**SMALL, "data.manifest": manifest, "runtime.state_dir": str(tmp_path),
                                       "runtime.overlap": False})
@@ -305,13 +306,14 @@ def test_a_shards_backward_makes_one_zero_fill_not_one_per_parameter(tmp_path, b
         layout = store.shard_infos()[1].layout
         flat = store.seg[1]["w"].clone().requires_grad_(True)
         x = torch.randn(2, 3, 4, 4, 32, requires_grad=True)
-        y = functional_call(compute.modules[1], layout.views(flat), (x, torch.randn(2, 32)))
+        c = pack_condition(torch.randn(2, 32), torch.randn(2, 5, 32), torch.ones(2, 5, dtype=torch.bool))
+        y = functional_call(compute.modules[1], layout.views(flat), (x, c))
         with ZeroFills(sizes) as old:
             y.sum().backward()
     finally:
         compute.close()
         store.close()
-    assert old.slice_backward == len(layout.names) == 14, "the counter must see the old per-parameter fills"
+    assert old.slice_backward == len(layout.names) == 22, "the counter must see the old per-parameter fills"
     assert count.slice_backward == 0
     assert count.fills == len(sizes), f"{count.fills} shard-sized zero fills for {len(sizes)} shard backwards"
 
