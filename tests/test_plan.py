@@ -201,6 +201,27 @@ def test_wan_plans_on_latents_with_text_tokens_and_offset_heads():
     assert plan(cfg_groups).params_offset_heads < p.params_offset_heads / 4
 
 
+def test_videodit_cross_attention_costs_caption_tokens():
+    """``model.cross_attention``: the per-block cross-attention FLOPs (4 B N Lt D, Lt =
+    caption_max_bytes + 1), parameters applied per caption token, the caption's keys and values
+    in the block's working set; the dit-* presets keep it off (the paper's counts)."""
+    from megaslide_ray.config import build_config
+
+    on = build_config("tiny", None, {"attention.kind": "swin"})
+    off = build_config("tiny", None, {"attention.kind": "swin", "model.cross_attention": False})
+    p_on, p_off = plan(on), plan(off)
+    m = on.model
+    B, N, D, L, Lt = on.data.batch_size, on.tokens_per_sample, m.hidden_size, m.depth, m.caption_max_bytes + 1
+    assert p_on.params - p_off.params == param_count(on) - param_count(off) == L * (4 * D * D + 6 * D) + 64 * D + 2 * D
+    assert p_on.flops_attention - p_off.flops_attention == 3.0 * L * 4.0 * B * N * Lt * D
+    per_text = L * (2 * D * D + 2 * D) + 64 * D + D  # keys and values, the token projection
+    per_token = L * (2 * D * D + 4 * D)  # norm, query, output projection
+    per_sample = D  # the null token
+    assert p_on.flops_linear - p_off.flops_linear == 6.0 * (per_text * B * Lt + per_token * B * N + per_sample * B)
+    assert p_on.activation_parts["block_linear"] > p_off.activation_parts["block_linear"]
+    assert not build_config("dit-105b").model.cross_attention
+
+
 # ---------------------------------------------------------------------------------------------
 # Latent presets, generation, token chunks, searches (issue #15)
 # ---------------------------------------------------------------------------------------------
