@@ -33,7 +33,7 @@ from torch.func import functional_call
 from actors.param_store import DTYPES, ShardInfo
 from actors.transfer import ActivationStash, ShardFeed, Transfers
 from megaslide_ray.config import Config
-from megaslide_ray.diffusion import batch_conditioning, batch_flow_inputs, caption_dropout, flow_loss
+from megaslide_ray.diffusion import as_velocity, batch_conditioning, batch_flow_inputs, caption_dropout, flow_loss
 from megaslide_ray.faults import fault_point
 from megaslide_ray.model import build_shard, num_shards
 
@@ -230,7 +230,7 @@ class ComputeActor:
         x_last = x.detach().requires_grad_(True)
         c_leaf = c.detach().requires_grad_(True)
         pred, grad = self._run_with_grad(head, w_staged, x_last, c_leaf)
-        loss = flow_loss(pred, inp.target)
+        loss = flow_loss(as_velocity(pred, inp.x_t, inp.t, self.cfg.model.prediction), inp.target)
         if fault_point("compute.loss", step) == "nan":
             loss = loss * float("nan")
         # A NaN/Inf loss with finite gradients must not slip through: poison the step's norm
@@ -302,6 +302,7 @@ class ComputeActor:
             x = self._run(shard, w, x, c)
             feed.done(w)
             del w
+        x = as_velocity(x, x_t, t, self.cfg.model.prediction)
         return x.float().cpu()  # host sync: the caller integrates on the CPU
 
     def transport_name(self) -> str:

@@ -71,13 +71,20 @@ class ModelConfig:
     blue background" and "a blue circle on a dark red background" hold the same bytes. 0: a bag
     of bytes, the first encoder (needed to resume or sample a checkpoint trained before this
     field existed)."""
-    cross_attention: bool = True
+    prediction: Literal["velocity", "sample"] = "velocity"
+    """``videodit``: what the head outputs. ``velocity``: the flow's velocity ``noise - x0`` (the
+    usual rectified-flow target). ``sample``: the clean clip ``x0`` (x-prediction), turned into
+    the velocity ``(x_t - x0_hat) / max(t, 0.05)`` before the loss and the sampler, so the loss,
+    the sampler and everything downstream are unchanged. A pixel-space model whose patch holds
+    more values than it is wide need not copy the input's noise to its output; ``wan`` (pretrained
+    on velocity) takes only ``velocity``."""
+    cross_attention: bool = False
     """``videodit``: every block cross-attends from the video tokens to the caption's tokens (each
     byte's feature from the caption encoder, plus a learned null token), as Wan and PixArt do, so
     what the caption says can reach each position; the pooled caption still joins the timestep
-    in the adaLN condition. Adds ``4 D^2`` parameters per block. false: the pooled caption is the
-    only condition (the model before this field; the ``dit-*`` presets keep it off so their
-    parameter counts stay the paper's)."""
+    in the adaLN condition either way. Adds ``4 D^2`` parameters per block. Off by default: on
+    ``tiny`` it costs about a quarter more step time and did not yet read captions better
+    (benchmarks/RESULTS.md); the ``dit-*`` presets keep it off so their counts stay the paper's."""
     ffn_dim: int = 0
     """Feed-forward hidden width; 0: ``mlp_ratio * hidden_size``. The Wan models set it (8960, 13824,
     14336)."""
@@ -681,6 +688,8 @@ def validate(cfg: Config) -> Config:
     if m.arch == "videodit" and m.out_channels not in (0, m.in_channels):
         raise ConfigError(f"model.out_channels={m.out_channels}: the videodit model predicts its "
                           f"{m.in_channels} input channels; use 0 or {m.in_channels}")
+    if m.prediction not in ("velocity", "sample"):
+        raise ConfigError(f"model.prediction={m.prediction!r} is not one of ['velocity', 'sample']")
     if m.arch == "wan":
         _validate_wan(cfg)
     elif m.inputs == "latents":
@@ -789,6 +798,9 @@ def validate(cfg: Config) -> Config:
 def _validate_wan(cfg: Config) -> None:
     """The model fields only ``arch=wan`` reads (the clip is checked by ``_validate_latent_clip``)."""
     m = cfg.model
+    if m.prediction != "velocity":
+        raise ConfigError(f"model.prediction={m.prediction!r}: the wan models predict the velocity (they were "
+                          f"pretrained on it); use model.prediction=velocity")
     for where, value in [("model.text_dim", m.text_dim), ("model.text_len", m.text_len),
                          ("model.rope_max_seq_len", m.rope_max_seq_len), ("model.eps", m.eps)]:
         if not value > 0:

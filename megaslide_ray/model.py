@@ -31,6 +31,7 @@ import torch.nn.functional as F
 
 from megaslide_ray.chunking import Chunked, bind, slabbed_attention, token_map
 from megaslide_ray.config import Config
+from megaslide_ray.diffusion import as_velocity
 from kernels import deformable_slide_attention
 from kernels.swin import swin_attention_3d
 
@@ -465,6 +466,7 @@ class VideoDiT(nn.Module):
         self.embed = InputEmbed(cfg)
         self.blocks = nn.ModuleList(DiTBlock(cfg, i) for i in range(1, cfg.model.depth + 1))
         self.head = FinalLayer(cfg)
+        self.prediction = cfg.model.prediction
 
     def shards(self) -> list[nn.Module]:
         """Modules in streaming order: input side, each block, head."""
@@ -474,7 +476,7 @@ class VideoDiT(nn.Module):
         x, c = self.embed(x_t, t, caption, caption_len)
         for block in self.blocks:
             x = block(x, c)
-        return self.head(x, c)
+        return as_velocity(self.head(x, c), x_t, t, self.prediction)  # always a velocity
 
     def initialize_weights(self, seed: int) -> None:
         for index, shard in enumerate(self.shards()):

@@ -312,3 +312,25 @@ def test_caption_layers_zero_keeps_the_first_encoders_parameters():
                      "caption.mlp.0.bias": (64,), "caption.proj.weight": (128, 64), "caption.proj.bias": (128,)}
     with pytest.raises(Exception, match="caption_layers=-1"):
         build_config("tiny", None, {"model.caption_layers": -1})
+
+
+def test_a_clean_clip_estimate_becomes_the_flow_velocity():
+    """``model.prediction = sample``: the exact clean clip gives the exact velocity noise - x0
+    (t >= 0.05; below, t is clamped); ``velocity`` passes the output through; wan refuses it."""
+    from megaslide_ray.config import ConfigError
+    from megaslide_ray.diffusion import as_velocity
+
+    g = torch.Generator().manual_seed(0)
+    x0, noise = torch.randn(4, 2, 3, 3, 3, generator=g), torch.randn(4, 2, 3, 3, 3, generator=g)
+    t = torch.tensor([0.05, 0.3, 0.7, 1.0])
+    x_t = (1 - t.view(-1, 1, 1, 1, 1)) * x0 + t.view(-1, 1, 1, 1, 1) * noise
+    torch.testing.assert_close(as_velocity(x0, x_t, t, "sample"), noise - x0, rtol=1e-5, atol=1e-5)
+    assert as_velocity(x0, x_t, t, "velocity") is x0
+    small = torch.tensor([0.01])
+    torch.testing.assert_close(as_velocity(x0[:1], x_t[:1], small, "sample"), (x_t[:1] - x0[:1]) / 0.05)
+    with pytest.raises(ValueError, match="prediction='x0'"):
+        as_velocity(x0, x_t, t, "x0")
+    with pytest.raises(ConfigError, match="model.prediction='noise'"):
+        build_config("tiny", None, {"model.prediction": "noise"})
+    with pytest.raises(ConfigError, match="wan models predict the velocity"):
+        build_config("wan2.1-t2v-1.3b", None, {"model.prediction": "sample"})

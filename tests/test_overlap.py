@@ -7,6 +7,7 @@ import sys
 import time
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 from torch.func import functional_call
@@ -19,7 +20,7 @@ from actors.transfer import (PINNED, HostPinning, copy_in_pieces, copy_pieces, p
                              throttled_copy)
 from megaslide_ray.config import build_config
 from megaslide_ray.demo_data import ensure_demo_dataset
-from megaslide_ray.model import pack_condition
+from megaslide_ray.model import build_model
 
 SMALL = {"model.depth": 3, "model.hidden_size": 32, "model.num_heads": 2, "model.caption_dim": 16,
          "model.patch_size": "2,8,8", "data.num_frames": 6, "data.height": 32, "data.width": 32,
@@ -291,7 +292,7 @@ def test_a_shards_backward_makes_one_zero_fill_not_one_per_parameter(tmp_path, b
     """Gradients land in one flat buffer per shard (each parameter's .grad a view of it): one
     zero fill of the shard's size per shard backward. Before, the parameters were slices of a
     flat leaf and autograd's slice_backward built a zero tensor of the whole shard for every
-    parameter (22 per block of this model; the counter sees them: checked below)."""
+    parameter (14 per block of this model; the counter sees them: checked below)."""
     manifest, bs = batches
     cfg = build_config("tiny", None, {**SMALL, "data.manifest": manifest, "runtime.state_dir": str(tmp_path),
                                       "runtime.overlap": False})
@@ -306,14 +307,13 @@ def test_a_shards_backward_makes_one_zero_fill_not_one_per_parameter(tmp_path, b
         layout = store.shard_infos()[1].layout
         flat = store.seg[1]["w"].clone().requires_grad_(True)
         x = torch.randn(2, 3, 4, 4, 32, requires_grad=True)
-        c = pack_condition(torch.randn(2, 32), torch.randn(2, 5, 32), torch.ones(2, 5, dtype=torch.bool))
-        y = functional_call(compute.modules[1], layout.views(flat), (x, c))
+        y = functional_call(compute.modules[1], layout.views(flat), (x, torch.randn(2, 32)))
         with ZeroFills(sizes) as old:
             y.sum().backward()
     finally:
         compute.close()
         store.close()
-    assert old.slice_backward == len(layout.names) == 22, "the counter must see the old per-parameter fills"
+    assert old.slice_backward == len(layout.names) == 14, "the counter must see the old per-parameter fills"
     assert count.slice_backward == 0
     assert count.fills == len(sizes), f"{count.fills} shard-sized zero fills for {len(sizes)} shard backwards"
 
@@ -339,3 +339,46 @@ def test_predict_refuses_weights_that_gradients_replaced(tmp_path, batches):
     finally:
         compute.close()
         store.close()
+
+
+def test_sample_prediction_streams_like_the_whole_model(tmp_path, batches):
+    """``model.prediction = sample``: the compute actor turns the head's clean-clip estimate into
+    the velocity before the loss and in ``predict``, as the whole model does: two streamed steps
+    give the in-process trainer's losses and parameters, and a prediction equals the model's."""
+    from megaslide_ray.baseline import InProcessTrainer
+
+    manifest, bs = batches
+    cfg = build_config("tiny", None, {**SMALL, "data.manifest": manifest, "runtime.state_dir": str(tmp_path),
+                                      "model.prediction": "sample"})
+    store = ParameterStore(cfg, str(tmp_path / "run"))
+    compute = ComputeActor(cfg, store.shard_infos(), LocalStoreClient(store), "shm")
+    baseline = InProcessTrainer(cfg, threads=1)
+    b = bs[0]
+    args = (torch.randn((1, 6, 32, 32, 3), generator=torch.Generator().manual_seed(5)), torch.full((1,), 0.3),
+            torch.from_numpy(b["caption"][:1]), torch.from_numpy(b["caption_len"][:1]))
+    try:
+        streamed = []
+        for step, batch in enumerate(bs[:2]):
+            streamed.append(compute.train_step(batch, step).loss)
+            store.wait_step(step)
+        reference = [baseline.train_step(batch).loss for batch in bs[:2]]
+        got = compute.predict(*args, step=2)
+        masters = [s["master"].clone() for s in store.seg]
+    finally:
+        compute.close()
+        store.close()
+    assert np.allclose(streamed, reference, rtol=1e-5), (streamed, reference)
+    for i, (a, shard) in enumerate(zip(masters, baseline.model.shards())):
+        ref = torch.cat([p.detach().reshape(-1) for p in shard.parameters()])
+        assert float((a - ref).norm() / ref.norm()) < 1e-5, f"shard {i}"
+    with torch.no_grad():
+        want = baseline.model(*args)
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
+    # the conversion really happened: the same weights read as a velocity model give the head's
+    # raw output, and the prediction is (x_t - that) / t
+    raw = build_model(build_config("tiny", None, {**SMALL, "data.manifest": manifest}))
+    raw.load_state_dict(baseline.model.state_dict())
+    with torch.no_grad():
+        head_out = raw(*args)
+    torch.testing.assert_close(want, (args[0] - head_out) / 0.3, rtol=1e-4, atol=1e-5)
+    assert float((want - head_out).abs().mean()) > 0.1

@@ -207,7 +207,7 @@ def test_videodit_cross_attention_costs_caption_tokens():
     in the block's working set; the dit-* presets keep it off (the paper's counts)."""
     from megaslide_ray.config import build_config
 
-    on = build_config("tiny", None, {"attention.kind": "swin"})
+    on = build_config("tiny", None, {"attention.kind": "swin", "model.cross_attention": True})
     off = build_config("tiny", None, {"attention.kind": "swin", "model.cross_attention": False})
     p_on, p_off = plan(on), plan(off)
     m = on.model

@@ -30,7 +30,8 @@ TOL = 1e-6
 def _config(arch: str, kind: str, chunk: int, max_offset: float = 1.5, offset_kernel: str = "3,3,3"):
     over = {"model.depth": 1, "model.hidden_size": 32, "model.num_heads": 2, "model.ffn_dim": 64,
             "attention.kind": kind, "attention.window": "3,3,3", "attention.max_offset": max_offset,
-            "attention.offset_kernel": offset_kernel, "runtime.token_chunk": chunk}
+            "attention.offset_kernel": offset_kernel, "runtime.token_chunk": chunk,
+            "model.cross_attention": arch == "videodit"}  # videodit: the chunked cross-attention too
     if arch == "wan":
         over.update({"model.arch": "wan", "model.text_dim": 16, "model.text_len": 5, "model.in_channels": 4,
                      "model.patch_size": "1,2,2", "model.timestep_freq_dim": 16, "data.num_frames": 9,
