@@ -25,8 +25,8 @@ The ``wan`` presets add what the Wan blocks have and the videodit ones do not: p
 applied to each of the ``text_len`` text tokens (the text projection, the cross-attention's keys
 and values), the cross-attention FLOPs ``4 * B * N * text_len * D`` per block, rotated q and k,
 the cross-attention's query, output and projection, the second modulation, and the text's keys
-and values. A ``videodit`` with ``model.cross_attention`` (``tiny``; not the ``dit-*`` presets)
-has cross-attention too, over ``Lt = caption_max_bytes + 1`` caption tokens: the same FLOPs and
+and values. A ``videodit`` with ``model.cross_attention`` (off by default and in the ``dit-*``
+presets) has cross-attention too, over ``Lt = caption_max_bytes + 1`` caption tokens: the same FLOPs and
 keys and values, and parameters per caption token (the token projection, the keys and values). The DSA offset heads are reported apart (``attention.offset_groups`` makes them
 smaller).
 
