@@ -19,6 +19,12 @@ some clips a gray bar drifts across in front of it (an occlusion). Captions stat
 "a red circle moving up-right fast on a black background, bouncing off the edges, passing
 behind a gray bar". ``motion_metric.parse_caption`` reads them back.
 
+**The simple variant** (``variant="simple"``, ``<cache>/motion-simple-v1``, ``train --demo
+motion-simple``) is the set a small model learns to draw within minutes on a CPU: one large shape
+(half-size 10 px instead of 6) moving in one of the 8 directions ``slowly``, ``at medium speed``
+or ``fast`` for 8 frames, never reaching an edge (no bounce) and never occluded, so every clip's
+caption states all of its motion. Its captions read like the full set's without the extras.
+
 The set is split by **held-out combinations**: a (colour, shape, direction, speed) combination
 is either in the validation split or in the training split, never both (``is_held_out``), and
 the two splits draw from different seeds. It is written to ``<cache>/motion-v1`` (``<cache>``
@@ -26,7 +32,7 @@ as for the demo set) with ``train.parquet`` and ``val.parquet`` (video manifests
 ``motion.json`` (per clip: the plan and the shape's centre in every frame), built in a
 temporary directory and renamed into place.
 
-    python -m megaslide_ray.motion [--out DIR] [--num-train N] [--num-val M]
+    python -m megaslide_ray.motion [--variant simple] [--out DIR] [--num-train N] [--num-val M]
     python -m megaslide_ray.train --demo motion      # trains on it, validates on the held-out split
 """
 
@@ -49,6 +55,7 @@ from megaslide_ray.manifest import ManifestEntry, write_manifest
 logger = logging.getLogger(__name__)
 
 MOTION_VERSION = "motion-v1"
+SIMPLE_VERSION = "motion-simple-v1"
 MOTION_SEED = 20261130
 NUM_FRAMES, HEIGHT, WIDTH, FPS = 16, 64, 64, 8
 RADIUS = 6.0                      # the shape's half-size in pixels
@@ -69,6 +76,8 @@ OCCLUDER_RGB = (128, 128, 128)
 OCCLUDER_WIDTH = 8
 CLEAR_STEPS = 3                   # no bounce in a clip's first steps: its start shows the caption's direction
 BOUNCE_TEXT, OCCLUDER_TEXT = "bouncing off the edges", "passing behind a gray bar"
+SIMPLE_RADIUS, SIMPLE_FRAMES = 10.0, 8  # the simple variant: a larger shape, 8 frames
+SIMPLE_SPEEDS = ("slowly", "at medium speed", "fast")  # 8 px/frame would cross the frame in 6 frames
 
 
 def is_held_out(colour: str, shape: str, direction: str, speed: str) -> bool:
@@ -98,13 +107,18 @@ def trajectory(start: tuple[float, float], direction: str, speed: float, frames:
     return np.stack([x, y], axis=1)
 
 
-def plan_clip(rng: np.random.Generator, held_out: bool) -> dict:
-    """A random clip description whose combination is held out (``held_out``) or not."""
+def _draw_combination(rng: np.random.Generator, held_out: bool, speeds) -> tuple[str, str, str, str]:
+    """A (colour, shape, direction, speed) combination of the split ``held_out`` says."""
     while True:
         colour, shape = str(rng.choice(list(COLOURS))), str(rng.choice(SHAPES))
-        direction, speed = str(rng.choice(list(DIRECTIONS))), str(rng.choice(list(SPEEDS)))
+        direction, speed = str(rng.choice(list(DIRECTIONS))), str(rng.choice(list(speeds)))
         if is_held_out(colour, shape, direction, speed) == held_out:
-            break
+            return colour, shape, direction, speed
+
+
+def plan_clip(rng: np.random.Generator, held_out: bool) -> dict:
+    """A random clip description whose combination is held out (``held_out``) or not."""
+    colour, shape, direction, speed = _draw_combination(rng, held_out, SPEEDS)
     background = str(rng.choice(list(BACKGROUNDS)))
     want = np.asarray(DIRECTIONS[direction]) * SPEEDS[speed]
     while True:  # the caption's direction holds for the first CLEAR_STEPS steps at least
@@ -125,6 +139,29 @@ def plan_clip(rng: np.random.Generator, held_out: bool) -> dict:
     return dict(colour=colour, shape=shape, direction=direction, speed=speed, speed_px=SPEEDS[speed],
                 background=background, start=start, radius=RADIUS, centres=centres.tolist(), bounces=bounces,
                 occluder=occluder, caption=caption, num_frames=NUM_FRAMES, height=HEIGHT, width=WIDTH)
+
+
+def plan_simple_clip(rng: np.random.Generator, held_out: bool) -> dict:
+    """A clip of the simple variant: one shape of half-size ``SIMPLE_RADIUS`` that stays clear of
+    the edges for all ``SIMPLE_FRAMES`` frames (its start is drawn from the positions that allow
+    it), no occluder, a caption without extras."""
+    colour, shape, direction, speed = _draw_combination(rng, held_out, SIMPLE_SPEEDS)
+    background = str(rng.choice(list(BACKGROUNDS)))
+    r, travel = SIMPLE_RADIUS, SPEEDS[speed] * (SIMPLE_FRAMES - 1)
+    dx, dy = DIRECTIONS[direction]
+    # the start range on each axis that keeps the whole path inside [r, size - r]
+    lo_x, hi_x = r + max(0.0, -dx * travel), WIDTH - r - max(0.0, dx * travel)
+    lo_y, hi_y = r + max(0.0, -dy * travel), HEIGHT - r - max(0.0, dy * travel)
+    start = (float(rng.uniform(lo_x, hi_x)), float(rng.uniform(lo_y, hi_y)))
+    centres = trajectory(start, direction, SPEEDS[speed], frames=SIMPLE_FRAMES, radius=r)
+    caption = f"a {colour} {shape} moving {direction} {speed} on a {background} background"
+    return dict(colour=colour, shape=shape, direction=direction, speed=speed, speed_px=SPEEDS[speed],
+                background=background, start=start, radius=r, centres=centres.tolist(), bounces=False,
+                occluder=None, caption=caption, num_frames=SIMPLE_FRAMES, height=HEIGHT, width=WIDTH)
+
+
+VARIANTS = {"motion": (MOTION_VERSION, plan_clip), "simple": (SIMPLE_VERSION, plan_simple_clip)}
+"""``variant`` -> (folder name, clip planner) of ``ensure_motion_dataset``."""
 
 
 def occluder_span(occluder: dict, t: int) -> tuple[int, int]:
@@ -160,32 +197,35 @@ def render_clip(plan: dict) -> np.ndarray:
     return frames
 
 
-def _build(target: Path, num_train: int, num_val: int) -> None:
+def _build(target: Path, num_train: int, num_val: int, planner=plan_clip) -> None:
     truth = {}
     for split, n, manifest_name, seed in (("train", num_train, TRAIN_MANIFEST, MOTION_SEED),
                                           ("val", num_val, VAL_MANIFEST, MOTION_SEED + 1)):
         rng = np.random.default_rng(seed)
         rows = []
         for i in range(n):
-            plan = plan_clip(rng, held_out=split == "val")
+            plan = planner(rng, held_out=split == "val")
             name = f"{split}_{i:04d}.mp4"
             write_video(target / name, render_clip(plan), FPS)
-            rows.append(ManifestEntry(path=name, caption=plan["caption"], num_frames=NUM_FRAMES, fps=float(FPS),
-                                      width=WIDTH, height=HEIGHT))
+            rows.append(ManifestEntry(path=name, caption=plan["caption"], num_frames=plan["num_frames"],
+                                      fps=float(FPS), width=WIDTH, height=HEIGHT))
             truth[name] = plan
         write_manifest(rows, target / manifest_name)
     (target / GROUND_TRUTH).write_text(json.dumps(truth, indent=1))
 
 
 def ensure_motion_dataset(cache_dir: str | Path | None = None, num_train: int = DEFAULT_TRAIN,
-                          num_val: int = DEFAULT_VAL) -> tuple[Path, Path]:
-    """``(train manifest, val manifest)`` of the motion set, generating it on first use in
-    ``<cache_dir>/motion-v1`` (``motion-v1-n<train>-<val>`` for other sizes)."""
+                          num_val: int = DEFAULT_VAL, variant: str = "motion") -> tuple[Path, Path]:
+    """``(train manifest, val manifest)`` of the motion set (``variant="simple"``: its simple
+    variant), generating it on first use in ``<cache_dir>/motion-v1`` (``motion-simple-v1``;
+    ``...-n<train>-<val>`` for other sizes)."""
     if num_train < 1 or num_val < 1:
         raise ValueError(f"num_train={num_train}, num_val={num_val}: both must be >= 1")
+    if variant not in VARIANTS:
+        raise ValueError(f"variant={variant!r} is not one of {sorted(VARIANTS)}")
+    version, planner = VARIANTS[variant]
     root = Path(cache_dir).expanduser() if cache_dir is not None else default_cache_dir()
-    name = MOTION_VERSION if (num_train, num_val) == (DEFAULT_TRAIN, DEFAULT_VAL) else \
-        f"{MOTION_VERSION}-n{num_train}-{num_val}"
+    name = version if (num_train, num_val) == (DEFAULT_TRAIN, DEFAULT_VAL) else f"{version}-n{num_train}-{num_val}"
     final = root / name
     out = (final / TRAIN_MANIFEST, final / VAL_MANIFEST)
     if (final / GROUND_TRUTH).is_file():
@@ -197,7 +237,7 @@ def ensure_motion_dataset(cache_dir: str | Path | None = None, num_train: int = 
     tmp.mkdir()
     try:
         logger.info("building the motion dataset (%d + %d clips) in %s", num_train, num_val, final)
-        _build(tmp, num_train, num_val)
+        _build(tmp, num_train, num_val, planner)
         try:
             os.rename(tmp, final)
         except OSError:
@@ -219,8 +259,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", default=None, help="cache directory (default: $MEGASLIDE_CACHE or ~/.cache/megaslide_ray)")
     p.add_argument("--num-train", type=int, default=DEFAULT_TRAIN)
     p.add_argument("--num-val", type=int, default=DEFAULT_VAL)
+    p.add_argument("--variant", choices=sorted(VARIANTS), default="motion",
+                   help="motion (default: the full set) or simple (a large shape, 8 frames, no bounces or occluders)")
     a = p.parse_args(argv)
-    train, val = ensure_motion_dataset(a.out, a.num_train, a.num_val)
+    train, val = ensure_motion_dataset(a.out, a.num_train, a.num_val, a.variant)
     print(f"train: {train}\nval: {val}")
     return 0
 

@@ -53,6 +53,36 @@ def test_the_set_and_its_held_out_split(motion_set, tmp_path):
     assert (again_train.parent / M.GROUND_TRUTH).read_text() == (train.parent / M.GROUND_TRUTH).read_text()
 
 
+def test_the_simple_variant_states_all_its_motion(tmp_path):
+    from actors.decoder import resize_crop
+    from benchmarks.learning import shows_prompt
+
+    train, val = M.ensure_motion_dataset(tmp_path, num_train=12, num_val=4, variant="simple")
+    assert train.parent.name == f"{M.SIMPLE_VERSION}-n12-4"
+    truth = M.load_ground_truth(train)
+    shown = []
+    for manifest, held_out in ((train, False), (val, True)):
+        for e in read_manifest(manifest):
+            plan = truth[e.path.rsplit("/", 1)[-1]]
+            frames = MM.read_video(e.path)
+            assert frames.shape == (M.SIMPLE_FRAMES, M.HEIGHT, M.WIDTH, 3) and e.num_frames == M.SIMPLE_FRAMES
+            assert M.is_held_out(plan["colour"], plan["shape"], plan["direction"], plan["speed"]) == held_out
+            assert plan["speed"] in M.SIMPLE_SPEEDS and plan["occluder"] is None and not plan["bounces"]
+            assert e.caption == (f"a {plan['colour']} {plan['shape']} moving {plan['direction']} {plan['speed']} "
+                                 f"on a {plan['background']} background")
+            # the whole shape stays inside the frame: the caption's velocity holds at every step
+            c = np.asarray(plan["centres"])
+            r = M.SIMPLE_RADIUS
+            assert (c >= r - 1e-9).all() and (c <= M.WIDTH - r + 1e-9).all()
+            want = MM.parse_caption(e.caption)
+            assert np.allclose(np.diff(c, axis=0), np.asarray(want.unit) * want.speed)
+            # the clip, at the tiny-motion preset's 16x16, shows its caption to the metric
+            shown.append(shows_prompt(MM.motion_fidelity(resize_crop(frames, 16, 16), e.caption)))
+    assert sum(shown) >= 0.8 * len(shown), shown
+    with pytest.raises(ValueError, match="variant='huge'"):
+        M.ensure_motion_dataset(tmp_path, variant="huge")
+
+
 def test_captions_parse_and_unknown_ones_are_refused():
     c = MM.parse_caption("a red circle moving up-right very fast on a dark blue background, bouncing off the edges")
     assert (c.colour, c.shape, c.direction, c.speed) == ("red", "circle", "up-right", 8.0)
@@ -206,6 +236,17 @@ def test_train_demo_motion_sets_the_data_and_validation(tmp_path, monkeypatch, c
     assert f'manifest = "{tmp_path / M.MOTION_VERSION / M.TRAIN_MANIFEST}"' in out
     assert f'val_manifest = "{tmp_path / M.MOTION_VERSION / M.VAL_MANIFEST}"' in out
     assert "eval_every = 10" in out
+
+
+def test_train_demo_motion_simple_with_its_preset(tmp_path, monkeypatch, capsys):
+    monkeypatch.setenv("MEGASLIDE_CACHE", str(tmp_path))
+    from megaslide_ray.train import main
+
+    assert main(["--preset", "tiny-motion", "--demo", "motion-simple", "--print-config"]) == 0
+    out = capsys.readouterr().out
+    assert f'manifest = "{tmp_path / M.SIMPLE_VERSION / M.TRAIN_MANIFEST}"' in out
+    assert f'val_manifest = "{tmp_path / M.SIMPLE_VERSION / M.VAL_MANIFEST}"' in out
+    assert "eval_every = 100" in out and 'preset = "tiny-motion"' in out
 
 
 @pytest.mark.slow  # a benchmark end to end (10-20 s): the default run stays under 10 minutes
