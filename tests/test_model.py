@@ -211,6 +211,27 @@ def test_caption_encoder_tells_the_objects_colour_from_the_backgrounds():
             assert gap > 0.05 * scale, (layers, gap, scale)
 
 
+def test_a_fresh_caption_encoder_already_reads_word_order():
+    """At init (the layers' residual branches still zero) the encoder binds each byte to its
+    position through its MLP, because the byte and position embeddings start at std
+    ``CAPTION_EMBED_STD``: the same bytes in another order move the caption vector by well over
+    5% of its size (at the old 0.02 it was 1.7%), and the other embeddings keep 0.02."""
+    from megaslide_ray.model import CAPTION_EMBED_STD
+
+    a = "a red circle moving right fast on a dark blue background"
+    b = "a blue circle moving right fast on a dark red background"
+    cfg = build_config("tiny", None, {"model.cross_attention": True})
+    embed = build_model(cfg).embed
+    enc = embed.caption
+    with torch.no_grad():
+        ca, cb = _encode(enc, [a, b])
+    bias = enc.proj.bias.detach()
+    assert float((ca - cb).norm()) > 0.05 * float((ca - bias).norm())
+    for table, std in ((enc.embed, CAPTION_EMBED_STD), (enc.position, CAPTION_EMBED_STD), (enc.null_token, 0.02)):
+        got = float(table.weight.std())
+        assert abs(got / std - 1) < 0.2, (table, got, std)
+
+
 def test_caption_encoder_ignores_padding_and_pools_an_empty_caption_to_zeros():
     cfg = build_config("tiny", None, {"model.caption_layers": 2})
     enc = build_model(cfg).embed.caption
