@@ -1,10 +1,13 @@
-"""How many steps before ``tiny``'s samples show the prompted shape, colour and direction?
+"""How many steps before a preset's samples show the prompted shape, colour and direction?
 
-    python -m benchmarks.learning [--steps 1200] [--every 100] [--prompts 8] [--kind dsa]
-                                  [--cfg-scale S] [--set FIELD VALUE ...] [--out DIR] [--json]
+    python -m benchmarks.learning [--preset tiny] [--variant motion] [--steps 1200] [--every 100]
+                                  [--prompts 8] [--kind dsa] [--cfg-scale S] [--set FIELD VALUE ...]
+                                  [--out DIR] [--json]
+    python -m benchmarks.learning --preset tiny-motion --variant simple --kind swin --steps 2000 --every 250
 
-Trains the ``tiny`` preset on the motion set's training split (what ``python -m
-megaslide_ray.train --demo motion`` trains on) in process (``megaslide_ray.baseline``: the model
+Trains ``--preset`` (default ``tiny``) on the training split of the motion set or of its simple
+variant (``--variant simple``: what ``python -m megaslide_ray.train --demo motion`` and ``--demo
+motion-simple`` train on) in process (``megaslide_ray.baseline``: the model
 and objective of the streamed trainer, which the tests hold equal to it), and every ``--every``
 steps samples ``--prompts`` captions from fixed noise (Euler, ``training.sample_steps``, guided by
 ``--cfg-scale`` against the empty caption) and scores
@@ -58,6 +61,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--split", choices=["train", "val"], default="train", help="where the prompts come from")
     p.add_argument("--cfg-scale", type=float, default=1.0,
                    help="classifier-free guidance of the samples (1 = off; needs training.caption_dropout > 0)")
+    p.add_argument("--preset", default="tiny", help="config preset (default tiny; tiny-motion is sized for --variant simple)")
+    p.add_argument("--variant", default="motion", choices=["motion", "simple"],
+                   help="the motion set (default) or its simple variant (a large shape, 8 frames, no bounces or occluders)")
     p.add_argument("--kind", default="dsa", choices=["dense", "swin", "neighborhood", "dsa"])
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--threads", type=int, default=0, help="torch threads (0: all cores)")
@@ -83,10 +89,10 @@ def main(argv: list[str] | None = None) -> int:
 
     log = (lambda *x: print(*x, file=sys.stderr, flush=True))
     t0 = time.perf_counter()
-    train, val = (str(x) for x in ensure_motion_dataset())
+    train, val = (str(x) for x in ensure_motion_dataset(variant=a.variant))
     over = {"attention.kind": a.kind, "training.seed": a.seed, "training.steps": a.steps, "data.manifest": train,
             **dict(a.set)}
-    cfg = build_config("tiny", None, {k: str(v) for k, v in over.items()})
+    cfg = build_config(a.preset, None, {k: str(v) for k, v in over.items()})
     captions = [e.caption for e in read_manifest(train if a.split == "train" else val)][:a.prompts]
     torch.manual_seed(a.seed)
     trainer = InProcessTrainer(cfg, threads=a.threads)
@@ -127,7 +133,7 @@ def main(argv: list[str] | None = None) -> int:
             if a.json:
                 print(json.dumps({k: v for k, v in point.items() if k != "samples"}), flush=True)
     first = next((pt["step"] for pt in points if pt["shown"] >= 0.5), None)
-    meta = {"kind": a.kind, "seed": a.seed, "cfg_scale": a.cfg_scale, "steps": a.steps, "every": a.every, "prompts": a.prompts,
+    meta = {"preset": a.preset, "variant": a.variant, "kind": a.kind, "seed": a.seed, "cfg_scale": a.cfg_scale, "steps": a.steps, "every": a.every, "prompts": a.prompts,
             "split": a.split, "overrides": dict(a.set), "first_step_half_shown": first,
             "step_seconds": train_s / max(a.steps, 1), "minutes": (time.perf_counter() - t0) / 60,
             "threads": a.threads or os.cpu_count(), "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())}
@@ -142,7 +148,8 @@ def main(argv: list[str] | None = None) -> int:
 
 def markdown(points: list[dict], meta: dict) -> str:
     first = meta["first_step_half_shown"]
-    lines = [f"`tiny`, attention {meta['kind']}, seed {meta['seed']}, {meta['prompts']} {meta['split']} prompts, "
+    lines = [f"`{meta['preset']}` on the {meta['variant']} set, attention {meta['kind']}, seed {meta['seed']}, "
+             f"{meta['prompts']} {meta['split']} prompts, "
              f"guidance {meta['cfg_scale']:g}, "
              f"overrides {meta['overrides'] or 'none'}; {meta['step_seconds']:.2f} s/step in process; "
              f"total {meta['minutes']:.1f} min",
