@@ -238,7 +238,7 @@ def write_png(path: str | Path, image: np.ndarray) -> None:
 class SampleResult:
     video_path: str
     sheet_path: str
-    frames: np.ndarray        # uint8 (F, H, W, 3), as written to the mp4 (before H.264)
+    frames: np.ndarray        # uint8 (F, H, W, 3), as written to the mp4 (before H.264; upscaled)
     checkpoint: str
     checkpoint_step: int
     seconds: float
@@ -262,9 +262,11 @@ def decode_latents(vae, latents: torch.Tensor) -> np.ndarray:
 def sample_video(checkpoint: str | Path, prompt: str, out: str | Path, frames: int | None = None,
                  steps: int = 20, seed: int = 0, height: int | None = None, width: int | None = None,
                  cfg_scale: float = 1.0, fps: int = 8, device: str = "auto", model_dir: str | Path | None = None,
-                 negative_prompt: str = "") -> SampleResult:
+                 negative_prompt: str = "", upscale: int = 1) -> SampleResult:
     """Sample one video from ``checkpoint`` (a checkpoint or run directory) and write
-    ``out`` (mp4) and ``out`` with suffix ``.png`` (contact sheet).
+    ``out`` (mp4) and ``out`` with suffix ``.png`` (contact sheet), each pixel repeated
+    ``upscale`` x ``upscale`` times (nearest neighbour: a 16x16 model's clip viewed at 64x64, and
+    big enough that H.264's half-resolution colour does not smear a shape of a few pixels).
 
     A ``wan`` checkpoint samples in latent space: ``model_dir`` (a local diffusers Wan folder)
     provides the text encoder for ``prompt`` and ``negative_prompt`` (the unconditional half of
@@ -272,6 +274,9 @@ def sample_video(checkpoint: str | Path, prompt: str, out: str | Path, frames: i
     A ``videodit`` on latents (``model.inputs = latents``, the ``dit-*`` presets) reads the prompt
     as bytes and needs ``model_dir`` only for its VAE (the one its latents were made with)."""
     from megaslide_ray.demo_data import write_video
+
+    if upscale < 1:
+        raise ValueError(f"upscale={upscale} must be >= 1 (1 writes the model's own size)")
 
     if steps < 1:
         raise ValueError(f"--steps {steps} must be >= 1")
@@ -334,6 +339,8 @@ def sample_video(checkpoint: str | Path, prompt: str, out: str | Path, frames: i
         video = to_uint8_frames(x)
     out = Path(out)
     out.parent.mkdir(parents=True, exist_ok=True)
+    if upscale > 1:
+        video = video.repeat(upscale, axis=1).repeat(upscale, axis=2)
     write_video(out, video, fps)
     sheet = out.with_suffix(".png")
     write_png(sheet, contact_sheet(video))
@@ -357,6 +364,8 @@ def main(argv: list[str] | None = None) -> int:
                         "latents (dit-* presets): the folder whose vae/ decodes its latents")
     p.add_argument("--negative-prompt", default="", help="wan: the prompt of guidance's unconditional half")
     p.add_argument("--fps", type=int, default=8)
+    p.add_argument("--upscale", type=int, default=1,
+                   help="write each pixel K x K times (nearest neighbour), e.g. 4 for tiny-motion's 16x16 clips")
     p.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
     p.add_argument("--out", default="sample.mp4", help="output mp4; the contact sheet goes beside it as .png")
     p.add_argument("--log-level", default="WARNING")
@@ -364,7 +373,7 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=a.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
     try:
         r = sample_video(a.checkpoint, a.prompt, a.out, a.frames, a.steps, a.seed, a.height, a.width,
-                         a.cfg_scale, a.fps, a.device, a.model_dir, a.negative_prompt)
+                         a.cfg_scale, a.fps, a.device, a.model_dir, a.negative_prompt, a.upscale)
     except (ConfigError, FileNotFoundError, ValueError, RuntimeError, ImportError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -99,6 +99,14 @@ def test_sample_other_size_and_guidance(run_dir, tmp_path):
     r = sample_video(run_dir, PROMPT, tmp_path / "g.mp4", frames=6, height=16, width=24, steps=2, seed=0,
                      cfg_scale=3.0)
     assert _decode(r.video_path).shape == (6, 16, 24, 3)
+    big = sample_video(run_dir, PROMPT, tmp_path / "big.mp4", frames=6, height=16, width=24, steps=2, seed=0,
+                       cfg_scale=3.0, upscale=3)
+    assert big.frames.shape == (6, 48, 72, 3)
+    np.testing.assert_array_equal(big.frames[:, ::3, ::3], r.frames)  # the same sample, pixels repeated
+    np.testing.assert_array_equal(big.frames[:, 2::3, 1::3], r.frames)
+    assert _decode(big.video_path).shape == (6, 48, 72, 3)
+    with pytest.raises(ValueError, match="upscale=0"):
+        sample_video(run_dir, PROMPT, tmp_path / "z.mp4", steps=1, upscale=0)
 
 
 def test_guidance_without_caption_dropout_warns(run_dir, tmp_path, caplog):
