@@ -3,7 +3,8 @@
     python -m benchmarks.learning [--preset tiny] [--variant motion] [--steps 1200] [--every 100]
                                   [--prompts 8] [--kind dsa] [--cfg-scale S] [--set FIELD VALUE ...]
                                   [--out DIR] [--json]
-    python -m benchmarks.learning --preset tiny-motion --variant simple --kind swin --steps 2000 --every 250
+    python -m benchmarks.learning --preset tiny-motion --variant simple --steps 2000 --every 500
+    python -m benchmarks.learning --checkpoint RUN --variant simple [--prompts 16] [--cfg-scale S]
 
 Trains ``--preset`` (default ``tiny``) on the training split of the motion set or of its simple
 variant (``--variant simple``: what ``python -m megaslide_ray.train --demo motion`` and ``--demo
@@ -18,6 +19,10 @@ A sample **shows its prompt** when the caption's colour is found in at least 75%
 visible frames (``shape_match``), and it moves in the caption's direction: mean direction error
 at most 45 degrees. The table gives, per checkpoint, the fraction of samples that show their
 prompt and the metric means; the answer is the first checkpoint where at least half do.
+
+With ``--checkpoint RUN`` it trains nothing: it samples each prompt from that run (or checkpoint)
+with ``megaslide_ray.sample`` (``--sample-steps``, default 20, and ``--upscale``, default 4), reads
+the mp4 back and scores it, as a user checking a streamed run would.
 
 The prompts are the first ``--prompts`` captions of the training split (``--split val``: of the
 held-out split, combinations never trained on). ``--out`` receives ``learning.json``,
@@ -64,7 +69,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--preset", default="tiny", help="config preset (default tiny; tiny-motion is sized for --variant simple)")
     p.add_argument("--variant", default="motion", choices=["motion", "simple"],
                    help="the motion set (default) or its simple variant (a large shape, 8 frames, no bounces or occluders)")
-    p.add_argument("--kind", default="dsa", choices=["dense", "swin", "neighborhood", "dsa"])
+    p.add_argument("--kind", default=None, choices=["dense", "swin", "neighborhood", "dsa"],
+                   help="attention kind (default: the preset's)")
+    p.add_argument("--checkpoint", default=None, metavar="RUN",
+                   help="score a trained run instead of training one: sample each prompt from this checkpoint (or run "
+                        "directory's latest) with megaslide_ray.sample, as a user would, and score the written mp4s")
+    p.add_argument("--sample-steps", type=int, default=20, help="--checkpoint: Euler steps per sample (default 20, "
+                                                                "as megaslide_ray.sample)")
+    p.add_argument("--upscale", type=int, default=4, help="--checkpoint: megaslide_ray.sample --upscale (default 4)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--threads", type=int, default=0, help="torch threads (0: all cores)")
     p.add_argument("--set", nargs=2, action="append", default=[], metavar=("FIELD", "VALUE"),
@@ -72,15 +84,16 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", type=Path, default=None, help="folder for learning.json/.md and contact sheets")
     p.add_argument("--json", action="store_true", help="one JSON object per checkpoint")
     a = p.parse_args(argv)
-    for name in ("steps", "every", "prompts"):
+    for name in ("steps", "every", "prompts", "sample_steps", "upscale"):
         if getattr(a, name) < 1:
-            p.error(f"--{name} {getattr(a, name)} must be >= 1")
+            p.error(f"--{name.replace('_', '-')} {getattr(a, name)} must be >= 1")
+    if a.checkpoint:
+        return score_checkpoint(a)
 
     from actors.decoder import VideoDecoder
     from megaslide_ray.baseline import InProcessTrainer
     from megaslide_ray.captions import caption_batch
     from megaslide_ray.config import build_config
-    from megaslide_ray.manifest import read_manifest
     from megaslide_ray.motion import ensure_motion_dataset
     from megaslide_ray.motion_metric import KEYS, motion_fidelity
     from megaslide_ray.sample import contact_sheet, initial_noise, integrate, to_uint8_frames, write_png
@@ -89,11 +102,11 @@ def main(argv: list[str] | None = None) -> int:
 
     log = (lambda *x: print(*x, file=sys.stderr, flush=True))
     t0 = time.perf_counter()
-    train, val = (str(x) for x in ensure_motion_dataset(variant=a.variant))
-    over = {"attention.kind": a.kind, "training.seed": a.seed, "training.steps": a.steps, "data.manifest": train,
+    train, _ = (str(x) for x in ensure_motion_dataset(variant=a.variant))
+    over = {**({"attention.kind": a.kind} if a.kind else {}), "training.seed": a.seed, "training.steps": a.steps, "data.manifest": train,
             **dict(a.set)}
     cfg = build_config(a.preset, None, {k: str(v) for k, v in over.items()})
-    captions = [e.caption for e in read_manifest(train if a.split == "train" else val)][:a.prompts]
+    captions = prompts_of(a.variant, a.split, a.prompts)
     torch.manual_seed(a.seed)
     trainer = InProcessTrainer(cfg, threads=a.threads)
     pred = ModelPredictor(trainer.model)
@@ -133,7 +146,7 @@ def main(argv: list[str] | None = None) -> int:
             if a.json:
                 print(json.dumps({k: v for k, v in point.items() if k != "samples"}), flush=True)
     first = next((pt["step"] for pt in points if pt["shown"] >= 0.5), None)
-    meta = {"preset": a.preset, "variant": a.variant, "kind": a.kind, "seed": a.seed, "cfg_scale": a.cfg_scale, "steps": a.steps, "every": a.every, "prompts": a.prompts,
+    meta = {"preset": a.preset, "variant": a.variant, "kind": cfg.attention.kind, "seed": a.seed, "cfg_scale": a.cfg_scale, "steps": a.steps, "every": a.every, "prompts": a.prompts,
             "split": a.split, "overrides": dict(a.set), "first_step_half_shown": first,
             "step_seconds": train_s / max(a.steps, 1), "minutes": (time.perf_counter() - t0) / 60,
             "threads": a.threads or os.cpu_count(), "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())}
@@ -146,12 +159,66 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
+def prompts_of(variant: str, split: str, n: int) -> list[str]:
+    """The first ``n`` captions of a split of the motion set (or its simple variant)."""
+    from megaslide_ray.manifest import read_manifest
+    from megaslide_ray.motion import ensure_motion_dataset
+
+    train, val = ensure_motion_dataset(variant=variant)
+    return [e.caption for e in read_manifest(train if split == "train" else val)][:n]
+
+
+def score_checkpoint(a) -> int:
+    """``--checkpoint``: each prompt sampled by ``megaslide_ray.sample`` (noise seed 1000 + its
+    index, as in training mode) into ``--out`` (or a temporary folder), read back from the mp4
+    and scored with the motion metric."""
+    import tempfile
+
+    from megaslide_ray.checkpoint import read_checkpoint_state, resolve_checkpoint
+    from megaslide_ray.motion_metric import KEYS, motion_fidelity, read_video
+    from megaslide_ray.sample import contact_sheet, sample_video, write_png
+
+    t0 = time.perf_counter()
+    ckpt = resolve_checkpoint(a.checkpoint)
+    state = read_checkpoint_state(ckpt)
+    captions = prompts_of(a.variant, a.split, a.prompts)
+    out = a.out or Path(tempfile.mkdtemp(prefix="learning-"))
+    out.mkdir(parents=True, exist_ok=True)
+    metrics, rows = [], []
+    for j, caption in enumerate(captions):
+        r = sample_video(ckpt, caption, out / f"sample_{j:02d}.mp4", steps=a.sample_steps, seed=1000 + j,
+                         cfg_scale=a.cfg_scale, upscale=a.upscale)
+        frames = read_video(r.video_path)  # what a user's motion_metric run reads
+        metrics.append(motion_fidelity(frames, caption))
+        rows.append(contact_sheet(frames, max_frames=8, columns=8))
+    write_png(out / f"learning_step_{state['step']}.png", np.concatenate(rows, axis=0))
+    shown = [shows_prompt(m) for m in metrics]
+    point = {"step": int(state["step"]), "train_loss": math.nan, "shown": sum(shown) / len(shown),
+             "train_seconds": math.nan, **{k: _nanmean([m[k] for m in metrics]) for k in KEYS},
+             "samples": [{"caption": c, "shows": s, **{k: m[k] for k in KEYS}}
+                         for c, s, m in zip(captions, shown, metrics)]}
+    cfg = state["config"]
+    meta = {"preset": cfg.get("preset", "?"), "variant": a.variant, "kind": cfg["attention"]["kind"], "seed": 0,
+            "cfg_scale": a.cfg_scale, "steps": int(state["step"]), "every": 0, "prompts": len(captions),
+            "split": a.split, "overrides": {}, "checkpoint": str(ckpt), "sample_steps": a.sample_steps,
+            "upscale": a.upscale,
+            "first_step_half_shown": point["step"] if point["shown"] >= 0.5 else None, "step_seconds": math.nan,
+            "minutes": (time.perf_counter() - t0) / 60, "threads": os.cpu_count(),
+            "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())}
+    md = markdown([point], meta)
+    (out / "learning.json").write_text(json.dumps({"meta": meta, "points": [point]}, indent=1))
+    (out / "learning.md").write_text(md)
+    print(json.dumps({k: v for k, v in point.items() if k != "samples"}) if a.json else md, end="" if not a.json else "\n")
+    return 0
+
+
 def markdown(points: list[dict], meta: dict) -> str:
     first = meta["first_step_half_shown"]
-    lines = [f"`{meta['preset']}` on the {meta['variant']} set, attention {meta['kind']}, seed {meta['seed']}, "
-             f"{meta['prompts']} {meta['split']} prompts, "
-             f"guidance {meta['cfg_scale']:g}, "
-             f"overrides {meta['overrides'] or 'none'}; {meta['step_seconds']:.2f} s/step in process; "
+    how = (f"sampled from {meta['checkpoint']} by megaslide_ray.sample ({meta['sample_steps']} Euler steps, "
+           f"--upscale {meta['upscale']}, scored on the mp4s)" if meta.get("checkpoint") else
+           f"seed {meta['seed']}, overrides {meta['overrides'] or 'none'}; {meta['step_seconds']:.2f} s/step in process")
+    lines = [f"`{meta['preset']}` on the {meta['variant']} set, attention {meta['kind']}, "
+             f"{meta['prompts']} {meta['split']} prompts, guidance {meta['cfg_scale']:g}, {how}; "
              f"total {meta['minutes']:.1f} min",
              "",
              "| step | train loss | shows prompt | detection | shape match | direction err (deg) | "

@@ -144,3 +144,29 @@ def test_sample_cli(run_dir, tmp_path):
     bad = subprocess.run([sys.executable, "-m", "megaslide_ray.sample", "--checkpoint", str(tmp_path / "nowhere"),
                           "--out", str(tmp_path / "n.mp4")], capture_output=True, text=True, timeout=300)
     assert bad.returncode == 2 and "neither a checkpoint directory" in bad.stderr
+
+
+def test_learning_benchmark_scores_a_checkpoint_as_a_user_would(run_dir, tmp_path, monkeypatch):
+    """``benchmarks.learning --checkpoint``: every prompt sampled by megaslide_ray.sample into an
+    mp4 (upscaled), and the scores are the motion metric of those mp4s as read back."""
+    import json
+
+    from benchmarks import learning
+    from megaslide_ray.motion_metric import motion_fidelity, read_video
+
+    captions = ["a red circle moving right fast on a black background",
+                "a green square moving up slowly on a dark blue background"]
+    monkeypatch.setattr(learning, "prompts_of", lambda variant, split, n: captions[:n])
+    out = tmp_path / "scored"
+    assert learning.main(["--checkpoint", str(run_dir), "--prompts", "2", "--sample-steps", "2", "--upscale", "2",
+                          "--out", str(out)]) == 0
+    got = json.loads((out / "learning.json").read_text())
+    assert got["meta"]["checkpoint"].endswith("step_2") and [p["step"] for p in got["points"]] == [2]
+    samples = got["points"][0]["samples"]
+    assert [s["caption"] for s in samples] == captions
+    for j, (s, caption) in enumerate(zip(samples, captions)):
+        frames = read_video(out / f"sample_{j:02d}.mp4")
+        assert frames.shape == (8, 64, 64, 3)
+        want = motion_fidelity(frames, caption)
+        assert s["detection_rate"] == want["detection_rate"] and s["shows"] == learning.shows_prompt(want)
+    assert (out / "learning_step_2.png").is_file()
