@@ -21,7 +21,7 @@ behind a gray bar". ``motion_metric.parse_caption`` reads them back.
 
 **The simple variant** (``variant="simple"``, ``<cache>/motion-simple-v1``, ``train --demo
 motion-simple``) is the set a small model learns to draw within minutes on a CPU: one large shape
-(half-size 10 px instead of 6) moving in one of the 8 directions ``slowly``, ``at medium speed``
+(half-size 14 px instead of 6) moving in one of the 8 directions ``slowly``, ``at medium speed``
 or ``fast`` for 8 frames, never reaching an edge (no bounce) and never occluded, so every clip's
 caption states all of its motion. Its captions read like the full set's without the extras.
 
@@ -76,8 +76,8 @@ OCCLUDER_RGB = (128, 128, 128)
 OCCLUDER_WIDTH = 8
 CLEAR_STEPS = 3                   # no bounce in a clip's first steps: its start shows the caption's direction
 BOUNCE_TEXT, OCCLUDER_TEXT = "bouncing off the edges", "passing behind a gray bar"
-SIMPLE_RADIUS, SIMPLE_FRAMES = 10.0, 8  # the simple variant: a larger shape, 8 frames
-SIMPLE_SPEEDS = ("slowly", "at medium speed", "fast")  # 8 px/frame would cross the frame in 6 frames
+SIMPLE_RADIUS, SIMPLE_FRAMES = 14.0, 8  # the simple variant: a larger shape, 8 frames
+SIMPLE_SPEEDS = ("slowly", "at medium speed", "fast")  # at 8 px/frame the shape reaches an edge within 8 frames
 
 
 def is_held_out(colour: str, shape: str, direction: str, speed: str) -> bool:
