@@ -66,9 +66,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--split", choices=["train", "val"], default="train", help="where the prompts come from")
     p.add_argument("--cfg-scale", type=float, default=1.0,
                    help="classifier-free guidance of the samples (1 = off; needs training.caption_dropout > 0)")
-    p.add_argument("--preset", default="tiny", help="config preset (default tiny; tiny-motion is sized for --variant simple)")
+    p.add_argument("--preset", default="tiny",
+                   help="config preset (default tiny; tiny-motion is sized for --variant simple)")
     p.add_argument("--variant", default="motion", choices=["motion", "simple"],
-                   help="the motion set (default) or its simple variant (a large shape, 8 frames, no bounces or occluders)")
+                   help="the motion set (default) or its simple variant (a large shape, 8 frames, no bounces or "
+                        "occluders)")
     p.add_argument("--kind", default=None, choices=["dense", "swin", "neighborhood", "dsa"],
                    help="attention kind (default: the preset's)")
     p.add_argument("--checkpoint", default=None, metavar="RUN",
@@ -103,8 +105,8 @@ def main(argv: list[str] | None = None) -> int:
     log = (lambda *x: print(*x, file=sys.stderr, flush=True))
     t0 = time.perf_counter()
     train, _ = (str(x) for x in ensure_motion_dataset(variant=a.variant))
-    over = {**({"attention.kind": a.kind} if a.kind else {}), "training.seed": a.seed, "training.steps": a.steps, "data.manifest": train,
-            **dict(a.set)}
+    over = {**({"attention.kind": a.kind} if a.kind else {}), "training.seed": a.seed, "training.steps": a.steps,
+            "data.manifest": train, **dict(a.set)}
     cfg = build_config(a.preset, None, {k: str(v) for k, v in over.items()})
     captions = prompts_of(a.variant, a.split, a.prompts)
     torch.manual_seed(a.seed)
@@ -146,7 +148,8 @@ def main(argv: list[str] | None = None) -> int:
             if a.json:
                 print(json.dumps({k: v for k, v in point.items() if k != "samples"}), flush=True)
     first = next((pt["step"] for pt in points if pt["shown"] >= 0.5), None)
-    meta = {"preset": a.preset, "variant": a.variant, "kind": cfg.attention.kind, "seed": a.seed, "cfg_scale": a.cfg_scale, "steps": a.steps, "every": a.every, "prompts": a.prompts,
+    meta = {"preset": a.preset, "variant": a.variant, "kind": cfg.attention.kind, "seed": a.seed,
+            "cfg_scale": a.cfg_scale, "steps": a.steps, "every": a.every, "prompts": a.prompts,
             "split": a.split, "overrides": dict(a.set), "first_step_half_shown": first,
             "step_seconds": train_s / max(a.steps, 1), "minutes": (time.perf_counter() - t0) / 60,
             "threads": a.threads or os.cpu_count(), "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())}
@@ -198,7 +201,7 @@ def score_checkpoint(a) -> int:
              "samples": [{"caption": c, "shows": s, **{k: m[k] for k in KEYS}}
                          for c, s, m in zip(captions, shown, metrics)]}
     cfg = state["config"]
-    meta = {"preset": cfg.get("preset", "?"), "variant": a.variant, "kind": cfg["attention"]["kind"], "seed": 0,
+    meta = {"preset": cfg.get("preset", "?"), "variant": a.variant, "kind": cfg["attention"]["kind"],
             "cfg_scale": a.cfg_scale, "steps": int(state["step"]), "every": 0, "prompts": len(captions),
             "split": a.split, "overrides": {}, "checkpoint": str(ckpt), "sample_steps": a.sample_steps,
             "upscale": a.upscale,
@@ -208,7 +211,10 @@ def score_checkpoint(a) -> int:
     md = markdown([point], meta)
     (out / "learning.json").write_text(json.dumps({"meta": meta, "points": [point]}, indent=1))
     (out / "learning.md").write_text(md)
-    print(json.dumps({k: v for k, v in point.items() if k != "samples"}) if a.json else md, end="" if not a.json else "\n")
+    if a.json:
+        print(json.dumps({k: v for k, v in point.items() if k != "samples"}))
+    else:
+        print(md, end="")
     return 0
 
 
@@ -216,7 +222,8 @@ def markdown(points: list[dict], meta: dict) -> str:
     first = meta["first_step_half_shown"]
     how = (f"sampled from {meta['checkpoint']} by megaslide_ray.sample ({meta['sample_steps']} Euler steps, "
            f"--upscale {meta['upscale']}, scored on the mp4s)" if meta.get("checkpoint") else
-           f"seed {meta['seed']}, overrides {meta['overrides'] or 'none'}; {meta['step_seconds']:.2f} s/step in process")
+           f"seed {meta['seed']}, overrides {meta['overrides'] or 'none'}; "
+           f"{meta['step_seconds']:.2f} s/step in process")
     lines = [f"`{meta['preset']}` on the {meta['variant']} set, attention {meta['kind']}, "
              f"{meta['prompts']} {meta['split']} prompts, guidance {meta['cfg_scale']:g}, {how}; "
              f"total {meta['minutes']:.1f} min",

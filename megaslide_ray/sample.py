@@ -365,7 +365,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--negative-prompt", default="", help="wan: the prompt of guidance's unconditional half")
     p.add_argument("--fps", type=int, default=8)
     p.add_argument("--upscale", type=int, default=1,
-                   help="write each pixel K x K times (nearest neighbour), e.g. 4 for tiny-motion's 16x16 clips")
+                   help="write each pixel K x K times (nearest neighbour), e.g. 4 for tiny-motion's 16x16 "
+                        "clips")
     p.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
     p.add_argument("--out", default="sample.mp4", help="output mp4; the contact sheet goes beside it as .png")
     p.add_argument("--log-level", default="WARNING")
