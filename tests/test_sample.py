@@ -146,6 +146,7 @@ def test_sample_cli(run_dir, tmp_path):
     assert bad.returncode == 2 and "neither a checkpoint directory" in bad.stderr
 
 
+@pytest.mark.slow  # a benchmark end to end (about 10 s): the default run stays under 10 minutes
 def test_learning_benchmark_scores_a_checkpoint_as_a_user_would(run_dir, tmp_path, monkeypatch):
     """``benchmarks.learning --checkpoint``: every prompt sampled by megaslide_ray.sample into an
     mp4 (upscaled), and the scores are the motion metric of those mp4s as read back."""
