@@ -113,7 +113,10 @@ class AttentionConfig:
     """Attention operator: ``dense`` (SDPA over all tokens), ``swin`` (3D shifted windows),
     ``neighborhood`` (DSA with offsets fixed at zero), ``dsa`` (3D Deformable Slide Attention)."""
     window: tuple[int, int, int] = (3, 3, 3)
-    """Sampling window (kt, kh, kw) in tokens; each odd and at most the token grid's size."""
+    """Window (kt, kh, kw) in tokens, each at most the token grid's size. ``dsa`` and
+    ``neighborhood``: the sampling window centred on each query, each size odd. ``swin``: the
+    tiles the grid is cut into (any size; one that divides the grid needs no padding, e.g. (2, 4, 4)
+    on a 4 x 8 x 8 grid, where (3, 3, 3) pads it to 6 x 9 x 9). ``dense`` ignores it."""
     max_offset: float = 0.0
     """If > 0, offsets are bounded as ``max_offset * tanh(raw)``; 0 leaves them unbounded."""
     scale: float = 0.0
@@ -748,8 +751,10 @@ def validate(cfg: Config) -> Config:
         _validate_latent_clip(cfg)
     grid = cfg.token_grid
     for i, (axis, k, n) in enumerate(zip(("frames", "height", "width"), a.window, grid)):
-        if k <= 0 or k % 2 == 0:
-            raise ConfigError(f"attention.window={a.window}: the {axis} size {k} must be odd and positive")
+        if k <= 0 or (k % 2 == 0 and a.kind != "swin"):
+            raise ConfigError(f"attention.window={a.window}: the {axis} size {k} must be odd and positive"
+                              + ("" if k <= 0 else f" for attention.kind={a.kind!r} (a window centred on each "
+                                 f"query; only swin's tiles may be even)"))
         if a.kind in ("dsa", "neighborhood", "swin") and k > n:
             raise ConfigError(f"attention.window={a.window}: the {axis} size {k} exceeds the token grid's "
                               f"{n} {axis} (grid {grid} = {'latent' if cfg.latent_space else 'data'} size / model.patch_size); "

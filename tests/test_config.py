@@ -85,6 +85,16 @@ def test_invalid_values_are_refused_with_field_and_value(overrides, needle):
     assert needle in str(e.value)
 
 
+def test_swin_tiles_may_be_even_but_centred_windows_may_not():
+    """swin cuts the grid into tiles (any size); dsa and neighborhood centre a window on each
+    query (odd sizes only)."""
+    cfg = build_config("tiny", None, {"attention.kind": "swin", "attention.window": "2,4,4"})
+    assert cfg.attention.window == (2, 4, 4)
+    for kind in ("dsa", "neighborhood"):
+        with pytest.raises(ConfigError, match=f"the frames size 2 must be odd and positive for attention.kind='{kind}'"):
+            build_config("tiny", None, {"attention.kind": kind, "attention.window": "2,4,4"})
+
+
 def test_decoder_pool_and_fps_sampling_are_accepted():
     assert build_config("tiny", None, {"data.num_decoders": "3", "data.fps": "8"}).data.num_decoders == 3
 
