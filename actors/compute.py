@@ -9,6 +9,10 @@ One training step, in the order ``train_step`` reads:
 3. ``_backward``: blocks L..1 recomputed from their saved inputs, newest first, then shard 0;
    each shard's gradient goes to the store as soon as it exists.
 
+With ``runtime.recompute_blocks=false`` (CPU, weights read in place) step 1 runs every shard with
+gradients and keeps its graph, and step 3 walks the kept graphs instead of recomputing
+(``_forward_keeping_graphs``, ``_backward_graphs``).
+
 Between steps the actor holds no weights: only mappings of the store's segments (same node)
 or nothing (object refs). The model is built on the ``meta`` device and called with
 ``torch.func.functional_call`` on views into the fetched flat buffer, so the model code does
@@ -68,6 +72,14 @@ class StepResult:
     device_memory_peak_bytes: int = 0  # CUDA: max_memory_allocated of this step; CPU: the process's peak RSS
 
 
+class BlockGraph(NamedTuple):
+    """One shard's forward kept for its backward (``runtime.recompute_blocks=false``)."""
+    x_in: torch.Tensor | None   # the block's input leaf (None: shard 0)
+    c_in: torch.Tensor | None   # its conditioning leaf
+    out: tuple                  # (output, conditioning): shard 0's (x, c); a block's (y, c)
+    grad: torch.Tensor          # the flat buffer its backward writes the gradient into
+
+
 class FlowInputs(NamedTuple):
     """One step's model inputs on the compute device."""
     x_t: torch.Tensor       # (B, F, H, W, C) noised clips (pixels or latents)
@@ -99,6 +111,15 @@ class ComputeActor:
             self.device = torch.device("cuda", torch.cuda.current_device())
         if self.device.type == "cpu":
             torch.set_num_threads(cfg.runtime.compute_threads or os.cpu_count() or 1)
+        # Kept block graphs hold their block's weights: only a CPU compute reading them in place
+        # (the config refuses a simulated link and offloaded inputs) can keep them. A GPU step
+        # streams weights through reused device buffers, so there it recomputes (said once).
+        self.keep_graphs = not cfg.runtime.recompute_blocks and self.device.type == "cpu"
+        if not cfg.runtime.recompute_blocks and not self.keep_graphs:
+            log.warning("runtime.recompute_blocks=false applies to a CPU compute only; this compute actor got %s "
+                        "(runtime.device=%r), whose streamed weights pass through reused buffers, so its backward "
+                        "recomputes each block as with runtime.recompute_blocks=true", self.device,
+                        cfg.runtime.device)
         self.store = store
         self.transport = transport
         self.infos = shards
@@ -146,6 +167,8 @@ class ComputeActor:
         one fetch less). They take the slot the head's prefetch would use, so the device never
         holds more than prefetch_depth + 1 shards."""
         L = self.cfg.model.depth
+        if self.keep_graphs:  # the backward reads the graphs' weights
+            return list(range(self.n)), {}
         return list(range(self.n)) + list(range(L, -1, -1)), {self.n: L}
 
     def train_step(self, batch, step: int) -> StepResult:
@@ -167,11 +190,19 @@ class ComputeActor:
         feed = ShardFeed(self.link, order, step, reuse)
         inputs = self._inputs(batch, step)
 
-        x, c = self._forward(feed, inputs, step)
-        self._grads_sent = max(self._grads_sent, step)
-        t_fwd = time.perf_counter()
-        loss, dx, dc = self._loss(feed, inputs, x, c, step)
-        self._backward(feed, inputs, c, dx, dc, step)
+        if not self.keep_graphs:
+            x, c = self._forward(feed, inputs, step)
+            self._grads_sent = max(self._grads_sent, step)
+            t_fwd = time.perf_counter()
+            loss, dx, dc = self._loss(feed, inputs, x, c, step)
+            self._backward(feed, inputs, c, dx, dc, step)
+        else:
+            graphs = self._forward_keeping_graphs(feed, inputs, step)
+            self._grads_sent = max(self._grads_sent, step)
+            t_fwd = time.perf_counter()
+            x, c = graphs[-1].out
+            loss, dx, dc = self._loss(feed, inputs, x.detach(), c, step)
+            self._backward_graphs(graphs, dx, dc, step)
 
         for r in self._returns:  # every gradient has reached the store (errors surface here)
             if r is not None:
@@ -270,6 +301,51 @@ class ComputeActor:
         torch.autograd.backward([x0, c0], [dx, dc.to(c0.dtype)])
         self._push_grad(0, step, grad)
         feed.done(w_staged)
+
+    # -- without recomputation (runtime.recompute_blocks=false) ------------------------------
+    def _forward_keeping_graphs(self, feed: ShardFeed, inp: FlowInputs, step: int) -> list["BlockGraph"]:
+        """Shards 0..L with gradients on, each block cut from the last at its input and its
+        conditioning (leaves, as in the recomputing backward), every graph kept. The weights are
+        the store's mapped pages, read in place: they stay valid until the shard's own gradient
+        replaces them, after its backward."""
+        L = self.cfg.model.depth
+        w = feed.take(0)
+        fault_point("compute.after_weights", step)
+        out, grad = self._run_with_grad(0, w, inp.x_t, inp.t, inp.caption, inp.caption_len)
+        feed.done(w)
+        graphs = [BlockGraph(None, None, out, grad)]
+        x, c = out
+        for shard in range(1, L + 1):
+            if shard == (L + 2) // 2:
+                fault_point("compute.mid_forward", step)
+            x_in = x.detach().requires_grad_(True)
+            c_leaf = c.detach().requires_grad_(True)
+            w = feed.take(shard)
+            y, grad = self._run_with_grad(shard, w, x_in, c_leaf)
+            feed.done(w)
+            graphs.append(BlockGraph(x_in, c_leaf, (y, c), grad))
+            x = y
+        return graphs
+
+    def _backward_graphs(self, graphs: list["BlockGraph"], dx: torch.Tensor, dc: torch.Tensor, step: int) -> None:
+        """The kept graphs' backwards, blocks L..1 then shard 0, in the order and with the
+        accumulation of ``_backward``, so the gradients are the same to the bit; each graph is
+        freed once its gradient has gone to the store."""
+        L = self.cfg.model.depth
+        for shard in range(L, 0, -1):
+            g = graphs[shard]
+            torch.autograd.backward(g.out[0], dx)
+            self._push_grad(shard, step, g.grad)
+            if shard == (L + 1) // 2:
+                fault_point("compute.mid_backward", step)
+            dx = g.x_in.grad
+            dc += g.c_in.grad
+            graphs[shard] = None  # its activations go now
+            del g
+        (x0, c0), grad = graphs[0].out, graphs[0].grad
+        torch.autograd.backward([x0, c0], [dx, dc.to(c0.dtype)])
+        self._push_grad(0, step, grad)
+        graphs.clear()
 
     # -- forward only (sampling) -------------------------------------------------------------
     @torch.no_grad()

@@ -248,6 +248,15 @@ class RuntimeConfig:
     the host segment, which then has depth - N slots. Trades device memory (N more inputs of
     batch x tokens x width) for host memory and link traffic. 0: all offloaded; N >= depth:
     none. Ignored without ``offload_activations``."""
+    recompute_blocks: bool = True
+    """Activation checkpointing at block boundaries: the forward keeps only each block's input and
+    the backward runs the block's forward again before its backward (one more forward per step).
+    False keeps every block's autograd graph from the forward instead, so the backward computes
+    no forward again (about a quarter less compute per step) at the cost of every block's
+    activations in memory. For a CPU compute reading the weights in place: a kept graph holds
+    its block's weights, which a streamed GPU step passes through reused buffers. So a compute
+    actor that lands on a GPU (``runtime.device`` ``auto``) recomputes anyway and logs it, and
+    ``runtime.device = cuda``, ``link_gbps`` > 0 and ``offload_activations`` are refused with it."""
     optimizer_threads: int = 0
     """Torch threads in the parameter store for AdamW; 0 uses every core of the machine."""
     max_restarts: int = 3
@@ -785,6 +794,15 @@ def validate(cfg: Config) -> Config:
                          ("ray.metrics_export_port", cfg.ray.metrics_export_port)]:
         if value < 0:
             raise ConfigError(f"{where}={value} must be >= 0")
+    if not cfg.runtime.recompute_blocks:
+        rt = cfg.runtime
+        for bad, what in ((rt.device == "cuda", "runtime.device='cuda'"),
+                          (rt.link_gbps > 0, f"runtime.link_gbps={rt.link_gbps}"),
+                          (rt.offload_activations, "runtime.offload_activations=true")):
+            if bad:
+                raise ConfigError(f"runtime.recompute_blocks=false with {what}: keeping block graphs needs the "
+                                  f"weights read in place by a CPU compute (device 'cpu' or 'auto', link_gbps 0, "
+                                  f"no offload_activations); set runtime.recompute_blocks=true")
     if not 0 <= o.min_lr_ratio <= 1:
         raise ConfigError(f"optim.min_lr_ratio={o.min_lr_ratio} must lie in [0, 1]")
     if not 0 <= t.caption_dropout < 1:

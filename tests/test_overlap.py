@@ -116,6 +116,49 @@ def test_partial_offload_keeps_the_last_inputs_on_the_device_with_identical_para
     assert not list(tmp_path.glob("megaslide-activations-*")), "the host segment's file must be unlinked"
 
 
+@pytest.mark.parametrize("extra", [{}, {"token_chunk": 16}])
+def test_kept_block_graphs_give_identical_parameters_with_one_forward_per_block(tmp_path, batches, extra,
+                                                                             monkeypatch):
+    """runtime.recompute_blocks=false: the backward runs on the forward's graphs, so every shard
+    runs forward once per step instead of twice, and the parameters are the same to the bit."""
+    manifest, bs = batches
+    calls = {"_run": 0, "_run_with_grad": 0}
+
+    def counting(name):
+        real = getattr(ComputeActor, name)
+
+        def run(self, *args, **kw):
+            calls[name] += 1
+            return real(self, *args, **kw)
+        return run
+
+    for name in calls:
+        monkeypatch.setattr(ComputeActor, name, counting(name))
+    recomputed, _ = train(tmp_path, manifest, bs, **extra)
+    with_recompute = dict(calls)
+    calls.update(_run=0, _run_with_grad=0)
+    kept, _ = train(tmp_path, manifest, bs, recompute_blocks="false", **extra)
+    for a, b in zip(recomputed, kept):
+        assert torch.equal(a, b)
+    L, steps = 3, len(bs)
+    # Recomputing: shards 0..L forward without gradients, then again with them, and the head.
+    assert with_recompute == {"_run": steps * (L + 1), "_run_with_grad": steps * (L + 2)}
+    # Kept graphs: every shard once, with gradients.
+    assert calls == {"_run": 0, "_run_with_grad": steps * (L + 2)}
+    assert train.last.h2d_bytes == 0  # weights still read in place
+
+
+@pytest.mark.parametrize("runtime,needle", [({"runtime.link_gbps": "5"}, "runtime.link_gbps=5.0"),
+                                            ({"runtime.offload_activations": "true"}, "offload_activations"),
+                                            ({"runtime.device": "cuda"}, "runtime.device='cuda'")])
+def test_kept_block_graphs_are_refused_where_weights_are_not_read_in_place(runtime, needle):
+    from megaslide_ray.config import ConfigError
+
+    with pytest.raises(ConfigError, match="recompute_blocks=false") as err:
+        build_config("tiny", None, {"runtime.recompute_blocks": "false", **runtime})
+    assert needle in str(err.value)
+
+
 def test_staging_buffers_do_not_grow_with_depth(tmp_path, batches):
     manifest, bs = batches
     _, shallow = train(tmp_path, manifest, bs[:1], depth=3, link_gbps=50, prefetch_depth=1)
