@@ -39,6 +39,15 @@ kept; bilinear with antialias, in float), then cropped to ``(data.height, data.w
 center, or (``data.spatial_crop = "random"``) at an offset drawn from ``default_rng([seed, p, 2])``,
 the same for every frame of the clip.
 
+Decoded-clip cache
+------------------
+With ``data.clip_cache_mb > 0`` each decoder keeps the clips it decoded (after resize and crop)
+in memory, least recently used dropped first, and serves a clip drawn again from there: a later
+epoch of a small dataset then decodes nothing. A clip is keyed by its manifest row, its frame
+indices and its crop, and a file's frame count and rate are remembered with its size and
+modification time, so a file changed on disk is decoded again. A cached clip is the same bytes
+as a fresh decode (tests/test_data.py); only ``DecoderStats.clips_from_cache`` tells them apart.
+
 Bad files
 ---------
 A missing, zero-byte, unopenable or undecodable file, one of a single frame (or one too short,
@@ -88,6 +97,7 @@ import queue
 import stat
 import threading
 import time
+from collections import OrderedDict
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -141,6 +151,8 @@ class DecoderStats:
     """Clip frames produced for those batches (F per clip; a looped frame counts each time)."""
     decode_seconds: float
     """Time spent opening, decoding and resizing for those batches."""
+    clips_from_cache: int = 0
+    """Clips of those batches served from the decoded-clip cache (``data.clip_cache_mb``)."""
 
 
 @dataclass(frozen=True)
@@ -359,6 +371,10 @@ class VideoDecoder:
         self._warned_paths: set[str] = {self.entries[r].path for r in self._bad_rows}
         self._tried_rows: set[int] = set()
         self._tried_bad = 0  # distinct rows in _tried_rows that are bad
+        # decoded clips kept for later draws (data.clip_cache_mb), and what each cached row's file was
+        self._clip_cache = ClipCache(int(data.clip_cache_mb * 2**20)) if data.clip_cache_mb > 0 else None
+        self._video_meta: dict[int, tuple[tuple[int, int], int, float]] = {}  # row -> (size, mtime), frames, fps
+        self._clips_from_cache = 0
         self._produced = DecoderStats(position=start_position, batches=0, clips=0, skipped=int(skipped_before),
                                       skipped_paths=(), frames_decoded=0, decode_seconds=0.0)
         # -- consumer state
@@ -507,14 +523,14 @@ class VideoDecoder:
                 skipped_paths.append(entry.path)
         self._produced = DecoderStats(position=last + 1, batches=s.batches + 1, clips=s.clips + b, skipped=skipped,
                                       skipped_paths=tuple(skipped_paths), frames_decoded=frames_decoded,
-                                      decode_seconds=seconds)
+                                      decode_seconds=seconds, clips_from_cache=self._clips_from_cache)
         return {**out, "index": index, "position": np.array(last + 1, dtype=np.int64),
                 "skipped": np.array(skipped, dtype=np.int64)}
 
     def _fill(self, out: dict[str, np.ndarray], i: int, row: int, entry: ManifestEntry, position: int) -> int:
         """Put row ``row`` into slot ``i`` of the batch ``out``; frames produced, or ``ClipUnreadable``."""
         if self.latent_rows is None:
-            out["video"][i] = self._decode_clip(entry.path, position)
+            out["video"][i] = self._decode_clip(entry.path, position, row)
             set_caption(out["caption"], out["caption_len"], i, entry.caption)
             return self.data.num_frames
         if self.latent_captions == "bytes":
@@ -567,9 +583,30 @@ class VideoDecoder:
             logger.warning("skipping %s %s: %s", "video" if self.latent_rows is None else "latent file", path,
                            reason)
 
-    def _decode_clip(self, path: str, position: int) -> np.ndarray:
-        """One clip as uint8 (F, H, W, 3); ``ClipUnreadable`` for any problem with the file."""
-        return decode_clip(path, self.data, self.seed, position).frames
+    def _decode_clip(self, path: str, position: int, row: int) -> np.ndarray:
+        """One clip as uint8 (F, H, W, 3), from the decoded-clip cache when it holds it;
+        ``ClipUnreadable`` for any problem with the file."""
+        d, cache = self.data, self._clip_cache
+        if cache is None:
+            return decode_clip(path, d, self.seed, position).frames
+        try:  # the file's identity: a file changed on disk is decoded again
+            st = os.stat(path)
+            stamp = (st.st_size, st.st_mtime_ns)
+        except OSError:
+            stamp = None  # decode_clip says what is wrong with it
+        offset = spatial_offset(self.seed, position, d.spatial_crop == "random")
+        known = self._video_meta.get(row)
+        if stamp is not None and known is not None and known[0] == stamp:
+            indices = clip_indices(known[1], known[2], d, self.seed, position)
+            frames = cache.get((row, indices.tobytes(), offset))
+            if frames is not None:
+                self._clips_from_cache += 1
+                return frames  # copied into the batch by the caller: the cache's copy stays private
+        clip = decode_clip(path, d, self.seed, position)
+        if stamp is not None:
+            self._video_meta[row] = (stamp, clip.video_frames, clip.source_fps)
+            cache.put((row, clip.indices.tobytes(), offset), clip.frames)
+        return clip.frames
 
 
 @dataclass(frozen=True)
@@ -584,6 +621,51 @@ class Clip:
     """The video's average frame rate (0.0 when decord does not know it)."""
     video_frames: int
     """Frames in the video."""
+
+
+def clip_indices(video_frames: int, source_fps: float, d: DataConfig, seed: int, position: int) -> np.ndarray:
+    """The source frames of the clip drawn at ``position`` from a video of ``video_frames``
+    frames at ``source_fps`` (module docstring, "Clips"); ``ClipUnreadable`` when the video
+    cannot give one under ``d``."""
+    if video_frames < 2:  # a still image is not a clip, whatever data.short_clips says
+        raise ClipUnreadable("no frames" if video_frames < 1 else "one frame")
+    if d.fps > 0 and source_fps == 0.0:
+        raise ClipUnreadable(f"unknown frame rate (decord reports none); data.fps={d.fps} needs it")
+    offsets = clip_offsets(d.num_frames, d.frame_stride, source_fps, d.fps)
+    span = int(offsets[-1]) + 1
+    if video_frames < span and d.short_clips == "skip":
+        raise ClipUnreadable(f"too short: {video_frames} frames, a clip spans {span} (data.short_clips='skip')")
+    start = clip_start(video_frames, span, seed, position, d.random_crop, d.fixed_start)
+    return clip_frame_indices(video_frames, offsets, start)
+
+
+class ClipCache:
+    """Decoded clips by key, the least recently used dropped first once they hold more than
+    ``max_bytes``; a clip larger than the whole budget is not kept."""
+
+    def __init__(self, max_bytes: int):
+        self.max_bytes = int(max_bytes)
+        self.bytes = 0
+        self._clips: OrderedDict[tuple, np.ndarray] = OrderedDict()
+
+    def __len__(self) -> int:
+        return len(self._clips)
+
+    def get(self, key: tuple) -> np.ndarray | None:
+        frames = self._clips.get(key)
+        if frames is not None:
+            self._clips.move_to_end(key)
+        return frames
+
+    def put(self, key: tuple, frames: np.ndarray) -> None:
+        if frames.nbytes > self.max_bytes:
+            return
+        old = self._clips.pop(key, None)
+        self.bytes += frames.nbytes - (0 if old is None else old.nbytes)
+        self._clips[key] = frames
+        while self.bytes > self.max_bytes:
+            _, dropped = self._clips.popitem(last=False)
+            self.bytes -= dropped.nbytes
 
 
 def decode_clip(path: str, d: DataConfig, seed: int, position: int) -> Clip:
@@ -608,16 +690,7 @@ def decode_clip(path: str, d: DataConfig, seed: int, position: int) -> Clip:
     except Exception as e:  # noqa: BLE001 - decord raises RuntimeError / DECORDError
         raise ClipUnreadable(f"decord could not open it ({_first_line(e)})") from None
     source_fps = _reader_fps(reader)
-    if video_frames < 2:  # a still image is not a clip, whatever data.short_clips says
-        raise ClipUnreadable("no frames" if video_frames < 1 else "one frame")
-    if d.fps > 0 and source_fps == 0.0:
-        raise ClipUnreadable(f"unknown frame rate (decord reports none); data.fps={d.fps} needs it")
-    offsets = clip_offsets(d.num_frames, d.frame_stride, source_fps, d.fps)
-    span = int(offsets[-1]) + 1
-    if video_frames < span and d.short_clips == "skip":
-        raise ClipUnreadable(f"too short: {video_frames} frames, a clip spans {span} (data.short_clips='skip')")
-    start = clip_start(video_frames, span, seed, position, d.random_crop, d.fixed_start)
-    indices = clip_frame_indices(video_frames, offsets, start)
+    indices = clip_indices(video_frames, source_fps, d, seed, position)
     try:
         frames = read_frames(reader, indices)
     except Exception as e:  # noqa: BLE001

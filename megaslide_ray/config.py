@@ -184,6 +184,12 @@ class DataConfig:
     """Stop with an error listing examples when more than this fraction of the distinct manifest
     rows a decoder has tried are unusable (judged once it has tried 20 rows, or its whole share of
     a smaller manifest); 1 never stops."""
+    clip_cache_mb: float = 0.0
+    """Each decoder keeps the clips it decoded (resized and cropped) in memory, up to this many MiB,
+    the least recently used dropped first, and serves a clip drawn again (same file, frames and
+    crop: a later epoch of a small dataset) without decoding it. A cached clip is the same bytes
+    as a new decode; a file changed on disk is decoded again. 0: no cache. Latent manifests
+    ignore it."""
 
 
 @dataclass
@@ -740,6 +746,8 @@ def validate(cfg: Config) -> Config:
                           f"or fps=0")
     if not (d.decode_timeout_s > 0 and math.isfinite(d.decode_timeout_s)):
         raise ConfigError(f"data.decode_timeout_s={d.decode_timeout_s} must be a finite number of seconds > 0")
+    if d.clip_cache_mb < 0:
+        raise ConfigError(f"data.clip_cache_mb={d.clip_cache_mb} must be >= 0 (0: no decoded-clip cache)")
     if not 0 <= d.max_bad_fraction <= 1:
         raise ConfigError(f"data.max_bad_fraction={d.max_bad_fraction} must lie in [0, 1] (1 never stops)")
     if m.hidden_size % m.num_heads:

@@ -329,6 +329,62 @@ def test_decoder_ranks_split_positions(demo_manifest):
         assert int(b["position"]) == 5 + rank
 
 
+@pytest.mark.parametrize("crops", [dict(random_crop=False), dict(random_crop=True, spatial_crop="random")])
+def test_clip_cache_serves_later_epochs_with_the_same_bytes(demo_manifest, crops):
+    """Three epochs of 6 rows: with the cache every batch equals the uncached decoder's; with
+    fixed crops every clip after the first epoch comes from the cache, with random crops only
+    the draws that repeat a (row, frames, crop) do."""
+    plain_cfg = _cfg(demo_manifest, batch_size=3, **crops)
+    cached_cfg = dataclasses.replace(plain_cfg, clip_cache_mb=8)
+    with VideoDecoder(plain_cfg, seed=2, caption_max_bytes=16) as plain, \
+            VideoDecoder(cached_cfg, seed=2, caption_max_bytes=16) as cached:
+        for x, y in zip(_batches(plain, 6), _batches(cached, 6)):
+            _assert_same(x, y)
+        assert plain.stats().clips_from_cache == 0
+        hits = cached.stats().clips_from_cache
+    if crops["random_crop"]:
+        assert hits < 12
+    else:
+        assert hits == 12  # epochs 2 and 3
+
+
+def test_clip_cache_decodes_a_changed_file_again(tmp_path):
+    paths = [tmp_path / f"v{i}.mp4" for i in range(2)]
+    for i, path in enumerate(paths):
+        _solid_video(path, num_frames=8, seed=i)
+    manifest = write_manifest([{"path": p.name, "caption": p.name} for p in paths], tmp_path / "m.parquet")
+    cfg = _cfg(manifest, batch_size=2, num_frames=4, frame_stride=1, height=32, width=32, random_crop=False,
+               clip_cache_mb=1, prefetch=1)
+    with VideoDecoder(cfg, seed=0, caption_max_bytes=8) as dec:
+        first = dec.next_batch()
+        # The same name, other pixels; replaced atomically (the prefetch thread may be reading it).
+        new_frames = _solid_video(tmp_path / "new.mp4", num_frames=8, seed=7)
+        st = os.stat(paths[0])
+        os.utime(tmp_path / "new.mp4", ns=(st.st_atime_ns, st.st_mtime_ns + 10**9))
+        os.replace(tmp_path / "new.mp4", paths[0])
+        batches = _batches(dec, 3)  # the prefetch thread may have drawn epoch 2 before the rewrite
+        hits = dec.stats().clips_from_cache
+    slot = {int(r): i for i, r in enumerate(batches[-1]["index"])}
+    changed = batches[-1]["video"][slot[0]]
+    assert abs(int(changed.astype(int).mean()) - int(new_frames[:4].astype(int).mean())) <= 3
+    assert not np.array_equal(changed, first["video"][list(first["index"]).index(0)])
+    np.testing.assert_array_equal(batches[-1]["video"][slot[1]], first["video"][list(first["index"]).index(1)])
+    assert 3 <= hits <= 5  # v1 from the cache in each later epoch; v0 only while its rewrite was unseen
+
+
+def test_clip_cache_keeps_the_most_recent_clips_within_its_budget():
+    cache = decoder_mod.ClipCache(max_bytes=300)
+    clips = {k: np.full(100, k, dtype=np.uint8) for k in range(4)}
+    for k in range(3):
+        cache.put((k,), clips[k])
+    assert cache.get((0,)) is clips[0]  # 0 is now the most recent
+    cache.put((3,), clips[3])           # over budget: the least recent (1) goes
+    assert cache.get((1,)) is None and len(cache) == 3 and cache.bytes == 300
+    assert all(cache.get((k,)) is clips[k] for k in (0, 2, 3))
+    cache.put((9,), np.zeros(301, dtype=np.uint8))  # larger than the budget: not kept
+    assert cache.get((9,)) is None and cache.bytes == 300
+
+
 @pytest.fixture
 def mixed_manifest(tmp_path):
     good = [tmp_path / f"good{i}.mp4" for i in range(3)]
