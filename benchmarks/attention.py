@@ -9,9 +9,13 @@ Kinds (the ``attention.kind`` choices of the model):
 - ``swin``: ``kernels.swin.swin_attention_3d``, shifted windows (the odd blocks of a stack);
 - ``neighborhood``: the 3D-DSA operator with offsets fixed at zero;
 - ``dsa``: the 3D-DSA operator with random offsets in [-1.5, 1.5] that require grad;
-- ``dsa_ref`` (CPU only, small grids): ``dsa`` through the ``reference`` backend.
+- ``dsa_ref`` (CPU only, small grids): ``dsa`` through the ``reference`` backend;
+- ``dsa_matrix`` (CPU only, small grids): ``dsa`` through the ``matrix`` backend (two dense
+  products through an N x N interpolation matrix, ``kernels/dsa_matrix.py``), which ``auto``
+  picks on CPU up to ``kernels.MATRIX_MAX_TOKENS`` tokens: the summary says where it stops
+  being faster than the linear ``cpu`` path.
 
-On CPU the DSA kinds use the ``cpu`` backend (the model's CPU path: chunked, hand-written
+On CPU the other DSA kinds use the ``cpu`` backend (the model's CPU path: chunked, hand-written
 backward, bounded memory); on CUDA ``triton``.
 Shapes: B=1, nh=2, d=32; DSA window (3, 3, 3) (K=27), swin window (2, 4, 4) (V=32).
 fp32 on CPU, bf16 on CUDA.
@@ -79,7 +83,8 @@ GRIDS = [
     (16, 64, 64),   # 65536
     (32, 64, 64),   # 131072
 ]
-KINDS = ("dense", "swin", "neighborhood", "dsa", "dsa_ref")
+KINDS = ("dense", "swin", "neighborhood", "dsa", "dsa_ref", "dsa_matrix")
+CPU_ONLY = ("dsa_ref", "dsa_matrix")
 BATCH, HEADS, HEAD_DIM = 1, 2, 32
 DSA_WINDOW = (3, 3, 3)
 SWIN_WINDOW = (2, 4, 4)
@@ -118,7 +123,7 @@ def attention_flops(kind: str, grid: tuple[int, int, int]) -> float:
         padded = math.prod(-(-g // min(w, g)) * min(w, g) for g, w in zip(grid, SWIN_WINDOW))
         V = math.prod(min(w, g) for g, w in zip(grid, SWIN_WINDOW))
         fwd = 4 * padded * V * per_token_head
-    else:  # dsa, dsa_ref, neighborhood
+    else:  # dsa, dsa_ref, dsa_matrix, neighborhood
         K = math.prod(DSA_WINDOW)
         fwd = (4 + 32) * N * K * per_token_head
     return FWD_BWD_FACTOR * fwd
@@ -135,6 +140,8 @@ def _backend(kind: str, device: str) -> str:
         return "sdpa-windows"
     if kind == "dsa_ref":
         return "reference"
+    if kind == "dsa_matrix":
+        return "matrix"
     return "triton" if device == "cuda" else "cpu"
 
 
@@ -171,7 +178,7 @@ def measure(
     grad_out = torch.randn(shape, generator=gen).to(device, dtype)
     K = math.prod(DSA_WINDOW)
     offsets = None
-    if kind in ("dsa", "dsa_ref"):
+    if kind in ("dsa", "dsa_ref", "dsa_matrix"):
         u = torch.rand((*shape[:5], K, 3), generator=gen)
         offsets = ((2 * u - 1) * OFFSET_MAGNITUDE).to(device, dtype).requires_grad_()
     elif kind == "neighborhood":
@@ -275,13 +282,14 @@ def _median_of_rounds(results: list[dict]) -> dict:
 def sweep(args) -> list[Row]:
     rows = []
     grids = [g for g in GRIDS if args.min_tokens <= math.prod(g) <= args.max_tokens]
-    kinds = [k for k in args.kinds if not (k == "dsa_ref" and args.device == "cuda")]
+    kinds = [k for k in args.kinds if not (k in CPU_ONLY and args.device == "cuda")]
     for grid in grids:
         N = math.prod(grid)
         for kind in kinds:
             option, cap = {
                 "dense": ("--dense-max-tokens", args.dense_max_tokens),
                 "dsa_ref": ("--reference-max-tokens", args.reference_max_tokens),
+                "dsa_matrix": ("--matrix-max-tokens", args.matrix_max_tokens),
             }.get(kind, (None, None))
             if cap is not None and N > cap:
                 res = {"status": f"skipped: N > {cap} ({option})"}
@@ -379,9 +387,15 @@ def crossover(rows: list[Row], fast: str = "dsa", slow: str = "dense") -> str:
     return msg
 
 
+def _matrix_max_tokens() -> int:
+    from kernels import MATRIX_MAX_TOKENS
+
+    return MATRIX_MAX_TOKENS
+
+
 def summary(rows: list[Row], growth_from: int = 4096) -> list[str]:
     lines = []
-    for kind in ("dsa", "neighborhood", "swin", "dense", "dsa_ref"):
+    for kind in ("dsa", "neighborhood", "swin", "dense", "dsa_ref", "dsa_matrix"):
         if not any(r.kind == kind for r in rows):
             continue
         g = growth(rows, kind, growth_from)
@@ -396,6 +410,9 @@ def summary(rows: list[Row], growth_from: int = 4096) -> list[str]:
     if any(r.kind == "dsa" for r in rows):
         lines.append(growth_goal(rows, growth_from))
     lines.append(f"crossover (dsa faster than dense): {crossover(rows)}")
+    if any(r.kind == "dsa_matrix" for r in rows):
+        lines.append(f"crossover (the linear cpu path faster than the matrix path): "
+                     f"{crossover(rows, 'dsa', 'dsa_matrix')} (kernels.MATRIX_MAX_TOKENS: {_matrix_max_tokens()})")
     return lines
 
 
@@ -463,6 +480,8 @@ def main(argv: list[str] | None = None) -> None:
                    help="skip dense above this many tokens (quadratic time)")
     p.add_argument("--reference-max-tokens", type=int, default=8192,
                    help="skip dsa_ref above this many tokens (O(N*K*d) autograd graph)")
+    p.add_argument("--matrix-max-tokens", type=int, default=4096,
+                   help="skip dsa_matrix above this many tokens (O(N^2) memory)")
     p.add_argument("--reps", type=int, default=3, help="timed reps after one warm-up")
     p.add_argument("--slow-seconds", type=float, default=4.0,
                    help="a warm-up slower than this is followed by a single timed rep")

@@ -9,6 +9,9 @@ backend per call:
   gradients as the reference up to rounding, queries in chunks, backward recomputes;
   ~15x (forward) / ~10x (forward+backward) faster than the reference on CPU, and
   bounded memory).
+- ``"matrix"``: ``dsa_matrix`` (small grids: the operator as two dense products through an
+  N x N interpolation matrix per batch item and head; same function and gradients, O(N^2)
+  time and memory, refused above ``MATRIX_LIMIT_TOKENS`` tokens).
 - ``"chunked"``: ``dsa_reference_chunked`` (the reference's math, queries in chunks,
   backward recomputes: bounded memory, reference speed).
 - ``"triton"``: the tiled Triton kernels (``dsa_triton_tiled``: 3D query tiles, a staged
@@ -19,15 +22,17 @@ backend per call:
   program, per-sample corner gathers, per-corner dk/dv atomics), the baseline.
   Both Triton paths need CUDA tensors and are verified so far only under the Triton CPU
   interpreter.
-- ``"auto"`` (default): ``triton`` for CUDA tensors when Triton imports, ``cpu`` for CPU
-  tensors, else reference. The first automatic pick per device type is logged (INFO).
+- ``"auto"`` (default): ``triton`` for CUDA tensors when Triton imports; for CPU tensors
+  ``matrix`` up to ``MATRIX_MAX_TOKENS`` tokens per clip (while its matrices stay within
+  ``MATRIX_MAX_ELEMENTS``) and ``cpu`` above; else reference. The first automatic pick per
+  device type is logged (INFO).
 
 ``deformable_slide_attention_slab`` is the same operator for the queries of a slab of frames
 against only the frames of k and v they reach (token-chunked blocks, ``runtime.token_chunk``),
 on the same backends.
 
 Force a path with ``backend=...`` or the environment variable
-``MEGASLIDE_DSA_BACKEND=reference|cpu|chunked|triton|triton_gather|auto`` (the argument
+``MEGASLIDE_DSA_BACKEND=reference|cpu|matrix|chunked|triton|triton_gather|auto`` (the argument
 wins).
 """
 
@@ -41,6 +46,7 @@ from typing import Literal, Sequence
 import torch
 
 from .dsa_cpu import dsa_cpu, dsa_cpu_slab
+from .dsa_matrix import MATRIX_MAX_TOKENS, dsa_matrix, matrix_path_fits
 from .dsa_reference import dsa_reference, dsa_reference_chunked, dsa_slab, slab_kv_frames, window_base_positions
 
 __all__ = [
@@ -48,6 +54,7 @@ __all__ = [
     "deformable_slide_attention_slab",
     "slab_kv_frames",
     "dsa_cpu",
+    "dsa_matrix",
     "dsa_reference",
     "dsa_reference_chunked",
     "resolve_dsa_backend",
@@ -58,22 +65,22 @@ __all__ = [
 log = logging.getLogger(__name__)
 
 BACKEND_ENV_VAR = "MEGASLIDE_DSA_BACKEND"
-DSABackend = Literal["reference", "cpu", "chunked", "triton", "triton_gather", "auto"]
-_BACKENDS = ("reference", "cpu", "chunked", "triton", "triton_gather", "auto")
+DSABackend = Literal["reference", "cpu", "matrix", "chunked", "triton", "triton_gather", "auto"]
+_BACKENDS = ("reference", "cpu", "matrix", "chunked", "triton", "triton_gather", "auto")
 
 
 def resolve_dsa_backend(q: torch.Tensor, backend: str | None = None) -> str:
-    """The concrete backend ("reference", "cpu", "chunked", "triton" or "triton_gather") a call
-    on ``q`` uses. (``triton`` may still run the gather kernel for a call whose offsets are too
-    large for its tiles; ``dsa_triton_tiled`` logs that.)"""
+    """The concrete backend ("reference", "cpu", "matrix", "chunked", "triton" or "triton_gather")
+    a call on ``q`` uses. (``triton`` may still run the gather kernel for a call whose offsets are
+    too large for its tiles; ``dsa_triton_tiled`` logs that.)"""
     choice = backend if backend is not None else os.environ.get(BACKEND_ENV_VAR, "auto")
     choice = choice.strip().lower()
     if choice not in _BACKENDS:
         source = "backend=" if backend is not None else f"${BACKEND_ENV_VAR}="
         raise ValueError(f"unknown DSA backend {source}{choice!r}; choose one of {_BACKENDS}")
     if choice == "auto":
-        if q.device.type == "cpu":
-            return "cpu"
+        if q.device.type == "cpu":  # small clips: two dense matmuls beat the linear path's gathers
+            return "matrix" if matrix_path_fits(q, MATRIX_MAX_TOKENS) else "cpu"
         if q.is_cuda and _triton_available():
             _log_pick(q, "triton")
             return "triton"
@@ -147,6 +154,8 @@ def deformable_slide_attention(
         from .dsa_triton import dsa_triton
 
         return dsa_triton(q, k, v, offsets, window, scale=scale)
+    if path == "matrix":
+        return dsa_matrix(q, k, v, offsets, window, scale=scale)
     if path == "cpu":
         return dsa_cpu(q, k, v, offsets, window, scale=scale)
     if path == "chunked":
@@ -171,12 +180,12 @@ def deformable_slide_attention_slab(
     slab's rows of ``deformable_slide_attention`` on the whole grid, when k and v hold every
     frame the samples reach (``slab_kv_frames``). Used by token-chunked blocks
     (``runtime.token_chunk``). Backends as ``deformable_slide_attention`` (``chunked`` runs the
-    reference)."""
+    reference; ``matrix``, and ``auto`` on CPU, the ``cpu`` path: a slab is part of a long clip)."""
     path = resolve_dsa_backend(q, backend)
     if path == "triton":
         from .dsa_triton import dsa_triton_slab
 
         return dsa_triton_slab(q, k, v, offsets, window, q_start, kv_start, frames, scale=scale)
-    if path == "cpu":
+    if path in ("cpu", "matrix"):
         return dsa_cpu_slab(q, k, v, offsets, window, q_start, kv_start, frames, scale=scale)
     return dsa_slab(q, k, v, offsets, window, q_start, kv_start, frames, scale=scale)

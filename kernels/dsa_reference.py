@@ -47,6 +47,7 @@ __all__ = [
     "validate_dsa_inputs",
     "window_starts",
     "window_base_positions",
+    "trilinear_corners",
 ]
 
 
@@ -184,6 +185,47 @@ def _trilinear_gather(
     return out
 
 
+def trilinear_corners(
+    offsets_rows: torch.Tensor,  # (B, M, nh, K, 3)
+    base_rows: torch.Tensor,  # (M, K, 3) int64 base positions
+    held: tuple[int, int, int],  # (Tk, H, W): the grid k and v hold
+    cdtype: torch.dtype,
+    pdtype: torch.dtype,
+    frames: int | None = None,
+    kv_start: int = 0,
+) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """The 8 trilinear corners of every sample: ``(token, weight)`` pairs, each ``(B, M, nh, K)``,
+    ``token`` the corner's flat index ``(t * H + y) * W + x`` into the held grid (int64),
+    ``weight`` its trilinear weight in ``cdtype``, in the order (t0|t1) x (y0|y1) x (x0|x1).
+    Positions are ``clamp(base + offsets, 0, size - 1)`` per axis, computed in ``pdtype`` on the
+    whole grid (``frames`` frames, default the held ``Tk``) and moved into the held frames
+    ``[kv_start, kv_start + Tk)`` (``dsa_slab``)."""
+    Tk, H, W = held
+    T = Tk if frames is None else int(frames)
+    M, K = base_rows.shape[:2]
+
+    # -- sample positions p_j = clamp(base_j + offsets_j, 0, size-1)     (B, M, nh, K, 3)
+    pos = base_rows.to(pdtype).reshape(1, M, 1, K, 3) + offsets_rows.to(pdtype)
+    coords = []  # per axis: (lower index, upper index, fractional weight)
+    for axis, size in enumerate((T, H, W)):
+        p = pos[..., axis].clamp(0, size - 1)  # clamp per coordinate: grad 0 outside
+        p0 = torch.floor(p)  # floor: derivative 0
+        i0 = p0.long()
+        i1 = (i0 + 1).clamp(max=size - 1)
+        coords.append((i0, i1, p - p0))
+
+    (t0, t1, wt), (y0, y1, wy), (x0, x1, wx) = coords
+    if frames is not None:  # whole-grid frame -> frame of the held slab
+        t0 = (t0 - kv_start).clamp(0, Tk - 1)
+        t1 = (t1 - kv_start).clamp(0, Tk - 1)
+    corners = []
+    for ti, wti in ((t0, 1 - wt), (t1, wt)):
+        for yi, wyi in ((y0, 1 - wy), (y1, wy)):
+            for xi, wxi in ((x0, 1 - wx), (x1, wx)):
+                corners.append(((ti * H + yi) * W + xi, (wti * wyi * wxi).to(cdtype)))
+    return corners
+
+
 def _resolve_dtypes(q: torch.Tensor, upcast: bool | None) -> tuple[torch.dtype, torch.dtype]:
     """(compute dtype for interpolation + softmax, dtype of sample positions)."""
     if upcast is None:
@@ -213,35 +255,15 @@ def dsa_rows(
     must hold every frame the samples reach, see ``dsa_slab``).
     """
     B, Tk, H, W, nh, d = k.shape
-    T = Tk if frames is None else int(frames)
     M, K = base_rows.shape[:2]
     N = Tk * H * W
     device = k.device
 
-    # -- sample positions p_j = clamp(base_j + offsets_j, 0, size-1)     (B, M, nh, K, 3)
-    pos = base_rows.to(pdtype).reshape(1, M, 1, K, 3) + offsets_rows.to(pdtype)
-    coords = []  # per axis: (lower index, upper index, fractional weight)
-    for axis, size in enumerate((T, H, W)):
-        p = pos[..., axis].clamp(0, size - 1)  # clamp per coordinate: grad 0 outside
-        p0 = torch.floor(p)  # floor: derivative 0
-        i0 = p0.long()
-        i1 = (i0 + 1).clamp(max=size - 1)
-        coords.append((i0, i1, p - p0))
-
     # -- 8 trilinear corners: flat row index into (B*N*nh, d) and weight  (B, M, nh, K)
-    (t0, t1, wt), (y0, y1, wy), (x0, x1, wx) = coords
-    if frames is not None:  # whole-grid frame -> frame of the held slab
-        t0 = (t0 - kv_start).clamp(0, Tk - 1)
-        t1 = (t1 - kv_start).clamp(0, Tk - 1)
     b_idx = torch.arange(B, device=device).view(B, 1, 1, 1)
     h_idx = torch.arange(nh, device=device).view(1, 1, nh, 1)
-    corners = []
-    for ti, wti in ((t0, 1 - wt), (t1, wt)):
-        for yi, wyi in ((y0, 1 - wy), (y1, wy)):
-            for xi, wxi in ((x0, 1 - wx), (x1, wx)):
-                tok = (ti * H + yi) * W + xi
-                row = (b_idx * N + tok) * nh + h_idx
-                corners.append((row, (wti * wyi * wxi).to(cdtype)))
+    corners = [((b_idx * N + tok) * nh + h_idx, w)
+               for tok, w in trilinear_corners(offsets_rows, base_rows, (Tk, H, W), cdtype, pdtype, frames, kv_start)]
 
     # -- interpolated keys and values                                    (B, M, nh, K, d)
     k_s = _trilinear_gather(k.to(cdtype).reshape(B * N * nh, d), corners)

@@ -24,6 +24,7 @@ import torch
 from kernels import (
     deformable_slide_attention,
     dsa_cpu,
+    dsa_matrix,
     dsa_reference,
     dsa_reference_chunked,
     resolve_dsa_backend,
@@ -420,10 +421,13 @@ def test_cpu_nan_offset_poisons_only_its_query():
 
 
 def test_dispatch_auto_picks_cpu_path(monkeypatch):
+    import kernels
+
     shape = (1, 3, 3, 3, 1, 4)
     q, k, v = make_qkv(shape)
     offsets = off_kink_offsets(shape, (3, 3, 3), span=1, dtype=torch.float32)
     monkeypatch.delenv("MEGASLIDE_DSA_BACKEND", raising=False)
+    monkeypatch.setattr(kernels, "MATRIX_MAX_TOKENS", 26)  # a 27-token grid: above the small-grid path
     assert resolve_dsa_backend(q) == "cpu"
     assert resolve_dsa_backend(q, "reference") == "reference"
     fast = dsa_cpu(q, k, v, offsets, (3, 3, 3))
@@ -436,6 +440,72 @@ def test_dispatch_auto_picks_cpu_path(monkeypatch):
     assert torch.equal(deformable_slide_attention(q, k, v, offsets, (3, 3, 3), backend="cpu"), fast)
     with pytest.raises(ValueError, match="chunk_size"):
         dsa_cpu(q, k, v, offsets, (3, 3, 3), chunk_size=0)
+
+
+# -----------------------------------------------------------------------------
+# Small grids on CPU (dsa_matrix)
+
+
+@pytest.mark.parametrize("grid,window,nh,d", [c[:4] for c in CPU_CASES])
+def test_matrix_matches_reference(grid, window, nh, d):
+    """fp32 tight and fp64 on integer, zero and clamp-bound positions (the one-sided derivatives
+    of the reference's floor and clamp)."""
+    shape = (2, *grid, nh, d)
+    for dtype, tol in ((torch.float32, 1e-5), (torch.float64, 1e-11)):
+        q, k, v = make_qkv(shape, dtype, seed=41)
+        offsets = edge_offsets(shape, window, dtype=dtype, seed=42)
+        dout = torch.randn(shape, dtype=dtype, generator=torch.Generator().manual_seed(43))
+        got = grads(lambda *a: dsa_matrix(*a, window), (q, k, v, offsets), dout)
+        want = grads(lambda *a: dsa_reference(*a, window), (q, k, v, offsets), dout)
+        for name, a, b in zip("out dq dk dv doffsets".split(), got, want):
+            assert a.dtype == b.dtype == dtype, name
+            torch.testing.assert_close(a, b, rtol=tol, atol=tol, msg=name)
+
+
+@pytest.mark.parametrize("grid,window,span,fast", [((3, 2, 1), (3, 1, 1), 1, False),
+                                                   ((3, 4, 5), (3, 3, 3), 6, True)])
+def test_matrix_gradcheck_float64(grid, window, span, fast):
+    shape = (2, *grid, 2, 3) if fast else (1, *grid, 2, 2)
+    q, k, v = make_qkv(shape, torch.float64, seed=44, requires_grad=True)
+    offsets = off_kink_offsets(shape, window, span, seed=45).requires_grad_(True)
+    assert torch.autograd.gradcheck(lambda *a: dsa_matrix(*a, window), (q, k, v, offsets), fast_mode=fast)
+
+
+def test_matrix_identities_and_half_inputs():
+    shape = (2, 3, 5, 4, 2, 8)
+    q, k, v = make_qkv(shape, torch.float64, seed=46)
+    offsets = torch.zeros(*shape[:5], 27, 3, dtype=torch.float64)
+    ref = naive_neighborhood_attention(q, k, v, (3, 3, 3))
+    torch.testing.assert_close(dsa_matrix(q, k, v, offsets, (3, 3, 3)), ref, rtol=1e-12, atol=1e-12)
+    assert_dense_identity(lambda q, k, v, o, w, scale: dsa_matrix(q, k, v, o, w, scale=scale), (3, 5, 3),
+                          torch.float64, 1e-12, seed=47)
+    q, k, v = make_qkv(shape, seed=48)
+    offsets = edge_offsets(shape, (3, 3, 3), dtype=torch.float32, seed=49)
+    dout = torch.randn(shape, generator=torch.Generator().manual_seed(50))
+    half = grads(lambda *a: dsa_matrix(*a, (3, 3, 3)), [x.bfloat16() for x in (q, k, v, offsets)], dout)
+    same = grads(lambda *a: dsa_reference(*a, (3, 3, 3)), [x.bfloat16() for x in (q, k, v, offsets)], dout)
+    for name, a, b in zip("out dq dk dv doffsets".split(), half, same):
+        assert a.dtype == torch.bfloat16, name
+        torch.testing.assert_close(a, b, rtol=1e-2, atol=1e-2, msg=name)
+
+
+def test_small_grids_take_the_matrix_path_and_large_ones_are_refused(monkeypatch):
+    import kernels
+
+    monkeypatch.delenv("MEGASLIDE_DSA_BACKEND", raising=False)
+    shape = (1, 3, 3, 3, 2, 4)
+    q, k, v = make_qkv(shape, seed=51)
+    offsets = off_kink_offsets(shape, (3, 3, 3), span=1, dtype=torch.float32, seed=52)
+    small = dsa_matrix(q, k, v, offsets, (3, 3, 3))
+    assert resolve_dsa_backend(q) == "matrix"
+    assert torch.equal(deformable_slide_attention(q, k, v, offsets, (3, 3, 3)), small)
+    assert torch.equal(deformable_slide_attention(q, k, v, offsets, (3, 3, 3), backend="matrix"), small)
+    monkeypatch.setattr(kernels, "MATRIX_MAX_TOKENS", 26)
+    assert resolve_dsa_backend(q) == "cpu"
+    assert torch.equal(deformable_slide_attention(q, k, v, offsets, (3, 3, 3)), dsa_cpu(q, k, v, offsets, (3, 3, 3)))
+    big = torch.empty(1, 17, 16, 16, 1, 1)  # 4352 tokens
+    with pytest.raises(ValueError, match="4352 tokens .* at most 4096 tokens. Use dsa_cpu"):
+        dsa_matrix(big, big, big, torch.empty(1, 17, 16, 16, 1, 1, 3), (1, 1, 1))
 
 
 # -----------------------------------------------------------------------------
