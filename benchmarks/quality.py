@@ -1,11 +1,14 @@
 """Does 3D-DSA learn motion? The attention kinds trained alike and compared on held-out motion.
 
     python -m benchmarks.quality [--steps N] [--seeds 0 1 2] [--kinds dense swin neighborhood dsa]
-                                 [--samples M] [--out DIR] [--json]
+                                 [--samples M] [--out DIR [--resume]] [--json]
+    python -m benchmarks.quality --preset tiny-motion --variant simple --steps 2000 --evals 4 \
+                                 --samples 12 --out DIR        # where the model draws the objects
 
-Every (kind, seed) trains the same small model (the ``tiny`` preset: 16 frames of 64x64 in 2x4x4
-patches, 2048 tokens, 4 blocks of width 128) for the same steps on the same batches of the
-motion set's training split (``megaslide_ray.motion``: shapes moving 1-8 px per frame, so the
+Every (kind, seed) trains the same small model (``--preset``, default ``tiny``: 16 frames of 64x64
+in 2x4x4 patches, 2048 tokens, 4 blocks of width 128) for the same steps on the same batches of the
+motion set's training split (``--variant simple``: its simple variant, one large shape over 8
+frames, on which ``tiny-motion`` learns to draw its prompts within 2000 steps) (``megaslide_ray.motion``: shapes moving 1-8 px per frame, so the
 fast ones move 2.5-4 tokens per patch frame), with the same initial weights per seed; only
 ``attention.kind`` differs (``dense``; ``swin``, ``neighborhood`` and ``dsa`` with the same
 (3,3,3) window, K = 27 keys per query: swin's windows are fixed tiles (shifted every other
@@ -20,8 +23,9 @@ Per (kind, seed) it records:
   at several steps, and per t-bucket at the end;
 * **motion fidelity** of samples (``megaslide_ray.motion_metric``): the held-out captions are
   sampled from fixed noise (Euler, ``training.sample_steps``) and each clip is scored against
-  its caption: detection rate, trajectory error (px per frame), direction error, area
-  variation, background flicker;
+  its caption: detection rate, trajectory error (px per frame), direction error, shape match,
+  area variation, background flicker, and the fraction of samples that show their prompt
+  (colour, shape and direction: ``benchmarks.learning.shows_prompt``);
 * **step time** (in-process, this machine);
 * for ``dsa``, the **learned offsets** on the validation clips at t = 0.5: mean |offset| in
   tokens, and whether they point along the object's motion: the per-block motion estimate of
@@ -31,7 +35,9 @@ Per (kind, seed) it records:
 
 The table gives mean and spread (standard deviation over seeds) per kind; ``--out`` receives
 ``quality.json``, ``quality.md`` and two plots (val loss against steps, motion metrics per
-kind). Nothing is tuned per kind: the preset's optimizer settings serve all four.
+kind), and ``runs.jsonl``, one line per finished (kind, seed) as it finishes: ``--resume`` skips
+the runs it already holds (same settings required), so a long comparison that was stopped goes
+on where it was. Nothing is tuned per kind: the preset's optimizer settings serve all four.
 """
 
 from __future__ import annotations
@@ -51,7 +57,8 @@ import torch
 KINDS = ("dense", "swin", "neighborhood", "dsa")
 WINDOWED = ("swin", "neighborhood", "dsa")
 DEFAULT_WINDOW = "3,3,3"
-METRICS = ("detection_rate", "trajectory_error", "direction_error_deg", "area_cv", "flicker")
+METRICS = ("detection_rate", "trajectory_error", "direction_error_deg", "shape_match", "area_cv", "flicker",
+           "shown")
 
 
 class ModelPredictor:
@@ -67,14 +74,15 @@ class ModelPredictor:
         return self.model(as_t(x_t).float(), as_t(t).float(), as_t(cond), as_t(cond_len)).float()
 
 
-def kind_config(kind: str, seed: int, steps: int, train_manifest: str, val_manifest: str, extra: dict):
+def kind_config(kind: str, seed: int, steps: int, train_manifest: str, val_manifest: str, extra: dict,
+                preset: str = "tiny"):
     from megaslide_ray.config import build_config
 
     over = {"attention.kind": kind, "training.seed": seed, "training.steps": steps,
             "data.manifest": train_manifest, "data.val_manifest": val_manifest, **extra}
     if kind in WINDOWED:  # one window for all three (``--window``), never the preset's per kind
         over["attention.window"] = extra.get("attention.window", DEFAULT_WINDOW)
-    return build_config("tiny", None, {k: str(v) for k, v in over.items()})
+    return build_config(preset, None, {k: str(v) for k, v in over.items()})
 
 
 def training_batches(cfg, steps: int) -> list[dict]:
@@ -161,7 +169,9 @@ def run_one(kind: str, seed: int, steps: int, eval_steps: list[int], data: dict,
     from megaslide_ray.motion_metric import motion_fidelity
     from megaslide_ray.sample import initial_noise, integrate, to_uint8_frames
 
-    cfg = kind_config(kind, seed, steps, data["train"], data["val"], extra)
+    from benchmarks.learning import shows_prompt
+
+    cfg = kind_config(kind, seed, steps, data["train"], data["val"], extra, data["preset"])
     torch.manual_seed(seed)
     trainer = InProcessTrainer(cfg, threads=data["threads"])
     pred = ModelPredictor(trainer.model)
@@ -183,7 +193,8 @@ def run_one(kind: str, seed: int, steps: int, eval_steps: list[int], data: dict,
     for j, caption in enumerate(data["captions"][:samples]):
         cap, cap_len = caption_batch(caption, cfg.model.caption_max_bytes, 1)
         x = integrate(pred, cfg, initial_noise(cfg, 1000 + j), cap, cap_len, cfg.training.sample_steps, steps)
-        fidelity.append(motion_fidelity(to_uint8_frames(x), caption))
+        m = motion_fidelity(to_uint8_frames(x), caption)
+        fidelity.append({**m, "shown": float(shows_prompt(m))})
     out = {"kind": kind, "seed": seed, "steps": steps, "val_curve": curve, "val_loss": curve[-1]["val_loss"],
            "val_buckets": curve[-1]["buckets"], "train_loss_last20": statistics.fmean(losses[-20:]),
            "step_seconds": statistics.median(times[1:] or times),
@@ -226,17 +237,19 @@ def summarize(runs: list[dict], kinds: list[str]) -> list[dict]:
 
 
 def markdown(rows: list[dict], meta: dict) -> str:
-    lines = [f"{meta['steps']} steps, seeds {meta['seeds']}, {meta['samples']} samples per run, "
+    lines = [f"`{meta.get('preset', 'tiny')}` on the {meta.get('variant', 'motion')} set, "
+             f"{meta['steps']} steps, seeds {meta['seeds']}, {meta['samples']} samples per run, "
              f"{meta['val_clips']} validation clips x {meta['buckets']} t-buckets; total {meta['minutes']:.1f} min",
              "",
-             "| kind | val loss | trajectory err (px/f) | direction err (deg) | detection | area CV | flicker | step s |",
-             "|---|---|---|---|---|---|---|---|"]
+             "| kind | val loss | shows prompt | trajectory err (px/f) | direction err (deg) | detection | shape match "
+             "| area CV | flicker | step s |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         def f(k, spec=".4f"):
             return f"{r[k]:{spec}} ± {r[k + '_sd']:{spec}}"
-        lines.append(f"| {r['kind']} | {f('val_loss')} | {f('trajectory_error', '.2f')} | "
-                     f"{f('direction_error_deg', '.1f')} | {f('detection_rate', '.2f')} | {f('area_cv', '.2f')} | "
-                     f"{f('flicker', '.2f')} | {f('step_seconds', '.2f')} |")
+        lines.append(f"| {r['kind']} | {f('val_loss')} | {f('shown', '.2f')} | {f('trajectory_error', '.2f')} | "
+                     f"{f('direction_error_deg', '.1f')} | {f('detection_rate', '.2f')} | {f('shape_match', '.2f')} | "
+                     f"{f('area_cv', '.2f')} | {f('flicker', '.2f')} | {f('step_seconds', '.2f')} |")
     for r in rows:
         if r["kind"] == "dsa":
             cos = ", ".join(f"{c:+.2f}" for c in r["offset_cosine_by_block"])
@@ -279,8 +292,31 @@ def plots(runs: list[dict], rows: list[dict], out: Path) -> list[Path]:
     return written
 
 
+RUNS_FILE = "runs.jsonl"
+
+
+def finished_runs(path: Path, settings: dict) -> dict[tuple[str, int], dict]:
+    """The runs ``path`` (``--out``'s runs.jsonl) holds, by (kind, seed); a line made with other
+    settings is refused (a resumed comparison must be one comparison)."""
+    done = {}
+    if not path.is_file():
+        return done
+    for n, line in enumerate(path.read_text().splitlines(), 1):
+        if not line.strip():
+            continue
+        rec = json.loads(line)
+        if rec["settings"] != json.loads(json.dumps(settings)):
+            raise SystemExit(f"{path}:{n} was made with other settings ({rec['settings']}) than this run "
+                             f"({settings}); run without --resume, or with those settings")
+        done[(rec["run"]["kind"], rec["run"]["seed"])] = rec["run"]
+    return done
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m benchmarks.quality", description=__doc__.split("\n\n")[0])
+    p.add_argument("--preset", default="tiny", help="the model and its training settings (default tiny)")
+    p.add_argument("--variant", choices=("motion", "simple"), default="motion",
+                   help="the motion set (default) or its simple variant (one large shape, 8 frames)")
     p.add_argument("--steps", type=int, default=150, help="training steps per run (default 150)")
     p.add_argument("--evals", type=int, default=3, help="validation points, evenly spaced, the last at --steps")
     p.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
@@ -290,6 +326,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--threads", type=int, default=0, help="torch threads (0: all cores)")
     p.add_argument("--out", type=Path, default=None, help="folder for quality.json/.md and the plots")
     p.add_argument("--json", action="store_true", help="one JSON object per kind")
+    p.add_argument("--resume", action="store_true",
+                   help="with --out: skip the (kind, seed) runs already in DIR/runs.jsonl (same settings)")
     p.add_argument("--window", default=DEFAULT_WINDOW, help="kt,kh,kw of swin, neighborhood and dsa (default 3,3,3)")
     p.add_argument("--set", nargs=2, action="append", default=[], metavar=("FIELD", "VALUE"),
                    help="a config override for every run (e.g. --set attention.max_offset 4); recorded")
@@ -307,26 +345,43 @@ def main(argv: list[str] | None = None) -> int:
     from megaslide_ray.manifest import read_manifest
     from megaslide_ray.motion import ensure_motion_dataset, load_ground_truth
 
+    if a.resume and not a.out:
+        p.error("--resume needs --out DIR (the runs.jsonl to continue)")
     t0 = time.perf_counter()
-    train, val = (str(x) for x in ensure_motion_dataset())
-    cfg0 = kind_config("dense", a.seeds[0], a.steps, train, val, extra)
+    train, val = (str(x) for x in ensure_motion_dataset(variant=a.variant))
+    cfg0 = kind_config("dense", a.seeds[0], a.steps, train, val, extra, a.preset)
     valset = load_val_set(cfg0)
     entries = read_manifest(val)
-    data = {"train": train, "val": val, "valset": valset, "threads": a.threads,
+    data = {"train": train, "val": val, "valset": valset, "threads": a.threads, "preset": a.preset,
             "captions": [e.caption for e in entries], "truth": load_ground_truth(val),
             "val_files": [Path(entries[r].path).name for r in valset.rows],
-            "batches": {s: training_batches(kind_config("dense", s, a.steps, train, val, extra), a.steps)
+            "batches": {s: training_batches(kind_config("dense", s, a.steps, train, val, extra, a.preset), a.steps)
                         for s in a.seeds}}
     eval_steps = sorted({round(a.steps * (k + 1) / a.evals) for k in range(a.evals)})
     log = (lambda *x: print(*x, file=sys.stderr, flush=True))
+    settings = {"preset": a.preset, "variant": a.variant, "steps": a.steps, "evals": eval_steps,
+                "samples": a.samples, "overrides": extra}
+    done = finished_runs(a.out / RUNS_FILE, settings) if a.resume else {}
+    if a.out:
+        a.out.mkdir(parents=True, exist_ok=True)
+        if not a.resume:
+            (a.out / RUNS_FILE).unlink(missing_ok=True)
     runs = []
     for seed in a.seeds:
         for kind in a.kinds:
+            if (kind, seed) in done:
+                runs.append(done[(kind, seed)])
+                log(f"{kind} seed {seed}: from {a.out / RUNS_FILE}")
+                continue
             t1 = time.perf_counter()
             runs.append(run_one(kind, seed, a.steps, eval_steps, data, a.samples, extra, log))
             log(f"{kind} seed {seed}: {time.perf_counter() - t1:.0f} s")
+            if a.out:  # one line per finished run: a stopped comparison resumes from here
+                with (a.out / RUNS_FILE).open("a") as f:
+                    f.write(json.dumps({"settings": settings, "run": runs[-1]}) + "\n")
     rows = summarize(runs, a.kinds)
-    meta = {"steps": a.steps, "seeds": a.seeds, "samples": a.samples, "val_clips": a.val_clips,
+    meta = {"preset": a.preset, "variant": a.variant, "steps": a.steps, "seeds": a.seeds, "samples": a.samples,
+            "val_clips": a.val_clips, "resumed_runs": len(done),
             "buckets": cfg0.training.val_t_buckets, "minutes": (time.perf_counter() - t0) / 60, "overrides": extra,
             "threads": a.threads or os.cpu_count(), "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())}
     if a.out:

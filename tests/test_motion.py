@@ -272,6 +272,34 @@ def test_learning_benchmark_scores_samples_at_each_checkpoint(motion_set, tmp_pa
     assert not any(learning.shows_prompt(r) for r in _scores(clips, lambda f, rng: np.repeat(f[:1], len(f), 0)))
 
 
+@pytest.mark.slow  # a benchmark end to end (about 15 s): the default run stays under 10 minutes
+def test_quality_benchmark_resumes_the_runs_it_has(motion_set, tmp_path, monkeypatch, capsys):
+    # benchmarks.quality writes each finished (kind, seed) to runs.jsonl; --resume reuses them
+    # and runs only the rest, and refuses a file made with other settings
+    from benchmarks import quality
+
+    train, val, _ = motion_set
+    monkeypatch.setattr(M, "ensure_motion_dataset", lambda *a, **k: (train, val))
+    out = tmp_path / "quality"
+    args = ["--steps", "2", "--evals", "1", "--samples", "1", "--val-clips", "2", "--threads", "1", "--json",
+            "--kinds", "swin", "dsa", "--out", str(out), "--set", "model.depth", "1",
+            "--set", "data.height", "32", "--set", "data.width", "32"]
+    assert quality.main(args + ["--seeds", "0"]) == 0
+    first = [json.loads(line)["run"] for line in (out / "runs.jsonl").read_text().splitlines()]
+    assert [(r["kind"], r["seed"]) for r in first] == [("swin", 0), ("dsa", 0)]
+    capsys.readouterr()
+    assert quality.main(args + ["--seeds", "0", "1", "--resume"]) == 0
+    captured = capsys.readouterr()
+    assert captured.err.count("from ") == 2 and "swin seed 1:" in captured.err
+    rows = {r["kind"]: r for r in map(json.loads, captured.out.splitlines())}
+    assert rows["swin"]["seeds"] == rows["dsa"]["seeds"] == 2
+    got = json.loads((out / "quality.json").read_text())
+    assert got["runs"][:2] == first and got["meta"]["resumed_runs"] == 2
+    assert all(0.0 <= r["shown"] <= 1.0 for r in got["summary"])
+    with pytest.raises(SystemExit, match="other settings"):
+        quality.main([a if a != "2" else "3" for a in args] + ["--seeds", "0", "--resume"])
+
+
 @pytest.mark.slow  # a benchmark end to end (10-20 s): the default run stays under 10 minutes
 def test_offset_signal_benchmark(motion_set, monkeypatch, capsys):
     # the fresh model's attention gates are zero (adaLN-Zero): no gradient reaches the offsets,
