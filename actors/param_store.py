@@ -223,6 +223,7 @@ class ParameterStore:
             raise ValueError(f"w_dtype={w_dtype!r}; use one of {list(DTYPES)}")
         threads = cfg.runtime.optimizer_threads or os.cpu_count() or 1
         torch.set_num_threads(threads)
+        self.threads = threads  # the update thread sets them again for itself (_update_loop)
         self.cfg = cfg
         self.w_dtype = w_dtype
         self.n = num_shards(cfg)
@@ -451,6 +452,10 @@ class ParameterStore:
             raise RuntimeError(f"parameter store update thread failed: {self._error!r}") from self._error
 
     def _update_loop(self) -> None:
+        # OpenMP keeps the thread count per thread: a new thread starts from OMP_NUM_THREADS,
+        # which Ray sets to 1 in its workers, whatever __init__ set. Without this call AdamW
+        # ran on one core in the store actor (torch.get_num_threads() still said all of them).
+        torch.set_num_threads(self.threads)
         while True:
             with self._lock:
                 while (not self._queue or self._saving) and not self._closed:

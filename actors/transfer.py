@@ -74,8 +74,13 @@ class Transfers:
         self.stage = device.type == "cpu" and link_gbps > 0
         # "Streams" on CPU: one thread stages shards ahead (host-to-device), one returns
         # gradients (device-to-host), so both transfers overlap the compute thread.
-        self.prefetcher = ThreadPoolExecutor(max_workers=1, thread_name_prefix="shard-prefetch")
-        self.returner = ThreadPoolExecutor(max_workers=1, thread_name_prefix="grad-return")
+        # Their copies use the compute's torch threads: each thread sets them for itself (a new
+        # thread's OpenMP count starts from OMP_NUM_THREADS, which Ray sets to 1 in its workers).
+        threads = (torch.set_num_threads, (torch.get_num_threads(),))
+        self.prefetcher = ThreadPoolExecutor(max_workers=1, thread_name_prefix="shard-prefetch",
+                                             initializer=threads[0], initargs=threads[1])
+        self.returner = ThreadPoolExecutor(max_workers=1, thread_name_prefix="grad-return",
+                                           initializer=threads[0], initargs=threads[1])
         # Per-step counters. Both threads and the compute thread add to them: one lock.
         self._lock = threading.Lock()
         self._h2d = [0, 0.0]  # bytes, seconds of this step's host->device copies

@@ -205,8 +205,8 @@ class Encoder:
     def __init__(self, model_dir: str, data: DataConfig, device: str = "cpu", dtype: str = "bfloat16",
                  threads: int = 0) -> None:
         import_hf()
-        if threads > 0:
-            torch.set_num_threads(threads)
+        self.threads = threads if threads > 0 else torch.get_num_threads()
+        torch.set_num_threads(self.threads)
         self.model_dir = Path(model_dir)
         self.data = data
         self.device = torch.device(device)
@@ -296,6 +296,7 @@ class Encoder:
                 results.append({"key": task["key"], "ok": False, "reason": str(clip)})
                 continue
             with self._model_lock:
+                torch.set_num_threads(self.threads)  # this call's thread: see set_threads
                 latents = self.encode_video(clip.frames)
             d = self.data
             clip_fps = d.fps if d.fps > 0 else clip.source_fps
@@ -311,6 +312,7 @@ class Encoder:
     def encode_captions(self, tasks: list[dict]) -> list[dict]:
         """Encode and write each ``{"key", "caption", "out"}``: ``{"key", "ok", "text_len"}``."""
         with self._model_lock:
+            torch.set_num_threads(self.threads)  # this call's thread: see set_threads
             texts = self.encode_text([t["caption"] for t in tasks])
         out = []
         for task, text in zip(tasks, texts):
@@ -319,7 +321,11 @@ class Encoder:
         return out
 
     def set_threads(self, threads: int) -> None:
-        torch.set_num_threads(max(1, threads))
+        """Torch threads for the encoding calls from now on. OpenMP keeps the count per thread and
+        an actor with ``max_concurrency=2`` runs calls on threads of a pool, which start from
+        OMP_NUM_THREADS (Ray sets 1): each encoding call sets the count for its own thread."""
+        self.threads = max(1, threads)
+        torch.set_num_threads(self.threads)
 
     def close(self) -> None:
         self._decode_pool.shutdown(wait=False)

@@ -1,7 +1,11 @@
 """ParameterStore on its own: shared segments, exact AdamW with clipping (both AdamW kernels),
 bf16 compute copies, checkpoint round trip, pretrained weights in (--init-from) and out."""
 
+import json
 import math
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -69,6 +73,41 @@ def test_update_equals_torch_adamw_with_global_clipping(cfg, tmp_path, w_dtype, 
             assert torch.equal(store.seg[i]["w"], store.seg[i]["master"].to(store.seg[i]["w"].dtype))
     finally:
         store.close()
+
+
+def test_the_update_thread_uses_the_optimizer_threads_under_ray_s_omp_setting(tmp_path):
+    """Ray starts its workers with OMP_NUM_THREADS=1, and OpenMP keeps the thread count per
+    thread: the store's update thread must set its own, or AdamW runs on one core. Checked in a
+    fresh process with that environment, reading OpenMP's count inside the update thread."""
+    script = f"""
+import ctypes, json, threading
+import torch
+from actors.param_store import ParameterStore
+from megaslide_ray.config import build_config
+omp = next(ctypes.CDLL(line.split()[-1]) for line in open("/proc/self/maps") if "libgomp" in line)
+cfg = build_config("tiny", None, {{**{OVR!r}, "runtime.state_dir": {str(tmp_path)!r},
+                                   "runtime.optimizer_threads": 3}})
+store = ParameterStore(cfg, {str(tmp_path / "run")!r})
+seen = {{}}
+real = store._apply_update
+def spy(step, sq):
+    seen["update"] = omp.omp_get_max_threads()
+    return real(step, sq)
+store._apply_update = spy
+t = threading.Thread(target=lambda: seen.setdefault("plain_thread", omp.omp_get_max_threads()))
+t.start(); t.join()
+for i in range(store.n):
+    store.report_grad(i, 0, 1.0, None)
+store.wait_step(0)
+store.close()
+print(json.dumps(seen))
+"""
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    out = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=120,
+                         cwd=Path(__file__).resolve().parent.parent)
+    assert out.returncode == 0, out.stderr[-2000:]
+    seen = json.loads(out.stdout.strip().splitlines()[-1])
+    assert seen == {"plain_thread": 1, "update": 3}, seen  # a plain thread shows the environment's 1
 
 
 def test_adamw_kernel_choice(cfg, tmp_path, monkeypatch):
