@@ -21,11 +21,14 @@ Per (kind, seed) it records:
 * **validation loss** on the held-out split (combinations of colour, shape, direction and speed
   never seen in training), at fixed noise and t (``megaslide_ray.evaluate.validation_loss``),
   at several steps, and per t-bucket at the end;
-* **motion fidelity** of samples (``megaslide_ray.motion_metric``): the held-out captions are
+* **motion fidelity** of samples (``megaslide_ray.motion_metric``): the first ``--samples``
+  held-out captions, and as many training captions (``train_*`` columns: motion the model was
+  shown, which a small model draws long before it generalises to unseen combinations), are
   sampled from fixed noise (Euler, ``training.sample_steps``) and each clip is scored against
-  its caption: detection rate, trajectory error (px per frame), direction error, shape match,
-  area variation, background flicker, and the fraction of samples that show their prompt
-  (colour, shape and direction: ``benchmarks.learning.shows_prompt``);
+  its caption: detection rate, trajectory error (px per frame; also over the ``fast`` captions
+  alone, ``fast_trajectory_error``), direction error, shape match, area variation, background
+  flicker, and the fraction of samples that show their prompt (colour, shape and direction:
+  ``benchmarks.learning.shows_prompt``);
 * **step time** (in-process, this machine);
 * for ``dsa``, the **learned offsets** on the validation clips at t = 0.5: mean |offset| in
   tokens, and whether they point along the object's motion: the per-block motion estimate of
@@ -35,9 +38,9 @@ Per (kind, seed) it records:
 
 The table gives mean and spread (standard deviation over seeds) per kind; ``--out`` receives
 ``quality.json``, ``quality.md`` and two plots (val loss against steps, motion metrics per
-kind), and ``runs.jsonl``, one line per finished (kind, seed) as it finishes: ``--resume`` skips
+kind), ``runs.jsonl``, one line per finished (kind, seed) as it finishes: ``--resume`` skips
 the runs it already holds (same settings required), so a long comparison that was stopped goes
-on where it was. Nothing is tuned per kind: the preset's optimizer settings serve all four.
+on where it was, and ``models/KIND_seedS.safetensors``, each run's final weights. Nothing is tuned per kind: the preset's optimizer settings serve all four.
 """
 
 from __future__ import annotations
@@ -58,7 +61,8 @@ KINDS = ("dense", "swin", "neighborhood", "dsa")
 WINDOWED = ("swin", "neighborhood", "dsa")
 DEFAULT_WINDOW = "3,3,3"
 METRICS = ("detection_rate", "trajectory_error", "direction_error_deg", "shape_match", "area_cv", "flicker",
-           "shown")
+           "shown", "fast_trajectory_error")
+SPLITS = ("", "train_")  # metric prefixes: samples of held-out captions, of training captions
 
 
 class ModelPredictor:
@@ -189,17 +193,27 @@ def run_one(kind: str, seed: int, steps: int, eval_steps: list[int], data: dict,
             log(f"  {kind:<12} seed {seed} step {step + 1:>4}: train loss {statistics.fmean(losses[-20:]):.4f}, "
                 f"val loss {v.val_loss:.4f}")
     trainer.model.eval()
-    fidelity = []
-    for j, caption in enumerate(data["captions"][:samples]):
-        cap, cap_len = caption_batch(caption, cfg.model.caption_max_bytes, 1)
-        x = integrate(pred, cfg, initial_noise(cfg, 1000 + j), cap, cap_len, cfg.training.sample_steps, steps)
-        m = motion_fidelity(to_uint8_frames(x), caption)
-        fidelity.append({**m, "shown": float(shows_prompt(m))})
     out = {"kind": kind, "seed": seed, "steps": steps, "val_curve": curve, "val_loss": curve[-1]["val_loss"],
            "val_buckets": curve[-1]["buckets"], "train_loss_last20": statistics.fmean(losses[-20:]),
-           "step_seconds": statistics.median(times[1:] or times),
-           "samples": [{k: f[k] for k in METRICS + ("steps",)} for f in fidelity],
-           **{m: _nanmean([f[m] for f in fidelity]) for m in METRICS}}
+           "step_seconds": statistics.median(times[1:] or times)}
+    for prefix, key in zip(SPLITS, ("captions", "train_captions")):
+        fidelity = []
+        for j, caption in enumerate(data[key][:samples]):
+            cap, cap_len = caption_batch(caption, cfg.model.caption_max_bytes, 1)
+            x = integrate(pred, cfg, initial_noise(cfg, 1000 + j), cap, cap_len, cfg.training.sample_steps, steps)
+            m = motion_fidelity(to_uint8_frames(x), caption)
+            fast = " fast" in caption
+            fidelity.append({**m, "shown": float(shows_prompt(m)),
+                             "fast_trajectory_error": m["trajectory_error"] if fast else math.nan})
+        out[prefix + "samples"] = [{"caption": c, **{k: f[k] for k in METRICS + ("steps",)}}
+                                   for c, f in zip(data[key], fidelity)]
+        out.update({prefix + m: _nanmean([f[m] for f in fidelity]) for m in METRICS})
+    if data.get("models"):
+        from safetensors.torch import save_file
+
+        data["models"].mkdir(parents=True, exist_ok=True)
+        save_file({k: v.detach().contiguous() for k, v in trainer.model.state_dict().items()},
+                  str(data["models"] / f"{kind}_seed{seed}.safetensors"))
     if kind == "dsa":
         out["offsets"] = offset_statistics(trainer.model, cfg, data["valset"], data["truth"], data["val_files"])
     return out
@@ -224,7 +238,7 @@ def summarize(runs: list[dict], kinds: list[str]) -> list[dict]:
         if not rs:
             continue
         row = {"kind": kind, "seeds": len(rs)}
-        for key in ("val_loss", "train_loss_last20", "step_seconds") + METRICS:
+        for key in ("val_loss", "train_loss_last20", "step_seconds") + tuple(p + m for p in SPLITS for m in METRICS):
             row[key], row[key + "_sd"] = _spread([r[key] for r in rs])
         if kind == "dsa":
             row["mean_abs_offset"], row["mean_abs_offset_sd"] = _spread([r["offsets"]["mean_abs_offset"] for r in rs])
@@ -241,15 +255,27 @@ def markdown(rows: list[dict], meta: dict) -> str:
              f"{meta['steps']} steps, seeds {meta['seeds']}, {meta['samples']} samples per run, "
              f"{meta['val_clips']} validation clips x {meta['buckets']} t-buckets; total {meta['minutes']:.1f} min",
              "",
-             "| kind | val loss | shows prompt | trajectory err (px/f) | direction err (deg) | detection | shape match "
-             "| area CV | flicker | step s |",
-             "|---|---|---|---|---|---|---|---|---|---|"]
+             "| kind | val loss | shows prompt | trajectory err (px/f) | fast: trajectory err | direction err (deg) "
+             "| detection | shape match | area CV | flicker | step s |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
+
+    def f(r, k, spec=".4f"):
+        return f"{r[k]:{spec}} ± {r[k + '_sd']:{spec}}"
+
+    def metric_cells(r, p):
+        return (f"{f(r, p + 'shown', '.2f')} | {f(r, p + 'trajectory_error', '.2f')} | "
+                f"{f(r, p + 'fast_trajectory_error', '.2f')} | {f(r, p + 'direction_error_deg', '.1f')} | "
+                f"{f(r, p + 'detection_rate', '.2f')} | {f(r, p + 'shape_match', '.2f')} | {f(r, p + 'area_cv', '.2f')} | "
+                f"{f(r, p + 'flicker', '.2f')}")
+
     for r in rows:
-        def f(k, spec=".4f"):
-            return f"{r[k]:{spec}} ± {r[k + '_sd']:{spec}}"
-        lines.append(f"| {r['kind']} | {f('val_loss')} | {f('shown', '.2f')} | {f('trajectory_error', '.2f')} | "
-                     f"{f('direction_error_deg', '.1f')} | {f('detection_rate', '.2f')} | {f('shape_match', '.2f')} | "
-                     f"{f('area_cv', '.2f')} | {f('flicker', '.2f')} | {f('step_seconds', '.2f')} |")
+        lines.append(f"| {r['kind']} | {f(r, 'val_loss')} | {metric_cells(r, '')} | {f(r, 'step_seconds', '.2f')} |")
+    lines += ["", f"Samples of training captions (the first {meta['samples']}; motion the model was shown):", "",
+              "| kind | shows prompt | trajectory err (px/f) | fast: trajectory err | direction err (deg) | detection "
+              "| shape match | area CV | flicker |",
+              "|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        lines.append(f"| {r['kind']} | {metric_cells(r, 'train_')} |")
     for r in rows:
         if r["kind"] == "dsa":
             cos = ", ".join(f"{c:+.2f}" for c in r["offset_cosine_by_block"])
@@ -354,6 +380,8 @@ def main(argv: list[str] | None = None) -> int:
     entries = read_manifest(val)
     data = {"train": train, "val": val, "valset": valset, "threads": a.threads, "preset": a.preset,
             "captions": [e.caption for e in entries], "truth": load_ground_truth(val),
+            "train_captions": [e.caption for e in read_manifest(train)],
+            "models": a.out / "models" if a.out else None,
             "val_files": [Path(entries[r].path).name for r in valset.rows],
             "batches": {s: training_batches(kind_config("dense", s, a.steps, train, val, extra, a.preset), a.steps)
                         for s in a.seeds}}
