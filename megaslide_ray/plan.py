@@ -686,6 +686,12 @@ def _notes(cfg: Config, generate: bool, wb: int, P: int, parts: dict[str, int], 
     if cfg.attention.kind == "dense":
         notes.append("dense assumes flash/SDPA on the device; a materialised N^2 score matrix would need "
                      f"{fmt_bytes(act_totals['dense_materialised'])} of activations")
+    if not generate and not cfg.runtime.recompute_blocks:
+        kept = cfg.model.depth * (parts["block_linear"] + parts[variant])
+        notes.append(f"runtime.recompute_blocks = false (a CPU compute only) keeps every block's autograd graph: "
+                     f"about depth x one block's working set, {fmt_bytes(kept)}, in place of the "
+                     f"{fmt_bytes(parts['checkpoints'])} of block inputs counted here, and one forward per block "
+                     f"less; this plan counts the recomputing step")
     if generate:
         notes.append("generation holds no gradients, optimizer state or block inputs; classifier-free guidance "
                      "in one batch (sample --cfg-scale) doubles the batch: --guidance")

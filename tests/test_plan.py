@@ -348,6 +348,15 @@ def test_max_frames_returns_a_length_that_fits_and_four_more_does_not():
     assert tiny.best_frames % 2 == 0 and tiny.next_frames == tiny.best_frames + 2 and not tiny.next.fits
 
 
+def test_kept_block_graphs_are_named_with_their_memory():
+    cfg = build_config("tiny-motion", None, {})
+    assert not cfg.runtime.recompute_blocks
+    got = plan(cfg, w_dtype="float32")
+    note = next(n for n in got.notes if n.startswith("runtime.recompute_blocks = false"))
+    assert "keeps every block's autograd graph" in note
+    assert not any(n.startswith("runtime.recompute_blocks") for n in plan(build_config("tiny", None, {})).notes)
+
+
 def test_cli_help_and_refusals(capsys):
     with pytest.raises(SystemExit) as e:
         main(["--help"])
