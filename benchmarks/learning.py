@@ -3,7 +3,7 @@
     python -m benchmarks.learning [--preset tiny] [--variant motion] [--steps 1200] [--every 100]
                                   [--prompts 8] [--kind dsa] [--cfg-scale S] [--set FIELD VALUE ...]
                                   [--out DIR] [--json]
-    python -m benchmarks.learning --preset tiny-motion --variant simple --steps 2000 --every 500
+    python -m benchmarks.learning --preset tiny-motion --variant simple --steps 2400 --every 600
     python -m benchmarks.learning --checkpoint RUN --variant simple [--prompts 16] [--cfg-scale S]
 
 Trains ``--preset`` (default ``tiny``) on the training split of the motion set or of its simple

@@ -36,7 +36,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="without --data: the demo set to train on: shapes (default), motion (megaslide_ray.motion: "
                         "shapes at stated speeds and directions; its held-out split becomes data.val_manifest, "
                         "evaluated every 10 steps unless training.eval_every says otherwise) or motion-simple (its "
-                        "simple variant: one large shape, 8 frames, no bounces or occluders, validated every 500 "
+                        "simple variant: one large shape, 8 frames, no bounces or occluders, validated every 600 "
                         "steps; what the tiny-motion preset learns in minutes)")
     p.add_argument("--resume", action="store_true", help="continue from the run dir's latest checkpoint")
     p.add_argument("--init-from", default=None, metavar="FILE_OR_DIR",
@@ -119,7 +119,7 @@ def config_from_args(args: argparse.Namespace, extra: list[str]) -> Config:
         train, val = ensure_motion_dataset(variant="simple" if args.demo == "motion-simple" else "motion")
         overrides["data.manifest"] = str(train)
         overrides.setdefault("data.val_manifest", str(val))
-        overrides.setdefault("training.eval_every", 10 if args.demo == "motion" else 500)
+        overrides.setdefault("training.eval_every", 10 if args.demo == "motion" else 600)
     config_file, saved_run = args.config, False
     if args.resume and config_file is None and args.preset is None and args.run_dir:
         saved = Path(args.run_dir) / "config.toml"

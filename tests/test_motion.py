@@ -246,7 +246,7 @@ def test_train_demo_motion_simple_with_its_preset(tmp_path, monkeypatch, capsys)
     out = capsys.readouterr().out
     assert f'manifest = "{tmp_path / M.SIMPLE_VERSION / M.TRAIN_MANIFEST}"' in out
     assert f'val_manifest = "{tmp_path / M.SIMPLE_VERSION / M.VAL_MANIFEST}"' in out
-    assert "eval_every = 500" in out and 'preset = "tiny-motion"' in out
+    assert "eval_every = 600" in out and 'preset = "tiny-motion"' in out
 
 
 @pytest.mark.slow  # a benchmark end to end (10-20 s): the default run stays under 10 minutes
