@@ -18,8 +18,8 @@ def test_paper_presets_match_parameter_counts(name, target):
 
 
 def test_every_preset_defaults_to_dsa_and_validates():
-    # all but tiny-motion, the CPU learning demo: at its 256 tokens dsa's CPU step is about 6x
-    # swin's, which would not fit its 10 minutes (benchmarks/RESULTS.md)
+    # all but tiny-motion, the CPU learning demo: at its 256 tokens dsa's CPU step is about 2.4x
+    # its swin step, which would not fit its 10 minutes (benchmarks/RESULTS.md)
     for name in PRESETS:
         cfg = build_config(name)
         assert cfg.attention.kind == ("swin" if name == "tiny-motion" else "dsa"), name
