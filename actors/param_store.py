@@ -395,10 +395,13 @@ class ParameterStore:
                 return  # the compute actor was replaced while this report was on its way
             got = self._pending.setdefault(step, {})
             got[shard] = float(sqnorm)
-            if len(got) == self.n:
+            last = len(got) == self.n
+            if last:
                 self._queue.append(step)
                 self._inflight.add(step)
                 self._lock.notify_all()
+        if last:  # the update may run (and the store die) before this report is answered
+            fault_point("store.after_last_report", step)
 
     def set_client_generation(self, generation: int, timeout: float = 600.0) -> tuple[int, ...]:
         """The driver replaced the compute actor: from now on only reports of ``generation``

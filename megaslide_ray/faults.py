@@ -41,6 +41,8 @@ FAULT_POINTS = {
     "compute.after_weights": "compute actor, after the first shard's weights arrived",
     "compute.mid_forward": "compute actor, halfway through the forward blocks",
     "compute.mid_backward": "compute actor, halfway through the backward blocks (some gradients sent)",
+    "store.after_last_report": "parameter store, a step's last gradient report counted (its update may start) "
+                               "but not yet answered",
     "store.mid_update": "parameter store, between two shards of an AdamW update",
     "store.mid_shard_update": "parameter store, inside one shard's update (marker written, shard half done)",
     "store.mid_checkpoint": "parameter store, halfway through writing a checkpoint's shards",

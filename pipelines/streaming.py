@@ -104,8 +104,20 @@ class RayStoreClient:
         self._inflight.append(self._store.report_grad.remote(shard, step, sqnorm, grad, self._generation))
 
     def flush(self) -> None:
+        """Wait until this step's reports are answered. An error the store raised surfaces here.
+        A store that died under a report is not this step's error: it may have counted every
+        report before dying (then its restart finishes the update from shared memory) or not
+        (then the gradients are gone); the driver, which waits for the step's update next,
+        tells the two apart and redoes the step only in the second case. Raising here would
+        lose the step's result in the first case, with its update already applied."""
         refs, self._inflight = self._inflight, []
-        ray.get(refs)
+        try:
+            ray.get(refs)
+        except RayTaskError:
+            raise
+        except RayActorError as e:
+            log.warning("the parameter store died while this step's gradient reports were answered (%s); "
+                        "the driver checks whether it applied them", type(e).__name__)
 
     def __getstate__(self):
         return {"_store": self._store, "_generation": self._generation, "_inflight": []}
