@@ -20,7 +20,8 @@ Per (kind, seed) it records:
 
 * **validation loss** on the held-out split (combinations of colour, shape, direction and speed
   never seen in training), at fixed noise and t (``megaslide_ray.evaluate.validation_loss``),
-  at several steps, and per t-bucket at the end;
+  at several steps, and per t-bucket at the end; and the same loss on as many clips of the
+  training split (``train_split_loss``: the gap between the two is what a kind memorised);
 * **motion fidelity** of samples (``megaslide_ray.motion_metric``): the first ``--samples``
   held-out captions, and as many training captions (``train_*`` columns: motion the model was
   shown, which a small model draws long before it generalises to unseen combinations), are
@@ -188,13 +189,18 @@ def run_one(kind: str, seed: int, steps: int, eval_steps: list[int], data: dict,
         if step + 1 in eval_steps:
             trainer.model.eval()
             v = validation_loss(pred, cfg, data["valset"], step + 1)
+            # The same measurement on training clips: the gap to the held-out loss is what was
+            # memorised rather than learned in general.
+            tr = validation_loss(pred, cfg, data["trainset"], step + 1)
             trainer.model.train()
-            curve.append({"step": step + 1, "val_loss": v.val_loss, "buckets": list(v.bucket_losses)})
+            curve.append({"step": step + 1, "val_loss": v.val_loss, "buckets": list(v.bucket_losses),
+                          "train_split_loss": tr.val_loss})
             log(f"  {kind:<12} seed {seed} step {step + 1:>4}: train loss {statistics.fmean(losses[-20:]):.4f}, "
-                f"val loss {v.val_loss:.4f}")
+                f"val loss {v.val_loss:.4f}, train-split loss {tr.val_loss:.4f}")
     trainer.model.eval()
     out = {"kind": kind, "seed": seed, "steps": steps, "val_curve": curve, "val_loss": curve[-1]["val_loss"],
-           "val_buckets": curve[-1]["buckets"], "train_loss_last20": statistics.fmean(losses[-20:]),
+           "val_buckets": curve[-1]["buckets"], "train_split_loss": curve[-1]["train_split_loss"],
+           "train_loss_last20": statistics.fmean(losses[-20:]),
            "step_seconds": statistics.median(times[1:] or times)}
     for prefix, key in zip(SPLITS, ("captions", "train_captions")):
         fidelity = []
@@ -238,8 +244,9 @@ def summarize(runs: list[dict], kinds: list[str]) -> list[dict]:
         if not rs:
             continue
         row = {"kind": kind, "seeds": len(rs)}
-        for key in ("val_loss", "train_loss_last20", "step_seconds") + tuple(p + m for p in SPLITS for m in METRICS):
-            row[key], row[key + "_sd"] = _spread([r[key] for r in rs])
+        for key in ("val_loss", "train_split_loss", "train_loss_last20", "step_seconds") + tuple(
+                p + m for p in SPLITS for m in METRICS):
+            row[key], row[key + "_sd"] = _spread([r.get(key, math.nan) for r in rs])  # older runs.jsonl: no split loss
         if kind == "dsa":
             row["mean_abs_offset"], row["mean_abs_offset_sd"] = _spread([r["offsets"]["mean_abs_offset"] for r in rs])
             per_block = list(zip(*[r["offsets"]["cosine_by_block"] for r in rs]))
@@ -255,9 +262,9 @@ def markdown(rows: list[dict], meta: dict) -> str:
              f"{meta['steps']} steps, seeds {meta['seeds']}, {meta['samples']} samples per run, "
              f"{meta['val_clips']} validation clips x {meta['buckets']} t-buckets; total {meta['minutes']:.1f} min",
              "",
-             "| kind | val loss | shows prompt | trajectory err (px/f) | fast: trajectory err | direction err (deg) "
-             "| detection | shape match | area CV | flicker | step s |",
-             "|---|---|---|---|---|---|---|---|---|---|---|"]
+             "| kind | val loss | train-split loss | shows prompt | trajectory err (px/f) | fast: trajectory err "
+             "| direction err (deg) | detection | shape match | area CV | flicker | step s |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
 
     def f(r, k, spec=".4f"):
         return f"{r[k]:{spec}} ± {r[k + '_sd']:{spec}}"
@@ -269,7 +276,8 @@ def markdown(rows: list[dict], meta: dict) -> str:
                 f"{f(r, p + 'flicker', '.2f')}")
 
     for r in rows:
-        lines.append(f"| {r['kind']} | {f(r, 'val_loss')} | {metric_cells(r, '')} | {f(r, 'step_seconds', '.2f')} |")
+        lines.append(f"| {r['kind']} | {f(r, 'val_loss')} | {f(r, 'train_split_loss')} | {metric_cells(r, '')} "
+                     f"| {f(r, 'step_seconds', '.2f')} |")
     lines += ["", f"Samples of training captions (the first {meta['samples']}; motion the model was shown):", "",
               "| kind | shows prompt | trajectory err (px/f) | fast: trajectory err | direction err (deg) | detection "
               "| shape match | area CV | flicker |",
@@ -297,10 +305,13 @@ def plots(runs: list[dict], rows: list[dict], out: Path) -> list[Path]:
         steps = [p["step"] for p in rs[0]["val_curve"]]
         vals = np.array([[p["val_loss"] for p in r["val_curve"]] for r in rs])
         mean, sd = vals.mean(axis=0), vals.std(axis=0)
-        ax.plot(steps, mean, marker="o", label=kind)
+        line, = ax.plot(steps, mean, marker="o", label=kind)
         ax.fill_between(steps, mean - sd, mean + sd, alpha=0.2)
+        split = np.array([[p.get("train_split_loss", math.nan) for p in r["val_curve"]] for r in rs])
+        if not np.isnan(split).all():
+            ax.plot(steps, split.mean(axis=0), linestyle="--", color=line.get_color(), alpha=0.7)
     ax.set_xlabel("step")
-    ax.set_ylabel("held-out val loss (mean ± sd over seeds)")
+    ax.set_ylabel("val loss, mean ± sd over seeds\n(solid: held out; dashed: training clips)")
     ax.legend()
     ax.grid(alpha=0.3)
     written.append(out / "quality_val_loss.png")
@@ -377,8 +388,9 @@ def main(argv: list[str] | None = None) -> int:
     train, val = (str(x) for x in ensure_motion_dataset(variant=a.variant))
     cfg0 = kind_config("dense", a.seeds[0], a.steps, train, val, extra, a.preset)
     valset = load_val_set(cfg0)
+    trainset = load_val_set(cfg0, manifest=train)  # as many training clips, measured alike
     entries = read_manifest(val)
-    data = {"train": train, "val": val, "valset": valset, "threads": a.threads, "preset": a.preset,
+    data = {"train": train, "val": val, "valset": valset, "trainset": trainset, "threads": a.threads, "preset": a.preset,
             "captions": [e.caption for e in entries], "truth": load_ground_truth(val),
             "train_captions": [e.caption for e in read_manifest(train)],
             "models": a.out / "models" if a.out else None,

@@ -4,6 +4,7 @@ their mp4s, clearly worse on shuffled, frozen and jittered frames, on flicker an
 that changes."""
 
 import json
+import math
 
 import numpy as np
 import pytest
@@ -287,6 +288,10 @@ def test_quality_benchmark_resumes_the_runs_it_has(motion_set, tmp_path, monkeyp
     assert quality.main(args + ["--seeds", "0"]) == 0
     first = [json.loads(line)["run"] for line in (out / "runs.jsonl").read_text().splitlines()]
     assert [(r["kind"], r["seed"]) for r in first] == [("swin", 0), ("dsa", 0)]
+    # the same fixed-noise loss on training clips: other clips than the held-out ones
+    for r in first:
+        assert math.isfinite(r["train_split_loss"]) and r["train_split_loss"] != r["val_loss"]
+        assert [p["train_split_loss"] for p in r["val_curve"]][-1] == r["train_split_loss"]
     capsys.readouterr()
     assert quality.main(args + ["--seeds", "0", "1", "--resume"]) == 0
     captured = capsys.readouterr()
