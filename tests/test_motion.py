@@ -304,6 +304,31 @@ def test_quality_benchmark_resumes_the_runs_it_has(motion_set, tmp_path, monkeyp
     with pytest.raises(SystemExit, match="other settings"):
         quality.main([a if a != "2" else "3" for a in args] + ["--seeds", "0", "--resume"])
 
+    # benchmarks.offset_probe on the saved dsa model: unscaled it repeats the benchmark's losses;
+    # at scale 0 it is the same model with its offset heads zeroed
+    from benchmarks import offset_probe
+    from megaslide_ray.evaluate import load_val_set, validation_loss
+
+    cfg, model, _ = offset_probe.load_quality_run(out, 0)
+    rows = offset_probe.probe(cfg, model, [1.0], samples=1, log=lambda *x: None)
+    dsa0 = next(r for r in got["runs"] if (r["kind"], r["seed"]) == ("dsa", 0))
+    assert rows[0]["train_split_loss"] == dsa0["train_split_loss"]
+    assert rows[0]["val_loss"] == pytest.approx(dsa0["val_loss"], rel=1e-5)  # one clip per call there
+    assert rows[0]["train"]["of"] == rows[0]["held_out"]["of"] == 1
+    # two steps leave the offset heads at their zero start (the gates are zero): give them weights
+    torch.manual_seed(0)
+    heads = quality._offset_modules(model)
+    for m in heads:
+        torch.nn.init.normal_(m.out.weight, std=0.05)
+    rows = offset_probe.probe(cfg, model, [1.0, 0.0], samples=1, log=lambda *x: None)
+    assert rows[0]["offsets_real"][0] > 0 and rows[0]["offsets_sampling"][-1] > 0
+    for m in heads:
+        torch.nn.init.zeros_(m.out.weight)
+        torch.nn.init.zeros_(m.out.bias)
+    trainset = load_val_set(cfg, manifest=cfg.data.manifest)
+    zeroed = validation_loss(quality.ModelPredictor(model), cfg, trainset, cfg.training.steps).val_loss
+    assert rows[1]["train_split_loss"] == zeroed != rows[0]["train_split_loss"]
+
 
 @pytest.mark.slow  # a benchmark end to end (10-20 s): the default run stays under 10 minutes
 def test_offset_signal_benchmark(motion_set, monkeypatch, capsys):
