@@ -329,6 +329,19 @@ def test_quality_benchmark_resumes_the_runs_it_has(motion_set, tmp_path, monkeyp
     zeroed = validation_loss(quality.ModelPredictor(model), cfg, trainset, cfg.training.steps).val_loss
     assert rows[1]["train_split_loss"] == zeroed != rows[0]["train_split_loss"]
 
+    # benchmarks.region_loss on the same folder: every saved kind, both splits, object and background
+    from benchmarks import region_loss
+
+    capsys.readouterr()
+    assert region_loss.main(["--quality", str(out), "--clips", "2", "--threads", "1", "--json"]) == 0
+    regions = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    assert [r["kind"] for r in regions] == ["swin", "dsa"]
+    for r in regions:
+        for split in ("held_out", "train"):
+            got_split = r[split]
+            assert 0 < got_split["object_pixels"] < 0.5 and len(got_split["object_buckets"]) == cfg.training.val_t_buckets
+            assert all(math.isfinite(got_split[k]) and got_split[k] > 0 for k in ("object", "background"))
+
 
 @pytest.mark.slow  # a benchmark end to end (10-20 s): the default run stays under 10 minutes
 def test_offset_signal_benchmark(motion_set, monkeypatch, capsys):
@@ -380,3 +393,27 @@ def test_denoise_probe_end_to_end(motion_set, monkeypatch, capsys):
     got = json.loads(capsys.readouterr().out)
     assert [r["t"] for r in got["per_t"]] == list(denoise_probe.T_GRID) and len(got["denoise"]) == 4
     assert got["meta"]["steps"] == 2 and got["mean_clip_rms"] > 0
+
+
+def test_region_masks_cover_the_object_and_the_background():
+    # benchmarks.region_loss splits the loss by the ground truth: inside one radius of the centre
+    # the rendered frames hold the object's colour, beyond 1.5 radii the background's; also at a
+    # lower resolution, as the decoder resizes the clips
+    from actors.decoder import resize_crop
+    from benchmarks.region_loss import region_masks
+
+    rng = np.random.default_rng(3)
+    for shape in ("circle", "square", "triangle"):
+        plan = {**M.plan_simple_clip(rng, held_out=False), "shape": shape}
+        frames = M.render_clip(plan)
+        fg = np.asarray(M.COLOURS[plan["colour"]], dtype=np.float64)
+        bg = np.asarray(M.BACKGROUNDS[plan["background"]], dtype=np.float64)
+        for size in (M.HEIGHT, M.HEIGHT // 4):
+            clip = frames if size == M.HEIGHT else resize_crop(frames, size, size)
+            obj, back = region_masks(plan, len(clip), size, size)
+            assert obj.any() and back.any() and not (obj & back).any()
+            pixels = clip.astype(np.float64)
+            tol = 8 if size == M.HEIGHT else 40  # a 4x downscale blends the outline into its neighbours
+            if shape == "circle":  # the triangle and square do not fill their radius' circle
+                assert np.abs(pixels[obj.numpy()] - fg).mean() < tol, (shape, size)
+            assert np.abs(pixels[back.numpy()] - bg).max() < (1 if size == M.HEIGHT else 2 * tol), (shape, size)
