@@ -30,6 +30,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 import statistics
 import sys
 import time
@@ -37,6 +38,8 @@ from pathlib import Path
 
 import numpy as np
 import torch
+
+from benchmarks.quality import ModelPredictor, _nanmean, quality_folder, saved_model
 
 T_BINS = (0.0, 0.25, 0.5, 0.75, 1.01)
 
@@ -81,8 +84,6 @@ class TimedPredictor:
     """The quality benchmark's predictor, telling the tap the flow time of each call."""
 
     def __init__(self, model, tap: OffsetTap):
-        from benchmarks.quality import ModelPredictor
-
         self.inner, self.tap = ModelPredictor(model), tap
 
     def predict(self, x_t, t, cond, cond_len, version):
@@ -92,21 +93,11 @@ class TimedPredictor:
 
 def load_quality_run(folder: Path, seed: int):
     """(cfg, model, meta) of the dsa run of ``seed`` in a ``benchmarks.quality --out`` folder."""
-    from safetensors.torch import load_file
-
-    from benchmarks.quality import kind_config
-    from megaslide_ray.model import build_model
-    from megaslide_ray.motion import ensure_motion_dataset
-
-    meta = json.loads((folder / "quality.json").read_text())["meta"]
-    weights = folder / "models" / f"dsa_seed{seed}.safetensors"
-    if not weights.is_file():
-        raise SystemExit(f"{weights} not found: run benchmarks.quality with --kinds dsa --seeds {seed} --out {folder}")
-    train, val = (str(x) for x in ensure_motion_dataset(variant=meta.get("variant", "motion")))
-    cfg = kind_config("dsa", seed, meta["steps"], train, val, meta["overrides"], meta.get("preset", "tiny"))
-    model = build_model(cfg)
-    model.load_state_dict(load_file(str(weights)))
-    return cfg, model.eval(), meta
+    got = saved_model(folder, "dsa", seed)
+    if got is None:
+        raise SystemExit(f"{folder / 'models'} holds no dsa model of seed {seed}: run benchmarks.quality with "
+                         f"--kinds dsa --seeds {seed} --out {folder}")
+    return got
 
 
 def probe(cfg, model, scales, samples: int, log=print) -> list[dict]:
@@ -145,8 +136,8 @@ def probe(cfg, model, scales, samples: int, log=print) -> list[dict]:
                     ms.append(motion_fidelity(to_uint8_frames(x), caption))
                 row[split] = {"shown": sum(shows_prompt(m) for m in ms), "of": len(ms),
                               "detection_rate": statistics.fmean(m["detection_rate"] for m in ms),
-                              "trajectory_error": _nanmean(m["trajectory_error"] for m in ms),
-                              "direction_error_deg": _nanmean(m["direction_error_deg"] for m in ms)}
+                              "trajectory_error": _nanmean([m["trajectory_error"] for m in ms]),
+                              "direction_error_deg": _nanmean([m["direction_error_deg"] for m in ms])}
             row["offsets_sampling"] = tap.by_bin()
             row["static_share_sampling"] = tap.by_bin(2)
             row["seconds"] = time.perf_counter() - t0
@@ -157,11 +148,6 @@ def probe(cfg, model, scales, samples: int, log=print) -> list[dict]:
     finally:
         tap.close()
     return rows
-
-
-def _nanmean(xs) -> float:
-    xs = [x for x in xs if not math.isnan(x)]
-    return statistics.fmean(xs) if xs else math.nan
 
 
 def markdown(rows: list[dict], meta: dict, seed: int) -> str:
@@ -198,7 +184,8 @@ def _scale(text: str) -> float | str:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m benchmarks.offset_probe", description=__doc__.split("\n\n")[0])
-    p.add_argument("--quality", type=Path, required=True, help="a benchmarks.quality --out folder with a dsa model")
+    p.add_argument("--quality", type=quality_folder, required=True,
+                   help="a benchmarks.quality --out folder with a dsa model")
     p.add_argument("--seed", type=int, default=0, help="which seed's dsa model (default 0)")
     p.add_argument("--scales", type=_scale, nargs="+", default=[1.0, "static", 0.5, 0.0],
                    help="offset scales to try, or 'static' (each position gets the offsets averaged over "
@@ -210,10 +197,6 @@ def main(argv: list[str] | None = None) -> int:
     a = p.parse_args(argv)
     if a.samples < 1:
         p.error(f"--samples {a.samples} must be >= 1")
-    if not (a.quality / "quality.json").is_file():
-        p.error(f"--quality {a.quality}: no quality.json there (the --out folder of benchmarks.quality)")
-    import os
-
     torch.set_num_threads(a.threads or os.cpu_count() or 1)
     cfg, model, meta = load_quality_run(a.quality, a.seed)
     rows = probe(cfg, model, a.scales, a.samples, log=lambda *x: print(*x, file=sys.stderr, flush=True))

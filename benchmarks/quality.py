@@ -332,6 +332,34 @@ def plots(runs: list[dict], rows: list[dict], out: Path) -> list[Path]:
 RUNS_FILE = "runs.jsonl"
 
 
+def quality_folder(text: str) -> Path:
+    """argparse type of the probes' ``--quality DIR``: a folder this benchmark's ``--out`` made."""
+    folder = Path(text)
+    if not (folder / "quality.json").is_file():
+        raise argparse.ArgumentTypeError(f"{text}: no quality.json there (the --out folder of benchmarks.quality)")
+    return folder
+
+
+def saved_model(folder: Path, kind: str, seed: int):
+    """``(cfg, model in eval mode, meta)`` of the ``(kind, seed)`` run whose weights the ``--out``
+    folder ``folder`` holds (``models/KIND_seedS.safetensors``), rebuilt with that comparison's
+    preset, motion set and overrides; ``None`` when it holds no such weights."""
+    from safetensors.torch import load_file
+
+    from megaslide_ray.model import build_model
+    from megaslide_ray.motion import ensure_motion_dataset
+
+    weights = folder / "models" / f"{kind}_seed{seed}.safetensors"
+    if not weights.is_file():
+        return None
+    meta = json.loads((folder / "quality.json").read_text())["meta"]
+    train, val = (str(x) for x in ensure_motion_dataset(variant=meta.get("variant", "motion")))
+    cfg = kind_config(kind, seed, meta["steps"], train, val, meta["overrides"], meta.get("preset", "tiny"))
+    model = build_model(cfg)
+    model.load_state_dict(load_file(str(weights)))
+    return cfg, model.eval(), meta
+
+
 def finished_runs(path: Path, settings: dict) -> dict[tuple[str, int], dict]:
     """The runs ``path`` (``--out``'s runs.jsonl) holds, by (kind, seed); a line made with other
     settings is refused (a resumed comparison must be one comparison)."""

@@ -25,8 +25,9 @@ import os
 import sys
 from pathlib import Path
 
-import numpy as np
 import torch
+
+from benchmarks.quality import KINDS, ModelPredictor, quality_folder, saved_model
 
 OBJECT_RADII = 1.0
 BACKGROUND_RADII = 1.5
@@ -77,7 +78,8 @@ def region_losses(predictor, cfg, val, truth: dict, files: list[str]) -> dict:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m benchmarks.region_loss", description=__doc__.split("\n\n")[0])
-    p.add_argument("--quality", type=Path, required=True, help="a benchmarks.quality --out folder (with models/)")
+    p.add_argument("--quality", type=quality_folder, required=True,
+                   help="a benchmarks.quality --out folder (with models/)")
     p.add_argument("--seed", type=int, default=0, help="which seed's models (default 0)")
     p.add_argument("--clips", type=int, default=12, help="held-out clips, and as many training clips (default 12)")
     p.add_argument("--threads", type=int, default=0, help="torch threads (0: all cores)")
@@ -85,41 +87,32 @@ def main(argv: list[str] | None = None) -> int:
     a = p.parse_args(argv)
     if a.clips < 1:
         p.error(f"--clips {a.clips} must be >= 1")
-    if not (a.quality / "quality.json").is_file():
-        p.error(f"--quality {a.quality}: no quality.json there (the --out folder of benchmarks.quality)")
     torch.set_num_threads(a.threads or os.cpu_count() or 1)
 
-    from safetensors.torch import load_file
-
-    from benchmarks.quality import KINDS, ModelPredictor, kind_config
     from megaslide_ray.evaluate import load_val_set
     from megaslide_ray.manifest import read_manifest
-    from megaslide_ray.model import build_model
-    from megaslide_ray.motion import ensure_motion_dataset, load_ground_truth
+    from megaslide_ray.motion import load_ground_truth
 
-    meta = json.loads((a.quality / "quality.json").read_text())["meta"]
-    train, val = (str(x) for x in ensure_motion_dataset(variant=meta.get("variant", "motion")))
-    truth = load_ground_truth(val)
+    models = {k: got for k in KINDS if (got := saved_model(a.quality, k, a.seed)) is not None}
+    if not models:
+        raise SystemExit(f"no models/KIND_seed{a.seed}.safetensors in {a.quality}")
+    # The kinds differ only in attention: one decoding of the clips serves them all.
+    cfg0, _, meta = next(iter(models.values()))
+    truth = load_ground_truth(cfg0.data.val_manifest)
+    splits = {}
+    for split, manifest in (("held_out", cfg0.data.val_manifest), ("train", cfg0.data.manifest)):
+        vs = load_val_set(cfg0, manifest=manifest, clips=a.clips)
+        entries = read_manifest(manifest)
+        splits[split] = (vs, [Path(entries[r].path).name for r in vs.rows])
     rows = []
-    for kind in KINDS:
-        weights = a.quality / "models" / f"{kind}_seed{a.seed}.safetensors"
-        if not weights.is_file():
-            continue
-        cfg = kind_config(kind, a.seed, meta["steps"], train, val, meta["overrides"], meta.get("preset", "tiny"))
-        model = build_model(cfg)
-        model.load_state_dict(load_file(str(weights)))
-        pred = ModelPredictor(model.eval())
-        row = {"kind": kind}
-        for split, manifest in (("held_out", val), ("train", train)):
-            vs = load_val_set(cfg, manifest=manifest, clips=a.clips)
-            entries = read_manifest(manifest)
-            row[split] = region_losses(pred, cfg, vs, truth, [Path(entries[r].path).name for r in vs.rows])
+    for kind, (cfg, model, _) in models.items():
+        pred = ModelPredictor(model)
+        row = {"kind": kind, **{split: region_losses(pred, cfg, vs, truth, files)
+                                for split, (vs, files) in splits.items()}}
         rows.append(row)
         print(f"{kind}: held-out object {row['held_out']['object']:.4f} background {row['held_out']['background']:.4f}; "
               f"train object {row['train']['object']:.4f} background {row['train']['background']:.4f}",
               file=sys.stderr, flush=True)
-    if not rows:
-        raise SystemExit(f"no models/KIND_seed{a.seed}.safetensors in {a.quality}")
     if a.json:
         for r in rows:
             print(json.dumps(r))
