@@ -163,7 +163,8 @@ def markdown(rows: list[dict], meta: dict, seed: int) -> str:
         real = " / ".join(f"{v:.2f}" for v in r["offsets_real"])
         samp = " / ".join(f"{v:.2f}" for v in r["offsets_sampling"])
         static = [" / ".join(f"{v:.2f}" for v in r[k]) for k in ("static_share_real", "static_share_sampling")]
-        lines.append(f"| {r['scale'] if isinstance(r['scale'], str) else format(r['scale'], 'g')} | {r['val_loss']:.4f} | {r['train_split_loss']:.4f} | {tr['shown']}/{tr['of']} "
+        scale = r["scale"] if isinstance(r["scale"], str) else format(r["scale"], "g")
+        lines.append(f"| {scale} | {r['val_loss']:.4f} | {r['train_split_loss']:.4f} | {tr['shown']}/{tr['of']} "
                      f"| {tr['detection_rate']:.2f} | {tr['trajectory_error']:.2f} | {tr['direction_error_deg']:.1f} "
                      f"| {ho['shown']}/{ho['of']} | {real} | {samp} | {static[0]} | {static[1]} |")
     lines += ["", f"Offsets per flow-time bin t in {bins} (tokens, before scaling). Static share: |the offset "
