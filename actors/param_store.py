@@ -53,14 +53,11 @@ block in their own threads while the update thread works.
 from __future__ import annotations
 
 import errno
-import hashlib
 import json
 import logging
 import math
 import os
 import shutil
-import socket
-import tempfile
 import threading
 import time
 import warnings
@@ -71,20 +68,19 @@ import numpy as np
 import torch
 from torch.optim.adamw import adamw as adamw_functional
 
-from megaslide_ray.checkpoint import CHECKPOINT_KINDS, CheckpointReader, write_checkpoint
+from megaslide_ray.state.checkpoint import CHECKPOINT_KINDS, CheckpointReader, write_checkpoint
 from megaslide_ray.config import Config
-from megaslide_ray.faults import fault_point
-from megaslide_ray.model import build_shard, initialize_shard, num_shards
-from megaslide_ray.preflight import StateSpaceError
-from megaslide_ray.schedule import clip_coefficient, lr_at
-from megaslide_ray.shards import ShardLayout
+from megaslide_ray.runtime.faults import fault_point
+from megaslide_ray.models.registry import build_shard, num_shards
+from megaslide_ray.models.registry import initialize_shard
+from megaslide_ray.state.preflight import StateSpaceError
+from megaslide_ray.training.schedule import clip_coefficient, lr_at
+from megaslide_ray.models.shards import ShardLayout
+from megaslide_ray.state.segments import DTYPES, KINDS, default_state_root, map_segment, state_key, sweep_stale_states, write_owner
+from megaslide_ray.training.adamw import ADAMW_KINDS, COMPILE_MIN_PARAMS, adamw_scalars, compile_single_pass
 
 log = logging.getLogger(__name__)
 
-KINDS = ("w", "master", "m", "v")
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
-ADAMW_KINDS = ("fused", "compiled", "auto")
-COMPILE_MIN_PARAMS = 100_000_000
 RECORDS = 4          # update records kept in shared memory (ring indexed by step % RECORDS)
 RECORD_FIELDS = 6    # step, grad_norm, clip_coef, lr, skipped, optimizer_seconds
 
@@ -114,88 +110,6 @@ class StoreStatus:
     state_dir: str
     state_bytes: int
     node_id: str
-
-
-def default_state_root() -> Path:
-    shm = Path("/dev/shm")
-    return shm if shm.is_dir() and os.access(shm, os.W_OK) else Path(tempfile.gettempdir())
-
-
-def state_key(run_dir: str | Path) -> str:
-    """Stable name of a run's segments, so a restarted store finds them again."""
-    return "megaslide-" + hashlib.sha1(str(Path(run_dir).resolve()).encode()).hexdigest()[:12]
-
-
-def map_segment(path: str | Path, numel: int, dtype: torch.dtype, create: bool = False) -> torch.Tensor:
-    """Map a segment file as a flat tensor shared by every process that maps it."""
-    path = Path(path)
-    nbytes = numel * torch.empty((), dtype=dtype).element_size()
-    if create:
-        # Private to the user who runs the job (the weights and moments are theirs), and every
-        # block reserved now: a sparse file on a filesystem that fills up later would SIGBUS the
-        # process that first writes a page; a reservation fails here, with ENOSPC.
-        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600)
-        try:
-            os.fchmod(fd, 0o600)
-            if nbytes:
-                os.posix_fallocate(fd, 0, nbytes)
-        except OSError:
-            os.close(fd)
-            path.unlink(missing_ok=True)
-            raise
-        os.close(fd)
-    elif path.stat().st_size != nbytes:
-        raise RuntimeError(f"segment {path} has {path.stat().st_size} bytes, expected {nbytes}; the state "
-                           f"directory belongs to a different model: remove it or choose another runtime.state_dir")
-    return torch.from_file(str(path), shared=True, size=numel, dtype=dtype)
-
-
-def _this_machine() -> dict:
-    boot = Path("/proc/sys/kernel/random/boot_id")
-    return {"host": socket.gethostname(), "boot_id": boot.read_text().strip() if boot.is_file() else ""}
-
-
-def write_owner(state: Path, pid: int) -> None:
-    """Record which process's run the state belongs to (the driver's), for ``sweep_stale_states``."""
-    tmp = state / "owner.json.tmp"
-    tmp.write_text(json.dumps({**_this_machine(), "pid": int(pid)}))
-    os.replace(tmp, state / "owner.json")
-
-
-def _running(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:  # another user's process: running
-        return True
-    return True
-
-
-def sweep_stale_states(root: Path, keep: Path | None = None) -> list[Path]:
-    """Remove the state directories under ``root`` left by runs that ended without cleaning up
-    (a driver killed with SIGKILL, a machine reset): those whose owner, recorded on this machine,
-    is no longer running (or ran before the last boot). A state without an owner record, or one
-    recorded on another machine, is left alone. Returns what was removed."""
-    me, removed = _this_machine(), []
-    for d in sorted(root.glob("megaslide-*")):
-        if d == keep or not d.is_dir():
-            continue
-        try:
-            owner = json.loads((d / "owner.json").read_text())
-            pid = int(owner["pid"])
-        except (OSError, ValueError, KeyError, TypeError):
-            continue
-        if owner.get("host") != me["host"] or pid <= 0:
-            continue
-        if owner.get("boot_id") == me["boot_id"] and _running(pid):
-            continue
-        size = sum(f.stat().st_size for f in d.iterdir() if f.is_file())
-        shutil.rmtree(d, ignore_errors=True)
-        log.warning("removed %s (%.2f GB): the state of a run whose driver (pid %d) ended without cleaning up",
-                    d, size / 1e9, pid)
-        removed.append(d)
-    return removed
 
 
 class StateNotTrustedError(RuntimeError):
@@ -292,7 +206,7 @@ class ParameterStore:
             if resume_checkpoint:
                 self._load_checkpoint(resume_checkpoint)
             elif init_from:
-                from megaslide_ray.pretrained import load_pretrained_into
+                from megaslide_ray.state.pretrained import load_pretrained_into
 
                 load_pretrained_into(self, init_from)
             else:
@@ -322,7 +236,7 @@ class ParameterStore:
         need = self.state_bytes()
         usage = shutil.disk_usage(root)
         if need > usage.free:
-            from megaslide_ray.preflight import shm_advice
+            from megaslide_ray.state.preflight import shm_advice
 
             raise StateSpaceError(f"the parameter store needs {need / 1e9:.2f} GB in {root} but only "
                                   f"{usage.free / 1e9:.2f} GB are free; " + shm_advice(root, need, usage.free, usage.total))
@@ -661,62 +575,6 @@ class ParameterStore:
 
 
 # -- the single-pass AdamW ------------------------------------------------------------------------
-
-
-def adamw_single_pass(w: torch.Tensor, master: torch.Tensor, m: torch.Tensor, v: torch.Tensor,
-                      coef: torch.Tensor, decay: torch.Tensor, step_size: torch.Tensor, bc2_sqrt: torch.Tensor,
-                      beta1: float, beta2: float, eps: float) -> None:
-    """AdamW with clipping, written as torch's single-tensor AdamW computes it; once compiled,
-    one loop reads the gradient from ``w`` (bf16 or fp32), master, m, v and writes master, m, v
-    and the new weights into ``w`` (a cast for bf16): the gradient's buffer is the compute
-    copy's. Step-dependent scalars are 0-d tensors, so a new step or lr does not recompile."""
-    g32 = w.float() * coef
-    m_new = torch.lerp(m, g32, 1 - beta1)
-    v_new = v * beta2 + g32 * g32 * (1 - beta2)
-    denom = v_new.sqrt() / bc2_sqrt + eps
-    p = master * decay - step_size * (m_new / denom)
-    m.copy_(m_new)
-    v.copy_(v_new)
-    master.copy_(p)
-    w.copy_(p)
-
-
-def adamw_scalars(o, step: int, coef: float, lr: float) -> tuple:
-    """The step-dependent arguments of ``adamw_single_pass`` for 0-based ``step``, computed in
-    Python floats exactly as ``torch.optim.AdamW`` computes them."""
-    k = step + 1
-    t = lambda x: torch.tensor(x, dtype=torch.float32)  # noqa: E731
-    return (t(coef), t(1 - lr * o.weight_decay), t(lr / (1 - o.betas[0] ** k)),
-            t(math.sqrt(1 - o.betas[1] ** k)), o.betas[0], o.betas[1], o.eps)
-
-
-def compile_single_pass(o, w_dtype: torch.dtype, numel: int = 4099, steps: int = 3):
-    """``torch.compile`` the single pass and check it against ``torch.optim.AdamW`` (clipped
-    gradients, ``steps`` steps, an odd size). Returns the compiled function or raises."""
-    fn = torch.compile(adamw_single_pass, dynamic=True, fullgraph=True)
-    gen = torch.Generator().manual_seed(0)
-    master = torch.randn(numel, generator=gen)
-    ref = torch.nn.Parameter(master.clone())
-    opt = torch.optim.AdamW([ref], lr=1e-2, betas=o.betas, eps=o.eps, weight_decay=o.weight_decay,
-                            foreach=False)
-    m, v = torch.zeros(numel), torch.zeros(numel)
-    w = torch.empty(numel, dtype=w_dtype)
-    for step in range(steps):
-        g = torch.randn(numel, generator=gen).to(w_dtype)
-        coef = 0.5
-        w.copy_(g)  # the gradient arrives in w, as in the store
-        fn(w, master, m, v, *adamw_scalars(o, step, coef, 1e-2))
-        ref.grad = g.float().mul_(coef)
-        opt.step()
-    state = opt.state[ref]
-    for name, got, want in (("master", master, ref.detach()), ("m", m, state["exp_avg"]),
-                            ("v", v, state["exp_avg_sq"])):
-        err = float((got - want).abs().max() / want.abs().max())
-        if not err <= 1e-6:
-            raise RuntimeError(f"compiled AdamW differs from torch.optim.AdamW in {name} by {err:.1e} (relative)")
-    if not torch.equal(w, master.to(w_dtype)):
-        raise RuntimeError("compiled AdamW wrote a compute copy w that is not master cast to its dtype")
-    return fn
 
 
 def _was_reconstructed() -> bool:

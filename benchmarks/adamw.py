@@ -58,7 +58,7 @@ from typing import Callable
 import torch
 from torch.optim.adamw import adamw as adamw_functional
 
-from actors.param_store import adamw_scalars, adamw_single_pass
+from megaslide_ray.training.adamw import adamw_scalars, adamw_single_pass
 
 LR, BETAS, EPS, WEIGHT_DECAY = 1e-3, (0.9, 0.999), 1e-8, 0.01
 TRIAD_NUMEL = 1 << 27          # 512 MiB per fp32 array: far beyond any cache

@@ -388,7 +388,7 @@ def crossover(rows: list[Row], fast: str = "dsa", slow: str = "dense") -> str:
 
 
 def _matrix_max_tokens() -> int:
-    from kernels import MATRIX_MAX_TOKENS
+    from kernels.dsa_matrix import MATRIX_MAX_TOKENS
 
     return MATRIX_MAX_TOKENS
 

@@ -22,8 +22,8 @@ from pathlib import Path
 
 import torch
 
-from megaslide_ray import checkpoint as ckpt_mod
-from megaslide_ray.shards import ShardLayout
+from megaslide_ray.state import checkpoint as ckpt_mod
+from megaslide_ray.models.shards import ShardLayout
 
 
 def _shards(params: int, shards: int, w_dtype: torch.dtype, seed: int = 0):

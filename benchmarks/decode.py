@@ -36,8 +36,8 @@ import numpy as np
 import ray
 
 from megaslide_ray.config import build_config
-from megaslide_ray.demo_data import write_video
-from megaslide_ray.manifest import write_manifest
+from megaslide_ray.data.demo import write_video
+from megaslide_ray.data.manifest import write_manifest
 
 RESOLUTIONS = ((128, 128), (256, 256))
 VIDEO_FRAMES = 48
@@ -74,8 +74,8 @@ def plain_decord(cfg, batches: int) -> float:
     """Frames/s of decord in this process for the clips (rows, starts) a one-decoder pool draws."""
     import decord
 
-    from actors.decoder import clip_offsets, clip_start
-    from megaslide_ray.manifest import read_manifest
+    from megaslide_ray.data.clips import clip_offsets, clip_start
+    from megaslide_ray.data.manifest import read_manifest
 
     entries = read_manifest(cfg.data.manifest)
     n = len(entries)
@@ -128,7 +128,7 @@ def pool_fps(cfg, batches: int, status_dir: str) -> float:
 
 
 def trainer_data_wait(num_decoders: int, steps: int, run_dir: str) -> dict:
-    from megaslide_ray.trainer import Trainer
+    from megaslide_ray.trainer.loop import Trainer
 
     cfg = build_config("tiny", None, {"data.num_decoders": num_decoders, "training.steps": steps,
                                       "training.log_every": steps})

@@ -110,10 +110,10 @@ def main(argv: list[str] | None = None) -> int:
             p.error(f"--{name} {getattr(a, name)} must be >= 1")
 
     from actors.decoder import VideoDecoder
-    from megaslide_ray.baseline import InProcessTrainer
+    from megaslide_ray.training.baseline import InProcessTrainer
     from megaslide_ray.config import build_config
-    from megaslide_ray.diffusion import video_to_unit
-    from megaslide_ray.motion import ensure_motion_dataset
+    from megaslide_ray.training.flow import video_to_unit
+    from megaslide_ray.data.motion import ensure_motion_dataset
 
     t0 = time.perf_counter()
     train, _ = (str(x) for x in ensure_motion_dataset())

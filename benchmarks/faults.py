@@ -31,11 +31,11 @@ from pathlib import Path
 import ray
 import torch
 
-from megaslide_ray import faults
-from megaslide_ray.checkpoint import read_checkpoint_shards
+from megaslide_ray.runtime import faults
+from megaslide_ray.state.checkpoint import read_checkpoint_shards
 from megaslide_ray.config import build_config
-from megaslide_ray.demo_data import ensure_demo_dataset
-from megaslide_ray.trainer import Trainer
+from megaslide_ray.data.demo import ensure_demo_dataset
+from megaslide_ray.trainer.loop import Trainer
 
 SMALL = {"model.depth": 2, "model.hidden_size": 64, "model.num_heads": 2, "model.caption_dim": 32,
          "model.patch_size": "2,8,8", "data.num_frames": 8, "data.height": 32, "data.width": 32,

@@ -253,7 +253,7 @@ def synthetic_batches(cfg, n: int, seed: int = 0) -> list[dict]:
     """``n`` decoder-shaped batches: random uint8 clips and caption bytes (no decoder, no files)."""
     import numpy as np
 
-    from megaslide_ray.captions import empty_captions, set_caption
+    from megaslide_ray.data.captions import empty_captions, set_caption
 
     rng = np.random.default_rng(seed)
     d = cfg.data
@@ -425,7 +425,7 @@ def _copy_gbps(clock: Clock, dst, src, reps: int, pieces=None, stream=None) -> f
     is given, else as torch does it for this memory), timed with events on ``stream``."""
     import torch
 
-    from actors.transfer import copy_in_pieces
+    from actors.pinned import copy_in_pieces
 
     times = []
     for _ in range(reps):
@@ -444,8 +444,8 @@ def part_pinning(ctx: "Run") -> dict:
     import torch
 
     from actors import transfer
-    from actors.param_store import map_segment
-    from actors.transfer import PINNED, HostPinning, copy_pieces
+    from megaslide_ray.state.segments import map_segment
+    from actors.pinned import PINNED, HostPinning, copy_pieces
 
     sz, dev, cuda = ctx.sizes, ctx.device, ctx.cuda
     n = sz.pin_bytes
@@ -844,7 +844,7 @@ def part_model(ctx: "Run") -> dict:
     from actors.compute import ComputeActor, LocalStoreClient
     from actors.param_store import ParameterStore
     from megaslide_ray.config import build_config
-    from megaslide_ray.plan import plan
+    from megaslide_ray.planning.estimate import plan
 
     sz, dev = ctx.sizes, ctx.device
     w_dtype = w_dtype_for(dev)

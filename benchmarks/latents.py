@@ -57,7 +57,7 @@ def write_both(folder: Path, clips: int, shape: tuple[int, ...], text_len: int, 
     import pyarrow as pa
     import pyarrow.parquet as pq
 
-    from megaslide_ray.latents import LATENT_KEY, TEXT_KEY, save_tensor_file
+    from megaslide_ray.data.latents import LATENT_KEY, TEXT_KEY, save_tensor_file
 
     g = torch.Generator().manual_seed(0)
     st_files, rows = [], []
@@ -175,7 +175,7 @@ def make_model_dir(folder: Path, base_dim=16, z_dim=16, d_model=64, layers=2) ->
     from tokenizers import Tokenizer, models, normalizers, pre_tokenizers, processors
     from transformers import PreTrainedTokenizerFast, UMT5Config, UMT5EncoderModel
 
-    from megaslide_ray.demo_data import BACKGROUNDS, COLOURS, DIRECTIONS, SHAPES
+    from megaslide_ray.data.demo import BACKGROUNDS, COLOURS, DIRECTIONS, SHAPES
 
     torch.manual_seed(0)
     g = np.random.default_rng(0)
@@ -200,8 +200,8 @@ def make_model_dir(folder: Path, base_dim=16, z_dim=16, d_model=64, layers=2) ->
 def bench_encode(args) -> list[dict]:
     import ray
 
-    from megaslide_ray.demo_data import ensure_demo_dataset
-    from megaslide_ray.precompute import precompute
+    from megaslide_ray.data.demo import ensure_demo_dataset
+    from megaslide_ray.data.precompute import precompute
 
     out = []
     with tempfile.TemporaryDirectory(prefix="latents-enc-") as tmp:

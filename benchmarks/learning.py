@@ -93,12 +93,12 @@ def main(argv: list[str] | None = None) -> int:
         return score_checkpoint(a)
 
     from actors.decoder import VideoDecoder
-    from megaslide_ray.baseline import InProcessTrainer
-    from megaslide_ray.captions import caption_batch
+    from megaslide_ray.training.baseline import InProcessTrainer
+    from megaslide_ray.data.captions import caption_batch
     from megaslide_ray.config import build_config
-    from megaslide_ray.motion import ensure_motion_dataset
-    from megaslide_ray.motion_metric import KEYS, motion_fidelity
-    from megaslide_ray.sample import contact_sheet, initial_noise, integrate, to_uint8_frames, write_png
+    from megaslide_ray.data.motion import ensure_motion_dataset
+    from megaslide_ray.evaluation.motion_metric import KEYS, motion_fidelity
+    from megaslide_ray.evaluation.sampling import contact_sheet, initial_noise, integrate, to_uint8_frames, write_png
 
     from benchmarks.quality import ModelPredictor
 
@@ -164,8 +164,8 @@ def main(argv: list[str] | None = None) -> int:
 
 def prompts_of(variant: str, split: str, n: int) -> list[str]:
     """The first ``n`` captions of a split of the motion set (or its simple variant)."""
-    from megaslide_ray.manifest import read_manifest
-    from megaslide_ray.motion import ensure_motion_dataset
+    from megaslide_ray.data.manifest import read_manifest
+    from megaslide_ray.data.motion import ensure_motion_dataset
 
     train, val = ensure_motion_dataset(variant=variant)
     return [e.caption for e in read_manifest(train if split == "train" else val)][:n]
@@ -177,9 +177,9 @@ def score_checkpoint(a) -> int:
     and scored with the motion metric."""
     import tempfile
 
-    from megaslide_ray.checkpoint import read_checkpoint_state, resolve_checkpoint
-    from megaslide_ray.motion_metric import KEYS, motion_fidelity, read_video
-    from megaslide_ray.sample import contact_sheet, sample_video, write_png
+    from megaslide_ray.state.checkpoint import read_checkpoint_state, resolve_checkpoint
+    from megaslide_ray.evaluation.motion_metric import KEYS, motion_fidelity, read_video
+    from megaslide_ray.evaluation.sampling import contact_sheet, sample_video, write_png
 
     t0 = time.perf_counter()
     ckpt = resolve_checkpoint(a.checkpoint)

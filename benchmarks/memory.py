@@ -119,7 +119,7 @@ def measure(shape: str, token_chunk: int, device: str) -> dict:
 
 
 def planned(shape: str, token_chunk: int, device: str) -> dict:
-    from megaslide_ray.plan import plan
+    from megaslide_ray.planning.estimate import plan
 
     cfg = config_for(shape, token_chunk, device)
     p = plan(cfg, w_dtype="bfloat16" if device == "cuda" else "float32")

@@ -44,7 +44,7 @@ def measure(arch: str, kind: str, chunk: int, grid: tuple[int, int, int], width:
         torch.set_num_threads(threads)
 
     from megaslide_ray.config import build_config
-    from megaslide_ray.model import build_shard
+    from megaslide_ray.models.registry import build_shard
 
     os.environ["MEGASLIDE_DSA_BACKEND"] = backend
     over = {"model.depth": 1, "model.hidden_size": width, "model.num_heads": heads, "attention.kind": kind,

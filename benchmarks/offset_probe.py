@@ -49,7 +49,7 @@ class OffsetTap:
     |offset| they produced (before scaling) with the flow time ``t`` the caller set."""
 
     def __init__(self, model):
-        from megaslide_ray.model import OffsetPredictor
+        from megaslide_ray.models.attention import OffsetPredictor
 
         self.scale: float | str = 1.0  # or "static": every position gets the call's mean offsets
         self.t: float | None = None
@@ -102,11 +102,11 @@ def load_quality_run(folder: Path, seed: int):
 
 def probe(cfg, model, scales, samples: int, log=print) -> list[dict]:
     from benchmarks.learning import shows_prompt
-    from megaslide_ray.captions import caption_batch
-    from megaslide_ray.evaluate import load_val_set, validation_loss
-    from megaslide_ray.manifest import read_manifest
-    from megaslide_ray.motion_metric import motion_fidelity
-    from megaslide_ray.sample import initial_noise, integrate, to_uint8_frames
+    from megaslide_ray.data.captions import caption_batch
+    from megaslide_ray.evaluation.validation import load_val_set, validation_loss
+    from megaslide_ray.data.manifest import read_manifest
+    from megaslide_ray.evaluation.motion_metric import motion_fidelity
+    from megaslide_ray.evaluation.sampling import initial_noise, integrate, to_uint8_frames
 
     valset = load_val_set(cfg)
     trainset = load_val_set(cfg, manifest=cfg.data.manifest)

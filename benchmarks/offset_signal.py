@@ -44,9 +44,9 @@ def gradient_alignment(model, cfg, val, truth: dict, val_files: list[str], t: fl
     """``{group: {"cosine_by_block": [...], "offset_cosine_by_block": [...], "clips": n}}``: per
     speed group and block, the mean cosine between the true velocity and the motion estimate of
     the offsets' descent direction (``cosine_by_block``) and of the offsets themselves."""
-    from megaslide_ray.diffusion import flow_loss
-    from megaslide_ray.evaluate import val_generator
-    from megaslide_ray.offsets_view import motion_estimate
+    from megaslide_ray.training.flow import flow_loss
+    from megaslide_ray.evaluation.validation import val_generator
+    from megaslide_ray.evaluation.offsets_view import motion_estimate
 
     from benchmarks.quality import _offset_modules, object_tokens
 
@@ -120,11 +120,11 @@ def main(argv: list[str] | None = None) -> int:
     from pathlib import Path
 
     from actors.decoder import VideoDecoder
-    from megaslide_ray.baseline import InProcessTrainer
+    from megaslide_ray.training.baseline import InProcessTrainer
     from megaslide_ray.config import build_config
-    from megaslide_ray.evaluate import load_val_set
-    from megaslide_ray.manifest import read_manifest
-    from megaslide_ray.motion import ensure_motion_dataset, load_ground_truth
+    from megaslide_ray.evaluation.validation import load_val_set
+    from megaslide_ray.data.manifest import read_manifest
+    from megaslide_ray.data.motion import ensure_motion_dataset, load_ground_truth
 
     log = (lambda *x: print(*x, file=sys.stderr, flush=True))
     t0 = time.perf_counter()

@@ -99,7 +99,7 @@ def training_batches(cfg, steps: int) -> list[dict]:
 
 
 def _offset_modules(model):
-    from megaslide_ray.model import OffsetPredictor
+    from megaslide_ray.models.attention import OffsetPredictor
 
     return [m for m in model.modules() if isinstance(m, OffsetPredictor)]
 
@@ -129,8 +129,8 @@ def object_tokens(plan: dict, cfg):
 def offset_statistics(model, cfg, val, truth: dict, val_files: list[str]) -> dict:
     """Mean |offset| (tokens) and, per block, the motion estimate against the true velocity on
     the object's tokens (module docstring), over the validation clips at t = 0.5."""
-    from megaslide_ray.evaluate import val_generator
-    from megaslide_ray.offsets_view import motion_estimate
+    from megaslide_ray.evaluation.validation import val_generator
+    from megaslide_ray.evaluation.offsets_view import motion_estimate
 
     mods = _offset_modules(model)
     got: dict[int, list] = {i: [] for i in range(len(mods))}
@@ -168,11 +168,11 @@ def offset_statistics(model, cfg, val, truth: dict, val_files: list[str]) -> dic
 
 def run_one(kind: str, seed: int, steps: int, eval_steps: list[int], data: dict, samples: int,
             extra: dict, log=print) -> dict:
-    from megaslide_ray.baseline import InProcessTrainer
-    from megaslide_ray.captions import caption_batch
-    from megaslide_ray.evaluate import validation_loss
-    from megaslide_ray.motion_metric import motion_fidelity
-    from megaslide_ray.sample import initial_noise, integrate, to_uint8_frames
+    from megaslide_ray.training.baseline import InProcessTrainer
+    from megaslide_ray.data.captions import caption_batch
+    from megaslide_ray.evaluation.validation import validation_loss
+    from megaslide_ray.evaluation.motion_metric import motion_fidelity
+    from megaslide_ray.evaluation.sampling import initial_noise, integrate, to_uint8_frames
 
     from benchmarks.learning import shows_prompt
 
@@ -295,7 +295,7 @@ def markdown(rows: list[dict], meta: dict) -> str:
 
 
 def plots(runs: list[dict], rows: list[dict], out: Path) -> list[Path]:
-    from megaslide_ray.report import _pyplot
+    from megaslide_ray.evaluation.report import _pyplot
 
     plt = _pyplot()
     written = []
@@ -346,8 +346,8 @@ def saved_model(folder: Path, kind: str, seed: int):
     preset, motion set and overrides; ``None`` when it holds no such weights."""
     from safetensors.torch import load_file
 
-    from megaslide_ray.model import build_model
-    from megaslide_ray.motion import ensure_motion_dataset
+    from megaslide_ray.models.registry import build_model
+    from megaslide_ray.data.motion import ensure_motion_dataset
 
     weights = folder / "models" / f"{kind}_seed{seed}.safetensors"
     if not weights.is_file():
@@ -406,9 +406,9 @@ def main(argv: list[str] | None = None) -> int:
     extra["training.val_clips"] = a.val_clips
     extra["attention.window"] = a.window
 
-    from megaslide_ray.evaluate import load_val_set
-    from megaslide_ray.manifest import read_manifest
-    from megaslide_ray.motion import ensure_motion_dataset, load_ground_truth
+    from megaslide_ray.evaluation.validation import load_val_set
+    from megaslide_ray.data.manifest import read_manifest
+    from megaslide_ray.data.motion import ensure_motion_dataset, load_ground_truth
 
     if a.resume and not a.out:
         p.error("--resume needs --out DIR (the runs.jsonl to continue)")

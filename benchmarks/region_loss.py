@@ -52,7 +52,7 @@ def region_masks(plan: dict, frames: int, height: int, width: int) -> tuple[torc
 def region_losses(predictor, cfg, val, truth: dict, files: list[str]) -> dict:
     """Per t-bucket and overall, the squared error of the predicted velocity averaged over object
     pixels and over background pixels of every clip of ``val`` (clip ``c`` is ``files[c]``)."""
-    from megaslide_ray.evaluate import val_inputs
+    from megaslide_ray.evaluation.validation import val_inputs
 
     nb = int(cfg.training.val_t_buckets)
     sums = {k: [0.0] * nb for k in ("object", "background")}
@@ -89,9 +89,9 @@ def main(argv: list[str] | None = None) -> int:
         p.error(f"--clips {a.clips} must be >= 1")
     torch.set_num_threads(a.threads or os.cpu_count() or 1)
 
-    from megaslide_ray.evaluate import load_val_set
-    from megaslide_ray.manifest import read_manifest
-    from megaslide_ray.motion import load_ground_truth
+    from megaslide_ray.evaluation.validation import load_val_set
+    from megaslide_ray.data.manifest import read_manifest
+    from megaslide_ray.data.motion import load_ground_truth
 
     models = {k: got for k in KINDS if (got := saved_model(a.quality, k, a.seed)) is not None}
     if not models:

@@ -54,7 +54,7 @@ def run(depth: int, grid: tuple[int, int, int], steps: int, attention: str) -> l
     from actors.compute import ComputeActor, LocalStoreClient
     from actors.param_store import ParameterStore
     from megaslide_ray.config import Config, apply_overrides
-    from megaslide_ray.wan import DiffusersWanTransformer, wan_config_from_diffusers
+    from megaslide_ray.models.wan_diffusers import DiffusersWanTransformer, wan_config_from_diffusers
 
     torch.manual_seed(0)
     ref = WanTransformer3DModel(num_layers=depth, **WIDTHS).eval()
@@ -113,9 +113,9 @@ def data_wait(depth: int, grid: tuple[int, int, int], steps: int, clips: int = 1
 
     from diffusers import WanTransformer3DModel
     from megaslide_ray.config import build_config
-    from megaslide_ray.latents import save_tensor_file, write_latent_manifest
-    from megaslide_ray.trainer import Trainer
-    from megaslide_ray.wan import wan_config_from_diffusers
+    from megaslide_ray.data.latents import save_tensor_file, write_latent_manifest
+    from megaslide_ray.trainer.loop import Trainer
+    from megaslide_ray.models.wan_diffusers import wan_config_from_diffusers
 
     with torch.device("meta"):
         model = wan_config_from_diffusers(dict(WanTransformer3DModel(num_layers=depth, **WIDTHS).config))

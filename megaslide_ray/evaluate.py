@@ -1,263 +1,15 @@
-"""The validation loss: a held-out flow-matching loss, forward only, streamed like sampling.
+"""``python -m megaslide_ray.evaluate --checkpoint RUN [--data VAL_MANIFEST] [--json]``
 
-The validation set is the first ``training.val_clips`` readable rows of ``data.val_manifest``
-(a video manifest for ``videodit``, a latent manifest for ``wan``), decoded with the decoders'
-own rules (``actors.decoder.decode_clip``) but with no randomness: the clip's first frames
-(``data.fixed_start``) and the centre crop. Every clip ``i`` is evaluated once in each of
-``training.val_t_buckets`` equal buckets of t in [0, 1]: for bucket ``b`` the flow time
-``t = (b + u) / n_buckets`` (``u`` uniform) and the noise are drawn from a generator seeded by
-``(seed, i, b)`` alone (``val_generator``), so the inputs are a pure function of the seed. No
-``flow_shift`` is applied: the buckets are the times the model sees.
-
-The items (clip, bucket) go through ``predictor.predict`` in clip-major order in chunks of
-``data.batch_size`` (a training batch: no more memory than a step's forward), i.e. through the
-compute actor exactly as sampling does: weights streamed shard by shard, no gradients, no
-second copy of the model. The loss of an item is the mean squared error of its predicted
-velocity in float64; ``val_loss`` is the mean over all items and ``val_loss_t{b}`` the mean
-over bucket ``b``'s items. The same weights, config and device give the same numbers to the
-last bit, in training (``Trainer``) and here.
-
-    python -m megaslide_ray.evaluate --checkpoint RUN_OR_CKPT [--data MANIFEST] [--json]
-
-runs in this process (no Ray), with the checkpoint's weights served read-only as ``sample``
-does, and prints a summary (``--json``: one object).
-"""
+The command line of ``megaslide_ray.evaluation.validation``: the held-out validation loss of a
+checkpoint. It parses the arguments and calls the library; every flag is in docs/cli.md."""
 
 from __future__ import annotations
-
 import argparse
 import json
 import logging
-import math
 import sys
-import time
-from dataclasses import dataclass, replace
-from pathlib import Path
-
-import numpy as np
-import torch
-
-from megaslide_ray.config import Config, ConfigError, config_from_dict, validate
-
-log = logging.getLogger(__name__)
-
-_VAL_STREAM = 0x56414C  # "VAL": keeps the validation draws apart from the training steps'
-
-
-@dataclass(frozen=True)
-class ValSet:
-    """The validation clips, held by the driver (decoded once)."""
-
-    x0: torch.Tensor          # (N, F, H, W, C) float32: pixels in [-1, 1], or normalised latents
-    cond: np.ndarray          # (N, Lc) uint8 caption bytes, or (N, L, text_dim) float32 text embeddings
-    cond_len: np.ndarray      # (N,) int32
-    rows: tuple[int, ...]     # the manifest rows used
-    manifest: str
-
-
-@dataclass(frozen=True)
-class ValResult:
-    val_loss: float
-    bucket_losses: tuple[float, ...]  # bucket b covers t in [b / n, (b + 1) / n)
-    clips: int
-    seconds: float
-    version: int                      # the weights' version (optimizer steps applied)
-
-    def as_row(self) -> dict:
-        """The metrics.jsonl fields: ``val_loss`` and ``val_loss_t0`` ... ``val_loss_t{n-1}``."""
-        return {"val_loss": self.val_loss, **{f"val_loss_t{b}": v for b, v in enumerate(self.bucket_losses)},
-                "val_seconds": self.seconds}
-
-    def as_json(self) -> dict:
-        n = len(self.bucket_losses)
-        return {"val_loss": self.val_loss, "buckets": {f"val_loss_t{b}": v for b, v in enumerate(self.bucket_losses)},
-                "bucket_edges": [[b / n, (b + 1) / n] for b in range(n)], "clips": self.clips,
-                "step": self.version, "seconds": self.seconds}
-
-
-# ---------------------------------------------------------------------------------------------
-# The clips and their fixed inputs
-# ---------------------------------------------------------------------------------------------
-
-
-def load_val_set(cfg: Config, manifest: str | None = None, clips: int | None = None) -> ValSet:
-    """The first ``clips`` (default ``training.val_clips``) readable rows of ``manifest``
-    (default ``data.val_manifest``). Unreadable rows are skipped with a warning; a
-    ``ValueError`` when fewer than ``clips`` rows are readable."""
-    from actors.decoder import ClipUnreadable, decode_clip
-    from megaslide_ray.captions import empty_captions, set_caption
-    from megaslide_ray.diffusion import video_to_unit
-    from megaslide_ray.latents import (LatentFileError, is_latent_manifest, load_latent_sample, pad_text,
-                                       read_latent_manifest)
-    from megaslide_ray.manifest import read_manifest
-
-    path = manifest or cfg.data.val_manifest
-    n = int(clips or cfg.training.val_clips)
-    if not path:
-        raise ValueError("no validation manifest: set data.val_manifest")
-    x0, cond, lens, rows = [], [], [], []
-    if is_latent_manifest(path):
-        entries, meta = read_latent_manifest(path)
-        text_len = int(meta.get("text_len", cfg.model.text_len))
-        for row, entry in enumerate(entries):
-            if len(rows) == n:
-                break
-            try:
-                latents, text = load_latent_sample(path, entry, int(meta["text_dim"]))
-            except LatentFileError as e:
-                log.warning("validation: skipping row %d of %s: %s", row, path, e)
-                continue
-            x0.append(latents)
-            cond.append(pad_text(text, text_len).numpy())
-            lens.append(min(text.shape[0], text_len))
-            rows.append(row)
-    else:
-        d = replace(cfg.data, manifest=str(path), random_crop=False, spatial_crop="center")
-        entries = read_manifest(path)
-        for row, entry in enumerate(entries):
-            if len(rows) == n:
-                break
-            try:
-                frames = decode_clip(entry.path, d, cfg.training.seed, row).frames
-            except ClipUnreadable as e:
-                log.warning("validation: skipping %s: %s", entry.path, e)
-                continue
-            cap, cap_len = empty_captions(1, cfg.model.caption_max_bytes)
-            set_caption(cap, cap_len, 0, entry.caption)
-            x0.append(video_to_unit(frames))
-            cond.append(cap[0])
-            lens.append(int(cap_len[0]))
-            rows.append(row)
-    if len(rows) < n:
-        raise ValueError(f"validation manifest {str(path)!r}: {len(rows)} readable row(s) of {len(entries)}, "
-                         f"training.val_clips={n} wanted; lower training.val_clips or add clips")
-    return ValSet(torch.stack(x0).float(), np.stack(cond), np.asarray(lens, dtype=np.int32), tuple(rows), str(path))
-
-
-def val_generator(seed: int, clip: int, bucket: int) -> torch.Generator:
-    """The generator of clip ``clip``'s draws in bucket ``bucket``: a function of these alone."""
-    key = (int(seed) * 0x9E3779B1 + int(clip) * 0xC2B2AE35 + int(bucket) * 0x27D4EB2F + _VAL_STREAM) % (2**63 - 1)
-    return torch.Generator(device="cpu").manual_seed(key)
-
-
-def val_inputs(x0: torch.Tensor, seed: int, clip: int, bucket: int, buckets: int
-               ) -> tuple[torch.Tensor, float, torch.Tensor]:
-    """``(x_t, t, target)`` of clip ``x0`` (one clip, no batch axis) in bucket ``bucket``."""
-    g = val_generator(seed, clip, bucket)
-    noise = torch.randn(x0.shape, generator=g, dtype=torch.float32)
-    u = float(torch.rand((), generator=g, dtype=torch.float64))
-    t = min(max((bucket + u) / buckets, 1e-4), 1 - 1e-4)
-    x_t = (1 - t) * x0 + t * noise
-    return x_t, t, noise - x0
-
-
-# ---------------------------------------------------------------------------------------------
-# The loss
-# ---------------------------------------------------------------------------------------------
-
-
-def validation_loss(predictor, cfg: Config, val: ValSet, version: int, *, seed: int | None = None,
-                    buckets: int | None = None, batch_size: int | None = None) -> ValResult:
-    """The validation loss of the weights of ``version`` (optimizer steps applied).
-
-    ``predictor.predict(x_t, t, cond, cond_len, version)`` is the compute actor (or the training
-    pipeline). It waits, shard by shard, until the store's version of the shard is at least
-    ``version`` before it reads its weights. During training the caller passes ``k + 1`` after
-    step ``k``: the version AdamW writes when it has updated the shard for step ``k``. That wait
-    matters: between a shard's backward and its update the store may hold the shard's gradient
-    in its ``w`` segment, so ``version k`` would read a gradient, not weights; ``k + 1`` is only
-    reached after the update has written the new weights (and nothing may be queued past it).
-    """
-    t0 = time.perf_counter()
-    seed = cfg.training.seed if seed is None else int(seed)
-    nb = int(buckets or cfg.training.val_t_buckets)
-    bs = int(batch_size or cfg.data.batch_size)
-    items = [(i, b) for i in range(len(val.rows)) for b in range(nb)]
-    losses = [0.0] * len(items)
-    for start in range(0, len(items), bs):
-        chunk = items[start:start + bs]
-        xs, ts, targets = zip(*(val_inputs(val.x0[i], seed, i, b, nb) for i, b in chunk))
-        idx = [i for i, _ in chunk]
-        pred = predictor.predict(torch.stack(xs), torch.tensor(ts, dtype=torch.float32), val.cond[idx],
-                                 val.cond_len[idx], version)
-        err = (pred.double() - torch.stack(targets).double()).pow(2)
-        per_item = err.reshape(len(chunk), -1).mean(dim=1)
-        for j, v in enumerate(per_item.tolist()):
-            losses[start + j] = v
-    by_bucket = [math.fsum(losses[k] for k, (_, b) in enumerate(items) if b == bucket) / len(val.rows)
-                 for bucket in range(nb)]
-    return ValResult(math.fsum(losses) / len(items), tuple(by_bucket), len(val.rows), time.perf_counter() - t0,
-                     int(version))
-
-
-# ---------------------------------------------------------------------------------------------
-# A checkpoint
-# ---------------------------------------------------------------------------------------------
-
-
-def eval_config(state: dict, manifest: str | None, clips: int | None = None, buckets: int | None = None,
-                seed: int | None = None, batch_size: int | None = None, device: str = "auto") -> Config:
-    """The checkpoint's config for evaluating on ``manifest`` (default: its ``data.val_manifest``)
-    with the training's validation settings unless given."""
-    cfg = config_from_dict(state["config"])
-    path = manifest or cfg.data.val_manifest
-    if not path:
-        raise ConfigError("give --data MANIFEST: this checkpoint's config has no data.val_manifest")
-    if not Path(path).is_file():
-        raise FileNotFoundError(f"--data {path!r} does not exist")
-    cfg.data.manifest = ""
-    cfg.data.val_manifest = str(path)
-    cfg.runtime.state_dir = ""
-    cfg.runtime.device = device
-    cfg.training.sample_every = 0
-    cfg.training.eval_every = 0
-    for field, value in (("val_clips", clips), ("val_t_buckets", buckets), ("seed", seed)):
-        if value is not None:
-            setattr(cfg.training, field, int(value))
-    if batch_size is not None:
-        cfg.data.batch_size = int(batch_size)
-    validate(cfg)
-    from megaslide_ray.trainer import _check_manifest  # the training run's own data check
-
-    _check_manifest(cfg, "--data", str(path))
-    return cfg
-
-
-def evaluate_checkpoint(checkpoint: str | Path, manifest: str | None = None, clips: int | None = None,
-                        buckets: int | None = None, seed: int | None = None, batch_size: int | None = None,
-                        device: str = "auto") -> ValResult:
-    """The validation loss of ``checkpoint`` (a checkpoint or run directory: its latest), in this
-    process: the compute actor streams the checkpoint's weights as ``sample`` does."""
-    from actors.compute import ComputeActor
-    from actors.param_store import DTYPES
-    from megaslide_ray.checkpoint import read_checkpoint_state, resolve_checkpoint
-    from megaslide_ray.sample import CheckpointWeights
-
-    try:
-        ckpt = resolve_checkpoint(checkpoint)
-    except FileNotFoundError as e:
-        raise FileNotFoundError(f"--checkpoint {e}") from None
-    state = read_checkpoint_state(ckpt)
-    cfg = eval_config(state, manifest, clips, buckets, seed, batch_size, device)
-    on_cpu = device == "cpu" or not torch.cuda.is_available()
-    kind = "master" if on_cpu and DTYPES.get(state.get("w_dtype", "float32")) is torch.bfloat16 else "w"
-    val = load_val_set(cfg)
-    source = CheckpointWeights(ckpt, cfg, kind)
-    compute = ComputeActor(cfg, source.shard_infos(), source, transport="object_ref")
-    try:
-        return validation_loss(compute, cfg, val, source.step)
-    finally:
-        compute.close()
-        source.close()
-
-
-def format_result(r: ValResult) -> str:
-    n = len(r.bucket_losses)
-    lines = [f"validation loss {r.val_loss:.6f} (step {r.version}, {r.clips} clips x {n} t-buckets, "
-             f"{r.seconds:.1f} s)"]
-    for b, v in enumerate(r.bucket_losses):
-        lines.append(f"  t in [{b / n:.2f}, {(b + 1) / n:.2f}): {v:.6f}")
-    return "\n".join(lines)
+from megaslide_ray.config import ConfigError
+from megaslide_ray.evaluation.validation import ValResult, evaluate_checkpoint
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -292,3 +44,12 @@ def main(argv: list[str] | None = None) -> int:
 
 if __name__ == "__main__":
     sys.exit(main())
+
+
+def format_result(r: ValResult) -> str:
+    n = len(r.bucket_losses)
+    lines = [f"validation loss {r.val_loss:.6f} (step {r.version}, {r.clips} clips x {n} t-buckets, "
+             f"{r.seconds:.1f} s)"]
+    for b, v in enumerate(r.bucket_losses):
+        lines.append(f"  t in [{b / n:.2f}, {(b + 1) / n:.2f}): {v:.6f}")
+    return "\n".join(lines)

@@ -114,7 +114,7 @@ def config_from_args(args: argparse.Namespace, extra: list[str]) -> Config:
         if getattr(args, flag) is not None:
             overrides[key] = getattr(args, flag)
     if args.demo in ("motion", "motion-simple") and args.data is None and "data.manifest" not in overrides:
-        from megaslide_ray.motion import ensure_motion_dataset
+        from megaslide_ray.data.motion import ensure_motion_dataset
 
         train, val = ensure_motion_dataset(variant="simple" if args.demo == "motion-simple" else "motion")
         overrides["data.manifest"] = str(train)
@@ -126,7 +126,7 @@ def config_from_args(args: argparse.Namespace, extra: list[str]) -> Config:
         if saved.is_file():  # a resumed run keeps its own config unless told otherwise
             config_file, saved_run = str(saved), True
     if args.init_from and not args.resume:
-        from megaslide_ray.pretrained import config_for_diffusers_dir, is_diffusers_dir
+        from megaslide_ray.state.pretrained import config_for_diffusers_dir, is_diffusers_dir
 
         if is_diffusers_dir(args.init_from):  # the model's shape comes from the directory's config.json
             return config_for_diffusers_dir(args.init_from, args.preset, config_file, overrides)
@@ -150,7 +150,7 @@ def help_config() -> str:
 def check_resume(cfg: Config) -> str:
     """Why ``--resume`` cannot continue this run ("" when it can): no complete checkpoint, or
     one written with another number of decoders."""
-    from megaslide_ray.trainer import resume_point  # the Trainer's own check, run before Ray starts
+    from megaslide_ray.trainer.loop import resume_point  # the Trainer's own check, run before Ray starts
 
     if not cfg.training.run_dir:
         return "--resume needs --run-dir (the run to continue)"
@@ -200,12 +200,12 @@ def main(argv: list[str] | None = None) -> int:
         print(to_toml(cfg), end="")
         return 0
     try:
-        from megaslide_ray.trainer import check_data
+        from megaslide_ray.data.checks import check_data
 
         check_data(cfg)  # the data must be what the model reads (video, or latents for wan)
         val_set = None
         if cfg.training.eval_every:  # the validation clips must decode: found out before Ray starts
-            from megaslide_ray.evaluate import load_val_set
+            from megaslide_ray.evaluation.validation import load_val_set
 
             val_set = load_val_set(cfg)
     except (ConfigError, ValueError, FileNotFoundError) as e:
@@ -213,7 +213,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
 
     if args.init_from and not args.resume:
-        from megaslide_ray.pretrained import PretrainedMismatchError, check_pretrained
+        from megaslide_ray.state.pretrained import PretrainedMismatchError, check_pretrained
 
         try:
             check_pretrained(cfg, args.init_from)  # every mismatch in one message, before Ray starts
@@ -228,7 +228,7 @@ def main(argv: list[str] | None = None) -> int:
             return 2
 
     if args.inject_fault:
-        from megaslide_ray import faults
+        from megaslide_ray.runtime import faults
 
         try:
             faults.parse_faults(args.inject_fault)
@@ -241,7 +241,7 @@ def main(argv: list[str] | None = None) -> int:
 
     space = None
     if not cfg.ray.address:  # a local cluster: the store's state goes to this machine's state dir
-        from megaslide_ray.preflight import StateSpaceError, plan_state_space
+        from megaslide_ray.state.preflight import StateSpaceError, plan_state_space
 
         try:
             space = plan_state_space(cfg, cfg.training.run_dir or None)
@@ -251,9 +251,9 @@ def main(argv: list[str] | None = None) -> int:
 
     import ray
 
-    from megaslide_ray.checkpoint import CheckpointWriteError
-    from megaslide_ray.preflight import StateSpaceError
-    from megaslide_ray.trainer import BadStepsError, Trainer
+    from megaslide_ray.state.checkpoint import CheckpointWriteError
+    from megaslide_ray.state.preflight import StateSpaceError
+    from megaslide_ray.trainer.loop import BadStepsError, Trainer
     from pipelines.streaming import RestartLimitError
 
     ctx = start_ray(cfg, space)

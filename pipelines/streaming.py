@@ -41,7 +41,7 @@ from ray.exceptions import ActorUnavailableError, RayActorError, RayTaskError
 from actors.compute import ComputeActor, StepResult
 from actors.decoder import BatchInfo
 from actors.param_store import GradientsLostError, ParameterStore, UpdateResult
-from megaslide_ray import faults
+from megaslide_ray.runtime import faults
 from pipelines.decoder_pool import DataCursor, DecoderPool
 
 log = logging.getLogger(__name__)
@@ -73,7 +73,7 @@ def raise_state_space_error(e: BaseException) -> None:
     text = str(e)
     key = "StateSpaceError: "
     if key in text:
-        from megaslide_ray.preflight import StateSpaceError
+        from megaslide_ray.state.preflight import StateSpaceError
 
         raise StateSpaceError(text[text.rindex(key) + len(key):].strip().splitlines()[0]) from None
 

@@ -75,7 +75,7 @@ def _wait_for_steps(proc, metrics, n, timeout=300):
 
 @pytest.mark.slow
 def test_sigterm_checkpoints_exits_0_and_resume_matches_an_uninterrupted_run(tmp_path):
-    from megaslide_ray.checkpoint import latest_checkpoint, read_checkpoint_shards
+    from megaslide_ray.state.checkpoint import latest_checkpoint, read_checkpoint_shards
 
     env = {**os.environ, "MEGASLIDE_CACHE": str(tmp_path / "cache")}
     stopped = tmp_path / "stopped"
@@ -102,8 +102,8 @@ def test_sigterm_checkpoints_exits_0_and_resume_matches_an_uninterrupted_run(tmp
 
 @pytest.mark.slow
 def test_second_ctrl_c_quits_at_once_and_keeps_the_latest_checkpoint(tmp_path):
-    from actors.param_store import default_state_root, state_key
-    from megaslide_ray.checkpoint import latest_checkpoint, read_checkpoint_shards
+    from megaslide_ray.state.segments import default_state_root, state_key
+    from megaslide_ray.state.checkpoint import latest_checkpoint, read_checkpoint_shards
 
     env = {**os.environ, "MEGASLIDE_CACHE": str(tmp_path / "cache")}
     run_dir = tmp_path / "run"

@@ -7,7 +7,7 @@ import pytest
 
 from megaslide_ray.config import (ConfigError, PRESETS, Config, build_config, describe_fields,
                                   to_toml, validate)
-from megaslide_ray.model import param_count
+from megaslide_ray.models.registry import param_count
 
 
 @pytest.mark.parametrize("name,target", [("dit-105b", 105e9), ("dit-33b", 33.3e9), ("dit-28b", 28.4e9)])
@@ -147,8 +147,8 @@ def test_paper_presets_read_vae_latents(name):
 def test_a_scaled_down_latent_preset_runs_forward_and_backward():
     import torch
 
-    from megaslide_ray.captions import caption_batch
-    from megaslide_ray.model import build_model
+    from megaslide_ray.data.captions import caption_batch
+    from megaslide_ray.models.registry import build_model
 
     cfg = build_config("dit-105b", None, {"model.hidden_size": 32, "model.depth": 2, "model.num_heads": 2,
                                           "model.caption_dim": 16, "data.num_frames": 9, "data.height": 80,
@@ -169,7 +169,7 @@ def test_a_scaled_down_latent_preset_runs_forward_and_backward():
 
 
 def test_a_latent_videodit_needs_a_latent_manifest():
-    from megaslide_ray.trainer import check_data
+    from megaslide_ray.data.checks import check_data
 
     with pytest.raises(ConfigError, match="model.inputs='latents' .* trains on precomputed VAE latents"):
         check_data(build_config("dit-28b"))

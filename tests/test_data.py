@@ -15,18 +15,15 @@ import pytest
 decord = pytest.importorskip("decord")
 
 from actors import decoder as decoder_mod  # noqa: E402
-from actors.decoder import (  # noqa: E402
-    VideoDecoder,
-    clip_frame_indices,
-    clip_offsets,
-    read_frames,
-    resize_crop,
-)
-from megaslide_ray import demo_data, index  # noqa: E402
-from megaslide_ray.captions import encode_caption  # noqa: E402
+from actors.decoder import VideoDecoder
+from megaslide_ray.data import clips as clips_mod  # noqa: E402
+from megaslide_ray.data.clips import clip_frame_indices, clip_offsets, read_frames, resize_crop
+from megaslide_ray import demo_data as demo_data_cli, index as index_cli  # noqa: E402
+from megaslide_ray.data import demo as demo_data, index  # noqa: E402
+from megaslide_ray.data.captions import encode_caption  # noqa: E402
 from megaslide_ray.config import DataConfig  # noqa: E402
-from megaslide_ray.demo_data import ensure_demo_dataset, write_video  # noqa: E402
-from megaslide_ray.manifest import ManifestEntry, read_manifest, write_manifest  # noqa: E402
+from megaslide_ray.data.demo import ensure_demo_dataset, write_video  # noqa: E402
+from megaslide_ray.data.manifest import ManifestEntry, read_manifest, write_manifest  # noqa: E402
 
 
 def _solid_video(path, num_frames=12, width=64, height=64, seed=0):
@@ -110,7 +107,7 @@ def test_demo_dataset_crash_leaves_nothing_trusted(tmp_path, monkeypatch):
 
 
 def test_demo_cli_and_default_cache(tmp_path, monkeypatch, capsys):
-    assert demo_data.main(["--out", str(tmp_path / "a"), "--num-videos", "2"]) == 0
+    assert demo_data_cli.main(["--out", str(tmp_path / "a"), "--num-videos", "2"]) == 0
     printed = capsys.readouterr().out.strip()
     assert printed == str(tmp_path / "a" / "demo-v1-n2" / "manifest.parquet")
     monkeypatch.setenv("MEGASLIDE_CACHE", str(tmp_path / "env"))
@@ -168,7 +165,7 @@ def test_index_cli(tmp_path, capsys):
     captions.write_text(json.dumps({"path": "sub/b.mkv", "caption": "from jsonl"}) + "\n")
     out = tmp_path / "out" / "manifest.parquet"
 
-    rc = index.main([str(videos), "--out", str(out), "--captions", str(captions)])
+    rc = index_cli.main([str(videos), "--out", str(out), "--captions", str(captions)])
     text = capsys.readouterr().out
     assert rc == 0
     assert "found 6 video files" in text and "3 usable" in text and "3 unreadable" in text
@@ -195,7 +192,7 @@ def test_index_every_kind_of_bad_file(tmp_path, capsys):
         _solid_video(p, num_frames=10 + i, seed=i)
     bad = demo_data.write_bad_videos(videos)
     out = tmp_path / "manifest.parquet"
-    assert index.main([str(videos), "--out", str(out)]) == 0
+    assert index_cli.main([str(videos), "--out", str(out)]) == 0
     text = capsys.readouterr().out
     assert f"found {len(good) + len(bad)} video files" in text
     assert f"{len(good)} usable" in text and f"{len(bad)} unreadable" in text
@@ -222,7 +219,7 @@ def test_index_csv_captions_and_no_usable_video(tmp_path, capsys):
     bad = tmp_path / "bad"
     bad.mkdir()
     (bad / "x.mp4").write_bytes(b"")
-    rc = index.main([str(bad), "--out", str(tmp_path / "m.parquet")])
+    rc = index_cli.main([str(bad), "--out", str(tmp_path / "m.parquet")])
     captured = capsys.readouterr()
     assert rc == 1 and "no usable video" in captured.err
     assert not (tmp_path / "m.parquet").exists()
@@ -373,7 +370,7 @@ def test_clip_cache_decodes_a_changed_file_again(tmp_path):
 
 
 def test_clip_cache_keeps_the_most_recent_clips_within_its_budget():
-    cache = decoder_mod.ClipCache(max_bytes=300)
+    cache = clips_mod.ClipCache(max_bytes=300)
     clips = {k: np.full(100, k, dtype=np.uint8) for k in range(4)}
     for k in range(3):
         cache.put((k,), clips[k])
@@ -443,7 +440,7 @@ def test_decoder_thread_error_reaches_caller(demo_manifest, monkeypatch):
     def broken(*args, **kwargs):
         raise ValueError("resize bug (simulated)")
 
-    monkeypatch.setattr(decoder_mod, "resize_crop", broken)
+    monkeypatch.setattr(clips_mod, "resize_crop", broken)
     dec = VideoDecoder(_cfg(demo_manifest), seed=0, caption_max_bytes=8)
     with pytest.raises(ValueError, match="simulated"):
         dec.next_batch()
@@ -459,15 +456,15 @@ def test_decoder_thread_error_reaches_caller(demo_manifest, monkeypatch):
 
 
 def test_clip_offsets_and_starts():
-    np.testing.assert_array_equal(decoder_mod.clip_offsets(4, 3), [0, 3, 6, 9])
+    np.testing.assert_array_equal(clips_mod.clip_offsets(4, 3), [0, 3, 6, 9])
     # 30 fps source sampled at 8 fps: every 3.75 frames, rounded
-    np.testing.assert_array_equal(decoder_mod.clip_offsets(5, 1, 30.0, 8.0), [0, 4, 8, 11, 15])
-    np.testing.assert_array_equal(decoder_mod.clip_offsets(3, 1, 8.0, 16.0), [0, 1, 1])  # faster target: repeats
-    assert decoder_mod.clip_start(40, 16, 0, 5, random=False, fixed="first") == 0
-    assert decoder_mod.clip_start(40, 16, 0, 5, random=False, fixed="center") == 12
-    starts = {decoder_mod.clip_start(40, 16, 3, p, random=True) for p in range(50)}
+    np.testing.assert_array_equal(clips_mod.clip_offsets(5, 1, 30.0, 8.0), [0, 4, 8, 11, 15])
+    np.testing.assert_array_equal(clips_mod.clip_offsets(3, 1, 8.0, 16.0), [0, 1, 1])  # faster target: repeats
+    assert clips_mod.clip_start(40, 16, 0, 5, random=False, fixed="first") == 0
+    assert clips_mod.clip_start(40, 16, 0, 5, random=False, fixed="center") == 12
+    starts = {clips_mod.clip_start(40, 16, 3, p, random=True) for p in range(50)}
     assert min(starts) >= 0 and max(starts) <= 24 and len(starts) > 5
-    assert decoder_mod.clip_start(10, 16, 3, 1, random=True) == 0  # does not fit: starts at 0 (then loops)
+    assert clips_mod.clip_start(10, 16, 3, 1, random=True) == 0  # does not fit: starts at 0 (then loops)
 
 
 def test_fixed_center_fps_and_random_spatial_crop(tmp_path):

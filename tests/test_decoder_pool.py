@@ -12,7 +12,7 @@ import pytest
 pytest.importorskip("decord")
 
 from actors.decoder import VideoDecoder  # noqa: E402
-from megaslide_ray import faults  # noqa: E402
+from megaslide_ray.runtime import faults  # noqa: E402
 from pipelines.decoder_pool import DataCursor, DecoderPool  # noqa: E402
 
 KEYS = ("video", "caption", "caption_len", "index", "position", "skipped")
@@ -98,8 +98,8 @@ def test_cursor_round_trip_and_pool_size_mismatch_refused():
 @pytest.fixture(scope="module")
 def mixed_manifest(tmp_path_factory):
     """8 good clips, one file of each bad kind and a missing one; returns (manifest, bad rows)."""
-    from megaslide_ray.demo_data import write_bad_videos, write_video
-    from megaslide_ray.manifest import write_manifest
+    from megaslide_ray.data.demo import write_bad_videos, write_video
+    from megaslide_ray.data.manifest import write_manifest
 
     folder = tmp_path_factory.mktemp("mixed")
     rng = np.random.default_rng(0)
@@ -126,7 +126,7 @@ def test_training_skips_bad_files_and_survives_a_hung_decode(ray_session, small_
                                                              monkeypatch):
     import json
 
-    from megaslide_ray.trainer import Trainer
+    from megaslide_ray.trainer.loop import Trainer
 
     manifest, bad, n_rows = mixed_manifest
     monkeypatch.setenv(faults.ENV_SPEC, "decoder.mid_batch@3:hang")
@@ -158,8 +158,8 @@ def test_training_skips_bad_files_and_survives_a_hung_decode(ray_session, small_
 @pytest.mark.slow
 def test_pool_resume_and_decoder_death_see_the_same_batches(ray_session, small_config, mixed_manifest, tmp_path,
                                                             monkeypatch):
-    from megaslide_ray.checkpoint import read_checkpoint_shards
-    from megaslide_ray.trainer import Trainer
+    from megaslide_ray.state.checkpoint import read_checkpoint_shards
+    from megaslide_ray.trainer.loop import Trainer
     from pathlib import Path
     import torch
 

@@ -1,7 +1,6 @@
 """The documentation stays true: the generated configuration reference is current, every relative
 link in README.md and docs/*.md resolves, and the layer rule of megaslide_ray/__init__.py holds."""
 
-import ast
 import re
 from pathlib import Path
 
@@ -63,23 +62,3 @@ def test_docs_do_not_cite_the_design_card():
     docs/architecture.md instead."""
     citing = [str(p.relative_to(ROOT)) for p in DOCS if "DESIGN.md" in p.read_text()]
     assert not citing, f"{citing} cite DESIGN.md; cite docs/architecture.md (with the section name) instead"
-
-
-FOUNDATION = ("config", "model", "wan", "chunking", "shards", "schedule", "diffusion", "captions", "checkpoint", "latents",
-              "faults", "metrics", "manifest", "index", "demo_data", "motion", "motion_metric", "plan", "baseline")
-"""The foundation modules named in megaslide_ray/__init__.py."""
-
-
-@pytest.mark.parametrize("name", FOUNDATION)
-def test_foundation_modules_do_not_import_actors_or_pipelines(name):
-    src = ROOT / "megaslide_ray" / f"{name}.py"
-    if not src.is_file():
-        pytest.skip(f"megaslide_ray/{name}.py does not exist")
-    assert name in (ROOT / "megaslide_ray" / "__init__.py").read_text(), f"{name} is not in the layer note"
-    bad = []
-    for node in ast.walk(ast.parse(src.read_text())):
-        names = ([a.name for a in node.names] if isinstance(node, ast.Import)
-                 else [node.module or ""] if isinstance(node, ast.ImportFrom) and node.level == 0 else [])
-        bad += [n for n in names if n.split(".")[0] in ("actors", "pipelines")]
-    assert not bad, (f"megaslide_ray/{name}.py is a foundation module but imports {bad}; foundation modules "
-                     f"never import actors/ or pipelines/ (see megaslide_ray/__init__.py)")

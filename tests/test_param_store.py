@@ -14,13 +14,15 @@ from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
 from actors import param_store
-from actors.param_store import ParameterStore, map_segment
-from megaslide_ray.checkpoint import CheckpointReader, latest_checkpoint, shard_file
+from megaslide_ray.state import segments
+from actors.param_store import ParameterStore
+from megaslide_ray.state.segments import map_segment
+from megaslide_ray.state.checkpoint import CheckpointReader, latest_checkpoint, shard_file
 from megaslide_ray.config import build_config
-from megaslide_ray.model import build_model
-from megaslide_ray.pretrained import PretrainedMismatchError, check_pretrained, export_state_dict
+from megaslide_ray.models.registry import build_model
+from megaslide_ray.state.pretrained import PretrainedMismatchError, check_pretrained, export_state_dict
 from megaslide_ray.train import main as train_main
-from megaslide_ray.schedule import lr_at
+from megaslide_ray.training.schedule import lr_at
 
 OVR = {"model.depth": 2, "model.hidden_size": 32, "model.num_heads": 2, "optim.weight_decay": 0.1,
        "optim.grad_clip": 0.5, "optim.warmup_steps": 1, "training.steps": 3}
@@ -280,7 +282,7 @@ def test_a_fresh_store_removes_states_whose_driver_is_gone(cfg, tmp_path, caplog
     gone = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True,
                           text=True, check=True)
     dead_pid = int(gone.stdout)
-    me = param_store._this_machine()
+    me = segments._this_machine()
     states = {}
     for name, owner in {"dead": {**me, "pid": dead_pid}, "alive": {**me, "pid": 1},
                         "rebooted": {**me, "boot_id": "another-boot", "pid": 1},

@@ -9,10 +9,10 @@ import pytest
 import torch
 
 from actors.decoder import VideoDecoder
-from megaslide_ray.baseline import InProcessTrainer
-from megaslide_ray.checkpoint import read_checkpoint_shards
-from megaslide_ray.manifest import read_manifest, write_manifest
-from megaslide_ray.trainer import Trainer
+from megaslide_ray.training.baseline import InProcessTrainer
+from megaslide_ray.state.checkpoint import read_checkpoint_shards
+from megaslide_ray.data.manifest import read_manifest, write_manifest
+from megaslide_ray.trainer.loop import Trainer
 
 def run(cfg, run_dir, steps=None, resume=False):
     trainer = Trainer(cfg, run_dir=str(run_dir), resume=resume, progress=False)
@@ -88,7 +88,7 @@ def test_bad_files_are_skipped_and_counted(ray_session, manifest, small_config, 
 
 
 def test_samples_during_training(ray_session, small_config, tmp_path):
-    from actors.decoder import read_frames
+    from megaslide_ray.data.clips import read_frames
     import decord
 
     cfg = small_config(**{"training.steps": 2, "training.sample_every": 2, "training.sample_steps": 2})

@@ -14,9 +14,9 @@ import pytest
 import torch
 
 from actors.param_store import ParameterStore
-from megaslide_ray import preflight
+from megaslide_ray.state import preflight
 from megaslide_ray.config import build_config
-from megaslide_ray.preflight import StateSpaceError, plan_state_space
+from megaslide_ray.state.preflight import StateSpaceError, plan_state_space
 from megaslide_ray.train import main as train_main
 
 SMALL = {"model.depth": 2, "model.hidden_size": 32, "model.num_heads": 2}

@@ -7,8 +7,17 @@ import sys
 
 import pytest
 
-from megaslide_ray.report import (COMPARE_PLOT, OFFSETS_PLOT, PLOTS, format_summary, main, read_metrics, report,
-                                  run_label, summarize)
+from megaslide_ray.evaluation.report import (
+    COMPARE_PLOT,
+    OFFSETS_PLOT,
+    PLOTS,
+    format_summary,
+    read_metrics,
+    report,
+    run_label,
+    summarize,
+)
+from megaslide_ray.report import main
 
 
 def _rows(n=12):

@@ -10,12 +10,12 @@ import numpy as np
 import pytest
 
 from actors.compute import ComputeActor, LocalStoreClient
-from actors.decoder import read_frames
+from megaslide_ray.data.clips import read_frames
 from actors.param_store import ParameterStore
-from megaslide_ray.captions import caption_batch
+from megaslide_ray.data.captions import caption_batch
 from megaslide_ray.config import ConfigError, build_config
-from megaslide_ray.model import VideoDiT
-from megaslide_ray.sample import CheckpointWeights, sample_video, sampling_config
+from megaslide_ray.models.videodit import VideoDiT
+from megaslide_ray.evaluation.sampling import CheckpointWeights, sample_video, sampling_config
 
 PROMPT = "a red circle moving right on a dark blue background"
 
@@ -119,7 +119,7 @@ def test_guidance_without_caption_dropout_warns(run_dir, tmp_path, caplog):
     assert state["config"]["training"]["caption_dropout"] == 0.1  # the default trains the empty caption
     state["config"]["training"]["caption_dropout"] = 0.0
     (ckpt / "state.json").write_text(json.dumps(state))
-    with caplog.at_level("WARNING", logger="megaslide_ray.sample"):
+    with caplog.at_level("WARNING", logger="megaslide_ray.evaluation.sampling"):
         sample_video(ckpt, PROMPT, tmp_path / "a.mp4", steps=1, cfg_scale=1.0)
         assert "caption dropout" not in caplog.text
         sample_video(ckpt, PROMPT, tmp_path / "b.mp4", steps=1, cfg_scale=3.0)
@@ -153,7 +153,7 @@ def test_learning_benchmark_scores_a_checkpoint_as_a_user_would(run_dir, tmp_pat
     import json
 
     from benchmarks import learning
-    from megaslide_ray.motion_metric import motion_fidelity, read_video
+    from megaslide_ray.evaluation.motion_metric import motion_fidelity, read_video
 
     captions = ["a red circle moving right fast on a black background",
                 "a green square moving up slowly on a dark blue background"]

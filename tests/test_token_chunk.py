@@ -18,9 +18,9 @@ import pytest
 import torch
 from torch.func import functional_call
 
-from megaslide_ray.chunking import time_slabs
+from megaslide_ray.models.chunking import time_slabs
 from megaslide_ray.config import build_config
-from megaslide_ray.model import build_shard
+from megaslide_ray.models.registry import build_shard
 
 GRID = (12, 3, 3)  # T, H, W: 108 tokens, 9 per frame; long enough for slabs away from both ends
 CHUNKS = [36, 40, 7, 500]  # divides; does not; < one frame (9 tokens); > the clip
@@ -203,7 +203,7 @@ def test_time_slabs_cover_the_clip_with_halo():
 
 
 def test_config_reaches_the_whole_model():
-    from megaslide_ray.model import build_model
+    from megaslide_ray.models.registry import build_model
 
     cfg = build_config("tiny", None, {"model.depth": 2, "runtime.token_chunk": 64})
     assert all(b.token_chunk == 64 for b in build_model(cfg).blocks)
@@ -261,7 +261,8 @@ def _slab_case(seed=3, grid=(9, 3, 4), window=(3, 3, 3), max_offset=1.5, dtype=t
 
 @pytest.mark.parametrize("backend", ["reference", "cpu"])
 def test_slab_rows_equal_the_whole_grid_operator(backend):
-    from kernels import deformable_slide_attention, deformable_slide_attention_slab, slab_kv_frames
+    from kernels import deformable_slide_attention, deformable_slide_attention_slab
+    from kernels.dsa_reference import slab_kv_frames
 
     q, k, v, off = _slab_case()
     T = q.shape[1]
@@ -284,7 +285,8 @@ def test_slab_rows_equal_the_whole_grid_operator(backend):
 
 @pytest.mark.parametrize("backend", ["reference", "cpu"])
 def test_slab_kv_gradients_sum_to_the_whole(backend):
-    from kernels import deformable_slide_attention, deformable_slide_attention_slab, slab_kv_frames
+    from kernels import deformable_slide_attention, deformable_slide_attention_slab
+    from kernels.dsa_reference import slab_kv_frames
 
     q, k, v, off = _slab_case(grid=(8, 3, 3))
     T = q.shape[1]
@@ -305,7 +307,8 @@ def test_slab_kv_gradients_sum_to_the_whole(backend):
 
 @interpreter_only
 def test_interp_slab_rows_equal_the_whole_grid_triton():
-    from kernels import deformable_slide_attention, deformable_slide_attention_slab, slab_kv_frames
+    from kernels import deformable_slide_attention, deformable_slide_attention_slab
+    from kernels.dsa_reference import slab_kv_frames
 
     q, k, v, off = (t.float() for t in _slab_case(grid=(9, 3, 3), max_offset=0.5))
     T = q.shape[1]
@@ -333,7 +336,7 @@ def test_streamed_training_with_token_chunk_matches_whole_blocks(tmp_path):
     from actors.compute import ComputeActor, LocalStoreClient
     from actors.decoder import VideoDecoder
     from actors.param_store import ParameterStore
-    from megaslide_ray.demo_data import ensure_demo_dataset
+    from megaslide_ray.data.demo import ensure_demo_dataset
 
     manifest = str(ensure_demo_dataset(tmp_path / "cache", num_videos=2))
     small = {"model.depth": 2, "model.hidden_size": 32, "model.num_heads": 2, "model.caption_dim": 16,

@@ -14,11 +14,18 @@ from torch.func import functional_call
 
 from diffusers import WanTransformer3DModel
 from megaslide_ray.config import Config, ConfigError, apply_overrides, build_config
-from megaslide_ray.diffusion import flow_loss
-from megaslide_ray.model import build_model, build_shard, initialize_shard, num_shards, param_count
-from megaslide_ray.shards import ShardLayout
-from megaslide_ray.wan import (KEEP_FP32, DiffusersWanTransformer, WanTransformer, check_against,
-                               diffusers_config, from_diffusers, wan_config_from_diffusers)
+from megaslide_ray.training.flow import flow_loss
+from megaslide_ray.models.registry import build_model, build_shard, num_shards, param_count
+from megaslide_ray.models.registry import initialize_shard
+from megaslide_ray.models.shards import ShardLayout
+from megaslide_ray.models.wan import KEEP_FP32, WanTransformer
+from megaslide_ray.models.wan_diffusers import (
+    DiffusersWanTransformer,
+    check_against,
+    diffusers_config,
+    from_diffusers,
+    wan_config_from_diffusers,
+)
 
 # Tiny diffusers configs: (constructor arguments, latent shape (C, F, H, W), text tokens).
 TINY = {

@@ -15,13 +15,13 @@ import numpy as np
 import pytest
 import torch
 
-from actors.decoder import read_frames
+from megaslide_ray.data.clips import read_frames
 from diffusers import WanTransformer3DModel
-from megaslide_ray.checkpoint import latest_checkpoint, read_checkpoint_shards, read_checkpoint_state
-from megaslide_ray.demo_data import ensure_demo_dataset
-from megaslide_ray.pretrained import config_for_diffusers_dir, export_diffusers
-from megaslide_ray.precompute import precompute
-from megaslide_ray.trainer import Trainer
+from megaslide_ray.state.checkpoint import latest_checkpoint, read_checkpoint_shards, read_checkpoint_state
+from megaslide_ray.data.demo import ensure_demo_dataset
+from megaslide_ray.state.pretrained import config_for_diffusers_dir, export_diffusers
+from megaslide_ray.data.precompute import precompute
+from megaslide_ray.trainer.loop import Trainer
 from wan_models import FRAMES, SIZE, make_wan_dir
 
 TRANSFORMER = dict(patch_size=(1, 2, 2), num_attention_heads=2, attention_head_dim=8, in_channels=4, out_channels=4,
@@ -95,7 +95,7 @@ def test_precompute_train_resume_export_sample(ray_session, wan_dir, latents, tm
 
 def test_wan_needs_latents_and_a_model_dir_to_sample(wan_dir, latents, tmp_path, cli_run):
     from megaslide_ray.config import ConfigError
-    from megaslide_ray.trainer import check_data
+    from megaslide_ray.data.checks import check_data
 
     cfg = _config(wan_dir, latents, tmp_path, 1)
     check_data(cfg)  # fits

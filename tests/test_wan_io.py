@@ -15,10 +15,16 @@ import torch
 
 from actors.param_store import ParameterStore
 from diffusers import WanTransformer3DModel
-from megaslide_ray.checkpoint import latest_checkpoint
+from megaslide_ray.state.checkpoint import latest_checkpoint
 from megaslide_ray.config import ConfigError
-from megaslide_ray.pretrained import (PretrainedMismatchError, check_pretrained, config_for_diffusers_dir,
-                                      export_diffusers, is_diffusers_dir, model_names)
+from megaslide_ray.state.pretrained import (
+    PretrainedMismatchError,
+    check_pretrained,
+    config_for_diffusers_dir,
+    export_diffusers,
+    is_diffusers_dir,
+    model_names,
+)
 
 TINY = dict(patch_size=(1, 2, 2), num_attention_heads=2, attention_head_dim=8, in_channels=4, out_channels=4,
             text_dim=12, freq_dim=16, ffn_dim=24, num_layers=2)

@@ -11,12 +11,13 @@ from pathlib import Path
 
 from tqdm import tqdm
 
-from megaslide_ray.checkpoint import latest_checkpoint, read_checkpoint_state
-from megaslide_ray.config import Config, ConfigError, to_toml
-from megaslide_ray.faults import fault_point
-from megaslide_ray.metrics import RunMetrics
+from megaslide_ray.state.checkpoint import latest_checkpoint, read_checkpoint_state
+from megaslide_ray.config import Config, to_toml
+from megaslide_ray.runtime.faults import fault_point
+from megaslide_ray.runtime.metrics import RunMetrics
 from pipelines.decoder_pool import DataCursor
 from pipelines.streaming import StoreLostError, StreamingPipeline
+from megaslide_ray.data.checks import check_data
 
 log = logging.getLogger(__name__)
 
@@ -63,75 +64,13 @@ def resume_point(run_dir: str | Path, num_decoders: int) -> tuple[Path, int, Dat
     return (ckpt, *checkpoint_data_state(ckpt, num_decoders))
 
 
-def check_data(cfg: Config) -> None:
-    """The data must be what the model reads: video for ``videodit``, a latent manifest from
-    ``megaslide_ray.precompute`` for ``wan``, with the latent shape, text width and VAE
-    compression the config implies. One ``ConfigError`` names every disagreement (called before
-    Ray starts by the CLI, and by the Trainer). ``data.val_manifest`` is held to the same rules."""
-    m, d = cfg.model, cfg.data
-    if not d.manifest and m.arch == "videodit" and m.inputs == "latents":
-        raise ConfigError(f"model.inputs='latents' (preset {cfg.preset!r}) trains on precomputed VAE latents, not "
-                          f"on the demo videos: run `python -m megaslide_ray.precompute --model-dir WAN_DIR --data "
-                          f"VIDEOS.parquet --out CACHE --frames F --height H --width W`, then pass --data with the "
-                          f"latent manifest it writes (the videodit reads its caption column as bytes)")
-    if not d.manifest and m.arch == "wan":
-        raise ConfigError("model.arch='wan' trains on precomputed VAE latents and text embeddings, not on the "
-                          "demo videos: run `python -m megaslide_ray.precompute --model-dir WAN_DIR --data "
-                          "VIDEOS.parquet --out CACHE --frames F --height H --width W`, then pass --data with "
-                          "the latent manifest it writes")
-    if d.manifest:
-        _check_manifest(cfg, "data.manifest", d.manifest)
-    if d.val_manifest:
-        _check_manifest(cfg, "data.val_manifest", d.val_manifest)
-
-
-def _check_manifest(cfg: Config, field: str, path: str) -> None:
-    """``check_data`` for one manifest (``field`` names it in the messages)."""
-    from megaslide_ray.latents import is_latent_manifest, latent_manifest_info
-
-    m, d = cfg.model, cfg.data
-    latent = is_latent_manifest(path)
-    if m.arch == "wan" and not latent:
-        raise ConfigError(f"{field}={path!r} is a video manifest; model.arch='wan' reads latents: "
-                          f"precompute them first (python -m megaslide_ray.precompute ...)")
-    if not cfg.latent_space and latent:
-        raise ConfigError(f"{field}={path!r} holds precomputed latents; model.arch={m.arch!r} with "
-                          f"model.inputs='pixels' reads video (latents are for the wan presets and the dit-* presets, "
-                          f"model.inputs=latents)")
-    if cfg.latent_space and not latent:
-        raise ConfigError(f"{field}={path!r} is a video manifest; model.inputs='latents' reads latents: "
-                          f"precompute them first (python -m megaslide_ray.precompute ...)")
-    if not latent:
-        return
-    info = latent_manifest_info(path)
-    want = (*cfg.latent_grid, m.in_channels)
-    problems = []
-    if tuple(info.latent_shape) != want:
-        ct, cs, _ = info.compression
-        F_, H_, W_, C = info.latent_shape
-        problems.append(f"its latents are {tuple(info.latent_shape)} (frames, height, width, channels) but "
-                        f"data.num_frames={d.num_frames}, data.height={d.height}, data.width={d.width} and "
-                        f"model.in_channels={m.in_channels} make {want}: precomputed clips of "
-                        f"{ct * (F_ - 1) + 1} frames of {cs * W_}x{cs * H_} need --data.num_frames "
-                        f"{ct * (F_ - 1) + 1} --data.height {cs * H_} --data.width {cs * W_}")
-    if m.arch == "wan" and info.text_dim != m.text_dim:
-        problems.append(f"its text embeddings are {info.text_dim} wide, model.text_dim={m.text_dim}")
-    if tuple(info.compression) != tuple(m.latent_compression):
-        problems.append(f"its VAE compresses {tuple(info.compression)}, model.latent_compression="
-                        f"{tuple(m.latent_compression)}")
-    if m.arch == "wan" and info.text_len > m.text_len:
-        problems.append(f"its text is padded to {info.text_len} tokens, model.text_len={m.text_len}")
-    if problems:
-        raise ConfigError(f"{field}={path!r} does not fit the model:\n  " + "\n  ".join(problems))
-
-
 def resolve_data(cfg: Config) -> Config:
     """An empty manifest means the demo set: make it here, once, before any actor starts. The
     data is checked against the model first (``check_data``)."""
     check_data(cfg)
     if cfg.data.manifest:
         return cfg
-    from megaslide_ray.demo_data import ensure_demo_dataset
+    from megaslide_ray.data.demo import ensure_demo_dataset
 
     cfg.data = replace(cfg.data, manifest=str(ensure_demo_dataset()))
     return cfg
@@ -153,7 +92,7 @@ class Trainer:
             log.warning("--init-from %s ignored: resuming from %s, which holds the trained weights", init_from, ckpt)
             init_from = None
         if init_from:
-            from megaslide_ray.pretrained import check_pretrained
+            from megaslide_ray.state.pretrained import check_pretrained
 
             check_pretrained(cfg, init_from)  # every mismatch in one error, before any actor starts
         resolve_data(cfg)
@@ -161,7 +100,7 @@ class Trainer:
         # hands them over), decoded once, here, before any actor starts.
         self.val_set = val_set
         if cfg.training.eval_every and val_set is None:
-            from megaslide_ray.evaluate import load_val_set
+            from megaslide_ray.evaluation.validation import load_val_set
 
             self.val_set = load_val_set(cfg)
         self.run_dir.mkdir(parents=True, exist_ok=True)
@@ -217,7 +156,7 @@ class Trainer:
         """The validation loss of the weights of ``version`` (forward only, through the compute
         actor): the metrics.jsonl fields ``val_loss``, ``val_loss_t{b}`` and ``val_seconds``
         (none when the store's versions were not all ``version`` around it: see below)."""
-        from megaslide_ray.evaluate import validation_loss
+        from megaslide_ray.evaluation.validation import validation_loss
 
         # ``version`` is k + 1 after step k: predict() waits until each shard's version is k + 1,
         # i.e. until the store has applied step k's update to it. Before that a shard's ``w``
@@ -236,8 +175,8 @@ class Trainer:
     def sample(self, version: int) -> Path:
         """Sample the fixed prompt with the weights of ``version`` through the compute actor
         (forward only) into ``samples/step_N.mp4`` and its ``.png`` contact sheet."""
-        from megaslide_ray.demo_data import write_video
-        from megaslide_ray.sample import contact_sheet, euler_sample, to_uint8_frames, write_png
+        from megaslide_ray.data.demo import write_video
+        from megaslide_ray.evaluation.sampling import contact_sheet, euler_sample, to_uint8_frames, write_png
 
         t = self.cfg.training
         x = euler_sample(self.pipeline, self.cfg, t.sample_prompt, t.sample_steps, t.seed, version)

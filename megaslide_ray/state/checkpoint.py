@@ -56,7 +56,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from megaslide_ray.shards import ShardLayout
+from megaslide_ray.models.shards import ShardLayout
 
 FORMAT_VERSION = 1
 CHECKPOINT_KINDS = ("master", "m", "v")      # what a checkpoint stores per shard

@@ -114,22 +114,5 @@ def flow_inputs(x0: torch.Tensor, seed: int, step: int, t_sampling: str = "logit
     return FlowInputs(x0=x0, noise=noise, t=t, x_t=x_t, target=noise - x0)
 
 
-SAMPLE_T_MIN = 0.05
-"""``model.prediction = sample``: the velocity is ``(x_t - x0_hat) / max(t, SAMPLE_T_MIN)``."""
-
-
-def as_velocity(out: torch.Tensor, x_t: torch.Tensor, t: torch.Tensor, prediction: str) -> torch.Tensor:
-    """The velocity a model output means: ``out`` itself (``velocity``), or, for a clean-clip
-    estimate (``sample``: x-prediction), ``(x_t - out) / max(t, 0.05)``. With x_t = (1 - t) x0 +
-    t noise the exact clean clip gives the exact velocity noise - x0 (for t >= 0.05), so the loss
-    and the sampler are the velocity ones either way."""
-    if prediction == "velocity":
-        return out
-    if prediction != "sample":
-        raise ValueError(f"prediction={prediction!r} is not 'velocity' or 'sample'")
-    tb = t.clamp(min=SAMPLE_T_MIN).view(-1, *([1] * (out.dim() - 1))).to(out.dtype)
-    return (x_t.to(out.dtype) - out) / tb
-
-
 def flow_loss(pred: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
     return F.mse_loss(pred.float(), target.float())

@@ -71,7 +71,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import torch
 
-from megaslide_ray.manifest import write_table_atomic
+from megaslide_ray.data.manifest import write_table_atomic
 
 KIND = "latent"
 FORMAT_VERSION = 1
@@ -79,6 +79,7 @@ TEXT_LEN = 512
 """Padded text length of the Wan models (their pipelines' ``max_sequence_length``)."""
 LATENT_KEY = "latents"
 TEXT_KEY = "text"
+HEADER_KEY = "megaslide_latent"  # safetensors header entry of a latent file: the clip's row (JSON)
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 
 SCHEMA = pa.schema([

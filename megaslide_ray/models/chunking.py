@@ -48,7 +48,8 @@ import torch.nn as nn
 from torch.func import functional_call
 from torch.utils.checkpoint import checkpoint
 
-from kernels import deformable_slide_attention_slab, slab_kv_frames
+from kernels import deformable_slide_attention_slab
+from kernels.dsa_reference import slab_kv_frames
 
 __all__ = ["Chunked", "FrameRanges", "bind", "checkpointed", "slab_attention", "slab_frames", "slabbed_attention",
            "time_slabs", "token_map"]

@@ -29,11 +29,12 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from megaslide_ray.chunking import Chunked, bind, slabbed_attention, token_map
+from megaslide_ray.models.chunking import Chunked, bind, slabbed_attention, token_map
 from megaslide_ray.config import Config
-from megaslide_ray.diffusion import as_velocity
-from kernels import deformable_slide_attention
+from megaslide_ray.models.prediction import as_velocity
 from kernels.swin import swin_attention_3d
+from megaslide_ray.models.attention import OffsetPredictor, init_streams, window_attention
+from megaslide_ray.models.layers import ffn_width, unpatchify
 
 # ---------------------------------------------------------------------------------------------
 # Helpers
@@ -73,28 +74,6 @@ def pos_embed_3d(grid: tuple[int, int, int], dim: int, device: torch.device) -> 
     out[..., d_axis:2 * d_axis] = eh[None, :, None, :]
     out[..., 2 * d_axis:3 * d_axis] = ew[None, None, :, :]
     return out
-
-
-def ffn_width(cfg: Config) -> int:
-    """The feed-forward hidden width: ``model.ffn_dim``, or ``mlp_ratio * hidden_size`` when it is 0."""
-    return cfg.model.ffn_dim or int(cfg.model.hidden_size * cfg.model.mlp_ratio)
-
-
-def window_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, h: torch.Tensor, offsets,
-                     window: tuple[int, int, int], scale: float | None) -> torch.Tensor:
-    """3D-DSA of channels-last ``q, k, v (B, T, H, W, nh, d)`` over ``window``: offsets from the
-    offset head ``offsets`` applied to ``h``, or zero when there is none (``neighborhood``). The
-    operator is told the offsets' bound where it is known (``attention.max_offset > 0``: the
-    head's ``max_offset * tanh``; zero offsets: 0), so the tiled Triton kernel sizes its halo
-    without measuring them (a host sync)."""
-    if offsets is not None:
-        off = offsets(h)
-        bound = offsets.max_offset if offsets.max_offset > 0 else None
-    else:
-        B, T, H, W, nh, _ = q.shape
-        off = h.new_zeros(B, T, H, W, nh, window[0] * window[1] * window[2], 3)
-        bound = 0.0
-    return deformable_slide_attention(q, k, v, off, window, scale=scale, max_offset=bound)
 
 
 def timestep_features(t: torch.Tensor, dim: int) -> torch.Tensor:
@@ -242,41 +221,6 @@ class InputEmbed(nn.Module):
 # ---------------------------------------------------------------------------------------------
 # Shards 1..L: adaLN-Zero blocks
 # ---------------------------------------------------------------------------------------------
-
-
-class OffsetPredictor(nn.Module):
-    """Depthwise Conv3d (``kernel``, default 3x3x3) -> GELU -> Linear(D -> groups*K*3), last layer zero-initialised so a
-    fresh model starts as 3D neighborhood attention. ``groups`` (``attention.offset_groups``; 0:
-    one per head) sets of offsets, each shared by ``num_heads / groups`` consecutive heads."""
-
-    def __init__(self, hidden: int, num_heads: int, window: tuple[int, int, int], max_offset: float,
-                 groups: int = 0, kernel: tuple[int, int, int] = (3, 3, 3), scale: float = 1.0):
-        super().__init__()
-        self.num_heads = num_heads
-        self.groups = groups or num_heads
-        if num_heads % self.groups:
-            raise ValueError(f"offset groups {self.groups} do not divide {num_heads} heads")
-        self.K = window[0] * window[1] * window[2]
-        self.max_offset = max_offset
-        self.scale = float(scale)
-        kernel = tuple(int(k) for k in kernel)
-        self.halo = kernel[0] // 2  # frames the conv reads on either side of a token's own
-        self.dwconv = nn.Conv3d(hidden, hidden, kernel_size=kernel, padding=tuple(k // 2 for k in kernel),
-                                groups=hidden)
-        self.out = nn.Linear(hidden, self.groups * self.K * 3)
-
-    def forward(self, h: torch.Tensor) -> torch.Tensor:
-        # h: (B, T, H, W, D) -> offsets (B, T, H, W, nh, K, 3)
-        y = self.dwconv(h.permute(0, 4, 1, 2, 3)).permute(0, 2, 3, 4, 1)
-        y = self.out(F.gelu(y))
-        if self.scale != 1.0:
-            y = y * self.scale
-        if self.max_offset > 0:
-            y = self.max_offset * torch.tanh(y)
-        y = y.view(*h.shape[:4], self.groups, self.K, 3)
-        if self.groups != self.num_heads:
-            y = y.repeat_interleave(self.num_heads // self.groups, dim=4)
-        return y
 
 
 class Attention(nn.Module):
@@ -447,14 +391,6 @@ class FinalLayer(nn.Module):
         return unpatchify(y, self.patch_size, self.channels)
 
 
-def unpatchify(y: torch.Tensor, patch: tuple[int, int, int], channels: int) -> torch.Tensor:
-    """(B, T, H, W, pt*ph*pw*C) -> (B, T*pt, H*ph, W*pw, C), the inverse of the Conv3d patching."""
-    B, T, H, W, _ = y.shape
-    pt, ph, pw = patch
-    y = y.view(B, T, H, W, pt, ph, pw, channels).permute(0, 1, 4, 2, 5, 3, 6, 7)
-    return y.reshape(B, T * pt, H * ph, W * pw, channels)
-
-
 # ---------------------------------------------------------------------------------------------
 # The model
 # ---------------------------------------------------------------------------------------------
@@ -483,26 +419,6 @@ class VideoDiT(nn.Module):
             initialize_shard(shard, seed, index)
 
 
-def build_shard(cfg: Config, index: int, device: str | torch.device = "cpu") -> nn.Module:
-    """One shard module, alone (the store initialises a 105B model this way, a block at a time)."""
-    if cfg.model.arch == "wan":
-        from megaslide_ray import wan
-
-        return wan.build_shard(cfg, index, device)
-    with torch.device(device):
-        if index == 0:
-            return InputEmbed(cfg)
-        if index == cfg.model.depth + 1:
-            return FinalLayer(cfg)
-        if 1 <= index <= cfg.model.depth:
-            return DiTBlock(cfg, index)
-    raise IndexError(f"shard index {index} out of range 0..{cfg.model.depth + 1}")
-
-
-def num_shards(cfg: Config) -> int:
-    return cfg.model.depth + 2
-
-
 CAPTION_EMBED_STD = 1.0
 """Init std of the caption encoder's byte and position embeddings (every other embedding: 0.02).
 The encoder's MLP has no norm before it; at GPT's 0.02 its inputs are so small that its GELU is
@@ -521,11 +437,7 @@ def initialize_shard(module: nn.Module, seed: int, index: int) -> None:
     adaLN modulations and output layer (adaLN-Zero), zeroed residual branches of the caption
     encoder's layers and zeroed cross-attention output projections, zeroed offset head (drawn from a stream of
     its own, so the rest of a dsa model equals a neighborhood or swin model of the same seed). Wan shards follow
-    Wan's recipe (``megaslide_ray.wan.initialize_shard``)."""
-    if getattr(module, "arch", None) == "wan":
-        from megaslide_ray import wan
-
-        return wan.initialize_shard(module, seed, index)
+    Wan's recipe (``wan.initialize_shard``); ``registry.initialize_shard`` picks by architecture."""
     main, stream_of = init_streams(module, seed, index)
 
     def fill_(p: torch.Tensor, fn) -> None:
@@ -572,36 +484,15 @@ def initialize_shard(module: nn.Module, seed: int, index: int) -> None:
             nn.init.zeros_(lin.bias)
 
 
-def init_streams(module: nn.Module, seed: int, index: int):
-    """The generators a shard's init draws from: ``main``, and ``stream_of(submodule)``, which is
-    a stream of the offset heads' own inside an ``OffsetPredictor`` and ``main`` elsewhere. So
-    every other weight is the same with or without offset heads: dsa and the fixed-window kinds
-    start from the same weights per seed (``videodit`` and ``wan`` alike)."""
-    main = torch.Generator(device="cpu").manual_seed(_mix(seed, index))
-    heads = torch.Generator(device="cpu").manual_seed(_mix(seed, index) ^ 0x0FF5E7)
-    in_head = {id(m) for head in module.modules() if isinstance(head, OffsetPredictor) for m in head.modules()}
-    return main, (lambda mod: heads if id(mod) in in_head else main)
-
-
-def _mix(seed: int, index: int) -> int:
-    return (seed * 1_000_003 + index * 7919 + 0x5EED) % (2**63 - 1)
-
-
-def param_count(cfg: Config) -> int:
-    """Exact parameter count, from a model built on the meta device (no memory used)."""
-    with torch.device("meta"):
-        return sum(p.numel() for i in range(num_shards(cfg)) for p in build_shard(cfg, i, "meta").parameters())
-
-
-def build_model(cfg: Config, seed: int | None = None, device: str = "cpu") -> nn.Module:
-    """A whole, materialised model (for the in-process baseline and tests): ``VideoDiT``, or
-    ``wan.WanTransformer`` for ``model.arch = wan``; both have ``shards()``."""
+def build_shard(cfg: Config, index: int, device: str | torch.device = "cpu") -> nn.Module:
+    """One shard module of a ``videodit``, alone (the store initialises a 105B model this way, a
+    block at a time)."""
+    L = cfg.model.depth
     with torch.device(device):
-        if cfg.model.arch == "wan":
-            from megaslide_ray.wan import WanTransformer
-
-            model = WanTransformer(cfg)
-        else:
-            model = VideoDiT(cfg)
-    model.initialize_weights(cfg.training.seed if seed is None else seed)
-    return model
+        if index == 0:
+            return InputEmbed(cfg)
+        if index == L + 1:
+            return FinalLayer(cfg)
+        if 1 <= index <= L:
+            return DiTBlock(cfg, index)
+    raise IndexError(f"shard index {index} out of range 0..{L + 1}")

@@ -54,7 +54,7 @@ class SpacePlan:
 def state_root(cfg: Config) -> Path:
     if cfg.runtime.state_dir:
         return Path(cfg.runtime.state_dir)
-    from actors.param_store import default_state_root
+    from megaslide_ray.state.segments import default_state_root
 
     return default_state_root()
 
@@ -74,8 +74,8 @@ def w_dtype_bytes(cfg: Config) -> int:
 def state_bytes(cfg: Config, wbytes: int) -> int:
     """The store's segments for ``cfg``: ``numel * (wbytes + 12)`` summed over shards, from the
     model built on the meta device (no memory)."""
-    from megaslide_ray.model import build_shard, num_shards
-    from megaslide_ray.shards import ShardLayout
+    from megaslide_ray.models.registry import build_shard, num_shards
+    from megaslide_ray.models.shards import ShardLayout
 
     return sum(ShardLayout.of(build_shard(cfg, i, "meta"), i).numel for i in range(num_shards(cfg))) * (wbytes + 12)
 
@@ -131,7 +131,7 @@ def plan_state_space(cfg: Config, run_dir: str | None = None, local_ray: bool = 
     """Check that the state fits under its root; raise ``StateSpaceError`` (one message) if not.
     With ``local_ray`` (the driver starts its own cluster) and the state on ``/dev/shm``, size
     Ray's object store so that it and the state fit together."""
-    from actors.param_store import state_key
+    from megaslide_ray.state.segments import state_key
 
     wbytes = wbytes or w_dtype_bytes(cfg)
     root = state_root(cfg)

@@ -1,0 +1,136 @@
+"""The presets: plain functions that return a ``Config``.
+
+``tiny`` (the default: seconds per step on 2 CPU cores), ``tiny-motion`` (learns the simple
+motion set on a CPU), the paper's latent DiTs (``dit-28b``, ``dit-33b``, ``dit-105b``, whose
+parameter counts match the paper's) and the Wan 2.x sizes (``wan2.1-t2v-1.3b``,
+``wan2.1-t2v-14b``, ``wan2.2-ti2v-5b``)."""
+
+from __future__ import annotations
+import typing
+from megaslide_ray.config.sections import AttentionConfig, Config, ConfigError, DataConfig, ModelConfig, OptimizerConfig, RuntimeConfig, TrainingConfig
+
+
+def tiny() -> Config:
+    """About two seconds per step on two CPU cores: 16 frames of 64x64 in 2x4x4 patches (2048 tokens),
+    4 blocks of width 128. The width exceeds the patch's 96 values, so the model can carry the
+    noise it must predict (a pixel DiT narrower than its patch cannot)."""
+    return Config(preset="tiny")
+
+
+def tiny_motion() -> Config:
+    """``tiny``'s model sized to learn, on a CPU, to draw what its caption says: 8 frames of 16x16
+    in 2x2x2 patches (256 tokens), batch 8 at lr 1e-3, x-prediction, ``swin`` attention in 2x4x4
+    tiles (at this size dsa's CPU step is about 2.4x this one), 2400 steps, kept block graphs and a
+    decoded-clip cache (under 9 minutes on 2 CPU cores through the actors). Made for the motion
+    set's simple variant (``train --preset tiny-motion --demo motion-simple``), where its samples learn
+    to show the prompted colour, shape and direction (``benchmarks.learning``; benchmarks/RESULTS.md)."""
+    cfg = Config(preset="tiny-motion")
+    cfg.model = ModelConfig(patch_size=(2, 2, 2), prediction="sample")
+    # swin tiles of 2x4x4 tokens divide the 4x8x8 grid (3x3x3 pads it to 6x9x9): a cheaper step,
+    # and with 2400 steps 32 of 48 training prompts shown against 19 (benchmarks/RESULTS.md)
+    cfg.attention = AttentionConfig(kind="swin", window=(2, 4, 4))
+    cfg.data = DataConfig(num_frames=8, height=16, width=16, batch_size=8, clip_cache_mb=64)
+    cfg.optim = OptimizerConfig(lr=1e-3)
+    # The step is all compute: no recomputed forward (kept graphs, on a CPU), no re-decoding of
+    # the 48 clips every 6 steps (the cache holds each 6 KB clip).
+    cfg.runtime = RuntimeConfig(recompute_blocks=False)
+    cfg.training = TrainingConfig(steps=2400, log_every=50, checkpoint_every=600,
+                                  sample_prompt="a red circle moving right at medium speed on a dark blue background")
+    return cfg
+
+
+def _paper(name: str, hidden: int, depth: int, heads: int) -> Config:
+    """The paper's presets work on VAE latents as real video DiTs do: 16 channels of a VAE that
+    compresses 4x in time and 8x in space (Wan2.1's), patches of 1x2x2 latent positions; the clip
+    (81 frames of 480x832, 21 x 30 x 52 tokens) is given in pixels, 4k+1 frames."""
+    cfg = Config(preset=name)
+    cfg.model = ModelConfig(
+        hidden_size=hidden, depth=depth, num_heads=heads, mlp_ratio=4.0, patch_size=(1, 2, 2),
+        inputs="latents", in_channels=16, latent_compression=(4, 8, 8), caption_dim=1024, caption_max_bytes=256,
+        cross_attention=False,
+    )
+    cfg.attention = AttentionConfig(kind="dsa", window=(3, 5, 5))
+    cfg.data = DataConfig(num_frames=81, height=480, width=832, batch_size=1)
+    cfg.optim = OptimizerConfig(lr=1e-5, warmup_steps=100, weight_decay=0.01)
+    cfg.training = TrainingConfig(steps=1000, checkpoint_every=100)
+    return cfg
+
+
+def dit_105b() -> Config:
+    """The paper's 105B model: width 12288, 35 blocks, 96 heads (104.9e9 parameters), on VAE latents
+    (16 channels, 4x8x8 compression, 1x2x2 patches)."""
+    return _paper("dit-105b", hidden=12288, depth=35, heads=96)
+
+
+def dit_33b() -> Config:
+    """The 33.3B scaling point: width 5632, 53 blocks, 44 heads (33.36e9 parameters), on VAE latents
+    like ``dit-105b``."""
+    return _paper("dit-33b", hidden=5632, depth=53, heads=44)
+
+
+def dit_28b() -> Config:
+    """The 28.4B scaling point: width 5632, 45 blocks, 44 heads (28.34e9 parameters), on VAE latents
+    like ``dit-105b``."""
+    return _paper("dit-28b", hidden=5632, depth=45, heads=44)
+
+
+WAN_WINDOW = (3, 7, 7)
+"""The Wan presets' DSA window, in tokens: 3 latent frames (about 12 video frames, 0.75 s at Wan's
+16 fps) by 7 x 7 tokens (112 x 112 pixels through Wan2.1's 8x VAE and 2x2 patches, 224 x 224 for
+Wan2.2 TI2V-5B), K = 147 keys per query against 32,760 for dense attention on an 81 x 480 x 832 clip;
+the learned offsets reach beyond it."""
+
+
+def _wan(name: str, hidden: int, depth: int, heads: int, ffn: int, channels: int,
+         compression: tuple[int, int, int], height: int, width: int) -> Config:
+    cfg = Config(preset=name)
+    cfg.model = ModelConfig(
+        arch="wan", hidden_size=hidden, depth=depth, num_heads=heads, ffn_dim=ffn, patch_size=(1, 2, 2),
+        in_channels=channels, out_channels=channels, timestep_freq_dim=256, text_dim=4096, text_len=512,
+        latent_compression=compression, rope_max_seq_len=1024, eps=1e-6, cross_attn_norm=True,
+    )
+    cfg.attention = AttentionConfig(kind="dsa", window=WAN_WINDOW)
+    cfg.data = DataConfig(num_frames=81, height=height, width=width, batch_size=1)
+    cfg.optim = OptimizerConfig(lr=1e-5, warmup_steps=100, weight_decay=0.01)
+    cfg.training = TrainingConfig(steps=1000, checkpoint_every=100)
+    return cfg
+
+
+def wan21_t2v_1_3b() -> Config:
+    """Wan2.1 text-to-video 1.3B: width 1536, 30 blocks, 12 heads, FFN 8960, 16 latent channels (1,418,996,800
+    parameters with dense attention, plus the DSA offset heads); 81 frames of 480x832."""
+    return _wan("wan2.1-t2v-1.3b", hidden=1536, depth=30, heads=12, ffn=8960, channels=16,
+                compression=(4, 8, 8), height=480, width=832)
+
+
+def wan21_t2v_14b() -> Config:
+    """Wan2.1 text-to-video 14B: width 5120, 40 blocks, 40 heads, FFN 13824, 16 latent channels
+    (14,288,491,584 parameters with dense attention, plus the DSA offset heads); 81 frames of 720x1280."""
+    return _wan("wan2.1-t2v-14b", hidden=5120, depth=40, heads=40, ffn=13824, channels=16,
+                compression=(4, 8, 8), height=720, width=1280)
+
+
+def wan22_ti2v_5b() -> Config:
+    """Wan2.2 TI2V-5B, trained here as text-to-video: width 3072, 30 blocks, 24 heads, FFN 14336, 48 latent
+    channels of a (4, 16, 16) VAE (4,999,787,712 parameters with dense attention, plus the DSA offset heads);
+    81 frames of 480x832."""
+    return _wan("wan2.2-ti2v-5b", hidden=3072, depth=30, heads=24, ffn=14336, channels=48,
+                compression=(4, 16, 16), height=480, width=832)
+
+
+PRESETS: dict[str, typing.Callable[[], Config]] = {
+    "tiny": tiny,
+    "tiny-motion": tiny_motion,
+    "dit-105b": dit_105b,
+    "dit-33b": dit_33b,
+    "dit-28b": dit_28b,
+    "wan2.1-t2v-1.3b": wan21_t2v_1_3b,
+    "wan2.1-t2v-14b": wan21_t2v_14b,
+    "wan2.2-ti2v-5b": wan22_ti2v_5b,
+}
+
+
+def preset(name: str) -> Config:
+    if name not in PRESETS:
+        raise ConfigError(f"unknown preset {name!r}; choose one of {sorted(PRESETS)}")
+    return PRESETS[name]()

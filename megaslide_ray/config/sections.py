@@ -1,0 +1,388 @@
+"""Run configuration: one dataclass per section, presets as functions, TOML and CLI overrides.
+
+Every field carries a docstring (the string literal under it); ``describe_fields`` reads them
+back for ``--help`` and the README. Validation runs before Ray starts and names the field and
+the value in every message.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+
+
+class ConfigError(ValueError):
+    """A configuration value was refused. The message names the field, the value and the fix."""
+
+
+# ---------------------------------------------------------------------------------------------
+# Sections
+# ---------------------------------------------------------------------------------------------
+
+
+@dataclass
+class ModelConfig:
+    arch: Literal["videodit", "wan"] = "videodit"
+    """Architecture: ``videodit`` (this project's pixel-space DiT with a built-in byte caption encoder)
+    or ``wan`` (the Wan 2.x video transformer over VAE latents and UMT5 text embeddings; parameter
+    names as in diffusers' ``WanTransformer3DModel``; ``megaslide_ray/wan.py``)."""
+    hidden_size: int = 128
+    """Transformer width (channels per token)."""
+    depth: int = 4
+    """Number of transformer blocks; each block is one streamed shard."""
+    num_heads: int = 4
+    """Attention heads; must divide ``hidden_size``."""
+    mlp_ratio: float = 4.0
+    """MLP hidden width as a multiple of ``hidden_size`` (unless ``ffn_dim`` is set)."""
+    patch_size: tuple[int, int, int] = (2, 4, 4)
+    """3D patch (frames, height, width): in pixels for a pixel-space ``videodit`` (must divide
+    ``data.num_frames/height/width``), in latent positions for ``wan`` and a latent-space ``videodit``
+    (must divide the latent grid, ``Config.latent_grid``)."""
+    inputs: Literal["pixels", "latents"] = "pixels"
+    """``videodit``: what the model reads. ``pixels``: the RGB clips the video decoders deliver
+    (``in_channels`` 3). ``latents``: VAE latents of the clip (``model.latent_compression`` maps the
+    pixel clip to the latent grid; ``in_channels`` latent channels), as the paper's presets and real
+    video DiTs do. ``wan`` always reads latents (this field is ignored)."""
+    in_channels: int = 3
+    """Input channels. ``videodit`` on pixels: 3, the RGB pixels the video decoders deliver (other counts
+    are refused); on latents: the VAE's latent channels. ``wan``: the VAE's latent channels (16 for
+    Wan2.1, 48 for Wan2.2 TI2V-5B)."""
+    timestep_freq_dim: int = 256
+    """Sinusoidal features fed to the timestep MLP (diffusers' ``freq_dim`` for ``wan``)."""
+    caption_dim: int = 64
+    """``videodit``: width of the built-in byte-level caption encoder before projection to ``hidden_size``."""
+    caption_max_bytes: int = 128
+    """``videodit``: captions are UTF-8 encoded and cut to this many bytes."""
+    caption_layers: int = 2
+    """``videodit``: self-attention layers over the caption's bytes (with learned byte positions)
+    before they are pooled into the condition. They make word order count: "a red circle on a dark
+    blue background" and "a blue circle on a dark red background" hold the same bytes. 0: a bag
+    of bytes, the first encoder (needed to resume or sample a checkpoint trained before this
+    field existed)."""
+    prediction: Literal["velocity", "sample"] = "velocity"
+    """``videodit``: what the head outputs. ``velocity``: the flow's velocity ``noise - x0`` (the
+    usual rectified-flow target). ``sample``: the clean clip ``x0`` (x-prediction), turned into
+    the velocity ``(x_t - x0_hat) / max(t, 0.05)`` before the loss and the sampler, so the loss,
+    the sampler and everything downstream are unchanged. A pixel-space model whose patch holds
+    more values than it is wide need not copy the input's noise to its output; ``wan`` (pretrained
+    on velocity) takes only ``velocity``."""
+    cross_attention: bool = False
+    """``videodit``: every block cross-attends from the video tokens to the caption's tokens (each
+    byte's feature from the caption encoder, plus a learned null token), as Wan and PixArt do, so
+    what the caption says can reach each position; the pooled caption still joins the timestep
+    in the adaLN condition either way. Adds ``4 D^2`` parameters per block. Off by default: on
+    ``tiny`` it costs about a quarter more step time and did not yet read captions better
+    (benchmarks/RESULTS.md); the ``dit-*`` presets keep it off so their counts stay the paper's."""
+    ffn_dim: int = 0
+    """Feed-forward hidden width; 0: ``mlp_ratio * hidden_size``. The Wan models set it (8960, 13824,
+    14336)."""
+    out_channels: int = 0
+    """Channels the model predicts per position; 0: ``in_channels`` (``videodit`` accepts nothing else)."""
+    text_dim: int = 4096
+    """``wan``: width of the text embeddings the model reads (UMT5-XXL's 4096)."""
+    text_len: int = 512
+    """``wan``: text tokens the cross-attention sees. Prompt embeddings are zeroed past each prompt's
+    length and zero-padded to this many tokens, as the Wan pipeline does; no mask is applied."""
+    latent_compression: tuple[int, int, int] = (4, 8, 8)
+    """``wan`` and ``videodit`` with ``inputs = latents``: the VAE's compression (frames, height, width): ``F`` pixel frames give ``(F - 1) / 4 + 1``
+    latent frames, ``H`` pixels ``H / 8`` latent rows. (4, 8, 8) for Wan2.1's VAE, (4, 16, 16) for Wan2.2
+    TI2V-5B's."""
+    rope_max_seq_len: int = 1024
+    """``wan``: positions per axis of the 3D rotary embedding; every axis of the token grid must fit."""
+    eps: float = 1e-6
+    """``wan``: epsilon of the layer norms and the q/k RMS norms."""
+    cross_attn_norm: bool = True
+    """``wan``: an affine LayerNorm (``norm2``) before each block's cross-attention; False: none."""
+
+
+@dataclass
+class AttentionConfig:
+    kind: Literal["dense", "swin", "neighborhood", "dsa"] = "dsa"
+    """Attention operator: ``dense`` (SDPA over all tokens), ``swin`` (3D shifted windows),
+    ``neighborhood`` (DSA with offsets fixed at zero), ``dsa`` (3D Deformable Slide Attention)."""
+    window: tuple[int, int, int] = (3, 3, 3)
+    """Window (kt, kh, kw) in tokens, each at most the token grid's size. ``dsa`` and
+    ``neighborhood``: the sampling window centred on each query, each size odd. ``swin``: the
+    tiles the grid is cut into (any size; one that divides the grid needs no padding, e.g. (2, 4, 4)
+    on a 4 x 8 x 8 grid, where (3, 3, 3) pads it to 6 x 9 x 9). ``dense`` ignores it."""
+    max_offset: float = 0.0
+    """If > 0, offsets are bounded as ``max_offset * tanh(raw)``; 0 leaves them unbounded."""
+    scale: float = 0.0
+    """Softmax scale; 0 means ``head_dim ** -0.5``."""
+    offset_scale: float = 1.0
+    """``dsa``: the offset head's raw output is multiplied by this before ``max_offset``'s bound.
+    The head's last layer starts at zero and AdamW moves each weight by about the learning rate
+    per step whatever the gradient's size, so this scales how fast offsets move: in effect the
+    offsets' learning rate relative to ``optim.lr`` (0.1: ten times slower)."""
+    offset_kernel: tuple[int, int, int] = (3, 3, 3)
+    """``dsa``: the (frames, height, width) kernel, in tokens, of the offset head's depthwise
+    convolution: how far around a token the head looks to choose its offsets. Motion it is to
+    follow must show inside it (an object moving 3 tokens per frame is invisible to a 3x3x3
+    head's view of the next frame: ``benchmarks/offset_signal.py``). Each size odd."""
+    offset_groups: int = 0
+    """``dsa``: heads share offsets in this many groups (consecutive heads, ``num_heads /
+    offset_groups`` per group): the offset head predicts ``offset_groups * K * 3`` values per token.
+    0: one group per head. Must divide ``model.num_heads``."""
+
+
+@dataclass
+class DataConfig:
+    manifest: str = ""
+    """Parquet manifest of videos (columns ``path``, ``caption``). Empty: the built-in demo set,
+    generated on first use in the cache directory."""
+    val_manifest: str = ""
+    """Held-out manifest for the validation loss (``training.eval_every``): a video manifest for
+    ``videodit``, a latent manifest for ``wan``, of the same clip shape as ``manifest``. Its first
+    ``training.val_clips`` readable rows are the validation clips (first frames, centre crop).
+    Empty: no validation set."""
+    num_frames: int = 16
+    """Frames per training clip."""
+    height: int = 64
+    """Clip height in pixels after resize (shorter side) and crop."""
+    width: int = 64
+    """Clip width in pixels after resize and crop."""
+    frame_stride: int = 1
+    """Take every ``frame_stride``-th frame of the source video (leave at 1 when ``fps`` is set)."""
+    fps: float = 0.0
+    """Sample clips at this frame rate instead of by ``frame_stride`` (frame ``j`` is source frame
+    ``start + round(j * source_fps / fps)``); 0: use ``frame_stride``. Videos without a known
+    frame rate are then skipped."""
+    batch_size: int = 2
+    """Clips per training step."""
+    prefetch: int = 2
+    """Batches each decoder keeps decoded ahead of the trainer."""
+    num_decoders: int = 1
+    """Decoder actors. Decoder ``i`` draws the data positions ``p`` with ``p % num_decoders == i``
+    and serves the steps ``k`` with ``k % num_decoders == i``; a run must be resumed with the same
+    number (the checkpoint holds each decoder's position)."""
+    random_crop: bool = True
+    """Random temporal start of each clip (False: ``fixed_start``, e.g. for evaluation)."""
+    fixed_start: Literal["first", "center"] = "first"
+    """Temporal start when ``random_crop`` is False: the video's first frames or its middle."""
+    spatial_crop: Literal["center", "random"] = "center"
+    """After resizing the shorter side, crop the center or a random window (drawn per clip from
+    the seed and the data position, the same for every frame of the clip)."""
+    short_clips: Literal["loop", "skip"] = "loop"
+    """A video shorter than a clip's span: ``loop`` it (frame indices wrap) or ``skip`` it (counted
+    as a skipped file)."""
+    decode_timeout_s: float = 60.0
+    """A decoder stuck this long on one file (or without progress while a batch is owed) is killed
+    and replaced; the file is marked bad ("decode timed out") and skipped from then on."""
+    max_bad_fraction: float = 0.5
+    """Stop with an error listing examples when more than this fraction of the distinct manifest
+    rows a decoder has tried are unusable (judged once it has tried 20 rows, or its whole share of
+    a smaller manifest); 1 never stops."""
+    clip_cache_mb: float = 0.0
+    """Each decoder keeps the clips it decoded (resized and cropped) in memory, up to this many MiB,
+    the least recently used dropped first, and serves a clip drawn again (same file, frames and
+    crop: a later epoch of a small dataset) without decoding it. A cached clip is the same bytes
+    as a new decode; a file changed on disk is decoded again. 0: no cache. Latent manifests
+    ignore it."""
+
+
+@dataclass
+class OptimizerConfig:
+    lr: float = 5e-3
+    """Peak learning rate of AdamW."""
+    betas: tuple[float, float] = (0.9, 0.999)
+    """AdamW (beta1, beta2)."""
+    eps: float = 1e-8
+    """AdamW epsilon."""
+    weight_decay: float = 0.0
+    """Decoupled weight decay (applied to every parameter)."""
+    grad_clip: float = 1.0
+    """Clip the global gradient L2 norm to this value; 0 disables clipping."""
+    warmup_steps: int = 0
+    """Linear warm-up steps from 0 to ``lr``."""
+    schedule: Literal["constant", "cosine", "linear"] = "cosine"
+    """Learning-rate decay after warm-up, over ``training.steps``."""
+    min_lr_ratio: float = 0.1
+    """Final learning rate as a fraction of ``lr`` for the cosine and linear schedules."""
+    max_bad_steps: int = 20
+    """A step whose loss or gradients hold NaN/Inf is skipped on every shard (counted and logged);
+    after this many such steps in a row the run stops with an error. 0: never stop."""
+
+
+@dataclass
+class RuntimeConfig:
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+    """Where the compute actor runs: ``auto`` takes a GPU when the Ray cluster has one."""
+    state_dir: str = ""
+    """Directory of the host parameter store's shared-memory segments. Empty: ``/dev/shm``
+    when it exists, else the system temp dir. A disk path lets state exceed RAM."""
+    transport: Literal["auto", "shm", "object_ref"] = "auto"
+    """How weights and gradients move between the store and the compute actor: ``shm`` maps the
+    store's segments (same node only), ``object_ref`` sends them through Ray's object store;
+    ``auto`` picks ``shm`` when both actors share a node."""
+    compute_threads: int = 0
+    """Torch intra-op threads in the compute actor; 0 uses every core of the machine."""
+    overlap: bool = True
+    """Stage the next shards and return gradients on background threads while the current shard
+    computes. False: fetch, compute, return strictly in sequence (the "no async streaming" ablation)."""
+    prefetch_depth: int = 1
+    """Shards staged ahead of the one computing (with ``overlap``)."""
+    token_chunk: int = 0
+    """Run a block's per-token parts (modulation, norms, projections, MLP, cross-attention) over
+    chunks of this many tokens in forward, recompute and backward, and its attention over query
+    chunks (``dsa``/``neighborhood``: slabs of whole frames, at least one; ``swin`` stays whole),
+    so a block's working set scales with the chunk instead of the clip. 0: whole clip at once."""
+    link_gbps: float = 0.0
+    """CPU runs: throttle weight staging and gradient return (and offloaded activations) to this
+    many GB/s, to simulate a PCIe link without a GPU (0: no throttle; weights are then read in
+    place from shared memory)."""
+    offload_activations: bool = False
+    """Keep the block inputs saved for the backward in host memory instead of on the compute
+    device: each goes out right after the forward uses it and comes back ahead of its block's
+    backward, so device memory no longer grows with model depth. Costs one round trip of
+    depth x batch x tokens x width values per step over the link. The host copy is an unlinked
+    file in ``runtime.state_dir`` (``/dev/shm`` by default), pinned on CUDA."""
+    offload_keep: int = 0
+    """With ``offload_activations``: the last N block inputs stay on the compute device (they are
+    the first the backward needs, so they also cost no round trip over the link); the rest go to
+    the host segment, which then has depth - N slots. Trades device memory (N more inputs of
+    batch x tokens x width) for host memory and link traffic. 0: all offloaded; N >= depth:
+    none. Ignored without ``offload_activations``."""
+    recompute_blocks: bool = True
+    """Activation checkpointing at block boundaries: the forward keeps only each block's input and
+    the backward runs the block's forward again before its backward (one more forward per step).
+    False keeps every block's autograd graph from the forward instead, so the backward computes
+    no forward again (about a quarter less compute per step) at the cost of every block's
+    activations in memory. For a CPU compute reading the weights in place: a kept graph holds
+    its block's weights, which a streamed GPU step passes through reused buffers. So a compute
+    actor that lands on a GPU (``runtime.device`` ``auto``) recomputes anyway and logs it, and
+    ``runtime.device = cuda``, ``link_gbps`` > 0 and ``offload_activations`` are refused with it."""
+    optimizer_threads: int = 0
+    """Torch threads in the parameter store for AdamW; 0 uses every core of the machine."""
+    max_restarts: int = 3
+    """Actor failures (a parameter store, compute or decoder actor that died or hung) the run
+    recovers from; one more stops it with a message saying how to resume."""
+
+
+@dataclass
+class TrainingConfig:
+    steps: int = 30
+    """Optimizer steps to run (in total, counting steps done before a ``--resume``)."""
+    seed: int = 0
+    """Seed for initial weights, data order, noise and timesteps."""
+    log_every: int = 5
+    """Write one log line every this many steps (every step goes to metrics.jsonl)."""
+    checkpoint_every: int = 0
+    """Checkpoint every this many steps; 0 only at the end of the run."""
+    run_dir: str = ""
+    """Output directory; empty means ``runs/<timestamp>``."""
+    t_sampling: Literal["uniform", "logit_normal"] = "logit_normal"
+    """Distribution of the flow-matching time t in (0, 1)."""
+    flow_shift: float = 1.0
+    """Time shift s of flow matching: a sampled t becomes ``s t / (1 + (s - 1) t)`` (more steps
+    near the noise end), in training and in the sampler's time grid; 1 = no shift. Wan 2.x
+    models use 3 (480p) to 5 (720p)."""
+    sample_every: int = 0
+    """Every this many steps, sample ``sample_prompt`` through the compute actor into
+    ``RUN_DIR/samples/step_N.mp4`` (and a ``.png`` contact sheet); 0 never."""
+    sample_prompt: str = "a red circle moving right on a dark blue background"
+    """Caption of the samples taken during training."""
+    sample_steps: int = 10
+    """Euler steps of each sample taken during training."""
+    eval_every: int = 0
+    """Every this many steps, compute the validation loss on ``data.val_manifest`` (forward only,
+    through the compute actor, with the weights after that step's update) into metrics.jsonl
+    (``val_loss``, ``val_loss_t0``...); 0 never. Needs ``data.val_manifest``."""
+    val_clips: int = 4
+    """Validation clips: the first this many readable rows of ``data.val_manifest``."""
+    val_t_buckets: int = 4
+    """The validation loss is measured on every clip at one flow time t in each of this many equal
+    buckets of [0, 1] (t and the noise are fixed by ``seed``, the clip and the bucket), and reported
+    per bucket as ``val_loss_t{b}``."""
+    caption_dropout: float = 0.1
+    """``videodit``: the fraction of training clips whose caption is replaced by the empty caption
+    (drawn from ``seed`` and the step), so the model also learns the unconditional prediction that
+    classifier-free guidance (``sample --cfg-scale``) mixes in. 0: never (guidance then mixes in an
+    untrained prediction). ``wan`` ignores it: its unconditional input is a negative prompt's
+    embedding, which the training data does not carry."""
+    overfit_one_batch: bool = False
+    """Debug: train on the first batch only, with the same noise and timesteps every step (the loss
+    must fall steadily; a quick check that model, streaming and optimizer work together)."""
+
+
+@dataclass
+class RayConfig:
+    address: str = ""
+    """Ray cluster to join (``auto`` or ``host:port``); empty starts a local cluster."""
+    dashboard_host: str = "127.0.0.1"
+    """Interface the dashboard of a locally started cluster listens on."""
+    num_cpus: int = 0
+    """CPUs a locally started cluster offers; 0 lets Ray count them."""
+    metrics_export_port: int = 0
+    """Port where a locally started cluster exports metrics in Prometheus text (the megaslide_*
+    metrics among them); 0 lets Ray choose one."""
+
+
+@dataclass
+class Config:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    attention: AttentionConfig = field(default_factory=AttentionConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    optim: OptimizerConfig = field(default_factory=OptimizerConfig)
+    runtime: RuntimeConfig = field(default_factory=RuntimeConfig)
+    training: TrainingConfig = field(default_factory=TrainingConfig)
+    ray: RayConfig = field(default_factory=RayConfig)
+    preset: str = "tiny"
+    """Name of the preset this config started from (informational)."""
+
+    # -- derived quantities -------------------------------------------------------------------
+    @property
+    def latent_space(self) -> bool:
+        """True when the model reads VAE latents (``wan``, or ``videodit`` with ``model.inputs =
+        latents``): ``data.num_frames/height/width`` are then the pixel clip the VAE encodes."""
+        return self.model.arch == "wan" or self.model.inputs == "latents"
+
+    @property
+    def latent_grid(self) -> tuple[int, int, int]:
+        """The (frames, height, width) grid the model reads: in latent space (``latent_space``) the
+        VAE latents of the pixel clip (``(F - 1) // ct + 1``, ``H // ch``, ``W // cw`` with
+        ``model.latent_compression``), else the pixel clip itself."""
+        d = self.data
+        if self.latent_space:
+            ct, ch, cw = self.model.latent_compression
+            return ((d.num_frames - 1) // ct + 1, d.height // ch, d.width // cw)
+        return (d.num_frames, d.height, d.width)
+
+    @property
+    def token_grid(self) -> tuple[int, int, int]:
+        """The token grid: ``latent_grid`` divided by ``model.patch_size``."""
+        pt, ph, pw = self.model.patch_size
+        f, h, w = self.latent_grid
+        return (f // pt, h // ph, w // pw)
+
+    @property
+    def tokens_per_sample(self) -> int:
+        t, h, w = self.token_grid
+        return t * h * w
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+SECTIONS = ("model", "attention", "data", "optim", "runtime", "training", "ray")
+
+
+# ---------------------------------------------------------------------------------------------
+# Presets
+# ---------------------------------------------------------------------------------------------
+
+
+# ---------------------------------------------------------------------------------------------
+# Field docs, overrides, TOML
+# ---------------------------------------------------------------------------------------------
+
+
+# ---------------------------------------------------------------------------------------------
+# Validation
+# ---------------------------------------------------------------------------------------------
+
+
+# ---------------------------------------------------------------------------------------------
+# The configuration reference: docs/configuration.md, generated from the field docstrings
+# ---------------------------------------------------------------------------------------------

@@ -1,0 +1,219 @@
+"""Every rule a config must meet, checked before Ray starts.
+
+``validate(cfg)`` raises ``ConfigError`` on the first broken rule; each message names the
+field, the value and what to do."""
+
+from __future__ import annotations
+import math
+from pathlib import Path
+from megaslide_ray.config.presets import PRESETS
+from megaslide_ray.config.sections import Config, ConfigError
+
+
+def validate(cfg: Config) -> Config:
+    m, a, d, o, t = cfg.model, cfg.attention, cfg.data, cfg.optim, cfg.training
+
+    def positive(where: str, value: float) -> None:
+        if not value > 0:
+            raise ConfigError(f"{where}={value!r} must be > 0")
+
+    for where, value in [("model.hidden_size", m.hidden_size), ("model.depth", m.depth),
+                         ("model.num_heads", m.num_heads), ("model.mlp_ratio", m.mlp_ratio),
+                         ("model.in_channels", m.in_channels), ("model.caption_dim", m.caption_dim),
+                         ("model.caption_max_bytes", m.caption_max_bytes),
+                         ("model.timestep_freq_dim", m.timestep_freq_dim),
+                         ("data.num_frames", d.num_frames), ("data.height", d.height),
+                         ("data.width", d.width), ("data.frame_stride", d.frame_stride),
+                         ("data.batch_size", d.batch_size), ("data.prefetch", d.prefetch),
+                         ("data.num_decoders", d.num_decoders), ("training.steps", t.steps),
+                         ("training.log_every", t.log_every), ("training.sample_steps", t.sample_steps),
+                         ("optim.lr", o.lr),
+                         ("optim.eps", o.eps), ("training.flow_shift", t.flow_shift)]:
+        positive(where, value)
+    for i, p in enumerate(m.patch_size):
+        positive(f"model.patch_size[{i}]", p)
+    if m.inputs not in ("pixels", "latents"):
+        raise ConfigError(f"model.inputs={m.inputs!r} is not one of ['pixels', 'latents']")
+    if m.arch == "videodit" and m.inputs == "pixels" and m.in_channels != 3:
+        raise ConfigError(f"model.in_channels={m.in_channels}: the video decoders deliver RGB clips (3 channels) and "
+                          f"the videodit model reads pixels (model.inputs='pixels'); use model.in_channels=3 "
+                          f"(VAE latents: model.inputs=latents)")
+    for where, value in [("model.ffn_dim", m.ffn_dim), ("model.out_channels", m.out_channels),
+                         ("attention.offset_groups", a.offset_groups)]:
+        if value < 0:
+            raise ConfigError(f"{where}={value} must be >= 0 (0 = the default it names)")
+    if m.caption_layers < 0:
+        raise ConfigError(f"model.caption_layers={m.caption_layers} must be >= 0 (0: a bag of bytes, no "
+                          f"self-attention over the caption)")
+    if m.arch == "videodit" and m.out_channels not in (0, m.in_channels):
+        raise ConfigError(f"model.out_channels={m.out_channels}: the videodit model predicts its "
+                          f"{m.in_channels} input channels; use 0 or {m.in_channels}")
+    if m.prediction not in ("velocity", "sample"):
+        raise ConfigError(f"model.prediction={m.prediction!r} is not one of ['velocity', 'sample']")
+    if m.arch == "wan":
+        _validate_wan(cfg)
+    elif m.inputs == "latents":
+        for i, c in enumerate(m.latent_compression):
+            if not c > 0:
+                raise ConfigError(f"model.latent_compression[{i}]={c} must be > 0")
+    if cfg.runtime.prefetch_depth < 1:
+        raise ConfigError(f"runtime.prefetch_depth={cfg.runtime.prefetch_depth} must be >= 1")
+    if cfg.runtime.token_chunk < 0:
+        raise ConfigError(f"runtime.token_chunk={cfg.runtime.token_chunk} must be >= 0 (0 = no chunking)")
+    if cfg.runtime.offload_keep < 0:
+        raise ConfigError(f"runtime.offload_keep={cfg.runtime.offload_keep} must be >= 0 (0 = offload every "
+                          f"block input; only used with runtime.offload_activations)")
+    if d.fps < 0 or not math.isfinite(d.fps):
+        raise ConfigError(f"data.fps={d.fps} must be >= 0 (0: sample by data.frame_stride)")
+    if d.fps > 0 and d.frame_stride != 1:
+        raise ConfigError(f"data.fps={d.fps} and data.frame_stride={d.frame_stride} both set; choose one "
+                          f"(fps samples at a frame rate, frame_stride every n-th frame): set frame_stride=1 "
+                          f"or fps=0")
+    if not (d.decode_timeout_s > 0 and math.isfinite(d.decode_timeout_s)):
+        raise ConfigError(f"data.decode_timeout_s={d.decode_timeout_s} must be a finite number of seconds > 0")
+    if d.clip_cache_mb < 0:
+        raise ConfigError(f"data.clip_cache_mb={d.clip_cache_mb} must be >= 0 (0: no decoded-clip cache)")
+    if not 0 <= d.max_bad_fraction <= 1:
+        raise ConfigError(f"data.max_bad_fraction={d.max_bad_fraction} must lie in [0, 1] (1 never stops)")
+    if m.hidden_size % m.num_heads:
+        raise ConfigError(f"model.hidden_size={m.hidden_size} is not divisible by model.num_heads={m.num_heads}; "
+                          f"pick heads that divide the width (e.g. {_divisor_near(m.hidden_size, m.num_heads)})")
+    if m.timestep_freq_dim % 2:
+        raise ConfigError(f"model.timestep_freq_dim={m.timestep_freq_dim} must be even")
+    if a.offset_groups and m.num_heads % a.offset_groups:
+        raise ConfigError(f"attention.offset_groups={a.offset_groups} does not divide model.num_heads={m.num_heads}; "
+                          f"use a divisor (e.g. {_divisor_near(m.num_heads, a.offset_groups)}) or 0 (one group per head)")
+    if not cfg.latent_space:
+        for axis, size, p in (("num_frames", d.num_frames, m.patch_size[0]), ("height", d.height, m.patch_size[1]),
+                              ("width", d.width, m.patch_size[2])):
+            if size % p:
+                raise ConfigError(f"data.{axis}={size} is not divisible by the patch size {p} "
+                                  f"(model.patch_size={m.patch_size}); use a multiple of {p}")
+    else:
+        _validate_latent_clip(cfg)
+    grid = cfg.token_grid
+    for i, (axis, k, n) in enumerate(zip(("frames", "height", "width"), a.window, grid)):
+        if k <= 0 or (k % 2 == 0 and a.kind != "swin"):
+            raise ConfigError(f"attention.window={a.window}: the {axis} size {k} must be odd and positive"
+                              + ("" if k <= 0 else f" for attention.kind={a.kind!r} (a window centred on each "
+                                 f"query; only swin's tiles may be even)"))
+        if a.kind in ("dsa", "neighborhood", "swin") and k > n:
+            raise ConfigError(f"attention.window={a.window}: the {axis} size {k} exceeds the token grid's "
+                              f"{n} {axis} (grid {grid} = {'latent' if cfg.latent_space else 'data'} size / model.patch_size); "
+                              f"shrink the window")
+    for i, k in enumerate(a.offset_kernel):
+        if k <= 0 or k % 2 == 0:
+            raise ConfigError(f"attention.offset_kernel={tuple(a.offset_kernel)}: size {k} (axis {i}) must be odd "
+                              f"and positive, e.g. (3, 3, 3) or (3, 7, 7)")
+    if not (a.offset_scale > 0 and math.isfinite(a.offset_scale)):
+        raise ConfigError(f"attention.offset_scale={a.offset_scale} must be a finite number > 0 (1: the offsets "
+                          f"learn at optim.lr; 0.1: ten times slower)")
+    if a.max_offset < 0:
+        raise ConfigError(f"attention.max_offset={a.max_offset} must be >= 0 (0 = unbounded)")
+    if a.scale < 0:
+        raise ConfigError(f"attention.scale={a.scale} must be >= 0 (0 = head_dim ** -0.5)")
+    b1, b2 = o.betas
+    if not (0 <= b1 < 1 and 0 <= b2 < 1):
+        raise ConfigError(f"optim.betas={o.betas} must each lie in [0, 1)")
+    for where, value in [("optim.weight_decay", o.weight_decay), ("optim.grad_clip", o.grad_clip),
+                         ("optim.warmup_steps", o.warmup_steps), ("training.checkpoint_every", t.checkpoint_every),
+                         ("training.sample_every", t.sample_every), ("training.eval_every", t.eval_every),
+                         ("runtime.compute_threads", cfg.runtime.compute_threads),
+                         ("runtime.optimizer_threads", cfg.runtime.optimizer_threads),
+                         ("runtime.link_gbps", cfg.runtime.link_gbps),
+                         ("runtime.max_restarts", cfg.runtime.max_restarts),
+                         ("optim.max_bad_steps", o.max_bad_steps),
+                         ("ray.num_cpus", cfg.ray.num_cpus),
+                         ("ray.metrics_export_port", cfg.ray.metrics_export_port)]:
+        if value < 0:
+            raise ConfigError(f"{where}={value} must be >= 0")
+    if not cfg.runtime.recompute_blocks:
+        rt = cfg.runtime
+        for bad, what in ((rt.device == "cuda", "runtime.device='cuda'"),
+                          (rt.link_gbps > 0, f"runtime.link_gbps={rt.link_gbps}"),
+                          (rt.offload_activations, "runtime.offload_activations=true")):
+            if bad:
+                raise ConfigError(f"runtime.recompute_blocks=false with {what}: keeping block graphs needs the "
+                                  f"weights read in place by a CPU compute (device 'cpu' or 'auto', link_gbps 0, "
+                                  f"no offload_activations); set runtime.recompute_blocks=true")
+    if not 0 <= o.min_lr_ratio <= 1:
+        raise ConfigError(f"optim.min_lr_ratio={o.min_lr_ratio} must lie in [0, 1]")
+    if not 0 <= t.caption_dropout < 1:
+        raise ConfigError(f"training.caption_dropout={t.caption_dropout} must lie in [0, 1) (0.1 is usual; 0 never "
+                          f"drops a caption)")
+    if cfg.preset not in PRESETS:
+        raise ConfigError(f"preset={cfg.preset!r} is unknown; choose one of {sorted(PRESETS)}")
+    if d.manifest and not Path(d.manifest).is_file():
+        raise ConfigError(f"data.manifest={d.manifest!r} does not exist; build one with "
+                          f"`python -m megaslide_ray.index VIDEO_DIR --out manifest.parquet` or leave it empty "
+                          f"for the demo set")
+    if d.val_manifest and not Path(d.val_manifest).is_file():
+        raise ConfigError(f"data.val_manifest={d.val_manifest!r} does not exist; give the held-out manifest "
+                          f"(video, or latents for wan) or leave it empty")
+    if t.val_clips < 1 or t.val_t_buckets < 1:
+        raise ConfigError(f"training.val_clips={t.val_clips} and training.val_t_buckets={t.val_t_buckets} must "
+                          f"both be >= 1")
+    if t.eval_every and not d.val_manifest:
+        raise ConfigError(f"training.eval_every={t.eval_every} needs data.val_manifest (the held-out clips); "
+                          f"give --data.val_manifest MANIFEST or set training.eval_every=0")
+    if not math.isfinite(o.lr):
+        raise ConfigError(f"optim.lr={o.lr} must be finite")
+    if cfg.latent_space and t.sample_every:
+        after = ("sample a checkpoint with `python -m megaslide_ray.sample --checkpoint RUN --model-dir WAN_DIR "
+                 "--prompt TEXT`" if m.arch == "wan" else "sample it later (decoding a latent videodit's samples "
+                 "with a VAE is not wired into `megaslide_ray.sample` yet)")
+        raise ConfigError(f"training.sample_every={t.sample_every} with model.arch={m.arch!r} on latents: samples "
+                          f"during training need the model's VAE (and for wan its text encoder), which the trainer "
+                          f"does not load; set it to 0 and {after}")
+    return cfg
+
+
+def _validate_wan(cfg: Config) -> None:
+    """The model fields only ``arch=wan`` reads (the clip is checked by ``_validate_latent_clip``)."""
+    m = cfg.model
+    if m.prediction != "velocity":
+        raise ConfigError(f"model.prediction={m.prediction!r}: the wan models predict the velocity (they were "
+                          f"pretrained on it); use model.prediction=velocity")
+    for where, value in [("model.text_dim", m.text_dim), ("model.text_len", m.text_len),
+                         ("model.rope_max_seq_len", m.rope_max_seq_len), ("model.eps", m.eps)]:
+        if not value > 0:
+            raise ConfigError(f"{where}={value!r} must be > 0")
+    for i, c in enumerate(m.latent_compression):
+        if not c > 0:
+            raise ConfigError(f"model.latent_compression[{i}]={c} must be > 0")
+
+
+def _validate_latent_clip(cfg: Config) -> None:
+    """Latent space (``wan``, or ``videodit`` with ``model.inputs = latents``):
+    ``data.num_frames/height/width`` are the pixel clip the VAE encodes; the latent grid must divide
+    into patches, and for ``wan`` every token-grid axis must fit the rotary embedding."""
+    m, d = cfg.model, cfg.data
+    ct, ch, cw = m.latent_compression
+    if (d.num_frames - 1) % ct:
+        below = (d.num_frames - 1) // ct * ct + 1
+        choices = [f for f in (below, below + ct) if f >= 1]
+        raise ConfigError(f"data.num_frames={d.num_frames}: the {'Wan ' if m.arch == 'wan' else ''}VAE encodes {ct}k+1 frames "
+                          f"(model.latent_compression={m.latent_compression}); use "
+                          f"{' or '.join(str(f) for f in choices)}")
+    head_dim = m.hidden_size // m.num_heads
+    if m.arch == "wan" and head_dim % 2:
+        raise ConfigError(f"model.hidden_size / model.num_heads = {head_dim}: the Wan rotary embedding needs an "
+                          f"even head width")
+    for axis, size, c, p in (("height", d.height, ch, m.patch_size[1]), ("width", d.width, cw, m.patch_size[2])):
+        if size % (c * p):
+            unit = c * p
+            near = sorted({max(unit, size // unit * unit), size // unit * unit + unit})
+            raise ConfigError(f"data.{axis}={size} is not divisible by {unit} (VAE compression {c} x "
+                              f"model.patch_size {p}); use {' or '.join(str(v) for v in near)}")
+    frames = cfg.latent_grid[0]
+    if frames % m.patch_size[0]:
+        raise ConfigError(f"data.num_frames={d.num_frames} gives {frames} latent frames, not divisible by the "
+                          f"patch size {m.patch_size[0]} (model.patch_size={m.patch_size})")
+    for axis, n in zip(("frames", "height", "width"), cfg.token_grid):
+        if m.arch == "wan" and n > m.rope_max_seq_len:
+            raise ConfigError(f"the token grid {cfg.token_grid} has {n} {axis}, more than model.rope_max_seq_len="
+                              f"{m.rope_max_seq_len} rotary positions; use a shorter clip or raise the field")
+
+
+def _divisor_near(n: int, k: int) -> int:
+    return min((d for d in range(1, n + 1) if n % d == 0), key=lambda d: (abs(d - k), d))

@@ -1,0 +1,69 @@
+"""Is the data what the model reads? Video for ``videodit`` in pixel space, a latent manifest
+from ``python -m megaslide_ray.precompute`` for ``wan`` and the latent ``dit-*`` presets, with
+the latent shape, text width and VAE compression the config implies. Checked by the CLI before
+Ray starts, and by the Trainer."""
+
+from __future__ import annotations
+from megaslide_ray.config import Config, ConfigError
+
+
+def check_data(cfg: Config) -> None:
+    """The data must be what the model reads: video for ``videodit``, a latent manifest from
+    ``megaslide_ray.precompute`` for ``wan``, with the latent shape, text width and VAE
+    compression the config implies. One ``ConfigError`` names every disagreement (called before
+    Ray starts by the CLI, and by the Trainer). ``data.val_manifest`` is held to the same rules."""
+    m, d = cfg.model, cfg.data
+    if not d.manifest and m.arch == "videodit" and m.inputs == "latents":
+        raise ConfigError(f"model.inputs='latents' (preset {cfg.preset!r}) trains on precomputed VAE latents, not "
+                          f"on the demo videos: run `python -m megaslide_ray.precompute --model-dir WAN_DIR --data "
+                          f"VIDEOS.parquet --out CACHE --frames F --height H --width W`, then pass --data with the "
+                          f"latent manifest it writes (the videodit reads its caption column as bytes)")
+    if not d.manifest and m.arch == "wan":
+        raise ConfigError("model.arch='wan' trains on precomputed VAE latents and text embeddings, not on the "
+                          "demo videos: run `python -m megaslide_ray.precompute --model-dir WAN_DIR --data "
+                          "VIDEOS.parquet --out CACHE --frames F --height H --width W`, then pass --data with "
+                          "the latent manifest it writes")
+    if d.manifest:
+        _check_manifest(cfg, "data.manifest", d.manifest)
+    if d.val_manifest:
+        _check_manifest(cfg, "data.val_manifest", d.val_manifest)
+
+
+def _check_manifest(cfg: Config, field: str, path: str) -> None:
+    """``check_data`` for one manifest (``field`` names it in the messages)."""
+    from megaslide_ray.data.latents import is_latent_manifest, latent_manifest_info
+
+    m, d = cfg.model, cfg.data
+    latent = is_latent_manifest(path)
+    if m.arch == "wan" and not latent:
+        raise ConfigError(f"{field}={path!r} is a video manifest; model.arch='wan' reads latents: "
+                          f"precompute them first (python -m megaslide_ray.precompute ...)")
+    if not cfg.latent_space and latent:
+        raise ConfigError(f"{field}={path!r} holds precomputed latents; model.arch={m.arch!r} with "
+                          f"model.inputs='pixels' reads video (latents are for the wan presets and the dit-* presets, "
+                          f"model.inputs=latents)")
+    if cfg.latent_space and not latent:
+        raise ConfigError(f"{field}={path!r} is a video manifest; model.inputs='latents' reads latents: "
+                          f"precompute them first (python -m megaslide_ray.precompute ...)")
+    if not latent:
+        return
+    info = latent_manifest_info(path)
+    want = (*cfg.latent_grid, m.in_channels)
+    problems = []
+    if tuple(info.latent_shape) != want:
+        ct, cs, _ = info.compression
+        F_, H_, W_, C = info.latent_shape
+        problems.append(f"its latents are {tuple(info.latent_shape)} (frames, height, width, channels) but "
+                        f"data.num_frames={d.num_frames}, data.height={d.height}, data.width={d.width} and "
+                        f"model.in_channels={m.in_channels} make {want}: precomputed clips of "
+                        f"{ct * (F_ - 1) + 1} frames of {cs * W_}x{cs * H_} need --data.num_frames "
+                        f"{ct * (F_ - 1) + 1} --data.height {cs * H_} --data.width {cs * W_}")
+    if m.arch == "wan" and info.text_dim != m.text_dim:
+        problems.append(f"its text embeddings are {info.text_dim} wide, model.text_dim={m.text_dim}")
+    if tuple(info.compression) != tuple(m.latent_compression):
+        problems.append(f"its VAE compresses {tuple(info.compression)}, model.latent_compression="
+                        f"{tuple(m.latent_compression)}")
+    if m.arch == "wan" and info.text_len > m.text_len:
+        problems.append(f"its text is padded to {info.text_len} tokens, model.text_len={m.text_len}")
+    if problems:
+        raise ConfigError(f"{field}={path!r} does not fit the model:\n  " + "\n  ".join(problems))

@@ -1,0 +1,392 @@
+"""The encoders ``precompute`` runs: a Wan VAE and a UMT5 text encoder, in this process or as a
+pool of Ray actors with a watchdog.
+
+Only local files are read (``WAN_DIR/vae``, ``text_encoder``, ``tokenizer``); the models come
+from diffusers and transformers, imported when first needed (they are test extras)."""
+
+from __future__ import annotations
+import hashlib
+import html
+import json
+import logging
+import os
+import re
+import threading
+from collections import deque
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+import numpy as np
+import torch
+from megaslide_ray.data.clips import ClipUnreadable, decode_clip
+from megaslide_ray.config import DataConfig
+from megaslide_ray.data.latents import (
+    DTYPES,
+    LATENT_KEY,
+    TEXT_KEY,
+    TEXT_LEN,
+    save_tensor_file,
+)
+from megaslide_ray.data.latents import HEADER_KEY
+
+log = logging.getLogger(__name__)
+
+
+DTYPE_NAMES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32", "bfloat16": "bfloat16",
+               "float16": "float16", "float32": "float32"}
+
+
+CLIPS_PER_CALL = 2
+"""Clips per actor call. Each actor runs two calls at once: one encodes while the other's clips
+decode, and the actor never waits for the driver."""
+
+
+CAPTIONS_PER_CALL = 16
+"""Captions per text-encoder batch."""
+
+
+def import_hf():
+    """``(diffusers, transformers)``, imported only when precompute runs: training does not need them."""
+    try:
+        import diffusers
+        import transformers
+    except ImportError as e:
+        raise ImportError(f"precompute needs diffusers and transformers ({e}); install them with "
+                          f"`pip install diffusers transformers` (sentencepiece too for Wan's tokenizer)") from None
+    return diffusers, transformers
+
+
+def _has_accelerate() -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec("accelerate") is not None
+
+
+def check_frames(frames: int, temporal: int = 4) -> None:
+    """``frames`` must be ``temporal * k + 1`` (the Wan VAE keeps the first frame, then folds
+    each ``temporal`` frames into one latent frame): a ``ValueError`` names the nearest valid ones."""
+    if frames >= 1 and (frames - 1) % temporal == 0:
+        return
+    lo = (max(frames, 1) - 1) // temporal * temporal + 1
+    near = [v for v in (lo, lo + temporal) if v >= 1]
+    raise ValueError(f"--frames {frames} is not {temporal}k+1 (the VAE compresses time by {temporal} after the first "
+                     f"frame); the nearest valid values are {' and '.join(map(str, near))}")
+
+
+def check_size(height: int, width: int, spatial: int) -> None:
+    bad = [f"--{n} {v}" for n, v in (("height", height), ("width", width)) if v < spatial or v % spatial]
+    if bad:
+        raise ValueError(f"{', '.join(bad)}: height and width must be positive multiples of the VAE's spatial "
+                         f"compression {spatial} (e.g. {height // spatial * spatial or spatial} x "
+                         f"{width // spatial * spatial or spatial})")
+
+
+@dataclass(frozen=True)
+class ModelInfo:
+    """What precompute needs from ``WAN_DIR`` before loading anything (the config files)."""
+
+    name: str
+    latent_channels: int
+    compression: tuple[int, int, int]
+    latents_mean: list[float]
+    latents_std: list[float]
+    text_dim: int
+    configs_sha1: str
+    """Hash of vae/config.json and text_encoder/config.json: a different model is a different cache."""
+
+
+def read_model_info(model_dir: str | os.PathLike) -> ModelInfo:
+    """Read ``WAN_DIR/vae/config.json`` and ``WAN_DIR/text_encoder/config.json`` (checking that
+    ``tokenizer/`` is there too); a ``ValueError`` says what is missing."""
+    root = Path(model_dir)
+    need = [root / "vae" / "config.json", root / "text_encoder" / "config.json", root / "tokenizer"]
+    missing = [str(p.relative_to(root)) for p in need if not p.exists()]
+    if missing:
+        raise ValueError(f"--model-dir {str(root)!r} lacks {', '.join(missing)}; it must be a local diffusers-format "
+                         f"Wan folder with vae/, text_encoder/ and tokenizer/")
+    vae_text, te_text = need[0].read_text(), need[1].read_text()
+    vae, te = json.loads(vae_text), json.loads(te_text)
+    z = int(vae.get("z_dim", 16))
+    t = 2 ** sum(bool(x) for x in vae.get("temperal_downsample", [False, True, True]))
+    s = 2 ** (len(vae.get("dim_mult", [1, 2, 4, 4])) - 1) * int(vae.get("patch_size") or 1)
+    mean, std = vae.get("latents_mean"), vae.get("latents_std")
+    if not (isinstance(mean, list) and isinstance(std, list) and len(mean) == len(std) == z):
+        raise ValueError(f"{need[0]}: latents_mean/latents_std must be lists of z_dim={z} numbers (the per-channel "
+                         f"normalisation of the Wan VAE)")
+    if not any(k in te for k in ("d_model", "hidden_size")):
+        raise ValueError(f"{need[1]} has no d_model: is text_encoder/ a UMT5 encoder?")
+    digest = hashlib.sha1(vae_text.encode() + b"\0" + te_text.encode()).hexdigest()
+    return ModelInfo(name=root.resolve().name, latent_channels=z, compression=(t, s, s),
+                     latents_mean=[float(x) for x in mean], latents_std=[float(x) for x in std],
+                     text_dim=int(te.get("d_model", te.get("hidden_size"))), configs_sha1=digest)
+
+
+def prompt_clean(text: str) -> str:
+    """The Wan pipelines' prompt cleaning: ftfy (when installed), HTML unescaping twice,
+    whitespace runs collapsed, ends stripped."""
+    try:
+        import ftfy
+    except ImportError:
+        pass
+    else:
+        text = ftfy.fix_text(text)
+    text = html.unescape(html.unescape(text)).strip()
+    return re.sub(r"\s+", " ", text).strip()
+
+
+class Encoder:
+    """Decodes clips and encodes them with the Wan VAE; encodes captions with UMT5. Writes the
+    files itself (atomically) and returns small result dicts. Holds one model at a time."""
+
+    def __init__(self, model_dir: str, data: DataConfig, device: str = "cpu", dtype: str = "bfloat16",
+                 threads: int = 0) -> None:
+        import_hf()
+        self.threads = threads if threads > 0 else torch.get_num_threads()
+        torch.set_num_threads(self.threads)
+        self.model_dir = Path(model_dir)
+        self.data = data
+        self.device = torch.device(device)
+        self.dtype_name = DTYPE_NAMES[dtype]
+        self.store_dtype = DTYPES[self.dtype_name]
+        bf16_text = self.device.type == "cuda" and self.dtype_name == "bfloat16"
+        self.text_dtype = torch.bfloat16 if bf16_text else torch.float32
+        self.vae = None
+        self.text_encoder = None
+        self.tokenizer = None
+        self._decode_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="precompute-decode")
+        # An actor runs two calls at once (``max_concurrency=2``): the second one's clips decode
+        # while the first one encodes; the models run one call at a time (the Wan VAE keeps its
+        # causal cache on the module).
+        self._model_lock = threading.Lock()
+
+    # -- models ----------------------------------------------------------------------------------
+
+    def _free(self) -> None:
+        self.vae = self.text_encoder = None
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
+
+    def load_vae(self):
+        if self.vae is None:
+            diffusers, _ = import_hf()
+            self._free()
+            vae = diffusers.AutoencoderKLWan.from_pretrained(str(self.model_dir / "vae"), torch_dtype=torch.float32,
+                                                             low_cpu_mem_usage=_has_accelerate())
+            self.vae = vae.to(self.device).eval()
+            shape = (1, self.vae.config.z_dim, 1, 1, 1)
+            self._mean = torch.tensor(self.vae.config.latents_mean, dtype=torch.float32, device=self.device).view(shape)
+            self._std = torch.tensor(self.vae.config.latents_std, dtype=torch.float32, device=self.device).view(shape)
+        return self.vae
+
+    def load_text_encoder(self):
+        if self.text_encoder is None:
+            _, transformers = import_hf()
+            self._free()
+            self.tokenizer = transformers.AutoTokenizer.from_pretrained(str(self.model_dir / "tokenizer"))
+            self.tokenizer.padding_side = "right"  # valid tokens first: the mask's length cuts them
+            te = transformers.UMT5EncoderModel.from_pretrained(str(self.model_dir / "text_encoder"))
+            self.text_encoder = te.to(device=self.device, dtype=self.text_dtype).eval()
+        return self.text_encoder
+
+    # -- encoding --------------------------------------------------------------------------------
+
+    @torch.inference_mode()
+    def encode_video(self, frames: np.ndarray) -> torch.Tensor:
+        """uint8 ``(F, H, W, 3)`` -> normalised latents float32 ``(F', H', W', C)`` on the CPU."""
+        vae = self.load_vae()
+        x = torch.from_numpy(np.ascontiguousarray(frames)).to(self.device)
+        x = x.permute(3, 0, 1, 2).unsqueeze(0).float().div_(127.5).sub_(1.0)  # (1, 3, F, H, W) in [-1, 1]
+        z = vae.encode(x).latent_dist.mode().float()
+        z = (z - self._mean) / self._std
+        return z[0].permute(1, 2, 3, 0).contiguous().cpu()
+
+    @torch.inference_mode()
+    def encode_text(self, captions: list[str]) -> list[torch.Tensor]:
+        """Captions -> float32 ``(L_valid, text_dim)`` each, on the CPU. Padded to the batch's
+        longest (the padding is masked, so the valid tokens equal a 512-padded run's)."""
+        te = self.load_text_encoder()
+        batch = self.tokenizer([prompt_clean(c) for c in captions], padding="longest", max_length=TEXT_LEN,
+                               truncation=True, add_special_tokens=True, return_attention_mask=True,
+                               return_tensors="pt")
+        ids, mask = batch["input_ids"].to(self.device), batch["attention_mask"].to(self.device)
+        hidden = te(input_ids=ids, attention_mask=mask).last_hidden_state.float().cpu()
+        lengths = mask.gt(0).sum(dim=1).tolist()
+        return [hidden[i, :n].clone() for i, n in enumerate(lengths)]
+
+    # -- the jobs the driver hands out -----------------------------------------------------------
+
+    def _decode(self, task: dict):
+        try:
+            return decode_clip(task["source"], self.data, 0, 0)
+        except ClipUnreadable as e:
+            return e
+
+    def encode_clips(self, tasks: list[dict]) -> list[dict]:
+        """Encode and write each task's clip: ``{"key", "ok": True, "info": row}`` or ``{"key",
+        "ok": False, "reason"}`` for a video that cannot be used."""
+        futures = [self._decode_pool.submit(self._decode, t) for t in tasks]  # decoded ahead on a thread
+        results = []
+        for task, future in zip(tasks, futures):
+            clip = future.result()
+            if isinstance(clip, ClipUnreadable):
+                results.append({"key": task["key"], "ok": False, "reason": str(clip)})
+                continue
+            with self._model_lock:
+                torch.set_num_threads(self.threads)  # this call's thread: see set_threads
+                latents = self.encode_video(clip.frames)
+            d = self.data
+            clip_fps = d.fps if d.fps > 0 else clip.source_fps
+            info = {"source_path": task["source_rel"], "frame_start": int(clip.indices[0]),
+                    "frame_end": int(clip.indices[-1]), "num_frames": d.num_frames, "fps": float(clip_fps),
+                    "height": d.height, "width": d.width, "latent_shape": list(latents.shape),
+                    "dtype": self.dtype_name, **task["stamp"]}
+            save_tensor_file(task["out"], LATENT_KEY, latents.to(self.store_dtype),
+                             {HEADER_KEY: json.dumps(info)})
+            results.append({"key": task["key"], "ok": True, "info": info})
+        return results
+
+    def encode_captions(self, tasks: list[dict]) -> list[dict]:
+        """Encode and write each ``{"key", "caption", "out"}``: ``{"key", "ok", "text_len"}``."""
+        with self._model_lock:
+            torch.set_num_threads(self.threads)  # this call's thread: see set_threads
+            texts = self.encode_text([t["caption"] for t in tasks])
+        out = []
+        for task, text in zip(tasks, texts):
+            save_tensor_file(task["out"], TEXT_KEY, text.to(self.store_dtype), {"caption": task["caption"]})
+            out.append({"key": task["key"], "ok": True, "text_len": int(text.shape[0])})
+        return out
+
+    def set_threads(self, threads: int) -> None:
+        """Torch threads for the encoding calls from now on. OpenMP keeps the count per thread and
+        an actor with ``max_concurrency=2`` runs calls on threads of a pool, which start from
+        OMP_NUM_THREADS (Ray sets 1): each encoding call sets the count for its own thread."""
+        self.threads = max(1, threads)
+        torch.set_num_threads(self.threads)
+
+    def close(self) -> None:
+        self._decode_pool.shutdown(wait=False)
+        self._free()
+
+
+def _pick_device(device: str, use_ray: bool) -> str:
+    if device != "auto":
+        return device
+    if use_ray:
+        import ray
+
+        return "cuda" if ray.cluster_resources().get("GPU", 0) >= 1 else "cpu"
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+class _Pool:
+    """The encoder actors, or one ``Encoder`` in this process (``n == 0``), and the dispatch of
+    chunks of tasks to them, two calls in flight per actor. An actor that dies (a codec crash, an
+    out-of-memory kill) is replaced and the tasks of its calls are retried one at a time, each
+    alone on an actor; a task whose actor dies again while it runs alone is reported as failed
+    ("died on it twice") and the run goes on."""
+
+    encoder_cls = Encoder
+
+    def __init__(self, n: int, make_args: tuple, device: str):
+        self.n, self.args, self.device = n, make_args, device
+        self.size = n  # actors started (``n`` drops to 1 for the text phase on CPU)
+        self.replacements = 0
+        self.threads = self.cpus = 0
+        if n == 0:
+            self.local = self.encoder_cls(*make_args)
+            self.actors = []
+            return
+        import ray
+
+        self.cpus = int(ray.cluster_resources().get("CPU", os.cpu_count() or 1))
+        self.threads = 0 if device == "cuda" else max(1, self.cpus // n)
+        self.actors = [self._start(i) for i in range(n)]
+
+    def _start(self, i: int):
+        import ray
+
+        opts = {"num_gpus": 1} if self.device == "cuda" else {}
+        actor = ray.remote(self.encoder_cls).options(num_cpus=0, max_concurrency=2, **opts)
+        return actor.remote(*self.args, self.threads)
+
+    def run(self, method: str, chunks: list[list[dict]], on_result) -> None:
+        if self.n == 0:
+            for chunk in chunks:
+                on_result(getattr(self.local, method)(chunk))
+            return
+        import ray
+        from ray.exceptions import RayActorError
+
+        queue = deque((c, 0) for c in chunks)  # (chunk, attempt); attempt 1: a retry, run alone
+        running: dict = {}  # ref -> (actor index, actor, chunk, attempt)
+        busy = [0] * self.n  # calls in flight on the current actor i
+        alone = [False] * self.n  # a retry runs on it: nothing else goes there meanwhile
+
+        def fill(i: int) -> None:
+            while queue and busy[i] < 2 and not alone[i]:
+                chunk, attempt = queue[0]
+                if attempt and busy[i]:  # a retry waits for an idle actor: only it can be blamed
+                    return
+                queue.popleft()
+                running[getattr(self.actors[i], method).remote(chunk)] = (i, self.actors[i], chunk, attempt)
+                busy[i] += 1
+                alone[i] = attempt > 0
+
+        for i in range(self.n):
+            fill(i)
+        while running:
+            done, _ = ray.wait(list(running), num_returns=1)
+            i, actor, chunk, attempt = running.pop(done[0])
+            current = self.actors[i] is actor
+            if current:
+                busy[i] -= 1
+                alone[i] = False
+            try:
+                results = ray.get(done[0])
+            except RayActorError as e:
+                if "creation task" in str(e):
+                    raise RuntimeError(f"an encoder actor could not start: {e}") from e
+                if current:  # not replaced yet (its other call fails too, and lands here as not current)
+                    self._died(i, e)
+                    busy[i], alone[i] = 0, False
+                if attempt == 0:  # maybe innocent (another call ran beside it): each task again, alone
+                    queue.extendleft(([t], 1) for t in reversed(chunk))
+                else:
+                    on_result([{"key": chunk[0]["key"], "ok": False,
+                                "reason": f"the encoder process died on it twice ({type(e).__name__})"}])
+            else:
+                on_result(results)
+            for j in range(self.n):
+                fill(j)
+
+    def _died(self, i: int, error: BaseException) -> None:
+        import ray
+
+        self.replacements += 1
+        if self.replacements > 2 * self.n + 4:
+            raise RuntimeError(f"encoder actors died {self.replacements} times (last: {error}); check memory and the "
+                               f"worker logs") from error
+        log.warning("encoder %d died (%s); replacing it and retrying its clips one at a time", i, type(error).__name__)
+        ray.kill(self.actors[i], no_restart=True)
+        self.actors[i] = self._start(i)
+
+    def shrink_to_one(self) -> None:
+        """Keep one actor, with every CPU (on CPU, before the text phase: each UMT5-XXL copy
+        takes 22 GB in float32, and the captions are few)."""
+        if self.n <= 1:
+            return
+        import ray
+
+        for a in self.actors[1:]:
+            ray.kill(a)
+        self.actors, self.n = self.actors[:1], 1
+        ray.get(self.actors[0].set_threads.remote(self.cpus))
+
+    def close(self) -> None:
+        if self.n == 0:
+            self.local.close()
+            return
+        import ray
+
+        for a in self.actors:
+            ray.kill(a)

@@ -1,0 +1,348 @@
+"""Sample a video from a checkpoint: Euler integration of the rectified flow, streamed.
+
+The model predicts the velocity ``v = noise - x0`` of ``x_t = (1 - t) x0 + t noise``, so
+sampling starts from noise at t = 1 and steps ``x <- x - dt * v`` down to t = 0. Every model
+evaluation goes through ``ComputeActor.predict``: the shards run block by block with weights
+fetched one shard at a time, exactly as in training, so a model larger than device memory
+samples the same way it trains. Weights come from the checkpoint (read by
+``megaslide_ray.checkpoint``) through ``CheckpointWeights``, a read-only stand-in for the
+parameter store (object-ref transport: each shard's bytes on request; AdamW moments are never
+read). The prompt is encoded as training captions are (``megaslide_ray.captions``). No Ray is
+needed.
+
+    python -m megaslide_ray.sample --checkpoint runs/X --prompt "a red circle moving right" \\
+        --frames 16 --steps 20 --seed 0 --out video.mp4
+
+Writes the H.264 mp4 and, beside it (same name, ``.png``), a contact sheet of its frames.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import struct
+import time
+import zlib
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from actors.compute import ComputeActor
+from megaslide_ray.state.segments import DTYPES
+from actors.param_store import ShardInfo
+from megaslide_ray.data.captions import caption_batch
+from megaslide_ray.state.checkpoint import CheckpointReader, read_checkpoint_state, resolve_checkpoint
+from megaslide_ray.config import Config, ConfigError, config_from_dict, validate
+from megaslide_ray.training.flow import shift_time
+from megaslide_ray.models.registry import build_shard, num_shards
+from megaslide_ray.models.shards import ShardLayout
+
+log = logging.getLogger(__name__)
+
+SHEET_MAX_FRAMES = 16   # the contact sheet shows at most this many frames, evenly spaced
+SHEET_COLUMNS = 8
+
+
+# ---------------------------------------------------------------------------------------------
+# Checkpoint: config and a read-only weight source
+# ---------------------------------------------------------------------------------------------
+
+
+def sampling_config(state: dict, frames: int | None = None, height: int | None = None, width: int | None = None,
+                    device: str = "auto") -> Config:
+    """The checkpoint's config (``state.json``'s ``config``), with the clip shape and device for
+    sampling. Raises ``ConfigError`` if a size does not divide by the patch size."""
+    cfg = config_from_dict(state["config"])
+    cfg.data.manifest = ""            # training data is not needed (and may live on another machine)
+    cfg.data.val_manifest = ""
+    cfg.training.eval_every = 0
+    cfg.runtime.state_dir = ""
+    cfg.runtime.device = device
+    cfg.data.batch_size = 1
+    cfg.training.sample_every = 0     # (a training-time option; sampling is what this is)
+    patch = cfg.model.patch_size
+    for flag, value, p, attr in (("--frames", frames, patch[0], "num_frames"), ("--height", height, patch[1], "height"),
+                                 ("--width", width, patch[2], "width")):
+        if value is None:
+            continue
+        if cfg.latent_space:  # a pixel clip over latents: validate() checks 4k+1 and the VAE x patch
+            setattr(cfg.data, attr, int(value))
+            continue
+        if value <= 0 or value % p:
+            raise ConfigError(f"{flag} {value} is not a positive multiple of the model's patch size {p} "
+                              f"(model.patch_size={tuple(patch)}); use e.g. {flag} {max(p, value // p * p)}")
+        setattr(cfg.data, attr, int(value))
+    try:
+        return validate(cfg)
+    except ConfigError as e:
+        raise ConfigError(f"sampling {cfg.data.num_frames} frames of {cfg.data.width}x{cfg.data.height} with this "
+                          f"checkpoint's model: {e} (or ask for more --frames/--height/--width)") from None
+
+
+class CheckpointWeights:
+    """Serves each shard's compute weights from a checkpoint, read-only.
+
+    Implements the ``StoreClient`` calls ``ComputeActor`` makes with the ``object_ref``
+    transport: ``get_weights`` returns the shard's raw bytes (uint8). Files are opened once and
+    read shard by shard on request, so only one or two shards are in memory at a time.
+    ``kind`` is ``w`` (the compute copy) or ``master`` (fp32; for sampling a bf16 run on a CPU).
+    """
+
+    def __init__(self, checkpoint: str | Path, cfg: Config, kind: str = "w"):
+        n = num_shards(cfg)
+        self.reader = CheckpointReader(checkpoint, n)
+        self.dir, self.state, self.step = self.reader.path, self.reader.state, self.reader.step
+        self.kind = kind
+        self.w_dtype = self.state.get("w_dtype", "float32") if kind == "w" else "float32"
+        self.layouts = [ShardLayout.of(build_shard(cfg, i, "meta"), i) for i in range(n)]
+        for i, lay in enumerate(self.layouts):
+            names = self.reader.layout(i).names
+            if names != lay.names:
+                raise RuntimeError(f"checkpoint {self.dir} shard {i} holds tensors {list(names[:3])}..., the model "
+                                   f"built from its config expects {list(lay.names[:3])}...: config and weights "
+                                   f"disagree")
+
+    def shard_infos(self) -> list[ShardInfo]:
+        return [ShardInfo(i, lay.numel, self.w_dtype, {}, lay) for i, lay in enumerate(self.layouts)]
+
+    # -- StoreClient --------------------------------------------------------------------------
+    def wait_version(self, shard: int, step: int) -> int:
+        if step > self.step:
+            raise RuntimeError(f"weights of step {step} requested; checkpoint {self.dir} holds step {self.step}")
+        return self.step
+
+    def get_weights(self, shard: int, step: int) -> np.ndarray:
+        self.wait_version(shard, step)
+        t = self.reader.tensor(shard, self.kind, self.layouts[shard].numel)
+        return t.contiguous().view(torch.uint8).numpy()
+
+    def report_grad(self, shard: int, step: int, sqnorm: float, grad) -> None:
+        raise RuntimeError("CheckpointWeights is read-only: sampling sends no gradients")
+
+    def flush(self) -> None:
+        pass
+
+    def close(self) -> None:
+        self.reader.close()
+
+
+# ---------------------------------------------------------------------------------------------
+# Euler sampling
+# ---------------------------------------------------------------------------------------------
+
+
+def initial_noise(cfg: Config, seed: int) -> torch.Tensor:
+    """The sampler's starting point: seeded standard noise of one clip, ``(1, F, H, W, C)`` of
+    the model's input (pixels for videodit, the latent grid for wan)."""
+    g = torch.Generator(device="cpu").manual_seed(int(seed))
+    return torch.randn((1, *cfg.latent_grid, cfg.model.in_channels), generator=g, dtype=torch.float32)
+
+
+def integrate(predictor, cfg: Config, x: torch.Tensor, cond, cond_len, steps: int, version: int,
+              cfg_scale: float = 1.0, uncond=None, uncond_len=None) -> torch.Tensor:
+    """Euler steps from noise (t = 1) to data (t = 0) on the grid ``linspace(1, 0)`` shifted by
+    ``training.flow_shift``. ``predictor.predict(x, t, cond, cond_len, version)`` is the model's
+    velocity (the compute actor, or the pipeline during training). With ``cfg_scale != 1`` each
+    step also predicts with ``uncond`` and mixes ``v_u + cfg_scale * (v_c - v_u)`` (one batch
+    of 2)."""
+    guided = cfg_scale != 1.0
+    if guided:
+        cond = np.concatenate([np.asarray(cond), np.asarray(uncond)])
+        cond_len = np.concatenate([np.asarray(cond_len), np.asarray(uncond_len)])
+    ts = shift_time(torch.linspace(1.0, 0.0, steps + 1), cfg.training.flow_shift)  # t = 1 and 0 stay put
+    for i in range(steps):
+        t, dt = float(ts[i]), float(ts[i] - ts[i + 1])
+        xb = torch.cat([x, x]) if guided else x
+        v = predictor.predict(xb, torch.full((xb.shape[0],), t), cond, cond_len, version)
+        if guided:
+            v = v[1:] + cfg_scale * (v[:1] - v[1:])
+        x = x - dt * v
+    return x
+
+
+def euler_sample(compute: ComputeActor, cfg: Config, prompt: str, steps: int, seed: int, version: int,
+                 cfg_scale: float = 1.0) -> torch.Tensor:
+    """videodit: sample ``prompt`` (caption bytes; the unconditional half of guidance is the
+    empty caption). Returns ``x0`` as float32 ``(1, F, H, W, C)``."""
+    cap, cap_len = caption_batch(prompt, cfg.model.caption_max_bytes, 1)
+    return integrate(compute, cfg, initial_noise(cfg, seed), cap, cap_len, steps, version, cfg_scale,
+                     np.zeros_like(cap), np.zeros_like(cap_len))
+
+
+def wan_sample(compute: ComputeActor, cfg: Config, text: torch.Tensor, negative: torch.Tensor, steps: int,
+               seed: int, version: int, cfg_scale: float = 5.0) -> torch.Tensor:
+    """wan: sample from prompt embeddings ``text`` and ``negative`` (``(L, text_dim)`` each, valid
+    tokens only, as the text encoder gives them), zero-padded to ``model.text_len`` as the Wan
+    pipelines do. Returns normalised latents, float32 ``(1, F', H', W', C)``."""
+    from megaslide_ray.data.latents import pad_text
+
+    n = cfg.model.text_len
+    cond = pad_text(text, n)[None].numpy()
+    uncond = pad_text(negative, n)[None].numpy()
+    lens = (np.array([min(len(text), n)], dtype=np.int32), np.array([min(len(negative), n)], dtype=np.int32))
+    return integrate(compute, cfg, initial_noise(cfg, seed), cond, lens[0], steps, version, cfg_scale, uncond,
+                     lens[1])
+
+
+def to_uint8_frames(x: torch.Tensor) -> np.ndarray:
+    """(1, F, H, W, C) in [-1, 1] -> uint8 (F, H, W, 3); one channel is repeated to RGB."""
+    frames = ((x[0].clamp(-1, 1) + 1) * 127.5).round().to(torch.uint8).numpy()
+    if frames.shape[-1] == 1:
+        frames = np.repeat(frames, 3, axis=-1)
+    if frames.shape[-1] != 3:
+        raise ValueError(f"the model makes {frames.shape[-1]} channels; a video needs 1 or 3 (model.in_channels)")
+    return frames
+
+
+# ---------------------------------------------------------------------------------------------
+# Contact sheet (a dependency-free PNG writer: zlib + the PNG chunk format)
+# ---------------------------------------------------------------------------------------------
+
+
+def contact_sheet(frames: np.ndarray, max_frames: int = SHEET_MAX_FRAMES, columns: int = SHEET_COLUMNS,
+                  gap: int = 2) -> np.ndarray:
+    """Up to ``max_frames`` evenly spaced frames of uint8 ``(F, H, W, 3)`` in a grid, row-major."""
+    f, h, w, _ = frames.shape
+    picks = np.unique(np.linspace(0, f - 1, min(f, max_frames)).round().astype(int))
+    cols = min(columns, len(picks))
+    rows = math.ceil(len(picks) / cols)
+    sheet = np.full((rows * h + (rows - 1) * gap, cols * w + (cols - 1) * gap, 3), 255, dtype=np.uint8)
+    for k, i in enumerate(picks):
+        r, c = divmod(k, cols)
+        sheet[r * (h + gap): r * (h + gap) + h, c * (w + gap): c * (w + gap) + w] = frames[i]
+    return sheet
+
+
+def write_png(path: str | Path, image: np.ndarray) -> None:
+    """uint8 (H, W, 3) RGB -> 8-bit PNG."""
+    h, w, _ = image.shape
+    raw = b"".join(b"\x00" + image[y].tobytes() for y in range(h))  # filter type 0 per row
+
+    def chunk(tag: bytes, data: bytes) -> bytes:
+        return struct.pack(">I", len(data)) + tag + data + struct.pack(">I", zlib.crc32(tag + data) & 0xFFFFFFFF)
+
+    png = (b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", struct.pack(">IIBBBBB", w, h, 8, 2, 0, 0, 0))
+           + chunk(b"IDAT", zlib.compress(raw, 9)) + chunk(b"IEND", b""))
+    Path(path).write_bytes(png)
+
+
+# ---------------------------------------------------------------------------------------------
+# Public API
+# ---------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class SampleResult:
+    video_path: str
+    sheet_path: str
+    frames: np.ndarray        # uint8 (F, H, W, 3), as written to the mp4 (before H.264; upscaled)
+    checkpoint: str
+    checkpoint_step: int
+    seconds: float
+
+
+def decode_latents(vae, latents: torch.Tensor) -> np.ndarray:
+    """Normalised latents ``(1, F', H', W', C)`` -> uint8 video ``(F, H, W, 3)`` with a diffusers
+    ``AutoencoderKLWan``: undo the per-channel normalisation (``latents_mean``/``latents_std``
+    of its config, as precompute applied it), decode, map [-1, 1] to bytes."""
+    c = vae.config
+    shape = (1, len(c.latents_mean), 1, 1, 1)
+    mean = torch.tensor(c.latents_mean, dtype=torch.float32).view(shape)
+    std = torch.tensor(c.latents_std, dtype=torch.float32).view(shape)
+    z = latents.permute(0, 4, 1, 2, 3).float() * std + mean  # (1, C, F', H', W')
+    param = next(vae.parameters())
+    with torch.inference_mode():
+        video = vae.decode(z.to(param.device, param.dtype)).sample  # (1, 3, F, H, W) in [-1, 1]
+    return to_uint8_frames(video.permute(0, 2, 3, 4, 1).float().cpu())
+
+
+def sample_video(checkpoint: str | Path, prompt: str, out: str | Path, frames: int | None = None,
+                 steps: int = 20, seed: int = 0, height: int | None = None, width: int | None = None,
+                 cfg_scale: float = 1.0, fps: int = 8, device: str = "auto", model_dir: str | Path | None = None,
+                 negative_prompt: str = "", upscale: int = 1) -> SampleResult:
+    """Sample one video from ``checkpoint`` (a checkpoint or run directory) and write
+    ``out`` (mp4) and ``out`` with suffix ``.png`` (contact sheet), each pixel repeated
+    ``upscale`` x ``upscale`` times (nearest neighbour: a 16x16 model's clip viewed at 64x64, and
+    big enough that H.264's half-resolution colour does not smear a shape of a few pixels).
+
+    A ``wan`` checkpoint samples in latent space: ``model_dir`` (a local diffusers Wan folder)
+    provides the text encoder for ``prompt`` and ``negative_prompt`` (the unconditional half of
+    guidance) and the VAE that decodes the result; ``training.flow_shift`` shifts the time grid.
+    A ``videodit`` on latents (``model.inputs = latents``, the ``dit-*`` presets) reads the prompt
+    as bytes and needs ``model_dir`` only for its VAE (the one its latents were made with)."""
+    from megaslide_ray.data.demo import write_video
+
+    if upscale < 1:
+        raise ValueError(f"upscale={upscale} must be >= 1 (1 writes the model's own size)")
+
+    if steps < 1:
+        raise ValueError(f"--steps {steps} must be >= 1")
+    if fps < 1:
+        raise ValueError(f"--fps {fps} must be >= 1")
+    t0 = time.perf_counter()
+    try:
+        ckpt = resolve_checkpoint(checkpoint)
+    except FileNotFoundError as e:
+        raise FileNotFoundError(f"--checkpoint {e}") from None
+    state = read_checkpoint_state(ckpt)
+    cfg = sampling_config(state, frames, height, width, device)
+    if cfg.model.arch == "videodit" and cfg_scale != 1.0 and not cfg.training.caption_dropout:
+        log.warning("--cfg-scale %s: this checkpoint was trained without caption dropout "
+                       "(training.caption_dropout = 0), so its unconditional prediction (the empty caption) "
+                       "is untrained and guidance mixes in noise; train with training.caption_dropout > 0 "
+                       "(0.1 is usual) or sample with --cfg-scale 1", cfg_scale)
+    if cfg.data.height % 2 or cfg.data.width % 2:
+        raise ConfigError(f"video size {cfg.data.width}x{cfg.data.height} must be even for H.264 (yuv420p); "
+                          f"choose even --height/--width")
+    # A bf16 checkpoint sampled on the CPU: serve the fp32 master copy (CPU kernels want fp32).
+    on_cpu = device == "cpu" or not torch.cuda.is_available()
+    kind = "master" if on_cpu and DTYPES.get(state.get("w_dtype", "float32")) is torch.bfloat16 else "w"
+    encoder = None
+    if cfg.model.arch == "wan":
+        if model_dir is None:
+            raise ConfigError("this checkpoint is a wan model: give --model-dir WAN_DIR, the local diffusers folder "
+                              "whose text_encoder/, tokenizer/ and vae/ encode the prompt and decode the video")
+        from megaslide_ray.data.encoders import Encoder
+        from megaslide_ray.data.precompute import clip_config
+
+        d = cfg.data
+        encoder = Encoder(str(model_dir), clip_config(d.num_frames, d.height, d.width, 0.0),
+                          "cuda" if device != "cpu" and torch.cuda.is_available() else "cpu", "float32")
+        text, negative = encoder.encode_text([prompt, negative_prompt])
+        encoder.close()  # frees the text encoder before the transformer streams
+    elif cfg.latent_space:
+        if model_dir is None:
+            raise ConfigError("this checkpoint's model reads VAE latents (model.inputs='latents'): give --model-dir "
+                              "DIR, the local diffusers folder whose vae/ made its latents (e.g. a Wan2.1 folder), "
+                              "to decode the video")
+        from megaslide_ray.data.encoders import Encoder
+        from megaslide_ray.data.precompute import clip_config
+
+        d = cfg.data
+        encoder = Encoder(str(model_dir), clip_config(d.num_frames, d.height, d.width, 0.0),
+                          "cuda" if device != "cpu" and torch.cuda.is_available() else "cpu", "float32")
+    source = CheckpointWeights(ckpt, cfg, kind)
+    compute = ComputeActor(cfg, source.shard_infos(), source, transport="object_ref")
+    try:
+        if cfg.model.arch == "wan":
+            x = wan_sample(compute, cfg, text, negative, steps, seed, source.step, cfg_scale)
+        else:
+            x = euler_sample(compute, cfg, prompt, steps, seed, source.step, cfg_scale)
+    finally:
+        compute.close()
+        source.close()
+    if encoder is not None:
+        video = decode_latents(encoder.load_vae(), x)
+        encoder.close()
+    else:
+        video = to_uint8_frames(x)
+    out = Path(out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    if upscale > 1:
+        video = video.repeat(upscale, axis=1).repeat(upscale, axis=2)
+    write_video(out, video, fps)
+    sheet = out.with_suffix(".png")
+    write_png(sheet, contact_sheet(video))
+    return SampleResult(str(out), str(sheet), video, str(ckpt), source.step, time.perf_counter() - t0)

@@ -1,0 +1,346 @@
+"""Pretrained weights in and out: ``--init-from`` and the standard-named export.
+
+Sources ``--init-from`` accepts:
+
+* one of our checkpoints (``RUN/checkpoints/step_N/``): each shard's ``master`` is taken (the
+  fp32 weights; ``w`` is rebuilt from it), the moments are not;
+* a ``.safetensors`` file, or a directory of them, with the names of
+  ``VideoDiT(cfg).state_dict()``: ``embed.*``, ``blocks.{i}.*``, ``head.*``. Floating-point
+  tensors of any dtype are accepted and converted to fp32.
+
+Everything goes through safetensors (no pickle is ever loaded); our checkpoints are read through
+``megaslide_ray.checkpoint``, which owns their format. Only file headers are read to
+check a source (``check_pretrained``): every missing name, unexpected name and wrong shape is
+listed in ONE error before any actor starts. Loading then streams shard by shard: one shard's
+tensors are read straight into the store's ``master`` segment, so a 105B model never exists
+whole in one process's memory. Moments start at zero and the step at 0.
+
+``export_state_dict`` writes a checkpoint's weights back out under the standard names, one
+file (``OUT.safetensors``) or one file per shard (``OUT/`` directory):
+
+    python -m megaslide_ray.pretrained RUN/checkpoints/step_30 weights.safetensors
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+from megaslide_ray.state.checkpoint import CheckpointReader, is_checkpoint_dir
+from megaslide_ray.config import Config, config_from_dict
+from megaslide_ray.models.registry import build_shard, num_shards
+from megaslide_ray.models.registry import initialize_shard
+from megaslide_ray.models.shards import ShardLayout
+
+log = logging.getLogger(__name__)
+
+FLOAT_DTYPES = ("F64", "F32", "F16", "BF16")
+
+
+class PretrainedMismatchError(ValueError):
+    """The pretrained weights do not fit the configured model."""
+
+
+def shard_prefix(index: int, shards: int, arch: str = "videodit") -> str:
+    """Standard state-dict prefix of shard ``index`` in a model of ``shards`` shards. ``wan``:
+    the diffusers names, whose input side (``patch_embedding.*``, ``condition_embedder.*``) and
+    head (``scale_shift_table``, ``proj_out.*``) sit at the top level."""
+    if 0 < index < shards - 1:
+        return f"blocks.{index - 1}."
+    if arch == "wan":
+        return ""
+    return "embed." if index == 0 else "head."
+
+
+def is_diffusers_dir(path: str | Path) -> bool:
+    """A diffusers model directory (with ``transformer/config.json``) or its ``transformer/``
+    folder (a ``config.json`` naming a diffusers transformer class)."""
+    p = Path(path)
+    if (p / "transformer" / "config.json").is_file():
+        return True
+    cfg = p / "config.json"
+    if not cfg.is_file():
+        return False
+    try:
+        return "Transformer" in str(json.loads(cfg.read_text()).get("_class_name", ""))
+    except (OSError, ValueError, AttributeError):
+        return False
+
+
+def config_for_diffusers_dir(path: str | Path, preset_name: str | None, config_file: str | None,
+                             overrides: dict) -> Config:
+    """The run's config when ``--init-from`` is a diffusers Wan directory: the model section comes
+    from its ``config.json`` (and ``vae/config.json``). With no ``--preset``/``--config`` the
+    rest starts from the ``wan`` preset of the same shape (else ``wan2.1-t2v-1.3b``); flags apply
+    on top. Anything the preset, the file or a flag sets that contradicts the directory is
+    listed in one ``ConfigError``."""
+    from megaslide_ray.config import PRESETS, build_config, preset as make_preset
+    from megaslide_ray.models.wan_diffusers import check_against, diffusers_overrides
+
+    model = diffusers_overrides(path)
+    source = f"--init-from {path}"
+    if preset_name is None and config_file is None:
+        base = "wan2.1-t2v-1.3b"
+        for name in PRESETS:
+            m = make_preset(name).model
+            if m.arch == "wan" and (m.hidden_size, m.depth, m.in_channels) == (
+                    model["model.hidden_size"], model["model.depth"], model["model.in_channels"]):
+                base = name
+        cfg = build_config(base, None, {**model, **overrides})
+    else:
+        cfg = build_config(preset_name, config_file, overrides)
+    check_against(cfg, model, source)
+    return cfg
+
+
+def checkpoint_arch(ckpt: CheckpointReader) -> str:
+    """The architecture a checkpoint was written for (checkpoints before ``model.arch``: videodit)."""
+    return ckpt.state.get("config", {}).get("model", {}).get("arch", "videodit")
+
+
+def is_fresh_part(name: str) -> bool:
+    """Parameters a pretrained source may lack: the DSA offset head (``*.offsets.*``), which a
+    model without 3D-DSA does not have. They start as a fresh model's (last layer zero, so the
+    swapped model starts as neighborhood attention)."""
+    return ".offsets." in name
+
+
+def model_names(cfg: Config) -> dict[str, tuple[tuple[int, ...], int, int]]:
+    """Standard name -> (shape, shard, offset in the shard's flat buffer), from meta shards."""
+    n = num_shards(cfg)
+    out = {}
+    for i in range(n):
+        lay = ShardLayout.of(build_shard(cfg, i, "meta"), i)
+        for name, shape, off in zip(lay.names, lay.shapes, lay.offsets):
+            out[shard_prefix(i, n, cfg.model.arch) + name] = (tuple(shape), i, off)
+    return out
+
+
+# ---------------------------------------------------------------------------------------------
+# Sources: name -> where the tensor is, read from headers only
+# ---------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Entry:
+    shape: tuple[int, ...]
+    dtype: str
+    file: str
+    key: str              # tensor name inside the file (checkpoint sources: inside the shard)
+    shard: int = -1       # checkpoint sources: the checkpoint shard that holds it
+
+
+def index_source(path: str | Path) -> dict[str, Entry]:
+    """Standard name -> Entry for every tensor the source holds."""
+    path = Path(path)
+    if not path.exists():
+        raise FileNotFoundError(f"--init-from {path}: no such file or directory")
+    if is_checkpoint_dir(path):
+        return _index_checkpoint(path)
+    if is_diffusers_dir(path):  # a diffusers model directory or its transformer/ folder: the weights' folder
+        from megaslide_ray.models.wan_diffusers import transformer_dir
+
+        path = transformer_dir(path)
+    files = sorted(path.glob("*.safetensors")) if path.is_dir() else [path]
+    if not files:
+        raise PretrainedMismatchError(f"--init-from {path}: a directory with no .safetensors files and no "
+                                      f"state.json; give a .safetensors file, a directory of them, or a "
+                                      f"checkpoint directory (RUN/checkpoints/step_N)")
+    if path.is_file() and path.suffix != ".safetensors":
+        raise PretrainedMismatchError(f"--init-from {path}: only .safetensors files are read (never pickled "
+                                      f"formats such as .pt/.bin); convert the weights to safetensors first")
+    out: dict[str, Entry] = {}
+    for file in files:
+        with safe_open(str(file), framework="pt") as f:
+            for key in f.keys():
+                sl = f.get_slice(key)
+                if key in out:
+                    raise PretrainedMismatchError(f"--init-from {path}: tensor {key} is in both {out[key].file} "
+                                                  f"and {file}")
+                out[key] = Entry(tuple(sl.get_shape()), sl.get_dtype(), str(file), key)
+    return out
+
+
+def _index_checkpoint(path: Path) -> dict[str, Entry]:
+    try:
+        ckpt = CheckpointReader(path)
+    except FileNotFoundError as e:  # a shard file is missing
+        raise PretrainedMismatchError(f"--init-from {path}: {e}") from None
+    out: dict[str, Entry] = {}
+    with ckpt:
+        n, arch = ckpt.num_shards, checkpoint_arch(ckpt)
+        for i in range(n):
+            lay, dtype = ckpt.layout(i), ckpt.dtype(i, "master")
+            for name, shape in zip(lay.names, lay.shapes):
+                out[shard_prefix(i, n, arch) + name] = Entry(tuple(shape), dtype, str(ckpt.file(i)), name, i)
+    return out
+
+
+# ---------------------------------------------------------------------------------------------
+# Check and load
+# ---------------------------------------------------------------------------------------------
+
+
+def check_pretrained(cfg: Config, path: str | Path) -> dict[str, Entry]:
+    """Compare the source's names and shapes with the model's; raise one error listing every
+    mismatch. Returns the source's index."""
+    source = index_source(path)
+    model = model_names(cfg)
+    missing = [n for n in model if n not in source and not is_fresh_part(n)]
+    unexpected = [n for n in source if n not in model]
+    wrong_shape = [n for n in model if n in source and source[n].shape != model[n][0]]
+    not_float = [n for n in model if n in source and source[n].dtype not in FLOAT_DTYPES]
+    if missing or unexpected or wrong_shape or not_float:
+        fmt = lambda s: "[" + ", ".join(str(d) for d in s) + "]"  # noqa: E731
+        lines = [f"--init-from {path} does not match the model (preset {cfg.preset}, depth {cfg.model.depth}, "
+                 f"hidden size {cfg.model.hidden_size}): {len(source)} tensors in the source, {len(model)} in the "
+                 f"model"]
+        if missing:
+            lines.append(f"  missing from the source ({len(missing)}):")
+            lines += [f"    {n} {fmt(model[n][0])}" for n in missing]
+        if unexpected:
+            lines.append(f"  unexpected in the source ({len(unexpected)}):")
+            lines += [f"    {n} {fmt(source[n].shape)}" for n in unexpected]
+        if wrong_shape:
+            lines.append(f"  wrong shape ({len(wrong_shape)}):")
+            lines += [f"    {n}: source {fmt(source[n].shape)}, model {fmt(model[n][0])}" for n in wrong_shape]
+        if not_float:
+            lines.append(f"  not floating point ({len(not_float)}):")
+            lines += [f"    {n}: {source[n].dtype}" for n in not_float]
+        lines.append("Use weights of the same model configuration (a run's config.toml: --config), or set "
+                     "--model.* to match the weights.")
+        raise PretrainedMismatchError("\n".join(lines))
+    return source
+
+
+@torch.no_grad()
+def load_pretrained_into(store, path: str | Path) -> None:
+    """Fill a fresh store's shards from ``path``: master and w from the weights, m = v = 0,
+    versions 0. Shard by shard; each file is opened once per shard that needs it."""
+    source = check_pretrained(store.cfg, path)
+    model = model_names(store.cfg)
+    by_shard: dict[int, list[str]] = {}
+    for name, (_, shard, _) in model.items():
+        by_shard.setdefault(shard, []).append(name)
+    fresh = [n for n in model if n not in source]  # the offset heads a source without DSA lacks
+    if fresh:
+        log.info("%d parameters not in %s start fresh (offset heads: the model starts as neighborhood "
+                 "attention): %s%s", len(fresh), path, ", ".join(fresh[:4]), " ..." if len(fresh) > 4 else "")
+    ckpt = CheckpointReader(path) if is_checkpoint_dir(path) else None
+    for i, lay in enumerate(store.layouts):
+        views = lay.views(store.seg[i]["master"])
+        prefix = shard_prefix(i, store.n, store.cfg.model.arch)
+        if any(model[n][1] == i for n in fresh):  # a fresh shard first, then the source on top
+            module = build_shard(store.cfg, i, "cpu")
+            initialize_shard(module, store.cfg.training.seed, i)
+            lay.flatten_into(module, store.seg[i]["master"])
+            del module
+        files: dict[str, list[str]] = {}
+        for name in by_shard[i]:
+            if name in source:
+                files.setdefault(source[name].file, []).append(name)
+        for file, names in files.items():
+            for name, t in zip(names, _read_source(ckpt, file, [source[name] for name in names])):
+                views[name[len(prefix):]].copy_(t.reshape(source[name].shape).to(torch.float32))
+        store.seg[i]["w"].copy_(store.seg[i]["master"])
+        store.seg[i]["m"].zero_()
+        store.seg[i]["v"].zero_()
+    if ckpt is not None:
+        ckpt.close()
+    store.versions.fill_(0)
+    log.info("initialised %d shards from %s", store.n, path)
+
+
+def _read_source(ckpt: CheckpointReader | None, file: str, entries: list[Entry]):
+    """The tensors of ``entries``, all in ``file``, one at a time. From our checkpoint (``ckpt``)
+    one shard's flat ``master`` is read once and served by parameter name."""
+    if ckpt is not None:
+        tensors = ckpt.tensors(entries[0].shard, "master")
+        for e in entries:
+            yield tensors[e.key]
+        return
+    with safe_open(file, framework="pt") as f:
+        for e in entries:
+            yield f.get_tensor(e.key)
+
+
+# ---------------------------------------------------------------------------------------------
+# Export
+# ---------------------------------------------------------------------------------------------
+
+
+def export_state_dict(checkpoint: str | Path, out: str | Path, kind: str = "master",
+                      dtype: torch.dtype | None = None) -> list[str]:
+    """Write a checkpoint's ``kind`` tensors (``master`` or ``w``) under the standard model
+    names: one file if ``out`` ends in ``.safetensors``, else one file per shard in the
+    directory ``out``. Returns the files written."""
+    checkpoint, out = Path(checkpoint), Path(out)
+    if kind not in ("master", "w"):
+        raise ValueError(f"kind={kind!r}; use 'master' or 'w'")
+    ckpt = CheckpointReader(checkpoint)
+    n, arch = ckpt.num_shards, checkpoint_arch(ckpt)
+    one_file = out.suffix == ".safetensors"
+    if not one_file:
+        out.mkdir(parents=True, exist_ok=True)
+    written, together = [], {}
+    for i in range(n):
+        tensors = {shard_prefix(i, n, arch) + name: (t.to(dtype) if dtype else t).clone()
+                   for name, t in ckpt.tensors(i, kind).items()}
+        if one_file:
+            together.update(tensors)
+        else:
+            path = out / f"model-{i + 1:05d}-of-{n:05d}.safetensors"
+            save_file(tensors, str(path), metadata={"format": "pt"})
+            written.append(str(path))
+    if one_file:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        save_file(together, str(out), metadata={"format": "pt"})
+        written.append(str(out))
+    ckpt.close()
+    return written
+
+
+DIFFUSERS_INDEX = "diffusion_pytorch_model.safetensors.index.json"
+
+
+def export_diffusers(checkpoint: str | Path, out: str | Path, dtype: torch.dtype | None = None,
+                     drop_offsets: bool = False) -> list[str]:
+    """Write a ``wan`` checkpoint's master weights as a diffusers ``WanTransformer3DModel``
+    folder: ``config.json``, one ``diffusion_pytorch_model-XXXXX-of-NNNNN.safetensors`` per
+    shard and the index that maps each name to its file, so ``from_pretrained(out)`` loads it.
+    ``drop_offsets`` leaves out the DSA offset heads (``attn1.offsets.*``), which diffusers'
+    model does not have (it would ignore them with a warning)."""
+    from megaslide_ray.models.wan_diffusers import diffusers_config
+
+    checkpoint, out = Path(checkpoint), Path(out)
+    with CheckpointReader(checkpoint) as ckpt:
+        if checkpoint_arch(ckpt) != "wan":
+            raise ValueError(f"{checkpoint} holds a {checkpoint_arch(ckpt)} model; --format diffusers exports "
+                             f"model.arch = 'wan' checkpoints (use --format safetensors for this one)")
+        cfg = config_from_dict(ckpt.state["config"])
+        n = ckpt.num_shards
+        out.mkdir(parents=True, exist_ok=True)
+        weight_map, total, written = {}, 0, []
+        for i in range(n):
+            name = f"diffusion_pytorch_model-{i + 1:05d}-of-{n:05d}.safetensors"
+            tensors = {}
+            for key, t in ckpt.tensors(i, "master").items():
+                full = shard_prefix(i, n, "wan") + key
+                if drop_offsets and is_fresh_part(full):
+                    continue
+                tensors[full] = (t.to(dtype) if dtype else t).contiguous()
+            save_file(tensors, str(out / name), metadata={"format": "pt"})
+            for full, t in tensors.items():
+                weight_map[full] = name
+                total += t.numel() * t.element_size()
+            written.append(str(out / name))
+    (out / DIFFUSERS_INDEX).write_text(json.dumps({"metadata": {"total_size": total},
+                                                   "weight_map": dict(sorted(weight_map.items()))}, indent=2))
+    (out / "config.json").write_text(json.dumps(diffusers_config(cfg), indent=2))
+    return [*written, str(out / DIFFUSERS_INDEX), str(out / "config.json")]

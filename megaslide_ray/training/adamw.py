@@ -1,0 +1,73 @@
+"""AdamW on a flat shard, as the parameter store runs it.
+
+``fused`` (default below ``COMPILE_MIN_PARAMS`` parameters) is torch's fused CPU AdamW on the
+flat shard, then a copy of ``master`` into ``w``. ``compiled`` is one ``torch.compile`` pass
+that reads the gradient and state once and writes ``master``, ``m``, ``v`` and ``w`` (checked
+against ``torch.optim.AdamW`` when it is built). ``auto`` tries ``compiled`` and falls back to
+``fused``. ``optim.adamw`` chooses."""
+
+from __future__ import annotations
+import math
+import torch
+
+
+ADAMW_KINDS = ("fused", "compiled", "auto")
+
+
+COMPILE_MIN_PARAMS = 100_000_000
+
+
+def adamw_single_pass(w: torch.Tensor, master: torch.Tensor, m: torch.Tensor, v: torch.Tensor,
+                      coef: torch.Tensor, decay: torch.Tensor, step_size: torch.Tensor, bc2_sqrt: torch.Tensor,
+                      beta1: float, beta2: float, eps: float) -> None:
+    """AdamW with clipping, written as torch's single-tensor AdamW computes it; once compiled,
+    one loop reads the gradient from ``w`` (bf16 or fp32), master, m, v and writes master, m, v
+    and the new weights into ``w`` (a cast for bf16): the gradient's buffer is the compute
+    copy's. Step-dependent scalars are 0-d tensors, so a new step or lr does not recompile."""
+    g32 = w.float() * coef
+    m_new = torch.lerp(m, g32, 1 - beta1)
+    v_new = v * beta2 + g32 * g32 * (1 - beta2)
+    denom = v_new.sqrt() / bc2_sqrt + eps
+    p = master * decay - step_size * (m_new / denom)
+    m.copy_(m_new)
+    v.copy_(v_new)
+    master.copy_(p)
+    w.copy_(p)
+
+
+def adamw_scalars(o, step: int, coef: float, lr: float) -> tuple:
+    """The step-dependent arguments of ``adamw_single_pass`` for 0-based ``step``, computed in
+    Python floats exactly as ``torch.optim.AdamW`` computes them."""
+    k = step + 1
+    t = lambda x: torch.tensor(x, dtype=torch.float32)  # noqa: E731
+    return (t(coef), t(1 - lr * o.weight_decay), t(lr / (1 - o.betas[0] ** k)),
+            t(math.sqrt(1 - o.betas[1] ** k)), o.betas[0], o.betas[1], o.eps)
+
+
+def compile_single_pass(o, w_dtype: torch.dtype, numel: int = 4099, steps: int = 3):
+    """``torch.compile`` the single pass and check it against ``torch.optim.AdamW`` (clipped
+    gradients, ``steps`` steps, an odd size). Returns the compiled function or raises."""
+    fn = torch.compile(adamw_single_pass, dynamic=True, fullgraph=True)
+    gen = torch.Generator().manual_seed(0)
+    master = torch.randn(numel, generator=gen)
+    ref = torch.nn.Parameter(master.clone())
+    opt = torch.optim.AdamW([ref], lr=1e-2, betas=o.betas, eps=o.eps, weight_decay=o.weight_decay,
+                            foreach=False)
+    m, v = torch.zeros(numel), torch.zeros(numel)
+    w = torch.empty(numel, dtype=w_dtype)
+    for step in range(steps):
+        g = torch.randn(numel, generator=gen).to(w_dtype)
+        coef = 0.5
+        w.copy_(g)  # the gradient arrives in w, as in the store
+        fn(w, master, m, v, *adamw_scalars(o, step, coef, 1e-2))
+        ref.grad = g.float().mul_(coef)
+        opt.step()
+    state = opt.state[ref]
+    for name, got, want in (("master", master, ref.detach()), ("m", m, state["exp_avg"]),
+                            ("v", v, state["exp_avg_sq"])):
+        err = float((got - want).abs().max() / want.abs().max())
+        if not err <= 1e-6:
+            raise RuntimeError(f"compiled AdamW differs from torch.optim.AdamW in {name} by {err:.1e} (relative)")
+    if not torch.equal(w, master.to(w_dtype)):
+        raise RuntimeError("compiled AdamW wrote a compute copy w that is not master cast to its dtype")
+    return fn
