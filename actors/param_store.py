@@ -37,14 +37,7 @@ written before the first shard is updated. On re-attach:
   (``pipelines/streaming.py``), and ``w`` is restored from ``master`` on every shard (the
   compute actor may already have written some of that step's gradients into it).
 
-AdamW kernels (``adamw=`` or ``MEGASLIDE_ADAMW``): ``fused`` (default) is torch's fused CPU
-AdamW on the flat shard plus a copy into ``w``; ``compiled`` is one ``torch.compile``d pass
-that reads the gradient (in w), master, m, v and writes master, m, v, w (28 B/param in bf16
-instead of 40, see benchmarks/adamw.py), but compiling costs 4-13 s per store process on 2 cores (warm / cold
-inductor cache); ``auto`` tries ``compiled`` with a self-test against ``torch.optim.AdamW`` and
-falls back to ``fused``. Default: ``auto`` for models of at least ``COMPILE_MIN_PARAMS``
-parameters (there the saved 12 B/param per step repays the compile within a few hundred steps),
-``fused`` below (the tiny preset and the tests would pay seconds of compile for nothing).
+AdamW kernels (``optim.adamw``, or the ``adamw=`` argument): ``megaslide_ray/training/adamw.py``.
 
 The class is plain; ``pipelines/`` makes it a threaded Ray actor, so ``wait_version`` calls
 block in their own threads while the update thread works.
@@ -77,7 +70,7 @@ from megaslide_ray.state.preflight import StateSpaceError
 from megaslide_ray.training.schedule import clip_coefficient, lr_at
 from megaslide_ray.models.shards import ShardLayout
 from megaslide_ray.state.segments import DTYPES, KINDS, default_state_root, map_segment, state_key, sweep_stale_states, write_owner
-from megaslide_ray.training.adamw import ADAMW_KINDS, COMPILE_MIN_PARAMS, adamw_scalars, compile_single_pass
+from megaslide_ray.training.adamw import adamw_scalars, choose_adamw
 
 log = logging.getLogger(__name__)
 
@@ -199,7 +192,8 @@ class ParameterStore:
         # slower, see benchmarks/adamw.py). Private memory, not state: the planner counts it.
         self._grad32 = (torch.empty(max(lay.numel for lay in self.layouts), dtype=torch.float32)
                         if w_dtype != "float32" else None)
-        self.adamw, self._single_pass = self._choose_adamw(adamw)
+        self.adamw, self._single_pass = choose_adamw(adamw or cfg.optim.adamw, sum(lay.numel for lay in self.layouts),
+                                                     cfg.optim, DTYPES[self.w_dtype])
         if not attached:
             self.updating.fill_(-1)
             self.records[:, 0] = -1
@@ -496,28 +490,6 @@ class ParameterStore:
         log.warning("the update of step %d was cut between shards; finishing it on shards %s", lo, todo)
         for i in todo:  # their gradients of step lo are still in their w segments
             self._update_shard(i, lo, rec.clip_coef, rec.lr, skip=rec.skipped)
-
-    # -- AdamW kernel choice ------------------------------------------------------------------
-    def _choose_adamw(self, requested: str | None):
-        default = "auto" if sum(lay.numel for lay in self.layouts) >= COMPILE_MIN_PARAMS else "fused"
-        kind = requested or os.environ.get("MEGASLIDE_ADAMW", "") or default
-        if kind not in ADAMW_KINDS:
-            raise ValueError(f"AdamW kernel {kind!r} (argument or MEGASLIDE_ADAMW); use one of {list(ADAMW_KINDS)}")
-        if kind == "fused":
-            log.info("parameter store AdamW: fused (torch fused CPU AdamW + copy into w)")
-            return "fused", None
-        t0 = time.perf_counter()
-        try:
-            fn = compile_single_pass(self.cfg.optim, DTYPES[self.w_dtype])
-        except Exception as e:  # noqa: BLE001 - any compiler failure: fall back (auto) or report (compiled)
-            if kind == "compiled":
-                raise RuntimeError(f"AdamW kernel 'compiled' was requested but does not work here: {e}; "
-                                   f"use MEGASLIDE_ADAMW=fused") from e
-            log.warning("parameter store AdamW: fused (torch.compile single pass unusable: %s)", e)
-            return "fused", None
-        log.info("parameter store AdamW: compiled single pass (compiled and checked in %.1f s)",
-                 time.perf_counter() - t0)
-        return "compiled", fn
 
     # -- checkpoints --------------------------------------------------------------------------
     def save_checkpoint(self, run_dir: str, step: int, extra: dict) -> str:

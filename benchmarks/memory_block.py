@@ -46,9 +46,8 @@ def measure(arch: str, kind: str, chunk: int, grid: tuple[int, int, int], width:
     from megaslide_ray.config import build_config
     from megaslide_ray.models.registry import build_shard
 
-    os.environ["MEGASLIDE_DSA_BACKEND"] = backend
     over = {"model.depth": 1, "model.hidden_size": width, "model.num_heads": heads, "attention.kind": kind,
-            "attention.window": "3,3,3", "attention.max_offset": 2.0, "runtime.token_chunk": chunk}
+            "attention.backend": backend, "attention.window": "3,3,3", "attention.max_offset": 2.0, "runtime.token_chunk": chunk}
     if arch == "wan":
         over.update({"model.arch": "wan", "model.text_dim": 64, "model.text_len": 16, "model.in_channels": 4,
                      "model.patch_size": "1,2,2", "model.timestep_freq_dim": 64, "data.num_frames": 9,
@@ -90,7 +89,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--width", type=int, default=512)
     ap.add_argument("--heads", type=int, default=8)
     ap.add_argument("--chunks", default="0,4096,1024", help="token_chunk values, 0 = off")
-    ap.add_argument("--backend", default="cpu", help="DSA backend (MEGASLIDE_DSA_BACKEND)")
+    ap.add_argument("--backend", default="cpu", help="DSA backend (attention.backend)")
     ap.add_argument("--threads", type=int, default=1,
                     help="torch threads (default 1: steadier times on a shared machine; 0 = torch's default)")
     ap.add_argument("--json", action="store_true", help="print one JSON row per line instead of a table")

@@ -1,6 +1,7 @@
 """ParameterStore on its own: shared segments, exact AdamW with clipping (both AdamW kernels),
 bf16 compute copies, checkpoint round trip, pretrained weights in (--init-from) and out."""
 
+import dataclasses
 import json
 import math
 import os
@@ -13,15 +14,23 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
-from actors import param_store
-from megaslide_ray.state import segments
 from actors.param_store import ParameterStore
-from megaslide_ray.state.segments import map_segment
-from megaslide_ray.state.checkpoint import CheckpointReader, latest_checkpoint, shard_file
-from megaslide_ray.config import build_config
+from megaslide_ray.config import ConfigError, build_config
 from megaslide_ray.models.registry import build_model
-from megaslide_ray.state.pretrained import PretrainedMismatchError, check_pretrained, export_state_dict
+from megaslide_ray.state import segments
+from megaslide_ray.state.checkpoint import (
+    CheckpointReader,
+    latest_checkpoint,
+    shard_file,
+)
+from megaslide_ray.state.pretrained import (
+    PretrainedMismatchError,
+    check_pretrained,
+    export_state_dict,
+)
+from megaslide_ray.state.segments import map_segment
 from megaslide_ray.train import main as train_main
+from megaslide_ray.training import adamw as adamw_kernels
 from megaslide_ray.training.schedule import lr_at
 
 OVR = {"model.depth": 2, "model.hidden_size": 32, "model.num_heads": 2, "optim.weight_decay": 0.1,
@@ -85,7 +94,7 @@ def test_the_update_thread_uses_the_optimizer_threads_under_ray_s_omp_setting(tm
 import ctypes, json, threading
 import torch
 from actors.param_store import ParameterStore
-from megaslide_ray.config import build_config
+from megaslide_ray.config import ConfigError, build_config
 omp = next(ctypes.CDLL(line.split()[-1]) for line in open("/proc/self/maps") if "libgomp" in line)
 cfg = build_config("tiny", None, {{**{OVR!r}, "runtime.state_dir": {str(tmp_path)!r},
                                    "runtime.optimizer_threads": 3}})
@@ -113,23 +122,25 @@ print(json.dumps(seen))
 
 
 def test_adamw_kernel_choice(cfg, tmp_path, monkeypatch):
-    monkeypatch.setenv("MEGASLIDE_ADAMW", "sideways")
+    def with_adamw(kind):
+        return dataclasses.replace(cfg, optim=dataclasses.replace(cfg.optim, adamw=kind))
+
     with pytest.raises(ValueError, match="sideways"):
-        ParameterStore(cfg, str(tmp_path / "run"))
+        ParameterStore(with_adamw("sideways"), str(tmp_path / "run"))
+    with pytest.raises(ConfigError, match="sideways"):  # refused with the other fields, before any work
+        build_config("tiny", None, {"optim.adamw": "sideways"})
 
     def broken(*args, **kwargs):
         raise RuntimeError("no compiler here")
 
-    monkeypatch.setattr(param_store, "compile_single_pass", broken)
-    monkeypatch.setenv("MEGASLIDE_ADAMW", "auto")
-    store = ParameterStore(cfg, str(tmp_path / "run"))
+    monkeypatch.setattr(adamw_kernels, "compile_single_pass", broken)
+    store = ParameterStore(with_adamw("auto"), str(tmp_path / "run"))
     try:
         assert store.adamw == "fused"  # auto falls back
     finally:
         store.close()
     with pytest.raises(RuntimeError, match="no compiler here"):
         ParameterStore(cfg, str(tmp_path / "run"), adamw="compiled")  # forced: no silent fallback
-    monkeypatch.delenv("MEGASLIDE_ADAMW")
     store = ParameterStore(cfg, str(tmp_path / "run"))
     try:
         assert store.adamw == "fused"  # the default

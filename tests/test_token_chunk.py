@@ -27,10 +27,11 @@ CHUNKS = [36, 40, 7, 500]  # divides; does not; < one frame (9 tokens); > the cl
 TOL = 1e-6
 
 
-def _config(arch: str, kind: str, chunk: int, max_offset: float = 1.5, offset_kernel: str = "3,3,3"):
+def _config(arch: str, kind: str, chunk: int, max_offset: float = 1.5, offset_kernel: str = "3,3,3",
+            backend: str = "auto"):
     over = {"model.depth": 1, "model.hidden_size": 32, "model.num_heads": 2, "model.ffn_dim": 64,
             "attention.kind": kind, "attention.window": "3,3,3", "attention.max_offset": max_offset,
-            "attention.offset_kernel": offset_kernel, "runtime.token_chunk": chunk,
+            "attention.offset_kernel": offset_kernel, "attention.backend": backend, "runtime.token_chunk": chunk,
             "model.cross_attention": arch == "videodit"}  # videodit: the chunked cross-attention too
     if arch == "wan":
         over.update({"model.arch": "wan", "model.text_dim": 16, "model.text_len": 5, "model.in_channels": 4,
@@ -39,9 +40,9 @@ def _config(arch: str, kind: str, chunk: int, max_offset: float = 1.5, offset_ke
     return build_config("tiny", None, over)
 
 
-def _blocks(arch, kind, chunk, max_offset=1.5, seed=0, offset_kernel="3,3,3"):
-    whole = build_shard(_config(arch, kind, 0, max_offset, offset_kernel), 1)
-    chunked = build_shard(_config(arch, kind, chunk, max_offset, offset_kernel), 1)
+def _blocks(arch, kind, chunk, max_offset=1.5, seed=0, offset_kernel="3,3,3", backend="auto"):
+    whole = build_shard(_config(arch, kind, 0, max_offset, offset_kernel, backend), 1)
+    chunked = build_shard(_config(arch, kind, chunk, max_offset, offset_kernel, backend), 1)
     g = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for p in whole.parameters():
@@ -104,8 +105,8 @@ def _assert_same(got, want, tol, exact=None):
 
 
 def _compare(arch, kind, chunk, max_offset=1.5, functional=False, dtype=torch.float32, grid=GRID, B=2,
-             offset_kernel="3,3,3"):
-    whole, chunked = _blocks(arch, kind, chunk, max_offset, offset_kernel=offset_kernel)
+             offset_kernel="3,3,3", backend="auto"):
+    whole, chunked = _blocks(arch, kind, chunk, max_offset, offset_kernel=offset_kernel, backend=backend)
     whole, chunked = whole.to(dtype), chunked.to(dtype)
     x, c = _inputs(arch, grid=grid, B=B)
     x, c = x.to(dtype), c.to(dtype)
@@ -113,21 +114,18 @@ def _compare(arch, kind, chunk, max_offset=1.5, functional=False, dtype=torch.fl
     if functional:  # fresh leaves, like the compute actor's views of a flat buffer
         params = {n: p.detach().clone().requires_grad_(True) for n, p in chunked.named_parameters()}
         with torch.device("meta"):
-            meta = build_shard(_config(arch, kind, chunk, max_offset), 1)
+            meta = build_shard(_config(arch, kind, chunk, max_offset, backend=backend), 1)
         got = _run(meta, x, c, params)
     else:
         got = _run(chunked, x, c)
     def exact():  # the float64 result (on the reference path), only needed when a gradient misses TOL
-        backend = os.environ.get("MEGASLIDE_DSA_BACKEND")
-        os.environ["MEGASLIDE_DSA_BACKEND"] = "reference" if backend == "triton" else (backend or "auto")
+        attn = getattr(whole, "attn", None) or whole.attn1
+        attn.backend = "reference" if backend == "triton" else backend
         try:
             return _run(whole.double(), x.double(), c.double())
         finally:
             whole.float()
-            if backend is None:
-                os.environ.pop("MEGASLIDE_DSA_BACKEND")
-            else:
-                os.environ["MEGASLIDE_DSA_BACKEND"] = backend
+            attn.backend = backend
 
     _assert_same(got, want, TOL if dtype == torch.float32 else 1e-12, exact if dtype == torch.float32 else None)
     return whole
@@ -135,14 +133,13 @@ def _compare(arch, kind, chunk, max_offset=1.5, functional=False, dtype=torch.fl
 
 @pytest.mark.parametrize("chunk", CHUNKS)
 @pytest.mark.parametrize("arch", ["videodit", "wan"])
-def test_dsa_chunked_equals_whole_reference_and_cpu(monkeypatch, arch, chunk):
+def test_dsa_chunked_equals_whole_reference_and_cpu(arch, chunk):
     for backend in ("reference", "cpu"):
-        monkeypatch.setenv("MEGASLIDE_DSA_BACKEND", backend)
-        whole = _compare(arch, "dsa", chunk)
+        whole = _compare(arch, "dsa", chunk, backend=backend)
     # the same function: equal to 1e-12 in float64 (CPU path; not the Wan block: its norms are
     # float32 whatever the dtype)
     if arch == "videodit":
-        _compare(arch, "dsa", chunk, dtype=torch.float64)
+        _compare(arch, "dsa", chunk, dtype=torch.float64, backend="cpu")
     # the offsets were non-trivial and some saturated at max_offset
     attn = getattr(whole, "attn", None) or whole.attn1
     h = torch.randn(1, *GRID, 32)
@@ -152,10 +149,9 @@ def test_dsa_chunked_equals_whole_reference_and_cpu(monkeypatch, arch, chunk):
 
 @pytest.mark.parametrize("offset_kernel", ["5,3,3", "3,5,5"])
 @pytest.mark.parametrize("arch", ["videodit", "wan"])
-def test_a_wider_offset_head_chunked_equals_whole(monkeypatch, arch, offset_kernel):
+def test_a_wider_offset_head_chunked_equals_whole(arch, offset_kernel):
     # a 5-frame kernel reads two frames either side of a slab: the slab's x halo must follow
-    monkeypatch.setenv("MEGASLIDE_DSA_BACKEND", "cpu")
-    whole = _compare(arch, "dsa", 7, offset_kernel=offset_kernel)
+    whole = _compare(arch, "dsa", 7, offset_kernel=offset_kernel, backend="cpu")
     attn = getattr(whole, "attn", None) or whole.attn1
     assert tuple(attn.offsets.dwconv.kernel_size) == tuple(int(k) for k in offset_kernel.split(","))
 
@@ -170,17 +166,15 @@ def test_other_kinds_chunked_equal_whole(arch, kind):
 
 
 @pytest.mark.parametrize("arch", ["videodit", "wan"])
-def test_unbounded_offsets_use_whole_clip_keys(monkeypatch, arch):
-    monkeypatch.setenv("MEGASLIDE_DSA_BACKEND", "cpu")
-    _compare(arch, "dsa", 16, max_offset=0.0)
+def test_unbounded_offsets_use_whole_clip_keys(arch):
+    _compare(arch, "dsa", 16, max_offset=0.0, backend="cpu")
 
 
 @pytest.mark.parametrize("arch", ["videodit", "wan"])
-def test_functional_call_like_the_compute_actor(monkeypatch, arch):
+def test_functional_call_like_the_compute_actor(arch):
     """Recomputation in the backward happens after ``functional_call`` returned: the chunks
     must use the tensors given to the call, not the module's (here ``meta``) parameters."""
-    monkeypatch.setenv("MEGASLIDE_DSA_BACKEND", "cpu")
-    _compare(arch, "dsa", 40, functional=True)
+    _compare(arch, "dsa", 40, functional=True, backend="cpu")
 
 
 def test_no_grad_forward_equals_whole():
@@ -224,7 +218,6 @@ def test_token_chunk_under_interpreter():
     """Run the ``test_interp_*`` tests below in a child process with TRITON_INTERPRET=1."""
     pytest.importorskip("triton")
     env = {**os.environ, "TRITON_INTERPRET": "1"}
-    env.pop("MEGASLIDE_DSA_BACKEND", None)
     cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-k", "test_interp_", __file__]
     proc = subprocess.run(cmd, cwd=Path(__file__).resolve().parents[1], env=env,
                           capture_output=True, text=True, timeout=900)
@@ -234,14 +227,13 @@ def test_token_chunk_under_interpreter():
 
 
 @interpreter_only
-def test_interp_dsa_chunked_equals_whole_triton(monkeypatch, arch="videodit"):
+def test_interp_dsa_chunked_equals_whole_triton(arch="videodit"):
     """Tiny: 8 x 3 x 3 tokens, one clip; slabs of 3 frames (27 tokens): the first holds keys
     up to frame 6 of 8, the last from frame 3 (max_offset 0.5). The videodit block only (the
     interpreter is slow): the Wan block calls the same slab operator, and the slab test below
     checks the operator itself."""
-    monkeypatch.setenv("MEGASLIDE_DSA_BACKEND", "triton")
     assert time_slabs(27, (8, 3, 3), 3, 0.5) == [(0, 3, 0, 6), (3, 6, 0, 8), (6, 8, 3, 8)]
-    _compare(arch, "dsa", 27, max_offset=0.5, grid=(8, 3, 3), B=1)
+    _compare(arch, "dsa", 27, max_offset=0.5, grid=(8, 3, 3), B=1, backend="triton")
 
 
 # -----------------------------------------------------------------------------

@@ -125,6 +125,13 @@ class AttentionConfig:
     """``dsa``: heads share offsets in this many groups (consecutive heads, ``num_heads /
     offset_groups`` per group): the offset head predicts ``offset_groups * K * 3`` values per token.
     0: one group per head. Must divide ``model.num_heads``."""
+    backend: Literal["auto", "reference", "cpu", "matrix", "chunked", "triton", "triton_gather"] = "auto"
+    """``dsa`` and ``neighborhood``: the 3D-DSA kernel. ``auto`` picks per call and logs its pick
+    once: on CPU ``matrix`` (two dense products through an interpolation matrix) for small clips
+    and ``cpu`` (the linear path) above, on CUDA the Triton kernels. ``reference`` is the
+    pure-PyTorch definition (slow, O(N*K*d) memory), ``chunked`` the reference over query chunks;
+    ``triton`` and ``triton_gather`` need CUDA. Every path computes the same function (docs/
+    architecture.md, "3D-DSA: the operator")."""
 
 
 @dataclass
@@ -203,6 +210,13 @@ class OptimizerConfig:
     max_bad_steps: int = 20
     """A step whose loss or gradients hold NaN/Inf is skipped on every shard (counted and logged);
     after this many such steps in a row the run stops with an error. 0: never stop."""
+    adamw: Literal["", "fused", "compiled", "auto"] = ""
+    """The parameter store's AdamW kernel. ``fused``: torch's fused CPU AdamW on each flat shard,
+    then ``master`` copied into ``w``. ``compiled``: one ``torch.compile`` pass over gradient and
+    state that writes ``master``, ``m``, ``v`` and ``w`` at once (checked against
+    ``torch.optim.AdamW`` when built; about 2x faster on a bf16 store, but compiling costs seconds
+    per store process); refused if it cannot be built. ``auto``: ``compiled`` where it builds, else
+    ``fused``. Empty (default): ``auto`` for models of 100M parameters or more, ``fused`` below."""
 
 
 @dataclass

@@ -1,14 +1,60 @@
-"""Self-attention by ``attention.kind``: the one place the kind is chosen."""
+"""Self-attention by ``attention.kind``: the one place the kind is chosen.
+
+Both architectures compute q, k and v their own way (Wan normalises them and rotates q and k
+with RoPE; videodit projects them from the modulated input) and hand them, channels-last
+``(B, T, H, W, nh, d)``, to the same dispatch:
+
+- ``self_attention(attn, q, k, v, h)``: a whole clip;
+- ``chunked_self_attention(attn, x, qkv, chunk, residual, ...)``: a token-chunked block
+  (``runtime.token_chunk``): dense attention over query chunks, ``swin`` whole with its residual
+  per chunk, ``dsa``/``neighborhood`` over slabs of frames (``chunking.slabbed_attention``).
+
+``attn`` is the block's attention module; the dispatch reads its ``kind`` (``dense``: SDPA over
+all tokens; ``swin``: 3D shifted windows, ``shift`` on every other block; ``neighborhood``: DSA
+with offsets fixed at zero; ``dsa``: offsets from the module's ``offsets`` head, an
+``OffsetPredictor``), ``window``, ``scale`` (None: ``head_dim ** -0.5``), ``num_heads``,
+``head_dim`` and ``backend`` (``attention.backend``: the DSA kernel, see ``kernels``).
+"""
 
 from __future__ import annotations
+
+from typing import Callable, Protocol, Sequence
+
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+
 from kernels import deformable_slide_attention
+from kernels.swin import swin_attention_3d
+from megaslide_ray.config import Config
+from megaslide_ray.models.chunking import Chunked, bind, slabbed_attention, token_map
+
+KINDS = ("dense", "swin", "neighborhood", "dsa")
+
+
+class SelfAttention(Protocol):
+    """What the dispatch reads of a block's attention module."""
+
+    kind: str
+    window: tuple[int, int, int]
+    shift: bool
+    scale: float | None
+    num_heads: int
+    head_dim: int
+    backend: str
+    offsets: "OffsetPredictor | None"
+
+
+def dense_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float | None) -> torch.Tensor:
+    """SDPA of every token against every token: ``(B, T, H, W, nh, d)`` in and out."""
+    B, T, H, W, nh, d = q.shape
+    qf, kf, vf = (z.reshape(B, T * H * W, nh, d).transpose(1, 2) for z in (q, k, v))
+    o = F.scaled_dot_product_attention(qf, kf, vf, scale=scale)  # (B, nh, N, d)
+    return o.transpose(1, 2).reshape(B, T, H, W, nh, d)
 
 
 def window_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, h: torch.Tensor, offsets,
-                     window: tuple[int, int, int], scale: float | None) -> torch.Tensor:
+                     window: tuple[int, int, int], scale: float | None, backend: str = "auto") -> torch.Tensor:
     """3D-DSA of channels-last ``q, k, v (B, T, H, W, nh, d)`` over ``window``: offsets from the
     offset head ``offsets`` applied to ``h``, or zero when there is none (``neighborhood``). The
     operator is told the offsets' bound where it is known (``attention.max_offset > 0``: the
@@ -21,7 +67,70 @@ def window_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, h: torch
         B, T, H, W, nh, _ = q.shape
         off = h.new_zeros(B, T, H, W, nh, window[0] * window[1] * window[2], 3)
         bound = 0.0
-    return deformable_slide_attention(q, k, v, off, window, scale=scale, max_offset=bound)
+    return deformable_slide_attention(q, k, v, off, window, scale=scale, backend=backend, max_offset=bound)
+
+
+def self_attention(attn: SelfAttention, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                   h: torch.Tensor) -> torch.Tensor:
+    """The block's self-attention over a whole clip: ``q, k, v (B, T, H, W, nh, d)`` ->
+    ``(B, T, H, W, nh, d)``. ``h (B, T, H, W, D)``: what the offset head reads (``dsa``)."""
+    if attn.kind == "dense":
+        return dense_attention(q, k, v, attn.scale)
+    if attn.kind == "swin":
+        return swin_attention_3d(q, k, v, attn.window, attn.shift, scale=attn.scale)
+    # dsa, or neighborhood (no offset head: offsets fixed at zero)
+    return window_attention(q, k, v, h, attn.offsets, attn.window, attn.scale, attn.backend)
+
+
+def chunked_self_attention(attn: SelfAttention, x: torch.Tensor, qkv: torch.Tensor, chunk: int,
+                           residual: Callable, offset_input: Callable | None,
+                           modulation: Sequence[torch.Tensor], gates: Sequence[torch.Tensor]) -> torch.Tensor:
+    """The block's self-attention and the residual stream after it, token-chunked: returns
+    ``residual(x_chunk, o_chunk, *gates)`` over the whole grid ``(B, T, H, W, D)``.
+
+    ``x (B, T, H, W, D)``: the block input; ``qkv (B, T, H, W, 3 D)``: q, k, v of every token
+    (heads ``(3, nh, d)`` in the last axis), whole. ``residual(xc, o, *gates)``: the stream after
+    attention from ``xc`` (tokens of ``x``) and ``o`` (the attention output of those tokens, heads
+    merged, before the output projection). ``offset_input(xe, *modulation)``: what the offset
+    head reads on frames ``xe`` of ``x`` (``dsa``). Dense: query chunks against every key.
+    ``swin``: the windows whole, the residual per chunk. ``dsa``/``neighborhood``: slabs of whole
+    frames, keys from the slab plus its halo (``chunking.slabbed_attention``)."""
+    B, T, H, W, D = x.shape
+    nh, hd = attn.num_heads, attn.head_dim
+    if attn.kind == "swin":
+        q, k, v = qkv.view(B, T, H, W, 3, nh, hd).unbind(4)
+        o = swin_attention_3d(q, k, v, attn.window, attn.shift, scale=attn.scale).reshape(B, T, H, W, D)
+        return token_map(residual, x, chunk, Chunked(o), *gates)
+    if attn.kind == "dense":
+        kv = qkv.view(B, T * H * W, 3, nh, hd)[:, :, 1:].transpose(1, 3)  # (B, nh, 2, N, d)
+
+        def dense_chunk(xc, qkvc, kvw, *g):
+            qc = qkvc.view(B, -1, 3, nh, hd)[:, :, 0].transpose(1, 2)
+            o = F.scaled_dot_product_attention(qc, kvw[:, :, 0], kvw[:, :, 1], scale=attn.scale)
+            return residual(xc, o.transpose(1, 2).reshape(B, -1, D), *g)
+
+        return token_map(dense_chunk, x, chunk, Chunked(qkv), kv, *gates)
+    head = attn.offsets  # dsa: the offset head reads the modulated input of the slab's frames
+    offsets = None
+    if head is not None:
+        head_f = bind(head)
+
+        def offsets(xe, *mod):
+            return head_f(offset_input(xe, *mod))
+
+    return slabbed_attention(x, qkv, chunk, nh, hd, attn.window, attn.scale,
+                             head.max_offset if head is not None else 0.0, offsets, residual,
+                             tuple(modulation), tuple(gates), head.halo if head is not None else 0,
+                             backend=attn.backend)
+
+
+def offset_head(cfg: Config) -> "OffsetPredictor | None":
+    """The offset head a ``dsa`` block's self-attention gets (None for the other kinds)."""
+    m, a = cfg.model, cfg.attention
+    if a.kind != "dsa":
+        return None
+    return OffsetPredictor(m.hidden_size, m.num_heads, tuple(a.window), a.max_offset, a.offset_groups,
+                           a.offset_kernel, a.offset_scale)
 
 
 class OffsetPredictor(nn.Module):

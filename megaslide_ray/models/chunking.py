@@ -123,14 +123,16 @@ def time_slabs(chunk: int, grid: Sequence[int], window_t: int, max_offset: float
 
 
 def slab_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, off: torch.Tensor | None,
-                   t0: int, a: int, frames: int, window: tuple[int, int, int], scale: float | None) -> torch.Tensor:
+                   t0: int, a: int, frames: int, window: tuple[int, int, int], scale: float | None,
+                   backend: str = "auto") -> torch.Tensor:
     """3D-DSA of the slab's queries ``q (B, Ts, H, W, nh, d)`` (frames ``[t0, t0 + Ts)``) against
     ``k, v`` holding frames ``[a, a + Tk)`` of a ``frames``-frame clip; ``off``: the slab's
-    offsets, or None for zero offsets (neighborhood)."""
+    offsets, or None for zero offsets (neighborhood); ``backend``: the DSA kernel
+    (``attention.backend``)."""
     if off is None:
         B, Ts, H, W, nh, _ = q.shape
         off = q.new_zeros(B, Ts, H, W, nh, window[0] * window[1] * window[2], 3)
-    return deformable_slide_attention_slab(q, k, v, off, window, t0, a, frames, scale=scale)
+    return deformable_slide_attention_slab(q, k, v, off, window, t0, a, frames, scale=scale, backend=backend)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -215,7 +217,8 @@ class FrameRanges:
 def slabbed_attention(x: torch.Tensor, qkv: torch.Tensor, chunk: int, heads: int, head_dim: int,
                       window: tuple[int, int, int], scale: float | None, max_offset: float,
                       offsets: Callable | None, residual: Callable,
-                      offset_args: Sequence = (), residual_args: Sequence = (), offset_halo: int = 1) -> torch.Tensor:
+                      offset_args: Sequence = (), residual_args: Sequence = (), offset_halo: int = 1,
+                      backend: str = "auto") -> torch.Tensor:
     """A chunked block's windowed self-attention (``dsa``, ``neighborhood``) and the residual
     stream after it, over slabs of whole frames (``time_slabs``), each slab checkpointed; the
     driver ``model.DiTBlock`` and ``wan.WanBlock`` share.
@@ -230,7 +233,8 @@ def slabbed_attention(x: torch.Tensor, qkv: torch.Tensor, chunk: int, heads: int
     attention output ``o (B, t1 - t0, H, W, D)`` (heads merged, before the output projection).
     ``max_offset``: ``attention.max_offset``; 0 with an offset head: offsets unbounded, every
     slab's keys are the whole clip. ``offset_args`` / ``residual_args`` (tensors, e.g. the
-    modulations) go through each slab's checkpoint. Returns ``(B, T, H, W, D)``."""
+    modulations) go through each slab's checkpoint. ``backend``: the DSA kernel
+    (``attention.backend``). Returns ``(B, T, H, W, D)``."""
     B, T, H, W, D = x.shape
     n_off = len(offset_args)
     bound = max_offset if max_offset > 0 or offsets is None else None
@@ -245,7 +249,7 @@ def slabbed_attention(x: torch.Tensor, qkv: torch.Tensor, chunk: int, heads: int
             off = None
             if offsets is not None:
                 off = offsets(xe, *args[:n_off])[:, t0 - e0:t1 - e0]
-            o = slab_attention(q, k, v, off, t0, a, T, window, scale)
+            o = slab_attention(q, k, v, off, t0, a, T, window, scale, backend)
             return residual(xe[:, t0 - e0:t1 - e0], o.reshape(B, t1 - t0, H, W, D), *args[n_off:])
 
         outs.append(checkpointed(slab, x_ranges(e0, e1), qkv_ranges(t0, t1), qkv_ranges(a, b),

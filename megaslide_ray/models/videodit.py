@@ -29,11 +29,10 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from megaslide_ray.models.chunking import Chunked, bind, slabbed_attention, token_map
+from megaslide_ray.models.chunking import bind, token_map
 from megaslide_ray.config import Config
 from megaslide_ray.models.prediction import as_velocity
-from kernels.swin import swin_attention_3d
-from megaslide_ray.models.attention import OffsetPredictor, init_streams, window_attention
+from megaslide_ray.models.attention import chunked_self_attention, init_streams, offset_head, self_attention
 from megaslide_ray.models.layers import ffn_width, unpatchify
 
 # ---------------------------------------------------------------------------------------------
@@ -224,32 +223,26 @@ class InputEmbed(nn.Module):
 
 
 class Attention(nn.Module):
+    """Self-attention over the token grid by ``attention.kind`` (``attention.self_attention``)."""
+
     def __init__(self, cfg: Config, shift: bool = False):
         super().__init__()
         self.shift = shift  # swin only: odd-numbered blocks use shifted windows
         m, a = cfg.model, cfg.attention
         self.kind = a.kind
+        self.backend = a.backend
         self.num_heads = m.num_heads
         self.head_dim = m.hidden_size // m.num_heads
         self.window = tuple(a.window)
         self.scale = a.scale if a.scale > 0 else self.head_dim ** -0.5
         self.qkv = nn.Linear(m.hidden_size, 3 * m.hidden_size)
         self.proj = nn.Linear(m.hidden_size, m.hidden_size)
-        self.offsets = (OffsetPredictor(m.hidden_size, m.num_heads, self.window, a.max_offset, a.offset_groups,
-                                        a.offset_kernel, a.offset_scale) if a.kind == "dsa" else None)
+        self.offsets = offset_head(cfg)
 
     def forward(self, h: torch.Tensor) -> torch.Tensor:
         B, T, H, W, D = h.shape
         q, k, v = self.qkv(h).view(B, T, H, W, 3, self.num_heads, self.head_dim).unbind(4)  # (B,T,H,W,nh,d)
-        if self.kind == "dense":
-            qf, kf, vf = (z.reshape(B, T * H * W, self.num_heads, self.head_dim).transpose(1, 2) for z in (q, k, v))
-            o = F.scaled_dot_product_attention(qf, kf, vf, scale=self.scale)  # (B, nh, N, d)
-            o = o.transpose(1, 2).reshape(B, T, H, W, D)
-        elif self.kind == "swin":
-            o = swin_attention_3d(q, k, v, self.window, self.shift, scale=self.scale).reshape(B, T, H, W, D)
-        else:
-            o = window_attention(q, k, v, h, self.offsets, self.window, self.scale).reshape(B, T, H, W, D)
-        return self.proj(o)
+        return self.proj(self_attention(self, q, k, v, h).reshape(B, T, H, W, D))
 
 
 class CrossAttention(nn.Module):
@@ -327,31 +320,8 @@ class DiTBlock(nn.Module):
             return qkv_f(modulate(norm1(xc), sh, sc))
 
         qkv = token_map(qkv_chunk, x, N, shift_a, scale_a)  # (B, T, H, W, 3D)
-        nh, hd = attn.num_heads, attn.head_dim
-        if attn.kind == "swin":  # attention whole (windows), its projection per chunk
-            q, k, v = qkv.view(B, T, H, W, 3, nh, hd).unbind(4)
-            o = swin_attention_3d(q, k, v, attn.window, attn.shift, scale=attn.scale).reshape(B, T, H, W, D)
-            x = token_map(lambda xc, oc, g: xc + gate(proj_f(oc), g), x, N, Chunked(o), gate_a)
-        elif attn.kind == "dense":  # query chunks against all keys
-            kv = qkv.view(B, T * H * W, 3, nh, hd)[:, :, 1:].transpose(1, 3)  # (B, nh, 2, N, d)
-
-            def dense_chunk(xc, qkvc, kvw, g):
-                qc = qkvc.view(B, -1, 3, nh, hd)[:, :, 0].transpose(1, 2)
-                o = F.scaled_dot_product_attention(qc, kvw[:, :, 0], kvw[:, :, 1], scale=attn.scale)
-                return xc + gate(proj_f(o.transpose(1, 2).reshape(B, -1, D)), g)
-
-            x = token_map(dense_chunk, x, N, Chunked(qkv), kv, gate_a)
-        else:  # dsa / neighborhood: slabs of whole frames, keys from the slab plus its halo
-            off_f = bind(attn.offsets) if attn.offsets is not None else None
-
-            def slab_offsets(xe, sh, sc):
-                return off_f(modulate(norm1(xe), sh, sc))
-
-            x = slabbed_attention(x, qkv, N, nh, hd, attn.window, attn.scale,
-                                  attn.offsets.max_offset if off_f is not None else 0.0,
-                                  slab_offsets if off_f is not None else None,
-                                  lambda xs, o, g: xs + gate(proj_f(o), g),
-                                  (shift_a, scale_a), (gate_a,), attn.offsets.halo if off_f is not None else 0)
+        x = chunked_self_attention(attn, x, qkv, N, lambda xc, oc, g: xc + gate(proj_f(oc), g),
+                                   lambda xe, sh, sc: modulate(norm1(xe), sh, sc), (shift_a, scale_a), (gate_a,))
         del qkv
 
         if self.cross is None:

@@ -70,10 +70,9 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from kernels.swin import swin_attention_3d
-from megaslide_ray.models.chunking import Chunked, bind, slabbed_attention, token_map
+from megaslide_ray.models.chunking import Chunked, bind, token_map
 from megaslide_ray.config import Config
-from megaslide_ray.models.attention import OffsetPredictor, init_streams, window_attention
+from megaslide_ray.models.attention import chunked_self_attention, init_streams, offset_head, self_attention
 from megaslide_ray.models.layers import ffn_width
 from megaslide_ray.models.layers import unpatchify
 
@@ -232,7 +231,8 @@ class FeedForward(nn.Module):
 
 class WanAttention(nn.Module):
     """``attn1`` (``cross=False``: self-attention over the token grid with 3D RoPE, by
-    ``attention.kind``) or ``attn2`` (``cross=True``: dense cross-attention to the text)."""
+    ``attention.kind`` through ``attention.self_attention``) or ``attn2`` (``cross=True``: dense
+    cross-attention to the text)."""
 
     def __init__(self, cfg: Config, cross: bool, shift: bool = False):
         super().__init__()
@@ -240,6 +240,7 @@ class WanAttention(nn.Module):
         D = m.hidden_size
         self.cross = cross
         self.kind = "dense" if cross else a.kind
+        self.backend = a.backend
         self.shift = shift  # swin only: even-numbered blocks use shifted windows
         self.num_heads = m.num_heads
         self.head_dim = D // m.num_heads
@@ -252,9 +253,7 @@ class WanAttention(nn.Module):
         self.to_out = nn.ModuleList([nn.Linear(D, D), nn.Identity()])  # [1]: diffusers' dropout
         self.norm_q = nn.RMSNorm(D, eps=m.eps)
         self.norm_k = nn.RMSNorm(D, eps=m.eps)
-        self.offsets = (OffsetPredictor(D, m.num_heads, self.window, a.max_offset, a.offset_groups, a.offset_kernel,
-                                        a.offset_scale)
-                        if self.kind == "dsa" else None)
+        self.offsets = None if cross else offset_head(cfg)
 
     def _heads(self, z: torch.Tensor) -> torch.Tensor:
         return z.unflatten(-1, (self.num_heads, self.head_dim))
@@ -269,13 +268,7 @@ class WanAttention(nn.Module):
             o = self._sdpa(q.reshape(B, T * H * W, self.num_heads, self.head_dim), k, v)
         else:
             cos, sin = rope_tables((T, H, W), self.head_dim, self.rope_max_seq_len, h.device)
-            q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-            if self.kind == "dense":
-                o = self._sdpa(*(z.reshape(B, T * H * W, self.num_heads, self.head_dim) for z in (q, k, v)))
-            elif self.kind == "swin":
-                o = swin_attention_3d(q, k, v, self.window, self.shift, scale=self.scale)
-            else:  # dsa, or neighborhood (no offset head: offsets fixed at zero)
-                o = window_attention(q, k, v, h, self.offsets, self.window, self.scale)
+            o = self_attention(self, apply_rope(q, cos, sin), apply_rope(k, cos, sin), v, h)
         return self.to_out[0](o.reshape(B, T, H, W, D))
 
     def _sdpa(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
@@ -399,29 +392,7 @@ class WanBlock(nn.Module):
         def residual(xc, o, g):
             return (xc.float() + out1(o) * _broadcast(g, xc)).to(dtype)
 
-        if a1.kind == "swin":
-            q, k, v = qkv.unflatten(-1, (3, nh, hd)).unbind(4)
-            o = swin_attention_3d(q, k, v, a1.window, a1.shift, scale=a1.scale).reshape(B, T, H, W, D)
-            x = token_map(residual, x, N, Chunked(o), gate_a)
-        elif a1.kind == "dense":
-            kv = qkv.view(B, T * H * W, 3, nh, hd)[:, :, 1:]  # (B, N, 2, nh, d)
-
-            def dense_chunk(xc, qkvc, kvw, g):
-                qc = qkvc.view(B, -1, 3, nh, hd)[:, :, 0]
-                o = a1._sdpa(qc, kvw[:, :, 0], kvw[:, :, 1])
-                return residual(xc, o.reshape(B, -1, D), g)
-
-            x = token_map(dense_chunk, x, N, Chunked(qkv), kv, gate_a)
-        else:  # dsa / neighborhood: slabs of whole frames, keys from the slab plus its halo
-            off_f = bind(a1.offsets) if a1.offsets is not None else None
-
-            def slab_offsets(xe, sh, sc):
-                return off_f(modulated(xe, sh, sc))
-
-            x = slabbed_attention(x, qkv, N, nh, hd, a1.window, a1.scale,
-                                  a1.offsets.max_offset if off_f is not None else 0.0,
-                                  slab_offsets if off_f is not None else None, residual,
-                                  (shift_a, scale_a), (gate_a,), a1.offsets.halo if off_f is not None else 0)
+        x = chunked_self_attention(a1, x, qkv, N, residual, modulated, (shift_a, scale_a), (gate_a,))
         del qkv
         k_text = a2.norm_k(a2.to_k(text)).unflatten(-1, (nh, hd))  # (B, Lt, nh, d): once per block
         v_text = a2.to_v(text).unflatten(-1, (nh, hd))
