@@ -65,7 +65,7 @@ file is bad.
 
 Latent manifests
 ----------------
-When ``data.manifest`` is a *latent manifest* (``megaslide_ray.latents``, made by ``python -m
+When ``data.manifest`` is a *latent manifest* (``megaslide_ray.data.latents``, made by ``python -m
 megaslide_ray.precompute``), the decoder decodes no video: it loads each row's precomputed latents
 and text embeddings and yields ``latents`` float32 (B, F', H', W', C), ``text`` float32
 (B, 512, text_dim) zero-padded after each caption's valid tokens, ``text_len`` int32 (B,), and
@@ -75,7 +75,7 @@ unreadable or mismatched latent or text file is a bad row: skipped, logged once 
 a bad video. Every row must have one latent shape (checked when the decoder starts:
 ``latents.single_latent_shape``). With ``latent_captions="bytes"`` (a ``videodit`` reading
 latents, ``model.inputs = latents``) the text files are not read: each row's ``caption`` column
-becomes ``caption`` / ``caption_len`` bytes as for video batches (``megaslide_ray.captions``). The video-specific options do not apply and are ignored:
+becomes ``caption`` / ``caption_len`` bytes as for video batches (``megaslide_ray.data.captions``). The video-specific options do not apply and are ignored:
 ``data.num_frames``, ``height``, ``width``, ``frame_stride``, ``fps``, ``random_crop``,
 ``fixed_start``, ``spatial_crop``, ``short_clips`` (the clip was fixed when it was precomputed), as
 is ``caption_max_bytes`` unless ``latent_captions="bytes"``. ``DecoderStats.frames_decoded`` then
@@ -116,6 +116,7 @@ from megaslide_ray.data.latents import (
 )
 from megaslide_ray.data.manifest import ManifestEntry, read_manifest
 from megaslide_ray.data.clips import ClipCache, ClipUnreadable, clip_indices, decode_clip, spatial_offset
+from megaslide_ray.data.demo import ensure_demo_dataset
 
 logger = logging.getLogger(__name__)
 
@@ -216,7 +217,7 @@ class VideoDecoder:
 
     ``next_batch()`` returns (B = ``data.batch_size``, F = ``data.num_frames``):
     ``video`` uint8 (B, F, H, W, 3); ``caption`` uint8 (B, caption_max_bytes) zero-padded
-    UTF-8 and ``caption_len`` int32 (B,) (see ``megaslide_ray.captions``); ``index`` int64 (B,)
+    UTF-8 and ``caption_len`` int32 (B,) (see ``megaslide_ray.data.captions``); ``index`` int64 (B,)
     manifest rows; ``position`` int64 0-d, the data position after this batch; ``skipped``
     int64 0-d, draws this decoder's stream has skipped up to this batch (``skipped_before`` plus
     this decoder's own skips). From a latent manifest, ``latents``, ``text`` and ``text_len``
@@ -251,7 +252,6 @@ class VideoDecoder:
         if data.manifest:
             self.manifest_path = Path(data.manifest)
         else:
-            from megaslide_ray.data.demo import ensure_demo_dataset
 
             self.manifest_path = ensure_demo_dataset()
         self.latent_rows: list[dict] | None = None  # a latent manifest's rows (None: videos)

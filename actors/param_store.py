@@ -71,6 +71,8 @@ from megaslide_ray.training.schedule import clip_coefficient, lr_at
 from megaslide_ray.models.shards import ShardLayout
 from megaslide_ray.state.segments import DTYPES, KINDS, default_state_root, map_segment, state_key, sweep_stale_states, write_owner
 from megaslide_ray.training.adamw import adamw_scalars, choose_adamw
+from megaslide_ray.state.pretrained import load_pretrained_into
+from megaslide_ray.state.preflight import shm_advice
 
 log = logging.getLogger(__name__)
 
@@ -121,7 +123,7 @@ class ParameterStore:
         """``run_dir`` names the state (a restarted store finds it again); ``w_dtype`` is the
         compute copy's dtype. Fresh state comes from ``resume_checkpoint`` (everything, at its
         step), else ``init_from`` (pretrained weights, moments zero, step 0; see
-        ``megaslide_ray/pretrained.py``), else the seeded initialisation. ``attach`` maps an
+        ``megaslide_ray/state/pretrained.py``), else the seeded initialisation. ``attach`` maps an
         existing state instead (Ray restarts attach by themselves). ``adamw``: ``fused``,
         ``compiled`` or ``auto`` (default: ``MEGASLIDE_ADAMW``, else ``fused``). ``owner_pid``: the
         process whose run this is (the driver; default this process): a fresh state records it,
@@ -200,7 +202,6 @@ class ParameterStore:
             if resume_checkpoint:
                 self._load_checkpoint(resume_checkpoint)
             elif init_from:
-                from megaslide_ray.state.pretrained import load_pretrained_into
 
                 load_pretrained_into(self, init_from)
             else:
@@ -230,7 +231,6 @@ class ParameterStore:
         need = self.state_bytes()
         usage = shutil.disk_usage(root)
         if need > usage.free:
-            from megaslide_ray.state.preflight import shm_advice
 
             raise StateSpaceError(f"the parameter store needs {need / 1e9:.2f} GB in {root} but only "
                                   f"{usage.free / 1e9:.2f} GB are free; " + shm_advice(root, need, usage.free, usage.total))
@@ -493,7 +493,7 @@ class ParameterStore:
 
     # -- checkpoints --------------------------------------------------------------------------
     def save_checkpoint(self, run_dir: str, step: int, extra: dict) -> str:
-        """Write ``run_dir/checkpoints/step_N`` shard by shard (``megaslide_ray.checkpoint``:
+        """Write ``run_dir/checkpoints/step_N`` shard by shard (``megaslide_ray.state.checkpoint``:
         temporary directory, fsync, rename, then ``latest``; a crash leaves the previous one intact).
 
         The state must be exactly step ``step``'s: this waits for that update, holds back any

@@ -4,7 +4,7 @@
 
 A checkpoint stores ``master``, ``m`` and ``v`` (fp32) per shard; ``w`` is ``master`` cast to the
 run's ``w_dtype`` and is rebuilt on load. This measures what storing ``w`` as well would cost:
-bytes on disk and the seconds of ``megaslide_ray.checkpoint.write_checkpoint`` (fsyncs
+bytes on disk and the seconds of ``megaslide_ray.state.checkpoint.write_checkpoint`` (fsyncs
 included), for bf16 and fp32 compute copies, best of ``--repeats`` writes, both variants in
 the same run and alternating (so a burst of disk or CPU load hits both). ``--dir`` is where the
 checkpoints go (default: a temporary directory on the system temp disk); the ratio, not the

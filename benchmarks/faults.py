@@ -3,7 +3,7 @@ recover, do its final parameters equal the uninterrupted run's, and what did rec
 
     python -m benchmarks.faults [--steps 4] [--json] [--only compute.mid_backward ...]
 
-Each row kills (or hangs) one actor at one point of a step (``megaslide_ray/faults.py``), in
+Each row kills (or hangs) one actor at one point of a step (``megaslide_ray/runtime/faults.py``), in
 step 3 of a 4-step run that checkpoints every 2 steps (the checkpoint fault: in the step-2
 checkpoint), on a small model. Columns:
 
@@ -35,7 +35,7 @@ from megaslide_ray.runtime import faults
 from megaslide_ray.state.checkpoint import read_checkpoint_shards
 from megaslide_ray.config import build_config
 from megaslide_ray.data.demo import ensure_demo_dataset
-from megaslide_ray.trainer.loop import Trainer
+from megaslide_ray.trainer import Trainer
 
 SMALL = {"model.depth": 2, "model.hidden_size": 64, "model.num_heads": 2, "model.caption_dim": 32,
          "model.patch_size": "2,8,8", "data.num_frames": 8, "data.height": 32, "data.width": 32,

@@ -5,7 +5,7 @@ streaming, the attention operators and a paper-width model, in under 6 minutes o
     python -m benchmarks.gpu_check --out DIR --smoke     # every part on the CPU at tiny sizes
 
 Needs only torch, triton, numpy and safetensors: no Ray, no video decoding (batches are
-synthetic: random uint8 clips and caption bytes from ``megaslide_ray.captions``); the store
+synthetic: random uint8 clips and caption bytes from ``megaslide_ray.data.captions``); the store
 and the compute actor run in this process. Parts, in order; each is guarded (a failure is
 recorded and the next part still runs), each has a share of ``--budget-s`` (a part that would
 start too late is skipped, loops inside a part stop at its deadline), and the results are

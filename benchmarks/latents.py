@@ -2,7 +2,7 @@
 
     python -m benchmarks.latents [--part read|encode|both] [--json]
 
-``read`` (the storage format of ``megaslide_ray.latents``): ``--clips`` random bf16 latents of
+``read`` (the storage format of ``megaslide_ray.data.latents``): ``--clips`` random bf16 latents of
 ``--shape`` (default ``21,60,104,16``: Wan at 81 x 480 x 832) plus text embeddings of
 ``--text-len`` x ``--text-dim`` tokens (one per clip), written both ways into a temporary folder:
 

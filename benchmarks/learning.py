@@ -8,7 +8,7 @@
 
 Trains ``--preset`` (default ``tiny``) on the training split of the motion set or of its simple
 variant (``--variant simple``: what ``python -m megaslide_ray.train --demo motion`` and ``--demo
-motion-simple`` train on) in process (``megaslide_ray.baseline``: the model
+motion-simple`` train on) in process (``megaslide_ray.training.baseline``: the model
 and objective of the streamed trainer, which the tests hold equal to it), and every ``--every``
 steps samples ``--prompts`` captions from fixed noise (Euler, ``training.sample_steps``, guided by
 ``--cfg-scale`` against the empty caption) and scores

@@ -8,7 +8,7 @@ Learned offsets can only move where their gradient pushes them. Trilinear sampli
 sample point a gradient from its 8 surrounding tokens only, so a sample whose target (the moving
 object's position in a neighbouring frame) is more than a token away gets no signal that points
 at it. This benchmark measures that signal. For each seed it builds the ``tiny`` dsa model
-(in process, ``megaslide_ray.baseline``), trains it on the motion set's training split, and at
+(in process, ``megaslide_ray.training.baseline``), trains it on the motion set's training split, and at
 each step in ``--steps`` does three things on the clips of ``--split`` (fixed noise, flow time ``--t``):
 
 1. takes the gradient of the flow-matching loss with respect to every block's offsets;

@@ -12,7 +12,7 @@ frames, on which ``tiny-motion`` learns to draw its prompts within 2000 steps) (
 fast ones move 2.5-4 tokens per patch frame), with the same initial weights per seed; only
 ``attention.kind`` differs (``dense``; ``swin``, ``neighborhood`` and ``dsa`` with the same
 (3,3,3) window, K = 27 keys per query: swin's windows are fixed tiles (shifted every other
-block), neighborhood's slide with the query, dsa's slide and move by learned offsets). Training runs in process (``megaslide_ray.baseline``: the
+block), neighborhood's slide with the query, dsa's slide and move by learned offsets). Training runs in process (``megaslide_ray.training.baseline``: the
 model and objective of the streamed trainer, which the tests hold equal to it), so the table
 compares the attention operators, not the plumbing.
 
@@ -33,7 +33,7 @@ Per (kind, seed) it records:
 * **step time** (in-process, this machine);
 * for ``dsa``, the **learned offsets** on the validation clips at t = 0.5: mean |offset| in
   tokens, and whether they point along the object's motion: the per-block motion estimate of
-  ``megaslide_ray.offsets_view`` (the slope of the mean spatial offset over the window's time
+  ``megaslide_ray.evaluation.offsets_view`` (the slope of the mean spatial offset over the window's time
   slices) averaged over the object's tokens, against the true velocity from the set's
   ``motion.json``: cosine and length ratio, per block.
 
@@ -295,9 +295,9 @@ def markdown(rows: list[dict], meta: dict) -> str:
 
 
 def plots(runs: list[dict], rows: list[dict], out: Path) -> list[Path]:
-    from megaslide_ray.evaluation.report import _pyplot
+    from megaslide_ray.evaluation.plotting import pyplot
 
-    plt = _pyplot()
+    plt = pyplot()
     written = []
     fig, ax = plt.subplots(figsize=(6, 4))
     for kind in dict.fromkeys(r["kind"] for r in runs):

@@ -8,7 +8,7 @@ channels, patch 1x2x2) but ``--depth`` blocks and a small latent clip, so it run
 all fp32, forward + backward of one batch (B=1, 512 text tokens):
 
     diffusers      ``WanTransformer3DModel`` in process (the reference; no optimizer)
-    ours           ``megaslide_ray.wan``'s model in process, the same weights (no optimizer)
+    ours           ``megaslide_ray.models.wan``'s model in process, the same weights (no optimizer)
     streamed       the compute actor over a parameter store in this process: each shard's flat
                    weights fetched per use, blocks recomputed in the backward (activation
                    checkpointing), every shard's gradient returned to the store, which runs
@@ -114,7 +114,7 @@ def data_wait(depth: int, grid: tuple[int, int, int], steps: int, clips: int = 1
     from diffusers import WanTransformer3DModel
     from megaslide_ray.config import build_config
     from megaslide_ray.data.latents import save_tensor_file, write_latent_manifest
-    from megaslide_ray.trainer.loop import Trainer
+    from megaslide_ray.trainer import Trainer
     from megaslide_ray.models.wan_diffusers import wan_config_from_diffusers
 
     with torch.device("meta"):

@@ -5,13 +5,15 @@ the arguments and calls the library; every flag is in docs/cli.md."""
 
 from __future__ import annotations
 
+from megaslide_ray.data import demo
+
 import sys
 import argparse
 from megaslide_ray.data.demo import DEFAULT_NUM_VIDEOS, ensure_demo_dataset
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m megaslide_ray.demo_data", description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m megaslide_ray.demo_data", description=demo.__doc__.split("\n")[0])
     parser.add_argument("--out", default=None,
                         help="cache directory (default: $MEGASLIDE_CACHE or ~/.cache/megaslide_ray)")
     parser.add_argument("--num-videos", type=int, default=DEFAULT_NUM_VIDEOS)

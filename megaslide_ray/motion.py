@@ -5,13 +5,15 @@ the arguments and calls the library; every flag is in docs/cli.md."""
 
 from __future__ import annotations
 
+from megaslide_ray.data import motion
+
 import sys
 import argparse
 from megaslide_ray.data.motion import DEFAULT_TRAIN, DEFAULT_VAL, VARIANTS, ensure_motion_dataset
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m megaslide_ray.motion", description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(prog="python -m megaslide_ray.motion", description=motion.__doc__.split("\n")[0])
     p.add_argument("--out", default=None, help="cache directory (default: $MEGASLIDE_CACHE or ~/.cache/megaslide_ray)")
     p.add_argument("--num-train", type=int, default=DEFAULT_TRAIN)
     p.add_argument("--num-val", type=int, default=DEFAULT_VAL)

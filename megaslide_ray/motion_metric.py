@@ -9,6 +9,7 @@ import json
 import sys
 import numpy as np
 from megaslide_ray.evaluation.motion_metric import KEYS, motion_fidelity, read_video
+from megaslide_ray.data.manifest import read_manifest
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -20,7 +21,6 @@ def main(argv: list[str] | None = None) -> int:
     a = p.parse_args(argv)
     try:
         if a.path.endswith(".parquet"):
-            from megaslide_ray.data.manifest import read_manifest
 
             clips = [(e.path, a.caption or e.caption) for e in read_manifest(a.path)]
         else:

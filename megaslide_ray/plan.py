@@ -4,6 +4,8 @@ The command line of ``megaslide_ray.planning``: will a preset fit, and what boun
 parses the arguments and calls the library; every flag is in docs/cli.md."""
 
 from __future__ import annotations
+
+from megaslide_ray import planning
 import argparse
 import json
 import math
@@ -62,7 +64,7 @@ def _non_negative_float(text: str) -> float:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m megaslide_ray.plan", description=__doc__.split("\n\n")[0],
+    ap = argparse.ArgumentParser(prog="python -m megaslide_ray.plan", description=planning.__doc__.split("\n\n")[0],
                                  epilog="All sizes in decimal GB (1e9 B): a '1.5 TB' server of 24 x 64 GiB DIMMs "
                                         "has --ram-gb 1649; an H200 --gpu-gb 141.")
     ap.add_argument("--preset", default="tiny", help="config preset (tiny, dit-105b, dit-33b, dit-28b, "

@@ -8,7 +8,7 @@ import argparse
 import logging
 import sys
 from pathlib import Path
-from megaslide_ray.data.precompute import SKIPPED_NAME
+from megaslide_ray.data.precompute import SKIPPED_NAME, precompute
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -36,10 +36,8 @@ def main(argv: list[str] | None = None) -> int:
         import ray
 
         ray.init(address=args.ray_address, namespace="megaslide")
-    from megaslide_ray.data import precompute as module  # not __main__'s copy: Ray pickles the Encoder by name
-
     try:
-        rep = module.precompute(args.model_dir, args.data, args.out, args.frames, args.height, args.width, fps=args.fps,
+        rep = precompute(args.model_dir, args.data, args.out, args.frames, args.height, args.width, fps=args.fps,
                          device=args.device, dtype=args.dtype, num_encoders=args.num_encoders,
                          progress=not args.no_progress)
     except (ValueError, ImportError) as e:

@@ -43,6 +43,7 @@ from actors.decoder import BatchInfo
 from actors.param_store import GradientsLostError, ParameterStore, UpdateResult
 from megaslide_ray.runtime import faults
 from pipelines.decoder_pool import DataCursor, DecoderPool
+from megaslide_ray.state.preflight import StateSpaceError
 
 log = logging.getLogger(__name__)
 
@@ -62,7 +63,7 @@ class RestartLimitError(RuntimeError):
 
 def actor_options() -> dict:
     """Options every actor of a run gets: the fault-injection settings of the driver's
-    environment (``megaslide_ray/faults.py``), so a fault can target any actor."""
+    environment (``megaslide_ray/runtime/faults.py``), so a fault can target any actor."""
     env = {k: os.environ[k] for k in (faults.ENV_SPEC, faults.ENV_DIR) if os.environ.get(k)}
     return {"runtime_env": {"env_vars": env}} if env else {}
 
@@ -73,7 +74,6 @@ def raise_state_space_error(e: BaseException) -> None:
     text = str(e)
     key = "StateSpaceError: "
     if key in text:
-        from megaslide_ray.state.preflight import StateSpaceError
 
         raise StateSpaceError(text[text.rindex(key) + len(key):].strip().splitlines()[0]) from None
 

@@ -20,7 +20,7 @@ def test_configuration_reference_is_current():
     page = ROOT / REFERENCE_PATH
     assert page.is_file(), f"{REFERENCE_PATH} is missing; generate it with: {REFERENCE_COMMAND}"
     assert page.read_text() == reference_markdown(), (
-        f"{REFERENCE_PATH} differs from what megaslide_ray/config.py generates now (a field, default, "
+        f"{REFERENCE_PATH} differs from what megaslide_ray/config/ generates now (a field, default, "
         f"docstring or preset changed); regenerate it with: {REFERENCE_COMMAND}")
 
 

@@ -9,7 +9,7 @@ import pytest
 import ray
 
 from megaslide_ray.runtime.metrics import STEP_GAUGES, VAL_GAUGES
-from megaslide_ray.trainer.loop import Trainer
+from megaslide_ray.trainer import Trainer
 
 
 @pytest.fixture(scope="module")

@@ -12,7 +12,7 @@ from actors.decoder import VideoDecoder
 from megaslide_ray.training.baseline import InProcessTrainer
 from megaslide_ray.state.checkpoint import read_checkpoint_shards
 from megaslide_ray.data.manifest import read_manifest, write_manifest
-from megaslide_ray.trainer.loop import Trainer
+from megaslide_ray.trainer import Trainer
 
 def run(cfg, run_dir, steps=None, resume=False):
     trainer = Trainer(cfg, run_dir=str(run_dir), resume=resume, progress=False)

@@ -1,4 +1,4 @@
-"""The Wan transformer (megaslide_ray/wan.py) against diffusers' WanTransformer3DModel: forward and
+"""The Wan transformer (megaslide_ray/models/wan.py) against diffusers' WanTransformer3DModel: forward and
 gradients in fp32, the bf16 error, the streamed shards bit for bit, local attention with the whole
 grid as window, the presets' parameter counts, config round trips and refusals. Tiny random
 diffusers models are built on the fly; nothing is downloaded."""

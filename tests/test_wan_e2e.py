@@ -21,7 +21,7 @@ from megaslide_ray.state.checkpoint import latest_checkpoint, read_checkpoint_sh
 from megaslide_ray.data.demo import ensure_demo_dataset
 from megaslide_ray.state.pretrained import config_for_diffusers_dir, export_diffusers
 from megaslide_ray.data.precompute import precompute
-from megaslide_ray.trainer.loop import Trainer
+from megaslide_ray.trainer import Trainer
 from wan_models import FRAMES, SIZE, make_wan_dir
 
 TRANSFORMER = dict(patch_size=(1, 2, 2), num_attention_heads=2, attention_head_dim=8, in_channels=4, out_channels=4,

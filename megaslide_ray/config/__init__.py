@@ -22,6 +22,7 @@ from megaslide_ray.config.loading import (
     config_from_dict,
     describe_fields,
     load_toml,
+    parse_overrides,
     to_toml,
 )
 from megaslide_ray.config.presets import PRESETS, WAN_WINDOW, preset
@@ -43,6 +44,6 @@ from megaslide_ray.config.validate import validate
 __all__ = [
     "ADDED_LATER", "PRESETS", "REFERENCE_COMMAND", "REFERENCE_PATH", "SECTIONS", "WAN_WINDOW", "AttentionConfig",
     "Config", "ConfigError", "DataConfig", "ModelConfig", "OptimizerConfig", "RayConfig", "RuntimeConfig",
-    "TrainingConfig", "apply_overrides", "build_config", "config_from_dict", "describe_fields", "load_toml", "preset",
+    "TrainingConfig", "apply_overrides", "build_config", "config_from_dict", "describe_fields", "load_toml", "parse_overrides", "preset",
     "reference_markdown", "to_toml", "validate",
 ]

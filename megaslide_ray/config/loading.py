@@ -194,3 +194,25 @@ def config_from_dict(doc: dict[str, Any]) -> Config:
     apply_overrides(cfg, _with_old_behaviour({f"{section}.{name}": value for section in SECTIONS
                                               for name, value in doc.get(section, {}).items()}))
     return cfg
+
+
+def parse_overrides(extra: list[str]) -> dict[str, str]:
+    """``--section.field value`` / ``--section.field=value`` pairs -> {"section.field": "value"}."""
+    out: dict[str, str] = {}
+    i = 0
+    while i < len(extra):
+        tok = extra[i]
+        if not tok.startswith("--") or "." not in tok:
+            raise ConfigError(f"unrecognised argument {tok!r}; config fields are given as --SECTION.FIELD VALUE "
+                              f"with SECTION in {list(SECTIONS)} (see --help-config)")
+        key = tok[2:]
+        if "=" in key:
+            key, value = key.split("=", 1)
+        else:
+            if i + 1 >= len(extra):
+                raise ConfigError(f"{tok} needs a value")
+            i += 1
+            value = extra[i]
+        out[key] = value
+        i += 1
+    return out

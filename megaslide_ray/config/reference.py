@@ -37,7 +37,7 @@ def reference_markdown() -> str:
     lines = [
         "# Configuration reference",
         "",
-        f"<!-- Generated from megaslide_ray/config.py by `{REFERENCE_COMMAND}`; do not edit by hand. -->",
+        f"<!-- Generated from megaslide_ray/config/ by `{REFERENCE_COMMAND}`; do not edit by hand. -->",
         "",
         "Every field, as `--SECTION.FIELD VALUE` on the command line or `FIELD = VALUE` under `[SECTION]`",
         "in a TOML file (`--config`; a run's `config.toml` is one). Order of precedence: preset, then the",

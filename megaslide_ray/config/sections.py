@@ -27,7 +27,7 @@ class ModelConfig:
     arch: Literal["videodit", "wan"] = "videodit"
     """Architecture: ``videodit`` (this project's pixel-space DiT with a built-in byte caption encoder)
     or ``wan`` (the Wan 2.x video transformer over VAE latents and UMT5 text embeddings; parameter
-    names as in diffusers' ``WanTransformer3DModel``; ``megaslide_ray/wan.py``)."""
+    names as in diffusers' ``WanTransformer3DModel``; ``megaslide_ray/models/wan.py``)."""
     hidden_size: int = 128
     """Transformer width (channels per token)."""
     depth: int = 4

@@ -11,6 +11,15 @@ from megaslide_ray.config.sections import Config, ConfigError
 
 
 def validate(cfg: Config) -> Config:
+    """``cfg`` if every rule holds, else ``ConfigError`` naming the first broken one."""
+    for check in (_check_sizes_and_model, _check_runtime_counts, _check_decoding, _check_shapes_and_attention,
+                  _check_optimizer_and_runtime, _check_run):
+        check(cfg)
+    return cfg
+
+
+def _check_sizes_and_model(cfg: Config) -> None:
+    """Sizes and counts that must be positive, and the model's own fields."""
     m, a, d, o, t = cfg.model, cfg.attention, cfg.data, cfg.optim, cfg.training
 
     def positive(where: str, value: float) -> None:
@@ -56,6 +65,10 @@ def validate(cfg: Config) -> Config:
         for i, c in enumerate(m.latent_compression):
             if not c > 0:
                 raise ConfigError(f"model.latent_compression[{i}]={c} must be > 0")
+
+
+def _check_runtime_counts(cfg: Config) -> None:
+    """The runtime's prefetch depth, token chunk and kept block inputs."""
     if cfg.runtime.prefetch_depth < 1:
         raise ConfigError(f"runtime.prefetch_depth={cfg.runtime.prefetch_depth} must be >= 1")
     if cfg.runtime.token_chunk < 0:
@@ -63,6 +76,11 @@ def validate(cfg: Config) -> Config:
     if cfg.runtime.offload_keep < 0:
         raise ConfigError(f"runtime.offload_keep={cfg.runtime.offload_keep} must be >= 0 (0 = offload every "
                           f"block input; only used with runtime.offload_activations)")
+
+
+def _check_decoding(cfg: Config) -> None:
+    """How clips are read: frame rate or stride, decode timeout, clip cache, bad files."""
+    d = cfg.data
     if d.fps < 0 or not math.isfinite(d.fps):
         raise ConfigError(f"data.fps={d.fps} must be >= 0 (0: sample by data.frame_stride)")
     if d.fps > 0 and d.frame_stride != 1:
@@ -75,6 +93,11 @@ def validate(cfg: Config) -> Config:
         raise ConfigError(f"data.clip_cache_mb={d.clip_cache_mb} must be >= 0 (0: no decoded-clip cache)")
     if not 0 <= d.max_bad_fraction <= 1:
         raise ConfigError(f"data.max_bad_fraction={d.max_bad_fraction} must lie in [0, 1] (1 never stops)")
+
+
+def _check_shapes_and_attention(cfg: Config) -> None:
+    """Heads, patches and the clip against the token grid; the attention window and offset head."""
+    m, a, d = cfg.model, cfg.attention, cfg.data
     if m.hidden_size % m.num_heads:
         raise ConfigError(f"model.hidden_size={m.hidden_size} is not divisible by model.num_heads={m.num_heads}; "
                           f"pick heads that divide the width (e.g. {_divisor_near(m.hidden_size, m.num_heads)})")
@@ -112,6 +135,11 @@ def validate(cfg: Config) -> Config:
         raise ConfigError(f"attention.max_offset={a.max_offset} must be >= 0 (0 = unbounded)")
     if a.scale < 0:
         raise ConfigError(f"attention.scale={a.scale} must be >= 0 (0 = head_dim ** -0.5)")
+
+
+def _check_optimizer_and_runtime(cfg: Config) -> None:
+    """AdamW's settings, the fields that must be >= 0, kept block graphs, the schedule and caption dropout."""
+    o, t = cfg.optim, cfg.training
     b1, b2 = o.betas
     if not (0 <= b1 < 1 and 0 <= b2 < 1):
         raise ConfigError(f"optim.betas={o.betas} must each lie in [0, 1)")
@@ -141,6 +169,11 @@ def validate(cfg: Config) -> Config:
     if not 0 <= t.caption_dropout < 1:
         raise ConfigError(f"training.caption_dropout={t.caption_dropout} must lie in [0, 1) (0.1 is usual; 0 never "
                           f"drops a caption)")
+
+
+def _check_run(cfg: Config) -> None:
+    """The preset, the manifests, validation and sampling during training."""
+    m, d, o, t = cfg.model, cfg.data, cfg.optim, cfg.training
     if cfg.preset not in PRESETS:
         raise ConfigError(f"preset={cfg.preset!r} is unknown; choose one of {sorted(PRESETS)}")
     if d.manifest and not Path(d.manifest).is_file():
@@ -165,7 +198,6 @@ def validate(cfg: Config) -> Config:
         raise ConfigError(f"training.sample_every={t.sample_every} with model.arch={m.arch!r} on latents: samples "
                           f"during training need the model's VAE (and for wan its text encoder), which the trainer "
                           f"does not load; set it to 0 and {after}")
-    return cfg
 
 
 def _validate_wan(cfg: Config) -> None:
@@ -192,7 +224,8 @@ def _validate_latent_clip(cfg: Config) -> None:
     if (d.num_frames - 1) % ct:
         below = (d.num_frames - 1) // ct * ct + 1
         choices = [f for f in (below, below + ct) if f >= 1]
-        raise ConfigError(f"data.num_frames={d.num_frames}: the {'Wan ' if m.arch == 'wan' else ''}VAE encodes {ct}k+1 frames "
+        vae = "Wan VAE" if m.arch == "wan" else "VAE"
+        raise ConfigError(f"data.num_frames={d.num_frames}: the {vae} encodes {ct}k+1 frames "
                           f"(model.latent_compression={m.latent_compression}); use "
                           f"{' or '.join(str(f) for f in choices)}")
     head_dim = m.hidden_size // m.num_heads

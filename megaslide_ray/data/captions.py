@@ -1,6 +1,6 @@
 """Captions as the ``videodit`` model reads them: bytes, not tokens.
 
-The model's built-in caption encoder (``megaslide_ray.model.CaptionEncoder``) embeds raw UTF-8
+The model's built-in caption encoder (``megaslide_ray.models.videodit.CaptionEncoder``) embeds raw UTF-8
 bytes, so no tokenizer or text model has to be downloaded. A caption is its UTF-8 encoding cut
 at ``model.caption_max_bytes`` bytes without splitting a character (a cut inside a multi-byte
 character drops that character), in a batch of

@@ -5,6 +5,7 @@ Ray starts, and by the Trainer."""
 
 from __future__ import annotations
 from megaslide_ray.config import Config, ConfigError
+from megaslide_ray.data.latents import is_latent_manifest, latent_manifest_info
 
 
 def check_data(cfg: Config) -> None:
@@ -31,8 +32,6 @@ def check_data(cfg: Config) -> None:
 
 def _check_manifest(cfg: Config, field: str, path: str) -> None:
     """``check_data`` for one manifest (``field`` names it in the messages)."""
-    from megaslide_ray.data.latents import is_latent_manifest, latent_manifest_info
-
     m, d = cfg.model, cfg.data
     latent = is_latent_manifest(path)
     if m.arch == "wan" and not latent:

@@ -6,7 +6,7 @@ Scans ``VIDEO_DIR`` recursively for ``.mp4 .mkv .webm .avi .mov .m4v`` files, op
 decord to read its frame count, frame rate and size (and decodes its first and last frames to
 prove it decodes: a truncated file often opens and shows its first frame; ``--first-frame-only``
 skips the last-frame check, which costs a seek per video), and writes one manifest row per
-usable video (schema: ``megaslide_ray.manifest``).
+usable video (schema: ``megaslide_ray.data.manifest``).
 Paths in the manifest are relative to the manifest's folder, so both can move together.
 
 Captions, first match wins:

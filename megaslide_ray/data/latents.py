@@ -192,7 +192,7 @@ def read_latent_manifest(path: str | os.PathLike) -> tuple[list[dict[str, Any]],
     meta = _decode_metadata(table.schema.metadata)
     if meta.get("kind") != KIND:
         raise ValueError(f"{str(path)!r} is not a latent manifest (its metadata has kind={meta.get('kind')!r}, "
-                         f"not {KIND!r}); a video manifest is read with megaslide_ray.manifest.read_manifest")
+                         f"not {KIND!r}); a video manifest is read with megaslide_ray.data.manifest.read_manifest")
     version = meta.get("format_version")
     if not isinstance(version, int) or version > FORMAT_VERSION:
         raise ValueError(f"latent manifest {str(path)!r} has format_version={version!r}; this code reads up to "

@@ -7,7 +7,7 @@
 ``vae/`` (``diffusers.AutoencoderKLWan``), ``text_encoder/`` (``transformers.UMT5EncoderModel``)
 and ``tokenizer/`` (``transformers.AutoTokenizer``). Nothing is downloaded.
 
-Per row of the video manifest (``megaslide_ray.manifest``):
+Per row of the video manifest (``megaslide_ray.data.manifest``):
 
 * the clip is decoded with the decoder actors' rules (``actors.decoder.decode_clip``): the
   video's first frames (consecutive, or resampled to ``--fps``), the shorter side resized to
@@ -34,7 +34,7 @@ actor decodes its next clips on a thread while it encodes one. The clips come fi
 captions of the clips that made it; an actor holds one of the two models at a time, and on CPU
 the captions go to one actor with every thread (a UMT5-XXL copy is 22 GB in float32).
 
-The output folder (layout and manifest format: ``megaslide_ray.latents``) is resumable: every
+The output folder (layout and manifest format: ``megaslide_ray.data.latents``) is resumable: every
 file is written to a temporary name and renamed into place, a second run with the same
 arguments skips the clips and captions whose files are there and readable (a changed source
 video, by size or modification time, is encoded again), and the latent manifest

@@ -31,10 +31,18 @@ import numpy as np
 import torch
 
 from megaslide_ray.config import Config
+from megaslide_ray.models.registry import build_shard
+from megaslide_ray.models.attention import OffsetPredictor
+from megaslide_ray.data.captions import caption_batch
+from megaslide_ray.state.checkpoint import CheckpointReader, resolve_checkpoint
+from megaslide_ray.config import config_from_dict
+from megaslide_ray.evaluation.plotting import pyplot
+from megaslide_ray.data.clips import decode_clip
+from megaslide_ray.state.checkpoint import latest_checkpoint, read_checkpoint_state
+from megaslide_ray.data.manifest import read_manifest
 
 
 def _load_shard(cfg: Config, ckpt, index: int) -> torch.nn.Module:
-    from megaslide_ray.models.registry import build_shard
 
     module = build_shard(cfg, index, "cpu")
     module.load_state_dict({k: v.float() for k, v in ckpt.tensors(index, "master").items()})
@@ -42,7 +50,6 @@ def _load_shard(cfg: Config, ckpt, index: int) -> torch.nn.Module:
 
 
 def _offset_modules(block: torch.nn.Module) -> list[torch.nn.Module]:
-    from megaslide_ray.models.attention import OffsetPredictor
 
     found = [m for m in block.modules() if isinstance(m, OffsetPredictor)]
     if not found:  # the wan block names its predictor attn1.offsets; it is the same class or not
@@ -56,10 +63,6 @@ def offset_field(checkpoint: str | Path, clip: np.ndarray, caption: str, block: 
     """Offsets of block ``block`` for ``clip`` (uint8 ``(F, H, W, C)`` at the checkpoint's data
     size) with ``caption``, at flow time ``t`` with noise from ``seed``. Returns
     ``(offsets (T, H, W, nh, K, 3) float32, the checkpoint's config)``."""
-    from megaslide_ray.data.captions import caption_batch
-    from megaslide_ray.state.checkpoint import CheckpointReader, resolve_checkpoint
-    from megaslide_ray.config import config_from_dict
-
     path = resolve_checkpoint(checkpoint)
     with CheckpointReader(path) as ckpt:
         cfg = config_from_dict(ckpt.state["config"])
@@ -128,9 +131,7 @@ def draw_offset_field(frame: np.ndarray, estimate: torch.Tensor, patch: tuple[in
                       out: str | Path, title: str = "", max_panels: int = 4) -> Path:
     """Arrows of ``estimate (H, W, nh, 2)`` (one time slice) over ``frame`` (uint8 ``(Hp, Wp, 3)``),
     one panel per head group (the first ``max_panels``), lengths in pixels. Returns ``out``."""
-    from megaslide_ray.evaluation.report import _pyplot
-
-    plt = _pyplot()
+    plt = pyplot()
     H, W, nh, _ = estimate.shape
     per = nh // groups
     panels = min(groups, max_panels)
@@ -177,10 +178,6 @@ def run_offsets_plot(run_dir: str | Path, out: str | Path, block: int = 1) -> tu
     Returns ``(path, "")``, or ``(None, why not)`` for a run that has no offsets to draw."""
     from dataclasses import replace
 
-    from megaslide_ray.data.clips import decode_clip
-    from megaslide_ray.state.checkpoint import latest_checkpoint, read_checkpoint_state
-    from megaslide_ray.config import config_from_dict
-    from megaslide_ray.data.manifest import read_manifest
 
     ckpt = latest_checkpoint(run_dir)
     if ckpt is None:

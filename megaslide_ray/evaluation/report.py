@@ -6,7 +6,7 @@ Writes ``loss.png``, ``tokens_per_s.png`` and ``time_split.png`` into ``RUN_DIR/
 ``--out``) and prints a summary table. A run that evaluated (``training.eval_every``) also gets
 ``val_loss.png`` (the validation loss and its t-buckets), and its validation loss is drawn on
 ``loss.png`` too. A ``dsa`` run with a checkpoint gets ``offsets.png``: the learned offset field
-of one clip, as arrows per head group (``megaslide_ray.offsets_view``). Several runs (e.g. one
+of one clip, as arrows per head group (``megaslide_ray.evaluation.offsets_view``). Several runs (e.g. one
 per attention kind) are each reported, and ``val_loss_by_run.png`` draws their validation
 losses side by side. How a step's wall time splits: ``step_seconds`` is the
 driver's time between two steps; the compute actor's share is ``forward_seconds +
@@ -25,6 +25,9 @@ import math
 import sys
 from dataclasses import dataclass
 from pathlib import Path
+from megaslide_ray.evaluation.offsets_view import run_offsets_plot
+from megaslide_ray.config import load_toml
+from megaslide_ray.evaluation.plotting import pyplot
 
 PLOTS = ("loss.png", "tokens_per_s.png", "time_split.png")
 OFFSETS_PLOT = "offsets.png"          # dsa runs with a checkpoint
@@ -147,22 +150,10 @@ def format_summary(s: RunSummary) -> str:
 # ---------------------------------------------------------------------------------------------
 
 
-def _pyplot():
-    try:
-        import matplotlib
-    except ImportError:
-        raise RuntimeError("the report needs matplotlib: pip install matplotlib "
-                           "(or pip install -e \".[test]\")") from None
-    matplotlib.use("Agg")  # files only, no display
-    import matplotlib.pyplot as plt
-
-    return plt
-
-
 def plot_run(rows: list[dict], out_dir: str | Path) -> list[Path]:
     """Write the three PNGs (and ``val_loss.png`` when rows have ``val_loss``) into ``out_dir``;
     returns their paths."""
-    plt = _pyplot()
+    plt = pyplot()
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     written = []
@@ -247,13 +238,12 @@ def _save(fig, path: Path, plt) -> Path:
 
 def report(run_dir: str | Path, out_dir: str | Path | None = None) -> tuple[RunSummary, list[Path]]:
     """The run's plots; for a ``dsa`` run with a checkpoint also ``offsets.png`` (the learned
-    offset field of one clip, ``megaslide_ray.offsets_view``)."""
+    offset field of one clip, ``megaslide_ray.evaluation.offsets_view``)."""
     rows = read_metrics(Path(run_dir) / "metrics.jsonl")
     summary = summarize(rows)
     out = Path(out_dir) if out_dir is not None else Path(run_dir) / "report"
     plots = plot_run(rows, out)
     try:
-        from megaslide_ray.evaluation.offsets_view import run_offsets_plot
 
         drawn, _ = run_offsets_plot(run_dir, out / OFFSETS_PLOT)
     except (OSError, ValueError, RuntimeError, KeyError) as e:  # a plot that cannot be drawn is not fatal
@@ -268,7 +258,6 @@ def run_label(run_dir: str | Path) -> str:
     """``name (attention kind)`` of a run, from its config.toml when it has one."""
     name = Path(run_dir).name
     try:
-        from megaslide_ray.config import load_toml
 
         kind = load_toml(Path(run_dir) / "config.toml").get("attention.kind")
     except Exception:  # noqa: BLE001 - a label without the kind is fine
@@ -279,7 +268,7 @@ def run_label(run_dir: str | Path) -> str:
 def compare_runs(run_dirs: list[str | Path], out: str | Path) -> Path:
     """``val_loss_by_run.png``: the validation loss of several runs side by side (e.g. one per
     attention kind), each labelled with its name and attention kind."""
-    plt = _pyplot()
+    plt = pyplot()
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     fig, ax = plt.subplots(figsize=(7, 4))

@@ -5,9 +5,9 @@ sampling starts from noise at t = 1 and steps ``x <- x - dt * v`` down to t = 0.
 evaluation goes through ``ComputeActor.predict``: the shards run block by block with weights
 fetched one shard at a time, exactly as in training, so a model larger than device memory
 samples the same way it trains. Weights come from the checkpoint (read by
-``megaslide_ray.checkpoint``) through ``CheckpointWeights``, a read-only stand-in for the
+``megaslide_ray.state.checkpoint``) through ``CheckpointWeights``, a read-only stand-in for the
 parameter store (object-ref transport: each shard's bytes on request; AdamW moments are never
-read). The prompt is encoded as training captions are (``megaslide_ray.captions``). No Ray is
+read). The prompt is encoded as training captions are (``megaslide_ray.data.captions``). No Ray is
 needed.
 
     python -m megaslide_ray.sample --checkpoint runs/X --prompt "a red circle moving right" \\
@@ -38,6 +38,10 @@ from megaslide_ray.config import Config, ConfigError, config_from_dict, validate
 from megaslide_ray.training.flow import shift_time
 from megaslide_ray.models.registry import build_shard, num_shards
 from megaslide_ray.models.shards import ShardLayout
+from megaslide_ray.data.latents import pad_text
+from megaslide_ray.data.demo import write_video
+from megaslide_ray.data.encoders import Encoder
+from megaslide_ray.data.precompute import clip_config
 
 log = logging.getLogger(__name__)
 
@@ -176,8 +180,6 @@ def wan_sample(compute: ComputeActor, cfg: Config, text: torch.Tensor, negative:
     """wan: sample from prompt embeddings ``text`` and ``negative`` (``(L, text_dim)`` each, valid
     tokens only, as the text encoder gives them), zero-padded to ``model.text_len`` as the Wan
     pipelines do. Returns normalised latents, float32 ``(1, F', H', W', C)``."""
-    from megaslide_ray.data.latents import pad_text
-
     n = cfg.model.text_len
     cond = pad_text(text, n)[None].numpy()
     uncond = pad_text(negative, n)[None].numpy()
@@ -272,8 +274,6 @@ def sample_video(checkpoint: str | Path, prompt: str, out: str | Path, frames: i
     guidance) and the VAE that decodes the result; ``training.flow_shift`` shifts the time grid.
     A ``videodit`` on latents (``model.inputs = latents``, the ``dit-*`` presets) reads the prompt
     as bytes and needs ``model_dir`` only for its VAE (the one its latents were made with)."""
-    from megaslide_ray.data.demo import write_video
-
     if upscale < 1:
         raise ValueError(f"upscale={upscale} must be >= 1 (1 writes the model's own size)")
 
@@ -304,8 +304,6 @@ def sample_video(checkpoint: str | Path, prompt: str, out: str | Path, frames: i
         if model_dir is None:
             raise ConfigError("this checkpoint is a wan model: give --model-dir WAN_DIR, the local diffusers folder "
                               "whose text_encoder/, tokenizer/ and vae/ encode the prompt and decode the video")
-        from megaslide_ray.data.encoders import Encoder
-        from megaslide_ray.data.precompute import clip_config
 
         d = cfg.data
         encoder = Encoder(str(model_dir), clip_config(d.num_frames, d.height, d.width, 0.0),
@@ -317,8 +315,6 @@ def sample_video(checkpoint: str | Path, prompt: str, out: str | Path, frames: i
             raise ConfigError("this checkpoint's model reads VAE latents (model.inputs='latents'): give --model-dir "
                               "DIR, the local diffusers folder whose vae/ made its latents (e.g. a Wan2.1 folder), "
                               "to decode the video")
-        from megaslide_ray.data.encoders import Encoder
-        from megaslide_ray.data.precompute import clip_config
 
         d = cfg.data
         encoder = Encoder(str(model_dir), clip_config(d.num_frames, d.height, d.width, 0.0),

@@ -35,6 +35,16 @@ import numpy as np
 import torch
 
 from megaslide_ray.config import Config, ConfigError, config_from_dict, validate
+from megaslide_ray.data.clips import ClipUnreadable, decode_clip
+from megaslide_ray.data.captions import empty_captions, set_caption
+from megaslide_ray.training.flow import video_to_unit
+from megaslide_ray.data.latents import (LatentFileError, is_latent_manifest, load_latent_sample, pad_text, read_latent_manifest)
+from megaslide_ray.data.manifest import read_manifest
+from megaslide_ray.data.checks import _check_manifest
+from actors.compute import ComputeActor
+from megaslide_ray.state.segments import DTYPES
+from megaslide_ray.state.checkpoint import read_checkpoint_state, resolve_checkpoint
+from megaslide_ray.evaluation.sampling import CheckpointWeights
 
 log = logging.getLogger(__name__)
 
@@ -81,18 +91,6 @@ def load_val_set(cfg: Config, manifest: str | None = None, clips: int | None = N
     """The first ``clips`` (default ``training.val_clips``) readable rows of ``manifest``
     (default ``data.val_manifest``). Unreadable rows are skipped with a warning; a
     ``ValueError`` when fewer than ``clips`` rows are readable."""
-    from megaslide_ray.data.clips import ClipUnreadable, decode_clip
-    from megaslide_ray.data.captions import empty_captions, set_caption
-    from megaslide_ray.training.flow import video_to_unit
-    from megaslide_ray.data.latents import (
-        LatentFileError,
-        is_latent_manifest,
-        load_latent_sample,
-        pad_text,
-        read_latent_manifest,
-    )
-    from megaslide_ray.data.manifest import read_manifest
-
     path = manifest or cfg.data.val_manifest
     n = int(clips or cfg.training.val_clips)
     if not path:
@@ -219,7 +217,6 @@ def eval_config(state: dict, manifest: str | None, clips: int | None = None, buc
     if batch_size is not None:
         cfg.data.batch_size = int(batch_size)
     validate(cfg)
-    from megaslide_ray.data.checks import _check_manifest  # the training run's own data check
 
     _check_manifest(cfg, "--data", str(path))
     return cfg
@@ -230,11 +227,6 @@ def evaluate_checkpoint(checkpoint: str | Path, manifest: str | None = None, cli
                         device: str = "auto") -> ValResult:
     """The validation loss of ``checkpoint`` (a checkpoint or run directory: its latest), in this
     process: the compute actor streams the checkpoint's weights as ``sample`` does."""
-    from actors.compute import ComputeActor
-    from megaslide_ray.state.segments import DTYPES
-    from megaslide_ray.state.checkpoint import read_checkpoint_state, resolve_checkpoint
-    from megaslide_ray.evaluation.sampling import CheckpointWeights
-
     try:
         ckpt = resolve_checkpoint(checkpoint)
     except FileNotFoundError as e:

@@ -1,14 +1,15 @@
 """The architectures ``model.arch`` selects from, and the calls that dispatch on it.
 
-Each architecture is a module with the same shard interface: ``build_shard(cfg, index, device)``
-(shard 0 the input side, 1..L the blocks, L+1 the head), ``initialize_shard(module, seed,
-index)`` (deterministic per shard) and a whole-model class with ``shards()`` and
-``initialize_weights(seed)``. The rest of the system (the parameter store, the compute actor,
+Each architecture has the same shard structure: shard 0 the input side, 1..L the blocks, L+1 the
+head, each a module class built from the config (a block also from its index), an
+``initialize_shard(module, seed, index)`` (deterministic per shard) in its module, and a
+whole-model class with ``shards()`` and ``initialize_weights(seed)``. The rest of the system (the parameter store, the compute actor,
 the planner, the baseline) calls the functions below and never names an architecture.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from types import ModuleType
 
 import torch
@@ -17,22 +18,44 @@ import torch.nn as nn
 from megaslide_ray.config import Config
 from megaslide_ray.models import videodit, wan
 
-ARCHITECTURES: dict[str, tuple[ModuleType, type[nn.Module]]] = {
-    "videodit": (videodit, videodit.VideoDiT),
-    "wan": (wan, wan.WanTransformer),
+@dataclass(frozen=True)
+class Architecture:
+    module: ModuleType
+    """Where its ``initialize_shard`` is."""
+    model: type[nn.Module]
+    """The whole model."""
+    embed: type[nn.Module]
+    """Shard 0: ``embed(cfg)``."""
+    block: type[nn.Module]
+    """Shards 1..L: ``block(cfg, index)``."""
+    head: type[nn.Module]
+    """Shard L+1: ``head(cfg)``."""
+
+
+ARCHITECTURES: dict[str, Architecture] = {
+    "videodit": Architecture(videodit, videodit.VideoDiT, videodit.InputEmbed, videodit.DiTBlock, videodit.FinalLayer),
+    "wan": Architecture(wan, wan.WanTransformer, wan.WanEmbed, wan.WanBlock, wan.WanHead),
 }
-"""``model.arch`` -> (the module with its shard functions, the whole-model class)."""
+"""``model.arch`` -> its classes."""
 
 
-def architecture(arch: str) -> ModuleType:
+def architecture(arch: str) -> Architecture:
     if arch not in ARCHITECTURES:
         raise ValueError(f"model.arch={arch!r} is not one of {sorted(ARCHITECTURES)}")
-    return ARCHITECTURES[arch][0]
+    return ARCHITECTURES[arch]
 
 
 def build_shard(cfg: Config, index: int, device: str | torch.device = "cpu") -> nn.Module:
     """One shard module, alone (the store initialises a 105B model this way, a block at a time)."""
-    return architecture(cfg.model.arch).build_shard(cfg, index, device)
+    arch, L = architecture(cfg.model.arch), cfg.model.depth
+    with torch.device(device):
+        if index == 0:
+            return arch.embed(cfg)
+        if index == L + 1:
+            return arch.head(cfg)
+        if 1 <= index <= L:
+            return arch.block(cfg, index)
+    raise IndexError(f"shard index {index} out of range 0..{L + 1}")
 
 
 def num_shards(cfg: Config) -> int:
@@ -43,7 +66,7 @@ def num_shards(cfg: Config) -> int:
 def initialize_shard(module: nn.Module, seed: int, index: int) -> None:
     """Deterministic init of one shard from (seed, index) by its architecture's recipe (a shard
     module says its architecture in ``arch``; ``videodit`` when it does not)."""
-    architecture(getattr(module, "arch", "videodit")).initialize_shard(module, seed, index)
+    architecture(getattr(module, "arch", "videodit")).module.initialize_shard(module, seed, index)
 
 
 def param_count(cfg: Config) -> int:
@@ -56,6 +79,6 @@ def build_model(cfg: Config, seed: int | None = None, device: str = "cpu") -> nn
     """A whole, materialised model (for the in-process baseline and tests): ``VideoDiT``, or
     ``WanTransformer`` for ``model.arch = wan``; both have ``shards()``."""
     with torch.device(device):
-        model = ARCHITECTURES[cfg.model.arch][1](cfg)
+        model = architecture(cfg.model.arch).model(cfg)
     model.initialize_weights(cfg.training.seed if seed is None else seed)
     return model

@@ -16,9 +16,8 @@ out by ``pack_condition`` and read back by ``split_condition``.
 
 Tokens are kept channels-last, ``x: (B, T, H, W, D)``, the layout 3D-DSA wants.
 
-``model.arch = wan`` selects the Wan 2.x transformer (``megaslide_ray/wan.py``), with the same
-shard interface: ``build_shard``, ``initialize_shard``, ``param_count`` and ``build_model``
-dispatch on it.
+``model.arch = wan`` selects the Wan 2.x transformer (``models/wan.py``), with the same shard
+structure; ``models/registry.py`` builds and initialises the shards of either.
 """
 
 from __future__ import annotations
@@ -111,7 +110,7 @@ class CaptionEncoder(nn.Module):
     """Bytes -> embedding (+ position) -> ``layers`` self-attention layers -> MLP -> masked mean
     pool -> (B, hidden). Small and built in, so the system needs no text model downloaded from a
     hub. Its input, zero-padded UTF-8 bytes and their lengths, is built by
-    ``megaslide_ray.captions``.
+    ``megaslide_ray.data.captions``.
 
     The self-attention layers are what let the pooled vector depend on word order: "a red circle
     on a dark blue background" and "a blue circle on a dark red background" hold the same bytes,
@@ -308,7 +307,7 @@ class DiTBlock(nn.Module):
     def _forward_chunked(self, x: torch.Tensor, c: torch.Tensor) -> torch.Tensor:
         """``forward`` with ``runtime.token_chunk``: the same function, computed a chunk of
         tokens (per-token parts) or a slab of frames (attention) at a time, each chunk
-        checkpointed (``megaslide_ray/chunking.py``). q, k, v stay whole."""
+        checkpointed (``megaslide_ray/models/chunking.py``). q, k, v stay whole."""
         B, T, H, W, D = x.shape
         attn, N = self.attn, self.token_chunk
         c, tokens, keys = split_condition(c, D, self.cross is not None)
@@ -452,17 +451,3 @@ def initialize_shard(module: nn.Module, seed: int, index: int) -> None:
         for lin in (module.ada[-1], module.linear):
             nn.init.zeros_(lin.weight)
             nn.init.zeros_(lin.bias)
-
-
-def build_shard(cfg: Config, index: int, device: str | torch.device = "cpu") -> nn.Module:
-    """One shard module of a ``videodit``, alone (the store initialises a 105B model this way, a
-    block at a time)."""
-    L = cfg.model.depth
-    with torch.device(device):
-        if index == 0:
-            return InputEmbed(cfg)
-        if index == L + 1:
-            return FinalLayer(cfg)
-        if 1 <= index <= L:
-            return DiTBlock(cfg, index)
-    raise IndexError(f"shard index {index} out of range 0..{L + 1}")

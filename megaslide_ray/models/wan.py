@@ -6,7 +6,7 @@ same arithmetic, so diffusers weights load as they are and give diffusers' outpu
 (``tests/test_wan.py`` holds the two side by side). Tokens are channels-last,
 ``x: (B, T, H, W, D)``, the layout 3D-DSA wants.
 
-Shards, in execution order (the interface of ``megaslide_ray/model.py``'s shards, so the compute
+Shards, in execution order (the interface of ``megaslide_ray/models/videodit.py``'s shards, so the compute
 actor and the parameter store treat both architectures alike):
 
   0          ``WanEmbed``  ``patch_embedding`` (Conv3d over the latents) and ``condition_embedder``
@@ -363,7 +363,7 @@ class WanBlock(nn.Module):
         """``forward`` with ``runtime.token_chunk``: self-attention's projections, norms and RoPE
         over chunks of tokens, its attention over query chunks (dense) or slabs of frames (dsa,
         neighborhood; swin stays whole), cross-attention and feed-forward together over chunks
-        of tokens, each chunk checkpointed (``megaslide_ray/chunking.py``). The rotated q, k and
+        of tokens, each chunk checkpointed (``megaslide_ray/models/chunking.py``). The rotated q, k and
         v stay whole, and so do the text's keys and values (computed once per block)."""
         B, T, H, W, D = x.shape
         N, eps, dtype = self.token_chunk, self.eps, x.dtype
@@ -483,20 +483,8 @@ class WanTransformer(nn.Module):
 
 
 # ---------------------------------------------------------------------------------------------
-# Shard construction and initialisation (dispatched from megaslide_ray/model.py)
+# Shard initialisation (``registry.initialize_shard`` dispatches here)
 # ---------------------------------------------------------------------------------------------
-
-
-def build_shard(cfg: Config, index: int, device: str | torch.device = "cpu") -> nn.Module:
-    L = cfg.model.depth
-    with torch.device(device):
-        if index == 0:
-            return WanEmbed(cfg)
-        if index == L + 1:
-            return WanHead(cfg)
-        if 1 <= index <= L:
-            return WanBlock(cfg, index)
-    raise IndexError(f"shard index {index} out of range 0..{L + 1}")
 
 
 @torch.no_grad()
@@ -505,7 +493,7 @@ def initialize_shard(module: nn.Module, seed: int, index: int) -> None:
     after Wan's own recipe: xavier-uniform linears with zero biases, the patch embedding xavier
     over its flattened kernel, normal(0, 0.02) timestep and text MLPs, ``scale_shift_table``
     normal / sqrt(D), unit norms, a zero output projection; the DSA offset head as in
-    ``megaslide_ray.model`` (its last layer zero: a fresh model starts as neighborhood attention;
+    ``megaslide_ray.models.videodit`` (its last layer zero: a fresh model starts as neighborhood attention;
     drawn from a stream of its own, so every other weight is the same with or without it)."""
     main, stream_of = init_streams(module, seed, index)
     g = main

@@ -17,7 +17,7 @@ Layout on disk
             ...
 
 Each shard file holds three flat 1-D tensors, the shard's parameters laid end to end as in
-``megaslide_ray.shards.ShardLayout`` (``CHECKPOINT_KINDS``): ``master`` (float32 weights),
+``megaslide_ray.models.shards.ShardLayout`` (``CHECKPOINT_KINDS``): ``master`` (float32 weights),
 ``m`` and ``v`` (float32 AdamW moments). The compute copy ``w`` is not saved: at a checkpoint it
 is exactly ``master`` cast to ``w_dtype`` (state.json), so a reader asked for ``w`` casts
 ``master`` (12 instead of 14 bytes per parameter on disk for bf16 runs, 12 instead of 16 for

@@ -28,6 +28,10 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from megaslide_ray.config import Config
+from megaslide_ray.state.segments import default_state_root
+from megaslide_ray.models.registry import build_shard, num_shards
+from megaslide_ray.models.shards import ShardLayout
+from megaslide_ray.state.segments import state_key
 
 SHM = Path("/dev/shm")
 RAY_OBJECT_STORE_FRACTION = 0.3        # Ray's default share of memory for a local object store
@@ -54,7 +58,6 @@ class SpacePlan:
 def state_root(cfg: Config) -> Path:
     if cfg.runtime.state_dir:
         return Path(cfg.runtime.state_dir)
-    from megaslide_ray.state.segments import default_state_root
 
     return default_state_root()
 
@@ -74,9 +77,6 @@ def w_dtype_bytes(cfg: Config) -> int:
 def state_bytes(cfg: Config, wbytes: int) -> int:
     """The store's segments for ``cfg``: ``numel * (wbytes + 12)`` summed over shards, from the
     model built on the meta device (no memory)."""
-    from megaslide_ray.models.registry import build_shard, num_shards
-    from megaslide_ray.models.shards import ShardLayout
-
     return sum(ShardLayout.of(build_shard(cfg, i, "meta"), i).numel for i in range(num_shards(cfg))) * (wbytes + 12)
 
 
@@ -131,8 +131,6 @@ def plan_state_space(cfg: Config, run_dir: str | None = None, local_ray: bool = 
     """Check that the state fits under its root; raise ``StateSpaceError`` (one message) if not.
     With ``local_ray`` (the driver starts its own cluster) and the state on ``/dev/shm``, size
     Ray's object store so that it and the state fit together."""
-    from megaslide_ray.state.segments import state_key
-
     wbytes = wbytes or w_dtype_bytes(cfg)
     root = state_root(cfg)
     need = state_bytes(cfg, wbytes) + offload_bytes(cfg, wbytes) + MARGIN_BYTES

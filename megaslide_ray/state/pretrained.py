@@ -9,7 +9,7 @@ Sources ``--init-from`` accepts:
   tensors of any dtype are accepted and converted to fp32.
 
 Everything goes through safetensors (no pickle is ever loaded); our checkpoints are read through
-``megaslide_ray.checkpoint``, which owns their format. Only file headers are read to
+``megaslide_ray.state.checkpoint``, which owns their format. Only file headers are read to
 check a source (``check_pretrained``): every missing name, unexpected name and wrong shape is
 listed in ONE error before any actor starts. Loading then streams shard by shard: one shard's
 tensors are read straight into the store's ``master`` segment, so a 105B model never exists
@@ -37,6 +37,10 @@ from megaslide_ray.config import Config, config_from_dict
 from megaslide_ray.models.registry import build_shard, num_shards
 from megaslide_ray.models.registry import initialize_shard
 from megaslide_ray.models.shards import ShardLayout
+from megaslide_ray.config import PRESETS, build_config, preset as make_preset
+from megaslide_ray.models.wan_diffusers import check_against, diffusers_overrides
+from megaslide_ray.models.wan_diffusers import transformer_dir
+from megaslide_ray.models.wan_diffusers import diffusers_config
 
 log = logging.getLogger(__name__)
 
@@ -80,9 +84,6 @@ def config_for_diffusers_dir(path: str | Path, preset_name: str | None, config_f
     rest starts from the ``wan`` preset of the same shape (else ``wan2.1-t2v-1.3b``); flags apply
     on top. Anything the preset, the file or a flag sets that contradicts the directory is
     listed in one ``ConfigError``."""
-    from megaslide_ray.config import PRESETS, build_config, preset as make_preset
-    from megaslide_ray.models.wan_diffusers import check_against, diffusers_overrides
-
     model = diffusers_overrides(path)
     source = f"--init-from {path}"
     if preset_name is None and config_file is None:
@@ -144,7 +145,6 @@ def index_source(path: str | Path) -> dict[str, Entry]:
     if is_checkpoint_dir(path):
         return _index_checkpoint(path)
     if is_diffusers_dir(path):  # a diffusers model directory or its transformer/ folder: the weights' folder
-        from megaslide_ray.models.wan_diffusers import transformer_dir
 
         path = transformer_dir(path)
     files = sorted(path.glob("*.safetensors")) if path.is_dir() else [path]
@@ -316,8 +316,6 @@ def export_diffusers(checkpoint: str | Path, out: str | Path, dtype: torch.dtype
     shard and the index that maps each name to its file, so ``from_pretrained(out)`` loads it.
     ``drop_offsets`` leaves out the DSA offset heads (``attn1.offsets.*``), which diffusers'
     model does not have (it would ignore them with a warning)."""
-    from megaslide_ray.models.wan_diffusers import diffusers_config
-
     checkpoint, out = Path(checkpoint), Path(out)
     with CheckpointReader(checkpoint) as ckpt:
         if checkpoint_arch(ckpt) != "wan":

@@ -1,9 +1,13 @@
 """The Trainer: ``__init__`` builds everything, ``train_step`` runs one step, ``train`` loops,
-``close`` cleans up. Ray must already be initialised (the CLI in ``train.py`` does that)."""
+``close`` cleans up. Ray must already be initialised (``trainer.launch`` does that).
+
+A step is the pipeline's (``pipelines.streaming``: the compute actor's forward and backward, the
+store's AdamW overlapping the next step's forward); what follows a step is the components'
+(``trainer.components``: checkpoint, validation, sample, metrics, the NaN guard), each asked
+whether it is due."""
 
 from __future__ import annotations
 
-import json
 import logging
 import time
 from dataclasses import dataclass, replace
@@ -14,10 +18,19 @@ from tqdm import tqdm
 from megaslide_ray.state.checkpoint import latest_checkpoint, read_checkpoint_state
 from megaslide_ray.config import Config, to_toml
 from megaslide_ray.runtime.faults import fault_point
-from megaslide_ray.runtime.metrics import RunMetrics
 from pipelines.decoder_pool import DataCursor
 from pipelines.streaming import StoreLostError, StreamingPipeline
 from megaslide_ray.data.checks import check_data
+from megaslide_ray.data.demo import ensure_demo_dataset
+from megaslide_ray.state.pretrained import check_pretrained
+from megaslide_ray.evaluation.validation import load_val_set
+from megaslide_ray.trainer.components import (
+    BadStepGuard,
+    Checkpointer,
+    MetricsLog,
+    Sampler,
+    Validator,
+)
 
 log = logging.getLogger(__name__)
 
@@ -36,10 +49,6 @@ class TrainSummary:
     bad_steps: int = 0      # steps whose update was skipped (NaN/Inf loss or gradients)
     restarts: int = 0       # actor failures recovered from
     rollbacks: int = 0      # times the latest checkpoint was restored (the store's state was lost)
-
-
-class BadStepsError(RuntimeError):
-    """``optim.max_bad_steps`` steps in a row had NaN/Inf loss or gradients."""
 
 
 def default_run_dir() -> str:
@@ -70,7 +79,6 @@ def resolve_data(cfg: Config) -> Config:
     check_data(cfg)
     if cfg.data.manifest:
         return cfg
-    from megaslide_ray.data.demo import ensure_demo_dataset
 
     cfg.data = replace(cfg.data, manifest=str(ensure_demo_dataset()))
     return cfg
@@ -92,31 +100,34 @@ class Trainer:
             log.warning("--init-from %s ignored: resuming from %s, which holds the trained weights", init_from, ckpt)
             init_from = None
         if init_from:
-            from megaslide_ray.state.pretrained import check_pretrained
-
             check_pretrained(cfg, init_from)  # every mismatch in one error, before any actor starts
         resolve_data(cfg)
-        # The validation clips (``evaluate.ValSet``; the CLI decodes them before Ray starts and
-        # hands them over), decoded once, here, before any actor starts.
-        self.val_set = val_set
+        # The validation clips (``evaluation.validation.ValSet``; the CLI decodes them before Ray
+        # starts and hands them over), decoded once, here, before any actor starts.
         if cfg.training.eval_every and val_set is None:
-            from megaslide_ray.evaluation.validation import load_val_set
-
-            self.val_set = load_val_set(cfg)
+            val_set = load_val_set(cfg)
         self.run_dir.mkdir(parents=True, exist_ok=True)
         (self.run_dir / "config.toml").write_text(to_toml(cfg))
         # The only pipeline of the run: a rollback rebuilds its actors in place.
         self.pipeline = StreamingPipeline(cfg, str(self.run_dir), str(ckpt) if ckpt else None, position,
                                           init_from=str(Path(init_from).resolve()) if init_from else None)
-        self.metrics_path = self.run_dir / "metrics.jsonl"
-        self._metrics = self.metrics_path.open("a")
-        # Ray dashboard / Prometheus: the same numbers, tagged by run name.
-        self.ray_metrics = RunMetrics(self.run_dir.name, self.pipeline.status().state_bytes)
-        self._last_time = time.perf_counter()
-        self.last_checkpoint = str(ckpt) if ckpt else ""
+        self.checkpointer = Checkpointer(cfg, self.run_dir, self.pipeline, str(ckpt) if ckpt else "")
+        self.validator = Validator(cfg, self.pipeline, val_set)
+        self.sampler = Sampler(cfg, self.pipeline, self.run_dir)
+        self.metrics = MetricsLog(cfg, self.run_dir, self.pipeline)
+        self.guard = BadStepGuard(cfg)
         self.stop_reason = ""   # set by request_stop (a signal handler): stop after the current step
-        self.bad_steps = 0      # updates skipped for NaN/Inf in this run
-        self._bad_streak = 0    # ... of them in a row, up to the last step
+        # What a checkpoint after the last step records of the data (where the next batch starts).
+        self.data_state: dict = {}
+        self._last_time = time.perf_counter()
+
+    @property
+    def last_checkpoint(self) -> str:
+        return self.checkpointer.last
+
+    @property
+    def bad_steps(self) -> int:
+        return self.guard.count
 
     def request_stop(self, reason: str) -> None:
         """Ask the loop to stop after the step in progress, checkpoint and return (safe to call
@@ -135,71 +146,41 @@ class Trainer:
         log.warning("%s\nRestoring %s and redoing the steps after it.", error,
                     f"checkpoint {ckpt} (step {step})" if ckpt else "the initial weights (no checkpoint yet)")
         self.pipeline.rollback_to(str(ckpt) if ckpt else None, position)
-        self._bad_streak = 0
+        self.guard.reset_streak()
         self._last_time = time.perf_counter()
         return step
 
-    def _checkpoint_due(self, step: int) -> bool:
-        every = self.cfg.training.checkpoint_every
-        done = step + 1
-        return done == self.cfg.training.steps or (every > 0 and done % every == 0)
-
-    def _sample_due(self, step: int) -> bool:
-        every = self.cfg.training.sample_every
-        return every > 0 and (step + 1) % every == 0
-
-    def _eval_due(self, step: int) -> bool:
-        every = self.cfg.training.eval_every
-        return every > 0 and (step + 1) % every == 0
-
-    def evaluate(self, version: int) -> dict:
-        """The validation loss of the weights of ``version`` (forward only, through the compute
-        actor): the metrics.jsonl fields ``val_loss``, ``val_loss_t{b}`` and ``val_seconds``
-        (none when the store's versions were not all ``version`` around it: see below)."""
-        from megaslide_ray.evaluation.validation import validation_loss
-
-        # ``version`` is k + 1 after step k: predict() waits until each shard's version is k + 1,
-        # i.e. until the store has applied step k's update to it. Before that a shard's ``w``
-        # segment may hold its gradient (between its backward and its update), never weights to
-        # read. Nothing is queued past step k (see train_step), so no shard can move on while the
-        # evaluation reads it (on a CPU the weights are read in place); checked before and after.
-        before = self.pipeline.status().versions
-        result = validation_loss(self.pipeline, self.cfg, self.val_set, version).as_row()
-        after = self.pipeline.status().versions
-        if any(v != version for v in (*before, *after)):
-            log.warning("validation after step %d skipped: shard versions %s / %s, not all %d (a step was queued "
-                        "past it)", version, before, after, version)
-            return {}
-        return result
-
-    def sample(self, version: int) -> Path:
-        """Sample the fixed prompt with the weights of ``version`` through the compute actor
-        (forward only) into ``samples/step_N.mp4`` and its ``.png`` contact sheet."""
-        from megaslide_ray.data.demo import write_video
-        from megaslide_ray.evaluation.sampling import contact_sheet, euler_sample, to_uint8_frames, write_png
-
-        t = self.cfg.training
-        x = euler_sample(self.pipeline, self.cfg, t.sample_prompt, t.sample_steps, t.seed, version)
-        frames = to_uint8_frames(x)
-        out = self.run_dir / "samples" / f"step_{version}.mp4"
-        out.parent.mkdir(parents=True, exist_ok=True)
-        write_video(out, frames)
-        write_png(out.with_suffix(".png"), contact_sheet(frames))
-        return out
-
     def train_step(self, step: int) -> dict:
-        due = self._checkpoint_due(step)
-        sample_due = self._sample_due(step)
-        eval_due = self._eval_due(step)
-        # Before a checkpoint, a sample, an evaluation or a requested stop nothing is queued
+        done = step + 1
+        checkpoint, validate, sample = (c.due(done) for c in (self.checkpointer, self.validator, self.sampler))
+        # Before a checkpoint, a sample, a validation or a requested stop nothing is queued
         # ahead: the state must be step k's.
-        report = self.pipeline.run_step(step, queue_next=not (due or sample_due or eval_due or self.stop_reason)
-                                        and step + 1 < self.cfg.training.steps)
+        quiet = not (checkpoint or validate or sample or self.stop_reason)
+        report = self.pipeline.run_step(step, queue_next=quiet and done < self.cfg.training.steps)
         now = time.perf_counter()
         wall, self._last_time = now - self._last_time, now
+        row = self._row(done, report, wall)
+        self.guard.check(row, self.last_checkpoint)
+        row["bad_steps"] = self.guard.count
+        row["restarts"] = self.pipeline.restarts
+        if validate:
+            row.update(self.validator.run(done))
+        self.metrics.record(row, first=step == self.start_step)
+        if sample:
+            row["sample"] = str(self.sampler.run(done))
+        self.data_state = {**self.pipeline.data_cursor(done).to_state(), "data_position": report.compute.data_position,
+                           "seed": self.cfg.training.seed, "skipped_files": row["skipped_files"]}
+        if checkpoint:
+            self.checkpointer.save(done, self.data_state)
+        if not quiet:  # the next step's time excludes saving, sampling, validating
+            self._last_time = time.perf_counter()
+        return row
+
+    def _row(self, done: int, report, wall: float) -> dict:
+        """Step ``done``'s ``metrics.jsonl`` fields (docs/metrics.md)."""
         c, u = report.compute, report.update
-        row = {
-            "step": step + 1, "loss": c.loss, "lr": u.lr, "grad_norm": u.grad_norm, "clip_coef": u.clip_coef,
+        return {
+            "step": done, "loss": c.loss, "lr": u.lr, "grad_norm": u.grad_norm, "clip_coef": u.clip_coef,
             "update_skipped": u.skipped, "tokens": c.tokens, "tokens_per_s": c.tokens / wall, "step_seconds": wall,
             "compute_seconds": c.seconds, "forward_seconds": c.forward_seconds,
             "backward_seconds": c.backward_seconds, "weight_wait_seconds": c.weight_wait_seconds,
@@ -213,48 +194,6 @@ class Trainer:
             "skipped_files": report.skipped_files, "decoders_replaced": self.pipeline.decoders_replaced,
             "device": c.device, "time": time.time(),
         }
-        self._count_bad_step(row)
-        row["bad_steps"] = self.bad_steps
-        row["restarts"] = self.pipeline.restarts
-        if eval_due:
-            row.update(self.evaluate(step + 1))
-        self._metrics.write(json.dumps(row) + "\n")
-        self._metrics.flush()
-        if (step + 1) % self.cfg.training.log_every == 0 or step == self.start_step:
-            stats = self.pipeline.decoder_stats()
-            seconds = sum(st.decode_seconds for st in stats)
-            self.ray_metrics.record_decoders(sum(st.frames_decoded for st in stats) / seconds if seconds else 0.0)
-        self.ray_metrics.record(row)
-        if sample_due:
-            row["sample"] = str(self.sample(step + 1))
-        # What a checkpoint after this step must record of the data (where the next batch starts).
-        self._data_extra = {**self.pipeline.data_cursor(step + 1).to_state(), "data_position": c.data_position,
-                            "seed": self.cfg.training.seed, "skipped_files": row["skipped_files"]}
-        if due:
-            self.last_checkpoint = self.pipeline.save_checkpoint(
-                str(self.run_dir), step + 1, self._data_extra)
-        if due or sample_due or eval_due:  # the next step's time excludes saving, sampling, evaluating
-            self._last_time = time.perf_counter()
-        return row
-
-    def _count_bad_step(self, row: dict) -> None:
-        """NaN/Inf in the loss or gradients: the store skipped the update on every shard. Count
-        it; ``optim.max_bad_steps`` in a row stop the run."""
-        if not row["update_skipped"]:
-            self._bad_streak = 0
-            return
-        self.bad_steps += 1
-        self._bad_streak += 1
-        limit = self.cfg.optim.max_bad_steps
-        log.warning("step %d: loss %s, gradient norm %s: not finite; the update was skipped on every shard "
-                    "(%d bad step(s) in a row; the run stops at optim.max_bad_steps=%d)", row["step"], row["loss"],
-                    row["grad_norm"], self._bad_streak, limit)
-        if limit and self._bad_streak >= limit:
-            raise BadStepsError(
-                f"{self._bad_streak} steps in a row (up to step {row['step']}) had NaN/Inf loss or gradients "
-                f"(optim.max_bad_steps={limit}); stopping. The weights are those before the first bad step (no "
-                f"update was applied); the latest checkpoint is {self.last_checkpoint or 'none'}. Lower optim.lr, "
-                f"raise optim.warmup_steps or check the data, then --resume")
 
     def _say(self, msg: str, bar) -> None:
         if self.progress:  # the bar owns the terminal: print above it
@@ -271,11 +210,6 @@ class Trainer:
             step += 1
         return step
 
-    def _checkpoint_on_stop(self, step: int) -> None:
-        if step > self.start_step and not self.last_checkpoint.endswith(f"step_{step}"):
-            self.last_checkpoint = self.pipeline.save_checkpoint(
-                str(self.run_dir), step, self._data_extra)
-
     def train(self) -> TrainSummary:
         steps = self.cfg.training.steps
         rows = []
@@ -286,7 +220,7 @@ class Trainer:
             while step < steps:
                 if self.stop_reason:
                     step = self._finish_queued(step, rows, bar)
-                    self._checkpoint_on_stop(step)
+                    self.checkpointer.save_on_stop(step, self.start_step, self.data_state)
                     break
                 try:
                     row = self.train_step(step)
@@ -328,10 +262,10 @@ class Trainer:
 
     def close(self) -> None:
         self.pipeline.close()
-        self._metrics.close()
+        self.metrics.close()
 
     def abort(self) -> None:
         """Quit at once (a second Ctrl-C): kill the actors without waiting for them, drop the
         shared-memory state. Checkpoints are written atomically, so the latest complete one stays."""
         self.pipeline.abort()
-        self._metrics.close()
+        self.metrics.close()

@@ -1,0 +1,167 @@
+"""What the Trainer delegates: each component says when it is due and does its work.
+
+- ``Checkpointer``: a checkpoint every ``training.checkpoint_every`` steps, at the last step and
+  when a stop is requested (``pipeline.save_checkpoint``: atomic; the previous one stays).
+- ``Validator``: the held-out loss every ``training.eval_every`` steps, through the compute actor
+  (forward only, ``evaluation.validation``).
+- ``Sampler``: a sample of ``training.sample_prompt`` every ``training.sample_every`` steps into
+  ``samples/step_N.mp4`` and its ``.png`` contact sheet.
+- ``MetricsLog``: one ``metrics.jsonl`` line per step and the run's Ray metrics.
+- ``BadStepGuard``: counts steps whose update was skipped (NaN/Inf) and stops the run after
+  ``optim.max_bad_steps`` in a row.
+
+A step that a checkpoint, validation or sample follows queues nothing ahead (the state read must
+be exactly that step's): the Trainer asks ``due`` before it runs the step.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+
+from megaslide_ray.config import Config
+from megaslide_ray.data.demo import write_video
+from megaslide_ray.evaluation.sampling import contact_sheet, euler_sample, to_uint8_frames, write_png
+from megaslide_ray.evaluation.validation import ValSet, validation_loss
+from megaslide_ray.runtime.metrics import RunMetrics
+from pipelines.streaming import StreamingPipeline
+
+log = logging.getLogger(__name__)
+
+
+def every(n: int, done: int) -> bool:
+    """Due after step ``done`` (counted from 1) of a component that runs every ``n`` steps (0: never)."""
+    return n > 0 and done % n == 0
+
+
+class Checkpointer:
+    """Writes ``RUN/checkpoints/step_N`` every ``training.checkpoint_every`` steps, after the last
+    step and when the run stops early; remembers the last one written (or resumed from)."""
+
+    def __init__(self, cfg: Config, run_dir: Path, pipeline: StreamingPipeline, last: str = ""):
+        self.every, self.steps = cfg.training.checkpoint_every, cfg.training.steps
+        self.run_dir, self.pipeline = run_dir, pipeline
+        self.last = last
+
+    def due(self, done: int) -> bool:
+        return done == self.steps or every(self.every, done)
+
+    def save(self, done: int, data_state: dict) -> str:
+        """Checkpoint the state after step ``done``; ``data_state``: where the data continues."""
+        self.last = self.pipeline.save_checkpoint(str(self.run_dir), done, data_state)
+        return self.last
+
+    def save_on_stop(self, done: int, start_step: int, data_state: dict) -> None:
+        """A stop after step ``done``: checkpoint it unless nothing ran or it is already saved."""
+        if done > start_step and not self.last.endswith(f"step_{done}"):
+            self.save(done, data_state)
+
+
+class Validator:
+    """The validation loss of the weights after step ``done`` (``val_loss``, ``val_loss_t{b}``,
+    ``val_seconds``), every ``training.eval_every`` steps."""
+
+    def __init__(self, cfg: Config, pipeline: StreamingPipeline, val_set: ValSet | None):
+        self.cfg, self.pipeline, self.val_set = cfg, pipeline, val_set
+
+    def due(self, done: int) -> bool:
+        return every(self.cfg.training.eval_every, done)
+
+    def run(self, version: int) -> dict:
+        """The metrics.jsonl fields of the validation loss of ``version`` (forward only, through the
+        compute actor); none when the store's versions were not all ``version`` around it."""
+        # ``version`` is k + 1 after step k: predict() waits until each shard's version is k + 1,
+        # i.e. until the store has applied step k's update to it. Before that a shard's ``w``
+        # segment may hold its gradient (between its backward and its update), never weights to
+        # read. Nothing is queued past step k (see Trainer.train_step), so no shard can move on
+        # while the evaluation reads it (on a CPU the weights are read in place); checked before
+        # and after.
+        before = self.pipeline.status().versions
+        result = validation_loss(self.pipeline, self.cfg, self.val_set, version).as_row()
+        after = self.pipeline.status().versions
+        if any(v != version for v in (*before, *after)):
+            log.warning("validation after step %d skipped: shard versions %s / %s, not all %d (a step was queued "
+                        "past it)", version, before, after, version)
+            return {}
+        return result
+
+
+class Sampler:
+    """Samples ``training.sample_prompt`` with the weights after step ``done`` every
+    ``training.sample_every`` steps, through the compute actor (forward only)."""
+
+    def __init__(self, cfg: Config, pipeline: StreamingPipeline, run_dir: Path):
+        self.cfg, self.pipeline, self.run_dir = cfg, pipeline, run_dir
+
+    def due(self, done: int) -> bool:
+        return every(self.cfg.training.sample_every, done)
+
+    def run(self, version: int) -> Path:
+        """``samples/step_N.mp4`` and its ``.png`` contact sheet."""
+        t = self.cfg.training
+        x = euler_sample(self.pipeline, self.cfg, t.sample_prompt, t.sample_steps, t.seed, version)
+        frames = to_uint8_frames(x)
+        out = self.run_dir / "samples" / f"step_{version}.mp4"
+        out.parent.mkdir(parents=True, exist_ok=True)
+        write_video(out, frames)
+        write_png(out.with_suffix(".png"), contact_sheet(frames))
+        return out
+
+
+class MetricsLog:
+    """``metrics.jsonl`` (one JSON line per step, appended: a resumed run continues the file) and
+    the same numbers as Ray metrics tagged by run name (with the decoders' frame rate every
+    ``training.log_every`` steps)."""
+
+    def __init__(self, cfg: Config, run_dir: Path, pipeline: StreamingPipeline):
+        self.log_every, self.pipeline = cfg.training.log_every, pipeline
+        self.path = run_dir / "metrics.jsonl"
+        self._file = self.path.open("a")
+        self.ray_metrics = RunMetrics(run_dir.name, pipeline.status().state_bytes)
+
+    def record(self, row: dict, first: bool) -> None:
+        """Write step ``row`` (``first``: the run's first step here, which also records the decoders)."""
+        self._file.write(json.dumps(row) + "\n")
+        self._file.flush()
+        if row["step"] % self.log_every == 0 or first:
+            stats = self.pipeline.decoder_stats()
+            seconds = sum(st.decode_seconds for st in stats)
+            self.ray_metrics.record_decoders(sum(st.frames_decoded for st in stats) / seconds if seconds else 0.0)
+        self.ray_metrics.record(row)
+
+    def close(self) -> None:
+        self._file.close()
+
+
+class BadStepsError(RuntimeError):
+    """``optim.max_bad_steps`` steps in a row had NaN/Inf loss or gradients."""
+
+
+class BadStepGuard:
+    """NaN/Inf in the loss or gradients: the store skipped the update on every shard. Counts such
+    steps; ``optim.max_bad_steps`` in a row stop the run (``BadStepsError``)."""
+
+    def __init__(self, cfg: Config):
+        self.limit = cfg.optim.max_bad_steps
+        self.count = 0    # updates skipped for NaN/Inf in this run
+        self.streak = 0   # ... of them in a row, up to the last step
+
+    def reset_streak(self) -> None:
+        self.streak = 0
+
+    def check(self, row: dict, last_checkpoint: str) -> None:
+        if not row["update_skipped"]:
+            self.streak = 0
+            return
+        self.count += 1
+        self.streak += 1
+        log.warning("step %d: loss %s, gradient norm %s: not finite; the update was skipped on every shard "
+                    "(%d bad step(s) in a row; the run stops at optim.max_bad_steps=%d)", row["step"], row["loss"],
+                    row["grad_norm"], self.streak, self.limit)
+        if self.limit and self.streak >= self.limit:
+            raise BadStepsError(
+                f"{self.streak} steps in a row (up to step {row['step']}) had NaN/Inf loss or gradients "
+                f"(optim.max_bad_steps={self.limit}); stopping. The weights are those before the first bad step (no "
+                f"update was applied); the latest checkpoint is {last_checkpoint or 'none'}. Lower optim.lr, "
+                f"raise optim.warmup_steps or check the data, then --resume")
