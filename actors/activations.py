@@ -6,14 +6,17 @@ where CUDA can register it) after the first ``runtime.offload_keep`` counted fro
 on the device, and come back just before the backward needs them."""
 
 from __future__ import annotations
+
 import os
 import time
 from concurrent.futures import Future
 from pathlib import Path
+
 import torch
-from megaslide_ray.state.segments import default_state_root, map_segment
+
 from actors.pinned import HostPinning, throttled_copy
 from actors.transfer import Transfers
+from megaslide_ray.state.segments import default_state_root, map_segment
 
 
 class ActivationStash:

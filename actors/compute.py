@@ -34,15 +34,15 @@ import numpy as np
 import torch
 from torch.func import functional_call
 
-from megaslide_ray.state.segments import DTYPES
-from actors.param_store import ShardInfo
 from actors.activations import ActivationStash
+from actors.param_store import ShardInfo
 from actors.transfer import ShardFeed, Transfers
 from megaslide_ray.config import Config
 from megaslide_ray.models.prediction import as_velocity
-from megaslide_ray.training.flow import batch_conditioning, batch_flow_inputs, caption_dropout, flow_loss
-from megaslide_ray.runtime.faults import fault_point
 from megaslide_ray.models.registry import build_shard, num_shards
+from megaslide_ray.runtime.faults import fault_point
+from megaslide_ray.state.segments import DTYPES
+from megaslide_ray.training.flow import batch_conditioning, batch_flow_inputs, caption_dropout, flow_loss
 
 log = logging.getLogger(__name__)
 

@@ -101,9 +101,10 @@ from pathlib import Path
 
 import numpy as np
 
-from megaslide_ray.data.captions import empty_captions, set_caption
 from megaslide_ray.config import DataConfig
-from megaslide_ray.runtime.faults import fault_point
+from megaslide_ray.data.captions import empty_captions, set_caption
+from megaslide_ray.data.clips import ClipCache, ClipUnreadable, clip_indices, decode_clip, spatial_offset
+from megaslide_ray.data.demo import ensure_demo_dataset
 from megaslide_ray.data.latents import (
     TEXT_LEN,
     LatentFileError,
@@ -115,8 +116,7 @@ from megaslide_ray.data.latents import (
     single_latent_shape,
 )
 from megaslide_ray.data.manifest import ManifestEntry, read_manifest
-from megaslide_ray.data.clips import ClipCache, ClipUnreadable, clip_indices, decode_clip, spatial_offset
-from megaslide_ray.data.demo import ensure_demo_dataset
+from megaslide_ray.runtime.faults import fault_point
 
 logger = logging.getLogger(__name__)
 

@@ -61,18 +61,24 @@ import numpy as np
 import torch
 from torch.optim.adamw import adamw as adamw_functional
 
-from megaslide_ray.state.checkpoint import CHECKPOINT_KINDS, CheckpointReader, write_checkpoint
 from megaslide_ray.config import Config
-from megaslide_ray.runtime.faults import fault_point
-from megaslide_ray.models.registry import build_shard, num_shards
-from megaslide_ray.models.registry import initialize_shard
-from megaslide_ray.state.preflight import StateSpaceError
-from megaslide_ray.training.schedule import clip_coefficient, lr_at
+from megaslide_ray.models.registry import build_shard, initialize_shard, num_shards
 from megaslide_ray.models.shards import ShardLayout
-from megaslide_ray.state.segments import DTYPES, KINDS, default_state_root, map_segment, state_key, sweep_stale_states, write_owner
-from megaslide_ray.training.adamw import adamw_scalars, choose_adamw
+from megaslide_ray.runtime.faults import fault_point
+from megaslide_ray.state.checkpoint import CHECKPOINT_KINDS, CheckpointReader, write_checkpoint
+from megaslide_ray.state.preflight import StateSpaceError, shm_advice
 from megaslide_ray.state.pretrained import load_pretrained_into
-from megaslide_ray.state.preflight import shm_advice
+from megaslide_ray.state.segments import (
+    DTYPES,
+    KINDS,
+    default_state_root,
+    map_segment,
+    state_key,
+    sweep_stale_states,
+    write_owner,
+)
+from megaslide_ray.training.adamw import adamw_scalars, choose_adamw
+from megaslide_ray.training.schedule import clip_coefficient, lr_at
 
 log = logging.getLogger(__name__)
 

@@ -8,10 +8,12 @@ split into pieces that are pinned and pieces that are not. ``throttled_copy`` si
 link for tests and benchmarks."""
 
 from __future__ import annotations
+
 import bisect
 import logging
 import threading
 import time
+
 import torch
 
 log = logging.getLogger(__name__)

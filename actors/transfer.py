@@ -37,8 +37,8 @@ from concurrent.futures import Future, ThreadPoolExecutor
 import numpy as np
 import torch
 
-from megaslide_ray.state.segments import map_segment
 from actors.pinned import HostPinning, copy_in_pieces, copy_pieces, throttled_copy
+from megaslide_ray.state.segments import map_segment
 
 log = logging.getLogger(__name__)
 

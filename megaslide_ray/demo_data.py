@@ -5,10 +5,10 @@ the arguments and calls the library; every flag is in docs/cli.md."""
 
 from __future__ import annotations
 
-from megaslide_ray.data import demo
-
-import sys
 import argparse
+import sys
+
+from megaslide_ray.data import demo
 from megaslide_ray.data.demo import DEFAULT_NUM_VIDEOS, ensure_demo_dataset
 
 

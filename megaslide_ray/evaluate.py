@@ -4,10 +4,12 @@ The command line of ``megaslide_ray.evaluation.validation``: the held-out valida
 checkpoint. It parses the arguments and calls the library; every flag is in docs/cli.md."""
 
 from __future__ import annotations
+
 import argparse
 import json
 import logging
 import sys
+
 from megaslide_ray.config import ConfigError
 from megaslide_ray.evaluation.validation import ValResult, evaluate_checkpoint
 

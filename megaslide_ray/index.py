@@ -4,11 +4,13 @@ The command line of ``megaslide_ray.data.index``: a manifest of a folder of vide
 the arguments and calls the library; every flag is in docs/cli.md."""
 
 from __future__ import annotations
+
 import argparse
 import sys
 from pathlib import Path
-from megaslide_ray.data.manifest import write_manifest
+
 from megaslide_ray.data.index import VIDEO_EXTENSIONS, _relative_to_manifest, index_videos
+from megaslide_ray.data.manifest import write_manifest
 
 
 def main(argv: list[str] | None = None) -> int:

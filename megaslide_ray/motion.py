@@ -5,10 +5,10 @@ the arguments and calls the library; every flag is in docs/cli.md."""
 
 from __future__ import annotations
 
-from megaslide_ray.data import motion
-
-import sys
 import argparse
+import sys
+
+from megaslide_ray.data import motion
 from megaslide_ray.data.motion import DEFAULT_TRAIN, DEFAULT_VAL, VARIANTS, ensure_motion_dataset
 
 

@@ -4,12 +4,15 @@ The command line of ``megaslide_ray.evaluation.motion_metric``: the motion fidel
 generated clip. It parses the arguments and calls the library; every flag is in docs/cli.md."""
 
 from __future__ import annotations
+
 import argparse
 import json
 import sys
+
 import numpy as np
-from megaslide_ray.evaluation.motion_metric import KEYS, motion_fidelity, read_video
+
 from megaslide_ray.data.manifest import read_manifest
+from megaslide_ray.evaluation.motion_metric import KEYS, motion_fidelity, read_video
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -5,11 +5,12 @@ parses the arguments and calls the library; every flag is in docs/cli.md."""
 
 from __future__ import annotations
 
-from megaslide_ray import planning
 import argparse
 import json
 import math
 import sys
+
+from megaslide_ray import planning
 from megaslide_ray.config import ConfigError, build_config
 from megaslide_ray.planning.render import render, render_search
 from megaslide_ray.planning.search import config_for, max_frames, plan_with_keep, requested_clip

@@ -1,13 +1,15 @@
-"""``python -m megaslide_ray.precompute --model-dir WAN_DIR --data MANIFEST --out CACHE --frames F --height H --width W``
+"""``python -m megaslide_ray.precompute --model-dir WAN_DIR --data MANIFEST --out CACHE --frames F ...``
 
 The command line of ``megaslide_ray.data.precompute``: VAE latents and text embeddings of a
 video manifest. It parses the arguments and calls the library; every flag is in docs/cli.md."""
 
 from __future__ import annotations
+
 import argparse
 import logging
 import sys
 from pathlib import Path
+
 from megaslide_ray.data.precompute import SKIPPED_NAME, precompute
 
 

@@ -4,9 +4,12 @@ The command line of ``megaslide_ray.state.pretrained``: export a checkpoint's we
 standard names. It parses the arguments and calls the library; every flag is in docs/cli.md."""
 
 from __future__ import annotations
+
 import argparse
 import sys
+
 import torch
+
 from megaslide_ray.state.pretrained import export_diffusers, export_state_dict
 
 

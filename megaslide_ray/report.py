@@ -4,9 +4,11 @@ The command line of ``megaslide_ray.evaluation.report``: plots and a summary of 
 the arguments and calls the library; every flag is in docs/cli.md."""
 
 from __future__ import annotations
+
 import argparse
 import sys
 from pathlib import Path
+
 from megaslide_ray.evaluation.report import compare_runs, format_summary, report
 
 

@@ -4,9 +4,11 @@ The command line of ``megaslide_ray.evaluation.sampling``: sample a video from a
 parses the arguments and calls the library; every flag is in docs/cli.md."""
 
 from __future__ import annotations
+
 import argparse
 import logging
 import sys
+
 from megaslide_ray.config import ConfigError
 from megaslide_ray.evaluation.sampling import sample_video
 

@@ -13,11 +13,10 @@ import logging
 import sys
 from pathlib import Path
 
-from megaslide_ray.config import SECTIONS, Config, ConfigError, build_config, describe_fields, parse_overrides
-from megaslide_ray.trainer.launch import launch
+from megaslide_ray.config import SECTIONS, Config, ConfigError, build_config, describe_fields, parse_overrides, to_toml
 from megaslide_ray.data.motion import ensure_motion_dataset
 from megaslide_ray.state.pretrained import config_for_diffusers_dir, is_diffusers_dir
-from megaslide_ray.config import to_toml
+from megaslide_ray.trainer.launch import launch
 
 log = logging.getLogger("megaslide_ray")
 

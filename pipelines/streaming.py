@@ -42,8 +42,8 @@ from actors.compute import ComputeActor, StepResult
 from actors.decoder import BatchInfo
 from actors.param_store import GradientsLostError, ParameterStore, UpdateResult
 from megaslide_ray.runtime import faults
-from pipelines.decoder_pool import DataCursor, DecoderPool
 from megaslide_ray.state.preflight import StateSpaceError
+from pipelines.decoder_pool import DataCursor, DecoderPool
 
 log = logging.getLogger(__name__)
 

@@ -44,6 +44,6 @@ from megaslide_ray.config.validate import validate
 __all__ = [
     "ADDED_LATER", "PRESETS", "REFERENCE_COMMAND", "REFERENCE_PATH", "SECTIONS", "WAN_WINDOW", "AttentionConfig",
     "Config", "ConfigError", "DataConfig", "ModelConfig", "OptimizerConfig", "RayConfig", "RuntimeConfig",
-    "TrainingConfig", "apply_overrides", "build_config", "config_from_dict", "describe_fields", "load_toml", "parse_overrides", "preset",
-    "reference_markdown", "to_toml", "validate",
+    "TrainingConfig", "apply_overrides", "build_config", "config_from_dict", "describe_fields", "load_toml",
+    "parse_overrides", "preset", "reference_markdown", "to_toml", "validate",
 ]

@@ -2,8 +2,10 @@
 reference, docs/configuration.md, generated from the field docstrings."""
 
 from __future__ import annotations
+
 import sys
 from pathlib import Path
+
 from megaslide_ray.config.reference import REFERENCE_PATH, reference_markdown
 
 

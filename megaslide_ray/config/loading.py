@@ -7,6 +7,7 @@ Fields added after a run was saved take their old behaviour when the saved confi
 (``ADDED_LATER``)."""
 
 from __future__ import annotations
+
 import ast
 import dataclasses
 import json
@@ -14,8 +15,9 @@ import sys
 import typing
 from pathlib import Path
 from typing import Any, Literal
+
 from megaslide_ray.config.presets import preset
-from megaslide_ray.config.sections import Config, ConfigError, SECTIONS
+from megaslide_ray.config.sections import SECTIONS, Config, ConfigError
 from megaslide_ray.config.validate import validate
 
 if sys.version_info >= (3, 11):

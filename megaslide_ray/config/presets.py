@@ -6,8 +6,19 @@ parameter counts match the paper's) and the Wan 2.x sizes (``wan2.1-t2v-1.3b``,
 ``wan2.1-t2v-14b``, ``wan2.2-ti2v-5b``)."""
 
 from __future__ import annotations
+
 import typing
-from megaslide_ray.config.sections import AttentionConfig, Config, ConfigError, DataConfig, ModelConfig, OptimizerConfig, RuntimeConfig, TrainingConfig
+
+from megaslide_ray.config.sections import (
+    AttentionConfig,
+    Config,
+    ConfigError,
+    DataConfig,
+    ModelConfig,
+    OptimizerConfig,
+    RuntimeConfig,
+    TrainingConfig,
+)
 
 
 def tiny() -> Config:

@@ -2,12 +2,13 @@
 the presets (``REFERENCE_COMMAND`` regenerates it; a test holds the file to what this makes)."""
 
 from __future__ import annotations
+
 import dataclasses
 from typing import Any
+
 from megaslide_ray.config.loading import describe_fields
 from megaslide_ray.config.presets import PRESETS
-from megaslide_ray.config.sections import Config, SECTIONS
-
+from megaslide_ray.config.sections import SECTIONS, Config
 
 REFERENCE_PATH = "docs/configuration.md"
 

@@ -12,7 +12,6 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 
-
 class ConfigError(ValueError):
     """A configuration value was refused. The message names the field, the value and the fix."""
 

@@ -4,8 +4,10 @@
 field, the value and what to do."""
 
 from __future__ import annotations
+
 import math
 from pathlib import Path
+
 from megaslide_ray.config.presets import PRESETS
 from megaslide_ray.config.sections import Config, ConfigError
 

@@ -4,6 +4,7 @@ the latent shape, text width and VAE compression the config implies. Checked by 
 Ray starts, and by the Trainer."""
 
 from __future__ import annotations
+
 from megaslide_ray.config import Config, ConfigError
 from megaslide_ray.data.latents import is_latent_manifest, latent_manifest_info
 

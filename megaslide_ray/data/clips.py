@@ -8,16 +8,18 @@ and ``decode_clip``, which does all of it for one row. ``ClipCache`` keeps decod
 decoder that draws them again (``data.clip_cache_mb``)."""
 
 from __future__ import annotations
+
 import math
 import os
 import stat
 from collections import OrderedDict
 from dataclasses import dataclass
+
 import numpy as np
 import torch
 import torch.nn.functional as F
-from megaslide_ray.config import DataConfig
 
+from megaslide_ray.config import DataConfig
 
 _CROP_STREAM = 1     # third word of the temporal-crop RNG's seed: apart from the permutation's [seed, e]
 

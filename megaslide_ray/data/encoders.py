@@ -5,6 +5,7 @@ Only local files are read (``WAN_DIR/vae``, ``text_encoder``, ``tokenizer``); th
 from diffusers and transformers, imported when first needed (they are test extras)."""
 
 from __future__ import annotations
+
 import hashlib
 import html
 import json
@@ -16,18 +17,20 @@ from collections import deque
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
+
 import numpy as np
 import torch
-from megaslide_ray.data.clips import ClipUnreadable, decode_clip
+
 from megaslide_ray.config import DataConfig
+from megaslide_ray.data.clips import ClipUnreadable, decode_clip
 from megaslide_ray.data.latents import (
     DTYPES,
+    HEADER_KEY,
     LATENT_KEY,
     TEXT_KEY,
     TEXT_LEN,
     save_tensor_file,
 )
-from megaslide_ray.data.latents import HEADER_KEY
 
 log = logging.getLogger(__name__)
 

@@ -55,18 +55,27 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-
 from megaslide_ray.config import DataConfig
+from megaslide_ray.data.encoders import (
+    CAPTIONS_PER_CALL,
+    CLIPS_PER_CALL,
+    DTYPE_NAMES,
+    _pick_device,
+    _Pool,
+    check_frames,
+    check_size,
+    import_hf,
+    read_model_info,
+)
 from megaslide_ray.data.latents import (
     FORMAT_VERSION,
+    HEADER_KEY,
     TEXT_KEY,
     TEXT_LEN,
     read_file_metadata,
     write_latent_manifest,
 )
 from megaslide_ray.data.manifest import MANIFEST_NAME, read_manifest
-from megaslide_ray.data.encoders import CAPTIONS_PER_CALL, CLIPS_PER_CALL, DTYPE_NAMES, _Pool, _pick_device, check_frames, check_size, import_hf, read_model_info
-from megaslide_ray.data.latents import HEADER_KEY
 
 log = logging.getLogger(__name__)
 

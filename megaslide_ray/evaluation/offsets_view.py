@@ -30,16 +30,19 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from megaslide_ray.config import Config
-from megaslide_ray.models.registry import build_shard
-from megaslide_ray.models.attention import OffsetPredictor
+from megaslide_ray.config import Config, config_from_dict
 from megaslide_ray.data.captions import caption_batch
-from megaslide_ray.state.checkpoint import CheckpointReader, resolve_checkpoint
-from megaslide_ray.config import config_from_dict
-from megaslide_ray.evaluation.plotting import pyplot
 from megaslide_ray.data.clips import decode_clip
-from megaslide_ray.state.checkpoint import latest_checkpoint, read_checkpoint_state
 from megaslide_ray.data.manifest import read_manifest
+from megaslide_ray.evaluation.plotting import pyplot
+from megaslide_ray.models.attention import OffsetPredictor
+from megaslide_ray.models.registry import build_shard
+from megaslide_ray.state.checkpoint import (
+    CheckpointReader,
+    latest_checkpoint,
+    read_checkpoint_state,
+    resolve_checkpoint,
+)
 
 
 def _load_shard(cfg: Config, ckpt, index: int) -> torch.nn.Module:

@@ -25,8 +25,9 @@ import math
 import sys
 from dataclasses import dataclass
 from pathlib import Path
-from megaslide_ray.evaluation.offsets_view import run_offsets_plot
+
 from megaslide_ray.config import load_toml
+from megaslide_ray.evaluation.offsets_view import run_offsets_plot
 from megaslide_ray.evaluation.plotting import pyplot
 
 PLOTS = ("loss.png", "tokens_per_s.png", "time_split.png")

@@ -30,18 +30,18 @@ import numpy as np
 import torch
 
 from actors.compute import ComputeActor
-from megaslide_ray.state.segments import DTYPES
 from actors.param_store import ShardInfo
-from megaslide_ray.data.captions import caption_batch
-from megaslide_ray.state.checkpoint import CheckpointReader, read_checkpoint_state, resolve_checkpoint
 from megaslide_ray.config import Config, ConfigError, config_from_dict, validate
-from megaslide_ray.training.flow import shift_time
-from megaslide_ray.models.registry import build_shard, num_shards
-from megaslide_ray.models.shards import ShardLayout
-from megaslide_ray.data.latents import pad_text
+from megaslide_ray.data.captions import caption_batch
 from megaslide_ray.data.demo import write_video
 from megaslide_ray.data.encoders import Encoder
+from megaslide_ray.data.latents import pad_text
 from megaslide_ray.data.precompute import clip_config
+from megaslide_ray.models.registry import build_shard, num_shards
+from megaslide_ray.models.shards import ShardLayout
+from megaslide_ray.state.checkpoint import CheckpointReader, read_checkpoint_state, resolve_checkpoint
+from megaslide_ray.state.segments import DTYPES
+from megaslide_ray.training.flow import shift_time
 
 log = logging.getLogger(__name__)
 

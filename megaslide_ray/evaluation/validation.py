@@ -34,17 +34,23 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from megaslide_ray.config import Config, ConfigError, config_from_dict, validate
-from megaslide_ray.data.clips import ClipUnreadable, decode_clip
-from megaslide_ray.data.captions import empty_captions, set_caption
-from megaslide_ray.training.flow import video_to_unit
-from megaslide_ray.data.latents import (LatentFileError, is_latent_manifest, load_latent_sample, pad_text, read_latent_manifest)
-from megaslide_ray.data.manifest import read_manifest
-from megaslide_ray.data.checks import _check_manifest
 from actors.compute import ComputeActor
-from megaslide_ray.state.segments import DTYPES
-from megaslide_ray.state.checkpoint import read_checkpoint_state, resolve_checkpoint
+from megaslide_ray.config import Config, ConfigError, config_from_dict, validate
+from megaslide_ray.data.captions import empty_captions, set_caption
+from megaslide_ray.data.checks import _check_manifest
+from megaslide_ray.data.clips import ClipUnreadable, decode_clip
+from megaslide_ray.data.latents import (
+    LatentFileError,
+    is_latent_manifest,
+    load_latent_sample,
+    pad_text,
+    read_latent_manifest,
+)
+from megaslide_ray.data.manifest import read_manifest
 from megaslide_ray.evaluation.sampling import CheckpointWeights
+from megaslide_ray.state.checkpoint import read_checkpoint_state, resolve_checkpoint
+from megaslide_ray.state.segments import DTYPES
+from megaslide_ray.training.flow import video_to_unit
 
 log = logging.getLogger(__name__)
 

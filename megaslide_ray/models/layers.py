@@ -2,6 +2,7 @@
 ``unpatchify``, the inverse of the Conv3d patch embedding."""
 
 from __future__ import annotations
+
 import torch
 
 from megaslide_ray.config import Config

@@ -3,8 +3,8 @@ sample``) a clean-clip estimate turned into that velocity. The model's forward a
 actor both call ``as_velocity``, so the loss and the sampler are the velocity ones either way."""
 
 from __future__ import annotations
-import torch
 
+import torch
 
 SAMPLE_T_MIN = 0.05
 """``model.prediction = sample``: the velocity is ``(x_t - x0_hat) / max(t, SAMPLE_T_MIN)``."""

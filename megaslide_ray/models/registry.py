@@ -3,8 +3,9 @@
 Each architecture has the same shard structure: shard 0 the input side, 1..L the blocks, L+1 the
 head, each a module class built from the config (a block also from its index), an
 ``initialize_shard(module, seed, index)`` (deterministic per shard) in its module, and a
-whole-model class with ``shards()`` and ``initialize_weights(seed)``. The rest of the system (the parameter store, the compute actor,
-the planner, the baseline) calls the functions below and never names an architecture.
+whole-model class with ``shards()`` and ``initialize_weights(seed)``. The rest of the system (the
+parameter store, the compute actor, the planner, the baseline) calls the functions below and
+never names an architecture.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ import torch.nn as nn
 
 from megaslide_ray.config import Config
 from megaslide_ray.models import videodit, wan
+
 
 @dataclass(frozen=True)
 class Architecture:

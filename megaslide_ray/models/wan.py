@@ -62,7 +62,6 @@ contradicts, ``diffusers_config`` writes the ``config.json`` of a config.
 
 from __future__ import annotations
 
-
 import math
 from typing import Sequence
 
@@ -70,11 +69,10 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from megaslide_ray.models.chunking import Chunked, bind, token_map
 from megaslide_ray.config import Config
 from megaslide_ray.models.attention import chunked_self_attention, init_streams, offset_head, self_attention
-from megaslide_ray.models.layers import ffn_width
-from megaslide_ray.models.layers import unpatchify
+from megaslide_ray.models.chunking import Chunked, bind, token_map
+from megaslide_ray.models.layers import ffn_width, unpatchify
 
 KEEP_FP32 = ("time_embedder", "scale_shift_table", "norm1", "norm2", "norm3")
 """diffusers' ``WanTransformer3DModel._keep_in_fp32_modules`` that hold parameters (``rope`` holds

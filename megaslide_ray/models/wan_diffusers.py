@@ -3,13 +3,16 @@ back as a diffusers ``config.json``, its weight files, and ``from_diffusers``, t
 loaded as a ``WanTransformer`` called like diffusers' ``WanTransformer3DModel``."""
 
 from __future__ import annotations
+
 import copy
 import json
 import math
 from pathlib import Path
 from typing import Any, Sequence
+
 import torch
 import torch.nn as nn
+
 from megaslide_ray.config import WAN_WINDOW, Config, ConfigError, apply_overrides
 from megaslide_ray.models.layers import ffn_width
 from megaslide_ray.models.wan import WanTransformer, cast_like_diffusers, initialize_shard

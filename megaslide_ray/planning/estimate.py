@@ -174,8 +174,21 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from megaslide_ray.config import Config, ConfigError
-from megaslide_ray.planning.terms import FIXED_TERMS, HOST_RESERVE_GB, SELECTED_VARIANT, VARIANT_LABELS, W_DTYPES, _activations, _attention_flops_fwd, _shard_counts, check_shape, fmt_bytes, offload_keep, staged_shards, text_tokens
-
+from megaslide_ray.planning.terms import (
+    FIXED_TERMS,
+    HOST_RESERVE_GB,
+    SELECTED_VARIANT,
+    VARIANT_LABELS,
+    W_DTYPES,
+    _activations,
+    _attention_flops_fwd,
+    _shard_counts,
+    check_shape,
+    fmt_bytes,
+    offload_keep,
+    staged_shards,
+    text_tokens,
+)
 
 # ---------------------------------------------------------------------------------------------
 # The plan

@@ -1,6 +1,7 @@
 """The planner's printed tables: a ``Plan`` term by term, and a ``FrameSearch``."""
 
 from __future__ import annotations
+
 from megaslide_ray.planning.estimate import Plan
 from megaslide_ray.planning.search import FrameSearch
 from megaslide_ray.planning.terms import VARIANT_LABELS, W_DTYPES, fmt_bytes, fmt_count, fmt_seconds

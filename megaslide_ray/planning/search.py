@@ -3,9 +3,11 @@ block inputs may stay on the device (``--offload-keep auto``), the longest clip 
 (``--max-frames``), and ``config_for``, the config of a preset at a clip size."""
 
 from __future__ import annotations
+
 import dataclasses
 from dataclasses import dataclass
 from typing import Any
+
 from megaslide_ray.config import Config, ConfigError, build_config
 from megaslide_ray.planning.estimate import Plan, plan
 from megaslide_ray.planning.terms import MIN_SUB_SLICE_CHUNK, check_shape, fmt_bytes, padded_clip

@@ -2,11 +2,12 @@
 of a block and of attention by kind, FLOPs, and the units they are printed in."""
 
 from __future__ import annotations
+
 import math
+
 from megaslide_ray.config import Config, ConfigError, validate
 from megaslide_ray.models.layers import ffn_width
 from megaslide_ray.models.registry import build_shard, num_shards
-
 
 HOST_RESERVE_GB = 32.0
 """Host RAM kept free beyond the store, the offloaded block inputs and (generation) the weights:

@@ -28,10 +28,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from megaslide_ray.config import Config
-from megaslide_ray.state.segments import default_state_root
 from megaslide_ray.models.registry import build_shard, num_shards
 from megaslide_ray.models.shards import ShardLayout
-from megaslide_ray.state.segments import state_key
+from megaslide_ray.state.segments import default_state_root, state_key
 
 SHM = Path("/dev/shm")
 RAY_OBJECT_STORE_FRACTION = 0.3        # Ray's default share of memory for a local object store

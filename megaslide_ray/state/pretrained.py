@@ -32,15 +32,12 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from megaslide_ray.state.checkpoint import CheckpointReader, is_checkpoint_dir
-from megaslide_ray.config import Config, config_from_dict
-from megaslide_ray.models.registry import build_shard, num_shards
-from megaslide_ray.models.registry import initialize_shard
+from megaslide_ray.config import PRESETS, Config, build_config, config_from_dict
+from megaslide_ray.config import preset as make_preset
+from megaslide_ray.models.registry import build_shard, initialize_shard, num_shards
 from megaslide_ray.models.shards import ShardLayout
-from megaslide_ray.config import PRESETS, build_config, preset as make_preset
-from megaslide_ray.models.wan_diffusers import check_against, diffusers_overrides
-from megaslide_ray.models.wan_diffusers import transformer_dir
-from megaslide_ray.models.wan_diffusers import diffusers_config
+from megaslide_ray.models.wan_diffusers import check_against, diffusers_config, diffusers_overrides, transformer_dir
+from megaslide_ray.state.checkpoint import CheckpointReader, is_checkpoint_dir
 
 log = logging.getLogger(__name__)
 

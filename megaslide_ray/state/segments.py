@@ -7,6 +7,7 @@ the same node. A run's state sits in ``<root>/megaslide-<key>`` with an owner fi
 machine); ``sweep_stale_states`` removes the state of runs whose owner is gone."""
 
 from __future__ import annotations
+
 import hashlib
 import json
 import logging
@@ -15,6 +16,7 @@ import shutil
 import socket
 import tempfile
 from pathlib import Path
+
 import torch
 
 log = logging.getLogger(__name__)

@@ -15,15 +15,13 @@ from pathlib import Path
 
 from tqdm import tqdm
 
-from megaslide_ray.state.checkpoint import latest_checkpoint, read_checkpoint_state
 from megaslide_ray.config import Config, to_toml
-from megaslide_ray.runtime.faults import fault_point
-from pipelines.decoder_pool import DataCursor
-from pipelines.streaming import StoreLostError, StreamingPipeline
 from megaslide_ray.data.checks import check_data
 from megaslide_ray.data.demo import ensure_demo_dataset
-from megaslide_ray.state.pretrained import check_pretrained
 from megaslide_ray.evaluation.validation import load_val_set
+from megaslide_ray.runtime.faults import fault_point
+from megaslide_ray.state.checkpoint import latest_checkpoint, read_checkpoint_state
+from megaslide_ray.state.pretrained import check_pretrained
 from megaslide_ray.trainer.components import (
     BadStepGuard,
     Checkpointer,
@@ -31,6 +29,8 @@ from megaslide_ray.trainer.components import (
     Sampler,
     Validator,
 )
+from pipelines.decoder_pool import DataCursor
+from pipelines.streaming import StoreLostError, StreamingPipeline
 
 log = logging.getLogger(__name__)
 

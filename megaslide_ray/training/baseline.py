@@ -14,8 +14,8 @@ from dataclasses import dataclass
 import torch
 
 from megaslide_ray.config import Config
-from megaslide_ray.training.flow import batch_conditioning, batch_flow_inputs, caption_dropout, flow_loss
 from megaslide_ray.models.registry import build_model
+from megaslide_ray.training.flow import batch_conditioning, batch_flow_inputs, caption_dropout, flow_loss
 from megaslide_ray.training.schedule import lr_at
 
 
