@@ -8,7 +8,6 @@ import math
 
 import numpy as np
 import pytest
-import torch
 
 from megaslide_ray.data import motion as M
 from megaslide_ray import motion_metric as motion_metric_cli
@@ -305,34 +304,10 @@ def test_quality_benchmark_resumes_the_runs_it_has(motion_set, tmp_path, monkeyp
     with pytest.raises(SystemExit, match="other settings"):
         quality.main([a if a != "2" else "3" for a in args] + ["--seeds", "0", "--resume"])
 
-    # benchmarks.offset_probe on the saved dsa model: unscaled it repeats the benchmark's losses;
-    # at scale 0 it is the same model with its offset heads zeroed
-    from benchmarks import offset_probe
-    from megaslide_ray.evaluation.validation import load_val_set, validation_loss
-
-    cfg, model, _ = offset_probe.load_quality_run(out, 0)
-    rows = offset_probe.probe(cfg, model, [1.0], samples=1, log=lambda *x: None)
-    dsa0 = next(r for r in got["runs"] if (r["kind"], r["seed"]) == ("dsa", 0))
-    assert rows[0]["train_split_loss"] == dsa0["train_split_loss"]
-    assert rows[0]["val_loss"] == pytest.approx(dsa0["val_loss"], rel=1e-5)  # one clip per call there
-    assert rows[0]["train"]["of"] == rows[0]["held_out"]["of"] == 1
-    # two steps leave the offset heads at their zero start (the gates are zero): give them weights
-    torch.manual_seed(0)
-    heads = quality._offset_modules(model)
-    for m in heads:
-        torch.nn.init.normal_(m.out.weight, std=0.05)
-    rows = offset_probe.probe(cfg, model, [1.0, 0.0], samples=1, log=lambda *x: None)
-    assert rows[0]["offsets_real"][0] > 0 and rows[0]["offsets_sampling"][-1] > 0
-    for m in heads:
-        torch.nn.init.zeros_(m.out.weight)
-        torch.nn.init.zeros_(m.out.bias)
-    trainset = load_val_set(cfg, manifest=cfg.data.manifest)
-    zeroed = validation_loss(quality.ModelPredictor(model), cfg, trainset, cfg.training.steps).val_loss
-    assert rows[1]["train_split_loss"] == zeroed != rows[0]["train_split_loss"]
-
     # benchmarks.region_loss on the same folder: every saved kind, both splits, object and background
     from benchmarks import region_loss
 
+    cfg, _, _ = quality.saved_model(out, "dsa", 0)
     capsys.readouterr()
     assert region_loss.main(["--quality", str(out), "--clips", "2", "--threads", "1", "--json"]) == 0
     regions = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
@@ -362,38 +337,6 @@ def test_offset_signal_benchmark(motion_set, monkeypatch, capsys):
                for c in g[k])  # (the fresh offset head is zero too)
     later = [c for g in rows[1]["groups"].values() for c in g["cosine_by_block"]]
     assert all(-1.0 <= c <= 1.0 for c in later) and any(c != 0.0 for c in later), later
-
-
-def test_denoise_probe_scores_an_oracle_perfect_and_the_mean_clip_as_its_baseline():
-    from benchmarks.denoise_probe import probe
-
-    g = torch.Generator().manual_seed(0)
-    x0 = torch.rand((3, 4, 8, 8, 3), generator=g) * 2 - 1
-    cap, cap_len = torch.zeros((3, 16), dtype=torch.uint8), torch.zeros(3, dtype=torch.int32)
-
-    def towards(target):  # the velocity that makes x0_hat = target at every t
-        return lambda x_t, t, c, cl: (x_t - target) / t.view(-1, 1, 1, 1, 1)
-
-    exact = probe(towards(x0), x0, cap, cap_len, seed=1)
-    assert all(r["x0_rms"] < 1e-5 and r["background_err"] < 1e-5 and r["v_loss"] < 1e-8 for r in exact["per_t"])
-    assert all(r["x0_rms"] < 1e-5 for r in exact["denoise"])
-    assert exact["caption_effect"] == 0.0  # this oracle ignores its caption
-    mean = probe(towards(x0.mean(0, keepdim=True)), x0, cap, cap_len, seed=1)
-    assert mean["mean_clip_rms"] > 0.1
-    assert all(abs(r["x0_rms"] - mean["mean_clip_rms"]) < 1e-5 for r in mean["per_t"])
-
-
-@pytest.mark.slow  # a benchmark end to end (about 10 s)
-def test_denoise_probe_end_to_end(motion_set, monkeypatch, capsys):
-    from benchmarks import denoise_probe
-
-    train, val, _ = motion_set
-    monkeypatch.setattr(M, "ensure_motion_dataset", lambda *a, **k: (train, val))
-    assert denoise_probe.main(["--steps", "2", "--clips", "3", "--set", "model.depth", "1",
-                               "--set", "data.height", "32", "--set", "data.width", "32", "--json"]) == 0
-    got = json.loads(capsys.readouterr().out)
-    assert [r["t"] for r in got["per_t"]] == list(denoise_probe.T_GRID) and len(got["denoise"]) == 4
-    assert got["meta"]["steps"] == 2 and got["mean_clip_rms"] > 0
 
 
 def test_region_masks_cover_the_object_and_the_background():
