@@ -56,7 +56,7 @@ def test_the_set_and_its_held_out_split(motion_set, tmp_path):
 
 def test_the_simple_variant_states_all_its_motion(tmp_path):
     from megaslide_ray.data.clips import resize_crop
-    from benchmarks.learning import shows_prompt
+    from benchmarks.studies.learning import shows_prompt
 
     train, val = M.ensure_motion_dataset(tmp_path, num_train=12, num_val=4, variant="simple")
     assert train.parent.name == f"{M.SIMPLE_VERSION}-n12-4"
@@ -252,9 +252,9 @@ def test_train_demo_motion_simple_with_its_preset(tmp_path, monkeypatch, capsys)
 
 @pytest.mark.slow  # a benchmark end to end (10-20 s): the default run stays under 10 minutes
 def test_learning_benchmark_scores_samples_at_each_checkpoint(motion_set, tmp_path, monkeypatch):
-    # benchmarks.learning end to end at the smallest size: an untrained model samples noise, which
-    # holds no object, so no sample shows its prompt yet
-    from benchmarks import learning
+    # benchmarks.studies.learning end to end at the smallest size: an untrained model samples noise,
+    # which holds no object, so no sample shows its prompt yet
+    from benchmarks.studies import learning
 
     train, val, _ = motion_set
     monkeypatch.setattr(M, "ensure_motion_dataset", lambda *a, **k: (train, val))
@@ -275,9 +275,9 @@ def test_learning_benchmark_scores_samples_at_each_checkpoint(motion_set, tmp_pa
 
 @pytest.mark.slow  # a benchmark end to end (about 15 s): the default run stays under 10 minutes
 def test_quality_benchmark_resumes_the_runs_it_has(motion_set, tmp_path, monkeypatch, capsys):
-    # benchmarks.quality writes each finished (kind, seed) to runs.jsonl; --resume reuses them
+    # benchmarks.studies.quality writes each finished (kind, seed) to runs.jsonl; --resume reuses them
     # and runs only the rest, and refuses a file made with other settings
-    from benchmarks import quality
+    from benchmarks.studies import quality
 
     train, val, _ = motion_set
     monkeypatch.setattr(M, "ensure_motion_dataset", lambda *a, **k: (train, val))
@@ -304,8 +304,9 @@ def test_quality_benchmark_resumes_the_runs_it_has(motion_set, tmp_path, monkeyp
     with pytest.raises(SystemExit, match="other settings"):
         quality.main([a if a != "2" else "3" for a in args] + ["--seeds", "0", "--resume"])
 
-    # benchmarks.region_loss on the same folder: every saved kind, both splits, object and background
-    from benchmarks import region_loss
+    # benchmarks.studies.region_loss on the same folder: every saved kind, both splits, object and
+    # background
+    from benchmarks.studies import region_loss
 
     cfg, _, _ = quality.saved_model(out, "dsa", 0)
     capsys.readouterr()
@@ -323,7 +324,7 @@ def test_quality_benchmark_resumes_the_runs_it_has(motion_set, tmp_path, monkeyp
 def test_offset_signal_benchmark(motion_set, monkeypatch, capsys):
     # the fresh model's attention gates are zero (adaLN-Zero): no gradient reaches the offsets,
     # every cosine is exactly 0; a few steps later the gradient exists and the cosines are real numbers
-    from benchmarks import offset_signal
+    from benchmarks.studies import offset_signal
 
     train, val, _ = motion_set
     monkeypatch.setattr(M, "ensure_motion_dataset", lambda *a, **k: (train, val))
@@ -340,11 +341,11 @@ def test_offset_signal_benchmark(motion_set, monkeypatch, capsys):
 
 
 def test_region_masks_cover_the_object_and_the_background():
-    # benchmarks.region_loss splits the loss by the ground truth: inside one radius of the centre
-    # the rendered frames hold the object's colour, beyond 1.5 radii the background's; also at a
+    # benchmarks.studies.region_loss splits the loss by the ground truth: inside one radius of the
+    # centre the rendered frames hold the object's colour, beyond 1.5 radii the background's; also at a
     # lower resolution, as the decoder resizes the clips
     from megaslide_ray.data.clips import resize_crop
-    from benchmarks.region_loss import region_masks
+    from benchmarks.studies.region_loss import region_masks
 
     rng = np.random.default_rng(3)
     for shape in ("circle", "square", "triangle"):

@@ -148,11 +148,11 @@ def test_sample_cli(run_dir, tmp_path):
 
 @pytest.mark.slow  # a benchmark end to end (about 10 s): the default run stays under 10 minutes
 def test_learning_benchmark_scores_a_checkpoint_as_a_user_would(run_dir, tmp_path, monkeypatch):
-    """``benchmarks.learning --checkpoint``: every prompt sampled by megaslide_ray.sample into an
-    mp4 (upscaled), and the scores are the motion metric of those mp4s as read back."""
+    """``benchmarks.studies.learning --checkpoint``: every prompt sampled by megaslide_ray.sample into
+    an mp4 (upscaled), and the scores are the motion metric of those mp4s as read back."""
     import json
 
-    from benchmarks import learning
+    from benchmarks.studies import learning
     from megaslide_ray.evaluation.motion_metric import motion_fidelity, read_video
 
     captions = ["a red circle moving right fast on a black background",

@@ -1,8 +1,8 @@
 """Can dsa's offsets learn motion from their gradient? The descent direction of the offsets
 against the true motion, for slow and fast objects.
 
-    python -m benchmarks.offset_signal [--seeds 0 1] [--steps 25 150] [--clips 12] [--t 0.5]
-                                       [--window 3,3,3] [--set FIELD VALUE ...] [--json]
+    python -m benchmarks.studies.offset_signal [--seeds 0 1] [--steps 25 150] [--clips 12] [--t 0.5]
+                                               [--window 3,3,3] [--set FIELD VALUE ...] [--json]
 
 Learned offsets can only move where their gradient pushes them. Trilinear sampling gives each
 sample point a gradient from its 8 surrounding tokens only, so a sample whose target (the moving
@@ -48,7 +48,7 @@ def gradient_alignment(model, cfg, val, truth: dict, val_files: list[str], t: fl
     from megaslide_ray.evaluation.validation import val_generator
     from megaslide_ray.evaluation.offsets_view import motion_estimate
 
-    from benchmarks.quality import _offset_modules, object_tokens
+    from benchmarks.studies.quality import _offset_modules, object_tokens
 
     mods = _offset_modules(model)
     grads: dict[int, torch.Tensor] = {}
@@ -98,7 +98,7 @@ def gradient_alignment(model, cfg, val, truth: dict, val_files: list[str], t: fl
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m benchmarks.offset_signal", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="python -m benchmarks.studies.offset_signal", description=__doc__.split("\n\n")[0])
     p.add_argument("--seeds", type=int, nargs="+", default=[0, 1])
     p.add_argument("--steps", type=int, nargs="+", default=[25, 150], help="measure after these training steps (the fresh model has zero attention gates: no gradient reaches the offsets at step 0)")
     p.add_argument("--split", choices=["train", "val"], default="train",

@@ -1,8 +1,8 @@
 """Where does each attention kind's loss come from: the moving object, or the background?
 
-    python -m benchmarks.region_loss --quality DIR [--seed 0] [--clips 12] [--threads 0] [--json]
+    python -m benchmarks.studies.region_loss --quality DIR [--seed 0] [--clips 12] [--threads 0] [--json]
 
-``DIR`` is the ``--out`` folder of a ``benchmarks.quality`` run (its ``models/KIND_seedS.safetensors``
+``DIR`` is the ``--out`` folder of a ``benchmarks.studies.quality`` run (its ``models/KIND_seedS.safetensors``
 and ``quality.json``). For every kind saved there, the fixed-noise loss of ``quality`` (the same
 noise and t per clip and t-bucket: ``megaslide_ray.evaluate.val_inputs``) is split by pixel with
 the motion set's ground truth (``motion.json``: the object's centre per frame and its radius):
@@ -27,7 +27,7 @@ from pathlib import Path
 
 import torch
 
-from benchmarks.quality import KINDS, ModelPredictor, quality_folder, saved_model
+from benchmarks.studies.quality import KINDS, ModelPredictor, quality_folder, saved_model
 
 OBJECT_RADII = 1.0
 BACKGROUND_RADII = 1.5
@@ -77,9 +77,9 @@ def region_losses(predictor, cfg, val, truth: dict, files: list[str]) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m benchmarks.region_loss", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="python -m benchmarks.studies.region_loss", description=__doc__.split("\n\n")[0])
     p.add_argument("--quality", type=quality_folder, required=True,
-                   help="a benchmarks.quality --out folder (with models/)")
+                   help="a benchmarks.studies.quality --out folder (with models/)")
     p.add_argument("--seed", type=int, default=0, help="which seed's models (default 0)")
     p.add_argument("--clips", type=int, default=12, help="held-out clips, and as many training clips (default 12)")
     p.add_argument("--threads", type=int, default=0, help="torch threads (0: all cores)")

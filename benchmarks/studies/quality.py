@@ -1,9 +1,9 @@
 """Does 3D-DSA learn motion? The attention kinds trained alike and compared on held-out motion.
 
-    python -m benchmarks.quality [--steps N] [--seeds 0 1 2] [--kinds dense swin neighborhood dsa]
-                                 [--samples M] [--out DIR [--resume]] [--json]
-    python -m benchmarks.quality --preset tiny-motion --variant simple --steps 2000 --evals 4 \
-                                 --samples 12 --out DIR        # where the model draws the objects
+    python -m benchmarks.studies.quality [--steps N] [--seeds 0 1 2] [--kinds dense swin neighborhood dsa]
+                                         [--samples M] [--out DIR [--resume]] [--json]
+    python -m benchmarks.studies.quality --preset tiny-motion --variant simple --steps 2000 --evals 4 \
+                                         --samples 12 --out DIR        # where the model draws the objects
 
 Every (kind, seed) trains the same small model (``--preset``, default ``tiny``: 16 frames of 64x64
 in 2x4x4 patches, 2048 tokens, 4 blocks of width 128) for the same steps on the same batches of the
@@ -29,7 +29,7 @@ Per (kind, seed) it records:
   its caption: detection rate, trajectory error (px per frame; also over the ``fast`` captions
   alone, ``fast_trajectory_error``), direction error, shape match, area variation, background
   flicker, and the fraction of samples that show their prompt (colour, shape and direction:
-  ``benchmarks.learning.shows_prompt``);
+  ``benchmarks.studies.learning.shows_prompt``);
 * **step time** (in-process, this machine);
 * for ``dsa``, the **learned offsets** on the validation clips at t = 0.5: mean |offset| in
   tokens, and whether they point along the object's motion: the per-block motion estimate of
@@ -174,7 +174,7 @@ def run_one(kind: str, seed: int, steps: int, eval_steps: list[int], data: dict,
     from megaslide_ray.evaluation.motion_metric import motion_fidelity
     from megaslide_ray.evaluation.sampling import initial_noise, integrate, to_uint8_frames
 
-    from benchmarks.learning import shows_prompt
+    from benchmarks.studies.learning import shows_prompt
 
     cfg = kind_config(kind, seed, steps, data["train"], data["val"], extra, data["preset"])
     torch.manual_seed(seed)
@@ -336,7 +336,7 @@ def quality_folder(text: str) -> Path:
     """argparse type of the probes' ``--quality DIR``: a folder this benchmark's ``--out`` made."""
     folder = Path(text)
     if not (folder / "quality.json").is_file():
-        raise argparse.ArgumentTypeError(f"{text}: no quality.json there (the --out folder of benchmarks.quality)")
+        raise argparse.ArgumentTypeError(f"{text}: no quality.json there (the --out folder of benchmarks.studies.quality)")
     return folder
 
 
@@ -378,7 +378,7 @@ def finished_runs(path: Path, settings: dict) -> dict[tuple[str, int], dict]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m benchmarks.quality", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="python -m benchmarks.studies.quality", description=__doc__.split("\n\n")[0])
     p.add_argument("--preset", default="tiny", help="the model and its training settings (default tiny)")
     p.add_argument("--variant", choices=("motion", "simple"), default="motion",
                    help="the motion set (default) or its simple variant (one large shape, 8 frames)")

@@ -1,10 +1,10 @@
 """How many steps before a preset's samples show the prompted shape, colour and direction?
 
-    python -m benchmarks.learning [--preset tiny] [--variant motion] [--steps 1200] [--every 100]
-                                  [--prompts 8] [--kind dsa] [--cfg-scale S] [--set FIELD VALUE ...]
-                                  [--out DIR] [--json]
-    python -m benchmarks.learning --preset tiny-motion --variant simple --steps 2400 --every 600
-    python -m benchmarks.learning --checkpoint RUN --variant simple [--prompts 16] [--cfg-scale S]
+    python -m benchmarks.studies.learning [--preset tiny] [--variant motion] [--steps 1200] [--every 100]
+                                          [--prompts 8] [--kind dsa] [--cfg-scale S] [--set FIELD VALUE ...]
+                                          [--out DIR] [--json]
+    python -m benchmarks.studies.learning --preset tiny-motion --variant simple --steps 2400 --every 600
+    python -m benchmarks.studies.learning --checkpoint RUN --variant simple [--prompts 16] [--cfg-scale S]
 
 Trains ``--preset`` (default ``tiny``) on the training split of the motion set or of its simple
 variant (``--variant simple``: what ``python -m megaslide_ray.train --demo motion`` and ``--demo
@@ -59,7 +59,7 @@ def _nanmean(xs) -> float:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m benchmarks.learning", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="python -m benchmarks.studies.learning", description=__doc__.split("\n\n")[0])
     p.add_argument("--steps", type=int, default=1200, help="training steps (default 1200)")
     p.add_argument("--every", type=int, default=100, help="sample and score every this many steps (default 100)")
     p.add_argument("--prompts", type=int, default=8, help="captions sampled at each checkpoint (default 8)")
@@ -100,7 +100,7 @@ def main(argv: list[str] | None = None) -> int:
     from megaslide_ray.evaluation.motion_metric import KEYS, motion_fidelity
     from megaslide_ray.evaluation.sampling import contact_sheet, initial_noise, integrate, to_uint8_frames, write_png
 
-    from benchmarks.quality import ModelPredictor
+    from benchmarks.studies.quality import ModelPredictor
 
     log = (lambda *x: print(*x, file=sys.stderr, flush=True))
     t0 = time.perf_counter()
