@@ -56,7 +56,7 @@ def test_the_set_and_its_held_out_split(motion_set, tmp_path):
 
 def test_the_simple_variant_states_all_its_motion(tmp_path):
     from megaslide_ray.data.clips import resize_crop
-    from benchmarks.studies.learning import shows_prompt
+    from benchmarks.studies.harness import shows_prompt
 
     train, val = M.ensure_motion_dataset(tmp_path, num_train=12, num_val=4, variant="simple")
     assert train.parent.name == f"{M.SIMPLE_VERSION}-n12-4"
@@ -255,6 +255,7 @@ def test_learning_benchmark_scores_samples_at_each_checkpoint(motion_set, tmp_pa
     # benchmarks.studies.learning end to end at the smallest size: an untrained model samples noise,
     # which holds no object, so no sample shows its prompt yet
     from benchmarks.studies import learning
+    from benchmarks.studies.harness import shows_prompt
 
     train, val, _ = motion_set
     monkeypatch.setattr(M, "ensure_motion_dataset", lambda *a, **k: (train, val))
@@ -269,8 +270,8 @@ def test_learning_benchmark_scores_samples_at_each_checkpoint(motion_set, tmp_pa
     assert (out / "learning_step_2.png").is_file() and "none within 2 steps" in (out / "learning.md").read_text()
     # the criterion can be met: every ground-truth clip shows its caption; a frozen one does not
     _, _, clips = motion_set
-    assert all(learning.shows_prompt(r) for r in _scores(clips))
-    assert not any(learning.shows_prompt(r) for r in _scores(clips, lambda f, rng: np.repeat(f[:1], len(f), 0)))
+    assert all(shows_prompt(r) for r in _scores(clips))
+    assert not any(shows_prompt(r) for r in _scores(clips, lambda f, rng: np.repeat(f[:1], len(f), 0)))
 
 
 @pytest.mark.slow  # a benchmark end to end (about 15 s): the default run stays under 10 minutes

@@ -8,5 +8,10 @@ benchmarks/RESULTS.md:
 ``quality``        the attention kinds trained alike and compared on held-out motion;
 ``learning``       how many steps before a preset's samples show their prompts (or a trained run scored);
 ``region_loss``    a ``quality`` run's loss split into the moving object and the background;
-``offset_signal``  whether dsa's offsets get a gradient that points along the motion.
+``offset_signal``  whether dsa's offsets get a gradient that points along the motion;
+``harness``        what they share: training in process, saved weights, samples scored against
+                   their captions, dsa's offsets against the ground truth.
+
+Imports point one way: ``harness`` imports no study, and of the studies only ``region_loss``
+imports another (``quality``, whose saved models it reads).
 """
