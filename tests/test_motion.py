@@ -29,6 +29,15 @@ def motion_set(tmp_path_factory):
     return train, val, clips
 
 
+@pytest.fixture
+def stand_in_motion_set(motion_set, monkeypatch):
+    """``motion_set``, which the studies (benchmarks/studies/) find where they look for the
+    cached motion set (``ensure_motion_dataset``, whatever variant they ask for)."""
+    train, val, _ = motion_set
+    monkeypatch.setattr(M, "ensure_motion_dataset", lambda *a, **k: (train, val))
+    return motion_set
+
+
 def test_the_set_and_its_held_out_split(motion_set, tmp_path):
     train, val, clips = motion_set
     combo = [(p["colour"], p["shape"], p["direction"], p["speed"]) for _, _, p in clips]
@@ -251,14 +260,12 @@ def test_train_demo_motion_simple_with_its_preset(tmp_path, monkeypatch, capsys)
 
 
 @pytest.mark.slow  # a benchmark end to end (10-20 s): the default run stays under 10 minutes
-def test_learning_benchmark_scores_samples_at_each_checkpoint(motion_set, tmp_path, monkeypatch):
+def test_learning_benchmark_scores_samples_at_each_checkpoint(stand_in_motion_set, tmp_path):
     # benchmarks.studies.learning end to end at the smallest size: an untrained model samples noise,
     # which holds no object, so no sample shows its prompt yet
     from benchmarks.studies import learning
     from benchmarks.studies.harness import shows_prompt
 
-    train, val, _ = motion_set
-    monkeypatch.setattr(M, "ensure_motion_dataset", lambda *a, **k: (train, val))
     out = tmp_path / "learning"
     assert learning.main(["--steps", "2", "--every", "1", "--prompts", "2", "--threads", "1", "--out", str(out),
                           "--set", "model.depth", "1", "--set", "data.height", "32", "--set", "data.width", "32"]) == 0
@@ -269,19 +276,17 @@ def test_learning_benchmark_scores_samples_at_each_checkpoint(motion_set, tmp_pa
     assert got["meta"]["first_step_half_shown"] is None
     assert (out / "learning_step_2.png").is_file() and "none within 2 steps" in (out / "learning.md").read_text()
     # the criterion can be met: every ground-truth clip shows its caption; a frozen one does not
-    _, _, clips = motion_set
+    _, _, clips = stand_in_motion_set
     assert all(shows_prompt(r) for r in _scores(clips))
     assert not any(shows_prompt(r) for r in _scores(clips, lambda f, rng: np.repeat(f[:1], len(f), 0)))
 
 
 @pytest.mark.slow  # a benchmark end to end (about 15 s): the default run stays under 10 minutes
-def test_quality_benchmark_resumes_the_runs_it_has(motion_set, tmp_path, monkeypatch, capsys):
+def test_quality_benchmark_resumes_the_runs_it_has(stand_in_motion_set, tmp_path, capsys):
     # benchmarks.studies.quality writes each finished (kind, seed) to runs.jsonl; --resume reuses them
     # and runs only the rest, and refuses a file made with other settings
     from benchmarks.studies import quality
 
-    train, val, _ = motion_set
-    monkeypatch.setattr(M, "ensure_motion_dataset", lambda *a, **k: (train, val))
     out = tmp_path / "quality"
     args = ["--steps", "2", "--evals", "1", "--samples", "1", "--val-clips", "2", "--threads", "1", "--json",
             "--kinds", "swin", "dsa", "--out", str(out), "--set", "model.depth", "1",
@@ -322,13 +327,11 @@ def test_quality_benchmark_resumes_the_runs_it_has(motion_set, tmp_path, monkeyp
 
 
 @pytest.mark.slow  # a benchmark end to end (10-20 s): the default run stays under 10 minutes
-def test_offset_signal_benchmark(motion_set, monkeypatch, capsys):
+def test_offset_signal_benchmark(stand_in_motion_set, capsys):
     # the fresh model's attention gates are zero (adaLN-Zero): no gradient reaches the offsets,
     # every cosine is exactly 0; a few steps later the gradient exists and the cosines are real numbers
     from benchmarks.studies import offset_signal
 
-    train, val, _ = motion_set
-    monkeypatch.setattr(M, "ensure_motion_dataset", lambda *a, **k: (train, val))
     assert offset_signal.main(["--seeds", "0", "--steps", "0", "3", "--clips", "4", "--threads", "1", "--json",
                                "--set", "model.depth", "1", "--set", "data.height", "32",
                                "--set", "data.width", "32"]) == 0
