@@ -1,9 +1,10 @@
 """Research studies: what the model learns, as opposed to how fast the system runs it (the
 performance benchmarks one folder up).
 
-Each trains small models in process on the motion set (``megaslide_ray.data.motion``) and measures
-what they learned; each runs as ``python -m benchmarks.studies.NAME`` and records its findings in
-benchmarks/RESULTS.md:
+Each measures small models trained in process on the motion set (``megaslide_ray.data.motion``):
+trained there and then, or saved by a ``quality`` run. Each runs as
+``python -m benchmarks.studies.NAME``; their findings are in benchmarks/RESULTS.md.
+
 
 ``quality``        the attention kinds trained alike and compared on held-out motion;
 ``learning``       how many steps before a preset's samples show their prompts (or a trained run scored);
