@@ -1,6 +1,7 @@
 """Shared fixtures: one Ray session per test module that asks for it, a small demo dataset,
-a small model config that still exercises every part of the pipeline, and one real run of
-the main job's CLI that several modules read (its run directory is read-only to them)."""
+a small model config that still exercises every part of the pipeline, one real run of the main
+job's CLI that several modules read (its run directory is read-only to them), and one tiny
+random diffusers Wan directory (read-only too)."""
 
 import os
 import subprocess
@@ -8,6 +9,7 @@ import sys
 
 import pytest
 import ray
+import torch
 
 from megaslide_ray.config import build_config
 from megaslide_ray.data.demo import ensure_demo_dataset
@@ -58,3 +60,19 @@ def cli_run(tmp_path_factory):
     proc = run_cli([*CLI_SMALL, "--steps", "2", "--run-dir", str(run_dir)], env)
     assert proc.returncode == 0, proc.stderr[-3000:]
     return run_dir, proc, env
+
+
+@pytest.fixture(scope="session")
+def wan_dir(tmp_path_factory):
+    """A tiny random diffusers Wan directory, ``wan-tiny/``, made once per test session (tests
+    read it, never write it): ``vae/``, ``text_encoder/`` and ``tokenizer/`` of
+    ``wan_models.make_wan_dir`` and a ``transformer/`` (``wan_models.TRANSFORMER``) that reads
+    their latents and text embeddings."""
+    # lazy: wan_models imports diffusers and transformers (seconds); most test modules never need them
+    from wan_models import TRANSFORMER, make_wan_dir
+    from diffusers import WanTransformer3DModel  # lazy: as above
+
+    root = make_wan_dir(tmp_path_factory.mktemp("models") / "wan-tiny")
+    torch.manual_seed(3)
+    WanTransformer3DModel(**TRANSFORMER).save_pretrained(root / "transformer")
+    return root

@@ -6,6 +6,7 @@ import dataclasses
 import json
 import logging
 import os
+from pathlib import Path
 
 import numpy as np
 import pyarrow as pa
@@ -37,11 +38,6 @@ def _solid_video(path, num_frames=12, width=64, height=64, seed=0):
     return frames
 
 
-@pytest.fixture(scope="module")
-def demo_manifest(tmp_path_factory):
-    return ensure_demo_dataset(tmp_path_factory.mktemp("cache"), num_videos=6)
-
-
 def _cfg(manifest, **kw):
     base = dict(manifest=str(manifest), num_frames=8, height=32, width=48, batch_size=3, frame_stride=2,
                 prefetch=2, random_crop=True)
@@ -64,7 +60,8 @@ def _assert_same(a, b):
 # ---------------------------------------------------------------------------------------------
 
 
-def test_demo_dataset_is_decodable_and_reused(demo_manifest):
+def test_demo_dataset_is_decodable_and_reused(manifest):
+    demo_manifest = Path(manifest)  # conftest's demo set of 6 videos (its path as a str)
     entries = read_manifest(demo_manifest)
     assert len(entries) == 6
     assert {(e.width, e.height) for e in entries} == {(64, 64), (96, 64)}
@@ -80,11 +77,11 @@ def test_demo_dataset_is_decodable_and_reused(demo_manifest):
     assert not [p for p in demo_manifest.parent.parent.iterdir() if ".tmp-" in p.name]
 
 
-def test_demo_dataset_is_deterministic(tmp_path, demo_manifest):
+def test_demo_dataset_is_deterministic(tmp_path, manifest):
     other = ensure_demo_dataset(tmp_path, num_videos=6)
-    assert [e.caption for e in read_manifest(other)] == [e.caption for e in read_manifest(demo_manifest)]
+    assert [e.caption for e in read_manifest(other)] == [e.caption for e in read_manifest(manifest)]
     a = decord.VideoReader(read_manifest(other)[1].path, ctx=decord.cpu(0))
-    b = decord.VideoReader(read_manifest(demo_manifest)[1].path, ctx=decord.cpu(0))
+    b = decord.VideoReader(read_manifest(manifest)[1].path, ctx=decord.cpu(0))
     np.testing.assert_array_equal(read_frames(a, np.arange(4)), read_frames(b, np.arange(4)))
 
 
@@ -271,9 +268,9 @@ def test_encode_caption_does_not_split_characters():
 # ---------------------------------------------------------------------------------------------
 
 
-def test_decoder_batch_shapes_and_values(demo_manifest):
-    entries = read_manifest(demo_manifest)
-    with VideoDecoder(_cfg(demo_manifest), seed=0, caption_max_bytes=24) as dec:
+def test_decoder_batch_shapes_and_values(manifest):
+    entries = read_manifest(manifest)
+    with VideoDecoder(_cfg(manifest), seed=0, caption_max_bytes=24) as dec:
         b = dec.next_batch()
         assert b["video"].shape == (3, 8, 32, 48, 3) and b["video"].dtype == np.uint8
         assert b["caption"].shape == (3, 24) and b["caption"].dtype == np.uint8
@@ -297,8 +294,8 @@ def test_decoder_uses_demo_set_when_manifest_empty(tmp_path, monkeypatch):
         assert dec.manifest_path == tmp_path / "demo-v1" / "manifest.parquet"
 
 
-def test_decoder_is_deterministic_and_resumes(demo_manifest):
-    cfg = _cfg(demo_manifest, batch_size=4)  # 6 rows, 4 per batch: batches straddle epochs
+def test_decoder_is_deterministic_and_resumes(manifest):
+    cfg = _cfg(manifest, batch_size=4)  # 6 rows, 4 per batch: batches straddle epochs
     with VideoDecoder(cfg, seed=3, caption_max_bytes=32) as a, VideoDecoder(cfg, seed=3, caption_max_bytes=32) as b:
         run_a, run_b = _batches(a, 4), _batches(b, 4)
     for x, y in zip(run_a, run_b):
@@ -315,8 +312,8 @@ def test_decoder_is_deterministic_and_resumes(demo_manifest):
     np.testing.assert_array_equal(rows, expected)
 
 
-def test_decoder_ranks_split_positions(demo_manifest):
-    cfg = _cfg(demo_manifest, batch_size=3, random_crop=False)
+def test_decoder_ranks_split_positions(manifest):
+    cfg = _cfg(manifest, batch_size=3, random_crop=False)
     with VideoDecoder(cfg, seed=1, caption_max_bytes=8) as single:
         rows = np.concatenate([b["index"] for b in _batches(single, 2)])
     for rank in (0, 1):
@@ -327,11 +324,11 @@ def test_decoder_ranks_split_positions(demo_manifest):
 
 
 @pytest.mark.parametrize("crops", [dict(random_crop=False), dict(random_crop=True, spatial_crop="random")])
-def test_clip_cache_serves_later_epochs_with_the_same_bytes(demo_manifest, crops):
+def test_clip_cache_serves_later_epochs_with_the_same_bytes(manifest, crops):
     """Three epochs of 6 rows: with the cache every batch equals the uncached decoder's; with
     fixed crops every clip after the first epoch comes from the cache, with random crops only
     the draws that repeat a (row, frames, crop) do."""
-    plain_cfg = _cfg(demo_manifest, batch_size=3, **crops)
+    plain_cfg = _cfg(manifest, batch_size=3, **crops)
     cached_cfg = dataclasses.replace(plain_cfg, clip_cache_mb=8)
     with VideoDecoder(plain_cfg, seed=2, caption_max_bytes=16) as plain, \
             VideoDecoder(cached_cfg, seed=2, caption_max_bytes=16) as cached:
@@ -436,12 +433,12 @@ def test_decoder_all_bad_raises_clearly(tmp_path):
                 dec.next_batch()
 
 
-def test_decoder_thread_error_reaches_caller(demo_manifest, monkeypatch):
+def test_decoder_thread_error_reaches_caller(manifest, monkeypatch):
     def broken(*args, **kwargs):
         raise ValueError("resize bug (simulated)")
 
     monkeypatch.setattr(clips_mod, "resize_crop", broken)
-    dec = VideoDecoder(_cfg(demo_manifest), seed=0, caption_max_bytes=8)
+    dec = VideoDecoder(_cfg(manifest), seed=0, caption_max_bytes=8)
     with pytest.raises(ValueError, match="simulated"):
         dec.next_batch()
     dec.close()

@@ -87,11 +87,10 @@ def test_streamed_training_steps_on_latents(manifest, tmp_path):
     assert any(not torch.equal(a, b) for a, b in zip(before, after))
 
 
-def test_sample_decodes_a_latent_videodit_with_the_vae(tmp_path):
+def test_sample_decodes_a_latent_videodit_with_the_vae(tmp_path, wan_dir):
     from megaslide_ray.evaluation.sampling import sample_video
-    from wan_models import Z, make_wan_dir
+    from wan_models import Z
 
-    wan_dir = make_wan_dir(tmp_path / "wan-tiny")
     cfg = build_config("dit-28b", None, {
         "model.hidden_size": 32, "model.depth": 2, "model.num_heads": 2, "model.caption_dim": 16,
         "model.in_channels": Z, "attention.window": "3,3,3", "data.num_frames": 9, "data.height": 64,

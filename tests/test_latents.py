@@ -29,14 +29,9 @@ from megaslide_ray.data import encoders as E, precompute as P
 from megaslide_ray.config import DataConfig
 from megaslide_ray.data.demo import ensure_demo_dataset, write_bad_videos
 from megaslide_ray.data.manifest import ManifestEntry, read_manifest, write_manifest
-from wan_models import FRAMES, LATENT_SHAPE, SIZE, TEXT_DIM, Z, make_wan_dir
+from wan_models import FRAMES, LATENT_SHAPE, SIZE, TEXT_DIM, Z
 
 ROOT = Path(__file__).resolve().parent.parent
-
-
-@pytest.fixture(scope="module")
-def wan_dir(tmp_path_factory):
-    return make_wan_dir(tmp_path_factory.mktemp("models") / "wan-tiny")
 
 
 @pytest.fixture(scope="module")

@@ -155,7 +155,7 @@ def test_offset_scale_scales_the_offset_heads_output():
 
 @pytest.mark.parametrize("arch", ["videodit", "wan"])
 def test_dsa_starts_from_the_weights_of_the_fixed_window_kinds(arch):
-    # the attention-kind comparisons (benchmarks.quality) hold everything but the kind equal
+    # the attention-kind comparisons (benchmarks.studies.quality) hold everything but the kind equal
     from megaslide_ray.config import build_config
     from megaslide_ray.models.registry import build_shard
     from megaslide_ray.models.registry import initialize_shard

@@ -8,7 +8,6 @@ import math
 
 import numpy as np
 import pytest
-import torch
 
 from megaslide_ray.data import motion as M
 from megaslide_ray import motion_metric as motion_metric_cli
@@ -28,6 +27,15 @@ def motion_set(tmp_path_factory):
             plan = truth[e.path.rsplit("/", 1)[-1]]
             clips.append((e.caption, MM.read_video(e.path), plan))
     return train, val, clips
+
+
+@pytest.fixture
+def stand_in_motion_set(motion_set, monkeypatch):
+    """``motion_set``, which the studies (benchmarks/studies/) find where they look for the
+    cached motion set (``ensure_motion_dataset``, whatever variant they ask for)."""
+    train, val, _ = motion_set
+    monkeypatch.setattr(M, "ensure_motion_dataset", lambda *a, **k: (train, val))
+    return motion_set
 
 
 def test_the_set_and_its_held_out_split(motion_set, tmp_path):
@@ -57,7 +65,7 @@ def test_the_set_and_its_held_out_split(motion_set, tmp_path):
 
 def test_the_simple_variant_states_all_its_motion(tmp_path):
     from megaslide_ray.data.clips import resize_crop
-    from benchmarks.learning import shows_prompt
+    from benchmarks.studies.harness import shows_prompt
 
     train, val = M.ensure_motion_dataset(tmp_path, num_train=12, num_val=4, variant="simple")
     assert train.parent.name == f"{M.SIMPLE_VERSION}-n12-4"
@@ -252,13 +260,12 @@ def test_train_demo_motion_simple_with_its_preset(tmp_path, monkeypatch, capsys)
 
 
 @pytest.mark.slow  # a benchmark end to end (10-20 s): the default run stays under 10 minutes
-def test_learning_benchmark_scores_samples_at_each_checkpoint(motion_set, tmp_path, monkeypatch):
-    # benchmarks.learning end to end at the smallest size: an untrained model samples noise, which
-    # holds no object, so no sample shows its prompt yet
-    from benchmarks import learning
+def test_learning_benchmark_scores_samples_at_each_checkpoint(stand_in_motion_set, tmp_path):
+    # benchmarks.studies.learning end to end at the smallest size: an untrained model samples noise,
+    # which holds no object, so no sample shows its prompt yet
+    from benchmarks.studies import learning
+    from benchmarks.studies.harness import shows_prompt
 
-    train, val, _ = motion_set
-    monkeypatch.setattr(M, "ensure_motion_dataset", lambda *a, **k: (train, val))
     out = tmp_path / "learning"
     assert learning.main(["--steps", "2", "--every", "1", "--prompts", "2", "--threads", "1", "--out", str(out),
                           "--set", "model.depth", "1", "--set", "data.height", "32", "--set", "data.width", "32"]) == 0
@@ -269,19 +276,17 @@ def test_learning_benchmark_scores_samples_at_each_checkpoint(motion_set, tmp_pa
     assert got["meta"]["first_step_half_shown"] is None
     assert (out / "learning_step_2.png").is_file() and "none within 2 steps" in (out / "learning.md").read_text()
     # the criterion can be met: every ground-truth clip shows its caption; a frozen one does not
-    _, _, clips = motion_set
-    assert all(learning.shows_prompt(r) for r in _scores(clips))
-    assert not any(learning.shows_prompt(r) for r in _scores(clips, lambda f, rng: np.repeat(f[:1], len(f), 0)))
+    _, _, clips = stand_in_motion_set
+    assert all(shows_prompt(r) for r in _scores(clips))
+    assert not any(shows_prompt(r) for r in _scores(clips, lambda f, rng: np.repeat(f[:1], len(f), 0)))
 
 
 @pytest.mark.slow  # a benchmark end to end (about 15 s): the default run stays under 10 minutes
-def test_quality_benchmark_resumes_the_runs_it_has(motion_set, tmp_path, monkeypatch, capsys):
-    # benchmarks.quality writes each finished (kind, seed) to runs.jsonl; --resume reuses them
+def test_quality_benchmark_resumes_the_runs_it_has(stand_in_motion_set, tmp_path, capsys):
+    # benchmarks.studies.quality writes each finished (kind, seed) to runs.jsonl; --resume reuses them
     # and runs only the rest, and refuses a file made with other settings
-    from benchmarks import quality
+    from benchmarks.studies import quality
 
-    train, val, _ = motion_set
-    monkeypatch.setattr(M, "ensure_motion_dataset", lambda *a, **k: (train, val))
     out = tmp_path / "quality"
     args = ["--steps", "2", "--evals", "1", "--samples", "1", "--val-clips", "2", "--threads", "1", "--json",
             "--kinds", "swin", "dsa", "--out", str(out), "--set", "model.depth", "1",
@@ -305,34 +310,11 @@ def test_quality_benchmark_resumes_the_runs_it_has(motion_set, tmp_path, monkeyp
     with pytest.raises(SystemExit, match="other settings"):
         quality.main([a if a != "2" else "3" for a in args] + ["--seeds", "0", "--resume"])
 
-    # benchmarks.offset_probe on the saved dsa model: unscaled it repeats the benchmark's losses;
-    # at scale 0 it is the same model with its offset heads zeroed
-    from benchmarks import offset_probe
-    from megaslide_ray.evaluation.validation import load_val_set, validation_loss
+    # benchmarks.studies.region_loss on the same folder: every saved kind, both splits, object and
+    # background
+    from benchmarks.studies import region_loss
 
-    cfg, model, _ = offset_probe.load_quality_run(out, 0)
-    rows = offset_probe.probe(cfg, model, [1.0], samples=1, log=lambda *x: None)
-    dsa0 = next(r for r in got["runs"] if (r["kind"], r["seed"]) == ("dsa", 0))
-    assert rows[0]["train_split_loss"] == dsa0["train_split_loss"]
-    assert rows[0]["val_loss"] == pytest.approx(dsa0["val_loss"], rel=1e-5)  # one clip per call there
-    assert rows[0]["train"]["of"] == rows[0]["held_out"]["of"] == 1
-    # two steps leave the offset heads at their zero start (the gates are zero): give them weights
-    torch.manual_seed(0)
-    heads = quality._offset_modules(model)
-    for m in heads:
-        torch.nn.init.normal_(m.out.weight, std=0.05)
-    rows = offset_probe.probe(cfg, model, [1.0, 0.0], samples=1, log=lambda *x: None)
-    assert rows[0]["offsets_real"][0] > 0 and rows[0]["offsets_sampling"][-1] > 0
-    for m in heads:
-        torch.nn.init.zeros_(m.out.weight)
-        torch.nn.init.zeros_(m.out.bias)
-    trainset = load_val_set(cfg, manifest=cfg.data.manifest)
-    zeroed = validation_loss(quality.ModelPredictor(model), cfg, trainset, cfg.training.steps).val_loss
-    assert rows[1]["train_split_loss"] == zeroed != rows[0]["train_split_loss"]
-
-    # benchmarks.region_loss on the same folder: every saved kind, both splits, object and background
-    from benchmarks import region_loss
-
+    cfg, _, _ = quality.saved_model(out, "dsa", 0)
     capsys.readouterr()
     assert region_loss.main(["--quality", str(out), "--clips", "2", "--threads", "1", "--json"]) == 0
     regions = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
@@ -345,13 +327,11 @@ def test_quality_benchmark_resumes_the_runs_it_has(motion_set, tmp_path, monkeyp
 
 
 @pytest.mark.slow  # a benchmark end to end (10-20 s): the default run stays under 10 minutes
-def test_offset_signal_benchmark(motion_set, monkeypatch, capsys):
+def test_offset_signal_benchmark(stand_in_motion_set, capsys):
     # the fresh model's attention gates are zero (adaLN-Zero): no gradient reaches the offsets,
     # every cosine is exactly 0; a few steps later the gradient exists and the cosines are real numbers
-    from benchmarks import offset_signal
+    from benchmarks.studies import offset_signal
 
-    train, val, _ = motion_set
-    monkeypatch.setattr(M, "ensure_motion_dataset", lambda *a, **k: (train, val))
     assert offset_signal.main(["--seeds", "0", "--steps", "0", "3", "--clips", "4", "--threads", "1", "--json",
                                "--set", "model.depth", "1", "--set", "data.height", "32",
                                "--set", "data.width", "32"]) == 0
@@ -364,44 +344,12 @@ def test_offset_signal_benchmark(motion_set, monkeypatch, capsys):
     assert all(-1.0 <= c <= 1.0 for c in later) and any(c != 0.0 for c in later), later
 
 
-def test_denoise_probe_scores_an_oracle_perfect_and_the_mean_clip_as_its_baseline():
-    from benchmarks.denoise_probe import probe
-
-    g = torch.Generator().manual_seed(0)
-    x0 = torch.rand((3, 4, 8, 8, 3), generator=g) * 2 - 1
-    cap, cap_len = torch.zeros((3, 16), dtype=torch.uint8), torch.zeros(3, dtype=torch.int32)
-
-    def towards(target):  # the velocity that makes x0_hat = target at every t
-        return lambda x_t, t, c, cl: (x_t - target) / t.view(-1, 1, 1, 1, 1)
-
-    exact = probe(towards(x0), x0, cap, cap_len, seed=1)
-    assert all(r["x0_rms"] < 1e-5 and r["background_err"] < 1e-5 and r["v_loss"] < 1e-8 for r in exact["per_t"])
-    assert all(r["x0_rms"] < 1e-5 for r in exact["denoise"])
-    assert exact["caption_effect"] == 0.0  # this oracle ignores its caption
-    mean = probe(towards(x0.mean(0, keepdim=True)), x0, cap, cap_len, seed=1)
-    assert mean["mean_clip_rms"] > 0.1
-    assert all(abs(r["x0_rms"] - mean["mean_clip_rms"]) < 1e-5 for r in mean["per_t"])
-
-
-@pytest.mark.slow  # a benchmark end to end (about 10 s)
-def test_denoise_probe_end_to_end(motion_set, monkeypatch, capsys):
-    from benchmarks import denoise_probe
-
-    train, val, _ = motion_set
-    monkeypatch.setattr(M, "ensure_motion_dataset", lambda *a, **k: (train, val))
-    assert denoise_probe.main(["--steps", "2", "--clips", "3", "--set", "model.depth", "1",
-                               "--set", "data.height", "32", "--set", "data.width", "32", "--json"]) == 0
-    got = json.loads(capsys.readouterr().out)
-    assert [r["t"] for r in got["per_t"]] == list(denoise_probe.T_GRID) and len(got["denoise"]) == 4
-    assert got["meta"]["steps"] == 2 and got["mean_clip_rms"] > 0
-
-
 def test_region_masks_cover_the_object_and_the_background():
-    # benchmarks.region_loss splits the loss by the ground truth: inside one radius of the centre
-    # the rendered frames hold the object's colour, beyond 1.5 radii the background's; also at a
+    # benchmarks.studies.region_loss splits the loss by the ground truth: inside one radius of the
+    # centre the rendered frames hold the object's colour, beyond 1.5 radii the background's; also at a
     # lower resolution, as the decoder resizes the clips
     from megaslide_ray.data.clips import resize_crop
-    from benchmarks.region_loss import region_masks
+    from benchmarks.studies.region_loss import region_masks
 
     rng = np.random.default_rng(3)
     for shape in ("circle", "square", "triangle"):

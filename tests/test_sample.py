@@ -148,11 +148,12 @@ def test_sample_cli(run_dir, tmp_path):
 
 @pytest.mark.slow  # a benchmark end to end (about 10 s): the default run stays under 10 minutes
 def test_learning_benchmark_scores_a_checkpoint_as_a_user_would(run_dir, tmp_path, monkeypatch):
-    """``benchmarks.learning --checkpoint``: every prompt sampled by megaslide_ray.sample into an
-    mp4 (upscaled), and the scores are the motion metric of those mp4s as read back."""
+    """``benchmarks.studies.learning --checkpoint``: every prompt sampled by megaslide_ray.sample into
+    an mp4 (upscaled), and the scores are the motion metric of those mp4s as read back."""
     import json
 
-    from benchmarks import learning
+    from benchmarks.studies import learning
+    from benchmarks.studies.harness import shows_prompt
     from megaslide_ray.evaluation.motion_metric import motion_fidelity, read_video
 
     captions = ["a red circle moving right fast on a black background",
@@ -169,5 +170,5 @@ def test_learning_benchmark_scores_a_checkpoint_as_a_user_would(run_dir, tmp_pat
         frames = read_video(out / f"sample_{j:02d}.mp4")
         assert frames.shape == (8, 64, 64, 3)
         want = motion_fidelity(frames, caption)
-        assert s["detection_rate"] == want["detection_rate"] and s["shows"] == learning.shows_prompt(want)
+        assert s["detection_rate"] == want["detection_rate"] and s["shows"] == shows_prompt(want)
     assert (out / "learning_step_2.png").is_file()

@@ -22,18 +22,7 @@ from megaslide_ray.data.demo import ensure_demo_dataset
 from megaslide_ray.state.pretrained import config_for_diffusers_dir, export_diffusers
 from megaslide_ray.data.precompute import precompute
 from megaslide_ray.trainer import Trainer
-from wan_models import FRAMES, SIZE, make_wan_dir
-
-TRANSFORMER = dict(patch_size=(1, 2, 2), num_attention_heads=2, attention_head_dim=8, in_channels=4, out_channels=4,
-                   text_dim=16, freq_dim=16, ffn_dim=24, num_layers=2)
-
-
-@pytest.fixture(scope="module")
-def wan_dir(tmp_path_factory):
-    root = make_wan_dir(tmp_path_factory.mktemp("models") / "Wan-Tiny")
-    torch.manual_seed(3)
-    WanTransformer3DModel(**TRANSFORMER).save_pretrained(root / "transformer")
-    return root
+from wan_models import FRAMES, SIZE
 
 
 @pytest.fixture(scope="module")

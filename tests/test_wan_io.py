@@ -34,8 +34,10 @@ CLIP = {"data.num_frames": 9, "data.height": 32, "data.width": 32, "attention.wi
 
 
 @pytest.fixture(scope="module")
-def wan_dir(tmp_path_factory):
-    """A diffusers model directory with a sharded transformer/ (index + several files)."""
+def sharded_wan_dir(tmp_path_factory):
+    """A diffusers model directory with a sharded transformer/ (index + several files) of
+    perturbed random weights (text_dim 12) and a vae/ of only its config: ``(root, the weights)``.
+    Not the shared ``wan_dir`` of conftest.py: these tests need the shards and the weights."""
     root = tmp_path_factory.mktemp("wan") / "Wan-Tiny"
     torch.manual_seed(0)
     ref = WanTransformer3DModel(**TINY)
@@ -58,8 +60,8 @@ def _initial_checkpoint(cfg, source, run):
     return run
 
 
-def test_model_config_comes_from_the_directory_and_contradictions_are_refused(wan_dir):
-    root, _ = wan_dir
+def test_model_config_comes_from_the_directory_and_contradictions_are_refused(sharded_wan_dir):
+    root, _ = sharded_wan_dir
     assert is_diffusers_dir(root) and is_diffusers_dir(root / "transformer") and not is_diffusers_dir(root / "vae")
     cfg = config_for_diffusers_dir(root, None, None, CLIP)
     m = cfg.model
@@ -73,8 +75,8 @@ def test_model_config_comes_from_the_directory_and_contradictions_are_refused(wa
         config_for_diffusers_dir(root, "tiny", None, {})
 
 
-def test_init_from_loads_diffusers_weights_and_exports_back(wan_dir, tmp_path):
-    root, weights = wan_dir
+def test_init_from_loads_diffusers_weights_and_exports_back(sharded_wan_dir, tmp_path):
+    root, weights = sharded_wan_dir
     cfg = config_for_diffusers_dir(root, None, None, {**CLIP, "attention.kind": "dsa",
                                                        "runtime.state_dir": str(tmp_path / "state")})
     source = check_pretrained(cfg, root)  # every model name but the offset heads is in the source
@@ -105,8 +107,8 @@ def test_init_from_loads_diffusers_weights_and_exports_back(wan_dir, tmp_path):
     assert all(torch.count_nonzero(out_w[n]) == 0 for n in fresh if n.endswith("out.weight") or n.endswith("out.bias"))
 
 
-def test_export_cli_and_refusals(wan_dir, tmp_path):
-    root, _ = wan_dir
+def test_export_cli_and_refusals(sharded_wan_dir, tmp_path):
+    root, _ = sharded_wan_dir
     cfg = config_for_diffusers_dir(root, None, None, {**CLIP, "runtime.state_dir": str(tmp_path / "state")})
     run = _initial_checkpoint(cfg, root, tmp_path / "run")
     proc = subprocess.run([sys.executable, "-m", "megaslide_ray.pretrained", str(latest_checkpoint(run)),

@@ -14,6 +14,9 @@ FRAMES, SIZE, Z, TEXT_DIM = 9, 32, 4, 16
 """Clips of 9 frames of 32x32 pixels; 4 latent channels; text embeddings 16 wide."""
 LATENT_SHAPE = (3, 4, 4, Z)
 """Their latents, (F', H', W', C)."""
+TRANSFORMER = dict(patch_size=(1, 2, 2), num_attention_heads=2, attention_head_dim=8, in_channels=Z, out_channels=Z,
+                   text_dim=TEXT_DIM, freq_dim=16, ffn_dim=24, num_layers=2)
+"""A tiny ``WanTransformer3DModel`` that reads those latents and text embeddings."""
 
 
 def make_wan_dir(folder: Path) -> Path:

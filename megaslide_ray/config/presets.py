@@ -34,7 +34,7 @@ def tiny_motion() -> Config:
     tiles (at this size dsa's CPU step is about 2.4x this one), 2400 steps, kept block graphs and a
     decoded-clip cache (under 9 minutes on 2 CPU cores through the actors). Made for the motion
     set's simple variant (``train --preset tiny-motion --demo motion-simple``), where its samples learn
-    to show the prompted colour, shape and direction (``benchmarks.learning``; benchmarks/RESULTS.md)."""
+    to show the prompted colour, shape and direction (``benchmarks.studies.learning``; benchmarks/RESULTS.md)."""
     cfg = Config(preset="tiny-motion")
     cfg.model = ModelConfig(patch_size=(2, 2, 2), prediction="sample")
     # swin tiles of 2x4x4 tokens divide the 4x8x8 grid (3x3x3 pads it to 6x9x9): a cheaper step,

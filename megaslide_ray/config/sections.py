@@ -119,7 +119,7 @@ class AttentionConfig:
     """``dsa``: the (frames, height, width) kernel, in tokens, of the offset head's depthwise
     convolution: how far around a token the head looks to choose its offsets. Motion it is to
     follow must show inside it (an object moving 3 tokens per frame is invisible to a 3x3x3
-    head's view of the next frame: ``benchmarks/offset_signal.py``). Each size odd."""
+    head's view of the next frame: ``benchmarks/studies/offset_signal.py``). Each size odd."""
     offset_groups: int = 0
     """``dsa``: heads share offsets in this many groups (consecutive heads, ``num_heads /
     offset_groups`` per group): the offset head predicts ``offset_groups * K * 3`` values per token.

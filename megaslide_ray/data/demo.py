@@ -9,25 +9,20 @@ so two machines build the same clips.
 
 The set lives in ``<cache>/demo-v1`` (``<cache>`` = ``$MEGASLIDE_CACHE`` or
 ``~/.cache/megaslide_ray``) with a Parquet manifest beside the videos. It is built in a
-temporary sibling directory and renamed into place when complete, so a crash never leaves
-a half-made set that a later run would trust.
+temporary sibling directory and renamed into place when complete (``data.folders``), so a crash
+never leaves a half-made set that a later run would trust.
 
     python -m megaslide_ray.demo_data [--out DIR] [--num-videos N]
 """
 
 from __future__ import annotations
 
-import logging
-import os
-import secrets
-import shutil
 from pathlib import Path
 
 import numpy as np
 
+from megaslide_ray.data.folders import build_folder_atomically, cache_root
 from megaslide_ray.data.manifest import MANIFEST_NAME, ManifestEntry, write_manifest
-
-logger = logging.getLogger(__name__)
 
 DEMO_VERSION = "demo-v1"
 DEFAULT_NUM_VIDEOS = 24
@@ -55,12 +50,6 @@ BACKGROUNDS: dict[str, tuple[int, int, int]] = {
 }
 SHAPES = ("circle", "square", "triangle")
 DIRECTIONS: dict[str, tuple[int, int]] = {"right": (1, 0), "left": (-1, 0), "down": (0, 1), "up": (0, -1)}
-
-
-def default_cache_dir() -> Path:
-    """``$MEGASLIDE_CACHE`` if set, else ``~/.cache/megaslide_ray``."""
-    env = os.environ.get("MEGASLIDE_CACHE")
-    return Path(env).expanduser() if env else Path.home() / ".cache" / "megaslide_ray"
 
 
 # ---------------------------------------------------------------------------------------------
@@ -217,29 +206,8 @@ def ensure_demo_dataset(cache_dir: str | Path | None = None, num_videos: int = D
     """
     if num_videos < 1:
         raise ValueError(f"num_videos={num_videos} must be >= 1")
-    root = Path(cache_dir).expanduser() if cache_dir is not None else default_cache_dir()
     name = DEMO_VERSION if num_videos == DEFAULT_NUM_VIDEOS else f"{DEMO_VERSION}-n{num_videos}"
-    final = root / name
-    manifest = final / MANIFEST_NAME
-    if manifest.is_file():
-        return manifest
-    if final.exists():
-        # Only a rename creates ``final``, and the manifest is written before it: a folder
-        # without one was not made by us. Refuse rather than overwrite someone's files.
-        raise RuntimeError(f"{final} exists but holds no {MANIFEST_NAME}; remove it and run again")
-    root.mkdir(parents=True, exist_ok=True)
-    # Not tempfile.mkdtemp: its 0700 mode would survive the rename; mkdir honours the umask.
-    tmp = root / f".{name}.tmp-{os.getpid()}-{secrets.token_hex(4)}"
-    tmp.mkdir()
-    try:
-        logger.info("building the demo dataset (%d videos) in %s", num_videos, final)
-        _build(tmp, num_videos)
-        try:
-            os.rename(tmp, final)
-        except OSError:
-            if not manifest.is_file():  # not a lost race with another builder: a real error
-                raise
-    finally:
-        if tmp.exists():
-            shutil.rmtree(tmp, ignore_errors=True)
-    return manifest
+    final = cache_root(cache_dir) / name
+    build_folder_atomically(final, MANIFEST_NAME, lambda folder: _build(folder, num_videos),
+                            f"the demo dataset ({num_videos} videos)")
+    return final / MANIFEST_NAME

@@ -30,7 +30,7 @@ is either in the validation split or in the training split, never both (``is_hel
 the two splits draw from different seeds. It is written to ``<cache>/motion-v1`` (``<cache>``
 as for the demo set) with ``train.parquet`` and ``val.parquet`` (video manifests) and
 ``motion.json`` (per clip: the plan and the shape's centre in every frame), built in a
-temporary directory and renamed into place.
+temporary directory and renamed into place (``data.folders``).
 
     python -m megaslide_ray.motion [--variant simple] [--out DIR] [--num-train N] [--num-val M]
     python -m megaslide_ray.train --demo motion      # trains on it, validates on the held-out split
@@ -39,19 +39,14 @@ temporary directory and renamed into place.
 from __future__ import annotations
 
 import json
-import logging
 import math
-import os
-import secrets
-import shutil
 from pathlib import Path
 
 import numpy as np
 
-from megaslide_ray.data.demo import COLOURS, SHAPES, _shape_mask, default_cache_dir, write_video
+from megaslide_ray.data.demo import COLOURS, SHAPES, _shape_mask, write_video
+from megaslide_ray.data.folders import build_folder_atomically, cache_root
 from megaslide_ray.data.manifest import ManifestEntry, write_manifest
-
-logger = logging.getLogger(__name__)
 
 MOTION_VERSION = "motion-v1"
 SIMPLE_VERSION = "motion-simple-v1"
@@ -223,29 +218,11 @@ def ensure_motion_dataset(cache_dir: str | Path | None = None, num_train: int = 
     if variant not in VARIANTS:
         raise ValueError(f"variant={variant!r} is not one of {sorted(VARIANTS)}")
     version, planner = VARIANTS[variant]
-    root = Path(cache_dir).expanduser() if cache_dir is not None else default_cache_dir()
     name = version if (num_train, num_val) == (DEFAULT_TRAIN, DEFAULT_VAL) else f"{version}-n{num_train}-{num_val}"
-    final = root / name
-    out = (final / TRAIN_MANIFEST, final / VAL_MANIFEST)
-    if (final / GROUND_TRUTH).is_file():
-        return out
-    if final.exists():
-        raise RuntimeError(f"{final} exists but holds no {GROUND_TRUTH}; remove it and run again")
-    root.mkdir(parents=True, exist_ok=True)
-    tmp = root / f".{name}.tmp-{os.getpid()}-{secrets.token_hex(4)}"
-    tmp.mkdir()
-    try:
-        logger.info("building the motion dataset (%d + %d clips) in %s", num_train, num_val, final)
-        _build(tmp, num_train, num_val, planner)
-        try:
-            os.rename(tmp, final)
-        except OSError:
-            if not (final / GROUND_TRUTH).is_file():
-                raise
-    finally:
-        if tmp.exists():
-            shutil.rmtree(tmp, ignore_errors=True)
-    return out
+    final = cache_root(cache_dir) / name
+    build_folder_atomically(final, GROUND_TRUTH, lambda folder: _build(folder, num_train, num_val, planner),
+                            f"the motion dataset ({num_train} + {num_val} clips)")
+    return final / TRAIN_MANIFEST, final / VAL_MANIFEST
 
 
 def load_ground_truth(manifest: str | Path) -> dict:

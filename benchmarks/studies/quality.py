@@ -1,35 +1,36 @@
 """Does 3D-DSA learn motion? The attention kinds trained alike and compared on held-out motion.
 
-    python -m benchmarks.quality [--steps N] [--seeds 0 1 2] [--kinds dense swin neighborhood dsa]
-                                 [--samples M] [--out DIR [--resume]] [--json]
-    python -m benchmarks.quality --preset tiny-motion --variant simple --steps 2000 --evals 4 \
-                                 --samples 12 --out DIR        # where the model draws the objects
+    python -m benchmarks.studies.quality [--steps N] [--seeds 0 1 2] [--kinds dense swin neighborhood dsa]
+                                         [--samples M] [--out DIR [--resume]] [--json]
+    python -m benchmarks.studies.quality --preset tiny-motion --variant simple --steps 2000 --evals 4 \
+                                         --samples 12 --out DIR        # where the model draws the objects
 
 Every (kind, seed) trains the same small model (``--preset``, default ``tiny``: 16 frames of 64x64
 in 2x4x4 patches, 2048 tokens, 4 blocks of width 128) for the same steps on the same batches of the
-motion set's training split (``--variant simple``: its simple variant, one large shape over 8
-frames, on which ``tiny-motion`` learns to draw its prompts within 2000 steps) (``megaslide_ray.motion``: shapes moving 1-8 px per frame, so the
-fast ones move 2.5-4 tokens per patch frame), with the same initial weights per seed; only
-``attention.kind`` differs (``dense``; ``swin``, ``neighborhood`` and ``dsa`` with the same
-(3,3,3) window, K = 27 keys per query: swin's windows are fixed tiles (shifted every other
-block), neighborhood's slide with the query, dsa's slide and move by learned offsets). Training runs in process (``megaslide_ray.training.baseline``: the
-model and objective of the streamed trainer, which the tests hold equal to it), so the table
-compares the attention operators, not the plumbing.
+motion set's training split (``megaslide_ray.data.motion``: shapes moving 1-8 px per frame, so
+the fast ones move 2.5-4 tokens per patch frame; ``--variant simple``: its simple variant, one
+large shape over 8 frames, on which ``tiny-motion`` learns to draw its prompts within 2000
+steps), with the same initial weights per seed; only ``attention.kind`` differs (``dense``;
+``swin``, ``neighborhood`` and ``dsa`` with the same (3,3,3) window, K = 27 keys per query:
+swin's windows are fixed tiles (shifted every other block), neighborhood's slide with the query,
+dsa's slide and move by learned offsets). Training runs in process (``harness``: the model and
+objective of the streamed trainer, which the tests hold equal to it), so the table compares the
+attention operators, not the plumbing.
 
 Per (kind, seed) it records:
 
 * **validation loss** on the held-out split (combinations of colour, shape, direction and speed
-  never seen in training), at fixed noise and t (``megaslide_ray.evaluate.validation_loss``),
+  never seen in training), at fixed noise and t (``megaslide_ray.evaluation.validation``),
   at several steps, and per t-bucket at the end; and the same loss on as many clips of the
   training split (``train_split_loss``: the gap between the two is what a kind memorised);
-* **motion fidelity** of samples (``megaslide_ray.motion_metric``): the first ``--samples``
+* **motion fidelity** of samples (``megaslide_ray.evaluation.motion_metric``): the first ``--samples``
   held-out captions, and as many training captions (``train_*`` columns: motion the model was
   shown, which a small model draws long before it generalises to unseen combinations), are
   sampled from fixed noise (Euler, ``training.sample_steps``) and each clip is scored against
   its caption: detection rate, trajectory error (px per frame; also over the ``fast`` captions
   alone, ``fast_trajectory_error``), direction error, shape match, area variation, background
   flicker, and the fraction of samples that show their prompt (colour, shape and direction:
-  ``benchmarks.learning.shows_prompt``);
+  ``harness.shows_prompt``);
 * **step time** (in-process, this machine);
 * for ``dsa``, the **learned offsets** on the validation clips at t = 0.5: mean |offset| in
   tokens, and whether they point along the object's motion: the per-block motion estimate of
@@ -41,7 +42,9 @@ The table gives mean and spread (standard deviation over seeds) per kind; ``--ou
 ``quality.json``, ``quality.md`` and two plots (val loss against steps, motion metrics per
 kind), ``runs.jsonl``, one line per finished (kind, seed) as it finishes: ``--resume`` skips
 the runs it already holds (same settings required), so a long comparison that was stopped goes
-on where it was, and ``models/KIND_seedS.safetensors``, each run's final weights. Nothing is tuned per kind: the preset's optimizer settings serve all four.
+on where it was, and ``models/KIND_seedS.safetensors``, each run's final weights (``saved_model``
+rebuilds one; ``region_loss`` reads them). Nothing is tuned per kind: the preset's optimizer
+settings serve all four.
 """
 
 from __future__ import annotations
@@ -51,12 +54,20 @@ import json
 import math
 import os
 import statistics
-import sys
 import time
 from pathlib import Path
 
 import numpy as np
 import torch
+
+from benchmarks.studies.harness import (ModelPredictor, fresh_trainer, load_model, log, motion_manifests, nanmean,
+                                        object_tokens, offset_heads, sample_and_score, save_weights, shows_prompt,
+                                        study_config, training_decoder)
+from megaslide_ray.data import motion
+from megaslide_ray.data.manifest import read_manifest
+from megaslide_ray.evaluation.offsets_view import motion_estimate
+from megaslide_ray.evaluation.plotting import pyplot
+from megaslide_ray.evaluation.validation import load_val_set, val_generator, validation_loss
 
 KINDS = ("dense", "swin", "neighborhood", "dsa")
 WINDOWED = ("swin", "neighborhood", "dsa")
@@ -66,73 +77,26 @@ METRICS = ("detection_rate", "trajectory_error", "direction_error_deg", "shape_m
 SPLITS = ("", "train_")  # metric prefixes: samples of held-out captions, of training captions
 
 
-class ModelPredictor:
-    """``predict(x_t, t, cond, cond_len, version)`` of an in-process model (the interface the
-    compute actor offers to sampling and validation)."""
-
-    def __init__(self, model: torch.nn.Module):
-        self.model = model
-
-    @torch.no_grad()
-    def predict(self, x_t, t, cond, cond_len, version: int) -> torch.Tensor:
-        as_t = lambda a: a if isinstance(a, torch.Tensor) else torch.from_numpy(np.asarray(a))  # noqa: E731
-        return self.model(as_t(x_t).float(), as_t(t).float(), as_t(cond), as_t(cond_len)).float()
-
-
 def kind_config(kind: str, seed: int, steps: int, train_manifest: str, val_manifest: str, extra: dict,
                 preset: str = "tiny"):
-    from megaslide_ray.config import build_config
-
     over = {"attention.kind": kind, "training.seed": seed, "training.steps": steps,
             "data.manifest": train_manifest, "data.val_manifest": val_manifest, **extra}
     if kind in WINDOWED:  # one window for all three (``--window``), never the preset's per kind
         over["attention.window"] = extra.get("attention.window", DEFAULT_WINDOW)
-    return build_config(preset, None, {k: str(v) for k, v in over.items()})
+    return study_config(preset, over)
 
 
 def training_batches(cfg, steps: int) -> list[dict]:
     """The decoder's first ``steps`` batches for ``cfg.training.seed`` (the same for every kind)."""
-    from actors.decoder import VideoDecoder
-
-    with VideoDecoder(cfg.data, cfg.training.seed, cfg.model.caption_max_bytes) as dec:
+    with training_decoder(cfg) as dec:
         return [dec.next_batch() for _ in range(steps)]
-
-
-def _offset_modules(model):
-    from megaslide_ray.models.attention import OffsetPredictor
-
-    return [m for m in model.modules() if isinstance(m, OffsetPredictor)]
-
-
-def object_tokens(plan: dict, cfg):
-    """Per patch frame ``ti`` of a motion-set clip (its ``motion.json`` entry ``plan``): the
-    tokens within 1.5 radii of the object's centre ``(H, W)`` bool, and its true velocity
-    ``(vy, vx)`` in tokens per patch frame; frames where the object stands still or no token is
-    near are left out."""
-    pt, ph, pw = cfg.model.patch_size
-    T, H, W = cfg.token_grid
-    sy, sx = cfg.data.height / plan.get("height", cfg.data.height), cfg.data.width / plan.get("width", cfg.data.width)
-    centres = np.asarray(plan["centres"], dtype=np.float64) * (sx, sy)  # (F, 2) x, y in pixels of the clip
-    ys = (torch.arange(H, dtype=torch.float32) + 0.5) * ph
-    xs = (torch.arange(W, dtype=torch.float32) + 0.5) * pw
-    for ti in range(T - 1):
-        f0, f1 = ti * pt, min((ti + 1) * pt, len(centres) - 1)
-        v_px = centres[f1] - centres[f0]  # pixels per patch frame (x, y)
-        v_tok = torch.tensor([v_px[1] / ph, v_px[0] / pw], dtype=torch.float32)
-        cx, cy = centres[f0]
-        near = ((ys[:, None] - cy) ** 2 + (xs[None, :] - cx) ** 2) <= (1.5 * plan["radius"] * sx) ** 2
-        if bool(near.any()) and float(v_tok.norm()) >= 1e-6:
-            yield ti, near, v_tok
 
 
 @torch.no_grad()
 def offset_statistics(model, cfg, val, truth: dict, val_files: list[str]) -> dict:
     """Mean |offset| (tokens) and, per block, the motion estimate against the true velocity on
     the object's tokens (module docstring), over the validation clips at t = 0.5."""
-    from megaslide_ray.evaluation.validation import val_generator
-    from megaslide_ray.evaluation.offsets_view import motion_estimate
-
-    mods = _offset_modules(model)
+    mods = offset_heads(model)
     got: dict[int, list] = {i: [] for i in range(len(mods))}
     hooks = [m.register_forward_hook(lambda mod, a, out, i=i: got[i].append(out[0].float()))
              for i, m in enumerate(mods)]
@@ -168,17 +132,8 @@ def offset_statistics(model, cfg, val, truth: dict, val_files: list[str]) -> dic
 
 def run_one(kind: str, seed: int, steps: int, eval_steps: list[int], data: dict, samples: int,
             extra: dict, log=print) -> dict:
-    from megaslide_ray.training.baseline import InProcessTrainer
-    from megaslide_ray.data.captions import caption_batch
-    from megaslide_ray.evaluation.validation import validation_loss
-    from megaslide_ray.evaluation.motion_metric import motion_fidelity
-    from megaslide_ray.evaluation.sampling import initial_noise, integrate, to_uint8_frames
-
-    from benchmarks.learning import shows_prompt
-
     cfg = kind_config(kind, seed, steps, data["train"], data["val"], extra, data["preset"])
-    torch.manual_seed(seed)
-    trainer = InProcessTrainer(cfg, threads=data["threads"])
+    trainer = fresh_trainer(cfg, seed, data["threads"])
     pred = ModelPredictor(trainer.model)
     batches = data["batches"][seed]
     curve, losses, times = [], [], []
@@ -203,31 +158,19 @@ def run_one(kind: str, seed: int, steps: int, eval_steps: list[int], data: dict,
            "train_loss_last20": statistics.fmean(losses[-20:]),
            "step_seconds": statistics.median(times[1:] or times)}
     for prefix, key in zip(SPLITS, ("captions", "train_captions")):
-        fidelity = []
-        for j, caption in enumerate(data[key][:samples]):
-            cap, cap_len = caption_batch(caption, cfg.model.caption_max_bytes, 1)
-            x = integrate(pred, cfg, initial_noise(cfg, 1000 + j), cap, cap_len, cfg.training.sample_steps, steps)
-            m = motion_fidelity(to_uint8_frames(x), caption)
-            fast = " fast" in caption
-            fidelity.append({**m, "shown": float(shows_prompt(m)),
-                             "fast_trajectory_error": m["trajectory_error"] if fast else math.nan})
+        captions = data[key][:samples]
+        _, metrics = sample_and_score(pred, cfg, captions, steps)
+        fidelity = [{**m, "shown": float(shows_prompt(m)),
+                     "fast_trajectory_error": m["trajectory_error"] if " fast" in caption else math.nan}
+                    for m, caption in zip(metrics, captions)]
         out[prefix + "samples"] = [{"caption": c, **{k: f[k] for k in METRICS + ("steps",)}}
-                                   for c, f in zip(data[key], fidelity)]
-        out.update({prefix + m: _nanmean([f[m] for f in fidelity]) for m in METRICS})
+                                   for c, f in zip(captions, fidelity)]
+        out.update({prefix + m: nanmean([f[m] for f in fidelity]) for m in METRICS})
     if data.get("models"):
-        from safetensors.torch import save_file
-
-        data["models"].mkdir(parents=True, exist_ok=True)
-        save_file({k: v.detach().contiguous() for k, v in trainer.model.state_dict().items()},
-                  str(data["models"] / f"{kind}_seed{seed}.safetensors"))
+        save_weights(trainer.model, data["models"] / f"{kind}_seed{seed}.safetensors")
     if kind == "dsa":
         out["offsets"] = offset_statistics(trainer.model, cfg, data["valset"], data["truth"], data["val_files"])
     return out
-
-
-def _nanmean(xs) -> float:
-    xs = [x for x in xs if isinstance(x, (int, float)) and not math.isnan(x)]
-    return statistics.fmean(xs) if xs else math.nan
 
 
 def _spread(xs) -> tuple[float, float]:
@@ -295,8 +238,6 @@ def markdown(rows: list[dict], meta: dict) -> str:
 
 
 def plots(runs: list[dict], rows: list[dict], out: Path) -> list[Path]:
-    from megaslide_ray.evaluation.plotting import pyplot
-
     plt = pyplot()
     written = []
     fig, ax = plt.subplots(figsize=(6, 4))
@@ -333,10 +274,11 @@ RUNS_FILE = "runs.jsonl"
 
 
 def quality_folder(text: str) -> Path:
-    """argparse type of the probes' ``--quality DIR``: a folder this benchmark's ``--out`` made."""
+    """argparse type of a ``--quality DIR`` (``region_loss``'s): a folder this study's ``--out`` made."""
     folder = Path(text)
     if not (folder / "quality.json").is_file():
-        raise argparse.ArgumentTypeError(f"{text}: no quality.json there (the --out folder of benchmarks.quality)")
+        raise argparse.ArgumentTypeError(f"{text}: no quality.json there (the --out folder of "
+                                         f"benchmarks.studies.quality)")
     return folder
 
 
@@ -344,20 +286,13 @@ def saved_model(folder: Path, kind: str, seed: int):
     """``(cfg, model in eval mode, meta)`` of the ``(kind, seed)`` run whose weights the ``--out``
     folder ``folder`` holds (``models/KIND_seedS.safetensors``), rebuilt with that comparison's
     preset, motion set and overrides; ``None`` when it holds no such weights."""
-    from safetensors.torch import load_file
-
-    from megaslide_ray.models.registry import build_model
-    from megaslide_ray.data.motion import ensure_motion_dataset
-
     weights = folder / "models" / f"{kind}_seed{seed}.safetensors"
     if not weights.is_file():
         return None
     meta = json.loads((folder / "quality.json").read_text())["meta"]
-    train, val = (str(x) for x in ensure_motion_dataset(variant=meta.get("variant", "motion")))
+    train, val = motion_manifests(meta.get("variant", "motion"))
     cfg = kind_config(kind, seed, meta["steps"], train, val, meta["overrides"], meta.get("preset", "tiny"))
-    model = build_model(cfg)
-    model.load_state_dict(load_file(str(weights)))
-    return cfg, model.eval(), meta
+    return cfg, load_model(cfg, weights), meta
 
 
 def finished_runs(path: Path, settings: dict) -> dict[tuple[str, int], dict]:
@@ -378,7 +313,7 @@ def finished_runs(path: Path, settings: dict) -> dict[tuple[str, int], dict]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m benchmarks.quality", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="python -m benchmarks.studies.quality", description=__doc__.split("\n\n")[0])
     p.add_argument("--preset", default="tiny", help="the model and its training settings (default tiny)")
     p.add_argument("--variant", choices=("motion", "simple"), default="motion",
                    help="the motion set (default) or its simple variant (one large shape, 8 frames)")
@@ -406,27 +341,22 @@ def main(argv: list[str] | None = None) -> int:
     extra["training.val_clips"] = a.val_clips
     extra["attention.window"] = a.window
 
-    from megaslide_ray.evaluation.validation import load_val_set
-    from megaslide_ray.data.manifest import read_manifest
-    from megaslide_ray.data.motion import ensure_motion_dataset, load_ground_truth
-
     if a.resume and not a.out:
         p.error("--resume needs --out DIR (the runs.jsonl to continue)")
     t0 = time.perf_counter()
-    train, val = (str(x) for x in ensure_motion_dataset(variant=a.variant))
+    train, val = motion_manifests(a.variant)
     cfg0 = kind_config("dense", a.seeds[0], a.steps, train, val, extra, a.preset)
     valset = load_val_set(cfg0)
     trainset = load_val_set(cfg0, manifest=train)  # as many training clips, measured alike
     entries = read_manifest(val)
     data = {"train": train, "val": val, "valset": valset, "trainset": trainset, "threads": a.threads, "preset": a.preset,
-            "captions": [e.caption for e in entries], "truth": load_ground_truth(val),
+            "captions": [e.caption for e in entries], "truth": motion.load_ground_truth(val),
             "train_captions": [e.caption for e in read_manifest(train)],
             "models": a.out / "models" if a.out else None,
             "val_files": [Path(entries[r].path).name for r in valset.rows],
             "batches": {s: training_batches(kind_config("dense", s, a.steps, train, val, extra, a.preset), a.steps)
                         for s in a.seeds}}
     eval_steps = sorted({round(a.steps * (k + 1) / a.evals) for k in range(a.evals)})
-    log = (lambda *x: print(*x, file=sys.stderr, flush=True))
     settings = {"preset": a.preset, "variant": a.variant, "steps": a.steps, "evals": eval_steps,
                 "samples": a.samples, "overrides": extra}
     done = finished_runs(a.out / RUNS_FILE, settings) if a.resume else {}

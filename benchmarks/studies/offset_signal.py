@@ -1,15 +1,15 @@
 """Can dsa's offsets learn motion from their gradient? The descent direction of the offsets
 against the true motion, for slow and fast objects.
 
-    python -m benchmarks.offset_signal [--seeds 0 1] [--steps 25 150] [--clips 12] [--t 0.5]
-                                       [--window 3,3,3] [--set FIELD VALUE ...] [--json]
+    python -m benchmarks.studies.offset_signal [--seeds 0 1] [--steps 25 150] [--clips 12] [--t 0.5]
+                                               [--window 3,3,3] [--set FIELD VALUE ...] [--json]
 
 Learned offsets can only move where their gradient pushes them. Trilinear sampling gives each
 sample point a gradient from its 8 surrounding tokens only, so a sample whose target (the moving
 object's position in a neighbouring frame) is more than a token away gets no signal that points
-at it. This benchmark measures that signal. For each seed it builds the ``tiny`` dsa model
-(in process, ``megaslide_ray.training.baseline``), trains it on the motion set's training split, and at
-each step in ``--steps`` does three things on the clips of ``--split`` (fixed noise, flow time ``--t``):
+at it. This study measures that signal. For each seed it builds the ``tiny`` dsa model (in
+process, ``harness``), trains it on the motion set's training split, and at each step in
+``--steps`` does three things on the clips of ``--split`` (fixed noise, flow time ``--t``):
 
 1. takes the gradient of the flow-matching loss with respect to every block's offsets;
 2. turns the descent direction (minus the gradient) into a motion estimate per token, exactly as
@@ -19,10 +19,11 @@ each step in ``--steps`` does three things on the clips of ``--split`` (fixed no
 
 (Not at step 0: a fresh model's attention output gates are zero, as in DiT's adaLN-Zero, so
 no gradient reaches its offsets; its offset head is zero too, i.e. it starts as neighborhood
-attention.) A positive cosine means the gradient pulls the offsets along the motion; about 0, no useful
-signal. The same comparison for the learned offsets themselves says whether they follow. Results are split by speed: ``slow`` clips move at most one token per patch frame
-(``slowly``, 0.5 token with ``tiny``'s 2x4x4 patches), ``fast`` clips 2.5-4 tokens (``fast``,
-``very fast``), beyond a 3x3x3 window's reach. (``at medium speed``, 1.25 tokens, is its own group.)
+attention.) A positive cosine means the gradient pulls the offsets along the motion; about 0, no
+useful signal. The same comparison for the learned offsets themselves says whether they follow.
+Results are split by speed: ``slow`` clips move at most one token per patch frame (``slowly``,
+0.5 token with ``tiny``'s 2x4x4 patches), ``fast`` clips 2.5-4 tokens (``fast``, ``very fast``),
+beyond a 3x3x3 window's reach. (``at medium speed``, 1.25 tokens, is its own group.)
 """
 
 from __future__ import annotations
@@ -31,11 +32,19 @@ import argparse
 import json
 import math
 import statistics
-import sys
 import time
+from pathlib import Path
 
 import numpy as np
 import torch
+
+from benchmarks.studies.harness import (fresh_trainer, log, motion_manifests, object_tokens, offset_heads, study_config,
+                                        training_decoder)
+from megaslide_ray.data import motion
+from megaslide_ray.data.manifest import read_manifest
+from megaslide_ray.evaluation.offsets_view import motion_estimate
+from megaslide_ray.evaluation.validation import load_val_set, val_generator
+from megaslide_ray.training.flow import flow_loss
 
 GROUPS = {"slowly": "slow", "at medium speed": "medium", "fast": "fast", "very fast": "fast"}
 
@@ -44,13 +53,7 @@ def gradient_alignment(model, cfg, val, truth: dict, val_files: list[str], t: fl
     """``{group: {"cosine_by_block": [...], "offset_cosine_by_block": [...], "clips": n}}``: per
     speed group and block, the mean cosine between the true velocity and the motion estimate of
     the offsets' descent direction (``cosine_by_block``) and of the offsets themselves."""
-    from megaslide_ray.training.flow import flow_loss
-    from megaslide_ray.evaluation.validation import val_generator
-    from megaslide_ray.evaluation.offsets_view import motion_estimate
-
-    from benchmarks.quality import _offset_modules, object_tokens
-
-    mods = _offset_modules(model)
+    mods = offset_heads(model)
     grads: dict[int, torch.Tensor] = {}
     offsets: dict[int, torch.Tensor] = {}
 
@@ -98,9 +101,11 @@ def gradient_alignment(model, cfg, val, truth: dict, val_files: list[str], t: fl
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m benchmarks.offset_signal", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="python -m benchmarks.studies.offset_signal", description=__doc__.split("\n\n")[0])
     p.add_argument("--seeds", type=int, nargs="+", default=[0, 1])
-    p.add_argument("--steps", type=int, nargs="+", default=[25, 150], help="measure after these training steps (the fresh model has zero attention gates: no gradient reaches the offsets at step 0)")
+    p.add_argument("--steps", type=int, nargs="+", default=[25, 150],
+                   help="measure after these training steps (the fresh model has zero attention gates: no "
+                        "gradient reaches the offsets at step 0)")
     p.add_argument("--split", choices=["train", "val"], default="train",
                    help="clips to measure on: the training split (default; 48 clips, all four speeds) or the "
                         "held-out one (12 clips, 10 of them fast)")
@@ -117,32 +122,21 @@ def main(argv: list[str] | None = None) -> int:
     if not 0 < a.t < 1:
         p.error(f"--t {a.t} must be in (0, 1)")
 
-    from pathlib import Path
-
-    from actors.decoder import VideoDecoder
-    from megaslide_ray.training.baseline import InProcessTrainer
-    from megaslide_ray.config import build_config
-    from megaslide_ray.evaluation.validation import load_val_set
-    from megaslide_ray.data.manifest import read_manifest
-    from megaslide_ray.data.motion import ensure_motion_dataset, load_ground_truth
-
-    log = (lambda *x: print(*x, file=sys.stderr, flush=True))
     t0 = time.perf_counter()
-    train, val = (str(x) for x in ensure_motion_dataset())
+    train, val = motion_manifests()
     measured = train if a.split == "train" else val
-    truth = load_ground_truth(measured)
+    truth = motion.load_ground_truth(measured)
     entries = read_manifest(measured)
     results = []
     for seed in a.seeds:
         over = {"attention.kind": "dsa", "attention.window": a.window, "training.seed": seed,
                 "training.steps": max(a.steps) or 1, "data.manifest": train, "data.val_manifest": val,
                 "training.val_clips": min(a.clips, len(entries)), **dict(a.set)}
-        cfg = build_config("tiny", None, {k: str(v) for k, v in over.items()})
+        cfg = study_config("tiny", over)
         valset = load_val_set(cfg, measured)
         files = [Path(entries[r].path).name for r in valset.rows]
-        torch.manual_seed(seed)
-        trainer = InProcessTrainer(cfg, threads=a.threads)
-        with VideoDecoder(cfg.data, seed, cfg.model.caption_max_bytes) as dec:
+        trainer = fresh_trainer(cfg, seed, a.threads)
+        with training_decoder(cfg) as dec:
             done = 0
             for target in a.steps:
                 while done < target:

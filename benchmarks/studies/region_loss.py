@@ -1,10 +1,11 @@
 """Where does each attention kind's loss come from: the moving object, or the background?
 
-    python -m benchmarks.region_loss --quality DIR [--seed 0] [--clips 12] [--threads 0] [--json]
+    python -m benchmarks.studies.region_loss --quality DIR [--seed 0] [--clips 12] [--threads 0] [--json]
 
-``DIR`` is the ``--out`` folder of a ``benchmarks.quality`` run (its ``models/KIND_seedS.safetensors``
-and ``quality.json``). For every kind saved there, the fixed-noise loss of ``quality`` (the same
-noise and t per clip and t-bucket: ``megaslide_ray.evaluate.val_inputs``) is split by pixel with
+``DIR`` is the ``--out`` folder of a ``benchmarks.studies.quality`` run (its
+``models/KIND_seedS.safetensors`` and ``quality.json``). For every kind saved there, the
+fixed-noise loss of ``quality`` (the same noise and t per clip and t-bucket:
+``megaslide_ray.evaluation.validation.val_inputs``) is split by pixel with
 the motion set's ground truth (``motion.json``: the object's centre per frame and its radius):
 
 * **object**: pixels within one radius of the object's centre in that frame;
@@ -22,12 +23,15 @@ import argparse
 import json
 import math
 import os
-import sys
 from pathlib import Path
 
 import torch
 
-from benchmarks.quality import KINDS, ModelPredictor, quality_folder, saved_model
+from benchmarks.studies.harness import ModelPredictor, log
+from benchmarks.studies.quality import KINDS, quality_folder, saved_model
+from megaslide_ray.data import motion
+from megaslide_ray.data.manifest import read_manifest
+from megaslide_ray.evaluation.validation import load_val_set, val_inputs
 
 OBJECT_RADII = 1.0
 BACKGROUND_RADII = 1.5
@@ -52,8 +56,6 @@ def region_masks(plan: dict, frames: int, height: int, width: int) -> tuple[torc
 def region_losses(predictor, cfg, val, truth: dict, files: list[str]) -> dict:
     """Per t-bucket and overall, the squared error of the predicted velocity averaged over object
     pixels and over background pixels of every clip of ``val`` (clip ``c`` is ``files[c]``)."""
-    from megaslide_ray.evaluation.validation import val_inputs
-
     nb = int(cfg.training.val_t_buckets)
     sums = {k: [0.0] * nb for k in ("object", "background")}
     counts = {k: [0] * nb for k in sums}
@@ -77,9 +79,9 @@ def region_losses(predictor, cfg, val, truth: dict, files: list[str]) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m benchmarks.region_loss", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="python -m benchmarks.studies.region_loss", description=__doc__.split("\n\n")[0])
     p.add_argument("--quality", type=quality_folder, required=True,
-                   help="a benchmarks.quality --out folder (with models/)")
+                   help="a benchmarks.studies.quality --out folder (with models/)")
     p.add_argument("--seed", type=int, default=0, help="which seed's models (default 0)")
     p.add_argument("--clips", type=int, default=12, help="held-out clips, and as many training clips (default 12)")
     p.add_argument("--threads", type=int, default=0, help="torch threads (0: all cores)")
@@ -88,17 +90,12 @@ def main(argv: list[str] | None = None) -> int:
     if a.clips < 1:
         p.error(f"--clips {a.clips} must be >= 1")
     torch.set_num_threads(a.threads or os.cpu_count() or 1)
-
-    from megaslide_ray.evaluation.validation import load_val_set
-    from megaslide_ray.data.manifest import read_manifest
-    from megaslide_ray.data.motion import load_ground_truth
-
     models = {k: got for k in KINDS if (got := saved_model(a.quality, k, a.seed)) is not None}
     if not models:
         raise SystemExit(f"no models/KIND_seed{a.seed}.safetensors in {a.quality}")
     # The kinds differ only in attention: one decoding of the clips serves them all.
     cfg0, _, meta = next(iter(models.values()))
-    truth = load_ground_truth(cfg0.data.val_manifest)
+    truth = motion.load_ground_truth(cfg0.data.val_manifest)
     splits = {}
     for split, manifest in (("held_out", cfg0.data.val_manifest), ("train", cfg0.data.manifest)):
         vs = load_val_set(cfg0, manifest=manifest, clips=a.clips)
@@ -110,9 +107,8 @@ def main(argv: list[str] | None = None) -> int:
         row = {"kind": kind, **{split: region_losses(pred, cfg, vs, truth, files)
                                 for split, (vs, files) in splits.items()}}
         rows.append(row)
-        print(f"{kind}: held-out object {row['held_out']['object']:.4f} background {row['held_out']['background']:.4f}; "
-              f"train object {row['train']['object']:.4f} background {row['train']['background']:.4f}",
-              file=sys.stderr, flush=True)
+        log(f"{kind}: held-out object {row['held_out']['object']:.4f} background {row['held_out']['background']:.4f}; "
+            f"train object {row['train']['object']:.4f} background {row['train']['background']:.4f}")
     if a.json:
         for r in rows:
             print(json.dumps(r))

@@ -1,23 +1,23 @@
 """How many steps before a preset's samples show the prompted shape, colour and direction?
 
-    python -m benchmarks.learning [--preset tiny] [--variant motion] [--steps 1200] [--every 100]
-                                  [--prompts 8] [--kind dsa] [--cfg-scale S] [--set FIELD VALUE ...]
-                                  [--out DIR] [--json]
-    python -m benchmarks.learning --preset tiny-motion --variant simple --steps 2400 --every 600
-    python -m benchmarks.learning --checkpoint RUN --variant simple [--prompts 16] [--cfg-scale S]
+    python -m benchmarks.studies.learning [--preset tiny] [--variant motion] [--steps 1200] [--every 100]
+                                          [--prompts 8] [--kind dsa] [--cfg-scale S] [--set FIELD VALUE ...]
+                                          [--out DIR] [--json]
+    python -m benchmarks.studies.learning --preset tiny-motion --variant simple --steps 2400 --every 600
+    python -m benchmarks.studies.learning --checkpoint RUN --variant simple [--prompts 16] [--cfg-scale S]
 
 Trains ``--preset`` (default ``tiny``) on the training split of the motion set or of its simple
 variant (``--variant simple``: what ``python -m megaslide_ray.train --demo motion`` and ``--demo
-motion-simple`` train on) in process (``megaslide_ray.training.baseline``: the model
-and objective of the streamed trainer, which the tests hold equal to it), and every ``--every``
-steps samples ``--prompts`` captions from fixed noise (Euler, ``training.sample_steps``, guided by
-``--cfg-scale`` against the empty caption) and scores
-each sample against its caption with the motion-fidelity metric (``megaslide_ray.motion_metric``).
+motion-simple`` train on) in process (``harness``: the model and objective of the streamed
+trainer, which the tests hold equal to it), and every ``--every`` steps samples ``--prompts``
+captions from fixed noise (Euler, ``training.sample_steps``, guided by ``--cfg-scale`` against
+the empty caption) and scores each sample against its caption with the motion-fidelity metric
+(``megaslide_ray.evaluation.motion_metric``).
 
-A sample **shows its prompt** when the caption's colour is found in at least 75% of its frames
-(``detection_rate``), the object's mask fits the caption's shape best in at least half of the
-visible frames (``shape_match``), and it moves in the caption's direction: mean direction error
-at most 45 degrees. The table gives, per checkpoint, the fraction of samples that show their
+A sample **shows its prompt** (``harness.shows_prompt``) when the caption's colour is found in at
+least 75% of its frames (``detection_rate``), the object's mask fits the caption's shape best in
+at least half of the visible frames (``shape_match``), and it moves in the caption's direction:
+mean direction error at most 45 degrees. The table gives, per checkpoint, the fraction of samples that show their
 prompt and the metric means; the answer is the first checkpoint where at least half do.
 
 With ``--checkpoint RUN`` it trains nothing: it samples each prompt from that run (or checkpoint)
@@ -36,30 +36,22 @@ import json
 import math
 import os
 import statistics
-import sys
+import tempfile
 import time
 from pathlib import Path
 
 import numpy as np
-import torch
 
-DETECTED, SHAPED, DIRECTION_DEG = 0.75, 0.5, 45.0
-
-
-def shows_prompt(m: dict) -> bool:
-    """Whether one sample's metric says it shows its caption's colour, shape and direction."""
-    d = m["direction_error_deg"]
-    return (m["detection_rate"] >= DETECTED and not math.isnan(m["shape_match"]) and m["shape_match"] >= SHAPED
-            and not math.isnan(d) and d <= DIRECTION_DEG)
-
-
-def _nanmean(xs) -> float:
-    xs = [x for x in xs if not math.isnan(x)]
-    return statistics.fmean(xs) if xs else math.nan
+from benchmarks.studies.harness import (ModelPredictor, SAMPLE_SEED, fresh_trainer, log, motion_manifests, nanmean,
+                                        sample_and_score, shows_prompt, study_config, training_decoder)
+from megaslide_ray.data.manifest import read_manifest
+from megaslide_ray.evaluation.motion_metric import KEYS, motion_fidelity, read_video
+from megaslide_ray.evaluation.sampling import contact_sheet, sample_video, write_png
+from megaslide_ray.state.checkpoint import read_checkpoint_state, resolve_checkpoint
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m benchmarks.learning", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="python -m benchmarks.studies.learning", description=__doc__.split("\n\n")[0])
     p.add_argument("--steps", type=int, default=1200, help="training steps (default 1200)")
     p.add_argument("--every", type=int, default=100, help="sample and score every this many steps (default 100)")
     p.add_argument("--prompts", type=int, default=8, help="captions sampled at each checkpoint (default 8)")
@@ -92,32 +84,18 @@ def main(argv: list[str] | None = None) -> int:
     if a.checkpoint:
         return score_checkpoint(a)
 
-    from actors.decoder import VideoDecoder
-    from megaslide_ray.training.baseline import InProcessTrainer
-    from megaslide_ray.data.captions import caption_batch
-    from megaslide_ray.config import build_config
-    from megaslide_ray.data.motion import ensure_motion_dataset
-    from megaslide_ray.evaluation.motion_metric import KEYS, motion_fidelity
-    from megaslide_ray.evaluation.sampling import contact_sheet, initial_noise, integrate, to_uint8_frames, write_png
-
-    from benchmarks.quality import ModelPredictor
-
-    log = (lambda *x: print(*x, file=sys.stderr, flush=True))
     t0 = time.perf_counter()
-    train, _ = (str(x) for x in ensure_motion_dataset(variant=a.variant))
+    train, _ = motion_manifests(a.variant)
     over = {**({"attention.kind": a.kind} if a.kind else {}), "training.seed": a.seed, "training.steps": a.steps,
             "data.manifest": train, **dict(a.set)}
-    cfg = build_config(a.preset, None, {k: str(v) for k, v in over.items()})
+    cfg = study_config(a.preset, over)
     captions = prompts_of(a.variant, a.split, a.prompts)
-    torch.manual_seed(a.seed)
-    trainer = InProcessTrainer(cfg, threads=a.threads)
+    trainer = fresh_trainer(cfg, a.seed, a.threads)
     pred = ModelPredictor(trainer.model)
-    conds = [caption_batch(c, cfg.model.caption_max_bytes, 1) for c in captions]
-    empty = tuple(np.zeros_like(a) for a in conds[0])
     if a.out:
         a.out.mkdir(parents=True, exist_ok=True)
     points, losses, train_s = [], [], 0.0
-    with VideoDecoder(cfg.data, cfg.training.seed, cfg.model.caption_max_bytes) as dec:
+    with training_decoder(cfg) as dec:
         for step in range(a.steps):
             r = trainer.train_step(dec.next_batch())
             losses.append(r.loss)
@@ -125,17 +103,12 @@ def main(argv: list[str] | None = None) -> int:
             if (step + 1) % a.every and step + 1 != a.steps:
                 continue
             trainer.model.eval()
-            metrics, clips = [], []
-            for j, ((cap, cap_len), caption) in enumerate(zip(conds, captions)):
-                x = integrate(pred, cfg, initial_noise(cfg, 1000 + j), cap, cap_len, cfg.training.sample_steps,
-                              step + 1, a.cfg_scale, *empty)
-                clips.append(to_uint8_frames(x))
-                metrics.append(motion_fidelity(clips[-1], caption))
+            clips, metrics = sample_and_score(pred, cfg, captions, step + 1, a.cfg_scale)
             trainer.model.train()
             shown = [shows_prompt(m) for m in metrics]
             point = {"step": step + 1, "train_loss": statistics.fmean(losses[-a.every:]),
                      "shown": sum(shown) / len(shown), "train_seconds": train_s,
-                     **{k: _nanmean([m[k] for m in metrics]) for k in KEYS},
+                     **{k: nanmean([m[k] for m in metrics]) for k in KEYS},
                      "samples": [{"caption": c, "shows": s, **{k: m[k] for k in KEYS}}
                                  for c, s, m in zip(captions, shown, metrics)]}
             points.append(point)
@@ -164,10 +137,7 @@ def main(argv: list[str] | None = None) -> int:
 
 def prompts_of(variant: str, split: str, n: int) -> list[str]:
     """The first ``n`` captions of a split of the motion set (or its simple variant)."""
-    from megaslide_ray.data.manifest import read_manifest
-    from megaslide_ray.data.motion import ensure_motion_dataset
-
-    train, val = ensure_motion_dataset(variant=variant)
+    train, val = motion_manifests(variant)
     return [e.caption for e in read_manifest(train if split == "train" else val)][:n]
 
 
@@ -175,12 +145,6 @@ def score_checkpoint(a) -> int:
     """``--checkpoint``: each prompt sampled by ``megaslide_ray.sample`` (noise seed 1000 + its
     index, as in training mode) into ``--out`` (or a temporary folder), read back from the mp4
     and scored with the motion metric."""
-    import tempfile
-
-    from megaslide_ray.state.checkpoint import read_checkpoint_state, resolve_checkpoint
-    from megaslide_ray.evaluation.motion_metric import KEYS, motion_fidelity, read_video
-    from megaslide_ray.evaluation.sampling import contact_sheet, sample_video, write_png
-
     t0 = time.perf_counter()
     ckpt = resolve_checkpoint(a.checkpoint)
     state = read_checkpoint_state(ckpt)
@@ -189,7 +153,7 @@ def score_checkpoint(a) -> int:
     out.mkdir(parents=True, exist_ok=True)
     metrics, rows = [], []
     for j, caption in enumerate(captions):
-        r = sample_video(ckpt, caption, out / f"sample_{j:02d}.mp4", steps=a.sample_steps, seed=1000 + j,
+        r = sample_video(ckpt, caption, out / f"sample_{j:02d}.mp4", steps=a.sample_steps, seed=SAMPLE_SEED + j,
                          cfg_scale=a.cfg_scale, upscale=a.upscale)
         frames = read_video(r.video_path)  # what a user's motion_metric run reads
         metrics.append(motion_fidelity(frames, caption))
@@ -197,7 +161,7 @@ def score_checkpoint(a) -> int:
     write_png(out / f"learning_step_{state['step']}.png", np.concatenate(rows, axis=0))
     shown = [shows_prompt(m) for m in metrics]
     point = {"step": int(state["step"]), "train_loss": math.nan, "shown": sum(shown) / len(shown),
-             "train_seconds": math.nan, **{k: _nanmean([m[k] for m in metrics]) for k in KEYS},
+             "train_seconds": math.nan, **{k: nanmean([m[k] for m in metrics]) for k in KEYS},
              "samples": [{"caption": c, "shows": s, **{k: m[k] for k in KEYS}}
                          for c, s, m in zip(captions, shown, metrics)]}
     cfg = state["config"]
