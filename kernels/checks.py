@@ -2,7 +2,7 @@
 
 Used by the tests (``tests/test_dsa.py``, ``tests/test_dsa_tiled.py``, ``tests/test_swin.py``)
 and by the GPU check
-(``benchmarks/gpu_check.py``), which must run on a machine without pytest or the tests
+(``benchmarks/gpu_check/``), which must run on a machine without pytest or the tests
 folder. Nothing here is used by training.
 
 - ``naive_neighborhood_attention`` / ``dense_attention``: implementations that share no code

@@ -2,7 +2,7 @@
 
 Backend ``triton_gather``; since the tiled kernels (``dsa_triton_tiled.py``, backend
 ``triton``) exist, these are their fallback -- calls whose halo does not fit a tile, logged --
-and the baseline they are timed against (benchmarks/gpu_check.py).
+and the baseline they are timed against (benchmarks/gpu_check/).
 
 Semantics are those of ``dsa_reference`` (docs/architecture.md, "3D-DSA: the operator"):
 channels-last ``q, k, v: (B, T, H, W, nh, d)``, ``offsets: (B, T, H, W, nh, K, 3)``.
