@@ -189,3 +189,12 @@ def deformable_slide_attention_slab(
     if path in ("cpu", "matrix"):
         return dsa_cpu_slab(q, k, v, offsets, window, q_start, kv_start, frames, scale=scale)
     return dsa_slab(q, k, v, offsets, window, q_start, kv_start, frames, scale=scale)
+
+
+def aot_variants(shape) -> list[dict]:
+    """Every Triton kernel and config the dispatcher may launch at ``shape`` (dtype, head dim, window,
+    grid, ``max_offset``), as compile specs for ``benchmarks.gpu_check.compile`` (the compile-only
+    check): the kernel modules list their own launches."""
+    from . import dsa_triton
+
+    return dsa_triton.aot_variants(shape)
