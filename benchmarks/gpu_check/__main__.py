@@ -83,12 +83,15 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import subprocess
 import sys
 import time
 from pathlib import Path
 
 import torch
 
+from . import compile as compile_aot
+from . import cost
 from .attention import part_attention
 from .common import PARTS, SMOKE, Sizes
 from .correctness import part_correctness
@@ -97,21 +100,80 @@ from .pinning import part_pinning
 from .run import Run, environment
 from .streaming import part_streaming
 
+PRESET_HEADS = {64: 8, 128: 12}
+"""Heads per layer for the cost model's per-layer times: head dim 128 -> 12 (Wan2.1 1.3B; the paper's
+presets have 44-96, Wan 14B 40: time scales with heads), head dim 64 -> 8 (a videodit width of 512)."""
+
+
+def compile_only(args) -> int:
+    """Compile every kernel config for the targets, print the table and the cost model's predictions."""
+    archs = args.arch or ["sm_90"]
+    shapes = compile_aot.preset_shapes(full=args.full)[:args.limit_shapes]
+    t0 = time.monotonic()
+    print("\n".join(compile_aot.table([])), flush=True)
+    records = compile_aot.run(archs, shapes, timeout_s=args.timeout_s)
+    ok, bad = compile_aot.verdict(records)
+    wall = time.monotonic() - t0
+    preds = cost.predictions(shapes, PRESET_HEADS)
+    print("\nCost model (a prediction; benchmarks/gpu_check/cost.py):\n" + "\n".join(cost.table(preds)))
+    print(f"\ncompile-only: {len(records)} compiles for {', '.join(archs)} in {wall:.0f} s: "
+          + ("every config the product may pick launches, without spills" if ok else f"{len(bad)} FAILED:\n  "
+             + "\n  ".join(bad)), flush=True)
+    if args.json:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps({"ok": ok, "wall_s": round(wall, 1), "archs": archs,
+                                         "records": compile_aot.as_json(records), "predictions": preds}, indent=1))
+    return 0 if ok else 1
+
+
+def part_compile(ctx: Run) -> dict:
+    """The compile-only table and the cost model, beside the measured parts: a child process (it
+    needs uninterpreted Triton, and --smoke interprets it in this one), at the presets' shapes (the
+    smoke run: the first shape only)."""
+    path = ctx.out / "compile_only.json"
+    cmd = [sys.executable, "-m", "benchmarks.gpu_check", "--compile-only", "--json", str(path)]
+    if ctx.sizes.compile_shapes is not None:
+        cmd += ["--limit-shapes", str(ctx.sizes.compile_shapes)]
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=Path(__file__).resolve().parents[2],
+                          timeout=max(60.0, ctx.deadline - time.monotonic()))
+    if not path.is_file():
+        return {"ok": False, "error": (proc.stdout[-2000:] + proc.stderr[-2000:])}
+    report = json.loads(path.read_text())
+    return {"ok": report["ok"] and proc.returncode == 0, "wall_s": report["wall_s"], "archs": report["archs"],
+            "records": report["records"], "predictions": report["predictions"]}
+
+
 PART_FUNCS = {"correctness": part_correctness, "pinning": part_pinning, "streaming": part_streaming,
-              "attention": part_attention, "model": part_model, "speedup": part_speedup}
+              "attention": part_attention, "model": part_model, "speedup": part_speedup, "compile": part_compile}
 
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m benchmarks.gpu_check", description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter,
                                 epilog=__doc__.split("\n\n", 1)[1])
-    p.add_argument("--out", required=True, type=Path, help="folder for gpu_check.json / .md")
+    p.add_argument("--out", type=Path, help="folder for gpu_check.json / .md (required unless --compile-only)")
     p.add_argument("--budget-s", type=float, default=330.0,
                    help="wall-time budget; parts and rows past their share are skipped (default 330)")
     p.add_argument("--parts", nargs="+", default=list(PARTS), choices=PARTS)
     p.add_argument("--smoke", action="store_true",
                    help="every part on the CPU at tiny sizes (Triton under TRITON_INTERPRET=1)")
+    p.add_argument("--compile-only", action="store_true",
+                   help="compile every Triton kernel config for --arch (no GPU needed), print the table and the "
+                        "cost model; exit 1 if a config the product may pick cannot launch or spills")
+    p.add_argument("--arch", action="append", choices=sorted(compile_aot.ARCHS),
+                   help="--compile-only target, repeatable (default sm_90)")
+    p.add_argument("--full", action="store_true",
+                   help="--compile-only: also fp32, zero offsets and the other Wan grids (documented sweep)")
+    p.add_argument("--json", type=Path, help="--compile-only: write one record per kernel and config here")
+    p.add_argument("--limit-shapes", type=int, default=None, help=argparse.SUPPRESS)
+    p.add_argument("--timeout-s", type=float, default=compile_aot.COMPILE_TIMEOUT_S,
+                   help="--compile-only: seconds one compile may take (default %(default)s)")
     args = p.parse_args(argv)
+    if args.compile_only:
+        return compile_only(args)
+    if args.out is None:
+        p.error("--out is required (or --compile-only)")
 
     if args.smoke:  # before anything imports triton: its kernels are then interpreted on the CPU
         if "triton" in sys.modules:

@@ -269,7 +269,9 @@ def run(archs: list[str], shapes: list[AotShape], kernels: tuple[str, ...] | Non
         timeout_s: float = COMPILE_TIMEOUT_S, progress=print) -> list[Record]:
     """Compile every variant the kernel modules list for ``shapes`` (``kernels.aot_variants``), for
     each target; ``kernels``: only these kernel names."""
-    from kernels import aot_variants  # lazy: imports triton (a CPU machine without it can still --help)
+    from kernels import (
+        aot_variants,  # lazy: imports triton (a CPU machine without it can still --help)
+    )
 
     records = []
     for shape in shapes:

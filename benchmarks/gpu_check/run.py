@@ -17,6 +17,8 @@ from pathlib import Path
 
 import torch
 
+from . import compile as compile_aot
+from . import cost
 from .attention import _attn_line
 from .common import RESERVE_S, Sizes
 from .common import fmt as _fmt
@@ -166,6 +168,12 @@ def markdown(report: dict) -> list[str]:
                              f"{r['peak_bytes'] / 1e9:.1f} / {r['plan_device_bytes'] / 1e9:.1f} | {r['tflops']:.1f} | "
                              f"{_fmt(r['mfu'], '.3f')} | {_fmt(r['hfu'], '.3f')} |")
             lines.append("")
+        if part == "compile" and "records" in info:
+            recs = [compile_aot.Record(**r) for r in info["records"]]
+            lines += [f"Every kernel config compiled ahead of time for {', '.join(info['archs'])} "
+                      f"({info['wall_s']} s; `--compile-only`):", "", *compile_aot.table(recs), "",
+                      "Predicted (cost model, benchmarks/gpu_check/cost.py) beside the `attention` part's "
+                      "measurements:", "", *cost.table(info["predictions"]), ""]
         if part == "speedup" and "speedup" in info:
             lines += [f"fused dsa {info['fused']['seconds'] * 1e3:.2f} ms vs reference "
                       f"{info['reference']['seconds'] * 1e3:.2f} ms at {info['tokens']} tokens: "
