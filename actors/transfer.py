@@ -12,12 +12,13 @@ The compute actor (``actors/compute.py``) decides *what* runs; this module moves
   stages weights ahead (host -> device), one returns gradients (device -> host).
 * ``ShardFeed``: the weights of one step's shards in schedule order, with ``prefetch_depth``
   shards in flight behind the one computing, and the turn's kept shard.
-* ``ActivationStash``: the block inputs kept for the backward (activation checkpointing), on
-  the device or, with ``runtime.offload_activations``, in a host segment (all but the last
-  ``runtime.offload_keep``, which stay on the device).
-* ``StagingPool``, ``HostPinning``/``pin_ranges``/``PINNED``, ``throttled_copy``: the buffers,
-  the pinned registration (and the registry of what is pinned, which every asynchronous copy
-  consults) and the simulated link underneath.
+* ``StagingPool``: the device buffers the shards are staged into.
+
+Beside it: ``actors/activations.py`` (``ActivationStash``: the block inputs kept for the
+backward, on the device or, with ``runtime.offload_activations``, in a host segment) and
+``actors/pinned.py`` (``HostPinning``/``pin_ranges``/``PINNED``: the pinned registration and the
+registry of what is pinned, which every asynchronous copy consults; ``throttled_copy``: the
+simulated link).
 
 Why the staging buffers are pooled: the device must hold at most ``prefetch_depth + 1`` shards
 whatever the model's depth, and a fresh device allocation per shard would both fragment memory
