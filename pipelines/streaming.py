@@ -34,6 +34,7 @@ import os
 import shutil
 import time
 from dataclasses import dataclass
+from pathlib import Path
 
 import ray
 from ray.exceptions import ActorUnavailableError, RayActorError, RayTaskError
@@ -42,6 +43,7 @@ from actors.compute import ComputeActor, StepResult
 from actors.decoder import BatchInfo
 from actors.param_store import GradientsLostError, ParameterStore, UpdateResult
 from megaslide_ray.runtime import faults
+from megaslide_ray.state.kept import is_kept, keep_state, release_state, state_path
 from megaslide_ray.state.preflight import StateSpaceError
 from pipelines.decoder_pool import DataCursor, DecoderPool
 
@@ -50,6 +52,8 @@ log = logging.getLogger(__name__)
 NAMESPACE = "megaslide"
 STORE_RESTART_TIMEOUT_S = 300.0
 """How long the driver waits for a restarted store to answer."""
+STORE_SETTLE_TIMEOUT_S = 120.0
+"""How long a failed run waits for the store to finish its queued updates and answer."""
 
 
 class StoreLostError(RuntimeError):
@@ -148,7 +152,10 @@ class StreamingPipeline:
     """Owns the actors of one run. ``run_step(k)`` returns step k's compute and update results."""
 
     def __init__(self, cfg, run_dir: str, resume_checkpoint: str | None = None,
-                 start_position: int | DataCursor = 0, init_from: str | None = None):
+                 start_position: int | DataCursor = 0, init_from: str | None = None,
+                 kept_doc: dict | None = None):
+        """``kept_doc``: continue from the shared-memory state a failed run kept (its
+        ``resume.json``, ``megaslide_ray.state.kept``) instead of ``resume_checkpoint``."""
         self.cfg = cfg
         self.run_dir = run_dir
         self.init_from = init_from  # the weights a rollback with no checkpoint yet goes back to
@@ -163,20 +170,46 @@ class StreamingPipeline:
         self.recovery_seconds = 0.0  # driver time spent recovering from actor failures, rollbacks included
         self.rollbacks = 0           # times the store's state was lost and a checkpoint restored
         self._replaced_before = 0    # decoders replaced by the pools before the last rollback
-        self._start_actors(resume_checkpoint, start_position, init_from)
+        self._compute = None
+        self._decoder_pool = None
+        self.state_dir, self.store_node = str(state_path(cfg, run_dir)), ""
+        try:
+            self._start_actors(resume_checkpoint, start_position, init_from, kept_doc is not None)
+        except BaseException:
+            self._stop_partial(kept_doc)
+            raise
+
+    def _stop_partial(self, kept_doc: dict | None) -> None:
+        """The pipeline did not come up: stop what did, and leave no state behind (a kept state
+        it was to continue from is kept again, as it was)."""
+        for h in (self._compute, *(self._decoder_pool.actors if self._decoder_pool else ()),
+                  getattr(self, "_store", None)):
+            if h is not None:
+                try:
+                    ray.kill(h, no_restart=True)
+                except Exception as e:  # noqa: BLE001 - already dead
+                    log.debug("kill failed: %r", e)
+        path = Path(self.state_dir)
+        if not path.is_dir():
+            return
+        if kept_doc is not None:
+            keep_state(path, kept_doc)
+        elif not is_kept(path):
+            release_state(path)
 
     def _start_actors(self, resume_checkpoint: str | None, start_position: int | DataCursor,
-                      init_from: str | None) -> None:
-        """Build the store (on ``resume_checkpoint``, else ``init_from``, else fresh weights), the
-        compute actor and the decoder pool (continuing from ``start_position``), with no step in
-        flight. Used by ``__init__`` and ``rollback_to``."""
+                      init_from: str | None, attach: bool = False) -> None:
+        """Build the store (on ``resume_checkpoint``, else ``init_from``, else fresh weights; with
+        ``attach`` on the state a failed run kept), the compute actor and the decoder pool
+        (continuing from ``start_position``), with no step in flight. Used by ``__init__`` and
+        ``rollback_to``."""
         cfg, run_dir = self.cfg, self.run_dir
         # The store serves many blocking calls (wait_version) at once: a threaded actor. On a
         # restart Ray re-runs __init__ with these arguments; it then re-attaches to its segments.
         store_cls = ray.remote(ParameterStore).options(
             name=f"{NAMESPACE}/param-store", num_cpus=0, max_concurrency=64,
             max_restarts=cfg.runtime.max_restarts, **actor_options())
-        self._store = store_cls.remote(cfg, run_dir, self.w_dtype, resume_checkpoint, False, init_from,
+        self._store = store_cls.remote(cfg, run_dir, self.w_dtype, resume_checkpoint, attach, init_from,
                                        owner_pid=os.getpid())
         try:
             self.infos = ray.get(self._store.shard_infos.remote())
@@ -396,6 +429,52 @@ class StreamingPipeline:
         self.rollbacks += 1
         self.recovery_seconds += time.monotonic() - t0
 
+    def close_after_error(self, done: int, checkpoint_step: int, doc: dict) -> tuple[str, int] | None:
+        """The run failed: stop every actor, and keep the store's state if it holds progress that
+        would be lost (every shard at ``done``, the steps the driver completed, newer than
+        ``checkpoint_step``; ``doc``: the data cursor after ``done``, for ``--resume``); else release
+        it. Returns the kept state's (path, bytes), or None when it was released."""
+        for h in (self._compute, *self._decoder_pool.actors):  # they hold no state
+            try:
+                ray.kill(h, no_restart=True)
+            except Exception as e:  # noqa: BLE001 - already dead
+                log.debug("kill failed: %r", e)
+        # Collect what the queued steps left (their actor is gone), so Ray does not print their
+        # errors again as unhandled ones when the refs go.
+        refs = list(self._queued.values())
+        for ref in ray.wait(refs, num_returns=len(refs), timeout=10)[0] if refs else ():
+            try:
+                ray.get(ref)
+            except Exception as e:  # noqa: BLE001 - expected: the actor was killed, or the step failed
+                log.debug("a queued step ended with %r", e)
+        self._queued.clear()
+        self._batches.clear()
+        kept = None
+        if done > checkpoint_step:
+            try:  # a store that died or hangs is not asked twice: its state is not trusted
+                versions = ray.get(self._store.settle.remote(), timeout=STORE_SETTLE_TIMEOUT_S)
+                if all(v == done for v in versions):
+                    kept = tuple(ray.get(self._store.keep.remote({**doc, "step": done}),
+                                         timeout=STORE_SETTLE_TIMEOUT_S))
+                else:
+                    log.warning("the parameter store's shards are at versions %s, not all at step %d (the last the "
+                                "driver completed): its state cannot be resumed exactly and is released",
+                                sorted(set(versions)), done)
+            except Exception as e:  # noqa: BLE001 - dead or not answering: release
+                log.warning("the parameter store did not answer (%s); its state is released", type(e).__name__)
+        if kept is None:
+            try:
+                ray.get(self._store.close.remote(), timeout=STORE_SETTLE_TIMEOUT_S)
+            except Exception as e:  # noqa: BLE001 - dead or not answering
+                log.debug("closing the parameter store failed: %r", e)
+        try:
+            ray.kill(self._store, no_restart=True)
+        except Exception as e:  # noqa: BLE001 - already dead
+            log.debug("kill failed: %r", e)
+        if kept is None:
+            self._remove_state()
+        return kept
+
     def data_cursor(self, step: int) -> DataCursor:
         """Where the data continues after ``step`` completed steps (for a checkpoint)."""
         return self._decoder_pool.cursor(step)
@@ -410,8 +489,7 @@ class StreamingPipeline:
         self._remove_state()
 
     def _remove_state(self) -> None:
-        """Remove the store's shared-memory state, when it is on this node (runs continue from
-        checkpoints, never from this state)."""
+        """Remove the store's shared-memory state, when it is on this node."""
         if self.store_node == ray.get_runtime_context().get_node_id():
             shutil.rmtree(self.state_dir, ignore_errors=True)
 

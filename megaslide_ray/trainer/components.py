@@ -39,10 +39,11 @@ class Checkpointer:
     """Writes ``RUN/checkpoints/step_N`` every ``training.checkpoint_every`` steps, after the last
     step and when the run stops early; remembers the last one written (or resumed from)."""
 
-    def __init__(self, cfg: Config, run_dir: Path, pipeline: StreamingPipeline, last: str = ""):
+    def __init__(self, cfg: Config, run_dir: Path, pipeline: StreamingPipeline, last: str = "", step: int = 0):
         self.every, self.steps = cfg.training.checkpoint_every, cfg.training.steps
         self.run_dir, self.pipeline = run_dir, pipeline
         self.last = last
+        self.step = step  # the step of ``last`` (0: none yet)
 
     def due(self, done: int) -> bool:
         return done == self.steps or every(self.every, done)
@@ -50,6 +51,7 @@ class Checkpointer:
     def save(self, done: int, data_state: dict) -> str:
         """Checkpoint the state after step ``done``; ``data_state``: where the data continues."""
         self.last = self.pipeline.save_checkpoint(str(self.run_dir), done, data_state)
+        self.step = done
         return self.last
 
     def save_on_stop(self, done: int, start_step: int, data_state: dict) -> None:
