@@ -112,6 +112,7 @@ class StoreStatus:
     state_dir: str
     state_bytes: int
     node_id: str
+    pid: int = 0    # the store's process (a restarted store has another)
 
 
 class StateNotTrustedError(RuntimeError):
@@ -273,7 +274,7 @@ class ParameterStore:
                 for i, lay in enumerate(self.layouts)]
 
     def status(self) -> StoreStatus:
-        return StoreStatus(tuple(self.versions.tolist()), str(self.dir), self.state_bytes(), _node_id())
+        return StoreStatus(tuple(self.versions.tolist()), str(self.dir), self.state_bytes(), _node_id(), os.getpid())
 
     def wait_version(self, shard: int, step: int, timeout: float = 600.0) -> int:
         """Block until shard ``shard`` holds the weights of step ``step`` (or newer)."""

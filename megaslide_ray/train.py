@@ -76,7 +76,7 @@ def config_from_args(args: argparse.Namespace, extra: list[str]) -> Config:
         if saved.is_file():  # a resumed run keeps its own config unless told otherwise
             config_file, saved_run = str(saved), True
     if args.init_from and not args.resume:
-
+        overrides["training.init_from"] = str(Path(args.init_from).expanduser().resolve())  # recorded in config.toml
         if is_diffusers_dir(args.init_from):  # the model's shape comes from the directory's config.json
             return config_for_diffusers_dir(args.init_from, args.preset, config_file, overrides)
     return build_config(args.preset, config_file, overrides, saved_run=saved_run)

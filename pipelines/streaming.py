@@ -37,7 +37,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import ray
-from ray.exceptions import ActorUnavailableError, RayActorError, RayTaskError
+from ray.exceptions import ActorUnavailableError, GetTimeoutError, RayActorError, RayTaskError
 
 from actors.compute import ComputeActor, StepResult
 from actors.decoder import BatchInfo
@@ -65,6 +65,11 @@ class RestartLimitError(RuntimeError):
     """More actor failures than ``runtime.max_restarts``: the run stops."""
 
 
+class StoreHungError(RuntimeError):
+    """The parameter store did not answer a step's gradient reports within
+    ``runtime.store_timeout_s``: it is killed, Ray restarts it on its state, the step is recovered."""
+
+
 def actor_options() -> dict:
     """Options every actor of a run gets: the fault-injection settings of the driver's
     environment (``megaslide_ray/runtime/faults.py``), so a fault can target any actor."""
@@ -85,7 +90,7 @@ def raise_state_space_error(e: BaseException) -> None:
 def is_actor_failure(error: BaseException) -> bool:
     """An actor died under the call (directly, or inside the task that made the call), or a
     restarted store no longer holds a step's gradients: redoing the step recovers."""
-    kinds = (RayActorError, GradientsLostError)
+    kinds = (RayActorError, GradientsLostError, StoreHungError)
     return isinstance(error, kinds) or isinstance(getattr(error, "cause", None), kinds)
 
 
@@ -93,9 +98,10 @@ class RayStoreClient:
     """The compute actor's view of a remote ParameterStore. Gradient reports are fire-and-
     forget (their refs are kept and checked once per step, so an error is never lost)."""
 
-    def __init__(self, store_handle, generation: int = 0):
+    def __init__(self, store_handle, generation: int = 0, timeout_s: float = 0.0):
         self._store = store_handle
         self._generation = generation  # which compute actor this is: the store drops stale reports
+        self._timeout = timeout_s or None  # runtime.store_timeout_s (0: wait forever)
         self._inflight: list = []
 
     def wait_version(self, shard: int, step: int) -> int:
@@ -107,24 +113,34 @@ class RayStoreClient:
     def report_grad(self, shard: int, step: int, sqnorm: float, grad) -> None:
         self._inflight.append(self._store.report_grad.remote(shard, step, sqnorm, grad, self._generation))
 
-    def flush(self) -> None:
-        """Wait until this step's reports are answered. An error the store raised surfaces here.
+    def flush(self) -> int:
+        """Wait until this step's reports are answered; returns how many were not answered within
+        ``runtime.store_timeout_s`` (0 normally). An error the store raised surfaces here.
         A store that died under a report is not this step's error: it may have counted every
         report before dying (then its restart finishes the update from shared memory) or not
         (then the gradients are gone); the driver, which waits for the step's update next,
         tells the two apart and redoes the step only in the second case. Raising here would
-        lose the step's result in the first case, with its update already applied."""
+        lose the step's result in the first case, with its update already applied. A store that
+        hangs is the same case once the driver has killed it: the step's result says so
+        (``StepResult.store_unanswered``), and the driver does."""
         refs, self._inflight = self._inflight, []
         try:
-            ray.get(refs)
+            ray.get(refs, timeout=self._timeout)
         except RayTaskError:
             raise
         except RayActorError as e:
             log.warning("the parameter store died while this step's gradient reports were answered (%s); "
                         "the driver checks whether it applied them", type(e).__name__)
+        except GetTimeoutError:
+            ready, waiting = ray.wait(refs, num_returns=len(refs), timeout=0)
+            log.warning("the parameter store did not answer %d of this step's %d gradient reports within "
+                        "runtime.store_timeout_s=%s s; the driver treats it as dead", len(waiting), len(refs),
+                        self._timeout)
+            return len(waiting)
+        return 0
 
     def __getstate__(self):
-        return {"_store": self._store, "_generation": self._generation, "_inflight": []}
+        return {"_store": self._store, "_generation": self._generation, "_timeout": self._timeout, "_inflight": []}
 
 
 @dataclass(frozen=True)
@@ -241,7 +257,8 @@ class StreamingPipeline:
         name = f"{NAMESPACE}/compute" + (f"-{gen}" if gen else "")
         return ray.remote(ComputeActor).options(
             name=name, num_cpus=0 if self.use_gpu else 1, num_gpus=1 if self.use_gpu else 0, **actor_options(),
-        ).remote(self.cfg, self.infos, RayStoreClient(self._store, gen), self.cfg.runtime.transport, self.store_node)
+        ).remote(self.cfg, self.infos, RayStoreClient(self._store, gen, self.cfg.runtime.store_timeout_s),
+                   self.cfg.runtime.transport, self.store_node)
 
     def _batch(self, step: int):
         if step not in self._batches:
@@ -283,6 +300,8 @@ class StreamingPipeline:
                 t0 = time.monotonic()
                 log.warning("step %d: an actor died (%s); recovering and redoing the step (failure %d of at most %d)",
                             step + 1, type(e).__name__, self.restarts, self.cfg.runtime.max_restarts)
+                if isinstance(e, StoreHungError):
+                    self._kill_hung_store()
                 self._recover(step)
                 self.redone_steps += 1
                 self.recovery_seconds += time.monotonic() - t0
@@ -300,6 +319,10 @@ class StreamingPipeline:
             self._submit(step + 1)
         if step not in self._computed:
             self._computed[step] = ray.get(self._queued.pop(step))
+            if self._computed[step].store_unanswered:  # kept: the store may have applied the update
+                raise StoreHungError(f"the parameter store did not answer {self._computed[step].store_unanswered} "
+                                     f"gradient report(s) of step {step + 1} within runtime.store_timeout_s="
+                                     f"{self.cfg.runtime.store_timeout_s} s")
         update = ray.get(self._store.wait_step.remote(step))
         self._batches.pop(step, None)
         info = self._decoder_pool.commit(step)
@@ -333,6 +356,25 @@ class StreamingPipeline:
             # (a RayActorError that is not a RayTaskError: the compute actor itself died, and
             # run_step's usual recovery takes over)
         self._submit(step)
+
+    def _kill_hung_store(self) -> None:
+        """A store that hangs is made a dead one: killed, and Ray restarts it on its state. Returns
+        once the restarted process answers (the hung one may still answer on its other threads
+        until the kill lands)."""
+        try:
+            old = ray.get(self._store.status.remote(), timeout=30).pid
+        except Exception as e:  # noqa: BLE001 - not even status answers: restart it all the same
+            log.debug("the hung store's status: %r", e)
+            old = None
+        log.warning("killing the parameter store (pid %s), which does not answer; Ray restarts it on its state", old)
+        ray.kill(self._store, no_restart=False)
+        deadline = time.monotonic() + STORE_RESTART_TIMEOUT_S
+        while self._wait_for_store().pid == old and old is not None:
+            if time.monotonic() > deadline:
+                raise StoreLostError(f"the parameter store (pid {old}) hung and did not restart after a kill; resume "
+                                     f"from the latest checkpoint: python -m megaslide_ray.train --run-dir "
+                                     f"{self.run_dir} --resume")
+            time.sleep(0.5)
 
     def _wait_for_store(self):
         """The store's status once it answers again (Ray restarts it after a crash)."""

@@ -35,7 +35,7 @@ from megaslide_ray.evaluation.validation import load_val_set
 from megaslide_ray.runtime import faults
 from megaslide_ray.state.kept import dir_bytes, human_bytes, is_kept, keep_state, release_state, state_path
 from megaslide_ray.state.preflight import StateSpaceError, plan_state_space
-from megaslide_ray.state.pretrained import PretrainedMismatchError, check_pretrained
+from megaslide_ray.state.pretrained import PretrainedMismatchError, check_pretrained, describe_init
 from megaslide_ray.trainer.loop import ResumePoint, Trainer, default_run_dir, resume_point
 from pipelines.errors import root_cause
 
@@ -116,12 +116,16 @@ def launch(cfg: Config, resume: bool = False, init_from: str | None = None, prog
         print(f"data error: {e}", file=sys.stderr)
         return 2
 
-    if init_from and not resume:
+    if resume and init_from:
+        log.warning("--init-from %s ignored: --resume continues from the run's own weights", init_from)
+    init_from = None if resume else (init_from or cfg.training.init_from or None)
+    if init_from:
         try:
-            check_pretrained(cfg, init_from)  # every mismatch in one message, before Ray starts
+            source = check_pretrained(cfg, init_from)  # every mismatch in one message, before Ray starts
         except (PretrainedMismatchError, FileNotFoundError) as e:
             print(f"init-from error: {e}", file=sys.stderr)
             return 2
+        print(describe_init(cfg, init_from, source), flush=True)
 
     run_dir = cfg.training.run_dir or default_run_dir()
     point = None

@@ -58,6 +58,14 @@ class TrainSummary:
     rollbacks: int = 0      # times the latest checkpoint was restored (the store's state was lost)
 
 
+def seconds_per_step(rows: list[dict]) -> float:
+    """The run's s/step, the one figure the step line, the progress bar and the summary show: the
+    mean ``step_seconds`` (the driver's wall time per step, docs/metrics.md) of the steps this
+    process ran so far, the first one left out (it includes warm-up) once there are two."""
+    timed = rows[1:] or rows
+    return sum(r["step_seconds"] for r in timed) / len(timed) if timed else 0.0
+
+
 def default_run_dir() -> str:
     return str(Path("runs") / time.strftime("%Y%m%d-%H%M%S"))
 
@@ -150,6 +158,8 @@ class Trainer:
             init_from = None
         if init_from:
             check_pretrained(cfg, init_from)  # every mismatch in one error, before any actor starts
+            if not resume:  # config.toml records where the weights came from
+                cfg.training = replace(cfg.training, init_from=str(Path(init_from).resolve()))
         resolve_data(cfg)
         # The validation clips (``evaluation.validation.ValSet``; the CLI decodes them before Ray
         # starts and hands them over), decoded once, here, before any actor starts.
@@ -164,7 +174,7 @@ class Trainer:
         (self.run_dir / "config.toml").write_text(to_toml(cfg))
         self.checkpointer = Checkpointer(cfg, self.run_dir, self.pipeline, str(ckpt) if ckpt else "",
                                          int(read_checkpoint_state(ckpt)["step"]) if ckpt else 0)
-        self.validator = Validator(cfg, self.pipeline, val_set)
+        self.validator = Validator(cfg, self.pipeline, val_set, self.run_dir)
         self.sampler = Sampler(cfg, self.pipeline, self.run_dir)
         self.metrics = MetricsLog(cfg, self.run_dir, self.pipeline)
         self.guard = BadStepGuard(cfg)
@@ -221,7 +231,7 @@ class Trainer:
             row.update(self.validator.run(done))
         self.metrics.record(row, first=step == self.start_step)
         if sample:
-            row["sample"] = str(self.sampler.run(done))
+            row.update(self.sampler.run(done))
         if checkpoint:
             self.checkpointer.save(done, self.data_state)
         if not quiet:  # the next step's time excludes saving, sampling, validating
@@ -265,7 +275,9 @@ class Trainer:
     def train(self) -> TrainSummary:
         steps = self.cfg.training.steps
         rows = []
-        bar = tqdm(total=steps, initial=self.start_step, disable=not self.progress, unit="step", dynamic_ncols=True)
+        # No rate of tqdm's own: the bar shows the run's one s/step figure (seconds_per_step).
+        bar = tqdm(total=steps, initial=self.start_step, disable=not self.progress, unit="step", dynamic_ncols=True,
+                   bar_format="{l_bar}{bar}| {n_fmt}/{total_fmt} [{elapsed}<{remaining}{postfix}]")
         self._last_time = time.perf_counter()
         step = self.start_step
         try:
@@ -285,12 +297,13 @@ class Trainer:
                 step += 1
                 rows.append(row)
                 bar.update(1)
-                bar.set_postfix(loss=f"{row['loss']:.4f}", tok_s=f"{row['tokens_per_s']:.0f}",
+                per_step = seconds_per_step(rows)
+                bar.set_postfix(loss=f"{row['loss']:.4f}", s_step=f"{per_step:.2f}", tok_s=f"{row['tokens_per_s']:.0f}",
                                 data_wait=f"{100 * row['data_wait_seconds'] / row['step_seconds']:.0f}%")
                 if row["step"] % self.cfg.training.log_every == 0 or row["step"] == steps:
                     msg = (f"step {row['step']}/{steps} | loss {row['loss']:.4f} | lr {row['lr']:.2e} | "
                            f"grad {row['grad_norm']:.3f} | {row['tokens_per_s']:.0f} tok/s | "
-                           f"{row['step_seconds']:.2f} s/step | skipped files {row['skipped_files']}")
+                           f"{per_step:.2f} s/step | skipped files {row['skipped_files']}")
                     self._say(msg, bar)
                 if "val_loss" in row:
                     buckets = sorted((k for k in row if k.startswith("val_loss_t")), key=lambda k: int(k[10:]))
@@ -304,7 +317,7 @@ class Trainer:
             return TrainSummary(str(self.run_dir), self.start_step, self.start_step, float("nan"), float("nan"),
                                 0.0, 0.0, self.last_checkpoint, **extra)
         timed = rows[1:] or rows  # the first step includes warm-up
-        mean_s = sum(r["step_seconds"] for r in timed) / len(timed)
+        mean_s = seconds_per_step(rows)
         return TrainSummary(
             run_dir=str(self.run_dir), first_step=self.start_step, last_step=rows[-1]["step"],
             first_loss=rows[0]["loss"], last_loss=rows[-1]["loss"], mean_step_seconds=mean_s,
