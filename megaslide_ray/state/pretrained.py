@@ -35,6 +35,8 @@ from safetensors.torch import save_file
 
 from megaslide_ray.config import PRESETS, Config, build_config, config_from_dict
 from megaslide_ray.config import preset as make_preset
+from megaslide_ray.models.diffusers_dsa import CONFIG_KEY as DSA_CONFIG_KEY
+from megaslide_ray.models.diffusers_dsa import export_settings
 from megaslide_ray.models.registry import build_shard, initialize_shard, num_shards
 from megaslide_ray.models.shards import ShardLayout
 from megaslide_ray.models.wan_diffusers import check_against, diffusers_config, diffusers_overrides, transformer_dir
@@ -342,8 +344,10 @@ def export_diffusers(checkpoint: str | Path, out: str | Path, dtype: torch.dtype
     """Write a ``wan`` checkpoint's master weights as a diffusers ``WanTransformer3DModel``
     folder: ``config.json``, one ``diffusion_pytorch_model-XXXXX-of-NNNNN.safetensors`` per
     shard and the index that maps each name to its file, so ``from_pretrained(out)`` loads it.
-    ``drop_offsets`` leaves out the DSA offset heads (``attn1.offsets.*``), which diffusers'
-    model does not have (it would ignore them with a warning)."""
+    diffusers' model has dense self-attention and no offset heads (``attn1.offsets.*``, kept in
+    the files unless ``drop_offsets``): a model trained with another ``attention.kind`` gets a
+    ``megaslide_dsa`` entry in ``config.json``, which ``megaslide_ray.models.diffusers_dsa.enable_dsa``
+    reads to run it as trained, and whose note diffusers prints when it loads the folder alone."""
     checkpoint, out = Path(checkpoint), Path(out)
     with CheckpointReader(checkpoint) as ckpt:
         if checkpoint_arch(ckpt) != "wan":
@@ -368,5 +372,10 @@ def export_diffusers(checkpoint: str | Path, out: str | Path, dtype: torch.dtype
             written.append(str(out / name))
     (out / DIFFUSERS_INDEX).write_text(json.dumps({"metadata": {"total_size": total},
                                                    "weight_map": dict(sorted(weight_map.items()))}, indent=2))
-    (out / "config.json").write_text(json.dumps(diffusers_config(cfg), indent=2))
+    config = diffusers_config(cfg)
+    a = cfg.attention
+    if a.kind != "dense":  # what enable_dsa needs, and the note diffusers prints on a plain load
+        config[DSA_CONFIG_KEY] = export_settings(a.kind, a.window, a.scale, a.max_offset, a.offset_groups,
+                                                 a.offset_kernel, a.offset_scale, offsets=not drop_offsets)
+    (out / "config.json").write_text(json.dumps(config, indent=2))
     return [*written, str(out / DIFFUSERS_INDEX), str(out / "config.json")]
