@@ -266,6 +266,11 @@ def test_checkpoint_checks_read_headers_and_sizes(failed_run, tmp_path):
     shard.write_bytes(b"not safetensors")
     assert "not a readable safetensors file" in safetensors_problem(shard)
     assert newest_complete_checkpoint(run_dir)[0] == run_dir / "checkpoints" / "step_2"
+    # Neither latest nor the damaged checkpoint's state.json is needed to find the complete one.
+    (ckpt / "state.json").unlink()
+    (run_dir / "checkpoints" / "latest").unlink()
+    assert newest_complete_checkpoint(run_dir) == (run_dir / "checkpoints" / "step_2",
+                                                   [(ckpt, ["state.json is missing"])])
 
 
 # ---------------------------------------------------------------------------------------------

@@ -33,7 +33,15 @@ from megaslide_ray.config import Config, ConfigError
 from megaslide_ray.data.checks import check_data
 from megaslide_ray.evaluation.validation import load_val_set
 from megaslide_ray.runtime import faults
-from megaslide_ray.state.kept import dir_bytes, human_bytes, is_kept, keep_state, release_state, state_path
+from megaslide_ray.state.kept import (
+    dir_bytes,
+    find_kept_state,
+    human_bytes,
+    is_kept,
+    keep_state,
+    release_state,
+    state_path,
+)
 from megaslide_ray.state.preflight import StateSpaceError, plan_state_space
 from megaslide_ray.state.pretrained import PretrainedMismatchError, check_pretrained, describe_init
 from megaslide_ray.trainer.loop import ResumePoint, Trainer, default_run_dir, resume_point
@@ -139,6 +147,12 @@ def launch(cfg: Config, resume: bool = False, init_from: str | None = None, prog
             print(f"nothing to do: {'the kept state' if point.kept else point.checkpoint} is at step {point.step} "
                   f"and training.steps={cfg.training.steps}; raise --steps to train further", flush=True)
             return 0
+
+    else:
+        kept = find_kept_state(cfg, run_dir)
+        if kept is not None:  # a new run in the same directory replaces it: say so before it is gone
+            log.warning("the shared-memory state a failed run of this run directory kept, %s, is replaced by this new "
+                        "run; to continue that run instead, stop now and start again with --resume", kept.describe())
 
     if inject_fault:
         try:
