@@ -39,7 +39,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "evaluated every 10 steps unless training.eval_every says otherwise) or motion-simple (its "
                         "simple variant: one large shape, 8 frames, no bounces or occluders, validated every 600 "
                         "steps; what the tiny-motion preset learns in minutes)")
-    p.add_argument("--resume", action="store_true", help="continue from the run dir's latest checkpoint")
+    p.add_argument("--resume", action="store_true",
+                   help="continue from the run dir's newest complete checkpoint (or the state a failed run kept)")
     p.add_argument("--init-from", default=None, metavar="FILE_OR_DIR",
                    help="start from pretrained weights: a checkpoint dir (RUN/checkpoints/step_N), a .safetensors "
                         "file or a directory of them with the model's state-dict names, or a diffusers Wan model "
