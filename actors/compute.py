@@ -53,7 +53,7 @@ class StoreClient(Protocol):
     def wait_version(self, shard: int, step: int) -> int: ...
     def get_weights(self, shard: int, step: int) -> np.ndarray: ...
     def report_grad(self, shard: int, step: int, sqnorm: float, grad: np.ndarray | None) -> None: ...
-    def flush(self) -> None: ...
+    def flush(self) -> int: ...
 
 
 @dataclass(frozen=True)
@@ -73,6 +73,7 @@ class StepResult:
     d2h_bytes: int = 0              # bytes returned to the host (gradients, offloaded inputs)
     d2h_seconds: float = 0.0
     device_memory_peak_bytes: int = 0  # CUDA: max_memory_allocated of this step; CPU: the process's peak RSS
+    store_unanswered: int = 0       # gradient reports the store did not answer within runtime.store_timeout_s
 
 
 class BlockGraph(NamedTuple):
@@ -210,7 +211,7 @@ class ComputeActor:
         for r in self._returns:  # every gradient has reached the store (errors surface here)
             if r is not None:
                 r.result()
-        self.store.flush()
+        unanswered = self.store.flush() or 0  # a store that hangs: the driver treats it as dead
         h2d_bytes, h2d_seconds, d2h_bytes, d2h_seconds = self.link.step_counters()
         t_end = time.perf_counter()
         self.last_timeline = (t_data, feed.log, t_end)
@@ -220,7 +221,7 @@ class ComputeActor:
             forward_seconds=t_fwd - t_data, backward_seconds=t_end - t_fwd, weight_wait_seconds=feed.wait,
             data_position=int(batch.get("position", -1)), device=str(self.device), data_wait_seconds=data_wait,
             h2d_bytes=h2d_bytes, h2d_seconds=h2d_seconds, d2h_bytes=d2h_bytes, d2h_seconds=d2h_seconds,
-            device_memory_peak_bytes=peak_memory(self.device),
+            device_memory_peak_bytes=peak_memory(self.device), store_unanswered=unanswered,
         )
 
     def _inputs(self, batch: dict, step: int) -> FlowInputs:
@@ -412,8 +413,8 @@ class LocalStoreClient:
     def report_grad(self, shard: int, step: int, sqnorm: float, grad) -> None:
         self._store.report_grad(shard, step, sqnorm, grad)
 
-    def flush(self) -> None:
-        pass
+    def flush(self) -> int:
+        return 0
 
 
 def grad_views(layout, w: torch.Tensor) -> tuple[dict[str, torch.Tensor], torch.Tensor]:

@@ -473,19 +473,25 @@ class VideoDecoder:
         n = len(self.entries)
         if bad == n:
             raise RuntimeError(f"no row of manifest {str(self.manifest_path)!r} decodes (all {n} failed), e.g. "
-                               f"{self._examples()}. Check the files, or rebuild the manifest with "
-                               f"`python -m megaslide_ray.index VIDEO_DIR --out {self.manifest_path}`")
+                               f"{self._examples(1)}. {self._advice()}")
         limit = self.data.max_bad_fraction
         if tried >= self._min_rows_judged and bad > limit * tried:
             raise RuntimeError(
                 f"{bad} of the {tried} distinct manifest rows decoder {self.rank} tried are unusable "
                 f"({100 * bad / tried:.0f}% > data.max_bad_fraction={limit}), e.g. {self._examples()}. "
-                f"Check the files or rebuild the manifest with `python -m megaslide_ray.index VIDEO_DIR --out "
-                f"{self.manifest_path}` (it leaves unusable files out), or raise data.max_bad_fraction")
+                f"{self._advice()}, or raise data.max_bad_fraction")
+
+    def _advice(self) -> str:
+        if self.latent_rows is not None:
+            return ("Run `python -m megaslide_ray.precompute` again with the arguments that made the manifest (it "
+                    "recomputes missing or damaged files)")
+        return (f"Check the files, or rebuild the manifest with `python -m megaslide_ray.index VIDEO_DIR --out "
+                f"{self.manifest_path}` (it leaves unusable files out)")
 
     def _examples(self, k: int = 3) -> str:
         bad = [r for r in self._tried_rows if r in self._bad_rows] or list(self._bad_rows)
-        return "; ".join(f"{self.entries[r].path}: {self._bad_rows[r]}" for r in sorted(bad)[:k])
+        more = f" (and {len(bad) - k} more)" if len(bad) > k else ""
+        return "; ".join(f"{self.entries[r].path}: {self._bad_rows[r]}" for r in sorted(bad)[:k]) + more
 
     def _mark_bad(self, row: int, path: str, reason: str) -> None:
         self._bad_rows[row] = reason

@@ -66,6 +66,7 @@ from megaslide_ray.models.registry import build_shard, initialize_shard, num_sha
 from megaslide_ray.models.shards import ShardLayout
 from megaslide_ray.runtime.faults import fault_point
 from megaslide_ray.state.checkpoint import CHECKPOINT_KINDS, CheckpointReader, write_checkpoint
+from megaslide_ray.state.kept import dir_bytes, is_kept, keep_state, unkeep_state
 from megaslide_ray.state.preflight import StateSpaceError, shm_advice
 from megaslide_ray.state.pretrained import load_pretrained_into
 from megaslide_ray.state.segments import (
@@ -111,6 +112,7 @@ class StoreStatus:
     state_dir: str
     state_bytes: int
     node_id: str
+    pid: int = 0    # the store's process (a restarted store has another)
 
 
 class StateNotTrustedError(RuntimeError):
@@ -203,18 +205,27 @@ class ParameterStore:
         self.adamw, self._single_pass = choose_adamw(adamw or cfg.optim.adamw, sum(lay.numel for lay in self.layouts),
                                                      cfg.optim, DTYPES[self.w_dtype])
         if not attached:
-            self.updating.fill_(-1)
-            self.records[:, 0] = -1
-            if resume_checkpoint:
-                self._load_checkpoint(resume_checkpoint)
-            elif init_from:
-
-                load_pretrained_into(self, init_from)
-            else:
-                self._initialize(cfg.training.seed)
-            (self.dir / "layout.json").write_text(json.dumps(self._layout_doc()))
+            try:
+                self.updating.fill_(-1)
+                self.records[:, 0] = -1
+                if resume_checkpoint:
+                    self._load_checkpoint(resume_checkpoint)
+                elif init_from:
+                    load_pretrained_into(self, init_from)
+                else:
+                    self._initialize(cfg.training.seed)
+                (self.dir / "layout.json").write_text(json.dumps(self._layout_doc()))
+            except BaseException:
+                # A fresh state that could not be filled (a damaged checkpoint or source) holds
+                # nothing to keep: it goes, so a refused start leaves no RAM behind.
+                self.seg = []
+                shutil.rmtree(self.dir, ignore_errors=True)
+                raise
         else:
             self._recover()
+            if is_kept(self.dir):  # a failed run kept it; this run owns it again from here
+                write_owner(self.dir, owner_pid or os.getpid())
+                unkeep_state(self.dir)
             log.warning("parameter store re-attached to %s at versions %s", self.dir, self.versions.tolist())
         self._queue: list[int] = []
         self._worker = threading.Thread(target=self._update_loop, name="adamw-updates", daemon=True)
@@ -263,7 +274,7 @@ class ParameterStore:
                 for i, lay in enumerate(self.layouts)]
 
     def status(self) -> StoreStatus:
-        return StoreStatus(tuple(self.versions.tolist()), str(self.dir), self.state_bytes(), _node_id())
+        return StoreStatus(tuple(self.versions.tolist()), str(self.dir), self.state_bytes(), _node_id(), os.getpid())
 
     def wait_version(self, shard: int, step: int, timeout: float = 600.0) -> int:
         """Block until shard ``shard`` holds the weights of step ``step`` (or newer)."""
@@ -541,6 +552,22 @@ class ParameterStore:
                     self.seg[i][kind].copy_(ckpt.tensor(i, kind, lay.numel))
                 self.seg[i]["w"].copy_(self.seg[i]["master"])  # w is master cast: not stored
             self.versions.fill_(ckpt.step)
+
+    def settle(self, timeout: float = 120.0) -> tuple[int, ...]:
+        """The versions once the updates already queued are applied (the driver stopped sending
+        steps: a run that failed asks this before it keeps or releases the state)."""
+        deadline = time.monotonic() + timeout
+        with self._lock:
+            while self._inflight and self._error is None and time.monotonic() < deadline:
+                self._lock.wait(1.0)
+            return tuple(self.versions.tolist())
+
+    def keep(self, doc: dict) -> tuple[str, int]:
+        """Stop and leave the state in place, marked kept and resumable from ``doc`` (``step``
+        and the data cursor; ``megaslide_ray.state.kept``). Returns its path and size."""
+        self.close(remove_state=False)
+        keep_state(self.dir, doc)
+        return str(self.dir), dir_bytes(self.dir)
 
     def close(self, remove_state: bool = True) -> None:
         with self._lock:

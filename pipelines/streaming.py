@@ -34,14 +34,16 @@ import os
 import shutil
 import time
 from dataclasses import dataclass
+from pathlib import Path
 
 import ray
-from ray.exceptions import ActorUnavailableError, RayActorError, RayTaskError
+from ray.exceptions import ActorUnavailableError, GetTimeoutError, RayActorError, RayTaskError
 
 from actors.compute import ComputeActor, StepResult
 from actors.decoder import BatchInfo
 from actors.param_store import GradientsLostError, ParameterStore, UpdateResult
 from megaslide_ray.runtime import faults
+from megaslide_ray.state.kept import is_kept, keep_state, release_state, state_path
 from megaslide_ray.state.preflight import StateSpaceError
 from pipelines.decoder_pool import DataCursor, DecoderPool
 
@@ -50,6 +52,8 @@ log = logging.getLogger(__name__)
 NAMESPACE = "megaslide"
 STORE_RESTART_TIMEOUT_S = 300.0
 """How long the driver waits for a restarted store to answer."""
+STORE_SETTLE_TIMEOUT_S = 120.0
+"""How long a failed run waits for the store to finish its queued updates and answer."""
 
 
 class StoreLostError(RuntimeError):
@@ -59,6 +63,11 @@ class StoreLostError(RuntimeError):
 
 class RestartLimitError(RuntimeError):
     """More actor failures than ``runtime.max_restarts``: the run stops."""
+
+
+class StoreHungError(RuntimeError):
+    """The parameter store did not answer a step's gradient reports within
+    ``runtime.store_timeout_s``: it is killed, Ray restarts it on its state, the step is recovered."""
 
 
 def actor_options() -> dict:
@@ -81,7 +90,7 @@ def raise_state_space_error(e: BaseException) -> None:
 def is_actor_failure(error: BaseException) -> bool:
     """An actor died under the call (directly, or inside the task that made the call), or a
     restarted store no longer holds a step's gradients: redoing the step recovers."""
-    kinds = (RayActorError, GradientsLostError)
+    kinds = (RayActorError, GradientsLostError, StoreHungError)
     return isinstance(error, kinds) or isinstance(getattr(error, "cause", None), kinds)
 
 
@@ -89,9 +98,10 @@ class RayStoreClient:
     """The compute actor's view of a remote ParameterStore. Gradient reports are fire-and-
     forget (their refs are kept and checked once per step, so an error is never lost)."""
 
-    def __init__(self, store_handle, generation: int = 0):
+    def __init__(self, store_handle, generation: int = 0, timeout_s: float = 0.0):
         self._store = store_handle
         self._generation = generation  # which compute actor this is: the store drops stale reports
+        self._timeout = timeout_s or None  # runtime.store_timeout_s (0: wait forever)
         self._inflight: list = []
 
     def wait_version(self, shard: int, step: int) -> int:
@@ -103,24 +113,34 @@ class RayStoreClient:
     def report_grad(self, shard: int, step: int, sqnorm: float, grad) -> None:
         self._inflight.append(self._store.report_grad.remote(shard, step, sqnorm, grad, self._generation))
 
-    def flush(self) -> None:
-        """Wait until this step's reports are answered. An error the store raised surfaces here.
+    def flush(self) -> int:
+        """Wait until this step's reports are answered; returns how many were not answered within
+        ``runtime.store_timeout_s`` (0 normally). An error the store raised surfaces here.
         A store that died under a report is not this step's error: it may have counted every
         report before dying (then its restart finishes the update from shared memory) or not
         (then the gradients are gone); the driver, which waits for the step's update next,
         tells the two apart and redoes the step only in the second case. Raising here would
-        lose the step's result in the first case, with its update already applied."""
+        lose the step's result in the first case, with its update already applied. A store that
+        hangs is the same case once the driver has killed it: the step's result says so
+        (``StepResult.store_unanswered``), and the driver does."""
         refs, self._inflight = self._inflight, []
         try:
-            ray.get(refs)
+            ray.get(refs, timeout=self._timeout)
         except RayTaskError:
             raise
         except RayActorError as e:
             log.warning("the parameter store died while this step's gradient reports were answered (%s); "
                         "the driver checks whether it applied them", type(e).__name__)
+        except GetTimeoutError:
+            ready, waiting = ray.wait(refs, num_returns=len(refs), timeout=0)
+            log.warning("the parameter store did not answer %d of this step's %d gradient reports within "
+                        "runtime.store_timeout_s=%s s; the driver treats it as dead", len(waiting), len(refs),
+                        self._timeout)
+            return len(waiting)
+        return 0
 
     def __getstate__(self):
-        return {"_store": self._store, "_generation": self._generation, "_inflight": []}
+        return {"_store": self._store, "_generation": self._generation, "_timeout": self._timeout, "_inflight": []}
 
 
 @dataclass(frozen=True)
@@ -148,7 +168,10 @@ class StreamingPipeline:
     """Owns the actors of one run. ``run_step(k)`` returns step k's compute and update results."""
 
     def __init__(self, cfg, run_dir: str, resume_checkpoint: str | None = None,
-                 start_position: int | DataCursor = 0, init_from: str | None = None):
+                 start_position: int | DataCursor = 0, init_from: str | None = None,
+                 kept_doc: dict | None = None):
+        """``kept_doc``: continue from the shared-memory state a failed run kept (its
+        ``resume.json``, ``megaslide_ray.state.kept``) instead of ``resume_checkpoint``."""
         self.cfg = cfg
         self.run_dir = run_dir
         self.init_from = init_from  # the weights a rollback with no checkpoint yet goes back to
@@ -163,20 +186,46 @@ class StreamingPipeline:
         self.recovery_seconds = 0.0  # driver time spent recovering from actor failures, rollbacks included
         self.rollbacks = 0           # times the store's state was lost and a checkpoint restored
         self._replaced_before = 0    # decoders replaced by the pools before the last rollback
-        self._start_actors(resume_checkpoint, start_position, init_from)
+        self._compute = None
+        self._decoder_pool = None
+        self.state_dir, self.store_node = str(state_path(cfg, run_dir)), ""
+        try:
+            self._start_actors(resume_checkpoint, start_position, init_from, kept_doc is not None)
+        except BaseException:
+            self._stop_partial(kept_doc)
+            raise
+
+    def _stop_partial(self, kept_doc: dict | None) -> None:
+        """The pipeline did not come up: stop what did, and leave no state behind (a kept state
+        it was to continue from is kept again, as it was)."""
+        for h in (self._compute, *(self._decoder_pool.actors if self._decoder_pool else ()),
+                  getattr(self, "_store", None)):
+            if h is not None:
+                try:
+                    ray.kill(h, no_restart=True)
+                except Exception as e:  # noqa: BLE001 - already dead
+                    log.debug("kill failed: %r", e)
+        path = Path(self.state_dir)
+        if not path.is_dir():
+            return
+        if kept_doc is not None:
+            keep_state(path, kept_doc)
+        elif not is_kept(path):
+            release_state(path)
 
     def _start_actors(self, resume_checkpoint: str | None, start_position: int | DataCursor,
-                      init_from: str | None) -> None:
-        """Build the store (on ``resume_checkpoint``, else ``init_from``, else fresh weights), the
-        compute actor and the decoder pool (continuing from ``start_position``), with no step in
-        flight. Used by ``__init__`` and ``rollback_to``."""
+                      init_from: str | None, attach: bool = False) -> None:
+        """Build the store (on ``resume_checkpoint``, else ``init_from``, else fresh weights; with
+        ``attach`` on the state a failed run kept), the compute actor and the decoder pool
+        (continuing from ``start_position``), with no step in flight. Used by ``__init__`` and
+        ``rollback_to``."""
         cfg, run_dir = self.cfg, self.run_dir
         # The store serves many blocking calls (wait_version) at once: a threaded actor. On a
         # restart Ray re-runs __init__ with these arguments; it then re-attaches to its segments.
         store_cls = ray.remote(ParameterStore).options(
             name=f"{NAMESPACE}/param-store", num_cpus=0, max_concurrency=64,
             max_restarts=cfg.runtime.max_restarts, **actor_options())
-        self._store = store_cls.remote(cfg, run_dir, self.w_dtype, resume_checkpoint, False, init_from,
+        self._store = store_cls.remote(cfg, run_dir, self.w_dtype, resume_checkpoint, attach, init_from,
                                        owner_pid=os.getpid())
         try:
             self.infos = ray.get(self._store.shard_infos.remote())
@@ -208,7 +257,8 @@ class StreamingPipeline:
         name = f"{NAMESPACE}/compute" + (f"-{gen}" if gen else "")
         return ray.remote(ComputeActor).options(
             name=name, num_cpus=0 if self.use_gpu else 1, num_gpus=1 if self.use_gpu else 0, **actor_options(),
-        ).remote(self.cfg, self.infos, RayStoreClient(self._store, gen), self.cfg.runtime.transport, self.store_node)
+        ).remote(self.cfg, self.infos, RayStoreClient(self._store, gen, self.cfg.runtime.store_timeout_s),
+                   self.cfg.runtime.transport, self.store_node)
 
     def _batch(self, step: int):
         if step not in self._batches:
@@ -250,6 +300,8 @@ class StreamingPipeline:
                 t0 = time.monotonic()
                 log.warning("step %d: an actor died (%s); recovering and redoing the step (failure %d of at most %d)",
                             step + 1, type(e).__name__, self.restarts, self.cfg.runtime.max_restarts)
+                if isinstance(e, StoreHungError):
+                    self._kill_hung_store()
                 self._recover(step)
                 self.redone_steps += 1
                 self.recovery_seconds += time.monotonic() - t0
@@ -267,6 +319,10 @@ class StreamingPipeline:
             self._submit(step + 1)
         if step not in self._computed:
             self._computed[step] = ray.get(self._queued.pop(step))
+            if self._computed[step].store_unanswered:  # kept: the store may have applied the update
+                raise StoreHungError(f"the parameter store did not answer {self._computed[step].store_unanswered} "
+                                     f"gradient report(s) of step {step + 1} within runtime.store_timeout_s="
+                                     f"{self.cfg.runtime.store_timeout_s} s")
         update = ray.get(self._store.wait_step.remote(step))
         self._batches.pop(step, None)
         info = self._decoder_pool.commit(step)
@@ -300,6 +356,25 @@ class StreamingPipeline:
             # (a RayActorError that is not a RayTaskError: the compute actor itself died, and
             # run_step's usual recovery takes over)
         self._submit(step)
+
+    def _kill_hung_store(self) -> None:
+        """A store that hangs is made a dead one: killed, and Ray restarts it on its state. Returns
+        once the restarted process answers (the hung one may still answer on its other threads
+        until the kill lands)."""
+        try:
+            old = ray.get(self._store.status.remote(), timeout=30).pid
+        except Exception as e:  # noqa: BLE001 - not even status answers: restart it all the same
+            log.debug("the hung store's status: %r", e)
+            old = None
+        log.warning("killing the parameter store (pid %s), which does not answer; Ray restarts it on its state", old)
+        ray.kill(self._store, no_restart=False)
+        deadline = time.monotonic() + STORE_RESTART_TIMEOUT_S
+        while self._wait_for_store().pid == old and old is not None:
+            if time.monotonic() > deadline:
+                raise StoreLostError(f"the parameter store (pid {old}) hung and did not restart after a kill; resume "
+                                     f"from the latest checkpoint: python -m megaslide_ray.train --run-dir "
+                                     f"{self.run_dir} --resume")
+            time.sleep(0.5)
 
     def _wait_for_store(self):
         """The store's status once it answers again (Ray restarts it after a crash)."""
@@ -396,6 +471,52 @@ class StreamingPipeline:
         self.rollbacks += 1
         self.recovery_seconds += time.monotonic() - t0
 
+    def close_after_error(self, done: int, checkpoint_step: int, doc: dict) -> tuple[str, int] | None:
+        """The run failed: stop every actor, and keep the store's state if it holds progress that
+        would be lost (every shard at ``done``, the steps the driver completed, newer than
+        ``checkpoint_step``; ``doc``: the data cursor after ``done``, for ``--resume``); else release
+        it. Returns the kept state's (path, bytes), or None when it was released."""
+        for h in (self._compute, *self._decoder_pool.actors):  # they hold no state
+            try:
+                ray.kill(h, no_restart=True)
+            except Exception as e:  # noqa: BLE001 - already dead
+                log.debug("kill failed: %r", e)
+        # Collect what the queued steps left (their actor is gone), so Ray does not print their
+        # errors again as unhandled ones when the refs go.
+        refs = list(self._queued.values())
+        for ref in ray.wait(refs, num_returns=len(refs), timeout=10)[0] if refs else ():
+            try:
+                ray.get(ref)
+            except Exception as e:  # noqa: BLE001 - expected: the actor was killed, or the step failed
+                log.debug("a queued step ended with %r", e)
+        self._queued.clear()
+        self._batches.clear()
+        kept = None
+        if done > checkpoint_step:
+            try:  # a store that died or hangs is not asked twice: its state is not trusted
+                versions = ray.get(self._store.settle.remote(), timeout=STORE_SETTLE_TIMEOUT_S)
+                if all(v == done for v in versions):
+                    kept = tuple(ray.get(self._store.keep.remote({**doc, "step": done}),
+                                         timeout=STORE_SETTLE_TIMEOUT_S))
+                else:
+                    log.warning("the parameter store's shards are at versions %s, not all at step %d (the last the "
+                                "driver completed): its state cannot be resumed exactly and is released",
+                                sorted(set(versions)), done)
+            except Exception as e:  # noqa: BLE001 - dead or not answering: release
+                log.warning("the parameter store did not answer (%s); its state is released", type(e).__name__)
+        if kept is None:
+            try:
+                ray.get(self._store.close.remote(), timeout=STORE_SETTLE_TIMEOUT_S)
+            except Exception as e:  # noqa: BLE001 - dead or not answering
+                log.debug("closing the parameter store failed: %r", e)
+        try:
+            ray.kill(self._store, no_restart=True)
+        except Exception as e:  # noqa: BLE001 - already dead
+            log.debug("kill failed: %r", e)
+        if kept is None:
+            self._remove_state()
+        return kept
+
     def data_cursor(self, step: int) -> DataCursor:
         """Where the data continues after ``step`` completed steps (for a checkpoint)."""
         return self._decoder_pool.cursor(step)
@@ -410,8 +531,7 @@ class StreamingPipeline:
         self._remove_state()
 
     def _remove_state(self) -> None:
-        """Remove the store's shared-memory state, when it is on this node (runs continue from
-        checkpoints, never from this state)."""
+        """Remove the store's shared-memory state, when it is on this node."""
         if self.store_node == ray.get_runtime_context().get_node_id():
             shutil.rmtree(self.state_dir, ignore_errors=True)
 

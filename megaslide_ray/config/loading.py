@@ -148,8 +148,17 @@ def _toml_value(v: Any) -> str:
 
 
 def to_toml(cfg: Config) -> str:
-    """The resolved config as TOML; ``--config`` reads it back to the same Config."""
+    """The resolved config as TOML; ``--config`` reads it back to the same Config. When the model
+    is not the preset's (a diffusers folder's own shape, ``--model.*`` flags), a comment says so:
+    the preset is only where the other fields started."""
     lines = [f"preset = {_toml_value(cfg.preset)}"]
+    try:
+        differs = preset(cfg.preset).model != cfg.model
+    except ConfigError:
+        differs = False
+    if differs:
+        lines.append(f"# [model] below is this run's own, not preset {cfg.preset}'s (the preset is where the other "
+                     f"fields started)")
     for section in SECTIONS:
         lines.append(f"\n[{section}]")
         for f in dataclasses.fields(getattr(cfg, section)):

@@ -271,6 +271,10 @@ class RuntimeConfig:
     max_restarts: int = 3
     """Actor failures (a parameter store, compute or decoder actor that died or hung) the run
     recovers from; one more stops it with a message saying how to resume."""
+    store_timeout_s: float = 600.0
+    """Seconds the compute actor waits for the parameter store to answer a step's gradient
+    reports; a store that does not answer in time is treated as dead: killed, restarted on its
+    shared-memory state and the step recovered as after a crash. 0: wait forever."""
 
 
 @dataclass
@@ -285,6 +289,10 @@ class TrainingConfig:
     """Checkpoint every this many steps; 0 only at the end of the run."""
     run_dir: str = ""
     """Output directory; empty means ``runs/<timestamp>``."""
+    init_from: str = ""
+    """The pretrained weights a new run starts from (``--init-from``: a checkpoint, a safetensors
+    file or folder, a diffusers Wan folder), as an absolute path; empty: the seeded
+    initialisation. A resumed run continues from its checkpoint and only records it."""
     t_sampling: Literal["uniform", "logit_normal"] = "logit_normal"
     """Distribution of the flow-matching time t in (0, 1)."""
     flow_shift: float = 1.0
