@@ -102,6 +102,19 @@ def main(argv: list[str] | None = None) -> int:
                     help="runtime.token_chunk: tokens per chunk of a block's per-token parts (0: whole clip); "
                          "auto: the largest chunk that fits --gpu-gb. Default: the config's, or auto when the "
                          "config does not chunk and the whole clip does not fit --gpu-gb")
+    ap.add_argument("--gpus-per-node", type=_positive(int), default=None,
+                    help="GPUs (compute actors) per node sharing the node's store (runtime.compute_actors; "
+                         "default: the config's, 1 for auto): host terms per node, the DRAM all of them draw")
+    ap.add_argument("--nodes", type=_positive(int), default=1,
+                    help="nodes, one store each, optimizer state sharded by owner (planned, not implemented): "
+                         "host bytes and network bytes per node")
+    ap.add_argument("--micro-batches", type=_positive(int), default=None,
+                    help="training.micro_batches: layer-major micro-batches of --batch-size per GPU and step "
+                         "(default: the config's)")
+    ap.add_argument("--grad-slots", type=_positive(int), default=None,
+                    help="runtime.grad_slots: gradient slots per GPU in the store's scratch (default: the config's)")
+    ap.add_argument("--network-gbps", type=_positive(float), default=25.0,
+                    help="with --nodes > 1: network GB/s each way per node (default 25: 200 Gb/s)")
     ap.add_argument("--generate", action="store_true",
                     help="plan one denoising step of sampling (forward only) instead of a training step")
     ap.add_argument("--guidance", action="store_true",
@@ -124,13 +137,18 @@ def main(argv: list[str] | None = None) -> int:
         cfg = config_for(args.preset, args.frames, args.height, args.width, batch, args.attention, args.config)
         if args.offload_activations:
             cfg.runtime.offload_activations = True
+        if args.micro_batches is not None:
+            cfg.training.micro_batches = args.micro_batches
+        if args.grad_slots is not None:
+            cfg.runtime.grad_slots = args.grad_slots
         if args.prefetch_depth is not None:
             if args.prefetch_depth < 1:
                 raise ConfigError(f"--prefetch-depth {args.prefetch_depth} must be >= 1")
             cfg.runtime.prefetch_depth = args.prefetch_depth
         kw = dict(w_dtype=args.w_dtype, pcie_gbps=args.pcie_gbps, dram_gbps=args.dram_gbps,
                   device_tflops=args.device_tflops, ram_gb=args.ram_gb, gpu_gb=args.gpu_gb,
-                  generate=args.generate, sample_steps=args.sample_steps, host_reserve_gb=args.host_reserve_gb)
+                  generate=args.generate, sample_steps=args.sample_steps, host_reserve_gb=args.host_reserve_gb,
+                  gpus_per_node=args.gpus_per_node, nodes=args.nodes, network_gbps=args.network_gbps)
         if args.max_frames:
             search = max_frames(cfg, args.token_chunk, keep=args.offload_keep, **kw)
             if args.json:
