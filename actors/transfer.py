@@ -340,6 +340,12 @@ class Transfers:
             # The report copies ``grad`` before it returns (in-process into the w segment; a Ray
             # actor call serializes its arguments when it is made), so the buffer is free after.
             if slot >= 0:
+                if self.transport != "shm":  # the store copies the bytes into the slot: wait until it is free
+                    # here, so the store never holds a report thread waiting for one
+                    t_wait = time.perf_counter()
+                    self.store.wait_grad_slot(slot)
+                    with self._lock:
+                        self._slot_wait += time.perf_counter() - t_wait
                 self.store.report_grad(shard, step, value, grad, slot=slot)
             else:
                 self.store.report_grad(shard, step, value, grad)

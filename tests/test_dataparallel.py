@@ -44,13 +44,14 @@ def split(batch: dict, n: int) -> list[dict]:
             for r in range(n)]
 
 
-def train(tmp_path, manifest, batches, actors=1, tag="run", **overrides):
+def train(tmp_path, manifest, batches, actors=1, tag="run", transport="shm", **overrides):
     """Train ``batches`` with ``actors`` compute actors (threads, each its part of every batch);
-    returns the weights after the last update and each step's mean loss."""
+    returns the weights after the last update and each step's mean loss. ``transport``: ``shm`` or
+    ``object_ref`` (gradients as bytes, copied into the slots by the store)."""
     cfg = build_config("tiny", None, {**SMALL, "data.manifest": manifest, "runtime.state_dir": str(tmp_path),
                                       "runtime.compute_actors": actors, **overrides})
     store = ParameterStore(cfg, str(tmp_path / tag), compute_actors=actors)
-    computes = [ComputeActor(cfg, store.shard_infos(), LocalStoreClient(store, r), "shm", rank=r,
+    computes = [ComputeActor(cfg, store.shard_infos(), LocalStoreClient(store, r), transport, rank=r,
                              grad_slots=store.grad_slots()) for r in range(actors)]
     losses = []
     try:
@@ -139,3 +140,25 @@ def test_noise_and_caption_drops_follow_the_global_sample():
         cap, _ = batch_conditioning(part, 5, 7, 0.5, first_sample=first)
         assert torch.equal(cap, whole_cap[first:first + 2])
     assert not torch.equal(batch_flow_inputs(batch, 5, 8).noise, whole.noise)  # another step draws anew
+
+
+def test_a_nan_loss_on_one_actor_skips_the_update_of_all(tmp_path, manifest, monkeypatch):
+    from megaslide_ray.runtime import faults
+
+    monkeypatch.setenv(faults.ENV_DIR, str(tmp_path / "faults"))
+    monkeypatch.setenv(faults.ENV_SPEC, "compute.loss@2:nan")  # fires in whichever actor gets there first
+    batches = global_batches(manifest, 2)
+    got, losses = train(tmp_path, manifest, batches[:2], 2, "nan", **{"data.batch_size": 1})
+    monkeypatch.delenv(faults.ENV_SPEC)
+    once, _ = train(tmp_path, manifest, batches[:1], 2, "once", **{"data.batch_size": 1})
+    assert losses[1] != losses[1]  # NaN: the mean over the actors
+    for a, b in zip(got, once):  # step 2 changed nothing
+        assert torch.equal(a, b)
+
+
+def test_object_ref_transport_with_two_actors(tmp_path, manifest):
+    batches = global_batches(manifest, 2)
+    shm, _ = train(tmp_path, manifest, batches, 2, "shm", **{"data.batch_size": 1})
+    refs, _ = train(tmp_path, manifest, batches, 2, "refs", transport="object_ref", **{"data.batch_size": 1})
+    for a, b in zip(refs, shm):
+        assert torch.equal(a, b)
