@@ -48,6 +48,7 @@ from actors.transfer import ShardFeed, Transfers
 from megaslide_ray.config import Config
 from megaslide_ray.models.prediction import as_velocity
 from megaslide_ray.models.registry import build_shard, num_shards
+from megaslide_ray.models.shards import resident_shards
 from megaslide_ray.runtime.faults import fault_point
 from megaslide_ray.state.segments import DTYPES
 from megaslide_ray.training.flow import batch_conditioning, batch_flow_inputs, caption_dropout, flow_loss
@@ -191,16 +192,28 @@ class ComputeActor:
         self._returns.append(self.link.return_grad(shard, step, grad, sqnorm))
 
     # -- one step -----------------------------------------------------------------------------
+    def resident_shards(self) -> list[int]:
+        """The shards kept on the device from their forward to their backward within
+        ``runtime.resident_gb`` (``models.shards.resident_shards``: blocks L-1, L-2, ..., then
+        shard 0, while they fit)."""
+        return resident_shards(self.cfg.model.depth, [info.numel for info in self.infos],
+                               DTYPES[self.infos[0].w_dtype].itemsize, self.cfg.runtime.resident_gb * 1e9)
+
     def step_order(self) -> tuple[list[int], dict[int, int]]:
         """The shards a training step takes, in order (forward 0..L+1, backward L..0), and which
         positions reuse an earlier one's weights instead of fetching them: the last block's,
         the forward's last fetch before the head, are kept for its backward (the turn costs
         one fetch less). They take the slot the head's prefetch would use, so the device never
-        holds more than prefetch_depth + 1 shards."""
+        holds more than prefetch_depth + 1 shards. The resident shards (``runtime.resident_gb``)
+        are kept from their forward fetch to their backward the same way: one fetch per step,
+        and their weights on the device in between."""
         L = self.cfg.model.depth
         if self.keep_graphs:  # the backward reads the graphs' weights
             return list(range(self.n)), {}
-        return list(range(self.n)) + list(range(L, -1, -1)), {self.n: L}
+        reuse = {self.n: L}
+        for shard in self.resident_shards():
+            reuse[self.n + L - shard] = shard  # the backward's position of ``shard`` reuses its forward fetch
+        return list(range(self.n)) + list(range(L, -1, -1)), reuse
 
     def train_step(self, batch, step: int) -> StepResult:
         """One step. ``batch``: the decoder's dict, or ``[ObjectRef]`` of it (the pipeline wraps

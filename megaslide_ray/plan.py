@@ -13,7 +13,7 @@ import sys
 from megaslide_ray import planning
 from megaslide_ray.config import ConfigError, build_config
 from megaslide_ray.planning.render import render, render_search
-from megaslide_ray.planning.search import config_for, max_frames, plan_with_keep, requested_clip
+from megaslide_ray.planning.search import config_for, max_frames, plan_with_resident, requested_clip
 from megaslide_ray.planning.terms import HOST_RESERVE_GB, W_DTYPES
 
 
@@ -39,6 +39,12 @@ def _offload_keep_arg(text: str) -> int | str:
     if value < 0:
         raise argparse.ArgumentTypeError(f"{value} must be >= 0 (0: all offloaded) or 'auto'")
     return value
+
+
+def _resident_arg(text: str) -> float | str:
+    if text == "auto":
+        return text
+    return _non_negative_float(text)
 
 
 def _positive(kind: type):
@@ -111,6 +117,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--micro-batches", type=_positive(int), default=None,
                     help="training.micro_batches: layer-major micro-batches of --batch-size per GPU and step "
                          "(default: the config's)")
+    ap.add_argument("--resident-gb", type=_resident_arg, default=None, metavar="GB|auto",
+                    help="runtime.resident_gb: device GB for shards kept from their forward to their backward "
+                         "(one fetch per step instead of two); auto (needs --gpu-gb): what the plan leaves free")
     ap.add_argument("--grad-slots", type=_positive(int), default=None,
                     help="runtime.grad_slots: gradient slots per GPU in the store's scratch (default: the config's)")
     ap.add_argument("--network-gbps", type=_positive(float), default=25.0,
@@ -139,6 +148,10 @@ def main(argv: list[str] | None = None) -> int:
             cfg.runtime.offload_activations = True
         if args.micro_batches is not None:
             cfg.training.micro_batches = args.micro_batches
+        if args.resident_gb is not None and args.resident_gb != "auto":
+            cfg.runtime.resident_gb = args.resident_gb
+        if args.resident_gb == "auto" and args.max_frames:
+            raise ConfigError("--resident-gb auto uses the device a plan leaves free; with --max-frames give GB")
         if args.grad_slots is not None:
             cfg.runtime.grad_slots = args.grad_slots
         if args.prefetch_depth is not None:
@@ -158,7 +171,9 @@ def main(argv: list[str] | None = None) -> int:
             else:
                 print(render_search(search, asked[1:], "generate" if args.generate else "train"))
             return 0
-        result = plan_with_keep(cfg, args.token_chunk, args.offload_keep, requested_clip=asked, **kw)
+        result = plan_with_resident(cfg, args.token_chunk, args.offload_keep,
+                                    "auto" if args.resident_gb == "auto" else None, requested_clip=asked,
+                                    **kw)
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

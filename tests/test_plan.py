@@ -445,3 +445,23 @@ def test_cli_scale_out_flags(capsys):
     assert main(["--preset", "dit-105b", "--nodes", "2", "--gpus-per-node", "8", "--grad-slots", "1"]) == 0
     out = capsys.readouterr().out
     assert "network per node, each way" in out and "host memory per node" in out and "transfer / compute" in out
+
+
+def test_resident_shards_cross_the_link_once_and_auto_fills_the_device():
+    from megaslide_ray.planning.search import plan_with_resident
+
+    cfg = config_for("wan2.1-t2v-1.3b")
+    base = plan(cfg, gpu_gb=80)
+    cfg.runtime.resident_gb = 1.0
+    some = plan(cfg, gpu_gb=80)
+    block = some.largest_shard_params * 2
+    assert len(some.resident_shards) == int(1e9 // block) and some.resident_shards[0] == cfg.model.depth - 1
+    assert some.h2d_bytes == base.h2d_bytes - some.resident_bytes
+    assert some.device_required_bytes == base.device_required_bytes + some.resident_bytes
+    cfg.runtime.resident_gb = 0.0
+    auto = plan_with_resident(cfg, None, None, "auto", gpu_gb=80)
+    # every shard the backward fetches: blocks L-1..1 and shard 0 (block L, the turn's, is kept anyway;
+    # the planner counts it and the head twice, as it always has: "slightly less than 2 P")
+    assert auto.fits_device and auto.resident_shards == tuple(range(cfg.model.depth - 1, -1, -1))
+    assert auto.h2d_bytes == 2 * auto.params * 2 - auto.resident_bytes
+    assert any("--resident-gb auto" in n for n in auto.notes)

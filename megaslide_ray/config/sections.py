@@ -271,6 +271,14 @@ class RuntimeConfig:
     max_restarts: int = 3
     """Actor failures (a parameter store, compute or decoder actor that died or hung) the run
     recovers from; one more stops it with a message saying how to resume."""
+    resident_gb: float = 0.0
+    """Device memory (decimal GB, 1e9 B) for shards kept on the device from their forward to their
+    backward: the blocks nearest the turn (L-1, L-2, ...; then the input shard) whose weights fit stay
+    where the forward's fetch put them and the backward reuses them, so each crosses the link once
+    per step instead of twice, as the last block at the turn always does. A model that fits whole
+    streams once per step. 0: only the turn's block. ``plan --resident-gb auto`` finds the most that
+    fits the device. Where the compute reads the weights in place (a CPU compute actor without
+    ``link_gbps``) nothing is fetched, and this changes nothing."""
     compute_actors: int | Literal["auto"] = 1
     """Compute actors training data-parallel on the parameter store's node, all sharing its one
     store: each trains its own batch (``data.batch_size`` x ``training.micro_batches`` clips) on the

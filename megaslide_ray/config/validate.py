@@ -79,6 +79,9 @@ def _check_runtime_counts(cfg: Config) -> None:
     if rt.compute_actors != "auto" and (not isinstance(rt.compute_actors, int) or rt.compute_actors < 1):
         raise ConfigError(f"runtime.compute_actors={rt.compute_actors!r} must be an integer >= 1 or 'auto' (one "
                           f"compute actor per GPU of the node)")
+    if not (rt.resident_gb >= 0 and math.isfinite(rt.resident_gb)):
+        raise ConfigError(f"runtime.resident_gb={rt.resident_gb} must be a finite number of GB >= 0 (0: only the "
+                          f"turn's block is kept from the forward to the backward)")
     if rt.grad_slots < 1:
         raise ConfigError(f"runtime.grad_slots={rt.grad_slots} must be >= 1 (2 lets a compute actor write one "
                           f"shard's gradient while the store sums the last)")

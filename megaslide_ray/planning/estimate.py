@@ -113,7 +113,9 @@ Device memory:
 
 Traffic per training step:
     host -> device   2 * P * w bytes   (weights streamed for the forward and again for the
-                                        backward's recompute: 420 GB for 105B in bf16)
+                                        backward's recompute: 420 GB for 105B in bf16), less
+                                        the resident shards' weights (``runtime.resident_gb``:
+                                        kept on the device from forward to backward, one fetch)
     device -> host   P * w bytes       (gradients: 210 GB)
     (the compute actor keeps the head's and the last block's forward weights for their
     backward, so it moves slightly less than 2 P; with ``runtime.offload_activations`` the
@@ -182,6 +184,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from megaslide_ray.config import Config, ConfigError
+from megaslide_ray.models.shards import resident_shards
 from megaslide_ray.planning.scaleout import ScaleOut, scale_out
 from megaslide_ray.planning.terms import (
     FIXED_TERMS,
@@ -288,6 +291,8 @@ class Plan:
     global_batch: int = 0          # clips per step, all GPUs: gpus x nodes x micro_batches x batch_size
     transfer_compute_ratio: float = 0.0   # host -> device time / compute time, one GPU (falls as 1/k)
     scale: ScaleOut | None = None  # per node: network bytes, host DRAM bytes (training)
+    resident_shards: tuple[int, ...] = ()  # runtime.resident_gb: shards kept from forward to backward
+    resident_bytes: int = 0        # their weights on the device (one fetch per step each, not two)
 
     @property
     def fits(self) -> bool | None:
@@ -367,6 +372,8 @@ def plan(cfg: Config, w_dtype: str = "bfloat16", pcie_gbps: float = 55.0, dram_g
 
     # -- device memory
     shard_bytes = staged_shards(cfg) * Smax * (wb if generate else wb + wb)
+    resident = [] if generate else resident_shards(cfg.model.depth, counts, wb, cfg.runtime.resident_gb * 1e9)
+    resident_bytes = sum(counts[i] for i in resident) * wb
     parts, block_terms, act_totals, Q = _activations(cfg, wb, generate)
     variant = SELECTED_VARIANT[cfg.attention.kind]
 
@@ -382,7 +389,7 @@ def plan(cfg: Config, w_dtype: str = "bfloat16", pcie_gbps: float = 55.0, dram_g
     else:
         # offloaded block inputs all go out and come back, the ones a step holds on the device included
         offloaded = parts["offloaded_checkpoints"]
-        h2d = 2 * P * wb + offloaded
+        h2d = 2 * P * wb - resident_bytes + offloaded  # a resident shard's weights cross once
         d2h = P * wb + offloaded
         adamw_pp = wb + 12 + 12 + wb
         adamw_store_pp = adamw_pp + (12 if wb == 2 else 4)  # fused; bf16: g upcast and w cast; fp32: w.copy_
@@ -426,6 +433,8 @@ def plan(cfg: Config, w_dtype: str = "bfloat16", pcie_gbps: float = 55.0, dram_g
     host_required = sum(host_terms.values())
     block_total = parts["block_linear"] + parts[variant]
     device_terms = {"shard buffers": shard_bytes}
+    if resident_bytes:
+        device_terms[f"resident shards ({len(resident)}, kept from forward to backward)"] = resident_bytes
     if parts["checkpoints"]:
         device_terms["block-input checkpoints"] = parts["checkpoints"]
     if parts["input_side"] > block_total:
@@ -434,7 +443,7 @@ def plan(cfg: Config, w_dtype: str = "bfloat16", pcie_gbps: float = 55.0, dram_g
         device_terms.update(block_terms)
         device_terms[f"attention ({VARIANT_LABELS[variant]})"] = parts[variant]
     device_terms["input tensors (fp32)"] = parts["pixels"]
-    device_required = shard_bytes + act_totals[variant]
+    device_required = shard_bytes + resident_bytes + act_totals[variant]
     assert device_required == sum(device_terms.values())
     fits_host = None if ram_gb is None else host_required <= ram_gb * 1e9
     fits_device = None if gpu_gb is None else device_required <= gpu_gb * 1e9
@@ -488,7 +497,7 @@ def plan(cfg: Config, w_dtype: str = "bfloat16", pcie_gbps: float = 55.0, dram_g
         device_shortfall_bytes=device_short, notes=tuple(notes),
         gpus_per_node=gpus_per_node, nodes=nodes, micro_batches=micro,
         global_batch=gpus_per_node * nodes * micro * B, transfer_compute_ratio=terms["h2d"] / terms["compute"],
-        scale=scale,
+        scale=scale, resident_shards=tuple(resident), resident_bytes=resident_bytes,
     )
 
 

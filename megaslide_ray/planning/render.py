@@ -78,6 +78,9 @@ def render(p: Plan) -> str:
     parts = p.activation_parts
     row(f"shard buffers: {p.prefetch_depth + 1} x ({'w' if gen else 'w + grad'}) of shard {p.largest_shard}",
         fmt_bytes(p.device_shard_bytes))
+    if p.resident_bytes:
+        row(f"resident shards: {len(p.resident_shards)} kept from forward to backward (runtime.resident_gb)",
+            fmt_bytes(p.resident_bytes))
     if not gen:
         if p.offload_keep:
             row(f"checkpoints: min(L, {p.prefetch_depth + 1} + {p.offload_keep} kept) x B x N x D x {wb} B",
@@ -109,7 +112,8 @@ def render(p: Plan) -> str:
         row("host -> device: weights once", fmt_bytes(p.h2d_bytes))
     else:
         inputs = " + block inputs" if parts["offloaded_checkpoints"] else ""
-        row("host -> device: weights twice" + (inputs or " (fwd + bwd)"), fmt_bytes(p.h2d_bytes))
+        resident = f", {len(p.resident_shards)} resident shards once" if p.resident_shards else ""
+        row("host -> device: weights twice" + (inputs or " (fwd + bwd)") + resident, fmt_bytes(p.h2d_bytes))
         row("device -> host: gradients" + inputs, fmt_bytes(p.d2h_bytes))
         row(f"AdamW DRAM traffic, {p.adamw_bytes_per_param} B/param", fmt_bytes(p.adamw_dram_bytes),
             f"(the store: fused {p.adamw_store_bytes_per_param} B/param, "
@@ -152,7 +156,8 @@ def render(p: Plan) -> str:
                 f"vs {p.ram_gb:g} GB RAM: {verdict}")
         if p.gpu_gb is not None:
             verdict = "fits" if p.fits_device else f"DOES NOT FIT, short by {fmt_bytes(p.device_shortfall_bytes)}"
-            row("device: shard buffers + activations", fmt_bytes(p.device_required_bytes),
+            row("device: shard buffers + " + ("resident shards + " if p.resident_bytes else "") + "activations",
+                fmt_bytes(p.device_required_bytes),
                 f"vs {p.gpu_gb:g} GB: {verdict}")
         bind = p.binding_memory
         if bind:

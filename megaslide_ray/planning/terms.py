@@ -41,7 +41,8 @@ NO_MATMUL = ("scale_shift_table",)
 """Parameters added elementwise (Wan's modulation tables): no FLOPs of their own."""
 
 
-FIXED_TERMS = ("store state", "weights w", "fp32 update scratch", "reserve", "shard buffers", "optimizer state",
+FIXED_TERMS = ("store state", "weights w", "fp32 update scratch", "reserve", "shard buffers", "resident shards",
+               "optimizer state",
                "gradient slots", "fp32 sum", "network receive slots")
 """Memory terms that do not grow with the clip (``Plan.binding_memory`` names another when it can)."""
 
