@@ -273,7 +273,7 @@ class ComputeActor:
         device, with the batch's conditioning (caption bytes, or text embeddings)."""
         t = self.cfg.training
         noise_step = 0 if t.overfit_one_batch else step
-        first = self.rank * len(batch["index"]) if "index" in batch else 0
+        first = self.rank * len(batch["latents"] if "latents" in batch else batch["video"])  # every actor's batch is as large
         fx = batch_flow_inputs(batch, t.seed, noise_step, t.t_sampling, t.flow_shift, first)
         cond, cond_len = batch_conditioning(batch, t.seed, noise_step, self._caption_dropout, first)
         dev = self.device

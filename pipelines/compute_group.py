@@ -5,18 +5,16 @@ one parameter store (which sums their gradients: ``actors/grad_reduce.py``).
 A failure of any of them replaces all of them (``replace``): the others may be blocked on the
 dead one's part of a gradient sum and may already hold the next step queued, and a step is only
 worth anything with every actor's gradient, so the step is redone by N fresh actors. Between
-steps a compute actor holds no state, so replacing one costs only its start.
-
-``RayStoreClient`` is a compute actor's view of the store through Ray."""
+steps a compute actor holds no state, so replacing one costs only its start."""
 
 from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import ray
-from ray.exceptions import RayActorError, RayTaskError
 
 from actors.compute import ComputeActor, StepResult
 from actors.decoder import BatchInfo
@@ -25,54 +23,6 @@ log = logging.getLogger(__name__)
 
 KILL_WAIT_S = 30.0
 """How long ``kill`` waits for the killed compute actors to be dead (their names free)."""
-
-
-class RayStoreClient:
-    """The compute actor's view of a remote ParameterStore. Gradient reports are fire-and-
-    forget (their refs are kept and checked once per step, so an error is never lost).
-    ``generation``: which compute actors these are (the store drops stale reports); ``rank``: which
-    of several compute actors this one is."""
-
-    def __init__(self, store_handle, generation: int = 0, rank: int = 0):
-        self._store = store_handle
-        self._generation = generation
-        self._rank = rank
-        self._inflight: list = []
-
-    def wait_version(self, shard: int, step: int) -> int:
-        return ray.get(self._store.wait_version.remote(shard, step))
-
-    def get_weights(self, shard: int, step: int):
-        return ray.get(self._store.get_weights.remote(shard, step))
-
-    def report_grad(self, shard: int, step: int, sqnorm: float, grad, slot: int = -1) -> None:
-        if slot >= 0:
-            ref = self._store.report_grad.remote(shard, step, sqnorm, grad, self._generation, self._rank, slot)
-        else:
-            ref = self._store.report_grad.remote(shard, step, sqnorm, grad, self._generation)
-        self._inflight.append(ref)
-
-    def wait_grad_slot(self, slot: int) -> None:
-        ray.get(self._store.wait_grad_slot.remote(self._rank, slot, self._generation))
-
-    def flush(self) -> None:
-        """Wait until this step's reports are answered. An error the store raised surfaces here.
-        A store that died under a report is not this step's error: it may have counted every
-        report before dying (then its restart finishes the update from shared memory) or not
-        (then the gradients are gone); the driver, which waits for the step's update next,
-        tells the two apart and redoes the step only in the second case. Raising here would
-        lose the step's result in the first case, with its update already applied."""
-        refs, self._inflight = self._inflight, []
-        try:
-            ray.get(refs)
-        except RayTaskError:
-            raise
-        except RayActorError as e:
-            log.warning("the parameter store died while this step's gradient reports were answered (%s); "
-                        "the driver checks whether it applied them", type(e).__name__)
-
-    def __getstate__(self):
-        return {"_store": self._store, "_generation": self._generation, "_rank": self._rank, "_inflight": []}
 
 
 def resolve_compute_actors(cfg) -> int:
@@ -124,15 +74,15 @@ def combine_batches(infos: list[BatchInfo | None]) -> BatchInfo | None:
 @dataclass
 class ComputeGroup:
     """N compute actors (``actors[r]`` trains batch slot r of each step), remote, of one
-    ``generation``."""
+    ``generation``; ``client(generation, rank)`` makes an actor's store client."""
     cfg: object
-    store: object
     infos: list
     store_node: str
     grad_slots: object
     use_gpu: bool
     count: int
     options: dict
+    client: Callable
     generation: int = 0
 
     def __post_init__(self):
@@ -159,7 +109,7 @@ class ComputeGroup:
             resources = {"num_cpus": share, "num_gpus": 0}
         # transport "auto": the compute actor compares its node with the store's once placed.
         return ray.remote(ComputeActor).options(name=name, **resources, **self.options).remote(
-            self.cfg, self.infos, RayStoreClient(self.store, self.generation, rank), self.cfg.runtime.transport, self.store_node,
+            self.cfg, self.infos, self.client(self.generation, rank), self.cfg.runtime.transport, self.store_node,
             rank, self.grad_slots)
 
     @property

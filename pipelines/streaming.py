@@ -48,10 +48,8 @@ from actors.decoder import BatchInfo
 from actors.param_store import GradientsLostError, ParameterStore, UpdateResult
 from megaslide_ray.runtime import faults
 from megaslide_ray.state.preflight import StateSpaceError
-from pipelines.compute_group import ComputeGroup, RayStoreClient, combine, combine_batches, resolve_compute_actors
+from pipelines.compute_group import ComputeGroup, combine, combine_batches, resolve_compute_actors
 from pipelines.decoder_pool import DataCursor, DecoderPool
-
-__all__ = ["RayStoreClient", "StreamingPipeline", "StepReport", "StoreLostError", "RestartLimitError"]
 
 log = logging.getLogger(__name__)
 
@@ -91,6 +89,53 @@ def is_actor_failure(error: BaseException) -> bool:
     restarted store no longer holds a step's gradients: redoing the step recovers."""
     kinds = (RayActorError, GradientsLostError)
     return isinstance(error, kinds) or isinstance(getattr(error, "cause", None), kinds)
+
+
+class RayStoreClient:
+    """The compute actor's view of a remote ParameterStore. Gradient reports are fire-and-
+    forget (their refs are kept and checked once per step, so an error is never lost).
+    ``rank``: which of several compute actors this one is (``pipelines/compute_group.py``)."""
+
+    def __init__(self, store_handle, generation: int = 0, rank: int = 0):
+        self._store = store_handle
+        self._generation = generation  # which compute actor this is: the store drops stale reports
+        self._rank = rank
+        self._inflight: list = []
+
+    def wait_version(self, shard: int, step: int) -> int:
+        return ray.get(self._store.wait_version.remote(shard, step))
+
+    def get_weights(self, shard: int, step: int):
+        return ray.get(self._store.get_weights.remote(shard, step))
+
+    def report_grad(self, shard: int, step: int, sqnorm: float, grad, slot: int = -1) -> None:
+        if slot >= 0:  # several compute actors: the gradient is in (or goes to) this actor's slot
+            ref = self._store.report_grad.remote(shard, step, sqnorm, grad, self._generation, self._rank, slot)
+        else:
+            ref = self._store.report_grad.remote(shard, step, sqnorm, grad, self._generation)
+        self._inflight.append(ref)
+
+    def wait_grad_slot(self, slot: int) -> None:
+        ray.get(self._store.wait_grad_slot.remote(self._rank, slot, self._generation))
+
+    def flush(self) -> None:
+        """Wait until this step's reports are answered. An error the store raised surfaces here.
+        A store that died under a report is not this step's error: it may have counted every
+        report before dying (then its restart finishes the update from shared memory) or not
+        (then the gradients are gone); the driver, which waits for the step's update next,
+        tells the two apart and redoes the step only in the second case. Raising here would
+        lose the step's result in the first case, with its update already applied."""
+        refs, self._inflight = self._inflight, []
+        try:
+            ray.get(refs)
+        except RayTaskError:
+            raise
+        except RayActorError as e:
+            log.warning("the parameter store died while this step's gradient reports were answered (%s); "
+                        "the driver checks whether it applied them", type(e).__name__)
+
+    def __getstate__(self):
+        return {"_store": self._store, "_generation": self._generation, "_rank": self._rank, "_inflight": []}
 
 
 @dataclass(frozen=True)
@@ -165,9 +210,9 @@ class StreamingPipeline:
             raise
         status = self.status()
         self.store_node, self.state_dir = status.node_id, status.state_dir
-        self._computes = ComputeGroup(cfg, self._store, self.infos, self.store_node,
-                                      ray.get(self._store.grad_slots.remote()), self.use_gpu, self.compute_actors,
-                                      actor_options())
+        self._computes = ComputeGroup(cfg, self.infos, self.store_node, ray.get(self._store.grad_slots.remote()),
+                                      self.use_gpu, self.compute_actors, actor_options(),
+                                      lambda gen, rank: RayStoreClient(self._store, gen, rank))
         self.transport = self._computes.transport()
 
         # ``start_position``: where the data continues (a checkpoint's DataCursor; an int is one
