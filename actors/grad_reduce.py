@@ -127,6 +127,9 @@ class GradientReducer:
         if not (0 <= actor < self.actors and 0 <= slot < self.slots):
             raise ValueError(f"gradient report from actor {actor}, slot {slot}: the store has {self.actors} actors "
                              f"x {self.slots} slots (runtime.compute_actors, runtime.grad_slots)")
+        with self._lock:
+            if generation != self._generation:
+                return  # a replaced actor's report: its step is redone (and its slot is not touched)
         if grad is not None:
             self.wait_slot(actor, slot, generation)
             dst = self.seg[actor][slot].view(torch.uint8)
