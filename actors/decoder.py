@@ -18,10 +18,11 @@ the files, so it repeats identically on a resumed run.
 Decoder pools
 -------------
 ``pipelines.decoder_pool`` runs ``data.num_decoders`` of these with ``world_size`` = that number:
-decoder ``i`` takes the positions ``p % n == i`` and step ``k``'s batch comes from decoder
-``k % n``. ``first_step`` tells a decoder the step of its first batch (its ``j``-th batch then
-serves step ``first_step + j * world_size``), which is how ``faults.fault_point`` and
-``BatchInfo.step`` name steps. ``skipped_before`` and ``bad_rows`` carry what an earlier
+decoder ``i`` takes the positions ``p % n == i`` and batch slot ``u``'s batch comes from decoder
+``u % n`` (a slot is one compute actor's batch of one step: with one compute actor, slot = step).
+``first_step`` tells a decoder the slot of its first batch (its ``j``-th batch then fills slot
+``first_step + j * world_size``), which is how ``faults.fault_point`` and ``BatchInfo.step`` name
+steps. ``skipped_before`` and ``bad_rows`` carry what an earlier
 decoder of the same stream knew (a resumed run, or a replacement for a decoder that hung or
 died), so counts and skips continue exactly.
 
@@ -155,7 +156,8 @@ class BatchInfo:
     """What the driver needs to know about a batch without fetching its pixels."""
 
     step: int
-    """The training step this batch serves (``first_step + j * world_size`` for the j-th batch)."""
+    """The batch slot this batch fills (``first_step + j * world_size`` for the j-th batch): the
+    training step with one compute actor (slots: ``pipelines/decoder_pool.py``)."""
     rank: int
     """The decoder that made it."""
     position: int

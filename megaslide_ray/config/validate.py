@@ -88,6 +88,19 @@ def _check_runtime_counts(cfg: Config) -> None:
         raise ConfigError(f"runtime.prefetch_depth={cfg.runtime.prefetch_depth} must be >= 1")
     if cfg.runtime.token_chunk < 0:
         raise ConfigError(f"runtime.token_chunk={cfg.runtime.token_chunk} must be >= 0 (0 = no chunking)")
+    rt = cfg.runtime
+    if rt.compute_actors != "auto" and (not isinstance(rt.compute_actors, int) or rt.compute_actors < 1):
+        raise ConfigError(f"runtime.compute_actors={rt.compute_actors!r} must be an integer >= 1 or 'auto' (one "
+                          f"compute actor per GPU of the node)")
+    if not (rt.resident_gb >= 0 and math.isfinite(rt.resident_gb)):
+        raise ConfigError(f"runtime.resident_gb={rt.resident_gb} must be a finite number of GB >= 0 (0: only the "
+                          f"turn's block is kept from the forward to the backward)")
+    if rt.grad_slots < 1:
+        raise ConfigError(f"runtime.grad_slots={rt.grad_slots} must be >= 1 (2 lets a compute actor write one "
+                          f"shard's gradient while the store sums the last)")
+    if cfg.training.micro_batches < 1:
+        raise ConfigError(f"training.micro_batches={cfg.training.micro_batches} must be >= 1 (1: one batch of "
+                          f"data.batch_size per compute actor and step)")
     if cfg.runtime.offload_keep < 0:
         raise ConfigError(f"runtime.offload_keep={cfg.runtime.offload_keep} must be >= 0 (0 = offload every "
                           f"block input; only used with runtime.offload_activations)")

@@ -251,10 +251,17 @@ class Trainer:
             "data_wait_seconds": c.data_wait_seconds + report.data_lost_seconds,
             "h2d_bytes": c.h2d_bytes, "h2d_gbps": c.h2d_bytes / c.h2d_seconds / 1e9 if c.h2d_seconds else 0.0,
             "d2h_bytes": c.d2h_bytes, "d2h_gbps": c.d2h_bytes / c.d2h_seconds / 1e9 if c.d2h_seconds else 0.0,
-            "device_memory_peak_bytes": c.device_memory_peak_bytes,
+            "device_memory_peak_bytes": c.device_memory_peak_bytes, "reduce_seconds": u.reduce_seconds,
+            "grad_slot_wait_seconds": c.grad_slot_wait_seconds,
             "data_position": c.data_position, "data_rows": list(report.batch.rows) if report.batch else None,
             "skipped_files": report.skipped_files, "decoders_replaced": self.pipeline.decoders_replaced,
             "device": c.device, "time": time.time(),
+            # several compute actors: each one's own times (the fields above are the slowest's)
+            **({"compute_actors": [{"rank": r.rank, "loss": r.loss, "compute_seconds": r.seconds,
+                                    "weight_wait_seconds": r.weight_wait_seconds,
+                                    "data_wait_seconds": r.data_wait_seconds,
+                                    "grad_slot_wait_seconds": r.grad_slot_wait_seconds} for r in report.computes]}
+               if report.computes else {}),
         }
 
     def _say(self, msg: str, bar) -> None:
