@@ -129,6 +129,10 @@ class AttentionConfig:
     so the gate starts at 1), which can learn to shrink them where the input is mostly noise.
     Either way the head's last layer starts at zero, so a fresh or converted model starts as
     neighborhood attention."""
+    offset_source: Literal["block", "query"] = "block"
+    """``dsa``: what the offset head's convolution reads. ``block``: the block's normalised,
+    modulated input (the attention's input). ``query``: the attention's queries (heads merged;
+    ``wan``: after the q norm, before RoPE), so offsets are chosen from what each token looks for."""
     offset_groups: int = 0
     """``dsa``: heads share offsets in this many groups (consecutive heads, ``num_heads /
     offset_groups`` per group): the offset head predicts ``offset_groups * K * 3`` values per token.

@@ -134,13 +134,19 @@ def chunked_self_attention(attn: SelfAttention, x: torch.Tensor, qkv: torch.Tens
                              backend=attn.backend)
 
 
+def reads_queries(attn: SelfAttention) -> bool:
+    """Whether the block hands its offset head the queries (``attention.offset_source = query``)
+    instead of the attention's input."""
+    return attn.offsets is not None and attn.offsets.source == "query"
+
+
 def offset_head(cfg: Config) -> "OffsetPredictor | None":
     """The offset head a ``dsa`` block's self-attention gets (None for the other kinds)."""
     m, a = cfg.model, cfg.attention
     if a.kind != "dsa":
         return None
     return OffsetPredictor(m.hidden_size, m.num_heads, tuple(a.window), a.max_offset, a.offset_groups,
-                           a.offset_kernel, a.offset_scale, a.offset_condition)
+                           a.offset_kernel, a.offset_scale, a.offset_condition, a.offset_source)
 
 
 class OffsetPredictor(nn.Module):
@@ -149,11 +155,13 @@ class OffsetPredictor(nn.Module):
     one per head) sets of offsets, each shared by ``num_heads / groups`` consecutive heads.
     ``condition`` (``attention.offset_condition``): ``add``, a ``Linear(D -> D)`` of the block's
     condition vector added before the GELU (``cond``); ``gate``, the offsets times ``1 + Linear(D ->
-    groups)`` of it (``gate``, zero-initialised: ``reset_output``)."""
+    groups)`` of it (``gate``, zero-initialised: ``reset_output``). ``source``
+    (``attention.offset_source``) tells the block what to hand it as ``h``: its attention's input
+    (``block``) or its queries (``query``)."""
 
     def __init__(self, hidden: int, num_heads: int, window: tuple[int, int, int], max_offset: float,
                  groups: int = 0, kernel: tuple[int, int, int] = (3, 3, 3), scale: float = 1.0,
-                 condition: str = "none"):
+                 condition: str = "none", source: str = "block"):
         super().__init__()
         self.num_heads = num_heads
         self.groups = groups or num_heads
@@ -170,6 +178,9 @@ class OffsetPredictor(nn.Module):
         if condition not in ("none", "add", "gate"):
             raise ValueError(f"offset condition {condition!r} is not 'none', 'add' or 'gate'")
         self.condition = condition
+        if source not in ("block", "query"):
+            raise ValueError(f"offset source {source!r} is not 'block' or 'query'")
+        self.source = source
         # registered after ``out``: the weights drawn before them are those of a head without them
         self.cond = nn.Linear(hidden, hidden) if condition == "add" else None
         self.gate = nn.Linear(hidden, self.groups) if condition == "gate" else None

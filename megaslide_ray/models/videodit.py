@@ -29,7 +29,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from megaslide_ray.config import Config
-from megaslide_ray.models.attention import chunked_self_attention, init_streams, offset_head, self_attention
+from megaslide_ray.models.attention import (chunked_self_attention, init_streams, offset_head, reads_queries,
+                                            self_attention)
 from megaslide_ray.models.chunking import bind, token_map
 from megaslide_ray.models.layers import ffn_width, unpatchify
 from megaslide_ray.models.prediction import as_velocity
@@ -242,7 +243,8 @@ class Attention(nn.Module):
         # cond (B, D): the block's adaLN condition, read by an offset head with attention.offset_condition
         B, T, H, W, D = h.shape
         q, k, v = self.qkv(h).view(B, T, H, W, 3, self.num_heads, self.head_dim).unbind(4)  # (B,T,H,W,nh,d)
-        return self.proj(self_attention(self, q, k, v, h, cond).reshape(B, T, H, W, D))
+        off_in = q.reshape(B, T, H, W, D) if reads_queries(self) else h  # what the offset head reads
+        return self.proj(self_attention(self, q, k, v, off_in, cond).reshape(B, T, H, W, D))
 
 
 class CrossAttention(nn.Module):
@@ -320,8 +322,14 @@ class DiTBlock(nn.Module):
             return qkv_f(modulate(norm1(xc), sh, sc))
 
         qkv = token_map(qkv_chunk, x, N, shift_a, scale_a)  # (B, T, H, W, 3D)
+        if reads_queries(attn):  # the queries of the slab's frames and their halo: the first D of q, k, v
+            def offset_input(xe, sh, sc):
+                return qkv_chunk(xe, sh, sc)[..., :D]
+        else:
+            def offset_input(xe, sh, sc):
+                return modulate(norm1(xe), sh, sc)
         x = chunked_self_attention(attn, x, qkv, N, lambda xc, oc, g: xc + gate(proj_f(oc), g),
-                                   lambda xe, sh, sc: modulate(norm1(xe), sh, sc), (shift_a, scale_a), (gate_a,), c)
+                                   offset_input, (shift_a, scale_a), (gate_a,), c)
         del qkv
 
         if self.cross is None:

@@ -70,7 +70,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from megaslide_ray.config import Config
-from megaslide_ray.models.attention import chunked_self_attention, init_streams, offset_head, self_attention
+from megaslide_ray.models.attention import (chunked_self_attention, init_streams, offset_head, reads_queries,
+                                            self_attention)
 from megaslide_ray.models.chunking import Chunked, bind, token_map
 from megaslide_ray.models.layers import ffn_width, unpatchify
 
@@ -268,7 +269,8 @@ class WanAttention(nn.Module):
             o = self._sdpa(q.reshape(B, T * H * W, self.num_heads, self.head_dim), k, v)
         else:
             cos, sin = rope_tables((T, H, W), self.head_dim, self.rope_max_seq_len, h.device)
-            o = self_attention(self, apply_rope(q, cos, sin), apply_rope(k, cos, sin), v, h, temb)
+            off_in = q.flatten(-2) if reads_queries(self) else h  # what the offset head reads (queries before RoPE)
+            o = self_attention(self, apply_rope(q, cos, sin), apply_rope(k, cos, sin), v, off_in, temb)
         return self.to_out[0](o.reshape(B, T, H, W, D))
 
     def _sdpa(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
@@ -392,7 +394,12 @@ class WanBlock(nn.Module):
         def residual(xc, o, g):
             return (xc.float() + out1(o) * _broadcast(g, xc)).to(dtype)
 
-        x = chunked_self_attention(a1, x, qkv, N, residual, modulated, (shift_a, scale_a), (gate_a,), temb)
+        if reads_queries(a1):  # the offset head reads the (unrotated) queries of the slab's frames and halo
+            def offset_input(xe, sh, sc):
+                return qn1(q1(modulated(xe, sh, sc)))
+        else:
+            offset_input = modulated
+        x = chunked_self_attention(a1, x, qkv, N, residual, offset_input, (shift_a, scale_a), (gate_a,), temb)
         del qkv
         k_text = a2.norm_k(a2.to_k(text)).unflatten(-1, (nh, hd))  # (B, Lt, nh, d): once per block
         v_text = a2.to_v(text).unflatten(-1, (nh, hd))

@@ -1,10 +1,13 @@
-"""``attention.offset_condition``: dsa's offset head reads the block's condition vector (``add``:
-added to its features; ``gate``: its offsets scaled by a learned gate), in both architectures.
+"""Options of dsa's offset head, in both architectures: ``attention.offset_condition`` (the head
+reads the block's condition vector: ``add``, added to its features; ``gate``, its offsets scaled by
+a learned gate) and ``attention.offset_source = query`` (the head reads the attention's queries
+instead of its input).
 
-A fresh head still predicts zero offsets (the block is exactly neighborhood attention), the
-offsets then depend on the condition (so on the timestep), ``max_offset`` still bounds them, and a
-token-chunked block (``runtime.token_chunk``) is the same function as the whole block, gradients
-included (the condition reaches the head through each slab's checkpoint)."""
+A fresh head still predicts zero offsets (the block is exactly neighborhood attention), a
+conditioned head's offsets depend on the condition (so on the timestep) and ``max_offset`` still
+bounds them, and a token-chunked block (``runtime.token_chunk``) is the same function as the whole
+block, gradients included (the condition reaches the head through each slab's checkpoint; the
+queries of the slab's frames and halo are recomputed there)."""
 
 import pytest
 import torch
@@ -15,10 +18,15 @@ from megaslide_ray.models.registry import build_shard, initialize_shard
 D = 32
 
 
-def _config(arch: str, kind: str, condition: str, chunk: int = 0, max_offset: float = 1.5):
+OPTIONS = [("add", "block"), ("gate", "query"), ("none", "query")]
+"""(offset_condition, offset_source) pairs tested."""
+
+
+def _config(arch: str, kind: str, condition: str, chunk: int = 0, max_offset: float = 1.5, source: str = "block"):
     over = {"model.depth": 1, "model.hidden_size": D, "model.num_heads": 2, "model.ffn_dim": 64,
             "attention.kind": kind, "attention.window": "3,3,3", "attention.max_offset": max_offset,
-            "attention.offset_condition": condition, "runtime.token_chunk": chunk}
+            "attention.offset_condition": condition, "attention.offset_source": source,
+            "runtime.token_chunk": chunk}
     if arch == "wan":
         over.update({"model.arch": "wan", "model.text_dim": 16, "model.text_len": 5, "model.in_channels": 4,
                      "model.patch_size": "1,2,2", "model.timestep_freq_dim": 16, "data.num_frames": 9,
@@ -38,18 +46,19 @@ def _attn(block):
 
 
 @pytest.mark.parametrize("arch", ["videodit", "wan"])
-@pytest.mark.parametrize("condition", ["add", "gate"])
-def test_a_fresh_conditioned_head_is_neighborhood_attention(arch, condition):
+@pytest.mark.parametrize("condition,source", OPTIONS)
+def test_a_fresh_head_is_neighborhood_attention(arch, condition, source):
     x, c = _inputs(arch)
     out = {}
     for kind in ("neighborhood", "dsa"):
-        block = build_shard(_config(arch, kind, condition), 1)
+        block = build_shard(_config(arch, kind, condition, source=source), 1)
         initialize_shard(block, 0, 1)
         with torch.no_grad():
             out[kind] = block(x, c)
     assert torch.equal(out["dsa"], out["neighborhood"])
-    head = _attn(build_shard(_config(arch, "dsa", condition), 1)).offsets
+    head = _attn(build_shard(_config(arch, "dsa", condition, source=source), 1)).offsets
     assert (head.cond is not None) == (condition == "add") and (head.gate is not None) == (condition == "gate")
+    assert head.source == source
 
 
 @pytest.mark.parametrize("arch", ["videodit", "wan"])
@@ -70,10 +79,10 @@ def test_the_offsets_follow_the_condition_and_keep_their_bound(arch, condition):
 
 
 @pytest.mark.parametrize("arch", ["videodit", "wan"])
-@pytest.mark.parametrize("condition", ["add", "gate"])
-def test_the_chunked_block_equals_the_whole_block(arch, condition):
-    whole = build_shard(_config(arch, "dsa", condition), 1)
-    chunked = build_shard(_config(arch, "dsa", condition, chunk=7), 1)
+@pytest.mark.parametrize("condition,source", OPTIONS)
+def test_the_chunked_block_equals_the_whole_block(arch, condition, source):
+    whole = build_shard(_config(arch, "dsa", condition, source=source), 1)
+    chunked = build_shard(_config(arch, "dsa", condition, chunk=7, source=source), 1)
     g = torch.Generator().manual_seed(3)
     with torch.no_grad():
         for p in whole.parameters():
@@ -95,13 +104,32 @@ def test_the_chunked_block_equals_the_whole_block(arch, condition):
             assert a is None or not a.any()
             continue
         assert (a - b).norm() <= tol * b.norm().clamp(min=1e-30)
-    # the head's condition layer gets a gradient, and the condition one through it
     head = _attn(whole).offsets
-    lin = head.cond if condition == "add" else head.gate
     names = [n for n, _ in whole.named_parameters()]
-    assert grads["whole"][3 + names.index(next(n for n, p in whole.named_parameters() if p is lin.weight))].abs().sum() > 0
+    if condition != "none":  # the head's condition layer gets a gradient
+        lin = head.cond if condition == "add" else head.gate
+        assert grads["whole"][3 + names.index(next(n for n, p in whole.named_parameters() if p is lin.weight))].any()
 
 
-def test_a_condition_that_is_not_one_of_the_choices_is_refused():
+@pytest.mark.parametrize("arch", ["videodit", "wan"])
+def test_a_head_reading_the_queries_predicts_other_offsets(arch):
+    offsets = {}
+    for source in ("block", "query"):
+        block = build_shard(_config(arch, "dsa", "none", source=source), 1)
+        initialize_shard(block, 0, 1)
+        with torch.no_grad():
+            _attn(block).offsets.out.weight.normal_(0.0, 1.0, generator=torch.Generator().manual_seed(5))
+        got = []
+        hook = _attn(block).offsets.register_forward_hook(lambda m, a, out: got.append(out))
+        with torch.no_grad():
+            block(*_inputs(arch))
+        hook.remove()
+        offsets[source] = got[0]
+    assert offsets["query"].shape == offsets["block"].shape and not torch.allclose(offsets["query"], offsets["block"])
+
+
+def test_a_choice_that_is_not_offered_is_refused():
     with pytest.raises(ConfigError, match="offset_condition"):
         build_config("tiny", None, {"attention.offset_condition": "timestep"})
+    with pytest.raises(ConfigError, match="offset_source"):
+        build_config("tiny", None, {"attention.offset_source": "keys"})
