@@ -76,10 +76,11 @@ class ActivationStash:
         if self.link.cuda:
             self._pinning.register(self._host)
 
-    def begin(self, slots: int) -> None:
-        """A new step of ``slots`` block inputs (the model's depth)."""
+    def begin(self, slots: int, group: int = 1) -> None:
+        """A new step of ``slots`` block inputs (the model's depth, times ``group`` micro-batches:
+        input ``i`` is block ``i // group``'s; ``keep`` counts blocks, so ``keep x group`` stay)."""
         self.kept, self._device, self._put, self._get, self._out = [], {}, {}, {}, set()
-        self._slots, self._first_kept = slots, max(0, slots - self.keep)
+        self._slots, self._first_kept = slots, max(0, slots - self.keep * group)
         self.peak_device_inputs = 0
 
     def offloaded(self, i: int) -> bool:

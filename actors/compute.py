@@ -13,6 +13,13 @@ With ``runtime.recompute_blocks=false`` (CPU, weights read in place) step 1 runs
 gradients and keeps its graph, and step 3 walks the kept graphs instead of recomputing
 (``_forward_keeping_graphs``, ``_backward_graphs``).
 
+Layer-major micro-batches (``training.micro_batches`` k): the batch is cut into k micro-batches
+and every shard runs all k while its weights are on the device (k block inputs kept per block);
+its gradient accumulates over the k backwards in one device buffer and goes to the store once,
+so the weights still cross the link twice per step whatever k. Each micro-batch's loss is scaled
+by 1/k, and by 1/N with N data-parallel compute actors (``runtime.compute_actors``; the store
+sums their gradients), so the step's gradient is that of the mean loss over the global batch.
+
 Between steps the actor holds no weights: only mappings of the store's segments (same node)
 or nothing (object refs). The model is built on the ``meta`` device and called with
 ``torch.func.functional_call`` on views into the fetched flat buffer, so the model code does
@@ -35,11 +42,13 @@ import torch
 from torch.func import functional_call
 
 from actors.activations import ActivationStash
+from actors.grad_reduce import GradSlots
 from actors.param_store import ShardInfo
 from actors.transfer import ShardFeed, Transfers
 from megaslide_ray.config import Config
 from megaslide_ray.models.prediction import as_velocity
 from megaslide_ray.models.registry import build_shard, num_shards
+from megaslide_ray.models.shards import resident_shards
 from megaslide_ray.runtime.faults import fault_point
 from megaslide_ray.state.segments import DTYPES
 from megaslide_ray.training.flow import batch_conditioning, batch_flow_inputs, caption_dropout, flow_loss
@@ -53,7 +62,9 @@ class StoreClient(Protocol):
     def wait_version(self, shard: int, step: int) -> int: ...
     def get_weights(self, shard: int, step: int) -> np.ndarray: ...
     def report_grad(self, shard: int, step: int, sqnorm: float, grad: np.ndarray | None) -> None: ...
-    def flush(self) -> None: ...
+    def flush(self) -> int: ...
+    # several compute actors only: ``report_grad`` then also takes ``slot=``, and
+    # def wait_grad_slot(self, slot: int) -> None: ...
 
 
 @dataclass(frozen=True)
@@ -73,14 +84,17 @@ class StepResult:
     d2h_bytes: int = 0              # bytes returned to the host (gradients, offloaded inputs)
     d2h_seconds: float = 0.0
     device_memory_peak_bytes: int = 0  # CUDA: max_memory_allocated of this step; CPU: the process's peak RSS
+    store_unanswered: int = 0       # gradient reports the store did not answer within runtime.store_timeout_s
+    rank: int = 0                   # which compute actor (several: runtime.compute_actors)
+    grad_slot_wait_seconds: float = 0.0  # several compute actors: time blocked on a full gradient slot
 
 
 class BlockGraph(NamedTuple):
-    """One shard's forward kept for its backward (``runtime.recompute_blocks=false``)."""
-    x_in: torch.Tensor | None   # the block's input leaf (None: shard 0)
-    c_in: torch.Tensor | None   # its conditioning leaf
-    out: tuple                  # (output, conditioning): shard 0's (x, c); a block's (y, c)
-    grad: torch.Tensor          # the flat buffer its backward writes the gradient into
+    """One shard's forward kept for its backward (``runtime.recompute_blocks=false``), per micro-batch."""
+    x_in: list                  # per micro-batch: the block's input leaf (None: shard 0)
+    c_in: list                  # per micro-batch: its conditioning leaf
+    out: list                   # per micro-batch: (output, conditioning): shard 0's (x, c); a block's (y, c)
+    grad: torch.Tensor          # the flat buffer its backwards accumulate the gradient into
 
 
 class FlowInputs(NamedTuple):
@@ -90,6 +104,15 @@ class FlowInputs(NamedTuple):
     target: torch.Tensor    # (B, F, H, W, C) velocity to predict
     caption: torch.Tensor   # (B, Lc) uint8 caption bytes, or (B, L, text_dim) text embeddings
     caption_len: torch.Tensor
+
+    def split(self, k: int) -> list["FlowInputs"]:
+        """The k micro-batches, consecutive clips of the batch (``training.micro_batches``)."""
+        if k == 1:
+            return [self]
+        B = self.x_t.shape[0]
+        if B % k:
+            raise ValueError(f"a batch of {B} clips does not split into training.micro_batches={k}")
+        return [FlowInputs(*(a.chunk(k)[j] for a in self)) for j in range(k)]
 
 
 def select_device(cfg: Config) -> str:
@@ -102,7 +125,9 @@ def select_device(cfg: Config) -> str:
 
 class ComputeActor:
     def __init__(self, cfg: Config, shards: list[ShardInfo], store: StoreClient, transport: str = "shm",
-                 store_node: str | None = None):
+                 store_node: str | None = None, rank: int = 0, grad_slots: GradSlots | None = None):
+        """``rank``, ``grad_slots``: with several compute actors, which one this is and the store's
+        gradient slots (``ParameterStore.grad_slots``; None with one compute actor)."""
         if transport == "auto":
             transport = "shm" if store_node in (None, self.node_id()) else "object_ref"
         if transport not in ("shm", "object_ref"):
@@ -131,8 +156,14 @@ class ComputeActor:
             raise ValueError(f"store has {len(shards)} shards, the model needs {self.n}")
         self.modules = [build_shard(cfg, i, "meta") for i in range(self.n)]
         rt = cfg.runtime
+        self.rank = rank
+        self.actors = grad_slots.actors if grad_slots is not None else 1
+        self.micro_batches = cfg.training.micro_batches
+        # Each micro-batch's loss is scaled so that the gradients summed over the micro-batches and
+        # the actors are those of the mean loss over the global batch (1: no scaling at all).
+        self.loss_scale = 1.0 / (self.actors * self.micro_batches)
         self.link = Transfers(self.device, store, shards, transport, DTYPES[shards[0].w_dtype],
-                              rt.overlap, rt.prefetch_depth, rt.link_gbps)
+                              rt.overlap, rt.prefetch_depth, rt.link_gbps, grad_slots, rank)
         self.stash = ActivationStash(self.link, rt.offload_activations, rt.state_dir, rt.offload_keep)
         self._returns: list[Future | None] = []  # this step's gradient reports in flight
         # The last step whose gradients this actor sent: they replaced that step's weights in
@@ -146,11 +177,10 @@ class ComputeActor:
         params = self.infos[shard].layout.views(flat)
         return functional_call(self.modules[shard], params, args)
 
-    def _run_with_grad(self, shard: int, w: torch.Tensor, *args):
-        """Run shard ``shard`` on weights ``w`` so that its backward writes the gradient into one
-        flat buffer: returns ``(output, grad)``, ``grad`` zeroed and shaped like ``w``."""
-        params, grad = grad_views(self.infos[shard].layout, w)
-        return functional_call(self.modules[shard], params, args), grad
+    def _run_with_grad(self, shard: int, params: dict, *args):
+        """Run shard ``shard`` on ``params`` from ``grad_views`` (their backward adds the gradient
+        into that flat buffer; the micro-batches of a step add into the same one)."""
+        return functional_call(self.modules[shard], params, args)
 
     def _push_grad(self, shard: int, step: int, grad: torch.Tensor, poison: torch.Tensor | None = None) -> None:
         """Hand shard ``shard``'s flat gradient to the store with its squared norm, computed on
@@ -163,16 +193,28 @@ class ComputeActor:
         self._returns.append(self.link.return_grad(shard, step, grad, sqnorm))
 
     # -- one step -----------------------------------------------------------------------------
+    def resident_shards(self) -> list[int]:
+        """The shards kept on the device from their forward to their backward within
+        ``runtime.resident_gb`` (``models.shards.resident_shards``: blocks L-1, L-2, ..., then
+        shard 0, while they fit)."""
+        return resident_shards(self.cfg.model.depth, [info.numel for info in self.infos],
+                               DTYPES[self.infos[0].w_dtype].itemsize, self.cfg.runtime.resident_gb * 1e9)
+
     def step_order(self) -> tuple[list[int], dict[int, int]]:
         """The shards a training step takes, in order (forward 0..L+1, backward L..0), and which
         positions reuse an earlier one's weights instead of fetching them: the last block's,
         the forward's last fetch before the head, are kept for its backward (the turn costs
         one fetch less). They take the slot the head's prefetch would use, so the device never
-        holds more than prefetch_depth + 1 shards."""
+        holds more than prefetch_depth + 1 shards. The resident shards (``runtime.resident_gb``)
+        are kept from their forward fetch to their backward the same way: one fetch per step,
+        and their weights on the device in between."""
         L = self.cfg.model.depth
         if self.keep_graphs:  # the backward reads the graphs' weights
             return list(range(self.n)), {}
-        return list(range(self.n)) + list(range(L, -1, -1)), {self.n: L}
+        reuse = {self.n: L}
+        for shard in self.resident_shards():
+            reuse[self.n + L - shard] = shard  # the backward's position of ``shard`` reuses its forward fetch
+        return list(range(self.n)) + list(range(L, -1, -1)), reuse
 
     def train_step(self, batch, step: int) -> StepResult:
         """One step. ``batch``: the decoder's dict, or ``[ObjectRef]`` of it (the pipeline wraps
@@ -192,25 +234,27 @@ class ComputeActor:
         order, reuse = self.step_order()
         feed = ShardFeed(self.link, order, step, reuse)
         inputs = self._inputs(batch, step)
+        micro = inputs.split(self.micro_batches)
 
         if not self.keep_graphs:
-            x, c = self._forward(feed, inputs, step)
+            xs, cs = self._forward(feed, micro, step)
             self._grads_sent = max(self._grads_sent, step)
             t_fwd = time.perf_counter()
-            loss, dx, dc = self._loss(feed, inputs, x, c, step)
-            self._backward(feed, inputs, c, dx, dc, step)
+            loss, dxs, dcs = self._loss(feed, micro, xs, cs, step)
+            self._backward(feed, micro, cs, dxs, dcs, step)
         else:
-            graphs = self._forward_keeping_graphs(feed, inputs, step)
+            graphs = self._forward_keeping_graphs(feed, micro, step)
             self._grads_sent = max(self._grads_sent, step)
             t_fwd = time.perf_counter()
-            x, c = graphs[-1].out
-            loss, dx, dc = self._loss(feed, inputs, x.detach(), c, step)
-            self._backward_graphs(graphs, dx, dc, step)
+            xs = [y.detach() for y, _ in graphs[-1].out]
+            cs = [c for _, c in graphs[-1].out]
+            loss, dxs, dcs = self._loss(feed, micro, xs, cs, step)
+            self._backward_graphs(graphs, dxs, dcs, step)
 
         for r in self._returns:  # every gradient has reached the store (errors surface here)
             if r is not None:
                 r.result()
-        self.store.flush()
+        unanswered = self.store.flush() or 0  # a store that hangs: the driver treats it as dead
         h2d_bytes, h2d_seconds, d2h_bytes, d2h_seconds = self.link.step_counters()
         t_end = time.perf_counter()
         self.last_timeline = (t_data, feed.log, t_end)
@@ -220,134 +264,169 @@ class ComputeActor:
             forward_seconds=t_fwd - t_data, backward_seconds=t_end - t_fwd, weight_wait_seconds=feed.wait,
             data_position=int(batch.get("position", -1)), device=str(self.device), data_wait_seconds=data_wait,
             h2d_bytes=h2d_bytes, h2d_seconds=h2d_seconds, d2h_bytes=d2h_bytes, d2h_seconds=d2h_seconds,
-            device_memory_peak_bytes=peak_memory(self.device),
+            device_memory_peak_bytes=peak_memory(self.device), store_unanswered=unanswered, rank=self.rank,
+            grad_slot_wait_seconds=self.link.slot_wait_seconds,
         )
 
     def _inputs(self, batch: dict, step: int) -> FlowInputs:
-        """Noise and t drawn from (seed, step) (the same step always sees the same noise), moved
-        to the device, with the batch's conditioning (caption bytes, or text embeddings)."""
+        """Noise and t drawn from (seed, step, sample) (the same step always sees the same noise;
+        this actor's clips are samples ``rank x B ...`` of the step's global batch), moved to the
+        device, with the batch's conditioning (caption bytes, or text embeddings)."""
         t = self.cfg.training
         noise_step = 0 if t.overfit_one_batch else step
-        fx = batch_flow_inputs(batch, t.seed, noise_step, t.t_sampling, t.flow_shift)
-        cond, cond_len = batch_conditioning(batch, t.seed, noise_step, self._caption_dropout)
+        first = self.rank * len(batch["latents"] if "latents" in batch else batch["video"])  # every actor's batch is as large
+        fx = batch_flow_inputs(batch, t.seed, noise_step, t.t_sampling, t.flow_shift, first)
+        cond, cond_len = batch_conditioning(batch, t.seed, noise_step, self._caption_dropout, first)
         dev = self.device
         return FlowInputs(fx.x_t.to(dev), fx.t.to(dev), fx.target.to(dev), cond.to(dev), cond_len.to(dev))
 
     @torch.no_grad()
-    def _forward(self, feed: ShardFeed, inp: FlowInputs, step: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Shards 0..L without gradients; each block's input goes to the stash. Returns the last
-        block's output ``x`` and the conditioning ``c``."""
-        L = self.cfg.model.depth
+    def _forward(self, feed: ShardFeed, micro: list[FlowInputs], step: int) -> tuple[list, list]:
+        """Shards 0..L without gradients, each on every micro-batch while its weights are here;
+        each block's inputs go to the stash (slot ``block x k + micro-batch``). Returns the last
+        block's outputs ``xs`` and the conditionings ``cs``, one per micro-batch."""
+        L, k = self.cfg.model.depth, len(micro)
         w = feed.take(0)
         fault_point("compute.after_weights", step)
-        x, c = self._run(0, w, inp.x_t, inp.t, inp.caption, inp.caption_len)
+        xs, cs = map(list, zip(*(self._run(0, w, m.x_t, m.t, m.caption, m.caption_len) for m in micro)))
         feed.done(w)
-        self.stash.begin(L)
+        self.stash.begin(L * k, group=k)
         for shard in range(1, L + 1):
             if shard == (L + 2) // 2:
                 fault_point("compute.mid_forward", step)
-            self.stash.put(shard - 1, x)
+            for j in range(k):
+                self.stash.put((shard - 1) * k + j, xs[j])
             w = feed.take(shard)
-            x = self._run(shard, w, x, c)
+            xs = [self._run(shard, w, xs[j], cs[j]) for j in range(k)]
             feed.done(w)
-        return x, c
+        return xs, cs
 
-    def _loss(self, feed: ShardFeed, inp: FlowInputs, x: torch.Tensor, c: torch.Tensor,
-              step: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """The head and the loss, with gradients: the head's gradient goes to the store.
-        Returns (loss, d loss / d x, d loss / d c)."""
-        L = self.cfg.model.depth
+    def _scaled(self, loss: torch.Tensor) -> torch.Tensor:
+        """The loss whose gradient this actor adds to the global batch's (``loss_scale``)."""
+        return loss if self.loss_scale == 1.0 else loss * self.loss_scale
+
+    def _loss(self, feed: ShardFeed, micro: list[FlowInputs], xs: list, cs: list,
+              step: int) -> tuple[torch.Tensor, list, list]:
+        """The head and the loss of every micro-batch, with gradients: the head's gradient (summed
+        over the micro-batches) goes to the store. Returns (the micro-batches' mean loss,
+        d loss / d x and d loss / d c per micro-batch)."""
+        L, k = self.cfg.model.depth, len(micro)
         head = L + 1
         w_staged = feed.take(head)
-        for i in range(L - 1, L - 1 - self.link.prefetch_depth, -1):  # the backward's first inputs
+        for i in range(L * k - 1, L * k - 1 - self.link.prefetch_depth * k, -1):  # the backward's first inputs
             self.stash.prefetch(i)
-        x_last = x.detach().requires_grad_(True)
-        c_leaf = c.detach().requires_grad_(True)
-        pred, grad = self._run_with_grad(head, w_staged, x_last, c_leaf)
-        loss = flow_loss(as_velocity(pred, inp.x_t, inp.t, self.cfg.model.prediction), inp.target)
-        if fault_point("compute.loss", step) == "nan":
-            loss = loss * float("nan")
-        # A NaN/Inf loss with finite gradients must not slip through: poison the step's norm
-        # (on the device: no host sync).
-        bad_loss = ~torch.isfinite(loss.detach())
-        loss.backward()
+        params, grad = grad_views(self.infos[head].layout, w_staged)
+        losses, dxs, dcs = [], [], []
+        bad_loss = None
+        for m, x, c in zip(micro, xs, cs):
+            x_last = x.detach().requires_grad_(True)
+            c_leaf = c.detach().requires_grad_(True)
+            pred = self._run_with_grad(head, params, x_last, c_leaf)
+            loss = flow_loss(as_velocity(pred, m.x_t, m.t, self.cfg.model.prediction), m.target)
+            if fault_point("compute.loss", step) == "nan":
+                loss = loss * float("nan")
+            # A NaN/Inf loss with finite gradients must not slip through: poison the step's norm
+            # (on the device: no host sync).
+            bad = ~torch.isfinite(loss.detach())
+            bad_loss = bad if bad_loss is None else bad_loss | bad
+            self._scaled(loss).backward()
+            losses.append(loss.detach())
+            dxs.append(x_last.grad)
+            # dc sums one term per block: fp32 whatever c's dtype (bf16 on CUDA runs).
+            dcs.append(c_leaf.grad.to(torch.float32, copy=True))
         self._push_grad(head, step, grad, poison=bad_loss)
         feed.done(w_staged)
-        # dc sums one term per block: fp32 whatever c's dtype (bf16 on CUDA runs).
-        return loss, x_last.grad, c_leaf.grad.to(torch.float32, copy=True)
+        loss = losses[0] if k == 1 else torch.stack(losses).mean()
+        return loss, dxs, dcs
 
-    def _backward(self, feed: ShardFeed, inp: FlowInputs, c: torch.Tensor, dx: torch.Tensor, dc: torch.Tensor,
+    def _backward(self, feed: ShardFeed, micro: list[FlowInputs], cs: list, dxs: list, dcs: list,
                   step: int) -> None:
-        """Blocks L..1, each recomputed from its saved input with gradients, then shard 0; every
-        shard's gradient goes to the store as soon as it exists."""
-        L = self.cfg.model.depth
+        """Blocks L..1, each recomputed from its saved inputs with gradients on every micro-batch
+        (newest first), then shard 0; every shard's gradient, accumulated over the micro-batches
+        on the device, goes to the store as soon as it is complete."""
+        L, k = self.cfg.model.depth, len(micro)
         stash = self.stash
+        ahead = self.link.prefetch_depth * k
         for shard in range(L, 0, -1):
             w_staged = feed.take(shard)
-            x_saved = stash.take(shard - 1)
-            stash.prefetch(shard - 1 - self.link.prefetch_depth)
-            x_in = x_saved.detach().requires_grad_(True)
-            c_leaf = c.detach().requires_grad_(True)
-            y, grad = self._run_with_grad(shard, w_staged, x_in, c_leaf)
-            torch.autograd.backward(y, dx)
+            params, grad = grad_views(self.infos[shard].layout, w_staged)
+            for j in range(k - 1, -1, -1):
+                i = (shard - 1) * k + j
+                x_saved = stash.take(i)
+                stash.prefetch(i - ahead)
+                x_in = x_saved.detach().requires_grad_(True)
+                c_leaf = cs[j].detach().requires_grad_(True)
+                y = self._run_with_grad(shard, params, x_in, c_leaf)
+                torch.autograd.backward(y, dxs[j])
+                stash.give_back(i, x_saved)
+                del x_saved, y
+                dxs[j] = x_in.grad
+                dcs[j] += c_leaf.grad  # (fp32 accumulator)
             self._push_grad(shard, step, grad)
             feed.done(w_staged)
-            stash.give_back(shard - 1, x_saved)
-            del x_saved
             if shard == (L + 1) // 2:
                 fault_point("compute.mid_backward", step)
-            dx = x_in.grad
-            dc += c_leaf.grad  # (fp32 accumulator)
-            del y, grad
+            del grad, params
         w_staged = feed.take(0)
-        (x0, c0), grad = self._run_with_grad(0, w_staged, inp.x_t, inp.t, inp.caption, inp.caption_len)
-        torch.autograd.backward([x0, c0], [dx, dc.to(c0.dtype)])
+        params, grad = grad_views(self.infos[0].layout, w_staged)
+        for j in range(k - 1, -1, -1):
+            m = micro[j]
+            x0, c0 = self._run_with_grad(0, params, m.x_t, m.t, m.caption, m.caption_len)
+            torch.autograd.backward([x0, c0], [dxs[j], dcs[j].to(c0.dtype)])
         self._push_grad(0, step, grad)
         feed.done(w_staged)
 
     # -- without recomputation (runtime.recompute_blocks=false) ------------------------------
-    def _forward_keeping_graphs(self, feed: ShardFeed, inp: FlowInputs, step: int) -> list["BlockGraph"]:
-        """Shards 0..L with gradients on, each block cut from the last at its input and its
-        conditioning (leaves, as in the recomputing backward), every graph kept. The weights are
-        the store's mapped pages, read in place: they stay valid until the shard's own gradient
-        replaces them, after its backward."""
+    def _forward_keeping_graphs(self, feed: ShardFeed, micro: list[FlowInputs], step: int) -> list["BlockGraph"]:
+        """Shards 0..L with gradients on, on every micro-batch, each block cut from the last at its
+        input and its conditioning (leaves, as in the recomputing backward), every graph kept. The
+        weights are the store's mapped pages, read in place: they stay valid until the shard's own
+        gradient replaces them, after its backward."""
         L = self.cfg.model.depth
         w = feed.take(0)
         fault_point("compute.after_weights", step)
-        out, grad = self._run_with_grad(0, w, inp.x_t, inp.t, inp.caption, inp.caption_len)
+        params, grad = grad_views(self.infos[0].layout, w)
+        outs = [self._run_with_grad(0, params, m.x_t, m.t, m.caption, m.caption_len) for m in micro]
         feed.done(w)
-        graphs = [BlockGraph(None, None, out, grad)]
-        x, c = out
+        graphs = [BlockGraph([None] * len(micro), [None] * len(micro), outs, grad)]
         for shard in range(1, L + 1):
             if shard == (L + 2) // 2:
                 fault_point("compute.mid_forward", step)
-            x_in = x.detach().requires_grad_(True)
-            c_leaf = c.detach().requires_grad_(True)
             w = feed.take(shard)
-            y, grad = self._run_with_grad(shard, w, x_in, c_leaf)
+            params, grad = grad_views(self.infos[shard].layout, w)
+            g = BlockGraph([], [], [], grad)
+            for x, c in graphs[-1].out:
+                x_in = x.detach().requires_grad_(True)
+                c_leaf = c.detach().requires_grad_(True)
+                y = self._run_with_grad(shard, params, x_in, c_leaf)
+                g.x_in.append(x_in)
+                g.c_in.append(c_leaf)
+                g.out.append((y, c))
             feed.done(w)
-            graphs.append(BlockGraph(x_in, c_leaf, (y, c), grad))
-            x = y
+            graphs.append(g)
         return graphs
 
-    def _backward_graphs(self, graphs: list["BlockGraph"], dx: torch.Tensor, dc: torch.Tensor, step: int) -> None:
-        """The kept graphs' backwards, blocks L..1 then shard 0, in the order and with the
-        accumulation of ``_backward``, so the gradients are the same to the bit; each graph is
-        freed once its gradient has gone to the store."""
-        L = self.cfg.model.depth
+    def _backward_graphs(self, graphs: list["BlockGraph"], dxs: list, dcs: list, step: int) -> None:
+        """The kept graphs' backwards, blocks L..1 then shard 0, micro-batches newest first, in the
+        order and with the accumulation of ``_backward``, so the gradients are the same to the
+        bit; each graph is freed once its gradient has gone to the store."""
+        L, k = self.cfg.model.depth, len(dxs)
         for shard in range(L, 0, -1):
             g = graphs[shard]
-            torch.autograd.backward(g.out[0], dx)
+            for j in range(k - 1, -1, -1):
+                torch.autograd.backward(g.out[j][0], dxs[j])
+                dxs[j] = g.x_in[j].grad
+                dcs[j] += g.c_in[j].grad
             self._push_grad(shard, step, g.grad)
             if shard == (L + 1) // 2:
                 fault_point("compute.mid_backward", step)
-            dx = g.x_in.grad
-            dc += g.c_in.grad
             graphs[shard] = None  # its activations go now
             del g
-        (x0, c0), grad = graphs[0].out, graphs[0].grad
-        torch.autograd.backward([x0, c0], [dx, dc.to(c0.dtype)])
-        self._push_grad(0, step, grad)
+        g = graphs[0]
+        for j in range(k - 1, -1, -1):
+            x0, c0 = g.out[j]
+            torch.autograd.backward([x0, c0], [dxs[j], dcs[j].to(c0.dtype)])
+        self._push_grad(0, step, g.grad)
         graphs.clear()
 
     # -- forward only (sampling) -------------------------------------------------------------
@@ -398,10 +477,12 @@ class ComputeActor:
 
 
 class LocalStoreClient:
-    """In-process store client (unit tests and single-process tools)."""
+    """In-process store client (unit tests and single-process tools); ``rank``: which compute
+    actor it serves when the store has several."""
 
-    def __init__(self, store):
+    def __init__(self, store, rank: int = 0):
         self._store = store
+        self._rank = rank
 
     def wait_version(self, shard: int, step: int) -> int:
         return self._store.wait_version(shard, step)
@@ -409,11 +490,17 @@ class LocalStoreClient:
     def get_weights(self, shard: int, step: int) -> np.ndarray:
         return self._store.get_weights(shard, step)
 
-    def report_grad(self, shard: int, step: int, sqnorm: float, grad) -> None:
-        self._store.report_grad(shard, step, sqnorm, grad)
+    def report_grad(self, shard: int, step: int, sqnorm: float, grad, slot: int = -1) -> None:
+        if slot >= 0:
+            self._store.report_grad(shard, step, sqnorm, grad, actor=self._rank, slot=slot)
+        else:
+            self._store.report_grad(shard, step, sqnorm, grad)
 
-    def flush(self) -> None:
-        pass
+    def wait_grad_slot(self, slot: int) -> None:
+        self._store.wait_grad_slot(self._rank, slot)
+
+    def flush(self) -> int:
+        return 0
 
 
 def grad_views(layout, w: torch.Tensor) -> tuple[dict[str, torch.Tensor], torch.Tensor]:

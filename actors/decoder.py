@@ -18,10 +18,11 @@ the files, so it repeats identically on a resumed run.
 Decoder pools
 -------------
 ``pipelines.decoder_pool`` runs ``data.num_decoders`` of these with ``world_size`` = that number:
-decoder ``i`` takes the positions ``p % n == i`` and step ``k``'s batch comes from decoder
-``k % n``. ``first_step`` tells a decoder the step of its first batch (its ``j``-th batch then
-serves step ``first_step + j * world_size``), which is how ``faults.fault_point`` and
-``BatchInfo.step`` name steps. ``skipped_before`` and ``bad_rows`` carry what an earlier
+decoder ``i`` takes the positions ``p % n == i`` and batch slot ``u``'s batch comes from decoder
+``u % n`` (a slot is one compute actor's batch of one step: with one compute actor, slot = step).
+``first_step`` tells a decoder the slot of its first batch (its ``j``-th batch then fills slot
+``first_step + j * world_size``), which is how ``faults.fault_point`` and ``BatchInfo.step`` name
+steps. ``skipped_before`` and ``bad_rows`` carry what an earlier
 decoder of the same stream knew (a resumed run, or a replacement for a decoder that hung or
 died), so counts and skips continue exactly.
 
@@ -155,7 +156,8 @@ class BatchInfo:
     """What the driver needs to know about a batch without fetching its pixels."""
 
     step: int
-    """The training step this batch serves (``first_step + j * world_size`` for the j-th batch)."""
+    """The batch slot this batch fills (``first_step + j * world_size`` for the j-th batch): the
+    training step with one compute actor (slots: ``pipelines/decoder_pool.py``)."""
     rank: int
     """The decoder that made it."""
     position: int
@@ -473,19 +475,25 @@ class VideoDecoder:
         n = len(self.entries)
         if bad == n:
             raise RuntimeError(f"no row of manifest {str(self.manifest_path)!r} decodes (all {n} failed), e.g. "
-                               f"{self._examples()}. Check the files, or rebuild the manifest with "
-                               f"`python -m megaslide_ray.index VIDEO_DIR --out {self.manifest_path}`")
+                               f"{self._examples(1)}. {self._advice()}")
         limit = self.data.max_bad_fraction
         if tried >= self._min_rows_judged and bad > limit * tried:
             raise RuntimeError(
                 f"{bad} of the {tried} distinct manifest rows decoder {self.rank} tried are unusable "
                 f"({100 * bad / tried:.0f}% > data.max_bad_fraction={limit}), e.g. {self._examples()}. "
-                f"Check the files or rebuild the manifest with `python -m megaslide_ray.index VIDEO_DIR --out "
-                f"{self.manifest_path}` (it leaves unusable files out), or raise data.max_bad_fraction")
+                f"{self._advice()}, or raise data.max_bad_fraction")
+
+    def _advice(self) -> str:
+        if self.latent_rows is not None:
+            return ("Run `python -m megaslide_ray.precompute` again with the arguments that made the manifest (it "
+                    "recomputes missing or damaged files)")
+        return (f"Check the files, or rebuild the manifest with `python -m megaslide_ray.index VIDEO_DIR --out "
+                f"{self.manifest_path}` (it leaves unusable files out)")
 
     def _examples(self, k: int = 3) -> str:
         bad = [r for r in self._tried_rows if r in self._bad_rows] or list(self._bad_rows)
-        return "; ".join(f"{self.entries[r].path}: {self._bad_rows[r]}" for r in sorted(bad)[:k])
+        more = f" (and {len(bad) - k} more)" if len(bad) > k else ""
+        return "; ".join(f"{self.entries[r].path}: {self._bad_rows[r]}" for r in sorted(bad)[:k]) + more
 
     def _mark_bad(self, row: int, path: str, reason: str) -> None:
         self._bad_rows[row] = reason

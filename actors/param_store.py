@@ -39,6 +39,10 @@ written before the first shard is updated. On re-attach:
 
 AdamW kernels (``optim.adamw``, or the ``adamw=`` argument): ``megaslide_ray/training/adamw.py``.
 
+Several compute actors (``compute_actors`` > 1): each reports its gradient of a shard through a
+gradient slot, and ``actors/grad_reduce.py`` sums the N of them in fp32, in actor order, into the
+shard's ``w`` once every actor is done reading it; from there the step goes on as above.
+
 The class is plain; ``pipelines/`` makes it a threaded Ray actor, so ``wait_version`` calls
 block in their own threads while the update thread works.
 """
@@ -61,11 +65,13 @@ import numpy as np
 import torch
 from torch.optim.adamw import adamw as adamw_functional
 
+from actors.grad_reduce import GradientReducer, GradSlots
 from megaslide_ray.config import Config
 from megaslide_ray.models.registry import build_shard, initialize_shard, num_shards
 from megaslide_ray.models.shards import ShardLayout
 from megaslide_ray.runtime.faults import fault_point
 from megaslide_ray.state.checkpoint import CHECKPOINT_KINDS, CheckpointReader, write_checkpoint
+from megaslide_ray.state.kept import dir_bytes, is_kept, keep_state, unkeep_state
 from megaslide_ray.state.preflight import StateSpaceError, shm_advice
 from megaslide_ray.state.pretrained import load_pretrained_into
 from megaslide_ray.state.segments import (
@@ -103,6 +109,7 @@ class UpdateResult:
     lr: float
     optimizer_seconds: float
     skipped: bool = False   # non-finite gradients: no shard was updated
+    reduce_seconds: float = 0.0  # several compute actors: the store's time summing their gradients
 
 
 @dataclass(frozen=True)
@@ -111,6 +118,8 @@ class StoreStatus:
     state_dir: str
     state_bytes: int
     node_id: str
+    pid: int = 0    # the store's process (a restarted store has another)
+    scratch_bytes: int = 0  # several compute actors: the gradient slots and the fp32 accumulator
 
 
 class StateNotTrustedError(RuntimeError):
@@ -125,7 +134,7 @@ class GradientsLostError(RuntimeError):
 class ParameterStore:
     def __init__(self, cfg: Config, run_dir: str, w_dtype: str = "float32",
                  resume_checkpoint: str | None = None, attach: bool = False, init_from: str | None = None,
-                 adamw: str | None = None, owner_pid: int | None = None):
+                 adamw: str | None = None, owner_pid: int | None = None, compute_actors: int = 1):
         """``run_dir`` names the state (a restarted store finds it again); ``w_dtype`` is the
         compute copy's dtype. Fresh state comes from ``resume_checkpoint`` (everything, at its
         step), else ``init_from`` (pretrained weights, moments zero, step 0; see
@@ -133,7 +142,9 @@ class ParameterStore:
         existing state instead (Ray restarts attach by themselves). ``adamw``: ``fused``,
         ``compiled`` or ``auto`` (default: ``MEGASLIDE_ADAMW``, else ``fused``). ``owner_pid``: the
         process whose run this is (the driver; default this process): a fresh state records it,
-        and first removes states under the same root whose recorded owner is gone."""
+        and first removes states under the same root whose recorded owner is gone.
+        ``compute_actors``: how many compute actors report each shard's gradient (N > 1: through
+        ``runtime.grad_slots`` gradient slots each, summed here; see ``actors/grad_reduce.py``)."""
         if w_dtype not in DTYPES:
             raise ValueError(f"w_dtype={w_dtype!r}; use one of {list(DTYPES)}")
         threads = cfg.runtime.optimizer_threads or os.cpu_count() or 1
@@ -142,6 +153,7 @@ class ParameterStore:
         self.cfg = cfg
         self.w_dtype = w_dtype
         self.n = num_shards(cfg)
+        self.compute_actors = int(compute_actors)
         root = Path(cfg.runtime.state_dir) if cfg.runtime.state_dir else default_state_root()
         self.dir = root / state_key(run_dir)
         self.layouts = [ShardLayout.of(build_shard(cfg, i, "meta"), i) for i in range(self.n)]
@@ -153,6 +165,8 @@ class ParameterStore:
         self._error: BaseException | None = None
         self._saving = 0                                  # checkpoints being written: no update starts
         self._applying = False                            # the update thread is inside an update
+        self._reduce_seconds: dict[int, float] = {}       # step -> seconds summing its gradients (N > 1)
+        self.reducer: GradientReducer | None = None
 
         # Ray re-runs __init__ with the original arguments when it restarts a crashed store.
         attached = (attach or _was_reconstructed()) and (self.dir / "layout.json").is_file()
@@ -200,21 +214,35 @@ class ParameterStore:
         # slower, see benchmarks/adamw.py). Private memory, not state: the planner counts it.
         self._grad32 = (torch.empty(max(lay.numel for lay in self.layouts), dtype=torch.float32)
                         if w_dtype != "float32" else None)
+        if self.compute_actors > 1:
+            self.reducer = GradientReducer(self.dir, self.compute_actors, cfg.runtime.grad_slots,
+                                           [s["w"] for s in self.seg], w_dtype, not attached, threads,
+                                           self._reduced)
+            self.reducer.reset(self._generation)
         self.adamw, self._single_pass = choose_adamw(adamw or cfg.optim.adamw, sum(lay.numel for lay in self.layouts),
                                                      cfg.optim, DTYPES[self.w_dtype])
         if not attached:
-            self.updating.fill_(-1)
-            self.records[:, 0] = -1
-            if resume_checkpoint:
-                self._load_checkpoint(resume_checkpoint)
-            elif init_from:
-
-                load_pretrained_into(self, init_from)
-            else:
-                self._initialize(cfg.training.seed)
-            (self.dir / "layout.json").write_text(json.dumps(self._layout_doc()))
+            try:
+                self.updating.fill_(-1)
+                self.records[:, 0] = -1
+                if resume_checkpoint:
+                    self._load_checkpoint(resume_checkpoint)
+                elif init_from:
+                    load_pretrained_into(self, init_from)
+                else:
+                    self._initialize(cfg.training.seed)
+                (self.dir / "layout.json").write_text(json.dumps(self._layout_doc()))
+            except BaseException:
+                # A fresh state that could not be filled (a damaged checkpoint or source) holds
+                # nothing to keep: it goes, so a refused start leaves no RAM behind.
+                self.seg = []
+                shutil.rmtree(self.dir, ignore_errors=True)
+                raise
         else:
             self._recover()
+            if is_kept(self.dir):  # a failed run kept it; this run owns it again from here
+                write_owner(self.dir, owner_pid or os.getpid())
+                unkeep_state(self.dir)
             log.warning("parameter store re-attached to %s at versions %s", self.dir, self.versions.tolist())
         self._queue: list[int] = []
         self._worker = threading.Thread(target=self._update_loop, name="adamw-updates", daemon=True)
@@ -234,7 +262,7 @@ class ParameterStore:
                                f"{len(doc['numels'])} shards); cannot re-attach")
 
     def _check_space(self, root: Path) -> None:
-        need = self.state_bytes()
+        need = self.state_bytes() + self.slot_bytes()
         usage = shutil.disk_usage(root)
         if need > usage.free:
 
@@ -244,6 +272,14 @@ class ParameterStore:
     def state_bytes(self) -> int:
         wbytes = DTYPES[self.w_dtype].itemsize
         return sum(lay.numel * (wbytes + 12) for lay in self.layouts)
+
+    def slot_bytes(self) -> int:
+        """Several compute actors: the gradient slots beside the state (``compute_actors x
+        runtime.grad_slots`` of the largest shard, in the compute dtype); 0 with one."""
+        if self.compute_actors == 1:
+            return 0
+        largest = max(lay.numel for lay in self.layouts)
+        return self.compute_actors * self.cfg.runtime.grad_slots * largest * DTYPES[self.w_dtype].itemsize
 
     def _initialize(self, seed: int) -> None:
         """Shard by shard (a 105B model never exists whole in one process's memory)."""
@@ -262,8 +298,14 @@ class ParameterStore:
         return [ShardInfo(i, lay.numel, self.w_dtype, {"w": str(self._path(i, "w"))}, lay)
                 for i, lay in enumerate(self.layouts)]
 
+    def grad_slots(self) -> GradSlots | None:
+        """Where the compute actors' gradient slots are (None with one compute actor)."""
+        return self.reducer.info if self.reducer is not None else None
+
     def status(self) -> StoreStatus:
-        return StoreStatus(tuple(self.versions.tolist()), str(self.dir), self.state_bytes(), _node_id())
+        return StoreStatus(tuple(self.versions.tolist()), str(self.dir), self.state_bytes(), _node_id(),
+                           pid=os.getpid(),
+                           scratch_bytes=self.reducer.scratch_bytes() if self.reducer is not None else 0)
 
     def wait_version(self, shard: int, step: int, timeout: float = 600.0) -> int:
         """Block until shard ``shard`` holds the weights of step ``step`` (or newer)."""
@@ -285,11 +327,22 @@ class ParameterStore:
 
     # -- gradients and updates ----------------------------------------------------------------
     def report_grad(self, shard: int, step: int, sqnorm: float, grad: np.ndarray | None = None,
-                    generation: int | None = None) -> None:
+                    generation: int | None = None, actor: int = 0, slot: int = -1) -> None:
         """The compute actor's gradient of ``shard`` for ``step`` is complete: in the shard's ``w``
         segment already (shm transport: the compute actor wrote it there) or in ``grad``
         (object-ref transport, raw bytes, copied into ``w`` here). ``generation`` names the
-        compute actor (see ``set_client_generation``)."""
+        compute actor (see ``set_client_generation``). Several compute actors: the gradient of
+        compute actor ``actor`` is in (or, as ``grad``, goes to) its gradient slot ``slot``, and the
+        shard counts as reported once the N of them are summed into ``w``."""
+        if self.reducer is not None:
+            with self._lock:
+                if generation is None:
+                    generation = self._generation
+                if generation == self._generation and int(self.versions[shard]) != step:
+                    raise RuntimeError(f"gradient of shard {shard} for step {step} arrived but the shard is at "
+                                       f"version {int(self.versions[shard])}")
+            self.reducer.add(shard, step, actor, slot, sqnorm, generation, grad)
+            return
         with self._lock:
             if generation is not None and generation != self._generation:
                 log.warning("dropped a gradient report of shard %d for step %d from a replaced compute actor",
@@ -304,6 +357,22 @@ class ParameterStore:
             # The shard is at version ``step`` and its update cannot start before this report
             # is counted below, so nothing else reads or writes w_shard meanwhile.
             self.seg[shard]["w"].view(torch.uint8).copy_(torch.from_numpy(np.asarray(grad)).view(torch.uint8))
+        self._count_report(shard, step, sqnorm, generation)
+
+    def wait_grad_slot(self, actor: int, slot: int, generation: int | None = None) -> None:
+        """Several compute actors: block until compute actor ``actor``'s gradient slot ``slot`` is
+        free (``actors/grad_reduce.py``); ``generation``: the caller's (default: the current one)."""
+        self.reducer.wait_slot(actor, slot, self._generation if generation is None else generation)
+
+    def _reduced(self, shard: int, step: int, sqnorm: float, generation: int, seconds: float) -> None:
+        """The reducer summed every compute actor's gradient of ``shard`` into its ``w``."""
+        with self._lock:
+            self._reduce_seconds[step] = self._reduce_seconds.get(step, 0.0) + seconds
+        self._count_report(shard, step, sqnorm, generation)
+
+    def _count_report(self, shard: int, step: int, sqnorm: float, generation: int | None) -> None:
+        """Shard ``shard``'s gradient of ``step`` is in its ``w``: count it; the last one queues
+        the update."""
         with self._lock:
             if generation is not None and generation != self._generation:
                 return  # the compute actor was replaced while this report was on its way
@@ -324,10 +393,13 @@ class ParameterStore:
         weights again on every shard (the replaced actor may have written gradients of the
         abandoned step into some of them)."""
         deadline = time.monotonic() + timeout
+        if self.reducer is not None:  # partial sums of the abandoned step go; w is restored below
+            self.reducer.reset(generation)
         with self._lock:
             self._generation = generation
             self._generation_seg[0] = generation
             self._pending.clear()
+            self._reduce_seconds.clear()
             while self._inflight:
                 self._raise_if_failed()
                 if time.monotonic() > deadline:
@@ -349,9 +421,10 @@ class ParameterStore:
         with self._lock:
             while step not in self._results:
                 self._raise_if_failed()
-                if step not in self._inflight:
+                if step not in self._inflight and not (self.reducer is not None and self.reducer.holds(step)):
                     # The caller has seen every report of ``step`` acknowledged, so the step is
-                    # queued here, applied here (in _results), or applied by an earlier process.
+                    # queued here (or, several compute actors, still being summed), applied here
+                    # (in _results), or applied by an earlier process.
                     done = self._record(step) if int(self.versions.min()) > step else None
                     if done is not None:
                         return done
@@ -365,6 +438,8 @@ class ParameterStore:
             return self._results.pop(step)
 
     def _raise_if_failed(self) -> None:
+        if self.reducer is not None:
+            self.reducer.raise_if_failed()
         if self._error is not None:
             raise RuntimeError(f"parameter store update thread failed: {self._error!r}") from self._error
 
@@ -414,7 +489,9 @@ class ParameterStore:
             self._update_shard(i, step, coef, lr, skip=not finite)
         seconds = time.perf_counter() - t0
         self.records[step % RECORDS, 5] = seconds
-        return UpdateResult(step, total, coef, lr, seconds, skipped=not finite)
+        with self._lock:
+            reduce_seconds = self._reduce_seconds.pop(step, 0.0)
+        return UpdateResult(step, total, coef, lr, seconds, skipped=not finite, reduce_seconds=reduce_seconds)
 
     def _update_shard(self, i: int, step: int, coef: float, lr: float, skip: bool = False) -> None:
         """AdamW of step ``step`` on shard ``i`` (its gradient is in ``w``), bracketed by its
@@ -542,11 +619,29 @@ class ParameterStore:
                 self.seg[i]["w"].copy_(self.seg[i]["master"])  # w is master cast: not stored
             self.versions.fill_(ckpt.step)
 
+    def settle(self, timeout: float = 120.0) -> tuple[int, ...]:
+        """The versions once the updates already queued are applied (the driver stopped sending
+        steps: a run that failed asks this before it keeps or releases the state)."""
+        deadline = time.monotonic() + timeout
+        with self._lock:
+            while self._inflight and self._error is None and time.monotonic() < deadline:
+                self._lock.wait(1.0)
+            return tuple(self.versions.tolist())
+
+    def keep(self, doc: dict) -> tuple[str, int]:
+        """Stop and leave the state in place, marked kept and resumable from ``doc`` (``step``
+        and the data cursor; ``megaslide_ray.state.kept``). Returns its path and size."""
+        self.close(remove_state=False)
+        keep_state(self.dir, doc)
+        return str(self.dir), dir_bytes(self.dir)
+
     def close(self, remove_state: bool = True) -> None:
         with self._lock:
             self._closed = True
             self._lock.notify_all()
         self._worker.join(timeout=30)
+        if self.reducer is not None:
+            self.reducer.close()
         self.seg = []
         if remove_state:
             shutil.rmtree(self.dir, ignore_errors=True)

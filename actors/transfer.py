@@ -7,17 +7,19 @@ The compute actor (``actors/compute.py``) decides *what* runs; this module moves
   copies them towards the device (CUDA: an asynchronous H2D stream from pinned segments; CPU:
   in place, or through a throttled copy that simulates a PCIe link), returns gradients (into
   the shard's own ``w`` segment, which holds no weights between the shard's backward and its
-  update; CUDA: a D2H stream into the pinned segments), and counts the bytes and seconds of each
+  update; CUDA: a D2H stream into the pinned segments; with several compute actors, into this
+  actor's gradient slots instead, see ``actors/grad_reduce.py``), and counts the bytes and seconds of each
   direction per step. Two single-thread executors stand in for the streams on the CPU: one
   stages weights ahead (host -> device), one returns gradients (device -> host).
 * ``ShardFeed``: the weights of one step's shards in schedule order, with ``prefetch_depth``
   shards in flight behind the one computing, and the turn's kept shard.
-* ``ActivationStash``: the block inputs kept for the backward (activation checkpointing), on
-  the device or, with ``runtime.offload_activations``, in a host segment (all but the last
-  ``runtime.offload_keep``, which stay on the device).
-* ``StagingPool``, ``HostPinning``/``pin_ranges``/``PINNED``, ``throttled_copy``: the buffers,
-  the pinned registration (and the registry of what is pinned, which every asynchronous copy
-  consults) and the simulated link underneath.
+* ``StagingPool``: the device buffers the shards are staged into.
+
+Beside it: ``actors/activations.py`` (``ActivationStash``: the block inputs kept for the
+backward, on the device or, with ``runtime.offload_activations``, in a host segment) and
+``actors/pinned.py`` (``HostPinning``/``pin_ranges``/``PINNED``: the pinned registration and the
+registry of what is pinned, which every asynchronous copy consults; ``throttled_copy``: the
+simulated link).
 
 Why the staging buffers are pooled: the device must hold at most ``prefetch_depth + 1`` shards
 whatever the model's depth, and a fresh device allocation per shard would both fragment memory
@@ -37,6 +39,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 import numpy as np
 import torch
 
+from actors.grad_reduce import GradSlots
 from actors.pinned import HostPinning, copy_in_pieces, copy_pieces, throttled_copy
 from megaslide_ray.state.segments import map_segment
 
@@ -48,10 +51,12 @@ class Transfers:
 
     ``store``: the compute actor's store client (``wait_version``, ``get_weights``,
     ``report_grad``); ``shards``: the store's ``ShardInfo`` list; ``transport``: ``shm`` (map the
-    store's segments, same node) or ``object_ref``."""
+    store's segments, same node) or ``object_ref``. ``grad_slots``: with several compute actors,
+    the store's gradient slots; this actor (``rank``) returns its gradients through its own."""
 
     def __init__(self, device: torch.device, store, shards: list, transport: str, dtype: torch.dtype,
-                 overlap: bool, prefetch_depth: int, link_gbps: float):
+                 overlap: bool, prefetch_depth: int, link_gbps: float, grad_slots: GradSlots | None = None,
+                 rank: int = 0):
         self.device = device
         self.store = store
         self.transport = transport
@@ -66,6 +71,16 @@ class Transfers:
         if transport == "shm":
             for info in shards:
                 self.w_maps.append(map_segment(info.paths["w"], info.numel, dtype))
+        # Several compute actors: w_l holds weights the others still read, so gradients go to this
+        # actor's slots, used in turn, each claimed once the store has summed what it held last.
+        self.grad_slots, self.rank = grad_slots, rank
+        self.slot_maps: list[torch.Tensor] = []
+        self.slot_state: torch.Tensor | None = None
+        self._reports = 0          # this step's gradient reports so far: the next goes to slot reports % slots
+        self._slot_wait = 0.0      # this step's time blocked on a full slot
+        if grad_slots is not None and transport == "shm":
+            self.slot_maps = [map_segment(path, grad_slots.numel, dtype) for path in grad_slots.paths[rank]]
+            self.slot_state = map_segment(grad_slots.state_path, grad_slots.actors * grad_slots.slots, torch.int64)
         # Staging: on CUDA every shard is copied to the device; on CPU only when a link is
         # simulated (``link_gbps``), else the compute reads the mapped pages directly.
         self.staging = StagingPool()
@@ -98,7 +113,7 @@ class Transfers:
         if self.cuda:
             self.h2d_stream = torch.cuda.Stream(device)
             self.d2h_stream = torch.cuda.Stream(device)
-            for seg in self.w_maps:
+            for seg in self.w_maps + self.slot_maps:
                 if not self.pinning.register(seg):
                     break  # copies from unpinned pages still work, only synchronously
 
@@ -109,6 +124,33 @@ class Transfers:
             self._h2d, self._d2h = [0, 0.0], [0, 0.0]
             self._timing = {"h2d": [], "d2h": [], "compute": []}
             self._compute_start = None
+            self._reports, self._slot_wait = 0, 0.0
+
+    @property
+    def slot_wait_seconds(self) -> float:
+        """This step's time blocked on a full gradient slot (several compute actors)."""
+        return self._slot_wait
+
+    def _next_slot(self) -> int:
+        """The gradient slot this step's next report goes to (-1: one compute actor, none)."""
+        if self.grad_slots is None:
+            return -1
+        slot = self._reports % self.grad_slots.slots
+        self._reports += 1
+        return slot
+
+    def _claim_slot(self, slot: int, step: int) -> torch.Tensor:
+        """Wait until gradient slot ``slot`` is free (the store has summed what it held), mark it
+        as holding ``step`` and return its mapping. The state is read in shared memory; only a
+        full slot costs a call to the store, which blocks until the slot is summed."""
+        i = self.grad_slots.index(self.rank, slot)
+        if int(self.slot_state[i]) != -1:
+            t0 = time.perf_counter()
+            self.store.wait_grad_slot(slot)
+            with self._lock:
+                self._slot_wait += time.perf_counter() - t0
+        self.slot_state[i] = step
+        return self.slot_maps[slot]
 
     def count(self, direction: str, nbytes: int, seconds: float = 0.0) -> None:
         """Add a copy to this step's ``h2d`` or ``d2h`` counters (any thread)."""
@@ -263,9 +305,13 @@ class Transfers:
         thread: the returned future surfaces its errors; without, it is sent now and None is
         returned."""
         copied = host = norm = None
+        slot = self._next_slot()
         if self.cuda:  # both after the backward, on the D2H stream
             norm = self.host_staging.acquire(1, torch.float32)[0]
-            if self.transport == "shm":
+            if self.transport == "shm" and slot >= 0:
+                # (the compute thread waits here for a full slot: device memory stays bounded)
+                dst = self._claim_slot(slot, step)[:g.numel()]
+            elif self.transport == "shm":
                 dst = self.w_maps[shard]
             else:
                 host = dst = self.host_staging.acquire(g.numel(), g.dtype)[0]
@@ -280,6 +326,9 @@ class Transfers:
                 self.host_staging.release(norm)
                 if host is not None:
                     grad = host.view(torch.uint8).numpy()
+            elif self.transport == "shm" and slot >= 0:
+                throttled_copy(self._claim_slot(slot, step)[:g.numel()], g, self.link_gbps)
+                value = float(sqnorm)
             elif self.transport == "shm":
                 # CPU: the compute read w_shard in place; its backward has returned (this runs
                 # after it), and no later work of this step reads shard ``shard`` again.
@@ -291,7 +340,16 @@ class Transfers:
             seconds = time.perf_counter() - t0
             # The report copies ``grad`` before it returns (in-process into the w segment; a Ray
             # actor call serializes its arguments when it is made), so the buffer is free after.
-            self.store.report_grad(shard, step, value, grad)
+            if slot >= 0:
+                if self.transport != "shm":  # the store copies the bytes into the slot: wait until it is free
+                    # here, so the store never holds a report thread waiting for one
+                    t_wait = time.perf_counter()
+                    self.store.wait_grad_slot(slot)
+                    with self._lock:
+                        self._slot_wait += time.perf_counter() - t_wait
+                self.store.report_grad(shard, step, value, grad, slot=slot)
+            else:
+                self.store.report_grad(shard, step, value, grad)
             if host is not None:
                 self.host_staging.release(host)
             self.count("d2h", g.numel() * g.element_size(), seconds)
@@ -307,7 +365,7 @@ class Transfers:
         if self.cuda:
             torch.cuda.synchronize(self.device)
         self.pinning.release()
-        self.w_maps = []
+        self.w_maps, self.slot_maps, self.slot_state = [], [], None
 
 
 class ShardFeed:

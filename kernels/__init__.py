@@ -14,33 +14,35 @@ backend per call:
   time and memory, refused above ``MATRIX_LIMIT_TOKENS`` tokens).
 - ``"chunked"``: ``dsa_reference_chunked`` (the reference's math, queries in chunks,
   backward recomputes: bounded memory, reference speed).
-- ``"triton"``: the tiled Triton kernels (``dsa_triton_tiled``: 3D query tiles, a staged
-  key/value halo, ``tl.dot``, dk/dv with one atomic per halo element per tile). Where the
-  halo of the call's offsets does not fit a tile (or the tiled kernel fails to compile) the
-  call runs the gather kernel below, and that is logged.
 - ``"triton_gather"``: the gather Triton kernels (``dsa_triton``: a strip of queries per
-  program, per-sample corner gathers, per-corner dk/dv atomics), the baseline.
+  program, one trilinear corner per loop iteration, per-corner dk/dv atomics; CUDA-core FMAs).
+  Every autotune config compiles for sm_90 at the presets' shapes without spills (the
+  compile-only check, ``python -m benchmarks.gpu_check --compile-only``).
+- ``"triton"``: the tiled Triton kernels (``dsa_triton_tiled``: 3D query tiles of 16-64
+  queries, a staged key/value halo, ``tl.dot``, dk/dv with one atomic per halo element per
+  tile); where the halo of the call's offsets does not fit a tile (or the tiled kernel fails to
+  compile) the call runs the gather kernel, logged. Not picked by ``auto``: at the presets'
+  shapes its halos do not fit, and where they fit its configs need more shared memory than a
+  Hopper block has, or spill (benchmarks/RESULTS.md, "Compile-only check").
   Both Triton paths need CUDA tensors and are verified so far only under the Triton CPU
-  interpreter.
-- ``"auto"`` (default): ``triton`` for CUDA tensors when Triton imports; for CPU tensors
-  ``matrix`` up to ``MATRIX_MAX_TOKENS`` tokens per clip (while its matrices stay within
-  ``MATRIX_MAX_ELEMENTS``) and ``cpu`` above; else reference. The first automatic pick per
-  device type is logged (INFO).
+  interpreter and by compiling for sm_90.
+- ``"auto"`` (``backend=None``, the default): for CUDA tensors when Triton imports, the kernel the
+  compile-only check passes at the call's shape (``pick_cuda_kernel``: today ``triton_gather``
+  everywhere); for CPU tensors ``matrix`` up to ``MATRIX_MAX_TOKENS`` tokens per clip (while its
+  matrices stay within ``MATRIX_MAX_ELEMENTS``) and ``cpu`` above; else reference. The first
+  automatic pick per device type and kernel is logged once (INFO) with its reason.
 
 ``deformable_slide_attention_slab`` is the same operator for the queries of a slab of frames
 against only the frames of k and v they reach (token-chunked blocks, ``runtime.token_chunk``),
 on the same backends.
 
-Force a path with ``backend=...`` or the environment variable
-``MEGASLIDE_DSA_BACKEND=reference|cpu|matrix|chunked|triton|triton_gather|auto`` (the argument
-wins).
+Force a path with ``backend=...`` (``attention.backend`` in the config); ``None`` means ``auto``.
 """
 
 from __future__ import annotations
 
 import importlib
 import logging
-import os
 from typing import Literal, Sequence
 
 import torch
@@ -59,34 +61,45 @@ __all__ = [
     "dsa_reference_chunked",
     "resolve_dsa_backend",
     "window_base_positions",
-    "BACKEND_ENV_VAR",
+    "pick_cuda_kernel",
+    "aot_variants",
 ]
 
 log = logging.getLogger(__name__)
 
-BACKEND_ENV_VAR = "MEGASLIDE_DSA_BACKEND"
 DSABackend = Literal["reference", "cpu", "matrix", "chunked", "triton", "triton_gather", "auto"]
 _BACKENDS = ("reference", "cpu", "matrix", "chunked", "triton", "triton_gather", "auto")
 
 
 def resolve_dsa_backend(q: torch.Tensor, backend: str | None = None) -> str:
     """The concrete backend ("reference", "cpu", "matrix", "chunked", "triton" or "triton_gather")
-    a call on ``q`` uses. (``triton`` may still run the gather kernel for a call whose offsets are
-    too large for its tiles; ``dsa_triton_tiled`` logs that.)"""
-    choice = backend if backend is not None else os.environ.get(BACKEND_ENV_VAR, "auto")
-    choice = choice.strip().lower()
+    a call on ``q`` uses; ``backend=None`` means ``"auto"``. (``triton`` may still run the gather
+    kernel for a call whose offsets are too large for its tiles; ``dsa_triton_tiled`` logs that.)"""
+    choice = "auto" if backend is None else str(backend).strip().lower()
     if choice not in _BACKENDS:
-        source = "backend=" if backend is not None else f"${BACKEND_ENV_VAR}="
-        raise ValueError(f"unknown DSA backend {source}{choice!r}; choose one of {_BACKENDS}")
+        raise ValueError(f"unknown DSA backend backend={backend!r}; choose one of {_BACKENDS}")
     if choice == "auto":
         if q.device.type == "cpu":  # small clips: two dense matmuls beat the linear path's gathers
             return "matrix" if matrix_path_fits(q, MATRIX_MAX_TOKENS) else "cpu"
         if q.is_cuda and _triton_available():
-            _log_pick(q, "triton")
-            return "triton"
+            path, why = pick_cuda_kernel(q)
+            _log_pick(q, path, why)
+            return path
         _warn_fallback(q)
         return "reference"
     return choice
+
+
+def pick_cuda_kernel(q: torch.Tensor) -> tuple[str, str]:
+    """(backend, reason) for a CUDA call under ``auto``: a kernel whose every autotune config the
+    compile-only check (``python -m benchmarks.gpu_check --compile-only --arch sm_90``) passes at
+    this shape -- it launches and does not spill. The gather kernel passes at every shape the
+    presets use (bf16 and fp32, head dims 64 and 128, windows up to 3x7x7); the tiled kernel does
+    not (its 16-query tiles find no halo at the presets' grids with ``max_offset`` 1.5, and where
+    a halo fits its configs exceed a Hopper block's shared memory or spill: benchmarks/RESULTS.md)."""
+    return "triton_gather", ("gather kernel: every config compiles for sm_90 without spills at head dim "
+                             f"{q.shape[-1]}; the tiled kernel's do not (compile-only check, "
+                             "benchmarks/RESULTS.md)")
 
 
 _TRITON_ERROR: list[str] = []  # why the Triton kernels did not import (once known)
@@ -103,12 +116,11 @@ def _triton_available() -> bool:
     return True
 
 
-def _log_pick(q: torch.Tensor, path: str) -> None:
-    key = f"pick:{q.device.type}"
+def _log_pick(q: torch.Tensor, path: str, why: str) -> None:
+    key = f"pick:{q.device.type}:{path}"
     if key not in _WARNED:
         _WARNED.add(key)
-        log.info("3D-DSA: backend 'auto' picks %r on %s (tiled Triton kernels; the gather kernel "
-                 "where a call's offsets are too large for a tile, logged)", path, q.device)
+        log.info("3D-DSA: backend 'auto' picks %r on %s: %s", path, q.device, why)
 
 
 def _warn_fallback(q: torch.Tensor) -> None:
@@ -120,8 +132,8 @@ def _warn_fallback(q: torch.Tensor) -> None:
     _WARNED.add(key)
     why = (f"the Triton kernels did not import ({_TRITON_ERROR[0]})" if _TRITON_ERROR
            else f"no fused kernel for {q.device.type} tensors")
-    log.warning("3D-DSA: backend 'auto' falls back to the pure-PyTorch reference on %s: %s. Set %s to "
-                "choose a backend explicitly.", q.device, why, BACKEND_ENV_VAR)
+    log.warning("3D-DSA: backend 'auto' falls back to the pure-PyTorch reference on %s: %s. Pass backend= "
+                "(attention.backend) to choose one explicitly.", q.device, why)
 
 
 def deformable_slide_attention(
@@ -147,11 +159,11 @@ def deformable_slide_attention(
     """
     path = resolve_dsa_backend(q, backend)
     if path == "triton":
-        from .dsa_triton_tiled import dsa_triton_tiled
+        from .dsa_triton_tiled import dsa_triton_tiled  # lazy: needs triton, which a CPU machine may lack
 
         return dsa_triton_tiled(q, k, v, offsets, window, scale=scale, max_offset=max_offset)
     if path == "triton_gather":
-        from .dsa_triton import dsa_triton
+        from .dsa_triton import dsa_triton  # lazy: needs triton, which a CPU machine may lack
 
         return dsa_triton(q, k, v, offsets, window, scale=scale)
     if path == "matrix":
@@ -182,10 +194,19 @@ def deformable_slide_attention_slab(
     (``runtime.token_chunk``). Backends as ``deformable_slide_attention`` (``chunked`` runs the
     reference; ``matrix``, and ``auto`` on CPU, the ``cpu`` path: a slab is part of a long clip)."""
     path = resolve_dsa_backend(q, backend)
-    if path == "triton":
-        from .dsa_triton import dsa_triton_slab
+    if path in ("triton", "triton_gather"):  # the slab path runs the gather kernel for both
+        from .dsa_triton import dsa_triton_slab  # lazy: needs triton, which a CPU machine may lack
 
         return dsa_triton_slab(q, k, v, offsets, window, q_start, kv_start, frames, scale=scale)
     if path in ("cpu", "matrix"):
         return dsa_cpu_slab(q, k, v, offsets, window, q_start, kv_start, frames, scale=scale)
     return dsa_slab(q, k, v, offsets, window, q_start, kv_start, frames, scale=scale)
+
+
+def aot_variants(shape) -> list[dict]:
+    """Every Triton kernel and config the dispatcher may launch at ``shape`` (dtype, head dim, window,
+    grid, ``max_offset``), as compile specs for ``benchmarks.gpu_check.compile`` (the compile-only
+    check): the kernel modules list their own launches."""
+    from . import dsa_triton  # lazy: needs triton, which a CPU machine may lack
+
+    return dsa_triton.aot_variants(shape)

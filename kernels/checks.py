@@ -2,7 +2,7 @@
 
 Used by the tests (``tests/test_dsa.py``, ``tests/test_dsa_tiled.py``, ``tests/test_swin.py``)
 and by the GPU check
-(``benchmarks/gpu_check.py``), which must run on a machine without pytest or the tests
+(``benchmarks/gpu_check/``), which must run on a machine without pytest or the tests
 folder. Nothing here is used by training.
 
 - ``naive_neighborhood_attention`` / ``dense_attention``: implementations that share no code
@@ -176,14 +176,13 @@ def assert_dense_identity(attn, grid, dtype, tol, seed, scale=0.3):
 
 def assert_interpreter_tests_pass(test_file, marker: str | None = None, timeout: float = 900) -> None:
     """Run the ``test_interp_*`` tests of ``test_file`` (under ``tests/``) in a child pytest with
-    ``TRITON_INTERPRET=1`` and without ``MEGASLIDE_DSA_BACKEND``; assert that it passed and
+    ``TRITON_INTERPRET=1``; assert that it passed and
     skipped none. ``marker``: the child's ``-m`` expression (default: the project's ``addopts``).
 
     triton decides "interpreted or compiled" for every ``@triton.jit`` function when it is
     decorated -- triton.language's own helpers included, at ``import triton`` -- so the variable
     must be set before triton is first imported: hence a fresh process."""
     env = {**os.environ, "TRITON_INTERPRET": "1"}
-    env.pop("MEGASLIDE_DSA_BACKEND", None)
     marks = ["-m", marker] if marker is not None else []
     cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *marks, "-k", "test_interp_",
            str(test_file)]

@@ -2,7 +2,7 @@
 
 Backend ``triton_gather``; since the tiled kernels (``dsa_triton_tiled.py``, backend
 ``triton``) exist, these are their fallback -- calls whose halo does not fit a tile, logged --
-and the baseline they are timed against (benchmarks/gpu_check.py).
+and the baseline they are timed against (benchmarks/gpu_check/).
 
 Semantics are those of ``dsa_reference`` (docs/architecture.md, "3D-DSA: the operator"):
 channels-last ``q, k, v: (B, T, H, W, nh, d)``, ``offsets: (B, T, H, W, nh, K, 3)``.
@@ -46,6 +46,7 @@ import torch
 import triton
 import triton.language as tl
 
+from .aot import aligned_pointer_attrs, signature_for
 from .dsa_reference import validate_dsa_inputs, validate_slab_inputs
 
 __all__ = ["dsa_triton", "dsa_triton_slab", "INTERPRETED"]
@@ -89,6 +90,18 @@ def _gather(X, head_base, tok, cols, mask2, ROW_STRIDE):
     return tl.load(_row_ptrs(X, head_base, tok, cols, ROW_STRIDE), mask=mask2, other=0.0).to(
         tl.float32
     )
+
+
+@triton.jit
+def _corner(c, t0, t1, wt, y0, y1, wy, x0, x1, wx, H, W):
+    """Corner ``c`` (bits t, y, x) of every query's sample: token index and trilinear weight."""
+    ct = (c // 4) % 2
+    cy = (c // 2) % 2
+    cx = c % 2
+    tok = ((tl.where(ct == 1, t1, t0) * H + tl.where(cy == 1, y1, y0)) * W + tl.where(cx == 1, x1, x0))
+    w = tl.where(ct == 1, wt, 1.0 - wt) * tl.where(cy == 1, wy, 1.0 - wy) * tl.where(cx == 1, wx, 1.0 - wx)
+    return tok, w
+
 
 
 # -----------------------------------------------------------------------------
@@ -135,7 +148,7 @@ def _dsa_fwd(
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
 
-    for j in range(KS):
+    for j in tl.range(0, KS, loop_unroll_factor=1):
         jt = j // (KH * KW)
         jy = (j // KW) % KH
         jx = j % KW
@@ -145,39 +158,23 @@ def _dsa_fwd(
         x0, x1, wx, _ = _axis_position(off_base + j * 3 + 2, mask_m, sx + jx, W)
         t0 = tl.minimum(tl.maximum(t0 - K0, 0), TK - 1)  # whole-grid frame -> held frame
         t1 = tl.minimum(tl.maximum(t1 - K0, 0), TK - 1)
-        r00 = (t0 * H + y0) * W
-        r01 = (t0 * H + y1) * W
-        r10 = (t1 * H + y0) * W
-        r11 = (t1 * H + y1) * W
-        w00 = (1.0 - wt) * (1.0 - wy)
-        w01 = (1.0 - wt) * wy
-        w10 = wt * (1.0 - wy)
-        w11 = wt * wy
-        # -- interpolated key
-        k_j = (w00 * (1.0 - wx))[:, None] * _gather(Kx, kv_base, r00 + x0, cols, mask2, row_stride)
-        k_j += (w00 * wx)[:, None] * _gather(Kx, kv_base, r00 + x1, cols, mask2, row_stride)
-        k_j += (w01 * (1.0 - wx))[:, None] * _gather(Kx, kv_base, r01 + x0, cols, mask2, row_stride)
-        k_j += (w01 * wx)[:, None] * _gather(Kx, kv_base, r01 + x1, cols, mask2, row_stride)
-        k_j += (w10 * (1.0 - wx))[:, None] * _gather(Kx, kv_base, r10 + x0, cols, mask2, row_stride)
-        k_j += (w10 * wx)[:, None] * _gather(Kx, kv_base, r10 + x1, cols, mask2, row_stride)
-        k_j += (w11 * (1.0 - wx))[:, None] * _gather(Kx, kv_base, r11 + x0, cols, mask2, row_stride)
-        k_j += (w11 * wx)[:, None] * _gather(Kx, kv_base, r11 + x1, cols, mask2, row_stride)
-        # -- interpolated value
-        v_j = (w00 * (1.0 - wx))[:, None] * _gather(V, kv_base, r00 + x0, cols, mask2, row_stride)
-        v_j += (w00 * wx)[:, None] * _gather(V, kv_base, r00 + x1, cols, mask2, row_stride)
-        v_j += (w01 * (1.0 - wx))[:, None] * _gather(V, kv_base, r01 + x0, cols, mask2, row_stride)
-        v_j += (w01 * wx)[:, None] * _gather(V, kv_base, r01 + x1, cols, mask2, row_stride)
-        v_j += (w10 * (1.0 - wx))[:, None] * _gather(V, kv_base, r10 + x0, cols, mask2, row_stride)
-        v_j += (w10 * wx)[:, None] * _gather(V, kv_base, r10 + x1, cols, mask2, row_stride)
-        v_j += (w11 * (1.0 - wx))[:, None] * _gather(V, kv_base, r11 + x0, cols, mask2, row_stride)
-        v_j += (w11 * wx)[:, None] * _gather(V, kv_base, r11 + x1, cols, mask2, row_stride)
+        # -- interpolated key, one corner per iteration: a run-time loop (not unrolled) keeps one
+        # corner's rows in flight, so the corner tiles are never live together
+        k_j = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+        for c in tl.range(0, 8, loop_unroll_factor=1):
+            tok, w = _corner(c, t0, t1, wt, y0, y1, wy, x0, x1, wx, H, W)
+            k_j += w[:, None] * _gather(Kx, kv_base, tok, cols, mask2, row_stride)
         # -- online softmax update (base 2)
         s = tl.sum(q * k_j, axis=1) * qk_scale
         m_new = tl.maximum(m_i, s)
         alpha = tl.math.exp2(m_i - m_new)
         p = tl.math.exp2(s - m_new)
         l_i = l_i * alpha + p
-        acc = acc * alpha[:, None] + p[:, None] * v_j
+        # -- the interpolated value goes straight into the accumulator, corner by corner
+        acc = acc * alpha[:, None]
+        for c in tl.range(0, 8, loop_unroll_factor=1):
+            tok, w = _corner(c, t0, t1, wt, y0, y1, wy, x0, x1, wx, H, W)
+            acc += (p * w)[:, None] * _gather(V, kv_base, tok, cols, mask2, row_stride)
         m_i = m_new
 
     # -- epilogue: normalise, store out and the log-sum-exp for backward
@@ -189,14 +186,6 @@ def _dsa_fwd(
 
 # -----------------------------------------------------------------------------
 # Backward
-
-
-@triton.jit
-def _corner_bwd(Kx, V, kv_base, tok, cols, mask2, row_stride, q, do):
-    """One corner: its key row and the dots q.k_c, do.v_c (BLOCK_M scalars each)."""
-    k_c = _gather(Kx, kv_base, tok, cols, mask2, row_stride)
-    v_c = _gather(V, kv_base, tok, cols, mask2, row_stride)
-    return k_c, tl.sum(q * k_c, axis=1), tl.sum(do * v_c, axis=1)
 
 
 @triton.jit
@@ -248,7 +237,7 @@ def _dsa_bwd(
     off_row = ((b.to(tl.int64) * N + offs_m) * NH + h) * (KS * 3)
 
     dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
-    for j in range(KS):
+    for j in tl.range(0, KS, loop_unroll_factor=1):
         jt = j // (KH * KW)
         jy = (j // KW) % KH
         jx = j % KW
@@ -257,72 +246,84 @@ def _dsa_bwd(
         x0, x1, wx, in_x = _axis_position(OFF + off_row + j * 3 + 2, mask_m, sx + jx, W)
         t0 = tl.minimum(tl.maximum(t0 - K0, 0), TK - 1)  # whole-grid frame -> held frame
         t1 = tl.minimum(tl.maximum(t1 - K0, 0), TK - 1)
-        r00 = (t0 * H + y0) * W
-        r01 = (t0 * H + y1) * W
-        r10 = (t1 * H + y0) * W
-        r11 = (t1 * H + y1) * W
-        ut = 1.0 - wt
-        uy = 1.0 - wy
-        ux = 1.0 - wx
-
-        # -- recompute: corners (t, y, x) in {0,1}^3; qk_c = q.k_c, dv_c = do.v_c
-        k000, qk000, dv000 = _corner_bwd(Kx, V, kv_base, r00 + x0, cols, mask2, row_stride, q, do)
-        k001, qk001, dv001 = _corner_bwd(Kx, V, kv_base, r00 + x1, cols, mask2, row_stride, q, do)
-        k_j = (ut * uy * ux)[:, None] * k000 + (ut * uy * wx)[:, None] * k001
-        k010, qk010, dv010 = _corner_bwd(Kx, V, kv_base, r01 + x0, cols, mask2, row_stride, q, do)
-        k011, qk011, dv011 = _corner_bwd(Kx, V, kv_base, r01 + x1, cols, mask2, row_stride, q, do)
-        k_j += (ut * wy * ux)[:, None] * k010 + (ut * wy * wx)[:, None] * k011
-        k100, qk100, dv100 = _corner_bwd(Kx, V, kv_base, r10 + x0, cols, mask2, row_stride, q, do)
-        k101, qk101, dv101 = _corner_bwd(Kx, V, kv_base, r10 + x1, cols, mask2, row_stride, q, do)
-        k_j += (wt * uy * ux)[:, None] * k100 + (wt * uy * wx)[:, None] * k101
-        k110, qk110, dv110 = _corner_bwd(Kx, V, kv_base, r11 + x0, cols, mask2, row_stride, q, do)
-        k111, qk111, dv111 = _corner_bwd(Kx, V, kv_base, r11 + x1, cols, mask2, row_stride, q, do)
-        k_j += (wt * wy * ux)[:, None] * k110 + (wt * wy * wx)[:, None] * k111
+        # -- recompute, one corner per iteration (a run-time loop: one corner's rows in flight).
+        # Per corner c: q.k_c and do.v_c; their weighted sums give the sample's score and do.v_j;
+        # the offsets' gradient is linear in e_c = ds q.k_c + a do.v_c, so its three
+        # components are kept as sums of q.k_c and of do.v_c weighted by the derivative of the
+        # corner's weight along each axis (+-1 times the other two axes' weights).
+        qk = tl.zeros([BLOCK_M], dtype=tl.float32)
+        dov = tl.zeros([BLOCK_M], dtype=tl.float32)
+        qt = tl.zeros([BLOCK_M], dtype=tl.float32)
+        qy = tl.zeros([BLOCK_M], dtype=tl.float32)
+        qx = tl.zeros([BLOCK_M], dtype=tl.float32)
+        vt = tl.zeros([BLOCK_M], dtype=tl.float32)
+        vy = tl.zeros([BLOCK_M], dtype=tl.float32)
+        vx = tl.zeros([BLOCK_M], dtype=tl.float32)
+        k_j = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+        for c in tl.range(0, 8, loop_unroll_factor=1):
+            tok, w = _corner(c, t0, t1, wt, y0, y1, wy, x0, x1, wx, H, W)
+            ct = (c // 4) % 2
+            cy = (c // 2) % 2
+            cx = c % 2
+            at = tl.where(ct == 1, wt, 1.0 - wt)
+            ay = tl.where(cy == 1, wy, 1.0 - wy)
+            ax = tl.where(cx == 1, wx, 1.0 - wx)
+            k_c = _gather(Kx, kv_base, tok, cols, mask2, row_stride)
+            qk_c = tl.sum(q * k_c, axis=1)
+            dv_c = tl.sum(do * _gather(V, kv_base, tok, cols, mask2, row_stride), axis=1)
+            k_j += w[:, None] * k_c
+            qk += w * qk_c
+            dov += w * dv_c
+            gt = tl.where(ct == 1, 1.0, -1.0) * ay * ax
+            gy = tl.where(cy == 1, 1.0, -1.0) * at * ax
+            gx = tl.where(cx == 1, 1.0, -1.0) * at * ay
+            qt += gt * qk_c
+            vt += gt * dv_c
+            qy += gy * qk_c
+            vy += gy * dv_c
+            qx += gx * qk_c
+            vx += gx * dv_c
 
         # -- probabilities from the saved log-sum-exp; softmax backward
-        qk = (ut * (uy * (ux * qk000 + wx * qk001) + wy * (ux * qk010 + wx * qk011))
-              + wt * (uy * (ux * qk100 + wx * qk101) + wy * (ux * qk110 + wx * qk111)))
-        dov = (ut * (uy * (ux * dv000 + wx * dv001) + wy * (ux * dv010 + wx * dv011))
-               + wt * (uy * (ux * dv100 + wx * dv101) + wy * (ux * dv110 + wx * dv111)))
         a = tl.math.exp2(qk * qk_scale - lse)
         a = tl.where(mask_m, a, 0.0)
         ds = a * (dov - delta) * sm_scale  # d loss / d <q, k_j>
         dq += ds[:, None] * k_j
 
-        # -- dk, dv: scatter to the 8 corners
+        # -- dk, dv: scatter to the 8 corners (fp32 atomics: other queries sample the same rows)
         gk = ds[:, None] * q
         gv = a[:, None] * do
-        _corner_scatter(DK, DV, kv_base, r00 + x0, cols, mask2, row_stride, ut * uy * ux, gk, gv)
-        _corner_scatter(DK, DV, kv_base, r00 + x1, cols, mask2, row_stride, ut * uy * wx, gk, gv)
-        _corner_scatter(DK, DV, kv_base, r01 + x0, cols, mask2, row_stride, ut * wy * ux, gk, gv)
-        _corner_scatter(DK, DV, kv_base, r01 + x1, cols, mask2, row_stride, ut * wy * wx, gk, gv)
-        _corner_scatter(DK, DV, kv_base, r10 + x0, cols, mask2, row_stride, wt * uy * ux, gk, gv)
-        _corner_scatter(DK, DV, kv_base, r10 + x1, cols, mask2, row_stride, wt * uy * wx, gk, gv)
-        _corner_scatter(DK, DV, kv_base, r11 + x0, cols, mask2, row_stride, wt * wy * ux, gk, gv)
-        _corner_scatter(DK, DV, kv_base, r11 + x1, cols, mask2, row_stride, wt * wy * wx, gk, gv)
+        for c in tl.range(0, 8, loop_unroll_factor=1):
+            tok, w = _corner(c, t0, t1, wt, y0, y1, wy, x0, x1, wx, H, W)
+            _corner_scatter(DK, DV, kv_base, tok, cols, mask2, row_stride, w, gk, gv)
 
-        # -- d(position): derivative of the trilinear weights; e_c = dL/d(corner weight)
-        e000 = ds * qk000 + a * dv000
-        e001 = ds * qk001 + a * dv001
-        e010 = ds * qk010 + a * dv010
-        e011 = ds * qk011 + a * dv011
-        e100 = ds * qk100 + a * dv100
-        e101 = ds * qk101 + a * dv101
-        e110 = ds * qk110 + a * dv110
-        e111 = ds * qk111 + a * dv111
-        gpt = (uy * (ux * (e100 - e000) + wx * (e101 - e001))
-               + wy * (ux * (e110 - e010) + wx * (e111 - e011)))
-        gpy = (ut * (ux * (e010 - e000) + wx * (e011 - e001))
-               + wt * (ux * (e110 - e100) + wx * (e111 - e101)))
-        gpx = (ut * (uy * (e001 - e000) + wy * (e011 - e010))
-               + wt * (uy * (e101 - e100) + wy * (e111 - e110)))
+        # -- d(position): sum_c (d weight_c / d p) e_c, e_c = ds q.k_c + a do.v_c
         doff_ptr = DOFF + off_row + j * 3
         out_ty = DOFF.dtype.element_ty
-        tl.store(doff_ptr + 0, tl.where(in_t, gpt, 0.0).to(out_ty), mask=mask_m)
-        tl.store(doff_ptr + 1, tl.where(in_y, gpy, 0.0).to(out_ty), mask=mask_m)
-        tl.store(doff_ptr + 2, tl.where(in_x, gpx, 0.0).to(out_ty), mask=mask_m)
+        tl.store(doff_ptr + 0, tl.where(in_t, ds * qt + a * vt, 0.0).to(out_ty), mask=mask_m)
+        tl.store(doff_ptr + 1, tl.where(in_y, ds * qy + a * vy, 0.0).to(out_ty), mask=mask_m)
+        tl.store(doff_ptr + 2, tl.where(in_x, ds * qx + a * vx, 0.0).to(out_ty), mask=mask_m)
 
     tl.store(_row_ptrs(DQ, head_base, offs_m, cols, row_stride), dq.to(DQ.dtype.element_ty), mask=mask2)
+
+
+# -----------------------------------------------------------------------------
+# Tuning: on the GPU ``triton.autotune`` picks among these; every one of them compiles for sm_90 at
+# the presets' shapes (bf16/fp32, head dims 64 and 128, windows up to 3x7x7) without spills
+# (``python -m benchmarks.gpu_check --compile-only``; benchmarks/RESULTS.md). ``num_stages=1``:
+# the sample loop's loads depend on offsets loaded in the same iteration, there is nothing for
+# Triton's software pipeliner to prefetch, and its buffers would cost registers.
+
+FWD_CONFIGS = [triton.Config({"BLOCK_M": 16}, num_warps=4, num_stages=1)]
+# (2026-12-02: BLOCK_M 32 and 16 at 8 warps spilled 12 bytes per thread in the fp32 forward at d 64 /
+# d 128 -- ptxas holds 256-thread blocks to 128 registers -- and 32 at 4 warps at bf16 d 128: dropped)
+BWD_CONFIGS = [triton.Config({"BLOCK_M": 8}, num_warps=4, num_stages=1),
+               triton.Config({"BLOCK_M": 8}, num_warps=8, num_stages=1),
+               triton.Config({"BLOCK_M": 16}, num_warps=8, num_stages=1)]
+_TUNE_KEY = ["HEAD_DIM", "KT", "KH", "KW"]
+_dsa_fwd_tuned = triton.autotune(configs=FWD_CONFIGS, key=_TUNE_KEY)(_dsa_fwd)
+# autotune runs the kernel several times: the atomic targets must restart from zero each time
+_dsa_bwd_tuned = triton.autotune(configs=BWD_CONFIGS, key=_TUNE_KEY, reset_to_zero=["DK", "DV"])(_dsa_bwd)
 
 
 # -----------------------------------------------------------------------------
@@ -372,18 +373,15 @@ def _dsa_fwd_launch(q, k, v, offsets, win, scale, block_m, slab=None):
     B, T, H, W, nh, d = q.shape
     N = T * H * W
     kv_args, T = _slab_args(q, k, slab)
-    block_m = block_m or _default_block_m(d, backward=False)
     out = torch.empty_like(q)
     lse = torch.empty((B, nh, N), device=q.device, dtype=torch.float32)
-    grid = (triton.cdiv(N, block_m), B * nh)
-    _dsa_fwd[grid](
-        q, k, v, offsets, out, lse,
-        scale * LOG2E,
-        N, T, H, W, nh, *kv_args,
-        HEAD_DIM=d, KT=win[0], KH=win[1], KW=win[2],
-        BLOCK_M=block_m, BLOCK_D=_block_d(d),
-        num_warps=4,
-    )
+    args = (q, k, v, offsets, out, lse, scale * LOG2E, N, T, H, W, nh, *kv_args)
+    meta = dict(HEAD_DIM=d, KT=win[0], KH=win[1], KW=win[2], BLOCK_D=_block_d(d))
+    if block_m is None and not INTERPRETED:  # autotuned over configs the compile-only check passed
+        _dsa_fwd_tuned[lambda m: (triton.cdiv(N, m["BLOCK_M"]), B * nh)](*args, **meta)
+    else:
+        block_m = block_m or _default_block_m(d, backward=False)
+        _dsa_fwd[(triton.cdiv(N, block_m), B * nh)](*args, **meta, BLOCK_M=block_m, num_warps=4, num_stages=1)
     return out, lse
 
 
@@ -391,22 +389,18 @@ def _dsa_bwd_launch(q, k, v, offsets, out, dout, lse, win, scale, block_m, slab=
     B, T, H, W, nh, d = q.shape
     N = T * H * W
     kv_args, T = _slab_args(q, k, slab)
-    block_m = block_m or _default_block_m(d, backward=True)
     dq = torch.empty_like(q)
     # dk, dv receive atomics from many programs: fp32 accumulators, cast at the end
     dk = torch.zeros(k.shape, device=q.device, dtype=torch.float32)
     dv = torch.zeros(v.shape, device=q.device, dtype=torch.float32)
     doff = torch.empty_like(offsets)
-    grid = (triton.cdiv(N, block_m), B * nh)
-    _dsa_bwd[grid](
-        q, k, v, offsets, out, dout, lse,
-        dq, dk, dv, doff,
-        scale, scale * LOG2E,
-        N, T, H, W, nh, *kv_args,
-        HEAD_DIM=d, KT=win[0], KH=win[1], KW=win[2],
-        BLOCK_M=block_m, BLOCK_D=_block_d(d),
-        num_warps=4,
-    )
+    args = (q, k, v, offsets, out, dout, lse, dq, dk, dv, doff, scale, scale * LOG2E, N, T, H, W, nh, *kv_args)
+    meta = dict(HEAD_DIM=d, KT=win[0], KH=win[1], KW=win[2], BLOCK_D=_block_d(d))
+    if block_m is None and not INTERPRETED:
+        _dsa_bwd_tuned[lambda m: (triton.cdiv(N, m["BLOCK_M"]), B * nh)](*args, **meta)
+    else:
+        block_m = block_m or _default_block_m(d, backward=True)
+        _dsa_bwd[(triton.cdiv(N, block_m), B * nh)](*args, **meta, BLOCK_M=block_m, num_warps=4, num_stages=1)
     return dq, dk.to(k.dtype), dv.to(v.dtype), doff
 
 
@@ -465,3 +459,30 @@ def _gather_validated(q, k, v, offsets, win: tuple[int, int, int], scale: float 
         raise ValueError(f"block_m must be a power of two >= 16, got {block_m}")
     scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
     return _DSATriton.apply(q, k, v, offsets, win, scale, block_m, slab)
+
+
+# -----------------------------------------------------------------------------
+# Ahead-of-time compile specs (benchmarks/gpu_check/compile.py)
+
+_AOT_DTYPES = {"bf16": "*bf16", "fp16": "*fp16", "fp32": "*fp32"}
+
+
+def aot_variants(shape) -> list[dict]:
+    """What the launchers above compile for ``shape`` (an object with ``dtype`` ("bf16"/"fp32"),
+    ``head_dim`` and ``window``): forward and backward at the default block size, as dicts for
+    ``benchmarks.gpu_check.compile.Variant``. The slab path launches the same kernels."""
+    t = _AOT_DTYPES[shape.dtype]
+    d = shape.head_dim
+    out = []
+    for fn, configs in ((_dsa_fwd, FWD_CONFIGS), (_dsa_bwd, BWD_CONFIGS)):
+        ptrs = {n: t for n in ("Q", "Kx", "V", "OFF", "OUT", "DOUT", "DQ", "DOFF") if n in fn.arg_names}
+        ptrs.update({n: "*fp32" for n in ("LSE", "DK", "DV") if n in fn.arg_names})
+        for cfg in configs:
+            consts = dict(HEAD_DIM=d, KT=shape.window[0], KH=shape.window[1], KW=shape.window[2],
+                          BLOCK_D=_block_d(d), **cfg.kwargs)
+            out.append(dict(kernel=f"gather{'_bwd' if fn is _dsa_bwd else '_fwd'}", fn=fn,
+                            signature=signature_for(fn, ptrs, ("qk_scale", "sm_scale"), consts),
+                            constexprs=consts, attrs=aligned_pointer_attrs(fn, ptrs), num_warps=cfg.num_warps,
+                            num_stages=cfg.num_stages, config=f"BLOCK_M={cfg.kwargs['BLOCK_M']}",
+                            tensor_cores=False))
+    return out

@@ -21,7 +21,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--data", default=None,
                    help="validation manifest (video for videodit, latents for wan); default: the checkpoint's "
                         "data.val_manifest")
-    p.add_argument("--clips", type=int, default=None, help="validation clips (default: training.val_clips)")
+    p.add_argument("--clips", type=int, default=None,
+                   help="validation clips (default: every readable row of --data; without --data, training.val_clips)")
     p.add_argument("--buckets", type=int, default=None, help="t-buckets (default: training.val_t_buckets)")
     p.add_argument("--seed", type=int, default=None, help="seed of noise and t (default: training.seed)")
     p.add_argument("--batch-size", type=int, default=None,

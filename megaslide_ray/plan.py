@@ -13,7 +13,7 @@ import sys
 from megaslide_ray import planning
 from megaslide_ray.config import ConfigError, build_config
 from megaslide_ray.planning.render import render, render_search
-from megaslide_ray.planning.search import config_for, max_frames, plan_with_keep, requested_clip
+from megaslide_ray.planning.search import config_for, max_frames, plan_with_resident, requested_clip
 from megaslide_ray.planning.terms import HOST_RESERVE_GB, W_DTYPES
 
 
@@ -39,6 +39,12 @@ def _offload_keep_arg(text: str) -> int | str:
     if value < 0:
         raise argparse.ArgumentTypeError(f"{value} must be >= 0 (0: all offloaded) or 'auto'")
     return value
+
+
+def _resident_arg(text: str) -> float | str:
+    if text == "auto":
+        return text
+    return _non_negative_float(text)
 
 
 def _positive(kind: type):
@@ -102,6 +108,22 @@ def main(argv: list[str] | None = None) -> int:
                     help="runtime.token_chunk: tokens per chunk of a block's per-token parts (0: whole clip); "
                          "auto: the largest chunk that fits --gpu-gb. Default: the config's, or auto when the "
                          "config does not chunk and the whole clip does not fit --gpu-gb")
+    ap.add_argument("--gpus-per-node", type=_positive(int), default=None,
+                    help="GPUs (compute actors) per node sharing the node's store (runtime.compute_actors; "
+                         "default: the config's, 1 for auto): host terms per node, the DRAM all of them draw")
+    ap.add_argument("--nodes", type=_positive(int), default=1,
+                    help="nodes, one store each, optimizer state sharded by owner (planned, not implemented): "
+                         "host bytes and network bytes per node")
+    ap.add_argument("--micro-batches", type=_positive(int), default=None,
+                    help="training.micro_batches: layer-major micro-batches of --batch-size per GPU and step "
+                         "(default: the config's)")
+    ap.add_argument("--resident-gb", type=_resident_arg, default=None, metavar="GB|auto",
+                    help="runtime.resident_gb: device GB for shards kept from their forward to their backward "
+                         "(one fetch per step instead of two); auto (needs --gpu-gb): what the plan leaves free")
+    ap.add_argument("--grad-slots", type=_positive(int), default=None,
+                    help="runtime.grad_slots: gradient slots per GPU in the store's scratch (default: the config's)")
+    ap.add_argument("--network-gbps", type=_positive(float), default=25.0,
+                    help="with --nodes > 1: network GB/s each way per node (default 25: 200 Gb/s)")
     ap.add_argument("--generate", action="store_true",
                     help="plan one denoising step of sampling (forward only) instead of a training step")
     ap.add_argument("--guidance", action="store_true",
@@ -124,13 +146,22 @@ def main(argv: list[str] | None = None) -> int:
         cfg = config_for(args.preset, args.frames, args.height, args.width, batch, args.attention, args.config)
         if args.offload_activations:
             cfg.runtime.offload_activations = True
+        if args.micro_batches is not None:
+            cfg.training.micro_batches = args.micro_batches
+        if args.resident_gb is not None and args.resident_gb != "auto":
+            cfg.runtime.resident_gb = args.resident_gb
+        if args.resident_gb == "auto" and args.max_frames:
+            raise ConfigError("--resident-gb auto uses the device a plan leaves free; with --max-frames give GB")
+        if args.grad_slots is not None:
+            cfg.runtime.grad_slots = args.grad_slots
         if args.prefetch_depth is not None:
             if args.prefetch_depth < 1:
                 raise ConfigError(f"--prefetch-depth {args.prefetch_depth} must be >= 1")
             cfg.runtime.prefetch_depth = args.prefetch_depth
         kw = dict(w_dtype=args.w_dtype, pcie_gbps=args.pcie_gbps, dram_gbps=args.dram_gbps,
                   device_tflops=args.device_tflops, ram_gb=args.ram_gb, gpu_gb=args.gpu_gb,
-                  generate=args.generate, sample_steps=args.sample_steps, host_reserve_gb=args.host_reserve_gb)
+                  generate=args.generate, sample_steps=args.sample_steps, host_reserve_gb=args.host_reserve_gb,
+                  gpus_per_node=args.gpus_per_node, nodes=args.nodes, network_gbps=args.network_gbps)
         if args.max_frames:
             search = max_frames(cfg, args.token_chunk, keep=args.offload_keep, **kw)
             if args.json:
@@ -140,7 +171,9 @@ def main(argv: list[str] | None = None) -> int:
             else:
                 print(render_search(search, asked[1:], "generate" if args.generate else "train"))
             return 0
-        result = plan_with_keep(cfg, args.token_chunk, args.offload_keep, requested_clip=asked, **kw)
+        result = plan_with_resident(cfg, args.token_chunk, args.offload_keep,
+                                    "auto" if args.resident_gb == "auto" else None, requested_clip=asked,
+                                    **kw)
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

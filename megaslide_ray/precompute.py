@@ -10,7 +10,8 @@ import logging
 import sys
 from pathlib import Path
 
-from megaslide_ray.data.precompute import SKIPPED_NAME, precompute
+from megaslide_ray.data.encoders import HANG_TIMEOUT_S
+from megaslide_ray.data.precompute import LATENTS_DIR, SKIPPED_NAME, precompute
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -30,6 +31,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--num-encoders", type=int, default=None,
                         help="encoder actors (default: one per GPU, or min(CPUs, 4) on CPU); "
                              "0: in this process, no Ray")
+    parser.add_argument("--hang-timeout", type=float, default=HANG_TIMEOUT_S, metavar="SECONDS",
+                        help=f"an encoder actor that finishes no call (two clips) for this long is killed as hung and "
+                             f"replaced, its clips retried one at a time (default {HANG_TIMEOUT_S:.0f}; 0: never)")
     parser.add_argument("--ray-address", default=None, help="join a running Ray cluster")
     parser.add_argument("--no-progress", action="store_true")
     args = parser.parse_args(argv)
@@ -41,10 +45,16 @@ def main(argv: list[str] | None = None) -> int:
     try:
         rep = precompute(args.model_dir, args.data, args.out, args.frames, args.height, args.width, fps=args.fps,
                          device=args.device, dtype=args.dtype, num_encoders=args.num_encoders,
-                         progress=not args.no_progress)
+                         progress=not args.no_progress, hang_timeout_s=args.hang_timeout)
     except (ValueError, ImportError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:
+        done = len(list((Path(args.out) / LATENTS_DIR).glob("*.safetensors")))
+        print(f"interrupted: the {done} clip(s) already encoded are kept in {Path(args.out) / LATENTS_DIR}; run the "
+              f"same command again to continue (it skips every clip and caption already written)",
+              file=sys.stderr, flush=True)
+        return 130
     how = (f"{rep.encoders} encoder actors on {rep.device}" if rep.encoders else f"in this process on {rep.device}"
            ) if rep.device else "nothing left to encode"
     print(f"{rep.clips} clips in {rep.manifest}: {rep.encoded} encoded, {rep.reused} already done, "

@@ -39,7 +39,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "evaluated every 10 steps unless training.eval_every says otherwise) or motion-simple (its "
                         "simple variant: one large shape, 8 frames, no bounces or occluders, validated every 600 "
                         "steps; what the tiny-motion preset learns in minutes)")
-    p.add_argument("--resume", action="store_true", help="continue from the run dir's latest checkpoint")
+    p.add_argument("--resume", action="store_true",
+                   help="continue from the run dir's newest complete checkpoint (or the state a failed run kept)")
     p.add_argument("--init-from", default=None, metavar="FILE_OR_DIR",
                    help="start from pretrained weights: a checkpoint dir (RUN/checkpoints/step_N), a .safetensors "
                         "file or a directory of them with the model's state-dict names, or a diffusers Wan model "
@@ -76,7 +77,7 @@ def config_from_args(args: argparse.Namespace, extra: list[str]) -> Config:
         if saved.is_file():  # a resumed run keeps its own config unless told otherwise
             config_file, saved_run = str(saved), True
     if args.init_from and not args.resume:
-
+        overrides["training.init_from"] = str(Path(args.init_from).expanduser().resolve())  # recorded in config.toml
         if is_diffusers_dir(args.init_from):  # the model's shape comes from the directory's config.json
             return config_for_diffusers_dir(args.init_from, args.preset, config_file, overrides)
     return build_config(args.preset, config_file, overrides, saved_run=saved_run)

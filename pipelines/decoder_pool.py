@@ -1,14 +1,24 @@
 """The driver's side of the decoder actors: a pool of ``data.num_decoders`` ``VideoDecoder``
-actors, step ``k``'s batch from decoder ``k % n``, a watchdog on every batch, and replacement of
-a decoder that hangs or dies.
+actors, batch slot ``u``'s batch from decoder ``u % n``, a watchdog on every batch, and replacement
+of a decoder that hangs or dies.
 
-Order and resume
-----------------
-Decoder ``i`` draws the data positions ``p % n == i`` (see ``actors/decoder.py``). The pool keeps,
-per decoder, the position and skipped count after the last batch it *received* (where a
-replacement starts) and after the last batch *consumed* by a completed step (``commit``; what a
-checkpoint stores, as ``DataCursor``). A run resumed from a ``DataCursor`` with the same ``n``
-sees exactly the batches of the uninterrupted run.
+Slots, steps and resume
+-----------------------
+A **batch slot** is one compute actor's batch of one step (``data.batch_size x
+training.micro_batches`` clips). Each step takes ``per_step`` consecutive slots, one per compute
+actor (``runtime.compute_actors``): step ``k``'s slot for compute actor ``r`` is ``first_slot + (k
+- first_step) x per_step + r``. With one compute actor, slot = step. Decoder ``i`` fills the slots
+``u % n == i`` and draws the data positions ``p % n == i`` (see ``actors/decoder.py``), so with one
+decoder the clips of a step's slots are consecutive positions: actor ``r`` of N with batch b gets
+exactly clips ``r b .. r b + b - 1`` of the batch one actor with batch N b would draw.
+
+The pool keeps, per decoder, the position and skipped count after the last batch it *received*
+(where a replacement starts) and after the last batch *consumed* by a completed step (``commit``;
+what a checkpoint stores, as ``DataCursor``, with the first slot not consumed). A run resumed from
+a ``DataCursor`` with the same ``n`` sees exactly the batches of the uninterrupted run. Resumed
+with another number of compute actors (or batch size, or micro-batches) it continues the same
+stream of clips from the same slot: with one decoder the next clips are exactly those the
+interrupted run would have drawn, only grouped into steps of the new global batch.
 
 Watchdog
 --------
@@ -33,7 +43,7 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import ray
@@ -63,6 +73,12 @@ class DataCursor:
     """Per decoder: skipped draws up to that batch."""
     bad_rows: tuple[tuple[int, str], ...] = ()
     """Rows the watchdog found unusable (decodes that hung), with the reason: not tried again."""
+    slot: int | None = None
+    """The first batch slot not consumed (None: ``step``, as with one compute actor throughout)."""
+
+    @property
+    def first_slot(self) -> int:
+        return self.step if self.slot is None else self.slot
 
     @classmethod
     def start(cls, num_decoders: int, position: int = 0, skipped: int = 0, step: int = 0) -> DataCursor:
@@ -73,8 +89,11 @@ class DataCursor:
 
     def to_state(self) -> dict:
         """JSON-able entries for a checkpoint's ``state.json``."""
-        return {"data_positions": list(self.positions), "data_skipped": list(self.skipped),
-                "data_bad_rows": [[r, why] for r, why in self.bad_rows]}
+        state = {"data_positions": list(self.positions), "data_skipped": list(self.skipped),
+                 "data_bad_rows": [[r, why] for r, why in self.bad_rows]}
+        if self.slot is not None:
+            state["data_slot"] = self.slot
+        return state
 
     @classmethod
     def from_state(cls, state: dict, num_decoders: int, where: str = "the checkpoint") -> DataCursor:
@@ -93,7 +112,8 @@ class DataCursor:
                              f"data.num_decoders={num_decoders}: the data order would not continue exactly. "
                              f"Resume with --data.num_decoders {saved} (or start a new run)")
         bad = tuple((int(r), str(why)) for r, why in state.get("data_bad_rows", []))
-        return cls(int(state.get("step", 0)), tuple(positions), tuple(skipped), bad)
+        slot = int(state["data_slot"]) if "data_slot" in state else None
+        return cls(int(state.get("step", 0)), tuple(positions), tuple(skipped), bad, slot)
 
 
 @dataclass(frozen=True)
@@ -131,11 +151,16 @@ def latent_captions(cfg) -> str:
 
 
 class DecoderPool:
+    """``per_step``: batch slots per step (the compute actors); each slot's batch holds
+    ``data.batch_size x training.micro_batches`` clips."""
+
     def __init__(self, cfg, status_dir: str | Path, cursor: DataCursor | None = None,
-                 namespace: str = "megaslide", actor_options: dict | None = None):
+                 namespace: str = "megaslide", actor_options: dict | None = None, per_step: int = 1):
         n = cfg.data.num_decoders
         cursor = cursor or DataCursor.start(n)
-        first_step = cursor.step
+        self.per_step = per_step
+        self._first_step, self._first_slot = cursor.step, cursor.first_slot
+        first_slot = self._first_slot
         self._options = dict(actor_options or {})
         if len(cursor.positions) != n:
             raise ValueError(f"cursor holds {len(cursor.positions)} decoder positions, data.num_decoders={n}")
@@ -145,13 +170,13 @@ class DecoderPool:
         self._received = [(p, s) for p, s in zip(cursor.positions, cursor.skipped)]
         self._consumed = list(self._received)
         self._bad_rows: dict[int, str] = dict(cursor.bad_rows)
-        # the next step each decoder serves: the first k >= first_step with k % n == i
-        self._next_step = [first_step + (i - first_step) % n for i in range(n)]
+        # the next slot each decoder fills: the first u >= first_slot with u % n == i
+        self._next_slot = [first_slot + (i - first_slot) % n for i in range(n)]
         self._generation = [0] * n
         self._actors: list = [None] * n
         self._watch: list[_Watch] = [_Watch("")] * n
-        self._pending: dict[int, _Pending] = {}
-        self._infos: dict[int, BatchInfo] = {}   # received, not committed yet
+        self._pending: dict[int, _Pending] = {}  # by slot
+        self._infos: dict[int, BatchInfo] = {}   # by slot: received, not committed yet
         self._deaths: dict[str, int] = {}         # path -> deaths while decoding it
         self.replacements = 0
         for i in range(n):
@@ -168,8 +193,10 @@ class DecoderPool:
         position, skipped = self._received[i]
         d = self.cfg
         name = f"{self.namespace}/decoder-{i}" + (f"-r{gen}" if gen else "")
+        # One batch is one slot: a compute actor's clips of one step, all its micro-batches.
+        data = replace(d.data, batch_size=d.data.batch_size * d.training.micro_batches)
         self._actors[i] = ray.remote(VideoDecoder).options(name=name, num_cpus=0, **self._options).remote(
-            d.data, d.training.seed, d.model.caption_max_bytes, position, i, self.n, first_step=self._next_step[i],
+            data, d.training.seed, d.model.caption_max_bytes, position, i, self.n, first_step=self._next_slot[i],
             skipped_before=skipped, bad_rows=dict(self._bad_rows), status_path=str(self._status_path(i)),
             status_token=token, latent_captions=latent_captions(d))
         self._watch[i] = _Watch(token)
@@ -180,33 +207,47 @@ class DecoderPool:
 
     # -- batches --------------------------------------------------------------------------------
 
-    def batch_ref(self, step: int):
-        """The ref of step ``step``'s batch; asks its decoder on the first call."""
-        if step in self._pending:
-            return self._pending[step].batch_ref
-        i = step % self.n
-        if step != self._next_step[i]:
-            raise RuntimeError(f"decoder {i} serves step {self._next_step[i] + 1} next, not step {step + 1} "
-                               f"(steps must be asked for in order)")
+    def slot(self, step: int, rank: int = 0) -> int:
+        """The batch slot of compute actor ``rank`` in step ``step``."""
+        return self._first_slot + (step - self._first_step) * self.per_step + rank
+
+    def _step_of(self, slot: int) -> int:
+        return self._first_step + (slot - self._first_slot) // self.per_step
+
+    def batch_ref(self, step: int, rank: int = 0):
+        """The ref of compute actor ``rank``'s batch of step ``step``; asks its decoder on the first call."""
+        return self._slot_ref(self.slot(step, rank))
+
+    def _slot_ref(self, slot: int):
+        if slot in self._pending:
+            return self._pending[slot].batch_ref
+        i = slot % self.n
+        if slot != self._next_slot[i]:
+            raise RuntimeError(f"decoder {i} fills batch slot {self._next_slot[i]} next, not slot {slot} "
+                               f"(step {self._step_of(slot) + 1}; steps and actors must be asked for in order)")
         batch_ref, info_ref = self._actors[i].next_batch_and_info.options(num_returns=2).remote()
-        self._pending[step] = _Pending(batch_ref, info_ref, i)
-        self._next_step[i] += self.n
+        self._pending[slot] = _Pending(batch_ref, info_ref, i)
+        self._next_slot[i] += self.n
         return batch_ref
 
-    def wait_ready(self, step: int) -> BatchReady | None:
-        """Block until ``step``'s batch exists (None for a step never asked for). A decoder that
-        dies, or is stuck past ``data.decode_timeout_s``, is replaced and the batch redrawn. A
-        decoder's own error (e.g. too many unusable files) is raised."""
-        if step in self._infos:
-            return BatchReady(self._infos[step], False, 0.0)
-        if step not in self._pending:
+    def wait_ready(self, step: int, rank: int = 0) -> BatchReady | None:
+        """Block until compute actor ``rank``'s batch of ``step`` exists (None for one never asked
+        for). A decoder that dies, or is stuck past ``data.decode_timeout_s``, is replaced and the
+        batch redrawn. A decoder's own error (e.g. too many unusable files) is raised."""
+        return self._wait_slot(self.slot(step, rank))
+
+    def _wait_slot(self, slot: int) -> BatchReady | None:
+        step = self._step_of(slot)
+        if slot in self._infos:
+            return BatchReady(self._infos[slot], False, 0.0)
+        if slot not in self._pending:
             return None
         t0 = time.monotonic()
         replaced = 0
-        i = self._pending[step].decoder
+        i = self._pending[slot].decoder
         self._watch[i].since = t0  # the clock runs while someone waits for the decoder
         while True:
-            p = self._pending[step]
+            p = self._pending[slot]
             ready, _ = ray.wait([p.info_ref], timeout=POLL_S)
             if ready:
                 try:
@@ -215,7 +256,7 @@ class DecoderPool:
                     problem = self._died(i, step, e)
                 else:
                     self._received[i] = (info.position, info.skipped)
-                    self._infos[step] = info
+                    self._infos[slot] = info
                     return BatchReady(info, replaced > 0, time.monotonic() - t0 if replaced else 0.0)
             else:
                 problem = self._stalled(i, step)
@@ -225,7 +266,7 @@ class DecoderPool:
             if replaced > MAX_REPLACEMENTS_PER_STEP:
                 raise RuntimeError(f"decoder {i} was replaced {replaced - 1} times for step {step + 1} and still "
                                    f"produced no batch (last problem: {problem}); check the data and the logs")
-            if self._replace(i, step):
+            if self._replace(i, slot):
                 # the old decoder answered after all, just before it was killed: keep its batch
                 replaced -= 1
 
@@ -275,10 +316,10 @@ class DecoderPool:
         for actor in self._actors:  # fire-and-forget: a stuck one is replaced anyway
             actor.mark_bad.remote(row, reason)
 
-    def _replace(self, i: int, step: int) -> bool:
-        """Kill decoder ``i`` and start a new one owing ``step``'s batch. True if the old one's
+    def _replace(self, i: int, slot: int) -> bool:
+        """Kill decoder ``i`` and start a new one owing batch slot ``slot``. True if the old one's
         batch turned out to be ready after all (then nothing is replaced)."""
-        p = self._pending[step]
+        p = self._pending[slot]
         ray.kill(self._actors[i], no_restart=True)
         # The batch may have been sealed just before the kill: then it stands, and is identical
         # to what a replacement would draw; otherwise its refs now fail.
@@ -293,27 +334,37 @@ class DecoderPool:
         self.replacements += 1
         if info is not None:  # the old actor is gone either way: the replacement starts after this batch
             self._received[i] = (info.position, info.skipped)
-            self._infos[step] = info
+            self._infos[slot] = info
             self._start(i)
             return True
-        self._next_step[i] = step
-        del self._pending[step]
+        self._next_slot[i] = slot
+        del self._pending[slot]
         self._start(i)
-        self.batch_ref(step)
+        self._slot_ref(slot)
         return False
 
     def commit(self, step: int) -> BatchInfo | None:
-        """Step ``step`` completed: its batch is consumed (the position a checkpoint keeps)."""
-        info = self._infos.pop(step, None)
-        self._pending.pop(step, None)
-        if info is not None:
-            self._consumed[info.rank] = (info.position, info.skipped)
-        return info
+        """Step ``step`` completed: its batches are consumed (the positions a checkpoint keeps).
+        Returns compute actor 0's batch info (``infos`` has them all)."""
+        infos = self.infos(step)
+        for rank in range(self.per_step):
+            slot = self.slot(step, rank)
+            info = self._infos.pop(slot, None)
+            self._pending.pop(slot, None)
+            if info is not None:
+                self._consumed[info.rank] = (info.position, info.skipped)
+        return infos[0]
+
+    def infos(self, step: int) -> list[BatchInfo | None]:
+        """Each compute actor's batch info of ``step`` (None where it was not received)."""
+        return [self._infos.get(self.slot(step, rank)) for rank in range(self.per_step)]
 
     def cursor(self, step: int) -> DataCursor:
-        """Positions after the batches consumed so far, for a checkpoint after ``step`` steps."""
+        """Positions after the batches consumed so far, for a checkpoint after ``step`` steps (with
+        the first slot not consumed, when it is not ``step``)."""
+        slot = self.slot(step)
         return DataCursor(step, tuple(p for p, _ in self._consumed), tuple(s for _, s in self._consumed),
-                          tuple(sorted(self._bad_rows.items())))
+                          tuple(sorted(self._bad_rows.items())), None if slot == step else slot)
 
     @property
     def skipped_files(self) -> int:

@@ -8,6 +8,11 @@ update is collected, so the store's AdamW (shard order 0..L+1) overlaps step k+1
 which waits shard by shard for ``version == k+1``. Before a checkpoint the driver does not
 queue ahead, so the saved state is exactly the state after step k.
 
+Several compute actors (``runtime.compute_actors``, ``pipelines/compute_group.py``): each step
+goes to all of them, actor r on the step's batch slot r (``pipelines/decoder_pool.py``); the
+store sums their gradients; the step's result combines theirs (mean loss, slowest times), and
+each one's is kept for the metrics. A failure of one replaces them all.
+
 Failures: the store is restartable (``runtime.max_restarts``); a restarted store re-attaches
 to its shared-memory state (see ``actors/param_store.py``). Gradients reported for an
 unfinished step lived only in the dead process, so when a step fails because an actor died,
@@ -34,15 +39,18 @@ import os
 import shutil
 import time
 from dataclasses import dataclass
+from pathlib import Path
 
 import ray
-from ray.exceptions import ActorUnavailableError, RayActorError, RayTaskError
+from ray.exceptions import ActorUnavailableError, GetTimeoutError, RayActorError, RayTaskError
 
-from actors.compute import ComputeActor, StepResult
+from actors.compute import StepResult
 from actors.decoder import BatchInfo
 from actors.param_store import GradientsLostError, ParameterStore, UpdateResult
 from megaslide_ray.runtime import faults
+from megaslide_ray.state.kept import is_kept, keep_state, release_state, state_path
 from megaslide_ray.state.preflight import StateSpaceError
+from pipelines.compute_group import ComputeGroup, combine, combine_batches, resolve_compute_actors
 from pipelines.decoder_pool import DataCursor, DecoderPool
 
 log = logging.getLogger(__name__)
@@ -50,6 +58,8 @@ log = logging.getLogger(__name__)
 NAMESPACE = "megaslide"
 STORE_RESTART_TIMEOUT_S = 300.0
 """How long the driver waits for a restarted store to answer."""
+STORE_SETTLE_TIMEOUT_S = 120.0
+"""How long a failed run waits for the store to finish its queued updates and answer."""
 
 
 class StoreLostError(RuntimeError):
@@ -59,6 +69,11 @@ class StoreLostError(RuntimeError):
 
 class RestartLimitError(RuntimeError):
     """More actor failures than ``runtime.max_restarts``: the run stops."""
+
+
+class StoreHungError(RuntimeError):
+    """The parameter store did not answer a step's gradient reports within
+    ``runtime.store_timeout_s``: it is killed, Ray restarts it on its state, the step is recovered."""
 
 
 def actor_options() -> dict:
@@ -81,17 +96,20 @@ def raise_state_space_error(e: BaseException) -> None:
 def is_actor_failure(error: BaseException) -> bool:
     """An actor died under the call (directly, or inside the task that made the call), or a
     restarted store no longer holds a step's gradients: redoing the step recovers."""
-    kinds = (RayActorError, GradientsLostError)
+    kinds = (RayActorError, GradientsLostError, StoreHungError)
     return isinstance(error, kinds) or isinstance(getattr(error, "cause", None), kinds)
 
 
 class RayStoreClient:
     """The compute actor's view of a remote ParameterStore. Gradient reports are fire-and-
-    forget (their refs are kept and checked once per step, so an error is never lost)."""
+    forget (their refs are kept and checked once per step, so an error is never lost).
+    ``rank``: which of several compute actors this one is (``pipelines/compute_group.py``)."""
 
-    def __init__(self, store_handle, generation: int = 0):
+    def __init__(self, store_handle, generation: int = 0, rank: int = 0, timeout_s: float = 0.0):
         self._store = store_handle
         self._generation = generation  # which compute actor this is: the store drops stale reports
+        self._rank = rank
+        self._timeout = timeout_s or None  # runtime.store_timeout_s (0: wait forever)
         self._inflight: list = []
 
     def wait_version(self, shard: int, step: int) -> int:
@@ -100,27 +118,45 @@ class RayStoreClient:
     def get_weights(self, shard: int, step: int):
         return ray.get(self._store.get_weights.remote(shard, step))
 
-    def report_grad(self, shard: int, step: int, sqnorm: float, grad) -> None:
-        self._inflight.append(self._store.report_grad.remote(shard, step, sqnorm, grad, self._generation))
+    def report_grad(self, shard: int, step: int, sqnorm: float, grad, slot: int = -1) -> None:
+        if slot >= 0:  # several compute actors: the gradient is in (or goes to) this actor's slot
+            ref = self._store.report_grad.remote(shard, step, sqnorm, grad, self._generation, self._rank, slot)
+        else:
+            ref = self._store.report_grad.remote(shard, step, sqnorm, grad, self._generation)
+        self._inflight.append(ref)
 
-    def flush(self) -> None:
-        """Wait until this step's reports are answered. An error the store raised surfaces here.
+    def wait_grad_slot(self, slot: int) -> None:
+        ray.get(self._store.wait_grad_slot.remote(self._rank, slot, self._generation))
+
+    def flush(self) -> int:
+        """Wait until this step's reports are answered; returns how many were not answered within
+        ``runtime.store_timeout_s`` (0 normally). An error the store raised surfaces here.
         A store that died under a report is not this step's error: it may have counted every
         report before dying (then its restart finishes the update from shared memory) or not
         (then the gradients are gone); the driver, which waits for the step's update next,
         tells the two apart and redoes the step only in the second case. Raising here would
-        lose the step's result in the first case, with its update already applied."""
+        lose the step's result in the first case, with its update already applied. A store that
+        hangs is the same case once the driver has killed it: the step's result says so
+        (``StepResult.store_unanswered``), and the driver does."""
         refs, self._inflight = self._inflight, []
         try:
-            ray.get(refs)
+            ray.get(refs, timeout=self._timeout)
         except RayTaskError:
             raise
         except RayActorError as e:
             log.warning("the parameter store died while this step's gradient reports were answered (%s); "
                         "the driver checks whether it applied them", type(e).__name__)
+        except GetTimeoutError:
+            ready, waiting = ray.wait(refs, num_returns=len(refs), timeout=0)
+            log.warning("the parameter store did not answer %d of this step's %d gradient reports within "
+                        "runtime.store_timeout_s=%s s; the driver treats it as dead", len(waiting), len(refs),
+                        self._timeout)
+            return len(waiting)
+        return 0
 
     def __getstate__(self):
-        return {"_store": self._store, "_generation": self._generation, "_inflight": []}
+        return {"_store": self._store, "_generation": self._generation, "_rank": self._rank, "_timeout": self._timeout,
+                "_inflight": []}
 
 
 @dataclass(frozen=True)
@@ -134,6 +170,8 @@ class StepReport:
     data_lost_seconds: float = 0.0
     """Time the step lost to a decoder that hung or died (its batch was redrawn); add it to the
     compute actor's own data wait."""
+    computes: tuple[StepResult, ...] = ()
+    """Several compute actors: each one's own result (``compute`` combines them)."""
 
 
 @dataclass(frozen=True)
@@ -142,19 +180,30 @@ class ActorHandles:
     store: object
     compute: object
     decoders: tuple
+    computes: tuple = ()
+    """Every compute actor (``compute`` is the first)."""
 
 
 class StreamingPipeline:
     """Owns the actors of one run. ``run_step(k)`` returns step k's compute and update results."""
 
     def __init__(self, cfg, run_dir: str, resume_checkpoint: str | None = None,
-                 start_position: int | DataCursor = 0, init_from: str | None = None):
+                 start_position: int | DataCursor = 0, init_from: str | None = None,
+                 kept_doc: dict | None = None):
+        """``kept_doc``: continue from the shared-memory state a failed run kept (its
+        ``resume.json``, ``megaslide_ray.state.kept``) instead of ``resume_checkpoint``."""
         self.cfg = cfg
         self.run_dir = run_dir
         self.init_from = init_from  # the weights a rollback with no checkpoint yet goes back to
         use_gpu = cfg.runtime.device != "cpu" and ray.cluster_resources().get("GPU", 0) >= 1
         if cfg.runtime.device == "cuda" and not use_gpu:
             raise RuntimeError("runtime.device='cuda' but the Ray cluster has no GPU; use 'auto' or 'cpu'")
+        self.compute_actors = resolve_compute_actors(cfg)
+        gpus = ray.cluster_resources().get("GPU", 0)
+        if use_gpu and self.compute_actors > gpus:
+            raise RuntimeError(f"runtime.compute_actors={cfg.runtime.compute_actors} asks for {self.compute_actors} "
+                               f"GPU compute actors but the Ray cluster has {gpus:g} GPUs; use at most {gpus:g} "
+                               f"(or 'auto'), or runtime.device=cpu")
         self.use_gpu = use_gpu
         self.w_dtype = "bfloat16" if use_gpu else "float32"
         # Recovery counters, the whole run's (a rollback keeps them).
@@ -163,21 +212,47 @@ class StreamingPipeline:
         self.recovery_seconds = 0.0  # driver time spent recovering from actor failures, rollbacks included
         self.rollbacks = 0           # times the store's state was lost and a checkpoint restored
         self._replaced_before = 0    # decoders replaced by the pools before the last rollback
-        self._start_actors(resume_checkpoint, start_position, init_from)
+        self._computes = None
+        self._decoder_pool = None
+        self.state_dir, self.store_node = str(state_path(cfg, run_dir)), ""
+        try:
+            self._start_actors(resume_checkpoint, start_position, init_from, kept_doc is not None)
+        except BaseException:
+            self._stop_partial(kept_doc)
+            raise
+
+    def _stop_partial(self, kept_doc: dict | None) -> None:
+        """The pipeline did not come up: stop what did, and leave no state behind (a kept state
+        it was to continue from is kept again, as it was)."""
+        for h in (*(self._computes.actors if self._computes else ()),
+                  *(self._decoder_pool.actors if self._decoder_pool else ()), getattr(self, "_store", None)):
+            if h is not None:
+                try:
+                    ray.kill(h, no_restart=True)
+                except Exception as e:  # noqa: BLE001 - already dead
+                    log.debug("kill failed: %r", e)
+        path = Path(self.state_dir)
+        if not path.is_dir():
+            return
+        if kept_doc is not None:
+            keep_state(path, kept_doc)
+        elif not is_kept(path):
+            release_state(path)
 
     def _start_actors(self, resume_checkpoint: str | None, start_position: int | DataCursor,
-                      init_from: str | None) -> None:
-        """Build the store (on ``resume_checkpoint``, else ``init_from``, else fresh weights), the
-        compute actor and the decoder pool (continuing from ``start_position``), with no step in
-        flight. Used by ``__init__`` and ``rollback_to``."""
+                      init_from: str | None, attach: bool = False) -> None:
+        """Build the store (on ``resume_checkpoint``, else ``init_from``, else fresh weights; with
+        ``attach`` on the state a failed run kept), the compute actor and the decoder pool
+        (continuing from ``start_position``), with no step in flight. Used by ``__init__`` and
+        ``rollback_to``."""
         cfg, run_dir = self.cfg, self.run_dir
         # The store serves many blocking calls (wait_version) at once: a threaded actor. On a
         # restart Ray re-runs __init__ with these arguments; it then re-attaches to its segments.
         store_cls = ray.remote(ParameterStore).options(
             name=f"{NAMESPACE}/param-store", num_cpus=0, max_concurrency=64,
             max_restarts=cfg.runtime.max_restarts, **actor_options())
-        self._store = store_cls.remote(cfg, run_dir, self.w_dtype, resume_checkpoint, False, init_from,
-                                       owner_pid=os.getpid())
+        self._store = store_cls.remote(cfg, run_dir, self.w_dtype, resume_checkpoint, attach, init_from,
+                                       owner_pid=os.getpid(), compute_actors=self.compute_actors)
         try:
             self.infos = ray.get(self._store.shard_infos.remote())
         except RayActorError as e:
@@ -185,46 +260,39 @@ class StreamingPipeline:
             raise
         status = self.status()
         self.store_node, self.state_dir = status.node_id, status.state_dir
-        self._compute_generation = 0
-        self._compute = self._make_compute()
-        self.transport = ray.get(self._compute.transport_name.remote())
+        self._computes = ComputeGroup(cfg, self.infos, self.store_node, ray.get(self._store.grad_slots.remote()),
+                                      self.use_gpu, self.compute_actors, actor_options(),
+                                      lambda gen, rank: RayStoreClient(self._store, gen, rank,
+                                                                                self.cfg.runtime.store_timeout_s))
+        self.transport = self._computes.transport()
 
         # ``start_position``: where the data continues (a checkpoint's DataCursor; an int is one
         # decoder's position). The pool's watchdog replaces decoders that hang or die.
         cursor = (start_position if isinstance(start_position, DataCursor)
                   else DataCursor.start(cfg.data.num_decoders, int(start_position)))
-        self._decoder_pool = DecoderPool(cfg, f"{run_dir}/decoders", cursor, NAMESPACE, actor_options())
+        self._decoder_pool = DecoderPool(cfg, f"{run_dir}/decoders", cursor, NAMESPACE, actor_options(),
+                                         per_step=self.compute_actors)
         self._data_lost: dict[int, float] = {}      # step -> seconds lost to a replaced decoder
-        self._queued: dict[int, object] = {}        # step -> ref of the compute actor's StepResult
-        self._computed: dict[int, StepResult] = {}  # step -> result whose update is not confirmed yet
-        self._batches: dict[int, object] = {}       # step -> batch ref, kept until the step is done
-        self._first_batch = None
-        log.info("pipeline up: %d shards, weights %s, transport %s, %s", len(self.infos), self.w_dtype,
-                 self.transport, "GPU" if self.use_gpu else "CPU")
+        self._queued: dict[int, list] = {}          # step -> refs of the compute actors' StepResults
+        self._computed: dict[int, list[StepResult]] = {}  # step -> results whose update is not confirmed yet
+        self._batches: dict[tuple[int, int], object] = {}  # (step, actor) -> batch ref, kept until the step is done
+        self._first_batch: dict[int, object] = {}   # actor -> its first batch (training.overfit_one_batch)
+        log.info("pipeline up: %d shards, weights %s, transport %s, %d compute actor(s) on %s", len(self.infos),
+                 self.w_dtype, self.transport, self.compute_actors, "GPU" if self.use_gpu else "CPU")
 
-    def _make_compute(self):
-        # transport "auto": the compute actor compares its node with the store's once placed.
-        gen = self._compute_generation
-        name = f"{NAMESPACE}/compute" + (f"-{gen}" if gen else "")
-        return ray.remote(ComputeActor).options(
-            name=name, num_cpus=0 if self.use_gpu else 1, num_gpus=1 if self.use_gpu else 0, **actor_options(),
-        ).remote(self.cfg, self.infos, RayStoreClient(self._store, gen), self.cfg.runtime.transport, self.store_node)
-
-    def _batch(self, step: int):
-        if step not in self._batches:
-            if self.cfg.training.overfit_one_batch and self._first_batch is not None:
-                self._batches[step] = self._first_batch
+    def _batch(self, step: int, rank: int = 0):
+        if (step, rank) not in self._batches:
+            if self.cfg.training.overfit_one_batch and rank in self._first_batch:
+                self._batches[step, rank] = self._first_batch[rank]
             else:
-                self._batches[step] = self._decoder_pool.batch_ref(step)
-                if self._first_batch is None:
-                    self._first_batch = self._batches[step]
-        return self._batches[step]
+                self._batches[step, rank] = self._decoder_pool.batch_ref(step, rank)
+                self._first_batch.setdefault(rank, self._batches[step, rank])
+        return self._batches[step, rank]
 
     def _submit(self, step: int) -> None:
         if step in self._queued or step in self._computed:
             return
-        # In a list, the ref reaches the actor unresolved, so it can measure its wait for data.
-        self._queued[step] = self._compute.train_step.remote([self._batch(step)], step)
+        self._queued[step] = self._computes.submit(step, [self._batch(step, r) for r in range(self.compute_actors)])
 
     def count_restart(self, what: str, error: BaseException | None = None) -> None:
         """One more actor failure recovered from; past ``runtime.max_restarts``, stop the run."""
@@ -250,6 +318,8 @@ class StreamingPipeline:
                 t0 = time.monotonic()
                 log.warning("step %d: an actor died (%s); recovering and redoing the step (failure %d of at most %d)",
                             step + 1, type(e).__name__, self.restarts, self.cfg.runtime.max_restarts)
+                if isinstance(e, StoreHungError):
+                    self._kill_hung_store()
                 self._recover(step)
                 self.redone_steps += 1
                 self.recovery_seconds += time.monotonic() - t0
@@ -267,39 +337,69 @@ class StreamingPipeline:
             self._submit(step + 1)
         if step not in self._computed:
             self._computed[step] = ray.get(self._queued.pop(step))
+            unanswered = sum(r.store_unanswered for r in self._computed[step])
+            if unanswered:  # kept: the store may have applied the update
+                raise StoreHungError(f"the parameter store did not answer {unanswered} "
+                                     f"gradient report(s) of step {step + 1} within runtime.store_timeout_s="
+                                     f"{self.cfg.runtime.store_timeout_s} s")
         update = ray.get(self._store.wait_step.remote(step))
-        self._batches.pop(step, None)
-        info = self._decoder_pool.commit(step)
-        return StepReport(self._computed.pop(step), update, info, self._decoder_pool.skipped_files,
-                          self._data_lost.pop(step, 0.0))
+        for r in range(self.compute_actors):
+            self._batches.pop((step, r), None)
+        info = combine_batches(self._decoder_pool.infos(step))
+        self._decoder_pool.commit(step)
+        results = self._computed.pop(step)
+        return StepReport(combine(results), update, info, self._decoder_pool.skipped_files,
+                          self._data_lost.pop(step, 0.0), tuple(results) if len(results) > 1 else ())
 
     def _await_batch(self, step: int) -> None:
-        """Wait until ``step``'s batch exists (the decoder watchdog: ``pipelines/decoder_pool.py``).
+        """Wait until ``step``'s batches exist (the decoder watchdog: ``pipelines/decoder_pool.py``).
         A decoder that hung or died was replaced and the batch redrawn; the compute actor's run of
         the step waited on the lost batch, which is its first input, so it failed before touching
-        any weight or gradient: hand it the step again with the new batch."""
+        any weight or gradient: hand it the step again with the new batch (the other compute
+        actors wait in the store for its part of each gradient sum)."""
         if step in self._computed:
             return
-        ready = self._decoder_pool.wait_ready(step)
-        if ready is None or not ready.redrawn:
-            return
-        self.count_restart(f"step {step + 1}: the decoder of its batch hung or died and was replaced")
-        self._data_lost[step] = self._data_lost.get(step, 0.0) + ready.lost_seconds
-        self.recovery_seconds += ready.lost_seconds
-        old = self._batches.get(step)
-        self._batches[step] = self._decoder_pool.batch_ref(step)
-        if self._first_batch is old:
-            self._first_batch = self._batches[step]
-        ref = self._queued.pop(step, None)
-        if ref is not None:
+        for rank in range(self.compute_actors):
+            ready = self._decoder_pool.wait_ready(step, rank)
+            if ready is None or not ready.redrawn:
+                continue
+            self.count_restart(f"step {step + 1}: the decoder of its batch hung or died and was replaced")
+            self._data_lost[step] = self._data_lost.get(step, 0.0) + ready.lost_seconds
+            self.recovery_seconds += ready.lost_seconds
+            old = self._batches.get((step, rank))
+            self._batches[step, rank] = self._decoder_pool.batch_ref(step, rank)
+            if self._first_batch.get(rank) is old:
+                self._first_batch[rank] = self._batches[step, rank]
+            refs = self._queued.get(step)
+            if refs is None:
+                continue
             try:
-                self._computed[step] = ray.get(ref)  # it had its batch after all
+                ray.get(refs[rank])  # it had its batch after all
             except RayTaskError as e:  # raised in train_step: the lost batch; nothing was computed
-                log.debug("step %d: the compute actor's run on the lost batch failed as expected: %r",
-                          step + 1, e)
+                log.debug("step %d: compute actor %d's run on the lost batch failed as expected: %r",
+                          step + 1, rank, e)
+                refs[rank] = self._computes.resubmit(rank, step, self._batches[step, rank])
             # (a RayActorError that is not a RayTaskError: the compute actor itself died, and
             # run_step's usual recovery takes over)
-        self._submit(step)
+
+    def _kill_hung_store(self) -> None:
+        """A store that hangs is made a dead one: killed, and Ray restarts it on its state. Returns
+        once the restarted process answers (the hung one may still answer on its other threads
+        until the kill lands)."""
+        try:
+            old = ray.get(self._store.status.remote(), timeout=30).pid
+        except Exception as e:  # noqa: BLE001 - not even status answers: restart it all the same
+            log.debug("the hung store's status: %r", e)
+            old = None
+        log.warning("killing the parameter store (pid %s), which does not answer; Ray restarts it on its state", old)
+        ray.kill(self._store, no_restart=False)
+        deadline = time.monotonic() + STORE_RESTART_TIMEOUT_S
+        while self._wait_for_store().pid == old and old is not None:
+            if time.monotonic() > deadline:
+                raise StoreLostError(f"the parameter store (pid {old}) hung and did not restart after a kill; resume "
+                                     f"from the latest checkpoint: python -m megaslide_ray.train --run-dir "
+                                     f"{self.run_dir} --resume")
+            time.sleep(0.5)
 
     def _wait_for_store(self):
         """The store's status once it answers again (Ray restarts it after a crash)."""
@@ -320,26 +420,25 @@ class StreamingPipeline:
         """After an actor died during ``step``: wait for the store, replace the compute actor,
         and keep only the results of steps whose update the store holds."""
         self._wait_for_store()
-        for s, ref in list(self._queued.items()):  # finished results of queued steps are kept
-            ready, _ = ray.wait([ref], timeout=0)
-            if ready:
+        for s, refs in list(self._queued.items()):  # finished results of queued steps are kept
+            ready, _ = ray.wait(refs, num_returns=len(refs), timeout=0)
+            if len(ready) == len(refs):
                 try:
-                    self._computed[s] = ray.get(ref)
+                    self._computed[s] = ray.get(refs)
                 except Exception:  # noqa: BLE001 - a failed run of that step: it is redone
                     pass
         self._queued.clear()
-        ray.kill(self._compute)
-        self._compute_generation += 1
-        # Reports the dead compute actor still had in flight must not count towards a step.
-        versions = ray.get(self._store.set_client_generation.remote(self._compute_generation))
-        self._compute = self._make_compute()
+        self._computes.replace()
+        # Reports the dead compute actors still had in flight must not count towards a step.
+        versions = ray.get(self._store.set_client_generation.remote(self._computes.generation))
+        self._computes.start()
         applied = min(versions)  # the restarted store finished any update cut between shards
         # A result counts only if the store applied its update (the gradients are gone otherwise).
         self._computed = {s: r for s, r in self._computed.items() if s < applied}
         if applied > step and step not in self._computed:
             raise RuntimeError(f"the parameter store applied step {step + 1} but the compute result of that "
                                f"step was lost; resume from the latest checkpoint (--resume)")
-        log.warning("recovered: store at versions %s, compute actor replaced; redoing from step %d",
+        log.warning("recovered: store at versions %s, compute actor(s) replaced; redoing from step %d",
                     sorted(set(versions)), applied + 1)
 
     def save_checkpoint(self, run_dir: str, step: int, extra: dict) -> str:
@@ -373,13 +472,14 @@ class StreamingPipeline:
         only through the compute actor (``ComputeActor.predict``); so the pipeline can be handed to
         ``euler_sample`` for sampling during training. Call it with no step queued past
         ``version`` (the Trainer does not queue ahead of a sample)."""
-        return ray.get(self._compute.predict.remote(x_t, t, caption, caption_len, version))
+        return ray.get(self._computes.first.predict.remote(x_t, t, caption, caption_len, version))
 
     def actor_handles(self) -> ActorHandles:
         """The live actors' handles, for tests and fault drills that kill one on purpose. They
         change when an actor is replaced or the pipeline rolls back: take them again after that.
         Training code uses the pipeline's methods instead."""
-        return ActorHandles(self._store, self._compute, tuple(self._decoder_pool.actors))
+        return ActorHandles(self._store, self._computes.first, tuple(self._decoder_pool.actors),
+                            tuple(self._computes.actors))
 
     def rollback_to(self, checkpoint: str | None, start_position: int | DataCursor = 0) -> None:
         """The store's state is lost (``StoreLostError``): kill every actor, drop the dead state and
@@ -396,13 +496,60 @@ class StreamingPipeline:
         self.rollbacks += 1
         self.recovery_seconds += time.monotonic() - t0
 
+    def close_after_error(self, done: int, checkpoint_step: int, doc: dict) -> tuple[str, int] | None:
+        """The run failed: stop every actor, and keep the store's state if it holds progress that
+        would be lost (every shard at ``done``, the steps the driver completed, newer than
+        ``checkpoint_step``; ``doc``: the data cursor after ``done``, for ``--resume``); else release
+        it. Returns the kept state's (path, bytes), or None when it was released."""
+        for h in (*self._computes.actors, *self._decoder_pool.actors):  # they hold no state
+            try:
+                ray.kill(h, no_restart=True)
+            except Exception as e:  # noqa: BLE001 - already dead
+                log.debug("kill failed: %r", e)
+        # Collect what the queued steps left (their actor is gone), so Ray does not print their
+        # errors again as unhandled ones when the refs go.
+        refs = [ref for step_refs in self._queued.values() for ref in step_refs]
+        for ref in ray.wait(refs, num_returns=len(refs), timeout=10)[0] if refs else ():
+            try:
+                ray.get(ref)
+            except Exception as e:  # noqa: BLE001 - expected: the actor was killed, or the step failed
+                log.debug("a queued step ended with %r", e)
+        self._queued.clear()
+        self._batches.clear()
+        kept = None
+        if done > checkpoint_step:
+            try:  # a store that died or hangs is not asked twice: its state is not trusted
+                versions = ray.get(self._store.settle.remote(), timeout=STORE_SETTLE_TIMEOUT_S)
+                if all(v == done for v in versions):
+                    kept = tuple(ray.get(self._store.keep.remote({**doc, "step": done}),
+                                         timeout=STORE_SETTLE_TIMEOUT_S))
+                else:
+                    log.warning("the parameter store's shards are at versions %s, not all at step %d (the last the "
+                                "driver completed): its state cannot be resumed exactly and is released",
+                                sorted(set(versions)), done)
+            except Exception as e:  # noqa: BLE001 - dead or not answering: release
+                log.warning("the parameter store did not answer (%s); its state is released", type(e).__name__)
+        if kept is None:
+            try:
+                ray.get(self._store.close.remote(), timeout=STORE_SETTLE_TIMEOUT_S)
+            except Exception as e:  # noqa: BLE001 - dead or not answering
+                log.debug("closing the parameter store failed: %r", e)
+        try:
+            ray.kill(self._store, no_restart=True)
+        except Exception as e:  # noqa: BLE001 - already dead
+            log.debug("kill failed: %r", e)
+        if kept is None:
+            self._remove_state()
+        return kept
+
     def data_cursor(self, step: int) -> DataCursor:
         """Where the data continues after ``step`` completed steps (for a checkpoint)."""
         return self._decoder_pool.cursor(step)
 
     def abort(self) -> None:
         """Kill every actor now and remove the store's shared-memory state (same node only)."""
-        for h in [self._compute, *self._decoder_pool.actors, self._store]:
+        self._computes.kill()
+        for h in [*self._decoder_pool.actors, self._store]:
             try:
                 ray.kill(h, no_restart=True)
             except Exception as e:  # noqa: BLE001 - already dead
@@ -410,17 +557,17 @@ class StreamingPipeline:
         self._remove_state()
 
     def _remove_state(self) -> None:
-        """Remove the store's shared-memory state, when it is on this node (runs continue from
-        checkpoints, never from this state)."""
+        """Remove the store's shared-memory state, when it is on this node."""
         if self.store_node == ray.get_runtime_context().get_node_id():
             shutil.rmtree(self.state_dir, ignore_errors=True)
 
     def close(self) -> None:
-        for ref in self._queued.values():
-            ray.cancel(ref, force=False)
+        for refs in self._queued.values():
+            for ref in refs:
+                ray.cancel(ref, force=False)
         self._queued.clear()
         self._batches.clear()
-        closing = self._compute.close.remote()
+        closing = self._computes.close_refs()
         self._decoder_pool.close()  # all decoders at once: a frozen one is killed after one timeout
         try:
             ray.get(closing, timeout=30)
@@ -432,7 +579,7 @@ class StreamingPipeline:
             closed = True
         except Exception as e:  # noqa: BLE001
             log.warning("parameter store did not close cleanly: %r", e)
-        for h in (self._compute, self._store):
-            ray.kill(h)
+        self._computes.kill()
+        ray.kill(self._store)
         if not closed:  # a dead store (e.g. one that could not be restarted) left its state behind
             self._remove_state()

@@ -150,17 +150,15 @@ def test_clamped_samples_have_zero_offset_gradient():
 # Public API and validation
 
 
-def test_public_function_matches_reference_and_honours_the_backend_switch(monkeypatch):
+def test_public_function_matches_reference_and_honours_the_backend_switch():
     shape = (1, 3, 3, 3, 1, 4)
     q, k, v = make_qkv(shape)
     offsets = off_kink_offsets(shape, (3, 3, 3), span=1, dtype=torch.float32)
     ref = dsa_reference(q, k, v, offsets, (3, 3, 3))
     torch.testing.assert_close(deformable_slide_attention(q, k, v, offsets, (3, 3, 3)), ref)
-    monkeypatch.setenv("MEGASLIDE_DSA_BACKEND", "reference")
-    torch.testing.assert_close(deformable_slide_attention(q, k, v, offsets, (3, 3, 3)), ref)
-    monkeypatch.setenv("MEGASLIDE_DSA_BACKEND", "bogus")
+    torch.testing.assert_close(deformable_slide_attention(q, k, v, offsets, (3, 3, 3), backend="reference"), ref)
     with pytest.raises(ValueError, match="bogus"):
-        deformable_slide_attention(q, k, v, offsets, (3, 3, 3))
+        deformable_slide_attention(q, k, v, offsets, (3, 3, 3), backend="bogus")
 
 
 def test_automatic_fallback_to_the_reference_warns_once(monkeypatch, caplog):
@@ -168,7 +166,6 @@ def test_automatic_fallback_to_the_reference_warns_once(monkeypatch, caplog):
     import kernels
 
     monkeypatch.setattr(kernels, "_WARNED", set())
-    monkeypatch.delenv("MEGASLIDE_DSA_BACKEND", raising=False)
     q = torch.empty(1, 3, 3, 3, 1, 4, device="meta")
     with caplog.at_level("WARNING", logger="kernels"):
         assert resolve_dsa_backend(q) == "reference"
@@ -419,17 +416,14 @@ def test_dispatch_auto_picks_cpu_path(monkeypatch):
     shape = (1, 3, 3, 3, 1, 4)
     q, k, v = make_qkv(shape)
     offsets = off_kink_offsets(shape, (3, 3, 3), span=1, dtype=torch.float32)
-    monkeypatch.delenv("MEGASLIDE_DSA_BACKEND", raising=False)
     monkeypatch.setattr(kernels, "MATRIX_MAX_TOKENS", 26)  # a 27-token grid: above the small-grid path
     assert resolve_dsa_backend(q) == "cpu"
     assert resolve_dsa_backend(q, "reference") == "reference"
     fast = dsa_cpu(q, k, v, offsets, (3, 3, 3))
     assert torch.equal(deformable_slide_attention(q, k, v, offsets, (3, 3, 3)), fast)
     assert torch.equal(deformable_slide_attention(q, k, v, offsets, (3, 3, 3), backend="cpu"), fast)
-    monkeypatch.setenv("MEGASLIDE_DSA_BACKEND", "reference")
-    assert resolve_dsa_backend(q) == "reference"
     ref = dsa_reference(q, k, v, offsets, (3, 3, 3))
-    assert torch.equal(deformable_slide_attention(q, k, v, offsets, (3, 3, 3)), ref)
+    assert torch.equal(deformable_slide_attention(q, k, v, offsets, (3, 3, 3), backend="reference"), ref)
     assert torch.equal(deformable_slide_attention(q, k, v, offsets, (3, 3, 3), backend="cpu"), fast)
     with pytest.raises(ValueError, match="chunk_size"):
         dsa_cpu(q, k, v, offsets, (3, 3, 3), chunk_size=0)
@@ -485,7 +479,6 @@ def test_matrix_identities_and_half_inputs():
 def test_small_grids_take_the_matrix_path_and_large_ones_are_refused(monkeypatch):
     import kernels
 
-    monkeypatch.delenv("MEGASLIDE_DSA_BACKEND", raising=False)
     shape = (1, 3, 3, 3, 2, 4)
     q, k, v = make_qkv(shape, seed=51)
     offsets = off_kink_offsets(shape, (3, 3, 3), span=1, dtype=torch.float32, seed=52)

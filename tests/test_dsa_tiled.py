@@ -106,6 +106,32 @@ def test_triton_gather_is_a_backend():
     assert resolve_dsa_backend(q, "triton") == "triton"
 
 
+def test_backend_is_an_argument_not_an_environment_variable(monkeypatch):
+    """``backend=None`` is ``auto`` (here, a CPU path); the old environment variable is ignored;
+    a name that is no backend is refused with the choices."""
+    q = torch.empty(1, 3, 3, 3, 1, 4)
+    monkeypatch.setenv("MEGASLIDE_DSA_BACKEND", "reference")
+    assert resolve_dsa_backend(q, None) == resolve_dsa_backend(q, "auto") in ("matrix", "cpu")
+    with pytest.raises(ValueError, match="triton_gather"):
+        resolve_dsa_backend(q, "bogus")
+
+
+def test_auto_on_cuda_picks_the_kernel_the_compile_check_passes(caplog):
+    """``pick_cuda_kernel``: the gather kernel (its configs compile for sm_90 without spills at the
+    presets' shapes: tests/test_compile_sm90.py), with the reason; logged once per run."""
+    import kernels
+
+    path, why = kernels.pick_cuda_kernel(torch.empty(1, 3, 3, 3, 1, 128))
+    assert path == "triton_gather" and "sm_90" in why and "spills" in why
+    q = torch.empty(1, 3, 3, 3, 1, 128)
+    kernels._WARNED.discard("pick:cpu:triton_gather")
+    with caplog.at_level(logging.INFO, logger="kernels"):
+        kernels._log_pick(q, path, why)
+        kernels._log_pick(q, path, why)
+    msgs = [r.getMessage() for r in caplog.records if "picks" in r.getMessage()]
+    assert len(msgs) == 1 and "triton_gather" in msgs[0] and why in msgs[0], msgs
+
+
 # -----------------------------------------------------------------------------
 # Kernels under the interpreter
 

@@ -67,3 +67,20 @@ def test_documented_modules_exist():
     assert not not_runnable, f"documented modules without a main(): {not_runnable}"
     for name in set(re.findall(r"\bmegaslide (\w[\w-]*)", text)) - {"COMMAND", "NAME"}:
         assert name in COMMANDS, f"docs run `megaslide {name}`, which is not a command"
+
+
+def test_documented_benchmarks_and_studies_exist():
+    """Each ``python -m benchmarks.NAME`` (and ``benchmarks.studies.NAME``) README.md, docs/ and
+    benchmarks/RESULTS.md's newest sections name runs: the module exists and has a main()."""
+    text = "\n".join(p.read_text() for p in [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))])
+    names = set(re.findall(r"python -m (benchmarks(?:\.\w+)+)", text)) - {"benchmarks.NAME", "benchmarks.studies.NAME"}
+    names |= {f"{package}.{n}" for package, listed in re.findall(r"`python -m (benchmarks(?:\.studies)?)\.NAME` "
+                                                                 r"\(([^)]*)\)", text)
+              for n in re.findall(r"`(\w+)`", listed)}
+    assert {"benchmarks.pipeline", "benchmarks.studies.quality"} <= names, sorted(names)
+    assert names, "README.md names no benchmark"
+    missing = sorted(n for n in names if importlib.util.find_spec(n) is None)
+    assert not missing, f"documented but missing: {missing}"
+    without_main = sorted(n for n in names if not hasattr(importlib.import_module(n), "main")
+                          and importlib.util.find_spec(f"{n}.__main__") is None)
+    assert not without_main, f"documented benchmarks without a main(): {without_main}"

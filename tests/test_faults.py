@@ -1,7 +1,10 @@
 """Fault injection across the actors: each run with one injected failure recovers and ends with
-parameters bit-identical to the uninterrupted run. Plus NaN steps, a full disk during a
-checkpoint, the restart limit, and the fault-spec parser."""
+parameters bit-identical to the uninterrupted run, with one compute actor and with two. Plus NaN
+steps, a full disk during a checkpoint, the restart limit, and the fault-spec parser. (The
+uninterrupted two-actor run is also checked against the one-actor run of twice the batch here:
+the two runs exist for the matrix anyway.)"""
 
+import json
 from pathlib import Path
 
 import pytest
@@ -31,9 +34,31 @@ def run(cfg, run_dir: Path, spec: str = "", monkeypatch=None):
     return summary, read_checkpoint_shards(Path(summary.checkpoint))
 
 
+def metrics_rows(run_dir: Path) -> list[dict]:
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
 @pytest.fixture(scope="module")
-def uninterrupted(ray_session, small_config, tmp_path_factory):
-    return run(small_config(**STEPS), tmp_path_factory.mktemp("straight") / "run")[1]
+def straight(ray_session, small_config, tmp_path_factory):
+    """The uninterrupted run: (final master weights, metrics rows)."""
+    run_dir = tmp_path_factory.mktemp("straight") / "run"
+    return run(small_config(**STEPS), run_dir)[1], metrics_rows(run_dir)
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(straight):
+    return straight[0]
+
+
+TWO = {"runtime.compute_actors": 2, "data.batch_size": 1}
+"""Two compute actors of batch 1: the same global batch as the one-actor runs' 2."""
+
+
+@pytest.fixture(scope="module")
+def straight_two(ray_session, small_config, tmp_path_factory):
+    """The uninterrupted run with two compute actors: (final master weights, metrics rows)."""
+    run_dir = tmp_path_factory.mktemp("straight-two") / "run"
+    return run(small_config(**STEPS, **TWO), run_dir)[1], metrics_rows(run_dir)
 
 
 # Several faults per run keep CI short; each one is a separate actor death the run recovers
@@ -66,6 +91,40 @@ def test_fault_matrix_recovers_bit_identical(spec, restarts, rollbacks, uninterr
     assert summary.rollbacks == rollbacks
     for i, (a, b) in enumerate(zip(got, uninterrupted)):
         assert torch.equal(a, b), f"{spec}: shard {i} differs from the uninterrupted run"
+
+
+def test_two_compute_actors_equal_one_with_twice_the_batch(straight, straight_two):
+    (want, rows1), (got, rows2) = straight, straight_two
+    for i, (a, b) in enumerate(zip(got, want)):
+        rel = float((a - b).norm() / b.norm())
+        assert rel < 1e-6, f"shard {i}: relative difference {rel:.2e}"
+    assert [r["data_rows"] for r in rows2] == [r["data_rows"] for r in rows1]  # the same clips, split in two
+    for a, b in zip(rows1, rows2):
+        assert b["loss"] == pytest.approx(a["loss"], rel=1e-6)
+        assert b["grad_norm"] == pytest.approx(a["grad_norm"], rel=1e-5)
+        assert b["tokens"] == a["tokens"]
+        assert b["reduce_seconds"] > 0 and a["reduce_seconds"] == 0
+        assert [c["rank"] for c in b["compute_actors"]] == [0, 1] and "compute_actors" not in a
+        assert b["loss"] == pytest.approx(sum(c["loss"] for c in b["compute_actors"]) / 2, rel=1e-6)
+
+
+# Two compute actors: each compute spec kills one of them (whichever reaches the point first), and
+# both are replaced; the store rows kill the store while it sums or applies their gradients.
+MATRIX_TWO = [
+    pytest.param("compute.mid_backward@2,compute.after_weights@3", 2, id="compute-x2"),
+    pytest.param("store.mid_update@1,store.after_last_report@3", 2, id="store-x2", marks=pytest.mark.slow),
+]
+
+
+@pytest.mark.parametrize("spec,restarts", MATRIX_TWO)
+def test_fault_matrix_with_two_compute_actors(spec, restarts, straight_two, small_config, tmp_path, monkeypatch):
+    cfg = small_config(**STEPS, **TWO, **{"runtime.max_restarts": 4})
+    summary, got = run(cfg, tmp_path / "run", spec, monkeypatch)
+    for one in spec.split(","):
+        assert faults.fired(one, directory=tmp_path / "run-faults"), f"{one} never fired: the test proves nothing"
+    assert summary.last_step == 4 and summary.restarts == restarts
+    for i, (a, b) in enumerate(zip(got, straight_two[0])):
+        assert torch.equal(a, b), f"{spec}: shard {i} differs from the uninterrupted two-actor run"
 
 
 def test_restart_limit_stops_with_a_clear_message(ray_session, small_config, tmp_path, monkeypatch):

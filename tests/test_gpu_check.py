@@ -48,7 +48,7 @@ def test_gpu_check_smoke_runs_without_ray_decord_av_diffusers(tmp_path):
     report = json.loads((tmp_path / "out" / "gpu_check.json").read_text())
     assert (tmp_path / "out" / "gpu_check.md").is_file()
     parts = report["parts"]
-    assert list(parts) == ["correctness", "pinning", "streaming", "attention", "model", "speedup"]
+    assert list(parts) == ["correctness", "pinning", "streaming", "attention", "model", "speedup", "compile"]
     assert report["smoke"] and report["ok"] and all(p["ok"] for p in parts.values())
 
     assert any("identity" in r["case"] for r in parts["correctness"]["results"])
@@ -81,3 +81,8 @@ def test_gpu_check_smoke_runs_without_ray_decord_av_diffusers(tmp_path):
             assert key in r
         assert r["step_s"] > 0 and r["plan_flops"] > 0
     assert parts["speedup"]["speedup"] > 0
+
+    aot = parts["compile"]  # the compile-only table beside the measurements (smoke: the first shape)
+    assert aot["archs"] == ["sm_90"] and aot["records"] and all(r["ok"] for r in aot["records"])
+    assert {r["kernel"] for r in aot["records"]} == {"gather_fwd", "gather_bwd"}
+    assert aot["predictions"] and "Predicted (cost model" in (tmp_path / "out" / "gpu_check.md").read_text()

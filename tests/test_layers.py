@@ -79,6 +79,8 @@ def imports(name: str, path: Path, mods: dict[str, Path]):
 
     def visit(node, local):
         for child in ast.iter_child_nodes(node):
+            if isinstance(child, ast.If) and "TYPE_CHECKING" in ast.unparse(child.test):
+                continue  # annotations only: not imported when the code runs
             if isinstance(child, (ast.Import, ast.ImportFrom)):
                 targets = ([a.name for a in child.names] if isinstance(child, ast.Import)
                            else [f"{resolve(child)}.{a.name}" for a in child.names])

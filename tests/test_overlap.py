@@ -76,6 +76,22 @@ def test_overlap_on_off_and_staging_give_identical_parameters(tmp_path, batches)
     assert train.last.h2d_bytes == sum(sizes) + sum(sizes[:-2])
 
 
+def test_resident_shards_are_fetched_once_per_step_with_identical_parameters(tmp_path, batches):
+    """runtime.resident_gb: the blocks nearest the turn (then shard 0) whose weights fit are kept
+    from their forward fetch to their backward: one fetch per step each, the same parameters."""
+    manifest, bs = batches
+    streamed, _ = train(tmp_path, manifest, bs, link_gbps=50)
+    sizes = train.sizes  # shards 0..L+1 (L = 3), fp32
+    budget = (sizes[2] + sizes[1]) / 1e9  # blocks 2 and 1 fit (block 3 is the turn's anyway)
+    two, _ = train(tmp_path, manifest, bs, link_gbps=50, resident_gb=budget)
+    assert train.last.h2d_bytes == sum(sizes) + sizes[0]  # only shard 0 is fetched twice
+    whole, allocated = train(tmp_path, manifest, bs, link_gbps=50, resident_gb=1)
+    assert train.last.h2d_bytes == sum(sizes)  # the model fits: it streams once per step
+    for a, b, c in zip(streamed, two, whole):
+        assert torch.equal(a, b) and torch.equal(a, c)
+    assert allocated <= 5 + 1  # every shard's buffer at most, the head's and the prefetch's
+
+
 @pytest.mark.parametrize("runtime", [{"overlap": "true", "link_gbps": 5, "prefetch_depth": 2},
                                      {"overlap": "false", "link_gbps": 5},
                                      {"overlap": "true"}])

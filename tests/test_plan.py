@@ -381,3 +381,87 @@ def test_cli_help_and_refusals(capsys):
                  ["--offload-activations", "--offload-keep", "1", "--generate"]):
         assert main(argv) == 2, argv
         assert capsys.readouterr().err.startswith("error: ")
+
+
+# -- several GPUs, nodes, micro-batches (planning/scaleout.py) ---------------------------------------
+
+
+def test_micro_batches_keep_the_weight_traffic_and_divide_the_transfer_to_compute_ratio():
+    cfg = config_for("wan2.1-t2v-14b", 81, 480, 832)
+    one = plan(cfg)
+    cfg.training.micro_batches = 4
+    four = plan(cfg)
+    assert four.h2d_bytes == one.h2d_bytes and four.d2h_bytes == one.d2h_bytes
+    assert _close(four.flops_executed, 4 * one.flops_executed, 1e-9)
+    assert _close(four.transfer_compute_ratio, one.transfer_compute_ratio / 4, 1e-9)
+    assert four.activation_parts["checkpoints"] == 4 * one.activation_parts["checkpoints"]  # k inputs per block
+    assert four.activation_parts["block_linear"] == one.activation_parts["block_linear"]  # a block runs one at a time
+    assert four.global_batch == 4 and four.tokens_per_step == 4 * one.tokens_per_step
+
+
+def test_gpus_per_node_add_gradient_slots_and_draw_on_the_same_dram():
+    cfg = config_for("wan2.1-t2v-14b", 81, 480, 832)
+    one, eight = plan(cfg, ram_gb=2000), plan(cfg, ram_gb=2000, gpus_per_node=8)
+    smax, wb = eight.largest_shard_params, 2
+    slots = 8 * cfg.runtime.grad_slots * smax * wb
+    assert eight.scale.host_terms["gradient slots (8 GPUs x 2 x largest shard)"] == slots
+    assert eight.host_required_bytes == one.host_required_bytes + slots + 4 * smax  # + the fp32 sum
+    assert "adamw" in one.time_terms and "host_dram" not in one.time_terms  # one GPU: as before
+    dram = 8 * (one.h2d_bytes + one.d2h_bytes) + 10 * one.params * wb + one.adamw_dram_bytes
+    assert eight.scale.host_dram_bytes == dram and _close(eight.time_terms["host_dram"], dram / 300e9)
+    assert eight.device_required_bytes == one.device_required_bytes and eight.global_batch == 8
+    cfg.runtime.compute_actors = 8  # the config's compute actors are the default GPU count
+    assert plan(cfg).gpus_per_node == 8
+
+
+def test_nodes_shard_the_optimizer_state_and_count_the_network(plan_105b):
+    cfg = config_for("dit-105b")
+    P, wb = plan_105b.params, 2
+    two = plan(cfg, ram_gb=1000, gpus_per_node=8, nodes=2, network_gbps=25)
+    own = two.scale.owner_params
+    assert P / 2 <= own < P / 2 + plan_105b.largest_shard_params  # whole shards, round robin
+    terms = two.scale.host_terms
+    assert terms["weights w (every node)"] == wb * P
+    assert terms["optimizer state master + m + v (this node's shards, about 1/2)"] == 12 * own
+    assert two.scale.network_bytes == wb * ((P - own) + own)  # about 2 x 2 B x P x (M - 1) / M
+    assert _close(two.time_terms["network"], two.scale.network_bytes / 25e9)
+    four = plan(cfg, gpus_per_node=8, nodes=4)
+    assert _close(four.scale.network_bytes, 2 * wb * P * 3 / 4, 0.03)
+    assert any("planned, not implemented" in n for n in two.notes)
+    # README rows: 105B on two nodes of 1 TB fits with one gradient slot per GPU, and not with two.
+    cfg.runtime.grad_slots = 1
+    assert plan(cfg, ram_gb=1000, gpu_gb=141, gpus_per_node=8, nodes=2).fits
+    cfg.runtime.grad_slots = 2
+    short = plan(cfg, ram_gb=1000, gpu_gb=141, gpus_per_node=8, nodes=2)
+    assert short.fits_host is False and any("--grad-slots 1" in n for n in short.notes)
+
+
+def test_cli_scale_out_flags(capsys):
+    assert main(["--preset", "wan2.1-t2v-14b", "--frames", "81", "--height", "480", "--width", "832",
+                 "--gpus-per-node", "8", "--micro-batches", "2", "--ram-gb", "2000", "--json"]) == 0
+    d = json.loads(capsys.readouterr().out)
+    assert d["gpus_per_node"] == 8 and d["micro_batches"] == 2 and d["global_batch"] == 16
+    assert "host_dram" in d["time_terms"] and d["scale"]["host_dram_bytes"] > 0
+    assert main(["--preset", "dit-105b", "--nodes", "2", "--gpus-per-node", "8", "--grad-slots", "1"]) == 0
+    out = capsys.readouterr().out
+    assert "network per node, each way" in out and "host memory per node" in out and "transfer / compute" in out
+
+
+def test_resident_shards_cross_the_link_once_and_auto_fills_the_device():
+    from megaslide_ray.planning.search import plan_with_resident
+
+    cfg = config_for("wan2.1-t2v-1.3b")
+    base = plan(cfg, gpu_gb=80)
+    cfg.runtime.resident_gb = 1.0
+    some = plan(cfg, gpu_gb=80)
+    block = some.largest_shard_params * 2
+    assert len(some.resident_shards) == int(1e9 // block) and some.resident_shards[0] == cfg.model.depth - 1
+    assert some.h2d_bytes == base.h2d_bytes - some.resident_bytes
+    assert some.device_required_bytes == base.device_required_bytes + some.resident_bytes
+    cfg.runtime.resident_gb = 0.0
+    auto = plan_with_resident(cfg, None, None, "auto", gpu_gb=80)
+    # every shard the backward fetches: blocks L-1..1 and shard 0 (block L, the turn's, is kept anyway;
+    # the planner counts it and the head twice, as it always has: "slightly less than 2 P")
+    assert auto.fits_device and auto.resident_shards == tuple(range(cfg.model.depth - 1, -1, -1))
+    assert auto.h2d_bytes == 2 * auto.params * 2 - auto.resident_bytes
+    assert any("--resident-gb auto" in n for n in auto.notes)

@@ -12,6 +12,7 @@ import ast
 import dataclasses
 import json
 import sys
+import types
 import typing
 from pathlib import Path
 from typing import Any, Literal
@@ -50,6 +51,15 @@ def _coerce(section: str, name: str, tp: Any, value: Any) -> Any:
     """Convert ``value`` (a CLI string, or a TOML value) to the field's declared type."""
     where = f"{section}.{name}"
     origin = typing.get_origin(tp)
+    if origin in (typing.Union, types.UnionType):  # e.g. ``int | Literal["auto"]``: the first that takes it
+        for option in typing.get_args(tp):
+            try:
+                return _coerce(section, name, option, value)
+            except ConfigError:
+                continue
+        kinds = [" or ".join(repr(c) for c in typing.get_args(a)) if typing.get_origin(a) is Literal
+                 else {"int": "an integer", "float": "a number"}.get(a.__name__, a.__name__) for a in typing.get_args(tp)]
+        raise ConfigError(f"{where}={value!r} is not {' or '.join(kinds)}")
     if origin is Literal:
         choices = typing.get_args(tp)
         if value not in choices:
@@ -148,8 +158,17 @@ def _toml_value(v: Any) -> str:
 
 
 def to_toml(cfg: Config) -> str:
-    """The resolved config as TOML; ``--config`` reads it back to the same Config."""
+    """The resolved config as TOML; ``--config`` reads it back to the same Config. When the model
+    is not the preset's (a diffusers folder's own shape, ``--model.*`` flags), a comment says so:
+    the preset is only where the other fields started."""
     lines = [f"preset = {_toml_value(cfg.preset)}"]
+    try:
+        differs = preset(cfg.preset).model != cfg.model
+    except ConfigError:
+        differs = False
+    if differs:
+        lines.append(f"# [model] below is this run's own, not preset {cfg.preset}'s (the preset is where the other "
+                     f"fields started)")
     for section in SECTIONS:
         lines.append(f"\n[{section}]")
         for f in dataclasses.fields(getattr(cfg, section)):

@@ -97,7 +97,7 @@ def _wan(name: str, hidden: int, depth: int, heads: int, ffn: int, channels: int
     cfg = Config(preset=name)
     cfg.model = ModelConfig(
         arch="wan", hidden_size=hidden, depth=depth, num_heads=heads, ffn_dim=ffn, patch_size=(1, 2, 2),
-        in_channels=channels, out_channels=channels, timestep_freq_dim=256, text_dim=4096, text_len=512,
+        inputs="latents", in_channels=channels, out_channels=channels, timestep_freq_dim=256, text_dim=4096, text_len=512,
         latent_compression=compression, rope_max_seq_len=1024, eps=1e-6, cross_attn_norm=True,
     )
     cfg.attention = AttentionConfig(kind="dsa", window=WAN_WINDOW)

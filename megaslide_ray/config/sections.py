@@ -284,6 +284,33 @@ class RuntimeConfig:
     max_restarts: int = 3
     """Actor failures (a parameter store, compute or decoder actor that died or hung) the run
     recovers from; one more stops it with a message saying how to resume."""
+    store_timeout_s: float = 600.0
+    """Seconds the compute actor waits for the parameter store to answer a step's gradient
+    reports; a store that does not answer in time is treated as dead: killed, restarted on its
+    shared-memory state and the step recovered as after a crash. 0: wait forever."""
+    resident_gb: float = 0.0
+    """Device memory (decimal GB, 1e9 B) for shards kept on the device from their forward to their
+    backward: the blocks nearest the turn (L-1, L-2, ...; then the input shard) whose weights fit stay
+    where the forward's fetch put them and the backward reuses them, so each crosses the link once
+    per step instead of twice, as the last block at the turn always does. A model that fits whole
+    streams once per step. 0: only the turn's block. ``plan --resident-gb auto`` finds the most that
+    fits the device. Where the compute reads the weights in place (a CPU compute actor without
+    ``link_gbps``) nothing is fetched, and this changes nothing."""
+    compute_actors: int | Literal["auto"] = 1
+    """Compute actors training data-parallel on the parameter store's node, all sharing its one
+    store: each trains its own batch (``data.batch_size`` x ``training.micro_batches`` clips) on the
+    same weight versions, read from the store's shared memory, and the store sums their gradients
+    in fp32 in a fixed order (actor 0, 1, ...: bit-identical run to run) before one update; the loss
+    is the mean over the global batch of ``compute_actors x micro_batches x batch_size`` clips, so N
+    actors equal one actor with N times the batch. ``auto``: one per GPU of the node (at least 1).
+    A CPU compute actor reserves one Ray CPU (an equal share when the cluster has fewer than N).
+    A compute actor that dies is replaced together with the others and the step redone."""
+    grad_slots: int = 2
+    """With ``compute_actors`` > 1: gradient slots per compute actor in the store's in-flight
+    scratch, each the size of the largest shard in the compute dtype (the planner counts
+    ``compute_actors x grad_slots`` of them). An actor whose slots are all full waits until the
+    store has summed one; 2 lets it write a shard's gradient while the last one is summed. Not used
+    with one compute actor (its gradient lands in the shard's own ``w`` segment)."""
 
 
 @dataclass
@@ -298,6 +325,10 @@ class TrainingConfig:
     """Checkpoint every this many steps; 0 only at the end of the run."""
     run_dir: str = ""
     """Output directory; empty means ``runs/<timestamp>``."""
+    init_from: str = ""
+    """The pretrained weights a new run starts from (``--init-from``: a checkpoint, a safetensors
+    file or folder, a diffusers Wan folder), as an absolute path; empty: the seeded
+    initialisation. A resumed run continues from its checkpoint and only records it."""
     t_sampling: Literal["uniform", "logit_normal"] = "logit_normal"
     """Distribution of the flow-matching time t in (0, 1)."""
     flow_shift: float = 1.0
@@ -327,6 +358,13 @@ class TrainingConfig:
     classifier-free guidance (``sample --cfg-scale``) mixes in. 0: never (guidance then mixes in an
     untrained prediction). ``wan`` ignores it: its unconditional input is a negative prompt's
     embedding, which the training data does not carry."""
+    micro_batches: int = 1
+    """Layer-major micro-batches per compute actor and step: each block runs all k micro-batches of
+    ``data.batch_size`` clips while its weights are on the device, its gradient accumulates on the
+    device and goes to the store once per step, so the weight traffic per step does not grow with
+    k (the block inputs kept for the backward do: k per block). The loss is the mean over the k
+    micro-batches, so k micro-batches of b clips equal one batch of k x b; a decoder batch holds
+    the k x b clips of one compute actor's step."""
     overfit_one_batch: bool = False
     """Debug: train on the first batch only, with the same noise and timesteps every step (the loss
     must fall steadily; a quick check that model, streaming and optimizer work together)."""

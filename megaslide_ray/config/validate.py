@@ -12,8 +12,21 @@ from megaslide_ray.config.presets import PRESETS
 from megaslide_ray.config.sections import Config, ConfigError
 
 
+def fitting_window(window, grid, kind: str) -> tuple[int, ...]:
+    """``window`` shrunk to fit the token ``grid``: each size at most its axis, odd unless ``kind``
+    is swin (a window centred on each query needs a middle)."""
+    out = []
+    for k, n in zip(window, grid):
+        k = min(k, n)
+        if kind != "swin" and k % 2 == 0:
+            k -= 1
+        out.append(max(k, 1))
+    return tuple(out)
+
 def validate(cfg: Config) -> Config:
     """``cfg`` if every rule holds, else ``ConfigError`` naming the first broken one."""
+    if cfg.model.arch == "wan":  # a wan model reads latents whatever an older config.toml said
+        cfg.model.inputs = "latents"
     for check in (_check_sizes_and_model, _check_runtime_counts, _check_decoding, _check_shapes_and_attention,
                   _check_optimizer_and_runtime, _check_run):
         check(cfg)
@@ -75,6 +88,19 @@ def _check_runtime_counts(cfg: Config) -> None:
         raise ConfigError(f"runtime.prefetch_depth={cfg.runtime.prefetch_depth} must be >= 1")
     if cfg.runtime.token_chunk < 0:
         raise ConfigError(f"runtime.token_chunk={cfg.runtime.token_chunk} must be >= 0 (0 = no chunking)")
+    rt = cfg.runtime
+    if rt.compute_actors != "auto" and (not isinstance(rt.compute_actors, int) or rt.compute_actors < 1):
+        raise ConfigError(f"runtime.compute_actors={rt.compute_actors!r} must be an integer >= 1 or 'auto' (one "
+                          f"compute actor per GPU of the node)")
+    if not (rt.resident_gb >= 0 and math.isfinite(rt.resident_gb)):
+        raise ConfigError(f"runtime.resident_gb={rt.resident_gb} must be a finite number of GB >= 0 (0: only the "
+                          f"turn's block is kept from the forward to the backward)")
+    if rt.grad_slots < 1:
+        raise ConfigError(f"runtime.grad_slots={rt.grad_slots} must be >= 1 (2 lets a compute actor write one "
+                          f"shard's gradient while the store sums the last)")
+    if cfg.training.micro_batches < 1:
+        raise ConfigError(f"training.micro_batches={cfg.training.micro_batches} must be >= 1 (1: one batch of "
+                          f"data.batch_size per compute actor and step)")
     if cfg.runtime.offload_keep < 0:
         raise ConfigError(f"runtime.offload_keep={cfg.runtime.offload_keep} must be >= 0 (0 = offload every "
                           f"block input; only used with runtime.offload_activations)")
@@ -124,8 +150,9 @@ def _check_shapes_and_attention(cfg: Config) -> None:
                                  f"query; only swin's tiles may be even)"))
         if a.kind in ("dsa", "neighborhood", "swin") and k > n:
             raise ConfigError(f"attention.window={a.window}: the {axis} size {k} exceeds the token grid's "
-                              f"{n} {axis} (grid {grid} = {'latent' if cfg.latent_space else 'data'} size / model.patch_size); "
-                              f"shrink the window")
+                              f"{n} {axis} (grid {grid} = {'latent' if cfg.latent_space else 'data'} size / "
+                              f"model.patch_size); a window that fits: --attention.window "
+                              f"{','.join(str(w) for w in fitting_window(a.window, grid, a.kind))}")
     for i, k in enumerate(a.offset_kernel):
         if k <= 0 or k % 2 == 0:
             raise ConfigError(f"attention.offset_kernel={tuple(a.offset_kernel)}: size {k} (axis {i}) must be odd "
@@ -152,6 +179,7 @@ def _check_optimizer_and_runtime(cfg: Config) -> None:
                          ("runtime.optimizer_threads", cfg.runtime.optimizer_threads),
                          ("runtime.link_gbps", cfg.runtime.link_gbps),
                          ("runtime.max_restarts", cfg.runtime.max_restarts),
+                         ("runtime.store_timeout_s", cfg.runtime.store_timeout_s),
                          ("optim.max_bad_steps", o.max_bad_steps),
                          ("ray.num_cpus", cfg.ray.num_cpus),
                          ("ray.metrics_export_port", cfg.ray.metrics_export_port)]:

@@ -5,8 +5,12 @@ Ray starts, and by the Trainer."""
 
 from __future__ import annotations
 
+import logging
+
 from megaslide_ray.config import Config, ConfigError
-from megaslide_ray.data.latents import is_latent_manifest, latent_manifest_info
+from megaslide_ray.data.latents import is_latent_manifest, latent_manifest_info, read_latent_manifest, resolve
+
+log = logging.getLogger(__name__)
 
 
 def check_data(cfg: Config) -> None:
@@ -67,3 +71,13 @@ def _check_manifest(cfg: Config, field: str, path: str) -> None:
         problems.append(f"its text is padded to {info.text_len} tokens, model.text_len={m.text_len}")
     if problems:
         raise ConfigError(f"{field}={path!r} does not fit the model:\n  " + "\n  ".join(problems))
+    rows, _ = read_latent_manifest(path)
+    missing = [r["latent_path"] for r in rows if not resolve(path, r["latent_path"]).is_file()]
+    if missing and len(missing) == len(rows):  # found here in a second, not by the decoders after Ray is up
+        raise ConfigError(f"{field}={path!r}: none of its {len(rows)} latent files exists (e.g. "
+                          f"{resolve(path, missing[0])}); run `python -m megaslide_ray.precompute` again with the "
+                          f"arguments that made it (it recomputes missing files)")
+    if missing:
+        log.warning("%s=%r: %d of its %d latent files are missing (e.g. %s): those rows are skipped; run "
+                    "`python -m megaslide_ray.precompute` again to recompute them", field, path, len(missing),
+                    len(rows), resolve(path, missing[0]))

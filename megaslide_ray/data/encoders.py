@@ -1,8 +1,9 @@
 """The encoders ``precompute`` runs: a Wan VAE and a UMT5 text encoder, in this process or as a
 pool of Ray actors with a watchdog.
 
-Only local files are read (``WAN_DIR/vae``, ``text_encoder``, ``tokenizer``); the models come
-from diffusers and transformers, imported when first needed (they are test extras)."""
+Only local files are read (``WAN_DIR/vae``, ``text_encoder``, ``tokenizer``, by absolute path and
+with ``local_files_only``: no model hub is ever contacted); the models come from diffusers and
+transformers, imported when first needed (they are test extras)."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ import logging
 import os
 import re
 import threading
+import time
 from collections import deque
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -98,6 +100,31 @@ class ModelInfo:
     """Hash of vae/config.json and text_encoder/config.json: a different model is a different cache."""
 
 
+MODEL_PARTS = {"vae": "config.json", "text_encoder": "config.json", "tokenizer": "tokenizer_config.json"}
+"""The parts of a diffusers Wan folder the encoders read, each with the file that must be in it."""
+
+
+def check_model_dir(model_dir: str | os.PathLike, parts: tuple[str, ...], flag: str = "--model-dir") -> Path:
+    """``model_dir`` made absolute, once every one of ``parts`` (``vae``, ``text_encoder``,
+    ``tokenizer``) is there with its config and (``vae``, ``text_encoder``) weights; a ``ValueError``
+    names what is missing. Called before any work, so a missing part is not found at its end."""
+    root = Path(model_dir).expanduser().resolve()
+    if not root.is_dir():
+        raise ValueError(f"{flag} {str(model_dir)!r}: no such local folder ({root}); give the local diffusers-format "
+                         f"Wan folder (nothing is downloaded)")
+    missing = []
+    for part in parts:
+        d = root / part
+        if not (d / MODEL_PARTS[part]).is_file():
+            missing.append(f"{part}/{MODEL_PARTS[part]}" if d.is_dir() else f"{part}/")
+        elif part != "tokenizer" and not any(d.glob("*.safetensors")) and not any(d.glob("*.bin")):
+            missing.append(f"{part}/ weights (*.safetensors)")
+    if missing:
+        raise ValueError(f"{flag} {str(model_dir)!r} ({root}) lacks {', '.join(missing)}: it must be a local "
+                         f"diffusers-format Wan folder with {', '.join(p + '/' for p in parts)}")
+    return root
+
+
 def read_model_info(model_dir: str | os.PathLike) -> ModelInfo:
     """Read ``WAN_DIR/vae/config.json`` and ``WAN_DIR/text_encoder/config.json`` (checking that
     ``tokenizer/`` is there too); a ``ValueError`` says what is missing."""
@@ -146,7 +173,9 @@ class Encoder:
         import_hf()
         self.threads = threads if threads > 0 else torch.get_num_threads()
         torch.set_num_threads(self.threads)
-        self.model_dir = Path(model_dir)
+        # Absolute: a relative folder that is not found must never be taken for a Hub repository id
+        # (``local_files_only`` below: nothing is ever downloaded).
+        self.model_dir = Path(model_dir).expanduser().resolve()
         self.data = data
         self.device = torch.device(device)
         self.dtype_name = DTYPE_NAMES[dtype]
@@ -174,7 +203,7 @@ class Encoder:
             diffusers, _ = import_hf()
             self._free()
             vae = diffusers.AutoencoderKLWan.from_pretrained(str(self.model_dir / "vae"), torch_dtype=torch.float32,
-                                                             low_cpu_mem_usage=_has_accelerate())
+                                                             low_cpu_mem_usage=_has_accelerate(), local_files_only=True)
             self.vae = vae.to(self.device).eval()
             shape = (1, self.vae.config.z_dim, 1, 1, 1)
             self._mean = torch.tensor(self.vae.config.latents_mean, dtype=torch.float32, device=self.device).view(shape)
@@ -185,9 +214,11 @@ class Encoder:
         if self.text_encoder is None:
             _, transformers = import_hf()
             self._free()
-            self.tokenizer = transformers.AutoTokenizer.from_pretrained(str(self.model_dir / "tokenizer"))
+            self.tokenizer = transformers.AutoTokenizer.from_pretrained(str(self.model_dir / "tokenizer"),
+                                                                        local_files_only=True)
             self.tokenizer.padding_side = "right"  # valid tokens first: the mask's length cuts them
-            te = transformers.UMT5EncoderModel.from_pretrained(str(self.model_dir / "text_encoder"))
+            te = transformers.UMT5EncoderModel.from_pretrained(str(self.model_dir / "text_encoder"),
+                                                               local_files_only=True)
             self.text_encoder = te.to(device=self.device, dtype=self.text_dtype).eval()
         return self.text_encoder
 
@@ -281,17 +312,25 @@ def _pick_device(device: str, use_ray: bool) -> str:
     return "cuda" if torch.cuda.is_available() else "cpu"
 
 
+HANG_TIMEOUT_S = 1800.0
+"""An encoder actor with calls in flight and no call finished for this long is taken for hung
+(``precompute --hang-timeout``): a call holds two clips, and a Wan VAE on a CPU takes minutes
+for one long clip."""
+
+
 class _Pool:
     """The encoder actors, or one ``Encoder`` in this process (``n == 0``), and the dispatch of
     chunks of tasks to them, two calls in flight per actor. An actor that dies (a codec crash, an
-    out-of-memory kill) is replaced and the tasks of its calls are retried one at a time, each
-    alone on an actor; a task whose actor dies again while it runs alone is reported as failed
-    ("died on it twice") and the run goes on."""
+    out-of-memory kill) or hangs (calls in flight, none finished for ``hang_timeout_s``: the
+    watchdog kills it) is replaced and the tasks of its calls are retried one at a time, each
+    alone on an actor; a task whose actor dies or hangs again while it runs alone is reported as
+    failed ("died on it twice", "hung on it twice") and the run goes on."""
 
     encoder_cls = Encoder
 
-    def __init__(self, n: int, make_args: tuple, device: str):
+    def __init__(self, n: int, make_args: tuple, device: str, hang_timeout_s: float = HANG_TIMEOUT_S):
         self.n, self.args, self.device = n, make_args, device
+        self.hang_timeout_s = hang_timeout_s
         self.size = n  # actors started (``n`` drops to 1 for the text phase on CPU)
         self.replacements = 0
         self.threads = self.cpus = 0
@@ -304,6 +343,7 @@ class _Pool:
         self.cpus = int(ray.cluster_resources().get("CPU", os.cpu_count() or 1))
         self.threads = 0 if device == "cuda" else max(1, self.cpus // n)
         self.actors = [self._start(i) for i in range(n)]
+        self._wait_ready(self.actors)
 
     def _start(self, i: int):
         import ray
@@ -311,6 +351,14 @@ class _Pool:
         opts = {"num_gpus": 1} if self.device == "cuda" else {}
         actor = ray.remote(self.encoder_cls).options(num_cpus=0, max_concurrency=2, **opts)
         return actor.remote(*self.args, self.threads)
+
+    @staticmethod
+    def _wait_ready(actors: list, timeout: float = 600.0) -> None:
+        """Until the actors' processes are up (imports done): their start does not count against
+        the hang watchdog. One that failed to start says so on its first call."""
+        import ray
+
+        ray.wait([a.__ray_ready__.remote() for a in actors], num_returns=len(actors), timeout=timeout)
 
     def run(self, method: str, chunks: list[list[dict]], on_result) -> None:
         if self.n == 0:
@@ -324,6 +372,8 @@ class _Pool:
         running: dict = {}  # ref -> (actor index, actor, chunk, attempt)
         busy = [0] * self.n  # calls in flight on the current actor i
         alone = [False] * self.n  # a retry runs on it: nothing else goes there meanwhile
+        progress = [time.monotonic()] * self.n  # when actor i last finished a call (or got one, idle)
+        hung: set = set()  # id() of the actors the watchdog killed
 
         def fill(i: int) -> None:
             while queue and busy[i] < 2 and not alone[i]:
@@ -331,6 +381,8 @@ class _Pool:
                 if attempt and busy[i]:  # a retry waits for an idle actor: only it can be blamed
                     return
                 queue.popleft()
+                if not busy[i]:
+                    progress[i] = time.monotonic()
                 running[getattr(self.actors[i], method).remote(chunk)] = (i, self.actors[i], chunk, attempt)
                 busy[i] += 1
                 alone[i] = attempt > 0
@@ -338,8 +390,23 @@ class _Pool:
         for i in range(self.n):
             fill(i)
         while running:
-            done, _ = ray.wait(list(running), num_returns=1)
+            timeout = None
+            if self.hang_timeout_s > 0:
+                timeout = max(0.1, min(progress[i] for i in range(self.n) if busy[i]) + self.hang_timeout_s
+                              - time.monotonic()) if any(busy) else self.hang_timeout_s
+            done, _ = ray.wait(list(running), num_returns=1, timeout=timeout)
+            if not done:  # the watchdog: an actor with calls in flight and no progress is hung
+                for i in range(self.n):
+                    if busy[i] and time.monotonic() - progress[i] >= self.hang_timeout_s:
+                        log.warning("encoder %d finished no call in %.0f s (precompute --hang-timeout); killing it "
+                                    "as hung", i, self.hang_timeout_s)
+                        hung.add(id(self.actors[i]))
+                        ray.kill(self.actors[i], no_restart=True)  # its calls fail below, as a death's
+                        progress[i] = time.monotonic()
+                continue
             i, actor, chunk, attempt = running.pop(done[0])
+            if self.actors[i] is actor:
+                progress[i] = time.monotonic()
             current = self.actors[i] is actor
             if current:
                 busy[i] -= 1
@@ -355,8 +422,9 @@ class _Pool:
                 if attempt == 0:  # maybe innocent (another call ran beside it): each task again, alone
                     queue.extendleft(([t], 1) for t in reversed(chunk))
                 else:
-                    on_result([{"key": chunk[0]["key"], "ok": False,
-                                "reason": f"the encoder process died on it twice ({type(e).__name__})"}])
+                    how = (f"hung on it twice (no answer in {self.hang_timeout_s:.0f} s)" if id(actor) in hung
+                           else f"died on it twice ({type(e).__name__})")
+                    on_result([{"key": chunk[0]["key"], "ok": False, "reason": f"the encoder process {how}"}])
             else:
                 on_result(results)
             for j in range(self.n):
@@ -372,6 +440,7 @@ class _Pool:
         log.warning("encoder %d died (%s); replacing it and retrying its clips one at a time", i, type(error).__name__)
         ray.kill(self.actors[i], no_restart=True)
         self.actors[i] = self._start(i)
+        self._wait_ready([self.actors[i]])
 
     def shrink_to_one(self) -> None:
         """Keep one actor, with every CPU (on CPU, before the text phase: each UMT5-XXL copy

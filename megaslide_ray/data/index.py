@@ -14,7 +14,9 @@ Captions, first match wins:
    ``path`` and ``caption``; ``path`` is relative to ``VIDEO_DIR`` or a bare file name
    (a relative-path match beats a file-name match);
 2. a sidecar text file beside the video with the same stem (``clip.mp4`` -> ``clip.txt``);
-3. otherwise "".
+3. a manifest already in the video's folder (``manifest.parquet``, as the demo and motion sets
+   have) that lists the video with a caption;
+4. otherwise "".
 
 A file that cannot be used (zero bytes, not a video, truncated, undecodable frames, a single
 frame) is left out of the manifest and listed with the reason in the summary; the scan never
@@ -30,7 +32,7 @@ import json
 import os
 from pathlib import Path
 
-from megaslide_ray.data.manifest import ManifestEntry
+from megaslide_ray.data.manifest import MANIFEST_NAME, ManifestEntry, read_manifest
 
 VIDEO_EXTENSIONS = (".mp4", ".mkv", ".webm", ".avi", ".mov", ".m4v")
 
@@ -125,7 +127,26 @@ def _caption_for(video: Path, root: Path, mapping: dict[str, str]) -> str:
     sidecar = video.with_suffix(".txt")
     if sidecar.is_file():
         return sidecar.read_text(encoding="utf-8", errors="replace").strip()
-    return ""
+    return _folder_captions(video.parent).get(video.resolve(), "")
+
+
+_FOLDER_CAPTIONS: dict[Path, dict[Path, str]] = {}
+
+
+def _folder_captions(folder: Path) -> dict[Path, str]:
+    """The captions a manifest in ``folder`` (``manifest.parquet``) gives its videos, by absolute
+    path (read once per folder; a folder without a readable one gives none)."""
+    folder = folder.resolve()
+    if folder not in _FOLDER_CAPTIONS:
+        found = {}
+        if (folder / MANIFEST_NAME).is_file():
+            try:
+                found = {Path(e.path).resolve(): e.caption for e in read_manifest(folder / MANIFEST_NAME)
+                         if e.caption}
+            except ValueError:  # not ours, or not readable: no captions from it
+                found = {}
+        _FOLDER_CAPTIONS[folder] = found
+    return _FOLDER_CAPTIONS[folder]
 
 
 def index_videos(video_dir: str | Path, captions: str | Path | None = None, check_last_frame: bool = True
@@ -139,6 +160,7 @@ def index_videos(video_dir: str | Path, captions: str | Path | None = None, chec
     if not root.is_dir():
         raise ValueError(f"video folder {str(video_dir)!r} does not exist or is not a folder")
     mapping = load_captions(captions) if captions else {}
+    _FOLDER_CAPTIONS.clear()  # a manifest read in an earlier call may have changed since
     rows: list[ManifestEntry] = []
     problems: list[tuple[str, str]] = []
     for video in find_videos(root):

@@ -60,6 +60,7 @@ from megaslide_ray.data.encoders import (
     CAPTIONS_PER_CALL,
     CLIPS_PER_CALL,
     DTYPE_NAMES,
+    HANG_TIMEOUT_S,
     _pick_device,
     _Pool,
     check_frames,
@@ -190,10 +191,12 @@ def _check_settings(out: Path, settings: dict) -> None:
 
 def precompute(model_dir: str | os.PathLike, data: str | os.PathLike, out: str | os.PathLike, frames: int,
                height: int, width: int, fps: float = 0.0, device: str = "auto", dtype: str = "bf16",
-               num_encoders: int | None = None, progress: bool = True) -> PrecomputeReport:
+               num_encoders: int | None = None, progress: bool = True,
+               hang_timeout_s: float = HANG_TIMEOUT_S) -> PrecomputeReport:
     """Encode the video manifest ``data`` into the cache folder ``out`` (module docstring) and
     write its latent manifest. ``num_encoders``: actors (None: one per GPU, or ``min(CPUs, 4)`` on CPU);
-    0 encodes in this process. With actors, Ray must be running or is started locally."""
+    0 encodes in this process. With actors, Ray must be running or is started locally; an actor
+    that finishes no call for ``hang_timeout_s`` is killed as hung and replaced (0: never)."""
     t0 = time.perf_counter()
     if dtype not in DTYPE_NAMES:
         raise ValueError(f"--dtype {dtype!r}: choose bf16, fp16 or fp32")
@@ -203,6 +206,8 @@ def precompute(model_dir: str | os.PathLike, data: str | os.PathLike, out: str |
         raise ValueError(f"--num-encoders {num_encoders} must be >= 0")
     if fps < 0:
         raise ValueError(f"--fps {fps} must be >= 0 (0: the video's own rate)")
+    if hang_timeout_s < 0:
+        raise ValueError(f"--hang-timeout {hang_timeout_s} must be >= 0 (0: no watchdog)")
     model = read_model_info(model_dir)
     t, s, _ = model.compression
     check_frames(frames, t)
@@ -261,7 +266,8 @@ def precompute(model_dir: str | os.PathLike, data: str | os.PathLike, out: str |
                 res = __import__("ray").cluster_resources()
                 num_encoders = (max(1, int(res.get("GPU", 0))) if dev == "cuda"
                                 else max(1, min(int(res.get("CPU", 1)), 4)))
-            pool = _Pool(num_encoders, (str(model_dir), clip_config(frames, height, width, fps), dev, dtype_name), dev)
+            pool = _Pool(num_encoders, (str(model_dir), clip_config(frames, height, width, fps), dev, dtype_name), dev,
+                         hang_timeout_s)
         return pool
 
     try:

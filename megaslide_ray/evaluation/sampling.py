@@ -34,12 +34,17 @@ from actors.param_store import ShardInfo
 from megaslide_ray.config import Config, ConfigError, config_from_dict, validate
 from megaslide_ray.data.captions import caption_batch
 from megaslide_ray.data.demo import write_video
-from megaslide_ray.data.encoders import Encoder
+from megaslide_ray.data.encoders import Encoder, check_model_dir
 from megaslide_ray.data.latents import pad_text
 from megaslide_ray.data.precompute import clip_config
 from megaslide_ray.models.registry import build_shard, num_shards
 from megaslide_ray.models.shards import ShardLayout
-from megaslide_ray.state.checkpoint import CheckpointReader, read_checkpoint_state, resolve_checkpoint
+from megaslide_ray.state.checkpoint import (
+    CheckpointReader,
+    read_checkpoint_state,
+    resolve_checkpoint,
+    safetensors_problem,
+)
 from megaslide_ray.state.segments import DTYPES
 from megaslide_ray.training.flow import shift_time
 
@@ -260,6 +265,21 @@ def decode_latents(vae, latents: torch.Tensor) -> np.ndarray:
     return to_uint8_frames(video.permute(0, 2, 3, 4, 1).float().cpu())
 
 
+def check_model_files(model_dir: str | Path, parts: tuple[str, ...]) -> Path:
+    """The local model folder's ``parts`` present (``check_model_dir``) and their safetensors files
+    whole, checked before denoising (a VAE found missing or damaged only after the last Euler
+    step would cost the whole run). Returns the folder, absolute."""
+    try:
+        root = check_model_dir(model_dir, parts)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+    damaged = [f"{f.relative_to(root)}: {problem.removeprefix(f.name + ' ')}" for part in parts
+               for f in sorted((root / part).glob("*.safetensors")) if (problem := safetensors_problem(f))]
+    if damaged:
+        raise ConfigError(f"--model-dir {root}: damaged weights: {'; '.join(damaged)}; copy them again")
+    return root
+
+
 def sample_video(checkpoint: str | Path, prompt: str, out: str | Path, frames: int | None = None,
                  steps: int = 20, seed: int = 0, height: int | None = None, width: int | None = None,
                  cfg_scale: float = 1.0, fps: int = 8, device: str = "auto", model_dir: str | Path | None = None,
@@ -300,11 +320,14 @@ def sample_video(checkpoint: str | Path, prompt: str, out: str | Path, frames: i
     on_cpu = device == "cpu" or not torch.cuda.is_available()
     kind = "master" if on_cpu and DTYPES.get(state.get("w_dtype", "float32")) is torch.bfloat16 else "w"
     encoder = None
+    if not prompt.strip():
+        log.warning("the prompt is empty: the video is sampled unconditionally, as the model learned its captions' "
+                    "absence (give --prompt TEXT)")
     if cfg.model.arch == "wan":
         if model_dir is None:
             raise ConfigError("this checkpoint is a wan model: give --model-dir WAN_DIR, the local diffusers folder "
                               "whose text_encoder/, tokenizer/ and vae/ encode the prompt and decode the video")
-
+        model_dir = check_model_files(model_dir, ("text_encoder", "tokenizer", "vae"))
         d = cfg.data
         encoder = Encoder(str(model_dir), clip_config(d.num_frames, d.height, d.width, 0.0),
                           "cuda" if device != "cpu" and torch.cuda.is_available() else "cpu", "float32")
@@ -315,7 +338,7 @@ def sample_video(checkpoint: str | Path, prompt: str, out: str | Path, frames: i
             raise ConfigError("this checkpoint's model reads VAE latents (model.inputs='latents'): give --model-dir "
                               "DIR, the local diffusers folder whose vae/ made its latents (e.g. a Wan2.1 folder), "
                               "to decode the video")
-
+        model_dir = check_model_files(model_dir, ("vae",))
         d = cfg.data
         encoder = Encoder(str(model_dir), clip_config(d.num_frames, d.height, d.width, 0.0),
                           "cuda" if device != "cpu" and torch.cuda.is_available() else "cpu", "float32")

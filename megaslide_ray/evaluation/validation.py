@@ -93,10 +93,14 @@ class ValResult:
 # ---------------------------------------------------------------------------------------------
 
 
+ALL_ROWS = -1
+"""``load_val_set(clips=ALL_ROWS)``: every readable row of the manifest."""
+
+
 def load_val_set(cfg: Config, manifest: str | None = None, clips: int | None = None) -> ValSet:
-    """The first ``clips`` (default ``training.val_clips``) readable rows of ``manifest``
-    (default ``data.val_manifest``). Unreadable rows are skipped with a warning; a
-    ``ValueError`` when fewer than ``clips`` rows are readable."""
+    """The first ``clips`` (default ``training.val_clips``; ``ALL_ROWS``: all) readable rows of
+    ``manifest`` (default ``data.val_manifest``). Unreadable rows are skipped with a warning; a
+    ``ValueError`` when fewer than ``clips`` rows (or none) are readable."""
     path = manifest or cfg.data.val_manifest
     n = int(clips or cfg.training.val_clips)
     if not path:
@@ -105,6 +109,7 @@ def load_val_set(cfg: Config, manifest: str | None = None, clips: int | None = N
     if is_latent_manifest(path):
         entries, meta = read_latent_manifest(path)
         text_len = int(meta.get("text_len", cfg.model.text_len))
+        n = len(entries) if n == ALL_ROWS else n
         for row, entry in enumerate(entries):
             if len(rows) == n:
                 break
@@ -120,6 +125,7 @@ def load_val_set(cfg: Config, manifest: str | None = None, clips: int | None = N
     else:
         d = replace(cfg.data, manifest=str(path), random_crop=False, spatial_crop="center")
         entries = read_manifest(path)
+        n = len(entries) if n == ALL_ROWS else n
         for row, entry in enumerate(entries):
             if len(rows) == n:
                 break
@@ -134,7 +140,9 @@ def load_val_set(cfg: Config, manifest: str | None = None, clips: int | None = N
             cond.append(cap[0])
             lens.append(int(cap_len[0]))
             rows.append(row)
-    if len(rows) < n:
+    if rows and clips == ALL_ROWS:
+        n = len(rows)
+    if len(rows) < n or not rows:
         raise ValueError(f"validation manifest {str(path)!r}: {len(rows)} readable row(s) of {len(entries)}, "
                          f"training.val_clips={n} wanted; lower training.val_clips or add clips")
     return ValSet(torch.stack(x0).float(), np.stack(cond), np.asarray(lens, dtype=np.int32), tuple(rows), str(path))
@@ -232,7 +240,9 @@ def evaluate_checkpoint(checkpoint: str | Path, manifest: str | None = None, cli
                         buckets: int | None = None, seed: int | None = None, batch_size: int | None = None,
                         device: str = "auto") -> ValResult:
     """The validation loss of ``checkpoint`` (a checkpoint or run directory: its latest), in this
-    process: the compute actor streams the checkpoint's weights as ``sample`` does."""
+    process: the compute actor streams the checkpoint's weights as ``sample`` does. A ``manifest``
+    given without ``clips`` is scored whole (every readable row); with neither, the run's own
+    validation set (``data.val_manifest``, ``training.val_clips``), so the loss equals the logged one."""
     try:
         ckpt = resolve_checkpoint(checkpoint)
     except FileNotFoundError as e:
@@ -241,7 +251,7 @@ def evaluate_checkpoint(checkpoint: str | Path, manifest: str | None = None, cli
     cfg = eval_config(state, manifest, clips, buckets, seed, batch_size, device)
     on_cpu = device == "cpu" or not torch.cuda.is_available()
     kind = "master" if on_cpu and DTYPES.get(state.get("w_dtype", "float32")) is torch.bfloat16 else "w"
-    val = load_val_set(cfg)
+    val = load_val_set(cfg, clips=ALL_ROWS if manifest and clips is None else None)
     source = CheckpointWeights(ckpt, cfg, kind)
     compute = ComputeActor(cfg, source.shard_infos(), source, transport="object_ref")
     try:

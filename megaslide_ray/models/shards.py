@@ -46,3 +46,18 @@ class ShardLayout:
         with torch.no_grad():
             for name, p in module.named_parameters():
                 views[name].copy_(p.detach().reshape(views[name].shape))
+
+
+def resident_shards(depth: int, numels: list[int], wbytes: int, budget_bytes: float) -> list[int]:
+    """The shards kept on the device from their forward to their backward within ``budget_bytes``
+    (``runtime.resident_gb``): blocks ``depth - 1, depth - 2, ...``, then shard 0, in that order
+    while their weights (``numels[i] x wbytes``) fit. Block ``depth``, the turn's, is kept anyway
+    and not counted; the head is not fetched in the backward. The compute actor keeps these and
+    the planner counts them."""
+    out = []
+    for shard in range(depth - 1, -1, -1):
+        budget_bytes -= numels[shard] * wbytes
+        if budget_bytes < 0:
+            break
+        out.append(shard)
+    return out

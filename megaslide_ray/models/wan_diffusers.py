@@ -14,6 +14,7 @@ import torch
 import torch.nn as nn
 
 from megaslide_ray.config import WAN_WINDOW, Config, ConfigError, apply_overrides
+from megaslide_ray.models.diffusers_dsa import CONFIG_KEY as DSA_CONFIG_KEY
 from megaslide_ray.models.layers import ffn_width
 from megaslide_ray.models.wan import WanTransformer, cast_like_diffusers, initialize_shard
 
@@ -57,11 +58,13 @@ def wan_config_from_diffusers(config_json: dict, vae_config: dict | None = None)
         raise ConfigError(f"an image-to-video Wan model ({', '.join(f'{k}={v}' for k, v in image.items())}) is not "
                           f"supported: its image embedder and image cross-attention are not implemented; use a "
                           f"text-to-video model (Wan2.1 T2V, Wan2.2 TI2V-5B)")
-    unknown = sorted(k for k in config_json if not k.startswith("_") and k not in _DIFFUSERS_DEFAULTS)
+    unknown = sorted(k for k in config_json
+                     if not k.startswith("_") and k not in _DIFFUSERS_DEFAULTS and k != DSA_CONFIG_KEY)
     if unknown:
         raise ConfigError(f"unknown {_DIFFUSERS_CLASS} config keys {unknown}: this module re-implements the model "
                           f"and would ignore them")
-    c = {**_DIFFUSERS_DEFAULTS, **{k: v for k, v in config_json.items() if not k.startswith("_")}}
+    c = {**_DIFFUSERS_DEFAULTS, **{k: v for k, v in config_json.items()
+                                   if not k.startswith("_") and k != DSA_CONFIG_KEY}}
     if c["qk_norm"] != "rms_norm_across_heads":
         raise ConfigError(f"qk_norm={c['qk_norm']!r} is not supported; only 'rms_norm_across_heads'")
     if len(c["patch_size"]) != 3:
@@ -82,6 +85,13 @@ def wan_config_from_diffusers(config_json: dict, vae_config: dict | None = None)
         "model.eps": float(c["eps"]),
         "model.rope_max_seq_len": int(c["rope_max_seq_len"]),
     }
+    dsa = config_json.get(DSA_CONFIG_KEY)
+    if dsa:  # an export of ours trained with local attention: its attention shapes its offset heads
+        out.update({"attention.kind": dsa["kind"], "attention.window": tuple(dsa["window"]),
+                    "attention.scale": float(dsa["scale"]), "attention.max_offset": float(dsa["max_offset"]),
+                    "attention.offset_groups": int(dsa["offset_groups"]),
+                    "attention.offset_kernel": tuple(dsa["offset_kernel"]),
+                    "attention.offset_scale": float(dsa["offset_scale"])})
     if vae_config is not None:
         z = vae_config.get("z_dim")
         if z is not None and int(z) != out["model.in_channels"]:

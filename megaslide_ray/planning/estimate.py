@@ -113,7 +113,9 @@ Device memory:
 
 Traffic per training step:
     host -> device   2 * P * w bytes   (weights streamed for the forward and again for the
-                                        backward's recompute: 420 GB for 105B in bf16)
+                                        backward's recompute: 420 GB for 105B in bf16), less
+                                        the resident shards' weights (``runtime.resident_gb``:
+                                        kept on the device from forward to backward, one fetch)
     device -> host   P * w bytes       (gradients: 210 GB)
     (the compute actor keeps the head's and the last block's forward weights for their
     backward, so it moves slightly less than 2 P; with ``runtime.offload_activations`` the
@@ -149,6 +151,14 @@ Step-time floor = max(h2d / pcie, d2h / pcie, AdamW bytes / dram, FLOPs / device
 full duplex and AdamW overlaps the next step's forward (docs/architecture.md, "One training
 step"), so the largest term binds. The floor is a bound, not a prediction.
 
+Several GPUs, nodes, micro-batches (``planning/scaleout.py``). ``training.micro_batches`` k: B is
+one micro-batch; a GPU's step runs k of them (FLOPs, block inputs kept or offloaded, input tensors
+x k) on the same weight traffic, so the transfer-to-compute ratio falls as 1/k. ``gpus_per_node`` G
+and ``nodes`` M: device terms stay one GPU's, host terms become one node's (the gradient slots,
+the owner's share of the optimizer state), the ``adamw`` term becomes ``host_dram`` (every GPU's
+PCIe traffic, the gradient sum and AdamW against the node's DRAM), and with M > 1 a ``network``
+term holds the bytes each node sends (and receives) per step against ``network_gbps``.
+
 Searches. ``--token-chunk auto`` picks the largest token chunk (whole time slices, or a
 fraction of one) whose plan fits the device. ``--offload-keep auto`` (with
 ``--offload-activations``, ``--gpu-gb`` and ``--ram-gb``) picks k = ``runtime.offload_keep``: the
@@ -174,6 +184,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from megaslide_ray.config import Config, ConfigError
+from megaslide_ray.models.shards import resident_shards
+from megaslide_ray.planning.scaleout import ScaleOut, scale_out
 from megaslide_ray.planning.terms import (
     FIXED_TERMS,
     HOST_RESERVE_GB,
@@ -272,6 +284,15 @@ class Plan:
     host_shortfall_bytes: int = 0
     device_shortfall_bytes: int = 0
     notes: tuple[str, ...] = field(default_factory=tuple)
+    # -- several GPUs, nodes, micro-batches (planning/scaleout.py); host terms above are per node
+    gpus_per_node: int = 1
+    nodes: int = 1
+    micro_batches: int = 1         # training.micro_batches: batch_size is one micro-batch
+    global_batch: int = 0          # clips per step, all GPUs: gpus x nodes x micro_batches x batch_size
+    transfer_compute_ratio: float = 0.0   # host -> device time / compute time, one GPU (falls as 1/k)
+    scale: ScaleOut | None = None  # per node: network bytes, host DRAM bytes (training)
+    resident_shards: tuple[int, ...] = ()  # runtime.resident_gb: shards kept from forward to backward
+    resident_bytes: int = 0        # their weights on the device (one fetch per step each, not two)
 
     @property
     def fits(self) -> bool | None:
@@ -300,9 +321,21 @@ class Plan:
 def plan(cfg: Config, w_dtype: str = "bfloat16", pcie_gbps: float = 55.0, dram_gbps: float = 300.0,
          device_tflops: float = 990.0, ram_gb: float | None = None, gpu_gb: float | None = None, *,
          generate: bool = False, sample_steps: int = 50, host_reserve_gb: float | None = None,
-         requested_clip: tuple[int, int, int] | None = None) -> Plan:
+         requested_clip: tuple[int, int, int] | None = None, gpus_per_node: int | None = None, nodes: int = 1,
+         network_gbps: float = 25.0) -> Plan:
     """Memory, traffic and step-time floor of one training step of ``cfg``, or with ``generate``
-    of one denoising step (module docstring)."""
+    of one denoising step (module docstring). ``gpus_per_node`` (default: ``runtime.compute_actors``
+    when a number, else 1), ``nodes`` and ``network_gbps`` (GB/s each way per node): the scale-out
+    terms of ``planning/scaleout.py``; ``training.micro_batches`` is read from ``cfg``."""
+    if gpus_per_node is None:
+        n = cfg.runtime.compute_actors
+        gpus_per_node = n if isinstance(n, int) else 1
+    for name, value in (("gpus_per_node", gpus_per_node), ("nodes", nodes)):
+        if not (isinstance(value, int) and value >= 1):
+            raise ConfigError(f"{name}={value!r} must be an integer >= 1")
+    if not (network_gbps > 0 and math.isfinite(network_gbps)):
+        raise ConfigError(f"network_gbps={network_gbps!r} must be a finite number > 0 (GB/s)")
+    micro = 1 if generate else cfg.training.micro_batches
     if w_dtype not in W_DTYPES:
         raise ConfigError(f"w_dtype={w_dtype!r}; use one of {list(W_DTYPES)}")
     for name, value in (("pcie_gbps", pcie_gbps), ("dram_gbps", dram_gbps), ("device_tflops", device_tflops)):
@@ -322,7 +355,7 @@ def plan(cfg: Config, w_dtype: str = "bfloat16", pcie_gbps: float = 55.0, dram_g
     counts, p_tok, p_sample, p_text, p_offsets = _shard_counts(cfg)
     P = sum(counts)
     B, N = cfg.data.batch_size, cfg.tokens_per_sample
-    tokens = B * N
+    tokens = micro * B * N  # one GPU's step: all its micro-batches
     largest = max(range(len(counts)), key=lambda i: counts[i])
     Smax = counts[largest]
     chunk = min(cfg.runtime.token_chunk, N)
@@ -339,6 +372,8 @@ def plan(cfg: Config, w_dtype: str = "bfloat16", pcie_gbps: float = 55.0, dram_g
 
     # -- device memory
     shard_bytes = staged_shards(cfg) * Smax * (wb if generate else wb + wb)
+    resident = [] if generate else resident_shards(cfg.model.depth, counts, wb, cfg.runtime.resident_gb * 1e9)
+    resident_bytes = sum(counts[i] for i in resident) * wb
     parts, block_terms, act_totals, Q = _activations(cfg, wb, generate)
     variant = SELECTED_VARIANT[cfg.attention.kind]
 
@@ -354,16 +389,16 @@ def plan(cfg: Config, w_dtype: str = "bfloat16", pcie_gbps: float = 55.0, dram_g
     else:
         # offloaded block inputs all go out and come back, the ones a step holds on the device included
         offloaded = parts["offloaded_checkpoints"]
-        h2d = 2 * P * wb + offloaded
+        h2d = 2 * P * wb - resident_bytes + offloaded  # a resident shard's weights cross once
         d2h = P * wb + offloaded
         adamw_pp = wb + 12 + 12 + wb
         adamw_store_pp = adamw_pp + (12 if wb == 2 else 4)  # fused; bf16: g upcast and w cast; fp32: w.copy_
         adamw_bytes = P * adamw_pp
-        flops_linear = 6.0 * p_tok * tokens + 6.0 * p_sample * B + 6.0 * p_text * n_text
-        flops_attention = 3.0 * attn_fwd
-        flops_recompute = 2.0 * p_tok * tokens + 2.0 * p_text * n_text + attn_fwd
+        flops_linear = 6.0 * p_tok * tokens + micro * (6.0 * p_sample * B + 6.0 * p_text * n_text)
+        flops_attention = 3.0 * micro * attn_fwd
+        flops_recompute = 2.0 * p_tok * tokens + micro * (2.0 * p_text * n_text + attn_fwd)
         if chunk:  # the nested per-chunk checkpoint: one more forward of the blocks
-            flops_recompute += 2.0 * p_tok * tokens + attn_fwd
+            flops_recompute += 2.0 * p_tok * tokens + micro * attn_fwd
         flops_6pt = 6.0 * P * tokens
     flops_executed = flops_linear + flops_attention + flops_recompute
 
@@ -372,20 +407,34 @@ def plan(cfg: Config, w_dtype: str = "bfloat16", pcie_gbps: float = 55.0, dram_g
         terms["d2h"] = d2h / (pcie_gbps * 1e9)
         terms["adamw"] = adamw_bytes / (dram_gbps * 1e9)
     terms["compute"] = flops_executed / (device_tflops * 1e12)
+    scale = None
+    label = "offloaded block inputs ((L - k) x ND)" if offload_keep(cfg) else "offloaded block inputs (L x ND)"
+    if micro > 1:
+        label = label.replace("x ND)", f"x {micro} micro-batches x ND)")
+    if not generate:
+        scale = scale_out(counts, wb, gpus_per_node, nodes, cfg.runtime.grad_slots, micro, network_gbps, adamw_pp,
+                          h2d, d2h, parts["offloaded_checkpoints"], label)
+        if gpus_per_node * nodes > 1:  # the node's DRAM serves every GPU's link, the gradient sum and AdamW
+            del terms["adamw"]
+            terms["host_dram"] = scale.host_dram_bytes / (dram_gbps * 1e9)
+        if nodes > 1:
+            terms["network"] = scale.network_bytes / (network_gbps * 1e9)
     binding = max(terms, key=terms.__getitem__)
 
     # -- fit
     reserve = int(round(host_reserve_gb * 1e9))
-    host_terms = {"weights w" if generate else "store state (w + master + m + v)": state}
-    if scratch:
-        host_terms["fp32 update scratch (largest shard)"] = scratch
-    if parts["offloaded_checkpoints"]:
-        label = "offloaded block inputs ((L - k) x ND)" if offload_keep(cfg) else "offloaded block inputs (L x ND)"
-        host_terms[label] = parts["offloaded_checkpoints"]
+    if generate:
+        host_terms = {"weights w": state}
+        if parts["offloaded_checkpoints"]:
+            host_terms[label] = parts["offloaded_checkpoints"]
+    else:
+        host_terms = dict(scale.host_terms)
     host_terms["reserve (OS, Ray, processes)"] = reserve
     host_required = sum(host_terms.values())
     block_total = parts["block_linear"] + parts[variant]
     device_terms = {"shard buffers": shard_bytes}
+    if resident_bytes:
+        device_terms[f"resident shards ({len(resident)}, kept from forward to backward)"] = resident_bytes
     if parts["checkpoints"]:
         device_terms["block-input checkpoints"] = parts["checkpoints"]
     if parts["input_side"] > block_total:
@@ -394,7 +443,7 @@ def plan(cfg: Config, w_dtype: str = "bfloat16", pcie_gbps: float = 55.0, dram_g
         device_terms.update(block_terms)
         device_terms[f"attention ({VARIANT_LABELS[variant]})"] = parts[variant]
     device_terms["input tensors (fp32)"] = parts["pixels"]
-    device_required = shard_bytes + act_totals[variant]
+    device_required = shard_bytes + resident_bytes + act_totals[variant]
     assert device_required == sum(device_terms.values())
     fits_host = None if ram_gb is None else host_required <= ram_gb * 1e9
     fits_device = None if gpu_gb is None else device_required <= gpu_gb * 1e9
@@ -403,13 +452,29 @@ def plan(cfg: Config, w_dtype: str = "bfloat16", pcie_gbps: float = 55.0, dram_g
 
     notes = _notes(cfg, generate, wb, P, parts, block_terms, act_totals, variant, fits_host, fits_device,
                    host_short, device_short, device_required, gpu_gb, terms)
+    if nodes > 1 and not generate:
+        notes.append(f"{nodes} nodes: one store per node, optimizer state sharded by owner node, gradients reduced to "
+                     f"the owner and the new w sent back (docs/architecture.md, scale-out) is planned, not "
+                     f"implemented: the runtime trains on one node")
+    slots = cfg.runtime.grad_slots
+    if fits_host is False and not generate and slots > 1 and gpus_per_node * nodes > 1:
+        holders = (gpus_per_node if gpus_per_node > 1 else 0) + (nodes - 1)  # GPUs' slots, network receive slots
+        saved = holders * (slots - 1) * Smax * wb
+        notes.append(f"runtime.grad_slots = 1 (--grad-slots 1) would free {fmt_bytes(saved)} of host per node (a GPU "
+                     f"then waits for each sum before it returns its next gradient)")
+    if gpus_per_node > 1 and not generate and terms.get("host_dram", 0) >= max(terms["h2d"], terms["compute"]):
+        notes.append(f"the node's DRAM binds: {gpus_per_node} GPUs read {fmt_bytes(gpus_per_node * h2d)} of weights "
+                     f"per step over their links, all from the same DRAM ({dram_gbps:g} GB/s, --dram-gbps), "
+                     f"beside the gradient sum and AdamW; micro-batches (--micro-batches) spread them over more "
+                     f"compute")
     clip = (cfg.data.num_frames, cfg.data.height, cfg.data.width)
     return Plan(
         mode="generate" if generate else "train", preset=cfg.preset, attention=cfg.attention.kind,
         w_dtype=w_dtype, batch_size=B, frames=clip[0], height=clip[1], width=clip[2],
         requested_clip=tuple(requested_clip or clip), latent_space=cfg.latent_space,
         latent_grid=tuple(cfg.latent_grid), in_channels=cfg.model.in_channels,
-        token_grid=tuple(cfg.token_grid), tokens_per_sample=N, tokens_per_step=tokens, token_chunk=chunk,
+        token_grid=tuple(cfg.token_grid), tokens_per_sample=N, tokens_per_step=tokens * gpus_per_node * nodes,
+        token_chunk=chunk,
         attention_chunk_tokens=Q,
         params=P, params_per_token=p_tok, params_offset_heads=p_offsets, num_shards=len(counts),
         largest_shard=largest, largest_shard_params=Smax,
@@ -430,6 +495,9 @@ def plan(cfg: Config, w_dtype: str = "bfloat16", pcie_gbps: float = 55.0, dram_g
         host_terms=host_terms, device_terms=device_terms,
         fits_host=fits_host, fits_device=fits_device, host_shortfall_bytes=host_short,
         device_shortfall_bytes=device_short, notes=tuple(notes),
+        gpus_per_node=gpus_per_node, nodes=nodes, micro_batches=micro,
+        global_batch=gpus_per_node * nodes * micro * B, transfer_compute_ratio=terms["h2d"] / terms["compute"],
+        scale=scale, resident_shards=tuple(resident), resident_bytes=resident_bytes,
     )
 
 
@@ -439,7 +507,8 @@ def _notes(cfg: Config, generate: bool, wb: int, P: int, parts: dict[str, int], 
     """What would change a plan that does not fit (or what it assumes)."""
     notes = []
     m = cfg.model
-    ND = cfg.data.batch_size * cfg.tokens_per_sample * m.hidden_size * wb
+    ND1 = cfg.data.batch_size * cfg.tokens_per_sample * m.hidden_size * wb  # one micro-batch's whole-clip tensor
+    ND = (1 if generate else cfg.training.micro_batches) * ND1  # a kept block holds every micro-batch's input
     whole = sum(v for k, v in block_terms.items() if k.startswith("whole clip"))
     keep = offload_keep(cfg)
     if fits_device is False and keep and not generate:
@@ -454,7 +523,7 @@ def _notes(cfg: Config, generate: bool, wb: int, P: int, parts: dict[str, int], 
                      f"runtime.token_chunk (--token-chunk N, or auto) runs its per-token parts in chunks")
     if fits_device is False and cfg.runtime.token_chunk and whole > 0.5 * device_required:
         notes.append(f"the whole-clip tensors of one block alone take {fmt_bytes(whole)} "
-                     f"({whole // ND} x {fmt_bytes(ND)}): a smaller token chunk cannot help; computing k and v "
+                     f"({whole // ND1} x {fmt_bytes(ND1)}): a smaller token chunk cannot help; computing k and v "
                      f"per time slab with its halo instead of for the whole clip (and dq per query chunk) "
                      f"would (not implemented)")
     if fits_host is False:

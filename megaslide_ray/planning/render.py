@@ -37,6 +37,10 @@ def render(p: Plan) -> str:
     what = "generation, one denoising step (forward only)" if gen else "training, one optimizer step"
     lines.append(f"megaslide-ray plan: preset {p.preset}, {what}, attention {p.attention}, w {p.w_dtype}, "
                  f"batch {p.batch_size}")
+    if not gen and (p.gpus_per_node > 1 or p.nodes > 1 or p.micro_batches > 1):
+        lines.append(f"  {p.gpus_per_node} GPU(s) per node x {p.nodes} node(s), {p.micro_batches} micro-batch(es) "
+                     f"of {p.batch_size} per GPU: global batch {p.global_batch} clips per step; device terms are "
+                     f"one GPU's, host terms one node's")
     lines += clip_lines(p)
     lines.append(f"  token chunk {p.token_chunk:,} tokens, attention query chunks of {p.attention_chunk_tokens:,}"
                  if p.token_chunk else "  token chunk: none (whole clip at once; runtime.token_chunk = 0)")
@@ -64,12 +68,19 @@ def render(p: Plan) -> str:
             label = (f"offloaded block inputs: (L - {p.offload_keep}) x B x N x D x a" if p.offload_keep
                      else "offloaded block inputs: L x B x N x D x a")
             row(label, fmt_bytes(p.host_offloaded_bytes))
+    if p.scale is not None and (p.gpus_per_node > 1 or p.nodes > 1):
+        lines.append(f"\nhost memory per node ({p.gpus_per_node} GPU(s) x {p.nodes} node(s); planning/scaleout.py)")
+        for name, v in p.scale.host_terms.items():
+            row(name, fmt_bytes(v))
     row("reserve (OS, Ray, processes; --host-reserve-gb)", fmt_bytes(p.host_reserve_bytes))
 
     lines.append("\ndevice memory")
     parts = p.activation_parts
     row(f"shard buffers: {p.prefetch_depth + 1} x ({'w' if gen else 'w + grad'}) of shard {p.largest_shard}",
         fmt_bytes(p.device_shard_bytes))
+    if p.resident_bytes:
+        row(f"resident shards: {len(p.resident_shards)} kept from forward to backward (runtime.resident_gb)",
+            fmt_bytes(p.resident_bytes))
     if not gen:
         if p.offload_keep:
             row(f"checkpoints: min(L, {p.prefetch_depth + 1} + {p.offload_keep} kept) x B x N x D x {wb} B",
@@ -101,12 +112,18 @@ def render(p: Plan) -> str:
         row("host -> device: weights once", fmt_bytes(p.h2d_bytes))
     else:
         inputs = " + block inputs" if parts["offloaded_checkpoints"] else ""
-        row("host -> device: weights twice" + (inputs or " (fwd + bwd)"), fmt_bytes(p.h2d_bytes))
+        resident = f", {len(p.resident_shards)} resident shards once" if p.resident_shards else ""
+        row("host -> device: weights twice" + (inputs or " (fwd + bwd)") + resident, fmt_bytes(p.h2d_bytes))
         row("device -> host: gradients" + inputs, fmt_bytes(p.d2h_bytes))
         row(f"AdamW DRAM traffic, {p.adamw_bytes_per_param} B/param", fmt_bytes(p.adamw_dram_bytes),
             f"(the store: fused {p.adamw_store_bytes_per_param} B/param, "
             f"compiled {p.adamw_compiled_bytes_per_param})")
-    row("FLOPs executed", f"{p.flops_executed:.3e}")
+    if p.scale is not None and (p.gpus_per_node > 1 or p.nodes > 1):
+        row(f"host DRAM traffic per node ({p.gpus_per_node} GPUs' links, sum, AdamW)",
+            fmt_bytes(p.scale.host_dram_bytes))
+        if p.nodes > 1:
+            row("network per node, each way (gradients to owners, w back)", fmt_bytes(p.scale.network_bytes))
+    row("FLOPs executed" + (" (one GPU)" if p.gpus_per_node > 1 or p.nodes > 1 else ""), f"{p.flops_executed:.3e}")
     if gen:
         row("  linear: 2 x P_tok x tokens", f"{p.flops_linear:.3e}", f"(2 x P x tokens: {p.flops_6pt:.3e})")
         row("  attention: forward", f"{p.flops_attention:.3e}")
@@ -116,13 +133,18 @@ def render(p: Plan) -> str:
         row("  recompute: one more forward" + (" (+ one per chunk)" if p.token_chunk else ""),
             f"{p.flops_recompute:.3e}")
 
+    net = f", network {p.scale.network_gbps:g} GB/s" if p.scale is not None and p.nodes > 1 else ""
     lines.append(f"\n{'denoising-step' if gen else 'step'}-time floor (PCIe {p.pcie_gbps:g} GB/s, "
-                 f"{'' if gen else f'DRAM {p.dram_gbps:g} GB/s, '}device {p.device_tflops:g} TFLOP/s)")
+                 f"{'' if gen else f'DRAM {p.dram_gbps:g} GB/s, '}device {p.device_tflops:g} TFLOP/s{net})")
     labels = {"h2d": "host -> device / PCIe", "d2h": "device -> host / PCIe", "adamw": "AdamW bytes / DRAM",
-              "compute": "FLOPs executed / device"}
+              "compute": "FLOPs executed / device", "host_dram": "host DRAM traffic of the node / DRAM",
+              "network": "network bytes per node / network"}
     for k, s in p.time_terms.items():
         row(labels[k], fmt_seconds(s), "<- binds" if k == p.binding else "")
     row("= floor", fmt_seconds(p.step_floor_s), f"({p.binding}-bound)")
+    if not gen:
+        row("transfer / compute, one GPU (host -> device time / compute time)", f"{p.transfer_compute_ratio:.3g}",
+            "(falls as 1/k with --micro-batches k)")
     if gen:
         row(f"x {p.sample_steps} denoising steps (--sample-steps)", fmt_seconds(p.step_floor_s * p.sample_steps))
 
@@ -134,7 +156,8 @@ def render(p: Plan) -> str:
                 f"vs {p.ram_gb:g} GB RAM: {verdict}")
         if p.gpu_gb is not None:
             verdict = "fits" if p.fits_device else f"DOES NOT FIT, short by {fmt_bytes(p.device_shortfall_bytes)}"
-            row("device: shard buffers + activations", fmt_bytes(p.device_required_bytes),
+            row("device: shard buffers + " + ("resident shards + " if p.resident_bytes else "") + "activations",
+                fmt_bytes(p.device_required_bytes),
                 f"vs {p.gpu_gb:g} GB: {verdict}")
         bind = p.binding_memory
         if bind:

@@ -140,6 +140,30 @@ def plan_with_keep(cfg: Config, token_chunk: int | str | None, keep: int | str |
     return dataclasses.replace(p, notes=(why,) + p.notes)
 
 
+def plan_with_resident(cfg: Config, token_chunk: int | str | None, keep: int | str | None,
+                       resident: float | str | None, **kw: Any) -> Plan:
+    """``plan_with_keep`` with ``runtime.resident_gb`` = ``resident``: GB (set on the config), None
+    (the config's), or ``auto`` (needs ``gpu_gb``): the device left after the token chunk and the
+    kept block inputs are chosen goes to resident shards (blocks nearest the turn first), so the
+    weights they hold cross the link once per step instead of twice."""
+    if resident is None:
+        return plan_with_keep(cfg, token_chunk, keep, **kw)
+    if resident != "auto":
+        return plan_with_keep(_with(cfg, resident_gb=float(resident)), token_chunk, keep, **kw)
+    if kw.get("gpu_gb") is None:
+        raise ConfigError("--resident-gb auto needs --gpu-gb (the device the resident shards must fit)")
+    first = plan_with_keep(_with(cfg, resident_gb=0.0), token_chunk, keep, **kw)
+    spare = kw["gpu_gb"] * 1e9 - first.device_required_bytes
+    if spare <= 0:
+        return first
+    fixed = _with(cfg, resident_gb=spare / 1e9, token_chunk=first.token_chunk, offload_keep=first.offload_keep)
+    p = plan(fixed, **kw)
+    why = (f"--resident-gb auto: {len(p.resident_shards)} shard(s) kept on the device from forward to backward "
+           f"({fmt_bytes(p.resident_bytes)} of the {fmt_bytes(spare)} left): runtime.resident_gb = "
+           f"{spare / 1e9:.1f}; host -> device {fmt_bytes(first.h2d_bytes)} -> {fmt_bytes(p.h2d_bytes)} per step")
+    return dataclasses.replace(p, notes=first.notes + (why,))
+
+
 def frame_candidates(cfg: Config, limit: int) -> list[int]:
     """Valid clip lengths in pixel frames, ascending, up to ``limit``: 4k+1 (whose latent frames the
     temporal patch divides) in latent space, multiples of the temporal patch in pixel space; only

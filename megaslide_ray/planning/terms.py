@@ -41,7 +41,9 @@ NO_MATMUL = ("scale_shift_table",)
 """Parameters added elementwise (Wan's modulation tables): no FLOPs of their own."""
 
 
-FIXED_TERMS = ("store state", "weights w", "fp32 update scratch", "reserve", "shard buffers")
+FIXED_TERMS = ("store state", "weights w", "fp32 update scratch", "reserve", "shard buffers", "resident shards",
+               "optimizer state",
+               "gradient slots", "fp32 sum", "network receive slots")
 """Memory terms that do not grow with the clip (``Plan.binding_memory`` names another when it can)."""
 
 
@@ -200,24 +202,26 @@ def _activations(cfg: Config, a: int, generate: bool) -> tuple[dict[str, int], d
         inputs = 3 * B * math.prod(cfg.latent_grid) * m.in_channels * 4  # x_t, target, prediction (latents)
     else:
         inputs = 3 * B * cfg.data.num_frames * cfg.data.height * cfg.data.width * m.in_channels * 4
+    # Layer-major micro-batches: B is one micro-batch; a block keeps the inputs of all of them.
+    micro = 1 if generate else cfg.training.micro_batches
     if generate:
         kept, offloaded = 0, 0
     elif cfg.runtime.offload_activations:
         k = offload_keep(cfg)
-        kept = min(L, staged_shards(cfg) + k)  # in flight + the last k, kept there
-        offloaded = (L - k) * ND
+        kept = micro * min(L, staged_shards(cfg) + k)  # in flight + the last k, kept there
+        offloaded = micro * (L - k) * ND
     else:
-        kept, offloaded = L, 0
+        kept, offloaded = micro * L, 0
     attention = _attention_terms(cfg, a, Q, Qp, 1 if generate else 2)
     parts = {
         "checkpoints": kept * ND,
         "offloaded_checkpoints": offloaded,
         "block_linear": block_linear,
         "input_side": (2 if wan else 5) * ND,
-        "pixels": inputs,
+        "pixels": micro * inputs,
         **attention,
     }
-    totals = {v: parts["checkpoints"] + max(block_linear + attention[v], parts["input_side"]) + inputs
+    totals = {v: parts["checkpoints"] + max(block_linear + attention[v], parts["input_side"]) + parts["pixels"]
               for v in ATTENTION_VARIANTS}
     return parts, terms, totals, Q
 

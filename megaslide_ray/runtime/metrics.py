@@ -30,8 +30,19 @@ STEP_GAUGES = {
     "d2h_gbps": ("megaslide_d2h_gbps", "GB/s of those returns"),
     "device_memory_peak_bytes": ("megaslide_device_memory_peak_bytes",
                                  "compute actor peak memory (CUDA: max allocated; CPU: peak RSS)"),
+    "reduce_seconds": ("megaslide_reduce_seconds",
+                       "seconds the store spent summing the compute actors' gradients (several actors)"),
     "skipped_files": ("megaslide_skipped_files", "video files skipped as unreadable so far"),
     "data_position": ("megaslide_data_position", "manifest draws consumed so far"),
+}
+# Several compute actors: one series per actor (tag ``actor``), from metrics.jsonl's ``compute_actors``.
+ACTOR_GAUGES = {
+    "compute_seconds": ("megaslide_actor_step_seconds", "one compute actor's time for the last step"),
+    "weight_wait_seconds": ("megaslide_actor_weight_wait_seconds",
+                            "seconds one compute actor was blocked on a shard version or transfer"),
+    "data_wait_seconds": ("megaslide_actor_data_wait_seconds", "seconds one compute actor waited for its batch"),
+    "grad_slot_wait_seconds": ("megaslide_actor_grad_slot_wait_seconds",
+                               "seconds one compute actor waited for a free gradient slot"),
 }
 # Set only by the steps that evaluate (training.eval_every).
 VAL_GAUGES = {
@@ -50,6 +61,8 @@ class RunMetrics:
         self.val_bucket = Gauge("megaslide_val_loss_bucket",
                                 description="validation loss of one t-bucket at the last evaluation",
                                 tag_keys=("run", "bucket"))
+        self.actor_gauges = {key: Gauge(name, description=desc, tag_keys=("run", "actor"))
+                             for key, (name, desc) in ACTOR_GAUGES.items()}
         self.decoder_fps = Gauge("megaslide_decoder_frames_per_second",
                                  description="frames decoded per second of decoding, all decoders",
                                  tag_keys=("run",))
@@ -61,6 +74,10 @@ class RunMetrics:
         for key, gauge in self.gauges.items():
             if key in row and row[key] is not None:
                 gauge.set(float(row[key]), tags=self.tags)
+        for actor in row.get("compute_actors", ()):
+            tags = {**self.tags, "actor": str(actor["rank"])}
+            for key, gauge in self.actor_gauges.items():
+                gauge.set(float(actor[key]), tags=tags)
         for key, value in row.items():  # val_loss_t0, val_loss_t1, ...: one series per bucket
             if key.startswith("val_loss_t") and key[10:].isdigit():
                 self.val_bucket.set(float(value), tags={**self.tags, "bucket": key[10:]})

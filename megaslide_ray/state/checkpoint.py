@@ -27,10 +27,21 @@ flat layout, so a reader can rebuild the named tensors without building the mode
 ``names``, ``shapes``, ``offsets`` (JSON lists: parameter names inside the shard, their shapes,
 their element offsets in the flat tensors) and ``shard`` (the shard's index).
 
-``state.json`` holds ``format`` (``FORMAT_VERSION``), ``step``, ``num_shards``, ``w_dtype``,
-``config`` (the run's ``Config.to_dict()``: sampling and ``--resume`` rebuild the model from
-it) and whatever else the writer adds (the data cursor: ``data_positions``, ``data_skipped``,
-``data_bad_rows``, ...).
+``state.json`` holds ``format`` (``FORMAT_VERSION``), ``step``, ``num_shards``, ``files``
+(per shard file: its size in ``bytes`` and the ``header_sha256`` of its safetensors header),
+``w_dtype``, ``config`` (the run's ``Config.to_dict()``: sampling and ``--resume`` rebuild the
+model from it) and whatever else the writer adds (the data cursor: ``data_positions``,
+``data_skipped``, ``data_bad_rows``, ...).
+
+Checking
+--------
+``check_checkpoint`` lists what is wrong with a checkpoint without reading its tensors: a shard
+file missing, of another size than ``files`` records, with another header (the checksum of the
+header is cheap; one of the whole file is not, at 12 bytes per parameter), or shorter than its
+own header says (checkpoints written before ``files`` was recorded). ``newest_complete_checkpoint``
+takes the newest ``step_N`` that passes, naming every newer one that does not: ``--resume``
+falls back to it (``latest`` is not needed: a ``step_N`` with its ``state.json`` was renamed into
+place whole).
 
 Atomic writes
 -------------
@@ -44,10 +55,14 @@ has its ``state.json``).
 
 from __future__ import annotations
 
+import hashlib
 import json
+import logging
 import math
 import os
+import re
 import shutil
+import struct
 import tempfile
 from pathlib import Path
 from typing import Iterable
@@ -58,12 +73,14 @@ from safetensors.torch import save_file
 
 from megaslide_ray.models.shards import ShardLayout
 
+log = logging.getLogger(__name__)
+
 FORMAT_VERSION = 1
 CHECKPOINT_KINDS = ("master", "m", "v")      # what a checkpoint stores per shard
 READABLE_KINDS = ("w",) + CHECKPOINT_KINDS   # what a reader serves (w: master cast to w_dtype)
 STATE_FILE = "state.json"
 LATEST = "latest"
-_RESERVED = ("format", "step", "num_shards")  # written by write_checkpoint itself
+_RESERVED = ("format", "step", "num_shards", "files")  # written by write_checkpoint itself
 
 
 class CheckpointWriteError(RuntimeError):
@@ -118,15 +135,17 @@ def _write_step_dir(root: Path, step: int, shards: Iterable, doc: dict) -> Path:
     final = root / f"step_{step}"
     tmp = Path(tempfile.mkdtemp(prefix=f".step_{step}.", dir=root))
     try:
-        n = 0
+        n, files = 0, {}
         for i, (lay, tensors) in enumerate(shards):
             meta = {"names": json.dumps(lay.names), "shapes": json.dumps(lay.shapes),
                     "offsets": json.dumps(lay.offsets), "shard": str(i)}
             path = tmp / shard_file(i)
             save_file({kind: tensors[kind] for kind in CHECKPOINT_KINDS}, str(path), metadata=meta)
             _fsync(path)
+            files[path.name] = {"bytes": path.stat().st_size,
+                                "header_sha256": hashlib.sha256(_header_bytes(path)).hexdigest()}
             n = i + 1
-        state = {"format": FORMAT_VERSION, "step": step, "num_shards": n, **doc}
+        state = {"format": FORMAT_VERSION, "step": step, "num_shards": n, "files": files, **doc}
         (tmp / STATE_FILE).write_text(json.dumps(state, indent=1))
         _fsync(tmp / STATE_FILE)
         _fsync(tmp)
@@ -177,15 +196,128 @@ def latest_checkpoint(run_dir: str | Path) -> Path | None:
 
 
 def resolve_checkpoint(path: str | Path) -> Path:
-    """A checkpoint directory as is, or a run directory's latest checkpoint."""
+    """A checkpoint directory as is (checked: ``CheckpointDamagedError`` names what is wrong), or
+    a run directory's newest complete checkpoint (a damaged newer one is named in a warning)."""
     p = Path(path)
     if is_checkpoint_dir(p):
+        problems = check_checkpoint(p)
+        if problems:
+            raise CheckpointDamagedError(f"checkpoint {p} is damaged: {'; '.join(problems)}. Use another checkpoint "
+                                         f"(e.g. the run directory: its newest complete one)")
         return p
-    ckpt = latest_checkpoint(p)
-    if ckpt is not None:
-        return ckpt
+    if checkpoints_dir(p).is_dir():
+        ckpt, damaged = newest_complete_checkpoint(p)
+        if ckpt is not None:
+            warn_damaged(damaged, ckpt)
+            return ckpt
+        if damaged:
+            raise CheckpointDamagedError(f"{p}: no complete checkpoint; " + describe_damaged(damaged))
     raise FileNotFoundError(f"{str(p)!r}: neither a checkpoint directory (with {STATE_FILE}) nor a run directory "
-                            f"with checkpoints/{LATEST}; pass e.g. runs/NAME or runs/NAME/checkpoints/step_N")
+                            f"with checkpoints/step_N; pass e.g. runs/NAME or runs/NAME/checkpoints/step_N")
+
+
+# ---------------------------------------------------------------------------------------------
+# Checking (headers and sizes only: no tensor is read)
+# ---------------------------------------------------------------------------------------------
+
+
+class CheckpointDamagedError(RuntimeError):
+    """A checkpoint's files are missing, truncated or changed since it was written."""
+
+
+_STEP_DIR = re.compile(r"step_(\d+)")
+
+
+def _header_bytes(path: Path) -> bytes:
+    """A safetensors file's header: its 8-byte length and the JSON that follows."""
+    with open(path, "rb") as f:
+        head = f.read(8)
+        if len(head) < 8:
+            raise ValueError(f"{len(head)} bytes, shorter than a safetensors header")
+        (n,) = struct.unpack("<Q", head)
+        if n > 100 * 2**20:
+            raise ValueError(f"a header length of {n} bytes: not a safetensors file")
+        body = f.read(n)
+        if len(body) < n:
+            raise ValueError(f"cut inside its header ({8 + len(body)} of {8 + n} bytes)")
+    return head + body
+
+
+def safetensors_problem(path: str | Path) -> str:
+    """What is wrong with a safetensors file, judged from its header and size ("" when nothing):
+    missing, not safetensors, or shorter (longer) than the tensors its header lists."""
+    path = Path(path)
+    if not path.is_file():
+        return f"{path.name} is missing"
+    try:
+        raw = _header_bytes(path)
+        header = json.loads(raw[8:])
+        end = max((int(v["data_offsets"][1]) for k, v in header.items() if k != "__metadata__"), default=0)
+    except (OSError, ValueError, KeyError, TypeError, IndexError) as e:
+        return f"{path.name} is not a readable safetensors file ({e})"
+    size = path.stat().st_size
+    if size != len(raw) + end:
+        return f"{path.name} has {size} bytes, its header lists {len(raw) + end} (truncated or overwritten)"
+    return ""
+
+
+def check_checkpoint(path: str | Path) -> list[str]:
+    """What is wrong with checkpoint ``path`` (an empty list when nothing): ``state.json``
+    missing or unreadable; a shard file missing, of another size than ``state.json`` records,
+    with another header, or not matching its own header. Reads headers only."""
+    path = Path(path)
+    try:
+        state = read_checkpoint_state(path)
+        n = int(state["num_shards"])
+        int(state["step"])
+    except FileNotFoundError:
+        return [f"{STATE_FILE} is missing"]
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        return [f"{STATE_FILE} is unreadable ({e})"]
+    recorded = state.get("files") or {}
+    problems = []
+    for i in range(n):
+        file = path / shard_file(i)
+        problem = safetensors_problem(file)
+        if not problem and file.name in recorded:
+            rec = recorded[file.name]
+            if file.stat().st_size != rec.get("bytes"):
+                problem = f"{file.name} has {file.stat().st_size} bytes, {STATE_FILE} records {rec.get('bytes')}"
+            elif hashlib.sha256(_header_bytes(file)).hexdigest() != rec.get("header_sha256"):
+                problem = f"{file.name} has another header than when it was written"
+        if problem:
+            problems.append(problem)
+    return problems
+
+
+def step_dirs(run_dir: str | Path) -> list[Path]:
+    """The run's ``checkpoints/step_N`` directories, newest (highest N) first."""
+    root = checkpoints_dir(run_dir)
+    found = [(int(m.group(1)), d) for d in root.iterdir() if d.is_dir() and (m := _STEP_DIR.fullmatch(d.name))] \
+        if root.is_dir() else []
+    return [d for _, d in sorted(found, reverse=True)]
+
+
+def newest_complete_checkpoint(run_dir: str | Path) -> tuple[Path | None, list[tuple[Path, list[str]]]]:
+    """(the newest checkpoint of ``run_dir`` that ``check_checkpoint`` passes, or None; the newer
+    ones that fail, each with its problems). ``latest`` is not consulted: it may name a damaged
+    checkpoint, or be gone itself."""
+    damaged = []
+    for d in step_dirs(run_dir):
+        problems = check_checkpoint(d)
+        if not problems:
+            return d, damaged
+        damaged.append((d, problems))
+    return None, damaged
+
+
+def describe_damaged(damaged: list[tuple[Path, list[str]]]) -> str:
+    return "; ".join(f"{d.name} is damaged ({', '.join(p)})" for d, p in damaged)
+
+
+def warn_damaged(damaged: list[tuple[Path, list[str]]], used: Path) -> None:
+    if damaged:
+        log.warning("%s: using %s, the newest complete checkpoint", describe_damaged(damaged), used)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -34,10 +35,12 @@ from safetensors.torch import save_file
 
 from megaslide_ray.config import PRESETS, Config, build_config, config_from_dict
 from megaslide_ray.config import preset as make_preset
+from megaslide_ray.models.diffusers_dsa import CONFIG_KEY as DSA_CONFIG_KEY
+from megaslide_ray.models.diffusers_dsa import export_settings
 from megaslide_ray.models.registry import build_shard, initialize_shard, num_shards
 from megaslide_ray.models.shards import ShardLayout
 from megaslide_ray.models.wan_diffusers import check_against, diffusers_config, diffusers_overrides, transformer_dir
-from megaslide_ray.state.checkpoint import CheckpointReader, is_checkpoint_dir
+from megaslide_ray.state.checkpoint import CheckpointReader, check_checkpoint, is_checkpoint_dir, safetensors_problem
 
 log = logging.getLogger(__name__)
 
@@ -140,6 +143,9 @@ def index_source(path: str | Path) -> dict[str, Entry]:
     if not path.exists():
         raise FileNotFoundError(f"--init-from {path}: no such file or directory")
     if is_checkpoint_dir(path):
+        problems = check_checkpoint(path)
+        if problems:
+            raise PretrainedMismatchError(f"--init-from {path}: the checkpoint is damaged: {'; '.join(problems)}")
         return _index_checkpoint(path)
     if is_diffusers_dir(path):  # a diffusers model directory or its transformer/ folder: the weights' folder
 
@@ -152,6 +158,12 @@ def index_source(path: str | Path) -> dict[str, Entry]:
     if path.is_file() and path.suffix != ".safetensors":
         raise PretrainedMismatchError(f"--init-from {path}: only .safetensors files are read (never pickled "
                                       f"formats such as .pt/.bin); convert the weights to safetensors first")
+    damaged = [f"{file}: {problem.removeprefix(file.name + ' ')}" for file in files
+               if (problem := safetensors_problem(file))]
+    if damaged:
+        raise PretrainedMismatchError(f"--init-from {path}: {len(damaged)} of its {len(files)} safetensors files "
+                                      f"cannot be read:\n  " + "\n  ".join(damaged) + "\nCopy or download them "
+                                      "again (a file cut short by an interrupted copy looks like this)")
     out: dict[str, Entry] = {}
     for file in files:
         with safe_open(str(file), framework="pt") as f:
@@ -214,6 +226,27 @@ def check_pretrained(cfg: Config, path: str | Path) -> dict[str, Entry]:
                      "--model.* to match the weights.")
         raise PretrainedMismatchError("\n".join(lines))
     return source
+
+
+def describe_init(cfg: Config, path: str | Path, source: dict[str, Entry]) -> str:
+    """What ``--init-from`` loads, in one line: tensors and parameters from where, and which
+    parameters start fresh (the offset heads a source without 3D-DSA lacks)."""
+    model = model_names(cfg)
+    loaded = [n for n in model if n in source]
+    fresh = [n for n in model if n not in source]
+    files = sorted({source[n].file for n in loaded})
+    where = (Path(files[0]).parent if files else Path(path)).resolve()
+    numel = lambda names: sum(math.prod(model[n][0]) for n in names)  # noqa: E731
+    line = (f"init-from: {len(loaded)} tensors ({numel(loaded):,} parameters) from {where} ({len(files)} file"
+            f"{'s' if len(files) != 1 else ''})")
+    if fresh:
+        heads = sorted({n.split(".offsets.")[0] + ".offsets.*" for n in fresh})
+        line += (f"; {len(fresh)} tensors ({numel(fresh):,} parameters) start fresh: the DSA offset heads "
+                 f"({', '.join(heads[:3])}{', ...' if len(heads) > 3 else ''}), zero at the end, so the model starts "
+                 f"as neighborhood attention")
+    else:
+        line += "; nothing starts fresh"
+    return line
 
 
 @torch.no_grad()
@@ -311,8 +344,10 @@ def export_diffusers(checkpoint: str | Path, out: str | Path, dtype: torch.dtype
     """Write a ``wan`` checkpoint's master weights as a diffusers ``WanTransformer3DModel``
     folder: ``config.json``, one ``diffusion_pytorch_model-XXXXX-of-NNNNN.safetensors`` per
     shard and the index that maps each name to its file, so ``from_pretrained(out)`` loads it.
-    ``drop_offsets`` leaves out the DSA offset heads (``attn1.offsets.*``), which diffusers'
-    model does not have (it would ignore them with a warning)."""
+    diffusers' model has dense self-attention and no offset heads (``attn1.offsets.*``, kept in
+    the files unless ``drop_offsets``): a model trained with another ``attention.kind`` gets a
+    ``megaslide_dsa`` entry in ``config.json``, which ``megaslide_ray.models.diffusers_dsa.enable_dsa``
+    reads to run it as trained, and whose note diffusers prints when it loads the folder alone."""
     checkpoint, out = Path(checkpoint), Path(out)
     with CheckpointReader(checkpoint) as ckpt:
         if checkpoint_arch(ckpt) != "wan":
@@ -337,5 +372,10 @@ def export_diffusers(checkpoint: str | Path, out: str | Path, dtype: torch.dtype
             written.append(str(out / name))
     (out / DIFFUSERS_INDEX).write_text(json.dumps({"metadata": {"total_size": total},
                                                    "weight_map": dict(sorted(weight_map.items()))}, indent=2))
-    (out / "config.json").write_text(json.dumps(diffusers_config(cfg), indent=2))
+    config = diffusers_config(cfg)
+    a = cfg.attention
+    if a.kind != "dense":  # what enable_dsa needs, and the note diffusers prints on a plain load
+        config[DSA_CONFIG_KEY] = export_settings(a.kind, a.window, a.scale, a.max_offset, a.offset_groups,
+                                                 a.offset_kernel, a.offset_scale, offsets=not drop_offsets)
+    (out / "config.json").write_text(json.dumps(config, indent=2))
     return [*written, str(out / DIFFUSERS_INDEX), str(out / "config.json")]

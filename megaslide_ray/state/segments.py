@@ -87,8 +87,9 @@ def _running(pid: int) -> bool:
 def sweep_stale_states(root: Path, keep: Path | None = None) -> list[Path]:
     """Remove the state directories under ``root`` left by runs that ended without cleaning up
     (a driver killed with SIGKILL, a machine reset): those whose owner, recorded on this machine,
-    is no longer running (or ran before the last boot). A state without an owner record, or one
-    recorded on another machine, is left alone. Returns what was removed."""
+    is no longer running (or ran before the last boot). A state without an owner record, one
+    recorded on another machine, or one a failed run kept on purpose (its owner record says
+    ``kept``: ``megaslide_ray.state.kept``) is left alone. Returns what was removed."""
     me, removed = _this_machine(), []
     for d in sorted(root.glob("megaslide-*")):
         if d == keep or not d.is_dir():
@@ -98,7 +99,7 @@ def sweep_stale_states(root: Path, keep: Path | None = None) -> list[Path]:
             pid = int(owner["pid"])
         except (OSError, ValueError, KeyError, TypeError):
             continue
-        if owner.get("host") != me["host"] or pid <= 0:
+        if owner.get("host") != me["host"] or pid <= 0 or owner.get("kept"):
             continue
         if owner.get("boot_id") == me["boot_id"] and _running(pid):
             continue

@@ -6,6 +6,8 @@
   (forward only, ``evaluation.validation``).
 - ``Sampler``: a sample of ``training.sample_prompt`` every ``training.sample_every`` steps into
   ``samples/step_N.mp4`` and its ``.png`` contact sheet.
+- A validation or a sample that fails is logged (the traceback in ``RUN/error.log``) and counted
+  (``val_failures``, ``sample_failures``); training goes on.
 - ``MetricsLog``: one ``metrics.jsonl`` line per step and the run's Ray metrics.
 - ``BadStepGuard``: counts steps whose update was skipped (NaN/Inf) and stops the run after
   ``optim.max_bad_steps`` in a row.
@@ -18,6 +20,8 @@ from __future__ import annotations
 
 import json
 import logging
+import time
+import traceback
 from pathlib import Path
 
 from megaslide_ray.config import Config
@@ -25,6 +29,7 @@ from megaslide_ray.data.demo import write_video
 from megaslide_ray.evaluation.sampling import contact_sheet, euler_sample, to_uint8_frames, write_png
 from megaslide_ray.evaluation.validation import ValSet, validation_loss
 from megaslide_ray.runtime.metrics import RunMetrics
+from pipelines.errors import root_cause
 from pipelines.streaming import StreamingPipeline
 
 log = logging.getLogger(__name__)
@@ -39,10 +44,11 @@ class Checkpointer:
     """Writes ``RUN/checkpoints/step_N`` every ``training.checkpoint_every`` steps, after the last
     step and when the run stops early; remembers the last one written (or resumed from)."""
 
-    def __init__(self, cfg: Config, run_dir: Path, pipeline: StreamingPipeline, last: str = ""):
+    def __init__(self, cfg: Config, run_dir: Path, pipeline: StreamingPipeline, last: str = "", step: int = 0):
         self.every, self.steps = cfg.training.checkpoint_every, cfg.training.steps
         self.run_dir, self.pipeline = run_dir, pipeline
         self.last = last
+        self.step = step  # the step of ``last`` (0: none yet)
 
     def due(self, done: int) -> bool:
         return done == self.steps or every(self.every, done)
@@ -50,6 +56,7 @@ class Checkpointer:
     def save(self, done: int, data_state: dict) -> str:
         """Checkpoint the state after step ``done``; ``data_state``: where the data continues."""
         self.last = self.pipeline.save_checkpoint(str(self.run_dir), done, data_state)
+        self.step = done
         return self.last
 
     def save_on_stop(self, done: int, start_step: int, data_state: dict) -> None:
@@ -58,19 +65,44 @@ class Checkpointer:
             self.save(done, data_state)
 
 
+def log_failure(what: str, done: int, error: Exception, run_dir: Path) -> None:
+    """A validation or sample after step ``done`` failed: one warning with the root cause, the
+    traceback appended to ``RUN/error.log``; training goes on."""
+    cause = root_cause(error)
+    try:
+        with (run_dir / "error.log").open("a") as f:
+            f.write(f"--- {time.strftime('%Y-%m-%d %H:%M:%S')} {what} after step {done} failed (training went on)\n"
+                    f"{''.join(traceback.format_exception(error))}\n")
+    except OSError as e:
+        log.debug("could not write error.log: %r", e)
+    log.warning("%s after step %d failed, training goes on: %s%s (traceback in %s)", what, done,
+                cause.headline().splitlines()[0] if cause.headline() else cause.kind,
+                f" (raised in {cause.where})" if cause.where else "", run_dir / "error.log")
+
+
 class Validator:
     """The validation loss of the weights after step ``done`` (``val_loss``, ``val_loss_t{b}``,
-    ``val_seconds``), every ``training.eval_every`` steps."""
+    ``val_seconds``), every ``training.eval_every`` steps. One that fails is logged and counted
+    (``val_failures``); training goes on."""
 
-    def __init__(self, cfg: Config, pipeline: StreamingPipeline, val_set: ValSet | None):
-        self.cfg, self.pipeline, self.val_set = cfg, pipeline, val_set
+    def __init__(self, cfg: Config, pipeline: StreamingPipeline, val_set: ValSet | None, run_dir: Path):
+        self.cfg, self.pipeline, self.val_set, self.run_dir = cfg, pipeline, val_set, run_dir
+        self.failures = 0
 
     def due(self, done: int) -> bool:
         return every(self.cfg.training.eval_every, done)
 
     def run(self, version: int) -> dict:
-        """The metrics.jsonl fields of the validation loss of ``version`` (forward only, through the
-        compute actor); none when the store's versions were not all ``version`` around it."""
+        """The metrics.jsonl fields of the validation loss of ``version`` (and ``val_failures``);
+        no loss when it failed or the store's versions were not all ``version`` around it."""
+        try:
+            return {**self._run(version), "val_failures": self.failures}
+        except Exception as e:  # noqa: BLE001 - a validation never ends the run
+            self.failures += 1
+            log_failure("validation", version, e, self.run_dir)
+            return {"val_failures": self.failures}
+
+    def _run(self, version: int) -> dict:
         # ``version`` is k + 1 after step k: predict() waits until each shard's version is k + 1,
         # i.e. until the store has applied step k's update to it. Before that a shard's ``w``
         # segment may hold its gradient (between its backward and its update), never weights to
@@ -89,15 +121,26 @@ class Validator:
 
 class Sampler:
     """Samples ``training.sample_prompt`` with the weights after step ``done`` every
-    ``training.sample_every`` steps, through the compute actor (forward only)."""
+    ``training.sample_every`` steps, through the compute actor (forward only). One that fails is
+    logged and counted (``sample_failures``); training goes on."""
 
     def __init__(self, cfg: Config, pipeline: StreamingPipeline, run_dir: Path):
         self.cfg, self.pipeline, self.run_dir = cfg, pipeline, run_dir
+        self.failures = 0
 
     def due(self, done: int) -> bool:
         return every(self.cfg.training.sample_every, done)
 
-    def run(self, version: int) -> Path:
+    def run(self, version: int) -> dict:
+        """The metrics.jsonl fields: ``sample`` (the mp4's path) and ``sample_failures``."""
+        try:
+            return {"sample": str(self._run(version)), "sample_failures": self.failures}
+        except Exception as e:  # noqa: BLE001 - a sample never ends the run
+            self.failures += 1
+            log_failure("sampling", version, e, self.run_dir)
+            return {"sample_failures": self.failures}
+
+    def _run(self, version: int) -> Path:
         """``samples/step_N.mp4`` and its ``.png`` contact sheet."""
         t = self.cfg.training
         x = euler_sample(self.pipeline, self.cfg, t.sample_prompt, t.sample_steps, t.seed, version)

@@ -2,10 +2,18 @@
 Trainer, signals and exit codes.
 
 ``python -m megaslide_ray.train`` parses its arguments into a config and calls ``launch``. Exit
-codes: 0 (done, or stopped by a signal after a checkpoint), 1 (the run failed: too many bad
-steps, restarts over the limit, a checkpoint that cannot be written, no room for the state), 2
-(refused before Ray started: data, ``--init-from``, ``--resume``, fault spec or state dir), 130
-(interrupted twice: quit at once; the latest complete checkpoint stays intact).
+codes: 0 (done, or stopped by a signal after a checkpoint), 1 (the run failed after Ray started:
+too many bad steps, restarts over the limit, a checkpoint that cannot be written, unusable data,
+any other error), 2 (refused before Ray started: data, ``--init-from``, ``--resume``, fault spec
+or state dir; nothing is written to the run directory), 130 (interrupted twice: quit at once;
+the latest complete checkpoint stays intact).
+
+A run that fails after Ray started ends the same way whatever failed (``report_failure``): the
+root cause first (unwrapped from Ray's exceptions, ``pipelines.errors``) with the actor call that
+raised it, the whole traceback in ``RUN/error.log``, every actor stopped and Ray shut down, and
+the shared-memory state released, or kept when it holds steps newer than the latest checkpoint
+(``megaslide_ray.state.kept``; its path, size, the command that frees it and the ``--resume``
+that continues from it are printed).
 """
 
 from __future__ import annotations
@@ -15,6 +23,9 @@ import os
 import signal
 import sys
 import tempfile
+import time
+import traceback
+from pathlib import Path
 
 import ray
 
@@ -22,14 +33,24 @@ from megaslide_ray.config import Config, ConfigError
 from megaslide_ray.data.checks import check_data
 from megaslide_ray.evaluation.validation import load_val_set
 from megaslide_ray.runtime import faults
-from megaslide_ray.state.checkpoint import CheckpointWriteError
+from megaslide_ray.state.kept import (
+    dir_bytes,
+    find_kept_state,
+    human_bytes,
+    is_kept,
+    keep_state,
+    release_state,
+    state_path,
+)
 from megaslide_ray.state.preflight import StateSpaceError, plan_state_space
-from megaslide_ray.state.pretrained import PretrainedMismatchError, check_pretrained
-from megaslide_ray.trainer.components import BadStepsError
-from megaslide_ray.trainer.loop import Trainer, resume_point
-from pipelines.streaming import RestartLimitError
+from megaslide_ray.state.pretrained import PretrainedMismatchError, check_pretrained, describe_init
+from megaslide_ray.trainer.loop import ResumePoint, Trainer, default_run_dir, resume_point
+from pipelines.errors import root_cause
 
 log = logging.getLogger(__name__)
+
+MESSAGE_LINES = 12
+"""A failure's message is printed up to this many lines (all of it goes to RUN/error.log)."""
 
 
 class StopOnSignal:
@@ -60,16 +81,15 @@ class StopOnSignal:
         self.trainer.request_stop(name)
 
 
-def check_resume(cfg: Config) -> str:
-    """Why ``--resume`` cannot continue this run ("" when it can): no complete checkpoint, or
-    one written with another number of decoders."""
+def check_resume(cfg: Config, run_dir: str) -> ResumePoint:
+    """Where ``--resume`` continues (``resume_point``), checked before Ray starts: ConfigError
+    when it cannot (no run dir, no complete checkpoint or kept state, another number of decoders)."""
     if not cfg.training.run_dir:
-        return "--resume needs --run-dir (the run to continue)"
+        raise ConfigError("--resume needs --run-dir (the run to continue)")
     try:
-        resume_point(cfg.training.run_dir, cfg.data.num_decoders)
+        return resume_point(cfg, run_dir)
     except (FileNotFoundError, ValueError) as e:
-        return str(e)
-    return ""
+        raise ConfigError(str(e)) from None
 
 
 def start_ray(cfg: Config, space=None):
@@ -104,18 +124,35 @@ def launch(cfg: Config, resume: bool = False, init_from: str | None = None, prog
         print(f"data error: {e}", file=sys.stderr)
         return 2
 
-    if init_from and not resume:
+    if resume and init_from:
+        log.warning("--init-from %s ignored: --resume continues from the run's own weights", init_from)
+    init_from = None if resume else (init_from or cfg.training.init_from or None)
+    if init_from:
         try:
-            check_pretrained(cfg, init_from)  # every mismatch in one message, before Ray starts
+            source = check_pretrained(cfg, init_from)  # every mismatch in one message, before Ray starts
         except (PretrainedMismatchError, FileNotFoundError) as e:
             print(f"init-from error: {e}", file=sys.stderr)
             return 2
+        print(describe_init(cfg, init_from, source), flush=True)
 
+    run_dir = cfg.training.run_dir or default_run_dir()
+    point = None
     if resume:
-        problem = check_resume(cfg)  # before Ray starts, like every other refusal
-        if problem:
-            print(f"resume error: {problem}", file=sys.stderr)
+        try:
+            point = check_resume(cfg, run_dir)  # before Ray starts, like every other refusal
+        except ConfigError as e:
+            print(f"resume error: {e}", file=sys.stderr)
             return 2
+        if point.step >= cfg.training.steps:  # nothing to train: no Ray, nothing written
+            print(f"nothing to do: {'the kept state' if point.kept else point.checkpoint} is at step {point.step} "
+                  f"and training.steps={cfg.training.steps}; raise --steps to train further", flush=True)
+            return 0
+
+    else:
+        kept = find_kept_state(cfg, run_dir)
+        if kept is not None:  # a new run in the same directory replaces it: say so before it is gone
+            log.warning("the shared-memory state a failed run of this run directory kept, %s, is replaced by this new "
+                        "run; to continue that run instead, stop now and start again with --resume", kept.describe())
 
     if inject_fault:
         try:
@@ -130,7 +167,7 @@ def launch(cfg: Config, resume: bool = False, init_from: str | None = None, prog
     space = None
     if not cfg.ray.address:  # a local cluster: the store's state goes to this machine's state dir
         try:
-            space = plan_state_space(cfg, cfg.training.run_dir or None)
+            space = plan_state_space(cfg, run_dir)
         except StateSpaceError as e:
             print(f"state dir error: {e}", file=sys.stderr)
             return 2
@@ -140,26 +177,32 @@ def launch(cfg: Config, resume: bool = False, init_from: str | None = None, prog
     if url:
         print(f"Ray dashboard: http://{url}  (Ray token auth is on: `ray get-auth-token` prints the token "
               f"to paste into the dashboard's login)", flush=True)
-    trainer = None
+    trainer, failure, kept = None, None, None
     with StopOnSignal() as stopper:  # installed until Ray is down: a Ctrl-C while closing aborts
         rc = 0
         try:
-            trainer = Trainer(cfg, run_dir=cfg.training.run_dir or None, resume=resume, progress=progress,
+            trainer = Trainer(cfg, run_dir=run_dir, resume=point or False, progress=progress,
                               init_from=init_from, val_set=val_set)
             stopper.trainer = trainer
             print(f"run dir: {trainer.run_dir}", flush=True)
             report_summary(trainer.train(), trainer, cfg)
         except KeyboardInterrupt:
             rc = 130
-        except (BadStepsError, RestartLimitError, CheckpointWriteError, StateSpaceError) as e:
-            print(f"error: {e}", file=sys.stderr)
-            rc = 1
+        except Exception as e:  # noqa: BLE001 - every failure ends the same way: see report_failure
+            rc, failure = 1, e
         try:
             if trainer is not None:
-                trainer.abort() if rc == 130 else trainer.close()
+                if rc == 130:
+                    trainer.abort()
+                elif failure is not None:
+                    kept = trainer.close_after_error()
+                else:
+                    trainer.close()
         except KeyboardInterrupt:
             rc = 130
             trainer.abort()
+        except Exception as e:  # noqa: BLE001 - closing failed: the state is dealt with below
+            log.warning("closing the run failed: %r", e)
         finally:
             try:
                 ray.shutdown()
@@ -167,9 +210,62 @@ def launch(cfg: Config, resume: bool = False, init_from: str | None = None, prog
                 rc = 130
             if rc == 130:
                 print("interrupted: quitting at once; the latest complete checkpoint is intact"
-                      + (f" (resume with: python -m megaslide_ray.train --run-dir {trainer.run_dir} --resume)"
+                      + (f" (resume with: python -m megaslide_ray.train --run-dir {run_dir} --resume)"
                          if trainer is not None else ""), file=sys.stderr, flush=True)
+    if failure is not None and rc != 130:
+        if kept is None:
+            kept = settle_state(cfg, run_dir, point)
+        report_failure(failure, run_dir, kept, trainer.checkpointer.last if trainer else
+                       (str(point.checkpoint) if point and point.checkpoint else ""))
     return rc
+
+
+def settle_state(cfg: Config, run_dir: str, point: ResumePoint | None) -> tuple[str, int] | None:
+    """After Ray is down, the run's state dir on this machine, if any is left: a kept state the run
+    was continuing from is kept again (returned), anything else this run made is released."""
+    path = state_path(cfg, run_dir)
+    if not path.is_dir():
+        return None
+    if point is not None and point.kept is not None:
+        keep_state(path, point.kept.doc)
+        return str(path), dir_bytes(path)
+    if not is_kept(path):
+        release_state(path)
+    return None
+
+
+def report_failure(error: BaseException, run_dir: str, kept: tuple[str, int] | None, checkpoint: str) -> None:
+    """The root cause first, in a few lines; the whole traceback in RUN/error.log; what became of
+    the shared-memory state and how to go on."""
+    cause = root_cause(error)
+    log_file = Path(run_dir) / "error.log"
+    try:
+        log_file.parent.mkdir(parents=True, exist_ok=True)
+        with log_file.open("a") as f:
+            f.write(f"--- {time.strftime('%Y-%m-%d %H:%M:%S')}\n{''.join(traceback.format_exception(error))}\n")
+    except OSError as e:
+        log_file = None
+        log.warning("could not write the traceback to the run directory: %s", e)
+    lines = cause.headline().splitlines() or [cause.kind]
+    shown = lines[:MESSAGE_LINES] + ([f"  ... ({len(lines) - MESSAGE_LINES} more lines in {log_file})"]
+                                     if len(lines) > MESSAGE_LINES else [])
+    out = [f"error: {shown[0]}", *shown[1:]]
+    if cause.where:
+        out.append(f"  (raised in {cause.where})")
+    if log_file is not None:
+        out.append(f"full traceback: {log_file}")
+    resume = f"python -m megaslide_ray.train --run-dir {run_dir} --resume"
+    if kept is not None:
+        path, size = kept
+        out += [f"state kept: {path} ({human_bytes(size)}) holds steps newer than the latest checkpoint "
+                f"({checkpoint or 'none'})",
+                f"  continue from it: {resume}",
+                f"  free it:          rm -rf {path}"]
+    else:
+        out.append("state released: nothing was left in shared memory; "
+                   + (f"continue from the latest checkpoint ({checkpoint}) with: {resume}" if checkpoint else
+                      "no checkpoint was written; start the run again once the cause is fixed"))
+    print("\n".join(out), file=sys.stderr, flush=True)
 
 
 def report_summary(summary, trainer, cfg: Config) -> None:

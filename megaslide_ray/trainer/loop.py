@@ -20,7 +20,14 @@ from megaslide_ray.data.checks import check_data
 from megaslide_ray.data.demo import ensure_demo_dataset
 from megaslide_ray.evaluation.validation import load_val_set
 from megaslide_ray.runtime.faults import fault_point
-from megaslide_ray.state.checkpoint import latest_checkpoint, read_checkpoint_state
+from megaslide_ray.state.checkpoint import (
+    describe_damaged,
+    latest_checkpoint,
+    newest_complete_checkpoint,
+    read_checkpoint_state,
+)
+from megaslide_ray.state.kept import KeptState, check_kept_state, find_kept_state
+from megaslide_ray.state.preflight import w_dtype_bytes
 from megaslide_ray.state.pretrained import check_pretrained
 from megaslide_ray.trainer.components import (
     BadStepGuard,
@@ -51,6 +58,14 @@ class TrainSummary:
     rollbacks: int = 0      # times the latest checkpoint was restored (the store's state was lost)
 
 
+def seconds_per_step(rows: list[dict]) -> float:
+    """The run's s/step, the one figure the step line, the progress bar and the summary show: the
+    mean ``step_seconds`` (the driver's wall time per step, docs/metrics.md) of the steps this
+    process ran so far, the first one left out (it includes warm-up) once there are two."""
+    timed = rows[1:] or rows
+    return sum(r["step_seconds"] for r in timed) / len(timed) if timed else 0.0
+
+
 def default_run_dir() -> str:
     return str(Path("runs") / time.strftime("%Y%m%d-%H%M%S"))
 
@@ -62,15 +77,47 @@ def checkpoint_data_state(ckpt: Path, num_decoders: int) -> tuple[int, DataCurso
     return int(state["step"]), DataCursor.from_state(state, num_decoders, f"checkpoint {ckpt}")
 
 
-def resume_point(run_dir: str | Path, num_decoders: int) -> tuple[Path, int, DataCursor]:
-    """The latest complete checkpoint of ``run_dir`` with its step and data state, for
-    ``--resume``: FileNotFoundError when there is none, ValueError (see above) when it cannot
-    continue this run's data order."""
-    ckpt = latest_checkpoint(run_dir)
+@dataclass(frozen=True)
+class ResumePoint:
+    """Where ``--resume`` continues: the newest complete checkpoint, or the shared-memory state a
+    failed run kept when that is newer (``megaslide_ray.state.kept``)."""
+    step: int                    # steps done
+    cursor: DataCursor           # where each decoder continues
+    checkpoint: Path | None      # the newest complete checkpoint (None: there is none)
+    kept: KeptState | None = None  # continue from this kept state instead of the checkpoint
+    notes: tuple[str, ...] = ()  # what was passed over: damaged checkpoints, a kept state that does not fit
+
+
+def resume_point(cfg: Config, run_dir: str | Path) -> ResumePoint:
+    """Where ``--resume`` continues ``run_dir`` (checked before Ray starts; nothing is written):
+    the newest checkpoint whose files are all there and of the size they were written with
+    (newer damaged ones are named in ``notes`` and in a warning), or a kept state newer than it
+    that fits this run. FileNotFoundError when neither exists; ValueError when the data order
+    cannot continue (another ``data.num_decoders``)."""
+    ckpt, damaged = newest_complete_checkpoint(run_dir)
+    notes = []
+    if damaged:
+        notes.append(f"{describe_damaged(damaged)}; " + (f"falling back to {ckpt}" if ckpt else "none is complete"))
+    ckpt_step = int(read_checkpoint_state(ckpt)["step"]) if ckpt else 0
+    kept = find_kept_state(cfg, run_dir)
+    if kept is not None:
+        problems = (["it is not newer than that checkpoint"] if ckpt and kept.step <= ckpt_step
+                    else check_kept_state(kept, cfg, "bfloat16" if w_dtype_bytes(cfg) == 2 else "float32"))
+        if problems:
+            notes.append(f"the shared-memory state a failed run kept, {kept.describe()}, is not used and will be "
+                         f"replaced: {'; '.join(problems)}")
+            kept = None
+    for note in notes:
+        log.warning("--resume: %s", note)
+    if kept is not None:
+        cursor = DataCursor.from_state(kept.doc, cfg.data.num_decoders, f"the kept state {kept.path}")
+        return ResumePoint(kept.step, cursor, ckpt, kept, tuple(notes))
     if ckpt is None:
-        raise FileNotFoundError(f"--resume: no complete checkpoint under {Path(run_dir) / 'checkpoints'}; "
-                                f"start without --resume or point --run-dir at an earlier run")
-    return (ckpt, *checkpoint_data_state(ckpt, num_decoders))
+        raise FileNotFoundError(f"--resume: no complete checkpoint under {Path(run_dir) / 'checkpoints'}"
+                                + (f" ({describe_damaged(damaged)})" if damaged else "")
+                                + "; start without --resume or point --run-dir at an earlier run")
+    step, cursor = checkpoint_data_state(ckpt, cfg.data.num_decoders)
+    return ResumePoint(step, cursor, ckpt, None, tuple(notes))
 
 
 def resolve_data(cfg: Config) -> Config:
@@ -90,35 +137,48 @@ class Trainer:
         self.cfg = cfg
         self.run_dir = Path(run_dir or cfg.training.run_dir or default_run_dir())
         self.progress = progress
-        self.start_step, position, ckpt = 0, 0, None
+        self.start_step, position, ckpt, kept = 0, 0, None, None
+        # What a checkpoint (or a kept state) after the last step records of the data (where the
+        # next batch starts), and that step.
+        self.data_state: dict = {}
         if resume:
-            ckpt, self.start_step, position = resume_point(self.run_dir, cfg.data.num_decoders)
+            point = resume if isinstance(resume, ResumePoint) else resume_point(cfg, self.run_dir)
+            ckpt, self.start_step, position, kept = point.checkpoint, point.step, point.cursor, point.kept
+            if kept is not None:
+                log.warning("--resume: continuing from the shared-memory state a failed run kept: %s (newer than %s)",
+                            kept.describe(), ckpt or "any checkpoint")
+                self.data_state = {k: v for k, v in kept.doc.items() if k not in ("step", "init_from")}
+                init_from = kept.doc.get("init_from") or None
             if self.start_step >= cfg.training.steps:
-                log.warning("checkpoint is at step %d and training.steps=%d: nothing to do; raise --steps",
-                            self.start_step, cfg.training.steps)
+                log.warning("%s is at step %d and training.steps=%d: nothing to do; raise --steps",
+                            "the kept state" if kept else "checkpoint", self.start_step, cfg.training.steps)
+        self.done = self.start_step  # steps completed: the state's version once the last one is applied
         if init_from and ckpt is not None:
             log.warning("--init-from %s ignored: resuming from %s, which holds the trained weights", init_from, ckpt)
             init_from = None
         if init_from:
             check_pretrained(cfg, init_from)  # every mismatch in one error, before any actor starts
+            if not resume:  # config.toml records where the weights came from
+                cfg.training = replace(cfg.training, init_from=str(Path(init_from).resolve()))
         resolve_data(cfg)
         # The validation clips (``evaluation.validation.ValSet``; the CLI decodes them before Ray
         # starts and hands them over), decoded once, here, before any actor starts.
         if cfg.training.eval_every and val_set is None:
             val_set = load_val_set(cfg)
         self.run_dir.mkdir(parents=True, exist_ok=True)
-        (self.run_dir / "config.toml").write_text(to_toml(cfg))
         # The only pipeline of the run: a rollback rebuilds its actors in place.
         self.pipeline = StreamingPipeline(cfg, str(self.run_dir), str(ckpt) if ckpt else None, position,
-                                          init_from=str(Path(init_from).resolve()) if init_from else None)
-        self.checkpointer = Checkpointer(cfg, self.run_dir, self.pipeline, str(ckpt) if ckpt else "")
-        self.validator = Validator(cfg, self.pipeline, val_set)
+                                          init_from=str(Path(init_from).resolve()) if init_from else None,
+                                          kept_doc=kept.doc if kept else None)
+        # Written once the store holds the state (a refused resume leaves the old config.toml).
+        (self.run_dir / "config.toml").write_text(to_toml(cfg))
+        self.checkpointer = Checkpointer(cfg, self.run_dir, self.pipeline, str(ckpt) if ckpt else "",
+                                         int(read_checkpoint_state(ckpt)["step"]) if ckpt else 0)
+        self.validator = Validator(cfg, self.pipeline, val_set, self.run_dir)
         self.sampler = Sampler(cfg, self.pipeline, self.run_dir)
         self.metrics = MetricsLog(cfg, self.run_dir, self.pipeline)
         self.guard = BadStepGuard(cfg)
         self.stop_reason = ""   # set by request_stop (a signal handler): stop after the current step
-        # What a checkpoint after the last step records of the data (where the next batch starts).
-        self.data_state: dict = {}
         self._last_time = time.perf_counter()
 
     @property
@@ -157,6 +217,10 @@ class Trainer:
         # ahead: the state must be step k's.
         quiet = not (checkpoint or validate or sample or self.stop_reason)
         report = self.pipeline.run_step(step, queue_next=quiet and done < self.cfg.training.steps)
+        # The store holds step ``done`` now: what a checkpoint or a kept state records of the data.
+        self.data_state = {**self.pipeline.data_cursor(done).to_state(), "data_position": report.compute.data_position,
+                           "seed": self.cfg.training.seed, "skipped_files": report.skipped_files}
+        self.done = done
         now = time.perf_counter()
         wall, self._last_time = now - self._last_time, now
         row = self._row(done, report, wall)
@@ -167,9 +231,7 @@ class Trainer:
             row.update(self.validator.run(done))
         self.metrics.record(row, first=step == self.start_step)
         if sample:
-            row["sample"] = str(self.sampler.run(done))
-        self.data_state = {**self.pipeline.data_cursor(done).to_state(), "data_position": report.compute.data_position,
-                           "seed": self.cfg.training.seed, "skipped_files": row["skipped_files"]}
+            row.update(self.sampler.run(done))
         if checkpoint:
             self.checkpointer.save(done, self.data_state)
         if not quiet:  # the next step's time excludes saving, sampling, validating
@@ -189,10 +251,17 @@ class Trainer:
             "data_wait_seconds": c.data_wait_seconds + report.data_lost_seconds,
             "h2d_bytes": c.h2d_bytes, "h2d_gbps": c.h2d_bytes / c.h2d_seconds / 1e9 if c.h2d_seconds else 0.0,
             "d2h_bytes": c.d2h_bytes, "d2h_gbps": c.d2h_bytes / c.d2h_seconds / 1e9 if c.d2h_seconds else 0.0,
-            "device_memory_peak_bytes": c.device_memory_peak_bytes,
+            "device_memory_peak_bytes": c.device_memory_peak_bytes, "reduce_seconds": u.reduce_seconds,
+            "grad_slot_wait_seconds": c.grad_slot_wait_seconds,
             "data_position": c.data_position, "data_rows": list(report.batch.rows) if report.batch else None,
             "skipped_files": report.skipped_files, "decoders_replaced": self.pipeline.decoders_replaced,
             "device": c.device, "time": time.time(),
+            # several compute actors: each one's own times (the fields above are the slowest's)
+            **({"compute_actors": [{"rank": r.rank, "loss": r.loss, "compute_seconds": r.seconds,
+                                    "weight_wait_seconds": r.weight_wait_seconds,
+                                    "data_wait_seconds": r.data_wait_seconds,
+                                    "grad_slot_wait_seconds": r.grad_slot_wait_seconds} for r in report.computes]}
+               if report.computes else {}),
         }
 
     def _say(self, msg: str, bar) -> None:
@@ -213,7 +282,9 @@ class Trainer:
     def train(self) -> TrainSummary:
         steps = self.cfg.training.steps
         rows = []
-        bar = tqdm(total=steps, initial=self.start_step, disable=not self.progress, unit="step", dynamic_ncols=True)
+        # No rate of tqdm's own: the bar shows the run's one s/step figure (seconds_per_step).
+        bar = tqdm(total=steps, initial=self.start_step, disable=not self.progress, unit="step", dynamic_ncols=True,
+                   bar_format="{l_bar}{bar}| {n_fmt}/{total_fmt} [{elapsed}<{remaining}{postfix}]")
         self._last_time = time.perf_counter()
         step = self.start_step
         try:
@@ -233,12 +304,13 @@ class Trainer:
                 step += 1
                 rows.append(row)
                 bar.update(1)
-                bar.set_postfix(loss=f"{row['loss']:.4f}", tok_s=f"{row['tokens_per_s']:.0f}",
+                per_step = seconds_per_step(rows)
+                bar.set_postfix(loss=f"{row['loss']:.4f}", s_step=f"{per_step:.2f}", tok_s=f"{row['tokens_per_s']:.0f}",
                                 data_wait=f"{100 * row['data_wait_seconds'] / row['step_seconds']:.0f}%")
                 if row["step"] % self.cfg.training.log_every == 0 or row["step"] == steps:
                     msg = (f"step {row['step']}/{steps} | loss {row['loss']:.4f} | lr {row['lr']:.2e} | "
                            f"grad {row['grad_norm']:.3f} | {row['tokens_per_s']:.0f} tok/s | "
-                           f"{row['step_seconds']:.2f} s/step | skipped files {row['skipped_files']}")
+                           f"{per_step:.2f} s/step | skipped files {row['skipped_files']}")
                     self._say(msg, bar)
                 if "val_loss" in row:
                     buckets = sorted((k for k in row if k.startswith("val_loss_t")), key=lambda k: int(k[10:]))
@@ -252,7 +324,7 @@ class Trainer:
             return TrainSummary(str(self.run_dir), self.start_step, self.start_step, float("nan"), float("nan"),
                                 0.0, 0.0, self.last_checkpoint, **extra)
         timed = rows[1:] or rows  # the first step includes warm-up
-        mean_s = sum(r["step_seconds"] for r in timed) / len(timed)
+        mean_s = seconds_per_step(rows)
         return TrainSummary(
             run_dir=str(self.run_dir), first_step=self.start_step, last_step=rows[-1]["step"],
             first_loss=rows[0]["loss"], last_loss=rows[-1]["loss"], mean_step_seconds=mean_s,
@@ -263,6 +335,16 @@ class Trainer:
     def close(self) -> None:
         self.pipeline.close()
         self.metrics.close()
+
+    def close_after_error(self) -> tuple[str, int] | None:
+        """The run failed: stop every actor; keep the shared-memory state when it holds steps newer
+        than the latest checkpoint (returns its path and size; ``--resume`` continues from it),
+        else release it (returns None)."""
+        doc = {**self.data_state, "init_from": self.pipeline.init_from or ""}
+        try:
+            return self.pipeline.close_after_error(self.done, self.checkpointer.step, doc)
+        finally:
+            self.metrics.close()
 
     def abort(self) -> None:
         """Quit at once (a second Ctrl-C): kill the actors without waiting for them, drop the

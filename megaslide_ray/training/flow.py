@@ -1,9 +1,11 @@
 """Rectified-flow (flow-matching) objective.
 
 x_t = (1 - t) * x0 + t * noise, and the model predicts the velocity v = noise - x0. Sampling
-integrates dx/dt = v from t = 1 (noise) to t = 0 (data). Noise and t for a step come from a
-generator seeded by (seed, step), so a streamed run, an in-process run and a resumed run all
-see the same draws without carrying RNG state around.
+integrates dx/dt = v from t = 1 (noise) to t = 0 (data). The noise and t of sample j of step k
+(j counted over the step's whole batch: every compute actor's, every micro-batch's) come from a
+generator seeded by (seed, k, j) alone, so a streamed run, an in-process run, a resumed run, and
+runs that split the same global batch over another number of compute actors or micro-batches
+all see the same draws without carrying RNG state around.
 
 ``x0`` is either a decoded video batch (uint8 pixels, scaled to [-1, 1]) or precomputed VAE
 latents (already normalised). ``training.flow_shift`` s moves the sampled times towards the
@@ -37,8 +39,24 @@ def video_to_unit(video: torch.Tensor | np.ndarray) -> torch.Tensor:
 
 
 def step_generator(seed: int, step: int, stream: int = 1) -> torch.Generator:
-    """The generator of step ``step``'s draws in ``stream`` (1: noise and t)."""
+    """The generator of step ``step``'s draws in ``stream`` (caption dropout has its own)."""
     return torch.Generator(device="cpu").manual_seed((seed * 0x9E3779B1 + step * 0x85EBCA77 + stream) % (2**63 - 1))
+
+
+def _mix64(x: int) -> int:
+    """splitmix64's finaliser: a 64-bit hash, so nearby (seed, step, sample) seed far-apart generators."""
+    x = (x + 0x9E3779B97F4A7C15) & 0xFFFFFFFFFFFFFFFF
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & 0xFFFFFFFFFFFFFFFF
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & 0xFFFFFFFFFFFFFFFF
+    return x ^ (x >> 31)
+
+
+def sample_generator(seed: int, step: int, sample: int) -> torch.Generator:
+    """The generator of the noise and t of sample ``sample`` (counted over the step's global
+    batch) of step ``step``: a function of the three alone, so however a global batch is split
+    over compute actors and micro-batches, each sample sees the same draws."""
+    key = _mix64(_mix64(_mix64(seed) ^ step) ^ sample)
+    return torch.Generator(device="cpu").manual_seed(key % (2**63 - 1))
 
 
 def shift_time(t: torch.Tensor, shift: float) -> torch.Tensor:
@@ -51,18 +69,19 @@ def shift_time(t: torch.Tensor, shift: float) -> torch.Tensor:
 _DROP_STREAM = 0x5DEECE66D  # caption dropout draws from its own stream of (seed, step)
 
 
-def batch_conditioning(batch: dict, seed: int = 0, step: int = 0, caption_dropout: float = 0.0
-                       ) -> tuple[torch.Tensor, torch.Tensor]:
+def batch_conditioning(batch: dict, seed: int = 0, step: int = 0, caption_dropout: float = 0.0,
+                       first_sample: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
     """The batch's conditioning as the input shard takes it: caption bytes and their lengths
     (video batches, and latent batches for a ``videodit``), or text embeddings and their valid
     lengths (latent batches for ``wan``). With ``caption_dropout`` > 0, each caption is replaced
     by the empty caption (zero bytes, length 0) with that probability, drawn from (seed, step)
-    alone (``caption_drops``); text embeddings are never dropped."""
+    alone (``caption_drops``; the batch's clips are samples ``first_sample`` on of the step's
+    global batch); text embeddings are never dropped."""
     keys = ("text", "text_len") if "text" in batch else ("caption", "caption_len")
     # np.array copies: batches from Ray are read-only views of the object store.
     cond, cond_len = (torch.from_numpy(np.array(batch[k])) for k in keys)
     if caption_dropout > 0 and keys[0] == "caption":
-        drop = caption_drops(seed, step, cond.shape[0], caption_dropout)
+        drop = caption_drops(seed, step, cond.shape[0], caption_dropout, first_sample)
         cond[drop] = 0
         cond_len[drop] = 0
     return cond, cond_len
@@ -74,20 +93,24 @@ def caption_dropout(cfg) -> float:
     return cfg.training.caption_dropout if cfg.model.arch == "videodit" else 0.0
 
 
-def caption_drops(seed: int, step: int, batch: int, p: float) -> torch.Tensor:
-    """``(batch,)`` bool: which captions of step ``step``'s batch are dropped (probability ``p``)."""
-    return torch.rand(batch, generator=step_generator(seed, step, _DROP_STREAM), dtype=torch.float64) < p
+def caption_drops(seed: int, step: int, batch: int, p: float, first_sample: int = 0) -> torch.Tensor:
+    """``(batch,)`` bool: which captions of samples ``first_sample .. first_sample + batch - 1`` of
+    step ``step``'s global batch are dropped (probability ``p``): one draw per sample of the
+    global batch, in order, so a split of the batch changes none."""
+    u = torch.rand(first_sample + batch, generator=step_generator(seed, step, _DROP_STREAM), dtype=torch.float64)
+    return u[first_sample:] < p
 
 
 def batch_flow_inputs(batch: dict, seed: int, step: int, t_sampling: str = "logit_normal",
-                      flow_shift: float = 1.0) -> FlowInputs:
+                      flow_shift: float = 1.0, first_sample: int = 0) -> FlowInputs:
     """Flow-matching inputs of a decoder batch: its ``latents`` (float, normalised) if it has
-    them, else its ``video`` (uint8 pixels)."""
+    them, else its ``video`` (uint8 pixels). Its clips are samples ``first_sample`` on of the
+    step's global batch (``flow_inputs``)."""
     if "latents" in batch:
         x0 = torch.from_numpy(np.array(batch["latents"], dtype=np.float32))
     else:
         x0 = video_to_unit(batch["video"])
-    return flow_inputs(x0, seed, step, t_sampling, flow_shift)
+    return flow_inputs(x0, seed, step, t_sampling, flow_shift, first_sample)
 
 
 def sample_flow_inputs(video, seed: int, step: int, t_sampling: str = "logit_normal",
@@ -97,17 +120,22 @@ def sample_flow_inputs(video, seed: int, step: int, t_sampling: str = "logit_nor
 
 
 def flow_inputs(x0: torch.Tensor, seed: int, step: int, t_sampling: str = "logit_normal",
-                flow_shift: float = 1.0) -> FlowInputs:
-    """Noise and t for ``x0`` drawn from (seed, step); t shifted by ``flow_shift``."""
-    g = step_generator(seed, step)
-    noise = torch.randn(x0.shape, generator=g, dtype=torch.float32)
-    B = x0.shape[0]
-    if t_sampling == "uniform":
-        t = torch.rand(B, generator=g, dtype=torch.float32)
-    elif t_sampling == "logit_normal":  # SD3-style: more weight on the middle of the path
-        t = torch.sigmoid(torch.randn(B, generator=g, dtype=torch.float32))
-    else:
+                flow_shift: float = 1.0, first_sample: int = 0) -> FlowInputs:
+    """Noise and t for ``x0``, whose clips are samples ``first_sample, first_sample + 1, ...`` of
+    step ``step``'s global batch: each clip's noise, then its t, from ``sample_generator(seed,
+    step, sample)``; t shifted by ``flow_shift``."""
+    if t_sampling not in ("uniform", "logit_normal"):
         raise ValueError(f"t_sampling={t_sampling!r} is not 'uniform' or 'logit_normal'")
+    B = x0.shape[0]
+    noise = torch.empty(x0.shape, dtype=torch.float32)
+    t = torch.empty(B, dtype=torch.float32)
+    for i in range(B):
+        g = sample_generator(seed, step, first_sample + i)
+        noise[i] = torch.randn(x0.shape[1:], generator=g, dtype=torch.float32)
+        if t_sampling == "uniform":
+            t[i] = torch.rand((), generator=g, dtype=torch.float32)
+        else:  # logit-normal, SD3-style: more weight on the middle of the path
+            t[i] = torch.sigmoid(torch.randn((), generator=g, dtype=torch.float32))
     t = shift_time(t, flow_shift).clamp(1e-4, 1 - 1e-4)
     tb = t.view(B, *([1] * (x0.dim() - 1)))
     x_t = (1 - tb) * x0 + tb * noise

@@ -1,0 +1,175 @@
+"""Part 4, ``attention``: 3D-DSA forward and backward against flash SDPA and the neighborhood case at
+paper-like shapes; TFLOP/s and the dense/DSA crossover."""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import statistics
+from typing import TYPE_CHECKING
+
+import torch
+import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
+
+from kernels import deformable_slide_attention
+
+from .common import Clock, peak_since, reset_peak
+
+if TYPE_CHECKING:
+    from .run import Run
+
+
+def attention_flops(kind: str, tokens: int, K: int, nh: int, d: int) -> tuple[float, float]:
+    """(forward, backward) FLOPs: dense ``4 N^2 d nh``; DSA / neighborhood ``36 N K d nh``
+    (4 for the dot products and the weighted sum, 32 for the trilinear gathers of k and v);
+    backward = 2.5 x forward for both (FlashAttention's 5 matmuls against 2; the convention of
+    benchmarks/attention.py, whose fwd+bwd is 3.5 x forward)."""
+    fwd = 4.0 * tokens * tokens * d * nh if kind == "dense" else 36.0 * tokens * K * d * nh
+    return fwd, 2.5 * fwd
+
+
+def measure_attention(kind: str, grid, window, nh: int, d: int, device, reps: int) -> dict:
+    """Forward and backward timed apart (medians over ``reps`` after one warm-up) and the peak
+    memory of a forward + backward over its inputs."""
+
+
+    dtype = torch.bfloat16
+    gen = torch.Generator(device=device).manual_seed(0)
+    shape = (1, *grid, nh, d)
+    N, K = math.prod(grid), math.prod(window)
+
+    def rand(*s):
+        return torch.randn(s, generator=gen, device=device, dtype=torch.float32).to(dtype)
+
+    q, k, v = (rand(*shape).requires_grad_() for _ in range(3))
+    dout = rand(*shape)
+    offsets = None
+    if kind in ("dsa", "dsa_gather"):
+        u = torch.rand((*shape[:5], K, 3), generator=gen, device=device)
+        offsets = ((2 * u - 1) * 1.5).to(dtype).requires_grad_()
+    elif kind == "neighborhood":
+        offsets = torch.zeros((*shape[:5], K, 3), device=device, dtype=dtype)
+    leaves = [x for x in (q, k, v, offsets) if x is not None and x.requires_grad]
+
+    def forward():
+        if kind == "dense":
+            flat = [x.reshape(1, N, nh, d).transpose(1, 2) for x in (q, k, v)]
+            return F.scaled_dot_product_attention(*flat).transpose(1, 2)
+        if kind == "dsa_gather":
+            return deformable_slide_attention(q, k, v, offsets, window, backend="triton_gather")
+        # the bound the offsets were drawn with (a model passes attention.max_offset): no host sync
+        return deformable_slide_attention(q, k, v, offsets, window, backend="triton",
+                                          max_offset=1.5 if kind == "dsa" else 0.0)
+
+    from kernels import (
+        dsa_triton_tiled as tiled,  # lazy: imports triton, after --smoke set TRITON_INTERPRET
+    )
+
+    fallbacks = sum(tiled.FALLBACKS.values())
+    clock = Clock(device)
+
+    def once() -> tuple[float, float]:
+        for x in leaves:
+            x.grad = None
+        with _flash_only() if kind == "dense" else contextlib.nullcontext():
+            a = clock.mark()
+            out = forward()
+            b = clock.mark()
+            out.backward(dout.reshape(out.shape))
+            c = clock.mark()
+        return clock.seconds(a, b), clock.seconds(b, c)
+
+    base = reset_peak(device)
+    warm = once()
+    peak = peak_since(device, base)
+    n = reps if sum(warm) < 1.0 else min(reps, 1)
+    runs = [once() for _ in range(n)] or [warm]  # reps=0 (smoke): the warm-up is the measurement
+    fwd_s, bwd_s = statistics.median(r[0] for r in runs), statistics.median(r[1] for r in runs)
+    ff, fb = attention_flops(kind, N, K, nh, d)
+    return {"kind": kind, "grid": list(grid), "tokens": N, "window": list(window), "K": K, "heads": nh, "head_dim": d,
+            "fwd_ms": fwd_s * 1e3, "bwd_ms": bwd_s * 1e3, "fwd_tflops": ff / fwd_s / 1e12,
+            "bwd_tflops": fb / bwd_s / 1e12, "peak_mib": peak / 2**20 if peak is not None else None,
+            "reps": n, "status": "ok",
+            "backend": {"dense": "sdpa-flash", "dsa_gather": "triton gather"}.get(
+                kind, "triton tiled" if sum(tiled.FALLBACKS.values()) == fallbacks
+                else "triton gather (tiled fell back, logged)")}
+
+
+@contextlib.contextmanager
+def _flash_only():
+    """Restrict SDPA to the FlashAttention backend (an error if it cannot run)."""
+
+    with sdpa_kernel([SDPBackend.FLASH_ATTENTION]):
+        yield
+
+
+def crossover(rows: list[dict], window, key: str) -> dict:
+    """Tokens where dense (flash) becomes slower than DSA, by ``key`` (``fwd_ms``, ``bwd_ms`` or
+    ``total_ms``): log-log interpolation of time(dense)/time(dsa) between measured grids;
+    past the largest grid extrapolated with the ratio growing like N (dense N^2, DSA N)."""
+    def t(r):
+        return r["fwd_ms"] + r["bwd_ms"] if key == "total_ms" else r[key]
+
+    dense = {r["tokens"]: t(r) for r in rows if r["kind"] == "dense" and r["status"] == "ok"}
+    dsa = {r["tokens"]: t(r) for r in rows if r["kind"] == "dsa" and r["status"] == "ok" and r["window"] == list(window)}
+    pts = sorted((n, dense[n] / dsa[n]) for n in dense.keys() & dsa.keys())
+    if not pts:
+        return {"tokens": None, "how": "not measured"}
+    if pts[0][1] >= 1:
+        return {"tokens": pts[0][0], "how": f"dense already slower at the smallest grid (x{pts[0][1]:.2f})"}
+    for (n0, r0), (n1, r1) in zip(pts, pts[1:]):
+        if r1 >= 1:
+            f = math.log(1 / r0) / math.log(r1 / r0)
+            return {"tokens": round(math.exp(math.log(n0) + f * math.log(n1 / n0))), "how": "interpolated"}
+    n, r = pts[-1]
+    return {"tokens": round(n / r), "how": f"extrapolated from {n} tokens (dense/dsa x{r:.2f})"}
+
+
+def part_attention(ctx: Run) -> dict:
+
+    sz, dev = ctx.sizes, ctx.device
+    rows: list[dict] = []
+    slow: set[tuple] = set()
+    plan = []
+    for grid in sz.attn_grids:
+        plan.append(("dense", grid, sz.attn_windows[0]))
+        for window in sz.attn_windows:
+            plan += [("dsa", grid, window), ("dsa_gather", grid, window), ("neighborhood", grid, window)]
+    for kind, grid, window in plan:
+        key = (kind, tuple(window) if kind != "dense" else None)
+        base = {"kind": kind, "grid": list(grid), "tokens": math.prod(grid), "window": list(window),
+                "K": math.prod(window)}
+        if ctx.past_deadline():
+            rows.append({**base, "status": "skipped: time budget (--budget-s)"})
+            continue
+        if key in slow:
+            rows.append({**base, "status": f"skipped: a smaller grid took over {sz.attn_slow_s} s"})
+            continue
+        try:
+            r = measure_attention(kind, grid, window, sz.attn_heads, sz.attn_dim, dev, sz.attn_reps)
+            if (r["fwd_ms"] + r["bwd_ms"]) / 1e3 > sz.attn_slow_s:
+                slow.add(key)
+        except Exception as e:  # noqa: BLE001 - e.g. out of memory: the other rows still run
+            r = {**base, "status": f"error: {type(e).__name__}: {e}"[:300]}
+            if ctx.cuda:
+                torch.cuda.empty_cache()
+        rows.append(r)
+        print(_attn_line(r), flush=True)
+    cross = {f"window {'x'.join(map(str, w))} (K={math.prod(w)})":
+             {k: crossover(rows, w, k) for k in ("fwd_ms", "bwd_ms", "total_ms")} for w in sz.attn_windows}
+    return {"ok": all(r["status"] == "ok" for r in rows), "heads": sz.attn_heads, "head_dim": sz.attn_dim,
+            "dtype": "bfloat16", "rows": rows, "crossover_tokens": cross,
+            "flops_rule": "fwd: dense 4 N^2 d nh, dsa/neighborhood 36 N K d nh; bwd = 2.5 x fwd"}
+
+
+def _attn_line(r: dict) -> str:
+    def f(key, fmt):
+        return format(r[key], fmt) if r.get(key) is not None else "-"
+
+    window = "x".join(map(str, r["window"])) if r["kind"] != "dense" else "-"
+    return (f"| {r['kind']} | {r['tokens']} | {window} | {f('fwd_ms', '.2f')} | {f('bwd_ms', '.2f')} | "
+            f"{f('fwd_tflops', '.1f')} | {f('bwd_tflops', '.1f')} | {f('peak_mib', '.0f')} | {r['status']} | "
+            f"{r.get('backend', '-')} |")
+
+

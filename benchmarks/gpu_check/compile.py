@@ -1,0 +1,299 @@
+"""Ahead-of-time compilation of the product's Triton kernels for a GPU that need not be there.
+
+    python -m benchmarks.gpu_check --compile-only --arch sm_90 [--arch sm_100] [--full] [--json FILE]
+
+``triton.compile(ASTSource(...), target=GPUTarget("cuda", 90, 32))`` runs the whole Triton
+pipeline and Triton's bundled ``ptxas`` on a CPU machine. For every kernel, shape and autotune
+config the product may launch (``kernels.aot_variants``: the kernel modules say what they launch),
+this module compiles once per target and records, from ``ptxas -v`` and the PTX:
+
+- registers per thread, spill stores / loads and stack frame (bytes per thread);
+- shared memory per block against the target's per-block limit (232,448 bytes on sm_90 and
+  sm_100), and how many blocks fit on one multiprocessor by shared memory and by registers;
+- warps and pipeline stages;
+- what the ``tl.dot`` calls became (``wgmma`` = Hopper/Blackwell warpgroup MMA, ``mma.sync`` =
+  Ampere-style tensor cores, ``-`` = no dot in the kernel) and how many fp32 global atomics
+  (``atom`` / ``red`` ``.global`` ``.f32``) the PTX issues;
+- the compile time (a config whose ``ptxas`` runs for minutes is a config that spills).
+
+A record fails (``ok`` false) when the config cannot launch (shared memory over the limit, or
+more than 255 registers), spills, times out or does not compile, or when a kernel whose design
+puts its products on tensor cores got ``mma.sync`` or no MMA at all on a target with ``wgmma``.
+Every compile runs in a forked child with its own Triton cache (a real compile, timed; a hung
+``ptxas`` is killed at ``timeout_s``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import math
+import multiprocessing
+import os
+import re
+import tempfile
+import time
+import traceback
+from dataclasses import asdict, dataclass, field
+
+ARCHS = {"sm_90": 90, "sm_100": 100}
+SMEM_PER_BLOCK = {90: 232_448, 100: 232_448}
+"""Largest dynamic shared memory one block may opt into (bytes): ``sharedMemPerBlockOptin``."""
+SMEM_PER_SM = {90: 233_472, 100: 233_472}
+REGS_PER_SM = 65_536
+MAX_REGS_PER_THREAD = 255
+COMPILE_TIMEOUT_S = 120.0
+
+
+@dataclass(frozen=True)
+class AotShape:
+    """One shape the product runs the kernels at: dtype, head dim, window, token grid, and the offset
+    bound the model passes (``attention.max_offset``; the halo radius is its ceiling)."""
+
+    dtype: str  # "bf16" | "fp32"
+    head_dim: int
+    window: tuple[int, int, int]
+    grid: tuple[int, int, int]
+    max_offset: float
+    label: str = ""
+
+    @property
+    def radius(self) -> int:
+        return int(math.ceil(self.max_offset))
+
+
+@dataclass
+class Variant:
+    """One compile: a ``@triton.jit`` function with a full signature, constexprs and launch options.
+    ``tensor_cores``: the design puts its products on tensor cores (a target with wgmma must use it).
+    ``may_pick``: the dispatcher can launch this config at this shape (a failure then fails the
+    check); False for configs listed for information only."""
+
+    kernel: str
+    fn: object
+    signature: dict
+    constexprs: dict
+    num_warps: int
+    num_stages: int
+    config: str
+    tensor_cores: bool
+    may_pick: bool = True
+    note: str = ""
+    attrs: dict | None = None  # (arg index,) -> [["tt.divisibility", 16]]: what the launcher's JIT would see
+
+
+@dataclass
+class Record:
+    kernel: str
+    arch: str
+    shape: str
+    dtype: str
+    head_dim: int
+    window: list
+    grid: list
+    max_offset: float
+    config: str
+    num_warps: int
+    num_stages: int
+    may_pick: bool
+    regs: int | None = None
+    spill_stores: int | None = None
+    spill_loads: int | None = None
+    stack: int | None = None
+    smem: int | None = None
+    smem_limit: int | None = None
+    blocks_per_sm: int | None = None
+    dot: str = "-"
+    wgmma: int = 0
+    mma_sync: int = 0
+    atomics_f32: int = 0
+    compile_s: float | None = None
+    ok: bool = False
+    problems: list = field(default_factory=list)
+    note: str = ""
+
+
+_REGS = re.compile(r"Used (\d+) registers")
+_SPILL = re.compile(r"(\d+) bytes stack frame, (\d+) bytes spill stores, (\d+) bytes spill loads")
+_ATOMIC = re.compile(r"^\s*(?:@%p\d+\s+)?(?:atom|red)\.(?:\w+\.)*global\.(?:\w+\.)*f32", re.M)
+
+
+def parse_ptxas_log(log: str) -> dict:
+    out = {}
+    if m := _REGS.search(log):
+        out["regs"] = int(m.group(1))
+    if m := _SPILL.search(log):
+        out["stack"], out["spill_stores"], out["spill_loads"] = (int(g) for g in m.groups())
+    return out
+
+
+def count_ptx(ptx: str) -> dict:
+    wgmma = len(re.findall(r"wgmma\.mma_async", ptx))
+    mma = len(re.findall(r"\bmma\.sync", ptx))
+    dot = "wgmma" if wgmma else ("mma.sync" if mma else "-")
+    return {"wgmma": wgmma, "mma_sync": mma, "dot": dot, "atomics_f32": len(_ATOMIC.findall(ptx))}
+
+
+def _compile_in_child(variant: Variant, cc: int, conn) -> None:
+    """Child: compile with a private cache and ptxas's log on stdout; send back what we measured."""
+    try:
+        os.environ["TRITON_CACHE_DIR"] = tempfile.mkdtemp(prefix="megaslide-aot-")
+        os.environ["TRITON_DUMP_PTXAS_LOG"] = "1"
+        os.environ.setdefault("TRITON_DEFAULT_FP_FUSION", "1")
+        import triton  # lazy: a forked child, after the cache and log variables are set
+        from triton.backends.compiler import GPUTarget  # lazy: as above
+
+        try:  # the knob is read at import in some versions, at use in others
+            triton.knobs.nvidia.dump_ptxas_log = True
+        except AttributeError:
+            pass
+        src = triton.compiler.ASTSource(fn=variant.fn, signature=variant.signature, constexprs=variant.constexprs,
+                                        attrs=variant.attrs)
+        buf = io.StringIO()
+        t0 = time.perf_counter()
+        with contextlib.redirect_stdout(buf):
+            k = triton.compile(src, target=GPUTarget("cuda", cc, 32),
+                               options={"num_warps": variant.num_warps, "num_stages": variant.num_stages})
+        seconds = time.perf_counter() - t0
+        res = {"compile_s": round(seconds, 2), "smem": int(k.metadata.shared), **parse_ptxas_log(buf.getvalue()),
+               **count_ptx(k.asm["ptx"])}
+        conn.send(("ok", res))
+    except BaseException as e:  # noqa: BLE001 - everything goes back to the parent as a problem
+        conn.send(("error", f"{type(e).__name__}: {str(e)[:800]}\n{traceback.format_exc()[-1500:]}"))
+    finally:
+        conn.close()
+
+
+def compile_variant(variant: Variant, arch: str, shape: AotShape, timeout_s: float = COMPILE_TIMEOUT_S) -> Record:
+    cc = ARCHS[arch]
+    rec = Record(kernel=variant.kernel, arch=arch, shape=shape.label, dtype=shape.dtype, head_dim=shape.head_dim,
+                 window=list(shape.window), grid=list(shape.grid), max_offset=shape.max_offset,
+                 config=variant.config, num_warps=variant.num_warps, num_stages=variant.num_stages,
+                 may_pick=variant.may_pick, note=variant.note, smem_limit=SMEM_PER_BLOCK[cc])
+    ctx = multiprocessing.get_context("fork")
+    parent, child = ctx.Pipe(duplex=False)
+    proc = ctx.Process(target=_compile_in_child, args=(variant, cc, child))
+    t0 = time.perf_counter()
+    proc.start()
+    child.close()
+    got = parent.recv() if parent.poll(timeout_s) else None
+    proc.join(5)
+    if proc.is_alive():
+        proc.kill()
+        proc.join()
+    if got is None:
+        rec.compile_s = round(time.perf_counter() - t0, 1)
+        rec.problems.append(f"compile did not finish in {timeout_s:.0f} s")
+        return rec
+    status, res = got
+    if status != "ok":
+        rec.problems.append(f"compile failed: {res.splitlines()[0]}")
+        rec.note = (rec.note + "\n" + res).strip()
+        return rec
+    for k, v in res.items():
+        setattr(rec, k, v)
+    judge(rec, variant.tensor_cores, cc)
+    return rec
+
+
+def blocks_per_sm(regs: int, warps: int, smem: int, cc: int) -> int:
+    """Resident blocks per multiprocessor allowed by registers (allocated per warp in units of 256)
+    and by shared memory (1 KiB reserved per block)."""
+    per_warp = math.ceil(regs * 32 / 256) * 256
+    by_regs = REGS_PER_SM // (per_warp * warps) if regs else 32
+    by_smem = SMEM_PER_SM[cc] // (smem + 1024)
+    return max(0, min(by_regs, by_smem, 32))
+
+
+def judge(rec: Record, tensor_cores: bool, cc: int) -> None:
+    problems = rec.problems
+    if rec.smem is not None and rec.smem > SMEM_PER_BLOCK[cc]:
+        problems.append(f"shared memory {rec.smem} B > {SMEM_PER_BLOCK[cc]} B per block: cannot launch")
+    if rec.regs is not None and rec.regs > MAX_REGS_PER_THREAD:
+        problems.append(f"{rec.regs} registers per thread > {MAX_REGS_PER_THREAD}")
+    if rec.regs is None:
+        problems.append("no ptxas register report")
+    if rec.spill_stores or rec.spill_loads:
+        problems.append(f"spills {rec.spill_stores} B stores / {rec.spill_loads} B loads per thread")
+    if tensor_cores and cc >= 90 and rec.dot != "wgmma":
+        problems.append(f"products on {rec.dot if rec.dot != '-' else 'no MMA'}, not wgmma")
+    if rec.regs is not None and rec.smem is not None:
+        rec.blocks_per_sm = blocks_per_sm(rec.regs, rec.num_warps, rec.smem, cc)
+    rec.ok = not problems
+
+
+# -----------------------------------------------------------------------------
+# Shapes
+
+
+def preset_shapes(full: bool = False) -> list[AotShape]:
+    """The shapes the presets run DSA at: head dims 64 (videodit widths such as 512/8) and 128 (the
+    paper's and every Wan preset's), windows 3x5x5 (videodit) and 3x7x7 (Wan), the 81x480x832
+    clip's 21x30x52 token grid, offsets bounded by 1.5 (halo radius 2, as the GPU check runs them).
+    ``full`` adds fp32, zero offsets (neighborhood attention, radius 0) and the other Wan grids
+    (21x45x80 for 720p, 21x15x26 for Wan2.2's 16x VAE)."""
+    grid = (21, 30, 52)
+    shapes = [AotShape("bf16", d, w, grid, 1.5) for d in (64, 128) for w in ((3, 5, 5), (3, 7, 7))]
+    if full:
+        shapes += [AotShape("fp32", d, w, grid, 1.5) for d in (64, 128) for w in ((3, 5, 5), (3, 7, 7))]
+        shapes += [AotShape("bf16", 128, w, grid, 0.0) for w in ((3, 5, 5), (3, 7, 7))]
+        shapes += [AotShape("bf16", 128, (3, 7, 7), g, 1.5) for g in ((21, 45, 80), (21, 15, 26))]
+    return [AotShape(s.dtype, s.head_dim, s.window, s.grid, s.max_offset,
+                     f"{s.dtype} d{s.head_dim} w{'x'.join(map(str, s.window))} "
+                     f"{'x'.join(map(str, s.grid))} off{s.max_offset:g}") for s in shapes]
+
+
+def run(archs: list[str], shapes: list[AotShape], kernels: tuple[str, ...] | None = None,
+        timeout_s: float = COMPILE_TIMEOUT_S, progress=print) -> list[Record]:
+    """Compile every variant the kernel modules list for ``shapes`` (``kernels.aot_variants``), for
+    each target; ``kernels``: only these kernel names."""
+    from kernels import (
+        aot_variants,  # lazy: imports triton (a CPU machine without it can still --help)
+    )
+
+    records = []
+    for shape in shapes:
+        for spec in aot_variants(shape):
+            variant = Variant(**spec)
+            if kernels and variant.kernel not in kernels:
+                continue
+            for arch in archs:
+                rec = compile_variant(variant, arch, shape, timeout_s)
+                records.append(rec)
+                if progress:
+                    progress(table_line(rec))
+    return records
+
+
+# -----------------------------------------------------------------------------
+# Report
+
+HEADER = ("| kernel | arch | shape | config | warps/stages | regs | spills (B st/ld) | smem (B) | blocks/SM "
+          "| dot | f32 atomics | compile (s) | ok | problems |")
+RULE = "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"
+
+
+def table_line(r: Record) -> str:
+    def f(x):
+        return "-" if x is None else str(x)
+
+    spills = "-" if r.spill_stores is None else f"{r.spill_stores}/{r.spill_loads}"
+    ok = ("yes" if r.ok else "NO") + ("" if r.may_pick else " (not picked)")
+    return (f"| {r.kernel} | {r.arch} | {r.shape} | {r.config} | {r.num_warps}/{r.num_stages} | {f(r.regs)} | "
+            f"{spills} | {f(r.smem)} | {f(r.blocks_per_sm)} | {r.dot} | {r.atomics_f32} | {f(r.compile_s)} | "
+            f"{ok} | {'; '.join(r.problems)} |")
+
+
+def table(records: list[Record]) -> list[str]:
+    return [HEADER, RULE, *(table_line(r) for r in records)]
+
+
+def verdict(records: list[Record]) -> tuple[bool, list[str]]:
+    """(every config the product may pick passed, the failures)."""
+    bad = [f"{r.kernel} {r.arch} {r.shape} {r.config}: {'; '.join(r.problems)}"
+           for r in records if r.may_pick and not r.ok]
+    return not bad, bad
+
+
+def as_json(records: list[Record]) -> list[dict]:
+    return [asdict(r) for r in records]

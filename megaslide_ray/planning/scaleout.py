@@ -1,0 +1,80 @@
+"""The planner's terms for several GPUs per node and several nodes: host bytes per node, the host
+DRAM traffic all GPUs of a node draw together, and the network bytes per node per step.
+
+G GPUs of a node (``--gpus-per-node``, ``runtime.compute_actors``) share the node's one store:
+each reads every shard's weights twice per step over its own PCIe link, but all of them read the
+same DRAM, so the node's DRAM carries G x (h2d + d2h) plus the store's sum of their gradients
+((G + 2) x P x w bytes: G slots read, the sum written into ``w``, its norm read) plus AdamW. On
+many servers 8 x 55 GB/s of pinned reads already exceed what DRAM delivers: the ``host_dram``
+term of the step-time floor (with one GPU per node the ``adamw`` term stands for the DRAM, as
+before: the PCIe reads are small next to AdamW's).
+
+Host per node, G GPUs: the 14 B/param state, the fp32 update scratch, the gradient slots (G x
+``runtime.grad_slots`` x the largest shard x w bytes) and, on a bf16 run, the fp32 accumulator of
+the sum (4 B x the largest shard); every GPU's offloaded block inputs.
+
+M nodes (``--nodes``; the design of docs/architecture.md's scale-out, **not implemented**: the
+runtime trains on one node): every node keeps the compute copy ``w`` of every shard (w bytes x P)
+and the optimizer state (master, m, v: 12 B/param) of the shards it owns (shard l owned by node
+l % M), so about ``w + 12 / M`` B/param per node. A shard's gradient, summed over the node's GPUs,
+goes to its owner, which sums the M of them, updates, and sends the new ``w`` back: each node sends
+and receives ``w bytes x ((P - own) + own x (M - 1))`` per step, about ``2 x w bytes x P x (M - 1) /
+M`` each way, held against ``--network-gbps`` (the ``network`` term). The owner needs ``(M - 1) x
+grad_slots`` receive slots of the largest shard.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True)
+class ScaleOut:
+    gpus_per_node: int
+    nodes: int
+    micro_batches: int
+    grad_slots: int
+    network_gbps: float            # GB/s each way per node (1e9 B/s)
+    owner_params: int              # optimizer-state parameters of the busiest node (all with one node)
+    host_terms: dict[str, int] = field(default_factory=dict)   # the store's terms per node
+    network_bytes: int = 0         # per node per step, each direction
+    host_dram_bytes: int = 0       # per node per step: all GPUs' PCIe traffic, the gradient sum, AdamW, network
+
+
+def owner_params(counts: list[int], nodes: int) -> int:
+    """Parameters whose optimizer state the busiest node owns (shard l on node l % nodes)."""
+    return max(sum(c for i, c in enumerate(counts) if i % nodes == n) for n in range(nodes))
+
+
+def scale_out(counts: list[int], wb: int, gpus: int, nodes: int, grad_slots: int, micro_batches: int,
+              network_gbps: float, adamw_pp: int, h2d_gpu: int, d2h_gpu: int, offloaded_gpu: int,
+              offload_label: str) -> ScaleOut:
+    """The per-node terms (module docstring) for ``gpus`` GPUs on each of ``nodes`` nodes;
+    ``h2d_gpu``, ``d2h_gpu``: one GPU's PCIe bytes per step, ``offloaded_gpu`` its offloaded block
+    inputs (host bytes), ``adamw_pp`` AdamW's DRAM bytes per parameter."""
+    P, Smax = sum(counts), max(counts)
+    own = owner_params(counts, nodes)
+    terms: dict[str, int] = {}
+    if nodes == 1:
+        terms["store state (w + master + m + v)"] = (wb + 12) * P
+    else:
+        terms["weights w (every node)"] = wb * P
+        terms[f"optimizer state master + m + v (this node's shards, about 1/{nodes})"] = 12 * own
+    if wb == 2:
+        terms["fp32 update scratch (largest shard)"] = 4 * Smax
+    if gpus > 1:
+        terms[f"gradient slots ({gpus} GPUs x {grad_slots} x largest shard)"] = gpus * grad_slots * Smax * wb
+        if wb == 2:
+            terms["fp32 sum of the GPUs' gradients (largest shard)"] = 4 * Smax
+    if nodes > 1:
+        terms[f"network receive slots ({nodes - 1} nodes x {grad_slots} x largest shard)"] = \
+            (nodes - 1) * grad_slots * Smax * wb
+    if offloaded_gpu:
+        terms[offload_label if gpus == 1 else f"{offload_label}, x {gpus} GPUs"] = gpus * offloaded_gpu
+    network = wb * ((P - own) + own * (nodes - 1)) if nodes > 1 else 0
+    dram = gpus * (h2d_gpu + d2h_gpu) + adamw_pp * own
+    if gpus > 1:
+        dram += (gpus + 2) * P * wb  # the store reads G slots, writes the sum into w, reads it for the norm
+    if nodes > 1:
+        dram += 2 * network + (nodes - 1) * own * wb  # sent and received bytes, and the owner's sum of them
+    return ScaleOut(gpus, nodes, micro_batches, grad_slots, network_gbps, own, terms, network, dram)

@@ -1,0 +1,112 @@
+"""The compile-only check (``python -m benchmarks.gpu_check --compile-only``): every Triton kernel
+config the product may launch, compiled ahead of time for sm_90 on this CPU machine (Triton's
+bundled ptxas), must launch (shared memory within a Hopper block's limit) and must not spill.
+
+The fast tests check the parsing and the verdict on fixed inputs; the slow ones compile (about
+half a minute on 2 cores)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from benchmarks.gpu_check import compile as aot
+
+ROOT = Path(__file__).resolve().parents[1]
+
+PTXAS_LOG = """ptxas info    : Compiling entry function '_dsa_fwd' for 'sm_90a'
+ptxas info    : Function properties for _dsa_fwd
+    696 bytes stack frame, 824 bytes spill stores, 700 bytes spill loads
+ptxas info    : Used 255 registers, used 1 barriers, 696 bytes cumulative stack size
+"""
+
+PTX = """
+	wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16 {%r1}, %rd1, %rd2, p, 1, 1, 0, 1;
+	mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%f1}, {%r1}, {%r2}, {%f2};
+	@%p3 red.global.add.f32 [%rd4], %f5;
+	atom.global.gpu.acq_rel.add.f32 %f6, [%rd5], %f7;
+	red.global.add.s32 [%rd4], %r5;
+"""
+
+
+def _record(**kw):
+    base = dict(kernel="k", arch="sm_90", shape="s", dtype="bf16", head_dim=128, window=[3, 7, 7], grid=[21, 30, 52],
+                max_offset=1.5, config="c", num_warps=4, num_stages=1, may_pick=True)
+    return aot.Record(**{**base, **kw})
+
+
+def test_ptxas_log_and_ptx_are_read():
+    assert aot.parse_ptxas_log(PTXAS_LOG) == {"regs": 255, "stack": 696, "spill_stores": 824, "spill_loads": 700}
+    got = aot.count_ptx(PTX)
+    assert got == {"wgmma": 1, "mma_sync": 1, "dot": "wgmma", "atomics_f32": 2}
+    assert aot.count_ptx("fma.rn.f32 %f1, %f2, %f3, %f4;")["dot"] == "-"
+
+
+@pytest.mark.parametrize("fields,problem", [
+    (dict(regs=128, spill_stores=0, spill_loads=0, smem=327_680), "cannot launch"),
+    (dict(regs=255, spill_stores=824, spill_loads=700, smem=128), "spills"),
+    (dict(regs=128, spill_stores=0, spill_loads=0, smem=128, dot="mma.sync"), "not wgmma"),
+    (dict(regs=None, smem=128), "no ptxas register report"),
+])
+def test_verdict_fails_what_cannot_launch_spills_or_misses_wgmma(fields, problem):
+    rec = _record(**fields)
+    aot.judge(rec, tensor_cores=True, cc=90)
+    assert not rec.ok and any(problem in p for p in rec.problems), rec.problems
+    ok, bad = aot.verdict([rec])
+    assert not ok and len(bad) == 1
+    rec.may_pick = False  # listed for information: does not fail the check
+    assert aot.verdict([rec])[0]
+
+
+def test_clean_record_and_blocks_per_sm():
+    rec = _record(regs=128, spill_stores=0, spill_loads=0, smem=64, dot="-")
+    aot.judge(rec, tensor_cores=False, cc=90)
+    assert rec.ok and rec.blocks_per_sm == 4  # 128 regs x 128 threads: 4 blocks in 64k registers
+    assert aot.blocks_per_sm(regs=64, warps=4, smem=120_000, cc=90) == 1  # two would need 242 KB
+
+
+def test_gather_autotune_lists_are_what_the_check_compiles():
+    pytest.importorskip("triton")
+    from kernels import aot_variants, dsa_triton
+
+    shape = aot.preset_shapes()[0]
+    listed = [(v["kernel"], v["constexprs"]["BLOCK_M"], v["num_warps"], v["num_stages"]) for v in aot_variants(shape)]
+    tuned = ([("gather_fwd", c.kwargs["BLOCK_M"], c.num_warps, c.num_stages) for c in dsa_triton.FWD_CONFIGS]
+             + [("gather_bwd", c.kwargs["BLOCK_M"], c.num_warps, c.num_stages) for c in dsa_triton.BWD_CONFIGS])
+    assert listed == tuned
+
+
+@pytest.mark.slow  # about 30 s on 2 cores: every config at the presets' shapes, for sm_90
+def test_sm90_compile_only_check_passes_at_the_preset_shapes(tmp_path):
+    pytest.importorskip("triton")
+    out = tmp_path / "aot.json"
+    proc = subprocess.run([sys.executable, "-m", "benchmarks.gpu_check", "--compile-only", "--arch", "sm_90",
+                           "--json", str(out)], cwd=ROOT, capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-3000:]
+    report = json.loads(out.read_text())
+    recs = report["records"]
+    shapes = {(r["head_dim"], tuple(r["window"])) for r in recs}
+    assert shapes == {(d, w) for d in (64, 128) for w in ((3, 5, 5), (3, 7, 7))}
+    assert {r["kernel"] for r in recs} == {"gather_fwd", "gather_bwd"}
+    for r in recs:
+        assert r["ok"] and r["spill_stores"] == 0 and r["smem"] <= aot.SMEM_PER_BLOCK[90], r
+        assert r["compile_s"] < 60, r
+    assert report["predictions"] and all(p["ms_per_layer"] > 0 for p in report["predictions"])
+    assert "every config the product may pick launches" in proc.stdout
+
+
+@pytest.mark.slow
+def test_a_spilling_config_fails_the_check():
+    """The check can fail: the gather forward at 64 queries per program and 4 warps spills at d 128."""
+    pytest.importorskip("triton")
+    from kernels import aot_variants
+
+    shape = [s for s in aot.preset_shapes() if s.head_dim == 128 and s.window == (3, 7, 7)][0]
+    spec = dict(aot_variants(shape)[0])
+    spec.update(constexprs=dict(spec["constexprs"], BLOCK_M=64), num_warps=4, config="BLOCK_M=64")
+    rec = aot.compile_variant(aot.Variant(**spec), "sm_90", shape, timeout_s=300)
+    assert not rec.ok and rec.spill_stores > 0, aot.table_line(rec)

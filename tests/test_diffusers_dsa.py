@@ -1,0 +1,103 @@
+"""An exported 3D-DSA Wan model runs in diffusers as it was trained: ``enable_dsa`` on diffusers'
+``WanTransformer3DModel`` loaded from ``python -m megaslide_ray.pretrained ... --format diffusers``
+gives ``megaslide_ray.models.wan``'s outputs (fp32: to rounding; bf16: within twice our own bf16
+error), and loading the export without it warns that attention will be dense."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from diffusers import WanTransformer3DModel
+
+from megaslide_ray.config import build_config
+from megaslide_ray.models.diffusers_dsa import enable_dsa
+from megaslide_ray.models.shards import ShardLayout
+from megaslide_ray.models.wan import WanTransformer, cast_like_diffusers
+from megaslide_ray.state.checkpoint import write_checkpoint
+from megaslide_ray.state.pretrained import export_diffusers
+
+WINDOWS = {"dsa": "3,3,3", "neighborhood": "3,3,3", "swin": "3,2,2"}
+
+
+def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a.float() - b.float()).norm() / b.float().norm())
+
+
+def _trained_export(tmp_path, kind: str):
+    """A tiny wan model with ``kind`` self-attention and weights as a run would leave them (offset
+    heads far from zero), written as a checkpoint and exported to diffusers; ``(model, folder)``."""
+    cfg = build_config("tiny", None, {
+        "model.arch": "wan", "model.hidden_size": 16, "model.num_heads": 2, "model.depth": 2, "model.ffn_dim": 24,
+        "model.in_channels": 4, "model.patch_size": "1,2,2", "model.text_dim": 16, "model.text_len": 8,
+        "model.timestep_freq_dim": 16, "data.num_frames": 9, "data.height": 64, "data.width": 64,
+        "attention.kind": kind, "attention.window": WINDOWS[kind]})  # latents 3x8x8: a 3x4x4 token grid
+    model = WanTransformer(cfg)
+    model.initialize_weights(0)
+    g = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            p.add_(torch.randn(p.shape, generator=g) * (0.3 if ".offsets.out." in name else 0.05))
+    shards = model.shards()
+
+    def flat_shards():
+        for i, shard in enumerate(shards):
+            lay = ShardLayout.of(shard, i)
+            flat = torch.empty(lay.numel)
+            lay.flatten_into(shard, flat)
+            yield lay, {"master": flat, "m": torch.zeros_like(flat), "v": torch.zeros_like(flat)}
+
+    ckpt = write_checkpoint(tmp_path / "run", 1, flat_shards(), {"w_dtype": "float32", "config": cfg.to_dict()})
+    export_diffusers(ckpt, tmp_path / "export")
+    return model, tmp_path / "export"
+
+
+def _inputs():
+    g = torch.Generator().manual_seed(2)
+    return (torch.randn(1, 4, 3, 8, 8, generator=g), torch.tensor([700.0]), torch.randn(1, 5, 16, generator=g))
+
+
+@pytest.mark.parametrize("kind", ["dsa", "neighborhood", "swin"])
+def test_enable_dsa_runs_the_export_as_trained(tmp_path, kind, caplog):
+    ours, folder = _trained_export(tmp_path, kind)
+    x, ts, text = _inputs()
+    plain = WanTransformer3DModel.from_pretrained(str(folder))  # what diffusers' warning says, as it prints it
+    warned = "\n".join(r.getMessage() for r in caplog.records if r.levelname == "WARNING")
+    assert "megaslide_dsa" in warned and "self-attention is DENSE" in warned and "enable_dsa(transformer)" in warned
+    model = enable_dsa(WanTransformer3DModel.from_pretrained(str(folder)))
+    with torch.no_grad():
+        want = ours.forward_diffusers(x, ts, text)
+        got = model(x, ts, text, return_dict=False)[0]
+        dense = plain(x, ts, text, return_dict=False)[0]
+    assert _rel(got, want) < 1e-5
+    assert _rel(dense, want) > 1e-3  # what a plain load runs: another model
+    if kind == "dsa":  # the offset heads are the model's own now: listed, moved and saved with it
+        assert {n for n, _ in model.named_parameters() if ".offsets." in n} == {
+            n for n, _ in ours.named_parameters() if ".offsets." in n}
+
+
+def test_enable_dsa_in_bf16_is_within_twice_our_own_bf16_error(tmp_path):
+    ours, folder = _trained_export(tmp_path, "dsa")
+    x, ts, text = _inputs()
+    model = enable_dsa(WanTransformer3DModel.from_pretrained(str(folder), torch_dtype=torch.bfloat16))
+    assert model.blocks[0].attn1.offsets.out.weight.dtype == torch.bfloat16
+    ours16 = cast_like_diffusers(WanTransformer(ours.cfg), torch.bfloat16)
+    ours16.load_state_dict(ours.state_dict())
+    with torch.no_grad():
+        exact = ours.forward_diffusers(x, ts, text)
+        got = model(x.bfloat16(), ts, text.bfloat16(), return_dict=False)[0]
+        own = ours16.forward_diffusers(x.bfloat16(), ts, text.bfloat16())
+    assert got.dtype == torch.bfloat16
+    assert _rel(got, exact) <= 2 * _rel(own, exact) + 1e-3
+
+
+def test_enable_dsa_refuses_what_it_cannot_run(tmp_path):
+    _, folder = _trained_export(tmp_path, "dsa")
+    dropped = tmp_path / "dropped"
+    export_diffusers(tmp_path / "run" / "checkpoints" / "step_1", dropped, drop_offsets=True)
+    with pytest.raises(ValueError, match="exported with --drop-offsets"):
+        enable_dsa(WanTransformer3DModel.from_pretrained(str(dropped)))
+    dense = WanTransformer3DModel(patch_size=(1, 2, 2), num_attention_heads=2, attention_head_dim=8, in_channels=4,
+                                  out_channels=4, text_dim=16, freq_dim=16, ffn_dim=24, num_layers=1)
+    dense.save_pretrained(tmp_path / "dense")
+    with pytest.raises(ValueError, match="has no 'megaslide_dsa' entry"):
+        enable_dsa(WanTransformer3DModel.from_pretrained(str(tmp_path / "dense")))
