@@ -121,13 +121,18 @@ def shows_prompt(m: dict) -> bool:
 
 
 def sample_and_score(predictor, cfg: Config, captions: list[str], version: int,
-                     cfg_scale: float = 1.0) -> tuple[list[np.ndarray], list[dict]]:
+                     cfg_scale: float = 1.0, condition=None) -> tuple[list[np.ndarray], list[dict]]:
     """Each caption sampled from its fixed noise (Euler, ``training.sample_steps``, guided by
     ``cfg_scale`` against the empty caption; 1: unguided) and scored against it: the uint8 clips
-    ``(T, H, W, 3)`` and their ``motion_fidelity`` dicts, in the captions' order."""
+    ``(T, H, W, 3)`` and their ``motion_fidelity`` dicts, in the captions' order. ``condition(caption)
+    -> (cond, cond_len)``: what the model reads for a caption (default: its bytes, as ``videodit``
+    reads them); the empty condition is zeros of that shape."""
     clips, metrics = [], []
     for j, caption in enumerate(captions):
-        cap, cap_len = caption_batch(caption, cfg.model.caption_max_bytes, 1)
+        if condition is None:
+            cap, cap_len = caption_batch(caption, cfg.model.caption_max_bytes, 1)
+        else:
+            cap, cap_len = condition(caption)
         x = integrate(predictor, cfg, initial_noise(cfg, SAMPLE_SEED + j), cap, cap_len, cfg.training.sample_steps,
                       version, cfg_scale, np.zeros_like(cap), np.zeros_like(cap_len))
         clips.append(to_uint8_frames(x))

@@ -120,6 +120,19 @@ class AttentionConfig:
     convolution: how far around a token the head looks to choose its offsets. Motion it is to
     follow must show inside it (an object moving 3 tokens per frame is invisible to a 3x3x3
     head's view of the next frame: ``benchmarks/studies/offset_signal.py``). Each size odd."""
+    offset_condition: Literal["none", "add", "gate"] = "none"
+    """``dsa``: what the offset head knows of the block's condition vector (``videodit``: the adaLN
+    condition, timestep embedding plus pooled caption; ``wan``: the timestep embedding ``temb``),
+    so offsets can depend on the noise level. ``none``: only the block's input. ``add``: a
+    ``Linear(D -> D)`` of the condition is added to the head's features before its GELU. ``gate``:
+    the offsets are multiplied by ``1 + Linear(D -> groups)`` of the condition (zero-initialised,
+    so the gate starts at 1), which can learn to shrink them where the input is mostly noise.
+    Either way the head's last layer starts at zero, so a fresh or converted model starts as
+    neighborhood attention."""
+    offset_source: Literal["block", "query"] = "block"
+    """``dsa``: what the offset head's convolution reads. ``block``: the block's normalised,
+    modulated input (the attention's input). ``query``: the attention's queries (heads merged;
+    ``wan``: after the q norm, before RoPE), so offsets are chosen from what each token looks for."""
     offset_groups: int = 0
     """``dsa``: heads share offsets in this many groups (consecutive heads, ``num_heads /
     offset_groups`` per group): the offset head predicts ``offset_groups * K * 3`` values per token.

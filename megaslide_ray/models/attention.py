@@ -54,14 +54,16 @@ def dense_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: fl
 
 
 def window_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, h: torch.Tensor, offsets,
-                     window: tuple[int, int, int], scale: float | None, backend: str = "auto") -> torch.Tensor:
+                     window: tuple[int, int, int], scale: float | None, backend: str = "auto",
+                     cond: torch.Tensor | None = None) -> torch.Tensor:
     """3D-DSA of channels-last ``q, k, v (B, T, H, W, nh, d)`` over ``window``: offsets from the
-    offset head ``offsets`` applied to ``h``, or zero when there is none (``neighborhood``). The
+    offset head ``offsets`` applied to ``h`` (and the block's condition ``cond (B, D)``, which a
+    head with ``attention.offset_condition`` reads), or zero when there is none (``neighborhood``). The
     operator is told the offsets' bound where it is known (``attention.max_offset > 0``: the
     head's ``max_offset * tanh``; zero offsets: 0), so the tiled Triton kernel sizes its halo
     without measuring them (a host sync)."""
     if offsets is not None:
-        off = offsets(h)
+        off = offsets(h, cond)
         bound = offsets.max_offset if offsets.max_offset > 0 else None
     else:
         B, T, H, W, nh, _ = q.shape
@@ -71,20 +73,22 @@ def window_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, h: torch
 
 
 def self_attention(attn: SelfAttention, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                   h: torch.Tensor) -> torch.Tensor:
+                   h: torch.Tensor, cond: torch.Tensor | None = None) -> torch.Tensor:
     """The block's self-attention over a whole clip: ``q, k, v (B, T, H, W, nh, d)`` ->
-    ``(B, T, H, W, nh, d)``. ``h (B, T, H, W, D)``: what the offset head reads (``dsa``)."""
+    ``(B, T, H, W, nh, d)``. ``h (B, T, H, W, D)``: what the offset head reads (``dsa``); ``cond
+    (B, D)``: the block's condition vector, which it also reads with ``attention.offset_condition``."""
     if attn.kind == "dense":
         return dense_attention(q, k, v, attn.scale)
     if attn.kind == "swin":
         return swin_attention_3d(q, k, v, attn.window, attn.shift, scale=attn.scale)
     # dsa, or neighborhood (no offset head: offsets fixed at zero)
-    return window_attention(q, k, v, h, attn.offsets, attn.window, attn.scale, attn.backend)
+    return window_attention(q, k, v, h, attn.offsets, attn.window, attn.scale, attn.backend, cond)
 
 
 def chunked_self_attention(attn: SelfAttention, x: torch.Tensor, qkv: torch.Tensor, chunk: int,
                            residual: Callable, offset_input: Callable | None,
-                           modulation: Sequence[torch.Tensor], gates: Sequence[torch.Tensor]) -> torch.Tensor:
+                           modulation: Sequence[torch.Tensor], gates: Sequence[torch.Tensor],
+                           cond: torch.Tensor | None = None) -> torch.Tensor:
     """The block's self-attention and the residual stream after it, token-chunked: returns
     ``residual(x_chunk, o_chunk, *gates)`` over the whole grid ``(B, T, H, W, D)``.
 
@@ -92,7 +96,8 @@ def chunked_self_attention(attn: SelfAttention, x: torch.Tensor, qkv: torch.Tens
     (heads ``(3, nh, d)`` in the last axis), whole. ``residual(xc, o, *gates)``: the stream after
     attention from ``xc`` (tokens of ``x``) and ``o`` (the attention output of those tokens, heads
     merged, before the output projection). ``offset_input(xe, *modulation)``: what the offset
-    head reads on frames ``xe`` of ``x`` (``dsa``). Dense: query chunks against every key.
+    head reads on frames ``xe`` of ``x`` (``dsa``; with ``attention.offset_condition`` also ``cond (B,
+    D)``, the block's condition vector). Dense: query chunks against every key.
     ``swin``: the windows whole, the residual per chunk. ``dsa``/``neighborhood``: slabs of whole
     frames, keys from the slab plus its halo (``chunking.slabbed_attention``)."""
     B, T, H, W, D = x.shape
@@ -114,14 +119,25 @@ def chunked_self_attention(attn: SelfAttention, x: torch.Tensor, qkv: torch.Tens
     offsets = None
     if head is not None:
         head_f = bind(head)
+        if head.condition != "none":  # the condition goes through each slab's checkpoint with the modulations
+            modulation = (*modulation, cond)
 
-        def offsets(xe, *mod):
-            return head_f(offset_input(xe, *mod))
+            def offsets(xe, *mod):
+                return head_f(offset_input(xe, *mod[:-1]), mod[-1])
+        else:
+            def offsets(xe, *mod):
+                return head_f(offset_input(xe, *mod))
 
     return slabbed_attention(x, qkv, chunk, nh, hd, attn.window, attn.scale,
                              head.max_offset if head is not None else 0.0, offsets, residual,
                              tuple(modulation), tuple(gates), head.halo if head is not None else 0,
                              backend=attn.backend)
+
+
+def reads_queries(attn: SelfAttention) -> bool:
+    """Whether the block hands its offset head the queries (``attention.offset_source = query``)
+    instead of the attention's input."""
+    return attn.offsets is not None and attn.offsets.source == "query"
 
 
 def offset_head(cfg: Config) -> "OffsetPredictor | None":
@@ -130,16 +146,22 @@ def offset_head(cfg: Config) -> "OffsetPredictor | None":
     if a.kind != "dsa":
         return None
     return OffsetPredictor(m.hidden_size, m.num_heads, tuple(a.window), a.max_offset, a.offset_groups,
-                           a.offset_kernel, a.offset_scale)
+                           a.offset_kernel, a.offset_scale, a.offset_condition, a.offset_source)
 
 
 class OffsetPredictor(nn.Module):
     """Depthwise Conv3d (``kernel``, default 3x3x3) -> GELU -> Linear(D -> groups*K*3), last layer zero-initialised so a
     fresh model starts as 3D neighborhood attention. ``groups`` (``attention.offset_groups``; 0:
-    one per head) sets of offsets, each shared by ``num_heads / groups`` consecutive heads."""
+    one per head) sets of offsets, each shared by ``num_heads / groups`` consecutive heads.
+    ``condition`` (``attention.offset_condition``): ``add``, a ``Linear(D -> D)`` of the block's
+    condition vector added before the GELU (``cond``); ``gate``, the offsets times ``1 + Linear(D ->
+    groups)`` of it (``gate``, zero-initialised: ``reset_output``). ``source``
+    (``attention.offset_source``) tells the block what to hand it as ``h``: its attention's input
+    (``block``) or its queries (``query``)."""
 
     def __init__(self, hidden: int, num_heads: int, window: tuple[int, int, int], max_offset: float,
-                 groups: int = 0, kernel: tuple[int, int, int] = (3, 3, 3), scale: float = 1.0):
+                 groups: int = 0, kernel: tuple[int, int, int] = (3, 3, 3), scale: float = 1.0,
+                 condition: str = "none", source: str = "block"):
         super().__init__()
         self.num_heads = num_heads
         self.groups = groups or num_heads
@@ -153,13 +175,38 @@ class OffsetPredictor(nn.Module):
         self.dwconv = nn.Conv3d(hidden, hidden, kernel_size=kernel, padding=tuple(k // 2 for k in kernel),
                                 groups=hidden)
         self.out = nn.Linear(hidden, self.groups * self.K * 3)
+        if condition not in ("none", "add", "gate"):
+            raise ValueError(f"offset condition {condition!r} is not 'none', 'add' or 'gate'")
+        self.condition = condition
+        if source not in ("block", "query"):
+            raise ValueError(f"offset source {source!r} is not 'block' or 'query'")
+        self.source = source
+        # registered after ``out``: the weights drawn before them are those of a head without them
+        self.cond = nn.Linear(hidden, hidden) if condition == "add" else None
+        self.gate = nn.Linear(hidden, self.groups) if condition == "gate" else None
 
-    def forward(self, h: torch.Tensor) -> torch.Tensor:
-        # h: (B, T, H, W, D) -> offsets (B, T, H, W, nh, K, 3)
+    @torch.no_grad()
+    def reset_output(self) -> None:
+        """Zero the layers that make a fresh head predict zero offsets (and a gate of 1)."""
+        for lin in (self.out, self.gate):
+            if lin is not None:
+                nn.init.zeros_(lin.weight)
+                nn.init.zeros_(lin.bias)
+
+    def forward(self, h: torch.Tensor, cond: torch.Tensor | None = None) -> torch.Tensor:
+        # h: (B, T, H, W, D), cond: (B, D) -> offsets (B, T, H, W, nh, K, 3)
+        if self.condition != "none" and cond is None:
+            raise ValueError(f"this offset head reads the block's condition (attention.offset_condition="
+                             f"{self.condition!r}), but none was given")
         y = self.dwconv(h.permute(0, 4, 1, 2, 3)).permute(0, 2, 3, 4, 1)
+        if self.cond is not None:
+            y = y + self.cond(cond.to(y.dtype)).view(cond.shape[0], 1, 1, 1, -1)
         y = self.out(F.gelu(y))
         if self.scale != 1.0:
             y = y * self.scale
+        y = y.view(*h.shape[:4], self.groups, self.K * 3)
+        if self.gate is not None:  # before the bound, so max_offset still holds
+            y = y * (1 + self.gate(cond.to(y.dtype))).view(cond.shape[0], 1, 1, 1, self.groups, 1)
         if self.max_offset > 0:
             y = self.max_offset * torch.tanh(y)
         y = y.view(*h.shape[:4], self.groups, self.K, 3)

@@ -29,7 +29,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from megaslide_ray.config import Config
-from megaslide_ray.models.attention import chunked_self_attention, init_streams, offset_head, self_attention
+from megaslide_ray.models.attention import (chunked_self_attention, init_streams, offset_head, reads_queries,
+                                            self_attention)
 from megaslide_ray.models.chunking import bind, token_map
 from megaslide_ray.models.layers import ffn_width, unpatchify
 from megaslide_ray.models.prediction import as_velocity
@@ -238,10 +239,12 @@ class Attention(nn.Module):
         self.proj = nn.Linear(m.hidden_size, m.hidden_size)
         self.offsets = offset_head(cfg)
 
-    def forward(self, h: torch.Tensor) -> torch.Tensor:
+    def forward(self, h: torch.Tensor, cond: torch.Tensor | None = None) -> torch.Tensor:
+        # cond (B, D): the block's adaLN condition, read by an offset head with attention.offset_condition
         B, T, H, W, D = h.shape
         q, k, v = self.qkv(h).view(B, T, H, W, 3, self.num_heads, self.head_dim).unbind(4)  # (B,T,H,W,nh,d)
-        return self.proj(self_attention(self, q, k, v, h).reshape(B, T, H, W, D))
+        off_in = q.reshape(B, T, H, W, D) if reads_queries(self) else h  # what the offset head reads
+        return self.proj(self_attention(self, q, k, v, off_in, cond).reshape(B, T, H, W, D))
 
 
 class CrossAttention(nn.Module):
@@ -298,7 +301,7 @@ class DiTBlock(nn.Module):
             return self._forward_chunked(x, c)
         c, tokens, keys = split_condition(c, x.shape[-1], self.cross is not None)
         shift_a, scale_a, gate_a, shift_m, scale_m, gate_m = self.ada(c).chunk(6, dim=-1)
-        x = x + gate(self.attn(modulate(self.norm1(x), shift_a, scale_a)), gate_a)
+        x = x + gate(self.attn(modulate(self.norm1(x), shift_a, scale_a), c), gate_a)
         if self.cross is not None:
             x = x + self.cross(x, tokens, keys)
         x = x + gate(self.mlp(modulate(self.norm2(x), shift_m, scale_m)), gate_m)
@@ -319,8 +322,14 @@ class DiTBlock(nn.Module):
             return qkv_f(modulate(norm1(xc), sh, sc))
 
         qkv = token_map(qkv_chunk, x, N, shift_a, scale_a)  # (B, T, H, W, 3D)
+        if reads_queries(attn):  # the queries of the slab's frames and their halo: the first D of q, k, v
+            def offset_input(xe, sh, sc):
+                return qkv_chunk(xe, sh, sc)[..., :D]
+        else:
+            def offset_input(xe, sh, sc):
+                return modulate(norm1(xe), sh, sc)
         x = chunked_self_attention(attn, x, qkv, N, lambda xc, oc, g: xc + gate(proj_f(oc), g),
-                                   lambda xe, sh, sc: modulate(norm1(xe), sh, sc), (shift_a, scale_a), (gate_a,))
+                                   offset_input, (shift_a, scale_a), (gate_a,), c)
         del qkv
 
         if self.cross is None:
@@ -445,8 +454,7 @@ def initialize_shard(module: nn.Module, seed: int, index: int) -> None:
             nn.init.zeros_(module.cross.proj.weight)
             nn.init.zeros_(module.cross.proj.bias)
         if module.attn.offsets is not None:
-            nn.init.zeros_(module.attn.offsets.out.weight)
-            nn.init.zeros_(module.attn.offsets.out.bias)
+            module.attn.offsets.reset_output()
     if isinstance(module, FinalLayer):
         for lin in (module.ada[-1], module.linear):
             nn.init.zeros_(lin.weight)

@@ -70,7 +70,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from megaslide_ray.config import Config
-from megaslide_ray.models.attention import chunked_self_attention, init_streams, offset_head, self_attention
+from megaslide_ray.models.attention import (chunked_self_attention, init_streams, offset_head, reads_queries,
+                                            self_attention)
 from megaslide_ray.models.chunking import Chunked, bind, token_map
 from megaslide_ray.models.layers import ffn_width, unpatchify
 
@@ -256,7 +257,9 @@ class WanAttention(nn.Module):
     def _heads(self, z: torch.Tensor) -> torch.Tensor:
         return z.unflatten(-1, (self.num_heads, self.head_dim))
 
-    def forward(self, h: torch.Tensor, text: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(self, h: torch.Tensor, text: torch.Tensor | None = None,
+                temb: torch.Tensor | None = None) -> torch.Tensor:
+        # temb (B, D): the timestep embedding, read by an offset head with attention.offset_condition
         B, T, H, W, D = h.shape
         src = text if self.cross else h
         q = self._heads(self.norm_q(self.to_q(h)))  # (B, T, H, W, nh, d)
@@ -266,7 +269,8 @@ class WanAttention(nn.Module):
             o = self._sdpa(q.reshape(B, T * H * W, self.num_heads, self.head_dim), k, v)
         else:
             cos, sin = rope_tables((T, H, W), self.head_dim, self.rope_max_seq_len, h.device)
-            o = self_attention(self, apply_rope(q, cos, sin), apply_rope(k, cos, sin), v, h)
+            off_in = q.flatten(-2) if reads_queries(self) else h  # what the offset head reads (queries before RoPE)
+            o = self_attention(self, apply_rope(q, cos, sin), apply_rope(k, cos, sin), v, off_in, temb)
         return self.to_out[0](o.reshape(B, T, H, W, D))
 
     def _sdpa(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
@@ -347,11 +351,11 @@ class WanBlock(nn.Module):
         if self.token_chunk:
             return self._forward_chunked(x, c)
         B, D = x.shape[0], x.shape[-1]
-        _, proj, text = split_condition(c, D)
+        temb, proj, text = split_condition(c, D)
         mod = self.scale_shift_table.float() + proj.float().view(B, 6, D)
         shift_a, scale_a, gate_a, shift_f, scale_f, gate_f = (_broadcast(z, x) for z in mod.unbind(1))
         h = (layer_norm32(x, self.eps) * (1 + scale_a) + shift_a).to(x.dtype)
-        x = (x.float() + self.attn1(h) * gate_a).to(x.dtype)
+        x = (x.float() + self.attn1(h, temb=temb) * gate_a).to(x.dtype)
         h = self.norm2(x).to(x.dtype) if self.norm2 is not None else x
         x = x + self.attn2(h, text)
         h = (layer_norm32(x, self.eps) * (1 + scale_f) + shift_f).to(x.dtype)
@@ -367,7 +371,7 @@ class WanBlock(nn.Module):
         N, eps, dtype = self.token_chunk, self.eps, x.dtype
         a1, a2 = self.attn1, self.attn2
         nh, hd = a1.num_heads, a1.head_dim
-        _, proj, text = split_condition(c, D)
+        temb, proj, text = split_condition(c, D)
         mod = self.scale_shift_table.float() + proj.float().view(B, 6, D)
         shift_a, scale_a, gate_a, shift_f, scale_f, gate_f = mod.unbind(1)  # (B, D) each
         q1, k1, v1, qn1, kn1 = (bind(m) for m in (a1.to_q, a1.to_k, a1.to_v, a1.norm_q, a1.norm_k))
@@ -390,7 +394,12 @@ class WanBlock(nn.Module):
         def residual(xc, o, g):
             return (xc.float() + out1(o) * _broadcast(g, xc)).to(dtype)
 
-        x = chunked_self_attention(a1, x, qkv, N, residual, modulated, (shift_a, scale_a), (gate_a,))
+        if reads_queries(a1):  # the offset head reads the (unrotated) queries of the slab's frames and halo
+            def offset_input(xe, sh, sc):
+                return qn1(q1(modulated(xe, sh, sc)))
+        else:
+            offset_input = modulated
+        x = chunked_self_attention(a1, x, qkv, N, residual, offset_input, (shift_a, scale_a), (gate_a,), temb)
         del qkv
         k_text = a2.norm_k(a2.to_k(text)).unflatten(-1, (nh, hd))  # (B, Lt, nh, d): once per block
         v_text = a2.to_v(text).unflatten(-1, (nh, hd))
@@ -532,8 +541,7 @@ def initialize_shard(module: nn.Module, seed: int, index: int) -> None:
     if isinstance(module, WanHead):
         nn.init.zeros_(module.proj_out.weight)
     if isinstance(module, WanBlock) and module.attn1.offsets is not None:
-        nn.init.zeros_(module.attn1.offsets.out.weight)
-        nn.init.zeros_(module.attn1.offsets.out.bias)
+        module.attn1.offsets.reset_output()
 
 
 # ---------------------------------------------------------------------------------------------
