@@ -33,6 +33,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import statistics
 import tempfile
 import threading
@@ -105,6 +106,7 @@ def run(overrides: dict, batches, steps: int, measure_memory: bool = False) -> d
     finally:
         compute.close()
         store.close()
+        shutil.rmtree(state, ignore_errors=True)
     return {"seconds": statistics.mean(times[1:]) if len(times) > 1 else times[0],
             "staged_bytes": sum(fetches), "fetch_bytes": fetches, "grad_bytes": grads, "n": n,
             "timelines": timelines[1:] or timelines, "h2d_bytes": r.h2d_bytes, "peak_anon_bytes": peak}

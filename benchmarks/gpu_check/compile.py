@@ -31,6 +31,7 @@ import math
 import multiprocessing
 import os
 import re
+import shutil
 import tempfile
 import time
 import traceback
@@ -134,10 +135,11 @@ def count_ptx(ptx: str) -> dict:
     return {"wgmma": wgmma, "mma_sync": mma, "dot": dot, "atomics_f32": len(_ATOMIC.findall(ptx))}
 
 
-def _compile_in_child(variant: Variant, cc: int, conn) -> None:
-    """Child: compile with a private cache and ptxas's log on stdout; send back what we measured."""
+def _compile_in_child(variant: Variant, cc: int, conn, cache: str) -> None:
+    """Child: compile with a private cache (``cache``, which the parent removes) and ptxas's log
+    on stdout; send back what we measured."""
     try:
-        os.environ["TRITON_CACHE_DIR"] = tempfile.mkdtemp(prefix="megaslide-aot-")
+        os.environ["TRITON_CACHE_DIR"] = cache
         os.environ["TRITON_DUMP_PTXAS_LOG"] = "1"
         os.environ.setdefault("TRITON_DEFAULT_FP_FUSION", "1")
         import triton  # lazy: a forked child, after the cache and log variables are set
@@ -172,15 +174,19 @@ def compile_variant(variant: Variant, arch: str, shape: AotShape, timeout_s: flo
                  may_pick=variant.may_pick, note=variant.note, smem_limit=SMEM_PER_BLOCK[cc])
     ctx = multiprocessing.get_context("fork")
     parent, child = ctx.Pipe(duplex=False)
-    proc = ctx.Process(target=_compile_in_child, args=(variant, cc, child))
+    cache = tempfile.mkdtemp(prefix="megaslide-aot-")
+    proc = ctx.Process(target=_compile_in_child, args=(variant, cc, child, cache))
     t0 = time.perf_counter()
-    proc.start()
-    child.close()
-    got = parent.recv() if parent.poll(timeout_s) else None
-    proc.join(5)
-    if proc.is_alive():
-        proc.kill()
-        proc.join()
+    try:
+        proc.start()
+        child.close()
+        got = parent.recv() if parent.poll(timeout_s) else None
+        proc.join(5)
+        if proc.is_alive():
+            proc.kill()
+            proc.join()
+    finally:
+        shutil.rmtree(cache, ignore_errors=True)
     if got is None:
         rec.compile_s = round(time.perf_counter() - t0, 1)
         rec.problems.append(f"compile did not finish in {timeout_s:.0f} s")

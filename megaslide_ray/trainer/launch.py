@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import logging
 import os
+import shutil
 import signal
 import sys
 import tempfile
@@ -154,6 +155,7 @@ def launch(cfg: Config, resume: bool = False, init_from: str | None = None, prog
             log.warning("the shared-memory state a failed run of this run directory kept, %s, is replaced by this new "
                         "run; to continue that run instead, stop now and start again with --resume", kept.describe())
 
+    created_marker_dir = None
     if inject_fault:
         try:
             faults.parse_faults(inject_fault)
@@ -161,9 +163,22 @@ def launch(cfg: Config, resume: bool = False, init_from: str | None = None, prog
             print(f"--inject-fault error: {e}", file=sys.stderr)
             return 2
         os.environ[faults.ENV_SPEC] = inject_fault  # the actors inherit it (pipelines/streaming.py)
-        os.environ.setdefault(faults.ENV_DIR, tempfile.mkdtemp(prefix="megaslide-faults-"))
+        if faults.ENV_DIR not in os.environ:  # this run's markers: removed when it ends
+            os.environ[faults.ENV_DIR] = tempfile.mkdtemp(prefix="megaslide-faults-")
+            created_marker_dir = os.environ[faults.ENV_DIR]
         log.warning("fault injection on: %s", inject_fault)
 
+    try:
+        return _run(cfg, run_dir, point, init_from, val_set, progress)
+    finally:
+        if created_marker_dir:
+            shutil.rmtree(created_marker_dir, ignore_errors=True)
+            os.environ.pop(faults.ENV_DIR, None)
+
+
+def _run(cfg: Config, run_dir: str, point: ResumePoint | None, init_from: str | None, val_set,
+         progress: bool) -> int:
+    """``launch`` once its checks passed: plan the state space, start Ray, train, settle."""
     space = None
     if not cfg.ray.address:  # a local cluster: the store's state goes to this machine's state dir
         try:
