@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import statistics
 import tempfile
 import time
@@ -35,8 +36,9 @@ def run(preset: str, actors: int, steps: int, overrides: dict) -> dict:
     resolve_data(cfg)
     ray.init(address="local", num_cpus=cfg.ray.num_cpus or None, include_dashboard=False, namespace="megaslide",
              logging_level="ERROR")
+    run_dir = tempfile.mkdtemp(prefix="megaslide-dp-")
     try:
-        trainer = Trainer(cfg, run_dir=tempfile.mkdtemp(prefix="megaslide-dp-"), progress=False)
+        trainer = Trainer(cfg, run_dir=run_dir, progress=False)
         rows = []
         try:
             trainer._last_time = time.perf_counter()
@@ -46,6 +48,7 @@ def run(preset: str, actors: int, steps: int, overrides: dict) -> dict:
             trainer.close()
     finally:
         ray.shutdown()
+        shutil.rmtree(run_dir, ignore_errors=True)
     timed = rows[1:]
     s = statistics.mean(r["step_seconds"] for r in timed)
     batch = actors * cfg.data.batch_size * cfg.training.micro_batches
