@@ -5,6 +5,8 @@ error), and loading the export without it warns that attention will be dense."""
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 from diffusers import WanTransformer3DModel
@@ -14,7 +16,7 @@ from megaslide_ray.models.diffusers_dsa import enable_dsa
 from megaslide_ray.models.shards import ShardLayout
 from megaslide_ray.models.wan import WanTransformer, cast_like_diffusers
 from megaslide_ray.state.checkpoint import write_checkpoint
-from megaslide_ray.state.pretrained import export_diffusers
+from megaslide_ray.state.pretrained import config_for_diffusers_dir, export_diffusers
 
 WINDOWS = {"dsa": "3,3,3", "neighborhood": "3,3,3", "swin": "3,2,2"}
 
@@ -23,10 +25,11 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a.float() - b.float()).norm() / b.float().norm())
 
 
-def _trained_export(tmp_path, kind: str):
+def _trained_export(tmp_path, kind: str, head: dict | None = None):
     """A tiny wan model with ``kind`` self-attention and weights as a run would leave them (offset
-    heads far from zero), written as a checkpoint and exported to diffusers; ``(model, folder)``."""
-    cfg = build_config("tiny", None, {
+    heads far from zero), written as a checkpoint and exported to diffusers; ``(model, folder)``.
+    ``head``: options of the offset head (``attention.offset_condition``, ``offset_source``)."""
+    cfg = build_config("tiny", None, {**(head or {}),
         "model.arch": "wan", "model.hidden_size": 16, "model.num_heads": 2, "model.depth": 2, "model.ffn_dim": 24,
         "model.in_channels": 4, "model.patch_size": "1,2,2", "model.text_dim": 16, "model.text_len": 8,
         "model.timestep_freq_dim": 16, "data.num_frames": 9, "data.height": 64, "data.width": 64,
@@ -36,7 +39,8 @@ def _trained_export(tmp_path, kind: str):
     g = torch.Generator().manual_seed(1)
     with torch.no_grad():
         for name, p in model.named_parameters():
-            p.add_(torch.randn(p.shape, generator=g) * (0.3 if ".offsets.out." in name else 0.05))
+            big = ".offsets.out." in name or ".offsets.gate." in name or ".offsets.cond." in name
+            p.add_(torch.randn(p.shape, generator=g) * (0.3 if big else 0.05))
     shards = model.shards()
 
     def flat_shards():
@@ -73,6 +77,28 @@ def test_enable_dsa_runs_the_export_as_trained(tmp_path, kind, caplog):
     if kind == "dsa":  # the offset heads are the model's own now: listed, moved and saved with it
         assert {n for n, _ in model.named_parameters() if ".offsets." in n} == {
             n for n, _ in ours.named_parameters() if ".offsets." in n}
+
+
+@pytest.mark.parametrize("head", [{"attention.offset_condition": "add"}, {"attention.offset_condition": "gate"},
+                                  {"attention.offset_source": "query"}], ids=["condition-add", "condition-gate", "query"])
+def test_enable_dsa_runs_every_offset_head_option(tmp_path, head):
+    """Heads that read the timestep embedding or the queries run in diffusers as trained; the
+    export records the options and --init-from reads them back."""
+    ours, folder = _trained_export(tmp_path, "dsa", head)
+    settings = json.loads((folder / "config.json").read_text())["megaslide_dsa"]
+    cfg = config_for_diffusers_dir(folder, None, None, {})
+    for field, value in head.items():
+        assert settings[field.split(".")[1]] == value
+        assert getattr(cfg.attention, field.split(".")[1]) == value
+    x, ts, text = _inputs()
+    model = enable_dsa(WanTransformer3DModel.from_pretrained(str(folder)))
+    with torch.no_grad():
+        want = ours.forward_diffusers(x, ts, text)
+        got = model(x, ts, text, return_dict=False)[0]
+        other = ours.forward_diffusers(x, ts * 0.5, text)
+        got_other = model(x, ts * 0.5, text, return_dict=False)[0]
+    assert _rel(got, want) < 1e-5
+    assert _rel(got_other, other) < 1e-5  # the timestep embedding is the forward's own, not a stale one
 
 
 def test_enable_dsa_in_bf16_is_within_twice_our_own_bf16_error(tmp_path):

@@ -20,7 +20,10 @@ tests/test_diffusers_dsa.py). Cross-attention (``attn2``) keeps diffusers' proce
 
 The token grid is not an argument of diffusers' attention processors: a forward pre-hook on the
 transformer's ``rope`` module (which sees the latents) records it for the processors of that
-forward. The ``megaslide_dsa`` key is also what a plain load shows: diffusers warns about config
+forward. Likewise an offset head trained with ``attention.offset_condition`` reads the timestep
+embedding ``temb``, which a forward hook on the transformer's ``condition_embedder`` records (its
+first output); one trained with ``attention.offset_source = query`` reads the normed queries
+before RoPE, which the processor has at hand. The ``megaslide_dsa`` key is also what a plain load shows: diffusers warns about config
 attributes it does not expect and prints them, and the key's ``note`` says that attention is
 dense without ``enable_dsa``."""
 
@@ -42,12 +45,15 @@ DENSE_NOTE = ("this transformer was trained with {kind} self-attention (megaslid
 
 
 def export_settings(kind: str, window, scale: float, max_offset: float, offset_groups: int, offset_kernel,
-                    offset_scale: float, offsets: bool) -> dict:
+                    offset_scale: float, offsets: bool, offset_condition: str = "none",
+                    offset_source: str = "block") -> dict:
     """The ``config.json`` entry (``CONFIG_KEY``) an export of a model with ``attention.kind`` other
-    than dense carries: everything ``enable_dsa`` needs, and the note a plain load prints."""
+    than dense carries: everything ``enable_dsa`` needs, and the note a plain load prints. An
+    entry without ``offset_condition`` / ``offset_source`` (older exports) means ``none`` / ``block``."""
     return {"note": DENSE_NOTE.format(kind=kind), "kind": kind, "window": list(window), "scale": scale,
             "max_offset": max_offset, "offset_groups": offset_groups, "offset_kernel": list(offset_kernel),
-            "offset_scale": offset_scale, "offsets": offsets}
+            "offset_scale": offset_scale, "offsets": offsets, "offset_condition": offset_condition,
+            "offset_source": offset_source}
 
 
 class TokenGrid:
@@ -62,6 +68,22 @@ class TokenGrid:
         _, _, F, H, W = args[0].shape
         pt, ph, pw = self.patch_size
         self.shape = (F // pt, H // ph, W // pw)
+
+
+class TimestepEmbedding:
+    """The timestep embedding ``temb (B, D)`` of the forward in progress, recorded from the first
+    output of the transformer's ``condition_embedder`` (what an offset head trained with
+    ``attention.offset_condition`` reads, as ``models.wan`` hands it)."""
+
+    def __init__(self):
+        self.temb: torch.Tensor | None = None
+
+    def record(self, module: nn.Module, args: tuple, output) -> None:  # a forward hook
+        temb = output[0]
+        if temb.dim() != 2:
+            raise ValueError(f"the timestep embedding has shape {tuple(temb.shape)}, not (batch, dim): a per-token "
+                             f"timestep (expand_timesteps) is not what the offset heads were trained with")
+        self.temb = temb
 
 
 @dataclass
@@ -90,9 +112,9 @@ class DSAAttnProcessor:
     model was trained with) over the token grid instead of dense attention."""
 
     def __init__(self, grid: TokenGrid, kind: str, window, scale: float | None, shift: bool = False,
-                 backend: str = "auto"):
+                 backend: str = "auto", temb: TimestepEmbedding | None = None):
         self.grid, self.kind, self.window, self.scale = grid, kind, tuple(window), scale
-        self.shift, self.backend = shift, backend
+        self.shift, self.backend, self.temb = shift, backend, temb
 
     def __call__(self, attn: nn.Module, hidden_states: torch.Tensor, encoder_hidden_states=None,
                  attention_mask=None, rotary_emb=None) -> torch.Tensor:
@@ -106,16 +128,26 @@ class DSAAttnProcessor:
         B, N, D = hidden_states.shape
         if N != T * H * W:
             raise ValueError(f"{N} tokens do not make the recorded {T}x{H}x{W} grid")
-        q = attn.norm_q(attn.to_q(hidden_states)).unflatten(2, (attn.heads, -1))  # (B, N, nh, d)
+        q_normed = attn.norm_q(attn.to_q(hidden_states))
+        q = q_normed.unflatten(2, (attn.heads, -1))  # (B, N, nh, d)
         k = attn.norm_k(attn.to_k(hidden_states)).unflatten(2, (attn.heads, -1))
         v = attn.to_v(hidden_states).unflatten(2, (attn.heads, -1))
         if rotary_emb is not None:
             q, k = rotate(q, *rotary_emb), rotate(k, *rotary_emb)
+        head = getattr(attn, "offsets", None) if self.kind == "dsa" else None
         spec = _Attention(self.kind, self.window, self.shift, self.scale, attn.heads, D // attn.heads, self.backend,
-                          getattr(attn, "offsets", None) if self.kind == "dsa" else None)
+                          head)
         grid = (B, T, H, W, attn.heads, D // attn.heads)
-        # The offset head reads the block's modulated input, channels-last (as in models.wan).
-        o = self_attention(spec, q.reshape(grid), k.reshape(grid), v.reshape(grid), hidden_states.view(B, T, H, W, D))
+        # The offset head reads the block's modulated input (or, offset_source = query, the normed
+        # queries before RoPE), channels-last, and with offset_condition the timestep embedding:
+        # as in models.wan.
+        off_in = q_normed if head is not None and head.source == "query" else hidden_states
+        cond = None
+        if head is not None and head.condition != "none":
+            if self.temb is None or self.temb.temb is None:
+                raise RuntimeError("the timestep embedding is unknown: call enable_dsa on the WanTransformer3DModel itself")
+            cond = self.temb.temb
+        o = self_attention(spec, q.reshape(grid), k.reshape(grid), v.reshape(grid), off_in.view(B, T, H, W, D), cond)
         o = o.reshape(B, N, D).type_as(q)
         return attn.to_out[1](attn.to_out[0](o))
 
@@ -165,7 +197,8 @@ def enable_dsa(model, path: str | Path | None = None, backend: str = "auto"):
             attn = block.attn1
             D = attn.to_q.out_features
             head = OffsetPredictor(D, attn.heads, tuple(settings["window"]), settings["max_offset"],
-                                   settings["offset_groups"], tuple(settings["offset_kernel"]), settings["offset_scale"])
+                                   settings["offset_groups"], tuple(settings["offset_kernel"]), settings["offset_scale"],
+                                   settings.get("offset_condition", "none"), settings.get("offset_source", "block"))
             prefix = f"blocks.{i}.attn1.offsets."
             state = {k[len(prefix):]: v for k, v in weights.items() if k.startswith(prefix)}
             missing = sorted(set(head.state_dict()) - set(state))
@@ -177,11 +210,17 @@ def enable_dsa(model, path: str | Path | None = None, backend: str = "auto"):
     if getattr(transformer, "_megaslide_grid_hook", None) is not None:
         transformer._megaslide_grid_hook.remove()  # enabled twice: one hook
     transformer._megaslide_grid_hook = transformer.rope.register_forward_pre_hook(grid.record)
+    temb = None
+    if any(h.condition != "none" for h in heads.values()):
+        temb = TimestepEmbedding()
+        if getattr(transformer, "_megaslide_temb_hook", None) is not None:
+            transformer._megaslide_temb_hook.remove()
+        transformer._megaslide_temb_hook = transformer.condition_embedder.register_forward_hook(temb.record)
     scale = settings["scale"] if settings["scale"] > 0 else None
     for i, block in enumerate(transformer.blocks):
         if i in heads:
             block.attn1.offsets = heads[i]  # a submodule: moved, saved and listed with the model
         # swin shifts its windows on every other block (models.wan: block index i + 1 even)
         block.attn1.set_processor(DSAAttnProcessor(grid, kind, settings["window"], scale, shift=(i + 1) % 2 == 0,
-                                                   backend=backend))
+                                                   backend=backend, temb=temb))
     return model

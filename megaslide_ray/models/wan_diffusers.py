@@ -91,7 +91,9 @@ def wan_config_from_diffusers(config_json: dict, vae_config: dict | None = None)
                     "attention.scale": float(dsa["scale"]), "attention.max_offset": float(dsa["max_offset"]),
                     "attention.offset_groups": int(dsa["offset_groups"]),
                     "attention.offset_kernel": tuple(dsa["offset_kernel"]),
-                    "attention.offset_scale": float(dsa["offset_scale"])})
+                    "attention.offset_scale": float(dsa["offset_scale"]),
+                    "attention.offset_condition": dsa.get("offset_condition", "none"),
+                    "attention.offset_source": dsa.get("offset_source", "block")})
     if vae_config is not None:
         z = vae_config.get("z_dim")
         if z is not None and int(z) != out["model.in_channels"]:
