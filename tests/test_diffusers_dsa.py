@@ -6,13 +6,14 @@ error), and loading the export without it warns that attention will be dense."""
 from __future__ import annotations
 
 import json
+from types import SimpleNamespace
 
 import pytest
 import torch
 from diffusers import WanTransformer3DModel
 
 from megaslide_ray.config import build_config
-from megaslide_ray.models.diffusers_dsa import enable_dsa
+from megaslide_ray.models.diffusers_dsa import DSAAttnProcessor, enable_dsa
 from megaslide_ray.models.shards import ShardLayout
 from megaslide_ray.models.wan import WanTransformer, cast_like_diffusers
 from megaslide_ray.state.checkpoint import write_checkpoint
@@ -127,3 +128,27 @@ def test_enable_dsa_refuses_what_it_cannot_run(tmp_path):
     dense.save_pretrained(tmp_path / "dense")
     with pytest.raises(ValueError, match="has no 'megaslide_dsa' entry"):
         enable_dsa(WanTransformer3DModel.from_pretrained(str(tmp_path / "dense")))
+
+
+def test_enable_dsa_on_a_two_transformer_pipeline(tmp_path, caplog):
+    """A Wan 2.2 pipeline holds two transformers: each loaded from an export runs as trained; a
+    dense second one stays dense, with a warning that says so."""
+    ours, folder = _trained_export(tmp_path, "dsa")
+    x, ts, text = _inputs()
+    with torch.no_grad():
+        want = ours.forward_diffusers(x, ts, text)
+    both = SimpleNamespace(transformer=WanTransformer3DModel.from_pretrained(str(folder)),
+                           transformer_2=WanTransformer3DModel.from_pretrained(str(folder)))
+    assert enable_dsa(both) is both
+    dense = WanTransformer3DModel(patch_size=(1, 2, 2), num_attention_heads=2, attention_head_dim=8, in_channels=4,
+                                  out_channels=4, text_dim=16, freq_dim=16, ffn_dim=24, num_layers=1)
+    dense.save_pretrained(tmp_path / "dense")
+    one = SimpleNamespace(transformer=WanTransformer3DModel.from_pretrained(str(folder)),
+                          transformer_2=WanTransformer3DModel.from_pretrained(str(tmp_path / "dense")))
+    caplog.clear()
+    enable_dsa(one)
+    assert any("transformer_2 is not an export" in r.getMessage() for r in caplog.records)
+    with torch.no_grad():
+        for model in (both.transformer, both.transformer_2, one.transformer):
+            assert _rel(model(x, ts, text, return_dict=False)[0], want) < 1e-5
+    assert not isinstance(one.transformer_2.blocks[0].attn1.processor, DSAAttnProcessor)

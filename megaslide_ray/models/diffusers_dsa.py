@@ -30,6 +30,7 @@ dense without ``enable_dsa``."""
 from __future__ import annotations
 
 import json
+import logging
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -37,6 +38,8 @@ import torch
 import torch.nn as nn
 
 from megaslide_ray.models.attention import OffsetPredictor, self_attention
+
+log = logging.getLogger(__name__)
 
 CONFIG_KEY = "megaslide_dsa"
 DENSE_NOTE = ("this transformer was trained with {kind} self-attention (megaslide-ray); loaded by diffusers alone its "
@@ -178,8 +181,30 @@ def enable_dsa(model, path: str | Path | None = None, backend: str = "auto"):
     """Make a diffusers ``WanTransformer3DModel`` loaded from an export (or a ``WanPipeline`` holding
     one) run the self-attention it was trained with; returns ``model``. ``path``: the export folder
     (default: where the transformer was loaded from). ``backend``: the 3D-DSA kernel
-    (``attention.backend``: ``auto``, ``reference``, ``triton``, ...)."""
+    (``attention.backend``: ``auto``, ``reference``, ``triton``, ...).
+
+    A Wan 2.2 pipeline's second transformer (``transformer_2``, the low-noise expert) is enabled
+    too when it was loaded from an export of its own; when it was not, it stays dense and a
+    warning says so (a run trains one transformer)."""
     transformer = getattr(model, "transformer", None) or model
+    _enable(transformer, path, backend)
+    second = getattr(model, "transformer_2", None) if transformer is not model else None
+    if second is not None:
+        try:
+            folder = _export_folder(second, None)
+            exported = CONFIG_KEY in json.loads((folder / "config.json").read_text())
+        except FileNotFoundError:
+            exported = False
+        if exported:
+            _enable(second, None, backend)
+        else:
+            log.warning("enable_dsa: the pipeline's transformer_2 is not an export of a model trained with local "
+                        "attention; it keeps diffusers' dense self-attention (load an export into it to change that)")
+    return model
+
+
+def _enable(transformer: nn.Module, path: str | Path | None, backend: str) -> None:
+    """``enable_dsa`` on one ``WanTransformer3DModel``."""
     folder = _export_folder(transformer, path)
     settings = json.loads((folder / "config.json").read_text()).get(CONFIG_KEY)
     if not settings:
@@ -223,4 +248,3 @@ def enable_dsa(model, path: str | Path | None = None, backend: str = "auto"):
         # swin shifts its windows on every other block (models.wan: block index i + 1 even)
         block.attn1.set_processor(DSAAttnProcessor(grid, kind, settings["window"], scale, shift=(i + 1) % 2 == 0,
                                                    backend=backend, temb=temb))
-    return model
