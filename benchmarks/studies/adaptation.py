@@ -63,8 +63,20 @@ import torch
 from safetensors.torch import load_file
 
 from benchmarks.studies.consistency import temporal_consistency
-from benchmarks.studies.harness import (ModelPredictor, fresh_trainer, log, motion_manifests, nanmean, offset_heads,
-                                        sample_and_score, save_weights, shows_prompt, study_config, training_decoder)
+from benchmarks.studies.harness import (
+    ModelPredictor,
+    finished_runs,
+    fresh_trainer,
+    log,
+    motion_manifests,
+    nanmean,
+    offset_heads,
+    sample_and_score,
+    save_weights,
+    shows_prompt,
+    study_config,
+    training_decoder,
+)
 from benchmarks.studies.wan_motion import WAN_OVERRIDES, caption_condition, wan_batch, wan_val_set
 from megaslide_ray.data.manifest import read_manifest
 from megaslide_ray.evaluation.plotting import pyplot
@@ -492,22 +504,6 @@ def sheet(clips: list[np.ndarray], path: Path, rows: int = 8, upscale: int = 4) 
 # ---------------------------------------------------------------------------------------------
 # The command
 # ---------------------------------------------------------------------------------------------
-
-
-def finished_runs(path: Path, settings: dict) -> dict[tuple[str, int], dict]:
-    """The runs ``--out``'s runs.jsonl holds, by (run name, seed); a line made with other settings is
-    refused."""
-    done = {}
-    if not path.is_file():
-        return done
-    for n, line in enumerate(path.read_text().splitlines(), 1):
-        if line.strip():
-            rec = json.loads(line)
-            if rec["settings"] != json.loads(json.dumps(settings)):
-                raise SystemExit(f"{path}:{n} was made with other settings ({rec['settings']}) than this run "
-                                 f"({settings}); run without --resume, or with those settings")
-            done[(rec["run"]["kind"], rec["run"]["seed"])] = rec["run"]
-    return done
 
 
 def parse_variant(p: argparse.ArgumentParser, name: str, spec: str) -> tuple[str, dict]:

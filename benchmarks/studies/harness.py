@@ -13,6 +13,7 @@ imported from it, so a test can stand a small set in for it.
 
 from __future__ import annotations
 
+import json
 import math
 import statistics
 import sys
@@ -169,3 +170,20 @@ def object_tokens(plan: dict, cfg: Config):
         near = ((ys[:, None] - cy) ** 2 + (xs[None, :] - cx) ** 2) <= (1.5 * plan["radius"] * sx) ** 2
         if bool(near.any()) and float(v_tok.norm()) >= 1e-6:
             yield ti, near, v_tok
+
+
+def finished_runs(path: Path, settings: dict) -> dict[tuple[str, int], dict]:
+    """The runs ``path`` (a study's ``--out``/runs.jsonl) holds, by (run name, seed); a line made
+    with other settings is refused (a resumed comparison must be one comparison)."""
+    done = {}
+    if not path.is_file():
+        return done
+    for n, line in enumerate(path.read_text().splitlines(), 1):
+        if not line.strip():
+            continue
+        rec = json.loads(line)
+        if rec["settings"] != json.loads(json.dumps(settings)):
+            raise SystemExit(f"{path}:{n} was made with other settings ({rec['settings']}) than this run "
+                             f"({settings}); run without --resume, or with those settings")
+        done[(rec["run"]["kind"], rec["run"]["seed"])] = rec["run"]
+    return done

@@ -60,9 +60,22 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from benchmarks.studies.harness import (ModelPredictor, fresh_trainer, load_model, log, motion_manifests, nanmean,
-                                        object_tokens, offset_heads, sample_and_score, save_weights, shows_prompt,
-                                        study_config, training_decoder)
+from benchmarks.studies.harness import (
+    ModelPredictor,
+    finished_runs,
+    fresh_trainer,
+    load_model,
+    log,
+    motion_manifests,
+    nanmean,
+    object_tokens,
+    offset_heads,
+    sample_and_score,
+    save_weights,
+    shows_prompt,
+    study_config,
+    training_decoder,
+)
 from megaslide_ray.data import motion
 from megaslide_ray.data.manifest import read_manifest
 from megaslide_ray.evaluation.offsets_view import motion_estimate
@@ -293,23 +306,6 @@ def saved_model(folder: Path, kind: str, seed: int):
     train, val = motion_manifests(meta.get("variant", "motion"))
     cfg = kind_config(kind, seed, meta["steps"], train, val, meta["overrides"], meta.get("preset", "tiny"))
     return cfg, load_model(cfg, weights), meta
-
-
-def finished_runs(path: Path, settings: dict) -> dict[tuple[str, int], dict]:
-    """The runs ``path`` (``--out``'s runs.jsonl) holds, by (kind, seed); a line made with other
-    settings is refused (a resumed comparison must be one comparison)."""
-    done = {}
-    if not path.is_file():
-        return done
-    for n, line in enumerate(path.read_text().splitlines(), 1):
-        if not line.strip():
-            continue
-        rec = json.loads(line)
-        if rec["settings"] != json.loads(json.dumps(settings)):
-            raise SystemExit(f"{path}:{n} was made with other settings ({rec['settings']}) than this run "
-                             f"({settings}); run without --resume, or with those settings")
-        done[(rec["run"]["kind"], rec["run"]["seed"])] = rec["run"]
-    return done
 
 
 def main(argv: list[str] | None = None) -> int:
