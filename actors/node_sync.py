@@ -25,9 +25,11 @@ about ``w bytes + 12 / M`` bytes per parameter. Per step and shard l:
 Bytes per node per step, each way: ``w bytes x ((P - own) + own x (M - 1))`` (gradients of the
 shards it does not own out, weights of its own shards to every other node), the planner's
 ``network`` term (``megaslide_ray/planning/scaleout.py``); ``UpdateResult.network_bytes`` counts
-what a store sent. Received node-sums wait in Ray's object store until the owner's sum (at most
-a step's worth of ``M - 1`` node-sums per owned shard); the owner's fp32 sum of them is one
-buffer the size of the largest shard (``scratch_bytes``).
+what a store sent. Received node-sums wait in Ray's object store until the owner's own backward
+of the shard is done and they are summed (a few shards in flight, as the nodes run the backward
+in step; not bounded by slots: the planner's ``network receive slots`` term is the estimate); the
+owner sums them in its fp32 update scratch on a bf16 run (idle then: a step's sums end before its
+update starts), in a buffer of the largest owned shard on an fp32 run.
 
 A store of such a run does not re-attach after a crash: a lost node stops the run
 (``pipelines/multinode.py``)."""
@@ -68,8 +70,14 @@ class NodeSync:
         self._sent: dict[int, int] = {}                      # step -> bytes sent to other nodes
         self._calls: list = []                               # refs of calls to other stores, checked later
         self.error: BaseException | None = None
+        # The fp32 sum: on a bf16 run the store's update scratch (a store sums the nodes' gradients of
+        # a step before any update of it starts, and updates before the next step's gradients), on an
+        # fp32 run a buffer of the largest owned shard. One sum at a time (``_sum_lock``).
         owned = [store.layouts[i].numel for i in store.owned]
-        self._acc = torch.empty(max(owned) if owned else 0, dtype=torch.float32)
+        self._own_acc = store._grad32 is None
+        self._acc = store._grad32 if not self._own_acc else torch.empty(max(owned) if owned else 0,
+                                                                         dtype=torch.float32)
+        self._sum_lock = threading.Lock()
         self._wdtype = DTYPES[store.w_dtype]
 
     def connect(self, peers: list) -> None:
@@ -78,7 +86,8 @@ class NodeSync:
         self.peers = list(peers)
 
     def scratch_bytes(self) -> int:
-        return self._acc.numel() * 4
+        """The fp32 sum's buffer when it is not the store's update scratch (fp32 runs)."""
+        return self._acc.numel() * 4 if self._own_acc else 0
 
     # -- gradients ------------------------------------------------------------------------------
     def node_grad_ready(self, shard: int, step: int, sqnorm: float) -> None:
@@ -106,7 +115,8 @@ class NodeSync:
             if len(parts) < self.nodes:
                 return
             del self._parts[(step, shard)]
-        sq = self._sum(shard, parts)
+        with self._sum_lock:
+            sq = self._sum(shard, parts)
         self._owned_reported(shard, step, sq)
 
     def _sum(self, shard: int, parts: dict[int, tuple[object, float]]) -> float:

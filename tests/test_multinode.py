@@ -11,6 +11,8 @@
   a lost node stops with the ``--resume`` command.
 """
 
+import json
+import shutil
 from pathlib import Path
 
 import numpy as np
@@ -25,7 +27,8 @@ from actors.param_store import ParameterStore
 from megaslide_ray.config import build_config
 from megaslide_ray.data.demo import ensure_demo_dataset
 from megaslide_ray.planning.scaleout import scale_out
-from megaslide_ray.state.checkpoint import latest_checkpoint
+from megaslide_ray.state.checkpoint import latest_checkpoint, read_checkpoint_shards
+from megaslide_ray.trainer import Trainer
 from pipelines.multinode import NodeLostError, NodeStores, alive_nodes, on_node, pick_nodes
 from pipelines.streaming import RayStoreClient
 
@@ -259,3 +262,57 @@ def test_a_lost_node_stops_the_run_with_the_resume_command(two, tmp_path):
 def test_more_nodes_than_the_cluster_has_are_refused(cluster):
     with pytest.raises(RuntimeError, match="runtime.nodes=3 asks for 3 nodes but the Ray cluster has 2"):
         pick_nodes(3)
+
+
+# -- the Trainer on two nodes -------------------------------------------------------------------------
+
+
+def trainer_run(cfg, run_dir, resume=False):
+    """Train ``cfg`` with the Trainer to the end: (summary, the last checkpoint's master weights)."""
+    trainer = Trainer(cfg, run_dir=str(run_dir), progress=False, resume=resume)
+    try:
+        summary = trainer.train()
+    finally:
+        trainer.close()
+    return summary, read_checkpoint_shards(Path(summary.checkpoint))
+
+
+@pytest.mark.slow
+def test_the_trainer_on_two_nodes_equals_one_node_and_resumes_on_one(two, tmp_path):
+    manifest, _ = two
+    steps = {"training.steps": 3, "training.checkpoint_every": 2}
+    _, want = trainer_run(config(manifest, tmp_path, **steps, **{"data.batch_size": 2}), tmp_path / "one")
+    cfg2 = config(manifest, tmp_path, **steps, **{"data.batch_size": 1, "runtime.nodes": 2})
+    summary, got = trainer_run(cfg2, tmp_path / "two")
+    assert summary.last_step == 3
+    assert_close(got, want)
+    rows = [json.loads(line) for line in (tmp_path / "two" / "metrics.jsonl").read_text().splitlines()]
+    assert len(rows[-1]["compute_actors"]) == 2  # one per node
+    # The two-node run's step-2 checkpoint, its last step on one node.
+    again = tmp_path / "again"
+    shutil.copytree(tmp_path / "two", again)
+    shutil.rmtree(again / "checkpoints" / "step_3")
+    (again / "checkpoints" / "latest").write_text("step_2\n")
+    resumed, got1 = trainer_run(config(manifest, tmp_path, **steps, **{"data.batch_size": 2}), again, resume=True)
+    assert resumed.first_step == 2
+    assert_close(got1, want)
+
+
+def test_the_trainer_stops_on_a_lost_node_with_the_resume_command(two, tmp_path):
+    manifest, _ = two
+    cfg2 = config(manifest, tmp_path, **{"training.steps": 4, "training.checkpoint_every": 1, "data.batch_size": 1,
+                                         "runtime.nodes": 2})
+    run_dir = tmp_path / "run"
+    trainer = Trainer(cfg2, run_dir=str(run_dir), progress=False)
+    try:
+        trainer.train_step(0)
+        ckpt = latest_checkpoint(run_dir)
+        assert ckpt is not None
+        ray.kill(trainer.pipeline.actor_handles().stores[1], no_restart=True)
+        with pytest.raises(NodeLostError) as err:
+            trainer.train_step(1)
+    finally:
+        trainer.close()
+    text = str(err.value)
+    assert "node 1 of 2" in text and "was lost" in text
+    assert f"python -m megaslide_ray.train --run-dir {run_dir} --resume" in text and str(ckpt) in text
