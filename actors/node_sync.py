@@ -39,6 +39,7 @@ from __future__ import annotations
 import logging
 import math
 import threading
+import warnings
 
 import numpy as np
 import ray
@@ -129,7 +130,7 @@ class NodeSync:
             data = parts[node][0]
             if data is None:
                 return w
-            return torch.from_numpy(np.asarray(data)).view(self._wdtype)[:n]
+            return _read_only(data).view(self._wdtype)[:n]
 
         acc.copy_(tensor(0))
         for node in range(1, self.nodes):
@@ -182,7 +183,7 @@ class NodeSync:
                 raise RuntimeError(f"weights of shard {shard} after step {step} arrived but node {self.node}'s copy "
                                    f"is at version {int(store.versions[shard])}")
         w = store.seg[shard]["w"]
-        w.view(torch.uint8).copy_(torch.from_numpy(np.asarray(data)).view(torch.uint8))
+        w.view(torch.uint8).copy_(_read_only(data).view(torch.uint8))
         with store._lock:
             store.versions[shard] = step + 1
             store._lock.notify_all()
@@ -258,6 +259,13 @@ class NodeSyncMethods:
             return {kind: self.seg[shard][kind] for kind in CHECKPOINT_KINDS}
         got = ray.get(self.sync.peers[owner_of(shard, self.nodes)].shard_state.remote(shard, step))
         return {kind: torch.from_numpy(np.asarray(a)) for kind, a in got.items()}
+
+
+def _read_only(data) -> torch.Tensor:
+    """A tensor over the bytes of a Ray object (read-only memory: only ever read here)."""
+    with warnings.catch_warnings():  # torch warns that it cannot mark the tensor read-only
+        warnings.simplefilter("ignore", UserWarning)
+        return torch.from_numpy(np.asarray(data))
 
 
 def _put(w: torch.Tensor):

@@ -3,10 +3,11 @@ batch, and the bytes the stores send each other per step against the planner's c
 
     python -m benchmarks.multinode [--steps 6] [--preset tiny] [--batch 1] [--json] [--SECTION.FIELD VALUE ...]
 
-Starts a Ray cluster of two nodes on this machine (``ray.cluster_utils.Cluster``, one CPU each),
-then runs the main job (Trainer, decoder pool, stores, compute actors) twice: one node with one
-compute actor of batch ``2 x batch``, and two nodes with one compute actor each of batch
-``batch`` (the same global batch, the same clips). Both nodes share this machine's cores, memory
+Runs the main job (Trainer, decoder pool, stores, compute actors) three times on the same global
+batch (the same clips): on a one-node Ray (two CPUs) one compute actor of batch ``2 x batch`` with
+one torch thread, then with two (both cores); then on a Ray cluster of two nodes on this machine
+(``ray.cluster_utils.Cluster``, one CPU each) one compute actor per node of batch ``batch`` with
+one thread each. Both nodes share this machine's cores, memory
 and object store, so the ratio says what the extra store, the owners' sums and the weights sent
 back cost here, not what two machines would gain. The first step (start-up) is left out of the
 means. ``network_bytes`` is what the stores reported sending per step (all nodes together);
@@ -45,9 +46,9 @@ def planned_bytes(cfg, nodes: int, wb: int) -> tuple[int, int]:
     return busiest, total
 
 
-def run(preset: str, nodes: int, batch: int, steps: int, overrides: dict) -> dict:
+def run(preset: str, nodes: int, batch: int, steps: int, overrides: dict, threads: int = 1) -> dict:
     ov = {"training.steps": steps, "training.log_every": steps, "training.checkpoint_every": 0,
-          "runtime.nodes": nodes, "data.batch_size": batch * (2 // nodes), "runtime.compute_threads": 1,
+          "runtime.nodes": nodes, "data.batch_size": batch * (2 // nodes), "runtime.compute_threads": threads,
           "runtime.optimizer_threads": 1, **overrides}
     cfg = build_config(preset, None, ov)
     resolve_data(cfg)
@@ -61,7 +62,7 @@ def run(preset: str, nodes: int, batch: int, steps: int, overrides: dict) -> dic
         trainer.close()
     timed = rows[1:]
     s = statistics.mean(r["step_seconds"] for r in timed)
-    out = {"nodes": nodes, "preset": preset, "global_batch": 2 * batch, "seconds_per_step": s, "steps_per_s": 1 / s,
+    out = {"nodes": nodes, "compute_threads": threads, "preset": preset, "global_batch": 2 * batch, "seconds_per_step": s, "steps_per_s": 1 / s,
            "network_bytes_per_step": statistics.mean(r["network_bytes"] for r in timed),
            "first_loss": rows[0]["loss"], "last_loss": rows[-1]["loss"]}
     if nodes > 1:
@@ -77,11 +78,16 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--json", action="store_true")
     args, rest = p.parse_known_args(argv)
     overrides = parse_overrides(rest)
+    ray.init(address="local", num_cpus=2, include_dashboard=False, namespace="megaslide", logging_level="ERROR")
+    try:
+        rows = [run(args.preset, 1, args.batch, args.steps, overrides, threads) for threads in (1, 2)]
+    finally:
+        ray.shutdown()
     cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 1})
     cluster.add_node(num_cpus=1)
     ray.init(address=cluster.address, namespace="megaslide", logging_level="ERROR")
     try:
-        rows = [run(args.preset, n, args.batch, args.steps, overrides) for n in (1, 2)]
+        rows.append(run(args.preset, 2, args.batch, args.steps, overrides))
     finally:
         ray.shutdown()
         cluster.shutdown()
@@ -91,10 +97,10 @@ def main(argv: list[str] | None = None) -> int:
         if args.json:
             print(json.dumps(r))
     if not args.json:
-        print(f"{'nodes':>5} {'batch':>5} {'s/step':>8} {'steps/s':>8} {'ratio':>6} {'net B/step':>11} "
+        print(f"{'nodes':>5} {'thr':>3} {'batch':>5} {'s/step':>8} {'steps/s':>8} {'ratio':>6} {'net B/step':>11} "
               f"{'planned':>11} {'loss first->last':>18}")
         for r in rows:
-            print(f"{r['nodes']:>5} {r['global_batch']:>5} {r['seconds_per_step']:>8.3f} {r['steps_per_s']:>8.3f} "
+            print(f"{r['nodes']:>5} {r['compute_threads']:>3} {r['global_batch']:>5} {r['seconds_per_step']:>8.3f} {r['steps_per_s']:>8.3f} "
                   f"{r['ratio_to_one_node']:>6.2f} {r['network_bytes_per_step']:>11,.0f} "
                   f"{r.get('planned_all_nodes', 0):>11,} {r['first_loss']:>8.4f} -> {r['last_loss']:.4f}")
     return 0
