@@ -12,6 +12,7 @@
 """
 
 import json
+import os
 import shutil
 from pathlib import Path
 
@@ -19,6 +20,7 @@ import numpy as np
 import pytest
 import ray
 import torch
+from conftest import CLI_SMALL, run_cli
 from ray.cluster_utils import Cluster
 
 from actors.compute import ComputeActor, LocalStoreClient
@@ -29,7 +31,7 @@ from megaslide_ray.data.demo import ensure_demo_dataset
 from megaslide_ray.planning.scaleout import scale_out
 from megaslide_ray.state.checkpoint import latest_checkpoint, read_checkpoint_shards
 from megaslide_ray.trainer import Trainer
-from pipelines.multinode import NodeLostError, NodeStores, alive_nodes, on_node, pick_nodes
+from pipelines.multinode import NodeLostError, NodeStores, NodesUnavailableError, alive_nodes, on_node, pick_nodes
 from pipelines.streaming import RayStoreClient
 
 SMALL = {"model.depth": 2, "model.hidden_size": 32, "model.num_heads": 2, "model.caption_dim": 16,
@@ -316,3 +318,17 @@ def test_the_trainer_stops_on_a_lost_node_with_the_resume_command(two, tmp_path)
     text = str(err.value)
     assert "node 1 of 2" in text and "was lost" in text
     assert f"python -m megaslide_ray.train --run-dir {run_dir} --resume" in text and str(ckpt) in text
+
+
+def test_the_trainer_refuses_more_nodes_than_the_cluster_has(two, tmp_path):
+    manifest, _ = two
+    with pytest.raises(NodesUnavailableError, match="runtime.nodes=3 asks for 3 nodes but the Ray cluster has 2"):
+        Trainer(config(manifest, tmp_path, **{"runtime.nodes": 3}), run_dir=str(tmp_path / "run"), progress=False)
+    assert not list(tmp_path.glob("megaslide-*"))  # no store started: no state directory
+
+
+def test_the_cli_refuses_several_nodes_without_a_ray_cluster(tmp_path):
+    proc = run_cli([*CLI_SMALL, "--steps", "1", "--run-dir", str(tmp_path / "run"), "--runtime.nodes", "2"],
+                   {**os.environ, "MEGASLIDE_CACHE": str(tmp_path / "cache")}, timeout=300)
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert "runtime.nodes=2 trains on 2 nodes of a Ray cluster" in proc.stderr and "--ray.address" in proc.stderr
