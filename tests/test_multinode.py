@@ -12,6 +12,7 @@
 """
 
 import json
+import math
 import os
 import shutil
 from pathlib import Path
@@ -29,7 +30,9 @@ from actors.param_store import ParameterStore
 from megaslide_ray.config import build_config
 from megaslide_ray.data.demo import ensure_demo_dataset
 from megaslide_ray.planning.scaleout import scale_out
+from megaslide_ray.runtime import faults
 from megaslide_ray.state.checkpoint import latest_checkpoint, read_checkpoint_shards
+from megaslide_ray.state.segments import map_segment
 from megaslide_ray.trainer import Trainer
 from pipelines.multinode import NodeLostError, NodeStores, NodesUnavailableError, alive_nodes, on_node, pick_nodes
 from pipelines.streaming import RayStoreClient
@@ -137,13 +140,16 @@ def one_node(cfg, run_dir, batches, first_step=0, resume=None):
 class TwoNodes:
     """A store and a compute actor on each of the cluster's two nodes."""
 
-    def __init__(self, cfg, run_dir, resume=None):
+    def __init__(self, cfg, run_dir, resume=None, fault=None):
+        """``fault``: (spec, directory) of a fault for node 1's compute actor (runtime/faults.py)."""
         self.nodes = pick_nodes(2)
         self.stores = NodeStores(cfg, run_dir, self.nodes, {}, resume_checkpoint=resume)
         self.computes = []
         for r, node in enumerate(self.nodes):
             infos = ray.get(self.stores.handles[r].shard_infos.remote())
-            self.computes.append(ray.remote(ComputeActor).options(num_cpus=1, **on_node(node["NodeID"])).remote(
+            env = ({"runtime_env": {"env_vars": {faults.ENV_SPEC: fault[0], faults.ENV_DIR: fault[1]}}}
+                   if fault and r == 1 else {})
+            self.computes.append(ray.remote(ComputeActor).options(num_cpus=1, **on_node(node["NodeID"]), **env).remote(
                 cfg, infos, RayStoreClient(self.stores.handles[r]), "auto", node["NodeID"], 0, None, r, 2))
         self.updates = []
 
@@ -332,3 +338,65 @@ def test_the_cli_refuses_several_nodes_without_a_ray_cluster(tmp_path):
                    {**os.environ, "MEGASLIDE_CACHE": str(tmp_path / "cache")}, timeout=300)
     assert proc.returncode == 2, proc.stderr[-2000:]
     assert "runtime.nodes=2 trains on 2 nodes of a Ray cluster" in proc.stderr and "--ray.address" in proc.stderr
+
+
+def test_bf16_stores_on_two_nodes_equal_one_store_fed_the_fp32_sum(two, tmp_path):
+    """The CUDA runs' path (``w`` in bf16; the owner sums in its fp32 update scratch), fed gradients
+    directly: each node's gradient written into its own ``w`` segments, as a compute actor does."""
+    manifest, _ = two
+    cfg = config(manifest, tmp_path, **{"runtime.nodes": 2, "optim.grad_clip": 0.5})
+    ref = ParameterStore(config(manifest, tmp_path, **{"optim.grad_clip": 0.5}), str(tmp_path / "ref"),
+                         w_dtype="bfloat16")
+    stores = NodeStores(cfg, str(tmp_path / "two"), pick_nodes(2), {}, w_dtype="bfloat16")
+    try:
+        infos = [ray.get(h.shard_infos.remote()) for h in stores.handles]
+        w = [[map_segment(info.paths["w"], info.numel, torch.bfloat16) for info in node] for node in infos]
+        gen = torch.Generator().manual_seed(0)
+        for step in range(3):
+            parts = [[torch.randn(info.numel, generator=gen).to(torch.bfloat16) for info in infos[0]] for _ in (0, 1)]
+            refs = []
+            for node in (0, 1):
+                for i, g in enumerate(parts[node]):
+                    ray.get(stores.handles[node].wait_version.remote(i, step))  # as a compute actor's fetch does
+                    w[node][i].copy_(g)
+                    refs.append(stores.handles[node].report_grad.remote(i, step, float(g.float().square().sum())))
+            for i in range(len(infos[0])):  # the reference: one store, the fp32 sum rounded once
+                total = (parts[0][i].float() + parts[1][i].float()).to(torch.bfloat16)
+                ref.seg[i]["w"].copy_(total)
+                ref.report_grad(i, step, float(torch.linalg.vector_norm(total, dtype=torch.float32).square()))
+            ray.get(refs)
+            (update, _), want = stores.wait_step(step), ref.wait_step(step)
+            assert update.clip_coef < 1 and math.isclose(update.grad_norm, want.grad_norm, rel_tol=1e-12)
+        for i in range(len(infos[0])):
+            owner = stores.handles[i % 2]
+            master = torch.from_numpy(np.array(ray.get(owner.shard_state.remote(i, 3))["master"]))
+            assert_close([master], [ref.seg[i]["master"]])
+            ray.get([h.wait_version.remote(i, 3) for h in stores.handles])
+            assert torch.equal(w[0][i], w[1][i])  # the owner's new w reached the other node as it is
+            assert torch.equal(w[i % 2][i], master.to(torch.bfloat16))
+    finally:
+        ref.close()
+        stores.close()
+
+
+def test_a_nan_on_one_node_skips_the_update_on_every_node(two, tmp_path):
+    """A compute actor on node 1 poisons step 2 (a NaN loss): its node-sum's norm is NaN, the owners
+    of every shard skip the update, and the weights sent back are step 1's everywhere."""
+    manifest, batches = two
+    cfg2 = config(manifest, tmp_path, **{"data.batch_size": 1, "runtime.nodes": 2})
+    once = TwoNodes(cfg2, str(tmp_path / "once"))
+    try:
+        once.step(0, batches[0])
+        want = once.weights(1, 1)
+    finally:
+        once.close()
+    run = TwoNodes(cfg2, str(tmp_path / "nan"), fault=("compute.loss@2:nan", str(tmp_path / "faults")))
+    try:
+        run.step(0, batches[0])
+        run.step(1, batches[1])
+        assert run.updates[-1][0].skipped and not run.updates[0][0].skipped
+        for node in (0, 1):
+            for a, b in zip(run.weights(node, 2), want):
+                assert torch.equal(a, b)
+    finally:
+        run.close()
