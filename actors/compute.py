@@ -125,9 +125,12 @@ def select_device(cfg: Config) -> str:
 
 class ComputeActor:
     def __init__(self, cfg: Config, shards: list[ShardInfo], store: StoreClient, transport: str = "shm",
-                 store_node: str | None = None, rank: int = 0, grad_slots: GradSlots | None = None):
+                 store_node: str | None = None, rank: int = 0, grad_slots: GradSlots | None = None,
+                 node: int = 0, nodes: int = 1):
         """``rank``, ``grad_slots``: with several compute actors, which one this is and the store's
-        gradient slots (``ParameterStore.grad_slots``; None with one compute actor)."""
+        gradient slots (``ParameterStore.grad_slots``; None with one compute actor). ``node``,
+        ``nodes``: on several nodes (``runtime.nodes``), this actor's node and how many there are:
+        its batch is slot ``node x N + rank`` of the step's global batch (N actors per node)."""
         if transport == "auto":
             transport = "shm" if store_node in (None, self.node_id()) else "object_ref"
         if transport not in ("shm", "object_ref"):
@@ -158,10 +161,11 @@ class ComputeActor:
         rt = cfg.runtime
         self.rank = rank
         self.actors = grad_slots.actors if grad_slots is not None else 1
+        self.global_rank = node * self.actors + rank  # which slot of the step's global batch it trains
         self.micro_batches = cfg.training.micro_batches
-        # Each micro-batch's loss is scaled so that the gradients summed over the micro-batches and
-        # the actors are those of the mean loss over the global batch (1: no scaling at all).
-        self.loss_scale = 1.0 / (self.actors * self.micro_batches)
+        # Each micro-batch's loss is scaled so that the gradients summed over the micro-batches, the
+        # actors and the nodes are those of the mean loss over the global batch (1: no scaling at all).
+        self.loss_scale = 1.0 / (nodes * self.actors * self.micro_batches)
         self.link = Transfers(self.device, store, shards, transport, DTYPES[shards[0].w_dtype],
                               rt.overlap, rt.prefetch_depth, rt.link_gbps, grad_slots, rank)
         self.stash = ActivationStash(self.link, rt.offload_activations, rt.state_dir, rt.offload_keep)
@@ -274,7 +278,7 @@ class ComputeActor:
         device, with the batch's conditioning (caption bytes, or text embeddings)."""
         t = self.cfg.training
         noise_step = 0 if t.overfit_one_batch else step
-        first = self.rank * len(batch["latents"] if "latents" in batch else batch["video"])  # every actor's batch is as large
+        first = self.global_rank * len(batch["latents"] if "latents" in batch else batch["video"])  # every actor's batch is as large
         fx = batch_flow_inputs(batch, t.seed, noise_step, t.t_sampling, t.flow_shift, first)
         cond, cond_len = batch_conditioning(batch, t.seed, noise_step, self._caption_dropout, first)
         dev = self.device

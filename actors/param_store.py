@@ -57,7 +57,6 @@ import os
 import shutil
 import threading
 import time
-import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -66,6 +65,9 @@ import torch
 from torch.optim.adamw import adamw as adamw_functional
 
 from actors.grad_reduce import GradientReducer, GradSlots
+from actors.node_sync import NodeSync, NodeSyncMethods
+from actors.ray_context import node_id as _node_id
+from actors.ray_context import was_reconstructed as _was_reconstructed
 from megaslide_ray.config import Config
 from megaslide_ray.models.registry import build_shard, initialize_shard, num_shards
 from megaslide_ray.models.shards import ShardLayout
@@ -79,7 +81,7 @@ from megaslide_ray.state.segments import (
     KINDS,
     default_state_root,
     map_segment,
-    state_key,
+    node_state_key,
     sweep_stale_states,
     write_owner,
 )
@@ -110,6 +112,7 @@ class UpdateResult:
     optimizer_seconds: float
     skipped: bool = False   # non-finite gradients: no shard was updated
     reduce_seconds: float = 0.0  # several compute actors: the store's time summing their gradients
+    network_bytes: int = 0       # several nodes: bytes this store sent to the other nodes for this step
 
 
 @dataclass(frozen=True)
@@ -120,6 +123,8 @@ class StoreStatus:
     node_id: str
     pid: int = 0    # the store's process (a restarted store has another)
     scratch_bytes: int = 0  # several compute actors: the gradient slots and the fp32 accumulator
+    node: int = 0           # several nodes (runtime.nodes): this store's node index, and how many
+    nodes: int = 1
 
 
 class StateNotTrustedError(RuntimeError):
@@ -131,10 +136,11 @@ class GradientsLostError(RuntimeError):
     after they were reported): the driver redoes the step."""
 
 
-class ParameterStore:
+class ParameterStore(NodeSyncMethods):
     def __init__(self, cfg: Config, run_dir: str, w_dtype: str = "float32",
                  resume_checkpoint: str | None = None, attach: bool = False, init_from: str | None = None,
-                 adamw: str | None = None, owner_pid: int | None = None, compute_actors: int = 1):
+                 adamw: str | None = None, owner_pid: int | None = None, compute_actors: int = 1,
+                 nodes: int = 1, node: int = 0):
         """``run_dir`` names the state (a restarted store finds it again); ``w_dtype`` is the
         compute copy's dtype. Fresh state comes from ``resume_checkpoint`` (everything, at its
         step), else ``init_from`` (pretrained weights, moments zero, step 0; see
@@ -144,7 +150,11 @@ class ParameterStore:
         process whose run this is (the driver; default this process): a fresh state records it,
         and first removes states under the same root whose recorded owner is gone.
         ``compute_actors``: how many compute actors report each shard's gradient (N > 1: through
-        ``runtime.grad_slots`` gradient slots each, summed here; see ``actors/grad_reduce.py``)."""
+        ``runtime.grad_slots`` gradient slots each, summed here; see ``actors/grad_reduce.py``).
+        ``nodes``, ``node``: a run on several nodes (``runtime.nodes``), this store being node
+        ``node``'s: it keeps ``w`` of every shard and ``master``, ``m``, ``v`` of the shards it owns
+        (shard l on node l % nodes) only; ``connect`` then gives it the other nodes' stores
+        (``actors/node_sync.py``)."""
         if w_dtype not in DTYPES:
             raise ValueError(f"w_dtype={w_dtype!r}; use one of {list(DTYPES)}")
         threads = cfg.runtime.optimizer_threads or os.cpu_count() or 1
@@ -154,8 +164,10 @@ class ParameterStore:
         self.w_dtype = w_dtype
         self.n = num_shards(cfg)
         self.compute_actors = int(compute_actors)
+        self.nodes, self.node = int(nodes), int(node)
+        self.owned = [i for i in range(self.n) if i % self.nodes == self.node]  # optimizer state kept here
         root = Path(cfg.runtime.state_dir) if cfg.runtime.state_dir else default_state_root()
-        self.dir = root / state_key(run_dir)
+        self.dir = root / node_state_key(run_dir, self.nodes, self.node)
         self.layouts = [ShardLayout.of(build_shard(cfg, i, "meta"), i) for i in range(self.n)]
         self._lock = threading.Condition()
         self._pending: dict[int, dict[int, float]] = {}   # step -> {shard: ||g||^2}
@@ -166,10 +178,14 @@ class ParameterStore:
         self._saving = 0                                  # checkpoints being written: no update starts
         self._applying = False                            # the update thread is inside an update
         self._reduce_seconds: dict[int, float] = {}       # step -> seconds summing its gradients (N > 1)
+        self._totals: dict[int, float] = {}               # several nodes: step -> global squared norm
         self.reducer: GradientReducer | None = None
 
         # Ray re-runs __init__ with the original arguments when it restarts a crashed store.
         attached = (attach or _was_reconstructed()) and (self.dir / "layout.json").is_file()
+        if attached and self.nodes > 1:
+            raise StateNotTrustedError(f"the parameter store of node {self.node} of {self.nodes} was restarted: on "
+                                       f"several nodes a store does not re-attach; resume from the latest checkpoint")
         if attached:
             self._check_layout()
         else:
@@ -185,7 +201,7 @@ class ParameterStore:
         try:
             for i, lay in enumerate(self.layouts):
                 segs = {}
-                for kind in KINDS:
+                for kind in (KINDS if self.owns(i) else ("w",)):  # another node owns its master, m, v
                     dtype = DTYPES[w_dtype] if kind == "w" else torch.float32
                     segs[kind] = map_segment(self._path(i, kind), lay.numel, dtype, create=not attached)
                 self.seg.append(segs)
@@ -214,6 +230,8 @@ class ParameterStore:
         # slower, see benchmarks/adamw.py). Private memory, not state: the planner counts it.
         self._grad32 = (torch.empty(max(lay.numel for lay in self.layouts), dtype=torch.float32)
                         if w_dtype != "float32" else None)
+        # Several nodes: the owner of a shard sums the nodes' gradients of it here (node_sync).
+        self.sync = NodeSync(self) if self.nodes > 1 else None
         if self.compute_actors > 1:
             self.reducer = GradientReducer(self.dir, self.compute_actors, cfg.runtime.grad_slots,
                                            [s["w"] for s in self.seg], w_dtype, not attached, threads,
@@ -269,9 +287,19 @@ class ParameterStore:
             raise StateSpaceError(f"the parameter store needs {need / 1e9:.2f} GB in {root} but only "
                                   f"{usage.free / 1e9:.2f} GB are free; " + shm_advice(root, need, usage.free, usage.total))
 
+    def owns(self, shard: int) -> bool:
+        """Whether this store keeps shard ``shard``'s optimizer state (always, on one node)."""
+        return shard % self.nodes == self.node
+
     def state_bytes(self) -> int:
+        """Host bytes of the state: ``w`` of every shard, ``master``, ``m``, ``v`` of the owned ones."""
         wbytes = DTYPES[self.w_dtype].itemsize
-        return sum(lay.numel * (wbytes + 12) for lay in self.layouts)
+        return sum(lay.numel * (wbytes + (12 if self.owns(i) else 0)) for i, lay in enumerate(self.layouts))
+
+    def scratch_bytes(self) -> int:
+        """Beside the state: gradient slots and sums (several compute actors; several nodes)."""
+        return ((self.reducer.scratch_bytes() if self.reducer is not None else 0)
+                + (self.sync.scratch_bytes() if self.sync is not None else 0))
 
     def slot_bytes(self) -> int:
         """Several compute actors: the gradient slots beside the state (``compute_actors x
@@ -286,6 +314,12 @@ class ParameterStore:
         for i, lay in enumerate(self.layouts):
             module = build_shard(self.cfg, i, "cpu")
             initialize_shard(module, seed, i)
+            if not self.owns(i):  # every node draws the same weights; the owner keeps the master
+                master = torch.empty(lay.numel, dtype=torch.float32)
+                lay.flatten_into(module, master)
+                self.seg[i]["w"].copy_(master)
+                del module, master
+                continue
             lay.flatten_into(module, self.seg[i]["master"])
             self.seg[i]["w"].copy_(self.seg[i]["master"])
             self.seg[i]["m"].zero_()
@@ -305,7 +339,7 @@ class ParameterStore:
     def status(self) -> StoreStatus:
         return StoreStatus(tuple(self.versions.tolist()), str(self.dir), self.state_bytes(), _node_id(),
                            pid=os.getpid(),
-                           scratch_bytes=self.reducer.scratch_bytes() if self.reducer is not None else 0)
+                           scratch_bytes=self.scratch_bytes(), node=self.node, nodes=self.nodes)
 
     def wait_version(self, shard: int, step: int, timeout: float = 600.0) -> int:
         """Block until shard ``shard`` holds the weights of step ``step`` (or newer)."""
@@ -372,10 +406,17 @@ class ParameterStore:
 
     def _count_report(self, shard: int, step: int, sqnorm: float, generation: int | None) -> None:
         """Shard ``shard``'s gradient of ``step`` is in its ``w``: count it; the last one queues
-        the update."""
+        the update. Several nodes: it is this node's sum, and goes to the shard's owner
+        (``actors/node_sync.py``), which queues the update once it has the global norm."""
         with self._lock:
             if generation is not None and generation != self._generation:
                 return  # the compute actor was replaced while this report was on its way
+            if self.sync is not None:
+                self._inflight.add(step)
+        if self.sync is not None:
+            self.sync.node_grad_ready(shard, step, sqnorm)
+            return
+        with self._lock:
             got = self._pending.setdefault(step, {})
             got[shard] = float(sqnorm)
             last = len(got) == self.n
@@ -411,8 +452,8 @@ class ParameterStore:
     def _restore_w(self, shards=None) -> None:
         """``w = master`` (cast) on ``shards`` (default all): drop gradients of an abandoned step.
         Only when no update is running on those shards (``w`` is then either weights equal to
-        ``master`` cast, or a gradient nobody will apply)."""
-        for i in range(self.n) if shards is None else shards:
+        ``master`` cast, or a gradient nobody will apply). Owned shards only (several nodes)."""
+        for i in self.owned if shards is None else shards:
             self.seg[i]["w"].copy_(self.seg[i]["master"])
 
     def wait_step(self, step: int, timeout: float = 600.0) -> UpdateResult:
@@ -421,7 +462,8 @@ class ParameterStore:
         with self._lock:
             while step not in self._results:
                 self._raise_if_failed()
-                if step not in self._inflight and not (self.reducer is not None and self.reducer.holds(step)):
+                if (step not in self._inflight and self.sync is None
+                        and not (self.reducer is not None and self.reducer.holds(step))):
                     # The caller has seen every report of ``step`` acknowledged, so the step is
                     # queued here (or, several compute actors, still being summed), applied here
                     # (in _results), or applied by an earlier process.
@@ -440,6 +482,8 @@ class ParameterStore:
     def _raise_if_failed(self) -> None:
         if self.reducer is not None:
             self.reducer.raise_if_failed()
+        if self.sync is not None:
+            self.sync.raise_if_failed()
         if self._error is not None:
             raise RuntimeError(f"parameter store update thread failed: {self._error!r}") from self._error
 
@@ -455,10 +499,11 @@ class ParameterStore:
                 if self._closed:
                     return
                 step = self._queue.pop(0)
-                sq = self._pending.pop(step)
+                total = (math.sqrt(sum(self._pending.pop(step).values())) if self.sync is None
+                         else math.sqrt(self._totals.pop(step)))
                 self._applying = True
             try:
-                result = self._apply_update(step, sq)
+                result = self._apply_update(step, total)
             except BaseException as e:  # surfaced to every waiter
                 log.exception("AdamW update of step %d failed", step)
                 with self._lock:
@@ -472,10 +517,11 @@ class ParameterStore:
                 self._applying = False
                 self._lock.notify_all()
 
-    def _apply_update(self, step: int, sqnorms: dict[int, float]) -> UpdateResult:
+    def _apply_update(self, step: int, total: float) -> UpdateResult:
+        """AdamW of ``step`` on the owned shards (every shard on one node), ``total`` the global
+        gradient norm; several nodes: each updated shard's weights go to the other nodes."""
         o = self.cfg.optim
         t0 = time.perf_counter()
-        total = math.sqrt(sum(sqnorms.values()))
         lr = lr_at(o, self.cfg.training.steps, step)
         finite = math.isfinite(total)
         coef = clip_coefficient(total, o.grad_clip) if finite else 0.0
@@ -483,15 +529,18 @@ class ParameterStore:
         self._write_record(step, total, coef, lr, skipped=not finite, seconds=0.0)
         if not finite:
             log.warning("step %d: gradient norm is %s; update skipped on every shard", step, total)
-        for i in range(self.n):  # shard order: the next forward needs shard 0 first
+        for i in self.owned:  # shard order: the next forward needs shard 0 first
             if i == self.n // 2:
                 fault_point("store.mid_update", step)
             self._update_shard(i, step, coef, lr, skip=not finite)
+            if self.sync is not None:
+                self.sync.send_weights(i, step)
         seconds = time.perf_counter() - t0
         self.records[step % RECORDS, 5] = seconds
         with self._lock:
             reduce_seconds = self._reduce_seconds.pop(step, 0.0)
-        return UpdateResult(step, total, coef, lr, seconds, skipped=not finite, reduce_seconds=reduce_seconds)
+        return UpdateResult(step, total, coef, lr, seconds, skipped=not finite, reduce_seconds=reduce_seconds,
+                            network_bytes=self.sync.pop_sent(step) if self.sync is not None else 0)
 
     def _update_shard(self, i: int, step: int, coef: float, lr: float, skip: bool = False) -> None:
         """AdamW of step ``step`` on shard ``i`` (its gradient is in ``w``), bracketed by its
@@ -606,7 +655,7 @@ class ParameterStore:
             for i, lay in enumerate(self.layouts):
                 if i == self.n // 2:
                     fault_point("store.mid_checkpoint", step - 1)
-                yield lay, {kind: self.seg[i][kind] for kind in CHECKPOINT_KINDS}
+                yield lay, self.checkpoint_state(i, step)
 
         doc = {"w_dtype": self.w_dtype, "config": self.cfg.to_dict(), **extra}
         return write_checkpoint(run_dir, step, shards(), doc)
@@ -614,6 +663,9 @@ class ParameterStore:
     def _load_checkpoint(self, path: str) -> None:
         with CheckpointReader(path, self.n) as ckpt:
             for i, lay in enumerate(self.layouts):
+                if not self.owns(i):  # another node owns its optimizer state (several nodes)
+                    self.seg[i]["w"].copy_(ckpt.tensor(i, "master", lay.numel))
+                    continue
                 for kind in CHECKPOINT_KINDS:
                     self.seg[i][kind].copy_(ckpt.tensor(i, kind, lay.numel))
                 self.seg[i]["w"].copy_(self.seg[i]["master"])  # w is master cast: not stored
@@ -645,31 +697,3 @@ class ParameterStore:
         self.seg = []
         if remove_state:
             shutil.rmtree(self.dir, ignore_errors=True)
-
-
-# -- the single-pass AdamW ------------------------------------------------------------------------
-
-
-def _was_reconstructed() -> bool:
-    """True inside a Ray actor that Ray has restarted after a crash."""
-    try:
-        import ray
-
-        if not ray.is_initialized() or ray.get_runtime_context().get_actor_id() is None:
-            return False
-        with warnings.catch_warnings():  # the property reads Ray's deprecated actor_id internally
-            warnings.simplefilter("ignore")
-            return bool(ray.get_runtime_context().was_current_actor_reconstructed)
-    except Exception:  # noqa: BLE001 - outside an actor: not reconstructed
-        return False
-
-
-def _node_id() -> str:
-    try:
-        import ray
-
-        if ray.is_initialized():
-            return ray.get_runtime_context().get_node_id()
-    except Exception:  # noqa: BLE001 - outside Ray there is one node
-        pass
-    return "local"

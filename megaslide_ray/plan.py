@@ -112,7 +112,7 @@ def main(argv: list[str] | None = None) -> int:
                     help="GPUs (compute actors) per node sharing the node's store (runtime.compute_actors; "
                          "default: the config's, 1 for auto): host terms per node, the DRAM all of them draw")
     ap.add_argument("--nodes", type=_positive(int), default=1,
-                    help="nodes, one store each, optimizer state sharded by owner (planned, not implemented): "
+                    help="nodes (runtime.nodes), one store each, optimizer state sharded by owner: "
                          "host bytes and network bytes per node")
     ap.add_argument("--micro-batches", type=_positive(int), default=None,
                     help="training.micro_batches: layer-major micro-batches of --batch-size per GPU and step "

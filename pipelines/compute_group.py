@@ -5,14 +5,18 @@ one parameter store (which sums their gradients: ``actors/grad_reduce.py``).
 A failure of any of them replaces all of them (``replace``): the others may be blocked on the
 dead one's part of a gradient sum and may already hold the next step queued, and a step is only
 worth anything with every actor's gradient, so the step is redone by N fresh actors. Between
-steps a compute actor holds no state, so replacing one costs only its start."""
+steps a compute actor holds no state, so replacing one costs only its start.
+
+On several nodes (``runtime.nodes`` M, ``pipelines/multinode.py``) the group holds N actors on
+each node, each pinned beside its node's store (``NodeSide``): actor ``node x N + r`` trains batch
+slot ``node x N + r`` of every step and reports to its own node's store."""
 
 from __future__ import annotations
 
 import logging
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import ray
 
@@ -71,6 +75,17 @@ def combine_batches(infos: list[BatchInfo | None]) -> BatchInfo | None:
                      rows=tuple(r for i in got for r in i.rows))
 
 
+@dataclass(frozen=True)
+class NodeSide:
+    """One node of a run on several nodes: its store's shards, node, gradient slots, the actor
+    options that pin an actor there, and ``client(generation, rank)``, a client of its store."""
+    infos: list
+    store_node: str
+    grad_slots: object
+    options: dict
+    client: Callable
+
+
 @dataclass
 class ComputeGroup:
     """N compute actors (``actors[r]`` trains batch slot r of each step), remote, of one
@@ -84,15 +99,24 @@ class ComputeGroup:
     options: dict
     client: Callable
     generation: int = 0
+    sides: list[NodeSide] = field(default_factory=list)
+    """Several nodes: each node's side, ``count`` actors on each (empty: one node, the fields above)."""
 
     def __post_init__(self):
-        self.actors = [self._make(r) for r in range(self.count)]
+        self.actors = [self._make(r) for r in range(self.total)]
+
+    @property
+    def total(self) -> int:
+        """Compute actors of the run: ``count`` on each node."""
+        return self.count * max(1, len(self.sides))
 
     @property
     def names(self) -> list[str]:
         """The Ray names of this generation's actors: ``megaslide/compute`` (the first; a replaced
         one gets ``-1``, ``-2``, ... as before), ``megaslide/compute-r1``, ..."""
-        gen = self.generation
+        gen, n = self.generation, self.count
+        if self.sides:  # several nodes: megaslide/compute-node1-r0, ...
+            return [f"megaslide/compute-node{r // n}-r{r % n}" + (f"-{gen}" if gen else "") for r in range(self.total)]
         return ["megaslide/compute" + (f"-r{rank}" if rank else "") + (f"-{gen}" if gen else "")
                 for rank in range(self.count)]
 
@@ -101,13 +125,19 @@ class ComputeGroup:
         if self.use_gpu:
             resources = {"num_cpus": 0, "num_gpus": 1}
         else:  # a CPU each, or an equal share of a smaller cluster (said once, by rank 0)
-            cpus = ray.cluster_resources().get("CPU", 1.0)
+            cpus = ray.cluster_resources().get("CPU", 1.0) / max(1, len(self.sides))  # (several nodes: per node)
             share = min(1.0, cpus / self.count)
             if share < 1.0 and rank == 0:
                 log.warning("runtime.compute_actors=%d CPU compute actors on a Ray cluster of %g CPUs: each reserves "
                             "%.2f CPU", self.count, cpus, share)
             resources = {"num_cpus": share, "num_gpus": 0}
         # transport "auto": the compute actor compares its node with the store's once placed.
+        if self.sides:
+            node, local = divmod(rank, self.count)
+            side = self.sides[node]
+            return ray.remote(ComputeActor).options(name=name, **resources, **self.options, **side.options).remote(
+                self.cfg, side.infos, side.client(self.generation, local), self.cfg.runtime.transport, side.store_node,
+                local, side.grad_slots, node, len(self.sides))
         return ray.remote(ComputeActor).options(name=name, **resources, **self.options).remote(
             self.cfg, self.infos, self.client(self.generation, rank), self.cfg.runtime.transport, self.store_node,
             rank, self.grad_slots)
@@ -138,7 +168,7 @@ class ComputeGroup:
 
     def start(self) -> None:
         """Start the actors of the current generation (after ``replace``)."""
-        self.actors = [self._make(r) for r in range(self.count)]
+        self.actors = [self._make(r) for r in range(self.total)]
 
     def close_refs(self) -> list:
         return [a.close.remote() for a in self.actors]

@@ -13,6 +13,11 @@ goes to all of them, actor r on the step's batch slot r (``pipelines/decoder_poo
 store sums their gradients; the step's result combines theirs (mean loss, slowest times), and
 each one's is kept for the metrics. A failure of one replaces them all.
 
+Several nodes (``runtime.nodes`` M, ``pipelines/multinode.py``): one store per node, N compute
+actors on each beside it; a step takes M x N batch slots, and the driver waits for every store's
+update. There is no in-place recovery there: an actor's death (a store's is a lost node) stops
+the run with the ``--resume`` command (``NodeLostError``).
+
 Failures: the store is restartable (``runtime.max_restarts``); a restarted store re-attaches
 to its shared-memory state (see ``actors/param_store.py``). Gradients reported for an
 unfinished step lived only in the dead process, so when a step fails because an actor died,
@@ -50,8 +55,9 @@ from actors.param_store import GradientsLostError, ParameterStore, UpdateResult
 from megaslide_ray.runtime import faults
 from megaslide_ray.state.kept import is_kept, keep_state, release_state, state_path
 from megaslide_ray.state.preflight import StateSpaceError
-from pipelines.compute_group import ComputeGroup, combine, combine_batches, resolve_compute_actors
+from pipelines.compute_group import ComputeGroup, NodeSide, combine, combine_batches, resolve_compute_actors
 from pipelines.decoder_pool import DataCursor, DecoderPool
+from pipelines.multinode import NodeLostError, NodeStores, on_node, pick_nodes, resume_command
 
 log = logging.getLogger(__name__)
 
@@ -98,6 +104,16 @@ def is_actor_failure(error: BaseException) -> bool:
     restarted store no longer holds a step's gradients: redoing the step recovers."""
     kinds = (RayActorError, GradientsLostError, StoreHungError)
     return isinstance(error, kinds) or isinstance(getattr(error, "cause", None), kinds)
+
+
+def get_each(refs: list) -> list:
+    """``ray.get(refs)``, but the first error raised as soon as it is there (on several nodes the
+    other compute actors may wait for a lost node's weights for a long time)."""
+    waiting = list(refs)
+    while waiting:
+        ready, waiting = ray.wait(waiting, num_returns=1)
+        ray.get(ready[0])
+    return ray.get(refs)
 
 
 class RayStoreClient:
@@ -182,6 +198,8 @@ class ActorHandles:
     decoders: tuple
     computes: tuple = ()
     """Every compute actor (``compute`` is the first)."""
+    stores: tuple = ()
+    """Several nodes: every node's store, by node (``store`` is node 0's)."""
 
 
 class StreamingPipeline:
@@ -205,6 +223,13 @@ class StreamingPipeline:
                                f"GPU compute actors but the Ray cluster has {gpus:g} GPUs; use at most {gpus:g} "
                                f"(or 'auto'), or runtime.device=cpu")
         self.use_gpu = use_gpu
+        self.nodes = cfg.runtime.nodes
+        self.slots = self.compute_actors * self.nodes  # batch slots per step: every compute actor's
+        self._node_stores: NodeStores | None = None
+        if self.nodes > 1 and (init_from or kept_doc is not None):
+            raise RuntimeError(f"runtime.nodes={self.nodes}: a run on several nodes starts from fresh weights or a "
+                               f"checkpoint (--resume); " + ("--init-from" if init_from else "a kept state")
+                               + " is for one node (continue it on one node, then resume on several)")
         self.w_dtype = "bfloat16" if use_gpu else "float32"
         # Recovery counters, the whole run's (a rollback keeps them).
         self.restarts = 0            # actor failures recovered from (bounded by runtime.max_restarts)
@@ -224,8 +249,9 @@ class StreamingPipeline:
     def _stop_partial(self, kept_doc: dict | None) -> None:
         """The pipeline did not come up: stop what did, and leave no state behind (a kept state
         it was to continue from is kept again, as it was)."""
+        stores = self._node_stores.handles if self._node_stores else (getattr(self, "_store", None),)
         for h in (*(self._computes.actors if self._computes else ()),
-                  *(self._decoder_pool.actors if self._decoder_pool else ()), getattr(self, "_store", None)):
+                  *(self._decoder_pool.actors if self._decoder_pool else ()), *stores):
             if h is not None:
                 try:
                     ray.kill(h, no_restart=True)
@@ -248,11 +274,17 @@ class StreamingPipeline:
         cfg, run_dir = self.cfg, self.run_dir
         # The store serves many blocking calls (wait_version) at once: a threaded actor. On a
         # restart Ray re-runs __init__ with these arguments; it then re-attaches to its segments.
-        store_cls = ray.remote(ParameterStore).options(
-            name=f"{NAMESPACE}/param-store", num_cpus=0, max_concurrency=64,
-            max_restarts=cfg.runtime.max_restarts, **actor_options())
-        self._store = store_cls.remote(cfg, run_dir, self.w_dtype, resume_checkpoint, attach, init_from,
-                                       owner_pid=os.getpid(), compute_actors=self.compute_actors)
+        if self.nodes > 1:  # one store per node, pinned there (pipelines/multinode.py)
+            self._node_stores = NodeStores(cfg, run_dir, pick_nodes(self.nodes), actor_options(),
+                                           w_dtype=self.w_dtype, resume_checkpoint=resume_checkpoint,
+                                           owner_pid=os.getpid(), compute_actors=self.compute_actors)
+            self._store = self._node_stores.handles[0]
+        else:
+            store_cls = ray.remote(ParameterStore).options(
+                name=f"{NAMESPACE}/param-store", num_cpus=0, max_concurrency=64,
+                max_restarts=cfg.runtime.max_restarts, **actor_options())
+            self._store = store_cls.remote(cfg, run_dir, self.w_dtype, resume_checkpoint, attach, init_from,
+                                           owner_pid=os.getpid(), compute_actors=self.compute_actors)
         try:
             self.infos = ray.get(self._store.shard_infos.remote())
         except RayActorError as e:
@@ -263,7 +295,8 @@ class StreamingPipeline:
         self._computes = ComputeGroup(cfg, self.infos, self.store_node, ray.get(self._store.grad_slots.remote()),
                                       self.use_gpu, self.compute_actors, actor_options(),
                                       lambda gen, rank: RayStoreClient(self._store, gen, rank,
-                                                                                self.cfg.runtime.store_timeout_s))
+                                                                                self.cfg.runtime.store_timeout_s),
+                                      sides=self._node_sides())
         self.transport = self._computes.transport()
 
         # ``start_position``: where the data continues (a checkpoint's DataCursor; an int is one
@@ -271,7 +304,7 @@ class StreamingPipeline:
         cursor = (start_position if isinstance(start_position, DataCursor)
                   else DataCursor.start(cfg.data.num_decoders, int(start_position)))
         self._decoder_pool = DecoderPool(cfg, f"{run_dir}/decoders", cursor, NAMESPACE, actor_options(),
-                                         per_step=self.compute_actors)
+                                         per_step=self.slots)
         self._data_lost: dict[int, float] = {}      # step -> seconds lost to a replaced decoder
         self._queued: dict[int, list] = {}          # step -> refs of the compute actors' StepResults
         self._computed: dict[int, list[StepResult]] = {}  # step -> results whose update is not confirmed yet
@@ -279,6 +312,18 @@ class StreamingPipeline:
         self._first_batch: dict[int, object] = {}   # actor -> its first batch (training.overfit_one_batch)
         log.info("pipeline up: %d shards, weights %s, transport %s, %d compute actor(s) on %s", len(self.infos),
                  self.w_dtype, self.transport, self.compute_actors, "GPU" if self.use_gpu else "CPU")
+
+    def _node_sides(self) -> list[NodeSide]:
+        """Several nodes: each node's store, shards and gradient slots, for the compute group."""
+        if self._node_stores is None:
+            return []
+        sides = []
+        for handle, node in zip(self._node_stores.handles, self._node_stores.nodes):
+            sides.append(NodeSide(ray.get(handle.shard_infos.remote()), node["NodeID"],
+                                  ray.get(handle.grad_slots.remote()), on_node(node["NodeID"]),
+                                  lambda gen, rank, h=handle: RayStoreClient(h, gen, rank,
+                                                                             self.cfg.runtime.store_timeout_s)))
+        return sides
 
     def _batch(self, step: int, rank: int = 0):
         if (step, rank) not in self._batches:
@@ -292,7 +337,7 @@ class StreamingPipeline:
     def _submit(self, step: int) -> None:
         if step in self._queued or step in self._computed:
             return
-        self._queued[step] = self._computes.submit(step, [self._batch(step, r) for r in range(self.compute_actors)])
+        self._queued[step] = self._computes.submit(step, [self._batch(step, r) for r in range(self.slots)])
 
     def count_restart(self, what: str, error: BaseException | None = None) -> None:
         """One more actor failure recovered from; past ``runtime.max_restarts``, stop the run."""
@@ -314,6 +359,8 @@ class StreamingPipeline:
             except Exception as e:
                 if not is_actor_failure(e):
                     raise
+                if self._node_stores is not None:
+                    raise self._node_failure(step, e) from e
                 self.count_restart(f"step {step + 1}: an actor died ({type(e).__name__})", e)
                 t0 = time.monotonic()
                 log.warning("step %d: an actor died (%s); recovering and redoing the step (failure %d of at most %d)",
@@ -336,14 +383,17 @@ class StreamingPipeline:
         if queue_next:
             self._submit(step + 1)
         if step not in self._computed:
-            self._computed[step] = ray.get(self._queued.pop(step))
+            self._computed[step] = get_each(self._queued.pop(step))
             unanswered = sum(r.store_unanswered for r in self._computed[step])
             if unanswered:  # kept: the store may have applied the update
                 raise StoreHungError(f"the parameter store did not answer {unanswered} "
                                      f"gradient report(s) of step {step + 1} within runtime.store_timeout_s="
                                      f"{self.cfg.runtime.store_timeout_s} s")
-        update = ray.get(self._store.wait_step.remote(step))
-        for r in range(self.compute_actors):
+        if self._node_stores is not None:
+            update, _ = self._node_stores.wait_step(step)
+        else:
+            update = ray.get(self._store.wait_step.remote(step))
+        for r in range(self.slots):
             self._batches.pop((step, r), None)
         info = combine_batches(self._decoder_pool.infos(step))
         self._decoder_pool.commit(step)
@@ -359,7 +409,7 @@ class StreamingPipeline:
         actors wait in the store for its part of each gradient sum)."""
         if step in self._computed:
             return
-        for rank in range(self.compute_actors):
+        for rank in range(self.slots):
             ready = self._decoder_pool.wait_ready(step, rank)
             if ready is None or not ready.redrawn:
                 continue
@@ -441,7 +491,18 @@ class StreamingPipeline:
         log.warning("recovered: store at versions %s, compute actor(s) replaced; redoing from step %d",
                     sorted(set(versions)), applied + 1)
 
+    def _node_failure(self, step: int, error: BaseException) -> NodeLostError:
+        """Several nodes: an actor died under ``step``. A dead store is a lost node; a compute actor
+        alone is not recovered in place on several nodes either: the run stops with ``--resume``."""
+        dead = self._node_stores.dead()
+        if dead:
+            return self._node_stores.lost(dead[0], error)
+        return NodeLostError(f"step {step + 1}: a compute actor died ({type(error).__name__}); a run on several nodes "
+                             f"does not replace its actors in place: {resume_command(self.run_dir)}")
+
     def save_checkpoint(self, run_dir: str, step: int, extra: dict) -> str:
+        if self._node_stores is not None:
+            return self._node_stores.save_checkpoint(run_dir, step, extra)
         while True:
             try:
                 return ray.get(self._store.save_checkpoint.remote(run_dir, step, extra))
@@ -479,7 +540,8 @@ class StreamingPipeline:
         change when an actor is replaced or the pipeline rolls back: take them again after that.
         Training code uses the pipeline's methods instead."""
         return ActorHandles(self._store, self._computes.first, tuple(self._decoder_pool.actors),
-                            tuple(self._computes.actors))
+                            tuple(self._computes.actors),
+                            tuple(self._node_stores.handles) if self._node_stores else (self._store,))
 
     def rollback_to(self, checkpoint: str | None, start_position: int | DataCursor = 0) -> None:
         """The store's state is lost (``StoreLostError``): kill every actor, drop the dead state and
@@ -517,6 +579,9 @@ class StreamingPipeline:
         self._queued.clear()
         self._batches.clear()
         kept = None
+        if self._node_stores is not None:  # several nodes: no kept state, every store releases its own
+            self._node_stores.close()
+            return None
         if done > checkpoint_step:
             try:  # a store that died or hangs is not asked twice: its state is not trusted
                 versions = ray.get(self._store.settle.remote(), timeout=STORE_SETTLE_TIMEOUT_S)
@@ -549,6 +614,8 @@ class StreamingPipeline:
     def abort(self) -> None:
         """Kill every actor now and remove the store's shared-memory state (same node only)."""
         self._computes.kill()
+        if self._node_stores is not None:
+            self._node_stores.close()
         for h in [*self._decoder_pool.actors, self._store]:
             try:
                 ray.kill(h, no_restart=True)
@@ -573,6 +640,10 @@ class StreamingPipeline:
             ray.get(closing, timeout=30)
         except Exception as e:  # noqa: BLE001 - closing best-effort, then killed below
             log.debug("closing the compute actor failed: %r", e)
+        if self._node_stores is not None:
+            self._computes.kill()
+            self._node_stores.close()
+            return
         closed = False
         try:
             ray.get(self._store.close.remote(), timeout=60)

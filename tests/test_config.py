@@ -214,3 +214,11 @@ def test_a_saved_run_lacking_later_fields_keeps_their_old_behaviour(tmp_path):
     written = build_config(None, str(run / "config.toml"))  # a file, not a saved run: today's defaults
     assert (written.model.caption_layers, written.training.caption_dropout) == (2, 0.1)
     assert not written.model.cross_attention  # today's default (off)
+
+
+@pytest.mark.parametrize("nodes", [0, 5])
+def test_runtime_nodes_between_one_and_the_shards(nodes):
+    # depth 2: 4 shards; every node must own the optimizer state of at least one
+    with pytest.raises(ConfigError, match=f"runtime.nodes={nodes} must be an integer from 1 to the model's 4 shards"):
+        build_config("tiny", None, {"model.depth": 2, "runtime.nodes": nodes})
+    assert build_config("tiny", None, {"model.depth": 2, "runtime.nodes": 4}).runtime.nodes == 4

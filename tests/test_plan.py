@@ -427,7 +427,8 @@ def test_nodes_shard_the_optimizer_state_and_count_the_network(plan_105b):
     assert _close(two.time_terms["network"], two.scale.network_bytes / 25e9)
     four = plan(cfg, gpus_per_node=8, nodes=4)
     assert _close(four.scale.network_bytes, 2 * wb * P * 3 / 4, 0.03)
-    assert any("planned, not implemented" in n for n in two.notes)
+    assert any("2 nodes (runtime.nodes = 2): one store per node" in n for n in two.notes)
+    assert not any("not implemented" in n for n in two.notes)
     # README rows: 105B on two nodes of 1 TB fits with one gradient slot per GPU, and not with two.
     cfg.runtime.grad_slots = 1
     assert plan(cfg, ram_gb=1000, gpu_gb=141, gpus_per_node=8, nodes=2).fits

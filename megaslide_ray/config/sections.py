@@ -311,6 +311,18 @@ class RuntimeConfig:
     ``compute_actors x grad_slots`` of them). An actor whose slots are all full waits until the
     store has summed one; 2 lets it write a shard's gradient while the last one is summed. Not used
     with one compute actor (its gradient lands in the shard's own ``w`` segment)."""
+    nodes: int = 1
+    """Ray nodes the run trains on, data-parallel: one parameter store per node, each node's
+    ``compute_actors`` beside it. Every node keeps the compute copy ``w`` of every shard and the
+    optimizer state (master, m, v) of the shards it owns (shard l on node l % nodes): about
+    ``w bytes + 12 / nodes`` B/param of host state per node. Each owner sums the nodes' gradients of
+    its shards in fp32 in node order, updates them with the exact global gradient norm, and sends the
+    new weights to every node (through Ray's object store). The global batch is ``nodes x
+    compute_actors x micro_batches x batch_size`` clips; a run equals one node with that batch. The
+    Ray cluster (``ray.address``) needs that many alive nodes; node 0 is the driver's, its store
+    writes the checkpoints, which resume on any number of nodes (``--resume`` reads the run
+    directory from every node: a filesystem they share). A lost node stops the run with the
+    ``--resume`` command."""
 
 
 @dataclass

@@ -92,6 +92,10 @@ def _check_runtime_counts(cfg: Config) -> None:
     if rt.compute_actors != "auto" and (not isinstance(rt.compute_actors, int) or rt.compute_actors < 1):
         raise ConfigError(f"runtime.compute_actors={rt.compute_actors!r} must be an integer >= 1 or 'auto' (one "
                           f"compute actor per GPU of the node)")
+    shards = cfg.model.depth + 2  # the input side, the blocks, the head (models.registry.num_shards)
+    if not isinstance(rt.nodes, int) or not 1 <= rt.nodes <= shards:
+        raise ConfigError(f"runtime.nodes={rt.nodes!r} must be an integer from 1 to the model's {shards} shards "
+                          f"(model.depth + 2): each node owns the optimizer state of at least one shard")
     if not (rt.resident_gb >= 0 and math.isfinite(rt.resident_gb)):
         raise ConfigError(f"runtime.resident_gb={rt.resident_gb} must be a finite number of GB >= 0 (0: only the "
                           f"turn's block is kept from the forward to the backward)")

@@ -453,9 +453,10 @@ def plan(cfg: Config, w_dtype: str = "bfloat16", pcie_gbps: float = 55.0, dram_g
     notes = _notes(cfg, generate, wb, P, parts, block_terms, act_totals, variant, fits_host, fits_device,
                    host_short, device_short, device_required, gpu_gb, terms)
     if nodes > 1 and not generate:
-        notes.append(f"{nodes} nodes: one store per node, optimizer state sharded by owner node, gradients reduced to "
-                     f"the owner and the new w sent back (docs/architecture.md, scale-out) is planned, not "
-                     f"implemented: the runtime trains on one node")
+        notes.append(f"{nodes} nodes (runtime.nodes = {nodes}): one store per node, the optimizer state of shard l on "
+                     f"node l % {nodes}, each shard's gradients summed at its owner and the new w sent back through "
+                     f"Ray (docs/architecture.md, several nodes); the received gradients wait in Ray's object store "
+                     f"(the network receive slots term)")
     slots = cfg.runtime.grad_slots
     if fits_host is False and not generate and slots > 1 and gpus_per_node * nodes > 1:
         holders = (gpus_per_node if gpus_per_node > 1 else 0) + (nodes - 1)  # GPUs' slots, network receive slots

@@ -13,14 +13,15 @@ Host per node, G GPUs: the 14 B/param state, the fp32 update scratch, the gradie
 ``runtime.grad_slots`` x the largest shard x w bytes) and, on a bf16 run, the fp32 accumulator of
 the sum (4 B x the largest shard); every GPU's offloaded block inputs.
 
-M nodes (``--nodes``; the design of docs/architecture.md's scale-out, **not implemented**: the
-runtime trains on one node): every node keeps the compute copy ``w`` of every shard (w bytes x P)
+M nodes (``--nodes``, ``runtime.nodes``; ``actors/node_sync.py``, ``pipelines/multinode.py``): every node keeps the compute copy ``w`` of every shard (w bytes x P)
 and the optimizer state (master, m, v: 12 B/param) of the shards it owns (shard l owned by node
 l % M), so about ``w + 12 / M`` B/param per node. A shard's gradient, summed over the node's GPUs,
 goes to its owner, which sums the M of them, updates, and sends the new ``w`` back: each node sends
 and receives ``w bytes x ((P - own) + own x (M - 1))`` per step, about ``2 x w bytes x P x (M - 1) /
-M`` each way, held against ``--network-gbps`` (the ``network`` term). The owner needs ``(M - 1) x
-grad_slots`` receive slots of the largest shard.
+M`` each way, held against ``--network-gbps`` (the ``network`` term; the two-node test run sends
+exactly this, benchmarks/RESULTS.md). The received gradients wait in Ray's object store until
+the owner sums them; the planner counts ``(M - 1) x grad_slots`` shards of them (the runtime does
+not bound them by slots: as the nodes run the backward in step, a few shards are in flight).
 """
 
 from __future__ import annotations

@@ -38,6 +38,12 @@ def state_key(run_dir: str | Path) -> str:
     return "megaslide-" + hashlib.sha1(str(Path(run_dir).resolve()).encode()).hexdigest()[:12]
 
 
+def node_state_key(run_dir: str | Path, nodes: int = 1, node: int = 0) -> str:
+    """The state's name on node ``node`` of a run on ``nodes`` nodes (``runtime.nodes``): each
+    node's store has its own directory, so nodes that share a filesystem never share segments."""
+    return state_key(run_dir) + (f"-node{node}" if nodes > 1 else "")
+
+
 def map_segment(path: str | Path, numel: int, dtype: torch.dtype, create: bool = False) -> torch.Tensor:
     """Map a segment file as a flat tensor shared by every process that maps it."""
     path = Path(path)

@@ -252,6 +252,7 @@ class Trainer:
             "h2d_bytes": c.h2d_bytes, "h2d_gbps": c.h2d_bytes / c.h2d_seconds / 1e9 if c.h2d_seconds else 0.0,
             "d2h_bytes": c.d2h_bytes, "d2h_gbps": c.d2h_bytes / c.d2h_seconds / 1e9 if c.d2h_seconds else 0.0,
             "device_memory_peak_bytes": c.device_memory_peak_bytes, "reduce_seconds": u.reduce_seconds,
+            "network_bytes": u.network_bytes,
             "grad_slot_wait_seconds": c.grad_slot_wait_seconds,
             "data_position": c.data_position, "data_rows": list(report.batch.rows) if report.batch else None,
             "skipped_files": report.skipped_files, "decoders_replaced": self.pipeline.decoders_replaced,
