@@ -77,6 +77,10 @@ def test_documented_benchmarks_and_studies_exist():
     names |= {f"{package}.{n}" for package, listed in re.findall(r"`python -m (benchmarks(?:\.studies)?)\.NAME` "
                                                                  r"\(([^)]*)\)", text)
               for n in re.findall(r"`(\w+)`", listed)}
+    cli = (ROOT / "docs" / "cli.md").read_text()  # the tables of its benchmarks and studies sections
+    for heading, package in (("## benchmarks", "benchmarks"), ("## studies", "benchmarks.studies")):
+        section = cli.split(heading + "\n", 1)[1].split("\n## ", 1)[0]
+        names |= {f"{package}.{n}" for n in re.findall(r"^\| `(\w+)` \|", section, flags=re.M)}
     assert {"benchmarks.pipeline", "benchmarks.studies.quality"} <= names, sorted(names)
     assert names, "README.md names no benchmark"
     missing = sorted(n for n in names if importlib.util.find_spec(n) is None)
