@@ -22,8 +22,8 @@ from pathlib import Path
 
 import torch
 
-from megaslide_ray.state import checkpoint as ckpt_mod
 from megaslide_ray.models.shards import ShardLayout
+from megaslide_ray.state import checkpoint as ckpt_mod
 
 
 def _shards(params: int, shards: int, w_dtype: torch.dtype, seed: int = 0):

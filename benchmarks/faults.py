@@ -31,10 +31,10 @@ from pathlib import Path
 import ray
 import torch
 
-from megaslide_ray.runtime import faults
-from megaslide_ray.state.checkpoint import read_checkpoint_shards
 from megaslide_ray.config import build_config
 from megaslide_ray.data.demo import ensure_demo_dataset
+from megaslide_ray.runtime import faults
+from megaslide_ray.state.checkpoint import read_checkpoint_shards
 from megaslide_ray.trainer import Trainer
 
 SMALL = {"model.depth": 2, "model.hidden_size": 64, "model.num_heads": 2, "model.caption_dim": 32,

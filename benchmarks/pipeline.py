@@ -20,10 +20,9 @@ import time
 import ray
 
 from actors.decoder import VideoDecoder
-from megaslide_ray.training.baseline import InProcessTrainer
-from megaslide_ray.config import build_config
-from megaslide_ray.config import parse_overrides
+from megaslide_ray.config import build_config, parse_overrides
 from megaslide_ray.trainer import Trainer, resolve_data
+from megaslide_ray.training.baseline import InProcessTrainer
 
 
 def main(argv: list[str] | None = None) -> int:

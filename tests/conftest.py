@@ -69,8 +69,8 @@ def wan_dir(tmp_path_factory):
     ``wan_models.make_wan_dir`` and a ``transformer/`` (``wan_models.TRANSFORMER``) that reads
     their latents and text embeddings."""
     # lazy: wan_models imports diffusers and transformers (seconds); most test modules never need them
-    from wan_models import TRANSFORMER, make_wan_dir
     from diffusers import WanTransformer3DModel  # lazy: as above
+    from wan_models import TRANSFORMER, make_wan_dir
 
     root = make_wan_dir(tmp_path_factory.mktemp("models") / "wan-tiny")
     torch.manual_seed(3)

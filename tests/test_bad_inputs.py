@@ -20,8 +20,8 @@ from pathlib import Path
 
 import pytest
 import torch
-
 from conftest import CLI_SMALL
+
 from megaslide_ray.state.checkpoint import (
     check_checkpoint,
     newest_complete_checkpoint,
@@ -288,12 +288,12 @@ def wan(tmp_path_factory):
     test_wan_e2e), three demo clips precomputed in this process, and a step-0 checkpoint of the
     model --init-from the folder with 3D-DSA (written by an in-process store, no Ray)."""
     from diffusers import WanTransformer3DModel
+    from wan_models import FRAMES, SIZE, make_wan_dir
 
     from actors.param_store import ParameterStore
     from megaslide_ray.data.demo import ensure_demo_dataset
     from megaslide_ray.data.precompute import precompute
     from megaslide_ray.state.pretrained import config_for_diffusers_dir
-    from wan_models import FRAMES, SIZE, make_wan_dir
 
     root = tmp_path_factory.mktemp("wan")
     wan_dir = make_wan_dir(root / "Wan-Tiny")
@@ -528,11 +528,11 @@ def _hanging_encoder():
 def test_an_encoder_that_hangs_is_killed_replaced_and_the_clip_listed(wan, tmp_path, monkeypatch):
     import ray
     import ray.cloudpickle
+    from wan_models import FRAMES, SIZE
 
     from megaslide_ray.data import encoders as E
     from megaslide_ray.data import precompute as P
     from megaslide_ray.data.manifest import ManifestEntry, read_manifest, write_manifest
-    from wan_models import FRAMES, SIZE
 
     root, wan_dir, _, _ = wan
     ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])  # the workers cannot import this test file

@@ -11,8 +11,8 @@ import time
 
 import pytest
 import torch
-
-from conftest import CLI_SMALL as SMALL, run_cli
+from conftest import CLI_SMALL as SMALL
+from conftest import run_cli
 
 
 def _train(args, env):
@@ -102,8 +102,8 @@ def test_sigterm_checkpoints_exits_0_and_resume_matches_an_uninterrupted_run(tmp
 
 @pytest.mark.slow
 def test_second_ctrl_c_quits_at_once_and_keeps_the_latest_checkpoint(tmp_path):
-    from megaslide_ray.state.segments import default_state_root, state_key
     from megaslide_ray.state.checkpoint import latest_checkpoint, read_checkpoint_shards
+    from megaslide_ray.state.segments import default_state_root, state_key
 
     env = {**os.environ, "MEGASLIDE_CACHE": str(tmp_path / "cache")}
     run_dir = tmp_path / "run"

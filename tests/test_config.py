@@ -5,8 +5,7 @@ import sys
 
 import pytest
 
-from megaslide_ray.config import (ConfigError, PRESETS, Config, build_config, describe_fields,
-                                  to_toml, validate)
+from megaslide_ray.config import PRESETS, Config, ConfigError, build_config, describe_fields, to_toml, validate
 from megaslide_ray.models.registry import param_count
 
 

@@ -8,23 +8,24 @@ import logging
 import os
 from pathlib import Path
 
+import decord
 import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-decord = pytest.importorskip("decord")
-
-from actors import decoder as decoder_mod  # noqa: E402
+from actors import decoder as decoder_mod
 from actors.decoder import VideoDecoder
-from megaslide_ray.data import clips as clips_mod  # noqa: E402
+from megaslide_ray import demo_data as demo_data_cli
+from megaslide_ray import index as index_cli
+from megaslide_ray.config import DataConfig
+from megaslide_ray.data import clips as clips_mod
+from megaslide_ray.data import demo as demo_data
+from megaslide_ray.data import index
+from megaslide_ray.data.captions import encode_caption
 from megaslide_ray.data.clips import clip_frame_indices, clip_offsets, read_frames, resize_crop
-from megaslide_ray import demo_data as demo_data_cli, index as index_cli  # noqa: E402
-from megaslide_ray.data import demo as demo_data, index  # noqa: E402
-from megaslide_ray.data.captions import encode_caption  # noqa: E402
-from megaslide_ray.config import DataConfig  # noqa: E402
-from megaslide_ray.data.demo import ensure_demo_dataset, write_video  # noqa: E402
-from megaslide_ray.data.manifest import ManifestEntry, read_manifest, write_manifest  # noqa: E402
+from megaslide_ray.data.demo import ensure_demo_dataset, write_video
+from megaslide_ray.data.manifest import ManifestEntry, read_manifest, write_manifest
 
 
 def _solid_video(path, num_frames=12, width=64, height=64, seed=0):

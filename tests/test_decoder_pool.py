@@ -158,10 +158,12 @@ def test_training_skips_bad_files_and_survives_a_hung_decode(ray_session, small_
 @pytest.mark.slow
 def test_pool_resume_and_decoder_death_see_the_same_batches(ray_session, small_config, mixed_manifest, tmp_path,
                                                             monkeypatch):
+    from pathlib import Path
+
+    import torch
+
     from megaslide_ray.state.checkpoint import read_checkpoint_shards
     from megaslide_ray.trainer import Trainer
-    from pathlib import Path
-    import torch
 
     manifest, bad, n_rows = mixed_manifest
     cfg = small_config(**{"data.manifest": manifest, "data.num_decoders": 2, "training.steps": 4,

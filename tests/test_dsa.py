@@ -22,7 +22,6 @@ import pytest
 import torch
 
 from kernels import deformable_slide_attention, dsa_cpu, dsa_matrix, dsa_reference, resolve_dsa_backend
-from kernels.dsa_reference import dsa_reference_chunked, window_base_positions
 from kernels.checks import (
     GRAD_NAMES,
     assert_dense_identity,
@@ -35,6 +34,7 @@ from kernels.checks import (
     reference_flash_errors,
     wild_offsets,
 )
+from kernels.dsa_reference import dsa_reference_chunked, window_base_positions
 
 dsa_cpu_module = importlib.import_module("kernels.dsa_cpu")  # the package exports the function
 

@@ -12,7 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from megaslide_ray.__main__ import COMMANDS, main as megaslide
+from megaslide_ray.__main__ import COMMANDS
+from megaslide_ray.__main__ import main as megaslide
 
 ROOT = Path(__file__).resolve().parent.parent
 

@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from megaslide_ray import evaluate as evaluate_cli
-from megaslide_ray.evaluation import validation as ev
 from megaslide_ray.config import ConfigError, build_config
+from megaslide_ray.evaluation import validation as ev
 from megaslide_ray.evaluation.report import VAL_PLOT, report
 from megaslide_ray.trainer import Trainer
 

@@ -11,9 +11,9 @@ import torch
 from actors.compute import ComputeActor, LocalStoreClient
 from actors.decoder import VideoDecoder
 from actors.param_store import ParameterStore
+from megaslide_ray.config import ConfigError, build_config
 from megaslide_ray.data import latents as L
 from megaslide_ray.data.captions import encode_caption
-from megaslide_ray.config import ConfigError, build_config
 from megaslide_ray.data.checks import check_data
 
 SHAPE = (3, 10, 12, 16)  # 9 frames of 80 x 96 pixels through a 4x8x8 VAE with 16 channels
@@ -88,8 +88,9 @@ def test_streamed_training_steps_on_latents(manifest, tmp_path):
 
 
 def test_sample_decodes_a_latent_videodit_with_the_vae(tmp_path, wan_dir):
-    from megaslide_ray.evaluation.sampling import sample_video
     from wan_models import Z
+
+    from megaslide_ray.evaluation.sampling import sample_video
 
     cfg = build_config("dit-28b", None, {
         "model.hidden_size": 32, "model.depth": 2, "model.num_heads": 2, "model.caption_dim": 16,

@@ -11,25 +11,25 @@ import shutil
 import sys
 from pathlib import Path
 
+import diffusers
 import numpy as np
 import pyarrow.parquet as pq
 import pytest
-import torch
-
-import diffusers
 import ray
+import torch
 import transformers
+from wan_models import FRAMES, LATENT_SHAPE, SIZE, TEXT_DIM, Z
 
 from actors import decoder as decoder_mod
 from actors.decoder import VideoDecoder
-from megaslide_ray.data.clips import decode_clip
-from megaslide_ray.data import latents as L
 from megaslide_ray import precompute as precompute_cli
-from megaslide_ray.data import encoders as E, precompute as P
 from megaslide_ray.config import DataConfig
+from megaslide_ray.data import encoders as E
+from megaslide_ray.data import latents as L
+from megaslide_ray.data import precompute as P
+from megaslide_ray.data.clips import decode_clip
 from megaslide_ray.data.demo import ensure_demo_dataset, write_bad_videos
 from megaslide_ray.data.manifest import ManifestEntry, read_manifest, write_manifest
-from wan_models import FRAMES, LATENT_SHAPE, SIZE, TEXT_DIM, Z
 
 ROOT = Path(__file__).resolve().parent.parent
 

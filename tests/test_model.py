@@ -7,10 +7,9 @@ import torch
 from torch.func import functional_call
 
 from megaslide_ray.config import build_config
-from megaslide_ray.training.flow import flow_loss, sample_flow_inputs
-from megaslide_ray.models.registry import build_model, build_shard, num_shards
-from megaslide_ray.models.registry import initialize_shard
+from megaslide_ray.models.registry import build_model, build_shard, initialize_shard, num_shards
 from megaslide_ray.models.shards import ShardLayout
+from megaslide_ray.training.flow import flow_loss, sample_flow_inputs
 
 
 def _batch(cfg, seed=0):
@@ -157,8 +156,7 @@ def test_offset_scale_scales_the_offset_heads_output():
 def test_dsa_starts_from_the_weights_of_the_fixed_window_kinds(arch):
     # the attention-kind comparisons (benchmarks.studies.quality) hold everything but the kind equal
     from megaslide_ray.config import build_config
-    from megaslide_ray.models.registry import build_shard
-    from megaslide_ray.models.registry import initialize_shard
+    from megaslide_ray.models.registry import build_shard, initialize_shard
 
     over = {"model.depth": 1, "model.hidden_size": 32, "model.num_heads": 2}
     if arch == "wan":

@@ -9,10 +9,10 @@ import math
 import numpy as np
 import pytest
 
-from megaslide_ray.data import motion as M
 from megaslide_ray import motion_metric as motion_metric_cli
-from megaslide_ray.evaluation import motion_metric as MM
+from megaslide_ray.data import motion as M
 from megaslide_ray.data.manifest import read_manifest
+from megaslide_ray.evaluation import motion_metric as MM
 
 
 @pytest.fixture(scope="module")
@@ -64,8 +64,8 @@ def test_the_set_and_its_held_out_split(motion_set, tmp_path):
 
 
 def test_the_simple_variant_states_all_its_motion(tmp_path):
-    from megaslide_ray.data.clips import resize_crop
     from benchmarks.studies.harness import shows_prompt
+    from megaslide_ray.data.clips import resize_crop
 
     train, val = M.ensure_motion_dataset(tmp_path, num_train=12, num_val=4, variant="simple")
     assert train.parent.name == f"{M.SIMPLE_VERSION}-n12-4"
@@ -348,8 +348,8 @@ def test_region_masks_cover_the_object_and_the_background():
     # benchmarks.studies.region_loss splits the loss by the ground truth: inside one radius of the
     # centre the rendered frames hold the object's colour, beyond 1.5 radii the background's; also at a
     # lower resolution, as the decoder resizes the clips
-    from megaslide_ray.data.clips import resize_crop
     from benchmarks.studies.region_loss import region_masks
+    from megaslide_ray.data.clips import resize_crop
 
     rng = np.random.default_rng(3)
     for shape in ("circle", "square", "triangle"):

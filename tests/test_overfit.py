@@ -4,11 +4,11 @@ Ray wiring is covered by test_pipeline.py. The default run uses the small test m
 blocks, 64 tokens a clip: seconds); the ``slow`` drill runs the ``tiny`` preset itself."""
 
 import pytest
+from conftest import SMALL
 
 from actors.compute import ComputeActor, LocalStoreClient
 from actors.decoder import VideoDecoder
 from actors.param_store import ParameterStore
-from conftest import SMALL
 from megaslide_ray.config import build_config
 from megaslide_ray.trainer import resolve_data
 

@@ -9,10 +9,11 @@ import pytest
 import torch
 
 from actors.decoder import VideoDecoder
-from megaslide_ray.training.baseline import InProcessTrainer
-from megaslide_ray.state.checkpoint import read_checkpoint_shards
 from megaslide_ray.data.manifest import read_manifest, write_manifest
+from megaslide_ray.state.checkpoint import read_checkpoint_shards
 from megaslide_ray.trainer import Trainer
+from megaslide_ray.training.baseline import InProcessTrainer
+
 
 def run(cfg, run_dir, steps=None, resume=False):
     trainer = Trainer(cfg, run_dir=str(run_dir), resume=resume, progress=False)
@@ -88,8 +89,9 @@ def test_bad_files_are_skipped_and_counted(ray_session, manifest, small_config, 
 
 
 def test_samples_during_training(ray_session, small_config, tmp_path):
-    from megaslide_ray.data.clips import read_frames
     import decord
+
+    from megaslide_ray.data.clips import read_frames
 
     cfg = small_config(**{"training.steps": 2, "training.sample_every": 2, "training.sample_steps": 2})
     run(cfg, tmp_path / "run")

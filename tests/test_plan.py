@@ -11,10 +11,10 @@ import pytest
 
 from megaslide_ray.config import ConfigError, build_config
 from megaslide_ray.models.registry import param_count
-from megaslide_ray.planning.estimate import HOST_RESERVE_GB, plan
-from megaslide_ray.planning.search import config_for, max_frames, plan_with_chunk, plan_with_keep
 from megaslide_ray.plan import main
+from megaslide_ray.planning.estimate import HOST_RESERVE_GB, plan
 from megaslide_ray.planning.render import render
+from megaslide_ray.planning.search import config_for, max_frames, plan_with_chunk, plan_with_keep
 
 
 @pytest.fixture(scope="module")

@@ -14,8 +14,8 @@ import pytest
 import torch
 
 from actors.param_store import ParameterStore
-from megaslide_ray.state import preflight
 from megaslide_ray.config import build_config
+from megaslide_ray.state import preflight
 from megaslide_ray.state.preflight import StateSpaceError, plan_state_space
 from megaslide_ray.train import main as train_main
 

@@ -10,12 +10,12 @@ import numpy as np
 import pytest
 
 from actors.compute import ComputeActor, LocalStoreClient
-from megaslide_ray.data.clips import read_frames
 from actors.param_store import ParameterStore
-from megaslide_ray.data.captions import caption_batch
 from megaslide_ray.config import ConfigError, build_config
-from megaslide_ray.models.videodit import VideoDiT
+from megaslide_ray.data.captions import caption_batch
+from megaslide_ray.data.clips import read_frames
 from megaslide_ray.evaluation.sampling import CheckpointWeights, sample_video, sampling_config
+from megaslide_ray.models.videodit import VideoDiT
 
 PROMPT = "a red circle moving right on a dark blue background"
 

@@ -11,11 +11,12 @@ import ray
 import torch
 
 from actors.param_store import ParameterStore, StateNotTrustedError
-from megaslide_ray.state.segments import map_segment
-from megaslide_ray.state.checkpoint import read_checkpoint_shards
 from megaslide_ray.config import build_config
-from megaslide_ray.training.schedule import clip_coefficient, lr_at
+from megaslide_ray.state.checkpoint import read_checkpoint_shards
+from megaslide_ray.state.segments import map_segment
 from megaslide_ray.trainer import Trainer
+from megaslide_ray.training.schedule import clip_coefficient, lr_at
+
 
 @pytest.mark.slow  # 31 s: the default run keeps the store cut inside a shard and the fault matrix's compute row
 def test_store_killed_between_steps_changes_nothing(ray_session, small_config, tmp_path):

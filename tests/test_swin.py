@@ -15,7 +15,6 @@ import torch
 from kernels.checks import dense_attention, make_qkv
 from kernels.swin import swin_attention_3d, swin_geometry
 
-
 # -----------------------------------------------------------------------------
 # Independent helpers
 

@@ -18,8 +18,8 @@ import pytest
 import torch
 from torch.func import functional_call
 
-from megaslide_ray.models.chunking import time_slabs
 from megaslide_ray.config import build_config
+from megaslide_ray.models.chunking import time_slabs
 from megaslide_ray.models.registry import build_shard
 
 GRID = (12, 3, 3)  # T, H, W: 108 tokens, 9 per frame; long enough for slabs away from both ends

@@ -14,15 +14,15 @@ import decord
 import numpy as np
 import pytest
 import torch
+from diffusers import WanTransformer3DModel
+from wan_models import FRAMES, SIZE
 
 from megaslide_ray.data.clips import read_frames
-from diffusers import WanTransformer3DModel
-from megaslide_ray.state.checkpoint import latest_checkpoint, read_checkpoint_shards, read_checkpoint_state
 from megaslide_ray.data.demo import ensure_demo_dataset
-from megaslide_ray.state.pretrained import config_for_diffusers_dir, export_diffusers
 from megaslide_ray.data.precompute import precompute
+from megaslide_ray.state.checkpoint import latest_checkpoint, read_checkpoint_shards, read_checkpoint_state
+from megaslide_ray.state.pretrained import config_for_diffusers_dir, export_diffusers
 from megaslide_ray.trainer import Trainer
-from wan_models import FRAMES, SIZE
 
 
 @pytest.fixture(scope="module")

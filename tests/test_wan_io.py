@@ -12,11 +12,11 @@ import sys
 
 import pytest
 import torch
+from diffusers import WanTransformer3DModel
 
 from actors.param_store import ParameterStore
-from diffusers import WanTransformer3DModel
-from megaslide_ray.state.checkpoint import latest_checkpoint
 from megaslide_ray.config import ConfigError
+from megaslide_ray.state.checkpoint import latest_checkpoint
 from megaslide_ray.state.pretrained import (
     PretrainedMismatchError,
     check_pretrained,

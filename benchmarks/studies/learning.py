@@ -42,8 +42,18 @@ from pathlib import Path
 
 import numpy as np
 
-from benchmarks.studies.harness import (ModelPredictor, SAMPLE_SEED, fresh_trainer, log, motion_manifests, nanmean,
-                                        sample_and_score, shows_prompt, study_config, training_decoder)
+from benchmarks.studies.harness import (
+    SAMPLE_SEED,
+    ModelPredictor,
+    fresh_trainer,
+    log,
+    motion_manifests,
+    nanmean,
+    sample_and_score,
+    shows_prompt,
+    study_config,
+    training_decoder,
+)
 from megaslide_ray.data.manifest import read_manifest
 from megaslide_ray.evaluation.motion_metric import KEYS, motion_fidelity, read_video
 from megaslide_ray.evaluation.sampling import contact_sheet, sample_video, write_png

@@ -38,8 +38,15 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from benchmarks.studies.harness import (fresh_trainer, log, motion_manifests, object_tokens, offset_heads, study_config,
-                                        training_decoder)
+from benchmarks.studies.harness import (
+    fresh_trainer,
+    log,
+    motion_manifests,
+    object_tokens,
+    offset_heads,
+    study_config,
+    training_decoder,
+)
 from megaslide_ray.data import motion
 from megaslide_ray.data.manifest import read_manifest
 from megaslide_ray.evaluation.offsets_view import motion_estimate

@@ -70,8 +70,13 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from megaslide_ray.config import Config
-from megaslide_ray.models.attention import (chunked_self_attention, init_streams, offset_head, reads_queries,
-                                            self_attention)
+from megaslide_ray.models.attention import (
+    chunked_self_attention,
+    init_streams,
+    offset_head,
+    reads_queries,
+    self_attention,
+)
 from megaslide_ray.models.chunking import Chunked, bind, token_map
 from megaslide_ray.models.layers import ffn_width, unpatchify
 
