@@ -42,7 +42,6 @@ import threading
 import warnings
 
 import numpy as np
-import ray
 import torch
 
 from megaslide_ray.state.checkpoint import CHECKPOINT_KINDS
@@ -206,6 +205,8 @@ class NodeSync:
         with self._lock:
             calls = list(self._calls)
         if calls:
+            import ray  # lazy: only a run on several nodes (through Ray) has calls; the GPU check has no Ray
+
             ready, waiting = ray.wait(calls, num_returns=len(calls), timeout=0)
             with self._lock:  # (calls are only appended meanwhile)
                 self._calls = waiting + self._calls[len(calls):]
@@ -257,6 +258,8 @@ class NodeSyncMethods:
         own, or (several nodes) its owner's, fetched through Ray."""
         if self.owns(shard):
             return {kind: self.seg[shard][kind] for kind in CHECKPOINT_KINDS}
+        import ray  # lazy: another node's shard, so a run through Ray; the GPU check has no Ray
+
         got = ray.get(self.sync.peers[owner_of(shard, self.nodes)].shard_state.remote(shard, step))
         return {kind: torch.from_numpy(np.asarray(a)) for kind, a in got.items()}
 
@@ -270,4 +273,6 @@ def _read_only(data) -> torch.Tensor:
 
 def _put(w: torch.Tensor):
     """The bytes of ``w`` as a Ray object (copied now)."""
+    import ray  # lazy: several nodes run through Ray; the GPU check runs the store without it
+
     return ray.put(w.view(torch.uint8).numpy())
