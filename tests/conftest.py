@@ -19,6 +19,14 @@ SMALL = {"model.depth": 2, "model.hidden_size": 64, "model.num_heads": 2, "model
          "data.batch_size": 2, "attention.window": "3,3,3", "training.log_every": 1}
 
 
+EXACT = {"model.depth": 2, "model.hidden_size": 32, "model.num_heads": 2, "model.caption_dim": 16,
+         "model.patch_size": "2,8,8", "data.num_frames": 4, "data.height": 32, "data.width": 32,
+         "attention.kind": "dense", "optim.grad_clip": 0.05, "optim.lr": 3e-3, "optim.weight_decay": 0.05,
+         "runtime.compute_threads": 1, "runtime.optimizer_threads": 1, "training.steps": 3}
+"""A model for the exactness tests of a split global batch (several compute actors, several
+nodes): small and dense, clipping and weight decay active, one thread per actor."""
+
+
 @pytest.fixture(scope="module")
 def ray_session():
     ray.init(address="local", num_cpus=2, include_dashboard=False, namespace="megaslide", logging_level="ERROR")

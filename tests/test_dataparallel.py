@@ -9,6 +9,7 @@ import threading
 import numpy as np
 import pytest
 import torch
+from conftest import EXACT
 
 from actors.compute import ComputeActor, LocalStoreClient
 from actors.decoder import VideoDecoder
@@ -17,10 +18,6 @@ from megaslide_ray.config import build_config
 from megaslide_ray.data.demo import ensure_demo_dataset
 from megaslide_ray.training.flow import batch_conditioning, batch_flow_inputs
 
-SMALL = {"model.depth": 2, "model.hidden_size": 32, "model.num_heads": 2, "model.caption_dim": 16,
-         "model.patch_size": "2,8,8", "data.num_frames": 4, "data.height": 32, "data.width": 32,
-         "attention.kind": "dense", "optim.grad_clip": 0.05, "optim.lr": 3e-3, "optim.weight_decay": 0.05,
-         "runtime.compute_threads": 1, "runtime.optimizer_threads": 1, "training.steps": 3}
 STEPS = 3
 
 
@@ -31,7 +28,7 @@ def manifest(tmp_path_factory):
 
 def global_batches(manifest: str, size: int) -> list[dict]:
     """``STEPS`` batches of ``size`` clips, as one decoder with that batch size draws them."""
-    cfg = build_config("tiny", None, {**SMALL, "data.manifest": manifest, "data.batch_size": size})
+    cfg = build_config("tiny", None, {**EXACT, "data.manifest": manifest, "data.batch_size": size})
     with VideoDecoder(cfg.data, 0, cfg.model.caption_max_bytes) as dec:
         return [dec.next_batch() for _ in range(STEPS)]
 
@@ -48,7 +45,7 @@ def train(tmp_path, manifest, batches, actors=1, tag="run", transport="shm", **o
     """Train ``batches`` with ``actors`` compute actors (threads, each its part of every batch);
     returns the weights after the last update and each step's mean loss. ``transport``: ``shm`` or
     ``object_ref`` (gradients as bytes, copied into the slots by the store)."""
-    cfg = build_config("tiny", None, {**SMALL, "data.manifest": manifest, "runtime.state_dir": str(tmp_path),
+    cfg = build_config("tiny", None, {**EXACT, "data.manifest": manifest, "runtime.state_dir": str(tmp_path),
                                       "runtime.compute_actors": actors, **overrides})
     store = ParameterStore(cfg, str(tmp_path / tag), compute_actors=actors)
     computes = [ComputeActor(cfg, store.shard_infos(), LocalStoreClient(store, r), transport, rank=r,

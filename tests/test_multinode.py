@@ -21,7 +21,7 @@ import numpy as np
 import pytest
 import ray
 import torch
-from conftest import CLI_SMALL, run_cli
+from conftest import CLI_SMALL, EXACT, run_cli
 from ray.cluster_utils import Cluster
 
 from actors.compute import ComputeActor, LocalStoreClient
@@ -93,10 +93,6 @@ def test_two_nodes_use_object_refs_and_match_single_node(cluster, tmp_path):
 
 # -- runtime.nodes = 2 ------------------------------------------------------------------------------
 
-TWO = {"model.depth": 2, "model.hidden_size": 32, "model.num_heads": 2, "model.caption_dim": 16,
-       "model.patch_size": "2,8,8", "data.num_frames": 4, "data.height": 32, "data.width": 32,
-       "attention.kind": "dense", "optim.grad_clip": 0.05, "optim.lr": 3e-3, "optim.weight_decay": 0.05,
-       "runtime.compute_threads": 1, "runtime.optimizer_threads": 1, "training.steps": 3}
 STEPS = 3
 
 
@@ -107,14 +103,14 @@ def two(cluster, tmp_path_factory):
     on one node differ from one actor of batch 2 by 4e-5: fp32 rounding that AdamW amplifies.)"""
     root = tmp_path_factory.mktemp("two")
     manifest = str(ensure_demo_dataset(root / "cache", num_videos=6))  # the data of test_dataparallel.py
-    cfg = build_config("tiny", None, {**TWO, "data.manifest": manifest, "data.batch_size": 2})
+    cfg = build_config("tiny", None, {**EXACT, "data.manifest": manifest, "data.batch_size": 2})
     with VideoDecoder(cfg.data, 0, cfg.model.caption_max_bytes) as dec:
         batches = [dec.next_batch() for _ in range(STEPS)]
     return manifest, batches
 
 
 def config(manifest, state_dir, **extra):
-    return build_config("tiny", None, {**TWO, "data.manifest": manifest, "runtime.state_dir": str(state_dir),
+    return build_config("tiny", None, {**EXACT, "data.manifest": manifest, "runtime.state_dir": str(state_dir),
                                        **extra})
 
 
