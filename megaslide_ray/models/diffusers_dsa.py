@@ -23,9 +23,9 @@ transformer's ``rope`` module (which sees the latents) records it for the proces
 forward. Likewise an offset head trained with ``attention.offset_condition`` reads the timestep
 embedding ``temb``, which a forward hook on the transformer's ``condition_embedder`` records (its
 first output); one trained with ``attention.offset_source = query`` reads the normed queries
-before RoPE, which the processor has at hand. The ``megaslide_dsa`` key is also what a plain load shows: diffusers warns about config
-attributes it does not expect and prints them, and the key's ``note`` says that attention is
-dense without ``enable_dsa``."""
+before RoPE, which the processor has at hand. The ``megaslide_dsa`` key is also what a plain
+load shows: diffusers warns about config attributes it does not expect and prints them, and the
+key's ``note`` says that attention is dense without ``enable_dsa``."""
 
 from __future__ import annotations
 
@@ -37,7 +37,7 @@ from pathlib import Path
 import torch
 import torch.nn as nn
 
-from megaslide_ray.models.attention import OffsetPredictor, self_attention
+from megaslide_ray.models.attention import OffsetPredictor, reads_queries, self_attention
 
 log = logging.getLogger(__name__)
 
@@ -144,7 +144,7 @@ class DSAAttnProcessor:
         # The offset head reads the block's modulated input (or, offset_source = query, the normed
         # queries before RoPE), channels-last, and with offset_condition the timestep embedding:
         # as in models.wan.
-        off_in = q_normed if head is not None and head.source == "query" else hidden_states
+        off_in = q_normed if reads_queries(spec) else hidden_states
         cond = None
         if head is not None and head.condition != "none":
             if self.temb is None or self.temb.temb is None:
