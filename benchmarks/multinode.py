@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import shutil
 import statistics
 import tempfile
 import time
@@ -29,7 +30,7 @@ from ray.cluster_utils import Cluster
 from megaslide_ray.config import build_config, parse_overrides
 from megaslide_ray.models.registry import build_shard, num_shards
 from megaslide_ray.models.shards import ShardLayout
-from megaslide_ray.planning.scaleout import owner_params, scale_out
+from megaslide_ray.planning.scaleout import network_bytes, owner_params, scale_out
 from megaslide_ray.trainer import Trainer, resolve_data
 
 
@@ -39,10 +40,8 @@ def planned_bytes(cfg, nodes: int, wb: int) -> tuple[int, int]:
     P = sum(counts)
     busiest = scale_out(counts, wb, 1, nodes, cfg.runtime.grad_slots, 1, 25.0, 0, 0, 0, 0, "").network_bytes
     assert owner_params(counts, nodes) >= P / nodes
-    total = 0
-    for node in range(nodes):
-        own = sum(c for i, c in enumerate(counts) if i % nodes == node)
-        total += wb * ((P - own) + own * (nodes - 1))
+    total = sum(network_bytes(P, sum(c for i, c in enumerate(counts) if i % nodes == node), wb, nodes)
+                for node in range(nodes))
     return busiest, total
 
 
@@ -52,7 +51,8 @@ def run(preset: str, nodes: int, batch: int, steps: int, overrides: dict, thread
           "runtime.optimizer_threads": 1, **overrides}
     cfg = build_config(preset, None, ov)
     resolve_data(cfg)
-    trainer = Trainer(cfg, run_dir=tempfile.mkdtemp(prefix="megaslide-mn-"), progress=False)
+    run_dir = tempfile.mkdtemp(prefix="megaslide-mn-")
+    trainer = Trainer(cfg, run_dir=run_dir, progress=False)
     rows = []
     try:
         trainer._last_time = time.perf_counter()
@@ -60,6 +60,7 @@ def run(preset: str, nodes: int, batch: int, steps: int, overrides: dict, thread
             rows.append(trainer.train_step(step))
     finally:
         trainer.close()
+        shutil.rmtree(run_dir, ignore_errors=True)
     timed = rows[1:]
     s = statistics.mean(r["step_seconds"] for r in timed)
     out = {"nodes": nodes, "compute_threads": threads, "preset": preset, "global_batch": 2 * batch, "seconds_per_step": s, "steps_per_s": 1 / s,

@@ -47,6 +47,12 @@ def owner_params(counts: list[int], nodes: int) -> int:
     return max(sum(c for i, c in enumerate(counts) if i % nodes == n) for n in range(nodes))
 
 
+def network_bytes(params: int, own: int, wb: int, nodes: int) -> int:
+    """Bytes a node owning ``own`` of the ``params`` parameters sends (and receives) per step:
+    its gradients of the shards it does not own out, the new weights of its own to every other node."""
+    return wb * ((params - own) + own * (nodes - 1)) if nodes > 1 else 0
+
+
 def scale_out(counts: list[int], wb: int, gpus: int, nodes: int, grad_slots: int, micro_batches: int,
               network_gbps: float, adamw_pp: int, h2d_gpu: int, d2h_gpu: int, offloaded_gpu: int,
               offload_label: str) -> ScaleOut:
@@ -72,7 +78,7 @@ def scale_out(counts: list[int], wb: int, gpus: int, nodes: int, grad_slots: int
             (nodes - 1) * grad_slots * Smax * wb
     if offloaded_gpu:
         terms[offload_label if gpus == 1 else f"{offload_label}, x {gpus} GPUs"] = gpus * offloaded_gpu
-    network = wb * ((P - own) + own * (nodes - 1)) if nodes > 1 else 0
+    network = network_bytes(P, own, wb, nodes)
     dram = gpus * (h2d_gpu + d2h_gpu) + adamw_pp * own
     if gpus > 1:
         dram += (gpus + 2) * P * wb  # the store reads G slots, writes the sum into w, reads it for the norm
