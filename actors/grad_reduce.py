@@ -18,7 +18,9 @@ gradient in ``w_l``, the update reading it from there. Host memory beyond the 14
 Slots are used in turn (the j-th report of an actor's step goes to slot ``j % grad_slots``): the
 store sums shards in the order every actor reports them (L+1, L, ..., 0), so slots come free in
 the order they were filled. A slot's state (``-1`` free, else the step whose gradient it holds)
-is a small shared segment: an actor on the same node reads it and asks the store to wait
+is a small shared segment (``slot_value``: the generation of the compute actor that filled it in
+the high 32 bits, so a write of a replaced actor that lands after the store freed every slot is
+recognised as stale and ignored): an actor on the same node reads it and asks the store to wait
 (``wait_slot``) only when the slot it needs is still full, which is where a fast actor waits
 for a slow one. The loss scaling (each actor's loss divided by N, so the sum is the mean over
 the global batch) is the compute actor's.
@@ -54,6 +56,12 @@ class GradSlots:
 
     def index(self, actor: int, slot: int) -> int:
         return actor * self.slots + slot
+
+
+def slot_value(generation: int, step: int) -> int:
+    """A full slot's state: the step its gradient belongs to and the generation of the actor that
+    wrote it (``-1``: free)."""
+    return (int(generation) << 32) | int(step)
 
 
 class SlotsAbandoned(RuntimeError):
@@ -111,11 +119,18 @@ class GradientReducer:
                 self.raise_if_failed()
                 if generation != self._generation:
                     raise SlotsAbandoned(f"compute actors of generation {generation} were replaced")
+                if int(self.state[i]) >> 32 != self._generation:
+                    # written by a replaced actor whose process outlived its kill by a moment,
+                    # after ``reset`` freed every slot: nothing of it will ever be summed
+                    log.warning("gradient slot %d of compute actor %d held a stale mark of a replaced actor; freed",
+                                slot, actor)
+                    self.state[i] = -1
+                    break
                 left = deadline - time.monotonic()
                 if left <= 0:
                     raise TimeoutError(f"gradient slot {slot} of compute actor {actor} still holds the gradient of "
-                                       f"step {int(self.state[i]) + 1} after {timeout:.0f} s: another compute actor "
-                                       f"has not reported that shard")
+                                       f"step {(int(self.state[i]) & 0xFFFFFFFF) + 1} after {timeout:.0f} s: another "
+                                       f"compute actor has not reported that shard")
                 self._lock.wait(min(left, 1.0))
 
     def add(self, shard: int, step: int, actor: int, slot: int, sqnorm: float, generation: int,
@@ -135,7 +150,7 @@ class GradientReducer:
             dst = self.seg[actor][slot].view(torch.uint8)
             src = torch.from_numpy(np.asarray(grad)).view(torch.uint8)
             dst[:src.numel()].copy_(src)
-            self.state[self.info.index(actor, slot)] = step
+            self.state[self.info.index(actor, slot)] = slot_value(generation, step)
         with self._lock:
             if generation != self._generation:
                 return  # a replaced actor's report: its step is redone

@@ -39,7 +39,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 import numpy as np
 import torch
 
-from actors.grad_reduce import GradSlots
+from actors.grad_reduce import GradSlots, slot_value
 from actors.pinned import HostPinning, copy_in_pieces, copy_pieces, throttled_copy
 from megaslide_ray.state.segments import map_segment
 
@@ -149,7 +149,7 @@ class Transfers:
             self.store.wait_grad_slot(slot)
             with self._lock:
                 self._slot_wait += time.perf_counter() - t0
-        self.slot_state[i] = step
+        self.slot_state[i] = slot_value(getattr(self.store, "generation", 0), step)
         return self.slot_maps[slot]
 
     def count(self, direction: str, nbytes: int, seconds: float = 0.0) -> None:

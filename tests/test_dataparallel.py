@@ -13,6 +13,7 @@ from conftest import EXACT
 
 from actors.compute import ComputeActor, LocalStoreClient
 from actors.decoder import VideoDecoder
+from actors.grad_reduce import GradientReducer, slot_value
 from actors.param_store import ParameterStore
 from megaslide_ray.config import build_config
 from megaslide_ray.data.demo import ensure_demo_dataset
@@ -159,3 +160,22 @@ def test_object_ref_transport_with_two_actors(tmp_path, manifest):
     refs, _ = train(tmp_path, manifest, batches, 2, "refs", transport="object_ref", **{"data.batch_size": 1})
     for a, b in zip(refs, shm):
         assert torch.equal(a, b)
+
+
+def test_a_stale_slot_mark_of_a_replaced_actor_does_not_block_the_new_one(tmp_path):
+    """A killed compute actor's process can mark its gradient slot full a moment after the store
+    freed every slot for the new generation: the new actor's wait frees it instead of waiting for
+    a report that never comes."""
+    targets = [torch.zeros(8), torch.zeros(4)]
+    reducer = GradientReducer(tmp_path, 2, 2, targets, "float32", True, 1, lambda *a: None)
+    try:
+        reducer.reset(1)
+        i = reducer.info.index(0, 1)
+        reducer.state[i] = slot_value(0, 5)  # generation 0's late write
+        reducer.wait_slot(0, 1, 1, timeout=5.0)
+        assert int(reducer.state[i]) == -1
+        reducer.state[i] = slot_value(1, 5)  # the current generation's: really full
+        with pytest.raises(TimeoutError, match="holds the gradient of step 6"):
+            reducer.wait_slot(0, 1, 1, timeout=1.0)
+    finally:
+        reducer.close()
