@@ -192,6 +192,26 @@ def test_parse_faults_refuses_unknown_points_and_actions():
     assert spec.matches("store.mid_update", 4) and not spec.matches("store.mid_update", 6)
 
 
+def test_a_fault_spec_with_a_node_fires_only_in_that_nodes_actors(tmp_path, monkeypatch):
+    with pytest.raises(ValueError, match="node index"):
+        faults.parse_faults("store.mid_update@3/x:exit")
+    spec, = faults.parse_faults("store.mid_update@3/1:lose_node")
+    assert (spec.first, spec.node, spec.action, spec.text) == (3, 1, "lose_node", "store.mid_update@3/1:lose_node")
+    monkeypatch.setenv(faults.ENV_DIR, str(tmp_path))
+    monkeypatch.setenv(faults.ENV_SPEC, "compute.mid_forward@2/1:raise")
+    monkeypatch.setattr(faults, "_node", 0)
+    faults.fault_point("compute.mid_forward", 1)  # node 0: not this one
+    assert not faults.fired("compute.mid_forward@2/1:raise", directory=tmp_path)
+    monkeypatch.setattr(faults, "_node", 1)
+    with pytest.raises(faults.FaultInjected):
+        faults.fault_point("compute.mid_forward", 1)
+
+
+def test_lose_node_refuses_a_process_whose_parent_is_not_a_raylet():
+    with pytest.raises(RuntimeError, match="not a Ray raylet"):
+        faults.lose_node()  # pytest's parent is a shell, never killed
+
+
 def test_fault_fires_once(tmp_path, monkeypatch):
     monkeypatch.setenv(faults.ENV_DIR, str(tmp_path))
     monkeypatch.setenv(faults.ENV_SPEC, "compute.mid_forward@2:raise")

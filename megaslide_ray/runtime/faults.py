@@ -2,17 +2,23 @@
 
 Off unless the environment variable ``MEGASLIDE_FAULT`` is set (the CLI's hidden
 ``--inject-fault`` sets it before Ray starts, so every actor inherits it). Its value is a
-comma-separated list of specs ``POINT[@STEP][:ACTION]``:
+comma-separated list of specs ``POINT[@STEP][/NODE][:ACTION]``:
 
 - ``POINT``: one of ``FAULT_POINTS`` (for example ``compute.mid_backward``);
 - ``STEP``: the 1-based training step it fires in (the step numbers of the log and
   ``metrics.jsonl``), or a range ``A-B`` (once in each of those steps); omitted: the
   first time the point is reached;
+- ``NODE``: on a run on several nodes (``runtime.nodes``), fire only in the actors of node
+  ``NODE`` (0-based; the stores and compute actors say which node they are on, ``set_node``);
+  omitted: any node;
 - ``ACTION``: ``exit`` (default: the process ends at once, like a kill -9; nothing is
   flushed or cleaned up), ``hang`` (the calling thread blocks forever), ``raise`` (a
   ``FaultInjected`` exception), ``enospc`` (an ``OSError`` "No space left on device", as a
   full disk gives), or ``nan`` (nothing happens here: ``fault_point`` returns ``"nan"`` and
-  the caller poisons its value; the compute actor's ``compute.loss`` point makes the loss NaN).
+  the caller poisons its value; the compute actor's ``compute.loss`` point makes the loss NaN),
+  or ``lose_node`` (the whole node goes: the Ray node manager (raylet) of the process is killed,
+  and with it every actor on that node, then the process ends; a lost machine, for the drills of a
+  run on several nodes).
 
 Each spec fires **once per run** (per step of a range): before firing, it creates a marker file in
 ``MEGASLIDE_FAULT_DIR`` (exclusively; an existing marker means it already fired, so a
@@ -50,7 +56,7 @@ FAULT_POINTS = {
     "compute.loss": "compute actor, the loss of a step (use with the action nan)",
     "driver.after_step": "the training driver, after a step's update was confirmed",
 }
-ACTIONS = ("exit", "hang", "raise", "enospc", "nan")
+ACTIONS = ("exit", "hang", "raise", "enospc", "nan", "lose_node")
 
 
 class FaultInjected(RuntimeError):
@@ -63,15 +69,17 @@ class FaultSpec:
     first: int | None  # 1-based steps first..last, or None: the first time the point is reached
     last: int | None
     action: str
+    node: int | None = None  # only in the actors of this node (several nodes); None: any
 
     @property
     def text(self) -> str:
         steps = "" if self.first is None else f"@{self.first}" + (f"-{self.last}" if self.last != self.first else "")
-        return f"{self.point}{steps}:{self.action}"
+        node = "" if self.node is None else f"/{self.node}"
+        return f"{self.point}{steps}{node}:{self.action}"
 
     def matches(self, point: str, step: int | None) -> bool:
         """``step`` is 0-based (the code's numbering); the spec's steps are 1-based."""
-        if point != self.point:
+        if point != self.point or (self.node is not None and self.node != _node):
             return False
         return self.first is None or (step is not None and self.first <= step + 1 <= self.last)
 
@@ -88,6 +96,7 @@ def parse_faults(value: str) -> list[FaultSpec]:
             continue
         head, _, action = raw.partition(":")
         action = action or "exit"
+        head, _, node = head.partition("/")
         point, _, step = head.partition("@")
         if point not in FAULT_POINTS:
             raise ValueError(f"fault point {point!r} (in {ENV_SPEC}={value!r}) is unknown; "
@@ -100,12 +109,37 @@ def parse_faults(value: str) -> list[FaultSpec]:
             if not a.isdigit() or int(a) < 1 or (b and (not b.isdigit() or int(b) < int(a))):
                 raise ValueError(f"fault step {step!r} (in {raw!r}) must be a step number >= 1 or a range A-B")
             first, last = int(a), int(b or a)
-        specs.append(FaultSpec(point, first, last, action))
+        if node and not node.isdigit():
+            raise ValueError(f"fault node {node!r} (in {raw!r}) must be a node index >= 0")
+        specs.append(FaultSpec(point, first, last, action, int(node) if node else None))
     return specs
 
 
 _lock = threading.Lock()
 _cache: tuple[str, list[FaultSpec]] | None = None
+_node: int | None = None
+
+
+def set_node(node: int | None) -> None:
+    """The node (index in a run on several nodes) of this process's actor, for specs with ``/NODE``."""
+    global _node
+    _node = node
+
+
+def lose_node() -> None:
+    """Kill this process's Ray node manager (its parent, the raylet), then end the process: the
+    node is lost as when its machine goes down. Refuses when the parent is not a raylet."""
+    import signal
+
+    parent = os.getppid()
+    try:
+        name = Path(f"/proc/{parent}/comm").read_text().strip()
+    except OSError:
+        name = ""
+    if name != "raylet":
+        raise RuntimeError(f"fault action lose_node: the parent process {parent} is {name!r}, not a Ray raylet")
+    os.kill(parent, signal.SIGKILL)
+    os._exit(17)
 
 
 def _active() -> list[FaultSpec]:
@@ -164,6 +198,8 @@ def fault_point(point: str, step: int | None = None) -> str | None:
             raise OSError(errno.ENOSPC, f"No space left on device (injected fault {spec.text})")
         if spec.action == "nan":
             return "nan"
+        if spec.action == "lose_node":
+            lose_node()
         threading.Event().wait()  # hang
     return None
 
