@@ -50,6 +50,7 @@ from megaslide_ray.models.prediction import as_velocity
 from megaslide_ray.models.registry import build_shard, num_shards
 from megaslide_ray.models.shards import resident_shards
 from megaslide_ray.runtime.faults import fault_point
+from megaslide_ray.runtime.faults import set_node as set_fault_node
 from megaslide_ray.state.segments import DTYPES
 from megaslide_ray.training.flow import batch_conditioning, batch_flow_inputs, caption_dropout, flow_loss
 
@@ -131,6 +132,7 @@ class ComputeActor:
         gradient slots (``ParameterStore.grad_slots``; None with one compute actor). ``node``,
         ``nodes``: on several nodes (``runtime.nodes``), this actor's node and how many there are:
         its batch is slot ``node x N + rank`` of the step's global batch (N actors per node)."""
+        set_fault_node(node)  # a fault spec with /NODE fires in the actors of that node only
         if transport == "auto":
             transport = "shm" if store_node in (None, self.node_id()) else "object_ref"
         if transport not in ("shm", "object_ref"):
@@ -487,6 +489,11 @@ class LocalStoreClient:
     def __init__(self, store, rank: int = 0):
         self._store = store
         self._rank = rank
+
+    @property
+    def generation(self) -> int:
+        """The store's current compute-actor generation (this client's reports carry none)."""
+        return self._store._generation
 
     def wait_version(self, shard: int, step: int) -> int:
         return self._store.wait_version(shard, step)

@@ -72,6 +72,7 @@ from megaslide_ray.config import Config
 from megaslide_ray.models.registry import build_shard, initialize_shard, num_shards
 from megaslide_ray.models.shards import ShardLayout
 from megaslide_ray.runtime.faults import fault_point
+from megaslide_ray.runtime.faults import set_node as set_fault_node
 from megaslide_ray.state.checkpoint import CHECKPOINT_KINDS, CheckpointReader, write_checkpoint
 from megaslide_ray.state.kept import dir_bytes, is_kept, keep_state, unkeep_state
 from megaslide_ray.state.preflight import StateSpaceError, shm_advice
@@ -183,9 +184,10 @@ class ParameterStore(NodeSyncMethods):
 
         # Ray re-runs __init__ with the original arguments when it restarts a crashed store.
         attached = (attach or _was_reconstructed()) and (self.dir / "layout.json").is_file()
-        if attached and self.nodes > 1:
-            raise StateNotTrustedError(f"the parameter store of node {self.node} of {self.nodes} was restarted: on "
-                                       f"several nodes a store does not re-attach; resume from the latest checkpoint")
+        set_fault_node(self.node)
+        # Several nodes: a restarted store re-attaches but takes part in nothing (no report, no other
+        # node's message counts) until the driver's recovery (``sync_pause``, actors/node_sync.py).
+        self._awaiting_recovery = attached and self.nodes > 1
         if attached:
             self._check_layout()
         else:
@@ -256,6 +258,9 @@ class ParameterStore(NodeSyncMethods):
                 self.seg = []
                 shutil.rmtree(self.dir, ignore_errors=True)
                 raise
+        elif self.nodes > 1:  # the driver decides, with every node's state, how the step in flight ends
+            log.warning("parameter store of node %d re-attached to %s at versions %s; waiting for the driver's "
+                        "recovery", self.node, self.dir, self.versions.tolist())
         else:
             self._recover()
             if is_kept(self.dir):  # a failed run kept it; this run owns it again from here
@@ -368,6 +373,8 @@ class ParameterStore(NodeSyncMethods):
         compute actor (see ``set_client_generation``). Several compute actors: the gradient of
         compute actor ``actor`` is in (or, as ``grad``, goes to) its gradient slot ``slot``, and the
         shard counts as reported once the N of them are summed into ``w``."""
+        if self._awaiting_recovery:  # a restarted store of several nodes: nothing counts before the recovery
+            return
         if self.reducer is not None:
             with self._lock:
                 if generation is None:
@@ -409,12 +416,15 @@ class ParameterStore(NodeSyncMethods):
         the update. Several nodes: it is this node's sum, and goes to the shard's owner
         (``actors/node_sync.py``), which queues the update once it has the global norm."""
         with self._lock:
-            if generation is not None and generation != self._generation:
+            if (generation is not None and generation != self._generation) or self._awaiting_recovery:
                 return  # the compute actor was replaced while this report was on its way
+            current = self._generation
             if self.sync is not None:
                 self._inflight.add(step)
         if self.sync is not None:
-            self.sync.node_grad_ready(shard, step, sqnorm)
+            self.sync.node_grad_ready(shard, step, sqnorm, current)
+            if shard == 0:  # the backward's last shard: this node's part of the step is sent
+                fault_point("store.after_last_report", step)
             return
         with self._lock:
             got = self._pending.setdefault(step, {})
@@ -462,6 +472,10 @@ class ParameterStore(NodeSyncMethods):
         with self._lock:
             while step not in self._results:
                 self._raise_if_failed()
+                if self.sync is not None and step not in self._inflight and int(self.versions.min()) > step:
+                    done = self._record(step)  # applied before a recovery (actors/node_sync.py)
+                    if done is not None:
+                        return done
                 if (step not in self._inflight and self.sync is None
                         and not (self.reducer is not None and self.reducer.holds(step))):
                     # The caller has seen every report of ``step`` acknowledged, so the step is
@@ -520,21 +534,20 @@ class ParameterStore(NodeSyncMethods):
     def _apply_update(self, step: int, total: float) -> UpdateResult:
         """AdamW of ``step`` on the owned shards (every shard on one node), ``total`` the global
         gradient norm; several nodes: each updated shard's weights go to the other nodes."""
-        o = self.cfg.optim
         t0 = time.perf_counter()
-        lr = lr_at(o, self.cfg.training.steps, step)
-        finite = math.isfinite(total)
-        coef = clip_coefficient(total, o.grad_clip) if finite else 0.0
+        coef, lr, finite = self._step_constants(step, total)
         # The record goes first: a store that restarts between two shards finishes from it.
         self._write_record(step, total, coef, lr, skipped=not finite, seconds=0.0)
         if not finite:
             log.warning("step %d: gradient norm is %s; update skipped on every shard", step, total)
+        middle = self.owned[len(self.owned) // 2]  # (one node: the middle shard)
         for i in self.owned:  # shard order: the next forward needs shard 0 first
-            if i == self.n // 2:
+            if i == middle:
                 fault_point("store.mid_update", step)
-            self._update_shard(i, step, coef, lr, skip=not finite)
-            if self.sync is not None:
-                self.sync.send_weights(i, step)
+            # Several nodes: the new weights go to the other nodes before the version bump lets this
+            # node's next backward write a gradient into w.
+            self._update_shard(i, step, coef, lr, skip=not finite,
+                               publish=None if self.sync is None else (lambda i=i: self.sync.send_weights(i, step)))
         seconds = time.perf_counter() - t0
         self.records[step % RECORDS, 5] = seconds
         with self._lock:
@@ -542,12 +555,20 @@ class ParameterStore(NodeSyncMethods):
         return UpdateResult(step, total, coef, lr, seconds, skipped=not finite, reduce_seconds=reduce_seconds,
                             network_bytes=self.sync.pop_sent(step) if self.sync is not None else 0)
 
-    def _update_shard(self, i: int, step: int, coef: float, lr: float, skip: bool = False) -> None:
+    def _step_constants(self, step: int, total: float) -> tuple[float, float, bool]:
+        """The clipping coefficient and learning rate of ``step`` for the global norm ``total``, and
+        whether the norm is finite (if not, the update is skipped)."""
+        o = self.cfg.optim
+        finite = math.isfinite(total)
+        return (clip_coefficient(total, o.grad_clip) if finite else 0.0), lr_at(o, self.cfg.training.steps, step), finite
+
+    def _update_shard(self, i: int, step: int, coef: float, lr: float, skip: bool = False, publish=None) -> None:
         """AdamW of step ``step`` on shard ``i`` (its gradient is in ``w``), bracketed by its
-        crash marker. ``skip`` (non-finite gradients): no update, ``w`` gets its weights back."""
+        crash marker. ``skip`` (non-finite gradients): no update, ``w`` gets its weights back.
+        ``publish``: called once the new ``w`` is written, before the version bump."""
         s = self.seg[i]
         self.updating[i] = step  # from here until the marker is cleared, shard i is half-written
-        if i == self.n // 2:
+        if i == self.owned[len(self.owned) // 2]:
             fault_point("store.mid_shard_update", step)
         if skip:
             s["w"].copy_(s["master"])
@@ -555,6 +576,8 @@ class ParameterStore(NodeSyncMethods):
             self._single_pass_update(s, step, coef, lr)
         else:
             self._fused_update(s, step, coef, lr)
+        if publish is not None:
+            publish()
         with self._lock:
             self.versions[i] = step + 1
             self.updating[i] = -1

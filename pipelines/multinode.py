@@ -14,17 +14,24 @@ owners' optimizer state reaches it through Ray): the format is the one-node one,
 of M nodes resumes on any other M, one included (every store reads it, so ``--resume`` needs the
 run directory on a filesystem every node reads).
 
-A store that dies takes its node's optimizer state with it, and the other nodes cannot go on
-without it: ``NodeLostError`` names the node and gives the ``--resume`` command from the latest
-checkpoint. Stores of such a run are not restarted by Ray (``max_restarts=0``)."""
+Failures are recovered in place, as on one node (``recover``; the protocol is in
+``actors/node_sync.py``): Ray restarts a store that died (``runtime.max_restarts``), on its node,
+where it re-attaches to its shared memory; the driver replaces every compute actor, and every store
+either finishes the step in flight (its global norm was known) or drops it to be redone, then the
+owners send their shards' weights to every node. A store cut inside a shard's update cannot be
+trusted (``StateCutError``: the driver rolls back to the latest checkpoint, on every node). A node
+that is gone (its store cannot come back: the machine or its Ray node manager died) takes the
+optimizer state of its shards with it, and the other nodes cannot go on without it:
+``NodeLostError`` names the node and gives the ``--resume`` command from the latest checkpoint."""
 
 from __future__ import annotations
 
 import logging
+import time
 from dataclasses import replace
 
 import ray
-from ray.exceptions import RayActorError
+from ray.exceptions import ActorUnavailableError, ActorUnschedulableError, GetTimeoutError, RayActorError
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from actors.param_store import ParameterStore, UpdateResult
@@ -35,6 +42,19 @@ log = logging.getLogger(__name__)
 
 class NodeLostError(RuntimeError):
     """A node of a run on several nodes was lost (its parameter store died): the run stops."""
+
+
+class StoreCallError(RuntimeError):
+    """A call to node ``node``'s store failed: the store died, or it raised (for instance because a
+    call it made to another node's store failed). The driver's recovery tells which nodes are gone."""
+
+    def __init__(self, node: int, error: BaseException):
+        super().__init__(f"the parameter store of node {node} failed: {error!r}")
+        self.node, self.error = node, error
+
+
+class StateCutError(RuntimeError):
+    """A store of a run on several nodes was cut inside a shard's update: roll back to a checkpoint."""
 
 
 class NodesUnavailableError(RuntimeError):
@@ -48,9 +68,19 @@ def alive_nodes() -> list[dict]:
     return sorted(nodes, key=lambda n: (n["NodeID"] != here, n["NodeID"]))
 
 
-def pick_nodes(count: int) -> list[dict]:
-    """``count`` distinct alive nodes for the run's stores, or ``NodesUnavailableError``."""
+def pick_nodes(count: int, gpus: int = 0) -> list[dict]:
+    """``count`` distinct alive nodes for the run's stores, each with at least ``gpus`` GPUs (its
+    compute actors'), or ``NodesUnavailableError``."""
     nodes = alive_nodes()
+    if gpus:
+        enough = [n for n in nodes if n.get("Resources", {}).get("GPU", 0) >= gpus]
+        if len(enough) < count:
+            have = ", ".join(f"{n['NodeManagerAddress']}: {n.get('Resources', {}).get('GPU', 0):g}" for n in nodes)
+            raise NodesUnavailableError(
+                f"runtime.nodes={count} with {gpus} GPU compute actor(s) per node needs {count} nodes of {gpus} GPUs, "
+                f"but {len(enough)} of the cluster's alive nodes have that many (GPUs per node: {have}); set "
+                f"--runtime.compute_actors to the smallest node's GPU count, or use fewer nodes")
+        nodes = enough
     if count > len(nodes):
         raise NodesUnavailableError(
             f"runtime.nodes={count} asks for {count} nodes but the Ray cluster has {len(nodes)} alive node(s) "
@@ -82,7 +112,8 @@ class NodeStores:
         self.handles = []
         for i, node in enumerate(nodes):
             cls = ray.remote(ParameterStore).options(
-                name=f"megaslide/param-store-node{i}", num_cpus=0, max_concurrency=64, max_restarts=0,
+                name=f"megaslide/param-store-node{i}", num_cpus=0, max_concurrency=64,
+                max_restarts=cfg.runtime.max_restarts,
                 **on_node(node["NodeID"]), **options)
             self.handles.append(cls.remote(cfg, run_dir, nodes=self.count, node=i, **store_args))
         self.call(lambda h: h.connect.remote(self.handles))
@@ -94,13 +125,13 @@ class NodeStores:
     def lost(self, i: int, error: BaseException | None = None) -> NodeLostError:
         return NodeLostError(
             f"{self.describe(i)} was lost: its parameter store died{f' ({type(error).__name__})' if error else ''}, "
-            f"and with it the optimizer state of the shards it owns (every {self.count}th shard from {i}); the run "
+            f"and with it the optimizer state of the shards it owns (shard l for l % {self.count} == {i}); the run "
             f"cannot go on without it. Bring the node back (or use fewer nodes: a checkpoint resumes on any "
             f"--runtime.nodes), then {resume_command(self.run_dir)}")
 
     def call(self, make, timeout: float | None = None) -> list:
-        """``make(handle)`` on every store, their answers by node. A store that dies is a lost node,
-        noticed as soon as it dies (not after the other stores answered)."""
+        """``make(handle)`` on every store, their answers by node. A store that dies or raises is a
+        ``StoreCallError``, noticed as soon as it happens (not after the other stores answered)."""
         refs = [make(h) for h in self.handles]
         waiting = list(refs)
         while waiting:
@@ -110,24 +141,55 @@ class NodeStores:
             i = refs.index(ready[0])
             try:
                 ray.get(ready[0])
-            except RayActorError as e:
-                raise self.lost(i, e) from e
-            except ray.exceptions.RayTaskError as e:  # a store raised: because another node is gone?
-                dead = self.dead()
-                if dead:
-                    raise self.lost(dead[0], e) from e
-                raise
+            except (RayActorError, ray.exceptions.RayTaskError) as e:
+                raise StoreCallError(i, e) from e
         return ray.get(refs)
 
-    def dead(self) -> list[int]:
-        """The nodes whose store does not answer a status call (within 10 s)."""
-        gone = []
+    def await_alive(self, timeout: float) -> None:
+        """Every store answers (Ray restarts one that died, on its node, within ``timeout`` s), or
+        ``NodeLostError`` for the first that cannot come back (its node is gone or Ray gave up)."""
+        deadline = time.monotonic() + timeout
         for i, h in enumerate(self.handles):
-            try:
-                ray.get(h.status.remote(), timeout=10)
-            except Exception:  # noqa: BLE001 - dead or not answering: lost
-                gone.append(i)
-        return gone
+            while True:
+                try:
+                    ray.get(h.status.remote(), timeout=max(1.0, deadline - time.monotonic()))
+                    break
+                except (ActorUnavailableError, GetTimeoutError) as e:  # restarting
+                    if time.monotonic() > deadline:
+                        raise self.lost(i, e) from e
+                    time.sleep(0.5)
+                except (RayActorError, ActorUnschedulableError) as e:
+                    raise self.lost(i, e) from e
+
+    def recover(self, generation: int, timeout: float) -> int:
+        """After an actor of the run died (the compute actors already killed): bring every store to
+        one version of every shard, with ``generation`` the compute actors' next (protocol:
+        ``actors/node_sync.py``). Returns that version: the steps before it are applied, the ones
+        from it on are redone. ``NodeLostError`` when a store cannot come back, ``StateCutError``
+        when one was cut inside a shard's update."""
+        self.await_alive(timeout)
+        self.call(lambda h: h.connect.remote(self.handles), timeout)  # a restarted store lost its peers
+        states = self.call(lambda h: h.sync_pause.remote(generation), timeout)
+        cut = {i: s["cut"] for i, s in enumerate(states) if s["cut"]}
+        if cut:
+            i, shards = next(iter(cut.items()))
+            raise StateCutError(f"{self.describe(i)}: its parameter store stopped inside the update of shard(s) "
+                                f"{shards}, whose weights and moments are half-written")
+        shards = len(states[0]["versions"])
+        owned = [states[i % self.count]["versions"][i] for i in range(shards)]  # the owners' versions count
+        step, top = min(owned), max(owned)
+        total = next((s["records"][step] for s in states if step in s["records"]), None)
+        if top > step + 1 or (top > step and total is None):
+            raise StateCutError(f"the owners' shard versions {owned} cannot come from one update of step {step + 1}")
+        if total is not None:  # the global norm of step `step` was known: its update ends everywhere
+            done = self.call(lambda h: h.sync_finish.remote(step, total), timeout)
+            log.warning("recovery: step %d's update finished on %d shard(s) (it was under way)", step + 1,
+                        sum(len(d) for d in done))
+            step += 1
+        else:
+            self.call(lambda h: h.sync_restore.remote(), timeout)
+        self.call(lambda h: h.sync_share.remote(step), timeout)
+        return step
 
     def wait_step(self, step: int) -> tuple[UpdateResult, tuple[UpdateResult, ...]]:
         """Step ``step``'s update on every node: one result (the slowest node's optimizer time, the
@@ -145,10 +207,7 @@ class NodeStores:
         try:
             return ray.get(ref)
         except (RayActorError, ray.exceptions.RayTaskError) as e:
-            dead = self.dead()
-            if dead:
-                raise self.lost(dead[0], e) from e
-            raise
+            raise StoreCallError(0, e) from e
 
     def status(self) -> list:
         return self.call(lambda h: h.status.remote())

@@ -15,8 +15,9 @@ each one's is kept for the metrics. A failure of one replaces them all.
 
 Several nodes (``runtime.nodes`` M, ``pipelines/multinode.py``): one store per node, N compute
 actors on each beside it; a step takes M x N batch slots, and the driver waits for every store's
-update. There is no in-place recovery there: an actor's death (a store's is a lost node) stops
-the run with the ``--resume`` command (``NodeLostError``).
+update. An actor's death is recovered in place there too (``NodeStores.recover``: every compute
+actor replaced, the step in flight finished or redone on every node alike); a node that is gone
+stops the run with the ``--resume`` command (``NodeLostError``).
 
 Failures: the store is restartable (``runtime.max_restarts``); a restarted store re-attaches
 to its shared-memory state (see ``actors/param_store.py``). Gradients reported for an
@@ -47,7 +48,13 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import ray
-from ray.exceptions import ActorUnavailableError, GetTimeoutError, RayActorError, RayTaskError
+from ray.exceptions import (
+    ActorUnavailableError,
+    ActorUnschedulableError,
+    GetTimeoutError,
+    RayActorError,
+    RayTaskError,
+)
 
 from actors.compute import StepResult
 from actors.decoder import BatchInfo
@@ -57,7 +64,7 @@ from megaslide_ray.state.kept import is_kept, keep_state, release_state, state_p
 from megaslide_ray.state.preflight import StateSpaceError
 from pipelines.compute_group import ComputeGroup, NodeSide, combine, combine_batches, resolve_compute_actors
 from pipelines.decoder_pool import DataCursor, DecoderPool
-from pipelines.multinode import NodeLostError, NodeStores, on_node, pick_nodes, resume_command
+from pipelines.multinode import NodeStores, StateCutError, StoreCallError, on_node, pick_nodes
 
 log = logging.getLogger(__name__)
 
@@ -100,9 +107,10 @@ def raise_state_space_error(e: BaseException) -> None:
 
 
 def is_actor_failure(error: BaseException) -> bool:
-    """An actor died under the call (directly, or inside the task that made the call), or a
-    restarted store no longer holds a step's gradients: redoing the step recovers."""
-    kinds = (RayActorError, GradientsLostError, StoreHungError)
+    """An actor died under the call (directly, or inside the task that made the call; or it cannot
+    be placed again: its node is gone), or a restarted store no longer holds a step's gradients:
+    redoing the step recovers (or the recovery finds the node lost)."""
+    kinds = (RayActorError, ActorUnschedulableError, GradientsLostError, StoreHungError, StoreCallError)
     return isinstance(error, kinds) or isinstance(getattr(error, "cause", None), kinds)
 
 
@@ -127,6 +135,11 @@ class RayStoreClient:
         self._rank = rank
         self._timeout = timeout_s or None  # runtime.store_timeout_s (0: wait forever)
         self._inflight: list = []
+
+    @property
+    def generation(self) -> int:
+        """The compute actors' generation this client reports for (written into gradient slots)."""
+        return self._generation
 
     def wait_version(self, shard: int, step: int) -> int:
         return ray.get(self._store.wait_version.remote(shard, step))
@@ -226,10 +239,9 @@ class StreamingPipeline:
         self.nodes = cfg.runtime.nodes
         self.slots = self.compute_actors * self.nodes  # batch slots per step: every compute actor's
         self._node_stores: NodeStores | None = None
-        if self.nodes > 1 and (init_from or kept_doc is not None):
-            raise RuntimeError(f"runtime.nodes={self.nodes}: a run on several nodes starts from fresh weights or a "
-                               f"checkpoint (--resume); " + ("--init-from" if init_from else "a kept state")
-                               + " is for one node (continue it on one node, then resume on several)")
+        if self.nodes > 1 and kept_doc is not None:
+            raise RuntimeError(f"runtime.nodes={self.nodes}: a kept shared-memory state is one node's; continue it on "
+                               f"one node (--runtime.nodes 1), then resume its checkpoint on several")
         self.w_dtype = "bfloat16" if use_gpu else "float32"
         # Recovery counters, the whole run's (a rollback keeps them).
         self.restarts = 0            # actor failures recovered from (bounded by runtime.max_restarts)
@@ -275,8 +287,10 @@ class StreamingPipeline:
         # The store serves many blocking calls (wait_version) at once: a threaded actor. On a
         # restart Ray re-runs __init__ with these arguments; it then re-attaches to its segments.
         if self.nodes > 1:  # one store per node, pinned there (pipelines/multinode.py)
-            self._node_stores = NodeStores(cfg, run_dir, pick_nodes(self.nodes), actor_options(),
+            nodes = pick_nodes(self.nodes, self.compute_actors if self.use_gpu else 0)
+            self._node_stores = NodeStores(cfg, run_dir, nodes, actor_options(),
                                            w_dtype=self.w_dtype, resume_checkpoint=resume_checkpoint,
+                                           init_from=init_from,
                                            owner_pid=os.getpid(), compute_actors=self.compute_actors)
             self._store = self._node_stores.handles[0]
         else:
@@ -359,13 +373,11 @@ class StreamingPipeline:
             except Exception as e:
                 if not is_actor_failure(e):
                     raise
-                if self._node_stores is not None:
-                    raise self._node_failure(step, e) from e
                 self.count_restart(f"step {step + 1}: an actor died ({type(e).__name__})", e)
                 t0 = time.monotonic()
                 log.warning("step %d: an actor died (%s); recovering and redoing the step (failure %d of at most %d)",
                             step + 1, type(e).__name__, self.restarts, self.cfg.runtime.max_restarts)
-                if isinstance(e, StoreHungError):
+                if isinstance(e, StoreHungError) and self._node_stores is None:
                     self._kill_hung_store()
                 self._recover(step)
                 self.redone_steps += 1
@@ -468,8 +480,10 @@ class StreamingPipeline:
 
     def _recover(self, step: int) -> None:
         """After an actor died during ``step``: wait for the store, replace the compute actor,
-        and keep only the results of steps whose update the store holds."""
-        self._wait_for_store()
+        and keep only the results of steps whose update the store holds. Several nodes: every
+        store, ``NodeStores.recover``."""
+        if self._node_stores is None:
+            self._wait_for_store()
         for s, refs in list(self._queued.items()):  # finished results of queued steps are kept
             ready, _ = ray.wait(refs, num_returns=len(refs), timeout=0)
             if len(ready) == len(refs):
@@ -480,9 +494,17 @@ class StreamingPipeline:
         self._queued.clear()
         self._computes.replace()
         # Reports the dead compute actors still had in flight must not count towards a step.
-        versions = ray.get(self._store.set_client_generation.remote(self._computes.generation))
+        if self._node_stores is not None:
+            try:
+                applied = self._node_stores.recover(self._computes.generation, STORE_RESTART_TIMEOUT_S)
+            except StateCutError as e:
+                raise StoreLostError(f"{e}; resume from the latest checkpoint: python -m megaslide_ray.train "
+                                     f"--run-dir {self.run_dir} --resume") from e
+            versions = (applied,)
+        else:
+            versions = ray.get(self._store.set_client_generation.remote(self._computes.generation))
+            applied = min(versions)  # the restarted store finished any update cut between shards
         self._computes.start()
-        applied = min(versions)  # the restarted store finished any update cut between shards
         # A result counts only if the store applied its update (the gradients are gone otherwise).
         self._computed = {s: r for s, r in self._computed.items() if s < applied}
         if applied > step and step not in self._computed:
@@ -491,18 +513,17 @@ class StreamingPipeline:
         log.warning("recovered: store at versions %s, compute actor(s) replaced; redoing from step %d",
                     sorted(set(versions)), applied + 1)
 
-    def _node_failure(self, step: int, error: BaseException) -> NodeLostError:
-        """Several nodes: an actor died under ``step``. A dead store is a lost node; a compute actor
-        alone is not recovered in place on several nodes either: the run stops with ``--resume``."""
-        dead = self._node_stores.dead()
-        if dead:
-            return self._node_stores.lost(dead[0], error)
-        return NodeLostError(f"step {step + 1}: a compute actor died ({type(error).__name__}); a run on several nodes "
-                             f"does not replace its actors in place: {resume_command(self.run_dir)}")
-
     def save_checkpoint(self, run_dir: str, step: int, extra: dict) -> str:
-        if self._node_stores is not None:
-            return self._node_stores.save_checkpoint(run_dir, step, extra)
+        while self._node_stores is not None:
+            try:
+                return self._node_stores.save_checkpoint(run_dir, step, extra)
+            except StoreCallError as e:  # (no step in flight: the recovery leaves every shard at `step`)
+                self.count_restart(f"a parameter store failed while saving the step-{step} checkpoint", e)
+                log.warning("a parameter store failed while saving the step-%d checkpoint (%r); recovering and "
+                            "saving again", step, e.error)
+                t0 = time.monotonic()
+                self._recover(step)
+                self.recovery_seconds += time.monotonic() - t0
         while True:
             try:
                 return ray.get(self._store.save_checkpoint.remote(run_dir, step, extra))

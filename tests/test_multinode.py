@@ -8,7 +8,8 @@
   send the new weights back. It equals a one-node run of the same global batch (fp32, 1e-6
   relative), each node holds the optimizer state of its own shards only, the bytes the stores send
   are the planner's count, a checkpoint of two nodes resumes on one (and one node's on two), and
-  a lost node stops with the ``--resume`` command.
+  a lost node stops with the ``--resume`` command. (Recovery from a dead actor on two nodes:
+  ``tests/test_multinode_faults.py``.)
 """
 
 import json
@@ -34,7 +35,15 @@ from megaslide_ray.runtime import faults
 from megaslide_ray.state.checkpoint import latest_checkpoint, read_checkpoint_shards
 from megaslide_ray.state.segments import map_segment
 from megaslide_ray.trainer import Trainer
-from pipelines.multinode import NodeLostError, NodeStores, NodesUnavailableError, alive_nodes, on_node, pick_nodes
+from pipelines.multinode import (
+    NodeLostError,
+    NodeStores,
+    NodesUnavailableError,
+    StoreCallError,
+    alive_nodes,
+    on_node,
+    pick_nodes,
+)
 from pipelines.streaming import RayStoreClient
 
 SMALL = {"model.depth": 2, "model.hidden_size": 32, "model.num_heads": 2, "model.caption_dim": 16,
@@ -254,8 +263,11 @@ def test_a_lost_node_stops_the_run_with_the_resume_command(two, tmp_path):
         run.step(0, batches[0])
         path = run.stores.save_checkpoint(str(run_dir), 1, {})
         ray.kill(run.stores.handles[1], no_restart=True)
-        with pytest.raises(NodeLostError) as err:
+        with pytest.raises(StoreCallError) as failed:
             run.stores.wait_step(1)
+        assert failed.value.node == 1
+        with pytest.raises(NodeLostError) as err:  # the driver's recovery: that store cannot come back
+            run.stores.recover(1, timeout=30)
         text = str(err.value)
         assert "node 1 of 2" in text and alive_nodes()[1]["NodeID"][:12] in text
         assert f"python -m megaslide_ray.train --run-dir {run_dir} --resume" in text and str(path) in text
@@ -266,6 +278,8 @@ def test_a_lost_node_stops_the_run_with_the_resume_command(two, tmp_path):
 def test_more_nodes_than_the_cluster_has_are_refused(cluster):
     with pytest.raises(RuntimeError, match="runtime.nodes=3 asks for 3 nodes but the Ray cluster has 2"):
         pick_nodes(3)
+    with pytest.raises(NodesUnavailableError, match="needs 2 nodes of 1 GPUs, but 0 of the cluster's alive nodes"):
+        pick_nodes(2, gpus=1)  # the GPU compute actors of each node need its GPUs
 
 
 # -- the Trainer on two nodes -------------------------------------------------------------------------
@@ -334,6 +348,38 @@ def test_the_cli_refuses_several_nodes_without_a_ray_cluster(tmp_path):
                    {**os.environ, "MEGASLIDE_CACHE": str(tmp_path / "cache")}, timeout=300)
     assert proc.returncode == 2, proc.stderr[-2000:]
     assert "runtime.nodes=2 trains on 2 nodes of a Ray cluster" in proc.stderr and "--ray.address" in proc.stderr
+
+
+def test_init_from_on_two_nodes_fills_every_copy_and_each_owners_state(two, tmp_path):
+    """``--init-from`` on several nodes: every node's ``w`` of every shard is the source's weights,
+    and each owner's master, m, v are those a one-node store gets from it."""
+    manifest, _ = two
+    source = ParameterStore(config(manifest, tmp_path, **{"training.seed": 7}), str(tmp_path / "source"))
+    try:
+        path = source.save_checkpoint(str(tmp_path / "source"), 0, {})
+    finally:
+        source.close()
+    one = ParameterStore(config(manifest, tmp_path), str(tmp_path / "one"), init_from=path)
+    fresh = ParameterStore(config(manifest, tmp_path), str(tmp_path / "fresh"))  # seed 0: not the source
+    try:
+        want = [s["w"].clone() for s in one.seg]
+        assert not all(torch.equal(a, s["w"]) for a, s in zip(want, fresh.seg))
+        cfg2 = config(manifest, tmp_path, **{"data.batch_size": 1, "runtime.nodes": 2})
+        stores = NodeStores(cfg2, str(tmp_path / "two"), pick_nodes(2), {}, init_from=path)
+        try:
+            for node, h in enumerate(stores.handles):
+                for i, w in enumerate(want):
+                    got = torch.from_numpy(np.array(ray.get(h.get_weights.remote(i, 0)))).view(torch.float32)
+                    assert torch.equal(got, w), f"node {node}, shard {i}"
+            for i in range(len(want)):
+                state = ray.get(stores.handles[i % 2].shard_state.remote(i, 0))
+                assert torch.equal(torch.from_numpy(np.array(state["master"])), one.seg[i]["master"])
+                assert not np.asarray(state["m"]).any() and not np.asarray(state["v"]).any()
+        finally:
+            stores.close()
+    finally:
+        one.close()
+        fresh.close()
 
 
 def test_bf16_stores_on_two_nodes_equal_one_store_fed_the_fp32_sum(two, tmp_path):

@@ -321,8 +321,8 @@ class RuntimeConfig:
     compute_actors x micro_batches x batch_size`` clips; a run equals one node with that batch. The
     Ray cluster (``ray.address``) needs that many alive nodes; node 0 is the driver's, its store
     writes the checkpoints, which resume on any number of nodes (``--resume`` reads the run
-    directory from every node: a filesystem they share). A lost node stops the run with the
-    ``--resume`` command."""
+    directory from every node: a filesystem they share). A dead compute actor or store is recovered
+    in place (``runtime.max_restarts``); a lost node stops the run with the ``--resume`` command."""
 
 
 @dataclass

@@ -252,7 +252,9 @@ def describe_init(cfg: Config, path: str | Path, source: dict[str, Entry]) -> st
 @torch.no_grad()
 def load_pretrained_into(store, path: str | Path) -> None:
     """Fill a fresh store's shards from ``path``: master and w from the weights, m = v = 0,
-    versions 0. Shard by shard; each file is opened once per shard that needs it."""
+    versions 0. Shard by shard; each file is opened once per shard that needs it. A store of a
+    run on several nodes fills master, m, v of the shards it owns and ``w`` of all (the weights of
+    a shard another node owns pass through one fp32 buffer of that shard's size)."""
     source = check_pretrained(store.cfg, path)
     model = model_names(store.cfg)
     by_shard: dict[int, list[str]] = {}
@@ -264,12 +266,14 @@ def load_pretrained_into(store, path: str | Path) -> None:
                  "attention): %s%s", len(fresh), path, ", ".join(fresh[:4]), " ..." if len(fresh) > 4 else "")
     ckpt = CheckpointReader(path) if is_checkpoint_dir(path) else None
     for i, lay in enumerate(store.layouts):
-        views = lay.views(store.seg[i]["master"])
+        owned = "master" in store.seg[i]
+        master = store.seg[i]["master"] if owned else torch.empty(lay.numel, dtype=torch.float32)
+        views = lay.views(master)
         prefix = shard_prefix(i, store.n, store.cfg.model.arch)
         if any(model[n][1] == i for n in fresh):  # a fresh shard first, then the source on top
             module = build_shard(store.cfg, i, "cpu")
             initialize_shard(module, store.cfg.training.seed, i)
-            lay.flatten_into(module, store.seg[i]["master"])
+            lay.flatten_into(module, master)
             del module
         files: dict[str, list[str]] = {}
         for name in by_shard[i]:
@@ -278,9 +282,11 @@ def load_pretrained_into(store, path: str | Path) -> None:
         for file, names in files.items():
             for name, t in zip(names, _read_source(ckpt, file, [source[name] for name in names])):
                 views[name[len(prefix):]].copy_(t.reshape(source[name].shape).to(torch.float32))
-        store.seg[i]["w"].copy_(store.seg[i]["master"])
-        store.seg[i]["m"].zero_()
-        store.seg[i]["v"].zero_()
+        store.seg[i]["w"].copy_(master)
+        if owned:
+            store.seg[i]["m"].zero_()
+            store.seg[i]["v"].zero_()
+        del master, views
     if ckpt is not None:
         ckpt.close()
     store.versions.fill_(0)

@@ -137,12 +137,10 @@ def launch(cfg: Config, resume: bool = False, init_from: str | None = None, prog
         print(describe_init(cfg, init_from, source), flush=True)
 
     nodes = cfg.runtime.nodes
-    if nodes > 1 and (init_from or not cfg.ray.address):
-        print(f"config error: runtime.nodes={nodes} " + (
-            "starts from fresh weights or a checkpoint (--resume); --init-from is for one node: start on one node, "
-            "checkpoint, then --resume with --runtime.nodes" if init_from else
-            f"trains on {nodes} nodes of a Ray cluster: start one (`ray start --head` here, `ray start --address=HEAD:6379` "
-            f"on the others) and pass --ray.address HEAD:6379, or use --runtime.nodes 1"), file=sys.stderr)
+    if nodes > 1 and not cfg.ray.address:
+        print(f"config error: runtime.nodes={nodes} trains on {nodes} nodes of a Ray cluster: start one (`ray start "
+              f"--head` here, `ray start --address=HEAD:6379` on the others) and pass --ray.address HEAD:6379, or use "
+              f"--runtime.nodes 1", file=sys.stderr)
         return 2
 
     run_dir = cfg.training.run_dir or default_run_dir()
