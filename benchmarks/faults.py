@@ -177,6 +177,7 @@ def main(argv=None) -> int:
         for r in rows:
             print(f"{r['fault']:38s} {str(r['fired']):>5s} {str(r['recovered']):>9s} {str(r['equal']):>5s} "
                   f"{str(r['restarts']):>8s} {str(r['rollbacks']):>9s} {r['recover_s']:>9.2f} {r['extra_s']:>8.2f}"
+                  + (f"  stopped with --resume: {r['stopped']}" if r["stopped"] is not None else "")
                   + (f"  {r['error']}" if r["error"] else ""))
     return 0 if all((r["stopped"] if r["stopped"] is not None else r["recovered"] and r["equal"] is not False)
                     and r["fired"] for r in rows) else 1
