@@ -68,12 +68,12 @@ from actors.grad_reduce import GradientReducer, GradSlots
 from actors.node_sync import NodeSync, NodeSyncMethods
 from actors.ray_context import node_id as _node_id
 from actors.ray_context import was_reconstructed as _was_reconstructed
+from actors.store_checkpoints import CheckpointMethods
 from megaslide_ray.config import Config
 from megaslide_ray.models.registry import build_shard, initialize_shard, num_shards
 from megaslide_ray.models.shards import ShardLayout
 from megaslide_ray.runtime.faults import fault_point
 from megaslide_ray.runtime.faults import set_node as set_fault_node
-from megaslide_ray.state.checkpoint import CHECKPOINT_KINDS, CheckpointReader, write_checkpoint
 from megaslide_ray.state.kept import dir_bytes, is_kept, keep_state, unkeep_state
 from megaslide_ray.state.preflight import StateSpaceError, shm_advice
 from megaslide_ray.state.pretrained import load_pretrained_into
@@ -137,7 +137,7 @@ class GradientsLostError(RuntimeError):
     after they were reported): the driver redoes the step."""
 
 
-class ParameterStore(NodeSyncMethods):
+class ParameterStore(NodeSyncMethods, CheckpointMethods):
     def __init__(self, cfg: Config, run_dir: str, w_dtype: str = "float32",
                  resume_checkpoint: str | None = None, attach: bool = False, init_from: str | None = None,
                  adamw: str | None = None, owner_pid: int | None = None, compute_actors: int = 1,
@@ -645,54 +645,6 @@ class ParameterStore(NodeSyncMethods):
         log.warning("the update of step %d was cut between shards; finishing it on shards %s", lo, todo)
         for i in todo:  # their gradients of step lo are still in their w segments
             self._update_shard(i, lo, rec.clip_coef, rec.lr, skip=rec.skipped)
-
-    # -- checkpoints --------------------------------------------------------------------------
-    def save_checkpoint(self, run_dir: str, step: int, extra: dict) -> str:
-        """Write ``run_dir/checkpoints/step_N`` shard by shard (``megaslide_ray.state.checkpoint``:
-        temporary directory, fsync, rename, then ``latest``; a crash leaves the previous one intact).
-
-        The state must be exactly step ``step``'s: this waits for that update, holds back any
-        later one while writing, and refuses if a later update was already applied. A write
-        that fails (full disk, unwritable directory) raises ``CheckpointWriteError`` naming
-        the directory and the reason; the previous checkpoint and ``latest`` stay as they were."""
-        for i in range(self.n):
-            self.wait_version(i, step)
-        with self._lock:
-            self._saving += 1
-            while self._applying:  # an update that started before we got here finishes first
-                self._lock.wait(1.0)
-        try:
-            versions = self.versions.tolist()
-            if any(v != step for v in versions):
-                raise RuntimeError(f"checkpoint of step {step} asked for, but the parameter store already holds "
-                                   f"versions {versions}: a later step was applied (queue no step ahead of a "
-                                   f"checkpoint)")
-            return self._write_checkpoint(run_dir, step, extra)
-        finally:
-            with self._lock:
-                self._saving -= 1
-                self._lock.notify_all()
-
-    def _write_checkpoint(self, run_dir: str, step: int, extra: dict) -> str:
-        def shards():  # one shard at a time; the fault point fires halfway, as a kill mid-write would
-            for i, lay in enumerate(self.layouts):
-                if i == self.n // 2:
-                    fault_point("store.mid_checkpoint", step - 1)
-                yield lay, self.checkpoint_state(i, step)
-
-        doc = {"w_dtype": self.w_dtype, "config": self.cfg.to_dict(), **extra}
-        return write_checkpoint(run_dir, step, shards(), doc)
-
-    def _load_checkpoint(self, path: str) -> None:
-        with CheckpointReader(path, self.n) as ckpt:
-            for i, lay in enumerate(self.layouts):
-                if not self.owns(i):  # another node owns its optimizer state (several nodes)
-                    self.seg[i]["w"].copy_(ckpt.tensor(i, "master", lay.numel))
-                    continue
-                for kind in CHECKPOINT_KINDS:
-                    self.seg[i][kind].copy_(ckpt.tensor(i, kind, lay.numel))
-                self.seg[i]["w"].copy_(self.seg[i]["master"])  # w is master cast: not stored
-            self.versions.fill_(ckpt.step)
 
     def settle(self, timeout: float = 120.0) -> tuple[int, ...]:
         """The versions once the updates already queued are applied (the driver stopped sending
