@@ -73,20 +73,20 @@ def assert_fired(root, name, spec):
         assert faults.fired(one, directory=root / f"{name}-faults"), f"{one} did not fire"
 
 
-def assert_equal(got, want):
+def assert_recovered(base, name, spec, restarts, rollbacks):
+    """A run with the faults ``spec`` fires them all, ends, and equals the uninterrupted run bit for bit."""
+    manifest, root, want = base
+    summary, got = run(manifest, root, name, spec)
+    assert_fired(root, name, spec)
+    assert summary.last_step == 4
+    assert (summary.restarts, summary.rollbacks) == (restarts, rollbacks)
     assert len(got) == len(want)
     for i, (a, b) in enumerate(zip(got, want)):
         assert torch.equal(a, b), f"shard {i}: max difference {float((a - b).abs().max()):.3e}"
 
 
 def test_a_compute_actor_and_a_store_dying_on_node_1_are_recovered_bit_identically(base):
-    manifest, root, want = base
-    spec = "compute.mid_backward@2/1:exit,store.mid_update@3/1:exit"
-    summary, got = run(manifest, root, "compute-store", spec)
-    assert_fired(root, "compute-store", spec)
-    assert summary.last_step == 4
-    assert (summary.restarts, summary.rollbacks) == (2, 0)
-    assert_equal(got, want)
+    assert_recovered(base, "compute-store", "compute.mid_backward@2/1:exit,store.mid_update@3/1:exit", 2, 0)
 
 
 @pytest.mark.slow
@@ -94,13 +94,8 @@ def test_store_deaths_before_the_sum_in_a_checkpoint_and_inside_a_shard_are_reco
     """Node 1's store dies once its gradients are sent (step 2: redone), node 0's while writing
     the step-2 checkpoint (written again), node 1's inside a shard's update (step 3: rolled back
     to that checkpoint)."""
-    manifest, root, want = base
     spec = "store.after_last_report@2/1:exit,store.mid_checkpoint@2:exit,store.mid_shard_update@3/1:exit"
-    summary, got = run(manifest, root, "stores", spec)
-    assert_fired(root, "stores", spec)
-    assert summary.last_step == 4
-    assert (summary.restarts, summary.rollbacks) == (3, 1)
-    assert_equal(got, want)
+    assert_recovered(base, "stores", spec, 3, 1)
 
 
 @pytest.mark.slow
