@@ -166,7 +166,20 @@ class NodeStores:
         one version of every shard, with ``generation`` the compute actors' next (protocol:
         ``actors/node_sync.py``). Returns that version: the steps before it are applied, the ones
         from it on are redone. ``NodeLostError`` when a store cannot come back, ``StateCutError``
-        when one was cut inside a shard's update."""
+        when one was cut inside a shard's update. A store that fails during the recovery (its node
+        died meanwhile, before Ray noticed) starts it again, which finds it restarting or gone: each
+        phase can be repeated (a finished shard is at the next version, its norm recorded)."""
+        deadline = time.monotonic() + timeout
+        while True:
+            try:
+                return self._recover_once(generation, timeout)
+            except StoreCallError as e:
+                if time.monotonic() > deadline:
+                    raise self.lost(e.node, e.error) from e
+                log.warning("recovery: node %d's parameter store failed during the recovery (%r); again", e.node,
+                            e.error)
+
+    def _recover_once(self, generation: int, timeout: float) -> int:
         self.await_alive(timeout)
         self.call(lambda h: h.connect.remote(self.handles), timeout)  # a restarted store lost its peers
         states = self.call(lambda h: h.sync_pause.remote(generation), timeout)
