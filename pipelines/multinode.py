@@ -141,8 +141,8 @@ class NodeStores:
             i = refs.index(ready[0])
             try:
                 ray.get(ready[0])
-            except (RayActorError, ray.exceptions.RayTaskError) as e:
-                raise StoreCallError(i, e) from e
+            except (RayActorError, ActorUnschedulableError, ray.exceptions.RayTaskError) as e:
+                raise StoreCallError(i, e) from e  # (unschedulable: its node is gone)
         return ray.get(refs)
 
     def await_alive(self, timeout: float) -> None:
