@@ -66,6 +66,7 @@ class StoreClient(Protocol):
     def flush(self) -> int: ...
     # several compute actors only: ``report_grad`` then also takes ``slot=``, and
     # def wait_grad_slot(self, slot: int) -> None: ...
+    # generation: int (a property: the compute actors' generation, written into a filled slot)
 
 
 @dataclass(frozen=True)

@@ -167,6 +167,7 @@ class ParameterStore(NodeSyncMethods, CheckpointMethods):
         self.compute_actors = int(compute_actors)
         self.nodes, self.node = int(nodes), int(node)
         self.owned = [i for i in range(self.n) if i % self.nodes == self.node]  # optimizer state kept here
+        self._middle = self.owned[len(self.owned) // 2]  # where the mid-update fault points fire
         root = Path(cfg.runtime.state_dir) if cfg.runtime.state_dir else default_state_root()
         self.dir = root / node_state_key(run_dir, self.nodes, self.node)
         self.layouts = [ShardLayout.of(build_shard(cfg, i, "meta"), i) for i in range(self.n)]
@@ -472,21 +473,18 @@ class ParameterStore(NodeSyncMethods, CheckpointMethods):
         with self._lock:
             while step not in self._results:
                 self._raise_if_failed()
-                if self.sync is not None and step not in self._inflight and int(self.versions.min()) > step:
-                    done = self._record(step)  # applied before a recovery (actors/node_sync.py)
-                    if done is not None:
-                        return done
-                if (step not in self._inflight and self.sync is None
-                        and not (self.reducer is not None and self.reducer.holds(step))):
-                    # The caller has seen every report of ``step`` acknowledged, so the step is
-                    # queued here (or, several compute actors, still being summed), applied here
-                    # (in _results), or applied by an earlier process.
+                if step not in self._inflight and not (self.reducer is not None and self.reducer.holds(step)):
+                    # One node: the caller has seen every report of ``step`` acknowledged, so the
+                    # step is queued here (or, several compute actors, still being summed), applied
+                    # here (in _results), or applied by an earlier process. Several nodes: applied
+                    # before a recovery (actors/node_sync.py), or not yet reported.
                     done = self._record(step) if int(self.versions.min()) > step else None
                     if done is not None:
                         return done
-                    raise GradientsLostError(
-                        f"step {step}: this parameter store process holds no gradients of that step (it was "
-                        f"restarted after they were reported; versions {self.versions.tolist()}): redo the step")
+                    if self.sync is None:
+                        raise GradientsLostError(
+                            f"step {step}: this parameter store process holds no gradients of that step (it was "
+                            f"restarted after they were reported; versions {self.versions.tolist()}): redo the step")
                 left = deadline - time.monotonic()
                 if left <= 0:
                     raise TimeoutError(f"update of step {step} not finished after {timeout:.0f} s")
@@ -540,9 +538,8 @@ class ParameterStore(NodeSyncMethods, CheckpointMethods):
         self._write_record(step, total, coef, lr, skipped=not finite, seconds=0.0)
         if not finite:
             log.warning("step %d: gradient norm is %s; update skipped on every shard", step, total)
-        middle = self.owned[len(self.owned) // 2]  # (one node: the middle shard)
         for i in self.owned:  # shard order: the next forward needs shard 0 first
-            if i == middle:
+            if i == self._middle:
                 fault_point("store.mid_update", step)
             # Several nodes: the new weights go to the other nodes before the version bump lets this
             # node's next backward write a gradient into w.
@@ -568,7 +565,7 @@ class ParameterStore(NodeSyncMethods, CheckpointMethods):
         ``publish``: called once the new ``w`` is written, before the version bump."""
         s = self.seg[i]
         self.updating[i] = step  # from here until the marker is cleared, shard i is half-written
-        if i == self.owned[len(self.owned) // 2]:
+        if i == self._middle:
             fault_point("store.mid_shard_update", step)
         if skip:
             s["w"].copy_(s["master"])

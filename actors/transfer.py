@@ -149,7 +149,7 @@ class Transfers:
             self.store.wait_grad_slot(slot)
             with self._lock:
                 self._slot_wait += time.perf_counter() - t0
-        self.slot_state[i] = slot_value(getattr(self.store, "generation", 0), step)
+        self.slot_state[i] = slot_value(self.store.generation, step)
         return self.slot_maps[slot]
 
     def count(self, direction: str, nbytes: int, seconds: float = 0.0) -> None:

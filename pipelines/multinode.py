@@ -53,6 +53,10 @@ class StoreCallError(RuntimeError):
         self.node, self.error = node, error
 
 
+STORE_FAILURES = (RayActorError, ActorUnschedulableError, ray.exceptions.RayTaskError)
+"""What a call to a store raises when the store died, cannot be placed again (its node is gone), or raised."""
+
+
 class StateCutError(RuntimeError):
     """A store of a run on several nodes was cut inside a shard's update: roll back to a checkpoint."""
 
@@ -141,8 +145,8 @@ class NodeStores:
             i = refs.index(ready[0])
             try:
                 ray.get(ready[0])
-            except (RayActorError, ActorUnschedulableError, ray.exceptions.RayTaskError) as e:
-                raise StoreCallError(i, e) from e  # (unschedulable: its node is gone)
+            except STORE_FAILURES as e:
+                raise StoreCallError(i, e) from e
         return ray.get(refs)
 
     def await_alive(self, timeout: float) -> None:
@@ -219,7 +223,7 @@ class NodeStores:
         ref = self.handles[0].save_checkpoint.remote(run_dir, step, extra)
         try:
             return ray.get(ref)
-        except (RayActorError, ray.exceptions.RayTaskError) as e:
+        except STORE_FAILURES as e:
             raise StoreCallError(0, e) from e
 
     def status(self) -> list:
