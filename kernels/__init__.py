@@ -153,9 +153,11 @@ def deformable_slide_attention(
     and ``dsa_reference``.
 
     ``max_offset``: a bound on ``|offsets|`` the caller guarantees (a tanh-bounded offset head's
-    ``attention.max_offset``); only the tiled Triton path reads it (to size its halo without
-    measuring the offsets: no host sync), the others ignore it. There a query with an offset
-    beyond ``ceil(max_offset)`` gets NaN output and gradients (``dsa_triton_tiled``).
+    ``attention.max_offset``); the Triton paths read it without measuring the offsets (a host
+    sync), the others ignore it. The tiled kernel sizes its halo by it, and a query with an offset
+    beyond ``ceil(max_offset)`` gets NaN output and gradients (``dsa_triton_tiled``). The gather
+    kernel's backward uses it for its key-side dk/dv pass (``dsa_triton_pull``), and a query with
+    an offset beyond it gets a NaN ``dq``.
     """
     path = resolve_dsa_backend(q, backend)
     if path == "triton":
@@ -165,7 +167,7 @@ def deformable_slide_attention(
     if path == "triton_gather":
         from .dsa_triton import dsa_triton  # lazy: needs triton, which a CPU machine may lack
 
-        return dsa_triton(q, k, v, offsets, window, scale=scale)
+        return dsa_triton(q, k, v, offsets, window, scale=scale, max_offset=max_offset)
     if path == "matrix":
         return dsa_matrix(q, k, v, offsets, window, scale=scale)
     if path == "cpu":
@@ -186,6 +188,7 @@ def deformable_slide_attention_slab(
     frames: int,
     scale: float | None = None,
     backend: DSABackend | None = None,
+    max_offset: float | None = None,
 ) -> torch.Tensor:
     """3D-DSA for the queries of frames ``[q_start, q_start + Tq)`` of a ``frames``-frame grid,
     against k, v holding frames ``[kv_start, kv_start + Tk)`` (``dsa_reference.dsa_slab``): the
@@ -197,7 +200,8 @@ def deformable_slide_attention_slab(
     if path in ("triton", "triton_gather"):  # the slab path runs the gather kernel for both
         from .dsa_triton import dsa_triton_slab  # lazy: needs triton, which a CPU machine may lack
 
-        return dsa_triton_slab(q, k, v, offsets, window, q_start, kv_start, frames, scale=scale)
+        return dsa_triton_slab(q, k, v, offsets, window, q_start, kv_start, frames, scale=scale,
+                               max_offset=max_offset)
     if path in ("cpu", "matrix"):
         return dsa_cpu_slab(q, k, v, offsets, window, q_start, kv_start, frames, scale=scale)
     return dsa_slab(q, k, v, offsets, window, q_start, kv_start, frames, scale=scale)

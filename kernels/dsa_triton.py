@@ -48,10 +48,14 @@ import triton.language as tl
 
 from .aot import aligned_pointer_attrs, signature_for
 from .dsa_reference import validate_dsa_inputs, validate_slab_inputs
+from .dsa_triton_pull import REC_FIELDS, log_mode_once, pull_bound, pull_launch, pull_span, rec_chunk
 
 __all__ = ["dsa_triton", "dsa_triton_slab", "INTERPRETED"]
 
 LOG2E = 1.4426950408889634
+# How the backward sums dk and dv: "auto" -- the key-side pass (dsa_triton_pull: deterministic, no
+# float atomics) when the offsets' bound allows it, else fp32 atomics; "atomic" -- always atomics.
+DKV_MODE = "auto"
 
 # The @triton.jit decorator reads TRITON_INTERPRET when this module is imported; this
 # records which kind of kernel we got (CPU tensors are only legal when interpreted).
@@ -189,6 +193,14 @@ def _dsa_fwd(
 
 
 @triton.jit
+def _past_bound(i0, w, base, ELO, EHI):
+    """A sample whose corners ``i0``, ``i0 + 1`` (weight ``w`` on the upper) leave
+    ``[base - EHI, base + ELO]``, where the key-side pass looks for it (NaN positions too)."""
+    upper = tl.where(w > 0.0, i0 + 1, i0)
+    return (i0 < base - EHI) | (upper > base + ELO) | (w != w)
+
+
+@triton.jit
 def _corner_scatter(DK, DV, kv_base, tok, cols, mask2, row_stride, w, gk, gv):
     """dk[c] += w * gk, dv[c] += w * gv (fp32 atomics: other queries hit the same rows).
     ``relaxed``: the sums only need atomicity, no ordering against other memory (the default
@@ -200,16 +212,18 @@ def _corner_scatter(DK, DV, kv_base, tok, cols, mask2, row_stride, w, gk, gv):
 @triton.jit
 def _dsa_bwd(
     Q, Kx, V, OFF, OUT, DOUT, LSE,
-    DQ, DK, DV, DOFF,
+    DQ, DK, DV, DOFF, REC,
     sm_scale, qk_scale,
     N, T, H, W, NH,
-    NK, TK, Q0, K0,
+    NK, TK, Q0, K0, BH0,
+    ELO, EHI,  # PULL: the offsets' bound as the key-side pass assumes it (dsa_triton_pull.pull_span)
     HEAD_DIM: tl.constexpr,
     KT: tl.constexpr, KH: tl.constexpr, KW: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr,
+    PULL: tl.constexpr,  # write per-sample records for dsa_triton_pull instead of dk/dv atomics
 ):
     pid_m = tl.program_id(0)
-    pid_bh = tl.program_id(1)
+    pid_bh = BH0 + tl.program_id(1)
     b = pid_bh // NH
     h = pid_bh % NH
     KS: tl.constexpr = KT * KH * KW
@@ -237,6 +251,8 @@ def _dsa_bwd(
     off_row = ((b.to(tl.int64) * N + offs_m) * NH + h) * (KS * 3)
 
     dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+    beyond = tl.zeros([BLOCK_M], dtype=tl.int1)  # PULL: a sample past the bound the key-side pass assumes
+    rec_row = REC + tl.program_id(1).to(tl.int64) * (5 * KS * N) + offs_m  # PULL: this (batch, head)'s records
     for j in tl.range(0, KS, loop_unroll_factor=1):
         jt = j // (KH * KW)
         jy = (j // KW) % KH
@@ -244,6 +260,12 @@ def _dsa_bwd(
         t0, t1, wt, in_t = _axis_position(OFF + off_row + j * 3 + 0, mask_m, st + jt, T)
         y0, y1, wy, in_y = _axis_position(OFF + off_row + j * 3 + 1, mask_m, sy + jy, H)
         x0, x1, wx, in_x = _axis_position(OFF + off_row + j * 3 + 2, mask_m, sx + jx, W)
+        if PULL:  # the sample's clamped position, and whether its corners stay where the pull looks
+            tl.store(rec_row + j * N, t0.to(tl.float32) + wt, mask=mask_m)
+            tl.store(rec_row + (KS + j) * N, y0.to(tl.float32) + wy, mask=mask_m)
+            tl.store(rec_row + (2 * KS + j) * N, x0.to(tl.float32) + wx, mask=mask_m)
+            beyond |= _past_bound(t0, wt, st + jt, ELO, EHI) | _past_bound(y0, wy, sy + jy, ELO, EHI)
+            beyond |= _past_bound(x0, wx, sx + jx, ELO, EHI)
         t0 = tl.minimum(tl.maximum(t0 - K0, 0), TK - 1)  # whole-grid frame -> held frame
         t1 = tl.minimum(tl.maximum(t1 - K0, 0), TK - 1)
         # -- recompute, one corner per iteration (a run-time loop: one corner's rows in flight).
@@ -290,12 +312,15 @@ def _dsa_bwd(
         ds = a * (dov - delta) * sm_scale  # d loss / d <q, k_j>
         dq += ds[:, None] * k_j
 
-        # -- dk, dv: scatter to the 8 corners (fp32 atomics: other queries sample the same rows)
-        gk = ds[:, None] * q
-        gv = a[:, None] * do
-        for c in tl.range(0, 8, loop_unroll_factor=1):
-            tok, w = _corner(c, t0, t1, wt, y0, y1, wy, x0, x1, wx, H, W)
-            _corner_scatter(DK, DV, kv_base, tok, cols, mask2, row_stride, w, gk, gv)
+        if PULL:  # dk, dv: the key-side pass reads ds and a (dsa_triton_pull)
+            tl.store(rec_row + (3 * KS + j) * N, ds, mask=mask_m)
+            tl.store(rec_row + (4 * KS + j) * N, a, mask=mask_m)
+        else:  # dk, dv: scatter to the 8 corners (fp32 atomics: other queries sample the same rows)
+            gk = ds[:, None] * q
+            gv = a[:, None] * do
+            for c in tl.range(0, 8, loop_unroll_factor=1):
+                tok, w = _corner(c, t0, t1, wt, y0, y1, wy, x0, x1, wx, H, W)
+                _corner_scatter(DK, DV, kv_base, tok, cols, mask2, row_stride, w, gk, gv)
 
         # -- d(position): sum_c (d weight_c / d p) e_c, e_c = ds q.k_c + a do.v_c
         doff_ptr = DOFF + off_row + j * 3
@@ -304,6 +329,8 @@ def _dsa_bwd(
         tl.store(doff_ptr + 1, tl.where(in_y, ds * qy + a * vy, 0.0).to(out_ty), mask=mask_m)
         tl.store(doff_ptr + 2, tl.where(in_x, ds * qx + a * vx, 0.0).to(out_ty), mask=mask_m)
 
+    if PULL:  # refused in-band: the key-side pass would miss this query's far corners
+        dq = tl.where(beyond[:, None], float("nan"), dq)
     tl.store(_row_ptrs(DQ, head_base, offs_m, cols, row_stride), dq.to(DQ.dtype.element_ty), mask=mask2)
 
 
@@ -321,9 +348,10 @@ BWD_CONFIGS = [triton.Config({"BLOCK_M": 8}, num_warps=4, num_stages=1),
                triton.Config({"BLOCK_M": 8}, num_warps=8, num_stages=1),
                triton.Config({"BLOCK_M": 16}, num_warps=8, num_stages=1)]
 _TUNE_KEY = ["HEAD_DIM", "KT", "KH", "KW"]
+_BWD_TUNE_KEY = [*_TUNE_KEY, "PULL"]
 _dsa_fwd_tuned = triton.autotune(configs=FWD_CONFIGS, key=_TUNE_KEY)(_dsa_fwd)
 # autotune runs the kernel several times: the atomic targets must restart from zero each time
-_dsa_bwd_tuned = triton.autotune(configs=BWD_CONFIGS, key=_TUNE_KEY, reset_to_zero=["DK", "DV"])(_dsa_bwd)
+_dsa_bwd_tuned = triton.autotune(configs=BWD_CONFIGS, key=_BWD_TUNE_KEY, reset_to_zero=["DK", "DV"])(_dsa_bwd)
 
 
 # -----------------------------------------------------------------------------
@@ -385,42 +413,65 @@ def _dsa_fwd_launch(q, k, v, offsets, win, scale, block_m, slab=None):
     return out, lse
 
 
-def _dsa_bwd_launch(q, k, v, offsets, out, dout, lse, win, scale, block_m, slab=None):
+def _dsa_bwd_launch(q, k, v, offsets, out, dout, lse, win, scale, block_m, slab=None, max_offset=None):
+    """dq, dk, dv, d(offsets). dk and dv come from the key-side pass (``dsa_triton_pull``) when the
+    offsets' bound allows it (``DKV_MODE`` "auto"), else from the query-side pass's fp32 atomics."""
     B, T, H, W, nh, d = q.shape
     N = T * H * W
     kv_args, T = _slab_args(q, k, slab)
     dq = torch.empty_like(q)
-    # dk, dv receive atomics from many programs: fp32 accumulators, cast at the end
-    dk = torch.zeros(k.shape, device=q.device, dtype=torch.float32)
-    dv = torch.zeros(v.shape, device=q.device, dtype=torch.float32)
     doff = torch.empty_like(offsets)
-    args = (q, k, v, offsets, out, dout, lse, dq, dk, dv, doff, scale, scale * LOG2E, N, T, H, W, nh, *kv_args)
-    meta = dict(HEAD_DIM=d, KT=win[0], KH=win[1], KW=win[2], BLOCK_D=_block_d(d))
-    if block_m is None and not INTERPRETED:
-        _dsa_bwd_tuned[lambda m: (triton.cdiv(N, m["BLOCK_M"]), B * nh)](*args, **meta)
-    else:
-        block_m = block_m or _default_block_m(d, backward=True)
-        _dsa_bwd[(triton.cdiv(N, block_m), B * nh)](*args, **meta, BLOCK_M=block_m, num_warps=4, num_stages=1)
-    return dq, dk.to(k.dtype), dv.to(v.dtype), doff
+    bound, why = (None, "DKV_MODE atomic") if DKV_MODE == "atomic" else pull_bound(offsets, max_offset, slab, win[0])
+    log_mode_once("atomic" if bound is None else "pull", why)
+    meta = dict(HEAD_DIM=d, KT=win[0], KH=win[1], KW=win[2], BLOCK_D=_block_d(d), PULL=bound is not None)
+
+    def query_pass(dk, dv, rec, bh0, count, elo, ehi):
+        args = (q, k, v, offsets, out, dout, lse, dq, dk, dv, doff, rec, scale, scale * LOG2E, N, T, H, W, nh,
+                *kv_args, bh0, elo, ehi)
+        if block_m is None and not INTERPRETED:
+            _dsa_bwd_tuned[lambda m: (triton.cdiv(N, m["BLOCK_M"]), count)](*args, **meta)
+        else:
+            bm = block_m or _default_block_m(d, backward=True)
+            _dsa_bwd[(triton.cdiv(N, bm), count)](*args, **meta, BLOCK_M=bm, num_warps=4, num_stages=1)
+
+    if bound is None:
+        # dk, dv receive atomics from many programs: fp32 accumulators, cast at the end
+        dk = torch.zeros(k.shape, device=q.device, dtype=torch.float32)
+        dv = torch.zeros(v.shape, device=q.device, dtype=torch.float32)
+        query_pass(dk, dv, dk, 0, B * nh, 0, 0)  # REC unused
+        return dq, dk.to(k.dtype), dv.to(v.dtype), doff
+    # every key is written once by the key-side pass: the result dtype directly, no zeroing
+    dk, dv = torch.empty_like(k), torch.empty_like(v)
+    K = win[0] * win[1] * win[2]
+    chunk = rec_chunk(B * nh, win, N)
+    rec = torch.empty((chunk, REC_FIELDS, K, N), device=q.device, dtype=torch.float32)
+    elo, ehi = pull_span(bound)
+    grid_args = (N, T, H, W, nh, *kv_args)
+    for bh0 in range(0, B * nh, chunk):
+        count = min(chunk, B * nh - bh0)
+        query_pass(dk, dv, rec, bh0, count, elo, ehi)
+        pull_launch(q, dout, rec, dk, dv, win, bound, grid_args, bh0, count)
+    return dq, dk, dv, doff
 
 
 class _DSATriton(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, offsets, win, scale, block_m, slab=None):
+    def forward(ctx, q, k, v, offsets, win, scale, block_m, slab=None, max_offset=None):
         q, k, v, offsets = (x.contiguous() for x in (q, k, v, offsets))
         _check_launch(q, k, v, offsets)
         out, lse = _dsa_fwd_launch(q, k, v, offsets, win, scale, block_m, slab)
         ctx.save_for_backward(q, k, v, offsets, out, lse)
-        ctx.meta = (win, scale, block_m, slab)
+        ctx.meta = (win, scale, block_m, slab, max_offset)
         return out
 
     @staticmethod
     def backward(ctx, dout):
         q, k, v, offsets, out, lse = ctx.saved_tensors
-        win, scale, block_m, slab = ctx.meta
+        win, scale, block_m, slab, max_offset = ctx.meta
         dout = dout.contiguous().to(q.dtype)
-        dq, dk, dv, doff = _dsa_bwd_launch(q, k, v, offsets, out, dout, lse, win, scale, block_m, slab)
-        return dq, dk, dv, doff, None, None, None, None
+        dq, dk, dv, doff = _dsa_bwd_launch(q, k, v, offsets, out, dout, lse, win, scale, block_m, slab,
+                                             max_offset)
+        return dq, dk, dv, doff, None, None, None, None, None
 
 
 def dsa_triton(
@@ -431,34 +482,40 @@ def dsa_triton(
     window: Sequence[int],
     scale: float | None = None,
     block_m: int | None = None,
+    max_offset: float | None = None,
 ) -> torch.Tensor:
     """3D-DSA with the fused Triton kernels (CUDA; CPU only under TRITON_INTERPRET=1).
 
     Same arguments and result as ``dsa_reference``; q/k/v in fp16/bf16/fp32 (computed
     in fp32), offsets in fp16/bf16/fp32. ``block_m`` (a power of two, >= 16) is queries
     per program for forward and backward; default: a heuristic on the head dim.
+    ``max_offset``: a bound on ``|offsets|`` the caller guarantees; the backward's key-side pass
+    (``dsa_triton_pull``) uses it instead of measuring the offsets (a host sync). A query with an
+    offset beyond it gets a NaN ``dq``.
     """
     win = validate_dsa_inputs(q, k, v, offsets, window)
-    return _gather_validated(q, k, v, offsets, win, scale, block_m)
+    return _gather_validated(q, k, v, offsets, win, scale, block_m, max_offset=max_offset)
 
 
 def dsa_triton_slab(q, k, v, offsets, window, q_start: int, kv_start: int, frames: int,
-                    scale: float | None = None, block_m: int | None = None) -> torch.Tensor:
+                    scale: float | None = None, block_m: int | None = None,
+                    max_offset: float | None = None) -> torch.Tensor:
     """``dsa_slab`` (the queries of some frames against the frames of k, v they reach) with the
-    fused kernels: same arguments and result as ``dsa_reference.dsa_slab``."""
+    fused kernels: same arguments and result as ``dsa_reference.dsa_slab``; ``max_offset`` as
+    ``dsa_triton``."""
     win = validate_slab_inputs(q, k, v, offsets, window, q_start, kv_start, frames)
     slab = (k.shape[1], int(frames), int(q_start), int(kv_start))
-    return _gather_validated(q, k, v, offsets, win, scale, block_m, slab)
+    return _gather_validated(q, k, v, offsets, win, scale, block_m, slab, max_offset)
 
 
 def _gather_validated(q, k, v, offsets, win: tuple[int, int, int], scale: float | None, block_m: int | None,
-                     slab=None) -> torch.Tensor:
+                     slab=None, max_offset: float | None = None) -> torch.Tensor:
     """The gather kernels on inputs an entry point has validated (``win``: its window tuple);
     ``dsa_triton``, ``dsa_triton_slab`` and the tiled kernels' fallback call it."""
     if block_m is not None and (block_m < 16 or block_m & (block_m - 1)):
         raise ValueError(f"block_m must be a power of two >= 16, got {block_m}")
     scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
-    return _DSATriton.apply(q, k, v, offsets, win, scale, block_m, slab)
+    return _DSATriton.apply(q, k, v, offsets, win, scale, block_m, slab, max_offset)
 
 
 # -----------------------------------------------------------------------------
@@ -469,20 +526,36 @@ _AOT_DTYPES = {"bf16": "*bf16", "fp16": "*fp16", "fp32": "*fp32"}
 
 def aot_variants(shape) -> list[dict]:
     """What the launchers above compile for ``shape`` (an object with ``dtype`` ("bf16"/"fp32"),
-    ``head_dim`` and ``window``): forward and backward at the default block size, as dicts for
-    ``benchmarks.gpu_check.compile.Variant``. The slab path launches the same kernels."""
+    ``head_dim``, ``window`` and ``max_offset``): forward and backward at every autotune config, as
+    dicts for ``benchmarks.gpu_check.compile.Variant``. The backward in both modes: ``pull`` (the
+    query-side pass writing records; with ``max_offset`` within ``PULL_MAX_OFFSET`` the one that
+    runs) and ``atomic`` (larger or unknown offsets), then the key-side pass
+    (``dsa_triton_pull``). The slab path launches the same kernels."""
+    from .dsa_triton_pull import PULL_MAX_OFFSET
+    from .dsa_triton_pull import aot_variants as pull_variants
+
     t = _AOT_DTYPES[shape.dtype]
     d = shape.head_dim
+    pull = shape.max_offset is not None and shape.max_offset <= PULL_MAX_OFFSET
     out = []
     for fn, configs in ((_dsa_fwd, FWD_CONFIGS), (_dsa_bwd, BWD_CONFIGS)):
         ptrs = {n: t for n in ("Q", "Kx", "V", "OFF", "OUT", "DOUT", "DQ", "DOFF") if n in fn.arg_names}
-        ptrs.update({n: "*fp32" for n in ("LSE", "DK", "DV") if n in fn.arg_names})
+        ptrs.update({n: "*fp32" for n in ("LSE", "DK", "DV", "REC") if n in fn.arg_names})
+        modes = ((True, pull), (False, not pull)) if fn is _dsa_bwd else ((None, True),)
         for cfg in configs:
-            consts = dict(HEAD_DIM=d, KT=shape.window[0], KH=shape.window[1], KW=shape.window[2],
-                          BLOCK_D=_block_d(d), **cfg.kwargs)
-            out.append(dict(kernel=f"gather{'_bwd' if fn is _dsa_bwd else '_fwd'}", fn=fn,
-                            signature=signature_for(fn, ptrs, ("qk_scale", "sm_scale"), consts),
-                            constexprs=consts, attrs=aligned_pointer_attrs(fn, ptrs), num_warps=cfg.num_warps,
-                            num_stages=cfg.num_stages, config=f"BLOCK_M={cfg.kwargs['BLOCK_M']}",
-                            tensor_cores=False))
+            for mode, runs in modes:
+                consts = dict(HEAD_DIM=d, KT=shape.window[0], KH=shape.window[1], KW=shape.window[2],
+                              BLOCK_D=_block_d(d), **cfg.kwargs)
+                name = "gather_fwd"
+                if mode is not None:
+                    consts["PULL"] = mode
+                    name = "gather_bwd_pull" if mode else "gather_bwd_atomic"
+                out.append(dict(kernel=name, fn=fn,
+                                signature=signature_for(fn, ptrs, ("qk_scale", "sm_scale"), consts),
+                                constexprs=consts, attrs=aligned_pointer_attrs(fn, ptrs), num_warps=cfg.num_warps,
+                                num_stages=cfg.num_stages, config=f"BLOCK_M={cfg.kwargs['BLOCK_M']}",
+                                tensor_cores=False,
+                                note="" if runs else "the other backward mode at this bound (compiled for the record)"))
+    if pull:
+        out += pull_variants(shape)
     return out

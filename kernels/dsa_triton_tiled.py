@@ -641,9 +641,9 @@ def dsa_triton_tiled(
     plan, why = tiled_plan_for(q, offsets, win, max_offset)
     if plan is None:
         _log_fallback("halo", key, why)
-        return _gather_validated(q, k, v, offsets, win, scale_f, block_m)
+        return _gather_validated(q, k, v, offsets, win, scale_f, block_m, max_offset=max_offset)
     try:
         return _DSATiled.apply(q, k, v, offsets, win, scale_f, plan)
     except (triton.CompilationError, triton.OutOfResources) as e:  # e.g. too many registers
         _log_fallback("compile", key, f"{type(e).__name__}: {str(e)[:300]}")
-        return _gather_validated(q, k, v, offsets, win, scale_f, block_m)
+        return _gather_validated(q, k, v, offsets, win, scale_f, block_m, max_offset=max_offset)

@@ -74,10 +74,20 @@ def test_gather_autotune_lists_are_what_the_check_compiles():
     from kernels import aot_variants, dsa_triton
 
     shape = aot.preset_shapes()[0]
-    listed = [(v["kernel"], v["constexprs"]["BLOCK_M"], v["num_warps"], v["num_stages"]) for v in aot_variants(shape)]
+    from kernels.dsa_triton_pull import pull_config, pull_span
+
+    variants = aot_variants(shape)
+    listed = [(v["kernel"], v["constexprs"]["BLOCK_M"], v["num_warps"], v["num_stages"]) for v in variants
+              if v["kernel"].startswith("gather")]
     tuned = ([("gather_fwd", c.kwargs["BLOCK_M"], c.num_warps, c.num_stages) for c in dsa_triton.FWD_CONFIGS]
-             + [("gather_bwd", c.kwargs["BLOCK_M"], c.num_warps, c.num_stages) for c in dsa_triton.BWD_CONFIGS])
+             + [(f"gather_bwd_{mode}", c.kwargs["BLOCK_M"], c.num_warps, c.num_stages) for c in dsa_triton.BWD_CONFIGS
+                for mode in ("pull", "atomic")])
     assert listed == tuned
+    # the key-side pass: the launcher's one config, for dk and for dv
+    cfg = pull_config(shape.head_dim, shape.window, *pull_span(shape.max_offset))
+    pulls = [(v["kernel"], v["constexprs"]["BXP"], v["constexprs"]["QXP"], v["num_warps"]) for v in variants
+             if v["kernel"].startswith("pull")]
+    assert pulls == [(k, cfg["BXP"], cfg["QXP"], cfg["num_warps"]) for k in ("pull_dk", "pull_dv")]
 
 
 @pytest.mark.slow  # about 30 s on 2 cores: every config at the presets' shapes, for sm_90
@@ -91,10 +101,14 @@ def test_sm90_compile_only_check_passes_at_the_preset_shapes(tmp_path):
     recs = report["records"]
     shapes = {(r["head_dim"], tuple(r["window"])) for r in recs}
     assert shapes == {(d, w) for d in (64, 128) for w in ((3, 5, 5), (3, 7, 7))}
-    assert {r["kernel"] for r in recs} == {"gather_fwd", "gather_bwd"}
+    assert {r["kernel"] for r in recs} == {"gather_fwd", "gather_bwd_pull", "gather_bwd_atomic", "pull_dk", "pull_dv"}
     for r in recs:
         assert r["ok"] and r["spill_stores"] == 0 and r["smem"] <= aot.SMEM_PER_BLOCK[90], r
         assert r["compile_s"] < 60, r
+        if r["kernel"] in ("pull_dk", "pull_dv", "gather_bwd_pull"):  # the backward that runs: no float atomics
+            assert r["atomics_f32"] == 0, r
+        if r["kernel"].startswith("pull"):  # its products on Hopper's tensor cores, 2 blocks per SM
+            assert r["dot"] == "wgmma" and r["blocks_per_sm"] >= 2, r
     assert report["predictions"] and all(p["ms_per_layer"] > 0 for p in report["predictions"])
     assert "every config the product may pick launches" in proc.stdout
 

@@ -28,6 +28,8 @@ from __future__ import annotations
 import math
 from dataclasses import asdict, dataclass
 
+PULL_MAX_OFFSET = 3.0  # kernels.dsa_triton_pull.PULL_MAX_OFFSET (not imported: this module needs no triton)
+
 
 @dataclass(frozen=True)
 class Chip:
@@ -85,6 +87,41 @@ def gather_costs(tokens: int, window, head_dim: int, dtype_bytes: int = 2, off_b
     return [fwd, bwd]
 
 
+def pull_costs(grid, window, head_dim: int, bound: float, dtype_bytes: int = 2) -> list[Cost]:
+    """The gather backward in its pull mode for one head: the query-side pass (the atomic mode's
+    work without the scatter: ``52 d`` FLOPs per (query, sample) instead of ``84 d``, plus one
+    20-byte record written per (query, sample)) and the key-side pass (``dsa_triton_pull``: two
+    launches, dk and dv). Per key tile of ``BX`` keys and per launch, the key-side pass walks
+    about ``(KT E)(KH E) KW`` slot iterations (``E = ELO + EHI + 1`` base offsets per axis; all
+    counted as reaching the tile, the worst case). Each iteration does ``~20`` lane operations
+    on ``QXP`` candidates and ``~6`` per element on the ``(BXP, QXP)`` weight tile, reading 4
+    record fields from L1. Each candidate row costs two tensor-core dots, the high and low
+    halves: ``2 x 2 BXP QXP d`` FLOPs. Lane operations count as FMA issue slots (2 FLOPs)."""
+    from kernels.dsa_triton_pull import pull_config, pull_span  # lazy: imports triton
+
+    T, H, W = grid
+    K = math.prod(window)
+    kt, kh, kw = window
+    N, d, e = math.prod(grid), head_dim, dtype_bytes
+    elo, ehi = pull_span(bound)
+    span = elo + ehi + 1
+    cfg = pull_config(d, window, elo, ehi)
+    bxp, qxp = cfg["BXP"], cfg["QXP"]
+    tiles = T * H * math.ceil(W / cfg["BX"])
+    rows = min(T, kt + span - 1) * min(H, kh + span - 1)
+    iters = min(T, kt * span) * min(H, kh * span) * kw
+    lane_ops = iters * (20 * qxp + 6 * bxp * qxp)
+    per_launch = dict(fma_flops=2.0 * lane_ops * tiles, tc_flops=2 * 2.0 * rows * bxp * qxp * d * tiles,
+                      dram_bytes=N * K * 4 * 4 + 2 * N * d * e, l1_bytes=tiles * (iters * qxp * 4 * 4 + rows * qxp * d * e),
+                      atomic_bytes=0.0)
+    key_side = Cost("pull_dk+dv", N, K, d, **{k: 2 * v for k, v in per_launch.items()})
+    row = d * e
+    query_side = Cost("gather_bwd_pull", N, K, d, fma_flops=52.0 * N * K * d, tc_flops=0.0,
+                      dram_bytes=N * (7 * row + 4 + 6 * K * e) + N * K * 20, l1_bytes=N * K * 16 * row,
+                      atomic_bytes=0.0)
+    return [query_side, key_side]
+
+
 def flash_seconds(tokens: int, head_dim: int, chip: Chip) -> dict:
     """FlashAttention-3 on the same tokens, dense, one head: forward and backward."""
     f = 4.0 * tokens * tokens * head_dim
@@ -110,11 +147,14 @@ def predictions(shapes, heads: dict | None = None) -> list[dict]:
         N = math.prod(s.grid)
         K = math.prod(s.window)
         nh = (heads or {}).get(s.head_dim, 1)
-        costs = gather_costs(N, s.window, s.head_dim, 2 if s.dtype == "bf16" else 4)
+        e = 2 if s.dtype == "bf16" else 4
+        costs = list(zip(gather_costs(N, s.window, s.head_dim, e), ("fwd", "bwd")))
+        if s.max_offset is not None and s.max_offset <= PULL_MAX_OFFSET:  # the backward mode that runs there
+            costs += [(c, "bwd") for c in pull_costs(s.grid, s.window, s.head_dim, s.max_offset, e)]
         for chip in CHIPS:
             fl = flash_seconds(N, s.head_dim, chip)
             an = anchor_seconds(N, K, s.head_dim, chip)
-            for c, pass_ in zip(costs, ("fwd", "bwd")):
+            for c, pass_ in costs:
                 t = c.seconds(chip)
                 rows.append({"shape": s.label, "chip": chip.name, "kernel": c.kernel, "pass": pass_, "heads": nh,
                              "ms_per_layer": 1e3 * t["seconds"] * nh, "bound": t["bound"],

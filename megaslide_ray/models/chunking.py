@@ -124,15 +124,17 @@ def time_slabs(chunk: int, grid: Sequence[int], window_t: int, max_offset: float
 
 def slab_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, off: torch.Tensor | None,
                    t0: int, a: int, frames: int, window: tuple[int, int, int], scale: float | None,
-                   backend: str = "auto") -> torch.Tensor:
+                   backend: str = "auto", max_offset: float | None = None) -> torch.Tensor:
     """3D-DSA of the slab's queries ``q (B, Ts, H, W, nh, d)`` (frames ``[t0, t0 + Ts)``) against
     ``k, v`` holding frames ``[a, a + Tk)`` of a ``frames``-frame clip; ``off``: the slab's
     offsets, or None for zero offsets (neighborhood); ``backend``: the DSA kernel
-    (``attention.backend``)."""
+    (``attention.backend``); ``max_offset``: the offsets' bound where known (the Triton
+    backward then does not measure it)."""
     if off is None:
         B, Ts, H, W, nh, _ = q.shape
         off = q.new_zeros(B, Ts, H, W, nh, window[0] * window[1] * window[2], 3)
-    return deformable_slide_attention_slab(q, k, v, off, window, t0, a, frames, scale=scale, backend=backend)
+    return deformable_slide_attention_slab(q, k, v, off, window, t0, a, frames, scale=scale, backend=backend,
+                                           max_offset=max_offset)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -249,7 +251,7 @@ def slabbed_attention(x: torch.Tensor, qkv: torch.Tensor, chunk: int, heads: int
             off = None
             if offsets is not None:
                 off = offsets(xe, *args[:n_off])[:, t0 - e0:t1 - e0]
-            o = slab_attention(q, k, v, off, t0, a, T, window, scale, backend)
+            o = slab_attention(q, k, v, off, t0, a, T, window, scale, backend, bound)
             return residual(xe[:, t0 - e0:t1 - e0], o.reshape(B, t1 - t0, H, W, D), *args[n_off:])
 
         outs.append(checkpointed(slab, x_ranges(e0, e1), qkv_ranges(t0, t1), qkv_ranges(a, b),

@@ -1,0 +1,298 @@
+"""The gather kernels' key-side backward for dk and dv: each key tile pulls what the samples that
+reach it owe it, so no float atomics and a deterministic result.
+
+Why
+  The gather backward (``dsa_triton._dsa_bwd``) owns queries. A sample's key gradient lands on its
+  8 trilinear corners, which other programs' samples hit too, so in its atomic mode it adds
+  ``16 d`` fp32 values per (query, sample) with global atomics. That is the largest term of its
+  cost model (benchmarks/gpu_check/cost.py), and it makes the result differ from run to run.
+
+Two passes (the pull mode of the gather backward)
+  1. The query-side pass (``_dsa_bwd`` with ``PULL``) computes ``dq`` and the offsets' gradient as
+     before. Instead of the atomics it writes one record per (query, sample) to a scratch buffer
+     ``REC (BH, 5, K, N)`` fp32: the clamped sample position ``(p_t, p_y, p_x)`` on the whole grid,
+     ``ds`` (the score gradient, softmax scale included) and ``a`` (the probability).
+     Then ``dk[n] = sum ds w_n(p) q`` and ``dv[n] = sum a w_n(p) do`` over the samples whose
+     corners include key ``n``; ``w_n(p)`` is the trilinear weight of ``p`` on ``n``.
+  2. The key-side pass (``_dsa_pull_dkv``, this module). One program owns a row segment of ``BX``
+     keys (one frame, one row, one (batch, head)). Which samples can reach them is bounded by
+     the offsets' bound ``M`` (``|offset| <= M``). The sample of window slot ``j`` of query ``q``
+     has base ``b = s(q) + j``. Here ``s`` is the window start, shifted inward at borders. Its
+     position lies in ``[b - M, b + M]``, so it reaches key ``n`` only if
+     ``b - n in [-(floor(M) + 1), ceil(M)]`` on every axis. The program walks the candidate query
+     rows ``(qt, qy)`` (scalar loops whose slot ranges follow from that bound). On each row the
+     candidate queries are a run of ``QXP`` consecutive ``x``. For each slot ``j`` allowed on
+     both scalar axes, the program loads the records of those queries (coalesced). It weights
+     them by the ``t`` and ``y`` tents at the tile's frame and row, and spreads them over the
+     tile's keys with the ``x`` tent. That gives two ``(BX, QXP)`` matrices per row, ``G_k`` and
+     ``G_v``. Then ``dk_tile += G_k @ Q_row`` and ``dv_tile += G_v @ dO_row``, with ``tl.dot``
+     on tensor cores at bf16/fp16. ``G`` is split into a high and a low half (two dots) so the
+     result keeps the fp32 path's precision; fp32 inputs use ``ieee`` dots. Every key belongs to
+     one program, so the stores are plain and the summation order is fixed.
+
+When it runs
+  When the offsets' bound ``M`` is known and small: the caller's ``max_offset`` (the model's
+  tanh-bounded offset head passes it: no host sync), else ``max |offsets|`` measured per backward
+  call (a reduction and a host sync). Up to ``PULL_MAX_OFFSET`` (the candidate set grows as
+  ``(2M + 2)^3``). With a given bound, the query-side pass checks each sample against it: a query
+  whose sample lies beyond it gets a NaN ``dq`` row. The key-side pass would miss that sample's
+  corners, so the result is refused rather than wrong. Slab calls take the pull only when the
+  held frames contain every corner the bound allows. Otherwise the atomic mode runs, and the
+  first such call per reason is logged.
+
+Verification status (Caution)
+  Verified under the Triton CPU interpreter against ``dsa_reference`` (tests/test_dsa_pull.py)
+  and compiled for sm_90 (``python -m benchmarks.gpu_check --compile-only``); not yet run on a GPU.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+
+import torch
+import triton
+import triton.language as tl
+
+from .aot import aligned_pointer_attrs, signature_for
+
+__all__ = ["pull_bound", "pull_launch", "PULL_MAX_OFFSET", "REC_BUDGET_BYTES", "pull_config", "aot_variants"]
+
+log = logging.getLogger(__name__)
+
+PULL_MAX_OFFSET = 3.0  # beyond it the candidate set ((2M+2)^3 per key) costs more than the atomics
+REC_BUDGET_BYTES = 1 << 30  # scratch records per launch; (batch, head) pairs are done in chunks within it
+REC_FIELDS = 5  # p_t, p_y, p_x, ds, a
+_LOGGED: set[str] = set()
+
+try:  # as dsa_triton.INTERPRETED (not imported from there: dsa_triton imports this module)
+    INTERPRETED = bool(triton.knobs.runtime.interpret)
+except AttributeError:  # triton < 3.4
+    import os
+
+    INTERPRETED = os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+@triton.jit
+def _reach(n_lo, n_hi, ELO, EHI, SIZE, KWIN: tl.constexpr):
+    """Queries along one axis whose window slots (bases ``s(q) + j``) lie in
+    ``[n_lo - ELO, n_hi + EHI]`` for some slot: the ``[q_lo, q_hi]`` run (``s`` is monotone)."""
+    s_min = n_lo - ELO - (KWIN - 1)
+    s_max = n_hi + EHI
+    q_lo = tl.where(s_min <= 0, 0, s_min + KWIN // 2)
+    q_hi = tl.where(s_max >= SIZE - KWIN, SIZE - 1, s_max + KWIN // 2)
+    return q_lo, q_hi
+
+
+@triton.jit
+def _tent(p, n, SIZE):
+    """Trilinear weight of the clamped position ``p`` on grid index ``n`` along one axis (the
+    corners of ``dsa_triton._axis_position``: ``i0 = floor p``, ``i1 = min(i0 + 1, SIZE - 1)``)."""
+    i0 = p.to(tl.int32)  # p >= 0: truncation is floor
+    f = p - i0.to(tl.float32)
+    i1 = tl.minimum(i0 + 1, SIZE - 1)
+    return tl.where(i0 == n, 1.0 - f, 0.0) + tl.where(i1 == n, f, 0.0)
+
+
+@triton.jit
+def _split_dot(acc, g, rows, IEEE: tl.constexpr, WIDEN: tl.constexpr):
+    """``acc + g @ rows`` with ``g`` fp32: an ``ieee`` dot for fp32 rows, else ``g`` split into a
+    high and a low half in the rows' dtype (two tensor-core dots, fp32 accumulation).
+    ``WIDEN`` (the interpreter): the halves are widened back first, since triton 3.9's interpreter
+    multiplies the raw bits of bf16 tiles; the products are the same."""
+    if IEEE:
+        acc = tl.dot(g, rows, acc, input_precision="ieee")
+    else:
+        hi = g.to(rows.dtype)
+        lo = (g - hi.to(tl.float32)).to(rows.dtype)
+        if WIDEN:
+            wide = rows.to(tl.float32)
+            acc = tl.dot(hi.to(tl.float32), wide, acc, input_precision="ieee")
+            acc = tl.dot(lo.to(tl.float32), wide, acc, input_precision="ieee")
+        else:
+            acc = tl.dot(hi, rows, acc)
+            acc = tl.dot(lo, rows, acc)
+    return acc
+
+
+@triton.jit
+def _dsa_pull_dkv(
+    X, REC, DX,  # X: q (for dk) or dout (for dv); DX: dk or dv
+    N, T, H, W, NH,
+    NK, TK, Q0, K0, BH0,
+    ELO, EHI,  # a sample reaches key n only if its base b has b - n in [-ELO, EHI] on every axis
+    HEAD_DIM: tl.constexpr,
+    KT: tl.constexpr, KH: tl.constexpr, KW: tl.constexpr,
+    BX, BXP: tl.constexpr, QXP: tl.constexpr, BLOCK_D: tl.constexpr,  # BX keys per tile on BXP rows
+    COEF: tl.constexpr,  # the record field that weighs X's rows: 3 (ds: dk) or 4 (a: dv)
+    WIDEN: tl.constexpr = False,  # under the interpreter: half dots widened (``_split_dot``)
+):
+    pid = tl.program_id(0)
+    rec_bh = tl.program_id(1)
+    pid_bh = BH0 + rec_bh
+    b = pid_bh // NH
+    h = pid_bh % NH
+    KS: tl.constexpr = KT * KH * KW
+    IEEE: tl.constexpr = X.dtype.element_ty == tl.float32
+    TQ = N // (H * W)  # query frames [Q0, Q0 + TQ) of the whole grid's T
+    row_stride = NH * HEAD_DIM
+    head_base = b.to(tl.int64) * N * row_stride + h * HEAD_DIM  # X rows
+    kv_base = b.to(tl.int64) * NK * row_stride + h * HEAD_DIM  # DX rows
+
+    # -- the key tile: BX keys of one held frame and row
+    tiles_x = tl.cdiv(W, BX)
+    kt_l = pid // (H * tiles_x)
+    ky = (pid // tiles_x) % H
+    x0 = (pid % tiles_x) * BX
+    kt = K0 + kt_l  # frame on the whole grid
+    nx = x0 + tl.arange(0, BXP)
+    key_ok = (tl.arange(0, BXP) < BX) & (nx < W)
+    cols = tl.arange(0, BLOCK_D)
+    col_ok = cols < HEAD_DIM
+
+    # -- candidate queries: a box of rows (qt, qy), each a run of QXP consecutive x
+    qt_lo, qt_hi = _reach(kt, kt, ELO, EHI, T, KT)
+    qt_lo = tl.maximum(qt_lo, Q0)
+    qt_hi = tl.minimum(qt_hi, Q0 + TQ - 1)
+    qy_lo, qy_hi = _reach(ky, ky, ELO, EHI, H, KH)
+    qy_hi = tl.minimum(qy_hi, H - 1)
+    qx_lo, qx_hi = _reach(x0, tl.minimum(x0 + BX - 1, W - 1), ELO, EHI, W, KW)
+    qx_hi = tl.minimum(qx_hi, W - 1)
+    qx = qx_lo + tl.arange(0, QXP)
+    lane_ok = qx <= qx_hi
+    row_mask = lane_ok[:, None] & col_ok[None, :]
+
+    rec_base = REC + rec_bh.to(tl.int64) * (5 * KS * N)
+    FIELD = KS * N  # elements between a record's fields
+    acc = tl.zeros([BXP, BLOCK_D], dtype=tl.float32)
+    for qt in tl.range(qt_lo, qt_hi + 1, loop_unroll_factor=1):
+        st = tl.minimum(tl.maximum(qt - KT // 2, 0), T - KT)
+        jt_lo = tl.maximum(kt - ELO - st, 0)
+        jt_hi = tl.minimum(kt + EHI - st, KT - 1)
+        for qy in tl.range(qy_lo, qy_hi + 1, loop_unroll_factor=1):
+            sy = tl.minimum(tl.maximum(qy - KH // 2, 0), H - KH)
+            jy_lo = tl.maximum(ky - ELO - sy, 0)
+            jy_hi = tl.minimum(ky + EHI - sy, KH - 1)
+            tok = ((qt - Q0) * H + qy) * W + qx  # the row's candidate queries
+            g = tl.zeros([BXP, QXP], dtype=tl.float32)
+            for jt in tl.range(jt_lo, jt_hi + 1, loop_unroll_factor=1):
+                for jy in tl.range(jy_lo, jy_hi + 1, loop_unroll_factor=1):
+                    for jx in tl.range(0, KW, loop_unroll_factor=1):
+                        rec = rec_base + ((jt * KH + jy) * KW + jx) * N + tok
+                        w_ty = (_tent(tl.load(rec, mask=lane_ok, other=0.0), kt, T)
+                                * _tent(tl.load(rec + FIELD, mask=lane_ok, other=0.0), ky, H))
+                        w_ty = tl.where(lane_ok, w_ty, 0.0)
+                        if tl.max(w_ty, axis=0) > 0.0:  # else no sample of this slot reaches the tile's row
+                            px = tl.load(rec + 2 * FIELD, mask=lane_ok, other=0.0)
+                            c = w_ty * tl.load(rec + COEF * FIELD, mask=lane_ok, other=0.0)
+                            i0 = px.to(tl.int32)  # the x tent, spread over the tile's keys
+                            f = px - i0.to(tl.float32)
+                            i1 = tl.minimum(i0 + 1, W - 1)
+                            g += (tl.where(i0[None, :] == nx[:, None], ((1.0 - f) * c)[None, :], 0.0)
+                                  + tl.where(i1[None, :] == nx[:, None], (f * c)[None, :], 0.0))  # (BXP, QXP)
+            rows = tl.load(X + head_base + tok.to(tl.int64)[:, None] * row_stride + cols[None, :],
+                           mask=row_mask, other=0.0)
+            acc = _split_dot(acc, g, rows, IEEE, WIDEN)
+
+    key_tok = (kt_l * H + ky) * W + nx
+    out_mask = key_ok[:, None] & col_ok[None, :]
+    out_off = kv_base + key_tok.to(tl.int64)[:, None] * row_stride + cols[None, :]
+    tl.store(DX + out_off, acc.to(DX.dtype.element_ty), mask=out_mask)
+
+
+# -----------------------------------------------------------------------------
+# Host side
+
+
+def pull_config(head_dim: int, window, elo: int, ehi: int) -> dict:
+    """The key-side pass's launch configuration: tiles of ``BX`` keys on ``BXP = 64`` rows (the
+    ``wgmma`` M), and ``QXP`` candidate queries per row, which must cover
+    ``BX + KW - 1 + ELO + EHI``: 64 when that leaves at least 32 keys per tile (54 at 3x7x7 with
+    ``max_offset`` 1.5), else 128."""
+    reach = window[2] - 1 + elo + ehi
+    qxp = 64 if 64 - reach >= 32 else 128
+    return dict(BX=min(64, qxp - reach), BXP=64, QXP=qxp, num_warps=4)
+
+
+def pull_span(bound: float) -> tuple[int, int]:
+    """``(ELO, EHI)``: a sample with ``|offset| <= bound`` reaches key ``n`` only from a base ``b``
+    with ``b - n`` in ``[-ELO, EHI]`` (its corners are ``floor(p)`` and ``floor(p) + 1`` with
+    ``p`` in ``[b - bound, b + bound]``)."""
+    return math.floor(bound) + 1, math.ceil(bound)
+
+
+def pull_bound(offsets: torch.Tensor, max_offset: float | None, slab=None, window_t: int = 1) -> tuple[float | None, str]:
+    """The offsets' bound for the pull mode, or ``(None, why)`` when the atomic mode must run.
+    ``max_offset`` (the caller's guarantee) when given, else ``max |offsets|`` measured."""
+    if max_offset is not None:
+        bound, src = float(max_offset), "max_offset"
+    else:
+        bound, src = float(offsets.detach().abs().amax()) if offsets.numel() else 0.0, "measured"
+    if not math.isfinite(bound):
+        return None, f"non-finite offsets ({src} {bound})"
+    if bound > PULL_MAX_OFFSET:
+        return None, f"offsets up to {bound:.3g} ({src}) exceed the key-side pass's {PULL_MAX_OFFSET}"
+    if slab is not None:
+        tk, frames, q0, k0 = slab
+        tq = offsets.shape[1]
+        elo, ehi = pull_span(bound)
+
+        def start(t):
+            return min(max(t - window_t // 2, 0), frames - window_t)
+        lo = max(0, start(q0) - ehi)
+        hi = min(frames - 1, start(q0 + tq - 1) + window_t - 1 + elo)
+        if lo < k0 or hi > k0 + tk - 1:
+            return None, (f"the slab's k, v hold frames [{k0}, {k0 + tk}) but offsets up to {bound:.3g} "
+                          f"reach [{lo}, {hi}]")
+    return bound, src
+
+
+def log_mode_once(mode: str, why: str) -> None:
+    if why not in _LOGGED:
+        _LOGGED.add(why)
+        level = logging.INFO if mode == "pull" else logging.WARNING
+        log.log(level, "3D-DSA gather backward: dk, dv by %s (%s)", "the key-side pass" if mode == "pull"
+                else "fp32 atomics", why)
+
+
+def rec_chunk(bh: int, window, tokens: int) -> int:
+    """(batch, head) pairs per launch so the scratch records stay within ``REC_BUDGET_BYTES``."""
+    per = REC_FIELDS * math.prod(window) * tokens * 4
+    return max(1, min(bh, REC_BUDGET_BYTES // per))
+
+
+def pull_launch(q, dout, rec, dk, dv, win, bound, grid_args, bh0: int, bh_count: int):
+    """The key-side pass for (batch, head) pairs ``[bh0, bh0 + bh_count)`` (``rec`` holds theirs)."""
+    N, T, H, W, nh, NK, TK, Q0, K0 = grid_args
+    elo, ehi = pull_span(bound)
+    cfg = pull_config(q.shape[-1], win, elo, ehi)
+    d = q.shape[-1]
+    grid = (TK * H * triton.cdiv(W, cfg["BX"]), bh_count)
+    for x, dx, coef in ((q, dk, 3), (dout, dv, 4)):  # two launches: one (BX, QXP) weight tile live, not two
+        _dsa_pull_dkv[grid](x, rec, dx, N, T, H, W, nh, NK, TK, Q0, K0, bh0, elo, ehi,
+                            BX=cfg["BX"], HEAD_DIM=d, KT=win[0], KH=win[1], KW=win[2], BXP=cfg["BXP"], QXP=cfg["QXP"],
+                            BLOCK_D=max(16, triton.next_power_of_2(d)), COEF=coef, WIDEN=INTERPRETED, num_warps=cfg["num_warps"],
+                            num_stages=1)
+
+
+_AOT_DTYPES = {"bf16": "*bf16", "fp16": "*fp16", "fp32": "*fp32"}
+
+
+def aot_variants(shape) -> list[dict]:
+    """The key-side pass as the launcher compiles it at ``shape`` (dtype, head dim, window,
+    ``max_offset``), for the compile-only check."""
+    t = _AOT_DTYPES[shape.dtype]
+    d = shape.head_dim
+    elo, ehi = pull_span(shape.max_offset if shape.max_offset is not None else 0.0)
+    cfg = pull_config(d, shape.window, elo, ehi)
+    fn = _dsa_pull_dkv
+    ptrs = {"X": t, "DX": t, "REC": "*fp32"}
+    out = []
+    for coef, name in ((3, "pull_dk"), (4, "pull_dv")):
+        consts = dict(HEAD_DIM=d, KT=shape.window[0], KH=shape.window[1], KW=shape.window[2], BXP=cfg["BXP"],
+                      QXP=cfg["QXP"], BLOCK_D=max(16, triton.next_power_of_2(d)), COEF=coef, WIDEN=False)
+        out.append(dict(kernel=name, fn=fn, signature=signature_for(fn, ptrs, (), consts), constexprs=consts,
+                        attrs=aligned_pointer_attrs(fn, ptrs), num_warps=cfg["num_warps"], num_stages=1,
+                        config=f"BX={cfg['BX']},QXP={cfg['QXP']}",
+                        tensor_cores=shape.dtype != "fp32"))  # fp32: ieee dots, on CUDA cores
+    return out
