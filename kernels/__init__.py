@@ -15,9 +15,11 @@ backend per call:
 - ``"chunked"``: ``dsa_reference_chunked`` (the reference's math, queries in chunks,
   backward recomputes: bounded memory, reference speed).
 - ``"triton_gather"``: the gather Triton kernels (``dsa_triton``: a strip of queries per
-  program, one trilinear corner per loop iteration, per-corner dk/dv atomics; CUDA-core FMAs).
-  Every autotune config compiles for sm_90 at the presets' shapes without spills (the
-  compile-only check, ``python -m benchmarks.gpu_check --compile-only``).
+  program, one trilinear corner per loop iteration, CUDA-core FMAs). The backward sums dk, dv
+  with the key-side pass (``dsa_triton_pull``): tensor-core dots, no atomics, deterministic.
+  It runs for offsets bounded by at most ``PULL_MAX_OFFSET``; larger offsets use per-corner
+  fp32 atomics. Every autotune config compiles for sm_90 at the presets' shapes without spills
+  (the compile-only check, ``python -m benchmarks.gpu_check --compile-only``).
 - ``"triton"``: the tiled Triton kernels (``dsa_triton_tiled``: 3D query tiles of 16-64
   queries, a staged key/value halo, ``tl.dot``, dk/dv with one atomic per halo element per
   tile); where the halo of the call's offsets does not fit a tile (or the tiled kernel fails to
@@ -98,8 +100,8 @@ def pick_cuda_kernel(q: torch.Tensor) -> tuple[str, str]:
     not (its 16-query tiles find no halo at the presets' grids with ``max_offset`` 1.5, and where
     a halo fits its configs exceed a Hopper block's shared memory or spill: benchmarks/RESULTS.md)."""
     return "triton_gather", ("gather kernel: every config compiles for sm_90 without spills at head dim "
-                             f"{q.shape[-1]}; the tiled kernel's do not (compile-only check, "
-                             "benchmarks/RESULTS.md)")
+                             f"{q.shape[-1]}, its backward's key-side dk/dv pass on wgmma; the tiled "
+                             "kernel's do not (compile-only check, benchmarks/RESULTS.md)")
 
 
 _TRITON_ERROR: list[str] = []  # why the Triton kernels did not import (once known)

@@ -18,8 +18,12 @@ Algorithm (structure of the triton tutorial 06-fused-attention):
   and the saved log-sum-exp: ``a_j = exp2(s_j - lse)``, ``ds_j = a_j (do.v_j - delta)``
   with ``delta = do.o`` computed in the kernel.
   * dq accumulates in registers (one program owns its queries);
-  * dk, dv are scattered to the 8 corners of every sample with fp32 ``atomic_add``
-    (many queries sample the same key) into fp32 buffers, cast at the end;
+  * dk, dv: in the pull mode (the default when the offsets' bound is at most
+    ``dsa_triton_pull.PULL_MAX_OFFSET``) each (query, sample) writes a record (position, ds, a)
+    and the key-side pass ``dsa_triton_pull`` sums them per key tile: no atomics, deterministic.
+    In the atomic mode (larger or unknown bounds, ``DKV_MODE = "atomic"``) they are scattered
+    to the 8 corners of every sample with fp32 ``atomic_add`` (many queries sample the same
+    key) into fp32 buffers, cast at the end;
   * d(offsets) comes from the derivative of trilinear interpolation: for corner c with
     ``e_c = ds_j*scale*(q.k_c) + a_j*(do.v_c)``,
     ``dL/dp_t = sum_c (+-1) w_y w_x e_c`` (likewise y, x), zeroed where the position
@@ -33,7 +37,8 @@ Verification status (Caution):
   (``TRITON_INTERPRET=1``, triton 3.9) against ``dsa_reference`` -- forward and
   backward, fp32 and bf16, odd sizes, every border, large offsets. No GPU was available
   when they were written: compiled-GPU correctness, block sizes / num_warps and speed
-  are untested. dk/dv use fp32 atomics, so backward is not bit-deterministic run to run.
+  are untested. In the atomic mode dk/dv use fp32 atomics, so that backward is not
+  bit-deterministic run to run (the pull mode is).
   The sample loop is scalar-per-query (gathers, no tensor-core dot), which is the
   natural shape for K independent keys per query; it is memory-bound by design.
 """
@@ -347,11 +352,15 @@ FWD_CONFIGS = [triton.Config({"BLOCK_M": 16}, num_warps=4, num_stages=1)]
 BWD_CONFIGS = [triton.Config({"BLOCK_M": 8}, num_warps=4, num_stages=1),
                triton.Config({"BLOCK_M": 8}, num_warps=8, num_stages=1),
                triton.Config({"BLOCK_M": 16}, num_warps=8, num_stages=1)]
+# The pull mode's query-side pass (records instead of atomics): 8 queries at 4 warps only. At 8 warps
+# ptxas holds it to 128 registers and it spilled 4 bytes per thread on sm_100; 16 queries at 4 warps
+# spilled 4-8 bytes in fp32 at d 128 (2026-12-03).
+BWD_PULL_CONFIGS = [triton.Config({"BLOCK_M": 8}, num_warps=4, num_stages=1)]
 _TUNE_KEY = ["HEAD_DIM", "KT", "KH", "KW"]
-_BWD_TUNE_KEY = [*_TUNE_KEY, "PULL"]
 _dsa_fwd_tuned = triton.autotune(configs=FWD_CONFIGS, key=_TUNE_KEY)(_dsa_fwd)
 # autotune runs the kernel several times: the atomic targets must restart from zero each time
-_dsa_bwd_tuned = triton.autotune(configs=BWD_CONFIGS, key=_BWD_TUNE_KEY, reset_to_zero=["DK", "DV"])(_dsa_bwd)
+_dsa_bwd_tuned = triton.autotune(configs=BWD_CONFIGS, key=_TUNE_KEY, reset_to_zero=["DK", "DV"])(_dsa_bwd)
+_dsa_bwd_pull_tuned = triton.autotune(configs=BWD_PULL_CONFIGS, key=_TUNE_KEY)(_dsa_bwd)
 
 
 # -----------------------------------------------------------------------------
@@ -429,7 +438,8 @@ def _dsa_bwd_launch(q, k, v, offsets, out, dout, lse, win, scale, block_m, slab=
         args = (q, k, v, offsets, out, dout, lse, dq, dk, dv, doff, rec, scale, scale * LOG2E, N, T, H, W, nh,
                 *kv_args, bh0, elo, ehi)
         if block_m is None and not INTERPRETED:
-            _dsa_bwd_tuned[lambda m: (triton.cdiv(N, m["BLOCK_M"]), count)](*args, **meta)
+            tuned = _dsa_bwd_pull_tuned if meta["PULL"] else _dsa_bwd_tuned
+            tuned[lambda m: (triton.cdiv(N, m["BLOCK_M"]), count)](*args, **meta)
         else:
             bm = block_m or _default_block_m(d, backward=True)
             _dsa_bwd[(triton.cdiv(N, bm), count)](*args, **meta, BLOCK_M=bm, num_warps=4, num_stages=1)
@@ -542,8 +552,8 @@ def aot_variants(shape) -> list[dict]:
         ptrs = {n: t for n in ("Q", "Kx", "V", "OFF", "OUT", "DOUT", "DQ", "DOFF") if n in fn.arg_names}
         ptrs.update({n: "*fp32" for n in ("LSE", "DK", "DV", "REC") if n in fn.arg_names})
         modes = ((True, pull), (False, not pull)) if fn is _dsa_bwd else ((None, True),)
-        for cfg in configs:
-            for mode, runs in modes:
+        for mode, runs in modes:
+            for cfg in (BWD_PULL_CONFIGS if mode else configs):
                 consts = dict(HEAD_DIM=d, KT=shape.window[0], KH=shape.window[1], KW=shape.window[2],
                               BLOCK_D=_block_d(d), **cfg.kwargs)
                 name = "gather_fwd"

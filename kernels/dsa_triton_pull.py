@@ -204,14 +204,15 @@ def _dsa_pull_dkv(
 # Host side
 
 
-def pull_config(head_dim: int, window, elo: int, ehi: int) -> dict:
+def pull_config(head_dim: int, window, elo: int, ehi: int, fp32: bool = False) -> dict:
     """The key-side pass's launch configuration: tiles of ``BX`` keys on ``BXP = 64`` rows (the
     ``wgmma`` M), and ``QXP`` candidate queries per row, which must cover
     ``BX + KW - 1 + ELO + EHI``: 64 when that leaves at least 32 keys per tile (54 at 3x7x7 with
-    ``max_offset`` 1.5), else 128."""
+    ``max_offset`` 1.5), else 128. 4 warps (238 registers at bf16, d 128: 2 blocks per SM); fp32
+    takes 8 (at 4 its ``ieee`` dots' operands spilled 200 bytes per thread at d 128)."""
     reach = window[2] - 1 + elo + ehi
     qxp = 64 if 64 - reach >= 32 else 128
-    return dict(BX=min(64, qxp - reach), BXP=64, QXP=qxp, num_warps=4)
+    return dict(BX=min(64, qxp - reach), BXP=64, QXP=qxp, num_warps=8 if fp32 else 4)
 
 
 def pull_span(bound: float) -> tuple[int, int]:
@@ -265,7 +266,7 @@ def pull_launch(q, dout, rec, dk, dv, win, bound, grid_args, bh0: int, bh_count:
     """The key-side pass for (batch, head) pairs ``[bh0, bh0 + bh_count)`` (``rec`` holds theirs)."""
     N, T, H, W, nh, NK, TK, Q0, K0 = grid_args
     elo, ehi = pull_span(bound)
-    cfg = pull_config(q.shape[-1], win, elo, ehi)
+    cfg = pull_config(q.shape[-1], win, elo, ehi, fp32=q.dtype == torch.float32)
     d = q.shape[-1]
     grid = (TK * H * triton.cdiv(W, cfg["BX"]), bh_count)
     for x, dx, coef in ((q, dk, 3), (dout, dv, 4)):  # two launches: one (BX, QXP) weight tile live, not two
@@ -284,7 +285,7 @@ def aot_variants(shape) -> list[dict]:
     t = _AOT_DTYPES[shape.dtype]
     d = shape.head_dim
     elo, ehi = pull_span(shape.max_offset if shape.max_offset is not None else 0.0)
-    cfg = pull_config(d, shape.window, elo, ehi)
+    cfg = pull_config(d, shape.window, elo, ehi, fp32=shape.dtype == "fp32")
     fn = _dsa_pull_dkv
     ptrs = {"X": t, "DX": t, "REC": "*fp32"}
     out = []

@@ -44,6 +44,14 @@ def test_ptxas_log_and_ptx_are_read():
     got = aot.count_ptx(PTX)
     assert got == {"wgmma": 1, "mma_sync": 1, "dot": "wgmma", "atomics_f32": 2}
     assert aot.count_ptx("fma.rn.f32 %f1, %f2, %f3, %f4;")["dot"] == "-"
+    assert aot.count_ptx("tcgen05.mma.cta_group::1.kind::f16 [%r1], %rd2, %rd3, %r4, p;")["dot"] == "tcgen05"
+
+
+def test_each_target_wants_its_own_tensor_core_instruction():
+    for cc, dot, ok in ((90, "wgmma", True), (90, "tcgen05", False), (100, "tcgen05", True), (100, "wgmma", False)):
+        rec = _record(regs=128, spill_stores=0, spill_loads=0, smem=128, dot=dot)
+        aot.judge(rec, tensor_cores=True, cc=cc)
+        assert rec.ok is ok, (cc, dot, rec.problems)
 
 
 @pytest.mark.parametrize("fields,problem", [
@@ -80,8 +88,8 @@ def test_gather_autotune_lists_are_what_the_check_compiles():
     listed = [(v["kernel"], v["constexprs"]["BLOCK_M"], v["num_warps"], v["num_stages"]) for v in variants
               if v["kernel"].startswith("gather")]
     tuned = ([("gather_fwd", c.kwargs["BLOCK_M"], c.num_warps, c.num_stages) for c in dsa_triton.FWD_CONFIGS]
-             + [(f"gather_bwd_{mode}", c.kwargs["BLOCK_M"], c.num_warps, c.num_stages) for c in dsa_triton.BWD_CONFIGS
-                for mode in ("pull", "atomic")])
+             + [("gather_bwd_pull", c.kwargs["BLOCK_M"], c.num_warps, c.num_stages) for c in dsa_triton.BWD_PULL_CONFIGS]
+             + [("gather_bwd_atomic", c.kwargs["BLOCK_M"], c.num_warps, c.num_stages) for c in dsa_triton.BWD_CONFIGS])
     assert listed == tuned
     # the key-side pass: the launcher's one config, for dk and for dv
     cfg = pull_config(shape.head_dim, shape.window, *pull_span(shape.max_offset))

@@ -11,14 +11,16 @@ this module compiles once per target and records, from ``ptxas -v`` and the PTX:
 - shared memory per block against the target's per-block limit (232,448 bytes on sm_90 and
   sm_100), and how many blocks fit on one multiprocessor by shared memory and by registers;
 - warps and pipeline stages;
-- what the ``tl.dot`` calls became (``wgmma`` = Hopper/Blackwell warpgroup MMA, ``mma.sync`` =
+- what the ``tl.dot`` calls became (``wgmma`` = Hopper warpgroup MMA, ``tcgen05`` = Blackwell's
+  tensor-core MMA, ``mma.sync`` =
   Ampere-style tensor cores, ``-`` = no dot in the kernel) and how many fp32 global atomics
   (``atom`` / ``red`` ``.global`` ``.f32``) the PTX issues;
 - the compile time (a config whose ``ptxas`` runs for minutes is a config that spills).
 
 A record fails (``ok`` false) when the config cannot launch (shared memory over the limit, or
 more than 255 registers), spills, times out or does not compile, or when a kernel whose design
-puts its products on tensor cores got ``mma.sync`` or no MMA at all on a target with ``wgmma``.
+puts its products on tensor cores got ``mma.sync`` or no MMA at all instead of the target's own
+(``wgmma`` on sm_90, ``tcgen05`` on sm_100).
 Every compile runs in a forked child with its own Triton cache (a real compile, timed; a hung
 ``ptxas`` is killed at ``timeout_s``).
 """
@@ -130,8 +132,9 @@ def parse_ptxas_log(log: str) -> dict:
 
 def count_ptx(ptx: str) -> dict:
     wgmma = len(re.findall(r"wgmma\.mma_async", ptx))
+    tcgen05 = len(re.findall(r"\btcgen05\.mma", ptx))  # Blackwell's (sm_100) tensor-core MMA
     mma = len(re.findall(r"\bmma\.sync", ptx))
-    dot = "wgmma" if wgmma else ("mma.sync" if mma else "-")
+    dot = "tcgen05" if tcgen05 else "wgmma" if wgmma else ("mma.sync" if mma else "-")
     return {"wgmma": wgmma, "mma_sync": mma, "dot": dot, "atomics_f32": len(_ATOMIC.findall(ptx))}
 
 
@@ -221,8 +224,9 @@ def judge(rec: Record, tensor_cores: bool, cc: int) -> None:
         problems.append("no ptxas register report")
     if rec.spill_stores or rec.spill_loads:
         problems.append(f"spills {rec.spill_stores} B stores / {rec.spill_loads} B loads per thread")
-    if tensor_cores and cc >= 90 and rec.dot != "wgmma":
-        problems.append(f"products on {rec.dot if rec.dot != '-' else 'no MMA'}, not wgmma")
+    want = "tcgen05" if cc >= 100 else "wgmma"  # the target's own tensor-core MMA
+    if tensor_cores and cc >= 90 and rec.dot != want:
+        problems.append(f"products on {rec.dot if rec.dot != '-' else 'no MMA'}, not {want}")
     if rec.regs is not None and rec.smem is not None:
         rec.blocks_per_sm = blocks_per_sm(rec.regs, rec.num_warps, rec.smem, cc)
     rec.ok = not problems
