@@ -53,7 +53,8 @@ import triton.language as tl
 
 from .aot import aligned_pointer_attrs, signature_for
 from .dsa_reference import validate_dsa_inputs, validate_slab_inputs
-from .dsa_triton_pull import REC_FIELDS, log_mode_once, pull_bound, pull_launch, pull_span, rec_chunk
+from .dsa_triton_pull import PULL_MAX_OFFSET, REC_FIELDS, log_mode_once, pull_bound, pull_launch, pull_span, rec_chunk
+from .dsa_triton_pull import aot_variants as pull_variants
 
 __all__ = ["dsa_triton", "dsa_triton_slab", "INTERPRETED"]
 
@@ -541,9 +542,6 @@ def aot_variants(shape) -> list[dict]:
     query-side pass writing records; with ``max_offset`` within ``PULL_MAX_OFFSET`` the one that
     runs) and ``atomic`` (larger or unknown offsets), then the key-side pass
     (``dsa_triton_pull``). The slab path launches the same kernels."""
-    from .dsa_triton_pull import PULL_MAX_OFFSET
-    from .dsa_triton_pull import aot_variants as pull_variants
-
     t = _AOT_DTYPES[shape.dtype]
     d = shape.head_dim
     pull = shape.max_offset is not None and shape.max_offset <= PULL_MAX_OFFSET

@@ -68,7 +68,7 @@ def test_gpu_check_smoke_runs_without_ray_decord_av_diffusers(tmp_path):
 
     attn = parts["attention"]
     kinds = {(r["kind"], r["tokens"]) for r in attn["rows"]}
-    assert {"dense", "dsa", "dsa_gather", "neighborhood"} == {k for k, _ in kinds} and len({n for _, n in kinds}) == 2
+    assert {"dense", "dsa", "dsa_gather", "dsa_gather_atomic", "neighborhood"} == {k for k, _ in kinds} and len({n for _, n in kinds}) == 2
     for r in attn["rows"]:
         assert r["status"] == "ok" and r["fwd_ms"] > 0 and r["bwd_ms"] > 0 and r["fwd_tflops"] > 0
     assert all({"fwd_ms", "bwd_ms", "total_ms"} == set(c) for c in attn["crossover_tokens"].values())
@@ -84,5 +84,5 @@ def test_gpu_check_smoke_runs_without_ray_decord_av_diffusers(tmp_path):
 
     aot = parts["compile"]  # the compile-only table beside the measurements (smoke: the first shape)
     assert aot["archs"] == ["sm_90"] and aot["records"] and all(r["ok"] for r in aot["records"])
-    assert {r["kernel"] for r in aot["records"]} == {"gather_fwd", "gather_bwd"}
+    assert {r["kernel"] for r in aot["records"]} == {"gather_fwd", "gather_bwd_pull", "gather_bwd_atomic", "pull_dk", "pull_dv"}
     assert aot["predictions"] and "Predicted (cost model" in (tmp_path / "out" / "gpu_check.md").read_text()
