@@ -174,6 +174,15 @@ def assert_dense_identity(attn, grid, dtype, tol, seed, scale=0.3):
         torch.testing.assert_close(a.double(), b, rtol=tol, atol=tol, msg=f"{grid} {name}")
 
 
+def assert_bf16_flash_rule(got, inputs, dout, window, label: str) -> None:
+    """Low-precision results ``got`` (out and the gradients) keep bf16 and meet the flash rule
+    against the fp32 reference (``reference_flash_errors``, ``rel_atol`` 1e-3)."""
+    for name, a in zip(GRAD_NAMES, got):
+        assert a.dtype == torch.bfloat16, f"{label}: {name} is {a.dtype}"
+    errors = reference_flash_errors(got, inputs, dout, window, rel_atol=1e-3)
+    assert not errors, f"{label}: " + "; ".join(errors)
+
+
 def assert_interpreter_tests_pass(test_file, marker: str | None = None, timeout: float = 900) -> None:
     """Run the ``test_interp_*`` tests of ``test_file`` (under ``tests/``) in a child pytest with
     ``TRITON_INTERPRET=1``; assert that it passed and

@@ -18,11 +18,11 @@ import torch
 from kernels import dsa_reference
 from kernels.checks import (
     GRAD_NAMES,
+    assert_bf16_flash_rule,
     assert_interpreter_tests_pass,
     grads,
     make_qkv,
     naive_neighborhood_attention,
-    reference_flash_errors,
 )
 from kernels.dsa_reference import dsa_slab
 
@@ -167,10 +167,7 @@ def test_interp_pull_is_deterministic():
 def test_interp_bf16_pull_flash_rule():
     window, shape = (1, 3, 3), (1, 2, 4, 5, 1, 8)
     got, inputs, dout = _run(window, shape, 1.5, True, seed=14, dtype=torch.bfloat16)
-    for name, a in zip(GRAD_NAMES, got):
-        assert a.dtype == torch.bfloat16, name
-    errors = reference_flash_errors(got, inputs, dout, window, rel_atol=1e-3)
-    assert not errors, "pull: " + "; ".join(errors)
+    assert_bf16_flash_rule(got, inputs, dout, window, "pull")
 
 
 @interpreter_only
