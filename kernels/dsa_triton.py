@@ -431,7 +431,7 @@ def _dsa_bwd_launch(q, k, v, offsets, out, dout, lse, win, scale, block_m, slab=
     kv_args, T = _slab_args(q, k, slab)
     dq = torch.empty_like(q)
     doff = torch.empty_like(offsets)
-    bound, why = (None, "DKV_MODE atomic") if DKV_MODE == "atomic" else pull_bound(offsets, max_offset, slab, win[0])
+    bound, why = (None, "DKV_MODE atomic") if DKV_MODE == "atomic" else pull_bound(offsets, max_offset, slab, win[0], win[2])
     log_mode_once("atomic" if bound is None else "pull", why)
     meta = dict(HEAD_DIM=d, KT=win[0], KH=win[1], KW=win[2], BLOCK_D=_block_d(d), PULL=bound is not None)
 

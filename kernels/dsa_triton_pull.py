@@ -60,6 +60,7 @@ __all__ = ["pull_bound", "pull_launch", "PULL_MAX_OFFSET", "REC_BUDGET_BYTES", "
 
 log = logging.getLogger(__name__)
 
+MAX_REACH = 96  # candidate queries beyond a tile's keys along x (KW - 1 + ELO + EHI): QXP stays <= 128
 PULL_MAX_OFFSET = 3.0  # beyond it the candidate set ((2M+2)^3 per key) costs more than the atomics
 REC_BUDGET_BYTES = 1 << 30  # scratch records per launch; (batch, head) pairs are done in chunks within it
 REC_FIELDS = 5  # p_t, p_y, p_x, ds, a
@@ -211,6 +212,9 @@ def pull_config(head_dim: int, window, elo: int, ehi: int, fp32: bool = False) -
     ``max_offset`` 1.5), else 128. 4 warps (238 registers at bf16, d 128: 2 blocks per SM); fp32
     takes 8 (at 4 its ``ieee`` dots' operands spilled 200 bytes per thread at d 128)."""
     reach = window[2] - 1 + elo + ehi
+    if reach > MAX_REACH:
+        raise ValueError(f"window width {window[2]} with a reach of ({elo}, {ehi}) tokens needs {reach} candidate "
+                         f"queries beyond a tile's keys; the key-side pass takes at most {MAX_REACH}")
     qxp = 64 if 64 - reach >= 32 else 128
     return dict(BX=min(64, qxp - reach), BXP=64, QXP=qxp, num_warps=8 if fp32 else 4)
 
@@ -222,7 +226,8 @@ def pull_span(bound: float) -> tuple[int, int]:
     return math.floor(bound) + 1, math.ceil(bound)
 
 
-def pull_bound(offsets: torch.Tensor, max_offset: float | None, slab=None, window_t: int = 1) -> tuple[float | None, str]:
+def pull_bound(offsets: torch.Tensor, max_offset: float | None, slab=None, window_t: int = 1,
+               window_w: int | None = None) -> tuple[float | None, str]:
     """The offsets' bound for the pull mode, or ``(None, why)`` when the atomic mode must run.
     ``max_offset`` (the caller's guarantee) when given, else ``max |offsets|`` measured."""
     if max_offset is not None:
@@ -233,6 +238,8 @@ def pull_bound(offsets: torch.Tensor, max_offset: float | None, slab=None, windo
         return None, f"non-finite offsets ({src} {bound})"
     if bound > PULL_MAX_OFFSET:
         return None, f"offsets up to {bound:.3g} ({src}) exceed the key-side pass's {PULL_MAX_OFFSET}"
+    if window_w is not None and window_w - 1 + sum(pull_span(bound)) > MAX_REACH:
+        return None, f"window width {window_w} is too wide for the key-side pass's candidate run"
     if slab is not None:
         tk, frames, q0, k0 = slab
         tq = offsets.shape[1]

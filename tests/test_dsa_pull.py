@@ -91,13 +91,18 @@ def test_pull_bound_picks_the_mode_and_says_why():
     bound, why = pull_bound(slab_off, 1.5, slab=(5, 10, 3, 2), window_t=3)
     assert bound is None and "[2, 7)" in why
     assert pull_bound(slab_off, 1.5, slab=(9, 10, 3, 0), window_t=3) == (1.5, "max_offset")
+    # a window as wide as a large grid (the dense identity): the candidate run would not fit
+    bound, why = pull_bound(off[..., :0, :], 1.5, window_w=101)
+    assert bound is None and "too wide" in why
 
 
 def test_plan_fits_the_candidate_run_and_chunks_the_records(monkeypatch):
     pytest.importorskip("triton")
     import kernels.dsa_triton_pull as P
 
-    for window in ((3, 5, 5), (3, 7, 7), (1, 3, 3)):
+    with pytest.raises(ValueError, match="at most 96"):
+        P.pull_config(128, (1, 1, 95), *P.pull_span(1.5))
+    for window in ((3, 5, 5), (3, 7, 7), (1, 3, 3), (1, 1, 61)):
         for bound in (0.0, 1.5, 3.0):
             elo, ehi = P.pull_span(bound)
             cfg = P.pull_config(128, window, elo, ehi)
