@@ -24,11 +24,14 @@ Two passes (the pull mode of the gather backward)
      candidate queries are a run of ``QXP`` consecutive ``x``. For each slot ``j`` allowed on
      both scalar axes, the program loads the records of those queries (coalesced). It weights
      them by the ``t`` and ``y`` tents at the tile's frame and row, and spreads them over the
-     tile's keys with the ``x`` tent. That gives two ``(BX, QXP)`` matrices per row, ``G_k`` and
-     ``G_v``. Then ``dk_tile += G_k @ Q_row`` and ``dv_tile += G_v @ dO_row``, with ``tl.dot``
-     on tensor cores at bf16/fp16. ``G`` is split into a high and a low half (two dots) so the
-     result keeps the fp32 path's precision; fp32 inputs use ``ieee`` dots. Every key belongs to
-     one program, so the stores are plain and the summation order is fixed.
+     tile's keys with the ``x`` tent. That gives a ``(BXP, QXP)`` matrix ``G`` per row (``BXP =
+     64`` rows, of which ``BX`` are the tile's keys: the ``wgmma`` M). Then ``dk_tile += G @ Q_row``
+     (the dk launch, ``ds`` weights) or ``dv_tile += G @ dO_row`` (the dv launch, ``a``
+     weights), with ``tl.dot`` on tensor cores at bf16/fp16. Two launches keep one ``G`` live,
+     not two. ``G`` is split into a high and a low half (two dots) so the result keeps the fp32
+     path's precision; fp32 inputs use ``ieee`` dots. Every key belongs to one program, so the
+     stores are plain and the summation order is fixed. A window wider than the candidate run
+     allows (``MAX_REACH``) takes the atomic mode.
 
 When it runs
   When the offsets' bound ``M`` is known and small: the caller's ``max_offset`` (the model's
