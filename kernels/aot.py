@@ -4,6 +4,9 @@ pointer alignment the JIT would see. Pure functions: no Triton import."""
 
 from __future__ import annotations
 
+AOT_POINTER_TYPES = {"bf16": "*bf16", "fp16": "*fp16", "fp32": "*fp32"}
+"""A shape's dtype name -> the ``ASTSource`` signature of a pointer to it."""
+
 
 def aligned_pointer_attrs(fn, pointers: dict[str, str]) -> dict:
     """The JIT's specialization of pointer arguments: torch allocations are 16-byte aligned, so a

@@ -51,9 +51,19 @@ import torch
 import triton
 import triton.language as tl
 
-from .aot import aligned_pointer_attrs, signature_for
+from .aot import AOT_POINTER_TYPES, aligned_pointer_attrs, signature_for
 from .dsa_reference import validate_dsa_inputs, validate_slab_inputs
-from .dsa_triton_pull import PULL_MAX_OFFSET, REC_FIELDS, log_mode_once, pull_bound, pull_launch, pull_span, rec_chunk
+from .dsa_triton_pull import (
+    INTERPRETED,  # which kind of kernel the @triton.jit decorators made (CPU tensors only when interpreted)
+    PULL_MAX_OFFSET,
+    REC_FIELDS,
+    _past_bound,
+    log_mode_once,
+    pull_bound,
+    pull_launch,
+    pull_span,
+    rec_chunk,
+)
 from .dsa_triton_pull import aot_variants as pull_variants
 
 __all__ = ["dsa_triton", "dsa_triton_slab", "INTERPRETED"]
@@ -63,14 +73,6 @@ LOG2E = 1.4426950408889634
 # float atomics) when the offsets' bound allows it, else fp32 atomics; "atomic" -- always atomics.
 DKV_MODE = "auto"
 
-# The @triton.jit decorator reads TRITON_INTERPRET when this module is imported; this
-# records which kind of kernel we got (CPU tensors are only legal when interpreted).
-try:
-    INTERPRETED = bool(triton.knobs.runtime.interpret)
-except AttributeError:  # triton < 3.4 has no knobs; it read the variable directly
-    import os
-
-    INTERPRETED = os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
 # -----------------------------------------------------------------------------
@@ -196,14 +198,6 @@ def _dsa_fwd(
 
 # -----------------------------------------------------------------------------
 # Backward
-
-
-@triton.jit
-def _past_bound(i0, w, base, ELO, EHI):
-    """A sample whose corners ``i0``, ``i0 + 1`` (weight ``w`` on the upper) leave
-    ``[base - EHI, base + ELO]``, where the key-side pass looks for it (NaN positions too)."""
-    upper = tl.where(w > 0.0, i0 + 1, i0)
-    return (i0 < base - EHI) | (upper > base + ELO) | (w != w)
 
 
 @triton.jit
@@ -532,9 +526,6 @@ def _gather_validated(q, k, v, offsets, win: tuple[int, int, int], scale: float 
 # -----------------------------------------------------------------------------
 # Ahead-of-time compile specs (benchmarks/gpu_check/compile.py)
 
-_AOT_DTYPES = {"bf16": "*bf16", "fp16": "*fp16", "fp32": "*fp32"}
-
-
 def aot_variants(shape) -> list[dict]:
     """What the launchers above compile for ``shape`` (an object with ``dtype`` ("bf16"/"fp32"),
     ``head_dim``, ``window`` and ``max_offset``): forward and backward at every autotune config, as
@@ -542,7 +533,7 @@ def aot_variants(shape) -> list[dict]:
     query-side pass writing records; with ``max_offset`` within ``PULL_MAX_OFFSET`` the one that
     runs) and ``atomic`` (larger or unknown offsets), then the key-side pass
     (``dsa_triton_pull``). The slab path launches the same kernels."""
-    t = _AOT_DTYPES[shape.dtype]
+    t = AOT_POINTER_TYPES[shape.dtype]
     d = shape.head_dim
     pull = shape.max_offset is not None and shape.max_offset <= PULL_MAX_OFFSET
     out = []

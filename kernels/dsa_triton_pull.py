@@ -57,7 +57,8 @@ import torch
 import triton
 import triton.language as tl
 
-from .aot import aligned_pointer_attrs, signature_for
+from .aot import AOT_POINTER_TYPES, aligned_pointer_attrs, signature_for
+from .dsa_reference import window_starts
 
 __all__ = ["pull_bound", "pull_launch", "PULL_MAX_OFFSET", "REC_BUDGET_BYTES", "pull_config", "aot_variants"]
 
@@ -69,9 +70,11 @@ REC_BUDGET_BYTES = 1 << 30  # scratch records per launch; (batch, head) pairs ar
 REC_FIELDS = 5  # p_t, p_y, p_x, ds, a
 _LOGGED: set[str] = set()
 
-try:  # as dsa_triton.INTERPRETED (not imported from there: dsa_triton imports this module)
+# The @triton.jit decorator reads TRITON_INTERPRET when a module is imported; this records which
+# kind of kernel the Triton modules got (dsa_triton imports it from here).
+try:
     INTERPRETED = bool(triton.knobs.runtime.interpret)
-except AttributeError:  # triton < 3.4
+except AttributeError:  # triton < 3.4 has no knobs; it read the variable directly
     import os
 
     INTERPRETED = os.environ.get("TRITON_INTERPRET", "0") == "1"
@@ -86,6 +89,14 @@ def _reach(n_lo, n_hi, ELO, EHI, SIZE, KWIN: tl.constexpr):
     q_lo = tl.where(s_min <= 0, 0, s_min + KWIN // 2)
     q_hi = tl.where(s_max >= SIZE - KWIN, SIZE - 1, s_max + KWIN // 2)
     return q_lo, q_hi
+
+
+@triton.jit
+def _past_bound(i0, w, base, ELO, EHI):
+    """For the query-side pass: a sample whose corners ``i0``, ``i0 + 1`` (weight ``w`` on the
+    upper) leave ``[base - EHI, base + ELO]``, where ``_reach`` looks for it (NaN positions too)."""
+    upper = tl.where(w > 0.0, i0 + 1, i0)
+    return (i0 < base - EHI) | (upper > base + ELO) | (w != w)
 
 
 @triton.jit
@@ -248,10 +259,9 @@ def pull_bound(offsets: torch.Tensor, max_offset: float | None, slab=None, windo
         tq = offsets.shape[1]
         elo, ehi = pull_span(bound)
 
-        def start(t):
-            return min(max(t - window_t // 2, 0), frames - window_t)
-        lo = max(0, start(q0) - ehi)
-        hi = min(frames - 1, start(q0 + tq - 1) + window_t - 1 + elo)
+        starts = window_starts(frames, window_t)
+        lo = max(0, int(starts[q0]) - ehi)
+        hi = min(frames - 1, int(starts[q0 + tq - 1]) + window_t - 1 + elo)
         if lo < k0 or hi > k0 + tk - 1:
             return None, (f"the slab's k, v hold frames [{k0}, {k0 + tk}) but offsets up to {bound:.3g} "
                           f"reach [{lo}, {hi}]")
@@ -286,13 +296,10 @@ def pull_launch(q, dout, rec, dk, dv, win, bound, grid_args, bh0: int, bh_count:
                             num_stages=1)
 
 
-_AOT_DTYPES = {"bf16": "*bf16", "fp16": "*fp16", "fp32": "*fp32"}
-
-
 def aot_variants(shape) -> list[dict]:
     """The key-side pass as the launcher compiles it at ``shape`` (dtype, head dim, window,
     ``max_offset``), for the compile-only check."""
-    t = _AOT_DTYPES[shape.dtype]
+    t = AOT_POINTER_TYPES[shape.dtype]
     d = shape.head_dim
     elo, ehi = pull_span(shape.max_offset if shape.max_offset is not None else 0.0)
     cfg = pull_config(d, shape.window, elo, ehi, fp32=shape.dtype == "fp32")

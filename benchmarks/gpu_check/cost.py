@@ -28,8 +28,6 @@ from __future__ import annotations
 import math
 from dataclasses import asdict, dataclass
 
-PULL_MAX_OFFSET = 3.0  # kernels.dsa_triton_pull.PULL_MAX_OFFSET (not imported: this module needs no triton)
-
 
 @dataclass(frozen=True)
 class Chip:
@@ -142,6 +140,8 @@ def anchor_seconds(tokens: int, K: int, head_dim: int, chip: Chip) -> dict:
 def predictions(shapes, heads: dict | None = None) -> list[dict]:
     """One row per (shape, chip, pass): the kernel's roofline time and what bounds it, FA3 dense,
     the anchors, per head and per layer (``heads``: the layer's head count per head dim)."""
+    from kernels.dsa_triton_pull import PULL_MAX_OFFSET  # lazy: imports triton (pull_costs does too)
+
     rows = []
     for s in shapes:
         N = math.prod(s.grid)
