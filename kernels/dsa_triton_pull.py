@@ -23,9 +23,13 @@ Two passes (the pull mode of the gather backward)
      rows ``(qt, qy)`` (scalar loops whose slot ranges follow from that bound). On each row the
      candidate queries are a run of ``QXP`` consecutive ``x``. For each slot ``j`` allowed on
      both scalar axes, the program loads the records of those queries (coalesced). It weights
-     them by the ``t`` and ``y`` tents at the tile's frame and row, and spreads them over the
-     tile's keys with the ``x`` tent. That gives a ``(BXP, QXP)`` matrix ``G`` per row (``BXP =
-     64`` rows, of which ``BX`` are the tile's keys: the ``wgmma`` M). Then ``dk_tile += G @ Q_row``
+     them by the ``t`` and ``y`` tents at the tile's frame and row, and spreads them with the ``x``
+     tent over a band of ``UP`` columns per query, relative to its window start (``u = n - s_x +
+     EHI``: every slot's two x corners land in ``[0, KW + ELO + EHI)``). After the row's slots,
+     one ``tl.gather`` places each query's band on the tile's keys: a ``(BXP, QXP)`` matrix ``G``
+     (``BXP = 64`` rows, of which ``BX`` are the tile's keys: the ``wgmma`` M). The band has a
+     quarter of the lanes of ``G`` at 3x7x7 (16 columns, not 64), and the tents are built there.
+     fp32 builds ``G`` itself (the gather spilled there). Then ``dk_tile += G @ Q_row``
      (the dk launch, ``ds`` weights) or ``dv_tile += G @ dO_row`` (the dv launch, ``a``
      weights), with ``tl.dot`` on tensor cores at bf16/fp16. Two launches keep one ``G`` live,
      not two. ``G`` is split into a high and a low half (two dots) so the result keeps the fp32
@@ -139,6 +143,7 @@ def _dsa_pull_dkv(
     HEAD_DIM: tl.constexpr,
     KT: tl.constexpr, KH: tl.constexpr, KW: tl.constexpr,
     BX, BXP: tl.constexpr, QXP: tl.constexpr, BLOCK_D: tl.constexpr,  # BX keys per tile on BXP rows
+    UP: tl.constexpr,  # band width: KW + ELO + EHI columns, to a power of two
     COEF: tl.constexpr,  # the record field that weighs X's rows: 3 (ds: dk) or 4 (a: dv)
     WIDEN: tl.constexpr = False,  # under the interpreter: half dots widened (``_split_dot``)
 ):
@@ -175,6 +180,8 @@ def _dsa_pull_dkv(
     qx_hi = tl.minimum(qx_hi, W - 1)
     qx = qx_lo + tl.arange(0, QXP)
     lane_ok = qx <= qx_hi
+    sx = tl.minimum(tl.maximum(qx - KW // 2, 0), W - KW)  # the candidate queries' window starts
+    u = tl.arange(0, UP)
     row_mask = lane_ok[:, None] & col_ok[None, :]
 
     rec_base = REC + rec_bh.to(tl.int64) * (5 * KS * N)
@@ -189,7 +196,10 @@ def _dsa_pull_dkv(
             jy_lo = tl.maximum(ky - ELO - sy, 0)
             jy_hi = tl.minimum(ky + EHI - sy, KH - 1)
             tok = ((qt - Q0) * H + qy) * W + qx  # the row's candidate queries
-            g = tl.zeros([BXP, QXP], dtype=tl.float32)
+            if IEEE:  # fp32: the weight matrix itself (the band's gather spilled at fp32)
+                g = tl.zeros([BXP, QXP], dtype=tl.float32)
+            else:  # per query: its slots' x tents on a band relative to its window, u = x - s_x + EHI
+                band = tl.zeros([QXP, UP], dtype=tl.float32)
             for jt in tl.range(jt_lo, jt_hi + 1, loop_unroll_factor=1):
                 for jy in tl.range(jy_lo, jy_hi + 1, loop_unroll_factor=1):
                     for jx in tl.range(0, KW, loop_unroll_factor=1):
@@ -200,11 +210,19 @@ def _dsa_pull_dkv(
                         if tl.max(w_ty, axis=0) > 0.0:  # else no sample of this slot reaches the tile's row
                             px = tl.load(rec + 2 * FIELD, mask=lane_ok, other=0.0)
                             c = w_ty * tl.load(rec + COEF * FIELD, mask=lane_ok, other=0.0)
-                            i0 = px.to(tl.int32)  # the x tent, spread over the tile's keys
+                            i0 = px.to(tl.int32)  # the x tent
                             f = px - i0.to(tl.float32)
                             i1 = tl.minimum(i0 + 1, W - 1)
-                            g += (tl.where(i0[None, :] == nx[:, None], ((1.0 - f) * c)[None, :], 0.0)
-                                  + tl.where(i1[None, :] == nx[:, None], (f * c)[None, :], 0.0))  # (BXP, QXP)
+                            if IEEE:  # spread over the tile's keys: (BXP, QXP)
+                                g += (tl.where(i0[None, :] == nx[:, None], ((1.0 - f) * c)[None, :], 0.0)
+                                      + tl.where(i1[None, :] == nx[:, None], (f * c)[None, :], 0.0))
+                            else:  # on the band: (QXP, UP), a quarter of the lanes
+                                band += (tl.where((i0 - sx + EHI)[:, None] == u[None, :], ((1.0 - f) * c)[:, None], 0.0)
+                                         + tl.where((i1 - sx + EHI)[:, None] == u[None, :], (f * c)[:, None], 0.0))
+            if not IEEE:  # the band placed on the tile's keys: G^T[q, n] = band[q, n - s_x(q) + EHI]
+                rel = nx[None, :] - sx[:, None] + EHI  # (QXP, BXP)
+                gt = tl.gather(band, tl.minimum(tl.maximum(rel, 0), UP - 1), axis=1)
+                g = tl.trans(tl.where((rel >= 0) & (rel < UP), gt, 0.0))  # (BXP, QXP)
             rows = tl.load(X + head_base + tok.to(tl.int64)[:, None] * row_stride + cols[None, :],
                            mask=row_mask, other=0.0)
             acc = _split_dot(acc, g, rows, IEEE, WIDEN)
@@ -219,18 +237,21 @@ def _dsa_pull_dkv(
 # Host side
 
 
-def pull_config(head_dim: int, window, elo: int, ehi: int, fp32: bool = False) -> dict:
+def pull_config(head_dim: int, window, elo: int, ehi: int, fp32: bool = False, cc: int = 90) -> dict:
     """The key-side pass's launch configuration: tiles of ``BX`` keys on ``BXP = 64`` rows (the
     ``wgmma`` M), and ``QXP`` candidate queries per row, which must cover
     ``BX + KW - 1 + ELO + EHI``: 64 when that leaves at least 32 keys per tile (54 at 3x7x7 with
-    ``max_offset`` 1.5), else 128. 4 warps (238 registers at bf16, d 128: 2 blocks per SM); fp32
-    takes 8 (at 4 its ``ieee`` dots' operands spilled 200 bytes per thread at d 128)."""
+    ``max_offset`` 1.5), else 128; the band of ``UP`` columns per query. ``cc``: the target's compute
+    capability (90 Hopper, 100 Blackwell). bf16 on sm_90: 4 warps (246 registers at d 128: 2 blocks
+    per SM). bf16 on sm_100 and fp32 take 8 (at 4 they spilled: 20-56 bytes per thread on sm_100,
+    200 bytes in fp32's ``ieee`` dots)."""
     reach = window[2] - 1 + elo + ehi
     if reach > MAX_REACH:
         raise ValueError(f"window width {window[2]} with a reach of ({elo}, {ehi}) tokens needs {reach} candidate "
                          f"queries beyond a tile's keys; the key-side pass takes at most {MAX_REACH}")
     qxp = 64 if 64 - reach >= 32 else 128
-    return dict(BX=min(64, qxp - reach), BXP=64, QXP=qxp, num_warps=8 if fp32 else 4)
+    return dict(BX=min(64, qxp - reach), BXP=64, QXP=qxp, UP=triton.next_power_of_2(window[2] + elo + ehi),
+                num_warps=8 if fp32 or cc >= 100 else 4)
 
 
 def pull_span(bound: float) -> tuple[int, int]:
@@ -276,22 +297,39 @@ def log_mode_once(mode: str, why: str) -> None:
                 else "fp32 atomics", why)
 
 
+def log_forward_once(mode: str, why: str) -> None:
+    key = "forward: " + why
+    if key not in _LOGGED:
+        _LOGGED.add(key)
+        log.log(logging.INFO if mode == "halo" else logging.WARNING, "3D-DSA gather forward: %s (%s)",
+                "the halo forward on tensor cores" if mode == "halo" else "the gather forward on CUDA cores", why)
+
+
 def rec_chunk(bh: int, window, tokens: int) -> int:
     """(batch, head) pairs per launch so the scratch records stay within ``REC_BUDGET_BYTES``."""
     per = REC_FIELDS * math.prod(window) * tokens * 4
     return max(1, min(bh, REC_BUDGET_BYTES // per))
 
 
+def compute_capability(x: torch.Tensor) -> int:
+    """The compute capability of ``x``'s GPU as one number (90 for 9.0); 90 off the GPU (the
+    interpreter), where the launch options do not matter."""
+    if not x.is_cuda:
+        return 90
+    major, minor = torch.cuda.get_device_capability(x.device)
+    return 10 * major + minor
+
+
 def pull_launch(q, dout, rec, dk, dv, win, bound, grid_args, bh0: int, bh_count: int):
     """The key-side pass for (batch, head) pairs ``[bh0, bh0 + bh_count)`` (``rec`` holds theirs)."""
     N, T, H, W, nh, NK, TK, Q0, K0 = grid_args
     elo, ehi = pull_span(bound)
-    cfg = pull_config(q.shape[-1], win, elo, ehi, fp32=q.dtype == torch.float32)
+    cfg = pull_config(q.shape[-1], win, elo, ehi, fp32=q.dtype == torch.float32, cc=compute_capability(q))
     d = q.shape[-1]
     grid = (TK * H * triton.cdiv(W, cfg["BX"]), bh_count)
     for x, dx, coef in ((q, dk, 3), (dout, dv, 4)):  # two launches: one (BX, QXP) weight tile live, not two
         _dsa_pull_dkv[grid](x, rec, dx, N, T, H, W, nh, NK, TK, Q0, K0, bh0, elo, ehi,
-                            BX=cfg["BX"], HEAD_DIM=d, KT=win[0], KH=win[1], KW=win[2], BXP=cfg["BXP"], QXP=cfg["QXP"],
+                            BX=cfg["BX"], HEAD_DIM=d, KT=win[0], KH=win[1], KW=win[2], BXP=cfg["BXP"], QXP=cfg["QXP"], UP=cfg["UP"],
                             BLOCK_D=max(16, triton.next_power_of_2(d)), COEF=coef, WIDEN=INTERPRETED, num_warps=cfg["num_warps"],
                             num_stages=1)
 
@@ -302,15 +340,21 @@ def aot_variants(shape) -> list[dict]:
     t = AOT_POINTER_TYPES[shape.dtype]
     d = shape.head_dim
     elo, ehi = pull_span(shape.max_offset if shape.max_offset is not None else 0.0)
-    cfg = pull_config(d, shape.window, elo, ehi, fp32=shape.dtype == "fp32")
+    fp32 = shape.dtype == "fp32"
     fn = _dsa_pull_dkv
     ptrs = {"X": t, "DX": t, "REC": "*fp32"}
     out = []
-    for coef, name in ((3, "pull_dk"), (4, "pull_dv")):
-        consts = dict(HEAD_DIM=d, KT=shape.window[0], KH=shape.window[1], KW=shape.window[2], BXP=cfg["BXP"],
-                      QXP=cfg["QXP"], BLOCK_D=max(16, triton.next_power_of_2(d)), COEF=coef, WIDEN=False)
-        out.append(dict(kernel=name, fn=fn, signature=signature_for(fn, ptrs, (), consts), constexprs=consts,
-                        attrs=aligned_pointer_attrs(fn, ptrs), num_warps=cfg["num_warps"], num_stages=1,
-                        config=f"BX={cfg['BX']},QXP={cfg['QXP']}",
-                        tensor_cores=shape.dtype != "fp32"))  # fp32: ieee dots, on CUDA cores
+    # the launcher's warps depend on the target (pull_config): one variant per choice, compiled for
+    # the targets that launch it
+    targets = [(None, 90)] if fp32 else [(("sm_90",), 90), (("sm_100",), 100)]
+    for archs, cc in targets:
+        cfg = pull_config(d, shape.window, elo, ehi, fp32=fp32, cc=cc)
+        for coef, name in ((3, "pull_dk"), (4, "pull_dv")):
+            consts = dict(HEAD_DIM=d, KT=shape.window[0], KH=shape.window[1], KW=shape.window[2], BXP=cfg["BXP"],
+                          QXP=cfg["QXP"], UP=cfg["UP"], BLOCK_D=max(16, triton.next_power_of_2(d)), COEF=coef,
+                          WIDEN=False)
+            out.append(dict(kernel=name, fn=fn, signature=signature_for(fn, ptrs, (), consts), constexprs=consts,
+                            attrs=aligned_pointer_attrs(fn, ptrs), num_warps=cfg["num_warps"], num_stages=1,
+                            config=f"BX={cfg['BX']},QXP={cfg['QXP']}" + ("" if fp32 else f",UP={cfg['UP']}"),
+                            tensor_cores=not fp32, archs=archs))  # fp32: ieee dots, on CUDA cores
     return out

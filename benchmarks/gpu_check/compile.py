@@ -83,6 +83,7 @@ class Variant:
     may_pick: bool = True
     note: str = ""
     attrs: dict | None = None  # (arg index,) -> [["tt.divisibility", 16]]: what the launcher's JIT would see
+    archs: tuple | None = None  # the targets whose launcher picks this config ("sm_90", ...); None: every target
 
 
 @dataclass
@@ -268,6 +269,8 @@ def run(archs: list[str], shapes: list[AotShape], kernels: tuple[str, ...] | Non
             if kernels and variant.kernel not in kernels:
                 continue
             for arch in archs:
+                if variant.archs is not None and arch not in variant.archs:
+                    continue  # another target's launch configuration
                 rec = compile_variant(variant, arch, shape, timeout_s)
                 records.append(rec)
                 if progress:
