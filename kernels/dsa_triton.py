@@ -53,11 +53,14 @@ import triton.language as tl
 
 from .aot import AOT_POINTER_TYPES, aligned_pointer_attrs, signature_for
 from .dsa_reference import validate_dsa_inputs, validate_slab_inputs
+from .dsa_triton_halo import aot_variants as halo_variants
+from .dsa_triton_halo import halo_forward
 from .dsa_triton_pull import (
     INTERPRETED,  # which kind of kernel the @triton.jit decorators made (CPU tensors only when interpreted)
     PULL_MAX_OFFSET,
     REC_FIELDS,
     _past_bound,
+    log_forward_once,
     log_mode_once,
     pull_bound,
     pull_launch,
@@ -72,6 +75,11 @@ LOG2E = 1.4426950408889634
 # How the backward sums dk and dv: "auto" -- the key-side pass (dsa_triton_pull: deterministic, no
 # float atomics) when the offsets' bound allows it, else fp32 atomics; "atomic" -- always atomics.
 DKV_MODE = "auto"
+# Which forward runs: "auto" -- the halo forward (dsa_triton_halo: the products on tensor cores) for
+# bf16 and fp16 when the offsets' bound allows it, as for the pull mode, else the gather forward;
+# "halo" -- the halo forward whenever the bound allows it, fp32 too (tests); "gather" -- always the
+# gather forward. A call with an explicit ``block_m`` (the gather kernels' tile) takes the gather forward.
+FWD_MODE = "auto"
 
 
 
@@ -401,12 +409,30 @@ def _slab_args(q, k, slab):
     return (Tk * H * W, Tk, q0, k0), frames
 
 
-def _dsa_fwd_launch(q, k, v, offsets, win, scale, block_m, slab=None):
+def halo_bound(q, offsets, max_offset, slab, win) -> tuple[float | None, str]:
+    """The offsets' bound the halo forward runs with (``FWD_MODE`` "auto" or "halo"), or
+    ``(None, why)`` when the gather forward must run: the pull mode's bound (``pull_bound``), and
+    in "auto" a half dtype."""
+    if FWD_MODE == "auto" and q.dtype == torch.float32:
+        return None, "fp32 inputs: the halo forward's fp32 dots spill (bf16 and fp16 take it)"
+    return pull_bound(offsets, max_offset, slab, win[0], win[2])
+
+
+def _dsa_fwd_launch(q, k, v, offsets, win, scale, block_m, slab=None, max_offset=None):
+    """out and the log-sum-exp. The halo forward (``dsa_triton_halo``: tensor cores) when the
+    offsets' bound allows it (``FWD_MODE`` "auto", the same bound as the backward's pull mode), else
+    the gather forward."""
     B, T, H, W, nh, d = q.shape
     N = T * H * W
     kv_args, T = _slab_args(q, k, slab)
     out = torch.empty_like(q)
     lse = torch.empty((B, nh, N), device=q.device, dtype=torch.float32)
+    if FWD_MODE != "gather" and block_m is None:
+        bound, why = halo_bound(q, offsets, max_offset, slab, win)
+        log_forward_once("gather" if bound is None else "halo", why)
+        if bound is not None:
+            halo_forward(q, k, v, offsets, win, scale * LOG2E, bound, (N, T, H, W, nh, *kv_args), out, lse)
+            return out, lse
     args = (q, k, v, offsets, out, lse, scale * LOG2E, N, T, H, W, nh, *kv_args)
     meta = dict(HEAD_DIM=d, KT=win[0], KH=win[1], KW=win[2], BLOCK_D=_block_d(d))
     if block_m is None and not INTERPRETED:  # autotuned over configs the compile-only check passed
@@ -464,7 +490,7 @@ class _DSATriton(torch.autograd.Function):
     def forward(ctx, q, k, v, offsets, win, scale, block_m, slab=None, max_offset=None):
         q, k, v, offsets = (x.contiguous() for x in (q, k, v, offsets))
         _check_launch(q, k, v, offsets)
-        out, lse = _dsa_fwd_launch(q, k, v, offsets, win, scale, block_m, slab)
+        out, lse = _dsa_fwd_launch(q, k, v, offsets, win, scale, block_m, slab, max_offset)
         ctx.save_for_backward(q, k, v, offsets, out, lse)
         ctx.meta = (win, scale, block_m, slab, max_offset)
         return out
@@ -556,5 +582,5 @@ def aot_variants(shape) -> list[dict]:
                                 tensor_cores=False,
                                 note="" if runs else "the other backward mode at this bound (compiled for the record)"))
     if pull:
-        out += pull_variants(shape)
+        out += pull_variants(shape) + halo_variants(shape)
     return out

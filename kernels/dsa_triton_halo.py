@@ -1,0 +1,332 @@
+"""The gather kernels' forward on tensor cores: each query tile multiplies its queries with whole
+key and value rows (``tl.dot``), then picks and spreads the samples' corners in registers.
+
+Why
+  The gather forward (``dsa_triton._dsa_fwd``) interpolates each sample's key and value from its
+  8 corner rows and takes ``<q, k_j>`` and ``a_j v_j`` as vector operations: every product runs on
+  CUDA-core FMAs, ``16 d`` per (query, sample), and every corner row goes through L1 once per
+  sample that touches it. The queries of one row segment, though, sample the same few key rows:
+  their offsets are bounded, so their samples' corners lie in a small box around their windows.
+
+The halo forward: two passes
+  One program owns ``BX`` consecutive queries of one frame and row (one (batch, head)), on
+  ``BXP = 64`` rows: the ``wgmma`` M. Their window starts ``s_t``, ``s_y`` are one scalar; ``s_x``
+  runs with ``x``. With the offsets' bound ``M`` every corner of a slot-``j`` sample lies in
+  ``[b - ceil(M), b + floor(M) + 1]`` per axis around its base ``b`` (``dsa_triton_pull.pull_span``),
+  so the tile's x corners fit ``XP`` consecutive key columns from ``cx0``. Window slots are taken a
+  ``(jt, jy)`` group at a time (the ``KW`` slots of one window row, ``(BXP, KWP)`` tensors). For a
+  group the program computes the samples' clamped positions and the span of key rows ``(t', y')``
+  their corners actually touch (a runtime min/max); rows whose weights are all zero are skipped, so
+  the work follows the offsets present: one row per group at zero offsets, up to ``(2M + 2)^2``.
+
+  1. ``_dsa_halo_scores``: per touched row, ``S = q @ K_row^T`` (``(BXP, XP)``, a tensor-core
+     dot); each sample takes its two x corners from ``S`` with ``tl.gather`` and adds them with its
+     ``t``, ``y`` and ``x`` weights. The unscaled scores go to a scratch buffer ``(pairs, K, N)``
+     fp32 and the log-sum-exp (base 2, as the gather forward saves it) to ``LSE``.
+  2. ``_dsa_halo_out``: ``a_j = exp2(s_j scale - lse)``; per touched row the probabilities times
+     the ``t``, ``y`` weights are spread over a band of ``UP`` columns relative to each query's
+     window (``u = x' - s_x + ceil M``: the two x corners of each slot), the band is placed on the
+     row's ``XP`` columns with ``tl.gather``, and ``acc += P @ V_row`` (a tensor-core dot; ``P`` in
+     the values' dtype, as flash attention's ``P @ V``; ``ieee`` at fp32).
+
+  Two passes, not one: in one kernel the accumulator, the scores' row and the sample tensors did
+  not fit the registers (ptxas spilled 0.4-3 KB per thread at 4 and 8 warps); apart, each pass
+  compiles without spills at 8 warps (``python -m benchmarks.gpu_check --compile-only``). The
+  scratch costs ``4 K`` bytes per token and head each way; pairs are chunked within
+  ``SCORE_BUDGET_BYTES``. Either backward mode runs after it (the log-sum-exp is the gather
+  forward's).
+
+When it runs
+  ``dsa_triton.FWD_MODE`` "auto" takes it for bf16 and fp16 whenever the backward's pull mode
+  would (a known bound up to ``PULL_MAX_OFFSET``, a window the column run covers, a slab holding
+  every reachable frame): ``dsa_triton_pull.pull_bound``. fp32 takes the gather forward (the halo
+  passes' fp32 ``ieee`` dots spill). A query with an offset beyond a given bound gets a NaN output
+  row and log-sum-exp: its corners may lie outside the columns the tile loaded.
+
+Verification status (Caution)
+  Verified under the Triton CPU interpreter against ``dsa_reference`` and against the gather
+  forward (tests/test_dsa_halo.py) and compiled for sm_90 and sm_100; not yet run on a GPU.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from .aot import AOT_POINTER_TYPES, aligned_pointer_attrs, signature_for
+from .dsa_triton_pull import INTERPRETED, _past_bound, compute_capability, pull_config, pull_span
+
+__all__ = ["halo_forward", "halo_config", "aot_variants", "SCORE_BUDGET_BYTES"]
+
+SCORE_BUDGET_BYTES = 1 << 30  # the scores' scratch per launch; (batch, head) pairs in chunks within it
+
+
+@triton.jit
+def _clamped_axis(off, base, SIZE):
+    """A sample coordinate clamped to the grid: (lower corner, upper corner, weight on the upper)."""
+    p = tl.minimum(tl.maximum(base.to(tl.float32) + off, 0.0), SIZE - 1.0)
+    i0 = p.to(tl.int32)  # p >= 0: truncation is floor
+    f = p - i0.to(tl.float32)
+    return i0, tl.minimum(i0 + 1, SIZE - 1), f
+
+
+@triton.jit
+def _row_tent(i0, i1, f, r):
+    """Weight of the samples' positions (corners ``i0``, ``i1``, weight ``f`` on ``i1``) on row ``r``."""
+    return tl.where(i0 == r, 1.0 - f, 0.0) + tl.where(i1 == r, f, 0.0)
+
+
+@triton.jit
+def _tile(pid, pid_bh, N, T, H, W, NH, Q0, EHI, BX, HEAD_DIM: tl.constexpr, KT: tl.constexpr, KH: tl.constexpr,
+          KW: tl.constexpr, KS: tl.constexpr, BXP: tl.constexpr, XP: tl.constexpr):
+    """A program's query tile: ``BX`` queries of one frame and row of one (batch, head)."""
+    b = pid_bh // NH
+    h = pid_bh % NH
+    tiles_x = tl.cdiv(W, BX)
+    qt_l = pid // (H * tiles_x)
+    qy = (pid // tiles_x) % H
+    x0 = (pid % tiles_x) * BX
+    lane = tl.arange(0, BXP)
+    qx = x0 + lane
+    q_ok = (lane < BX) & (qx < W)
+    tok = (qt_l * H + qy) * W + qx
+    qt = Q0 + qt_l  # frame on the whole grid
+    st = tl.minimum(tl.maximum(qt - KT // 2, 0), T - KT)
+    sy = tl.minimum(tl.maximum(qy - KH // 2, 0), H - KH)
+    sx = tl.minimum(tl.maximum(qx - KW // 2, 0), W - KW)  # (BXP,)
+    # the key columns the tile's corners can reach: [cx0, cx0 + XP)
+    cx0 = tl.maximum(tl.minimum(tl.maximum(x0 - KW // 2, 0), W - KW) - EHI, 0)
+    off_row = ((b.to(tl.int64) * N + tok) * NH + h) * (KS * 3)  # element offset of each query's offsets
+    return b, h, tok, q_ok, st, sy, sx, cx0, off_row
+
+
+@triton.jit
+def _group(OFF, off_row, q_ok, jt, jy, st, sy, sx, cx0, T, H, W, TK, K0, ELO, EHI,
+           KH: tl.constexpr, KW: tl.constexpr, KWP: tl.constexpr, XP: tl.constexpr):
+    """The samples of window row ``(jt, jy)`` (``KW`` slots on ``KWP`` columns), ``(BXP, KWP)``:
+    held-frame corners ``t0, t1`` (-1 for padding and refused slots: they touch no row), row
+    corners ``y0, y1``, x corners as columns of the tile's key run ``g0, g1``, the weights on the
+    upper corners, which slots count (``ok``), which queries have a slot past the bound
+    (``past``, per query), and the key rows the corners touch: ``[t_lo, t_hi] x [y_lo, y_hi]``."""
+    jx = tl.arange(0, KWP)
+    slot_ok = q_ok[:, None] & (jx < KW)[None, :]
+    optr = OFF + off_row[:, None] + ((jt * KH + jy) * KW + jx)[None, :] * 3
+    ot = tl.load(optr + 0, mask=slot_ok, other=0.0).to(tl.float32)
+    oy = tl.load(optr + 1, mask=slot_ok, other=0.0).to(tl.float32)
+    ox = tl.load(optr + 2, mask=slot_ok, other=0.0).to(tl.float32)
+    t0, t1, ft = _clamped_axis(ot, st + jt, T)
+    y0, y1, fy = _clamped_axis(oy, sy + jy, H)
+    bx = sx[:, None] + jx[None, :]
+    c0, c1, fx = _clamped_axis(ox, bx, W)
+    past = (_past_bound(t0, ft, st + jt, ELO, EHI) | _past_bound(y0, fy, sy + jy, ELO, EHI)
+            | _past_bound(c0, fx, bx, ELO, EHI) | (ot != ot) | (oy != oy) | (ox != ox)) & slot_ok
+    ok = slot_ok & (past == 0)
+    t0 = tl.where(ok, tl.minimum(tl.maximum(t0 - K0, 0), TK - 1), -1)  # whole-grid frame -> held frame
+    t1 = tl.where(ok, tl.minimum(tl.maximum(t1 - K0, 0), TK - 1), -1)
+    g0 = tl.minimum(tl.maximum(c0 - cx0, 0), XP - 1)
+    g1 = tl.minimum(tl.maximum(c1 - cx0, 0), XP - 1)
+    t_lo = tl.min(tl.min(tl.where(ok, t0, TK), axis=1), axis=0)
+    t_hi = tl.max(tl.max(tl.where(ft > 0.0, t1, t0), axis=1), axis=0)
+    y_lo = tl.min(tl.min(tl.where(ok, y0, H), axis=1), axis=0)
+    y_hi = tl.max(tl.max(tl.where(ok, tl.where(fy > 0.0, y1, y0), -1), axis=1), axis=0)
+    return t0, t1, ft, y0, y1, fy, g0, g1, fx, ok, tl.max(past.to(tl.int32), axis=1) > 0, t_lo, t_hi, y_lo, y_hi
+
+
+@triton.jit
+def _key_row(X, kv_base, tr, yr, H, W, cx0, row_stride, HEAD_DIM: tl.constexpr, XP: tl.constexpr,
+             BLOCK_D: tl.constexpr):
+    """Key (or value) row ``(tr, yr)`` of held frames, columns ``[cx0, cx0 + XP)``: ``(XP, BLOCK_D)``."""
+    kcol = cx0 + tl.arange(0, XP)
+    d = tl.arange(0, BLOCK_D)
+    return tl.load(X + kv_base + ((tr * H + yr) * W + kcol).to(tl.int64)[:, None] * row_stride + d[None, :],
+                   mask=(kcol < W)[:, None] & (d < HEAD_DIM)[None, :], other=0.0)
+
+
+@triton.jit
+def _dsa_halo_scores(
+    Q, Kx, OFF, S, LSE,
+    qk_scale,  # softmax scale * log2(e)
+    N, T, H, W, NH,
+    NK, TK, Q0, K0, BH0,  # k: NK tokens = frames [K0, K0 + TK) of T; queries start at frame Q0
+    ELO, EHI,  # the bound's span (pull_span): corners of base b lie in [b - EHI, b + ELO]
+    BX,  # queries per tile (of BXP rows)
+    HEAD_DIM: tl.constexpr,
+    KT: tl.constexpr, KH: tl.constexpr, KW: tl.constexpr,
+    BXP: tl.constexpr, XP: tl.constexpr, KWP: tl.constexpr, BLOCK_D: tl.constexpr,
+    WIDEN: tl.constexpr = False,  # under the interpreter: bf16 dots widened (``_split_dot``)
+):
+    """Pass 1: every sample's score ``<q, k_j>`` (unscaled, fp32) into ``S (BH, KS, N)`` and the
+    log-sum-exp (base 2) into ``LSE``; a query with a sample past the bound gets a NaN log-sum-exp."""
+    pid = tl.program_id(0)
+    s_bh = tl.program_id(1)
+    pid_bh = BH0 + s_bh
+    KS: tl.constexpr = KT * KH * KW
+    IEEE: tl.constexpr = Q.dtype.element_ty == tl.float32
+    row_stride = NH * HEAD_DIM
+    b, h, tok, q_ok, st, sy, sx, cx0, off_row = _tile(pid, pid_bh, N, T, H, W, NH, Q0, EHI, BX, HEAD_DIM, KT, KH,
+                                                      KW, KS, BXP, XP)
+    d = tl.arange(0, BLOCK_D)
+    q = tl.load(Q + (b.to(tl.int64) * N + tok)[:, None] * row_stride + h * HEAD_DIM + d[None, :],
+                mask=q_ok[:, None] & (d < HEAD_DIM)[None, :], other=0.0)
+    kv_base = b.to(tl.int64) * NK * row_stride + h * HEAD_DIM
+    jx = tl.arange(0, KWP)
+    s_row = S + s_bh.to(tl.int64) * (KS * N) + tok  # (BXP,): sample j of a query at + j * N
+    beyond = tl.zeros([BXP], dtype=tl.int1)
+    m_i = tl.full([BXP], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BXP], dtype=tl.float32)
+    for jt in tl.range(0, KT, loop_unroll_factor=1):
+        for jy in tl.range(0, KH, loop_unroll_factor=1):
+            t0, t1, ft, y0, y1, fy, g0, g1, fx, ok, past, t_lo, t_hi, y_lo, y_hi = _group(
+                OFF, off_row, q_ok, jt, jy, st, sy, sx, cx0, T, H, W, TK, K0, ELO, EHI, KH, KW, KWP, XP)
+            beyond |= past
+            s = tl.zeros([BXP, KWP], dtype=tl.float32)
+            for tr in tl.range(t_lo, t_hi + 1, loop_unroll_factor=1):
+                wt = _row_tent(t0, t1, ft, tr)
+                for yr in tl.range(y_lo, y_hi + 1, loop_unroll_factor=1):
+                    w = wt * _row_tent(y0, y1, fy, yr)
+                    if tl.max(tl.max(w, axis=1), axis=0) > 0.0:  # else no corner on this row
+                        krow = _key_row(Kx, kv_base, tr, yr, H, W, cx0, row_stride, HEAD_DIM, XP, BLOCK_D)
+                        if IEEE:
+                            sc = tl.dot(q, tl.trans(krow), input_precision="ieee")
+                        elif WIDEN:
+                            sc = tl.dot(q.to(tl.float32), tl.trans(krow.to(tl.float32)), input_precision="ieee")
+                        else:
+                            sc = tl.dot(q, tl.trans(krow))  # (BXP, XP) on tensor cores
+                        s += w * ((1.0 - fx) * tl.gather(sc, g0, axis=1) + fx * tl.gather(sc, g1, axis=1))
+            tl.store(s_row[:, None] + ((jt * KH + jy) * KW + jx)[None, :] * N, s, mask=q_ok[:, None] & (jx < KW)[None, :])
+            sl = tl.where(ok, s * qk_scale, float("-inf"))  # online log-sum-exp over the groups (base 2)
+            m_new = tl.maximum(m_i, tl.max(sl, axis=1))
+            m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+            l_i = l_i * tl.math.exp2(m_i - m_use) + tl.sum(tl.math.exp2(sl - m_use[:, None]), axis=1)
+            m_i = m_new
+    lse = m_i + tl.math.log2(tl.where(q_ok, l_i, 1.0))
+    tl.store(LSE + pid_bh.to(tl.int64) * N + tok, tl.where(beyond, float("nan"), lse), mask=q_ok)
+
+
+@triton.jit
+def _dsa_halo_out(
+    V, OFF, S, LSE, OUT,
+    qk_scale,
+    N, T, H, W, NH,
+    NK, TK, Q0, K0, BH0,
+    ELO, EHI,
+    BX,
+    HEAD_DIM: tl.constexpr,
+    KT: tl.constexpr, KH: tl.constexpr, KW: tl.constexpr,
+    BXP: tl.constexpr, XP: tl.constexpr, KWP: tl.constexpr, UP: tl.constexpr, BLOCK_D: tl.constexpr,
+    WIDEN: tl.constexpr = False,
+):
+    """Pass 2: ``out = sum_j a_j v_j`` with ``a_j = exp2(s_j qk_scale - lse)``, one dense
+    ``P_row @ V_row`` per touched key row (NaN rows where pass 1 refused the query)."""
+    pid = tl.program_id(0)
+    s_bh = tl.program_id(1)
+    pid_bh = BH0 + s_bh
+    KS: tl.constexpr = KT * KH * KW
+    IEEE: tl.constexpr = V.dtype.element_ty == tl.float32
+    row_stride = NH * HEAD_DIM
+    b, h, tok, q_ok, st, sy, sx, cx0, off_row = _tile(pid, pid_bh, N, T, H, W, NH, Q0, EHI, BX, HEAD_DIM, KT, KH,
+                                                      KW, KS, BXP, XP)
+    kv_base = b.to(tl.int64) * NK * row_stride + h * HEAD_DIM
+    jx = tl.arange(0, KWP)
+    u = tl.arange(0, UP)
+    xcol = tl.arange(0, XP)
+    s_row = S + s_bh.to(tl.int64) * (KS * N) + tok
+    lse = tl.load(LSE + pid_bh.to(tl.int64) * N + tok, mask=q_ok, other=0.0)
+    acc = tl.zeros([BXP, BLOCK_D], dtype=tl.float32)
+    for jt in tl.range(0, KT, loop_unroll_factor=1):
+        for jy in tl.range(0, KH, loop_unroll_factor=1):
+            t0, t1, ft, y0, y1, fy, g0, g1, fx, ok, past, t_lo, t_hi, y_lo, y_hi = _group(
+                OFF, off_row, q_ok, jt, jy, st, sy, sx, cx0, T, H, W, TK, K0, ELO, EHI, KH, KW, KWP, XP)
+            s = tl.load(s_row[:, None] + ((jt * KH + jy) * KW + jx)[None, :] * N, mask=ok, other=0.0)
+            p = tl.where(ok, tl.math.exp2(s * qk_scale - lse[:, None]), 0.0)
+            for tr in tl.range(t_lo, t_hi + 1, loop_unroll_factor=1):
+                pt = p * _row_tent(t0, t1, ft, tr)
+                for yr in tl.range(y_lo, y_hi + 1, loop_unroll_factor=1):
+                    c = pt * _row_tent(y0, y1, fy, yr)
+                    if tl.max(tl.max(c, axis=1), axis=0) > 0.0:
+                        # the slots' x tents on each query's band (u = x' - s_x + EHI), then on the run
+                        band = tl.zeros([BXP, UP], dtype=tl.float32)
+                        for j in tl.range(0, KW, loop_unroll_factor=1):
+                            sel = (jx == j)[None, :]
+                            cj = tl.sum(tl.where(sel, c, 0.0), axis=1)
+                            fj = tl.sum(tl.where(sel, fx, 0.0), axis=1)
+                            u0j = tl.sum(tl.where(sel, g0, 0), axis=1) + (cx0 + EHI) - sx
+                            u1j = tl.sum(tl.where(sel, g1, 0), axis=1) + (cx0 + EHI) - sx
+                            band += (tl.where(u[None, :] == u0j[:, None], ((1.0 - fj) * cj)[:, None], 0.0)
+                                     + tl.where(u[None, :] == u1j[:, None], (fj * cj)[:, None], 0.0))
+                        rel = xcol[None, :] + (cx0 + EHI) - sx[:, None]  # band coordinate of each column
+                        pr = tl.gather(band, tl.minimum(tl.maximum(rel, 0), UP - 1), axis=1)
+                        pr = tl.where((rel >= 0) & (rel < UP), pr, 0.0)  # (BXP, XP)
+                        vrow = _key_row(V, kv_base, tr, yr, H, W, cx0, row_stride, HEAD_DIM, XP, BLOCK_D)
+                        if IEEE:
+                            acc = tl.dot(pr, vrow, acc, input_precision="ieee")
+                        elif WIDEN:  # bf16 P as on the GPU, widened for the interpreter
+                            acc = tl.dot(pr.to(vrow.dtype).to(tl.float32), vrow.to(tl.float32), acc,
+                                         input_precision="ieee")
+                        else:  # P in the values' dtype, as flash attention's P @ V
+                            acc = tl.dot(pr.to(vrow.dtype), vrow, acc)
+    acc = tl.where((lse != lse)[:, None], float("nan"), acc)  # refused by pass 1
+    d = tl.arange(0, BLOCK_D)
+    tl.store(OUT + (b.to(tl.int64) * N + tok)[:, None] * row_stride + h * HEAD_DIM + d[None, :],
+             acc.to(OUT.dtype.element_ty), mask=q_ok[:, None] & (d < HEAD_DIM)[None, :])
+
+
+# -----------------------------------------------------------------------------
+# Host side
+
+
+def halo_config(head_dim: int, window, elo: int, ehi: int, fp32: bool = False, cc: int = 90) -> dict:
+    """Launch configuration: ``BX`` queries per tile on ``BXP = 64`` rows, ``XP`` key columns per
+    row (the key-side pass's run: ``BX + KW - 1 + ELO + EHI`` must fit), ``KWP`` slots per group,
+    the band width ``UP`` (``KW + ELO + EHI`` columns, to a power of two), and each pass's warps."""
+    cfg = pull_config(head_dim, window, elo, ehi, fp32, cc)
+    return dict(BX=cfg["BX"], BXP=cfg["BXP"], XP=cfg["QXP"], KWP=triton.next_power_of_2(window[2]), UP=cfg["UP"],
+                scores_warps=8, out_warps=8)
+
+
+def halo_forward(q, k, v, offsets, win, qk_scale: float, bound: float, grid_args, out, lse) -> None:
+    """Launch the halo forward into ``out`` and ``lse`` (the gather forward's launcher allocates
+    them). ``grid_args = (N, T, H, W, nh, NK, TK, Q0, K0)``; ``bound``: from ``pull_bound``. The
+    scores go through a scratch buffer ``(pairs, K, N)`` fp32, (batch, head) pairs in chunks within
+    ``SCORE_BUDGET_BYTES``."""
+    N, T, H, W, nh, NK, TK, Q0, K0 = grid_args
+    B, d = q.shape[0], q.shape[-1]
+    elo, ehi = pull_span(bound)
+    cfg = halo_config(d, win, elo, ehi, fp32=q.dtype == torch.float32, cc=compute_capability(q))
+    ks = win[0] * win[1] * win[2]
+    chunk = max(1, min(B * nh, SCORE_BUDGET_BYTES // (ks * N * 4)))
+    scores = torch.empty((chunk, ks, N), device=q.device, dtype=torch.float32)
+    grid_x = (N // (H * W)) * H * triton.cdiv(W, cfg["BX"])
+    meta = dict(HEAD_DIM=d, KT=win[0], KH=win[1], KW=win[2], BXP=cfg["BXP"], XP=cfg["XP"], KWP=cfg["KWP"],
+                BLOCK_D=max(16, triton.next_power_of_2(d)), WIDEN=INTERPRETED, num_stages=1)
+    for bh0 in range(0, B * nh, chunk):
+        count = min(chunk, B * nh - bh0)
+        tail = (N, T, H, W, nh, NK, TK, Q0, K0, bh0, elo, ehi, cfg["BX"])
+        _dsa_halo_scores[(grid_x, count)](q, k, offsets, scores, lse, qk_scale, *tail, **meta,
+                                          num_warps=cfg["scores_warps"])
+        _dsa_halo_out[(grid_x, count)](v, offsets, scores, lse, out, qk_scale, *tail, **meta, UP=cfg["UP"],
+                                       num_warps=cfg["out_warps"])
+
+
+def aot_variants(shape) -> list[dict]:
+    """The halo forward's two passes as the launcher compiles them at ``shape`` (dtype, head dim,
+    window, ``max_offset``), for the compile-only check."""
+    t = AOT_POINTER_TYPES[shape.dtype]
+    d = shape.head_dim
+    elo, ehi = pull_span(shape.max_offset if shape.max_offset is not None else 0.0)
+    cfg = halo_config(d, shape.window, elo, ehi, fp32=shape.dtype == "fp32")
+    consts = dict(HEAD_DIM=d, KT=shape.window[0], KH=shape.window[1], KW=shape.window[2], BXP=cfg["BXP"],
+                  XP=cfg["XP"], KWP=cfg["KWP"], BLOCK_D=max(16, triton.next_power_of_2(d)), WIDEN=False)
+    out = []
+    for name, fn, warps, extra in (("halo_scores", _dsa_halo_scores, cfg["scores_warps"], {}),
+                                   ("halo_out", _dsa_halo_out, cfg["out_warps"], {"UP": cfg["UP"]})):
+        ptrs = {n: t for n in ("Q", "Kx", "V", "OFF", "OUT") if n in fn.arg_names}
+        ptrs.update({"S": "*fp32", "LSE": "*fp32"})
+        c = dict(consts, **extra)
+        out.append(dict(kernel=name, fn=fn, signature=signature_for(fn, ptrs, ("qk_scale",), c), constexprs=c,
+                        attrs=aligned_pointer_attrs(fn, ptrs), num_warps=warps, num_stages=1,
+                        config=f"BX={cfg['BX']},XP={cfg['XP']}" + (f",UP={cfg['UP']}" if extra else ""),
+                        tensor_cores=shape.dtype != "fp32", may_pick=shape.dtype != "fp32",
+                        note="fp32 takes the gather forward (compiled for the record)" if shape.dtype == "fp32" else ""))
+    return out

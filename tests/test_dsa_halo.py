@@ -1,0 +1,227 @@
+"""The halo forward (``kernels/dsa_triton_halo.py``: the score and output products on tensor
+cores) against the reference and against the gather forward.
+
+The kernels run under the Triton CPU interpreter in a child pytest (``test_interp_*``, started by
+``test_halo_kernels_under_interpreter``). Shapes are tiny because the interpreter is slow; they
+still cover every border on each axis, two query tiles along x, a measured and a given bound,
+offsets up to 2.7 with whole-token moves, a slab, and both identities (zero offsets:
+neighborhood attention; the window the whole grid: dense attention). The launch plan is checked
+in the parent, without the interpreter.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+
+import pytest
+import torch
+
+from kernels import dsa_reference
+from kernels.checks import (
+    GRAD_NAMES,
+    assert_bf16_flash_rule,
+    assert_dense_identity,
+    assert_interpreter_tests_pass,
+    grads,
+    make_qkv,
+    naive_neighborhood_attention,
+)
+
+INTERPRETER_ACTIVE = os.environ.get("TRITON_INTERPRET", "0") == "1"
+interpreter_only = pytest.mark.skipif(
+    not INTERPRETER_ACTIVE, reason="runs in the child started by test_halo_kernels_under_interpreter"
+)
+
+
+def bounded_offsets(shape, window, bound, seed=3, dtype=torch.float32):
+    """Offsets in ``[-bound, bound]``, a sixth of them whole-token moves (corners exactly on keys)."""
+    B, T, H, W, nh, _ = shape
+    K = window[0] * window[1] * window[2]
+    g = torch.Generator().manual_seed(seed)
+    off = (torch.rand((B, T, H, W, nh, K, 3), generator=g) * 2 - 1) * bound
+    whole = torch.rand(off.shape, generator=g) < 0.15
+    return torch.where(whole, off.round(), off).to(dtype)
+
+
+@pytest.mark.slow  # about two minutes: every Triton interpreter child runs in the slow half
+@pytest.mark.skipif(INTERPRETER_ACTIVE, reason="already inside the interpreter run")
+def test_halo_kernels_under_interpreter():
+    pytest.importorskip("triton")
+    assert_interpreter_tests_pass(__file__)
+
+
+# -----------------------------------------------------------------------------
+# Launch plan (parent process)
+
+
+def test_plan_covers_every_corner_and_chunks_the_scores(monkeypatch):
+    """The key-column run holds every x corner a bounded sample of the tile can reach; the band
+    holds every corner relative to its query's window; the scores' scratch is chunked."""
+    pytest.importorskip("triton")
+    import kernels.dsa_triton_halo as HALO
+    from kernels.dsa_triton_pull import pull_span
+
+    for window in ((3, 5, 5), (3, 7, 7), (1, 3, 3), (1, 1, 61)):
+        for bound in (0.0, 0.6, 1.5, 3.0):
+            elo, ehi = pull_span(bound)
+            cfg = HALO.halo_config(128, window, elo, ehi)
+            kw = window[2]
+            assert cfg["KWP"] >= kw and cfg["UP"] >= kw + elo + ehi
+            # queries x0 .. x0 + BX - 1 (interior: s_x = x - kw // 2): corners from s_x(x0) - EHI
+            # to s_x(x0 + BX - 1) + kw - 1 + ELO, all inside [cx0, cx0 + XP)
+            assert (cfg["BX"] - 1) + (kw - 1) + elo + ehi < cfg["XP"]
+    assert HALO.halo_config(128, (3, 7, 7), 2, 2)["XP"] == 64  # the Wan row (52 tokens) in one tile
+    calls = []
+    monkeypatch.setattr(HALO, "SCORE_BUDGET_BYTES", 27 * 100 * 4 * 3)
+
+    class Spy:
+        def __init__(self, name):
+            self.name = name
+
+        def __getitem__(self, grid):
+            return lambda *a, **k: calls.append((self.name, grid, a[15]))
+
+    monkeypatch.setattr(HALO, "_dsa_halo_scores", Spy("scores"))
+    monkeypatch.setattr(HALO, "_dsa_halo_out", Spy("out"))
+    q = torch.zeros(2, 4, 5, 5, 4, 8)  # B 2, nh 4: 8 (batch, head) pairs of 100 tokens
+    lse = torch.zeros(2, 4, 100)
+    HALO.halo_forward(q, q, q, torch.zeros(*q.shape[:5], 27, 3), (3, 3, 3), 1.0, 1.0,
+                      (100, 4, 5, 5, 4, 100, 4, 0, 0), torch.empty_like(q), lse)
+    assert [c[0] for c in calls] == ["scores", "out"] * 3  # chunks of 3, 3, 2 pairs
+    assert [c[1][1] for c in calls[::2]] == [3, 3, 2] and [c[2] for c in calls[::2]] == [0, 3, 6]
+
+
+def test_auto_takes_the_halo_forward_for_half_dtypes_within_the_bound(monkeypatch):
+    pytest.importorskip("triton")
+    import kernels.dsa_triton as DT
+
+    off = torch.zeros(1, 3, 4, 5, 1, 9, 3)
+    q16, q32 = torch.zeros(1, 3, 4, 5, 1, 8, dtype=torch.bfloat16), torch.zeros(1, 3, 4, 5, 1, 8)
+    assert DT.halo_bound(q16, off, 1.5, None, (1, 3, 3)) == (1.5, "max_offset")
+    bound, why = DT.halo_bound(q32, off, 1.5, None, (1, 3, 3))
+    assert bound is None and "fp32" in why
+    off[0, 0, 0, 0, 0, 0, 0] = 3.5  # past PULL_MAX_OFFSET: the gather forward
+    bound, why = DT.halo_bound(q16, off, None, None, (1, 3, 3))
+    assert bound is None and "exceed" in why
+    monkeypatch.setattr(DT, "FWD_MODE", "halo")
+    assert DT.halo_bound(q32, off, 1.5, None, (1, 3, 3)) == (1.5, "max_offset")
+
+
+# -----------------------------------------------------------------------------
+# Kernels under the interpreter
+
+
+@pytest.fixture
+def halo_fp32():
+    """``FWD_MODE`` "halo": fp32 takes the halo forward too (``auto`` gives fp32 the gather forward,
+    the halo forward's fp32 dots spill on the GPU), so the 1e-6 checks run on it."""
+    import kernels.dsa_triton as DT
+
+    old = DT.FWD_MODE
+    DT.FWD_MODE = "halo"
+    yield
+    DT.FWD_MODE = old
+
+
+def _run(window, shape, bound, given, seed=12, dtype=torch.float32, fwd_mode="halo"):
+    import kernels.dsa_triton as DT
+
+    q, k, v = (x.to(dtype) for x in make_qkv(shape, seed=seed))
+    off = bounded_offsets(shape, window, bound, seed=seed + 1, dtype=dtype)
+    dout = torch.randn(shape, generator=torch.Generator().manual_seed(seed + 2))
+    old = DT.FWD_MODE
+    DT.FWD_MODE = fwd_mode
+    try:
+        got = grads(lambda *a: DT.dsa_triton(*a, window, max_offset=bound if given else None), (q, k, v, off), dout)
+    finally:
+        DT.FWD_MODE = old
+    return got, (q, k, v, off), dout
+
+
+@pytest.mark.parametrize("grid,window,bound,given", [
+    ((3, 3, 4), (3, 3, 3), 1.5, True),  # every border on every axis; the window spans T
+    ((1, 3, 62), (1, 3, 3), 0.6, False),  # two query tiles along x (60 + 2 queries); the bound measured
+    ((3, 2, 5), (3, 1, 3), 2.7, True),  # near the cap: corners three tokens out
+])
+@interpreter_only
+def test_interp_fp32_halo_matches_reference_and_the_gather_forward(grid, window, bound, given, caplog):
+    import kernels.dsa_triton_pull as P
+
+    shape = (1, *grid, 1, 4)
+    P._LOGGED.clear()  # the forward is logged once per reason and process
+    with caplog.at_level(logging.INFO, logger="kernels.dsa_triton_pull"):
+        got, inputs, dout = _run(window, shape, bound, given)
+    assert any("halo forward on tensor cores" in r.getMessage() for r in caplog.records)
+    want = grads(lambda *a: dsa_reference(*a, window), inputs, dout)
+    for name, a, b in zip(GRAD_NAMES, got, want):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6, msg=name)
+    gather, _, _ = _run(window, shape, bound, given, fwd_mode="gather")
+    torch.testing.assert_close(got[0], gather[0], rtol=1e-5, atol=1e-6, msg="halo vs gather forward")
+
+
+@interpreter_only
+def test_interp_bf16_halo_flash_rule(caplog):
+    """bf16 under ``auto``: the halo forward (P in bf16 for ``P @ V``, as flash attention)."""
+    import kernels.dsa_triton_pull as P
+
+    window, shape = (1, 3, 3), (1, 2, 4, 5, 1, 8)
+    P._LOGGED.clear()
+    with caplog.at_level(logging.INFO, logger="kernels.dsa_triton_pull"):
+        got, inputs, dout = _run(window, shape, 1.5, True, seed=14, dtype=torch.bfloat16, fwd_mode="auto")
+    assert any("halo forward on tensor cores" in r.getMessage() for r in caplog.records)
+    assert_bf16_flash_rule(got, inputs, dout, window, "halo")
+
+
+@interpreter_only
+def test_interp_offsets_beyond_the_given_bound_give_nan_out_for_their_queries(halo_fp32):
+    from kernels.dsa_triton import dsa_triton
+
+    window, shape = (1, 3, 3), (1, 2, 3, 5, 1, 4)
+    q, k, v = make_qkv(shape, seed=50)
+    off = bounded_offsets(shape, window, 0.5, seed=51)
+    off[0, 1, 2, 1, 0, 4, 2] = 1.6  # query (t 1, y 2, x 1) breaks the bound 0.5 (base x 1: not clamped)
+    out = dsa_triton(q, k, v, off, window, max_offset=0.5)
+    bad = out[0, :, :, :, 0].isnan().any(-1)
+    assert bad[1, 2, 1] and int(bad.sum()) == 1, bad.nonzero()
+
+
+@interpreter_only
+def test_interp_zero_offsets_are_neighborhood_attention(halo_fp32):
+    from kernels.dsa_triton import dsa_triton
+
+    window, shape = (3, 3, 3), (1, 3, 3, 5, 1, 4)
+    q, k, v = make_qkv(shape, seed=60)
+    off = torch.zeros(*shape[:5], 27, 3)
+    out = dsa_triton(q, k, v, off, window, max_offset=0.0)
+    torch.testing.assert_close(out, naive_neighborhood_attention(q, k, v, window), rtol=1e-5, atol=1e-6)
+
+
+@interpreter_only
+def test_interp_zero_offsets_full_window_is_dense_attention(halo_fp32):
+    """The window the whole grid (3, 1, 5), offsets zero (the bound measured: 0): dense attention
+    against fp64 SDPA, forward and the q, k, v gradients."""
+    from kernels.dsa_triton import dsa_triton
+
+    def attn(q, k, v, offsets, window, scale):
+        return dsa_triton(q, k, v, offsets, window, scale=scale)
+
+    assert_dense_identity(attn, (3, 1, 5), torch.float32, 2e-5, seed=38)
+
+
+@interpreter_only
+def test_interp_slab_halo_matches_reference(halo_fp32):
+    """Queries of frames [4, 6) of 10 against the frames they reach with offsets up to 1.0."""
+    from kernels.dsa_reference import dsa_slab, slab_kv_frames
+    from kernels.dsa_triton import dsa_triton_slab
+
+    window, frames, q0, q1, bound = (3, 3, 3), 10, 4, 6, 1.0
+    a, b = slab_kv_frames(q0, q1, frames, window[0], bound)
+    assert (a, b) != (0, frames)  # the slab holds part of the clip
+    H, W, nh, d = 3, 4, 1, 4
+    q, _, _ = make_qkv((1, q1 - q0, H, W, nh, d), seed=70)
+    _, k, v = make_qkv((1, b - a, H, W, nh, d), seed=71)
+    off = bounded_offsets(q.shape, window, bound, seed=72)
+    got = dsa_triton_slab(q, k, v, off, window, q0, a, frames, max_offset=bound)
+    want = dsa_slab(q, k, v, off, window, q0, a, frames)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
