@@ -52,15 +52,16 @@ import triton
 import triton.language as tl
 
 from .aot import AOT_POINTER_TYPES, aligned_pointer_attrs, signature_for
+from .dsa_cost import choose_halo
 from .dsa_reference import validate_dsa_inputs, validate_slab_inputs
 from .dsa_triton_halo import aot_variants as halo_variants
-from .dsa_triton_halo import halo_forward
+from .dsa_triton_halo import halo_backward_query, halo_forward
 from .dsa_triton_pull import (
     INTERPRETED,  # which kind of kernel the @triton.jit decorators made (CPU tensors only when interpreted)
     PULL_MAX_OFFSET,
     REC_FIELDS,
     _past_bound,
-    log_forward_once,
+    log_halo_once,
     log_mode_once,
     pull_bound,
     pull_launch,
@@ -75,11 +76,12 @@ LOG2E = 1.4426950408889634
 # How the backward sums dk and dv: "auto" -- the key-side pass (dsa_triton_pull: deterministic, no
 # float atomics) when the offsets' bound allows it, else fp32 atomics; "atomic" -- always atomics.
 DKV_MODE = "auto"
-# Which forward runs: "auto" -- the halo forward (dsa_triton_halo: the products on tensor cores) for
-# bf16 and fp16 when the offsets' bound allows it, as for the pull mode, else the gather forward;
-# "halo" -- the halo forward whenever the bound allows it, fp32 too (tests); "gather" -- always the
-# gather forward. A call with an explicit ``block_m`` (the gather kernels' tile) takes the gather forward.
-FWD_MODE = "auto"
+# Which kernels take the forward and the backward's query side: "auto" -- per pass, the halo kernels
+# (dsa_triton_halo: the products on tensor cores) for bf16 and fp16 when the offsets' bound allows them
+# (as for the pull mode) and the cost model (dsa_cost.choose_halo) predicts them faster at that bound,
+# else the gather kernels; "halo" -- the halo kernels whenever the bound allows them, fp32 too;
+# "gather" -- always the gather kernels. A call with an explicit ``block_m`` takes the gather kernels.
+HALO_MODE = "auto"
 
 
 
@@ -409,30 +411,45 @@ def _slab_args(q, k, slab):
     return (Tk * H * W, Tk, q0, k0), frames
 
 
-def halo_bound(q, offsets, max_offset, slab, win) -> tuple[float | None, str]:
-    """The offsets' bound the halo forward runs with (``FWD_MODE`` "auto" or "halo"), or
-    ``(None, why)`` when the gather forward must run: the pull mode's bound (``pull_bound``), and
-    in "auto" a half dtype."""
-    if FWD_MODE == "auto" and q.dtype == torch.float32:
-        return None, "fp32 inputs: the halo forward's fp32 dots spill (bf16 and fp16 take it)"
-    return pull_bound(offsets, max_offset, slab, win[0], win[2])
+def halo_refusal(q, block_m) -> str | None:
+    """Why the halo kernels (``dsa_triton_halo``) may not run for ``q`` whatever the bound, or None:
+    ``HALO_MODE`` "gather", an explicit ``block_m``, or fp32 in "auto"."""
+    if HALO_MODE == "gather":
+        return "HALO_MODE gather"
+    if block_m is not None:
+        return f"block_m {block_m} asks for the gather kernels"
+    if HALO_MODE == "auto" and q.dtype == torch.float32:
+        return "fp32 inputs: the halo kernels' fp32 dots spill (bf16 and fp16 take them)"
+    return None
+
+
+def halo_choice(pass_: str, q, win, bound: float | None, why: str, block_m=None) -> tuple[bool, str]:
+    """Whether pass ``pass_`` ("fwd" or "bwd": the backward's query side) takes the halo kernels,
+    and why, given the pull mode's ``bound`` (None: refused, ``why``)."""
+    refused = halo_refusal(q, block_m)
+    if refused is not None:
+        return False, refused
+    if bound is None:
+        return False, why
+    if HALO_MODE == "halo":
+        return True, f"HALO_MODE halo; offsets up to {bound:g} ({why})"
+    return choose_halo(tuple(q.shape[1:4]), tuple(win), q.shape[-1], float(bound), q.element_size())[pass_]
 
 
 def _dsa_fwd_launch(q, k, v, offsets, win, scale, block_m, slab=None, max_offset=None):
-    """out and the log-sum-exp. The halo forward (``dsa_triton_halo``: tensor cores) when the
-    offsets' bound allows it (``FWD_MODE`` "auto", the same bound as the backward's pull mode), else
-    the gather forward."""
+    """out and the log-sum-exp: the halo forward (``dsa_triton_halo``: tensor cores) where
+    ``halo_choice`` takes it, else the gather forward."""
     B, T, H, W, nh, d = q.shape
     N = T * H * W
     kv_args, T = _slab_args(q, k, slab)
     out = torch.empty_like(q)
     lse = torch.empty((B, nh, N), device=q.device, dtype=torch.float32)
-    if FWD_MODE != "gather" and block_m is None:
-        bound, why = halo_bound(q, offsets, max_offset, slab, win)
-        log_forward_once("gather" if bound is None else "halo", why)
-        if bound is not None:
-            halo_forward(q, k, v, offsets, win, scale * LOG2E, bound, (N, T, H, W, nh, *kv_args), out, lse)
-            return out, lse
+    bound, why = (None, "") if halo_refusal(q, block_m) else pull_bound(offsets, max_offset, slab, win[0], win[2])
+    halo, why = halo_choice("fwd", q, win, bound, why, block_m)
+    log_halo_once("forward", halo, why)
+    if halo:
+        halo_forward(q, k, v, offsets, win, scale * LOG2E, bound, (N, T, H, W, nh, *kv_args), out, lse)
+        return out, lse
     args = (q, k, v, offsets, out, lse, scale * LOG2E, N, T, H, W, nh, *kv_args)
     meta = dict(HEAD_DIM=d, KT=win[0], KH=win[1], KW=win[2], BLOCK_D=_block_d(d))
     if block_m is None and not INTERPRETED:  # autotuned over configs the compile-only check passed
@@ -453,6 +470,10 @@ def _dsa_bwd_launch(q, k, v, offsets, out, dout, lse, win, scale, block_m, slab=
     doff = torch.empty_like(offsets)
     bound, why = (None, "DKV_MODE atomic") if DKV_MODE == "atomic" else pull_bound(offsets, max_offset, slab, win[0], win[2])
     log_mode_once("atomic" if bound is None else "pull", why)
+    # the query side on tensor cores (dsa_triton_halo) where the halo kernels may run: the pull mode's records
+    halo, halo_why = halo_choice("bwd", q, win, bound, why, block_m)
+    if bound is not None:
+        log_halo_once("backward's query side", halo, halo_why)
     meta = dict(HEAD_DIM=d, KT=win[0], KH=win[1], KW=win[2], BLOCK_D=_block_d(d), PULL=bound is not None)
 
     def query_pass(dk, dv, rec, bh0, count, elo, ehi):
@@ -480,7 +501,11 @@ def _dsa_bwd_launch(q, k, v, offsets, out, dout, lse, win, scale, block_m, slab=
     grid_args = (N, T, H, W, nh, *kv_args)
     for bh0 in range(0, B * nh, chunk):
         count = min(chunk, B * nh - bh0)
-        query_pass(dk, dv, rec, bh0, count, elo, ehi)
+        if halo:
+            halo_backward_query(q, k, v, offsets, out, dout, lse, win, scale * LOG2E, scale, bound, grid_args, dq,
+                                doff, rec, bh0, count)
+        else:
+            query_pass(dk, dv, rec, bh0, count, elo, ehi)
         pull_launch(q, dout, rec, dk, dv, win, bound, grid_args, bh0, count)
     return dq, dk, dv, doff
 

@@ -37,11 +37,15 @@ The halo forward: two passes
   forward's).
 
 When it runs
-  ``dsa_triton.FWD_MODE`` "auto" takes it for bf16 and fp16 whenever the backward's pull mode
-  would (a known bound up to ``PULL_MAX_OFFSET``, a window the column run covers, a slab holding
-  every reachable frame): ``dsa_triton_pull.pull_bound``. fp32 takes the gather forward (the halo
-  passes' fp32 ``ieee`` dots spill). A query with an offset beyond a given bound gets a NaN output
-  row and log-sum-exp: its corners may lie outside the columns the tile loaded.
+  Where the backward's pull mode may run (a known bound up to ``PULL_MAX_OFFSET``, a window the
+  column run covers, a slab holding every reachable frame: ``dsa_triton_pull.pull_bound``), bf16
+  and fp16. ``dsa_triton.HALO_MODE`` "auto" takes the halo kernels per pass (the forward; the
+  backward's query side) where the cost model (``dsa_cost.choose_halo``) predicts them faster than
+  the gather kernels at the bound: with offsets near zero (neighborhood attention, a fresh offset
+  head); at the presets' bound 1.5 it predicts the gather kernels faster. "halo" forces them. fp32
+  takes the gather kernels (the halo passes' fp32 ``ieee`` dots spill). A query with an offset
+  beyond a given bound gets a NaN output row (and dq row): its corners may lie outside the columns
+  the tile loaded.
 
 Verification status (Caution)
   Verified under the Triton CPU interpreter against ``dsa_reference`` and against the gather
@@ -69,6 +73,13 @@ def _clamped_axis(off, base, SIZE):
     i0 = p.to(tl.int32)  # p >= 0: truncation is floor
     f = p - i0.to(tl.float32)
     return i0, tl.minimum(i0 + 1, SIZE - 1), f
+
+
+@triton.jit
+def _upper(i0, LIM):
+    """The upper corner beside lower corner ``i0`` (``min(i0 + 1, LIM)``; -1 stays -1: no row).
+    Recomputed where used rather than kept: fewer tensors live through the row loops."""
+    return tl.where(i0 >= 0, tl.minimum(i0 + 1, LIM), -1)
 
 
 @triton.jit
@@ -105,32 +116,49 @@ def _tile(pid, pid_bh, N, T, H, W, NH, Q0, EHI, BX, HEAD_DIM: tl.constexpr, KT: 
 def _group(OFF, off_row, q_ok, jt, jy, st, sy, sx, cx0, T, H, W, TK, K0, ELO, EHI,
            KH: tl.constexpr, KW: tl.constexpr, KWP: tl.constexpr, XP: tl.constexpr):
     """The samples of window row ``(jt, jy)`` (``KW`` slots on ``KWP`` columns), ``(BXP, KWP)``:
-    held-frame corners ``t0, t1`` (-1 for padding and refused slots: they touch no row), row
-    corners ``y0, y1``, x corners as columns of the tile's key run ``g0, g1``, the weights on the
-    upper corners, which slots count (``ok``), which queries have a slot past the bound
-    (``past``, per query), and the key rows the corners touch: ``[t_lo, t_hi] x [y_lo, y_hi]``."""
+    the lower corners (held frame ``t0``, -1 for padding and refused slots: they touch no row;
+    row ``y0``; column of the tile's key run ``g0``; the upper corners are ``_upper`` of them), the
+    weights on the upper corners, which slots count (``ok``), which queries have a slot past the
+    bound (``past``, per query), the key rows the weighted corners touch, ``[t_lo, t_hi] x
+    [y_lo, y_hi]``, and the clamped positions on the whole grid."""
     jx = tl.arange(0, KWP)
     slot_ok = q_ok[:, None] & (jx < KW)[None, :]
     optr = OFF + off_row[:, None] + ((jt * KH + jy) * KW + jx)[None, :] * 3
     ot = tl.load(optr + 0, mask=slot_ok, other=0.0).to(tl.float32)
     oy = tl.load(optr + 1, mask=slot_ok, other=0.0).to(tl.float32)
     ox = tl.load(optr + 2, mask=slot_ok, other=0.0).to(tl.float32)
-    t0, t1, ft = _clamped_axis(ot, st + jt, T)
-    y0, y1, fy = _clamped_axis(oy, sy + jy, H)
+    bt = st + jt
+    by = sy + jy
     bx = sx[:, None] + jx[None, :]
+    t0, t1, ft = _clamped_axis(ot, bt, T)
+    y0, y1, fy = _clamped_axis(oy, by, H)
     c0, c1, fx = _clamped_axis(ox, bx, W)
-    past = (_past_bound(t0, ft, st + jt, ELO, EHI) | _past_bound(y0, fy, sy + jy, ELO, EHI)
+    pt = t0.to(tl.float32) + ft
+    py = y0.to(tl.float32) + fy
+    px = c0.to(tl.float32) + fx
+    past = (_past_bound(t0, ft, bt, ELO, EHI) | _past_bound(y0, fy, by, ELO, EHI)
             | _past_bound(c0, fx, bx, ELO, EHI) | (ot != ot) | (oy != oy) | (ox != ox)) & slot_ok
     ok = slot_ok & (past == 0)
     t0 = tl.where(ok, tl.minimum(tl.maximum(t0 - K0, 0), TK - 1), -1)  # whole-grid frame -> held frame
     t1 = tl.where(ok, tl.minimum(tl.maximum(t1 - K0, 0), TK - 1), -1)
     g0 = tl.minimum(tl.maximum(c0 - cx0, 0), XP - 1)
-    g1 = tl.minimum(tl.maximum(c1 - cx0, 0), XP - 1)
     t_lo = tl.min(tl.min(tl.where(ok, t0, TK), axis=1), axis=0)
-    t_hi = tl.max(tl.max(tl.where(ft > 0.0, t1, t0), axis=1), axis=0)
     y_lo = tl.min(tl.min(tl.where(ok, y0, H), axis=1), axis=0)
+    t_hi = tl.max(tl.max(tl.where(ft > 0.0, t1, t0), axis=1), axis=0)
     y_hi = tl.max(tl.max(tl.where(ok, tl.where(fy > 0.0, y1, y0), -1), axis=1), axis=0)
-    return t0, t1, ft, y0, y1, fy, g0, g1, fx, ok, tl.max(past.to(tl.int32), axis=1) > 0, t_lo, t_hi, y_lo, y_hi
+    return (t0, ft, y0, fy, g0, fx, ok, tl.max(past.to(tl.int32), axis=1) > 0, t_lo, t_hi, y_lo, y_hi,
+            pt, py, px)
+
+
+@triton.jit
+def _inside(OFF, off_row, slot_ok, j, bt, by, bx, T, H, W):
+    """Where the clamp of each sample's position passes gradient, per axis (torch's clamp: on
+    ``[lo, hi]`` inclusive), from the offsets reloaded (cheaper than keeping three masks live)."""
+    optr = OFF + off_row[:, None] + j[None, :] * 3
+    pt = bt + tl.load(optr + 0, mask=slot_ok, other=0.0).to(tl.float32)
+    py = by + tl.load(optr + 1, mask=slot_ok, other=0.0).to(tl.float32)
+    px = bx + tl.load(optr + 2, mask=slot_ok, other=0.0).to(tl.float32)
+    return (pt >= 0.0) & (pt <= T - 1.0), (py >= 0.0) & (py <= H - 1.0), (px >= 0.0) & (px <= W - 1.0)
 
 
 @triton.jit
@@ -141,6 +169,19 @@ def _key_row(X, kv_base, tr, yr, H, W, cx0, row_stride, HEAD_DIM: tl.constexpr, 
     d = tl.arange(0, BLOCK_D)
     return tl.load(X + kv_base + ((tr * H + yr) * W + kcol).to(tl.int64)[:, None] * row_stride + d[None, :],
                    mask=(kcol < W)[:, None] & (d < HEAD_DIM)[None, :], other=0.0)
+
+
+@triton.jit
+def _row_dot(x, X, kv_base, tr, yr, H, W, cx0, row_stride, HEAD_DIM: tl.constexpr, XP: tl.constexpr,
+             BLOCK_D: tl.constexpr, IEEE: tl.constexpr, WIDEN: tl.constexpr):
+    """``x X_row^T`` for key row ``(tr, yr)``: ``(BXP, XP)`` fp32."""
+    xrow = _key_row(X, kv_base, tr, yr, H, W, cx0, row_stride, HEAD_DIM, XP, BLOCK_D)
+    if IEEE:
+        return tl.dot(x, tl.trans(xrow), input_precision="ieee")
+    elif WIDEN:  # the interpreter multiplies bf16 tiles' raw bits: widen (the products are the same)
+        return tl.dot(x.to(tl.float32), tl.trans(xrow.to(tl.float32)), input_precision="ieee")
+    else:
+        return tl.dot(x, tl.trans(xrow))
 
 
 @triton.jit
@@ -166,6 +207,8 @@ def _dsa_halo_scores(
     row_stride = NH * HEAD_DIM
     b, h, tok, q_ok, st, sy, sx, cx0, off_row = _tile(pid, pid_bh, N, T, H, W, NH, Q0, EHI, BX, HEAD_DIM, KT, KH,
                                                       KW, KS, BXP, XP)
+    TUP = tl.minimum(T - 1 - K0, TK - 1)  # the upper corners' limits (_upper): held frames,
+    GUP = tl.minimum(W - 1 - cx0, XP - 1)  # the key run's columns
     d = tl.arange(0, BLOCK_D)
     q = tl.load(Q + (b.to(tl.int64) * N + tok)[:, None] * row_stride + h * HEAD_DIM + d[None, :],
                 mask=q_ok[:, None] & (d < HEAD_DIM)[None, :], other=0.0)
@@ -177,14 +220,14 @@ def _dsa_halo_scores(
     l_i = tl.zeros([BXP], dtype=tl.float32)
     for jt in tl.range(0, KT, loop_unroll_factor=1):
         for jy in tl.range(0, KH, loop_unroll_factor=1):
-            t0, t1, ft, y0, y1, fy, g0, g1, fx, ok, past, t_lo, t_hi, y_lo, y_hi = _group(
+            t0, ft, y0, fy, g0, fx, ok, past, t_lo, t_hi, y_lo, y_hi, _, _, _ = _group(
                 OFF, off_row, q_ok, jt, jy, st, sy, sx, cx0, T, H, W, TK, K0, ELO, EHI, KH, KW, KWP, XP)
             beyond |= past
             s = tl.zeros([BXP, KWP], dtype=tl.float32)
             for tr in tl.range(t_lo, t_hi + 1, loop_unroll_factor=1):
-                wt = _row_tent(t0, t1, ft, tr)
+                wt = _row_tent(t0, _upper(t0, TUP), ft, tr)
                 for yr in tl.range(y_lo, y_hi + 1, loop_unroll_factor=1):
-                    w = wt * _row_tent(y0, y1, fy, yr)
+                    w = wt * _row_tent(y0, _upper(y0, H - 1), fy, yr)
                     if tl.max(tl.max(w, axis=1), axis=0) > 0.0:  # else no corner on this row
                         krow = _key_row(Kx, kv_base, tr, yr, H, W, cx0, row_stride, HEAD_DIM, XP, BLOCK_D)
                         if IEEE:
@@ -193,7 +236,7 @@ def _dsa_halo_scores(
                             sc = tl.dot(q.to(tl.float32), tl.trans(krow.to(tl.float32)), input_precision="ieee")
                         else:
                             sc = tl.dot(q, tl.trans(krow))  # (BXP, XP) on tensor cores
-                        s += w * ((1.0 - fx) * tl.gather(sc, g0, axis=1) + fx * tl.gather(sc, g1, axis=1))
+                        s += w * ((1.0 - fx) * tl.gather(sc, g0, axis=1) + fx * tl.gather(sc, _upper(g0, GUP), axis=1))
             tl.store(s_row[:, None] + ((jt * KH + jy) * KW + jx)[None, :] * N, s, mask=q_ok[:, None] & (jx < KW)[None, :])
             sl = tl.where(ok, s * qk_scale, float("-inf"))  # online log-sum-exp over the groups (base 2)
             m_new = tl.maximum(m_i, tl.max(sl, axis=1))
@@ -205,46 +248,56 @@ def _dsa_halo_scores(
 
 
 @triton.jit
-def _dsa_halo_out(
-    V, OFF, S, LSE, OUT,
+def _dsa_halo_rows(
+    X, OFF, C, LSE, OUT,
     qk_scale,
     N, T, H, W, NH,
     NK, TK, Q0, K0, BH0,
     ELO, EHI,
     BX,
+    C_STRIDE,  # elements between two (batch, head) pairs' coefficients in C: K N (scores) or 5 K N (records)
     HEAD_DIM: tl.constexpr,
     KT: tl.constexpr, KH: tl.constexpr, KW: tl.constexpr,
     BXP: tl.constexpr, XP: tl.constexpr, KWP: tl.constexpr, UP: tl.constexpr, BLOCK_D: tl.constexpr,
+    SOFTMAX: tl.constexpr,  # C holds scores: the coefficient is a_j = exp2(s_j qk_scale - lse); else C as is
     WIDEN: tl.constexpr = False,
 ):
-    """Pass 2: ``out = sum_j a_j v_j`` with ``a_j = exp2(s_j qk_scale - lse)``, one dense
-    ``P_row @ V_row`` per touched key row (NaN rows where pass 1 refused the query)."""
+    """``OUT = sum_j c_j x_j``, ``x_j`` the trilinear blend of ``X`` (k or v) at sample ``j``: one
+    dense ``P_row @ X_row`` per touched key row. The forward's output (``X = v``, ``c = a``) and
+    the backward's ``dq`` (``X = k``, ``c = ds``). A query with a slot past the bound gets a NaN row."""
     pid = tl.program_id(0)
-    s_bh = tl.program_id(1)
-    pid_bh = BH0 + s_bh
+    c_bh = tl.program_id(1)
+    pid_bh = BH0 + c_bh
     KS: tl.constexpr = KT * KH * KW
-    IEEE: tl.constexpr = V.dtype.element_ty == tl.float32
+    IEEE: tl.constexpr = X.dtype.element_ty == tl.float32
     row_stride = NH * HEAD_DIM
     b, h, tok, q_ok, st, sy, sx, cx0, off_row = _tile(pid, pid_bh, N, T, H, W, NH, Q0, EHI, BX, HEAD_DIM, KT, KH,
                                                       KW, KS, BXP, XP)
+    TUP = tl.minimum(T - 1 - K0, TK - 1)  # the upper corners' limits (_upper): held frames,
+    GUP = tl.minimum(W - 1 - cx0, XP - 1)  # the key run's columns
     kv_base = b.to(tl.int64) * NK * row_stride + h * HEAD_DIM
     jx = tl.arange(0, KWP)
     u = tl.arange(0, UP)
     xcol = tl.arange(0, XP)
-    s_row = S + s_bh.to(tl.int64) * (KS * N) + tok
-    lse = tl.load(LSE + pid_bh.to(tl.int64) * N + tok, mask=q_ok, other=0.0)
+    c_row = C + c_bh.to(tl.int64) * C_STRIDE + tok
+    if SOFTMAX:
+        lse = tl.load(LSE + pid_bh.to(tl.int64) * N + tok, mask=q_ok, other=0.0)
+    beyond = tl.zeros([BXP], dtype=tl.int1)
     acc = tl.zeros([BXP, BLOCK_D], dtype=tl.float32)
     for jt in tl.range(0, KT, loop_unroll_factor=1):
         for jy in tl.range(0, KH, loop_unroll_factor=1):
-            t0, t1, ft, y0, y1, fy, g0, g1, fx, ok, past, t_lo, t_hi, y_lo, y_hi = _group(
+            t0, ft, y0, fy, g0, fx, ok, past, t_lo, t_hi, y_lo, y_hi, _, _, _ = _group(
                 OFF, off_row, q_ok, jt, jy, st, sy, sx, cx0, T, H, W, TK, K0, ELO, EHI, KH, KW, KWP, XP)
-            s = tl.load(s_row[:, None] + ((jt * KH + jy) * KW + jx)[None, :] * N, mask=ok, other=0.0)
-            p = tl.where(ok, tl.math.exp2(s * qk_scale - lse[:, None]), 0.0)
+            beyond |= past
+            coef = tl.load(c_row[:, None] + ((jt * KH + jy) * KW + jx)[None, :] * N, mask=ok, other=0.0)
+            if SOFTMAX:
+                coef = tl.math.exp2(coef * qk_scale - lse[:, None])
+            coef = tl.where(ok, coef, 0.0)
             for tr in tl.range(t_lo, t_hi + 1, loop_unroll_factor=1):
-                pt = p * _row_tent(t0, t1, ft, tr)
+                ct = coef * _row_tent(t0, _upper(t0, TUP), ft, tr)
                 for yr in tl.range(y_lo, y_hi + 1, loop_unroll_factor=1):
-                    c = pt * _row_tent(y0, y1, fy, yr)
-                    if tl.max(tl.max(c, axis=1), axis=0) > 0.0:
+                    c = ct * _row_tent(y0, _upper(y0, H - 1), fy, yr)
+                    if tl.max(tl.max(tl.abs(c), axis=1), axis=0) > 0.0:
                         # the slots' x tents on each query's band (u = x' - s_x + EHI), then on the run
                         band = tl.zeros([BXP, UP], dtype=tl.float32)
                         for j in tl.range(0, KW, loop_unroll_factor=1):
@@ -252,24 +305,139 @@ def _dsa_halo_out(
                             cj = tl.sum(tl.where(sel, c, 0.0), axis=1)
                             fj = tl.sum(tl.where(sel, fx, 0.0), axis=1)
                             u0j = tl.sum(tl.where(sel, g0, 0), axis=1) + (cx0 + EHI) - sx
-                            u1j = tl.sum(tl.where(sel, g1, 0), axis=1) + (cx0 + EHI) - sx
+                            u1j = tl.sum(tl.where(sel, _upper(g0, GUP), 0), axis=1) + (cx0 + EHI) - sx
                             band += (tl.where(u[None, :] == u0j[:, None], ((1.0 - fj) * cj)[:, None], 0.0)
                                      + tl.where(u[None, :] == u1j[:, None], (fj * cj)[:, None], 0.0))
                         rel = xcol[None, :] + (cx0 + EHI) - sx[:, None]  # band coordinate of each column
                         pr = tl.gather(band, tl.minimum(tl.maximum(rel, 0), UP - 1), axis=1)
                         pr = tl.where((rel >= 0) & (rel < UP), pr, 0.0)  # (BXP, XP)
-                        vrow = _key_row(V, kv_base, tr, yr, H, W, cx0, row_stride, HEAD_DIM, XP, BLOCK_D)
+                        xrow = _key_row(X, kv_base, tr, yr, H, W, cx0, row_stride, HEAD_DIM, XP, BLOCK_D)
                         if IEEE:
-                            acc = tl.dot(pr, vrow, acc, input_precision="ieee")
-                        elif WIDEN:  # bf16 P as on the GPU, widened for the interpreter
-                            acc = tl.dot(pr.to(vrow.dtype).to(tl.float32), vrow.to(tl.float32), acc,
+                            acc = tl.dot(pr, xrow, acc, input_precision="ieee")
+                        elif WIDEN:  # P in the rows' dtype as on the GPU, widened for the interpreter
+                            acc = tl.dot(pr.to(xrow.dtype).to(tl.float32), xrow.to(tl.float32), acc,
                                          input_precision="ieee")
-                        else:  # P in the values' dtype, as flash attention's P @ V
-                            acc = tl.dot(pr.to(vrow.dtype), vrow, acc)
-    acc = tl.where((lse != lse)[:, None], float("nan"), acc)  # refused by pass 1
+                        else:  # P in the rows' dtype, as flash attention's P @ V and dS @ K
+                            acc = tl.dot(pr.to(xrow.dtype), xrow, acc)
+    acc = tl.where(beyond[:, None], float("nan"), acc)
     d = tl.arange(0, BLOCK_D)
     tl.store(OUT + (b.to(tl.int64) * N + tok)[:, None] * row_stride + h * HEAD_DIM + d[None, :],
              acc.to(OUT.dtype.element_ty), mask=q_ok[:, None] & (d < HEAD_DIM)[None, :])
+
+
+@triton.jit
+def _dsa_halo_bwd(
+    Q, Kx, V, OFF, OUT, DOUT, LSE, DOFF, REC,
+    qk_scale, sm_scale,
+    N, T, H, W, NH,
+    NK, TK, Q0, K0, BH0,
+    ELO, EHI,
+    BX,
+    HEAD_DIM: tl.constexpr,
+    KT: tl.constexpr, KH: tl.constexpr, KW: tl.constexpr,
+    BXP: tl.constexpr, XP: tl.constexpr, KWP: tl.constexpr, BLOCK_D: tl.constexpr,
+    WIDEN: tl.constexpr = False,
+):
+    """The backward's query side without dq: per touched key row ``S = q K_row^T`` and
+    ``DP = dO V_row^T`` (tensor-core dots), each sample's corners picked with ``tl.gather``: its
+    score, ``dO . v_j``, and their derivatives along each axis. Then ``a``, ``ds`` and the offsets'
+    gradient (stored), and the records ``(p_t, p_y, p_x, ds, a)`` for the key-side pass and the
+    ``dq`` pass (``_dsa_halo_rows`` with ``X = k``, ``c = ds``)."""
+    pid = tl.program_id(0)
+    r_bh = tl.program_id(1)
+    pid_bh = BH0 + r_bh
+    KS: tl.constexpr = KT * KH * KW
+    IEEE: tl.constexpr = Q.dtype.element_ty == tl.float32
+    row_stride = NH * HEAD_DIM
+    b, h, tok, q_ok, st, sy, sx, cx0, off_row = _tile(pid, pid_bh, N, T, H, W, NH, Q0, EHI, BX, HEAD_DIM, KT, KH,
+                                                      KW, KS, BXP, XP)
+    TUP = tl.minimum(T - 1 - K0, TK - 1)  # the upper corners' limits (_upper): held frames,
+    GUP = tl.minimum(W - 1 - cx0, XP - 1)  # the key run's columns
+    d = tl.arange(0, BLOCK_D)
+    row_ptr = (b.to(tl.int64) * N + tok)[:, None] * row_stride + h * HEAD_DIM + d[None, :]
+    row_mask = q_ok[:, None] & (d < HEAD_DIM)[None, :]
+    delta = tl.sum(tl.load(DOUT + row_ptr, mask=row_mask, other=0.0).to(tl.float32)
+                   * tl.load(OUT + row_ptr, mask=row_mask, other=0.0).to(tl.float32), axis=1)
+    # q and dO are loaded again for every row's dot (L1 hits), not held through the loops: held,
+    # with both rows' dots at once, the pass spilled 50-350 bytes per thread at d 128
+    lse = tl.load(LSE + pid_bh.to(tl.int64) * N + tok, mask=q_ok, other=0.0)
+    kv_base = b.to(tl.int64) * NK * row_stride + h * HEAD_DIM
+    jx = tl.arange(0, KWP)
+    rec_row = REC + r_bh.to(tl.int64) * (5 * KS * N) + tok
+    for jt in tl.range(0, KT, loop_unroll_factor=1):
+        for jy in tl.range(0, KH, loop_unroll_factor=1):
+            t0, ft, y0, fy, g0, fx, ok, past, t_lo, t_hi, y_lo, y_hi, pt, py, px = _group(
+                OFF, off_row, q_ok, jt, jy, st, sy, sx, cx0, T, H, W, TK, K0, ELO, EHI, KH, KW, KWP, XP)
+            t_hi2 = tl.max(tl.max(_upper(t0, TUP), axis=1), axis=0)  # every upper corner: its weight's derivative is 1
+            y_hi2 = tl.max(tl.max(tl.where(ok, _upper(y0, H - 1), -1), axis=1), axis=0)
+            j = (jt * KH + jy) * KW + jx
+            slot_ok = q_ok[:, None] & (jx < KW)[None, :]
+            rec = rec_row[:, None] + j[None, :] * N
+            tl.store(rec, pt, mask=slot_ok)  # the positions now: fewer tensors live through the sweeps
+            tl.store(rec + KS * N, py, mask=slot_ok)
+            tl.store(rec + 2 * KS * N, px, mask=slot_ok)
+            # sweep 1: <q, k_j> and <dO, v_j>; then a and ds
+            s = tl.zeros([BXP, KWP], dtype=tl.float32)
+            dp = tl.zeros([BXP, KWP], dtype=tl.float32)
+            for src in tl.static_range(2):  # <q, k_j>, then <dO, v_j>: one dot live at a time
+                for tr in tl.range(t_lo, t_hi + 1, loop_unroll_factor=1):
+                    wt = _row_tent(t0, _upper(t0, TUP), ft, tr)
+                    for yr in tl.range(y_lo, y_hi + 1, loop_unroll_factor=1):
+                        w = wt * _row_tent(y0, _upper(y0, H - 1), fy, yr)
+                        if tl.max(tl.max(w, axis=1), axis=0) > 0.0:
+                            if src == 0:
+                                row = _row_dot(tl.load(Q + row_ptr, mask=row_mask, other=0.0), Kx, kv_base, tr, yr,
+                                               H, W, cx0, row_stride, HEAD_DIM, XP, BLOCK_D, IEEE, WIDEN)
+                            else:
+                                row = _row_dot(tl.load(DOUT + row_ptr, mask=row_mask, other=0.0), V, kv_base, tr,
+                                               yr, H, W, cx0, row_stride, HEAD_DIM, XP, BLOCK_D, IEEE, WIDEN)
+                            blend = w * ((1.0 - fx) * tl.gather(row, g0, axis=1)
+                                         + fx * tl.gather(row, _upper(g0, GUP), axis=1))
+                            if src == 0:
+                                s += blend
+                            else:
+                                dp += blend
+            a = tl.where(ok, tl.math.exp2(s * qk_scale - lse[:, None]), 0.0)
+            cs = (dp - delta[:, None]) * sm_scale  # ds = a cs: d loss / d <q, k_j>
+            tl.store(rec + 3 * KS * N, a * cs, mask=slot_ok)
+            tl.store(rec + 4 * KS * N, a, mask=slot_ok)
+            # sweep 2: the offsets' gradient, the sum over corners of d(weight)/dp times
+            # e_c = ds q.k_c + a dO.v_c = a (cs q.k_c + dO.v_c): summed without a (one tensor fewer
+            # live), a applied at the end. The upper corners' rows count even at zero weight (their
+            # weight's derivative is 1).
+            et = tl.zeros([BXP, KWP], dtype=tl.float32)
+            ey = tl.zeros([BXP, KWP], dtype=tl.float32)
+            ex = tl.zeros([BXP, KWP], dtype=tl.float32)
+            for src in tl.static_range(2):  # q.k_c weighted by cs, then dO.v_c: one dot live at a time
+                for tr in tl.range(t_lo, t_hi2 + 1, loop_unroll_factor=1):
+                    wt = _row_tent(t0, _upper(t0, TUP), ft, tr)
+                    dwt = tl.where(_upper(t0, TUP) == tr, 1.0, 0.0) - tl.where(t0 == tr, 1.0, 0.0)
+                    for yr in tl.range(y_lo, y_hi2 + 1, loop_unroll_factor=1):
+                        wy = _row_tent(y0, _upper(y0, H - 1), fy, yr)
+                        dwy = tl.where(_upper(y0, H - 1) == yr, 1.0, 0.0) - tl.where(y0 == yr, 1.0, 0.0)
+                        touch = ((wt != 0.0) | (dwt != 0.0)) & ((wy != 0.0) | (dwy != 0.0))
+                        if tl.max(tl.max(touch.to(tl.int32), axis=1), axis=0) > 0:
+                            if src == 0:
+                                row = _row_dot(tl.load(Q + row_ptr, mask=row_mask, other=0.0), Kx, kv_base, tr, yr, H, W, cx0, row_stride, HEAD_DIM, XP,
+                                               BLOCK_D, IEEE, WIDEN)
+                                e0 = cs * tl.gather(row, g0, axis=1)  # e / a at the x corners
+                                e1 = cs * tl.gather(row, _upper(g0, GUP), axis=1)
+                            else:
+                                row = _row_dot(tl.load(DOUT + row_ptr, mask=row_mask, other=0.0), V, kv_base, tr, yr, H, W, cx0, row_stride, HEAD_DIM, XP,
+                                               BLOCK_D, IEEE, WIDEN)
+                                e0 = tl.gather(row, g0, axis=1)
+                                e1 = tl.gather(row, _upper(g0, GUP), axis=1)
+                            ebl = (1.0 - fx) * e0 + fx * e1
+                            et += dwt * wy * ebl
+                            ey += wt * dwy * ebl
+                            ex += wt * wy * (e1 - e0)
+            a = tl.load(rec + 4 * KS * N, mask=slot_ok, other=0.0)
+            in_t, in_y, in_x = _inside(OFF, off_row, slot_ok, j, st + jt, sy + jy, sx[:, None] + jx[None, :], T, H, W)
+            doff = DOFF + off_row[:, None] + j[None, :] * 3
+            out_ty = DOFF.dtype.element_ty
+            tl.store(doff + 0, tl.where(in_t, a * et, 0.0).to(out_ty), mask=slot_ok)
+            tl.store(doff + 1, tl.where(in_y, a * ey, 0.0).to(out_ty), mask=slot_ok)
+            tl.store(doff + 2, tl.where(in_x, a * ex, 0.0).to(out_ty), mask=slot_ok)
 
 
 # -----------------------------------------------------------------------------
@@ -282,7 +450,7 @@ def halo_config(head_dim: int, window, elo: int, ehi: int, fp32: bool = False, c
     the band width ``UP`` (``KW + ELO + EHI`` columns, to a power of two), and each pass's warps."""
     cfg = pull_config(head_dim, window, elo, ehi, fp32, cc)
     return dict(BX=cfg["BX"], BXP=cfg["BXP"], XP=cfg["QXP"], KWP=triton.next_power_of_2(window[2]), UP=cfg["UP"],
-                scores_warps=8, out_warps=8)
+                scores_warps=8, rows_warps=8, bwd_warps=8)
 
 
 def halo_forward(q, k, v, offsets, win, qk_scale: float, bound: float, grid_args, out, lse) -> None:
@@ -305,28 +473,53 @@ def halo_forward(q, k, v, offsets, win, qk_scale: float, bound: float, grid_args
         tail = (N, T, H, W, nh, NK, TK, Q0, K0, bh0, elo, ehi, cfg["BX"])
         _dsa_halo_scores[(grid_x, count)](q, k, offsets, scores, lse, qk_scale, *tail, **meta,
                                           num_warps=cfg["scores_warps"])
-        _dsa_halo_out[(grid_x, count)](v, offsets, scores, lse, out, qk_scale, *tail, **meta, UP=cfg["UP"],
-                                       num_warps=cfg["out_warps"])
+        _dsa_halo_rows[(grid_x, count)](v, offsets, scores, lse, out, qk_scale, *tail, ks * N, **meta, UP=cfg["UP"],
+                                        SOFTMAX=True, num_warps=cfg["rows_warps"])
+
+
+def halo_backward_query(q, k, v, offsets, out, dout, lse, win, qk_scale: float, sm_scale: float, bound: float,
+                        grid_args, dq, doff, rec, bh0: int, count: int) -> None:
+    """The backward's query side for (batch, head) pairs ``[bh0, bh0 + count)`` on tensor cores:
+    the offsets' gradient into ``doff``, the records ``rec`` (``(count, 5, K, N)``: what the
+    key-side pass ``dsa_triton_pull`` reads), then ``dq`` from the records' ``ds``."""
+    N, T, H, W, nh, NK, TK, Q0, K0 = grid_args
+    d = q.shape[-1]
+    elo, ehi = pull_span(bound)
+    cfg = halo_config(d, win, elo, ehi, fp32=q.dtype == torch.float32, cc=compute_capability(q))
+    ks = win[0] * win[1] * win[2]
+    grid = ((N // (H * W)) * H * triton.cdiv(W, cfg["BX"]), count)
+    meta = dict(HEAD_DIM=d, KT=win[0], KH=win[1], KW=win[2], BXP=cfg["BXP"], XP=cfg["XP"], KWP=cfg["KWP"],
+                BLOCK_D=max(16, triton.next_power_of_2(d)), WIDEN=INTERPRETED, num_stages=1)
+    tail = (N, T, H, W, nh, NK, TK, Q0, K0, bh0, elo, ehi, cfg["BX"])
+    _dsa_halo_bwd[grid](q, k, v, offsets, out, dout, lse, doff, rec, qk_scale, sm_scale, *tail, **meta,
+                        num_warps=cfg["bwd_warps"])
+    _dsa_halo_rows[grid](k, offsets, rec[:, 3], lse, dq, qk_scale, *tail, 5 * ks * N, **meta, UP=cfg["UP"],
+                         SOFTMAX=False, num_warps=cfg["rows_warps"])
 
 
 def aot_variants(shape) -> list[dict]:
-    """The halo forward's two passes as the launcher compiles them at ``shape`` (dtype, head dim,
-    window, ``max_offset``), for the compile-only check."""
+    """The halo passes as the launchers compile them at ``shape`` (dtype, head dim, window,
+    ``max_offset``), for the compile-only check: the forward's scores and output, the backward's
+    query side and ``dq``. fp32 takes the gather kernels (listed for the record, not picked)."""
     t = AOT_POINTER_TYPES[shape.dtype]
     d = shape.head_dim
+    fp32 = shape.dtype == "fp32"
     elo, ehi = pull_span(shape.max_offset if shape.max_offset is not None else 0.0)
-    cfg = halo_config(d, shape.window, elo, ehi, fp32=shape.dtype == "fp32")
+    cfg = halo_config(d, shape.window, elo, ehi, fp32=fp32)
     consts = dict(HEAD_DIM=d, KT=shape.window[0], KH=shape.window[1], KW=shape.window[2], BXP=cfg["BXP"],
                   XP=cfg["XP"], KWP=cfg["KWP"], BLOCK_D=max(16, triton.next_power_of_2(d)), WIDEN=False)
+    rows = {"UP": cfg["UP"]}
     out = []
     for name, fn, warps, extra in (("halo_scores", _dsa_halo_scores, cfg["scores_warps"], {}),
-                                   ("halo_out", _dsa_halo_out, cfg["out_warps"], {"UP": cfg["UP"]})):
-        ptrs = {n: t for n in ("Q", "Kx", "V", "OFF", "OUT") if n in fn.arg_names}
-        ptrs.update({"S": "*fp32", "LSE": "*fp32"})
+                                   ("halo_out", _dsa_halo_rows, cfg["rows_warps"], dict(rows, SOFTMAX=True)),
+                                   ("halo_bwd", _dsa_halo_bwd, cfg["bwd_warps"], {}),
+                                   ("halo_dq", _dsa_halo_rows, cfg["rows_warps"], dict(rows, SOFTMAX=False))):
+        ptrs = {n: t for n in ("Q", "Kx", "V", "X", "OFF", "OUT", "DOUT", "DOFF") if n in fn.arg_names}
+        ptrs.update({n: "*fp32" for n in ("S", "C", "LSE", "REC") if n in fn.arg_names})
         c = dict(consts, **extra)
-        out.append(dict(kernel=name, fn=fn, signature=signature_for(fn, ptrs, ("qk_scale",), c), constexprs=c,
-                        attrs=aligned_pointer_attrs(fn, ptrs), num_warps=warps, num_stages=1,
-                        config=f"BX={cfg['BX']},XP={cfg['XP']}" + (f",UP={cfg['UP']}" if extra else ""),
-                        tensor_cores=shape.dtype != "fp32", may_pick=shape.dtype != "fp32",
-                        note="fp32 takes the gather forward (compiled for the record)" if shape.dtype == "fp32" else ""))
+        out.append(dict(kernel=name, fn=fn, signature=signature_for(fn, ptrs, ("qk_scale", "sm_scale"), c),
+                        constexprs=c, attrs=aligned_pointer_attrs(fn, ptrs), num_warps=warps, num_stages=1,
+                        config=f"BX={cfg['BX']},XP={cfg['XP']}" + (f",UP={cfg['UP']}" if "UP" in extra else ""),
+                        tensor_cores=not fp32, may_pick=not fp32,
+                        note="fp32 takes the gather kernels (compiled for the record)" if fp32 else ""))
     return out

@@ -297,12 +297,13 @@ def log_mode_once(mode: str, why: str) -> None:
                 else "fp32 atomics", why)
 
 
-def log_forward_once(mode: str, why: str) -> None:
-    key = "forward: " + why
+def log_halo_once(pass_: str, halo: bool, why: str) -> None:
+    """Log, once per reason, which kernels take ``pass_`` (the forward or the backward's query side)."""
+    key = f"{pass_}: {why}"
     if key not in _LOGGED:
         _LOGGED.add(key)
-        log.log(logging.INFO if mode == "halo" else logging.WARNING, "3D-DSA gather forward: %s (%s)",
-                "the halo forward on tensor cores" if mode == "halo" else "the gather forward on CUDA cores", why)
+        log.info("3D-DSA %s: %s (%s)", pass_, "the halo kernels on tensor cores" if halo
+                 else "the gather kernels on CUDA cores", why)
 
 
 def rec_chunk(bh: int, window, tokens: int) -> int:

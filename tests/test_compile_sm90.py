@@ -91,11 +91,21 @@ def test_gather_autotune_lists_are_what_the_check_compiles():
              + [("gather_bwd_pull", c.kwargs["BLOCK_M"], c.num_warps, c.num_stages) for c in dsa_triton.BWD_PULL_CONFIGS]
              + [("gather_bwd_atomic", c.kwargs["BLOCK_M"], c.num_warps, c.num_stages) for c in dsa_triton.BWD_CONFIGS])
     assert listed == tuned
-    # the key-side pass: the launcher's one config, for dk and for dv
-    cfg = pull_config(shape.head_dim, shape.window, *pull_span(shape.max_offset))
-    pulls = [(v["kernel"], v["constexprs"]["BXP"], v["constexprs"]["QXP"], v["num_warps"]) for v in variants
-             if v["kernel"].startswith("pull")]
-    assert pulls == [(k, cfg["BXP"], cfg["QXP"], cfg["num_warps"]) for k in ("pull_dk", "pull_dv")]
+    # the key-side pass: the launcher's config on each target (pull_config's cc), for dk and for dv
+    for arch, cc in (("sm_90", 90), ("sm_100", 100)):
+        cfg = pull_config(shape.head_dim, shape.window, *pull_span(shape.max_offset), cc=cc)
+        pulls = [(v["kernel"], v["constexprs"]["BXP"], v["constexprs"]["QXP"], v["constexprs"]["UP"], v["num_warps"])
+                 for v in variants if v["kernel"].startswith("pull") and arch in v["archs"]]
+        assert pulls == [(k, cfg["BXP"], cfg["QXP"], cfg["UP"], cfg["num_warps"]) for k in ("pull_dk", "pull_dv")]
+    # the halo kernels: the launchers' one config per pass
+    from kernels.dsa_triton_halo import halo_config
+
+    cfg = halo_config(shape.head_dim, shape.window, *pull_span(shape.max_offset))
+    halos = [(v["kernel"], v["constexprs"]["XP"], v["constexprs"]["KWP"], v["num_warps"]) for v in variants
+             if v["kernel"].startswith("halo")]
+    warps = {"halo_scores": cfg["scores_warps"], "halo_out": cfg["rows_warps"], "halo_bwd": cfg["bwd_warps"],
+             "halo_dq": cfg["rows_warps"]}
+    assert halos == [(k, cfg["XP"], cfg["KWP"], w) for k, w in warps.items()]
 
 
 @pytest.mark.slow  # about 30 s on 2 cores: every config at the presets' shapes, for sm_90
@@ -109,14 +119,17 @@ def test_sm90_compile_only_check_passes_at_the_preset_shapes(tmp_path):
     recs = report["records"]
     shapes = {(r["head_dim"], tuple(r["window"])) for r in recs}
     assert shapes == {(d, w) for d in (64, 128) for w in ((3, 5, 5), (3, 7, 7))}
-    assert {r["kernel"] for r in recs} == {"gather_fwd", "gather_bwd_pull", "gather_bwd_atomic", "pull_dk", "pull_dv"}
+    assert {r["kernel"] for r in recs} == {"gather_fwd", "gather_bwd_pull", "gather_bwd_atomic", "pull_dk", "pull_dv",
+                                           "halo_scores", "halo_out", "halo_bwd", "halo_dq"}
     for r in recs:
         assert r["ok"] and r["spill_stores"] == 0 and r["smem"] <= aot.SMEM_PER_BLOCK[90], r
         assert r["compile_s"] < 60, r
-        if r["kernel"] in ("pull_dk", "pull_dv", "gather_bwd_pull"):  # the backward that runs: no float atomics
-            assert r["atomics_f32"] == 0, r
+        if r["kernel"] in ("pull_dk", "pull_dv", "gather_bwd_pull") or r["kernel"].startswith("halo"):
+            assert r["atomics_f32"] == 0, r  # the backward that runs at this bound: no float atomics
         if r["kernel"].startswith("pull"):  # its products on Hopper's tensor cores, 2 blocks per SM
             assert r["dot"] == "wgmma" and r["blocks_per_sm"] >= 2, r
+        if r["kernel"].startswith("halo"):  # on Hopper's tensor cores; 8 warps resident per SM at least
+            assert r["dot"] == "wgmma" and r["blocks_per_sm"] * r["num_warps"] >= 8, r
     assert report["predictions"] and all(p["ms_per_layer"] > 0 for p in report["predictions"])
     assert "every config the product may pick launches" in proc.stdout
 

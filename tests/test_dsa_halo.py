@@ -1,5 +1,5 @@
-"""The halo forward (``kernels/dsa_triton_halo.py``: the score and output products on tensor
-cores) against the reference and against the gather forward.
+"""The halo kernels (``kernels/dsa_triton_halo.py``: the forward's and the backward's query-side
+products on tensor cores) against the reference and against the gather kernels.
 
 The kernels run under the Triton CPU interpreter in a child pytest (``test_interp_*``, started by
 ``test_halo_kernels_under_interpreter``). Shapes are tiny because the interpreter is slow; they
@@ -83,7 +83,7 @@ def test_plan_covers_every_corner_and_chunks_the_scores(monkeypatch):
             return lambda *a, **k: calls.append((self.name, grid, a[15]))
 
     monkeypatch.setattr(HALO, "_dsa_halo_scores", Spy("scores"))
-    monkeypatch.setattr(HALO, "_dsa_halo_out", Spy("out"))
+    monkeypatch.setattr(HALO, "_dsa_halo_rows", Spy("out"))
     q = torch.zeros(2, 4, 5, 5, 4, 8)  # B 2, nh 4: 8 (batch, head) pairs of 100 tokens
     lse = torch.zeros(2, 4, 100)
     HALO.halo_forward(q, q, q, torch.zeros(*q.shape[:5], 27, 3), (3, 3, 3), 1.0, 1.0,
@@ -92,20 +92,45 @@ def test_plan_covers_every_corner_and_chunks_the_scores(monkeypatch):
     assert [c[1][1] for c in calls[::2]] == [3, 3, 2] and [c[2] for c in calls[::2]] == [0, 3, 6]
 
 
-def test_auto_takes_the_halo_forward_for_half_dtypes_within_the_bound(monkeypatch):
+def test_auto_takes_the_halo_kernels_where_the_cost_model_predicts_them_faster(monkeypatch):
+    """``auto``: per pass, bf16 within the pull bound and predicted faster (Wan's grid and window at
+    d 128: offsets up to 0 -- neighborhood attention -- take the halo kernels for both passes, up to
+    1.5 the gather kernels); fp32 and a bound past the cap take the gather kernels; "halo" forces."""
     pytest.importorskip("triton")
     import kernels.dsa_triton as DT
 
-    off = torch.zeros(1, 3, 4, 5, 1, 9, 3)
-    q16, q32 = torch.zeros(1, 3, 4, 5, 1, 8, dtype=torch.bfloat16), torch.zeros(1, 3, 4, 5, 1, 8)
-    assert DT.halo_bound(q16, off, 1.5, None, (1, 3, 3)) == (1.5, "max_offset")
-    bound, why = DT.halo_bound(q32, off, 1.5, None, (1, 3, 3))
-    assert bound is None and "fp32" in why
-    off[0, 0, 0, 0, 0, 0, 0] = 3.5  # past PULL_MAX_OFFSET: the gather forward
-    bound, why = DT.halo_bound(q16, off, None, None, (1, 3, 3))
-    assert bound is None and "exceed" in why
-    monkeypatch.setattr(DT, "FWD_MODE", "halo")
-    assert DT.halo_bound(q32, off, 1.5, None, (1, 3, 3)) == (1.5, "max_offset")
+    win = (3, 7, 7)
+    q16 = torch.empty(1, 21, 30, 52, 1, 128, dtype=torch.bfloat16, device="meta")
+    q32 = torch.empty(1, 21, 30, 52, 1, 128, device="meta")
+    for pass_ in ("fwd", "bwd"):
+        halo, why = DT.halo_choice(pass_, q16, win, 0.0, "max_offset")
+        assert halo and "cost model" in why and "halo" in why, why
+        halo, why = DT.halo_choice(pass_, q16, win, 1.5, "max_offset")
+        assert not halo and "cost model" in why, why
+        halo, why = DT.halo_choice(pass_, q32, win, 0.0, "max_offset")
+        assert not halo and "fp32" in why
+        halo, why = DT.halo_choice(pass_, q16, win, None, "offsets up to 3.5 exceed the key-side pass's 3.0")
+        assert not halo and "exceed" in why
+        assert DT.halo_choice(pass_, q16, win, 0.0, "", block_m=16)[0] is False
+    monkeypatch.setattr(DT, "HALO_MODE", "halo")
+    assert DT.halo_choice("bwd", q32, win, 1.5, "max_offset")[0] is True
+    monkeypatch.setattr(DT, "HALO_MODE", "gather")
+    assert DT.halo_choice("fwd", q16, win, 0.0, "max_offset") == (False, "HALO_MODE gather")
+
+
+def test_cost_model_counts_the_halo_work_the_offsets_reach():
+    """The halo kernels' predicted time grows with the rows each group touches and is largest at
+    the bound's worst case; the gather kernels' does not depend on the offsets."""
+    pytest.importorskip("triton")
+    from kernels.dsa_cost import CHIPS, halo_costs
+
+    grid, win = (21, 30, 52), (3, 7, 7)
+
+    def total(rows, bound=1.5):
+        return sum(c.seconds(CHIPS[0])["seconds"] for p in halo_costs(grid, win, 128, bound, rows).values() for c in p)
+
+    assert total(1) < total(4) < total(9) < total(25) == total(None) == total(100)
+    assert total(None, 0.0) == total(4, 0.0)  # at bound 0 every group touches at most 2 x 2 rows
 
 
 # -----------------------------------------------------------------------------
@@ -114,28 +139,29 @@ def test_auto_takes_the_halo_forward_for_half_dtypes_within_the_bound(monkeypatc
 
 @pytest.fixture
 def halo_fp32():
-    """``FWD_MODE`` "halo": fp32 takes the halo forward too (``auto`` gives fp32 the gather forward,
-    the halo forward's fp32 dots spill on the GPU), so the 1e-6 checks run on it."""
+    """``HALO_MODE`` "halo": the halo kernels whatever the cost model says, fp32 too (``auto`` gives
+    fp32 the gather kernels: the halo kernels' fp32 dots spill on the GPU), so the 1e-6 checks run
+    on them."""
     import kernels.dsa_triton as DT
 
-    old = DT.FWD_MODE
-    DT.FWD_MODE = "halo"
+    old = DT.HALO_MODE
+    DT.HALO_MODE = "halo"
     yield
-    DT.FWD_MODE = old
+    DT.HALO_MODE = old
 
 
-def _run(window, shape, bound, given, seed=12, dtype=torch.float32, fwd_mode="halo"):
+def _run(window, shape, bound, given, seed=12, dtype=torch.float32, mode="halo"):
     import kernels.dsa_triton as DT
 
     q, k, v = (x.to(dtype) for x in make_qkv(shape, seed=seed))
     off = bounded_offsets(shape, window, bound, seed=seed + 1, dtype=dtype)
     dout = torch.randn(shape, generator=torch.Generator().manual_seed(seed + 2))
-    old = DT.FWD_MODE
-    DT.FWD_MODE = fwd_mode
+    old = DT.HALO_MODE
+    DT.HALO_MODE = mode
     try:
         got = grads(lambda *a: DT.dsa_triton(*a, window, max_offset=bound if given else None), (q, k, v, off), dout)
     finally:
-        DT.FWD_MODE = old
+        DT.HALO_MODE = old
     return got, (q, k, v, off), dout
 
 
@@ -145,31 +171,32 @@ def _run(window, shape, bound, given, seed=12, dtype=torch.float32, fwd_mode="ha
     ((3, 2, 5), (3, 1, 3), 2.7, True),  # near the cap: corners three tokens out
 ])
 @interpreter_only
-def test_interp_fp32_halo_matches_reference_and_the_gather_forward(grid, window, bound, given, caplog):
+def test_interp_fp32_halo_matches_reference_and_the_gather_kernels(grid, window, bound, given, caplog):
     import kernels.dsa_triton_pull as P
 
     shape = (1, *grid, 1, 4)
     P._LOGGED.clear()  # the forward is logged once per reason and process
     with caplog.at_level(logging.INFO, logger="kernels.dsa_triton_pull"):
         got, inputs, dout = _run(window, shape, bound, given)
-    assert any("halo forward on tensor cores" in r.getMessage() for r in caplog.records)
+    assert any("halo kernels on tensor cores" in r.getMessage() for r in caplog.records)
     want = grads(lambda *a: dsa_reference(*a, window), inputs, dout)
     for name, a, b in zip(GRAD_NAMES, got, want):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6, msg=name)
-    gather, _, _ = _run(window, shape, bound, given, fwd_mode="gather")
-    torch.testing.assert_close(got[0], gather[0], rtol=1e-5, atol=1e-6, msg="halo vs gather forward")
+    gather, _, _ = _run(window, shape, bound, given, mode="gather")  # the gather kernels on the same call
+    for name, a, b in zip(GRAD_NAMES, got, gather):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6, msg=f"halo vs gather {name}")
 
 
 @interpreter_only
 def test_interp_bf16_halo_flash_rule(caplog):
-    """bf16 under ``auto``: the halo forward (P in bf16 for ``P @ V``, as flash attention)."""
+    """bf16: P and dS in bf16 for ``P @ V`` and ``dS @ K``, as flash attention."""
     import kernels.dsa_triton_pull as P
 
     window, shape = (1, 3, 3), (1, 2, 4, 5, 1, 8)
     P._LOGGED.clear()
     with caplog.at_level(logging.INFO, logger="kernels.dsa_triton_pull"):
-        got, inputs, dout = _run(window, shape, 1.5, True, seed=14, dtype=torch.bfloat16, fwd_mode="auto")
-    assert any("halo forward on tensor cores" in r.getMessage() for r in caplog.records)
+        got, inputs, dout = _run(window, shape, 1.5, True, seed=14, dtype=torch.bfloat16)
+    assert any("halo kernels on tensor cores" in r.getMessage() for r in caplog.records)
     assert_bf16_flash_rule(got, inputs, dout, window, "halo")
 
 

@@ -1,7 +1,8 @@
 """Part 4, ``attention``: 3D-DSA forward and backward against flash SDPA and the neighborhood case at
-paper-like shapes; TFLOP/s and the dense/DSA crossover. The gather kernel's backward twice:
-``dsa_gather`` in its default pull mode (the key-side dk/dv pass) and ``dsa_gather_atomic`` with
-dk/dv by fp32 atomics, so the cost model's two predictions each meet a measurement."""
+paper-like shapes; TFLOP/s and the dense/DSA crossover. The fused kernels three ways, so each of
+the cost model's predictions meets a measurement: ``dsa_gather`` (the gather kernels, dk/dv by the
+key-side pass), ``dsa_gather_atomic`` (dk/dv by fp32 atomics) and ``dsa_halo`` (the halo kernels:
+the forward and the backward's query side on tensor cores, forced with ``HALO_MODE`` "halo")."""
 
 from __future__ import annotations
 
@@ -47,7 +48,7 @@ def measure_attention(kind: str, grid, window, nh: int, d: int, device, reps: in
     q, k, v = (rand(*shape).requires_grad_() for _ in range(3))
     dout = rand(*shape)
     offsets = None
-    if kind in ("dsa", "dsa_gather", "dsa_gather_atomic"):
+    if kind in ("dsa", "dsa_gather", "dsa_gather_atomic", "dsa_halo"):
         u = torch.rand((*shape[:5], K, 3), generator=gen, device=device)
         offsets = ((2 * u - 1) * 1.5).to(dtype).requires_grad_()
     elif kind == "neighborhood":
@@ -58,7 +59,7 @@ def measure_attention(kind: str, grid, window, nh: int, d: int, device, reps: in
         if kind == "dense":
             flat = [x.reshape(1, N, nh, d).transpose(1, 2) for x in (q, k, v)]
             return F.scaled_dot_product_attention(*flat).transpose(1, 2)
-        if kind in ("dsa_gather", "dsa_gather_atomic"):  # the bound as a model passes it
+        if kind in ("dsa_gather", "dsa_gather_atomic", "dsa_halo"):  # the bound as a model passes it
             return deformable_slide_attention(q, k, v, offsets, window, backend="triton_gather", max_offset=1.5)
         # the bound the offsets were drawn with (a model passes attention.max_offset): no host sync
         return deformable_slide_attention(q, k, v, offsets, window, backend="triton",
@@ -77,8 +78,10 @@ def measure_attention(kind: str, grid, window, nh: int, d: int, device, reps: in
     def once() -> tuple[float, float]:
         for x in leaves:
             x.grad = None
-        mode = _dkv_mode(gather, "atomic") if kind == "dsa_gather_atomic" else contextlib.nullcontext()
-        with _flash_only() if kind == "dense" else contextlib.nullcontext(), mode:
+        dkv = _mode(gather, "DKV_MODE", "atomic") if kind == "dsa_gather_atomic" else contextlib.nullcontext()
+        halo = (_mode(gather, "HALO_MODE", "halo" if kind == "dsa_halo" else "gather")
+                if kind in ("dsa_gather", "dsa_gather_atomic", "dsa_halo") else contextlib.nullcontext())
+        with _flash_only() if kind == "dense" else contextlib.nullcontext(), dkv, halo:
             a = clock.mark()
             out = forward()
             b = clock.mark()
@@ -98,19 +101,21 @@ def measure_attention(kind: str, grid, window, nh: int, d: int, device, reps: in
             "bwd_tflops": fb / bwd_s / 1e12, "peak_mib": peak / 2**20 if peak is not None else None,
             "reps": n, "status": "ok",
             "backend": {"dense": "sdpa-flash", "dsa_gather": "triton gather, dk/dv pulled",
-                        "dsa_gather_atomic": "triton gather, dk/dv by atomics"}.get(
+                        "dsa_gather_atomic": "triton gather, dk/dv by atomics",
+                        "dsa_halo": "triton halo (tensor cores), dk/dv pulled"}.get(
                 kind, "triton tiled" if sum(tiled.FALLBACKS.values()) == fallbacks
                 else "triton gather (tiled fell back, logged)")}
 
 
 @contextlib.contextmanager
-def _dkv_mode(gather, mode: str):
-    """The gather backward's dk/dv mode (``dsa_triton.DKV_MODE``) for one measurement."""
-    old, gather.DKV_MODE = gather.DKV_MODE, mode
+def _mode(gather, name: str, mode: str):
+    """One of ``dsa_triton``'s kernel switches (``DKV_MODE``, ``HALO_MODE``) for one measurement."""
+    old = getattr(gather, name)
+    setattr(gather, name, mode)
     try:
         yield
     finally:
-        gather.DKV_MODE = old
+        setattr(gather, name, old)
 
 
 @contextlib.contextmanager
@@ -153,7 +158,7 @@ def part_attention(ctx: Run) -> dict:
         plan.append(("dense", grid, sz.attn_windows[0]))
         for window in sz.attn_windows:
             plan += [("dsa", grid, window), ("dsa_gather", grid, window), ("dsa_gather_atomic", grid, window),
-                     ("neighborhood", grid, window)]
+                     ("dsa_halo", grid, window), ("neighborhood", grid, window)]
     for kind, grid, window in plan:
         key = (kind, tuple(window) if kind != "dense" else None)
         base = {"kind": kind, "grid": list(grid), "tokens": math.prod(grid), "window": list(window),

@@ -1,0 +1,197 @@
+"""The 3D-DSA kernels' cost model: per kernel and shape, the work (FLOPs on each unit, bytes at
+each level) and the roofline time on H100/H200 figures. ``benchmarks/gpu_check/cost.py`` prints
+it against FlashAttention-3 and the sparse-video anchors; ``choose_halo`` uses it to pick, per
+pass, between the halo kernels (``dsa_triton_halo``: tensor cores) and the gather kernels
+(``dsa_triton``: CUDA cores).
+
+Per kernel and shape (one batch item, one head; a layer multiplies by its heads): the roofline
+time is the largest of FLOPs / the units' peak, DRAM bytes / HBM bandwidth, L1 bytes / L1
+bandwidth and atomic bytes / L2 bandwidth. The figures are datasheet peaks (H100 SXM: 989
+TFLOP/s dense bf16, 67 TFLOP/s fp32, 3.35 TB/s HBM3; H200 SXM: same compute, 4.8 TB/s HBM3e), L1
+at 128 B per clock per SM (132 SMs, 1.98 GHz boost: 33 TB/s) and L2 at 5.5 TB/s for fp32
+reductions (an assumption, not a datasheet figure). Lane operations (index arithmetic, tents,
+selections) count as FMA issue slots: 2 FLOPs on the CUDA cores.
+
+The gather kernels are FMA kernels: per (query, sample) the forward blends 8 corner rows of k and
+of v (``8 d`` FMAs each, 16 row reads of ``d`` elements from L1/L2) and takes one dot and one
+scaled add (``2 d`` FMAs); the backward reads the 16 corner rows again, takes 16 corner dots
+(q.k_c, do.v_c), blends k_j, adds ``ds k_j`` to dq and scatters 16 rows of fp32 atomics (dk, dv).
+Counting an FMA as 2 FLOPs: forward ``36 d``, backward ``84 d`` per (query, sample).
+
+Everything here is a prediction until a GPU run measures it (``python -m benchmarks.gpu_check
+--out DIR`` prints both).
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Chip:
+    name: str
+    bf16_tc: float  # dense bf16 tensor-core FLOP/s
+    fp32: float  # CUDA-core fp32 FLOP/s (FMA = 2)
+    hbm: float  # B/s
+    l1: float  # aggregate L1 / shared-memory B/s
+    l2_atomic: float  # B/s of fp32 reductions into L2 (assumed)
+
+
+CHIPS = (
+    Chip("H100", 989e12, 67e12, 3.35e12, 132 * 128 * 1.98e9, 5.5e12),
+    Chip("H200", 989e12, 67e12, 4.8e12, 132 * 128 * 1.98e9, 5.5e12),
+)
+
+
+@dataclass(frozen=True)
+class Cost:
+    """One kernel launch's work for one batch item and one head."""
+
+    kernel: str
+    tokens: int
+    K: int
+    head_dim: int
+    fma_flops: float  # on CUDA cores
+    tc_flops: float  # on tensor cores
+    dram_bytes: float
+    l1_bytes: float
+    atomic_bytes: float
+
+    def seconds(self, chip: Chip) -> dict:
+        parts = {"fma": self.fma_flops / chip.fp32, "tc": self.tc_flops / chip.bf16_tc,
+                 "dram": self.dram_bytes / chip.hbm, "l1": self.l1_bytes / chip.l1,
+                 "atomics": self.atomic_bytes / chip.l2_atomic}
+        bound = max(parts, key=parts.get)
+        return {"seconds": parts[bound], "bound": bound, **{f"{k}_s": v for k, v in parts.items()}}
+
+
+def gather_costs(tokens: int, window, head_dim: int, dtype_bytes: int = 2, off_bytes: int | None = None) -> list[Cost]:
+    """Forward and backward of the gather kernels for ``tokens`` queries of one head."""
+    K = math.prod(window)
+    d, N, e = head_dim, tokens, dtype_bytes
+    ob = e if off_bytes is None else off_bytes
+    row = d * e
+    # DRAM: q, k, v, out (+ lse) once, offsets once; the corner rows come from L1/L2 (a head's
+    # k and v, 2 N d e bytes, stay in L2 for the grids here: 16 MB at 32k tokens and d = 128)
+    fwd = Cost("gather_fwd", N, K, d, fma_flops=36.0 * N * K * d, tc_flops=0.0,
+               dram_bytes=N * (4 * row + 4 + 3 * K * ob), l1_bytes=N * K * 16 * row, atomic_bytes=0.0)
+    bwd = Cost("gather_bwd", N, K, d, fma_flops=84.0 * N * K * d, tc_flops=0.0,
+               dram_bytes=N * (7 * row + 4 + 6 * K * ob + 2 * 2 * d * 4),
+               l1_bytes=N * K * 16 * row, atomic_bytes=N * K * 16 * d * 4)
+    return [fwd, bwd]
+
+
+def pull_costs(grid, window, head_dim: int, bound: float, dtype_bytes: int = 2) -> list[Cost]:
+    """The gather backward in its pull mode for one head: the query-side pass (the atomic mode's
+    work without the scatter: ``52 d`` FLOPs per (query, sample) instead of ``84 d``, plus one
+    20-byte record written per (query, sample)) and the key-side pass (``dsa_triton_pull``: two
+    launches, dk and dv). Per key tile of ``BX`` keys and per launch, the key-side pass walks
+    about ``(KT E)(KH E) KW`` slot iterations (``E = ELO + EHI + 1`` base offsets per axis; all
+    counted as reaching the tile, the worst case). Each iteration does ``~20`` lane operations
+    on ``QXP`` candidates and ``~6`` per element on the ``(BXP, QXP)`` weight tile, reading 4
+    record fields from L1. At bf16 the x tents go to a band of ``UP`` columns per candidate
+    (``~6`` lane operations per band element), placed on the tile once per row (a gather and a
+    transpose: ``~4`` per element of the ``(BXP, QXP)`` weight tile); fp32 builds the tile itself
+    (``~6`` per element per slot). Each candidate row costs two tensor-core dots, the high and low
+    halves: ``2 x 2 BXP QXP d`` FLOPs. Lane operations count as FMA issue slots (2 FLOPs)."""
+    from .dsa_triton_pull import pull_config, pull_span  # lazy: imports triton
+
+    T, H, W = grid
+    K = math.prod(window)
+    kt, kh, kw = window
+    N, d, e = math.prod(grid), head_dim, dtype_bytes
+    elo, ehi = pull_span(bound)
+    span = elo + ehi + 1
+    cfg = pull_config(d, window, elo, ehi)
+    bxp, qxp = cfg["BXP"], cfg["QXP"]
+    tiles = T * H * math.ceil(W / cfg["BX"])
+    rows = min(T, kt + span - 1) * min(H, kh + span - 1)
+    iters = min(T, kt * span) * min(H, kh * span) * kw
+    if dtype_bytes == 4:
+        lane_ops = iters * (20 * qxp + 6 * bxp * qxp)
+    else:
+        lane_ops = iters * (20 * qxp + 6 * qxp * cfg["UP"]) + rows * 4 * bxp * qxp
+    per_launch = dict(fma_flops=2.0 * lane_ops * tiles, tc_flops=2 * 2.0 * rows * bxp * qxp * d * tiles,
+                      dram_bytes=N * K * 4 * 4 + 2 * N * d * e, l1_bytes=tiles * (iters * qxp * 4 * 4 + rows * qxp * d * e),
+                      atomic_bytes=0.0)
+    key_side = Cost("pull_dk+dv", N, K, d, **{k: 2 * v for k, v in per_launch.items()})
+    row = d * e
+    query_side = Cost("gather_bwd_pull", N, K, d, fma_flops=52.0 * N * K * d, tc_flops=0.0,
+                      dram_bytes=N * (7 * row + 4 + 6 * K * e) + N * K * 20, l1_bytes=N * K * 16 * row,
+                      atomic_bytes=0.0)
+    return [query_side, key_side]
+
+
+def halo_costs(grid, window, head_dim: int, bound: float, rows: int | None = None, dtype_bytes: int = 2) -> dict:
+    """The halo kernels (``dsa_triton_halo``) for one head: ``{"fwd": [scores, out], "bwd": [query
+    side, dq]}``. ``rows``: key rows a ``(jt, jy)`` group touches, on average; default the worst
+    case at the bound (``(ELO + EHI + 1)^2``, clipped to the grid). Per tile of ``BXP`` query
+    rows and per (group, touched row):
+
+    - scores: one ``(BXP, XP, d)`` dot, ``~20`` lane operations per sample slot (two gathers, the
+      tents, the blend), one key row from L1;
+    - out and dq: one dot, the band (``~4`` per slot element to pick the slot, ``~6`` per band
+      element, for each of the ``KW`` slots) and its placement (``~4`` per ``(BXP, XP)`` element);
+    - the backward's query side: two dots, ``~40`` lane operations per slot, and (its offsets'
+      gradient needs the upper corners' rows too) the same again on up to twice the rows;
+    - per group, ``~60`` lane operations per slot for the positions.
+
+    DRAM: q, k, v, out once, offsets once per pass, the scores' scratch (forward, ``4 K`` bytes
+    per token written and read) and the records (backward, ``20 K`` written, ``4 K`` read)."""
+    from .dsa_triton_halo import halo_config  # lazy: imports triton
+    from .dsa_triton_pull import pull_span
+
+    T, H, W = grid
+    kt, kh, kw = window
+    K = kt * kh * kw
+    N, d, e = math.prod(grid), head_dim, dtype_bytes
+    elo, ehi = pull_span(bound)
+    span = elo + ehi + 1
+    worst = min(span, T) * min(span, H)
+    r = worst if rows is None else min(rows, worst)
+    r_grad = min(worst, 4 * r)  # the upper corners' rows: up to twice per axis
+    cfg = halo_config(d, window, elo, ehi)
+    bxp, xp, kwp, up = cfg["BXP"], cfg["XP"], cfg["KWP"], cfg["UP"]
+    visits = T * H * math.ceil(W / cfg["BX"]) * kt * kh  # (tile, group) pairs
+    dot = 2.0 * bxp * xp * d
+    row_bytes = xp * d * e
+    group_lane = 60 * bxp * kwp
+    band_lane = kw * (4 * bxp * kwp + 6 * bxp * up) + 4 * bxp * xp
+    row = d * e
+
+    def cost(name, tc, lane, l1, dram):
+        return Cost(name, N, K, d, fma_flops=2.0 * lane, tc_flops=tc, dram_bytes=dram, l1_bytes=l1,
+                    atomic_bytes=0.0)
+
+    scores = cost("halo_scores", visits * r * dot, visits * (group_lane + r * 20 * bxp * kwp), visits * r * row_bytes,
+                  N * (row + 3 * K * e + 4 * K + 4) + N * row)
+    out = cost("halo_out", visits * r * dot, visits * (group_lane + r * band_lane), visits * r * row_bytes,
+               N * (row + 3 * K * e + 4 * K) + N * row)
+    query = cost("halo_bwd", visits * (r + r_grad) * 2 * dot, visits * (group_lane + (r + r_grad) * 40 * bxp * kwp),
+                 visits * (r + r_grad) * 2 * (row_bytes + bxp * d * e), N * (3 * row + 6 * K * e + 20 * K + 4))
+    dq = cost("halo_dq", visits * r * dot, visits * (group_lane + r * band_lane), visits * r * row_bytes,
+              N * (row + 3 * K * e + 4 * K) + N * row)
+    return {"fwd": [scores, out], "bwd": [query, dq]}
+
+
+@functools.lru_cache(maxsize=256)
+def choose_halo(grid, window, head_dim: int, bound: float, dtype_bytes: int = 2) -> dict:
+    """Per pass, whether the halo kernels are predicted faster than the gather kernels at this
+    shape on H100 figures, with the offsets at the worst the bound allows (every group touching
+    every row its span reaches): ``{"fwd": (bool, why), "bwd": (bool, why)}``. The backward
+    compares the query sides only: both modes run the same key-side pass after them."""
+    N = math.prod(grid)
+    chip = CHIPS[0]
+    gather_fwd = gather_costs(N, window, head_dim, dtype_bytes)[0].seconds(chip)["seconds"]
+    gather_q = pull_costs(grid, window, head_dim, bound, dtype_bytes)[0].seconds(chip)["seconds"]
+    halo = halo_costs(grid, window, head_dim, bound, dtype_bytes=dtype_bytes)
+    out = {}
+    for pass_, gather_s in (("fwd", gather_fwd), ("bwd", gather_q)):
+        halo_s = sum(c.seconds(chip)["seconds"] for c in halo[pass_])
+        faster = halo_s < gather_s
+        out[pass_] = (faster, f"cost model at offsets up to {bound:g}: halo {1e3 * halo_s:.3g} ms vs gather "
+                              f"{1e3 * gather_s:.3g} ms per head ({'x'.join(map(str, grid))}, d {head_dim}, "
+                              f"window {'x'.join(map(str, window))})")
+    return out
