@@ -4,6 +4,10 @@ Backend ``triton_gather``; since the tiled kernels (``dsa_triton_tiled.py``, bac
 ``triton``) exist, these are their fallback -- calls whose halo does not fit a tile, logged --
 and the baseline they are timed against (benchmarks/gpu_check/).
 
+The forward and the backward's query side have a second implementation, the halo kernels
+(``dsa_triton_halo``: the products on tensor cores); ``HALO_MODE`` "auto" takes them per pass where
+the cost model (``dsa_cost.choose_halo``) predicts them faster, and logs the choice once.
+
 Semantics are those of ``dsa_reference`` (docs/architecture.md, "3D-DSA: the operator"):
 channels-last ``q, k, v: (B, T, H, W, nh, d)``, ``offsets: (B, T, H, W, nh, K, 3)``.
 
