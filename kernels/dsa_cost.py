@@ -141,7 +141,7 @@ def halo_costs(grid, window, head_dim: int, bound: float, rows: int | None = Non
     DRAM: q, k, v, out once, offsets once per pass, the scores' scratch (forward, ``4 K`` bytes
     per token written and read) and the records (backward, ``20 K`` written, ``4 K`` read)."""
     from .dsa_triton_halo import halo_config  # lazy: imports triton
-    from .dsa_triton_pull import pull_span
+    from .dsa_triton_pull import pull_span  # lazy: imports triton
 
     T, H, W = grid
     kt, kh, kw = window
