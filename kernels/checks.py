@@ -65,6 +65,17 @@ def dense_attention(q, k, v, scale=None):
     return out.transpose(1, 2).reshape(B, T, H, W, nh, d)
 
 
+def bounded_offsets(shape, window, bound, seed=3, dtype=torch.float32):
+    """Offsets for ``shape`` (q's) and ``window`` in ``[-bound, bound]``, a sixth of them whole-token
+    moves (corners exactly on keys): the bounded kernels' (pull, halo) test input."""
+    B, T, H, W, nh, _ = shape
+    K = window[0] * window[1] * window[2]
+    g = torch.Generator().manual_seed(seed)
+    off = (torch.rand((B, T, H, W, nh, K, 3), generator=g) * 2 - 1) * bound
+    whole = torch.rand(off.shape, generator=g) < 0.15
+    return torch.where(whole, off.round(), off).to(dtype)
+
+
 def make_qkv(shape, dtype=torch.float32, seed=0, requires_grad=False):
     g = torch.Generator().manual_seed(seed)
     return [torch.randn(shape, generator=g, dtype=dtype).requires_grad_(requires_grad) for _ in range(3)]

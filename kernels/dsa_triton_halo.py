@@ -89,9 +89,17 @@ def _row_tent(i0, i1, f, r):
 
 
 @triton.jit
-def _tile(pid, pid_bh, N, T, H, W, NH, Q0, EHI, BX, HEAD_DIM: tl.constexpr, KT: tl.constexpr, KH: tl.constexpr,
-          KW: tl.constexpr, KS: tl.constexpr, BXP: tl.constexpr, XP: tl.constexpr):
-    """A program's query tile: ``BX`` queries of one frame and row of one (batch, head)."""
+def _tile(BH0, N, T, H, W, NH, NK, TK, Q0, K0, EHI, BX, HEAD_DIM: tl.constexpr, KT: tl.constexpr,
+          KH: tl.constexpr, KW: tl.constexpr, BXP: tl.constexpr, XP: tl.constexpr, BLOCK_D: tl.constexpr):
+    """A program's query tile: ``BX`` queries of one frame and row of one (batch, head), the
+    ``(BH0 + program_id(1))``-th pair. Returns the pair's index in the launch (``slot``) and in the
+    whole tensor, the queries' tokens and validity, the window starts (``sx`` per query), the key
+    run's first column ``cx0``, where each query's offsets and rows start (``off_row``, ``row_ptr``,
+    ``row_mask``), where the pair's k and v rows start, and the upper corners' limits (``_upper``:
+    the held frames, the key run's columns)."""
+    pid = tl.program_id(0)
+    slot = tl.program_id(1)
+    pid_bh = BH0 + slot
     b = pid_bh // NH
     h = pid_bh % NH
     tiles_x = tl.cdiv(W, BX)
@@ -108,8 +116,14 @@ def _tile(pid, pid_bh, N, T, H, W, NH, Q0, EHI, BX, HEAD_DIM: tl.constexpr, KT: 
     sx = tl.minimum(tl.maximum(qx - KW // 2, 0), W - KW)  # (BXP,)
     # the key columns the tile's corners can reach: [cx0, cx0 + XP)
     cx0 = tl.maximum(tl.minimum(tl.maximum(x0 - KW // 2, 0), W - KW) - EHI, 0)
-    off_row = ((b.to(tl.int64) * N + tok) * NH + h) * (KS * 3)  # element offset of each query's offsets
-    return b, h, tok, q_ok, st, sy, sx, cx0, off_row
+    off_row = ((b.to(tl.int64) * N + tok) * NH + h) * (KT * KH * KW * 3)  # element offset of each query's offsets
+    row_stride = NH * HEAD_DIM
+    d = tl.arange(0, BLOCK_D)
+    row_ptr = (b.to(tl.int64) * N + tok)[:, None] * row_stride + h * HEAD_DIM + d[None, :]
+    row_mask = q_ok[:, None] & (d < HEAD_DIM)[None, :]
+    kv_base = b.to(tl.int64) * NK * row_stride + h * HEAD_DIM
+    return (slot, pid_bh, tok, q_ok, st, sy, sx, cx0, off_row, row_ptr, row_mask, kv_base,
+            tl.minimum(T - 1 - K0, TK - 1), tl.minimum(W - 1 - cx0, XP - 1))
 
 
 @triton.jit
@@ -195,24 +209,16 @@ def _dsa_halo_scores(
     HEAD_DIM: tl.constexpr,
     KT: tl.constexpr, KH: tl.constexpr, KW: tl.constexpr,
     BXP: tl.constexpr, XP: tl.constexpr, KWP: tl.constexpr, BLOCK_D: tl.constexpr,
-    WIDEN: tl.constexpr = False,  # under the interpreter: bf16 dots widened (``_split_dot``)
+    WIDEN: tl.constexpr = False,  # under the interpreter: bf16 dots widened (as ``dsa_triton_pull._split_dot``)
 ):
     """Pass 1: every sample's score ``<q, k_j>`` (unscaled, fp32) into ``S (BH, KS, N)`` and the
     log-sum-exp (base 2) into ``LSE``; a query with a sample past the bound gets a NaN log-sum-exp."""
-    pid = tl.program_id(0)
-    s_bh = tl.program_id(1)
-    pid_bh = BH0 + s_bh
     KS: tl.constexpr = KT * KH * KW
     IEEE: tl.constexpr = Q.dtype.element_ty == tl.float32
     row_stride = NH * HEAD_DIM
-    b, h, tok, q_ok, st, sy, sx, cx0, off_row = _tile(pid, pid_bh, N, T, H, W, NH, Q0, EHI, BX, HEAD_DIM, KT, KH,
-                                                      KW, KS, BXP, XP)
-    TUP = tl.minimum(T - 1 - K0, TK - 1)  # the upper corners' limits (_upper): held frames,
-    GUP = tl.minimum(W - 1 - cx0, XP - 1)  # the key run's columns
-    d = tl.arange(0, BLOCK_D)
-    q = tl.load(Q + (b.to(tl.int64) * N + tok)[:, None] * row_stride + h * HEAD_DIM + d[None, :],
-                mask=q_ok[:, None] & (d < HEAD_DIM)[None, :], other=0.0)
-    kv_base = b.to(tl.int64) * NK * row_stride + h * HEAD_DIM
+    s_bh, pid_bh, tok, q_ok, st, sy, sx, cx0, off_row, row_ptr, row_mask, kv_base, TUP, GUP = _tile(
+        BH0, N, T, H, W, NH, NK, TK, Q0, K0, EHI, BX, HEAD_DIM, KT, KH, KW, BXP, XP, BLOCK_D)
+    q = tl.load(Q + row_ptr, mask=row_mask, other=0.0)
     jx = tl.arange(0, KWP)
     s_row = S + s_bh.to(tl.int64) * (KS * N) + tok  # (BXP,): sample j of a query at + j * N
     beyond = tl.zeros([BXP], dtype=tl.int1)
@@ -265,17 +271,10 @@ def _dsa_halo_rows(
     """``OUT = sum_j c_j x_j``, ``x_j`` the trilinear blend of ``X`` (k or v) at sample ``j``: one
     dense ``P_row @ X_row`` per touched key row. The forward's output (``X = v``, ``c = a``) and
     the backward's ``dq`` (``X = k``, ``c = ds``). A query with a slot past the bound gets a NaN row."""
-    pid = tl.program_id(0)
-    c_bh = tl.program_id(1)
-    pid_bh = BH0 + c_bh
-    KS: tl.constexpr = KT * KH * KW
     IEEE: tl.constexpr = X.dtype.element_ty == tl.float32
     row_stride = NH * HEAD_DIM
-    b, h, tok, q_ok, st, sy, sx, cx0, off_row = _tile(pid, pid_bh, N, T, H, W, NH, Q0, EHI, BX, HEAD_DIM, KT, KH,
-                                                      KW, KS, BXP, XP)
-    TUP = tl.minimum(T - 1 - K0, TK - 1)  # the upper corners' limits (_upper): held frames,
-    GUP = tl.minimum(W - 1 - cx0, XP - 1)  # the key run's columns
-    kv_base = b.to(tl.int64) * NK * row_stride + h * HEAD_DIM
+    c_bh, pid_bh, tok, q_ok, st, sy, sx, cx0, off_row, row_ptr, row_mask, kv_base, TUP, GUP = _tile(
+        BH0, N, T, H, W, NH, NK, TK, Q0, K0, EHI, BX, HEAD_DIM, KT, KH, KW, BXP, XP, BLOCK_D)
     jx = tl.arange(0, KWP)
     u = tl.arange(0, UP)
     xcol = tl.arange(0, XP)
@@ -320,9 +319,7 @@ def _dsa_halo_rows(
                         else:  # P in the rows' dtype, as flash attention's P @ V and dS @ K
                             acc = tl.dot(pr.to(xrow.dtype), xrow, acc)
     acc = tl.where(beyond[:, None], float("nan"), acc)
-    d = tl.arange(0, BLOCK_D)
-    tl.store(OUT + (b.to(tl.int64) * N + tok)[:, None] * row_stride + h * HEAD_DIM + d[None, :],
-             acc.to(OUT.dtype.element_ty), mask=q_ok[:, None] & (d < HEAD_DIM)[None, :])
+    tl.store(OUT + row_ptr, acc.to(OUT.dtype.element_ty), mask=row_mask)
 
 
 @triton.jit
@@ -343,25 +340,16 @@ def _dsa_halo_bwd(
     score, ``dO . v_j``, and their derivatives along each axis. Then ``a``, ``ds`` and the offsets'
     gradient (stored), and the records ``(p_t, p_y, p_x, ds, a)`` for the key-side pass and the
     ``dq`` pass (``_dsa_halo_rows`` with ``X = k``, ``c = ds``)."""
-    pid = tl.program_id(0)
-    r_bh = tl.program_id(1)
-    pid_bh = BH0 + r_bh
     KS: tl.constexpr = KT * KH * KW
     IEEE: tl.constexpr = Q.dtype.element_ty == tl.float32
     row_stride = NH * HEAD_DIM
-    b, h, tok, q_ok, st, sy, sx, cx0, off_row = _tile(pid, pid_bh, N, T, H, W, NH, Q0, EHI, BX, HEAD_DIM, KT, KH,
-                                                      KW, KS, BXP, XP)
-    TUP = tl.minimum(T - 1 - K0, TK - 1)  # the upper corners' limits (_upper): held frames,
-    GUP = tl.minimum(W - 1 - cx0, XP - 1)  # the key run's columns
-    d = tl.arange(0, BLOCK_D)
-    row_ptr = (b.to(tl.int64) * N + tok)[:, None] * row_stride + h * HEAD_DIM + d[None, :]
-    row_mask = q_ok[:, None] & (d < HEAD_DIM)[None, :]
+    r_bh, pid_bh, tok, q_ok, st, sy, sx, cx0, off_row, row_ptr, row_mask, kv_base, TUP, GUP = _tile(
+        BH0, N, T, H, W, NH, NK, TK, Q0, K0, EHI, BX, HEAD_DIM, KT, KH, KW, BXP, XP, BLOCK_D)
     delta = tl.sum(tl.load(DOUT + row_ptr, mask=row_mask, other=0.0).to(tl.float32)
                    * tl.load(OUT + row_ptr, mask=row_mask, other=0.0).to(tl.float32), axis=1)
     # q and dO are loaded again for every row's dot (L1 hits), not held through the loops: held,
     # with both rows' dots at once, the pass spilled 50-350 bytes per thread at d 128
     lse = tl.load(LSE + pid_bh.to(tl.int64) * N + tok, mask=q_ok, other=0.0)
-    kv_base = b.to(tl.int64) * NK * row_stride + h * HEAD_DIM
     jx = tl.arange(0, KWP)
     rec_row = REC + r_bh.to(tl.int64) * (5 * KS * N) + tok
     for jt in tl.range(0, KT, loop_unroll_factor=1):

@@ -23,6 +23,7 @@ from kernels.checks import (
     assert_bf16_flash_rule,
     assert_dense_identity,
     assert_interpreter_tests_pass,
+    bounded_offsets,
     grads,
     make_qkv,
     naive_neighborhood_attention,
@@ -32,16 +33,6 @@ INTERPRETER_ACTIVE = os.environ.get("TRITON_INTERPRET", "0") == "1"
 interpreter_only = pytest.mark.skipif(
     not INTERPRETER_ACTIVE, reason="runs in the child started by test_halo_kernels_under_interpreter"
 )
-
-
-def bounded_offsets(shape, window, bound, seed=3, dtype=torch.float32):
-    """Offsets in ``[-bound, bound]``, a sixth of them whole-token moves (corners exactly on keys)."""
-    B, T, H, W, nh, _ = shape
-    K = window[0] * window[1] * window[2]
-    g = torch.Generator().manual_seed(seed)
-    off = (torch.rand((B, T, H, W, nh, K, 3), generator=g) * 2 - 1) * bound
-    whole = torch.rand(off.shape, generator=g) < 0.15
-    return torch.where(whole, off.round(), off).to(dtype)
 
 
 @pytest.mark.slow  # about two minutes: every Triton interpreter child runs in the slow half
@@ -220,8 +211,11 @@ def test_interp_zero_offsets_are_neighborhood_attention(halo_fp32):
     window, shape = (3, 3, 3), (1, 3, 3, 5, 1, 4)
     q, k, v = make_qkv(shape, seed=60)
     off = torch.zeros(*shape[:5], 27, 3)
-    out = dsa_triton(q, k, v, off, window, max_offset=0.0)
-    torch.testing.assert_close(out, naive_neighborhood_attention(q, k, v, window), rtol=1e-5, atol=1e-6)
+    dout = torch.randn(shape, generator=torch.Generator().manual_seed(61))
+    got = grads(lambda *a: dsa_triton(*a, window, max_offset=0.0), (q, k, v, off), dout)
+    want = grads(lambda q, k, v, o: naive_neighborhood_attention(q, k, v, window) + 0 * o.sum(), (q, k, v, off), dout)
+    for name, a, b in list(zip(GRAD_NAMES, got, want))[:4]:  # out, dq, dk, dv
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6, msg=name)
 
 
 @interpreter_only

@@ -20,6 +20,7 @@ from kernels.checks import (
     GRAD_NAMES,
     assert_bf16_flash_rule,
     assert_interpreter_tests_pass,
+    bounded_offsets,
     grads,
     make_qkv,
     naive_neighborhood_attention,
@@ -30,16 +31,6 @@ INTERPRETER_ACTIVE = os.environ.get("TRITON_INTERPRET", "0") == "1"
 interpreter_only = pytest.mark.skipif(
     not INTERPRETER_ACTIVE, reason="runs in the child started by test_pull_kernels_under_interpreter"
 )
-
-
-def bounded_offsets(shape, window, bound, seed=3, dtype=torch.float32):
-    """Offsets in ``[-bound, bound]``, a sixth of them whole-token moves (corners exactly on keys)."""
-    B, T, H, W, nh, _ = shape
-    K = window[0] * window[1] * window[2]
-    g = torch.Generator().manual_seed(seed)
-    off = (torch.rand((B, T, H, W, nh, K, 3), generator=g) * 2 - 1) * bound
-    whole = torch.rand(off.shape, generator=g) < 0.15
-    return torch.where(whole, off.round(), off).to(dtype)
 
 
 @pytest.mark.slow  # about a minute: every Triton interpreter child runs in the slow half
