@@ -14,9 +14,13 @@ backend per call:
   time and memory, refused above ``MATRIX_LIMIT_TOKENS`` tokens).
 - ``"chunked"``: ``dsa_reference_chunked`` (the reference's math, queries in chunks,
   backward recomputes: bounded memory, reference speed).
-- ``"triton_gather"``: the gather Triton kernels (``dsa_triton``: a strip of queries per
-  program, one trilinear corner per loop iteration, CUDA-core FMAs). The backward sums dk, dv
-  with the key-side pass (``dsa_triton_pull``): tensor-core dots, no atomics, deterministic.
+- ``"triton_gather"``: the fused Triton kernels. The forward and the backward's query side run,
+  per pass, either the gather kernels (``dsa_triton``: a strip of queries per program, one
+  trilinear corner per loop iteration, CUDA-core FMAs) or the halo kernels (``dsa_triton_halo``:
+  64 queries of a row against whole key rows, tensor-core dots), whichever the cost model
+  (``dsa_cost``) predicts faster at the offsets' bound (``dsa_triton.HALO_MODE``; logged). The
+  backward sums dk, dv with the key-side pass (``dsa_triton_pull``): tensor-core dots, no
+  atomics, deterministic.
   It runs for offsets bounded by at most ``PULL_MAX_OFFSET``; larger offsets use per-corner
   fp32 atomics. Every autotune config compiles for sm_90 at the presets' shapes without spills
   (the compile-only check, ``python -m benchmarks.gpu_check --compile-only``).
