@@ -1,14 +1,15 @@
-"""The gather kernels' forward on tensor cores: each query tile multiplies its queries with whole
-key and value rows (``tl.dot``), then picks and spreads the samples' corners in registers.
+"""The halo kernels: the gather kernels' forward and the backward's query side with their
+products on tensor cores. Each query tile multiplies its queries with whole key and value rows
+(``tl.dot``), then picks and spreads the samples' corners in registers.
 
 Why
-  The gather forward (``dsa_triton._dsa_fwd``) interpolates each sample's key and value from its
-  8 corner rows and takes ``<q, k_j>`` and ``a_j v_j`` as vector operations: every product runs on
-  CUDA-core FMAs, ``16 d`` per (query, sample), and every corner row goes through L1 once per
-  sample that touches it. The queries of one row segment, though, sample the same few key rows:
-  their offsets are bounded, so their samples' corners lie in a small box around their windows.
+  The gather kernels (``dsa_triton``) interpolate each sample's key and value from its 8 corner
+  rows and take ``<q, k_j>`` and ``a_j v_j`` as vector operations: every product runs on CUDA-core
+  FMAs, ``16 d`` per (query, sample), and every corner row goes through L1 once per sample that
+  touches it. The queries of one row segment, though, sample the same few key rows: their
+  offsets are bounded, so their samples' corners lie in a small box around their windows.
 
-The halo forward: two passes
+The tile
   One program owns ``BX`` consecutive queries of one frame and row (one (batch, head)), on
   ``BXP = 64`` rows: the ``wgmma`` M. Their window starts ``s_t``, ``s_y`` are one scalar; ``s_x``
   runs with ``x``. With the offsets' bound ``M`` every corner of a slot-``j`` sample lies in
@@ -19,22 +20,29 @@ The halo forward: two passes
   their corners actually touch (a runtime min/max); rows whose weights are all zero are skipped, so
   the work follows the offsets present: one row per group at zero offsets, up to ``(2M + 2)^2``.
 
-  1. ``_dsa_halo_scores``: per touched row, ``S = q @ K_row^T`` (``(BXP, XP)``, a tensor-core
-     dot); each sample takes its two x corners from ``S`` with ``tl.gather`` and adds them with its
-     ``t``, ``y`` and ``x`` weights. The unscaled scores go to a scratch buffer ``(pairs, K, N)``
-     fp32 and the log-sum-exp (base 2, as the gather forward saves it) to ``LSE``.
-  2. ``_dsa_halo_out``: ``a_j = exp2(s_j scale - lse)``; per touched row the probabilities times
-     the ``t``, ``y`` weights are spread over a band of ``UP`` columns relative to each query's
-     window (``u = x' - s_x + ceil M``: the two x corners of each slot), the band is placed on the
-     row's ``XP`` columns with ``tl.gather``, and ``acc += P @ V_row`` (a tensor-core dot; ``P`` in
-     the values' dtype, as flash attention's ``P @ V``; ``ieee`` at fp32).
+Four passes
+  1. ``_dsa_halo_scores`` (forward): per touched row, ``S = q @ K_row^T`` (``(BXP, XP)``, a
+     tensor-core dot); each sample takes its two x corners from ``S`` with ``tl.gather`` and adds
+     them with its ``t``, ``y`` and ``x`` weights. The unscaled scores go to a scratch buffer
+     ``(pairs, K, N)`` fp32 and the log-sum-exp (base 2, as the gather forward saves it) to ``LSE``.
+  2. ``_dsa_halo_rows`` with ``SOFTMAX`` (forward output): ``a_j = exp2(s_j scale - lse)``; per
+     touched row the probabilities times the ``t``, ``y`` weights are spread over a band of ``UP``
+     columns relative to each query's window (``u = x' - s_x + ceil M``: the two x corners of each
+     slot; ``dsa_triton_pull._band_add``), the band is placed on the row's ``XP`` columns
+     (``_band_place``: ``tl.gather``), and ``acc += P @ V_row`` (a tensor-core dot; ``P`` in the
+     values' dtype, as flash attention's ``P @ V``; ``ieee`` at fp32).
+  3. ``_dsa_halo_bwd`` (the backward's query side): per touched row ``q K_row^T`` and
+     ``dO V_row^T`` give each sample's score and ``dO . v_j`` (one sweep), then the derivatives of
+     both along each axis (a second sweep over the rows the upper corners add): the offsets'
+     gradient, and the pull mode's records ``(p_t, p_y, p_x, ds, a)``.
+  4. ``_dsa_halo_rows`` without ``SOFTMAX`` (``dq``): as 2, with ``X = k`` and the records' ``ds``.
+  dk and dv come from the key-side pass (``dsa_triton_pull``), as in the gather kernels' pull mode.
 
-  Two passes, not one: in one kernel the accumulator, the scores' row and the sample tensors did
-  not fit the registers (ptxas spilled 0.4-3 KB per thread at 4 and 8 warps); apart, each pass
-  compiles without spills at 8 warps (``python -m benchmarks.gpu_check --compile-only``). The
+  Four passes, not two: fused, the accumulator, a row's scores and the sample tensors did not fit
+  the registers (ptxas spilled 0.4-3 KB per thread at 4 and 8 warps); apart, each pass compiles
+  without spills at 8 warps (``python -m benchmarks.gpu_check --compile-only``). The scores'
   scratch costs ``4 K`` bytes per token and head each way; pairs are chunked within
-  ``SCORE_BUDGET_BYTES``. Either backward mode runs after it (the log-sum-exp is the gather
-  forward's).
+  ``SCORE_BUDGET_BYTES``.
 
 When it runs
   Where the backward's pull mode may run (a known bound up to ``PULL_MAX_OFFSET``, a window the
@@ -49,7 +57,7 @@ When it runs
 
 Verification status (Caution)
   Verified under the Triton CPU interpreter against ``dsa_reference`` and against the gather
-  forward (tests/test_dsa_halo.py) and compiled for sm_90 and sm_100; not yet run on a GPU.
+  kernels (tests/test_dsa_halo.py) and compiled for sm_90 and sm_100; not yet run on a GPU.
 """
 
 from __future__ import annotations
@@ -59,7 +67,15 @@ import triton
 import triton.language as tl
 
 from .aot import AOT_POINTER_TYPES, aligned_pointer_attrs, signature_for
-from .dsa_triton_pull import INTERPRETED, _past_bound, compute_capability, pull_config, pull_span
+from .dsa_triton_pull import (
+    INTERPRETED,
+    _band_add,
+    _band_place,
+    _past_bound,
+    compute_capability,
+    pull_config,
+    pull_span,
+)
 
 __all__ = ["halo_forward", "halo_config", "aot_variants", "SCORE_BUDGET_BYTES"]
 
@@ -235,13 +251,8 @@ def _dsa_halo_scores(
                 for yr in tl.range(y_lo, y_hi + 1, loop_unroll_factor=1):
                     w = wt * _row_tent(y0, _upper(y0, H - 1), fy, yr)
                     if tl.max(tl.max(w, axis=1), axis=0) > 0.0:  # else no corner on this row
-                        krow = _key_row(Kx, kv_base, tr, yr, H, W, cx0, row_stride, HEAD_DIM, XP, BLOCK_D)
-                        if IEEE:
-                            sc = tl.dot(q, tl.trans(krow), input_precision="ieee")
-                        elif WIDEN:
-                            sc = tl.dot(q.to(tl.float32), tl.trans(krow.to(tl.float32)), input_precision="ieee")
-                        else:
-                            sc = tl.dot(q, tl.trans(krow))  # (BXP, XP) on tensor cores
+                        sc = _row_dot(q, Kx, kv_base, tr, yr, H, W, cx0, row_stride, HEAD_DIM, XP, BLOCK_D, IEEE,
+                                      WIDEN)  # (BXP, XP) on tensor cores
                         s += w * ((1.0 - fx) * tl.gather(sc, g0, axis=1) + fx * tl.gather(sc, _upper(g0, GUP), axis=1))
             tl.store(s_row[:, None] + ((jt * KH + jy) * KW + jx)[None, :] * N, s, mask=q_ok[:, None] & (jx < KW)[None, :])
             sl = tl.where(ok, s * qk_scale, float("-inf"))  # online log-sum-exp over the groups (base 2)
@@ -301,15 +312,11 @@ def _dsa_halo_rows(
                         band = tl.zeros([BXP, UP], dtype=tl.float32)
                         for j in tl.range(0, KW, loop_unroll_factor=1):
                             sel = (jx == j)[None, :]
-                            cj = tl.sum(tl.where(sel, c, 0.0), axis=1)
-                            fj = tl.sum(tl.where(sel, fx, 0.0), axis=1)
                             u0j = tl.sum(tl.where(sel, g0, 0), axis=1) + (cx0 + EHI) - sx
                             u1j = tl.sum(tl.where(sel, _upper(g0, GUP), 0), axis=1) + (cx0 + EHI) - sx
-                            band += (tl.where(u[None, :] == u0j[:, None], ((1.0 - fj) * cj)[:, None], 0.0)
-                                     + tl.where(u[None, :] == u1j[:, None], (fj * cj)[:, None], 0.0))
-                        rel = xcol[None, :] + (cx0 + EHI) - sx[:, None]  # band coordinate of each column
-                        pr = tl.gather(band, tl.minimum(tl.maximum(rel, 0), UP - 1), axis=1)
-                        pr = tl.where((rel >= 0) & (rel < UP), pr, 0.0)  # (BXP, XP)
+                            band = _band_add(band, u, u0j, u1j, tl.sum(tl.where(sel, fx, 0.0), axis=1),
+                                             tl.sum(tl.where(sel, c, 0.0), axis=1))
+                        pr = _band_place(band, xcol[None, :] + (cx0 + EHI) - sx[:, None], UP)  # (BXP, XP)
                         xrow = _key_row(X, kv_base, tr, yr, H, W, cx0, row_stride, HEAD_DIM, XP, BLOCK_D)
                         if IEEE:
                             acc = tl.dot(pr, xrow, acc, input_precision="ieee")
@@ -406,13 +413,13 @@ def _dsa_halo_bwd(
                         touch = ((wt != 0.0) | (dwt != 0.0)) & ((wy != 0.0) | (dwy != 0.0))
                         if tl.max(tl.max(touch.to(tl.int32), axis=1), axis=0) > 0:
                             if src == 0:
-                                row = _row_dot(tl.load(Q + row_ptr, mask=row_mask, other=0.0), Kx, kv_base, tr, yr, H, W, cx0, row_stride, HEAD_DIM, XP,
-                                               BLOCK_D, IEEE, WIDEN)
+                                row = _row_dot(tl.load(Q + row_ptr, mask=row_mask, other=0.0), Kx, kv_base, tr, yr,
+                                               H, W, cx0, row_stride, HEAD_DIM, XP, BLOCK_D, IEEE, WIDEN)
                                 e0 = cs * tl.gather(row, g0, axis=1)  # e / a at the x corners
                                 e1 = cs * tl.gather(row, _upper(g0, GUP), axis=1)
                             else:
-                                row = _row_dot(tl.load(DOUT + row_ptr, mask=row_mask, other=0.0), V, kv_base, tr, yr, H, W, cx0, row_stride, HEAD_DIM, XP,
-                                               BLOCK_D, IEEE, WIDEN)
+                                row = _row_dot(tl.load(DOUT + row_ptr, mask=row_mask, other=0.0), V, kv_base, tr,
+                                               yr, H, W, cx0, row_stride, HEAD_DIM, XP, BLOCK_D, IEEE, WIDEN)
                                 e0 = tl.gather(row, g0, axis=1)
                                 e1 = tl.gather(row, _upper(g0, GUP), axis=1)
                             ebl = (1.0 - fx) * e0 + fx * e1
@@ -441,28 +448,44 @@ def halo_config(head_dim: int, window, elo: int, ehi: int, fp32: bool = False, c
                 scores_warps=8, rows_warps=8, bwd_warps=8)
 
 
+def _constexprs(head_dim: int, window, cfg: dict, widen: bool) -> dict:
+    """The constexprs every halo pass takes (the rows pass adds ``UP`` and ``SOFTMAX``)."""
+    return dict(HEAD_DIM=head_dim, KT=window[0], KH=window[1], KW=window[2], BXP=cfg["BXP"], XP=cfg["XP"],
+                KWP=cfg["KWP"], BLOCK_D=max(16, triton.next_power_of_2(head_dim)), WIDEN=widen)
+
+
+def _plan(q, win, bound: float, grid_args):
+    """What both launchers need: the configuration, the bound's span, the program count along the
+    grid's first axis, the launch constexprs and the scalar arguments after the scale(s) but ``BH0``
+    (``tail(bh0)``)."""
+    N, T, H, W, nh, NK, TK, Q0, K0 = grid_args
+    elo, ehi = pull_span(bound)
+    cfg = halo_config(q.shape[-1], win, elo, ehi, fp32=q.dtype == torch.float32, cc=compute_capability(q))
+    tiles = (N // (H * W)) * H * triton.cdiv(W, cfg["BX"])
+    meta = dict(_constexprs(q.shape[-1], win, cfg, INTERPRETED), num_stages=1)
+
+    def tail(bh0: int) -> tuple:
+        return (N, T, H, W, nh, NK, TK, Q0, K0, bh0, elo, ehi, cfg["BX"])
+
+    return cfg, tiles, meta, tail
+
+
 def halo_forward(q, k, v, offsets, win, qk_scale: float, bound: float, grid_args, out, lse) -> None:
     """Launch the halo forward into ``out`` and ``lse`` (the gather forward's launcher allocates
     them). ``grid_args = (N, T, H, W, nh, NK, TK, Q0, K0)``; ``bound``: from ``pull_bound``. The
     scores go through a scratch buffer ``(pairs, K, N)`` fp32, (batch, head) pairs in chunks within
     ``SCORE_BUDGET_BYTES``."""
-    N, T, H, W, nh, NK, TK, Q0, K0 = grid_args
-    B, d = q.shape[0], q.shape[-1]
-    elo, ehi = pull_span(bound)
-    cfg = halo_config(d, win, elo, ehi, fp32=q.dtype == torch.float32, cc=compute_capability(q))
+    N, nh = grid_args[0], grid_args[4]
+    pairs = q.shape[0] * nh
+    cfg, tiles, meta, tail = _plan(q, win, bound, grid_args)
     ks = win[0] * win[1] * win[2]
-    chunk = max(1, min(B * nh, SCORE_BUDGET_BYTES // (ks * N * 4)))
+    chunk = max(1, min(pairs, SCORE_BUDGET_BYTES // (ks * N * 4)))
     scores = torch.empty((chunk, ks, N), device=q.device, dtype=torch.float32)
-    grid_x = (N // (H * W)) * H * triton.cdiv(W, cfg["BX"])
-    meta = dict(HEAD_DIM=d, KT=win[0], KH=win[1], KW=win[2], BXP=cfg["BXP"], XP=cfg["XP"], KWP=cfg["KWP"],
-                BLOCK_D=max(16, triton.next_power_of_2(d)), WIDEN=INTERPRETED, num_stages=1)
-    for bh0 in range(0, B * nh, chunk):
-        count = min(chunk, B * nh - bh0)
-        tail = (N, T, H, W, nh, NK, TK, Q0, K0, bh0, elo, ehi, cfg["BX"])
-        _dsa_halo_scores[(grid_x, count)](q, k, offsets, scores, lse, qk_scale, *tail, **meta,
-                                          num_warps=cfg["scores_warps"])
-        _dsa_halo_rows[(grid_x, count)](v, offsets, scores, lse, out, qk_scale, *tail, ks * N, **meta, UP=cfg["UP"],
-                                        SOFTMAX=True, num_warps=cfg["rows_warps"])
+    for bh0 in range(0, pairs, chunk):
+        grid = (tiles, min(chunk, pairs - bh0))
+        _dsa_halo_scores[grid](q, k, offsets, scores, lse, qk_scale, *tail(bh0), **meta, num_warps=cfg["scores_warps"])
+        _dsa_halo_rows[grid](v, offsets, scores, lse, out, qk_scale, *tail(bh0), ks * N, **meta, UP=cfg["UP"],
+                             SOFTMAX=True, num_warps=cfg["rows_warps"])
 
 
 def halo_backward_query(q, k, v, offsets, out, dout, lse, win, qk_scale: float, sm_scale: float, bound: float,
@@ -470,19 +493,13 @@ def halo_backward_query(q, k, v, offsets, out, dout, lse, win, qk_scale: float, 
     """The backward's query side for (batch, head) pairs ``[bh0, bh0 + count)`` on tensor cores:
     the offsets' gradient into ``doff``, the records ``rec`` (``(count, 5, K, N)``: what the
     key-side pass ``dsa_triton_pull`` reads), then ``dq`` from the records' ``ds``."""
-    N, T, H, W, nh, NK, TK, Q0, K0 = grid_args
-    d = q.shape[-1]
-    elo, ehi = pull_span(bound)
-    cfg = halo_config(d, win, elo, ehi, fp32=q.dtype == torch.float32, cc=compute_capability(q))
+    cfg, tiles, meta, tail = _plan(q, win, bound, grid_args)
     ks = win[0] * win[1] * win[2]
-    grid = ((N // (H * W)) * H * triton.cdiv(W, cfg["BX"]), count)
-    meta = dict(HEAD_DIM=d, KT=win[0], KH=win[1], KW=win[2], BXP=cfg["BXP"], XP=cfg["XP"], KWP=cfg["KWP"],
-                BLOCK_D=max(16, triton.next_power_of_2(d)), WIDEN=INTERPRETED, num_stages=1)
-    tail = (N, T, H, W, nh, NK, TK, Q0, K0, bh0, elo, ehi, cfg["BX"])
-    _dsa_halo_bwd[grid](q, k, v, offsets, out, dout, lse, doff, rec, qk_scale, sm_scale, *tail, **meta,
+    grid = (tiles, count)
+    _dsa_halo_bwd[grid](q, k, v, offsets, out, dout, lse, doff, rec, qk_scale, sm_scale, *tail(bh0), **meta,
                         num_warps=cfg["bwd_warps"])
-    _dsa_halo_rows[grid](k, offsets, rec[:, 3], lse, dq, qk_scale, *tail, 5 * ks * N, **meta, UP=cfg["UP"],
-                         SOFTMAX=False, num_warps=cfg["rows_warps"])
+    _dsa_halo_rows[grid](k, offsets, rec[:, 3], lse, dq, qk_scale, *tail(bh0), 5 * ks * grid_args[0], **meta,
+                         UP=cfg["UP"], SOFTMAX=False, num_warps=cfg["rows_warps"])
 
 
 def aot_variants(shape) -> list[dict]:
@@ -494,8 +511,7 @@ def aot_variants(shape) -> list[dict]:
     fp32 = shape.dtype == "fp32"
     elo, ehi = pull_span(shape.max_offset if shape.max_offset is not None else 0.0)
     cfg = halo_config(d, shape.window, elo, ehi, fp32=fp32)
-    consts = dict(HEAD_DIM=d, KT=shape.window[0], KH=shape.window[1], KW=shape.window[2], BXP=cfg["BXP"],
-                  XP=cfg["XP"], KWP=cfg["KWP"], BLOCK_D=max(16, triton.next_power_of_2(d)), WIDEN=False)
+    consts = _constexprs(d, shape.window, cfg, widen=False)
     rows = {"UP": cfg["UP"]}
     out = []
     for name, fn, warps, extra in (("halo_scores", _dsa_halo_scores, cfg["scores_warps"], {}),

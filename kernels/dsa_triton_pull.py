@@ -114,6 +114,23 @@ def _tent(p, n, SIZE):
 
 
 @triton.jit
+def _band_add(band, u, u0, u1, f, c):
+    """``band (R, UP)`` plus each row's sample: weight ``c`` split by the x tent over its band
+    columns ``u0`` (``1 - f``) and ``u1`` (``f``); ``u = arange(UP)``. The key-side pass and the
+    halo kernels (``dsa_triton_halo``) build their weight bands with it."""
+    return band + (tl.where(u0[:, None] == u[None, :], ((1.0 - f) * c)[:, None], 0.0)
+                   + tl.where(u1[:, None] == u[None, :], (f * c)[:, None], 0.0))
+
+
+@triton.jit
+def _band_place(band, rel, UP: tl.constexpr):
+    """The dense matrix ``band[r, rel[r, col]]`` (0 where ``rel`` leaves ``[0, UP)``): each row's
+    band placed on the columns ``rel`` gives its band coordinates, by ``tl.gather``."""
+    picked = tl.gather(band, tl.minimum(tl.maximum(rel, 0), UP - 1), axis=1)
+    return tl.where((rel >= 0) & (rel < UP), picked, 0.0)
+
+
+@triton.jit
 def _split_dot(acc, g, rows, IEEE: tl.constexpr, WIDEN: tl.constexpr):
     """``acc + g @ rows`` with ``g`` fp32: an ``ieee`` dot for fp32 rows, else ``g`` split into a
     high and a low half in the rows' dtype (two tensor-core dots, fp32 accumulation).
@@ -217,12 +234,9 @@ def _dsa_pull_dkv(
                                 g += (tl.where(i0[None, :] == nx[:, None], ((1.0 - f) * c)[None, :], 0.0)
                                       + tl.where(i1[None, :] == nx[:, None], (f * c)[None, :], 0.0))
                             else:  # on the band: (QXP, UP), a quarter of the lanes
-                                band += (tl.where((i0 - sx + EHI)[:, None] == u[None, :], ((1.0 - f) * c)[:, None], 0.0)
-                                         + tl.where((i1 - sx + EHI)[:, None] == u[None, :], (f * c)[:, None], 0.0))
+                                band = _band_add(band, u, i0 - sx + EHI, i1 - sx + EHI, f, c)
             if not IEEE:  # the band placed on the tile's keys: G^T[q, n] = band[q, n - s_x(q) + EHI]
-                rel = nx[None, :] - sx[:, None] + EHI  # (QXP, BXP)
-                gt = tl.gather(band, tl.minimum(tl.maximum(rel, 0), UP - 1), axis=1)
-                g = tl.trans(tl.where((rel >= 0) & (rel < UP), gt, 0.0))  # (BXP, QXP)
+                g = tl.trans(_band_place(band, nx[None, :] - sx[:, None] + EHI, UP))  # (BXP, QXP)
             rows = tl.load(X + head_base + tok.to(tl.int64)[:, None] * row_stride + cols[None, :],
                            mask=row_mask, other=0.0)
             acc = _split_dot(acc, g, rows, IEEE, WIDEN)
