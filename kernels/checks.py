@@ -140,6 +140,13 @@ def grads(fn, inputs, dout):
     return (out, *torch.autograd.grad(out, leaves, dout.to(out.dtype)))
 
 
+def assert_grads_close(got, want, label: str = "", rtol: float = 1e-5, atol: float = 1e-6) -> None:
+    """``got`` and ``want`` (out and gradients, ``GRAD_NAMES`` order; a shorter pair compares the
+    first ones) agree within ``rtol``, ``atol`` (fp32 kernels against the reference: 1e-5, 1e-6)."""
+    for name, a, b in zip(GRAD_NAMES, got, want):
+        torch.testing.assert_close(a, b, rtol=rtol, atol=atol, msg=f"{label} {name}".strip())
+
+
 def flash_rule_errors(got, ref32, same, rel_atol):
     """flash-attention tolerance rule, per tensor, on max abs errors:
     ``|got - ref32| <= 2 |same - ref32| + rel_atol * (1 + |ref32|)``, ``same`` being the

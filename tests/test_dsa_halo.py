@@ -19,9 +19,9 @@ import torch
 
 from kernels import dsa_reference
 from kernels.checks import (
-    GRAD_NAMES,
     assert_bf16_flash_rule,
     assert_dense_identity,
+    assert_grads_close,
     assert_interpreter_tests_pass,
     bounded_offsets,
     grads,
@@ -171,11 +171,9 @@ def test_interp_fp32_halo_matches_reference_and_the_gather_kernels(grid, window,
         got, inputs, dout = _run(window, shape, bound, given)
     assert any("halo kernels on tensor cores" in r.getMessage() for r in caplog.records)
     want = grads(lambda *a: dsa_reference(*a, window), inputs, dout)
-    for name, a, b in zip(GRAD_NAMES, got, want):
-        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6, msg=name)
+    assert_grads_close(got, want)
     gather, _, _ = _run(window, shape, bound, given, mode="gather")  # the gather kernels on the same call
-    for name, a, b in zip(GRAD_NAMES, got, gather):
-        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6, msg=f"halo vs gather {name}")
+    assert_grads_close(got, gather, "halo vs gather")
 
 
 @interpreter_only
@@ -214,8 +212,7 @@ def test_interp_zero_offsets_are_neighborhood_attention(halo_fp32):
     dout = torch.randn(shape, generator=torch.Generator().manual_seed(61))
     got = grads(lambda *a: dsa_triton(*a, window, max_offset=0.0), (q, k, v, off), dout)
     want = grads(lambda q, k, v, o: naive_neighborhood_attention(q, k, v, window) + 0 * o.sum(), (q, k, v, off), dout)
-    for name, a, b in list(zip(GRAD_NAMES, got, want))[:4]:  # out, dq, dk, dv
-        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6, msg=name)
+    assert_grads_close(got[:4], want[:4])  # out, dq, dk, dv
 
 
 @interpreter_only

@@ -19,6 +19,7 @@ from kernels import dsa_reference
 from kernels.checks import (
     GRAD_NAMES,
     assert_bf16_flash_rule,
+    assert_grads_close,
     assert_interpreter_tests_pass,
     bounded_offsets,
     grads,
@@ -136,8 +137,7 @@ def test_interp_fp32_pull_matches_reference(grid, window, bound, given, caplog):
         got, inputs, dout = _run(window, shape, bound, given)
     assert any("key-side pass" in r.getMessage() for r in caplog.records)
     want = grads(lambda *a: dsa_reference(*a, window), inputs, dout)
-    for name, a, b in zip(GRAD_NAMES, got, want):
-        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6, msg=name)
+    assert_grads_close(got, want)
     # the same call with dk, dv by atomics: the two modes agree
     old = DT.DKV_MODE
     DT.DKV_MODE = "atomic"
@@ -145,8 +145,7 @@ def test_interp_fp32_pull_matches_reference(grid, window, bound, given, caplog):
         atomic, _, _ = _run(window, shape, bound, given)
     finally:
         DT.DKV_MODE = old
-    for name, a, b in zip(GRAD_NAMES, got, atomic):
-        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6, msg=f"pull vs atomic {name}")
+    assert_grads_close(got, atomic, "pull vs atomic")
 
 
 @interpreter_only
@@ -191,8 +190,7 @@ def test_interp_zero_offsets_are_neighborhood_attention():
     dout = torch.randn(shape, generator=torch.Generator().manual_seed(61))
     got = grads(lambda *a: dsa_triton(*a, window, block_m=16, max_offset=0.0), (q, k, v, off), dout)
     want = grads(lambda q, k, v, o: naive_neighborhood_attention(q, k, v, window) + 0 * o.sum(), (q, k, v, off), dout)
-    for name, a, b in list(zip(GRAD_NAMES, got, want))[:4]:  # out, dq, dk, dv
-        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6, msg=name)
+    assert_grads_close(got[:4], want[:4])  # out, dq, dk, dv
 
 
 @interpreter_only
@@ -211,5 +209,4 @@ def test_interp_slab_pull_matches_reference():
     dout = torch.randn(q.shape, generator=torch.Generator().manual_seed(73))
     got = grads(lambda *x: dsa_triton_slab(*x, window, q0, a, frames, max_offset=bound), (q, k, v, off), dout)
     want = grads(lambda *x: dsa_slab(*x, window, q0, a, frames), (q, k, v, off), dout)
-    for name, x, y in zip(GRAD_NAMES, got, want):
-        torch.testing.assert_close(x, y, rtol=1e-5, atol=1e-6, msg=name)
+    assert_grads_close(got, want)
