@@ -25,3 +25,29 @@ in the code against it, finds any import circle, and refuses a function-local im
 project module that does not say why (``# lazy: ...``). docs/architecture.md describes the
 whole system and where each piece lives.
 """
+
+import importlib.metadata as _metadata
+
+
+def check_no_foreign_kernels() -> None:
+    """Refuse to run beside the Hugging Face ``kernels`` distribution.
+
+    This project's top-level package ``kernels`` (3D-DSA) and the Hub's ``kernels`` package
+    (a dependency of transformers >= 5.25) share one import name: installed together, one hides
+    the other. Either this project's imports fail, or transformers (and with it diffusers' Wan
+    loading) imports this project's package as its own and fails. Said once, here, with the fix.
+    """
+    try:
+        version = _metadata.version("kernels")
+    except _metadata.PackageNotFoundError:
+        return
+    raise ImportError(
+        f"the Hugging Face package 'kernels' {version} is installed in this environment; it shares "
+        "the top-level import name 'kernels' with megaslide-ray's kernels package, and the two "
+        "cannot be installed together (it comes with transformers >= 5.25). Fix: "
+        "pip install 'transformers>=5,<5.25' && pip uninstall -y kernels && "
+        "pip install --force-reinstall --no-deps -e .   (from the megaslide-ray checkout)"
+    )
+
+
+check_no_foreign_kernels()

@@ -89,3 +89,20 @@ def test_documented_benchmarks_and_studies_exist():
     without_main = sorted(n for n in names if not hasattr(importlib.import_module(n), "main")
                           and importlib.util.find_spec(f"{n}.__main__") is None)
     assert not without_main, f"documented benchmarks without a main(): {without_main}"
+
+
+def test_the_hub_kernels_package_is_refused_with_the_fix(monkeypatch):
+    """The Hub's `kernels` distribution shares this project's top-level import name: refused."""
+    import importlib.metadata
+
+    import megaslide_ray
+
+    megaslide_ray.check_no_foreign_kernels()  # this environment: not installed, no error
+    real = importlib.metadata.version
+
+    def version(name):
+        return "0.19.1" if name == "kernels" else real(name)
+
+    monkeypatch.setattr(megaslide_ray._metadata, "version", version)
+    with pytest.raises(ImportError, match=r"'kernels' 0\.19\.1 .*transformers>=5,<5\.25.*uninstall -y kernels"):
+        megaslide_ray.check_no_foreign_kernels()
