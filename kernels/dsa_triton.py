@@ -27,7 +27,8 @@ Algorithm (structure of the triton tutorial 06-fused-attention):
     and the key-side pass ``dsa_triton_pull`` sums them per key tile: no atomics, deterministic.
     In the atomic mode (larger or unknown bounds, ``DKV_MODE = "atomic"``) they are scattered
     to the 8 corners of every sample with fp32 ``atomic_add`` (many queries sample the same
-    key) into fp32 buffers, cast at the end;
+    key) into fp32 buffers (``(pairs, keys, d)``, the (batch, head) pairs in chunks within
+    ``ATOMIC_BUDGET_BYTES``), each chunk cast into dk, dv after its launch;
   * d(offsets) comes from the derivative of trilinear interpolation: for corner c with
     ``e_c = ds_j*scale*(q.k_c) + a_j*(do.v_c)``,
     ``dL/dp_t = sum_c (+-1) w_y w_x e_c`` (likewise y, x), zeroed where the position
@@ -49,6 +50,7 @@ Verification status (Caution):
 
 from __future__ import annotations
 
+import math
 from typing import Sequence
 
 import torch
@@ -59,7 +61,7 @@ from .aot import AOT_POINTER_TYPES, aligned_pointer_attrs, signature_for
 from .dsa_cost import choose_halo
 from .dsa_reference import validate_dsa_inputs, validate_slab_inputs
 from .dsa_triton_halo import aot_variants as halo_variants
-from .dsa_triton_halo import halo_backward_query, halo_forward
+from .dsa_triton_halo import halo_backward_query, halo_forward, score_chunk
 from .dsa_triton_pull import (
     INTERPRETED,  # which kind of kernel the @triton.jit decorators made (CPU tensors only when interpreted)
     PULL_MAX_OFFSET,
@@ -74,12 +76,13 @@ from .dsa_triton_pull import (
 )
 from .dsa_triton_pull import aot_variants as pull_variants
 
-__all__ = ["dsa_triton", "dsa_triton_slab", "INTERPRETED"]
+__all__ = ["dsa_triton", "dsa_triton_slab", "INTERPRETED", "scratch_bytes"]
 
 LOG2E = 1.4426950408889634
 # How the backward sums dk and dv: "auto" -- the key-side pass (dsa_triton_pull: deterministic, no
 # float atomics) when the offsets' bound allows it, else fp32 atomics; "atomic" -- always atomics.
 DKV_MODE = "auto"
+ATOMIC_BUDGET_BYTES = 1 << 30  # the atomic mode's fp32 dk, dv per launch; (batch, head) pairs in chunks within it
 # Which kernels take the forward and the backward's query side: "auto" -- per pass, the halo kernels
 # (dsa_triton_halo: the products on tensor cores) for bf16 and fp16 when the offsets' bound allows them
 # (as for the pull mode) and the cost model (dsa_cost.choose_halo) predicts them faster at that bound,
@@ -332,9 +335,10 @@ def _dsa_bwd(
         else:  # dk, dv: scatter to the 8 corners (fp32 atomics: other queries sample the same rows)
             gk = ds[:, None] * q
             gv = a[:, None] * do
+            acc_base = (pid_bh - BH0).to(tl.int64) * NK * HEAD_DIM  # the chunk's (pairs, NK, d) buffers
             for c in tl.range(0, 8, loop_unroll_factor=1):
                 tok, w = _corner(c, t0, t1, wt, y0, y1, wy, x0, x1, wx, H, W)
-                _corner_scatter(DK, DV, kv_base, tok, cols, mask2, row_stride, w, gk, gv)
+                _corner_scatter(DK, DV, acc_base, tok, cols, mask2, HEAD_DIM, w, gk, gv)
 
         # -- d(position): sum_c (d weight_c / d p) e_c, e_c = ds q.k_c + a do.v_c
         doff_ptr = DOFF + off_row + j * 3
@@ -491,11 +495,22 @@ def _dsa_bwd_launch(q, k, v, offsets, out, dout, lse, win, scale, block_m, slab=
             _dsa_bwd[(triton.cdiv(N, bm), count)](*args, **meta, BLOCK_M=bm, num_warps=4, num_stages=1)
 
     if bound is None:
-        # dk, dv receive atomics from many programs: fp32 accumulators, cast at the end
-        dk = torch.zeros(k.shape, device=q.device, dtype=torch.float32)
-        dv = torch.zeros(v.shape, device=q.device, dtype=torch.float32)
-        query_pass(dk, dv, dk, 0, B * nh, 0, 0)  # REC unused
-        return dq, dk.to(k.dtype), dv.to(v.dtype), doff
+        # dk, dv receive atomics from many programs: fp32 accumulators per chunk of (batch, head)
+        # pairs, each pair's keys contiguous, cast into dk, dv after the chunk's launch
+        NK = kv_args[0]
+        dk, dv = torch.empty_like(k), torch.empty_like(v)
+        chunk = atomic_chunk(B * nh, NK, d)
+        acc = torch.empty((2, chunk, NK, d), device=q.device, dtype=torch.float32)
+        heads = (dk.view(B, NK, nh, d), dv.view(B, NK, nh, d))
+        for bh0 in range(0, B * nh, chunk):
+            count = min(chunk, B * nh - bh0)
+            acc.zero_()
+            query_pass(acc[0], acc[1], acc[0], bh0, count, 0, 0)  # REC unused
+            for i in range(count):
+                b, h = divmod(bh0 + i, nh)
+                for grad, part in zip(heads, acc):
+                    grad[b, :, h].copy_(part[i])
+        return dq, dk, dv, doff
     # every key is written once by the key-side pass: the result dtype directly, no zeroing
     dk, dv = torch.empty_like(k), torch.empty_like(v)
     K = win[0] * win[1] * win[2]
@@ -576,6 +591,47 @@ def _gather_validated(q, k, v, offsets, win: tuple[int, int, int], scale: float 
         raise ValueError(f"block_m must be a power of two >= 16, got {block_m}")
     scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
     return _DSATriton.apply(q, k, v, offsets, win, scale, block_m, slab, max_offset)
+
+
+def atomic_chunk(pairs: int, key_tokens: int, head_dim: int) -> int:
+    """(batch, head) pairs per atomic-mode launch so the fp32 dk, dv accumulators stay within
+    ``ATOMIC_BUDGET_BYTES``."""
+    return max(1, min(pairs, ATOMIC_BUDGET_BYTES // (2 * key_tokens * head_dim * 4)))
+
+
+def scratch_bytes(batch: int, heads: int, grid: Sequence[int], key_tokens: int, window: Sequence[int],
+                  head_dim: int, max_offset: float | None, dtype_bytes: int = 2, backward: bool = True) -> int:
+    """The most device memory one call's launchers allocate besides their inputs, outputs and the
+    log-sum-exp (for the planner): the forward's and the backward's peaks, whichever is larger.
+    ``grid``: the queries' (T, H, W); ``key_tokens``: the keys (a slab's, or the grid's);
+    ``max_offset``: the bound the caller passes (None: measured at run time, so the larger of
+    the two backward modes).
+
+    - the halo forward, where ``auto`` takes it: the scores, ``4 K`` bytes per token and head, the
+      (batch, head) pairs in chunks within ``SCORE_BUDGET_BYTES``;
+    - the pull mode's backward: the records, ``4 REC_FIELDS K`` bytes per token and head, in chunks
+      within ``REC_BUDGET_BYTES`` (the halo query side writes the same records);
+    - the atomic mode's backward: fp32 dk and dv, ``8 d`` bytes per key and head, in chunks within
+      ``ATOMIC_BUDGET_BYTES``.
+    """
+    win = tuple(int(w) for w in window)
+    K, N, pairs = math.prod(win), math.prod(grid), batch * heads
+    bound = None if max_offset is None else pull_bound(torch.empty(0), max_offset, None, win[0], win[2])[0]
+    fwd = 0
+    if bound is not None and dtype_bytes < 4 and HALO_MODE != "gather" and (
+            HALO_MODE == "halo" or choose_halo(tuple(grid), win, head_dim, float(bound), dtype_bytes)["fwd"][0]):
+        fwd = score_chunk(pairs, K, N) * K * N * 4
+    if not backward:
+        return fwd
+    records = rec_chunk(pairs, win, N) * REC_FIELDS * K * N * 4
+    atomic = atomic_chunk(pairs, key_tokens, head_dim) * key_tokens * head_dim * 4 * 2
+    if DKV_MODE == "atomic" or (max_offset is not None and bound is None):
+        bwd = atomic
+    elif max_offset is None:
+        bwd = max(records, atomic)
+    else:
+        bwd = records
+    return max(fwd, bwd)
 
 
 # -----------------------------------------------------------------------------

@@ -77,7 +77,7 @@ from .dsa_triton_pull import (
     pull_span,
 )
 
-__all__ = ["halo_forward", "halo_config", "aot_variants", "SCORE_BUDGET_BYTES"]
+__all__ = ["halo_forward", "halo_config", "aot_variants", "SCORE_BUDGET_BYTES", "score_chunk"]
 
 SCORE_BUDGET_BYTES = 1 << 30  # the scores' scratch per launch; (batch, head) pairs in chunks within it
 
@@ -470,6 +470,11 @@ def _plan(q, win, bound: float, grid_args):
     return cfg, tiles, meta, tail
 
 
+def score_chunk(pairs: int, K: int, tokens: int) -> int:
+    """(batch, head) pairs per launch so the scores' scratch stays within ``SCORE_BUDGET_BYTES``."""
+    return max(1, min(pairs, SCORE_BUDGET_BYTES // (K * tokens * 4)))
+
+
 def halo_forward(q, k, v, offsets, win, qk_scale: float, bound: float, grid_args, out, lse) -> None:
     """Launch the halo forward into ``out`` and ``lse`` (the gather forward's launcher allocates
     them). ``grid_args = (N, T, H, W, nh, NK, TK, Q0, K0)``; ``bound``: from ``pull_bound``. The
@@ -479,7 +484,7 @@ def halo_forward(q, k, v, offsets, win, qk_scale: float, bound: float, grid_args
     pairs = q.shape[0] * nh
     cfg, tiles, meta, tail = _plan(q, win, bound, grid_args)
     ks = win[0] * win[1] * win[2]
-    chunk = max(1, min(pairs, SCORE_BUDGET_BYTES // (ks * N * 4)))
+    chunk = score_chunk(pairs, ks, N)
     scores = torch.empty((chunk, ks, N), device=q.device, dtype=torch.float32)
     for bh0 in range(0, pairs, chunk):
         grid = (tiles, min(chunk, pairs - bh0))

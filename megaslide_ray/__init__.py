@@ -14,7 +14,7 @@ The package is organised by concern, in layers; a layer imports only the layers 
                      data sets, manifests, clips, latents; the objective, the schedule, AdamW,
                      the in-process reference trainer; shared-memory state, checkpoints,
                      pretrained weights
-    planning/        the memory and step-time planner (config and models only)
+    planning/        the memory and step-time planner (config, models, the kernels' scratch)
     models/          videodit and wan, the one attention dispatch, chunking, the shard layout,
                      the registry ``model.arch`` selects from
     config/ runtime/ the configuration; fault points and Ray metrics

@@ -16,6 +16,7 @@
 from __future__ import annotations
 
 import importlib
+import math
 import os
 
 import pytest
@@ -514,16 +515,21 @@ def test_triton_kernels_under_interpreter():
 
 
 @pytest.mark.parametrize(
-    "grid,window,d,block_m",
+    "grid,window,d,block_m,chunk",
     [
-        ((3, 5, 4), (3, 3, 3), 6, 32),  # d not a power of 2; partial last query block
-        ((5, 3, 7), (5, 1, 3), 4, 64),  # window spans all of T; every border on x
+        ((3, 5, 4), (3, 3, 3), 6, 32, None),  # d not a power of 2; partial last query block
+        ((5, 3, 7), (5, 1, 3), 4, 64, 3),  # window spans all of T; every border on x; the atomic mode's
+        # fp32 dk, dv in chunks of 3 (batch, head) pairs of 4: the first chunk spans both batch items
     ],
 )
 @interpreter_only
-def test_interp_fp32_matches_reference(grid, window, d, block_m):
+def test_interp_fp32_matches_reference(grid, window, d, block_m, chunk, monkeypatch):
+    import kernels.dsa_triton as DT
     from kernels.dsa_triton import dsa_triton
 
+    if chunk is not None:
+        monkeypatch.setattr(DT, "ATOMIC_BUDGET_BYTES", chunk * 2 * math.prod(grid) * d * 4)
+        assert DT.atomic_chunk(4, math.prod(grid), d) == chunk
     shape = (2, *grid, 2, d)
     q, k, v = make_qkv(shape, seed=12)
     offsets = wild_offsets(shape, window)

@@ -109,6 +109,71 @@ def test_auto_takes_the_halo_kernels_where_the_cost_model_predicts_them_faster(m
     assert DT.halo_choice("fwd", q16, win, 0.0, "max_offset") == (False, "HALO_MODE gather")
 
 
+@pytest.mark.parametrize("bound,fwd_kernel,bwd_mode", [
+    (0.0, "halo", "pull"),  # neighborhood attention: the halo forward's scores, the records
+    (1.5, "gather", "pull"),  # the presets' bound: the records only
+    (4.0, "gather", "atomic"),  # past the key-side pass's cap: fp32 dk and dv
+])
+def test_scratch_bytes_is_what_the_launchers_allocate(monkeypatch, bound, fwd_kernel, bwd_mode):
+    """``scratch_bytes`` (the planner's term) against every allocation the forward and backward
+    launchers make, kernels stubbed, on the meta device at the Wan grid, with budgets small enough
+    that the scratch comes in chunks; outputs (out, lse, dq, d(offsets), dk, dv) subtracted."""
+    pytest.importorskip("triton")
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    import kernels.dsa_triton as DT
+    import kernels.dsa_triton_halo as HALO
+    import kernels.dsa_triton_pull as P
+
+    B, nh, d, win, grid = 1, 6, 128, (3, 7, 7), (21, 30, 52)
+    N, K = 21 * 30 * 52, 147
+    monkeypatch.setattr(P, "REC_BUDGET_BYTES", 5 * K * N * 4 * 2)  # 2 pairs per chunk of 6
+    monkeypatch.setattr(HALO, "SCORE_BUDGET_BYTES", K * N * 4 * 4)  # 4 pairs per chunk of 6
+    ran = []
+
+    class Stub:
+        def __init__(self, name):
+            self.name = name
+
+        def __getitem__(self, grid):
+            return lambda *a, **k: ran.append(self.name)
+
+        def __call__(self, *a, **k):
+            ran.append(self.name)
+
+    for mod, name in ((HALO, "_dsa_halo_scores"), (HALO, "_dsa_halo_rows"), (DT, "_dsa_fwd_tuned"),
+                      (DT, "_dsa_bwd_tuned"), (DT, "_dsa_bwd_pull_tuned"), (DT, "pull_launch"),
+                      (DT, "halo_backward_query")):
+        monkeypatch.setattr(mod, name, Stub(name))
+
+    class Allocations(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.bytes = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            if func.__name__.split(".")[0] in ("empty", "zeros", "empty_like", "zeros_like", "_to_copy", "empty_strided"):
+                self.bytes += out.numel() * out.element_size()
+            return out
+
+    q = torch.empty(B, *grid, nh, d, dtype=torch.bfloat16, device="meta")
+    off = torch.empty(*q.shape[:5], K, 3, dtype=torch.bfloat16, device="meta")
+    lse = torch.empty(B, nh, N, device="meta")
+    with Allocations() as fwd:
+        DT._dsa_fwd_launch(q, q, q, off, win, d ** -0.5, None, None, bound)
+    with Allocations() as bwd:
+        DT._dsa_bwd_launch(q, q, q, off, q, q, lse, win, d ** -0.5, None, None, bound)
+    assert ("_dsa_halo_scores" in ran) == (fwd_kernel == "halo")
+    assert ("pull_launch" in ran) == (bwd_mode == "pull")
+    outputs_fwd = q.numel() * 2 + lse.numel() * 4  # out (bf16), lse (fp32)
+    outputs_bwd = 3 * q.numel() * 2 + off.numel() * 2  # dq, dk, dv, d(offsets) (bf16)
+    measured = max(fwd.bytes - outputs_fwd, bwd.bytes - outputs_bwd)
+    assert measured > 0
+    assert DT.scratch_bytes(B, nh, grid, N, win, d, bound) == measured
+    assert DT.scratch_bytes(B, nh, grid, N, win, d, bound, backward=False) == fwd.bytes - outputs_fwd
+
+
 def test_cost_model_counts_the_halo_work_the_offsets_reach():
     """The halo kernels' predicted time grows with the rows each group touches and is largest at
     the bound's worst case; the gather kernels' does not depend on the offsets."""

@@ -28,7 +28,7 @@ LAYERS: dict[str, set[str]] = {
     M + "data": BASE,
     M + "training": {M + "config", M + "models"},
     M + "state": {M + "config", M + "models"},
-    M + "planning": {M + "config", M + "models"},
+    M + "planning": {M + "config", M + "models", "kernels"},
     "actors": BELOW_ACTORS,
     "pipelines": BELOW_ACTORS | {"actors"},
     M + "evaluation": BELOW_ACTORS | {"actors"},

@@ -105,7 +105,9 @@ def render(p: Plan) -> str:
         shown.append(p.activation_variant)
     for v in shown:
         mark = "  <- selected" if v == p.activation_variant else ""
-        row(f"  {VARIANT_LABELS[v]}", fmt_bytes(p.activation_bytes[v]), f"(attention part {fmt_bytes(parts[v])}){mark}")
+        extra = f", kernel scratch {fmt_bytes(parts[v + '_scratch'])}" if parts.get(v + "_scratch") else ""
+        row(f"  {VARIANT_LABELS[v]}", fmt_bytes(p.activation_bytes[v]),
+            f"(attention part {fmt_bytes(parts[v])}{extra}){mark}")
 
     lines.append("\nper denoising step" if gen else "\nper step")
     if gen:

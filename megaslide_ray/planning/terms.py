@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import math
 
+from kernels import slab_kv_frames
+from kernels.dsa_triton import scratch_bytes
 from megaslide_ray.config import Config, ConfigError, validate
 from megaslide_ray.models.layers import ffn_width
 from megaslide_ray.models.registry import build_shard, num_shards
@@ -151,6 +153,22 @@ def _attention_terms(cfg: Config, a: int, Q: int, Qp: int, g: int) -> dict[str, 
     }
 
 
+def _kernel_scratch(cfg: Config, a: int, Q: int, g: int) -> dict[str, int]:
+    """The fused kernels' scratch for one attention call over ``Q`` query tokens (whole time
+    slices), per variant that runs them: DSA at the configured bound, the neighborhood at zero
+    offsets (``kernels.dsa_triton.scratch_bytes``: the halo forward's scores, the backward's
+    records or atomic fp32 dk/dv; chunked, so not proportional to the tokens)."""
+    m = cfg.model
+    T, Ht, Wt = cfg.token_grid
+    frames = max(1, Q // (Ht * Wt))
+    out = {}
+    for variant, bound in (("dsa_fused", cfg.attention.max_offset or None), ("neighborhood", 0.0)):
+        lo, hi = slab_kv_frames(0, frames, T, cfg.attention.window[0], bound)
+        out[variant] = scratch_bytes(cfg.data.batch_size, m.num_heads, (frames, Ht, Wt), (hi - lo) * Ht * Wt,
+                                     cfg.attention.window, m.hidden_size // m.num_heads, bound, a, g == 2)
+    return out
+
+
 def _activations(cfg: Config, a: int, generate: bool) -> tuple[dict[str, int], dict[str, int], dict[str, int], int]:
     """(parts, named block terms, totals per attention variant, Q), in bytes; formulas in the
     module docstring."""
@@ -213,6 +231,7 @@ def _activations(cfg: Config, a: int, generate: bool) -> tuple[dict[str, int], d
     else:
         kept, offloaded = micro * L, 0
     attention = _attention_terms(cfg, a, Q, Qp, 1 if generate else 2)
+    scratch = _kernel_scratch(cfg, a, Q, 1 if generate else 2)
     parts = {
         "checkpoints": kept * ND,
         "offloaded_checkpoints": offloaded,
@@ -220,9 +239,10 @@ def _activations(cfg: Config, a: int, generate: bool) -> tuple[dict[str, int], d
         "input_side": (2 if wan else 5) * ND,
         "pixels": micro * inputs,
         **attention,
+        **{f"{v}_scratch": b for v, b in scratch.items()},
     }
-    totals = {v: parts["checkpoints"] + max(block_linear + attention[v], parts["input_side"]) + parts["pixels"]
-              for v in ATTENTION_VARIANTS}
+    totals = {v: parts["checkpoints"] + max(block_linear + attention[v] + scratch.get(v, 0), parts["input_side"])
+              + parts["pixels"] for v in ATTENTION_VARIANTS}
     return parts, terms, totals, Q
 
 
