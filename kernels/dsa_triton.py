@@ -605,7 +605,7 @@ def scratch_bytes(batch: int, heads: int, grid: Sequence[int], key_tokens: int, 
     log-sum-exp (for the planner): the forward's and the backward's peaks, whichever is larger.
     ``grid``: the queries' (T, H, W); ``key_tokens``: the keys (a slab's, or the grid's);
     ``max_offset``: the bound the caller passes (None: measured at run time, so the larger of
-    the two backward modes).
+    the two backward modes, and the halo forward wherever it may run at small offsets).
 
     - the halo forward, where ``auto`` takes it: the scores, ``4 K`` bytes per token and head, the
       (batch, head) pairs in chunks within ``SCORE_BUDGET_BYTES``;
@@ -617,9 +617,11 @@ def scratch_bytes(batch: int, heads: int, grid: Sequence[int], key_tokens: int, 
     win = tuple(int(w) for w in window)
     K, N, pairs = math.prod(win), math.prod(grid), batch * heads
     bound = None if max_offset is None else pull_bound(torch.empty(0), max_offset, None, win[0], win[2])[0]
+    # measured offsets may be small on any call (a fresh offset head: 0), where the halo is likeliest
+    halo_bound = 0.0 if max_offset is None else bound
     fwd = 0
-    if bound is not None and dtype_bytes < 4 and HALO_MODE != "gather" and (
-            HALO_MODE == "halo" or choose_halo(tuple(grid), win, head_dim, float(bound), dtype_bytes)["fwd"][0]):
+    if halo_bound is not None and dtype_bytes < 4 and HALO_MODE != "gather" and (
+            HALO_MODE == "halo" or choose_halo(tuple(grid), win, head_dim, float(halo_bound), dtype_bytes)["fwd"][0]):
         fwd = score_chunk(pairs, K, N) * K * N * 4
     if not backward:
         return fwd

@@ -109,24 +109,18 @@ def test_auto_takes_the_halo_kernels_where_the_cost_model_predicts_them_faster(m
     assert DT.halo_choice("fwd", q16, win, 0.0, "max_offset") == (False, "HALO_MODE gather")
 
 
-@pytest.mark.parametrize("bound,fwd_kernel,bwd_mode", [
-    (0.0, "halo", "pull"),  # neighborhood attention: the halo forward's scores, the records
-    (1.5, "gather", "pull"),  # the presets' bound: the records only
-    (4.0, "gather", "atomic"),  # past the key-side pass's cap: fp32 dk and dv
-])
-def test_scratch_bytes_is_what_the_launchers_allocate(monkeypatch, bound, fwd_kernel, bwd_mode):
-    """``scratch_bytes`` (the planner's term) against every allocation the forward and backward
-    launchers make, kernels stubbed, on the meta device at the Wan grid, with budgets small enough
-    that the scratch comes in chunks; outputs (out, lse, dq, d(offsets), dk, dv) subtracted."""
-    pytest.importorskip("triton")
+def _launch_scratch(monkeypatch, q, off, bound):
+    """(forward scratch, backward scratch, kernels launched): every allocation ``_dsa_fwd_launch``
+    and ``_dsa_bwd_launch`` make, kernels stubbed, less their outputs (out, lse; dq, dk, dv,
+    d(offsets)), with budgets small enough that the Wan grid's scratch comes in chunks."""
     from torch.utils._python_dispatch import TorchDispatchMode
 
     import kernels.dsa_triton as DT
     import kernels.dsa_triton_halo as HALO
     import kernels.dsa_triton_pull as P
 
-    B, nh, d, win, grid = 1, 6, 128, (3, 7, 7), (21, 30, 52)
-    N, K = 21 * 30 * 52, 147
+    B, T, H, W, nh, d = q.shape
+    N, K = T * H * W, off.shape[-2]
     monkeypatch.setattr(P, "REC_BUDGET_BYTES", 5 * K * N * 4 * 2)  # 2 pairs per chunk of 6
     monkeypatch.setattr(HALO, "SCORE_BUDGET_BYTES", K * N * 4 * 4)  # 4 pairs per chunk of 6
     ran = []
@@ -157,21 +151,60 @@ def test_scratch_bytes_is_what_the_launchers_allocate(monkeypatch, bound, fwd_ke
                 self.bytes += out.numel() * out.element_size()
             return out
 
-    q = torch.empty(B, *grid, nh, d, dtype=torch.bfloat16, device="meta")
-    off = torch.empty(*q.shape[:5], K, 3, dtype=torch.bfloat16, device="meta")
-    lse = torch.empty(B, nh, N, device="meta")
+    lse = torch.empty(B, nh, N, device=q.device)
+    win = (3, 7, 7)
     with Allocations() as fwd:
         DT._dsa_fwd_launch(q, q, q, off, win, d ** -0.5, None, None, bound)
     with Allocations() as bwd:
         DT._dsa_bwd_launch(q, q, q, off, q, q, lse, win, d ** -0.5, None, None, bound)
-    assert ("_dsa_halo_scores" in ran) == (fwd_kernel == "halo")
-    assert ("pull_launch" in ran) == (bwd_mode == "pull")
     outputs_fwd = q.numel() * 2 + lse.numel() * 4  # out (bf16), lse (fp32)
     outputs_bwd = 3 * q.numel() * 2 + off.numel() * 2  # dq, dk, dv, d(offsets) (bf16)
-    measured = max(fwd.bytes - outputs_fwd, bwd.bytes - outputs_bwd)
-    assert measured > 0
-    assert DT.scratch_bytes(B, nh, grid, N, win, d, bound) == measured
-    assert DT.scratch_bytes(B, nh, grid, N, win, d, bound, backward=False) == fwd.bytes - outputs_fwd
+    return fwd.bytes - outputs_fwd, bwd.bytes - outputs_bwd, ran
+
+
+WAN = dict(B=1, nh=6, d=128, grid=(21, 30, 52))  # the Wan grid, 3x7x7, six heads
+
+
+@pytest.mark.parametrize("bound,fwd_kernel,bwd_mode", [
+    (0.0, "halo", "pull"),  # neighborhood attention: the halo forward's scores, the records
+    (1.5, "gather", "pull"),  # the presets' bound: the records only
+    (4.0, "gather", "atomic"),  # past the key-side pass's cap: fp32 dk and dv
+])
+def test_scratch_bytes_is_what_the_launchers_allocate(monkeypatch, bound, fwd_kernel, bwd_mode):
+    """``scratch_bytes`` (the planner's term) against every allocation the forward and backward
+    launchers make, on the meta device at the Wan grid, the bound given."""
+    pytest.importorskip("triton")
+    import kernels.dsa_triton as DT
+
+    B, nh, d, grid = WAN["B"], WAN["nh"], WAN["d"], WAN["grid"]
+    q = torch.empty(B, *grid, nh, d, dtype=torch.bfloat16, device="meta")
+    off = torch.empty(*q.shape[:5], 147, 3, dtype=torch.bfloat16, device="meta")
+    fwd, bwd, ran = _launch_scratch(monkeypatch, q, off, bound)
+    assert ("_dsa_halo_scores" in ran) == (fwd_kernel == "halo")
+    assert ("pull_launch" in ran) == (bwd_mode == "pull")
+    assert max(fwd, bwd) > 0
+    N = 21 * 30 * 52
+    assert DT.scratch_bytes(B, nh, grid, N, (3, 7, 7), d, bound) == max(fwd, bwd)
+    assert DT.scratch_bytes(B, nh, grid, N, (3, 7, 7), d, bound, backward=False) == fwd
+
+
+def test_scratch_bytes_covers_measured_offsets_small_and_large(monkeypatch):
+    """No bound given (offsets unbounded, measured per call): ``scratch_bytes`` is the larger of what
+    zero offsets (a fresh offset head: halo forward, records) and offsets past the cap (atomic
+    fp32 dk, dv) allocate. CPU tensors, since the bound is measured from the offsets' values."""
+    pytest.importorskip("triton")
+    import kernels.dsa_triton as DT
+
+    B, nh, d, grid = WAN["B"], WAN["nh"], WAN["d"], WAN["grid"]
+    q = torch.empty(B, *grid, nh, d, dtype=torch.bfloat16)
+    seen = []
+    for value, modes in ((0.0, {"_dsa_halo_scores", "pull_launch"}), (4.0, {"_dsa_bwd_tuned"})):
+        off = torch.full((*q.shape[:5], 147, 3), value, dtype=torch.bfloat16)
+        fwd, bwd, ran = _launch_scratch(monkeypatch, q, off, None)
+        assert modes <= set(ran), (value, ran)
+        seen.append(max(fwd, bwd))
+        del off
+    assert DT.scratch_bytes(B, nh, grid, 21 * 30 * 52, (3, 7, 7), d, None) == max(seen)
 
 
 def test_cost_model_counts_the_halo_work_the_offsets_reach():
