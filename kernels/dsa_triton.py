@@ -61,12 +61,13 @@ from .aot import AOT_POINTER_TYPES, aligned_pointer_attrs, signature_for
 from .dsa_cost import choose_halo
 from .dsa_reference import validate_dsa_inputs, validate_slab_inputs
 from .dsa_triton_halo import aot_variants as halo_variants
-from .dsa_triton_halo import halo_backward_query, halo_forward, score_chunk
+from .dsa_triton_halo import halo_backward_query, halo_forward, halo_pass_refusal, score_chunk
 from .dsa_triton_pull import (
     INTERPRETED,  # which kind of kernel the @triton.jit decorators made (CPU tensors only when interpreted)
     PULL_MAX_OFFSET,
     REC_FIELDS,
     _past_bound,
+    compute_capability,
     log_halo_once,
     log_mode_once,
     pull_bound,
@@ -434,7 +435,7 @@ def halo_refusal(q, block_m) -> str | None:
 def halo_choice(pass_: str, q, win, bound: float | None, why: str, block_m=None) -> tuple[bool, str]:
     """Whether pass ``pass_`` ("fwd" or "bwd": the backward's query side) takes the halo kernels,
     and why, given the pull mode's ``bound`` (None: refused, ``why``)."""
-    refused = halo_refusal(q, block_m)
+    refused = halo_refusal(q, block_m) or halo_pass_refusal(pass_, q.shape[-1], compute_capability(q))
     if refused is not None:
         return False, refused
     if bound is None:

@@ -77,7 +77,7 @@ from .dsa_triton_pull import (
     pull_span,
 )
 
-__all__ = ["halo_forward", "halo_config", "aot_variants", "SCORE_BUDGET_BYTES", "score_chunk"]
+__all__ = ["halo_forward", "halo_config", "halo_pass_refusal", "aot_variants", "SCORE_BUDGET_BYTES", "score_chunk"]
 
 SCORE_BUDGET_BYTES = 1 << 30  # the scores' scratch per launch; (batch, head) pairs in chunks within it
 
@@ -442,10 +442,21 @@ def _dsa_halo_bwd(
 def halo_config(head_dim: int, window, elo: int, ehi: int, fp32: bool = False, cc: int = 90) -> dict:
     """Launch configuration: ``BX`` queries per tile on ``BXP = 64`` rows, ``XP`` key columns per
     row (the key-side pass's run: ``BX + KW - 1 + ELO + EHI`` must fit), ``KWP`` slots per group,
-    the band width ``UP`` (``KW + ELO + EHI`` columns, to a power of two), and each pass's warps."""
+    the band width ``UP`` (``KW + ELO + EHI`` columns, to a power of two), and each pass's warps.
+    ``rows_maxnreg``: the rows pass's register limit, set on sm_100, where ptxas otherwise holds it
+    to 128 registers at narrow bands and spills (4-28 B; at 255 it takes 154-190, no spills)."""
     cfg = pull_config(head_dim, window, elo, ehi, fp32, cc)
     return dict(BX=cfg["BX"], BXP=cfg["BXP"], XP=cfg["QXP"], KWP=triton.next_power_of_2(window[2]), UP=cfg["UP"],
-                scores_warps=8, rows_warps=8, bwd_warps=8)
+                scores_warps=8, rows_warps=8, bwd_warps=8, rows_maxnreg=255 if cc >= 100 else None)
+
+
+def halo_pass_refusal(pass_: str, head_dim: int, cc: int) -> str | None:
+    """Why pass ``pass_`` ("fwd" or "bwd") of the halo kernels may not run on a target of compute
+    capability ``cc`` at ``head_dim``, or None. The backward's query side spills 28 B per thread at
+    head dim 128 on sm_100 (255 registers at 8 warps; 16 warps spill more and lose tcgen05)."""
+    if pass_ == "bwd" and cc >= 100 and head_dim > 64:
+        return f"the halo backward spills at head dim {head_dim} on sm_{cc} (compile-only check)"
+    return None
 
 
 def _constexprs(head_dim: int, window, cfg: dict, widen: bool) -> dict:
@@ -490,7 +501,7 @@ def halo_forward(q, k, v, offsets, win, qk_scale: float, bound: float, grid_args
         grid = (tiles, min(chunk, pairs - bh0))
         _dsa_halo_scores[grid](q, k, offsets, scores, lse, qk_scale, *tail(bh0), **meta, num_warps=cfg["scores_warps"])
         _dsa_halo_rows[grid](v, offsets, scores, lse, out, qk_scale, *tail(bh0), ks * N, **meta, UP=cfg["UP"],
-                             SOFTMAX=True, num_warps=cfg["rows_warps"])
+                             SOFTMAX=True, num_warps=cfg["rows_warps"], maxnreg=cfg["rows_maxnreg"])
 
 
 def halo_backward_query(q, k, v, offsets, out, dout, lse, win, qk_scale: float, sm_scale: float, bound: float,
@@ -504,31 +515,38 @@ def halo_backward_query(q, k, v, offsets, out, dout, lse, win, qk_scale: float, 
     _dsa_halo_bwd[grid](q, k, v, offsets, out, dout, lse, doff, rec, qk_scale, sm_scale, *tail(bh0), **meta,
                         num_warps=cfg["bwd_warps"])
     _dsa_halo_rows[grid](k, offsets, rec[:, 3], lse, dq, qk_scale, *tail(bh0), 5 * ks * grid_args[0], **meta,
-                         UP=cfg["UP"], SOFTMAX=False, num_warps=cfg["rows_warps"])
+                         UP=cfg["UP"], SOFTMAX=False, num_warps=cfg["rows_warps"], maxnreg=cfg["rows_maxnreg"])
 
 
 def aot_variants(shape) -> list[dict]:
     """The halo passes as the launchers compile them at ``shape`` (dtype, head dim, window,
     ``max_offset``), for the compile-only check: the forward's scores and output, the backward's
-    query side and ``dq``. fp32 takes the gather kernels (listed for the record, not picked)."""
+    query side and ``dq``, one set per target where the launch options differ (``halo_config``'s
+    ``rows_maxnreg``). fp32 takes the gather kernels (listed for the record, not picked), and so does
+    a pass ``halo_pass_refusal`` refuses on a target."""
     t = AOT_POINTER_TYPES[shape.dtype]
     d = shape.head_dim
     fp32 = shape.dtype == "fp32"
     elo, ehi = pull_span(shape.max_offset if shape.max_offset is not None else 0.0)
-    cfg = halo_config(d, shape.window, elo, ehi, fp32=fp32)
-    consts = _constexprs(d, shape.window, cfg, widen=False)
-    rows = {"UP": cfg["UP"]}
     out = []
-    for name, fn, warps, extra in (("halo_scores", _dsa_halo_scores, cfg["scores_warps"], {}),
-                                   ("halo_out", _dsa_halo_rows, cfg["rows_warps"], dict(rows, SOFTMAX=True)),
-                                   ("halo_bwd", _dsa_halo_bwd, cfg["bwd_warps"], {}),
-                                   ("halo_dq", _dsa_halo_rows, cfg["rows_warps"], dict(rows, SOFTMAX=False))):
-        ptrs = {n: t for n in ("Q", "Kx", "V", "X", "OFF", "OUT", "DOUT", "DOFF") if n in fn.arg_names}
-        ptrs.update({n: "*fp32" for n in ("S", "C", "LSE", "REC") if n in fn.arg_names})
-        c = dict(consts, **extra)
-        out.append(dict(kernel=name, fn=fn, signature=signature_for(fn, ptrs, ("qk_scale", "sm_scale"), c),
-                        constexprs=c, attrs=aligned_pointer_attrs(fn, ptrs), num_warps=warps, num_stages=1,
-                        config=f"BX={cfg['BX']},XP={cfg['XP']}" + (f",UP={cfg['UP']}" if "UP" in extra else ""),
-                        tensor_cores=not fp32, may_pick=not fp32,
-                        note="fp32 takes the gather kernels (compiled for the record)" if fp32 else ""))
+    for archs, cc in ((("sm_90",), 90), (("sm_100",), 100)):
+        cfg = halo_config(d, shape.window, elo, ehi, fp32=fp32, cc=cc)
+        consts = _constexprs(d, shape.window, cfg, widen=False)
+        rows = {"UP": cfg["UP"]}
+        for name, fn, warps, extra, pass_ in (
+                ("halo_scores", _dsa_halo_scores, cfg["scores_warps"], {}, "fwd"),
+                ("halo_out", _dsa_halo_rows, cfg["rows_warps"], dict(rows, SOFTMAX=True), "fwd"),
+                ("halo_bwd", _dsa_halo_bwd, cfg["bwd_warps"], {}, "bwd"),
+                ("halo_dq", _dsa_halo_rows, cfg["rows_warps"], dict(rows, SOFTMAX=False), "bwd")):
+            ptrs = {n: t for n in ("Q", "Kx", "V", "X", "OFF", "OUT", "DOUT", "DOFF") if n in fn.arg_names}
+            ptrs.update({n: "*fp32" for n in ("S", "C", "LSE", "REC") if n in fn.arg_names})
+            c = dict(consts, **extra)
+            refused = "fp32 takes the gather kernels" if fp32 else halo_pass_refusal(pass_, d, cc)
+            maxnreg = cfg["rows_maxnreg"] if fn is _dsa_halo_rows else None
+            out.append(dict(kernel=name, fn=fn, signature=signature_for(fn, ptrs, ("qk_scale", "sm_scale"), c),
+                            constexprs=c, attrs=aligned_pointer_attrs(fn, ptrs), num_warps=warps, num_stages=1,
+                            config=f"BX={cfg['BX']},XP={cfg['XP']}" + (f",UP={cfg['UP']}" if "UP" in extra else "")
+                            + (f",maxnreg={maxnreg}" if maxnreg else ""),
+                            tensor_cores=not fp32, may_pick=refused is None, maxnreg=maxnreg, archs=archs,
+                            note=f"{refused} (compiled for the record)" if refused else ""))
     return out

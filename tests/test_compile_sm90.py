@@ -97,15 +97,19 @@ def test_gather_autotune_lists_are_what_the_check_compiles():
         pulls = [(v["kernel"], v["constexprs"]["BXP"], v["constexprs"]["QXP"], v["constexprs"]["UP"], v["num_warps"])
                  for v in variants if v["kernel"].startswith("pull") and arch in v["archs"]]
         assert pulls == [(k, cfg["BXP"], cfg["QXP"], cfg["UP"], cfg["num_warps"]) for k in ("pull_dk", "pull_dv")]
-    # the halo kernels: the launchers' one config per pass
-    from kernels.dsa_triton_halo import halo_config
+    # the halo kernels: the launchers' one config per pass and target (halo_config's cc), the rows
+    # pass with its register limit, and a pass the target refuses listed as not picked
+    from kernels.dsa_triton_halo import halo_config, halo_pass_refusal
 
-    cfg = halo_config(shape.head_dim, shape.window, *pull_span(shape.max_offset))
-    halos = [(v["kernel"], v["constexprs"]["XP"], v["constexprs"]["KWP"], v["num_warps"]) for v in variants
-             if v["kernel"].startswith("halo")]
-    warps = {"halo_scores": cfg["scores_warps"], "halo_out": cfg["rows_warps"], "halo_bwd": cfg["bwd_warps"],
-             "halo_dq": cfg["rows_warps"]}
-    assert halos == [(k, cfg["XP"], cfg["KWP"], w) for k, w in warps.items()]
+    for arch, cc in (("sm_90", 90), ("sm_100", 100)):
+        cfg = halo_config(shape.head_dim, shape.window, *pull_span(shape.max_offset), cc=cc)
+        halos = [(v["kernel"], v["constexprs"]["XP"], v["constexprs"]["KWP"], v["num_warps"], v["maxnreg"],
+                  v["may_pick"]) for v in variants if v["kernel"].startswith("halo") and arch in v["archs"]]
+        launch = {"halo_scores": (cfg["scores_warps"], None, "fwd"), "halo_out": (cfg["rows_warps"], cfg["rows_maxnreg"], "fwd"),
+                  "halo_bwd": (cfg["bwd_warps"], None, "bwd"), "halo_dq": (cfg["rows_warps"], cfg["rows_maxnreg"], "bwd")}
+        assert halos == [(k, cfg["XP"], cfg["KWP"], w, r, halo_pass_refusal(p, shape.head_dim, cc) is None)
+                         for k, (w, r, p) in launch.items()]
+    assert halo_config(128, (3, 7, 7), 2, 2, cc=90)["rows_maxnreg"] is None  # sm_90: ptxas chooses (no spills)
 
 
 @pytest.mark.slow  # about 30 s on 2 cores: every config at the presets' shapes, for sm_90

@@ -103,6 +103,12 @@ def test_auto_takes_the_halo_kernels_where_the_cost_model_predicts_them_faster(m
         halo, why = DT.halo_choice(pass_, q16, win, None, "offsets up to 3.5 exceed the key-side pass's 3.0")
         assert not halo and "exceed" in why
         assert DT.halo_choice(pass_, q16, win, 0.0, "", block_m=16)[0] is False
+    # sm_100: the halo backward's query side spills at head dim 128 (compile-only check): refused there
+    monkeypatch.setattr(DT, "compute_capability", lambda x: 100)
+    assert DT.halo_choice("fwd", q16, win, 0.0, "max_offset")[0] is True
+    halo, why = DT.halo_choice("bwd", q16, win, 0.0, "max_offset")
+    assert not halo and "spills" in why and "sm_100" in why
+    monkeypatch.setattr(DT, "compute_capability", lambda x: 90)
     monkeypatch.setattr(DT, "HALO_MODE", "halo")
     assert DT.halo_choice("bwd", q32, win, 1.5, "max_offset")[0] is True
     monkeypatch.setattr(DT, "HALO_MODE", "gather")

@@ -84,6 +84,7 @@ class Variant:
     note: str = ""
     attrs: dict | None = None  # (arg index,) -> [["tt.divisibility", 16]]: what the launcher's JIT would see
     archs: tuple | None = None  # the targets whose launcher picks this config ("sm_90", ...); None: every target
+    maxnreg: int | None = None  # the launch's register limit per thread (None: ptxas chooses)
 
 
 @dataclass
@@ -159,7 +160,8 @@ def _compile_in_child(variant: Variant, cc: int, conn, cache: str) -> None:
         t0 = time.perf_counter()
         with contextlib.redirect_stdout(buf):
             k = triton.compile(src, target=GPUTarget("cuda", cc, 32),
-                               options={"num_warps": variant.num_warps, "num_stages": variant.num_stages})
+                               options={"num_warps": variant.num_warps, "num_stages": variant.num_stages,
+                                                            **({"maxnreg": variant.maxnreg} if variant.maxnreg else {})})
         seconds = time.perf_counter() - t0
         res = {"compile_s": round(seconds, 2), "smem": int(k.metadata.shared), **parse_ptxas_log(buf.getvalue()),
                **count_ptx(k.asm["ptx"])}
