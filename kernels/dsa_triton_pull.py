@@ -258,14 +258,15 @@ def pull_config(head_dim: int, window, elo: int, ehi: int, fp32: bool = False, c
     ``max_offset`` 1.5), else 128; the band of ``UP`` columns per query. ``cc``: the target's compute
     capability (90 Hopper, 100 Blackwell). bf16 on sm_90: 4 warps (246 registers at d 128: 2 blocks
     per SM). bf16 on sm_100 and fp32 take 8 (at 4 they spilled: 20-56 bytes per thread on sm_100,
-    200 bytes in fp32's ``ieee`` dots)."""
+    200 bytes in fp32's ``ieee`` dots). ``maxnreg``: fp32 on sm_100 launches with a register limit
+    of 255 (ptxas otherwise held it to 128 and spilled 16 B at d 128; it takes 135)."""
     reach = window[2] - 1 + elo + ehi
     if reach > MAX_REACH:
         raise ValueError(f"window width {window[2]} with a reach of ({elo}, {ehi}) tokens needs {reach} candidate "
                          f"queries beyond a tile's keys; the key-side pass takes at most {MAX_REACH}")
     qxp = 64 if 64 - reach >= 32 else 128
     return dict(BX=min(64, qxp - reach), BXP=64, QXP=qxp, UP=triton.next_power_of_2(window[2] + elo + ehi),
-                num_warps=8 if fp32 or cc >= 100 else 4)
+                num_warps=8 if fp32 or cc >= 100 else 4, maxnreg=255 if fp32 and cc >= 100 else None)
 
 
 def pull_span(bound: float) -> tuple[int, int]:
@@ -346,7 +347,7 @@ def pull_launch(q, dout, rec, dk, dv, win, bound, grid_args, bh0: int, bh_count:
         _dsa_pull_dkv[grid](x, rec, dx, N, T, H, W, nh, NK, TK, Q0, K0, bh0, elo, ehi,
                             BX=cfg["BX"], HEAD_DIM=d, KT=win[0], KH=win[1], KW=win[2], BXP=cfg["BXP"], QXP=cfg["QXP"], UP=cfg["UP"],
                             BLOCK_D=max(16, triton.next_power_of_2(d)), COEF=coef, WIDEN=INTERPRETED, num_warps=cfg["num_warps"],
-                            num_stages=1)
+                            num_stages=1, maxnreg=cfg["maxnreg"])
 
 
 def aot_variants(shape) -> list[dict]:
@@ -359,10 +360,9 @@ def aot_variants(shape) -> list[dict]:
     fn = _dsa_pull_dkv
     ptrs = {"X": t, "DX": t, "REC": "*fp32"}
     out = []
-    # the launcher's warps depend on the target (pull_config): one variant per choice, compiled for
-    # the targets that launch it
-    targets = [(None, 90)] if fp32 else [(("sm_90",), 90), (("sm_100",), 100)]
-    for archs, cc in targets:
+    # the launch options depend on the target (pull_config's warps and register limit): one variant
+    # per target, compiled for it
+    for archs, cc in ((("sm_90",), 90), (("sm_100",), 100)):
         cfg = pull_config(d, shape.window, elo, ehi, fp32=fp32, cc=cc)
         for coef, name in ((3, "pull_dk"), (4, "pull_dv")):
             consts = dict(HEAD_DIM=d, KT=shape.window[0], KH=shape.window[1], KW=shape.window[2], BXP=cfg["BXP"],
@@ -370,6 +370,7 @@ def aot_variants(shape) -> list[dict]:
                           WIDEN=False)
             out.append(dict(kernel=name, fn=fn, signature=signature_for(fn, ptrs, (), consts), constexprs=consts,
                             attrs=aligned_pointer_attrs(fn, ptrs), num_warps=cfg["num_warps"], num_stages=1,
-                            config=f"BX={cfg['BX']},QXP={cfg['QXP']}" + ("" if fp32 else f",UP={cfg['UP']}"),
-                            tensor_cores=not fp32, archs=archs))  # fp32: ieee dots, on CUDA cores
+                            config=f"BX={cfg['BX']},QXP={cfg['QXP']}" + ("" if fp32 else f",UP={cfg['UP']}")
+                            + (f",maxnreg={cfg['maxnreg']}" if cfg["maxnreg"] else ""),
+                            tensor_cores=not fp32, archs=archs, maxnreg=cfg["maxnreg"]))  # fp32: ieee dots, CUDA cores
     return out

@@ -94,9 +94,11 @@ def test_gather_autotune_lists_are_what_the_check_compiles():
     # the key-side pass: the launcher's config on each target (pull_config's cc), for dk and for dv
     for arch, cc in (("sm_90", 90), ("sm_100", 100)):
         cfg = pull_config(shape.head_dim, shape.window, *pull_span(shape.max_offset), cc=cc)
-        pulls = [(v["kernel"], v["constexprs"]["BXP"], v["constexprs"]["QXP"], v["constexprs"]["UP"], v["num_warps"])
-                 for v in variants if v["kernel"].startswith("pull") and arch in v["archs"]]
-        assert pulls == [(k, cfg["BXP"], cfg["QXP"], cfg["UP"], cfg["num_warps"]) for k in ("pull_dk", "pull_dv")]
+        pulls = [(v["kernel"], v["constexprs"]["BXP"], v["constexprs"]["QXP"], v["constexprs"]["UP"], v["num_warps"],
+                  v["maxnreg"]) for v in variants if v["kernel"].startswith("pull") and arch in v["archs"]]
+        assert pulls == [(k, cfg["BXP"], cfg["QXP"], cfg["UP"], cfg["num_warps"], cfg["maxnreg"])
+                         for k in ("pull_dk", "pull_dv")]
+    assert pull_config(128, (3, 7, 7), 2, 2, fp32=True, cc=100)["maxnreg"] == 255  # fp32 on sm_100: no 128 cap
     # the halo kernels: the launchers' one config per pass and target (halo_config's cc), the rows
     # pass with its register limit, and a pass the target refuses listed as not picked
     from kernels.dsa_triton_halo import halo_config, halo_pass_refusal
