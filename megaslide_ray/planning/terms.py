@@ -6,7 +6,6 @@ from __future__ import annotations
 import math
 
 from kernels import slab_kv_frames
-from kernels.dsa_triton import scratch_bytes
 from megaslide_ray.config import Config, ConfigError, validate
 from megaslide_ray.models.layers import ffn_width
 from megaslide_ray.models.registry import build_shard, num_shards
@@ -158,6 +157,8 @@ def _kernel_scratch(cfg: Config, a: int, Q: int, g: int) -> dict[str, int]:
     slices), per variant that runs them: DSA at the configured bound, the neighborhood at zero
     offsets (``kernels.dsa_triton.scratch_bytes``: the halo forward's scores, the backward's
     records or atomic fp32 dk/dv; chunked, so not proportional to the tokens)."""
+    from kernels.dsa_triton import scratch_bytes  # lazy: imports triton (gpu_check --smoke sets it up first)
+
     m = cfg.model
     T, Ht, Wt = cfg.token_grid
     frames = max(1, Q // (Ht * Wt))
