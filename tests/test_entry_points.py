@@ -91,18 +91,30 @@ def test_documented_benchmarks_and_studies_exist():
     assert not without_main, f"documented benchmarks without a main(): {without_main}"
 
 
-def test_the_hub_kernels_package_is_refused_with_the_fix(monkeypatch):
-    """The Hub's `kernels` distribution shares this project's top-level import name: refused."""
+def test_the_hub_kernels_package_is_refused_or_warned_with_the_fix(monkeypatch, tmp_path):
+    """The Hub's `kernels` distribution shares this project's top-level import name: where `import
+    kernels` finds theirs, refused; where it finds ours, a warning (transformers may break)."""
     import importlib.metadata
+    import importlib.util
+    import warnings
 
     import megaslide_ray
 
-    megaslide_ray.check_no_foreign_kernels()  # this environment: not installed, no error
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        megaslide_ray.check_no_foreign_kernels()  # this environment: not installed, nothing said
     real = importlib.metadata.version
 
     def version(name):
         return "0.19.1" if name == "kernels" else real(name)
 
     monkeypatch.setattr(megaslide_ray._metadata, "version", version)
-    with pytest.raises(ImportError, match=r"'kernels' 0\.19\.1 .*transformers>=5,<5\.25.*uninstall -y kernels"):
+    with pytest.warns(RuntimeWarning, match=r"'kernels' 0\.19\.1 .*finds this project's.*transformers>=5,<5\.25"):
+        megaslide_ray.check_no_foreign_kernels()
+    theirs = tmp_path / "kernels"
+    theirs.mkdir()
+    (theirs / "__init__.py").write_text("")
+    spec = importlib.util.spec_from_file_location("kernels", theirs / "__init__.py")
+    monkeypatch.setattr(megaslide_ray._util, "find_spec", lambda name: spec)
+    with pytest.raises(ImportError, match=r"finds theirs .*cannot run.*uninstall -y kernels"):
         megaslide_ray.check_no_foreign_kernels()
