@@ -70,6 +70,7 @@ from .dsa_triton_pull import (
     compute_capability,
     log_halo_once,
     log_mode_once,
+    pairs_within,
     pull_bound,
     pull_launch,
     pull_span,
@@ -597,7 +598,7 @@ def _gather_validated(q, k, v, offsets, win: tuple[int, int, int], scale: float 
 def atomic_chunk(pairs: int, key_tokens: int, head_dim: int) -> int:
     """(batch, head) pairs per atomic-mode launch so the fp32 dk, dv accumulators stay within
     ``ATOMIC_BUDGET_BYTES``."""
-    return max(1, min(pairs, ATOMIC_BUDGET_BYTES // (2 * key_tokens * head_dim * 4)))
+    return pairs_within(pairs, 2 * key_tokens * head_dim * 4, ATOMIC_BUDGET_BYTES)
 
 
 def scratch_bytes(batch: int, heads: int, grid: Sequence[int], key_tokens: int, window: Sequence[int],

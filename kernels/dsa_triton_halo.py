@@ -73,6 +73,7 @@ from .dsa_triton_pull import (
     _band_place,
     _past_bound,
     compute_capability,
+    pairs_within,
     pull_config,
     pull_span,
 )
@@ -483,7 +484,7 @@ def _plan(q, win, bound: float, grid_args):
 
 def score_chunk(pairs: int, K: int, tokens: int) -> int:
     """(batch, head) pairs per launch so the scores' scratch stays within ``SCORE_BUDGET_BYTES``."""
-    return max(1, min(pairs, SCORE_BUDGET_BYTES // (K * tokens * 4)))
+    return pairs_within(pairs, K * tokens * 4, SCORE_BUDGET_BYTES)
 
 
 def halo_forward(q, k, v, offsets, win, qk_scale: float, bound: float, grid_args, out, lse) -> None:

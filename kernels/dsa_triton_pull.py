@@ -321,10 +321,15 @@ def log_halo_once(pass_: str, halo: bool, why: str) -> None:
                  else "the gather kernels on CUDA cores", why)
 
 
+def pairs_within(pairs: int, per_pair_bytes: int, budget_bytes: int) -> int:
+    """(batch, head) pairs per launch so a launch's scratch of ``per_pair_bytes`` a pair stays
+    within ``budget_bytes`` (at least one pair)."""
+    return max(1, min(pairs, budget_bytes // per_pair_bytes))
+
+
 def rec_chunk(bh: int, window, tokens: int) -> int:
     """(batch, head) pairs per launch so the scratch records stay within ``REC_BUDGET_BYTES``."""
-    per = REC_FIELDS * math.prod(window) * tokens * 4
-    return max(1, min(bh, REC_BUDGET_BYTES // per))
+    return pairs_within(bh, REC_FIELDS * math.prod(window) * tokens * 4, REC_BUDGET_BYTES)
 
 
 def compute_capability(x: torch.Tensor) -> int:
