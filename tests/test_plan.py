@@ -67,6 +67,20 @@ def test_tiny_is_sane():
     assert "tiny" in render(p)
 
 
+def test_the_gpu_kernels_scratch_is_counted_unless_the_run_is_on_the_cpu():
+    """The fused kernels' scratch (halo scores, records, fp32 dk/dv) exists only on a GPU: a run
+    pinned to the CPU plans none of it, ``cuda`` and ``auto`` (which may take a GPU) plan it, and
+    the device requirement differs by exactly that term."""
+    over = {"attention.kind": "dsa", "attention.max_offset": "1.5"}
+    plans = {dev: plan(build_config("tiny", None, {**over, "runtime.device": dev}), w_dtype="float32", gpu_gb=1)
+             for dev in ("cpu", "cuda", "auto")}
+    term = "attention kernels' scratch (records, scores or fp32 dk/dv)"
+    scratch = plans["cuda"].device_terms[term]
+    assert scratch > 0 and plans["auto"].device_terms[term] == scratch
+    assert term not in plans["cpu"].device_terms and "dsa_fused_scratch" not in plans["cpu"].activation_parts
+    assert plans["cuda"].device_required_bytes - plans["cpu"].device_required_bytes == scratch
+
+
 def test_dense_attention_scales_quadratically_and_dsa_linearly():
     small = plan(config_for("dit-28b", frames=17, height=256, width=256))
     big = plan(config_for("dit-28b", frames=17, height=256, width=512))  # twice the tokens

@@ -234,7 +234,8 @@ class OptimizerConfig:
 @dataclass
 class RuntimeConfig:
     device: Literal["auto", "cpu", "cuda"] = "auto"
-    """Where the compute actor runs: ``auto`` takes a GPU when the Ray cluster has one."""
+    """Where the compute actor runs: ``auto`` takes a GPU when the Ray cluster has one. The
+    planner counts the GPU attention kernels' scratch for ``auto`` and ``cuda``, not for ``cpu``."""
     state_dir: str = ""
     """Directory of the host parameter store's shared-memory segments. Empty: ``/dev/shm``
     when it exists, else the system temp dir. A disk path lets state exceed RAM."""
