@@ -37,6 +37,20 @@ interpreter_only = pytest.mark.skipif(
 
 @pytest.mark.slow  # about two minutes: every Triton interpreter child runs in the slow half
 @pytest.mark.skipif(INTERPRETER_ACTIVE, reason="already inside the interpreter run")
+class Launches:
+    """Stands in for a Triton kernel (``kernel[grid](...)``) or a launcher (``launch(...)``): each
+    call appends ``(name, *what(grid, args))`` to ``calls`` and runs nothing."""
+
+    def __init__(self, calls: list, name: str, what=lambda grid, args: ()):
+        self.calls, self.name, self.what = calls, name, what
+
+    def __getitem__(self, grid):
+        return lambda *a, **k: self.calls.append((self.name, *self.what(grid, a)))
+
+    def __call__(self, *a, **k):
+        self.calls.append((self.name, *self.what(None, a)))
+
+
 def test_halo_kernels_under_interpreter():
     pytest.importorskip("triton")
     assert_interpreter_tests_pass(__file__)
@@ -66,15 +80,8 @@ def test_plan_covers_every_corner_and_chunks_the_scores(monkeypatch):
     calls = []
     monkeypatch.setattr(HALO, "SCORE_BUDGET_BYTES", 27 * 100 * 4 * 3)
 
-    class Spy:
-        def __init__(self, name):
-            self.name = name
-
-        def __getitem__(self, grid):
-            return lambda *a, **k: calls.append((self.name, grid, a[15]))
-
-    monkeypatch.setattr(HALO, "_dsa_halo_scores", Spy("scores"))
-    monkeypatch.setattr(HALO, "_dsa_halo_rows", Spy("out"))
+    monkeypatch.setattr(HALO, "_dsa_halo_scores", Launches(calls, "scores", lambda grid, a: (grid, a[15])))
+    monkeypatch.setattr(HALO, "_dsa_halo_rows", Launches(calls, "out", lambda grid, a: (grid, a[15])))
     q = torch.zeros(2, 4, 5, 5, 4, 8)  # B 2, nh 4: 8 (batch, head) pairs of 100 tokens
     lse = torch.zeros(2, 4, 100)
     HALO.halo_forward(q, q, q, torch.zeros(*q.shape[:5], 27, 3), (3, 3, 3), 1.0, 1.0,
@@ -129,22 +136,11 @@ def _launch_scratch(monkeypatch, q, off, bound):
     N, K = T * H * W, off.shape[-2]
     monkeypatch.setattr(P, "REC_BUDGET_BYTES", 5 * K * N * 4 * 2)  # 2 pairs per chunk of 6
     monkeypatch.setattr(HALO, "SCORE_BUDGET_BYTES", K * N * 4 * 4)  # 4 pairs per chunk of 6
-    ran = []
-
-    class Stub:
-        def __init__(self, name):
-            self.name = name
-
-        def __getitem__(self, grid):
-            return lambda *a, **k: ran.append(self.name)
-
-        def __call__(self, *a, **k):
-            ran.append(self.name)
-
+    calls = []
     for mod, name in ((HALO, "_dsa_halo_scores"), (HALO, "_dsa_halo_rows"), (DT, "_dsa_fwd_tuned"),
                       (DT, "_dsa_bwd_tuned"), (DT, "_dsa_bwd_pull_tuned"), (DT, "pull_launch"),
                       (DT, "halo_backward_query")):
-        monkeypatch.setattr(mod, name, Stub(name))
+        monkeypatch.setattr(mod, name, Launches(calls, name))
 
     class Allocations(TorchDispatchMode):
         def __init__(self):
@@ -165,7 +161,7 @@ def _launch_scratch(monkeypatch, q, off, bound):
         DT._dsa_bwd_launch(q, q, q, off, q, q, lse, win, d ** -0.5, None, None, bound)
     outputs_fwd = q.numel() * 2 + lse.numel() * 4  # out (bf16), lse (fp32)
     outputs_bwd = 3 * q.numel() * 2 + off.numel() * 2  # dq, dk, dv, d(offsets) (bf16)
-    return fwd.bytes - outputs_fwd, bwd.bytes - outputs_bwd, ran
+    return fwd.bytes - outputs_fwd, bwd.bytes - outputs_bwd, [c[0] for c in calls]
 
 
 WAN = dict(B=1, nh=6, d=128, grid=(21, 30, 52))  # the Wan grid, 3x7x7, six heads
