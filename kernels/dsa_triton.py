@@ -67,6 +67,7 @@ from .dsa_triton_pull import (
     PULL_MAX_OFFSET,
     REC_FIELDS,
     _past_bound,
+    bound_refusal,
     compute_capability,
     log_halo_once,
     log_mode_once,
@@ -618,7 +619,7 @@ def scratch_bytes(batch: int, heads: int, grid: Sequence[int], key_tokens: int, 
     """
     win = tuple(int(w) for w in window)
     K, N, pairs = math.prod(win), math.prod(grid), batch * heads
-    bound = None if max_offset is None else pull_bound(torch.empty(0), max_offset, None, win[0], win[2])[0]
+    bound = None if max_offset is None or bound_refusal(float(max_offset), window_w=win[2]) else float(max_offset)
     # measured offsets may be small on any call (a fresh offset head: 0), where the halo is likeliest
     halo_bound = 0.0 if max_offset is None else bound
     fwd = 0

@@ -64,7 +64,7 @@ import triton.language as tl
 from .aot import AOT_POINTER_TYPES, aligned_pointer_attrs, signature_for
 from .dsa_reference import window_starts
 
-__all__ = ["pull_bound", "pull_launch", "PULL_MAX_OFFSET", "REC_BUDGET_BYTES", "pull_config", "aot_variants"]
+__all__ = ["pull_bound", "bound_refusal", "pull_launch", "PULL_MAX_OFFSET", "REC_BUDGET_BYTES", "pull_config", "aot_variants"]
 
 log = logging.getLogger(__name__)
 
@@ -276,6 +276,18 @@ def pull_span(bound: float) -> tuple[int, int]:
     return math.floor(bound) + 1, math.ceil(bound)
 
 
+def bound_refusal(bound: float, src: str = "max_offset", window_w: int | None = None) -> str | None:
+    """Why offsets up to ``bound`` (from ``src``) cannot take the pull mode whatever the slab, or
+    None: non-finite, past ``PULL_MAX_OFFSET``, or a window too wide for the candidate run."""
+    if not math.isfinite(bound):
+        return f"non-finite offsets ({src} {bound})"
+    if bound > PULL_MAX_OFFSET:
+        return f"offsets up to {bound:.3g} ({src}) exceed the key-side pass's {PULL_MAX_OFFSET}"
+    if window_w is not None and window_w - 1 + sum(pull_span(bound)) > MAX_REACH:
+        return f"window width {window_w} is too wide for the key-side pass's candidate run"
+    return None
+
+
 def pull_bound(offsets: torch.Tensor, max_offset: float | None, slab=None, window_t: int = 1,
                window_w: int | None = None) -> tuple[float | None, str]:
     """The offsets' bound for the pull mode, or ``(None, why)`` when the atomic mode must run.
@@ -284,12 +296,9 @@ def pull_bound(offsets: torch.Tensor, max_offset: float | None, slab=None, windo
         bound, src = float(max_offset), "max_offset"
     else:
         bound, src = float(offsets.detach().abs().amax()) if offsets.numel() else 0.0, "measured"
-    if not math.isfinite(bound):
-        return None, f"non-finite offsets ({src} {bound})"
-    if bound > PULL_MAX_OFFSET:
-        return None, f"offsets up to {bound:.3g} ({src}) exceed the key-side pass's {PULL_MAX_OFFSET}"
-    if window_w is not None and window_w - 1 + sum(pull_span(bound)) > MAX_REACH:
-        return None, f"window width {window_w} is too wide for the key-side pass's candidate run"
+    why = bound_refusal(bound, src, window_w)
+    if why:
+        return None, why
     if slab is not None:
         tk, frames, q0, k0 = slab
         tq = offsets.shape[1]

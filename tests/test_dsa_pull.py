@@ -66,7 +66,7 @@ def test_span_covers_every_corner_a_bounded_offset_reaches():
 
 def test_pull_bound_picks_the_mode_and_says_why():
     pytest.importorskip("triton")
-    from kernels.dsa_triton_pull import PULL_MAX_OFFSET, pull_bound
+    from kernels.dsa_triton_pull import PULL_MAX_OFFSET, bound_refusal, pull_bound
 
     off = torch.zeros(1, 3, 4, 5, 1, 9, 3)
     assert pull_bound(off, 1.5) == (1.5, "max_offset")
@@ -86,6 +86,10 @@ def test_pull_bound_picks_the_mode_and_says_why():
     # a window as wide as a large grid (the dense identity): the candidate run would not fit
     bound, why = pull_bound(off[..., :0, :], 1.5, window_w=101)
     assert bound is None and "too wide" in why
+    # the same refusals from a number alone (the planner's scratch term has no offsets tensor)
+    assert bound_refusal(1.5, window_w=7) is None
+    assert "exceed" in bound_refusal(PULL_MAX_OFFSET + 1) and "too wide" in bound_refusal(1.5, window_w=101)
+    assert "non-finite" in bound_refusal(float("inf"))
 
 
 def test_plan_fits_the_candidate_run_and_chunks_the_records(monkeypatch):
