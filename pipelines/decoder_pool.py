@@ -33,7 +33,9 @@ marked bad ("decode timed out after X s"): logged once, counted as skipped, told
 decoders, kept in the checkpoint. Skipping depends only on the file, so the redrawn batch is the
 one an uninterrupted run would have drawn had the file been bad from the start. A decoder that
 dies is replaced the same way and its batch redrawn identically; only a file that was being
-decoded at two deaths is marked bad ("decoder died twice while decoding it").
+decoded at two deaths is marked bad ("decoder died twice while decoding it"). The replacement is
+also asked again for every later slot the old decoder owed (with more compute actors than
+decoders, a step's other slots), so one failure is one replacement and one restart counted.
 
 Caution: the status files live in the run directory, so the watchdog needs the decoders on the
 driver's node (or a shared run directory).
@@ -125,6 +127,10 @@ class BatchReady:
     """The batch ref handed out before was lost with its decoder; ``batch_ref(step)`` is a new one."""
     lost_seconds: float
     """Time spent waiting for the lost batch and replacing its decoder (0 when not redrawn)."""
+    replacements: int = 0
+    """Decoders replaced while waiting for this batch: a batch redrawn because its decoder was
+    replaced while another slot's batch was awaited says ``redrawn`` with 0 here, so that one
+    failure is counted once."""
 
 
 @dataclass
@@ -178,6 +184,7 @@ class DecoderPool:
         self._pending: dict[int, _Pending] = {}  # by slot
         self._infos: dict[int, BatchInfo] = {}   # by slot: received, not committed yet
         self._deaths: dict[str, int] = {}         # path -> deaths while decoding it
+        self._reissued: set[int] = set()          # slots asked again of a replacement while another was awaited
         self.replacements = 0
         for i in range(n):
             self._start(i)
@@ -242,6 +249,8 @@ class DecoderPool:
             return BatchReady(self._infos[slot], False, 0.0)
         if slot not in self._pending:
             return None
+        reissued = slot in self._reissued
+        self._reissued.discard(slot)
         t0 = time.monotonic()
         replaced = 0
         i = self._pending[slot].decoder
@@ -257,7 +266,8 @@ class DecoderPool:
                 else:
                     self._received[i] = (info.position, info.skipped)
                     self._infos[slot] = info
-                    return BatchReady(info, replaced > 0, time.monotonic() - t0 if replaced else 0.0)
+                    return BatchReady(info, replaced > 0 or reissued, time.monotonic() - t0 if replaced else 0.0,
+                                      replaced)
             else:
                 problem = self._stalled(i, step)
                 if problem is None:
@@ -317,31 +327,44 @@ class DecoderPool:
             actor.mark_bad.remote(row, reason)
 
     def _replace(self, i: int, slot: int) -> bool:
-        """Kill decoder ``i`` and start a new one owing batch slot ``slot``. True if the old one's
-        batch turned out to be ready after all (then nothing is replaced)."""
-        p = self._pending[slot]
+        """Kill decoder ``i`` and start a new one owing batch slot ``slot`` and every later slot
+        asked of the old one (with several compute actors per decoder, a step's other slots: they
+        are asked again of the replacement, in order, rather than found dead one by one, which
+        would replace the healthy replacement). True if ``slot``'s batch turned out to be ready
+        after all (it stands, and the replacement starts after it)."""
         ray.kill(self._actors[i], no_restart=True)
-        # The batch may have been sealed just before the kill: then it stands, and is identical
-        # to what a replacement would draw; otherwise its refs now fail.
-        ready, _ = ray.wait([p.info_ref], timeout=10)
-        info = None
-        if ready:
-            try:
-                info = ray.get(p.info_ref)
-            except RayActorError:
-                pass
+        owed = sorted(s for s, p in self._pending.items() if p.decoder == i and s >= slot and s not in self._infos)
+        kept, lost = False, []
+        for s in owed:
+            info = None
+            if not lost:  # batches come in order: after the first lost one, all are lost
+                # A batch may have been sealed just before the kill: then it stands, and is
+                # identical to what a replacement would draw; otherwise its refs now fail.
+                ref = self._pending[s].info_ref
+                ready, _ = ray.wait([ref], timeout=10 if s == slot else 0)
+                if ready:
+                    try:
+                        info = ray.get(ref)
+                    except RayActorError:
+                        pass
+            if info is None:
+                lost.append(s)
+                continue
+            self._received[i] = (info.position, info.skipped)
+            self._infos[s] = info
+            kept |= s == slot
         self._generation[i] += 1
         self.replacements += 1
-        if info is not None:  # the old actor is gone either way: the replacement starts after this batch
-            self._received[i] = (info.position, info.skipped)
-            self._infos[slot] = info
-            self._start(i)
-            return True
-        self._next_slot[i] = slot
-        del self._pending[slot]
+        if lost:
+            self._next_slot[i] = lost[0]
+            for s in lost:
+                del self._pending[s]
         self._start(i)
-        self._slot_ref(slot)
-        return False
+        for s in lost:
+            self._slot_ref(s)
+            if s != slot:
+                self._reissued.add(s)
+        return kept
 
     def commit(self, step: int) -> BatchInfo | None:
         """Step ``step`` completed: its batches are consumed (the positions a checkpoint keeps).

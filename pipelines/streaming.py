@@ -425,7 +425,8 @@ class StreamingPipeline:
             ready = self._decoder_pool.wait_ready(step, rank)
             if ready is None or not ready.redrawn:
                 continue
-            self.count_restart(f"step {step + 1}: the decoder of its batch hung or died and was replaced")
+            if ready.replacements:  # once per failure: a slot asked again of the same replacement is not one
+                self.count_restart(f"step {step + 1}: the decoder of its batch hung or died and was replaced")
             self._data_lost[step] = self._data_lost.get(step, 0.0) + ready.lost_seconds
             self.recovery_seconds += ready.lost_seconds
             old = self._batches.get((step, rank))

@@ -79,6 +79,36 @@ def test_pool_order_determinism_and_resume(ray_session, small_config, tmp_path):
     assert resumed_cursors[6] == cursors[6]
 
 
+def test_one_decoder_lost_under_two_slots_is_replaced_once(ray_session, small_config, tmp_path, monkeypatch):
+    """One decoder serving both compute actors' slots dies inside the first: it is replaced once
+    (not once per slot: the second slot's dead ref is asked again of the replacement, which is not
+    killed in turn), both batches say they were redrawn, only the first counts a replacement, and
+    the batches are those of an uninterrupted run."""
+    import ray
+
+    from pipelines.streaming import actor_options
+
+    cfg = small_config(**{"data.num_decoders": 1, "data.batch_size": 1})
+    monkeypatch.setenv(faults.ENV_SPEC, "decoder.mid_batch@1:exit")
+    monkeypatch.setenv(faults.ENV_DIR, str(tmp_path / "markers"))
+    pool = DecoderPool(cfg, tmp_path / "status", actor_options=actor_options(), per_step=2)
+    try:
+        refs = [pool.batch_ref(0, 0), pool.batch_ref(0, 1)]
+        first, second = pool.wait_ready(0, 0), pool.wait_ready(0, 1)
+        assert faults.fired("decoder.mid_batch@1:exit", directory=tmp_path / "markers")
+        assert pool.replacements == 1
+        assert first.redrawn and first.replacements == 1
+        assert second.redrawn and second.replacements == 0
+        with pytest.raises(ray.exceptions.RayError):  # the refs handed out before the death are lost
+            ray.get(refs, timeout=60)
+        got = {k: ray.get(pool.batch_ref(0, k)) for k in (0, 1)}
+        pool.commit(0)
+        assert pool.cursor(1).positions == (int(got[1]["position"]),)
+    finally:
+        pool.close()
+    _assert_same_batches(got, _expected(cfg, 2))  # slots 0 and 1: one decoder, consecutive draws
+
+
 def test_cursor_round_trip_and_pool_size_mismatch_refused():
     c = DataCursor(4, (9, 8), (1, 0), ((3, "decode timed out after 2 s"),))
     assert DataCursor.from_state({"step": 4, **c.to_state()}, 2) == c
