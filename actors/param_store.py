@@ -83,6 +83,7 @@ from megaslide_ray.state.segments import (
     default_state_root,
     map_segment,
     node_state_key,
+    run_owner,
     sweep_stale_states,
     write_owner,
 )
@@ -140,16 +141,17 @@ class GradientsLostError(RuntimeError):
 class ParameterStore(NodeSyncMethods, CheckpointMethods):
     def __init__(self, cfg: Config, run_dir: str, w_dtype: str = "float32",
                  resume_checkpoint: str | None = None, attach: bool = False, init_from: str | None = None,
-                 adamw: str | None = None, owner_pid: int | None = None, compute_actors: int = 1,
+                 adamw: str | None = None, owner: dict | None = None, compute_actors: int = 1,
                  nodes: int = 1, node: int = 0):
         """``run_dir`` names the state (a restarted store finds it again); ``w_dtype`` is the
         compute copy's dtype. Fresh state comes from ``resume_checkpoint`` (everything, at its
         step), else ``init_from`` (pretrained weights, moments zero, step 0; see
         ``megaslide_ray/state/pretrained.py``), else the seeded initialisation. ``attach`` maps an
         existing state instead (Ray restarts attach by themselves). ``adamw``: ``fused``,
-        ``compiled`` or ``auto`` (default: ``MEGASLIDE_ADAMW``, else ``fused``). ``owner_pid``: the
-        process whose run this is (the driver; default this process): a fresh state records it,
-        and first removes states under the same root whose recorded owner is gone.
+        ``compiled`` or ``auto`` (default: ``MEGASLIDE_ADAMW``, else ``fused``). ``owner``: the
+        process whose run this is and its machine (``segments.run_owner()`` taken in the driver;
+        default this process): a fresh state records it, and first removes states under the same
+        root whose recorded owner, on this machine, is gone.
         ``compute_actors``: how many compute actors report each shard's gradient (N > 1: through
         ``runtime.grad_slots`` gradient slots each, summed here; see ``actors/grad_reduce.py``).
         ``nodes``, ``node``: a run on several nodes (``runtime.nodes``), this store being node
@@ -199,7 +201,7 @@ class ParameterStore(NodeSyncMethods, CheckpointMethods):
                 shutil.rmtree(self.dir)
             self.dir.mkdir(parents=True, mode=0o700)
             os.chmod(self.dir, 0o700)  # only the user who runs the job reads its weights
-            write_owner(self.dir, owner_pid or os.getpid())
+            write_owner(self.dir, owner or run_owner())
         self.seg: list[dict[str, torch.Tensor]] = []
         try:
             for i, lay in enumerate(self.layouts):
@@ -265,7 +267,7 @@ class ParameterStore(NodeSyncMethods, CheckpointMethods):
         else:
             self._recover()
             if is_kept(self.dir):  # a failed run kept it; this run owns it again from here
-                write_owner(self.dir, owner_pid or os.getpid())
+                write_owner(self.dir, owner or run_owner())
                 unkeep_state(self.dir)
             log.warning("parameter store re-attached to %s at versions %s", self.dir, self.versions.tolist())
         self._queue: list[int] = []

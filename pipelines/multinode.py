@@ -105,6 +105,21 @@ def resume_command(run_dir: str) -> str:
     return f"resume {where}: python -m megaslide_ray.train --run-dir {run_dir} --resume"
 
 
+def status_once_back(store, deadline: float, gone):
+    """``store.status()`` once the store answers. While Ray restarts it (unavailable, or no answer
+    yet) this asks again until ``deadline`` (``time.monotonic()``); past it, or when the store
+    cannot come back (Ray gave up, or its node is gone), raises ``gone(error)``."""
+    while True:
+        try:
+            return ray.get(store.status.remote(), timeout=max(1.0, deadline - time.monotonic()))
+        except (ActorUnavailableError, GetTimeoutError) as e:  # restarting
+            if time.monotonic() > deadline:
+                raise gone(e) from e
+            time.sleep(0.5)
+        except (RayActorError, ActorUnschedulableError) as e:
+            raise gone(e) from e
+
+
 class NodeStores:
     """The M stores of a run, ``handles[i]`` on node ``nodes[i]``. ``store_args``: the
     ``ParameterStore`` arguments after ``cfg, run_dir`` (keywords)."""
@@ -154,16 +169,7 @@ class NodeStores:
         ``NodeLostError`` for the first that cannot come back (its node is gone or Ray gave up)."""
         deadline = time.monotonic() + timeout
         for i, h in enumerate(self.handles):
-            while True:
-                try:
-                    ray.get(h.status.remote(), timeout=max(1.0, deadline - time.monotonic()))
-                    break
-                except (ActorUnavailableError, GetTimeoutError) as e:  # restarting
-                    if time.monotonic() > deadline:
-                        raise self.lost(i, e) from e
-                    time.sleep(0.5)
-                except (RayActorError, ActorUnschedulableError) as e:
-                    raise self.lost(i, e) from e
+            status_once_back(h, deadline, lambda e, i=i: self.lost(i, e))
 
     def recover(self, generation: int, timeout: float) -> int:
         """After an actor of the run died (the compute actors already killed): bring every store to

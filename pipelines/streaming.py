@@ -49,7 +49,6 @@ from pathlib import Path
 
 import ray
 from ray.exceptions import (
-    ActorUnavailableError,
     ActorUnschedulableError,
     GetTimeoutError,
     RayActorError,
@@ -62,9 +61,10 @@ from actors.param_store import GradientsLostError, ParameterStore, UpdateResult
 from megaslide_ray.runtime import faults
 from megaslide_ray.state.kept import is_kept, keep_state, release_state, state_path
 from megaslide_ray.state.preflight import StateSpaceError
+from megaslide_ray.state.segments import run_owner
 from pipelines.compute_group import ComputeGroup, NodeSide, combine, combine_batches, resolve_compute_actors
 from pipelines.decoder_pool import DataCursor, DecoderPool
-from pipelines.multinode import NodeStores, StateCutError, StoreCallError, on_node, pick_nodes
+from pipelines.multinode import NodeStores, StateCutError, StoreCallError, on_node, pick_nodes, status_once_back
 
 log = logging.getLogger(__name__)
 
@@ -291,14 +291,14 @@ class StreamingPipeline:
             self._node_stores = NodeStores(cfg, run_dir, nodes, actor_options(),
                                            w_dtype=self.w_dtype, resume_checkpoint=resume_checkpoint,
                                            init_from=init_from,
-                                           owner_pid=os.getpid(), compute_actors=self.compute_actors)
+                                           owner=run_owner(), compute_actors=self.compute_actors)
             self._store = self._node_stores.handles[0]
         else:
             store_cls = ray.remote(ParameterStore).options(
                 name=f"{NAMESPACE}/param-store", num_cpus=0, max_concurrency=64,
                 max_restarts=cfg.runtime.max_restarts, **actor_options())
             self._store = store_cls.remote(cfg, run_dir, self.w_dtype, resume_checkpoint, attach, init_from,
-                                           owner_pid=os.getpid(), compute_actors=self.compute_actors)
+                                           owner=run_owner(), compute_actors=self.compute_actors)
         try:
             self.infos = ray.get(self._store.shard_infos.remote())
         except RayActorError as e:
@@ -465,19 +465,14 @@ class StreamingPipeline:
             time.sleep(0.5)
 
     def _wait_for_store(self):
-        """The store's status once it answers again (Ray restarts it after a crash)."""
-        deadline = time.monotonic() + STORE_RESTART_TIMEOUT_S
-        while True:
-            try:
-                return ray.get(self._store.status.remote(), timeout=max(1.0, deadline - time.monotonic()))
-            except ActorUnavailableError:
-                if time.monotonic() > deadline:
-                    raise
-                time.sleep(0.5)
-            except RayActorError as e:
-                raise StoreLostError(f"the parameter store died and cannot be restarted on its state ({e}). "
-                                     f"Resume from the latest checkpoint: python -m megaslide_ray.train "
-                                     f"--run-dir {self.run_dir} --resume") from e
+        """The store's status once it answers again (Ray restarts it after a crash), or
+        ``StoreLostError`` when it cannot come back within ``STORE_RESTART_TIMEOUT_S``."""
+        def lost(e: BaseException) -> StoreLostError:
+            return StoreLostError(f"the parameter store died and cannot be restarted on its state ({e}). "
+                                  f"Resume from the latest checkpoint: python -m megaslide_ray.train "
+                                  f"--run-dir {self.run_dir} --resume")
+
+        return status_once_back(self._store, time.monotonic() + STORE_RESTART_TIMEOUT_S, lost)
 
     def _recover(self, step: int) -> None:
         """After an actor died during ``step``: wait for the store, replace the compute actor,

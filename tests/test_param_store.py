@@ -293,7 +293,7 @@ def test_a_fresh_store_removes_states_whose_driver_is_gone(cfg, tmp_path, caplog
     gone = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True,
                           text=True, check=True)
     dead_pid = int(gone.stdout)
-    me = segments._this_machine()
+    me = segments.this_machine()
     states = {}
     for name, owner in {"dead": {**me, "pid": dead_pid}, "alive": {**me, "pid": 1},
                         "rebooted": {**me, "boot_id": "another-boot", "pid": 1},
@@ -315,3 +315,24 @@ def test_a_fresh_store_removes_states_whose_driver_is_gone(cfg, tmp_path, caplog
         assert owner["pid"] == os.getpid() and owner["host"] == me["host"]
     finally:
         store.close()
+
+
+def test_a_store_records_the_drivers_machine_so_another_machine_never_sweeps_a_live_state(cfg, tmp_path):
+    """A run on several nodes: the store of a node on another machine records the driver's pid and
+    the driver's machine. A later store on that machine must leave the state alone (the driver's
+    pid means nothing there: checked locally it looks gone, and the state would be swept while its
+    run is live). Simulated on one machine with an owner whose machine is another host."""
+    import json
+
+    driver = {**segments.run_owner(), "host": segments.this_machine()["host"] + "-driver"}
+    remote = ParameterStore(cfg, str(tmp_path / "run-a"), owner={**driver, "pid": 2 ** 22 + 12345})
+    try:
+        rec = json.loads((remote.dir / "owner.json").read_text())
+        assert rec["host"] == driver["host"] and rec["pid"] == 2 ** 22 + 12345
+        other = ParameterStore(cfg, str(tmp_path / "run-b"))  # sweeps the root on start
+        try:
+            assert remote.dir.is_dir() and (remote.dir / "layout.json").is_file()
+        finally:
+            other.close()
+    finally:
+        remote.close()

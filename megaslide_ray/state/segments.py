@@ -68,15 +68,25 @@ def map_segment(path: str | Path, numel: int, dtype: torch.dtype, create: bool =
     return torch.from_file(str(path), shared=True, size=numel, dtype=dtype)
 
 
-def _this_machine() -> dict:
+def this_machine() -> dict:
+    """The calling process's machine: host name and boot id (a pid means something only there)."""
     boot = Path("/proc/sys/kernel/random/boot_id")
     return {"host": socket.gethostname(), "boot_id": boot.read_text().strip() if boot.is_file() else ""}
 
 
-def write_owner(state: Path, pid: int) -> None:
-    """Record which process's run the state belongs to (the driver's), for ``sweep_stale_states``."""
+def run_owner(pid: int | None = None) -> dict:
+    """The owner record of a run: the calling process (the driver; ``pid`` default its own) and its
+    machine. Taken where the driver runs and handed to every store, so that the state of a store
+    on another machine names the driver's machine, not its own."""
+    return {**this_machine(), "pid": int(os.getpid() if pid is None else pid)}
+
+
+def write_owner(state: Path, owner: dict) -> None:
+    """Record which process's run the state belongs to (``run_owner()`` of the driver), for
+    ``sweep_stale_states``."""
     tmp = state / "owner.json.tmp"
-    tmp.write_text(json.dumps({**_this_machine(), "pid": int(pid)}))
+    tmp.write_text(json.dumps({"host": str(owner["host"]), "boot_id": str(owner.get("boot_id", "")),
+                               "pid": int(owner["pid"])}))
     os.replace(tmp, state / "owner.json")
 
 
@@ -92,11 +102,12 @@ def _running(pid: int) -> bool:
 
 def sweep_stale_states(root: Path, keep: Path | None = None) -> list[Path]:
     """Remove the state directories under ``root`` left by runs that ended without cleaning up
-    (a driver killed with SIGKILL, a machine reset): those whose owner, recorded on this machine,
+    (a driver killed with SIGKILL, a machine reset): those whose owner, a process of this machine,
     is no longer running (or ran before the last boot). A state without an owner record, one
-    recorded on another machine, or one a failed run kept on purpose (its owner record says
-    ``kept``: ``megaslide_ray.state.kept``) is left alone. Returns what was removed."""
-    me, removed = _this_machine(), []
+    whose owner runs on another machine (a store of a run on several nodes whose driver is
+    elsewhere: its pid cannot be checked here), or one a failed run kept on purpose (its owner
+    record says ``kept``: ``megaslide_ray.state.kept``) is left alone. Returns what was removed."""
+    me, removed = this_machine(), []
     for d in sorted(root.glob("megaslide-*")):
         if d == keep or not d.is_dir():
             continue
