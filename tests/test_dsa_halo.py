@@ -35,8 +35,6 @@ interpreter_only = pytest.mark.skipif(
 )
 
 
-@pytest.mark.slow  # about two minutes: every Triton interpreter child runs in the slow half
-@pytest.mark.skipif(INTERPRETER_ACTIVE, reason="already inside the interpreter run")
 class Launches:
     """Stands in for a Triton kernel (``kernel[grid](...)``) or a launcher (``launch(...)``): each
     call appends ``(name, *what(grid, args))`` to ``calls`` and runs nothing."""
@@ -51,6 +49,8 @@ class Launches:
         self.calls.append((self.name, *self.what(None, a)))
 
 
+@pytest.mark.slow  # about two minutes: every Triton interpreter child runs in the slow half
+@pytest.mark.skipif(INTERPRETER_ACTIVE, reason="already inside the interpreter run")
 def test_halo_kernels_under_interpreter():
     pytest.importorskip("triton")
     assert_interpreter_tests_pass(__file__)

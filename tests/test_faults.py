@@ -63,7 +63,7 @@ def straight_two(ray_session, small_config, tmp_path_factory):
 
 # Several faults per run keep CI short; each one is a separate actor death the run recovers
 # from (benchmarks/faults.py injects them one per run and times the recovery).
-# Two store rows (about 22 s each) run in the slow half; test_store_restart's cut inside a
+# The store rows (about 20 s each) run in the slow half; test_store_restart's cut inside a
 # shard kills the store in the default run.
 MATRIX = [
     # compute actor: killed at every point of a step (steps 1-4; step 2 is queued ahead of step 1's update)
@@ -73,7 +73,8 @@ MATRIX = [
     pytest.param("store.mid_update@1,store.mid_checkpoint@2", 2, 0, id="store", marks=pytest.mark.slow),
     # parameter store killed after it counted step 1's last gradient report but before it answered it:
     # the compute actor never hears back, the restarted store finishes the update (one store death)
-    pytest.param("store.after_last_report@1:hang,store.mid_update@1", 1, 0, id="store-unanswered"),
+    pytest.param("store.after_last_report@1:hang,store.mid_update@1", 1, 0, id="store-unanswered",
+                 marks=pytest.mark.slow),
     # parameter store killed inside a shard's update: the state is half-written, the step-2 checkpoint restored
     pytest.param("store.mid_shard_update@3", 1, 1, id="store-rollback", marks=pytest.mark.slow),
 ]
@@ -111,7 +112,7 @@ def test_two_compute_actors_equal_one_with_twice_the_batch(straight, straight_tw
 # Two compute actors: each compute spec kills one of them (whichever reaches the point first), and
 # both are replaced; the store rows kill the store while it sums or applies their gradients.
 MATRIX_TWO = [
-    pytest.param("compute.mid_backward@2,compute.after_weights@3", 2, id="compute-x2"),
+    pytest.param("compute.mid_backward@2,compute.after_weights@3", 2, id="compute-x2", marks=pytest.mark.slow),
     pytest.param("store.mid_update@1,store.after_last_report@3", 2, id="store-x2", marks=pytest.mark.slow),
 ]
 
@@ -137,6 +138,7 @@ def test_restart_limit_stops_with_a_clear_message(ray_session, small_config, tmp
     assert len(read_checkpoint_shards(ckpt)) == 4
 
 
+@pytest.mark.slow  # about 20 s of Ray drill: the default run keeps it under 10 minutes
 def test_nan_steps_are_skipped_then_too_many_stop(ray_session, small_config, tmp_path, monkeypatch):
     cfg = small_config(**{"training.steps": 4, "training.checkpoint_every": 1, "optim.max_bad_steps": 3,
                           "attention.kind": "dense"})

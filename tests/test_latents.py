@@ -185,6 +185,7 @@ class DyingEncoder(E.Encoder):
         return super().encode_clips(tasks)
 
 
+@pytest.mark.slow  # about 16 s of Ray drill: the default run keeps it under 10 minutes
 def test_an_encoder_that_dies_is_replaced_and_the_clip_listed(ray_session, wan_dir, source, tmp_path, monkeypatch):
     import ray.cloudpickle
 

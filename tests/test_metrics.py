@@ -33,6 +33,7 @@ def _scrape(port: int) -> dict[str, float]:
     return values
 
 
+@pytest.mark.slow  # about 21 s of Ray drill: the default run keeps it under 10 minutes
 def test_megaslide_metrics_are_exported(metrics_port, small_config, manifest, tmp_path):
     cfg = small_config(**{"training.steps": 2, "training.eval_every": 2, "data.val_manifest": manifest,
                           "training.val_clips": 1, "training.val_t_buckets": 2})

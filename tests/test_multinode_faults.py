@@ -85,6 +85,7 @@ def assert_recovered(base, name, spec, restarts, rollbacks):
         assert torch.equal(a, b), f"shard {i}: max difference {float((a - b).abs().max()):.3e}"
 
 
+@pytest.mark.slow  # with the module's cluster about 45 s: the default run keeps it under 10 minutes
 def test_a_compute_actor_and_a_store_dying_on_node_1_are_recovered_bit_identically(base):
     assert_recovered(base, "compute-store", "compute.mid_backward@2/1:exit,store.mid_update@3/1:exit", 2, 0)
 
