@@ -154,11 +154,11 @@ def part_attention(ctx: Run) -> dict:
     rows: list[dict] = []
     slow: set[tuple] = set()
     plan = []
-    for grid in sz.attn_grids:
+    for g, grid in enumerate(sz.attn_grids):
         plan.append(("dense", grid, sz.attn_windows[0]))
         for window in sz.attn_windows:
-            plan += [("dsa", grid, window), ("dsa_gather", grid, window), ("dsa_gather_atomic", grid, window),
-                     ("dsa_halo", grid, window), ("neighborhood", grid, window)]
+            plan += [(kind, grid, window) for kind in ("dsa", "dsa_gather", "dsa_gather_atomic", "dsa_halo", "neighborhood")
+                     if g == 0 or kind not in sz.attn_first_grid_only]
     for kind, grid, window in plan:
         key = (kind, tuple(window) if kind != "dense" else None)
         base = {"kind": kind, "grid": list(grid), "tokens": math.prod(grid), "window": list(window),
