@@ -74,11 +74,11 @@ def this_machine() -> dict:
     return {"host": socket.gethostname(), "boot_id": boot.read_text().strip() if boot.is_file() else ""}
 
 
-def run_owner(pid: int | None = None) -> dict:
-    """The owner record of a run: the calling process (the driver; ``pid`` default its own) and its
-    machine. Taken where the driver runs and handed to every store, so that the state of a store
-    on another machine names the driver's machine, not its own."""
-    return {**this_machine(), "pid": int(os.getpid() if pid is None else pid)}
+def run_owner() -> dict:
+    """The owner record of a run: the calling process (the driver) and its machine. Taken where
+    the driver runs and handed to every store, so that the state of a store on another machine
+    names the driver's machine, not its own."""
+    return {**this_machine(), "pid": os.getpid()}
 
 
 def write_owner(state: Path, owner: dict) -> None:
