@@ -18,7 +18,10 @@ backend per call:
   per pass, either the gather kernels (``dsa_triton``: a strip of queries per program, one
   trilinear corner per loop iteration, CUDA-core FMAs) or the halo kernels (``dsa_triton_halo``:
   64 queries of a row against whole key rows, tensor-core dots), whichever the cost model
-  (``dsa_cost``) predicts faster at the offsets' bound (``dsa_triton.HALO_MODE``; logged). The
+  (``dsa_cost``) predicts faster at the offsets' bound (``dsa_triton.HALO_MODE``; logged). The bound
+  a call runs at is the offsets' measured extent where it is below the given ``max_offset``
+  (``dsa_triton.TIGHTEN_BOUND``: one reduction and a host sync per forward call), or measured when
+  none is given. The
   backward sums dk, dv with the key-side pass (``dsa_triton_pull``): tensor-core dots, no
   atomics, deterministic.
   It runs for offsets bounded by at most ``PULL_MAX_OFFSET``; larger offsets use per-corner
@@ -159,11 +162,13 @@ def deformable_slide_attention(
     and ``dsa_reference``.
 
     ``max_offset``: a bound on ``|offsets|`` the caller guarantees (a tanh-bounded offset head's
-    ``attention.max_offset``); the Triton paths read it without measuring the offsets (a host
-    sync), the others ignore it. The tiled kernel sizes its halo by it, and a query with an offset
+    ``attention.max_offset``); the Triton paths read it, the others ignore it. The tiled kernel sizes its halo by it, and a query with an offset
     beyond ``ceil(max_offset)`` gets NaN output and gradients (``dsa_triton_tiled``). The gather
-    kernel's backward uses it for its key-side dk/dv pass (``dsa_triton_pull``), and a query with
-    an offset beyond it gets a NaN ``dq``.
+    kernels run at the smaller of it and the offsets' measured extent (one reduction and a host
+    sync per forward call; ``dsa_triton.TIGHTEN_BOUND = False`` turns that off), which sizes their
+    key-side dk/dv pass (``dsa_triton_pull``) and picks the halo kernels where small offsets make
+    them faster; a query with an offset beyond ``max_offset`` gets a NaN ``dq`` (and a NaN output
+    row in the halo forward).
     """
     path = resolve_dsa_backend(q, backend)
     if path == "triton":

@@ -176,12 +176,28 @@ def halo_costs(grid, window, head_dim: int, bound: float, rows: int | None = Non
     return {"fwd": [scores, out], "bwd": [query, dq]}
 
 
-@functools.lru_cache(maxsize=256)
+def span_class(bound: float) -> tuple[float, str]:
+    """The offsets' bounds that reach the same keys as ``bound`` (``pull_span``: the integer part
+    and whether there is a fraction) as one representative and a label: ``n`` for a whole ``n``,
+    ``n + 0.5`` for ``(n, n + 1)``. The kernels' work, and so the cost model, depend on the bound
+    only through it: a bound measured per call maps onto a handful of classes."""
+    n = math.floor(bound)
+    if bound == n:
+        return float(n), f"offsets up to {n:g}"
+    return n + 0.5, f"offsets in ({n:g}, {n + 1:g})"
+
+
 def choose_halo(grid, window, head_dim: int, bound: float, dtype_bytes: int = 2) -> dict:
     """Per pass, whether the halo kernels are predicted faster than the gather kernels at this
     shape on H100 figures, with the offsets at the worst the bound allows (every group touching
     every row its span reaches): ``{"fwd": (bool, why), "bwd": (bool, why)}``. The backward
-    compares the query sides only: both modes run the same key-side pass after them."""
+    compares the query sides only: both modes run the same key-side pass after them. Bounds of
+    one ``span_class`` get one answer (and one reason to log)."""
+    return _choose_halo(tuple(grid), tuple(window), head_dim, *span_class(float(bound)), dtype_bytes)
+
+
+@functools.lru_cache(maxsize=256)
+def _choose_halo(grid, window, head_dim: int, bound: float, label: str, dtype_bytes: int) -> dict:
     N = math.prod(grid)
     chip = CHIPS[0]
     gather_fwd = gather_costs(N, window, head_dim, dtype_bytes)[0].seconds(chip)["seconds"]
@@ -191,7 +207,7 @@ def choose_halo(grid, window, head_dim: int, bound: float, dtype_bytes: int = 2)
     for pass_, gather_s in (("fwd", gather_fwd), ("bwd", gather_q)):
         halo_s = sum(c.seconds(chip)["seconds"] for c in halo[pass_])
         faster = halo_s < gather_s
-        out[pass_] = (faster, f"cost model at offsets up to {bound:g}: halo {1e3 * halo_s:.3g} ms vs gather "
+        out[pass_] = (faster, f"cost model at {label}: halo {1e3 * halo_s:.3g} ms vs gather "
                               f"{1e3 * gather_s:.3g} ms per head ({'x'.join(map(str, grid))}, d {head_dim}, "
                               f"window {'x'.join(map(str, window))})")
     return out

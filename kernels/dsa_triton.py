@@ -6,7 +6,9 @@ and the baseline they are timed against (benchmarks/gpu_check/).
 
 The forward and the backward's query side have a second implementation, the halo kernels
 (``dsa_triton_halo``: the products on tensor cores); ``HALO_MODE`` "auto" takes them per pass where
-the cost model (``dsa_cost.choose_halo``) predicts them faster, and logs the choice once.
+the cost model (``dsa_cost.choose_halo``) predicts them faster at the bound the call runs at (the
+offsets' measured extent where it is below a given ``max_offset``: ``TIGHTEN_BOUND``), and logs the
+choice once per span of the bound.
 
 Semantics are those of ``dsa_reference`` (docs/architecture.md, "3D-DSA: the operator"):
 channels-last ``q, k, v: (B, T, H, W, nh, d)``, ``offsets: (B, T, H, W, nh, K, 3)``.
@@ -50,7 +52,9 @@ Verification status (Caution):
 
 from __future__ import annotations
 
+import logging
 import math
+from types import SimpleNamespace
 from typing import Sequence
 
 import torch
@@ -58,7 +62,7 @@ import triton
 import triton.language as tl
 
 from .aot import AOT_POINTER_TYPES, aligned_pointer_attrs, signature_for
-from .dsa_cost import choose_halo
+from .dsa_cost import choose_halo, span_class
 from .dsa_reference import validate_dsa_inputs, validate_slab_inputs
 from .dsa_triton_halo import aot_variants as halo_variants
 from .dsa_triton_halo import halo_backward_query, halo_forward, halo_pass_refusal, score_chunk
@@ -71,6 +75,7 @@ from .dsa_triton_pull import (
     compute_capability,
     log_halo_once,
     log_mode_once,
+    offsets_extent,
     pairs_within,
     pull_bound,
     pull_launch,
@@ -79,7 +84,9 @@ from .dsa_triton_pull import (
 )
 from .dsa_triton_pull import aot_variants as pull_variants
 
-__all__ = ["dsa_triton", "dsa_triton_slab", "INTERPRETED", "scratch_bytes"]
+__all__ = ["dsa_triton", "dsa_triton_slab", "INTERPRETED", "scratch_bytes", "tightened_bound"]
+
+log = logging.getLogger(__name__)
 
 LOG2E = 1.4426950408889634
 # How the backward sums dk and dv: "auto" -- the key-side pass (dsa_triton_pull: deterministic, no
@@ -92,6 +99,12 @@ ATOMIC_BUDGET_BYTES = 1 << 30  # the atomic mode's fp32 dk, dv per launch; (batc
 # else the gather kernels; "halo" -- the halo kernels whenever the bound allows them, fp32 too;
 # "gather" -- always the gather kernels. A call with an explicit ``block_m`` takes the gather kernels.
 HALO_MODE = "auto"
+# Whether a call with a given ``max_offset`` measures its offsets (``max |offsets|``: one min/max
+# reduction and a host sync per forward call, reused by its backward) and runs at the smaller of the
+# two. The kernels' work grows with the bound's span (the key-side pass's candidates as (2M + 2)^3,
+# the rows a halo group touches as (2M + 2)^2), and the offsets a tanh-bounded head predicts are
+# mostly well inside its bound: zero from a fresh head. False: the given bound, no host sync.
+TIGHTEN_BOUND = True
 
 
 
@@ -447,6 +460,28 @@ def halo_choice(pass_: str, q, win, bound: float | None, why: str, block_m=None)
     return choose_halo(tuple(q.shape[1:4]), tuple(win), q.shape[-1], float(bound), q.element_size())[pass_]
 
 
+def tightened_bound(offsets: torch.Tensor, max_offset: float | None) -> float | None:
+    """The bound the kernels run a call at: the caller's ``max_offset``, or, with ``TIGHTEN_BOUND``,
+    the offsets' measured extent where it is smaller. Only speed depends on it: every sample lies
+    within it. A non-finite extent (a NaN or infinite offset) keeps ``max_offset``, so a query
+    past the given bound still gets its NaN row; so do meta tensors (nothing to measure) and calls
+    without a bound (the launchers measure those themselves)."""
+    if max_offset is None or not TIGHTEN_BOUND or offsets.device.type == "meta":
+        return max_offset
+    extent = offsets_extent(offsets)
+    if not math.isfinite(extent) or extent >= float(max_offset):
+        return max_offset
+    if "tightened" not in _TIGHTENED:
+        _TIGHTENED.add("tightened")
+        log.info("3D-DSA gather kernels: each call runs at its offsets' measured extent where it is below the given "
+                 "max_offset (first: %.3g of %g; one reduction and a host sync per forward call; "
+                 "dsa_triton.TIGHTEN_BOUND)", extent, float(max_offset))
+    return extent
+
+
+_TIGHTENED: set[str] = set()
+
+
 def _dsa_fwd_launch(q, k, v, offsets, win, scale, block_m, slab=None, max_offset=None):
     """out and the log-sum-exp: the halo forward (``dsa_triton_halo``: tensor cores) where
     ``halo_choice`` takes it, else the gather forward."""
@@ -537,6 +572,7 @@ class _DSATriton(torch.autograd.Function):
     def forward(ctx, q, k, v, offsets, win, scale, block_m, slab=None, max_offset=None):
         q, k, v, offsets = (x.contiguous() for x in (q, k, v, offsets))
         _check_launch(q, k, v, offsets)
+        max_offset = tightened_bound(offsets, max_offset)  # the backward runs at the same bound
         out, lse = _dsa_fwd_launch(q, k, v, offsets, win, scale, block_m, slab, max_offset)
         ctx.save_for_backward(q, k, v, offsets, out, lse)
         ctx.meta = (win, scale, block_m, slab, max_offset)
@@ -567,9 +603,10 @@ def dsa_triton(
     Same arguments and result as ``dsa_reference``; q/k/v in fp16/bf16/fp32 (computed
     in fp32), offsets in fp16/bf16/fp32. ``block_m`` (a power of two, >= 16) is queries
     per program for forward and backward; default: a heuristic on the head dim.
-    ``max_offset``: a bound on ``|offsets|`` the caller guarantees; the backward's key-side pass
-    (``dsa_triton_pull``) uses it instead of measuring the offsets (a host sync). A query with an
-    offset beyond it gets a NaN ``dq``.
+    ``max_offset``: a bound on ``|offsets|`` the caller guarantees. The call runs at it, or at the
+    offsets' measured extent where that is smaller (``tightened_bound``; ``TIGHTEN_BOUND``), which
+    sizes the backward's key-side pass (``dsa_triton_pull``) and the halo kernels and picks
+    between them and the gather kernels. A query with an offset beyond it gets a NaN ``dq``.
     """
     win = validate_dsa_inputs(q, k, v, offsets, window)
     return _gather_validated(q, k, v, offsets, win, scale, block_m, max_offset=max_offset)
@@ -608,7 +645,10 @@ def scratch_bytes(batch: int, heads: int, grid: Sequence[int], key_tokens: int, 
     log-sum-exp (for the planner): the forward's and the backward's peaks, whichever is larger.
     ``grid``: the queries' (T, H, W); ``key_tokens``: the keys (a slab's, or the grid's);
     ``max_offset``: the bound the caller passes (None: measured at run time, so the larger of
-    the two backward modes, and the halo forward wherever it may run at small offsets).
+    the two backward modes, and the halo forward wherever it may run at small offsets). With
+    ``TIGHTEN_BOUND`` a call may run at any bound below the given one (``tightened_bound``), so
+    the halo forward counts wherever it may run at small offsets, and a bound past the key-side
+    pass's cap counts the records too.
 
     - the halo forward, where ``auto`` takes it: the scores, ``4 K`` bytes per token and head, the
       (batch, head) pairs in chunks within ``SCORE_BUDGET_BYTES``;
@@ -621,7 +661,8 @@ def scratch_bytes(batch: int, heads: int, grid: Sequence[int], key_tokens: int, 
     K, N, pairs = math.prod(win), math.prod(grid), batch * heads
     bound = None if max_offset is None or bound_refusal(float(max_offset), window_w=win[2]) else float(max_offset)
     # measured offsets may be small on any call (a fresh offset head: 0), where the halo is likeliest
-    halo_bound = 0.0 if max_offset is None else bound
+    measured = max_offset is None or TIGHTEN_BOUND
+    halo_bound = 0.0 if measured else bound
     fwd = 0
     if halo_bound is not None and dtype_bytes < 4 and HALO_MODE != "gather" and (
             HALO_MODE == "halo" or choose_halo(tuple(grid), win, head_dim, float(halo_bound), dtype_bytes)["fwd"][0]):
@@ -630,12 +671,14 @@ def scratch_bytes(batch: int, heads: int, grid: Sequence[int], key_tokens: int, 
         return fwd
     records = rec_chunk(pairs, win, N) * REC_FIELDS * K * N * 4
     atomic = atomic_chunk(pairs, key_tokens, head_dim) * key_tokens * head_dim * 4 * 2
-    if DKV_MODE == "atomic" or (max_offset is not None and bound is None):
+    if DKV_MODE == "atomic":
         bwd = atomic
-    elif max_offset is None:
+    elif bound is not None:  # the given bound takes the pull mode, and so does any bound below it
+        bwd = records
+    elif measured:  # none given, or one past the cap: the measured offsets may take either mode
         bwd = max(records, atomic)
     else:
-        bwd = records
+        bwd = atomic
     return max(fwd, bwd)
 
 
@@ -648,15 +691,18 @@ def aot_variants(shape) -> list[dict]:
     dicts for ``benchmarks.gpu_check.compile.Variant``. The backward in both modes: ``pull`` (the
     query-side pass writing records; with ``max_offset`` within ``PULL_MAX_OFFSET`` the one that
     runs) and ``atomic`` (larger or unknown offsets), then the key-side pass
-    (``dsa_triton_pull``). The slab path launches the same kernels."""
+    (``dsa_triton_pull``). The slab path launches the same kernels. The key-side pass and the halo
+    kernels at every bound a call may run at (``bounds_run``): their configs follow the bound's span,
+    and a measured bound may be smaller than the given one."""
     t = AOT_POINTER_TYPES[shape.dtype]
     d = shape.head_dim
-    pull = shape.max_offset is not None and shape.max_offset <= PULL_MAX_OFFSET
+    bounds = bounds_run(shape.max_offset)
+    atomic = shape.max_offset is None or shape.max_offset > PULL_MAX_OFFSET  # offsets past the cap may come
     out = []
     for fn, configs in ((_dsa_fwd, FWD_CONFIGS), (_dsa_bwd, BWD_CONFIGS)):
         ptrs = {n: t for n in ("Q", "Kx", "V", "OFF", "OUT", "DOUT", "DQ", "DOFF") if n in fn.arg_names}
         ptrs.update({n: "*fp32" for n in ("LSE", "DK", "DV", "REC") if n in fn.arg_names})
-        modes = ((True, pull), (False, not pull)) if fn is _dsa_bwd else ((None, True),)
+        modes = ((True, bool(bounds)), (False, atomic)) if fn is _dsa_bwd else ((None, True),)
         for mode, runs in modes:
             for cfg in (BWD_PULL_CONFIGS if mode else configs):
                 consts = dict(HEAD_DIM=d, KT=shape.window[0], KH=shape.window[1], KW=shape.window[2],
@@ -671,6 +717,34 @@ def aot_variants(shape) -> list[dict]:
                                 num_stages=cfg.num_stages, config=f"BLOCK_M={cfg.kwargs['BLOCK_M']}",
                                 tensor_cores=False,
                                 note="" if runs else "the other backward mode at this bound (compiled for the record)"))
-    if pull:
-        out += pull_variants(shape) + halo_variants(shape)
+    seen = set()
+    for i, bound in enumerate(bounds):
+        at = SimpleNamespace(dtype=shape.dtype, head_dim=d, window=tuple(shape.window), max_offset=bound)
+        for spec in pull_variants(at) + halo_variants(at):
+            key = (spec["kernel"], spec.get("archs"), tuple(sorted(spec["constexprs"].items())), spec["num_warps"],
+                   spec.get("maxnreg"))
+            if key in seen:
+                continue  # the same compile as at a larger bound (BX, ELO and EHI are run-time arguments)
+            seen.add(key)
+            if i:
+                spec = dict(spec, note="; ".join(filter(None, (spec.get("note", ""),
+                                                                 f"at a measured bound: {span_class(bound)[1]}"))))
+            out.append(spec)
+    return out
+
+
+def bounds_run(max_offset: float | None) -> list[float]:
+    """The bounds the key-side pass and the halo kernels may run a call at, given ``max_offset``:
+    one per ``dsa_cost.span_class`` (their configs and work depend on the bound only through it),
+    the given bound first. With ``TIGHTEN_BOUND``, or without a given bound (measured per call),
+    every class up to the smaller of it and ``PULL_MAX_OFFSET``; else the given bound within it."""
+    if max_offset is not None and not TIGHTEN_BOUND:
+        return [float(max_offset)] if float(max_offset) <= PULL_MAX_OFFSET else []
+    top = PULL_MAX_OFFSET if max_offset is None else min(float(max_offset), PULL_MAX_OFFSET)
+    out, classes = [top], {span_class(top)[0]}
+    for k in range(int(2 * top), -1, -1):  # whole and half numbers: one of each class below
+        rep = span_class(k / 2)[0]
+        if k / 2 < top and rep not in classes:
+            classes.add(rep)
+            out.append(k / 2)
     return out

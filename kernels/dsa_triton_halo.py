@@ -49,8 +49,10 @@ When it runs
   column run covers, a slab holding every reachable frame: ``dsa_triton_pull.pull_bound``), bf16
   and fp16. ``dsa_triton.HALO_MODE`` "auto" takes the halo kernels per pass (the forward; the
   backward's query side) where the cost model (``dsa_cost.choose_halo``) predicts them faster than
-  the gather kernels at the bound: with offsets near zero (neighborhood attention, a fresh offset
-  head); at the presets' bound 1.5 it predicts the gather kernels faster. "halo" forces them. fp32
+  the gather kernels at the bound the call runs at (the offsets' measured extent where it is below
+  a given ``max_offset``). At the Wan grid: both passes at zero offsets (neighborhood attention, a
+  fresh offset head), and at head dim 128 the forward while every offset is within 1 token; from 1
+  on (up to the GPU check's bound 1.5) it predicts the gather kernels faster. "halo" forces them. fp32
   takes the gather kernels (the halo passes' fp32 ``ieee`` dots spill). A query with an offset
   beyond a given bound gets a NaN output row (and dq row): its corners may lie outside the columns
   the tile loaded.

@@ -39,8 +39,9 @@ Two passes (the pull mode of the gather backward)
 
 When it runs
   When the offsets' bound ``M`` is known and small: the caller's ``max_offset`` (the model's
-  tanh-bounded offset head passes it: no host sync), else ``max |offsets|`` measured per backward
-  call (a reduction and a host sync). Up to ``PULL_MAX_OFFSET`` (the candidate set grows as
+  tanh-bounded offset head passes it), tightened to the offsets' measured extent where that is
+  smaller (``dsa_triton.tightened_bound``: once per forward call, reused by its backward), else
+  ``max |offsets|`` measured per backward call (a reduction and a host sync). Up to ``PULL_MAX_OFFSET`` (the candidate set grows as
   ``(2M + 2)^3``). With a given bound, the query-side pass checks each sample against it: a query
   whose sample lies beyond it gets a NaN ``dq`` row. The key-side pass would miss that sample's
   corners, so the result is refused rather than wrong. Slab calls take the pull only when the
@@ -64,7 +65,7 @@ import triton.language as tl
 from .aot import AOT_POINTER_TYPES, aligned_pointer_attrs, signature_for
 from .dsa_reference import window_starts
 
-__all__ = ["pull_bound", "bound_refusal", "pull_launch", "PULL_MAX_OFFSET", "REC_BUDGET_BYTES", "pull_config", "aot_variants"]
+__all__ = ["pull_bound", "offsets_extent", "bound_refusal", "pull_launch", "PULL_MAX_OFFSET", "REC_BUDGET_BYTES", "pull_config", "aot_variants"]
 
 log = logging.getLogger(__name__)
 
@@ -288,6 +289,16 @@ def bound_refusal(bound: float, src: str = "max_offset", window_w: int | None = 
     return None
 
 
+def offsets_extent(offsets: torch.Tensor) -> float:
+    """``max |offsets|`` (0 for none; NaN when an offset is NaN): one min/max reduction and a host
+    sync, without the ``|offsets|`` copy (as large as the offsets: a GB at Wan 14B's grid)."""
+    if offsets.numel() == 0:
+        return 0.0
+    lo, hi = torch.aminmax(offsets.detach())
+    lo, hi = torch.stack((lo, hi)).tolist()
+    return max(-lo, hi) if lo == lo and hi == hi else math.nan
+
+
 def pull_bound(offsets: torch.Tensor, max_offset: float | None, slab=None, window_t: int = 1,
                window_w: int | None = None) -> tuple[float | None, str]:
     """The offsets' bound for the pull mode, or ``(None, why)`` when the atomic mode must run.
@@ -295,7 +306,7 @@ def pull_bound(offsets: torch.Tensor, max_offset: float | None, slab=None, windo
     if max_offset is not None:
         bound, src = float(max_offset), "max_offset"
     else:
-        bound, src = float(offsets.detach().abs().amax()) if offsets.numel() else 0.0, "measured"
+        bound, src = offsets_extent(offsets), "measured"
     why = bound_refusal(bound, src, window_w)
     if why:
         return None, why

@@ -97,6 +97,7 @@ import triton.language as tl
 
 from .dsa_reference import validate_dsa_inputs
 from .dsa_triton import INTERPRETED, LOG2E, _check_launch, _dsa_bwd_launch, _gather_validated
+from .dsa_triton_pull import offsets_extent
 
 __all__ = ["dsa_triton_tiled", "plan_tiles", "TilePlan", "MAX_TILE_ELEMS", "INTERPRETED"]
 
@@ -506,9 +507,7 @@ def plan_tiles(grid: Sequence[int], window: Sequence[int], radius: int,
 def _offset_radius(offsets: torch.Tensor, max_offset: float | None) -> float:
     if max_offset is not None:
         return float(max_offset)
-    if offsets.numel() == 0:
-        return 0.0
-    return float(offsets.detach().abs().amax().item())
+    return offsets_extent(offsets)
 
 
 def _log_fallback(reason: str, key: tuple, detail: str) -> None:

@@ -91,26 +91,36 @@ def test_gather_autotune_lists_are_what_the_check_compiles():
              + [("gather_bwd_pull", c.kwargs["BLOCK_M"], c.num_warps, c.num_stages) for c in dsa_triton.BWD_PULL_CONFIGS]
              + [("gather_bwd_atomic", c.kwargs["BLOCK_M"], c.num_warps, c.num_stages) for c in dsa_triton.BWD_CONFIGS])
     assert listed == tuned
-    # the key-side pass: the launcher's config on each target (pull_config's cc), for dk and for dv
+    # the key-side pass: the launcher's config on each target (pull_config's cc), for dk and for dv,
+    # at every bound a call may run at (the given one and, measured, each smaller span), each once
+    bounds = dsa_triton.bounds_run(shape.max_offset)
+    assert bounds == [1.5, 1.0, 0.5, 0.0]
     for arch, cc in (("sm_90", 90), ("sm_100", 100)):
-        cfg = pull_config(shape.head_dim, shape.window, *pull_span(shape.max_offset), cc=cc)
         pulls = [(v["kernel"], v["constexprs"]["BXP"], v["constexprs"]["QXP"], v["constexprs"]["UP"], v["num_warps"],
                   v["maxnreg"]) for v in variants if v["kernel"].startswith("pull") and arch in v["archs"]]
-        assert pulls == [(k, cfg["BXP"], cfg["QXP"], cfg["UP"], cfg["num_warps"], cfg["maxnreg"])
-                         for k in ("pull_dk", "pull_dv")]
+        launched = [(k, cfg["BXP"], cfg["QXP"], cfg["UP"], cfg["num_warps"], cfg["maxnreg"])
+                    for cfg in (pull_config(shape.head_dim, shape.window, *pull_span(b), cc=cc) for b in bounds)
+                    for k in ("pull_dk", "pull_dv")]
+        assert len(set(pulls)) == len(pulls) and set(pulls) == set(launched)
+        assert len(pulls) == 4  # 3x5x5: the band of 16 columns down to offsets in (1, 2), of 8 below
     assert pull_config(128, (3, 7, 7), 2, 2, fp32=True, cc=100)["maxnreg"] == 255  # fp32 on sm_100: no 128 cap
     # the halo kernels: the launchers' one config per pass and target (halo_config's cc), the rows
     # pass with its register limit, and a pass the target refuses listed as not picked
     from kernels.dsa_triton_halo import halo_config, halo_pass_refusal
 
     for arch, cc in (("sm_90", 90), ("sm_100", 100)):
-        cfg = halo_config(shape.head_dim, shape.window, *pull_span(shape.max_offset), cc=cc)
-        halos = [(v["kernel"], v["constexprs"]["XP"], v["constexprs"]["KWP"], v["num_warps"], v["maxnreg"],
-                  v["may_pick"]) for v in variants if v["kernel"].startswith("halo") and arch in v["archs"]]
-        launch = {"halo_scores": (cfg["scores_warps"], None, "fwd"), "halo_out": (cfg["rows_warps"], cfg["rows_maxnreg"], "fwd"),
-                  "halo_bwd": (cfg["bwd_warps"], None, "bwd"), "halo_dq": (cfg["rows_warps"], cfg["rows_maxnreg"], "bwd")}
-        assert halos == [(k, cfg["XP"], cfg["KWP"], w, r, halo_pass_refusal(p, shape.head_dim, cc) is None)
-                         for k, (w, r, p) in launch.items()]
+        halos = [(v["kernel"], v["constexprs"]["XP"], v["constexprs"]["KWP"], v["constexprs"].get("UP"), v["num_warps"],
+                  v["maxnreg"], v["may_pick"]) for v in variants if v["kernel"].startswith("halo") and arch in v["archs"]]
+        launched = []
+        for b in bounds:
+            cfg = halo_config(shape.head_dim, shape.window, *pull_span(b), cc=cc)
+            launch = {"halo_scores": (None, cfg["scores_warps"], None, "fwd"),
+                      "halo_out": (cfg["UP"], cfg["rows_warps"], cfg["rows_maxnreg"], "fwd"),
+                      "halo_bwd": (None, cfg["bwd_warps"], None, "bwd"),
+                      "halo_dq": (cfg["UP"], cfg["rows_warps"], cfg["rows_maxnreg"], "bwd")}
+            launched += [(k, cfg["XP"], cfg["KWP"], up, w, r, halo_pass_refusal(p, shape.head_dim, cc) is None)
+                         for k, (up, w, r, p) in launch.items()]
+        assert len(set(halos)) == len(halos) and set(halos) == set(launched)
     assert halo_config(128, (3, 7, 7), 2, 2, cc=90)["rows_maxnreg"] is None  # sm_90: ptxas chooses (no spills)
 
 

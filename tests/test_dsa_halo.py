@@ -174,7 +174,9 @@ WAN = dict(B=1, nh=6, d=128, grid=(21, 30, 52))  # the Wan grid, 3x7x7, six head
 ])
 def test_scratch_bytes_is_what_the_launchers_allocate(monkeypatch, bound, fwd_kernel, bwd_mode):
     """``scratch_bytes`` (the planner's term) against every allocation the forward and backward
-    launchers make, on the meta device at the Wan grid, the bound given."""
+    launchers make, on the meta device at the Wan grid: at the bound given, and at the smallest a
+    call given it may run at (its offsets measured at zero, ``tightened_bound``), the larger of
+    the two; without tightening, the given bound's alone."""
     pytest.importorskip("triton")
     import kernels.dsa_triton as DT
 
@@ -185,7 +187,12 @@ def test_scratch_bytes_is_what_the_launchers_allocate(monkeypatch, bound, fwd_ke
     assert ("_dsa_halo_scores" in ran) == (fwd_kernel == "halo")
     assert ("pull_launch" in ran) == (bwd_mode == "pull")
     assert max(fwd, bwd) > 0
+    fwd0, bwd0, ran0 = _launch_scratch(monkeypatch, q, off, 0.0)
+    assert {"_dsa_halo_scores", "pull_launch"} <= set(ran0)
     N = 21 * 30 * 52
+    assert DT.scratch_bytes(B, nh, grid, N, (3, 7, 7), d, bound) == max(fwd, bwd, fwd0, bwd0)
+    assert DT.scratch_bytes(B, nh, grid, N, (3, 7, 7), d, bound, backward=False) == max(fwd, fwd0)
+    monkeypatch.setattr(DT, "TIGHTEN_BOUND", False)
     assert DT.scratch_bytes(B, nh, grid, N, (3, 7, 7), d, bound) == max(fwd, bwd)
     assert DT.scratch_bytes(B, nh, grid, N, (3, 7, 7), d, bound, backward=False) == fwd
 
@@ -207,6 +214,70 @@ def test_scratch_bytes_covers_measured_offsets_small_and_large(monkeypatch):
         seen.append(max(fwd, bwd))
         del off
     assert DT.scratch_bytes(B, nh, grid, 21 * 30 * 52, (3, 7, 7), d, None) == max(seen)
+
+
+@pytest.mark.parametrize("extent,fwd,bwd_query", [
+    (0.0, "halo", "halo"),  # a fresh offset head: neighborhood attention on tensor cores
+    (0.375, "halo", "gather"),  # offsets well inside the bound: the halo forward
+    (1.375, "gather", "gather"),  # near the bound: as at the bound itself
+])
+def test_a_given_bound_is_tightened_to_the_measured_extent(monkeypatch, extent, fwd, bwd_query):
+    """``max_offset`` 1.5 (the presets'), offsets up to ``extent``: the forward measures them once
+    and both passes run at the smaller bound -- the kernels the cost model picks there and the
+    key-side pass's span for it; the backward does not measure again. ``TIGHTEN_BOUND`` False: the
+    given bound, nothing measured. Kernels stubbed (CPU tensors at the Wan grid)."""
+    pytest.importorskip("triton")
+    import kernels.dsa_triton as DT
+    import kernels.dsa_triton_halo as HALO
+
+    calls, measured = [], []
+    bound_at = lambda i: lambda grid, args: (args[i],)  # noqa: E731
+    for mod, name, what in ((DT, "halo_forward", bound_at(6)), (DT, "halo_backward_query", bound_at(10)),
+                            (DT, "pull_launch", bound_at(6)), (DT, "_dsa_fwd_tuned", lambda g, a: ()),
+                            (DT, "_dsa_bwd_pull_tuned", lambda g, a: ()), (DT, "_dsa_bwd_tuned", lambda g, a: ()),
+                            (HALO, "_dsa_halo_rows", lambda g, a: ())):
+        monkeypatch.setattr(mod, name, Launches(calls, name, what))
+    monkeypatch.setattr(DT, "_check_launch", lambda *a: None)  # CPU tensors reach the (stubbed) launches
+    real_extent = DT.offsets_extent
+    monkeypatch.setattr(DT, "offsets_extent", lambda off: measured.append(1) or real_extent(off))
+
+    q, k, v = (torch.zeros(1, 21, 30, 52, 1, 128, dtype=torch.bfloat16, requires_grad=True) for _ in range(3))
+    off = torch.zeros(*q.shape[:5], 147, 3, dtype=torch.bfloat16)
+    off[..., 5, 0], off[..., 9, 2] = extent, -extent
+    off.requires_grad_(True)
+
+    def run():
+        calls.clear(), measured.clear()
+        DT.dsa_triton(q, k, v, off, (3, 7, 7), max_offset=1.5).float().sum().backward()
+        return {c[0]: c[1:] for c in calls}
+
+    ran = run()
+    assert measured == [1]  # once, in the forward
+    assert ("halo_forward" in ran) == (fwd == "halo") and ("_dsa_fwd_tuned" in ran) == (fwd == "gather")
+    assert ("halo_backward_query" in ran) == (bwd_query == "halo")
+    assert ("_dsa_bwd_pull_tuned" in ran) == (bwd_query == "gather")
+    assert ran["pull_launch"] == (extent,)  # the key-side pass at the measured bound (exact in bf16)
+    if fwd == "halo":
+        assert ran["halo_forward"] == (extent,)
+    monkeypatch.setattr(DT, "TIGHTEN_BOUND", False)
+    ran = run()
+    assert measured == [] and "_dsa_fwd_tuned" in ran and ran["pull_launch"] == (1.5,)
+
+
+def test_tightened_bound_keeps_the_given_one_where_it_must():
+    """An extent at or past the given bound, a NaN offset (its query's NaN row needs the given
+    bound), meta tensors and no bound at all: the given value unchanged."""
+    pytest.importorskip("triton")
+    import kernels.dsa_triton as DT
+
+    off = torch.tensor([0.25, -0.75, 0.5])
+    assert DT.tightened_bound(off, 1.5) == 0.75
+    assert DT.tightened_bound(off, 0.75) == 0.75 and DT.tightened_bound(off, 0.5) == 0.5
+    assert DT.tightened_bound(torch.tensor([0.1, float("nan")]), 1.5) == 1.5
+    assert DT.tightened_bound(torch.tensor([0.1, float("-inf")]), 1.5) == 1.5
+    assert DT.tightened_bound(torch.empty(4, 3, device="meta"), 1.5) == 1.5
+    assert DT.tightened_bound(off, None) is None
+    assert DT.tightened_bound(torch.empty(0, 3), 1.5) == 0.0
 
 
 def test_cost_model_counts_the_halo_work_the_offsets_reach():
