@@ -124,7 +124,8 @@ def test_gather_autotune_lists_are_what_the_check_compiles():
     assert halo_config(128, (3, 7, 7), 2, 2, cc=90)["rows_maxnreg"] is None  # sm_90: ptxas chooses (no spills)
 
 
-@pytest.mark.slow  # about 30 s on 2 cores: every config at the presets' shapes, for sm_90
+@pytest.mark.slow  # about 70 s on 2 cores: every config at the presets' shapes, for sm_90
+@pytest.mark.child_process
 def test_sm90_compile_only_check_passes_at_the_preset_shapes(tmp_path):
     pytest.importorskip("triton")
     out = tmp_path / "aot.json"
@@ -151,6 +152,7 @@ def test_sm90_compile_only_check_passes_at_the_preset_shapes(tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.child_process
 def test_a_spilling_config_fails_the_check():
     """The check can fail: the gather forward at 64 queries per program and 4 warps spills at d 128."""
     pytest.importorskip("triton")

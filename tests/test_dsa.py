@@ -505,7 +505,8 @@ interpreter_only = pytest.mark.skipif(
 )
 
 
-@pytest.mark.slow  # about 50 s: every Triton interpreter child runs in the slow half
+@pytest.mark.slow  # about 80 s: every Triton interpreter child runs in the slow half
+@pytest.mark.child_process
 @pytest.mark.skipif(INTERPRETER_ACTIVE, reason="already inside the interpreter run")
 def test_triton_kernels_under_interpreter():
     """Run the ``test_interp_*`` tests below in a child process with TRITON_INTERPRET=1

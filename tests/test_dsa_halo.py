@@ -49,7 +49,8 @@ class Launches:
         self.calls.append((self.name, *self.what(None, a)))
 
 
-@pytest.mark.slow  # about two minutes: every Triton interpreter child runs in the slow half
+@pytest.mark.slow  # about 4 min: every Triton interpreter child runs in the slow half
+@pytest.mark.child_process
 @pytest.mark.skipif(INTERPRETER_ACTIVE, reason="already inside the interpreter run")
 def test_halo_kernels_under_interpreter():
     pytest.importorskip("triton")

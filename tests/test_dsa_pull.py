@@ -34,7 +34,8 @@ interpreter_only = pytest.mark.skipif(
 )
 
 
-@pytest.mark.slow  # about a minute: every Triton interpreter child runs in the slow half
+@pytest.mark.slow  # about 4 min: every Triton interpreter child runs in the slow half
+@pytest.mark.child_process
 @pytest.mark.skipif(INTERPRETER_ACTIVE, reason="already inside the interpreter run")
 def test_pull_kernels_under_interpreter():
     pytest.importorskip("triton")

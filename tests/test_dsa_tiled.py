@@ -39,7 +39,8 @@ interpreter_only = pytest.mark.skipif(
 )
 
 
-@pytest.mark.slow  # about 30 s: the default run stays under 10 minutes (`.ci/run` runs the slow half too)
+@pytest.mark.slow  # about 50 s: the default run stays under 10 minutes (`.ci/run` runs the slow half too)
+@pytest.mark.child_process
 @pytest.mark.skipif(INTERPRETER_ACTIVE, reason="already inside the interpreter run")
 def test_tiled_kernels_under_interpreter():
     """Run the ``test_interp_*`` tests below in a child process with TRITON_INTERPRET=1."""
@@ -48,6 +49,7 @@ def test_tiled_kernels_under_interpreter():
 
 
 @pytest.mark.slow
+@pytest.mark.child_process
 @pytest.mark.skipif(INTERPRETER_ACTIVE, reason="already inside the interpreter run")
 def test_tiled_kernels_under_interpreter_slow():
     """The heavier interpreter cases (d 128, B 2, nh 3, window (3, 5, 5))."""

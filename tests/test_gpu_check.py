@@ -38,6 +38,7 @@ finally:
 
 
 @pytest.mark.slow  # about 3 min on 2 cores: a fresh process of the GPU script on CPU, its kernels interpreted
+@pytest.mark.child_process
 def test_gpu_check_smoke_runs_without_ray_decord_av_diffusers(tmp_path):
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env.update(PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")

@@ -212,7 +212,8 @@ interpreter_only = pytest.mark.skipif(
 )
 
 
-@pytest.mark.slow  # 43 s; the reference and CPU paths of the same checks run by default
+@pytest.mark.slow  # about 3 min; the reference and CPU paths of the same checks run by default
+@pytest.mark.child_process
 @pytest.mark.skipif(INTERPRETER_ACTIVE, reason="already inside the interpreter run")
 def test_token_chunk_under_interpreter():
     """Run the ``test_interp_*`` tests below in a child process with TRITON_INTERPRET=1."""
