@@ -222,6 +222,6 @@ def aot_variants(shape) -> list[dict]:
     """Every Triton kernel and config the dispatcher may launch at ``shape`` (dtype, head dim, window,
     grid, ``max_offset``), as compile specs for ``benchmarks.gpu_check.compile`` (the compile-only
     check): the kernel modules list their own launches."""
-    from . import dsa_triton  # lazy: needs triton, which a CPU machine may lack
+    from . import dsa_triton_variants  # lazy: needs triton, which a CPU machine may lack
 
-    return dsa_triton.aot_variants(shape)
+    return dsa_triton_variants.aot_variants(shape)

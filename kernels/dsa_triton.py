@@ -54,21 +54,17 @@ from __future__ import annotations
 
 import logging
 import math
-from types import SimpleNamespace
 from typing import Sequence
 
 import torch
 import triton
 import triton.language as tl
 
-from .aot import AOT_POINTER_TYPES, aligned_pointer_attrs, signature_for
-from .dsa_cost import choose_halo, span_class
+from .dsa_cost import choose_halo
 from .dsa_reference import validate_dsa_inputs, validate_slab_inputs
-from .dsa_triton_halo import aot_variants as halo_variants
 from .dsa_triton_halo import halo_backward_query, halo_forward, halo_pass_refusal, score_chunk
 from .dsa_triton_pull import (
     INTERPRETED,  # which kind of kernel the @triton.jit decorators made (CPU tensors only when interpreted)
-    PULL_MAX_OFFSET,
     REC_FIELDS,
     _past_bound,
     bound_refusal,
@@ -82,7 +78,6 @@ from .dsa_triton_pull import (
     pull_span,
     rec_chunk,
 )
-from .dsa_triton_pull import aot_variants as pull_variants
 
 __all__ = ["dsa_triton", "dsa_triton_slab", "INTERPRETED", "scratch_bytes", "tightened_bound"]
 
@@ -680,71 +675,3 @@ def scratch_bytes(batch: int, heads: int, grid: Sequence[int], key_tokens: int, 
     else:
         bwd = atomic
     return max(fwd, bwd)
-
-
-# -----------------------------------------------------------------------------
-# Ahead-of-time compile specs (benchmarks/gpu_check/compile.py)
-
-def aot_variants(shape) -> list[dict]:
-    """What the launchers above compile for ``shape`` (an object with ``dtype`` ("bf16"/"fp32"),
-    ``head_dim``, ``window`` and ``max_offset``): forward and backward at every autotune config, as
-    dicts for ``benchmarks.gpu_check.compile.Variant``. The backward in both modes: ``pull`` (the
-    query-side pass writing records; with ``max_offset`` within ``PULL_MAX_OFFSET`` the one that
-    runs) and ``atomic`` (larger or unknown offsets), then the key-side pass
-    (``dsa_triton_pull``). The slab path launches the same kernels. The key-side pass and the halo
-    kernels at every bound a call may run at (``bounds_run``): their configs follow the bound's span,
-    and a measured bound may be smaller than the given one."""
-    t = AOT_POINTER_TYPES[shape.dtype]
-    d = shape.head_dim
-    bounds = bounds_run(shape.max_offset)
-    atomic = shape.max_offset is None or shape.max_offset > PULL_MAX_OFFSET  # offsets past the cap may come
-    out = []
-    for fn, configs in ((_dsa_fwd, FWD_CONFIGS), (_dsa_bwd, BWD_CONFIGS)):
-        ptrs = {n: t for n in ("Q", "Kx", "V", "OFF", "OUT", "DOUT", "DQ", "DOFF") if n in fn.arg_names}
-        ptrs.update({n: "*fp32" for n in ("LSE", "DK", "DV", "REC") if n in fn.arg_names})
-        modes = ((True, bool(bounds)), (False, atomic)) if fn is _dsa_bwd else ((None, True),)
-        for mode, runs in modes:
-            for cfg in (BWD_PULL_CONFIGS if mode else configs):
-                consts = dict(HEAD_DIM=d, KT=shape.window[0], KH=shape.window[1], KW=shape.window[2],
-                              BLOCK_D=_block_d(d), **cfg.kwargs)
-                name = "gather_fwd"
-                if mode is not None:
-                    consts["PULL"] = mode
-                    name = "gather_bwd_pull" if mode else "gather_bwd_atomic"
-                out.append(dict(kernel=name, fn=fn,
-                                signature=signature_for(fn, ptrs, ("qk_scale", "sm_scale"), consts),
-                                constexprs=consts, attrs=aligned_pointer_attrs(fn, ptrs), num_warps=cfg.num_warps,
-                                num_stages=cfg.num_stages, config=f"BLOCK_M={cfg.kwargs['BLOCK_M']}",
-                                tensor_cores=False,
-                                note="" if runs else "the other backward mode at this bound (compiled for the record)"))
-    seen = set()
-    for i, bound in enumerate(bounds):
-        at = SimpleNamespace(dtype=shape.dtype, head_dim=d, window=tuple(shape.window), max_offset=bound)
-        for spec in pull_variants(at) + halo_variants(at):
-            key = (spec["kernel"], spec.get("archs"), tuple(sorted(spec["constexprs"].items())), spec["num_warps"],
-                   spec.get("maxnreg"))
-            if key in seen:
-                continue  # the same compile as at a larger bound (BX, ELO and EHI are run-time arguments)
-            seen.add(key)
-            if i:
-                spec = dict(spec, note="; ".join(filter(None, (spec.get("note", ""),
-                                                                 f"at a measured bound: {span_class(bound)[1]}"))))
-            out.append(spec)
-    return out
-
-
-def bounds_run(max_offset: float | None) -> list[float]:
-    """The bounds the key-side pass and the halo kernels may run a call at, given ``max_offset``:
-    one per ``dsa_cost.span_class`` (their configs and work depend on the bound only through it),
-    the given bound first. With ``TIGHTEN_BOUND``, or without a given bound (measured per call),
-    every class up to the smaller of it and ``PULL_MAX_OFFSET``; else the given bound within it."""
-    if max_offset is not None and not TIGHTEN_BOUND:
-        return [float(max_offset)] if float(max_offset) <= PULL_MAX_OFFSET else []
-    top = PULL_MAX_OFFSET if max_offset is None else min(float(max_offset), PULL_MAX_OFFSET)
-    out, classes = [top], {span_class(top)[0]}
-    for k in range(int(2 * top), -1, -1):  # whole and half numbers: one of each class below
-        rep = span_class(k / 2)[0]
-        if k / 2 < top and rep not in classes:
-            classes.add(rep)
-            out.append(k / 2)
-    return out

@@ -79,7 +79,7 @@ def test_clean_record_and_blocks_per_sm():
 
 def test_gather_autotune_lists_are_what_the_check_compiles():
     pytest.importorskip("triton")
-    from kernels import aot_variants, dsa_triton
+    from kernels import aot_variants, dsa_triton, dsa_triton_variants
 
     shape = aot.preset_shapes()[0]
     from kernels.dsa_triton_pull import pull_config, pull_span
@@ -93,7 +93,7 @@ def test_gather_autotune_lists_are_what_the_check_compiles():
     assert listed == tuned
     # the key-side pass: the launcher's config on each target (pull_config's cc), for dk and for dv,
     # at every bound a call may run at (the given one and, measured, each smaller span), each once
-    bounds = dsa_triton.bounds_run(shape.max_offset)
+    bounds = dsa_triton_variants.bounds_run(shape.max_offset)
     assert bounds == [1.5, 1.0, 0.5, 0.0]
     for arch, cc in (("sm_90", 90), ("sm_100", 100)):
         pulls = [(v["kernel"], v["constexprs"]["BXP"], v["constexprs"]["QXP"], v["constexprs"]["UP"], v["num_warps"],
