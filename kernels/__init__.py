@@ -162,8 +162,9 @@ def deformable_slide_attention(
     and ``dsa_reference``.
 
     ``max_offset``: a bound on ``|offsets|`` the caller guarantees (a tanh-bounded offset head's
-    ``attention.max_offset``); the Triton paths read it, the others ignore it. The tiled kernel sizes its halo by it, and a query with an offset
-    beyond ``ceil(max_offset)`` gets NaN output and gradients (``dsa_triton_tiled``). The gather
+    ``attention.max_offset``); the Triton paths read it, the others ignore it. The tiled kernel
+    sizes its halo by it, and a query with an offset beyond ``ceil(max_offset)`` gets NaN output
+    and gradients (``dsa_triton_tiled``). The gather
     kernels run at the smaller of it and the offsets' measured extent (one reduction and a host
     sync per forward call; ``dsa_triton.TIGHTEN_BOUND = False`` turns that off), which sizes their
     key-side dk/dv pass (``dsa_triton_pull``) and picks the halo kernels where small offsets make

@@ -455,6 +455,9 @@ def halo_choice(pass_: str, q, win, bound: float | None, why: str, block_m=None)
     return choose_halo(tuple(q.shape[1:4]), tuple(win), q.shape[-1], float(bound), q.element_size())[pass_]
 
 
+_TIGHTENED: list[float] = []  # the first tightened extent, once logged
+
+
 def tightened_bound(offsets: torch.Tensor, max_offset: float | None) -> float | None:
     """The bound the kernels run a call at: the caller's ``max_offset``, or, with ``TIGHTEN_BOUND``,
     the offsets' measured extent where it is smaller. Only speed depends on it: every sample lies
@@ -466,15 +469,12 @@ def tightened_bound(offsets: torch.Tensor, max_offset: float | None) -> float | 
     extent = offsets_extent(offsets)
     if not math.isfinite(extent) or extent >= float(max_offset):
         return max_offset
-    if "tightened" not in _TIGHTENED:
-        _TIGHTENED.add("tightened")
+    if not _TIGHTENED:  # said once per process
+        _TIGHTENED.append(extent)
         log.info("3D-DSA gather kernels: each call runs at its offsets' measured extent where it is below the given "
                  "max_offset (first: %.3g of %g; one reduction and a host sync per forward call; "
                  "dsa_triton.TIGHTEN_BOUND)", extent, float(max_offset))
     return extent
-
-
-_TIGHTENED: set[str] = set()
 
 
 def _dsa_fwd_launch(q, k, v, offsets, win, scale, block_m, slab=None, max_offset=None):

@@ -41,8 +41,8 @@ When it runs
   When the offsets' bound ``M`` is known and small: the caller's ``max_offset`` (the model's
   tanh-bounded offset head passes it), tightened to the offsets' measured extent where that is
   smaller (``dsa_triton.tightened_bound``: once per forward call, reused by its backward), else
-  ``max |offsets|`` measured per backward call (a reduction and a host sync). Up to ``PULL_MAX_OFFSET`` (the candidate set grows as
-  ``(2M + 2)^3``). With a given bound, the query-side pass checks each sample against it: a query
+  ``max |offsets|`` measured per backward call (a reduction and a host sync). Up to
+  ``PULL_MAX_OFFSET`` (the candidate set grows as ``(2M + 2)^3``). With a given bound, the query-side pass checks each sample against it: a query
   whose sample lies beyond it gets a NaN ``dq`` row. The key-side pass would miss that sample's
   corners, so the result is refused rather than wrong. Slab calls take the pull only when the
   held frames contain every corner the bound allows. Otherwise the atomic mode runs, and the

@@ -17,7 +17,6 @@ from .dsa_triton_pull import aot_variants as pull_variants
 __all__ = ["aot_variants", "bounds_run"]
 
 
-
 def aot_variants(shape) -> list[dict]:
     """What the launchers of ``dsa_triton`` compile for ``shape`` (an object with ``dtype`` ("bf16"/"fp32"),
     ``head_dim``, ``window`` and ``max_offset``): forward and backward at every autotune config, as
@@ -77,7 +76,7 @@ def bounds_run(max_offset: float | None) -> list[float]:
     out, classes = [top], {span_class(top)[0]}
     for k in range(int(2 * top), -1, -1):  # whole and half numbers: one of each class below
         rep = span_class(k / 2)[0]
-        if k / 2 < top and rep not in classes:
+        if rep not in classes:
             classes.add(rep)
             out.append(k / 2)
     return out
