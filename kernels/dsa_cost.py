@@ -6,11 +6,23 @@ pass, between the halo kernels (``dsa_triton_halo``: tensor cores) and the gathe
 
 Per kernel and shape (one batch item, one head; a layer multiplies by its heads): the roofline
 time is the largest of FLOPs / the units' peak, DRAM bytes / HBM bandwidth, L1 bytes / L1
-bandwidth and atomic bytes / L2 bandwidth. The figures are datasheet peaks (H100 SXM: 989
+bandwidth, atomic bytes / L2 bandwidth and issue slots / the issue rate. The figures are datasheet peaks (H100 SXM: 989
 TFLOP/s dense bf16, 67 TFLOP/s fp32, 3.35 TB/s HBM3; H200 SXM: same compute, 4.8 TB/s HBM3e), L1
 at 128 B per clock per SM (132 SMs, 1.98 GHz boost: 33 TB/s) and L2 at 5.5 TB/s for fp32
-reductions (an assumption, not a datasheet figure). Lane operations (index arithmetic, tents,
-selections) count as FMA issue slots: 2 FLOPs on the CUDA cores.
+reductions (an assumption, not a datasheet figure); the issue rate is one instruction per lane
+and clock on each of the 4 schedulers of every SM (128 lanes: 33.5 T lane instructions per second,
+half the fp32 FLOP rate).
+
+Issue slots, from the compile. Every instruction a thread runs takes an issue slot: the FMAs, and
+also the index arithmetic, tents, selections, gathers and layout changes around them. Where the
+issue table (``dsa_issue_sm90.json``, written by ``python -m benchmarks.gpu_check.issue_table``
+from an sm_90 compile) has a kernel's config, its slots are the PTX instructions per loop level
+times the loops' trip counts times the threads: the gather kernels' loops are the window's slots
+and the 8 corners; the halo passes' are the window's ``(jt, jy)`` groups and the key rows a group
+touches. This replaces the per-operation estimates below, which undercounted the gather forward
+about 5x (36 d FLOPs per (query, sample) counted; its PTX issues ``~13 k`` lane instructions per
+(query, sample) at d 128). Shapes the table lacks (other head dims, windows, fp32) fall back to the
+estimates, for every kernel compared at once so a choice never weighs one measure against the other.
 
 The gather kernels are FMA kernels: per (query, sample) the forward blends 8 corner rows of k and
 of v (``8 d`` FMAs each, 16 row reads of ``d`` elements from L1/L2) and takes one dot and one
@@ -25,8 +37,16 @@ Everything here is a prediction until a GPU run measures it (``python -m benchma
 from __future__ import annotations
 
 import functools
+import json
 import math
 from dataclasses import dataclass
+from pathlib import Path
+
+ISSUE_FILE = Path(__file__).with_name("dsa_issue_sm90.json")
+ISSUE_KERNELS = ("gather_fwd", "gather_bwd_pull", "gather_bwd_atomic", "halo_scores", "halo_out", "halo_bwd",
+                 "halo_dq", "pull_dk", "pull_dv")
+"""The kernels the issue table holds: those ``choose_halo`` weighs, the key-side pass the pull
+mode adds, and the atomic mode's backward (the per-head totals)."""
 
 
 @dataclass(frozen=True)
@@ -37,12 +57,48 @@ class Chip:
     hbm: float  # B/s
     l1: float  # aggregate L1 / shared-memory B/s
     l2_atomic: float  # B/s of fp32 reductions into L2 (assumed)
+    issue: float  # lane instructions per second (4 schedulers x 32 lanes per SM and clock)
 
 
 CHIPS = (
-    Chip("H100", 989e12, 67e12, 3.35e12, 132 * 128 * 1.98e9, 5.5e12),
-    Chip("H200", 989e12, 67e12, 4.8e12, 132 * 128 * 1.98e9, 5.5e12),
+    Chip("H100", 989e12, 67e12, 3.35e12, 132 * 128 * 1.98e9, 5.5e12, 132 * 128 * 1.98e9),
+    Chip("H200", 989e12, 67e12, 4.8e12, 132 * 128 * 1.98e9, 5.5e12, 132 * 128 * 1.98e9),
 )
+
+
+def issue_key(kernel: str, head_dim: int, window, constexprs: dict, warps: int) -> str:
+    """The issue table's key for a compile: the kernel, head dim, window, the constexprs that change
+    its code (tile sizes and widths; the bound and the grid are run-time arguments) and the warps."""
+    cfg = ",".join(f"{k}={constexprs[k]}" for k in ("BLOCK_M", "XP", "QXP", "KWP", "UP", "JC") if k in constexprs)
+    return f"{kernel} d{head_dim} w{'x'.join(map(str, window))} {cfg} warps={warps}"
+
+
+@functools.lru_cache(maxsize=1)
+def issue_table() -> dict:
+    """The issue table's entries (``{}`` when the file is missing)."""
+    try:
+        return json.loads(ISSUE_FILE.read_text())["entries"]
+    except FileNotFoundError:
+        return {}
+
+
+def _per_thread(depths: dict, trips) -> float:
+    """Instructions one thread issues: the count at each loop depth times the trips of its loops
+    (``trips[i]``: iterations of depth ``i + 1`` per iteration of depth ``i``)."""
+    total, reps = 0.0, 1.0
+    for depth in range(max(map(int, depths)) + 1):
+        if depth:
+            reps *= trips[depth - 1]
+        total += depths.get(str(depth), 0) * reps
+    return total
+
+
+def issue_slots(key: str, programs: float, trips) -> float | None:
+    """Lane issue slots of ``programs`` launches of the table's ``key``, or None where the table lacks it."""
+    entry = issue_table().get(key)
+    if entry is None:
+        return None
+    return programs * 32 * entry["warps"] * _per_thread(entry["depths"], trips)
 
 
 @dataclass(frozen=True)
@@ -58,17 +114,32 @@ class Cost:
     dram_bytes: float
     l1_bytes: float
     atomic_bytes: float
+    issue: float | None = None  # lane issue slots from the compile (``issue_slots``); None: the FMA estimate
 
     def seconds(self, chip: Chip) -> dict:
-        parts = {"fma": self.fma_flops / chip.fp32, "tc": self.tc_flops / chip.bf16_tc,
+        lanes = {"fma": self.fma_flops / chip.fp32} if self.issue is None else {"issue": self.issue / chip.issue}
+        parts = {**lanes, "tc": self.tc_flops / chip.bf16_tc,
                  "dram": self.dram_bytes / chip.hbm, "l1": self.l1_bytes / chip.l1,
                  "atomics": self.atomic_bytes / chip.l2_atomic}
         bound = max(parts, key=parts.get)
         return {"seconds": parts[bound], "bound": bound, **{f"{k}_s": v for k, v in parts.items()}}
 
 
-def gather_costs(tokens: int, window, head_dim: int, dtype_bytes: int = 2, off_bytes: int | None = None) -> list[Cost]:
-    """Forward and backward of the gather kernels for ``tokens`` queries of one head."""
+def _gather_issue(kernel: str, tokens: int, window, head_dim: int, dtype_bytes: int) -> float | None:
+    """The issue slots of a gather kernel over ``tokens`` queries: the table's fastest config (the
+    autotuner's pick), loops over the window's slots and the 8 corners; None where the table lacks it."""
+    if dtype_bytes != 2:
+        return None
+    K = math.prod(window)
+    found = [issue_slots(key, math.ceil(tokens / e["constexprs"]["BLOCK_M"]), (K, 8)) for key, e in issue_table().items()
+             if e["kernel"] == kernel and e["head_dim"] == head_dim and tuple(e["window"]) == tuple(window)]
+    return min(found) if found else None
+
+
+def gather_costs(tokens: int, window, head_dim: int, dtype_bytes: int = 2, off_bytes: int | None = None,
+                 issue: bool = True) -> list[Cost]:
+    """Forward and backward (its atomic mode) of the gather kernels for ``tokens`` queries of one
+    head. ``issue``: count their issue slots from the issue table where it has them."""
     K = math.prod(window)
     d, N, e = head_dim, tokens, dtype_bytes
     ob = e if off_bytes is None else off_bytes
@@ -76,14 +147,16 @@ def gather_costs(tokens: int, window, head_dim: int, dtype_bytes: int = 2, off_b
     # DRAM: q, k, v, out (+ lse) once, offsets once; the corner rows come from L1/L2 (a head's
     # k and v, 2 N d e bytes, stay in L2 for the grids here: 16 MB at 32k tokens and d = 128)
     fwd = Cost("gather_fwd", N, K, d, fma_flops=36.0 * N * K * d, tc_flops=0.0,
-               dram_bytes=N * (4 * row + 4 + 3 * K * ob), l1_bytes=N * K * 16 * row, atomic_bytes=0.0)
+               dram_bytes=N * (4 * row + 4 + 3 * K * ob), l1_bytes=N * K * 16 * row, atomic_bytes=0.0,
+               issue=_gather_issue("gather_fwd", N, window, d, e) if issue else None)
     bwd = Cost("gather_bwd", N, K, d, fma_flops=84.0 * N * K * d, tc_flops=0.0,
                dram_bytes=N * (7 * row + 4 + 6 * K * ob + 2 * 2 * d * 4),
-               l1_bytes=N * K * 16 * row, atomic_bytes=N * K * 16 * d * 4)
+               l1_bytes=N * K * 16 * row, atomic_bytes=N * K * 16 * d * 4,
+               issue=_gather_issue("gather_bwd_atomic", N, window, d, e) if issue else None)
     return [fwd, bwd]
 
 
-def pull_costs(grid, window, head_dim: int, bound: float, dtype_bytes: int = 2) -> list[Cost]:
+def pull_costs(grid, window, head_dim: int, bound: float, dtype_bytes: int = 2, issue: bool = True) -> list[Cost]:
     """The gather backward in its pull mode for one head: the query-side pass (the atomic mode's
     work without the scatter: ``52 d`` FLOPs per (query, sample) instead of ``84 d``, plus one
     20-byte record written per (query, sample)) and the key-side pass (``dsa_triton_pull``: two
@@ -95,7 +168,9 @@ def pull_costs(grid, window, head_dim: int, bound: float, dtype_bytes: int = 2) 
     (``~6`` lane operations per band element), placed on the tile once per row (a gather and a
     transpose: ``~4`` per element of the ``(BXP, QXP)`` weight tile); fp32 builds the tile itself
     (``~6`` per element per slot). Each candidate row costs two tensor-core dots, the high and low
-    halves: ``2 x 2 BXP QXP d`` FLOPs. Lane operations count as FMA issue slots (2 FLOPs)."""
+    halves: ``2 x 2 BXP QXP d`` FLOPs. Lane operations count as FMA issue slots (2 FLOPs). ``issue``:
+    each pass's issue slots from the issue table where it has them (the key-side pass's loops: the
+    candidate query frames and rows, then the slots of each that can reach the tile)."""
     from .dsa_triton_pull import pull_config, pull_span  # lazy: imports triton
 
     T, H, W = grid
@@ -116,15 +191,24 @@ def pull_costs(grid, window, head_dim: int, bound: float, dtype_bytes: int = 2) 
     per_launch = dict(fma_flops=2.0 * lane_ops * tiles, tc_flops=2 * 2.0 * rows * bxp * qxp * d * tiles,
                       dram_bytes=N * K * 4 * 4 + 2 * N * d * e, l1_bytes=tiles * (iters * qxp * 4 * 4 + rows * qxp * d * e),
                       atomic_bytes=0.0)
-    key_side = Cost("pull_dk+dv", N, K, d, **{k: 2 * v for k, v in per_launch.items()})
+    slots = None
+    if issue and dtype_bytes == 2:  # loops: candidate frames, rows, then their slots' jt, jy, jx chunks
+        it, iy = min(T, kt * span), min(H, kh * span)
+        rt, ry = min(T, kt + span - 1), min(H, kh + span - 1)
+        consts = {"QXP": qxp, "UP": cfg["UP"], "JC": cfg["JC"]}
+        trips = (rt, ry, it / rt, iy / ry, math.ceil(kw / cfg["JC"]))
+        found = [issue_slots(issue_key(k, d, window, consts, cfg["num_warps"]), tiles, trips) for k in ("pull_dk", "pull_dv")]
+        slots = None if None in found else sum(found)
+    key_side = Cost("pull_dk+dv", N, K, d, **{k: 2 * v for k, v in per_launch.items()}, issue=slots)
     row = d * e
     query_side = Cost("gather_bwd_pull", N, K, d, fma_flops=52.0 * N * K * d, tc_flops=0.0,
                       dram_bytes=N * (7 * row + 4 + 6 * K * e) + N * K * 20, l1_bytes=N * K * 16 * row,
-                      atomic_bytes=0.0)
+                      atomic_bytes=0.0, issue=_gather_issue("gather_bwd_pull", N, window, d, e) if issue else None)
     return [query_side, key_side]
 
 
-def halo_costs(grid, window, head_dim: int, bound: float, rows: int | None = None, dtype_bytes: int = 2) -> dict:
+def halo_costs(grid, window, head_dim: int, bound: float, rows: int | None = None, dtype_bytes: int = 2,
+               issue: bool = True) -> dict:
     """The halo kernels (``dsa_triton_halo``) for one head: ``{"fwd": [scores, out], "bwd": [query
     side, dq]}``. ``rows``: key rows a ``(jt, jy)`` group touches, on average; default the worst
     case at the bound (``(ELO + EHI + 1)^2``, clipped to the grid). Per tile of ``BXP`` query
@@ -134,12 +218,18 @@ def halo_costs(grid, window, head_dim: int, bound: float, rows: int | None = Non
       tents, the blend), one key row from L1;
     - out and dq: one dot, the band (``~4`` per slot element to pick the slot, ``~6`` per band
       element, for each of the ``KW`` slots) and its placement (``~4`` per ``(BXP, XP)`` element);
-    - the backward's query side: two dots, ``~40`` lane operations per slot, and (its offsets'
-      gradient needs the upper corners' rows too) the same again on up to twice the rows;
+    - the backward's query side: two sweeps of one dot each (``dO V_row^T``, then ``q K_row^T``) and
+      ``~30`` lane operations per slot, over the rows the corners touch or whose weight's derivative
+      reaches (the offsets' gradient needs the upper corners' rows too: up to twice per axis);
     - per group, ``~60`` lane operations per slot for the positions.
 
     DRAM: q, k, v, out once, offsets once per pass, the scores' scratch (forward, ``4 K`` bytes
-    per token written and read) and the records (backward, ``20 K`` written, ``4 K`` read)."""
+    per token written and read) and the records (backward, ``20 K`` written, ``4 K`` read).
+
+    ``issue``: each pass's issue slots from the issue table where it has the config, the loops
+    being the ``KT`` x ``KH`` groups, then the touched rows' frames and rows (``r`` rows: frames
+    ``min(span, T)``, ``r`` over that rows each; the backward's query side at ``r_grad`` rows), then
+    (the rows pass without ``BAND3``) the ``KW`` slots."""
     from .dsa_triton_halo import halo_config  # lazy: imports triton
     from .dsa_triton_pull import pull_span  # lazy: imports triton
 
@@ -161,18 +251,28 @@ def halo_costs(grid, window, head_dim: int, bound: float, rows: int | None = Non
     band_lane = kw * (4 * bxp * kwp + 6 * bxp * up) + 4 * bxp * xp
     row = d * e
 
-    def cost(name, tc, lane, l1, dram):
-        return Cost(name, N, K, d, fma_flops=2.0 * lane, tc_flops=tc, dram_bytes=dram, l1_bytes=l1,
-                    atomic_bytes=0.0)
+    tiles = visits // (kt * kh)
+    frames = min(span, T)
 
+    def cost(name, tc, lane, l1, dram, rows_run, consts, warps):
+        slots = None
+        if issue and dtype_bytes == 2:
+            slots = issue_slots(issue_key(name, d, window, consts, warps), tiles,
+                                (kt, kh, frames, rows_run / frames, kw))  # (the rows pass's slot loop without BAND3)
+        return Cost(name, N, K, d, fma_flops=2.0 * lane, tc_flops=tc, dram_bytes=dram, l1_bytes=l1,
+                    atomic_bytes=0.0, issue=slots)
+
+    shape = {"XP": xp, "KWP": kwp}
+    rows_shape = dict(shape, UP=up)
     scores = cost("halo_scores", visits * r * dot, visits * (group_lane + r * 20 * bxp * kwp), visits * r * row_bytes,
-                  N * (row + 3 * K * e + 4 * K + 4) + N * row)
+                  N * (row + 3 * K * e + 4 * K + 4) + N * row, r, shape, cfg["scores_warps"])
     out = cost("halo_out", visits * r * dot, visits * (group_lane + r * band_lane), visits * r * row_bytes,
-               N * (row + 3 * K * e + 4 * K) + N * row)
-    query = cost("halo_bwd", visits * (r + r_grad) * 2 * dot, visits * (group_lane + (r + r_grad) * 40 * bxp * kwp),
-                 visits * (r + r_grad) * 2 * (row_bytes + bxp * d * e), N * (3 * row + 6 * K * e + 20 * K + 4))
+               N * (row + 3 * K * e + 4 * K) + N * row, r, rows_shape, cfg["rows_warps"])
+    query = cost("halo_bwd", visits * r_grad * 2 * dot, visits * (group_lane + r_grad * 2 * 30 * bxp * kwp),
+                 visits * r_grad * 2 * (row_bytes + bxp * d * e), N * (3 * row + 6 * K * e + 20 * K + 4),
+                 r_grad, shape, cfg["bwd_warps"])
     dq = cost("halo_dq", visits * r * dot, visits * (group_lane + r * band_lane), visits * r * row_bytes,
-              N * (row + 3 * K * e + 4 * K) + N * row)
+              N * (row + 3 * K * e + 4 * K) + N * row, r, rows_shape, cfg["rows_warps"])
     return {"fwd": [scores, out], "bwd": [query, dq]}
 
 
@@ -200,14 +300,23 @@ def choose_halo(grid, window, head_dim: int, bound: float, dtype_bytes: int = 2)
 def _choose_halo(grid, window, head_dim: int, bound: float, label: str, dtype_bytes: int) -> dict:
     N = math.prod(grid)
     chip = CHIPS[0]
-    gather_fwd = gather_costs(N, window, head_dim, dtype_bytes)[0].seconds(chip)["seconds"]
-    gather_q = pull_costs(grid, window, head_dim, bound, dtype_bytes)[0].seconds(chip)["seconds"]
-    halo = halo_costs(grid, window, head_dim, bound, dtype_bytes=dtype_bytes)
+
+    def kernels(issue: bool):
+        halo = halo_costs(grid, window, head_dim, bound, dtype_bytes=dtype_bytes, issue=issue)
+        return {"fwd": (gather_costs(N, window, head_dim, dtype_bytes, issue=issue)[0], halo["fwd"]),
+                "bwd": (pull_costs(grid, window, head_dim, bound, dtype_bytes, issue=issue)[0], halo["bwd"])}
+
+    costs = kernels(True)
+    measured = all(c.issue is not None for gather, halo in costs.values() for c in (gather, *halo))
+    if not measured:  # one measure for every kernel weighed
+        costs = kernels(False)
+    how = "issue slots from the sm_90 compile" if measured else "estimated lane operations"
     out = {}
-    for pass_, gather_s in (("fwd", gather_fwd), ("bwd", gather_q)):
-        halo_s = sum(c.seconds(chip)["seconds"] for c in halo[pass_])
+    for pass_, (gather, halo) in costs.items():
+        gather_s = gather.seconds(chip)["seconds"]
+        halo_s = sum(c.seconds(chip)["seconds"] for c in halo)
         faster = halo_s < gather_s
-        out[pass_] = (faster, f"cost model at {label}: halo {1e3 * halo_s:.3g} ms vs gather "
+        out[pass_] = (faster, f"cost model at {label} ({how}): halo {1e3 * halo_s:.3g} ms vs gather "
                               f"{1e3 * gather_s:.3g} ms per head ({'x'.join(map(str, grid))}, d {head_dim}, "
                               f"window {'x'.join(map(str, window))})")
     return out

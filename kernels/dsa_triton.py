@@ -62,13 +62,12 @@ import triton.language as tl
 
 from .dsa_cost import choose_halo
 from .dsa_reference import validate_dsa_inputs, validate_slab_inputs
-from .dsa_triton_halo import halo_backward_query, halo_forward, halo_pass_refusal, score_chunk
+from .dsa_triton_halo import halo_backward_query, halo_forward, score_chunk
 from .dsa_triton_pull import (
     INTERPRETED,  # which kind of kernel the @triton.jit decorators made (CPU tensors only when interpreted)
     REC_FIELDS,
     _past_bound,
     bound_refusal,
-    compute_capability,
     log_halo_once,
     log_mode_once,
     offsets_extent,
@@ -445,7 +444,7 @@ def halo_refusal(q, block_m) -> str | None:
 def halo_choice(pass_: str, q, win, bound: float | None, why: str, block_m=None) -> tuple[bool, str]:
     """Whether pass ``pass_`` ("fwd" or "bwd": the backward's query side) takes the halo kernels,
     and why, given the pull mode's ``bound`` (None: refused, ``why``)."""
-    refused = halo_refusal(q, block_m) or halo_pass_refusal(pass_, q.shape[-1], compute_capability(q))
+    refused = halo_refusal(q, block_m)
     if refused is not None:
         return False, refused
     if bound is None:

@@ -25,16 +25,20 @@ Four passes
      tensor-core dot); each sample takes its two x corners from ``S`` with ``tl.gather`` and adds
      them with its ``t``, ``y`` and ``x`` weights. The unscaled scores go to a scratch buffer
      ``(pairs, K, N)`` fp32 and the log-sum-exp (base 2, as the gather forward saves it) to ``LSE``.
-  2. ``_dsa_halo_rows`` with ``SOFTMAX`` (forward output): ``a_j = exp2(s_j scale - lse)``; per
-     touched row the probabilities times the ``t``, ``y`` weights are spread over a band of ``UP``
-     columns relative to each query's window (``u = x' - s_x + ceil M``: the two x corners of each
-     slot; ``dsa_triton_pull._band_add``), the band is placed on the row's ``XP`` columns
-     (``_band_place``: ``tl.gather``), and ``acc += P @ V_row`` (a tensor-core dot; ``P`` in the
-     values' dtype, as flash attention's ``P @ V``; ``ieee`` at fp32).
-  3. ``_dsa_halo_bwd`` (the backward's query side): per touched row ``q K_row^T`` and
-     ``dO V_row^T`` give each sample's score and ``dO . v_j`` (one sweep), then the derivatives of
-     both along each axis (a second sweep over the rows the upper corners add): the offsets'
-     gradient, and the pull mode's records ``(p_t, p_y, p_x, ds, a)``.
+  2. ``_dsa_halo_rows`` with ``SOFTMAX`` (forward output): ``a_j = exp2(s_j scale - lse)``. Once
+     per group, each slot's x tent goes on a band of ``UP`` columns relative to its query's window
+     (``u = x' - s_x + ceil M``: its two x corners), ``(KWP, BXP, UP)``; per touched row the
+     probabilities times the ``t``, ``y`` weights scale the slots' tents, summed over the slots
+     into the row's band (the slot axis leads, so the sum stays within each thread), the band is
+     placed on the row's ``XP`` columns (``_band_place``: ``tl.gather``), and ``acc += P @ V_row``
+     (a tensor-core dot; ``P`` in the values' dtype, as flash attention's ``P @ V``; ``ieee`` at
+     fp32). Built per row and slot instead, the band cost 2.6 times the instructions a row.
+  3. ``_dsa_halo_bwd`` (the backward's query side): two sweeps over the rows the corners touch or
+     whose weight's derivative reaches, one dot a row each: ``dO V_row^T`` gives ``dO . v_j`` and
+     its derivatives along each axis, then ``q K_row^T`` the score and its derivatives (times
+     ``ds / a``, known once the first sweep is done): the offsets' gradient, and the pull mode's
+     records ``(p_t, p_y, p_x, ds, a)``. (Four sweeps before: each source twice, for the value and
+     for the derivatives; one sweep with both dots spilled.)
   4. ``_dsa_halo_rows`` without ``SOFTMAX`` (``dq``): as 2, with ``X = k`` and the records' ``ds``.
   dk and dv come from the key-side pass (``dsa_triton_pull``), as in the gather kernels' pull mode.
 
@@ -50,9 +54,10 @@ When it runs
   and fp16. ``dsa_triton.HALO_MODE`` "auto" takes the halo kernels per pass (the forward; the
   backward's query side) where the cost model (``dsa_cost.choose_halo``) predicts them faster than
   the gather kernels at the bound the call runs at (the offsets' measured extent where it is below
-  a given ``max_offset``). At the Wan grid: both passes at zero offsets (neighborhood attention, a
-  fresh offset head), and at head dim 128 the forward while every offset is within 1 token; from 1
-  on (up to the GPU check's bound 1.5) it predicts the gather kernels faster. "halo" forces them. fp32
+  a given ``max_offset``), both counted in issue slots from their sm_90 compiles. At the Wan grid
+  and head dim 128: both passes while every offset is within a token (neighborhood attention, a
+  fresh offset head, up to offsets in (0, 1)), the forward up to 1; past that (the GPU check's bound
+  1.5) it predicts the gather kernels faster. "halo" forces them. fp32
   takes the gather kernels (the halo passes' fp32 ``ieee`` dots spill). A query with an offset
   beyond a given bound gets a NaN output row (and dq row): its corners may lie outside the columns
   the tile loaded.
@@ -80,7 +85,7 @@ from .dsa_triton_pull import (
     pull_span,
 )
 
-__all__ = ["halo_forward", "halo_config", "halo_pass_refusal", "aot_variants", "SCORE_BUDGET_BYTES", "score_chunk"]
+__all__ = ["halo_forward", "halo_config", "aot_variants", "SCORE_BUDGET_BYTES", "score_chunk"]
 
 SCORE_BUDGET_BYTES = 1 << 30  # the scores' scratch per launch; (batch, head) pairs in chunks within it
 
@@ -280,6 +285,7 @@ def _dsa_halo_rows(
     KT: tl.constexpr, KH: tl.constexpr, KW: tl.constexpr,
     BXP: tl.constexpr, XP: tl.constexpr, KWP: tl.constexpr, UP: tl.constexpr, BLOCK_D: tl.constexpr,
     SOFTMAX: tl.constexpr,  # C holds scores: the coefficient is a_j = exp2(s_j qk_scale - lse); else C as is
+    BAND3: tl.constexpr,  # the slots' x tents built once per group, (KWP, BXP, UP); else per row and slot
     WIDEN: tl.constexpr = False,
 ):
     """``OUT = sum_j c_j x_j``, ``x_j`` the trilinear blend of ``X`` (k or v) at sample ``j``: one
@@ -306,19 +312,33 @@ def _dsa_halo_rows(
             if SOFTMAX:
                 coef = tl.math.exp2(coef * qk_scale - lse[:, None])
             coef = tl.where(ok, coef, 0.0)
+            if BAND3:  # the slots' x tents on each query's band (u = x' - s_x + EHI) times their
+                # coefficients, once per group: xt[j, q, u] = c (1 - fx) at u0, c fx at u1 (the row
+                # loop's t, y weights only scale them; the coefficients folded in here keep the dq
+                # pass within its registers: apart, it spilled 128-180 B)
+                ub = ((cx0 + EHI) - sx)[None, :, None]
+                uu = u[None, None, :]
+                fx3 = tl.trans(fx)[:, :, None]
+                xt = (tl.where(tl.trans(g0)[:, :, None] + ub == uu, 1.0 - fx3, 0.0)
+                      + tl.where(tl.trans(_upper(g0, GUP))[:, :, None] + ub == uu, fx3, 0.0))
+                xt = xt * tl.trans(coef)[:, :, None]  # (KWP, BXP, UP)
             for tr in tl.range(t_lo, t_hi + 1, loop_unroll_factor=1):
-                ct = coef * _row_tent(t0, _upper(t0, TUP), ft, tr)
+                ct = _row_tent(t0, _upper(t0, TUP), ft, tr)
+                if not BAND3:  # else the coefficients are in xt
+                    ct = coef * ct
                 for yr in tl.range(y_lo, y_hi + 1, loop_unroll_factor=1):
                     c = ct * _row_tent(y0, _upper(y0, H - 1), fy, yr)
-                    if tl.max(tl.max(tl.abs(c), axis=1), axis=0) > 0.0:
-                        # the slots' x tents on each query's band (u = x' - s_x + EHI), then on the run
-                        band = tl.zeros([BXP, UP], dtype=tl.float32)
-                        for j in tl.range(0, KW, loop_unroll_factor=1):
-                            sel = (jx == j)[None, :]
-                            u0j = tl.sum(tl.where(sel, g0, 0), axis=1) + (cx0 + EHI) - sx
-                            u1j = tl.sum(tl.where(sel, _upper(g0, GUP), 0), axis=1) + (cx0 + EHI) - sx
-                            band = _band_add(band, u, u0j, u1j, tl.sum(tl.where(sel, fx, 0.0), axis=1),
-                                             tl.sum(tl.where(sel, c, 0.0), axis=1))
+                    if tl.max(tl.max(tl.where(coef != 0.0, tl.abs(c), 0.0), axis=1), axis=0) > 0.0:  # else no weight
+                        if BAND3:  # (BXP, UP): the row's weights on the band, summed over the slots
+                            band = tl.sum(tl.trans(c)[:, :, None] * xt, axis=0)
+                        else:  # slot by slot: its column of the group's tensors, its x tent on the band
+                            band = tl.zeros([BXP, UP], dtype=tl.float32)
+                            for j in tl.range(0, KW, loop_unroll_factor=1):
+                                sel = (jx == j)[None, :]
+                                u0j = tl.sum(tl.where(sel, g0, 0), axis=1) + (cx0 + EHI) - sx
+                                u1j = tl.sum(tl.where(sel, _upper(g0, GUP), 0), axis=1) + (cx0 + EHI) - sx
+                                band = _band_add(band, u, u0j, u1j, tl.sum(tl.where(sel, fx, 0.0), axis=1),
+                                                 tl.sum(tl.where(sel, c, 0.0), axis=1))
                         pr = _band_place(band, xcol[None, :] + (cx0 + EHI) - sx[:, None], UP)  # (BXP, XP)
                         xrow = _key_row(X, kv_base, tr, yr, H, W, cx0, row_stride, HEAD_DIM, XP, BLOCK_D)
                         if IEEE:
@@ -374,39 +394,20 @@ def _dsa_halo_bwd(
             tl.store(rec, pt, mask=slot_ok)  # the positions now: fewer tensors live through the sweeps
             tl.store(rec + KS * N, py, mask=slot_ok)
             tl.store(rec + 2 * KS * N, px, mask=slot_ok)
-            # sweep 1: <q, k_j> and <dO, v_j>; then a and ds
-            s = tl.zeros([BXP, KWP], dtype=tl.float32)
+            # two sweeps over the rows a corner touches or whose weight's derivative reaches (an upper
+            # corner at zero weight: its derivative is 1), one dot per row each: dO V_row^T, then
+            # q K_row^T, at each sample's two x corners, summed into the blend (dO . v_j, then the
+            # score) and into the offsets' gradient, sum_c d(weight_c)/dp e_c with
+            # e_c = ds q.k_c + a dO.v_c = a (cs q.k_c + dO.v_c): the dO.v_c terms first, which give
+            # cs, then the q.k_c terms times cs; a applied at the end. (One sweep with both dots kept
+            # eight sums live and spilled 0.5-1 KB per thread.)
             dp = tl.zeros([BXP, KWP], dtype=tl.float32)
-            for src in tl.static_range(2):  # <q, k_j>, then <dO, v_j>: one dot live at a time
-                for tr in tl.range(t_lo, t_hi + 1, loop_unroll_factor=1):
-                    wt = _row_tent(t0, _upper(t0, TUP), ft, tr)
-                    for yr in tl.range(y_lo, y_hi + 1, loop_unroll_factor=1):
-                        w = wt * _row_tent(y0, _upper(y0, H - 1), fy, yr)
-                        if tl.max(tl.max(w, axis=1), axis=0) > 0.0:
-                            if src == 0:
-                                row = _row_dot(tl.load(Q + row_ptr, mask=row_mask, other=0.0), Kx, kv_base, tr, yr,
-                                               H, W, cx0, row_stride, HEAD_DIM, XP, BLOCK_D, IEEE, WIDEN)
-                            else:
-                                row = _row_dot(tl.load(DOUT + row_ptr, mask=row_mask, other=0.0), V, kv_base, tr,
-                                               yr, H, W, cx0, row_stride, HEAD_DIM, XP, BLOCK_D, IEEE, WIDEN)
-                            blend = w * ((1.0 - fx) * tl.gather(row, g0, axis=1)
-                                         + fx * tl.gather(row, _upper(g0, GUP), axis=1))
-                            if src == 0:
-                                s += blend
-                            else:
-                                dp += blend
-            a = tl.where(ok, tl.math.exp2(s * qk_scale - lse[:, None]), 0.0)
-            cs = (dp - delta[:, None]) * sm_scale  # ds = a cs: d loss / d <q, k_j>
-            tl.store(rec + 3 * KS * N, a * cs, mask=slot_ok)
-            tl.store(rec + 4 * KS * N, a, mask=slot_ok)
-            # sweep 2: the offsets' gradient, the sum over corners of d(weight)/dp times
-            # e_c = ds q.k_c + a dO.v_c = a (cs q.k_c + dO.v_c): summed without a (one tensor fewer
-            # live), a applied at the end. The upper corners' rows count even at zero weight (their
-            # weight's derivative is 1).
+            s = tl.zeros([BXP, KWP], dtype=tl.float32)
+            cs = tl.zeros([BXP, KWP], dtype=tl.float32)
             et = tl.zeros([BXP, KWP], dtype=tl.float32)
             ey = tl.zeros([BXP, KWP], dtype=tl.float32)
             ex = tl.zeros([BXP, KWP], dtype=tl.float32)
-            for src in tl.static_range(2):  # q.k_c weighted by cs, then dO.v_c: one dot live at a time
+            for src in tl.static_range(2):  # dO.v_c, then q.k_c: one dot live at a time
                 for tr in tl.range(t_lo, t_hi2 + 1, loop_unroll_factor=1):
                     wt = _row_tent(t0, _upper(t0, TUP), ft, tr)
                     dwt = tl.where(_upper(t0, TUP) == tr, 1.0, 0.0) - tl.where(t0 == tr, 1.0, 0.0)
@@ -416,20 +417,28 @@ def _dsa_halo_bwd(
                         touch = ((wt != 0.0) | (dwt != 0.0)) & ((wy != 0.0) | (dwy != 0.0))
                         if tl.max(tl.max(touch.to(tl.int32), axis=1), axis=0) > 0:
                             if src == 0:
-                                row = _row_dot(tl.load(Q + row_ptr, mask=row_mask, other=0.0), Kx, kv_base, tr, yr,
-                                               H, W, cx0, row_stride, HEAD_DIM, XP, BLOCK_D, IEEE, WIDEN)
-                                e0 = cs * tl.gather(row, g0, axis=1)  # e / a at the x corners
-                                e1 = cs * tl.gather(row, _upper(g0, GUP), axis=1)
-                            else:
                                 row = _row_dot(tl.load(DOUT + row_ptr, mask=row_mask, other=0.0), V, kv_base, tr,
                                                yr, H, W, cx0, row_stride, HEAD_DIM, XP, BLOCK_D, IEEE, WIDEN)
-                                e0 = tl.gather(row, g0, axis=1)
-                                e1 = tl.gather(row, _upper(g0, GUP), axis=1)
-                            ebl = (1.0 - fx) * e0 + fx * e1
+                            else:
+                                row = _row_dot(tl.load(Q + row_ptr, mask=row_mask, other=0.0), Kx, kv_base, tr, yr,
+                                               H, W, cx0, row_stride, HEAD_DIM, XP, BLOCK_D, IEEE, WIDEN)
+                            e0 = tl.gather(row, g0, axis=1)
+                            dif = tl.gather(row, _upper(g0, GUP), axis=1) - e0  # along x: e1 - e0
+                            ebl = e0 + fx * dif
+                            if src == 0:
+                                dp += wt * wy * ebl
+                            else:
+                                s += wt * wy * ebl
+                                ebl = cs * ebl  # e / a: the q.k_c terms times cs
+                                dif = cs * dif
                             et += dwt * wy * ebl
                             ey += wt * dwy * ebl
-                            ex += wt * wy * (e1 - e0)
-            a = tl.load(rec + 4 * KS * N, mask=slot_ok, other=0.0)
+                            ex += wt * wy * dif
+                if src == 0:
+                    cs = (dp - delta[:, None]) * sm_scale  # ds = a cs: d loss / d <q, k_j>
+            a = tl.where(ok, tl.math.exp2(s * qk_scale - lse[:, None]), 0.0)
+            tl.store(rec + 3 * KS * N, a * cs, mask=slot_ok)
+            tl.store(rec + 4 * KS * N, a, mask=slot_ok)
             in_t, in_y, in_x = _inside(OFF, off_row, slot_ok, j, st + jt, sy + jy, sx[:, None] + jx[None, :], T, H, W)
             doff = DOFF + off_row[:, None] + j[None, :] * 3
             out_ty = DOFF.dtype.element_ty
@@ -446,20 +455,16 @@ def halo_config(head_dim: int, window, elo: int, ehi: int, fp32: bool = False, c
     """Launch configuration: ``BX`` queries per tile on ``BXP = 64`` rows, ``XP`` key columns per
     row (the key-side pass's run: ``BX + KW - 1 + ELO + EHI`` must fit), ``KWP`` slots per group,
     the band width ``UP`` (``KW + ELO + EHI`` columns, to a power of two), and each pass's warps.
+    ``band3``: whether the rows pass builds its slots' x tents once per group (``BAND3``): within
+    128 elements of ``KWP x UP`` per query (3x7x7 at offsets up to 3), 64 on sm_100 at head dim 128
+    (at 128 it spilled 16-24 B there), where it compiles without spills; else per row and slot.
     ``rows_maxnreg``: the rows pass's register limit, set on sm_100, where ptxas otherwise holds it
     to 128 registers at narrow bands and spills (4-28 B; at 255 it takes 154-190, no spills)."""
     cfg = pull_config(head_dim, window, elo, ehi, fp32, cc)
-    return dict(BX=cfg["BX"], BXP=cfg["BXP"], XP=cfg["QXP"], KWP=triton.next_power_of_2(window[2]), UP=cfg["UP"],
-                scores_warps=8, rows_warps=8, bwd_warps=8, rows_maxnreg=255 if cc >= 100 else None)
-
-
-def halo_pass_refusal(pass_: str, head_dim: int, cc: int) -> str | None:
-    """Why pass ``pass_`` ("fwd" or "bwd") of the halo kernels may not run on a target of compute
-    capability ``cc`` at ``head_dim``, or None. The backward's query side spills 28 B per thread at
-    head dim 128 on sm_100 (255 registers at 8 warps; 16 warps spill more and lose tcgen05)."""
-    if pass_ == "bwd" and cc >= 100 and head_dim > 64:
-        return f"the halo backward spills at head dim {head_dim} on sm_{cc} (compile-only check)"
-    return None
+    kwp = triton.next_power_of_2(window[2])
+    return dict(BX=cfg["BX"], BXP=cfg["BXP"], XP=cfg["QXP"], KWP=kwp, UP=cfg["UP"],
+                scores_warps=8, rows_warps=8, bwd_warps=8, rows_maxnreg=255 if cc >= 100 else None,
+                band3=kwp * cfg["UP"] <= (64 if cc >= 100 and head_dim > 64 else 128))
 
 
 def _constexprs(head_dim: int, window, cfg: dict, widen: bool) -> dict:
@@ -504,7 +509,8 @@ def halo_forward(q, k, v, offsets, win, qk_scale: float, bound: float, grid_args
         grid = (tiles, min(chunk, pairs - bh0))
         _dsa_halo_scores[grid](q, k, offsets, scores, lse, qk_scale, *tail(bh0), **meta, num_warps=cfg["scores_warps"])
         _dsa_halo_rows[grid](v, offsets, scores, lse, out, qk_scale, *tail(bh0), ks * N, **meta, UP=cfg["UP"],
-                             SOFTMAX=True, num_warps=cfg["rows_warps"], maxnreg=cfg["rows_maxnreg"])
+                             SOFTMAX=True, BAND3=cfg["band3"], num_warps=cfg["rows_warps"],
+                             maxnreg=cfg["rows_maxnreg"])
 
 
 def halo_backward_query(q, k, v, offsets, out, dout, lse, win, qk_scale: float, sm_scale: float, bound: float,
@@ -518,15 +524,15 @@ def halo_backward_query(q, k, v, offsets, out, dout, lse, win, qk_scale: float, 
     _dsa_halo_bwd[grid](q, k, v, offsets, out, dout, lse, doff, rec, qk_scale, sm_scale, *tail(bh0), **meta,
                         num_warps=cfg["bwd_warps"])
     _dsa_halo_rows[grid](k, offsets, rec[:, 3], lse, dq, qk_scale, *tail(bh0), 5 * ks * grid_args[0], **meta,
-                         UP=cfg["UP"], SOFTMAX=False, num_warps=cfg["rows_warps"], maxnreg=cfg["rows_maxnreg"])
+                         UP=cfg["UP"], SOFTMAX=False, BAND3=cfg["band3"], num_warps=cfg["rows_warps"],
+                         maxnreg=cfg["rows_maxnreg"])
 
 
 def aot_variants(shape) -> list[dict]:
     """The halo passes as the launchers compile them at ``shape`` (dtype, head dim, window,
     ``max_offset``), for the compile-only check: the forward's scores and output, the backward's
     query side and ``dq``, one set per target where the launch options differ (``halo_config``'s
-    ``rows_maxnreg``). fp32 takes the gather kernels (listed for the record, not picked), and so does
-    a pass ``halo_pass_refusal`` refuses on a target."""
+    ``rows_maxnreg``). fp32 takes the gather kernels (listed for the record, not picked)."""
     t = AOT_POINTER_TYPES[shape.dtype]
     d = shape.head_dim
     fp32 = shape.dtype == "fp32"
@@ -538,13 +544,13 @@ def aot_variants(shape) -> list[dict]:
         rows = {"UP": cfg["UP"]}
         for name, fn, warps, extra, pass_ in (
                 ("halo_scores", _dsa_halo_scores, cfg["scores_warps"], {}, "fwd"),
-                ("halo_out", _dsa_halo_rows, cfg["rows_warps"], dict(rows, SOFTMAX=True), "fwd"),
+                ("halo_out", _dsa_halo_rows, cfg["rows_warps"], dict(rows, SOFTMAX=True, BAND3=cfg["band3"]), "fwd"),
                 ("halo_bwd", _dsa_halo_bwd, cfg["bwd_warps"], {}, "bwd"),
-                ("halo_dq", _dsa_halo_rows, cfg["rows_warps"], dict(rows, SOFTMAX=False), "bwd")):
+                ("halo_dq", _dsa_halo_rows, cfg["rows_warps"], dict(rows, SOFTMAX=False, BAND3=cfg["band3"]), "bwd")):
             ptrs = {n: t for n in ("Q", "Kx", "V", "X", "OFF", "OUT", "DOUT", "DOFF") if n in fn.arg_names}
             ptrs.update({n: "*fp32" for n in ("S", "C", "LSE", "REC") if n in fn.arg_names})
             c = dict(consts, **extra)
-            refused = "fp32 takes the gather kernels" if fp32 else halo_pass_refusal(pass_, d, cc)
+            refused = "fp32 takes the gather kernels" if fp32 else None
             maxnreg = cfg["rows_maxnreg"] if fn is _dsa_halo_rows else None
             out.append(dict(kernel=name, fn=fn, signature=signature_for(fn, ptrs, ("qk_scale", "sm_scale"), c),
                             constexprs=c, attrs=aligned_pointer_attrs(fn, ptrs), num_warps=warps, num_stages=1,

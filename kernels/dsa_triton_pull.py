@@ -25,7 +25,11 @@ Two passes (the pull mode of the gather backward)
      both scalar axes, the program loads the records of those queries (coalesced). It weights
      them by the ``t`` and ``y`` tents at the tile's frame and row, and spreads them with the ``x``
      tent over a band of ``UP`` columns per query, relative to its window start (``u = n - s_x +
-     EHI``: every slot's two x corners land in ``[0, KW + ELO + EHI)``). After the row's slots,
+     EHI``: every slot's two x corners land in ``[0, KW + ELO + EHI)``). bf16 takes ``JC`` slots
+     at once (``_band_add_slots``: their records as ``(JC, QXP)`` tiles, the tents summed over a
+     leading slot axis of a ``(JC, QXP, UP)`` tensor, within 4096 elements so the pass does not
+     spill): about 95 instructions a slot and thread at 3x7x7, d 128, where one slot at a time with
+     its own loads, tents and loop took 480 (sm_90 PTX). After the row's slots,
      one ``tl.gather`` places each query's band on the tile's keys: a ``(BXP, QXP)`` matrix ``G``
      (``BXP = 64`` rows, of which ``BX`` are the tile's keys: the ``wgmma`` M). The band has a
      quarter of the lanes of ``G`` at 3x7x7 (16 columns, not 64), and the tents are built there.
@@ -124,6 +128,33 @@ def _band_add(band, u, u0, u1, f, c):
 
 
 @triton.jit
+def _band_add_slots(band, rec_base, rec0, tok, lane_ok, slot_ok, N, FIELD, kt, ky, T, H, W, sx, EHI, u,
+                    COEF: tl.constexpr, JC: tl.constexpr):
+    """``band (QXP, UP)`` plus the samples of ``JC`` consecutive window slots (records from
+    ``rec_base + rec0``, slot ``j`` at ``+ j N``) that reach key row ``(kt, ky)``: each weighted by
+    its ``t``, ``y`` tents and its coefficient (record field ``COEF``), split by its x tent over
+    its band columns. The slots go on a leading axis of a ``(JC, QXP, UP)`` tensor summed over it:
+    one pass of the lanes for ``JC`` slots rather than one per slot with its own loads and tents
+    (the key-side pass issued about 480 instructions a slot and thread that way)."""
+    j = tl.arange(0, JC)
+    m = slot_ok[:, None] & lane_ok[None, :]  # (JC, QXP)
+    rec = rec_base + rec0 + j[:, None] * N + tok[None, :]
+    w_ty = _tent(tl.load(rec, mask=m, other=0.0), kt, T) * _tent(tl.load(rec + FIELD, mask=m, other=0.0), ky, H)
+    w_ty = tl.where(m, w_ty, 0.0)
+    if tl.max(tl.max(w_ty, axis=1), axis=0) > 0.0:  # else no sample of these slots reaches the tile's row
+        px = tl.load(rec + 2 * FIELD, mask=m, other=0.0)
+        c = w_ty * tl.load(rec + COEF * FIELD, mask=m, other=0.0)
+        i0 = px.to(tl.int32)  # the x tent
+        f = px - i0.to(tl.float32)
+        i1 = tl.minimum(i0 + 1, W - 1)
+        uu = u[None, None, :]
+        base = (EHI - sx)[None, :, None]
+        band += tl.sum(tl.where((i0[:, :, None] + base) == uu, ((1.0 - f) * c)[:, :, None], 0.0)
+                       + tl.where((i1[:, :, None] + base) == uu, (f * c)[:, :, None], 0.0), axis=0)
+    return band
+
+
+@triton.jit
 def _band_place(band, rel, UP: tl.constexpr):
     """The dense matrix ``band[r, rel[r, col]]`` (0 where ``rel`` leaves ``[0, UP)``): each row's
     band placed on the columns ``rel`` gives its band coordinates, by ``tl.gather``."""
@@ -162,6 +193,7 @@ def _dsa_pull_dkv(
     KT: tl.constexpr, KH: tl.constexpr, KW: tl.constexpr,
     BX, BXP: tl.constexpr, QXP: tl.constexpr, BLOCK_D: tl.constexpr,  # BX keys per tile on BXP rows
     UP: tl.constexpr,  # band width: KW + ELO + EHI columns, to a power of two
+    JC: tl.constexpr,  # window slots along x taken at once onto the band (1: one at a time; fp32)
     COEF: tl.constexpr,  # the record field that weighs X's rows: 3 (ds: dk) or 4 (a: dv)
     WIDEN: tl.constexpr = False,  # under the interpreter: half dots widened (``_split_dot``)
 ):
@@ -220,22 +252,28 @@ def _dsa_pull_dkv(
                 band = tl.zeros([QXP, UP], dtype=tl.float32)
             for jt in tl.range(jt_lo, jt_hi + 1, loop_unroll_factor=1):
                 for jy in tl.range(jy_lo, jy_hi + 1, loop_unroll_factor=1):
-                    for jx in tl.range(0, KW, loop_unroll_factor=1):
-                        rec = rec_base + ((jt * KH + jy) * KW + jx) * N + tok
-                        w_ty = (_tent(tl.load(rec, mask=lane_ok, other=0.0), kt, T)
-                                * _tent(tl.load(rec + FIELD, mask=lane_ok, other=0.0), ky, H))
-                        w_ty = tl.where(lane_ok, w_ty, 0.0)
-                        if tl.max(w_ty, axis=0) > 0.0:  # else no sample of this slot reaches the tile's row
-                            px = tl.load(rec + 2 * FIELD, mask=lane_ok, other=0.0)
-                            c = w_ty * tl.load(rec + COEF * FIELD, mask=lane_ok, other=0.0)
-                            i0 = px.to(tl.int32)  # the x tent
-                            f = px - i0.to(tl.float32)
-                            i1 = tl.minimum(i0 + 1, W - 1)
-                            if IEEE:  # spread over the tile's keys: (BXP, QXP)
-                                g += (tl.where(i0[None, :] == nx[:, None], ((1.0 - f) * c)[None, :], 0.0)
-                                      + tl.where(i1[None, :] == nx[:, None], (f * c)[None, :], 0.0))
-                            else:  # on the band: (QXP, UP), a quarter of the lanes
-                                band = _band_add(band, u, i0 - sx + EHI, i1 - sx + EHI, f, c)
+                    if JC > 1:  # bf16: JC slots at once, (JC, QXP) records, their tents summed onto the band
+                        for jx0 in tl.range(0, KW, JC, loop_unroll_factor=1):
+                            band = _band_add_slots(band, rec_base, ((jt * KH + jy) * KW + jx0) * N, tok, lane_ok,
+                                                   (jx0 + tl.arange(0, JC)) < KW, N, FIELD, kt, ky, T, H, W, sx,
+                                                   EHI, u, COEF, JC)
+                    else:  # one slot at a time
+                        for jx in tl.range(0, KW, loop_unroll_factor=1):
+                            rec = rec_base + ((jt * KH + jy) * KW + jx) * N + tok
+                            w_ty = (_tent(tl.load(rec, mask=lane_ok, other=0.0), kt, T)
+                                    * _tent(tl.load(rec + FIELD, mask=lane_ok, other=0.0), ky, H))
+                            w_ty = tl.where(lane_ok, w_ty, 0.0)
+                            if tl.max(w_ty, axis=0) > 0.0:  # else no sample of this slot reaches the tile's row
+                                px = tl.load(rec + 2 * FIELD, mask=lane_ok, other=0.0)
+                                c = w_ty * tl.load(rec + COEF * FIELD, mask=lane_ok, other=0.0)
+                                i0 = px.to(tl.int32)  # the x tent
+                                f = px - i0.to(tl.float32)
+                                i1 = tl.minimum(i0 + 1, W - 1)
+                                if IEEE:  # spread over the tile's keys: (BXP, QXP)
+                                    g += (tl.where(i0[None, :] == nx[:, None], ((1.0 - f) * c)[None, :], 0.0)
+                                          + tl.where(i1[None, :] == nx[:, None], (f * c)[None, :], 0.0))
+                                else:  # on the band: (QXP, UP), a quarter of the lanes
+                                    band = _band_add(band, u, i0 - sx + EHI, i1 - sx + EHI, f, c)
             if not IEEE:  # the band placed on the tile's keys: G^T[q, n] = band[q, n - s_x(q) + EHI]
                 g = tl.trans(_band_place(band, nx[None, :] - sx[:, None] + EHI, UP))  # (BXP, QXP)
             rows = tl.load(X + head_base + tok.to(tl.int64)[:, None] * row_stride + cols[None, :],
@@ -266,7 +304,9 @@ def pull_config(head_dim: int, window, elo: int, ehi: int, fp32: bool = False, c
         raise ValueError(f"window width {window[2]} with a reach of ({elo}, {ehi}) tokens needs {reach} candidate "
                          f"queries beyond a tile's keys; the key-side pass takes at most {MAX_REACH}")
     qxp = 64 if 64 - reach >= 32 else 128
-    return dict(BX=min(64, qxp - reach), BXP=64, QXP=qxp, UP=triton.next_power_of_2(window[2] + elo + ehi),
+    up = triton.next_power_of_2(window[2] + elo + ehi)
+    jc = 1 if fp32 else min(triton.next_power_of_2(window[2]), max(1, 4096 // (qxp * up)))
+    return dict(BX=min(64, qxp - reach), BXP=64, QXP=qxp, UP=up, JC=jc,
                 num_warps=8 if fp32 or cc >= 100 else 4, maxnreg=255 if fp32 and cc >= 100 else None)
 
 
@@ -371,6 +411,7 @@ def pull_launch(q, dout, rec, dk, dv, win, bound, grid_args, bh0: int, bh_count:
     for x, dx, coef in ((q, dk, 3), (dout, dv, 4)):  # two launches: one (BX, QXP) weight tile live, not two
         _dsa_pull_dkv[grid](x, rec, dx, N, T, H, W, nh, NK, TK, Q0, K0, bh0, elo, ehi,
                             BX=cfg["BX"], HEAD_DIM=d, KT=win[0], KH=win[1], KW=win[2], BXP=cfg["BXP"], QXP=cfg["QXP"], UP=cfg["UP"],
+                            JC=cfg["JC"],
                             BLOCK_D=max(16, triton.next_power_of_2(d)), COEF=coef, WIDEN=INTERPRETED, num_warps=cfg["num_warps"],
                             num_stages=1, maxnreg=cfg["maxnreg"])
 
@@ -391,7 +432,7 @@ def aot_variants(shape) -> list[dict]:
         cfg = pull_config(d, shape.window, elo, ehi, fp32=fp32, cc=cc)
         for coef, name in ((3, "pull_dk"), (4, "pull_dv")):
             consts = dict(HEAD_DIM=d, KT=shape.window[0], KH=shape.window[1], KW=shape.window[2], BXP=cfg["BXP"],
-                          QXP=cfg["QXP"], UP=cfg["UP"], BLOCK_D=max(16, triton.next_power_of_2(d)), COEF=coef,
+                          QXP=cfg["QXP"], UP=cfg["UP"], JC=cfg["JC"], BLOCK_D=max(16, triton.next_power_of_2(d)), COEF=coef,
                           WIDEN=False)
             out.append(dict(kernel=name, fn=fn, signature=signature_for(fn, ptrs, (), consts), constexprs=consts,
                             attrs=aligned_pointer_attrs(fn, ptrs), num_warps=cfg["num_warps"], num_stages=1,

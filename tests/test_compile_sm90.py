@@ -42,9 +42,39 @@ def _record(**kw):
 def test_ptxas_log_and_ptx_are_read():
     assert aot.parse_ptxas_log(PTXAS_LOG) == {"regs": 255, "stack": 696, "spill_stores": 824, "spill_loads": 700}
     got = aot.count_ptx(PTX)
-    assert got == {"wgmma": 1, "mma_sync": 1, "dot": "wgmma", "atomics_f32": 2}
+    assert got == {"wgmma": 1, "mma_sync": 1, "dot": "wgmma", "atomics_f32": 2, "loop_instr": {0: 5}}
     assert aot.count_ptx("fma.rn.f32 %f1, %f2, %f3, %f4;")["dot"] == "-"
     assert aot.count_ptx("tcgen05.mma.cta_group::1.kind::f16 [%r1], %rd2, %rd3, %r4, p;")["dot"] == "tcgen05"
+
+
+LOOPS_PTX = """
+	mov.b32 	%r1, 0;
+	bra.uni 	$L__BB0_1;
+$L__BB0_3:                              //   in Loop: Header=BB0_1 Depth=1
+	.loc	1 12 5
+	add.s32 	%r1, %r1, 1;
+	@!%p2 bra 	$L__BB0_4;
+$L__BB0_1:                              // =>This Loop Header: Depth=1
+                                        //     Child Loop BB0_2 Depth 2
+	mov.b32 	%r2, 0;
+$L__BB0_2:                              //   Parent Loop BB0_1 Depth=1
+                                        // =>  This Inner Loop Header: Depth=2
+	fma.rn.f32 	%r3, %r4, %r5, %r3;
+	add.s32 	%r2, %r2, 1;
+	@%p1 bra 	$L__BB0_2;
+// %bb.5:                               //   in Loop: Header=BB0_1 Depth=1
+	mul.f32 	%r6, %r3, %r7;
+	bra.uni 	$L__BB0_3;
+$L__BB0_4:
+	st.global.b32 	[%rd1], %r6;
+	ret;
+"""
+
+
+def test_ptx_instructions_are_counted_by_loop_depth():
+    """A block's depth is its innermost loop's (LLVM's block comments; a fall-through block is headed
+    by ``// %bb.N:``); labels, directives and comments are not instructions."""
+    assert aot.loop_instructions(LOOPS_PTX) == {0: 4, 1: 5, 2: 3}
 
 
 def test_each_target_wants_its_own_tensor_core_instruction():
@@ -105,8 +135,8 @@ def test_gather_autotune_lists_are_what_the_check_compiles():
         assert len(pulls) == 4  # 3x5x5: the band of 16 columns down to offsets in (1, 2), of 8 below
     assert pull_config(128, (3, 7, 7), 2, 2, fp32=True, cc=100)["maxnreg"] == 255  # fp32 on sm_100: no 128 cap
     # the halo kernels: the launchers' one config per pass and target (halo_config's cc), the rows
-    # pass with its register limit, and a pass the target refuses listed as not picked
-    from kernels.dsa_triton_halo import halo_config, halo_pass_refusal
+    # pass with its register limit, every pass picked (bf16)
+    from kernels.dsa_triton_halo import halo_config
 
     for arch, cc in (("sm_90", 90), ("sm_100", 100)):
         halos = [(v["kernel"], v["constexprs"]["XP"], v["constexprs"]["KWP"], v["constexprs"].get("UP"), v["num_warps"],
@@ -114,12 +144,11 @@ def test_gather_autotune_lists_are_what_the_check_compiles():
         launched = []
         for b in bounds:
             cfg = halo_config(shape.head_dim, shape.window, *pull_span(b), cc=cc)
-            launch = {"halo_scores": (None, cfg["scores_warps"], None, "fwd"),
-                      "halo_out": (cfg["UP"], cfg["rows_warps"], cfg["rows_maxnreg"], "fwd"),
-                      "halo_bwd": (None, cfg["bwd_warps"], None, "bwd"),
-                      "halo_dq": (cfg["UP"], cfg["rows_warps"], cfg["rows_maxnreg"], "bwd")}
-            launched += [(k, cfg["XP"], cfg["KWP"], up, w, r, halo_pass_refusal(p, shape.head_dim, cc) is None)
-                         for k, (up, w, r, p) in launch.items()]
+            launch = {"halo_scores": (None, cfg["scores_warps"], None),
+                      "halo_out": (cfg["UP"], cfg["rows_warps"], cfg["rows_maxnreg"]),
+                      "halo_bwd": (None, cfg["bwd_warps"], None),
+                      "halo_dq": (cfg["UP"], cfg["rows_warps"], cfg["rows_maxnreg"])}
+            launched += [(k, cfg["XP"], cfg["KWP"], up, w, r, True) for k, (up, w, r) in launch.items()]
         assert len(set(halos)) == len(halos) and set(halos) == set(launched)
     assert halo_config(128, (3, 7, 7), 2, 2, cc=90)["rows_maxnreg"] is None  # sm_90: ptxas chooses (no spills)
 
@@ -149,6 +178,23 @@ def test_sm90_compile_only_check_passes_at_the_preset_shapes(tmp_path):
             assert r["dot"] == "wgmma" and r["blocks_per_sm"] * r["num_warps"] >= 8, r
     assert report["predictions"] and all(p["ms_per_layer"] > 0 for p in report["predictions"])
     assert "every config the product may pick launches" in proc.stdout
+    # the cost model's issue table holds what these compiles issue: a kernel changed without
+    # rerunning `python -m benchmarks.gpu_check.issue_table` fails here
+    import triton
+
+    from kernels.dsa_cost import ISSUE_FILE, ISSUE_KERNELS, issue_key
+
+    table = json.loads(ISSUE_FILE.read_text())
+    if table["triton"] != triton.__version__:
+        pytest.skip(f"the issue table was counted with triton {table['triton']}, this is {triton.__version__}")
+    checked = set()
+    for r in recs:
+        if r["arch"] == "sm_90" and r["kernel"] in ISSUE_KERNELS:
+            key = issue_key(r["kernel"], r["head_dim"], r["window"], r["constexprs"], r["num_warps"])
+            assert key in table["entries"], key
+            assert table["entries"][key]["depths"] == {str(k): v for k, v in r["loop_instr"].items()}, key
+            checked.add(r["kernel"])
+    assert checked == set(ISSUE_KERNELS)
 
 
 @pytest.mark.slow

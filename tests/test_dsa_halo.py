@@ -111,12 +111,6 @@ def test_auto_takes_the_halo_kernels_where_the_cost_model_predicts_them_faster(m
         halo, why = DT.halo_choice(pass_, q16, win, None, "offsets up to 3.5 exceed the key-side pass's 3.0")
         assert not halo and "exceed" in why
         assert DT.halo_choice(pass_, q16, win, 0.0, "", block_m=16)[0] is False
-    # sm_100: the halo backward's query side spills at head dim 128 (compile-only check): refused there
-    monkeypatch.setattr(DT, "compute_capability", lambda x: 100)
-    assert DT.halo_choice("fwd", q16, win, 0.0, "max_offset")[0] is True
-    halo, why = DT.halo_choice("bwd", q16, win, 0.0, "max_offset")
-    assert not halo and "spills" in why and "sm_100" in why
-    monkeypatch.setattr(DT, "compute_capability", lambda x: 90)
     monkeypatch.setattr(DT, "HALO_MODE", "halo")
     assert DT.halo_choice("bwd", q32, win, 1.5, "max_offset")[0] is True
     monkeypatch.setattr(DT, "HALO_MODE", "gather")
@@ -219,7 +213,7 @@ def test_scratch_bytes_covers_measured_offsets_small_and_large(monkeypatch):
 
 @pytest.mark.parametrize("extent,fwd,bwd_query", [
     (0.0, "halo", "halo"),  # a fresh offset head: neighborhood attention on tensor cores
-    (0.375, "halo", "gather"),  # offsets well inside the bound: the halo forward
+    (0.375, "halo", "halo"),  # offsets within a token: both passes on tensor cores
     (1.375, "gather", "gather"),  # near the bound: as at the bound itself
 ])
 def test_a_given_bound_is_tightened_to_the_measured_extent(monkeypatch, extent, fwd, bwd_query):
@@ -294,6 +288,37 @@ def test_cost_model_counts_the_halo_work_the_offsets_reach():
 
     assert total(1) < total(4) < total(9) < total(25) == total(None) == total(100)
     assert total(None, 0.0) == total(4, 0.0)  # at bound 0 every group touches at most 2 x 2 rows
+
+
+def test_cost_model_weighs_issue_slots_counted_from_the_compile(monkeypatch):
+    """Where the issue table has every kernel ``choose_halo`` weighs, their lanes are the PTX
+    instructions per loop level times the loops' trips times the threads; a shape it lacks for any
+    of them weighs them all on the estimate, never one measure against the other."""
+    pytest.importorskip("triton")
+    import math
+
+    import kernels.dsa_cost as C
+
+    assert C._per_thread({"0": 10, "1": 5, "2": 2}, (3, 8)) == 10 + 3 * (5 + 8 * 2)
+    grid, win = (21, 30, 52), (3, 7, 7)
+    N, K = math.prod(grid), math.prod(win)
+    real = C.issue_table()
+    assert all(any(key.startswith(f"{k} d128 w3x7x7 ") for key in real) for k in C.ISSUE_KERNELS)
+    C._choose_halo.cache_clear()
+    assert all("issue slots from the sm_90 compile" in why for _, why in C.choose_halo(grid, win, 128, 1.5).values())
+    assert all("estimated" in why for _, why in C.choose_halo(grid, win, 32, 1.5).values())  # d 32: not in it
+
+    fake = {C.issue_key("gather_fwd", 128, win, {"BLOCK_M": 16}, 4): dict(
+        kernel="gather_fwd", head_dim=128, window=list(win), constexprs={"BLOCK_M": 16}, warps=4,
+        depths={"0": 10, "1": 5, "2": 2})}
+    monkeypatch.setattr(C, "issue_table", lambda: fake)
+    C._choose_halo.cache_clear()
+    fwd = C.gather_costs(N, win, 128)[0]
+    assert fwd.issue == math.ceil(N / 16) * 4 * 32 * (10 + K * (5 + 8 * 2))
+    assert fwd.seconds(C.CHIPS[0])["issue_s"] == fwd.issue / C.CHIPS[0].issue
+    assert C.halo_costs(grid, win, 128, 1.5)["fwd"][0].issue is None  # not in the fake table
+    assert all("estimated" in why for _, why in C.choose_halo(grid, win, 128, 1.5).values())
+    C._choose_halo.cache_clear()
 
 
 # -----------------------------------------------------------------------------

@@ -188,6 +188,24 @@ def test_interp_bf16_pull_flash_rule():
 
 
 @interpreter_only
+def test_interp_bf16_slots_at_once_match_one_at_a_time(monkeypatch):
+    """bf16's key-side pass puts ``JC`` window slots at once onto its band (at window width 5 and
+    the bound 1.5: a chunk of 4 and a masked chunk of 1): the gradients as with one slot at a time,
+    to bf16's rounding of dk and dv (a slot mapped wrong would be off by whole terms)."""
+    import kernels.dsa_triton_pull as P
+
+    window, shape = (1, 3, 5), (1, 2, 4, 7, 1, 8)
+    assert P.pull_config(8, window, *P.pull_span(1.5))["JC"] == 4
+    chunked, _, _ = _run(window, shape, 1.5, True, seed=16, dtype=torch.bfloat16)
+    real = P.pull_config
+    monkeypatch.setattr(P, "pull_config", lambda *a, **k: dict(real(*a, **k), JC=1))
+    single, _, _ = _run(window, shape, 1.5, True, seed=16, dtype=torch.bfloat16)
+    for name, a, b in zip(GRAD_NAMES, chunked, single):
+        assert torch.isfinite(a.float()).all(), name
+        torch.testing.assert_close(a.float(), b.float(), rtol=2**-7, atol=1e-3, msg=name)
+
+
+@interpreter_only
 def test_interp_offsets_beyond_the_given_bound_give_nan_dq_for_their_queries():
     from kernels.dsa_triton import dsa_triton
 

@@ -113,6 +113,8 @@ class Record:
     mma_sync: int = 0
     atomics_f32: int = 0
     compile_s: float | None = None
+    loop_instr: dict = field(default_factory=dict)  # PTX instructions by loop depth (``loop_instructions``)
+    constexprs: dict = field(default_factory=dict)  # the compile's constexprs (tile sizes, window, ...)
     ok: bool = False
     problems: list = field(default_factory=list)
     note: str = ""
@@ -132,12 +134,42 @@ def parse_ptxas_log(log: str) -> dict:
     return out
 
 
+_BLOCK = re.compile(r"^(?:\$L__BB\d+_\d+:|// %bb\.\d+:)")
+_DEPTH = re.compile(r"Depth=(\d+)")
+
+
+def loop_instructions(ptx: str) -> dict:
+    """The PTX's instructions by loop depth, ``{depth: count}`` (depth 0: outside every loop). LLVM
+    heads each basic block with a label (``$L__BB0_4:``) or, for a block entered by falling
+    through, a ``// %bb.3:`` comment, and its comment lines name the innermost loop holding it
+    (``in Loop: Header=BB0_6 Depth=4``, ``This Inner Loop Header: Depth=4``). A block's count times
+    its loops' trip counts is what one thread issues: the cost model (``kernels.dsa_cost``) reads
+    these counts for the issue slots a kernel needs. Directives, labels and comments are not
+    counted; every instruction is one, predicated or not."""
+    out: dict[int, int] = {}
+    depth, heading = 0, False
+    for line in ptx.splitlines():
+        s = line.strip()
+        if _BLOCK.match(s):
+            depth, heading = 0, True
+        elif not (heading and s.startswith("//")):
+            heading = False
+        if heading:
+            depth = max([depth, *map(int, _DEPTH.findall(s))])
+            continue
+        if not s or s.startswith(("//", ".", "$", "{", "}")):
+            continue
+        out[depth] = out.get(depth, 0) + 1
+    return out
+
+
 def count_ptx(ptx: str) -> dict:
     wgmma = len(re.findall(r"wgmma\.mma_async", ptx))
     tcgen05 = len(re.findall(r"\btcgen05\.mma", ptx))  # Blackwell's (sm_100) tensor-core MMA
     mma = len(re.findall(r"\bmma\.sync", ptx))
     dot = "tcgen05" if tcgen05 else "wgmma" if wgmma else ("mma.sync" if mma else "-")
-    return {"wgmma": wgmma, "mma_sync": mma, "dot": dot, "atomics_f32": len(_ATOMIC.findall(ptx))}
+    return {"wgmma": wgmma, "mma_sync": mma, "dot": dot, "atomics_f32": len(_ATOMIC.findall(ptx)),
+            "loop_instr": loop_instructions(ptx)}
 
 
 def _compile_in_child(variant: Variant, cc: int, conn, cache: str) -> None:
@@ -177,7 +209,8 @@ def compile_variant(variant: Variant, arch: str, shape: AotShape, timeout_s: flo
     rec = Record(kernel=variant.kernel, arch=arch, shape=shape.label, dtype=shape.dtype, head_dim=shape.head_dim,
                  window=list(shape.window), grid=list(shape.grid), max_offset=shape.max_offset,
                  config=variant.config, num_warps=variant.num_warps, num_stages=variant.num_stages,
-                 may_pick=variant.may_pick, note=variant.note, smem_limit=SMEM_PER_BLOCK[cc])
+                 may_pick=variant.may_pick, note=variant.note, smem_limit=SMEM_PER_BLOCK[cc],
+                 constexprs={k: v for k, v in variant.constexprs.items() if isinstance(v, (bool, int, str))})
     ctx = multiprocessing.get_context("fork")
     parent, child = ctx.Pipe(duplex=False)
     cache = tempfile.mkdtemp(prefix="megaslide-aot-")

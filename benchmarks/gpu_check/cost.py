@@ -2,8 +2,10 @@
 
 Per kernel and shape (one batch item, one head; a layer multiplies by its heads): the FLOPs it
 executes and on which units, the bytes it moves at each level, and the roofline time -- the
-largest of (FLOPs / the units' peak, DRAM bytes / HBM bandwidth, L1 bytes / L1 bandwidth,
-atomic bytes / L2 bandwidth) -- on H100 SXM and H200 figures. Against it: FlashAttention-3 on
+largest of (the CUDA cores' lanes -- issue slots counted from the sm_90 compile where the issue
+table has the kernel, "issue", else estimated FMA work, "est." --, tensor-core FLOPs / their peak,
+DRAM bytes / HBM bandwidth, L1 bytes / L1 bandwidth, atomic bytes / L2 bandwidth) -- on H100 SXM
+and H200 figures. Against it: FlashAttention-3 on
 the same tokens (dense, ``4 N^2 d`` forward, ``10 N^2 d`` backward, at the MFU its paper
 reports: 75% forward, 55% backward of the bf16 peak), and the sparse-video anchors (sliding tile
 attention, video sparse attention: block-sparse kernels reaching 58-85% of FA3's MFU), here a
@@ -77,12 +79,13 @@ def predictions(shapes, heads: dict | None = None) -> list[dict]:
 
 
 def table(rows: list[dict]) -> list[str]:
-    out = ["| shape | chip | kernel | heads | predicted ms/layer | bound by | fma / tc / l1 / dram / atomics ms | "
+    out = ["| shape | chip | kernel | heads | predicted ms/layer | bound by | lanes / tc / l1 / dram / atomics ms | "
            "FA3 dense ms | anchors ms | dense/DSA |", "|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         tm = r["terms_ms"]
+        lanes = f"{tm['issue']:.2f} (issue)" if "issue" in tm else f"{tm['fma']:.2f} (est.)"
         out.append(f"| {r['shape']} | {r['chip']} | {r['kernel']} | {r['heads']} | {r['ms_per_layer']:.2f} | "
-                   f"{r['bound']} | {tm['fma']:.2f} / {tm['tc']:.2f} / {tm['l1']:.2f} / {tm['dram']:.2f} / {tm['atomics']:.2f} | "
+                   f"{r['bound']} | {lanes} / {tm['tc']:.2f} / {tm['l1']:.2f} / {tm['dram']:.2f} / {tm['atomics']:.2f} | "
                    f"{r['flash_ms_per_layer']:.2f} | {r['anchor_ms_per_layer'][0]:.3g}-{r['anchor_ms_per_layer'][1]:.3g} | "
                    f"x{r['vs_flash']:.2f} |")
     return out
