@@ -6,12 +6,12 @@ pass, between the halo kernels (``dsa_triton_halo``: tensor cores) and the gathe
 
 Per kernel and shape (one batch item, one head; a layer multiplies by its heads): the roofline
 time is the largest of FLOPs / the units' peak, DRAM bytes / HBM bandwidth, L1 bytes / L1
-bandwidth, atomic bytes / L2 bandwidth and issue slots / the issue rate. The figures are datasheet peaks (H100 SXM: 989
-TFLOP/s dense bf16, 67 TFLOP/s fp32, 3.35 TB/s HBM3; H200 SXM: same compute, 4.8 TB/s HBM3e), L1
-at 128 B per clock per SM (132 SMs, 1.98 GHz boost: 33 TB/s) and L2 at 5.5 TB/s for fp32
-reductions (an assumption, not a datasheet figure); the issue rate is one instruction per lane
-and clock on each of the 4 schedulers of every SM (128 lanes: 33.5 T lane instructions per second,
-half the fp32 FLOP rate).
+bandwidth, atomic bytes / L2 bandwidth and issue slots / the issue rate. The figures are
+datasheet peaks (H100 SXM: 989 TFLOP/s dense bf16, 67 TFLOP/s fp32, 3.35 TB/s HBM3; H200 SXM:
+same compute, 4.8 TB/s HBM3e), L1 at 128 B per clock per SM (132 SMs, 1.98 GHz boost: 33 TB/s)
+and L2 at 5.5 TB/s for fp32 reductions (an assumption, not a datasheet figure); the issue rate
+is one instruction per lane and clock on each of the 4 schedulers of every SM (128 lanes: 33.5 T
+lane instructions per second, half the fp32 FLOP rate).
 
 Issue slots, from the compile. Every instruction a thread runs takes an issue slot: the FMAs, and
 also the index arithmetic, tents, selections, gathers and layout changes around them. Where the
@@ -19,9 +19,9 @@ issue table (``dsa_issue_sm90.json``, written by ``python -m benchmarks.gpu_chec
 from an sm_90 compile) has a kernel's config, its slots are the PTX instructions per loop level
 times the loops' trip counts times the threads: the gather kernels' loops are the window's slots
 and the 8 corners; the halo passes' are the window's ``(jt, jy)`` groups and the key rows a group
-touches. This replaces the per-operation estimates below, which undercounted the gather forward
-about 5x (36 d FLOPs per (query, sample) counted; its PTX issues ``~13 k`` lane instructions per
-(query, sample) at d 128). Shapes the table lacks (other head dims, windows, fp32) fall back to the
+touches; the key-side pass's, its candidate query rows and their slots. This replaces the
+per-operation estimates below, which undercounted the gather forward 5.7x (36 d FLOPs per (query,
+sample) counted; its PTX issues ``~13 k`` lane instructions per (query, sample) at d 128). Shapes the table lacks (other head dims, windows, fp32) fall back to the
 estimates, for every kernel compared at once so a choice never weighs one measure against the other.
 
 The gather kernels are FMA kernels: per (query, sample) the forward blends 8 corner rows of k and
