@@ -476,7 +476,7 @@ def tightened_bound(offsets: torch.Tensor, max_offset: float | None) -> float | 
     return extent
 
 
-def _dsa_fwd_launch(q, k, v, offsets, win, scale, block_m, slab=None, max_offset=None):
+def _dsa_fwd_launch(q, k, v, offsets, win, scale, block_m, slab=None, max_offset=None, measured=None):
     """out and the log-sum-exp: the halo forward (``dsa_triton_halo``: tensor cores) where
     ``halo_choice`` takes it, else the gather forward."""
     B, T, H, W, nh, d = q.shape
@@ -484,7 +484,8 @@ def _dsa_fwd_launch(q, k, v, offsets, win, scale, block_m, slab=None, max_offset
     kv_args, T = _slab_args(q, k, slab)
     out = torch.empty_like(q)
     lse = torch.empty((B, nh, N), device=q.device, dtype=torch.float32)
-    bound, why = (None, "") if halo_refusal(q, block_m) else pull_bound(offsets, max_offset, slab, win[0], win[2])
+    bound, why = ((None, "") if halo_refusal(q, block_m)
+                  else pull_bound(offsets, max_offset, slab, win[0], win[2], measured))
     halo, why = halo_choice("fwd", q, win, bound, why, block_m)
     log_halo_once("forward", halo, why)
     if halo:
@@ -500,7 +501,8 @@ def _dsa_fwd_launch(q, k, v, offsets, win, scale, block_m, slab=None, max_offset
     return out, lse
 
 
-def _dsa_bwd_launch(q, k, v, offsets, out, dout, lse, win, scale, block_m, slab=None, max_offset=None):
+def _dsa_bwd_launch(q, k, v, offsets, out, dout, lse, win, scale, block_m, slab=None, max_offset=None,
+                    measured=None):
     """dq, dk, dv, d(offsets). dk and dv come from the key-side pass (``dsa_triton_pull``) when the
     offsets' bound allows it (``DKV_MODE`` "auto"), else from the query-side pass's fp32 atomics."""
     B, T, H, W, nh, d = q.shape
@@ -508,7 +510,8 @@ def _dsa_bwd_launch(q, k, v, offsets, out, dout, lse, win, scale, block_m, slab=
     kv_args, T = _slab_args(q, k, slab)
     dq = torch.empty_like(q)
     doff = torch.empty_like(offsets)
-    bound, why = (None, "DKV_MODE atomic") if DKV_MODE == "atomic" else pull_bound(offsets, max_offset, slab, win[0], win[2])
+    bound, why = ((None, "DKV_MODE atomic") if DKV_MODE == "atomic"
+                  else pull_bound(offsets, max_offset, slab, win[0], win[2], measured))
     log_mode_once("atomic" if bound is None else "pull", why)
     # the query side on tensor cores (dsa_triton_halo) where the halo kernels may run: the pull mode's records
     halo, halo_why = halo_choice("bwd", q, win, bound, why, block_m)
@@ -567,18 +570,19 @@ class _DSATriton(torch.autograd.Function):
         q, k, v, offsets = (x.contiguous() for x in (q, k, v, offsets))
         _check_launch(q, k, v, offsets)
         max_offset = tightened_bound(offsets, max_offset)  # the backward runs at the same bound
-        out, lse = _dsa_fwd_launch(q, k, v, offsets, win, scale, block_m, slab, max_offset)
+        measured = []  # without a bound: the extent, measured by the first launch that needs it, once
+        out, lse = _dsa_fwd_launch(q, k, v, offsets, win, scale, block_m, slab, max_offset, measured)
         ctx.save_for_backward(q, k, v, offsets, out, lse)
-        ctx.meta = (win, scale, block_m, slab, max_offset)
+        ctx.meta = (win, scale, block_m, slab, max_offset, measured)
         return out
 
     @staticmethod
     def backward(ctx, dout):
         q, k, v, offsets, out, lse = ctx.saved_tensors
-        win, scale, block_m, slab, max_offset = ctx.meta
+        win, scale, block_m, slab, max_offset, measured = ctx.meta
         dout = dout.contiguous().to(q.dtype)
         dq, dk, dv, doff = _dsa_bwd_launch(q, k, v, offsets, out, dout, lse, win, scale, block_m, slab,
-                                             max_offset)
+                                             max_offset, measured)
         return dq, dk, dv, doff, None, None, None, None, None
 
 

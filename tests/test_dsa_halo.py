@@ -220,10 +220,12 @@ def test_a_given_bound_is_tightened_to_the_measured_extent(monkeypatch, extent, 
     """``max_offset`` 1.5 (the presets'), offsets up to ``extent``: the forward measures them once
     and both passes run at the smaller bound -- the kernels the cost model picks there and the
     key-side pass's span for it; the backward does not measure again. ``TIGHTEN_BOUND`` False: the
-    given bound, nothing measured. Kernels stubbed (CPU tensors at the Wan grid)."""
+    given bound, nothing measured. No bound (the presets' unbounded offsets): measured once per call
+    too, for both passes. Kernels stubbed (CPU tensors at the Wan grid)."""
     pytest.importorskip("triton")
     import kernels.dsa_triton as DT
     import kernels.dsa_triton_halo as HALO
+    import kernels.dsa_triton_pull as P
 
     calls, measured = [], []
     bound_at = lambda i: lambda grid, args: (args[i],)  # noqa: E731
@@ -235,15 +237,16 @@ def test_a_given_bound_is_tightened_to_the_measured_extent(monkeypatch, extent, 
     monkeypatch.setattr(DT, "_check_launch", lambda *a: None)  # CPU tensors reach the (stubbed) launches
     real_extent = DT.offsets_extent
     monkeypatch.setattr(DT, "offsets_extent", lambda off: measured.append(1) or real_extent(off))
+    monkeypatch.setattr(P, "offsets_extent", lambda off: measured.append("pull") or real_extent(off))
 
     q, k, v = (torch.zeros(1, 21, 30, 52, 1, 128, dtype=torch.bfloat16, requires_grad=True) for _ in range(3))
     off = torch.zeros(*q.shape[:5], 147, 3, dtype=torch.bfloat16)
     off[..., 5, 0], off[..., 9, 2] = extent, -extent
     off.requires_grad_(True)
 
-    def run():
+    def run(max_offset=1.5):
         calls.clear(), measured.clear()
-        DT.dsa_triton(q, k, v, off, (3, 7, 7), max_offset=1.5).float().sum().backward()
+        DT.dsa_triton(q, k, v, off, (3, 7, 7), max_offset=max_offset).float().sum().backward()
         return {c[0]: c[1:] for c in calls}
 
     ran = run()
@@ -257,6 +260,8 @@ def test_a_given_bound_is_tightened_to_the_measured_extent(monkeypatch, extent, 
     monkeypatch.setattr(DT, "TIGHTEN_BOUND", False)
     ran = run()
     assert measured == [] and "_dsa_fwd_tuned" in ran and ran["pull_launch"] == (1.5,)
+    ran = run(None)
+    assert measured == ["pull"] and ran["pull_launch"] == (extent,)  # the forward's measure, reused
 
 
 def test_tightened_bound_keeps_the_given_one_where_it_must():
