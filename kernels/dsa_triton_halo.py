@@ -79,6 +79,7 @@ from .dsa_triton_pull import (
     _band_add,
     _band_place,
     _past_bound,
+    _x_tents,
     compute_capability,
     pairs_within,
     pull_config,
@@ -317,11 +318,8 @@ def _dsa_halo_rows(
                 # loop's t, y weights only scale them; the coefficients folded in here keep the dq
                 # pass within its registers: apart, it spilled 128-180 B)
                 ub = ((cx0 + EHI) - sx)[None, :, None]
-                uu = u[None, None, :]
-                fx3 = tl.trans(fx)[:, :, None]
-                xt = (tl.where(tl.trans(g0)[:, :, None] + ub == uu, 1.0 - fx3, 0.0)
-                      + tl.where(tl.trans(_upper(g0, GUP))[:, :, None] + ub == uu, fx3, 0.0))
-                xt = xt * tl.trans(coef)[:, :, None]  # (KWP, BXP, UP)
+                xt = _x_tents(tl.trans(g0)[:, :, None] + ub, tl.trans(_upper(g0, GUP))[:, :, None] + ub,
+                              tl.trans(fx)[:, :, None], tl.trans(coef)[:, :, None], u[None, None, :])  # (KWP, BXP, UP)
             for tr in tl.range(t_lo, t_hi + 1, loop_unroll_factor=1):
                 ct = _row_tent(t0, _upper(t0, TUP), ft, tr)
                 if not BAND3:  # else the coefficients are in xt
@@ -542,11 +540,11 @@ def aot_variants(shape) -> list[dict]:
         cfg = halo_config(d, shape.window, elo, ehi, fp32=fp32, cc=cc)
         consts = _constexprs(d, shape.window, cfg, widen=False)
         rows = {"UP": cfg["UP"]}
-        for name, fn, warps, extra, pass_ in (
-                ("halo_scores", _dsa_halo_scores, cfg["scores_warps"], {}, "fwd"),
-                ("halo_out", _dsa_halo_rows, cfg["rows_warps"], dict(rows, SOFTMAX=True, BAND3=cfg["band3"]), "fwd"),
-                ("halo_bwd", _dsa_halo_bwd, cfg["bwd_warps"], {}, "bwd"),
-                ("halo_dq", _dsa_halo_rows, cfg["rows_warps"], dict(rows, SOFTMAX=False, BAND3=cfg["band3"]), "bwd")):
+        for name, fn, warps, extra in (
+                ("halo_scores", _dsa_halo_scores, cfg["scores_warps"], {}),
+                ("halo_out", _dsa_halo_rows, cfg["rows_warps"], dict(rows, SOFTMAX=True, BAND3=cfg["band3"])),
+                ("halo_bwd", _dsa_halo_bwd, cfg["bwd_warps"], {}),
+                ("halo_dq", _dsa_halo_rows, cfg["rows_warps"], dict(rows, SOFTMAX=False, BAND3=cfg["band3"]))):
             ptrs = {n: t for n in ("Q", "Kx", "V", "X", "OFF", "OUT", "DOUT", "DOFF") if n in fn.arg_names}
             ptrs.update({n: "*fp32" for n in ("S", "C", "LSE", "REC") if n in fn.arg_names})
             c = dict(consts, **extra)

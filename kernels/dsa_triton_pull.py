@@ -120,12 +120,18 @@ def _tent(p, n, SIZE):
 
 
 @triton.jit
+def _x_tents(u0, u1, f, c, u):
+    """Weight ``c`` split by the x tent over the positions ``u``: ``(1 - f) c`` where ``u == u0``,
+    ``f c`` where ``u == u1``, 0 elsewhere; the arguments broadcast. Every weight band and matrix of
+    the key-side pass and the halo kernels (``dsa_triton_halo``) is built from it."""
+    return tl.where(u0 == u, (1.0 - f) * c, 0.0) + tl.where(u1 == u, f * c, 0.0)
+
+
+@triton.jit
 def _band_add(band, u, u0, u1, f, c):
     """``band (R, UP)`` plus each row's sample: weight ``c`` split by the x tent over its band
-    columns ``u0`` (``1 - f``) and ``u1`` (``f``); ``u = arange(UP)``. The key-side pass and the
-    halo kernels (``dsa_triton_halo``) build their weight bands with it."""
-    return band + (tl.where(u0[:, None] == u[None, :], ((1.0 - f) * c)[:, None], 0.0)
-                   + tl.where(u1[:, None] == u[None, :], (f * c)[:, None], 0.0))
+    columns ``u0`` (``1 - f``) and ``u1`` (``f``); ``u = arange(UP)``."""
+    return band + _x_tents(u0[:, None], u1[:, None], f[:, None], c[:, None], u[None, :])
 
 
 @triton.jit
@@ -148,10 +154,9 @@ def _band_add_slots(band, rec_base, rec0, tok, lane_ok, slot_ok, N, FIELD, kt, k
         i0 = px.to(tl.int32)  # the x tent
         f = px - i0.to(tl.float32)
         i1 = tl.minimum(i0 + 1, W - 1)
-        uu = u[None, None, :]
         base = (EHI - sx)[None, :, None]
-        band += tl.sum(tl.where((i0[:, :, None] + base) == uu, ((1.0 - f) * c)[:, :, None], 0.0)
-                       + tl.where((i1[:, :, None] + base) == uu, (f * c)[:, :, None], 0.0), axis=0)
+        band += tl.sum(_x_tents(i0[:, :, None] + base, i1[:, :, None] + base, f[:, :, None], c[:, :, None],
+                                u[None, None, :]), axis=0)
     return band
 
 
@@ -271,8 +276,7 @@ def _dsa_pull_dkv(
                                 f = px - i0.to(tl.float32)
                                 i1 = tl.minimum(i0 + 1, W - 1)
                                 if IEEE:  # spread over the tile's keys: (BXP, QXP)
-                                    g += (tl.where(i0[None, :] == nx[:, None], ((1.0 - f) * c)[None, :], 0.0)
-                                          + tl.where(i1[None, :] == nx[:, None], (f * c)[None, :], 0.0))
+                                    g += _x_tents(i0[None, :], i1[None, :], f[None, :], c[None, :], nx[:, None])
                                 else:  # on the band: (QXP, UP), a quarter of the lanes
                                     band = _band_add(band, u, i0 - sx + EHI, i1 - sx + EHI, f, c)
             if not IEEE:  # the band placed on the tile's keys: G^T[q, n] = band[q, n - s_x(q) + EHI]
