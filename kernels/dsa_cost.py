@@ -43,7 +43,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 ISSUE_FILE = Path(__file__).with_name("dsa_issue_sm90.json")
-ISSUE_KERNELS = ("gather_fwd", "gather_bwd_pull", "gather_bwd_atomic", "halo_scores", "halo_out", "halo_bwd",
+ISSUE_KERNELS = ("gather_fwd", "gather_bwd_pull", "gather_bwd_atomic", "halo_scores", "halo_out", "halo_bwd_v", "halo_bwd_k",
                  "halo_dq", "pull_dk", "pull_dv")
 """The kernels the issue table holds: those ``choose_halo`` weighs, the key-side pass the pull
 mode adds, and the atomic mode's backward (the per-head totals)."""
@@ -69,7 +69,7 @@ CHIPS = (
 def issue_key(kernel: str, head_dim: int, window, constexprs: dict, warps: int) -> str:
     """The issue table's key for a compile: the kernel, head dim, window, the constexprs that change
     its code (tile sizes and widths; the bound and the grid are run-time arguments) and the warps."""
-    cfg = ",".join(f"{k}={constexprs[k]}" for k in ("BLOCK_M", "XP", "QXP", "KWP", "UP", "JC") if k in constexprs)
+    cfg = ",".join(f"{k}={constexprs[k]}" for k in ("BLOCK_M", "XP", "QXP", "KWP", "UP", "JC", "GY") if k in constexprs)
     return f"{kernel} d{head_dim} w{'x'.join(map(str, window))} {cfg} warps={warps}"
 
 
@@ -209,25 +209,27 @@ def pull_costs(grid, window, head_dim: int, bound: float, dtype_bytes: int = 2, 
 
 def halo_costs(grid, window, head_dim: int, bound: float, rows: int | None = None, dtype_bytes: int = 2,
                issue: bool = True) -> dict:
-    """The halo kernels (``dsa_triton_halo``) for one head: ``{"fwd": [scores, out], "bwd": [query
-    side, dq]}``. ``rows``: key rows a ``(jt, jy)`` group touches, on average; default the worst
-    case at the bound (``(ELO + EHI + 1)^2``, clipped to the grid). Per tile of ``BXP`` query
-    rows and per (group, touched row):
+    """The halo kernels (``dsa_triton_halo``) for one head: ``{"fwd": [scores, out], "bwd": [the
+    query side's sweep v, its sweep k, dq]}``. ``rows``: key rows a window row's samples touch, on
+    average; default the worst case at the bound (``(ELO + EHI + 1)^2``, clipped to the grid). Per
+    tile of ``BXP`` query rows and per (group, touched row):
 
-    - scores: one ``(BXP, XP, d)`` dot, ``~20`` lane operations per sample slot (two gathers, the
-      tents, the blend), one key row from L1;
+    - scores: one ``(BXP, XP, d)`` dot, ``~20`` lane operations per sample slot (the gather, the
+      tents, the blend), one key row from L1; a group is ``GY`` window rows (``scores_gy``), whose
+      samples reach ``GY - 1`` more key rows than one window row's;
     - out and dq: one dot, the band (``~4`` per slot element to pick the slot, ``~6`` per band
       element, for each of the ``KW`` slots) and its placement (``~4`` per ``(BXP, XP)`` element);
-    - the backward's query side: two sweeps of one dot each (``dO V_row^T``, then ``q K_row^T``) and
-      ``~30`` lane operations per slot, over the rows the corners touch or whose weight's derivative
-      reaches (the offsets' gradient needs the upper corners' rows too: up to twice per axis);
+    - the backward's query side: two launches of one sweep each (``dO V_row^T``, then ``q K_row^T``;
+      ``GY`` window rows a group, ``bwd_gy``) and ``~30`` lane operations per slot, over the rows
+      the corners touch or whose weight's derivative reaches (the offsets' gradient needs the upper
+      corners' rows too: up to twice per axis);
     - per group, ``~60`` lane operations per slot for the positions.
 
     DRAM: q, k, v, out once, offsets once per pass, the scores' scratch (forward, ``4 K`` bytes
     per token written and read) and the records (backward, ``20 K`` written, ``4 K`` read).
 
     ``issue``: each pass's issue slots from the issue table where it has the config, the loops
-    being the ``KT`` x ``KH`` groups, then the touched rows' frames and rows (``r`` rows: frames
+    being the ``KT`` x ``ceil(KH / GY)`` groups, then the touched rows' frames and rows (``r`` rows: frames
     ``min(span, T)``, ``r`` over that rows each; the backward's query side at ``r_grad`` rows), then
     (the rows pass without ``BAND3``) the ``KW`` slots."""
     from .dsa_triton_halo import halo_config  # lazy: imports triton
@@ -254,26 +256,38 @@ def halo_costs(grid, window, head_dim: int, bound: float, rows: int | None = Non
     tiles = visits // (kt * kh)
     frames = min(span, T)
 
-    def cost(name, tc, lane, l1, dram, rows_run, consts, warps):
+    def cost(name, tc, lane, l1, dram, rows_run, consts, warps, groups=kh):
         slots = None
         if issue and dtype_bytes == 2:
             slots = issue_slots(issue_key(name, d, window, consts, warps), tiles,
-                                (kt, kh, frames, rows_run / frames, kw))  # (the rows pass's slot loop without BAND3)
+                                (kt, groups, frames, rows_run / frames, kw))  # (the rows pass's slot loop without BAND3)
         return Cost(name, N, K, d, fma_flops=2.0 * lane, tc_flops=tc, dram_bytes=dram, l1_bytes=l1,
                     atomic_bytes=0.0, issue=slots)
 
     shape = {"XP": xp, "KWP": kwp}
     rows_shape = dict(shape, UP=up)
-    scores = cost("halo_scores", visits * r * dot, visits * (group_lane + r * 20 * bxp * kwp), visits * r * row_bytes,
-                  N * (row + 3 * K * e + 4 * K + 4) + N * row, r, shape, cfg["scores_warps"])
+    # the scores pass and the backward's two sweeps take GY window rows a group: a group's key rows
+    # are its frames times the rows its GY window rows reach (each window row's r / frames, widened
+    # by the GY - 1 rows between them)
+    def grouped(name, gy, rows, dots, lane_per_row, l1_per_row, dram, warps):
+        blocks = [min(gy, kh - j) for j in range(0, kh, gy)]
+        r_gy = sum(frames * min(H, b - 1 + rows / frames) for b in blocks) / len(blocks)  # key rows a group, on average
+        v = visits * len(blocks) // kh
+        return cost(name, v * r_gy * dots * dot, v * (gy * group_lane + r_gy * lane_per_row * gy), v * r_gy * l1_per_row,
+                    dram, r_gy, dict(shape, GY=gy), warps, len(blocks))
+
+    scores = grouped("halo_scores", cfg["scores_gy"], r, 1, 20 * bxp * kwp, row_bytes,
+                     N * (row + 3 * K * e + 4 * K + 4) + N * row, cfg["scores_warps"])
     out = cost("halo_out", visits * r * dot, visits * (group_lane + r * band_lane), visits * r * row_bytes,
                N * (row + 3 * K * e + 4 * K) + N * row, r, rows_shape, cfg["rows_warps"])
-    query = cost("halo_bwd", visits * r_grad * 2 * dot, visits * (group_lane + r_grad * 2 * 30 * bxp * kwp),
-                 visits * r_grad * 2 * (row_bytes + bxp * d * e), N * (3 * row + 6 * K * e + 20 * K + 4),
-                 r_grad, shape, cfg["bwd_warps"])
+    # the backward's query side: sweep v (dO V_row^T) and sweep k (q K_row^T, the records), over the
+    # rows the corners touch or whose weight's derivative reaches
+    sweeps = [grouped(name, gy, r_grad, 1, 30 * bxp * kwp, row_bytes + bxp * d * e, dram, cfg["bwd_warps"])
+              for name, gy, dram in (("halo_bwd_v", cfg["bwd_gy"][0], N * (2 * row + 3 * K * e + 16 * K)),
+                                     ("halo_bwd_k", cfg["bwd_gy"][1], N * (row + 6 * K * e + 36 * K + 4)))]
     dq = cost("halo_dq", visits * r * dot, visits * (group_lane + r * band_lane), visits * r * row_bytes,
               N * (row + 3 * K * e + 4 * K) + N * row, r, rows_shape, cfg["rows_warps"])
-    return {"fwd": [scores, out], "bwd": [query, dq]}
+    return {"fwd": [scores, out], "bwd": [*sweeps, dq]}
 
 
 def span_class(bound: float) -> tuple[float, str]:

@@ -15,30 +15,45 @@ The tile
   runs with ``x``. With the offsets' bound ``M`` every corner of a slot-``j`` sample lies in
   ``[b - ceil(M), b + floor(M) + 1]`` per axis around its base ``b`` (``dsa_triton_pull.pull_span``),
   so the tile's x corners fit ``XP`` consecutive key columns from ``cx0``. Window slots are taken a
-  ``(jt, jy)`` group at a time (the ``KW`` slots of one window row, ``(BXP, KWP)`` tensors). For a
-  group the program computes the samples' clamped positions and the span of key rows ``(t', y')``
-  their corners actually touch (a runtime min/max); rows whose weights are all zero are skipped, so
-  the work follows the offsets present: one row per group at zero offsets, up to ``(2M + 2)^2``.
+  group at a time: ``GY`` consecutive window rows of one frame, ``(jt, jy .. jy + GY - 1)``, the
+  ``KW`` slots of each on ``KWP`` columns (``(BXP, GY KWP)`` tensors; ``GY`` 2 in the scores pass
+  and the backward's query side where the registers allow, 1 in the rows pass). For a
+  group the program computes the samples' clamped positions and the box of key rows ``(t', y')``
+  their corners touch (a runtime min/max), so the work follows the offsets present: one row per
+  group at zero offsets, up to ``(2M + 2)^2``. Every row of the box takes its dot, weighted or not:
+  testing a row's weights cost a block-wide reduction (about 35 instructions and 3 barriers a
+  row) and with trained offsets almost every row of the box is touched.
 
 Four passes
   1. ``_dsa_halo_scores`` (forward): per touched row, ``S = q @ K_row^T`` (``(BXP, XP)``, a
-     tensor-core dot); each sample takes its two x corners from ``S`` with ``tl.gather`` and adds
-     them with its ``t``, ``y`` and ``x`` weights. The unscaled scores go to a scratch buffer
+     tensor-core dot); each sample takes its two x corners from ``S`` with one ``tl.gather`` for
+     the whole group (``(BXP, 2 GY KWP)``: the corners interleaved, ``_pairs``) and adds them with
+     its ``t`` and ``y`` weights; the ``x`` weights apply once per group. Triton lays a gather out
+     with the source's axis across a warp and the index broadcast over it, so a gather of 16 or 32
+     columns per query costs what one of 8 does: two gathers of 8 took 481 instructions a row, one
+     of 16 with the row test gone 211, one of 32 (``GY`` 2) 229 for twice the samples, and a group
+     of two window rows reaches ``span + 1`` key rows, not ``2 span``. The unscaled scores go to a scratch buffer
      ``(pairs, K, N)`` fp32 and the log-sum-exp (base 2, as the gather forward saves it) to ``LSE``.
   2. ``_dsa_halo_rows`` with ``SOFTMAX`` (forward output): ``a_j = exp2(s_j scale - lse)``. Once
      per group, each slot's x tent goes on a band of ``UP`` columns relative to its query's window
      (``u = x' - s_x + ceil M``: its two x corners), ``(KWP, BXP, UP)``; per touched row the
      probabilities times the ``t``, ``y`` weights scale the slots' tents, summed over the slots
      into the row's band (the slot axis leads, so the sum stays within each thread), the band is
-     placed on the row's ``XP`` columns (``_band_place``: ``tl.gather``), and ``acc += P @ V_row``
+     placed on the row's ``XP`` columns (``_band_place4``: four ``tl.gather`` of every fourth
+     column, interleaved: 242 instructions a row against 402 for one gather), and ``acc += P @ V_row``
      (a tensor-core dot; ``P`` in the values' dtype, as flash attention's ``P @ V``; ``ieee`` at
      fp32). Built per row and slot instead, the band cost 2.6 times the instructions a row.
-  3. ``_dsa_halo_bwd`` (the backward's query side): two sweeps over the rows the corners touch or
-     whose weight's derivative reaches, one dot a row each: ``dO V_row^T`` gives ``dO . v_j`` and
-     its derivatives along each axis, then ``q K_row^T`` the score and its derivatives (times
-     ``ds / a``, known once the first sweep is done): the offsets' gradient, and the pull mode's
-     records ``(p_t, p_y, p_x, ds, a)``. (Four sweeps before: each source twice, for the value and
-     for the derivatives; one sweep with both dots spilled.)
+  3. ``_dsa_halo_bwd`` (the backward's query side), two launches of one sweep each over the rows
+     the corners touch or whose weight's derivative reaches, one dot a row: ``dO V_row^T`` gives
+     ``dO . v_j`` and its derivatives along each axis, then ``q K_row^T`` the score and its
+     derivatives (times ``ds / a``, known from the first): the offsets' gradient, and the pull
+     mode's records ``(p_t, p_y, p_x, ds, a)``. Each row's corner values come from one gather and
+     go into three sums (the ``t``, ``y`` tents' product and each tent's derivative times the
+     other); the ``x`` tent and its derivative do not depend on the row and apply after the sweep
+     (both sweeps in one program with a loop per source: 1,184 instructions a row; now 267 a
+     sweep and row, 301 at ``GY`` 2). The first sweep's four results wait in the records' fields
+     for the second. ``GY`` 2 for both sweeps but the second's at head dim 128 and on sm_100
+     (it spilled 28-40 B there; 1).
   4. ``_dsa_halo_rows`` without ``SOFTMAX`` (``dq``): as 2, with ``X = k`` and the records' ``ds``.
   dk and dv come from the key-side pass (``dsa_triton_pull``), as in the gather kernels' pull mode.
 
@@ -55,9 +70,9 @@ When it runs
   backward's query side) where the cost model (``dsa_cost.choose_halo``) predicts them faster than
   the gather kernels at the bound the call runs at (the offsets' measured extent where it is below
   a given ``max_offset``), both counted in issue slots from their sm_90 compiles. At the Wan grid
-  and head dim 128: both passes while every offset is within a token (neighborhood attention, a
-  fresh offset head, up to offsets in (0, 1)), the forward up to 1; past that (the GPU check's bound
-  1.5) it predicts the gather kernels faster. "halo" forces them. fp32
+  and head dim 128, window 3x7x7: both passes up to offsets in (1, 2) (the GPU check's bound 1.5),
+  the forward up to 2; past that it predicts the gather kernels faster (at 3x5x5 the backward from
+  offsets in (1, 2)). "halo" forces them. fp32
   takes the gather kernels (the halo passes' fp32 ``ieee`` dots spill). A query with an offset
   beyond a given bound gets a NaN output row (and dq row): its corners may lie outside the columns
   the tile loaded.
@@ -77,7 +92,8 @@ from .aot import AOT_POINTER_TYPES, aligned_pointer_attrs, signature_for
 from .dsa_triton_pull import (
     INTERPRETED,
     _band_add,
-    _band_place,
+    _band_place4,
+    _pairs,
     _past_bound,
     _x_tents,
     compute_capability,
@@ -111,6 +127,19 @@ def _upper(i0, LIM):
 def _row_tent(i0, i1, f, r):
     """Weight of the samples' positions (corners ``i0``, ``i1``, weight ``f`` on ``i1``) on row ``r``."""
     return tl.where(i0 == r, 1.0 - f, 0.0) + tl.where(i1 == r, f, 0.0)
+
+
+@triton.jit
+def _pair_sum(x, R: tl.constexpr, C: tl.constexpr):
+    """``(R, 2 C)`` -> ``(R, C)``: the sum of each interleaved pair (``_pairs``'s inverse, added)."""
+    return tl.sum(tl.reshape(x, [R, C, 2]), axis=2)
+
+
+@triton.jit
+def _pair_diff(x, R: tl.constexpr, C: tl.constexpr):
+    """``(R, 2 C)`` -> ``(R, C)``: each interleaved pair's second element minus its first."""
+    a, b = tl.split(tl.reshape(x, [R, C, 2]))
+    return b - a
 
 
 @triton.jit
@@ -153,28 +182,29 @@ def _tile(BH0, N, T, H, W, NH, NK, TK, Q0, K0, EHI, BX, HEAD_DIM: tl.constexpr, 
 
 @triton.jit
 def _group(OFF, off_row, q_ok, jt, jy, st, sy, sx, cx0, T, H, W, TK, K0, ELO, EHI,
-           KH: tl.constexpr, KW: tl.constexpr, KWP: tl.constexpr, XP: tl.constexpr):
-    """The samples of window row ``(jt, jy)`` (``KW`` slots on ``KWP`` columns), ``(BXP, KWP)``:
-    the lower corners (held frame ``t0``, -1 for padding and refused slots: they touch no row;
-    row ``y0``; column of the tile's key run ``g0``; the upper corners are ``_upper`` of them), the
-    weights on the upper corners, which slots count (``ok``), which queries have a slot past the
-    bound (``past``, per query), the key rows the weighted corners touch, ``[t_lo, t_hi] x
-    [y_lo, y_hi]``, and the clamped positions on the whole grid."""
-    jx = tl.arange(0, KWP)
-    slot_ok = q_ok[:, None] & (jx < KW)[None, :]
-    optr = OFF + off_row[:, None] + ((jt * KH + jy) * KW + jx)[None, :] * 3
+           KH: tl.constexpr, KW: tl.constexpr, KWP: tl.constexpr, XP: tl.constexpr, GY: tl.constexpr):
+    """The samples of window rows ``(jt, jy .. jy + GY - 1)`` (``KW`` slots each on ``KWP``
+    columns), ``(BXP, GY KWP)``: the lower corners (held frame ``t0``, -1 for padding and refused
+    slots: they touch no row; row ``y0``; column of the tile's key run ``g0``; the upper corners are
+    ``_upper`` of them), the weights on the upper corners, which slots count (``ok``), which
+    queries have a slot past the bound (``past``, per query), the key rows the weighted corners
+    touch, ``[t_lo, t_hi] x [y_lo, y_hi]``, each column's slot ``j`` and which slots exist
+    (``slot_ok``: the window's, of a valid query)."""
+    col = tl.arange(0, GY * KWP)
+    jyc = jy + col // KWP
+    jx = col % KWP
+    slot_ok = q_ok[:, None] & ((jx < KW) & (jyc < KH))[None, :]
+    j = (jt * KH + jyc) * KW + jx
+    optr = OFF + off_row[:, None] + j[None, :] * 3
     ot = tl.load(optr + 0, mask=slot_ok, other=0.0).to(tl.float32)
     oy = tl.load(optr + 1, mask=slot_ok, other=0.0).to(tl.float32)
     ox = tl.load(optr + 2, mask=slot_ok, other=0.0).to(tl.float32)
     bt = st + jt
-    by = sy + jy
+    by = (sy + jyc)[None, :]
     bx = sx[:, None] + jx[None, :]
     t0, t1, ft = _clamped_axis(ot, bt, T)
     y0, y1, fy = _clamped_axis(oy, by, H)
     c0, c1, fx = _clamped_axis(ox, bx, W)
-    pt = t0.to(tl.float32) + ft
-    py = y0.to(tl.float32) + fy
-    px = c0.to(tl.float32) + fx
     past = (_past_bound(t0, ft, bt, ELO, EHI) | _past_bound(y0, fy, by, ELO, EHI)
             | _past_bound(c0, fx, bx, ELO, EHI) | (ot != ot) | (oy != oy) | (ox != ox)) & slot_ok
     ok = slot_ok & (past == 0)
@@ -186,18 +216,21 @@ def _group(OFF, off_row, q_ok, jt, jy, st, sy, sx, cx0, T, H, W, TK, K0, ELO, EH
     t_hi = tl.max(tl.max(tl.where(ft > 0.0, t1, t0), axis=1), axis=0)
     y_hi = tl.max(tl.max(tl.where(ok, tl.where(fy > 0.0, y1, y0), -1), axis=1), axis=0)
     return (t0, ft, y0, fy, g0, fx, ok, tl.max(past.to(tl.int32), axis=1) > 0, t_lo, t_hi, y_lo, y_hi,
-            pt, py, px)
+            j, slot_ok)
 
 
 @triton.jit
 def _inside(OFF, off_row, slot_ok, j, bt, by, bx, T, H, W):
     """Where the clamp of each sample's position passes gradient, per axis (torch's clamp: on
-    ``[lo, hi]`` inclusive), from the offsets reloaded (cheaper than keeping three masks live)."""
+    ``[lo, hi]`` inclusive), and the clamped positions (``_clamped_axis``'s, the records' first
+    three fields), from the offsets reloaded (cheaper than keeping six tensors live)."""
     optr = OFF + off_row[:, None] + j[None, :] * 3
     pt = bt + tl.load(optr + 0, mask=slot_ok, other=0.0).to(tl.float32)
     py = by + tl.load(optr + 1, mask=slot_ok, other=0.0).to(tl.float32)
     px = bx + tl.load(optr + 2, mask=slot_ok, other=0.0).to(tl.float32)
-    return (pt >= 0.0) & (pt <= T - 1.0), (py >= 0.0) & (py <= H - 1.0), (px >= 0.0) & (px <= W - 1.0)
+    return ((pt >= 0.0) & (pt <= T - 1.0), (py >= 0.0) & (py <= H - 1.0), (px >= 0.0) & (px <= W - 1.0),
+            tl.minimum(tl.maximum(pt, 0.0), T - 1.0), tl.minimum(tl.maximum(py, 0.0), H - 1.0),
+            tl.minimum(tl.maximum(px, 0.0), W - 1.0))
 
 
 @triton.jit
@@ -234,6 +267,7 @@ def _dsa_halo_scores(
     HEAD_DIM: tl.constexpr,
     KT: tl.constexpr, KH: tl.constexpr, KW: tl.constexpr,
     BXP: tl.constexpr, XP: tl.constexpr, KWP: tl.constexpr, BLOCK_D: tl.constexpr,
+    GY: tl.constexpr,  # window rows per group: (BXP, GY KWP) samples against each touched key row
     WIDEN: tl.constexpr = False,  # under the interpreter: bf16 dots widened (as ``dsa_triton_pull._split_dot``)
 ):
     """Pass 1: every sample's score ``<q, k_j>`` (unscaled, fp32) into ``S (BH, KS, N)`` and the
@@ -244,26 +278,26 @@ def _dsa_halo_scores(
     s_bh, pid_bh, tok, q_ok, st, sy, sx, cx0, off_row, row_ptr, row_mask, kv_base, TUP, GUP = _tile(
         BH0, N, T, H, W, NH, NK, TK, Q0, K0, EHI, BX, HEAD_DIM, KT, KH, KW, BXP, XP, BLOCK_D)
     q = tl.load(Q + row_ptr, mask=row_mask, other=0.0)
-    jx = tl.arange(0, KWP)
     s_row = S + s_bh.to(tl.int64) * (KS * N) + tok  # (BXP,): sample j of a query at + j * N
     beyond = tl.zeros([BXP], dtype=tl.int1)
     m_i = tl.full([BXP], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BXP], dtype=tl.float32)
     for jt in tl.range(0, KT, loop_unroll_factor=1):
-        for jy in tl.range(0, KH, loop_unroll_factor=1):
-            t0, ft, y0, fy, g0, fx, ok, past, t_lo, t_hi, y_lo, y_hi, _, _, _ = _group(
-                OFF, off_row, q_ok, jt, jy, st, sy, sx, cx0, T, H, W, TK, K0, ELO, EHI, KH, KW, KWP, XP)
+        for jy in tl.range(0, KH, GY, loop_unroll_factor=1):
+            t0, ft, y0, fy, g0, fx, ok, past, t_lo, t_hi, y_lo, y_hi, j, slot_ok = _group(
+                OFF, off_row, q_ok, jt, jy, st, sy, sx, cx0, T, H, W, TK, K0, ELO, EHI, KH, KW, KWP, XP, GY)
             beyond |= past
-            s = tl.zeros([BXP, KWP], dtype=tl.float32)
+            g01 = _pairs(g0, _upper(g0, GUP))  # (BXP, 2 KWP): both x corners of every slot, one gather a row
+            s2 = tl.zeros([BXP, 2 * GY * KWP], dtype=tl.float32)
             for tr in tl.range(t_lo, t_hi + 1, loop_unroll_factor=1):
                 wt = _row_tent(t0, _upper(t0, TUP), ft, tr)
                 for yr in tl.range(y_lo, y_hi + 1, loop_unroll_factor=1):
                     w = wt * _row_tent(y0, _upper(y0, H - 1), fy, yr)
-                    if tl.max(tl.max(w, axis=1), axis=0) > 0.0:  # else no corner on this row
-                        sc = _row_dot(q, Kx, kv_base, tr, yr, H, W, cx0, row_stride, HEAD_DIM, XP, BLOCK_D, IEEE,
-                                      WIDEN)  # (BXP, XP) on tensor cores
-                        s += w * ((1.0 - fx) * tl.gather(sc, g0, axis=1) + fx * tl.gather(sc, _upper(g0, GUP), axis=1))
-            tl.store(s_row[:, None] + ((jt * KH + jy) * KW + jx)[None, :] * N, s, mask=q_ok[:, None] & (jx < KW)[None, :])
+                    sc = _row_dot(q, Kx, kv_base, tr, yr, H, W, cx0, row_stride, HEAD_DIM, XP, BLOCK_D, IEEE,
+                                  WIDEN)  # (BXP, XP) on tensor cores
+                    s2 += _pairs(w, w) * tl.gather(sc, g01, axis=1)
+            s = _pair_sum(s2 * _pairs(1.0 - fx, fx), BXP, GY * KWP)
+            tl.store(s_row[:, None] + j[None, :] * N, s, mask=slot_ok)
             sl = tl.where(ok, s * qk_scale, float("-inf"))  # online log-sum-exp over the groups (base 2)
             m_new = tl.maximum(m_i, tl.max(sl, axis=1))
             m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
@@ -298,7 +332,6 @@ def _dsa_halo_rows(
         BH0, N, T, H, W, NH, NK, TK, Q0, K0, EHI, BX, HEAD_DIM, KT, KH, KW, BXP, XP, BLOCK_D)
     jx = tl.arange(0, KWP)
     u = tl.arange(0, UP)
-    xcol = tl.arange(0, XP)
     c_row = C + c_bh.to(tl.int64) * C_STRIDE + tok
     if SOFTMAX:
         lse = tl.load(LSE + pid_bh.to(tl.int64) * N + tok, mask=q_ok, other=0.0)
@@ -306,10 +339,10 @@ def _dsa_halo_rows(
     acc = tl.zeros([BXP, BLOCK_D], dtype=tl.float32)
     for jt in tl.range(0, KT, loop_unroll_factor=1):
         for jy in tl.range(0, KH, loop_unroll_factor=1):
-            t0, ft, y0, fy, g0, fx, ok, past, t_lo, t_hi, y_lo, y_hi, _, _, _ = _group(
-                OFF, off_row, q_ok, jt, jy, st, sy, sx, cx0, T, H, W, TK, K0, ELO, EHI, KH, KW, KWP, XP)
+            t0, ft, y0, fy, g0, fx, ok, past, t_lo, t_hi, y_lo, y_hi, j, _ = _group(
+                OFF, off_row, q_ok, jt, jy, st, sy, sx, cx0, T, H, W, TK, K0, ELO, EHI, KH, KW, KWP, XP, 1)
             beyond |= past
-            coef = tl.load(c_row[:, None] + ((jt * KH + jy) * KW + jx)[None, :] * N, mask=ok, other=0.0)
+            coef = tl.load(c_row[:, None] + j[None, :] * N, mask=ok, other=0.0)
             if SOFTMAX:
                 coef = tl.math.exp2(coef * qk_scale - lse[:, None])
             coef = tl.where(ok, coef, 0.0)
@@ -326,26 +359,25 @@ def _dsa_halo_rows(
                     ct = coef * ct
                 for yr in tl.range(y_lo, y_hi + 1, loop_unroll_factor=1):
                     c = ct * _row_tent(y0, _upper(y0, H - 1), fy, yr)
-                    if tl.max(tl.max(tl.where(coef != 0.0, tl.abs(c), 0.0), axis=1), axis=0) > 0.0:  # else no weight
-                        if BAND3:  # (BXP, UP): the row's weights on the band, summed over the slots
-                            band = tl.sum(tl.trans(c)[:, :, None] * xt, axis=0)
-                        else:  # slot by slot: its column of the group's tensors, its x tent on the band
-                            band = tl.zeros([BXP, UP], dtype=tl.float32)
-                            for j in tl.range(0, KW, loop_unroll_factor=1):
-                                sel = (jx == j)[None, :]
-                                u0j = tl.sum(tl.where(sel, g0, 0), axis=1) + (cx0 + EHI) - sx
-                                u1j = tl.sum(tl.where(sel, _upper(g0, GUP), 0), axis=1) + (cx0 + EHI) - sx
-                                band = _band_add(band, u, u0j, u1j, tl.sum(tl.where(sel, fx, 0.0), axis=1),
-                                                 tl.sum(tl.where(sel, c, 0.0), axis=1))
-                        pr = _band_place(band, xcol[None, :] + (cx0 + EHI) - sx[:, None], UP)  # (BXP, XP)
-                        xrow = _key_row(X, kv_base, tr, yr, H, W, cx0, row_stride, HEAD_DIM, XP, BLOCK_D)
-                        if IEEE:
-                            acc = tl.dot(pr, xrow, acc, input_precision="ieee")
-                        elif WIDEN:  # P in the rows' dtype as on the GPU, widened for the interpreter
-                            acc = tl.dot(pr.to(xrow.dtype).to(tl.float32), xrow.to(tl.float32), acc,
-                                         input_precision="ieee")
-                        else:  # P in the rows' dtype, as flash attention's P @ V and dS @ K
-                            acc = tl.dot(pr.to(xrow.dtype), xrow, acc)
+                    if BAND3:  # (BXP, UP): the row's weights on the band, summed over the slots
+                        band = tl.sum(tl.trans(c)[:, :, None] * xt, axis=0)
+                    else:  # slot by slot: its column of the group's tensors, its x tent on the band
+                        band = tl.zeros([BXP, UP], dtype=tl.float32)
+                        for js in tl.range(0, KW, loop_unroll_factor=1):
+                            sel = (jx == js)[None, :]
+                            u0j = tl.sum(tl.where(sel, g0, 0), axis=1) + (cx0 + EHI) - sx
+                            u1j = tl.sum(tl.where(sel, _upper(g0, GUP), 0), axis=1) + (cx0 + EHI) - sx
+                            band = _band_add(band, u, u0j, u1j, tl.sum(tl.where(sel, fx, 0.0), axis=1),
+                                             tl.sum(tl.where(sel, c, 0.0), axis=1))
+                    pr = _band_place4(band, (cx0 + EHI) - sx[:, None], UP, XP)  # (BXP, XP)
+                    xrow = _key_row(X, kv_base, tr, yr, H, W, cx0, row_stride, HEAD_DIM, XP, BLOCK_D)
+                    if IEEE:
+                        acc = tl.dot(pr, xrow, acc, input_precision="ieee")
+                    elif WIDEN:  # P in the rows' dtype as on the GPU, widened for the interpreter
+                        acc = tl.dot(pr.to(xrow.dtype).to(tl.float32), xrow.to(tl.float32), acc,
+                                     input_precision="ieee")
+                    else:  # P in the rows' dtype, as flash attention's P @ V and dS @ K
+                        acc = tl.dot(pr.to(xrow.dtype), xrow, acc)
     acc = tl.where(beyond[:, None], float("nan"), acc)
     tl.store(OUT + row_ptr, acc.to(OUT.dtype.element_ty), mask=row_mask)
 
@@ -361,88 +393,93 @@ def _dsa_halo_bwd(
     HEAD_DIM: tl.constexpr,
     KT: tl.constexpr, KH: tl.constexpr, KW: tl.constexpr,
     BXP: tl.constexpr, XP: tl.constexpr, KWP: tl.constexpr, BLOCK_D: tl.constexpr,
+    GY: tl.constexpr,  # window rows per group, as in the scores pass
+    SWEEP: tl.constexpr,  # 0: dO V_row^T, the first half of the gradient; 1: q K_row^T, the rest and the records
     WIDEN: tl.constexpr = False,
 ):
-    """The backward's query side without dq: per touched key row ``S = q K_row^T`` and
-    ``DP = dO V_row^T`` (tensor-core dots), each sample's corners picked with ``tl.gather``: its
-    score, ``dO . v_j``, and their derivatives along each axis. Then ``a``, ``ds`` and the offsets'
-    gradient (stored), and the records ``(p_t, p_y, p_x, ds, a)`` for the key-side pass and the
-    ``dq`` pass (``_dsa_halo_rows`` with ``X = k``, ``c = ds``)."""
+    """The backward's query side without dq, one sweep per launch (``SWEEP``): per key row a corner
+    touches or whose weight's derivative reaches (an upper corner at zero weight: its derivative
+    is 1), one tensor-core dot, ``dO V_row^T`` (sweep 0) or ``q K_row^T`` (sweep 1). Each row's
+    values at both x corners of every slot come from one gather (``e``, the corners interleaved) and
+    go into three sums, weighted by the row's ``t`` and ``y`` tents' product and each tent's
+    derivative times the other; the ``x`` tent and its derivative do not depend on the row and
+    apply once after the sweep. Sweep 0 gives ``dO . v_j`` and its derivatives: ``cs = ds / a`` and
+    the ``dO.v_c`` terms of the offsets' gradient, which wait in the records' first four fields.
+    Sweep 1 gives the score, so ``a``, and the ``q.k_c`` terms times ``cs``: the offsets' gradient,
+    ``sum_c d(weight_c)/dp e_c`` with ``e_c = ds q.k_c + a dO.v_c = a (cs q.k_c + dO.v_c)``, and
+    the records ``(p_t, p_y, p_x, ds, a)`` for the key-side pass and the ``dq`` pass
+    (``_dsa_halo_rows`` with ``X = k``, ``c = ds``). Apart, each sweep takes ``GY`` window rows a
+    group within its registers; together in one program (one ``GY``), they needed the first
+    sweep's results parked in memory between them, and both sweeps' code held the registers."""
     KS: tl.constexpr = KT * KH * KW
     IEEE: tl.constexpr = Q.dtype.element_ty == tl.float32
     row_stride = NH * HEAD_DIM
     r_bh, pid_bh, tok, q_ok, st, sy, sx, cx0, off_row, row_ptr, row_mask, kv_base, TUP, GUP = _tile(
         BH0, N, T, H, W, NH, NK, TK, Q0, K0, EHI, BX, HEAD_DIM, KT, KH, KW, BXP, XP, BLOCK_D)
-    delta = tl.sum(tl.load(DOUT + row_ptr, mask=row_mask, other=0.0).to(tl.float32)
-                   * tl.load(OUT + row_ptr, mask=row_mask, other=0.0).to(tl.float32), axis=1)
-    # q and dO are loaded again for every row's dot (L1 hits), not held through the loops: held,
-    # with both rows' dots at once, the pass spilled 50-350 bytes per thread at d 128
-    lse = tl.load(LSE + pid_bh.to(tl.int64) * N + tok, mask=q_ok, other=0.0)
-    jx = tl.arange(0, KWP)
+    # q and dO are loaded again for every row's dot (L1 hits), not held through the loops
+    if SWEEP == 0:
+        delta = tl.sum(tl.load(DOUT + row_ptr, mask=row_mask, other=0.0).to(tl.float32)
+                       * tl.load(OUT + row_ptr, mask=row_mask, other=0.0).to(tl.float32), axis=1)
+    else:
+        lse = tl.load(LSE + pid_bh.to(tl.int64) * N + tok, mask=q_ok, other=0.0)
+    col = tl.arange(0, GY * KWP)
     rec_row = REC + r_bh.to(tl.int64) * (5 * KS * N) + tok
     for jt in tl.range(0, KT, loop_unroll_factor=1):
-        for jy in tl.range(0, KH, loop_unroll_factor=1):
-            t0, ft, y0, fy, g0, fx, ok, past, t_lo, t_hi, y_lo, y_hi, pt, py, px = _group(
-                OFF, off_row, q_ok, jt, jy, st, sy, sx, cx0, T, H, W, TK, K0, ELO, EHI, KH, KW, KWP, XP)
+        for jy in tl.range(0, KH, GY, loop_unroll_factor=1):
+            t0, ft, y0, fy, g0, fx, ok, past, t_lo, t_hi, y_lo, y_hi, j, slot_ok = _group(
+                OFF, off_row, q_ok, jt, jy, st, sy, sx, cx0, T, H, W, TK, K0, ELO, EHI, KH, KW, KWP, XP, GY)
             t_hi2 = tl.max(tl.max(_upper(t0, TUP), axis=1), axis=0)  # every upper corner: its weight's derivative is 1
             y_hi2 = tl.max(tl.max(tl.where(ok, _upper(y0, H - 1), -1), axis=1), axis=0)
-            j = (jt * KH + jy) * KW + jx
-            slot_ok = q_ok[:, None] & (jx < KW)[None, :]
-            rec = rec_row[:, None] + j[None, :] * N
-            tl.store(rec, pt, mask=slot_ok)  # the positions now: fewer tensors live through the sweeps
-            tl.store(rec + KS * N, py, mask=slot_ok)
-            tl.store(rec + 2 * KS * N, px, mask=slot_ok)
-            # two sweeps over the rows a corner touches or whose weight's derivative reaches (an upper
-            # corner at zero weight: its derivative is 1), one dot per row each: dO V_row^T, then
-            # q K_row^T, at each sample's two x corners, summed into the blend (dO . v_j, then the
-            # score) and into the offsets' gradient, sum_c d(weight_c)/dp e_c with
-            # e_c = ds q.k_c + a dO.v_c = a (cs q.k_c + dO.v_c): the dO.v_c terms first, which give
-            # cs, then the q.k_c terms times cs; a applied at the end. (One sweep with both dots kept
-            # eight sums live and spilled 0.5-1 KB per thread.)
-            dp = tl.zeros([BXP, KWP], dtype=tl.float32)
-            s = tl.zeros([BXP, KWP], dtype=tl.float32)
-            cs = tl.zeros([BXP, KWP], dtype=tl.float32)
-            et = tl.zeros([BXP, KWP], dtype=tl.float32)
-            ey = tl.zeros([BXP, KWP], dtype=tl.float32)
-            ex = tl.zeros([BXP, KWP], dtype=tl.float32)
-            for src in tl.static_range(2):  # dO.v_c, then q.k_c: one dot live at a time
-                for tr in tl.range(t_lo, t_hi2 + 1, loop_unroll_factor=1):
-                    wt = _row_tent(t0, _upper(t0, TUP), ft, tr)
-                    dwt = tl.where(_upper(t0, TUP) == tr, 1.0, 0.0) - tl.where(t0 == tr, 1.0, 0.0)
-                    for yr in tl.range(y_lo, y_hi2 + 1, loop_unroll_factor=1):
-                        wy = _row_tent(y0, _upper(y0, H - 1), fy, yr)
-                        dwy = tl.where(_upper(y0, H - 1) == yr, 1.0, 0.0) - tl.where(y0 == yr, 1.0, 0.0)
-                        touch = ((wt != 0.0) | (dwt != 0.0)) & ((wy != 0.0) | (dwy != 0.0))
-                        if tl.max(tl.max(touch.to(tl.int32), axis=1), axis=0) > 0:
-                            if src == 0:
-                                row = _row_dot(tl.load(DOUT + row_ptr, mask=row_mask, other=0.0), V, kv_base, tr,
-                                               yr, H, W, cx0, row_stride, HEAD_DIM, XP, BLOCK_D, IEEE, WIDEN)
-                            else:
-                                row = _row_dot(tl.load(Q + row_ptr, mask=row_mask, other=0.0), Kx, kv_base, tr, yr,
-                                               H, W, cx0, row_stride, HEAD_DIM, XP, BLOCK_D, IEEE, WIDEN)
-                            e0 = tl.gather(row, g0, axis=1)
-                            dif = tl.gather(row, _upper(g0, GUP), axis=1) - e0  # along x: e1 - e0
-                            ebl = e0 + fx * dif
-                            if src == 0:
-                                dp += wt * wy * ebl
-                            else:
-                                s += wt * wy * ebl
-                                ebl = cs * ebl  # e / a: the q.k_c terms times cs
-                                dif = cs * dif
-                            et += dwt * wy * ebl
-                            ey += wt * dwy * ebl
-                            ex += wt * wy * dif
-                if src == 0:
-                    cs = (dp - delta[:, None]) * sm_scale  # ds = a cs: d loss / d <q, k_j>
-            a = tl.where(ok, tl.math.exp2(s * qk_scale - lse[:, None]), 0.0)
-            tl.store(rec + 3 * KS * N, a * cs, mask=slot_ok)
-            tl.store(rec + 4 * KS * N, a, mask=slot_ok)
-            in_t, in_y, in_x = _inside(OFF, off_row, slot_ok, j, st + jt, sy + jy, sx[:, None] + jx[None, :], T, H, W)
-            doff = DOFF + off_row[:, None] + j[None, :] * 3
-            out_ty = DOFF.dtype.element_ty
-            tl.store(doff + 0, tl.where(in_t, a * et, 0.0).to(out_ty), mask=slot_ok)
-            tl.store(doff + 1, tl.where(in_y, a * ey, 0.0).to(out_ty), mask=slot_ok)
-            tl.store(doff + 2, tl.where(in_x, a * ex, 0.0).to(out_ty), mask=slot_ok)
+            g01 = _pairs(g0, _upper(g0, GUP))
+            sw = tl.zeros([BXP, 2 * GY * KWP], dtype=tl.float32)  # tents' product
+            st_ = tl.zeros([BXP, 2 * GY * KWP], dtype=tl.float32)  # t tent's derivative
+            sy_ = tl.zeros([BXP, 2 * GY * KWP], dtype=tl.float32)  # y tent's derivative
+            for tr in tl.range(t_lo, t_hi2 + 1, loop_unroll_factor=1):
+                wt = _row_tent(t0, _upper(t0, TUP), ft, tr)
+                dwt = tl.where(_upper(t0, TUP) == tr, 1.0, 0.0) - tl.where(t0 == tr, 1.0, 0.0)
+                for yr in tl.range(y_lo, y_hi2 + 1, loop_unroll_factor=1):
+                    wy = _row_tent(y0, _upper(y0, H - 1), fy, yr)
+                    dwy = tl.where(_upper(y0, H - 1) == yr, 1.0, 0.0) - tl.where(y0 == yr, 1.0, 0.0)
+                    if SWEEP == 0:
+                        row = _row_dot(tl.load(DOUT + row_ptr, mask=row_mask, other=0.0), V, kv_base, tr,
+                                       yr, H, W, cx0, row_stride, HEAD_DIM, XP, BLOCK_D, IEEE, WIDEN)
+                    else:
+                        row = _row_dot(tl.load(Q + row_ptr, mask=row_mask, other=0.0), Kx, kv_base, tr, yr,
+                                       H, W, cx0, row_stride, HEAD_DIM, XP, BLOCK_D, IEEE, WIDEN)
+                    e = tl.gather(row, g01, axis=1)
+                    sw += _pairs(wt * wy, wt * wy) * e
+                    st_ += _pairs(dwt * wy, dwt * wy) * e
+                    sy_ += _pairs(wt * dwy, wt * dwy) * e
+            xw = _pairs(1.0 - fx, fx)
+            blend = _pair_sum(sw * xw, BXP, GY * KWP)
+            rec = rec_row[:, None] + j[None, :] * N  # (here, not held through the sweep)
+            if SWEEP == 0:  # cs and the dO.v_c terms, for sweep 1
+                tl.store(rec, (blend - delta[:, None]) * sm_scale, mask=slot_ok)  # cs: ds = a cs
+                tl.store(rec + KS * N, _pair_sum(st_ * xw, BXP, GY * KWP), mask=slot_ok)
+                tl.store(rec + 2 * KS * N, _pair_sum(sy_ * xw, BXP, GY * KWP), mask=slot_ok)
+                tl.store(rec + 3 * KS * N, _pair_diff(sw, BXP, GY * KWP), mask=slot_ok)
+            else:
+                a = tl.where(ok, tl.math.exp2(blend * qk_scale - lse[:, None]), 0.0)
+                et = _pair_sum(st_ * xw, BXP, GY * KWP)
+                ey = _pair_sum(sy_ * xw, BXP, GY * KWP)
+                ex = _pair_diff(sw, BXP, GY * KWP)
+                cs = tl.load(rec, mask=slot_ok, other=0.0)
+                et = tl.load(rec + KS * N, mask=slot_ok, other=0.0) + cs * et
+                ey = tl.load(rec + 2 * KS * N, mask=slot_ok, other=0.0) + cs * ey
+                ex = tl.load(rec + 3 * KS * N, mask=slot_ok, other=0.0) + cs * ex
+                tl.debug_barrier()  # every thread's loads are done before the records' final values overwrite them
+                tl.store(rec + 3 * KS * N, a * cs, mask=slot_ok)
+                tl.store(rec + 4 * KS * N, a, mask=slot_ok)
+                in_t, in_y, in_x, pt, py, px = _inside(OFF, off_row, slot_ok, j, st + jt, (sy + jy + col // KWP)[None, :],
+                                                       sx[:, None] + (col % KWP)[None, :], T, H, W)
+                doff = DOFF + off_row[:, None] + j[None, :] * 3
+                out_ty = DOFF.dtype.element_ty
+                tl.store(doff + 0, tl.where(in_t, a * et, 0.0).to(out_ty), mask=slot_ok)
+                tl.store(doff + 1, tl.where(in_y, a * ey, 0.0).to(out_ty), mask=slot_ok)
+                tl.store(doff + 2, tl.where(in_x, a * ex, 0.0).to(out_ty), mask=slot_ok)
+                tl.store(rec, pt, mask=slot_ok)
+                tl.store(rec + KS * N, py, mask=slot_ok)
+                tl.store(rec + 2 * KS * N, px, mask=slot_ok)
 
 
 # -----------------------------------------------------------------------------
@@ -457,12 +494,16 @@ def halo_config(head_dim: int, window, elo: int, ehi: int, fp32: bool = False, c
     128 elements of ``KWP x UP`` per query (3x7x7 at offsets up to 3), 64 on sm_100 at head dim 128
     (at 128 it spilled 16-24 B there), where it compiles without spills; else per row and slot.
     ``rows_maxnreg``: the rows pass's register limit, set on sm_100, where ptxas otherwise holds it
-    to 128 registers at narrow bands and spills (4-28 B; at 255 it takes 154-190, no spills)."""
+    to 128 registers at narrow bands and spills (4-28 B; at 255 it takes 154-190, no spills).
+    ``scores_gy``, ``bwd_gy`` (sweep v, sweep k): window rows per group of the scores pass and the
+    backward's sweeps; the second sweep takes one at head dim 128 and on sm_100, where two spilled
+    28-40 B (at 4 the scores pass spilled 12-36 B)."""
     cfg = pull_config(head_dim, window, elo, ehi, fp32, cc)
     kwp = triton.next_power_of_2(window[2])
     return dict(BX=cfg["BX"], BXP=cfg["BXP"], XP=cfg["QXP"], KWP=kwp, UP=cfg["UP"],
                 scores_warps=8, rows_warps=8, bwd_warps=8, rows_maxnreg=255 if cc >= 100 else None,
-                band3=kwp * cfg["UP"] <= (64 if cc >= 100 and head_dim > 64 else 128))
+                band3=kwp * cfg["UP"] <= (64 if cc >= 100 and head_dim > 64 else 128),
+                scores_gy=2, bwd_gy=(2, 2 if head_dim <= 64 and cc < 100 else 1))
 
 
 def _constexprs(head_dim: int, window, cfg: dict, widen: bool) -> dict:
@@ -505,7 +546,8 @@ def halo_forward(q, k, v, offsets, win, qk_scale: float, bound: float, grid_args
     scores = torch.empty((chunk, ks, N), device=q.device, dtype=torch.float32)
     for bh0 in range(0, pairs, chunk):
         grid = (tiles, min(chunk, pairs - bh0))
-        _dsa_halo_scores[grid](q, k, offsets, scores, lse, qk_scale, *tail(bh0), **meta, num_warps=cfg["scores_warps"])
+        _dsa_halo_scores[grid](q, k, offsets, scores, lse, qk_scale, *tail(bh0), **meta, GY=cfg["scores_gy"],
+                               num_warps=cfg["scores_warps"])
         _dsa_halo_rows[grid](v, offsets, scores, lse, out, qk_scale, *tail(bh0), ks * N, **meta, UP=cfg["UP"],
                              SOFTMAX=True, BAND3=cfg["band3"], num_warps=cfg["rows_warps"],
                              maxnreg=cfg["rows_maxnreg"])
@@ -519,8 +561,9 @@ def halo_backward_query(q, k, v, offsets, out, dout, lse, win, qk_scale: float, 
     cfg, tiles, meta, tail = _plan(q, win, bound, grid_args)
     ks = win[0] * win[1] * win[2]
     grid = (tiles, count)
-    _dsa_halo_bwd[grid](q, k, v, offsets, out, dout, lse, doff, rec, qk_scale, sm_scale, *tail(bh0), **meta,
-                        num_warps=cfg["bwd_warps"])
+    for sweep in (0, 1):
+        _dsa_halo_bwd[grid](q, k, v, offsets, out, dout, lse, doff, rec, qk_scale, sm_scale, *tail(bh0), **meta,
+                            GY=cfg["bwd_gy"][sweep], SWEEP=sweep, num_warps=cfg["bwd_warps"])
     _dsa_halo_rows[grid](k, offsets, rec[:, 3], lse, dq, qk_scale, *tail(bh0), 5 * ks * grid_args[0], **meta,
                          UP=cfg["UP"], SOFTMAX=False, BAND3=cfg["band3"], num_warps=cfg["rows_warps"],
                          maxnreg=cfg["rows_maxnreg"])
@@ -541,9 +584,10 @@ def aot_variants(shape) -> list[dict]:
         consts = _constexprs(d, shape.window, cfg, widen=False)
         rows = {"UP": cfg["UP"]}
         for name, fn, warps, extra in (
-                ("halo_scores", _dsa_halo_scores, cfg["scores_warps"], {}),
+                ("halo_scores", _dsa_halo_scores, cfg["scores_warps"], {"GY": cfg["scores_gy"]}),
                 ("halo_out", _dsa_halo_rows, cfg["rows_warps"], dict(rows, SOFTMAX=True, BAND3=cfg["band3"])),
-                ("halo_bwd", _dsa_halo_bwd, cfg["bwd_warps"], {}),
+                ("halo_bwd_v", _dsa_halo_bwd, cfg["bwd_warps"], {"GY": cfg["bwd_gy"][0], "SWEEP": 0}),
+                ("halo_bwd_k", _dsa_halo_bwd, cfg["bwd_warps"], {"GY": cfg["bwd_gy"][1], "SWEEP": 1}),
                 ("halo_dq", _dsa_halo_rows, cfg["rows_warps"], dict(rows, SOFTMAX=False, BAND3=cfg["band3"]))):
             ptrs = {n: t for n in ("Q", "Kx", "V", "X", "OFF", "OUT", "DOUT", "DOFF") if n in fn.arg_names}
             ptrs.update({n: "*fp32" for n in ("S", "C", "LSE", "REC") if n in fn.arg_names})

@@ -135,29 +135,26 @@ def _band_add(band, u, u0, u1, f, c):
 
 
 @triton.jit
-def _band_add_slots(band, rec_base, rec0, tok, lane_ok, slot_ok, N, FIELD, kt, ky, T, H, W, sx, EHI, u,
+def _band_add_slots(band, rec_base, rec0, tok, lane_ok, slot_ok, N, FIELD, kt, ky, T, H, ucol,
                     COEF: tl.constexpr, JC: tl.constexpr):
     """``band (QXP, UP)`` plus the samples of ``JC`` consecutive window slots (records from
     ``rec_base + rec0``, slot ``j`` at ``+ j N``) that reach key row ``(kt, ky)``: each weighted by
     its ``t``, ``y`` tents and its coefficient (record field ``COEF``), split by its x tent over
-    its band columns. The slots go on a leading axis of a ``(JC, QXP, UP)`` tensor summed over it:
-    one pass of the lanes for ``JC`` slots rather than one per slot with its own loads and tents
-    (the key-side pass issued about 480 instructions a slot and thread that way)."""
+    its band columns, whose key columns are ``ucol`` (``(QXP, UP)`` fp32: ``u + s_x - EHI``). The
+    slots go on a leading axis of a ``(JC, QXP, UP)`` tensor summed over it: one pass of the lanes
+    for ``JC`` slots rather than one per slot with its own loads and tents (the key-side pass issued
+    about 480 instructions a slot and thread that way). The x tent is the interpolation's own,
+    ``max(1 - |x - p_x|, 0)`` (four operations an element; the two-corner form, ``_x_tents``, took
+    seven), and every chunk is added: with trained offsets almost every chunk reaches the row, and
+    testing it cost a block-wide reduction (about 35 instructions and 2 barriers)."""
     j = tl.arange(0, JC)
     m = slot_ok[:, None] & lane_ok[None, :]  # (JC, QXP)
     rec = rec_base + rec0 + j[:, None] * N + tok[None, :]
     w_ty = _tent(tl.load(rec, mask=m, other=0.0), kt, T) * _tent(tl.load(rec + FIELD, mask=m, other=0.0), ky, H)
-    w_ty = tl.where(m, w_ty, 0.0)
-    if tl.max(tl.max(w_ty, axis=1), axis=0) > 0.0:  # else no sample of these slots reaches the tile's row
-        px = tl.load(rec + 2 * FIELD, mask=m, other=0.0)
-        c = w_ty * tl.load(rec + COEF * FIELD, mask=m, other=0.0)
-        i0 = px.to(tl.int32)  # the x tent
-        f = px - i0.to(tl.float32)
-        i1 = tl.minimum(i0 + 1, W - 1)
-        base = (EHI - sx)[None, :, None]
-        band += tl.sum(_x_tents(i0[:, :, None] + base, i1[:, :, None] + base, f[:, :, None], c[:, :, None],
-                                u[None, None, :]), axis=0)
-    return band
+    c = tl.where(m, w_ty * tl.load(rec + COEF * FIELD, mask=m, other=0.0), 0.0)
+    px = tl.load(rec + 2 * FIELD, mask=m, other=0.0)
+    tent = tl.maximum(1.0 - tl.abs(ucol[None, :, :] - px[:, :, None]), 0.0)
+    return band + tl.sum(tent * c[:, :, None], axis=0)
 
 
 @triton.jit
@@ -166,6 +163,23 @@ def _band_place(band, rel, UP: tl.constexpr):
     band placed on the columns ``rel`` gives its band coordinates, by ``tl.gather``."""
     picked = tl.gather(band, tl.minimum(tl.maximum(rel, 0), UP - 1), axis=1)
     return tl.where((rel >= 0) & (rel < UP), picked, 0.0)
+
+
+@triton.jit
+def _pairs(a, b):
+    """``(R, C)`` tensors ``a``, ``b`` interleaved into ``(R, 2 C)``: ``a[:, j]`` at ``2 j``, ``b[:, j]`` at ``2 j + 1``."""
+    return tl.reshape(tl.join(a, b), [a.shape[0], 2 * a.shape[1]])
+
+
+@triton.jit
+def _band_place4(band, rel0, UP: tl.constexpr, XP: tl.constexpr):
+    """``_band_place(band, arange(XP)[None, :] + rel0, UP)`` as four gathers of every fourth column,
+    interleaved back: a gather whose index is as wide as its source's placement costs about one
+    shuffle an element; four times as wide, about four (65 shuffles and 70 selections a row)."""
+    i4 = 4 * tl.arange(0, XP // 4)[None, :] + rel0
+    p = _pairs(_band_place(band, i4, UP), _band_place(band, i4 + 2, UP))
+    q = _pairs(_band_place(band, i4 + 1, UP), _band_place(band, i4 + 3, UP))
+    return _pairs(p, q)
 
 
 @triton.jit
@@ -238,6 +252,7 @@ def _dsa_pull_dkv(
     lane_ok = qx <= qx_hi
     sx = tl.minimum(tl.maximum(qx - KW // 2, 0), W - KW)  # the candidate queries' window starts
     u = tl.arange(0, UP)
+    ucol = (u[None, :] + (sx - EHI)[:, None]).to(tl.float32)  # (QXP, UP): the band's key columns
     row_mask = lane_ok[:, None] & col_ok[None, :]
 
     rec_base = REC + rec_bh.to(tl.int64) * (5 * KS * N)
@@ -261,8 +276,8 @@ def _dsa_pull_dkv(
                     if JC > 1:  # bf16: JC slots at once, (JC, QXP) records, their tents summed onto the band
                         for jx0 in tl.range(0, KW, JC, loop_unroll_factor=1):
                             band = _band_add_slots(band, rec_base, ((jt * KH + jy) * KW + jx0) * N, tok, lane_ok,
-                                                   (jx0 + tl.arange(0, JC)) < KW, N, FIELD, kt, ky, T, H, W, sx,
-                                                   EHI, u, COEF, JC)
+                                                   (jx0 + tl.arange(0, JC)) < KW, N, FIELD, kt, ky, T, H, ucol,
+                                                   COEF, JC)
                     else:  # one slot at a time
                         for jx in tl.range(0, KW, loop_unroll_factor=1):
                             rec = rec_base + ((jt * KH + jy) * KW + jx) * N + tok
@@ -280,7 +295,7 @@ def _dsa_pull_dkv(
                                 else:  # on the band: (QXP, UP), a quarter of the lanes
                                     band = _band_add(band, u, i0 - sx + EHI, i1 - sx + EHI, f, c)
             if not IEEE:  # the band placed on the tile's keys: G^T[q, n] = band[q, n - s_x(q) + EHI]
-                g = tl.trans(_band_place(band, nx[None, :] - sx[:, None] + EHI, UP))  # (BXP, QXP)
+                g = tl.trans(_band_place4(band, (x0 + EHI - sx)[:, None], UP, BXP))  # (BXP, QXP)
             rows = tl.load(X + head_base + tok.to(tl.int64)[:, None] * row_stride + cols[None, :],
                            mask=row_mask, other=0.0)
             acc = _split_dot(acc, g, rows, IEEE, WIDEN)
@@ -302,8 +317,9 @@ def pull_config(head_dim: int, window, elo: int, ehi: int, fp32: bool = False, c
     ``max_offset`` 1.5), else 128; the band of ``UP`` columns per query. ``cc``: the target's compute
     capability (90 Hopper, 100 Blackwell). bf16 on sm_90: 4 warps (246 registers at d 128: 2 blocks
     per SM). bf16 on sm_100 and fp32 take 8 (at 4 they spilled: 20-56 bytes per thread on sm_100,
-    200 bytes in fp32's ``ieee`` dots). ``maxnreg``: fp32 on sm_100 launches with a register limit
-    of 255 (ptxas otherwise held it to 128 and spilled 16 B at d 128; it takes 135)."""
+    200 bytes in fp32's ``ieee`` dots). ``maxnreg``: sm_100 launches with a register limit of 255
+    (ptxas otherwise held fp32 to 128 registers and bf16 at d 128 to 80, and they spilled 16 and
+    64 B; with it they take 135 and 178-199)."""
     reach = window[2] - 1 + elo + ehi
     if reach > MAX_REACH:
         raise ValueError(f"window width {window[2]} with a reach of ({elo}, {ehi}) tokens needs {reach} candidate "
@@ -312,7 +328,7 @@ def pull_config(head_dim: int, window, elo: int, ehi: int, fp32: bool = False, c
     up = triton.next_power_of_2(window[2] + elo + ehi)
     jc = 1 if fp32 else min(triton.next_power_of_2(window[2]), max(1, 4096 // (qxp * up)))
     return dict(BX=min(64, qxp - reach), BXP=64, QXP=qxp, UP=up, JC=jc,
-                num_warps=8 if fp32 or cc >= 100 else 4, maxnreg=255 if fp32 and cc >= 100 else None)
+                num_warps=8 if fp32 or cc >= 100 else 4, maxnreg=255 if cc >= 100 else None)
 
 
 def pull_span(bound: float) -> tuple[int, int]:

@@ -146,7 +146,8 @@ def test_gather_autotune_lists_are_what_the_check_compiles():
             cfg = halo_config(shape.head_dim, shape.window, *pull_span(b), cc=cc)
             launch = {"halo_scores": (None, cfg["scores_warps"], None),
                       "halo_out": (cfg["UP"], cfg["rows_warps"], cfg["rows_maxnreg"]),
-                      "halo_bwd": (None, cfg["bwd_warps"], None),
+                      "halo_bwd_v": (None, cfg["bwd_warps"], None),
+                      "halo_bwd_k": (None, cfg["bwd_warps"], None),
                       "halo_dq": (cfg["UP"], cfg["rows_warps"], cfg["rows_maxnreg"])}
             launched += [(k, cfg["XP"], cfg["KWP"], up, w, r, True) for k, (up, w, r) in launch.items()]
         assert len(set(halos)) == len(halos) and set(halos) == set(launched)
@@ -166,7 +167,7 @@ def test_sm90_compile_only_check_passes_at_the_preset_shapes(tmp_path):
     shapes = {(r["head_dim"], tuple(r["window"])) for r in recs}
     assert shapes == {(d, w) for d in (64, 128) for w in ((3, 5, 5), (3, 7, 7))}
     assert {r["kernel"] for r in recs} == {"gather_fwd", "gather_bwd_pull", "gather_bwd_atomic", "pull_dk", "pull_dv",
-                                           "halo_scores", "halo_out", "halo_bwd", "halo_dq"}
+                                           "halo_scores", "halo_out", "halo_bwd_v", "halo_bwd_k", "halo_dq"}
     for r in recs:
         assert r["ok"] and r["spill_stores"] == 0 and r["smem"] <= aot.SMEM_PER_BLOCK[90], r
         assert r["compile_s"] < 60, r

@@ -93,8 +93,9 @@ def test_plan_covers_every_corner_and_chunks_the_scores(monkeypatch):
 
 def test_auto_takes_the_halo_kernels_where_the_cost_model_predicts_them_faster(monkeypatch):
     """``auto``: per pass, bf16 within the pull bound and predicted faster (Wan's grid and window at
-    d 128: offsets up to 0 -- neighborhood attention -- take the halo kernels for both passes, up to
-    1.5 the gather kernels); fp32 and a bound past the cap take the gather kernels; "halo" forces."""
+    d 128: offsets up to 0 -- neighborhood attention -- and up to 1.5, the GPU check's bound, take
+    the halo kernels for both passes, offsets in (2, 3) the gather kernels); fp32 and a bound past
+    the cap take the gather kernels; "halo" forces."""
     pytest.importorskip("triton")
     import kernels.dsa_triton as DT
 
@@ -105,6 +106,8 @@ def test_auto_takes_the_halo_kernels_where_the_cost_model_predicts_them_faster(m
         halo, why = DT.halo_choice(pass_, q16, win, 0.0, "max_offset")
         assert halo and "cost model" in why and "halo" in why, why
         halo, why = DT.halo_choice(pass_, q16, win, 1.5, "max_offset")
+        assert halo and "cost model" in why, why
+        halo, why = DT.halo_choice(pass_, q16, win, 2.5, "max_offset")
         assert not halo and "cost model" in why, why
         halo, why = DT.halo_choice(pass_, q32, win, 0.0, "max_offset")
         assert not halo and "fp32" in why
@@ -164,7 +167,8 @@ WAN = dict(B=1, nh=6, d=128, grid=(21, 30, 52))  # the Wan grid, 3x7x7, six head
 
 @pytest.mark.parametrize("bound,fwd_kernel,bwd_mode", [
     (0.0, "halo", "pull"),  # neighborhood attention: the halo forward's scores, the records
-    (1.5, "gather", "pull"),  # the presets' bound: the records only
+    (1.5, "halo", "pull"),  # the GPU check's bound: the halo forward's scores, the records
+    (2.5, "gather", "pull"),  # the records only
     (4.0, "gather", "atomic"),  # past the key-side pass's cap: fp32 dk and dv
 ])
 def test_scratch_bytes_is_what_the_launchers_allocate(monkeypatch, bound, fwd_kernel, bwd_mode):
@@ -214,14 +218,15 @@ def test_scratch_bytes_covers_measured_offsets_small_and_large(monkeypatch):
 @pytest.mark.parametrize("extent,fwd,bwd_query", [
     (0.0, "halo", "halo"),  # a fresh offset head: neighborhood attention on tensor cores
     (0.375, "halo", "halo"),  # offsets within a token: both passes on tensor cores
-    (1.375, "gather", "gather"),  # near the bound: as at the bound itself
+    (1.375, "halo", "halo"),  # within 2 tokens: still both
+    (2.375, "gather", "gather"),  # near the bound: as at the bound itself
 ])
 def test_a_given_bound_is_tightened_to_the_measured_extent(monkeypatch, extent, fwd, bwd_query):
-    """``max_offset`` 1.5 (the presets'), offsets up to ``extent``: the forward measures them once
-    and both passes run at the smaller bound -- the kernels the cost model picks there and the
-    key-side pass's span for it; the backward does not measure again. ``TIGHTEN_BOUND`` False: the
-    given bound, nothing measured. No bound (the presets' unbounded offsets): measured once per call
-    too, for both passes. Kernels stubbed (CPU tensors at the Wan grid)."""
+    """``max_offset`` 2.75, offsets up to ``extent``: the forward measures them once and both passes
+    run at the smaller bound -- the kernels the cost model picks there and the key-side pass's span
+    for it; the backward does not measure again. ``TIGHTEN_BOUND`` False: the given bound (the
+    gather kernels there), nothing measured. No bound (the presets' unbounded offsets): measured
+    once per call too, for both passes. Kernels stubbed (CPU tensors at the Wan grid)."""
     pytest.importorskip("triton")
     import kernels.dsa_triton as DT
     import kernels.dsa_triton_halo as HALO
@@ -244,7 +249,7 @@ def test_a_given_bound_is_tightened_to_the_measured_extent(monkeypatch, extent, 
     off[..., 5, 0], off[..., 9, 2] = extent, -extent
     off.requires_grad_(True)
 
-    def run(max_offset=1.5):
+    def run(max_offset=2.75):
         calls.clear(), measured.clear()
         DT.dsa_triton(q, k, v, off, (3, 7, 7), max_offset=max_offset).float().sum().backward()
         return {c[0]: c[1:] for c in calls}
@@ -259,7 +264,7 @@ def test_a_given_bound_is_tightened_to_the_measured_extent(monkeypatch, extent, 
         assert ran["halo_forward"] == (extent,)
     monkeypatch.setattr(DT, "TIGHTEN_BOUND", False)
     ran = run()
-    assert measured == [] and "_dsa_fwd_tuned" in ran and ran["pull_launch"] == (1.5,)
+    assert measured == [] and "_dsa_fwd_tuned" in ran and ran["pull_launch"] == (2.75,)
     ran = run(None)
     assert measured == ["pull"] and ran["pull_launch"] == (extent,)  # the forward's measure, reused
 
