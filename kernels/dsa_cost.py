@@ -43,8 +43,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 ISSUE_FILE = Path(__file__).with_name("dsa_issue_sm90.json")
-ISSUE_KERNELS = ("gather_fwd", "gather_bwd_pull", "gather_bwd_atomic", "halo_scores", "halo_out", "halo_bwd_v", "halo_bwd_k",
-                 "halo_dq", "pull_dk", "pull_dv")
+ISSUE_KERNELS = ("gather_fwd", "gather_bwd_pull", "gather_bwd_atomic", "halo_scores", "halo_out", "halo_bwd_v",
+                 "halo_bwd_k", "halo_dq", "pull_dk", "pull_dv")
 """The kernels the issue table holds: those ``choose_halo`` weighs, the key-side pass the pull
 mode adds, and the atomic mode's backward (the per-head totals)."""
 
@@ -260,7 +260,7 @@ def halo_costs(grid, window, head_dim: int, bound: float, rows: int | None = Non
         slots = None
         if issue and dtype_bytes == 2:
             slots = issue_slots(issue_key(name, d, window, consts, warps), tiles,
-                                (kt, groups, frames, rows_run / frames, kw))  # (the rows pass's slot loop without BAND3)
+                                (kt, groups, frames, rows_run / frames, kw))  # kw: the rows pass's slot loop (no BAND3)
         return Cost(name, N, K, d, fma_flops=2.0 * lane, tc_flops=tc, dram_bytes=dram, l1_bytes=l1,
                     atomic_bytes=0.0, issue=slots)
 
@@ -273,8 +273,8 @@ def halo_costs(grid, window, head_dim: int, bound: float, rows: int | None = Non
         blocks = [min(gy, kh - j) for j in range(0, kh, gy)]
         r_gy = sum(frames * min(H, b - 1 + rows / frames) for b in blocks) / len(blocks)  # key rows a group, on average
         v = visits * len(blocks) // kh
-        return cost(name, v * r_gy * dots * dot, v * (gy * group_lane + r_gy * lane_per_row * gy), v * r_gy * l1_per_row,
-                    dram, r_gy, dict(shape, GY=gy), warps, len(blocks))
+        return cost(name, v * r_gy * dots * dot, v * (gy * group_lane + r_gy * lane_per_row * gy),
+                    v * r_gy * l1_per_row, dram, r_gy, dict(shape, GY=gy), warps, len(blocks))
 
     scores = grouped("halo_scores", cfg["scores_gy"], r, 1, 20 * bxp * kwp, row_bytes,
                      N * (row + 3 * K * e + 4 * K + 4) + N * row, cfg["scores_warps"])

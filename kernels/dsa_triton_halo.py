@@ -15,9 +15,10 @@ The tile
   runs with ``x``. With the offsets' bound ``M`` every corner of a slot-``j`` sample lies in
   ``[b - ceil(M), b + floor(M) + 1]`` per axis around its base ``b`` (``dsa_triton_pull.pull_span``),
   so the tile's x corners fit ``XP`` consecutive key columns from ``cx0``. Window slots are taken a
-  group at a time: ``GY`` consecutive window rows of one frame, ``(jt, jy .. jy + GY - 1)``, the
-  ``KW`` slots of each on ``KWP`` columns (``(BXP, GY KWP)`` tensors; ``GY`` 2 in the scores pass
-  and the backward's query side where the registers allow, 1 in the rows pass). For a
+  group at a time: ``GY`` consecutive window rows of one frame, ``(jt, jy .. jy + GY - 1)``, their
+  ``GY KW`` slots packed on ``GC`` columns (``(BXP, GC)`` tensors; in the scores pass and the
+  backward's query side as many window rows as fill 16 columns, 2 at 3x7x7 and 3 at 3x5x5, where
+  the registers allow; in the rows pass one, on ``KWP`` columns). For a
   group the program computes the samples' clamped positions and the box of key rows ``(t', y')``
   their corners touch (a runtime min/max), so the work follows the offsets present: one row per
   group at zero offsets, up to ``(2M + 2)^2``. Every row of the box takes its dot, weighted or not:
@@ -27,7 +28,7 @@ The tile
 Four passes
   1. ``_dsa_halo_scores`` (forward): per touched row, ``S = q @ K_row^T`` (``(BXP, XP)``, a
      tensor-core dot); each sample takes its two x corners from ``S`` with one ``tl.gather`` for
-     the whole group (``(BXP, 2 GY KWP)``: the corners interleaved, ``_pairs``) and adds them with
+     the whole group (``(BXP, 2 GC)``: the corners interleaved, ``_pairs``) and adds them with
      its ``t`` and ``y`` weights; the ``x`` weights apply once per group. Triton lays a gather out
      with the source's axis across a warp and the index broadcast over it, so a gather of 16 or 32
      columns per query costs what one of 8 does: two gathers of 8 took 481 instructions a row, one
@@ -182,18 +183,18 @@ def _tile(BH0, N, T, H, W, NH, NK, TK, Q0, K0, EHI, BX, HEAD_DIM: tl.constexpr, 
 
 @triton.jit
 def _group(OFF, off_row, q_ok, jt, jy, st, sy, sx, cx0, T, H, W, TK, K0, ELO, EHI,
-           KH: tl.constexpr, KW: tl.constexpr, KWP: tl.constexpr, XP: tl.constexpr, GY: tl.constexpr):
-    """The samples of window rows ``(jt, jy .. jy + GY - 1)`` (``KW`` slots each on ``KWP``
-    columns), ``(BXP, GY KWP)``: the lower corners (held frame ``t0``, -1 for padding and refused
-    slots: they touch no row; row ``y0``; column of the tile's key run ``g0``; the upper corners are
-    ``_upper`` of them), the weights on the upper corners, which slots count (``ok``), which
-    queries have a slot past the bound (``past``, per query), the key rows the weighted corners
-    touch, ``[t_lo, t_hi] x [y_lo, y_hi]``, each column's slot ``j`` and which slots exist
-    (``slot_ok``: the window's, of a valid query)."""
-    col = tl.arange(0, GY * KWP)
-    jyc = jy + col // KWP
-    jx = col % KWP
-    slot_ok = q_ok[:, None] & ((jx < KW) & (jyc < KH))[None, :]
+           KH: tl.constexpr, KW: tl.constexpr, XP: tl.constexpr, GY: tl.constexpr, GC: tl.constexpr):
+    """The samples of window rows ``(jt, jy .. jy + GY - 1)`` (``KW`` slots each, packed on ``GC``
+    columns: column ``c`` is slot ``c % KW`` of row ``jy + c // KW``), ``(BXP, GC)``: the lower
+    corners (held frame ``t0``, -1 for padding and refused slots: they touch no row; row ``y0``;
+    column of the tile's key run ``g0``; the upper corners are ``_upper`` of them), the weights on
+    the upper corners, which slots count (``ok``), which queries have a slot past the bound
+    (``past``, per query), the key rows the weighted corners touch, ``[t_lo, t_hi] x [y_lo, y_hi]``,
+    each column's slot ``j`` and which slots exist (``slot_ok``: the window's, of a valid query)."""
+    col = tl.arange(0, GC)
+    jyc = jy + col // KW
+    jx = col % KW
+    slot_ok = q_ok[:, None] & ((col < GY * KW) & (jyc < KH))[None, :]
     j = (jt * KH + jyc) * KW + jx
     optr = OFF + off_row[:, None] + j[None, :] * 3
     ot = tl.load(optr + 0, mask=slot_ok, other=0.0).to(tl.float32)
@@ -267,7 +268,8 @@ def _dsa_halo_scores(
     HEAD_DIM: tl.constexpr,
     KT: tl.constexpr, KH: tl.constexpr, KW: tl.constexpr,
     BXP: tl.constexpr, XP: tl.constexpr, KWP: tl.constexpr, BLOCK_D: tl.constexpr,
-    GY: tl.constexpr,  # window rows per group: (BXP, GY KWP) samples against each touched key row
+    GY: tl.constexpr,  # window rows per group: their samples against each touched key row
+    GC: tl.constexpr,  # columns per group (GY KW slots, to a power of two)
     WIDEN: tl.constexpr = False,  # under the interpreter: bf16 dots widened (as ``dsa_triton_pull._split_dot``)
 ):
     """Pass 1: every sample's score ``<q, k_j>`` (unscaled, fp32) into ``S (BH, KS, N)`` and the
@@ -285,10 +287,10 @@ def _dsa_halo_scores(
     for jt in tl.range(0, KT, loop_unroll_factor=1):
         for jy in tl.range(0, KH, GY, loop_unroll_factor=1):
             t0, ft, y0, fy, g0, fx, ok, past, t_lo, t_hi, y_lo, y_hi, j, slot_ok = _group(
-                OFF, off_row, q_ok, jt, jy, st, sy, sx, cx0, T, H, W, TK, K0, ELO, EHI, KH, KW, KWP, XP, GY)
+                OFF, off_row, q_ok, jt, jy, st, sy, sx, cx0, T, H, W, TK, K0, ELO, EHI, KH, KW, XP, GY, GC)
             beyond |= past
-            g01 = _pairs(g0, _upper(g0, GUP))  # (BXP, 2 KWP): both x corners of every slot, one gather a row
-            s2 = tl.zeros([BXP, 2 * GY * KWP], dtype=tl.float32)
+            g01 = _pairs(g0, _upper(g0, GUP))  # (BXP, 2 GC): both x corners of every slot, one gather a row
+            s2 = tl.zeros([BXP, 2 * GC], dtype=tl.float32)
             for tr in tl.range(t_lo, t_hi + 1, loop_unroll_factor=1):
                 wt = _row_tent(t0, _upper(t0, TUP), ft, tr)
                 for yr in tl.range(y_lo, y_hi + 1, loop_unroll_factor=1):
@@ -296,7 +298,7 @@ def _dsa_halo_scores(
                     sc = _row_dot(q, Kx, kv_base, tr, yr, H, W, cx0, row_stride, HEAD_DIM, XP, BLOCK_D, IEEE,
                                   WIDEN)  # (BXP, XP) on tensor cores
                     s2 += _pairs(w, w) * tl.gather(sc, g01, axis=1)
-            s = _pair_sum(s2 * _pairs(1.0 - fx, fx), BXP, GY * KWP)
+            s = _pair_sum(s2 * _pairs(1.0 - fx, fx), BXP, GC)
             tl.store(s_row[:, None] + j[None, :] * N, s, mask=slot_ok)
             sl = tl.where(ok, s * qk_scale, float("-inf"))  # online log-sum-exp over the groups (base 2)
             m_new = tl.maximum(m_i, tl.max(sl, axis=1))
@@ -340,7 +342,7 @@ def _dsa_halo_rows(
     for jt in tl.range(0, KT, loop_unroll_factor=1):
         for jy in tl.range(0, KH, loop_unroll_factor=1):
             t0, ft, y0, fy, g0, fx, ok, past, t_lo, t_hi, y_lo, y_hi, j, _ = _group(
-                OFF, off_row, q_ok, jt, jy, st, sy, sx, cx0, T, H, W, TK, K0, ELO, EHI, KH, KW, KWP, XP, 1)
+                OFF, off_row, q_ok, jt, jy, st, sy, sx, cx0, T, H, W, TK, K0, ELO, EHI, KH, KW, XP, 1, KWP)
             beyond |= past
             coef = tl.load(c_row[:, None] + j[None, :] * N, mask=ok, other=0.0)
             if SOFTMAX:
@@ -394,6 +396,7 @@ def _dsa_halo_bwd(
     KT: tl.constexpr, KH: tl.constexpr, KW: tl.constexpr,
     BXP: tl.constexpr, XP: tl.constexpr, KWP: tl.constexpr, BLOCK_D: tl.constexpr,
     GY: tl.constexpr,  # window rows per group, as in the scores pass
+    GC: tl.constexpr,
     SWEEP: tl.constexpr,  # 0: dO V_row^T, the first half of the gradient; 1: q K_row^T, the rest and the records
     WIDEN: tl.constexpr = False,
 ):
@@ -422,18 +425,18 @@ def _dsa_halo_bwd(
                        * tl.load(OUT + row_ptr, mask=row_mask, other=0.0).to(tl.float32), axis=1)
     else:
         lse = tl.load(LSE + pid_bh.to(tl.int64) * N + tok, mask=q_ok, other=0.0)
-    col = tl.arange(0, GY * KWP)
+    col = tl.arange(0, GC)
     rec_row = REC + r_bh.to(tl.int64) * (5 * KS * N) + tok
     for jt in tl.range(0, KT, loop_unroll_factor=1):
         for jy in tl.range(0, KH, GY, loop_unroll_factor=1):
             t0, ft, y0, fy, g0, fx, ok, past, t_lo, t_hi, y_lo, y_hi, j, slot_ok = _group(
-                OFF, off_row, q_ok, jt, jy, st, sy, sx, cx0, T, H, W, TK, K0, ELO, EHI, KH, KW, KWP, XP, GY)
+                OFF, off_row, q_ok, jt, jy, st, sy, sx, cx0, T, H, W, TK, K0, ELO, EHI, KH, KW, XP, GY, GC)
             t_hi2 = tl.max(tl.max(_upper(t0, TUP), axis=1), axis=0)  # every upper corner: its weight's derivative is 1
             y_hi2 = tl.max(tl.max(tl.where(ok, _upper(y0, H - 1), -1), axis=1), axis=0)
             g01 = _pairs(g0, _upper(g0, GUP))
-            sw = tl.zeros([BXP, 2 * GY * KWP], dtype=tl.float32)  # tents' product
-            st_ = tl.zeros([BXP, 2 * GY * KWP], dtype=tl.float32)  # t tent's derivative
-            sy_ = tl.zeros([BXP, 2 * GY * KWP], dtype=tl.float32)  # y tent's derivative
+            sw = tl.zeros([BXP, 2 * GC], dtype=tl.float32)  # tents' product
+            st_ = tl.zeros([BXP, 2 * GC], dtype=tl.float32)  # t tent's derivative
+            sy_ = tl.zeros([BXP, 2 * GC], dtype=tl.float32)  # y tent's derivative
             for tr in tl.range(t_lo, t_hi2 + 1, loop_unroll_factor=1):
                 wt = _row_tent(t0, _upper(t0, TUP), ft, tr)
                 dwt = tl.where(_upper(t0, TUP) == tr, 1.0, 0.0) - tl.where(t0 == tr, 1.0, 0.0)
@@ -451,18 +454,18 @@ def _dsa_halo_bwd(
                     st_ += _pairs(dwt * wy, dwt * wy) * e
                     sy_ += _pairs(wt * dwy, wt * dwy) * e
             xw = _pairs(1.0 - fx, fx)
-            blend = _pair_sum(sw * xw, BXP, GY * KWP)
+            blend = _pair_sum(sw * xw, BXP, GC)
             rec = rec_row[:, None] + j[None, :] * N  # (here, not held through the sweep)
             if SWEEP == 0:  # cs and the dO.v_c terms, for sweep 1
                 tl.store(rec, (blend - delta[:, None]) * sm_scale, mask=slot_ok)  # cs: ds = a cs
-                tl.store(rec + KS * N, _pair_sum(st_ * xw, BXP, GY * KWP), mask=slot_ok)
-                tl.store(rec + 2 * KS * N, _pair_sum(sy_ * xw, BXP, GY * KWP), mask=slot_ok)
-                tl.store(rec + 3 * KS * N, _pair_diff(sw, BXP, GY * KWP), mask=slot_ok)
+                tl.store(rec + KS * N, _pair_sum(st_ * xw, BXP, GC), mask=slot_ok)
+                tl.store(rec + 2 * KS * N, _pair_sum(sy_ * xw, BXP, GC), mask=slot_ok)
+                tl.store(rec + 3 * KS * N, _pair_diff(sw, BXP, GC), mask=slot_ok)
             else:
                 a = tl.where(ok, tl.math.exp2(blend * qk_scale - lse[:, None]), 0.0)
-                et = _pair_sum(st_ * xw, BXP, GY * KWP)
-                ey = _pair_sum(sy_ * xw, BXP, GY * KWP)
-                ex = _pair_diff(sw, BXP, GY * KWP)
+                et = _pair_sum(st_ * xw, BXP, GC)
+                ey = _pair_sum(sy_ * xw, BXP, GC)
+                ex = _pair_diff(sw, BXP, GC)
                 cs = tl.load(rec, mask=slot_ok, other=0.0)
                 et = tl.load(rec + KS * N, mask=slot_ok, other=0.0) + cs * et
                 ey = tl.load(rec + 2 * KS * N, mask=slot_ok, other=0.0) + cs * ey
@@ -470,8 +473,9 @@ def _dsa_halo_bwd(
                 tl.debug_barrier()  # every thread's loads are done before the records' final values overwrite them
                 tl.store(rec + 3 * KS * N, a * cs, mask=slot_ok)
                 tl.store(rec + 4 * KS * N, a, mask=slot_ok)
-                in_t, in_y, in_x, pt, py, px = _inside(OFF, off_row, slot_ok, j, st + jt, (sy + jy + col // KWP)[None, :],
-                                                       sx[:, None] + (col % KWP)[None, :], T, H, W)
+                in_t, in_y, in_x, pt, py, px = _inside(OFF, off_row, slot_ok, j, st + jt,
+                                                       (sy + jy + col // KW)[None, :],
+                                                       sx[:, None] + (col % KW)[None, :], T, H, W)
                 doff = DOFF + off_row[:, None] + j[None, :] * 3
                 out_ty = DOFF.dtype.element_ty
                 tl.store(doff + 0, tl.where(in_t, a * et, 0.0).to(out_ty), mask=slot_ok)
@@ -500,10 +504,16 @@ def halo_config(head_dim: int, window, elo: int, ehi: int, fp32: bool = False, c
     28-40 B (at 4 the scores pass spilled 12-36 B)."""
     cfg = pull_config(head_dim, window, elo, ehi, fp32, cc)
     kwp = triton.next_power_of_2(window[2])
+    gy = max(1, min(window[1], 16 // window[2]))  # window rows whose slots fill 16 columns at most
     return dict(BX=cfg["BX"], BXP=cfg["BXP"], XP=cfg["QXP"], KWP=kwp, UP=cfg["UP"],
                 scores_warps=8, rows_warps=8, bwd_warps=8, rows_maxnreg=255 if cc >= 100 else None,
                 band3=kwp * cfg["UP"] <= (64 if cc >= 100 and head_dim > 64 else 128),
-                scores_gy=2, bwd_gy=(2, 2 if head_dim <= 64 and cc < 100 else 1))
+                scores_gy=gy, bwd_gy=(gy, gy if head_dim <= 64 and cc < 100 else 1))
+
+
+def _columns(gy: int, window) -> int:
+    """Columns of a group of ``gy`` window rows: their ``gy KW`` slots, to a power of two."""
+    return triton.next_power_of_2(gy * window[2])
 
 
 def _constexprs(head_dim: int, window, cfg: dict, widen: bool) -> dict:
@@ -547,6 +557,7 @@ def halo_forward(q, k, v, offsets, win, qk_scale: float, bound: float, grid_args
     for bh0 in range(0, pairs, chunk):
         grid = (tiles, min(chunk, pairs - bh0))
         _dsa_halo_scores[grid](q, k, offsets, scores, lse, qk_scale, *tail(bh0), **meta, GY=cfg["scores_gy"],
+                               GC=_columns(cfg["scores_gy"], win),
                                num_warps=cfg["scores_warps"])
         _dsa_halo_rows[grid](v, offsets, scores, lse, out, qk_scale, *tail(bh0), ks * N, **meta, UP=cfg["UP"],
                              SOFTMAX=True, BAND3=cfg["band3"], num_warps=cfg["rows_warps"],
@@ -563,7 +574,8 @@ def halo_backward_query(q, k, v, offsets, out, dout, lse, win, qk_scale: float, 
     grid = (tiles, count)
     for sweep in (0, 1):
         _dsa_halo_bwd[grid](q, k, v, offsets, out, dout, lse, doff, rec, qk_scale, sm_scale, *tail(bh0), **meta,
-                            GY=cfg["bwd_gy"][sweep], SWEEP=sweep, num_warps=cfg["bwd_warps"])
+                            GY=cfg["bwd_gy"][sweep], GC=_columns(cfg["bwd_gy"][sweep], win), SWEEP=sweep,
+                            num_warps=cfg["bwd_warps"])
     _dsa_halo_rows[grid](k, offsets, rec[:, 3], lse, dq, qk_scale, *tail(bh0), 5 * ks * grid_args[0], **meta,
                          UP=cfg["UP"], SOFTMAX=False, BAND3=cfg["band3"], num_warps=cfg["rows_warps"],
                          maxnreg=cfg["rows_maxnreg"])
@@ -584,10 +596,13 @@ def aot_variants(shape) -> list[dict]:
         consts = _constexprs(d, shape.window, cfg, widen=False)
         rows = {"UP": cfg["UP"]}
         for name, fn, warps, extra in (
-                ("halo_scores", _dsa_halo_scores, cfg["scores_warps"], {"GY": cfg["scores_gy"]}),
+                ("halo_scores", _dsa_halo_scores, cfg["scores_warps"],
+                 {"GY": cfg["scores_gy"], "GC": _columns(cfg["scores_gy"], shape.window)}),
                 ("halo_out", _dsa_halo_rows, cfg["rows_warps"], dict(rows, SOFTMAX=True, BAND3=cfg["band3"])),
-                ("halo_bwd_v", _dsa_halo_bwd, cfg["bwd_warps"], {"GY": cfg["bwd_gy"][0], "SWEEP": 0}),
-                ("halo_bwd_k", _dsa_halo_bwd, cfg["bwd_warps"], {"GY": cfg["bwd_gy"][1], "SWEEP": 1}),
+                ("halo_bwd_v", _dsa_halo_bwd, cfg["bwd_warps"], {"GY": cfg["bwd_gy"][0], "SWEEP": 0,
+                                                                   "GC": _columns(cfg["bwd_gy"][0], shape.window)}),
+                ("halo_bwd_k", _dsa_halo_bwd, cfg["bwd_warps"], {"GY": cfg["bwd_gy"][1], "SWEEP": 1,
+                                                                   "GC": _columns(cfg["bwd_gy"][1], shape.window)}),
                 ("halo_dq", _dsa_halo_rows, cfg["rows_warps"], dict(rows, SOFTMAX=False, BAND3=cfg["band3"]))):
             ptrs = {n: t for n in ("Q", "Kx", "V", "X", "OFF", "OUT", "DOUT", "DOFF") if n in fn.arg_names}
             ptrs.update({n: "*fp32" for n in ("S", "C", "LSE", "REC") if n in fn.arg_names})

@@ -167,7 +167,8 @@ def _band_place(band, rel, UP: tl.constexpr):
 
 @triton.jit
 def _pairs(a, b):
-    """``(R, C)`` tensors ``a``, ``b`` interleaved into ``(R, 2 C)``: ``a[:, j]`` at ``2 j``, ``b[:, j]`` at ``2 j + 1``."""
+    """``(R, C)`` tensors ``a``, ``b`` interleaved into ``(R, 2 C)``: ``a[:, j]`` at ``2 j``,
+    ``b[:, j]`` at ``2 j + 1``."""
     return tl.reshape(tl.join(a, b), [a.shape[0], 2 * a.shape[1]])
 
 

@@ -10,7 +10,7 @@ from types import SimpleNamespace
 from . import dsa_triton as DT
 from . import dsa_triton_pull as P
 from .aot import AOT_POINTER_TYPES, aligned_pointer_attrs, signature_for
-from .dsa_cost import span_class
+from .dsa_cost import choose_halo, span_class
 from .dsa_triton_halo import aot_variants as halo_variants
 from .dsa_triton_pull import aot_variants as pull_variants
 
@@ -30,6 +30,7 @@ def aot_variants(shape) -> list[dict]:
     d = shape.head_dim
     bounds = bounds_run(shape.max_offset)
     atomic = shape.max_offset is None or shape.max_offset > P.PULL_MAX_OFFSET  # offsets past the cap may come
+    halo_at = _halo_everywhere(shape, bounds)
     out = []
     for fn, configs in ((DT._dsa_fwd, DT.FWD_CONFIGS), (DT._dsa_bwd, DT.BWD_CONFIGS)):
         ptrs = {n: t for n in ("Q", "Kx", "V", "OFF", "OUT", "DOUT", "DQ", "DOFF") if n in fn.arg_names}
@@ -43,12 +44,14 @@ def aot_variants(shape) -> list[dict]:
                 if mode is not None:
                     consts["PULL"] = mode
                     name = "gather_bwd_pull" if mode else "gather_bwd_atomic"
+                halo = halo_at["bwd" if mode else "fwd"] if mode is not False else None
+                note = ("the other backward mode at this bound (compiled for the record)" if not runs else
+                        f"not picked: {halo} (compiled for the record)" if halo else "")
                 out.append(dict(kernel=name, fn=fn,
                                 signature=signature_for(fn, ptrs, ("qk_scale", "sm_scale"), consts),
                                 constexprs=consts, attrs=aligned_pointer_attrs(fn, ptrs), num_warps=cfg.num_warps,
                                 num_stages=cfg.num_stages, config=f"BLOCK_M={cfg.kwargs['BLOCK_M']}",
-                                tensor_cores=False,
-                                note="" if runs else "the other backward mode at this bound (compiled for the record)"))
+                                tensor_cores=False, may_pick=runs and not halo, note=note))
     seen = set()
     for i, bound in enumerate(bounds):
         at = SimpleNamespace(dtype=shape.dtype, head_dim=d, window=tuple(shape.window), max_offset=bound)
@@ -63,6 +66,21 @@ def aot_variants(shape) -> list[dict]:
                                                                  f"at a measured bound: {span_class(bound)[1]}"))))
             out.append(spec)
     return out
+
+
+def _halo_everywhere(shape, bounds) -> dict:
+    """Per pass ("fwd"; "bwd": the backward's query side in the pull mode), why ``auto`` never takes
+    the gather kernels at ``shape`` -- the cost model predicts the halo kernels faster at every bound a
+    call may run at -- or None where it may (fp32, the halo kernels refused, ``HALO_MODE`` "gather",
+    a bound past the key-side pass's cap, or a span where the gather kernels are predicted faster)."""
+    grid = getattr(shape, "grid", None)
+    if shape.dtype == "fp32" or not bounds or grid is None or DT.HALO_MODE == "gather":
+        return {"fwd": None, "bwd": None}
+    if DT.HALO_MODE == "halo":
+        return {"fwd": "HALO_MODE halo", "bwd": "HALO_MODE halo"}
+    choices = [choose_halo(tuple(grid), tuple(shape.window), shape.head_dim, b) for b in bounds]
+    return {p: (f"the cost model predicts the halo kernels faster at every bound up to {shape.max_offset:g}"
+                if all(c[p][0] for c in choices) else None) for p in ("fwd", "bwd")}
 
 
 def bounds_run(max_offset: float | None) -> list[float]:

@@ -154,6 +154,34 @@ def test_gather_autotune_lists_are_what_the_check_compiles():
     assert halo_config(128, (3, 7, 7), 2, 2, cc=90)["rows_maxnreg"] is None  # sm_90: ptxas chooses (no spills)
 
 
+def test_the_gather_kernels_are_listed_as_picked_only_where_auto_may_take_them(monkeypatch):
+    """The compile-only check's ``may_pick`` for the gather kernels follows ``auto``: at the Wan shape
+    (d 128, 3x7x7, bound 1.5) the cost model predicts the halo kernels faster at every span a call
+    may run at, so neither gather pass is picked (listed for the record); at d 64 3x5x5 the forward
+    is predicted faster on the gather kernels in (1, 2), so it is; fp32 and ``HALO_MODE`` "gather"
+    take them everywhere; the atomic backward only where the bound passes the key-side pass's cap."""
+    pytest.importorskip("triton")
+    import kernels.dsa_triton as DT
+    from kernels import aot_variants
+
+    def picked(dtype, d, window, bound=1.5):
+        shape = aot.AotShape(dtype, d, window, (21, 30, 52), bound)
+        return {v["kernel"]: v.get("may_pick", True) for v in aot_variants(shape) if v["kernel"].startswith("gather")}
+
+    wan = picked("bf16", 128, (3, 7, 7))
+    assert wan == {"gather_fwd": False, "gather_bwd_pull": False, "gather_bwd_atomic": False}
+    notes = [v["note"] for v in aot_variants(aot.AotShape("bf16", 128, (3, 7, 7), (21, 30, 52), 1.5))
+             if v["kernel"] == "gather_fwd"]
+    assert notes and all("not picked: the cost model predicts the halo kernels faster" in n for n in notes)
+    assert picked("bf16", 64, (3, 5, 5)) == {"gather_fwd": True, "gather_bwd_pull": False, "gather_bwd_atomic": False}
+    assert picked("bf16", 128, (3, 7, 7), bound=2.5)["gather_fwd"] is True  # offsets in (2, 3): the gather kernels
+    assert picked("bf16", 128, (3, 7, 7), bound=4.0)["gather_bwd_atomic"] is True  # past the cap
+    assert set(picked("fp32", 128, (3, 7, 7)).values()) == {True, False}  # fp32: gather (the atomic mode not at 1.5)
+    assert picked("fp32", 128, (3, 7, 7))["gather_fwd"] is True
+    monkeypatch.setattr(DT, "HALO_MODE", "gather")
+    assert picked("bf16", 128, (3, 7, 7))["gather_fwd"] is True
+
+
 @pytest.mark.slow  # about 70 s on 2 cores: every config at the presets' shapes, for sm_90
 @pytest.mark.child_process
 def test_sm90_compile_only_check_passes_at_the_preset_shapes(tmp_path):
@@ -179,6 +207,9 @@ def test_sm90_compile_only_check_passes_at_the_preset_shapes(tmp_path):
             assert r["dot"] == "wgmma" and r["blocks_per_sm"] * r["num_warps"] >= 8, r
     assert report["predictions"] and all(p["ms_per_layer"] > 0 for p in report["predictions"])
     assert "every config the product may pick launches" in proc.stdout
+    # at the presets' head dim (128) every config auto may pick runs on tensor cores
+    assert not [r for r in recs if r["may_pick"] and r["head_dim"] == 128 and r["dot"] != "wgmma"]
+    assert "on tensor cores" in proc.stdout
     # the cost model's issue table holds what these compiles issue: a kernel changed without
     # rerunning `python -m benchmarks.gpu_check.issue_table` fails here
     import triton

@@ -121,6 +121,7 @@ def compile_only(args) -> int:
     print(f"\ncompile-only: {len(records)} compiles for {', '.join(archs)} in {wall:.0f} s: "
           + ("every config the product may pick launches, without spills" if ok else f"{len(bad)} FAILED:\n  "
              + "\n  ".join(bad)), flush=True)
+    print(compile_aot.picked_cores(records), flush=True)
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps({"ok": ok, "wall_s": round(wall, 1), "archs": archs,

@@ -343,5 +343,15 @@ def verdict(records: list[Record]) -> tuple[bool, list[str]]:
     return not bad, bad
 
 
+def picked_cores(records: list[Record]) -> str:
+    """Where the configs the product may pick run: how many on each target's tensor cores, and which
+    (kernel and shape) on CUDA cores."""
+    picked = [r for r in records if r.may_pick]
+    mma = [r for r in picked if r.dot in ("wgmma", "tcgen05")]
+    cuda = sorted({f"{r.kernel} ({r.shape})" for r in picked if r.dot not in ("wgmma", "tcgen05")})
+    return (f"{len(picked)} configs the product may pick: {len(mma)} on tensor cores, {len(picked) - len(mma)} on "
+            f"CUDA cores" + (": " + ", ".join(cuda) if cuda else ""))
+
+
 def as_json(records: list[Record]) -> list[dict]:
     return [asdict(r) for r in records]
