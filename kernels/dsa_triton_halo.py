@@ -33,8 +33,9 @@ Four passes
      with the source's axis across a warp and the index broadcast over it, so a gather of 16 or 32
      columns per query costs what one of 8 does: two gathers of 8 took 481 instructions a row, one
      of 16 with the row test gone 211, one of 32 (``GY`` 2) 229 for twice the samples, and a group
-     of two window rows reaches ``span + 1`` key rows, not ``2 span``. The unscaled scores go to a scratch buffer
-     ``(pairs, K, N)`` fp32 and the log-sum-exp (base 2, as the gather forward saves it) to ``LSE``.
+     of ``GY`` window rows reaches ``span + GY - 1`` key rows, not ``GY span``. The unscaled scores
+     go to a scratch buffer ``(pairs, K, N)`` fp32 and the log-sum-exp (base 2, as the gather
+     forward saves it) to ``LSE``.
   2. ``_dsa_halo_rows`` with ``SOFTMAX`` (forward output): ``a_j = exp2(s_j scale - lse)``. Once
      per group, each slot's x tent goes on a band of ``UP`` columns relative to its query's window
      (``u = x' - s_x + ceil M``: its two x corners), ``(KWP, BXP, UP)``; per touched row the
@@ -53,8 +54,8 @@ Four passes
      other); the ``x`` tent and its derivative do not depend on the row and apply after the sweep
      (both sweeps in one program with a loop per source: 1,184 instructions a row; now 267 a
      sweep and row, 301 at ``GY`` 2). The first sweep's four results wait in the records' fields
-     for the second. ``GY`` 2 for both sweeps but the second's at head dim 128 and on sm_100
-     (it spilled 28-40 B there; 1).
+     for the second. Both sweeps take the scores pass's ``GY`` but the second at head dim 128 and
+     on sm_100, which takes 1 (with 2 it spilled 28-40 B there).
   4. ``_dsa_halo_rows`` without ``SOFTMAX`` (``dq``): as 2, with ``X = k`` and the records' ``ds``.
   dk and dv come from the key-side pass (``dsa_triton_pull``), as in the gather kernels' pull mode.
 
