@@ -7,10 +7,12 @@ from __future__ import annotations
 
 from types import SimpleNamespace
 
+import torch
+
 from . import dsa_triton as DT
 from . import dsa_triton_pull as P
 from .aot import AOT_POINTER_TYPES, aligned_pointer_attrs, signature_for
-from .dsa_cost import choose_halo, span_class
+from .dsa_cost import span_class
 from .dsa_triton_halo import aot_variants as halo_variants
 from .dsa_triton_pull import aot_variants as pull_variants
 
@@ -70,17 +72,18 @@ def aot_variants(shape) -> list[dict]:
 
 def _halo_everywhere(shape, bounds) -> dict:
     """Per pass ("fwd"; "bwd": the backward's query side in the pull mode), why ``auto`` never takes
-    the gather kernels at ``shape`` -- the cost model predicts the halo kernels faster at every bound a
-    call may run at -- or None where it may (fp32, the halo kernels refused, ``HALO_MODE`` "gather",
-    a bound past the key-side pass's cap, or a span where the gather kernels are predicted faster)."""
+    the gather kernels at ``shape`` -- ``dsa_triton.halo_choice`` takes the halo kernels at every
+    bound a call may run at -- or None where it may (fp32, ``HALO_MODE`` "gather", a bound past the
+    key-side pass's cap, or a span where the gather kernels are predicted faster)."""
     grid = getattr(shape, "grid", None)
-    if shape.dtype == "fp32" or not bounds or grid is None or DT.HALO_MODE == "gather":
+    if grid is None or not bounds:
         return {"fwd": None, "bwd": None}
-    if DT.HALO_MODE == "halo":
-        return {"fwd": "HALO_MODE halo", "bwd": "HALO_MODE halo"}
-    choices = [choose_halo(tuple(grid), tuple(shape.window), shape.head_dim, b) for b in bounds]
-    return {p: (f"the cost model predicts the halo kernels faster at every bound up to {shape.max_offset:g}"
-                if all(c[p][0] for c in choices) else None) for p in ("fwd", "bwd")}
+    q = torch.empty(1, *grid, 1, shape.head_dim, device="meta",
+                    dtype=torch.float32 if shape.dtype == "fp32" else torch.bfloat16)
+    why = ("HALO_MODE halo" if DT.HALO_MODE == "halo" else
+           f"the cost model predicts the halo kernels faster at every bound up to {shape.max_offset:g}")
+    return {p: why if all(DT.halo_choice(p, q, tuple(shape.window), b, "")[0] for b in bounds) else None
+            for p in ("fwd", "bwd")}
 
 
 def bounds_run(max_offset: float | None) -> list[float]:
