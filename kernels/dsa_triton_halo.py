@@ -456,17 +456,17 @@ def _dsa_halo_bwd(
                     sy_ += _pairs(wt * dwy, wt * dwy) * e
             xw = _pairs(1.0 - fx, fx)
             blend = _pair_sum(sw * xw, BXP, GC)
+            et = _pair_sum(st_ * xw, BXP, GC)  # this sweep's terms of the offsets' gradient
+            ey = _pair_sum(sy_ * xw, BXP, GC)
+            ex = _pair_diff(sw, BXP, GC)
             rec = rec_row[:, None] + j[None, :] * N  # (here, not held through the sweep)
             if SWEEP == 0:  # cs and the dO.v_c terms, for sweep 1
                 tl.store(rec, (blend - delta[:, None]) * sm_scale, mask=slot_ok)  # cs: ds = a cs
-                tl.store(rec + KS * N, _pair_sum(st_ * xw, BXP, GC), mask=slot_ok)
-                tl.store(rec + 2 * KS * N, _pair_sum(sy_ * xw, BXP, GC), mask=slot_ok)
-                tl.store(rec + 3 * KS * N, _pair_diff(sw, BXP, GC), mask=slot_ok)
+                tl.store(rec + KS * N, et, mask=slot_ok)
+                tl.store(rec + 2 * KS * N, ey, mask=slot_ok)
+                tl.store(rec + 3 * KS * N, ex, mask=slot_ok)
             else:
                 a = tl.where(ok, tl.math.exp2(blend * qk_scale - lse[:, None]), 0.0)
-                et = _pair_sum(st_ * xw, BXP, GC)
-                ey = _pair_sum(sy_ * xw, BXP, GC)
-                ex = _pair_diff(sw, BXP, GC)
                 cs = tl.load(rec, mask=slot_ok, other=0.0)
                 et = tl.load(rec + KS * N, mask=slot_ok, other=0.0) + cs * et
                 ey = tl.load(rec + 2 * KS * N, mask=slot_ok, other=0.0) + cs * ey
