@@ -69,7 +69,8 @@ CHIPS = (
 def issue_key(kernel: str, head_dim: int, window, constexprs: dict, warps: int) -> str:
     """The issue table's key for a compile: the kernel, head dim, window, the constexprs that change
     its code (tile sizes and widths; the bound and the grid are run-time arguments) and the warps."""
-    cfg = ",".join(f"{k}={constexprs[k]}" for k in ("BLOCK_M", "XP", "QXP", "KWP", "UP", "JC", "GY") if k in constexprs)
+    cfg = ",".join(f"{k}={constexprs[k]}" for k in ("BLOCK_M", "XP", "QXP", "KWP", "UP", "JC", "RY", "GY")
+                   if k in constexprs)
     return f"{kernel} d{head_dim} w{'x'.join(map(str, window))} {cfg} warps={warps}"
 
 
@@ -225,6 +226,9 @@ def halo_costs(grid, window, head_dim: int, bound: float, rows: int | None = Non
       corners' rows too: up to twice per axis);
     - per group, ``~60`` lane operations per slot for the positions.
 
+    A tile is ``RY`` image rows where they are narrower than its lanes (``dsa_triton_halo.halo_tile``): each
+    group then reaches ``RY - 1`` more key rows per frame.
+
     DRAM: q, k, v, out once, offsets once per pass, the scores' scratch (forward, ``4 K`` bytes
     per token written and read) and the records (backward, ``20 K`` written, ``4 K`` read).
 
@@ -244,9 +248,10 @@ def halo_costs(grid, window, head_dim: int, bound: float, rows: int | None = Non
     worst = min(span, T) * min(span, H)
     r = worst if rows is None else min(rows, worst)
     r_grad = min(worst, 4 * r)  # the upper corners' rows: up to twice per axis
-    cfg = halo_config(d, window, elo, ehi)
+    cfg = halo_config(d, window, elo, ehi, hw=(H, W))
     bxp, xp, kwp, up = cfg["BXP"], cfg["XP"], cfg["KWP"], cfg["UP"]
-    visits = T * H * math.ceil(W / cfg["BX"]) * kt * kh  # (tile, group) pairs
+    bx, ry = cfg["BX"], cfg["RY"]
+    visits = T * math.ceil(H / ry) * math.ceil(W / bx) * kt * kh  # (tile, group) pairs
     dot = 2.0 * bxp * xp * d
     row_bytes = xp * d * e
     group_lane = 60 * bxp * kwp
@@ -256,6 +261,9 @@ def halo_costs(grid, window, head_dim: int, bound: float, rows: int | None = Non
     tiles = visits // (kt * kh)
     frames = min(span, T)
 
+    def widen(rows_, extra=0):  # a group's key rows: a tile's RY image rows reach RY - 1 more per frame
+        return frames * min(H, extra + ry - 1 + rows_ / frames)
+
     def cost(name, tc, lane, l1, dram, rows_run, consts, warps, groups=kh):
         slots = None
         if issue and dtype_bytes == 2:
@@ -264,29 +272,30 @@ def halo_costs(grid, window, head_dim: int, bound: float, rows: int | None = Non
         return Cost(name, N, K, d, fma_flops=2.0 * lane, tc_flops=tc, dram_bytes=dram, l1_bytes=l1,
                     atomic_bytes=0.0, issue=slots)
 
-    shape = {"XP": xp, "KWP": kwp}
+    shape = {"XP": xp, "KWP": kwp, "RY": ry}
     rows_shape = dict(shape, UP=up)
     # the scores pass and the backward's two sweeps take GY window rows a group: a group's key rows
     # are its frames times the rows its GY window rows reach (each window row's r / frames, widened
     # by the GY - 1 rows between them)
     def grouped(name, gy, rows, dots, lane_per_row, l1_per_row, dram, warps):
         blocks = [min(gy, kh - j) for j in range(0, kh, gy)]
-        r_gy = sum(frames * min(H, b - 1 + rows / frames) for b in blocks) / len(blocks)  # key rows a group, on average
+        r_gy = sum(widen(rows, b - 1) for b in blocks) / len(blocks)  # key rows a group, on average
         v = visits * len(blocks) // kh
         return cost(name, v * r_gy * dots * dot, v * (gy * group_lane + r_gy * lane_per_row * gy),
                     v * r_gy * l1_per_row, dram, r_gy, dict(shape, GY=gy), warps, len(blocks))
 
     scores = grouped("halo_scores", cfg["scores_gy"], r, 1, 20 * bxp * kwp, row_bytes,
                      N * (row + 3 * K * e + 4 * K + 4) + N * row, cfg["scores_warps"])
-    out = cost("halo_out", visits * r * dot, visits * (group_lane + r * band_lane), visits * r * row_bytes,
-               N * (row + 3 * K * e + 4 * K) + N * row, r, rows_shape, cfg["rows_warps"])
+    r_rows = widen(r)
+    out = cost("halo_out", visits * r_rows * dot, visits * (group_lane + r_rows * band_lane), visits * r_rows * row_bytes,
+               N * (row + 3 * K * e + 4 * K) + N * row, r_rows, rows_shape, cfg["rows_warps"])
     # the backward's query side: sweep v (dO V_row^T) and sweep k (q K_row^T, the records), over the
     # rows the corners touch or whose weight's derivative reaches
     sweeps = [grouped(name, gy, r_grad, 1, 30 * bxp * kwp, row_bytes + bxp * d * e, dram, cfg["bwd_warps"])
               for name, gy, dram in (("halo_bwd_v", cfg["bwd_gy"][0], N * (2 * row + 3 * K * e + 16 * K)),
                                      ("halo_bwd_k", cfg["bwd_gy"][1], N * (row + 6 * K * e + 36 * K + 4)))]
-    dq = cost("halo_dq", visits * r * dot, visits * (group_lane + r * band_lane), visits * r * row_bytes,
-              N * (row + 3 * K * e + 4 * K) + N * row, r, rows_shape, cfg["rows_warps"])
+    dq = cost("halo_dq", visits * r_rows * dot, visits * (group_lane + r_rows * band_lane), visits * r_rows * row_bytes,
+              N * (row + 3 * K * e + 4 * K) + N * row, r_rows, rows_shape, cfg["rows_warps"])
     return {"fwd": [scores, out], "bwd": [*sweeps, dq]}
 
 

@@ -11,8 +11,10 @@ Why
 
 The tile
   One program owns ``BX`` consecutive queries of one frame and row (one (batch, head)), on
-  ``BXP = 64`` rows: the ``wgmma`` M. Their window starts ``s_t``, ``s_y`` are one scalar; ``s_x``
-  runs with ``x``. With the offsets' bound ``M`` every corner of a slot-``j`` sample lies in
+  ``BXP = 64`` rows: the ``wgmma`` M; where the image's rows are narrower than ``BX``, ``RY``
+  whole rows of it (``halo_tile``: two 26-token rows at Wan2.2 TI2V-5B's 480p grid, not one in
+  64 lanes). Their window start ``s_t`` is one scalar; ``s_y`` runs with the row, ``s_x`` with
+  ``x``. With the offsets' bound ``M`` every corner of a slot-``j`` sample lies in
   ``[b - ceil(M), b + floor(M) + 1]`` per axis around its base ``b`` (``dsa_triton_pull.pull_span``),
   so the tile's x corners fit ``XP`` consecutive key columns from ``cx0``. Window slots are taken a
   group at a time: ``GY`` consecutive window rows of one frame, ``(jt, jy .. jy + GY - 1)``, their
@@ -72,9 +74,10 @@ When it runs
   backward's query side) where the cost model (``dsa_cost.choose_halo``) predicts them faster than
   the gather kernels at the bound the call runs at (the offsets' measured extent where it is below
   a given ``max_offset``), both counted in issue slots from their sm_90 compiles. At the Wan grid
-  and head dim 128, window 3x7x7: both passes up to offsets in (1, 2) (the GPU check's bound 1.5),
-  the forward up to 2; past that it predicts the gather kernels faster (at 3x5x5 the backward from
-  offsets in (1, 2)). "halo" forces them. fp32
+  (21x30x52) and head dim 128, window 3x7x7: both passes up to offsets of 2 (the GPU check's bound
+  is 1.5); past that it predicts the gather kernels faster (at 3x5x5 from 2). At
+  Wan2.2 TI2V-5B's narrower grid (21x15x26, two image rows a tile) both passes up to offsets in
+  (1, 2). "halo" forces them. fp32
   takes the gather kernels (the halo passes' fp32 ``ieee`` dots spill). A query with an offset
   beyond a given bound gets a NaN output row (and dq row): its corners may lie outside the columns
   the tile loaded.
@@ -104,7 +107,7 @@ from .dsa_triton_pull import (
     pull_span,
 )
 
-__all__ = ["halo_forward", "halo_config", "aot_variants", "SCORE_BUDGET_BYTES", "score_chunk"]
+__all__ = ["halo_forward", "halo_config", "halo_tile", "aot_variants", "SCORE_BUDGET_BYTES", "score_chunk"]
 
 SCORE_BUDGET_BYTES = 1 << 30  # the scores' scratch per launch; (batch, head) pairs in chunks within it
 
@@ -146,29 +149,41 @@ def _pair_diff(x, R: tl.constexpr, C: tl.constexpr):
 
 @triton.jit
 def _tile(BH0, N, T, H, W, NH, NK, TK, Q0, K0, EHI, BX, HEAD_DIM: tl.constexpr, KT: tl.constexpr,
-          KH: tl.constexpr, KW: tl.constexpr, BXP: tl.constexpr, XP: tl.constexpr, BLOCK_D: tl.constexpr):
-    """A program's query tile: ``BX`` queries of one frame and row of one (batch, head), the
-    ``(BH0 + program_id(1))``-th pair. Returns the pair's index in the launch (``slot``) and in the
-    whole tensor, the queries' tokens and validity, the window starts (``sx`` per query), the key
-    run's first column ``cx0``, where each query's offsets and rows start (``off_row``, ``row_ptr``,
-    ``row_mask``), where the pair's k and v rows start, and the upper corners' limits (``_upper``:
-    the held frames, the key run's columns)."""
+          KH: tl.constexpr, KW: tl.constexpr, BXP: tl.constexpr, XP: tl.constexpr, BLOCK_D: tl.constexpr,
+          RY: tl.constexpr):
+    """A program's query tile: ``RY`` rows of ``BX`` queries each, of one frame, one x range and
+    one (batch, head), the ``(BH0 + program_id(1))``-th pair; lane ``r BX + i`` is query ``i`` of
+    row ``r``. Returns the pair's index in the launch (``slot``) and in the whole tensor, the
+    queries' tokens and validity, the window starts (``sx`` per query, ``sy`` one scalar at ``RY``
+    1, else ``(BXP, 1)``: it broadcasts against a group's columns), the key run's first
+    column ``cx0`` (every row of the tile shares it), where each query's offsets and rows start
+    (``off_row``, ``row_ptr``, ``row_mask``), where the pair's k and v rows start, and the upper
+    corners' limits (``_upper``: the held frames, the key run's columns)."""
     pid = tl.program_id(0)
     slot = tl.program_id(1)
     pid_bh = BH0 + slot
     b = pid_bh // NH
     h = pid_bh % NH
     tiles_x = tl.cdiv(W, BX)
-    qt_l = pid // (H * tiles_x)
-    qy = (pid // tiles_x) % H
+    tiles_y = tl.cdiv(H, RY)
+    qt_l = pid // (tiles_y * tiles_x)
+    qy0 = ((pid // tiles_x) % tiles_y) * RY
     x0 = (pid % tiles_x) * BX
     lane = tl.arange(0, BXP)
-    qx = x0 + lane
-    q_ok = (lane < BX) & (qx < W)
-    tok = (qt_l * H + qy) * W + qx
+    if RY == 1:  # one row: its window start s_y is one scalar (a register fewer through the loops)
+        qx = x0 + lane
+        q_ok = (lane < BX) & (qx < W)
+        tok = (qt_l * H + qy0) * W + qx
+        sy = tl.minimum(tl.maximum(qy0 - KH // 2, 0), H - KH)
+    else:
+        ry = lane // BX
+        qx = x0 + (lane - ry * BX)
+        qy = qy0 + ry
+        q_ok = (ry < RY) & (qx < W) & (qy < H)
+        tok = (qt_l * H + qy) * W + qx
+        sy = tl.minimum(tl.maximum(qy - KH // 2, 0), H - KH)[:, None]  # (BXP, 1)
     qt = Q0 + qt_l  # frame on the whole grid
     st = tl.minimum(tl.maximum(qt - KT // 2, 0), T - KT)
-    sy = tl.minimum(tl.maximum(qy - KH // 2, 0), H - KH)
     sx = tl.minimum(tl.maximum(qx - KW // 2, 0), W - KW)  # (BXP,)
     # the key columns the tile's corners can reach: [cx0, cx0 + XP)
     cx0 = tl.maximum(tl.minimum(tl.maximum(x0 - KW // 2, 0), W - KW) - EHI, 0)
@@ -202,7 +217,7 @@ def _group(OFF, off_row, q_ok, jt, jy, st, sy, sx, cx0, T, H, W, TK, K0, ELO, EH
     oy = tl.load(optr + 1, mask=slot_ok, other=0.0).to(tl.float32)
     ox = tl.load(optr + 2, mask=slot_ok, other=0.0).to(tl.float32)
     bt = st + jt
-    by = (sy + jyc)[None, :]
+    by = sy + jyc[None, :]
     bx = sx[:, None] + jx[None, :]
     t0, t1, ft = _clamped_axis(ot, bt, T)
     y0, y1, fy = _clamped_axis(oy, by, H)
@@ -265,10 +280,11 @@ def _dsa_halo_scores(
     N, T, H, W, NH,
     NK, TK, Q0, K0, BH0,  # k: NK tokens = frames [K0, K0 + TK) of T; queries start at frame Q0
     ELO, EHI,  # the bound's span (pull_span): corners of base b lie in [b - EHI, b + ELO]
-    BX,  # queries per tile (of BXP rows)
+    BX,  # a tile: RY image rows of BX queries each (RY BX <= BXP lanes)
     HEAD_DIM: tl.constexpr,
     KT: tl.constexpr, KH: tl.constexpr, KW: tl.constexpr,
     BXP: tl.constexpr, XP: tl.constexpr, KWP: tl.constexpr, BLOCK_D: tl.constexpr,
+    RY: tl.constexpr,  # image rows per tile (``halo_tile``)
     GY: tl.constexpr,  # window rows per group: their samples against each touched key row
     GC: tl.constexpr,  # columns per group (GY KW slots, to a power of two)
     WIDEN: tl.constexpr = False,  # under the interpreter: bf16 dots widened (as ``dsa_triton_pull._split_dot``)
@@ -279,7 +295,7 @@ def _dsa_halo_scores(
     IEEE: tl.constexpr = Q.dtype.element_ty == tl.float32
     row_stride = NH * HEAD_DIM
     s_bh, pid_bh, tok, q_ok, st, sy, sx, cx0, off_row, row_ptr, row_mask, kv_base, TUP, GUP = _tile(
-        BH0, N, T, H, W, NH, NK, TK, Q0, K0, EHI, BX, HEAD_DIM, KT, KH, KW, BXP, XP, BLOCK_D)
+        BH0, N, T, H, W, NH, NK, TK, Q0, K0, EHI, BX, HEAD_DIM, KT, KH, KW, BXP, XP, BLOCK_D, RY)
     q = tl.load(Q + row_ptr, mask=row_mask, other=0.0)
     s_row = S + s_bh.to(tl.int64) * (KS * N) + tok  # (BXP,): sample j of a query at + j * N
     beyond = tl.zeros([BXP], dtype=tl.int1)
@@ -322,6 +338,7 @@ def _dsa_halo_rows(
     HEAD_DIM: tl.constexpr,
     KT: tl.constexpr, KH: tl.constexpr, KW: tl.constexpr,
     BXP: tl.constexpr, XP: tl.constexpr, KWP: tl.constexpr, UP: tl.constexpr, BLOCK_D: tl.constexpr,
+    RY: tl.constexpr,
     SOFTMAX: tl.constexpr,  # C holds scores: the coefficient is a_j = exp2(s_j qk_scale - lse); else C as is
     BAND3: tl.constexpr,  # the slots' x tents built once per group, (KWP, BXP, UP); else per row and slot
     WIDEN: tl.constexpr = False,
@@ -332,7 +349,7 @@ def _dsa_halo_rows(
     IEEE: tl.constexpr = X.dtype.element_ty == tl.float32
     row_stride = NH * HEAD_DIM
     c_bh, pid_bh, tok, q_ok, st, sy, sx, cx0, off_row, row_ptr, row_mask, kv_base, TUP, GUP = _tile(
-        BH0, N, T, H, W, NH, NK, TK, Q0, K0, EHI, BX, HEAD_DIM, KT, KH, KW, BXP, XP, BLOCK_D)
+        BH0, N, T, H, W, NH, NK, TK, Q0, K0, EHI, BX, HEAD_DIM, KT, KH, KW, BXP, XP, BLOCK_D, RY)
     jx = tl.arange(0, KWP)
     u = tl.arange(0, UP)
     c_row = C + c_bh.to(tl.int64) * C_STRIDE + tok
@@ -396,6 +413,7 @@ def _dsa_halo_bwd(
     HEAD_DIM: tl.constexpr,
     KT: tl.constexpr, KH: tl.constexpr, KW: tl.constexpr,
     BXP: tl.constexpr, XP: tl.constexpr, KWP: tl.constexpr, BLOCK_D: tl.constexpr,
+    RY: tl.constexpr,
     GY: tl.constexpr,  # window rows per group, as in the scores pass
     GC: tl.constexpr,
     SWEEP: tl.constexpr,  # 0: dO V_row^T, the first half of the gradient; 1: q K_row^T, the rest and the records
@@ -419,7 +437,7 @@ def _dsa_halo_bwd(
     IEEE: tl.constexpr = Q.dtype.element_ty == tl.float32
     row_stride = NH * HEAD_DIM
     r_bh, pid_bh, tok, q_ok, st, sy, sx, cx0, off_row, row_ptr, row_mask, kv_base, TUP, GUP = _tile(
-        BH0, N, T, H, W, NH, NK, TK, Q0, K0, EHI, BX, HEAD_DIM, KT, KH, KW, BXP, XP, BLOCK_D)
+        BH0, N, T, H, W, NH, NK, TK, Q0, K0, EHI, BX, HEAD_DIM, KT, KH, KW, BXP, XP, BLOCK_D, RY)
     # q and dO are loaded again for every row's dot (L1 hits), not held through the loops
     if SWEEP == 0:
         delta = tl.sum(tl.load(DOUT + row_ptr, mask=row_mask, other=0.0).to(tl.float32)
@@ -475,7 +493,7 @@ def _dsa_halo_bwd(
                 tl.store(rec + 3 * KS * N, a * cs, mask=slot_ok)
                 tl.store(rec + 4 * KS * N, a, mask=slot_ok)
                 in_t, in_y, in_x, pt, py, px = _inside(OFF, off_row, slot_ok, j, st + jt,
-                                                       (sy + jy + col // KW)[None, :],
+                                                       sy + (jy + col // KW)[None, :],
                                                        sx[:, None] + (col % KW)[None, :], T, H, W)
                 doff = DOFF + off_row[:, None] + j[None, :] * 3
                 out_ty = DOFF.dtype.element_ty
@@ -491,9 +509,11 @@ def _dsa_halo_bwd(
 # Host side
 
 
-def halo_config(head_dim: int, window, elo: int, ehi: int, fp32: bool = False, cc: int = 90) -> dict:
-    """Launch configuration: ``BX`` queries per tile on ``BXP = 64`` rows, ``XP`` key columns per
-    row (the key-side pass's run: ``BX + KW - 1 + ELO + EHI`` must fit), ``KWP`` slots per group,
+def halo_config(head_dim: int, window, elo: int, ehi: int, fp32: bool = False, cc: int = 90, hw=None) -> dict:
+    """Launch configuration: tiles of ``RY`` image rows of ``BX`` queries on ``BXP = 64`` rows
+    (``halo_tile`` at the image's ``hw = (H, W)``; one row of the most ``BX`` a row may take
+    without it), ``XP`` key columns per row (the key-side pass's run: ``BX + KW - 1 + ELO + EHI``
+    must fit), ``KWP`` slots per group,
     the band width ``UP`` (``KW + ELO + EHI`` columns, to a power of two), and each pass's warps.
     ``band3``: whether the rows pass builds its slots' x tents once per group (``BAND3``): within
     128 elements of ``KWP x UP`` per query (3x7x7 at offsets up to 3), 64 on sm_100 at head dim 128
@@ -502,14 +522,30 @@ def halo_config(head_dim: int, window, elo: int, ehi: int, fp32: bool = False, c
     to 128 registers at narrow bands and spills (4-28 B; at 255 it takes 154-190, no spills).
     ``scores_gy``, ``bwd_gy`` (sweep v, sweep k): window rows per group of the scores pass and the
     backward's sweeps; the second sweep takes one at head dim 128 and on sm_100, where two spilled
-    28-40 B (at 4 the scores pass spilled 12-36 B)."""
+    28-40 B (at 4 the scores pass spilled 12-36 B). With ``RY`` over 1 (``s_y`` per query, a
+    register more) both sweeps take one but the first at head dim 64 on sm_90 (two spilled 8-24 B)."""
     cfg = pull_config(head_dim, window, elo, ehi, fp32, cc)
     kwp = triton.next_power_of_2(window[2])
+    bx, ry = (cfg["BX"], 1) if hw is None else halo_tile(cfg["BX"], cfg["BXP"], *hw)
     gy = max(1, min(window[1], 16 // window[2]))  # window rows whose slots fill 16 columns at most
-    return dict(BX=cfg["BX"], BXP=cfg["BXP"], XP=cfg["QXP"], KWP=kwp, UP=cfg["UP"],
+    wide = head_dim > 64
+    small = not wide and cc < 100  # head dim 64 on sm_90
+    bwd_gy = (gy if ry == 1 or small else 1, gy if small and ry == 1 else 1)
+    return dict(BX=bx, RY=ry, BXP=cfg["BXP"], XP=cfg["QXP"], KWP=kwp, UP=cfg["UP"],
                 scores_warps=8, rows_warps=8, bwd_warps=8, rows_maxnreg=255 if cc >= 100 else None,
-                band3=kwp * cfg["UP"] <= (64 if cc >= 100 and head_dim > 64 else 128),
-                scores_gy=gy, bwd_gy=(gy, gy if head_dim <= 64 and cc < 100 else 1))
+                band3=kwp * cfg["UP"] <= (64 if cc >= 100 and wide else 128), scores_gy=gy, bwd_gy=bwd_gy)
+
+
+def halo_tile(most: int, lanes: int, H: int, W: int) -> tuple[int, int]:
+    """A tile at an ``H x W`` image: ``(BX, RY)``, ``RY`` rows of ``BX`` queries. A row narrower
+    than the configuration's ``BX`` would leave lanes idle (Wan2.2 TI2V-5B's 26-token rows fill 26
+    of 64), so the tile takes as many whole rows as its ``BXP`` lanes hold: their window rows
+    overlap (a query row further down reaches one key row further), so a group's key rows grow by
+    ``RY - 1`` while the queries they serve grow ``RY`` times. The key run is the same for every
+    row: the rows share their x range. ``most``: the most queries a row of the tile may take (the
+    key run's limit); ``lanes``: ``BXP``."""
+    bx = min(most, W)
+    return bx, max(1, min(lanes // bx, H))
 
 
 def _columns(gy: int, window) -> int:
@@ -518,9 +554,10 @@ def _columns(gy: int, window) -> int:
 
 
 def _constexprs(head_dim: int, window, cfg: dict, widen: bool) -> dict:
-    """The constexprs every halo pass takes (the rows pass adds ``UP`` and ``SOFTMAX``)."""
+    """The constexprs every halo pass takes (the rows pass adds ``UP`` and ``SOFTMAX``); ``ry``:
+    the configuration's rows per tile."""
     return dict(HEAD_DIM=head_dim, KT=window[0], KH=window[1], KW=window[2], BXP=cfg["BXP"], XP=cfg["XP"],
-                KWP=cfg["KWP"], BLOCK_D=max(16, triton.next_power_of_2(head_dim)), WIDEN=widen)
+                KWP=cfg["KWP"], BLOCK_D=max(16, triton.next_power_of_2(head_dim)), RY=cfg["RY"], WIDEN=widen)
 
 
 def _plan(q, win, bound: float, grid_args):
@@ -529,8 +566,9 @@ def _plan(q, win, bound: float, grid_args):
     (``tail(bh0)``)."""
     N, T, H, W, nh, NK, TK, Q0, K0 = grid_args
     elo, ehi = pull_span(bound)
-    cfg = halo_config(q.shape[-1], win, elo, ehi, fp32=q.dtype == torch.float32, cc=compute_capability(q))
-    tiles = (N // (H * W)) * H * triton.cdiv(W, cfg["BX"])
+    cfg = halo_config(q.shape[-1], win, elo, ehi, fp32=q.dtype == torch.float32, cc=compute_capability(q),
+                      hw=(H, W))
+    tiles = (N // (H * W)) * triton.cdiv(H, cfg["RY"]) * triton.cdiv(W, cfg["BX"])
     meta = dict(_constexprs(q.shape[-1], win, cfg, INTERPRETED), num_stages=1)
 
     def tail(bh0: int) -> tuple:
@@ -593,7 +631,8 @@ def aot_variants(shape) -> list[dict]:
     elo, ehi = pull_span(shape.max_offset if shape.max_offset is not None else 0.0)
     out = []
     for archs, cc in ((("sm_90",), 90), (("sm_100",), 100)):
-        cfg = halo_config(d, shape.window, elo, ehi, fp32=fp32, cc=cc)
+        grid = getattr(shape, "grid", None)
+        cfg = halo_config(d, shape.window, elo, ehi, fp32=fp32, cc=cc, hw=grid[1:] if grid else None)
         consts = _constexprs(d, shape.window, cfg, widen=False)
         rows = {"UP": cfg["UP"]}
         for name, fn, warps, extra in (

@@ -56,7 +56,8 @@ def aot_variants(shape) -> list[dict]:
                                 tensor_cores=False, may_pick=runs and not halo, note=note))
     seen = set()
     for i, bound in enumerate(bounds):
-        at = SimpleNamespace(dtype=shape.dtype, head_dim=d, window=tuple(shape.window), max_offset=bound)
+        at = SimpleNamespace(dtype=shape.dtype, head_dim=d, window=tuple(shape.window), max_offset=bound,
+                             grid=getattr(shape, "grid", None))
         for spec in pull_variants(at) + halo_variants(at):
             key = (spec["kernel"], spec.get("archs"), tuple(sorted(spec["constexprs"].items())), spec["num_warps"],
                    spec.get("maxnreg"))

@@ -78,6 +78,14 @@ def test_plan_covers_every_corner_and_chunks_the_scores(monkeypatch):
             # to s_x(x0 + BX - 1) + kw - 1 + ELO, all inside [cx0, cx0 + XP)
             assert (cfg["BX"] - 1) + (kw - 1) + elo + ehi < cfg["XP"]
     assert HALO.halo_config(128, (3, 7, 7), 2, 2)["XP"] == 64  # the Wan row (52 tokens) in one tile
+    def tile(hw):
+        cfg = HALO.halo_config(128, (3, 7, 7), 2, 2, hw=hw)
+        return cfg["BX"], cfg["RY"]
+
+    assert tile((30, 52)) == (52, 1)  # Wan2.1 480p: one row a tile
+    assert tile((15, 26)) == (26, 2)  # Wan2.2 TI2V-5B 480p: two 26-token rows fill 52 of 64 lanes
+    assert tile((45, 80)) == (54, 1)  # 720p: rows in two tiles of the most the key run allows
+    assert tile((2, 5)) == (5, 2)  # no more rows than the image has
     calls = []
     monkeypatch.setattr(HALO, "SCORE_BUDGET_BYTES", 27 * 100 * 4 * 3)
 
@@ -367,6 +375,7 @@ def _run(window, shape, bound, given, seed=12, dtype=torch.float32, mode="halo")
     ((3, 3, 4), (3, 3, 3), 1.5, True),  # every border on every axis; the window spans T
     ((1, 3, 62), (1, 3, 3), 0.6, False),  # two query tiles along x (60 + 2 queries); the bound measured
     ((3, 2, 5), (3, 1, 3), 2.7, True),  # near the cap: corners three tokens out
+    ((2, 5, 20), (1, 3, 5), 1.5, True),  # tiles of three 20-token rows: the second holds two
 ])
 @interpreter_only
 def test_interp_fp32_halo_matches_reference_and_the_gather_kernels(grid, window, bound, given, caplog):

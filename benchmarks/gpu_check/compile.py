@@ -275,15 +275,16 @@ def judge(rec: Record, tensor_cores: bool, cc: int) -> None:
 def preset_shapes(full: bool = False) -> list[AotShape]:
     """The shapes the presets run DSA at: head dims 64 (videodit widths such as 512/8) and 128 (the
     paper's and every Wan preset's), windows 3x5x5 (videodit) and 3x7x7 (Wan), the 81x480x832
-    clip's 21x30x52 token grid, offsets bounded by 1.5 (halo radius 2, as the GPU check runs them).
-    ``full`` adds fp32, zero offsets (neighborhood attention, radius 0) and the other Wan grids
-    (21x45x80 for 720p, 21x15x26 for Wan2.2's 16x VAE)."""
+    clip's 21x30x52 token grid, offsets bounded by 1.5 (halo radius 2, as the GPU check runs them),
+    and Wan2.2 TI2V-5B's 21x15x26 (its 16x VAE; the halo kernels take two image rows a tile there).
+    ``full`` adds fp32, zero offsets (neighborhood attention, radius 0) and 720p's 21x45x80."""
     grid = (21, 30, 52)
     shapes = [AotShape("bf16", d, w, grid, 1.5) for d in (64, 128) for w in ((3, 5, 5), (3, 7, 7))]
+    shapes.append(AotShape("bf16", 128, (3, 7, 7), (21, 15, 26), 1.5))
     if full:
         shapes += [AotShape("fp32", d, w, grid, 1.5) for d in (64, 128) for w in ((3, 5, 5), (3, 7, 7))]
         shapes += [AotShape("bf16", 128, w, grid, 0.0) for w in ((3, 5, 5), (3, 7, 7))]
-        shapes += [AotShape("bf16", 128, (3, 7, 7), g, 1.5) for g in ((21, 45, 80), (21, 15, 26))]
+        shapes.append(AotShape("bf16", 128, (3, 7, 7), (21, 45, 80), 1.5))
     return [AotShape(s.dtype, s.head_dim, s.window, s.grid, s.max_offset,
                      f"{s.dtype} d{s.head_dim} w{'x'.join(map(str, s.window))} "
                      f"{'x'.join(map(str, s.grid))} off{s.max_offset:g}") for s in shapes]

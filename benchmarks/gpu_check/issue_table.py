@@ -9,7 +9,8 @@ counts (the window's slots, the 8 corners, the key rows a halo group touches), s
 gathers and layout changes around them) are held to the same measure: the instructions the
 compiler emitted, not a guess per operation. Compiled for bf16 at the presets' head dims (64, 128)
 and windows (3x5x5, 3x7x7), at every bound class up to the key-side pass's cap (the halo passes'
-configs follow the bound). About 3 minutes on 2 cores; rerun after changing a kernel (the test
+configs follow the bound), with one and two image rows a halo tile (``GRIDS``). About 1.5 minutes
+on 2 cores; rerun after changing a kernel (the test
 ``tests/test_compile_sm90.py::test_issue_table_matches_a_fresh_compile`` fails until then).
 """
 
@@ -23,9 +24,12 @@ from pathlib import Path
 from benchmarks.gpu_check import compile as aot
 
 SHAPES = [("bf16", d, w) for d in (64, 128) for w in ((3, 5, 5), (3, 7, 7))]
+# the grid is a run-time argument but for the halo kernels' rows per tile (``dsa_triton_halo.halo_tile``): one at
+# Wan2.1's 480p rows (52 tokens), two at Wan2.2 TI2V-5B's (26)
+GRIDS = ((21, 30, 52), (21, 15, 26))
 
 
-def measure(shapes=SHAPES, kernels=None, progress=print) -> dict:
+def measure(shapes=SHAPES, kernels=None, progress=print, grids=GRIDS) -> dict:
     """``{issue_key: {"kernel", "head_dim", "window", "constexprs", "warps", "depths": {depth:
     instructions}}}`` for the kernels ``dsa_cost`` counts (``ISSUE_KERNELS``), compiled for sm_90
     at ``shapes``."""
@@ -36,8 +40,8 @@ def measure(shapes=SHAPES, kernels=None, progress=print) -> dict:
     from kernels.dsa_triton_pull import PULL_MAX_OFFSET
 
     table = {}
-    for dtype, d, window in shapes:
-        shape = aot.AotShape(dtype, d, window, (21, 30, 52), PULL_MAX_OFFSET)  # the grid is a run-time argument
+    for (dtype, d, window), grid in ((s, g) for g in grids for s in shapes):
+        shape = aot.AotShape(dtype, d, window, grid, PULL_MAX_OFFSET)
         for spec in aot_variants(shape):
             name = spec["kernel"]
             if name not in (kernels or ISSUE_KERNELS) or (spec.get("archs") and "sm_90" not in spec["archs"]):
