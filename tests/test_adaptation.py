@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import torch
 
-from benchmarks.studies import adaptation
+from benchmarks.studies import adaptation, offset_extent
 from benchmarks.studies.consistency import temporal_consistency
 from benchmarks.studies.harness import study_config
 from benchmarks.studies.wan_motion import WAN_OVERRIDES, caption_condition, caption_text
@@ -100,6 +100,12 @@ def test_the_study_end_to_end_and_a_variant_added_on_resume(stand_in, tmp_path, 
         assert len(r["buckets"]) == 4 and abs(r["loss_ge25"] - np.mean(r["buckets"][1:])) < 1e-12
         assert len(r["train_samples"]) == len(r["samples"]) == 1 and 0 <= r["train_temporal_consistency"] <= 1
     assert len(by["dsa"]["offset_buckets"]) == 4 and "offset_buckets" not in by["neighborhood"]
+    # the offsets' extent per head call (what the GPU kernels' choice follows), recorded by the run
+    # and recomputed from the saved model by offset_extent: the same to the bit
+    ext = by["dsa"]["offset_extent"]
+    assert ext["calls"] > 0 and 0 <= ext["p99"] <= ext["p999"] <= ext["max"] and ext["median"] <= ext["max"]
+    assert set(ext["over"]) == {"1.5", "2", "3"} and "offset_extent" not in by["neighborhood"]
+    assert offset_extent.extents(out) == [{"kind": "dsa", "seed": 0, "offset_extent": ext}]
     text = (out / "adaptation.md").read_text()
     assert "Goals for `dsa`" in text and (out / "adaptation_videodit_curves.png").is_file()
     assert (out / "teachers" / "videodit_seed0.safetensors").is_file()

@@ -37,7 +37,9 @@ Per (kind, seed) it records, at step 0 (the teacher converted, before any adapta
   (``harness.shows_prompt``: colour, shape and direction; trajectory error overall and on the
   ``fast`` captions; direction error) and the temporal-consistency score (``consistency``: the
   object's shape and colour and the background stable across frames, VBench's form);
-* for ``dsa``, the mean |offset| (tokens) per t-bucket on the held-out inputs;
+* for ``dsa``, the mean |offset| (tokens) per t-bucket on the held-out inputs, and the offsets'
+  extent per offset-head call (its largest |offset|: the one bound the GPU kernels take per call;
+  ``offset_extent_summary``; ``offset_extent`` recomputes it from an earlier study's models);
 * step time (wall and process CPU seconds, median) and the time of each phase.
 
 The teacher itself is scored alike (its row ``teacher``). ``--dsa NAME FIELD=VALUE,...`` adds a
@@ -175,14 +177,24 @@ def evaluate(model, cfg, val, teacher_pred: torch.Tensor | None = None, keep: bo
     """The fixed-noise loss of ``model`` on the clips of ``val``, one t per bucket (module
     docstring): ``loss``, ``loss_ge25``, ``x0`` and their ``*_buckets``; with ``teacher_pred``
     (the teacher's predictions on the same inputs, ``keep=True`` of the teacher's evaluation)
-    ``teacher_dist`` and its buckets; for a dsa model ``offset_buckets`` (mean |offset|, tokens);
-    with ``keep`` the predictions (``pred``)."""
+    ``teacher_dist`` and its buckets; for a dsa model ``offset_buckets`` (mean |offset|, tokens)
+    and ``offset_extent`` (``offset_extent_summary``: the largest |offset| of each offset head's
+    call, which is what the GPU kernels' choice follows); with ``keep`` the predictions (``pred``)."""
     model.eval()
     nb, seed, bs = int(cfg.training.val_t_buckets), int(cfg.training.seed), int(cfg.data.batch_size)
     items = [(c, b) for c in range(len(val.rows)) for b in range(nb)]
     heads = offset_heads(model)
     seen: list[torch.Tensor] = []
-    hooks = [h.register_forward_hook(lambda m, a, out: seen.append(out.abs().flatten(1).mean(1))) for h in heads]
+    calls: list[float] = []  # each head call's largest |offset|
+    quantiles: list[torch.Tensor] = []
+
+    def hook(module, args, out):
+        mag = out.detach().abs()
+        seen.append(mag.flatten(1).mean(1))
+        calls.append(float(mag.max()))
+        quantiles.append(torch.quantile(mag.flatten().float()[:1 << 24], torch.tensor([0.99, 0.999])))
+
+    hooks = [h.register_forward_hook(hook) for h in heads]
     v_err, x0_err, dist, offs, preds = [], [], [], [], []
     try:
         for start in range(0, len(items), bs):
@@ -219,9 +231,38 @@ def evaluate(model, cfg, val, teacher_pred: torch.Tensor | None = None, keep: bo
         out["teacher_dist"], out["teacher_dist_buckets"] = statistics.fmean(dist), by_bucket(dist)
     if offs:
         out["offset_buckets"] = by_bucket(offs)
+        out["offset_extent"] = offset_extent_summary(calls, torch.stack(quantiles))
     if keep:
         out["pred"] = torch.cat(preds)
     return out
+
+
+EXTENT_MARKS = (1.5, 2.0, 3.0)
+"""Offsets' extents that change the GPU kernels: the halo kernels at Wan's 480p shape run up to 1.5
+at 3x5x5 and 2 at 3x7x7, the backward's key-side pass (no atomics) up to 3 (kernels/dsa_cost.py)."""
+
+
+def offset_extent_summary(calls: list[float], quantiles: torch.Tensor) -> dict:
+    """The extents of a model's offset-head calls (``calls``: each call's largest |offset|, in
+    tokens) and each call's 99th and 99.9th percentile |offset| (``quantiles``, ``(calls, 2)``):
+    ``median`` and ``max`` extent, ``over``: the share of calls past each of ``EXTENT_MARKS``,
+    ``p99``/``p999``: the percentiles' median over calls. The kernels take one bound per call, so
+    a few large offsets set it for every sample of the call."""
+    return {"calls": len(calls), "median": statistics.median(calls), "max": max(calls),
+            "over": {f"{m:g}": sum(c > m for c in calls) / len(calls) for m in EXTENT_MARKS},
+            "p99": float(quantiles[:, 0].median()), "p999": float(quantiles[:, 1].median())}
+
+
+def extent_line(extents: list[dict]) -> str:
+    """One line on runs' ``offset_extent`` summaries (one per seed)."""
+
+    def seeds(get) -> str:
+        return "/".join(f"{get(e):.2f}" for e in extents)
+
+    over = ", ".join(f"{m} {seeds(lambda e, m=m: e['over'][m])}" for m in extents[0]["over"])
+    return (f"offsets' extent per head call (the bound the GPU kernels take), seeds {seeds(lambda e: e['median'])} "
+            f"median, {seeds(lambda e: e['max'])} max; share of calls past {over}; |offset| p99 "
+            f"{seeds(lambda e: e['p99'])}, p99.9 {seeds(lambda e: e['p999'])}")
 
 
 def score_samples(model, cfg, setup: dict, captions: list[str], version: int) -> tuple[list[np.ndarray], list[dict]]:
@@ -453,6 +494,9 @@ def markdown(runs: list[dict], meta: dict) -> str:
         if rs:
             per = " / ".join(f"{spread([r['offset_buckets'][b] for r in rs])[0]:.3f}" for b in range(nbk))
             L.append(f"\n{k}: mean |offset| per t-bucket t0..t{nbk - 1} (tokens, held-out inputs): {per}")
+            ex = [r["offset_extent"] for r in rs if "offset_extent" in r]
+            if ex:
+                L.append(f"{k}: " + extent_line(ex))
     for k in kinds:
         if base_kind(k) == "dsa":
             g = goals(runs, k)
