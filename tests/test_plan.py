@@ -483,3 +483,15 @@ def test_resident_shards_cross_the_link_once_and_auto_fills_the_device():
     assert auto.fits_device and auto.resident_shards == tuple(range(cfg.model.depth - 1, -1, -1))
     assert auto.h2d_bytes == 2 * auto.params * 2 - auto.resident_bytes
     assert any("--resident-gb auto" in n for n in auto.notes)
+
+
+def test_unbounded_dsa_offsets_get_a_note_on_which_gpu_kernels_run():
+    """A dsa plan with unbounded offsets (the presets') says what that costs on a GPU and which
+    settings keep every pass on tensor cores; bounded, on the CPU, or another kind: no such note."""
+    def noted(over: dict) -> bool:
+        return any("leaves dsa's offsets unbounded" in n and "attention.max_offset 1.5" in n
+                   for n in plan(build_config("wan2.1-t2v-1.3b", None, over)).notes)
+
+    assert noted({})
+    for over in ({"attention.max_offset": "1.5"}, {"runtime.device": "cpu"}, {"attention.kind": "neighborhood"}):
+        assert not noted(over), over

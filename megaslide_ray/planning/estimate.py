@@ -548,7 +548,16 @@ def _notes(cfg: Config, generate: bool, wb: int, P: int, parts: dict[str, int], 
             notes.append(f"bf16 AdamW moments (an option the store does not have) would save 4 B/param, "
                          f"{fmt_bytes(4 * P)}; runtime.state_dir on a fast disk lets the store exceed RAM, at "
                          f"disk speed for AdamW")
-    if cfg.attention.kind == "dense":
+    a = cfg.attention
+    if a.kind == "dsa" and a.max_offset == 0 and cfg.runtime.device != "cpu":
+        notes.append("attention.max_offset = 0 leaves dsa's offsets unbounded: the GPU kernels take one bound "
+                     "per call, its largest |offset|, and a trained head's few large offsets set it (in the "
+                     "adaptation study, past 3 tokens in half the calls or more). Past 2 tokens (1 to 2 at a "
+                     "window 5 wide) the forward and the backward's query side run on CUDA cores, past 3 the "
+                     "backward adds dk and dv by float atomics; attention.max_offset 1.5 with "
+                     "attention.offset_scale 0.667 (offsets start as fast) keeps every pass on tensor cores "
+                     "(benchmarks/RESULTS.md: what the bound costs in held-out loss)")
+    if a.kind == "dense":
         notes.append("dense assumes flash/SDPA on the device; a materialised N^2 score matrix would need "
                      f"{fmt_bytes(act_totals['dense_materialised'])} of activations")
     if not generate and not cfg.runtime.recompute_blocks:
