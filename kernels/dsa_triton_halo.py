@@ -542,9 +542,11 @@ def halo_tile(most: int, lanes: int, H: int, W: int) -> tuple[int, int]:
     of 64), so the tile takes as many whole rows as its ``BXP`` lanes hold: their window rows
     overlap (a query row further down reaches one key row further), so a group's key rows grow by
     ``RY - 1`` while the queries they serve grow ``RY`` times. The key run is the same for every
-    row: the rows share their x range. ``most``: the most queries a row of the tile may take (the
-    key run's limit); ``lanes``: ``BXP``."""
-    bx = min(most, W)
+    row: the rows share their x range. A row longer than ``most`` (the most queries a row of the
+    tile may take: the key run's limit) is cut into equal parts, not ``most`` and a remainder: at
+    52 tokens and ``most`` 51 (offsets up to 3 at 3x7x7) two tiles of two 26-query rows, not two
+    tiles a row, one of them holding a single query. ``lanes``: ``BXP``."""
+    bx = triton.cdiv(W, triton.cdiv(W, most))
     return bx, max(1, min(lanes // bx, H))
 
 

@@ -84,8 +84,10 @@ def test_plan_covers_every_corner_and_chunks_the_scores(monkeypatch):
 
     assert tile((30, 52)) == (52, 1)  # Wan2.1 480p: one row a tile
     assert tile((15, 26)) == (26, 2)  # Wan2.2 TI2V-5B 480p: two 26-token rows fill 52 of 64 lanes
-    assert tile((45, 80)) == (54, 1)  # 720p: rows in two tiles of the most the key run allows
+    assert tile((45, 80)) == (40, 1)  # 720p: rows in two tiles of 40
     assert tile((2, 5)) == (5, 2)  # no more rows than the image has
+    cfg3 = HALO.halo_config(128, (3, 7, 7), 4, 3, hw=(30, 52))  # offsets up to 3: 51 queries a row at most
+    assert (cfg3["BX"], cfg3["RY"]) == (26, 2)  # halves of rows, two a tile: 52 lanes, not 51 + 1
     calls = []
     monkeypatch.setattr(HALO, "SCORE_BUDGET_BYTES", 27 * 100 * 4 * 3)
 
@@ -373,7 +375,7 @@ def _run(window, shape, bound, given, seed=12, dtype=torch.float32, mode="halo")
 
 @pytest.mark.parametrize("grid,window,bound,given", [
     ((3, 3, 4), (3, 3, 3), 1.5, True),  # every border on every axis; the window spans T
-    ((1, 3, 62), (1, 3, 3), 0.6, False),  # two query tiles along x (60 + 2 queries); the bound measured
+    ((1, 3, 62), (1, 3, 3), 0.6, False),  # two query tiles along x (31 + 31), two rows each; the bound measured
     ((3, 2, 5), (3, 1, 3), 2.7, True),  # near the cap: corners three tokens out
     ((2, 5, 20), (1, 3, 5), 1.5, True),  # tiles of three 20-token rows: the second holds two
 ])
