@@ -556,8 +556,7 @@ def _columns(gy: int, window) -> int:
 
 
 def _constexprs(head_dim: int, window, cfg: dict, widen: bool) -> dict:
-    """The constexprs every halo pass takes (the rows pass adds ``UP`` and ``SOFTMAX``); ``ry``:
-    the configuration's rows per tile."""
+    """The constexprs every halo pass takes (the rows pass adds ``UP`` and ``SOFTMAX``)."""
     return dict(HEAD_DIM=head_dim, KT=window[0], KH=window[1], KW=window[2], BXP=cfg["BXP"], XP=cfg["XP"],
                 KWP=cfg["KWP"], BLOCK_D=max(16, triton.next_power_of_2(head_dim)), RY=cfg["RY"], WIDEN=widen)
 
@@ -631,9 +630,9 @@ def aot_variants(shape) -> list[dict]:
     d = shape.head_dim
     fp32 = shape.dtype == "fp32"
     elo, ehi = pull_span(shape.max_offset if shape.max_offset is not None else 0.0)
+    grid = getattr(shape, "grid", None)
     out = []
     for archs, cc in ((("sm_90",), 90), (("sm_100",), 100)):
-        grid = getattr(shape, "grid", None)
         cfg = halo_config(d, shape.window, elo, ehi, fp32=fp32, cc=cc, hw=grid[1:] if grid else None)
         consts = _constexprs(d, shape.window, cfg, widen=False)
         rows = {"UP": cfg["UP"]}

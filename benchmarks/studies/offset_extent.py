@@ -33,7 +33,7 @@ from megaslide_ray.evaluation.validation import load_val_set
 def extents(folder: Path, kinds: list[str] | None = None, threads: int = 1) -> list[dict]:
     """``[{"kind", "seed", "offset_extent"}]`` for each dsa run of the study in ``folder`` (of
     ``kinds``) whose model it saved."""
-    out, valsets = [], {}
+    out, studies = [], {}  # per settings: the study's setup and held-out set
     for line in (folder / A.RUNS_FILE).read_text().splitlines():
         if not line.strip():
             continue
@@ -43,17 +43,18 @@ def extents(folder: Path, kinds: list[str] | None = None, threads: int = 1) -> l
         path = folder / "models" / f"{settings['arch']}_{kind}_seed{seed}.safetensors"
         if A.base_kind(kind) != "dsa" or (kinds and kind not in kinds) or not path.is_file():
             continue
-        train, val = motion_manifests(settings["variant"])
-        setup = {**{k: settings[k] for k in ("arch", "preset", "window", "overrides", "val_clips")},
-                 "train": train, "val": val}
-        cfg = A.run_config(setup, kind, seed, settings["steps"], {**settings["adapt_overrides"], **run.get("spec", {})})
         key = json.dumps(settings, sort_keys=True)
-        if key not in valsets:
+        if key not in studies:
+            train, val = motion_manifests(settings["variant"])
+            setup = {**{k: settings[k] for k in ("arch", "preset", "window", "overrides", "val_clips")},
+                     "train": train, "val": val}
             valset = load_val_set(A.run_config(setup, "dense", seed, settings["steps"]))
-            valsets[key] = wan_val_set(valset) if settings["arch"] == "wan" else valset
+            studies[key] = setup, wan_val_set(valset) if settings["arch"] == "wan" else valset
+        setup, valset = studies[key]
+        cfg = A.run_config(setup, kind, seed, settings["steps"], {**settings["adapt_overrides"], **run.get("spec", {})})
         model = fresh_trainer(cfg, seed, threads).model
         model.load_state_dict(load_file(path))
-        out.append({"kind": kind, "seed": seed, "offset_extent": A.evaluate(model, cfg, valsets[key])["offset_extent"]})
+        out.append({"kind": kind, "seed": seed, "offset_extent": A.evaluate(model, cfg, valset)["offset_extent"]})
     return out
 
 
