@@ -72,7 +72,7 @@ from actors.store_checkpoints import CheckpointMethods
 from megaslide_ray.config import Config
 from megaslide_ray.models.registry import build_shard, initialize_shard, num_shards
 from megaslide_ray.models.shards import ShardLayout
-from megaslide_ray.runtime.faults import fault_point
+from megaslide_ray.runtime.faults import arm_fault, fault_point, fire_fault
 from megaslide_ray.runtime.faults import set_node as set_fault_node
 from megaslide_ray.state.kept import dir_bytes, is_kept, keep_state, unkeep_state
 from megaslide_ray.state.preflight import StateSpaceError, shm_advice
@@ -425,9 +425,12 @@ class ParameterStore(NodeSyncMethods, CheckpointMethods):
             if self.sync is not None:
                 self._inflight.add(step)
         if self.sync is not None:
+            # The backward's last shard (0) sends this node's part of the step. The fault is claimed
+            # before the send and fires right after it: claimed after, its marker's fsync let the
+            # other nodes answer and this store begin its update first (a cut update, not this drill).
+            armed = arm_fault("store.after_last_report", step) if shard == 0 else None
             self.sync.node_grad_ready(shard, step, sqnorm, current)
-            if shard == 0:  # the backward's last shard: this node's part of the step is sent
-                fault_point("store.after_last_report", step)
+            fire_fault(armed)
             return
         with self._lock:
             got = self._pending.setdefault(step, {})

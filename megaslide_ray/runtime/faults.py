@@ -178,6 +178,14 @@ def fault_point(point: str, step: int | None = None) -> str | None:
     """Fire the configured fault for ``point`` at 0-based ``step`` (``None``: not tied to a
     step). Returns ``"nan"`` when a ``nan`` fault fired (the caller poisons its value), else
     ``None``. Costs one environment lookup when no fault is configured."""
+    return fire_fault(arm_fault(point, step))
+
+
+def arm_fault(point: str, step: int | None = None) -> FaultSpec | None:
+    """The first half of ``fault_point``: claim the fault configured for ``point`` at ``step`` now
+    (its marker file written and synced) and return it for ``fire_fault``, or None. For a point
+    that must fire right after a call that lets another thread or node go on: claimed before the
+    call, the fault fires within microseconds of it, not after a file write and an fsync."""
     if point not in FAULT_POINTS:  # a typo in the code would silently never fire
         raise ValueError(f"unknown fault point {point!r}")
     specs = _active()
@@ -187,20 +195,27 @@ def fault_point(point: str, step: int | None = None) -> str | None:
         if not spec.matches(point, step):
             continue
         with _lock:
-            if not _claim(spec, step):
-                continue
-        log.warning("fault injection: %s fires now (pid %d)", spec.text, os.getpid())
-        if spec.action == "exit":
-            os._exit(17)
-        if spec.action == "raise":
-            raise FaultInjected(f"injected fault {spec.text}")
-        if spec.action == "enospc":
-            raise OSError(errno.ENOSPC, f"No space left on device (injected fault {spec.text})")
-        if spec.action == "nan":
-            return "nan"
-        if spec.action == "lose_node":
-            lose_node()
-        threading.Event().wait()  # hang
+            if _claim(spec, step):
+                return spec
+    return None
+
+
+def fire_fault(spec: FaultSpec | None) -> str | None:
+    """Carry out the action of a spec ``arm_fault`` claimed (None: nothing; see ``fault_point``)."""
+    if spec is None:
+        return None
+    log.warning("fault injection: %s fires now (pid %d)", spec.text, os.getpid())
+    if spec.action == "exit":
+        os._exit(17)
+    if spec.action == "raise":
+        raise FaultInjected(f"injected fault {spec.text}")
+    if spec.action == "enospc":
+        raise OSError(errno.ENOSPC, f"No space left on device (injected fault {spec.text})")
+    if spec.action == "nan":
+        return "nan"
+    if spec.action == "lose_node":
+        lose_node()
+    threading.Event().wait()  # hang
     return None
 
 
