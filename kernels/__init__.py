@@ -24,9 +24,12 @@ backend per call:
   none is given. The
   backward sums dk, dv with the key-side pass (``dsa_triton_pull``): tensor-core dots, no
   atomics, deterministic.
-  It runs for offsets bounded by at most ``PULL_MAX_OFFSET``; larger offsets use per-corner
-  fp32 atomics. Every autotune config compiles for sm_90 at the presets' shapes without spills
-  (the compile-only check, ``python -m benchmarks.gpu_check --compile-only``).
+  It runs for offsets bounded by at most ``PULL_MAX_OFFSET``. Past it (an unbounded offset head's
+  far samples) the split mode (``dsa_triton_split``) runs it for the queries within a smaller bound
+  and scatters the few others' samples with fp32 atomics, where the cost model predicts that faster
+  than atomics for every query (which run otherwise). Every autotune config compiles for sm_90 at
+  the presets' shapes without spills (the compile-only check, ``python -m benchmarks.gpu_check
+  --compile-only``).
 - ``"triton"``: the tiled Triton kernels (``dsa_triton_tiled``: 3D query tiles of 16-64
   queries, a staged key/value halo, ``tl.dot``, dk/dv with one atomic per halo element per
   tile); where the halo of the call's offsets does not fit a tile (or the tiled kernel fails to

@@ -343,3 +343,40 @@ def _choose_halo(grid, window, head_dim: int, bound: float, label: str, dtype_by
                               f"{1e3 * gather_s:.3g} ms per head ({'x'.join(map(str, grid))}, d {head_dim}, "
                               f"window {'x'.join(map(str, window))})")
     return out
+
+
+def choose_split(grid, window, head_dim: int, dtype_bytes: int, shares: dict, extent: float,
+                 force: bool = False) -> tuple:
+    """The backward's split mode (``dsa_triton_split``): ``(bound, why)`` for the bound of ``shares``
+    (bound -> the share of (query, head) pairs with an offset past it) with the smallest predicted
+    time on H100 figures, or ``(None, why)`` where the atomic mode's is smaller. At bound ``b``: the
+    query-side pass, the key-side pass at ``b`` and the flagged share of what the atomic mode's
+    backward costs beyond the query-side pass (its scatter), as if the flagged queries were spread
+    evenly (a program of queries without one skips the scatter; one with one issues it for all).
+    ``force``: the best bound even where the atomic mode is predicted faster."""
+    parts = {b: _split_parts(tuple(grid), tuple(window), head_dim, *span_class(b), dtype_bytes, True) for b in shares}
+    if any(p is None for p in parts.values()):  # one measure for every kernel weighed
+        parts = {b: _split_parts(tuple(grid), tuple(window), head_dim, *span_class(b), dtype_bytes, False)
+                 for b in shares}
+    how = "issue slots from the sm_90 compile" if all(p[3] for p in parts.values()) else "estimated lane operations"
+    times = {b: q + k + shares[b] * max(0.0, atomic - q) for b, (q, k, atomic, _) in parts.items()}
+    atomic = next(iter(parts.values()))[2]
+    best = min(times, key=times.get)
+    label = f"offsets up to {extent:.3g}, cost model ({how}) per head"
+    if times[best] >= atomic and not force:
+        return None, (f"{label}: the atomic mode {1e3 * atomic:.3g} ms, the split mode at best {1e3 * times[best]:.3g} "
+                      f"ms (bound {best:g}, {shares[best]:.1%} of the queries by atomics)")
+    return best, (f"{'forced (DKV_MODE split); ' if force else ''}{label}: the key-side pass at {best:g}, atomics for the {shares[best]:.1%} of the (query, head) "
+                  f"pairs past it, {1e3 * times[best]:.3g} ms vs the atomic mode's {1e3 * atomic:.3g} ms")
+
+
+@functools.lru_cache(maxsize=256)
+def _split_parts(grid, window, head_dim: int, bound: float, label: str, dtype_bytes: int, issue: bool):
+    """(query-side s, key-side s, the atomic mode's backward s, measured) on H100 for ``choose_split``,
+    or None when ``issue`` asks for the compile's issue slots and the table lacks one of them."""
+    chip = CHIPS[0]
+    query, key = pull_costs(grid, window, head_dim, bound, dtype_bytes, issue=issue)
+    atomic = gather_costs(math.prod(grid), window, head_dim, dtype_bytes, issue=issue)[1]
+    if issue and None in (query.issue, key.issue, atomic.issue):
+        return None
+    return (query.seconds(chip)["seconds"], key.seconds(chip)["seconds"], atomic.seconds(chip)["seconds"], issue)

@@ -30,7 +30,9 @@ Algorithm (structure of the triton tutorial 06-fused-attention):
     In the atomic mode (larger or unknown bounds, ``DKV_MODE = "atomic"``) they are scattered
     to the 8 corners of every sample with fp32 ``atomic_add`` (many queries sample the same
     key) into fp32 buffers (``(pairs, keys, d)``, the (batch, head) pairs in chunks within
-    ``ATOMIC_BUDGET_BYTES``), each chunk cast into dk, dv after its launch;
+    ``ATOMIC_BUDGET_BYTES``), each chunk cast into dk, dv after its launch. The split mode
+    (``SPLIT``; offsets past the cap, ``dsa_triton_split``) does both: records for every query,
+    weightless for the queries ``OUTL`` flags, whose samples are scattered instead;
   * d(offsets) comes from the derivative of trilinear interpolation: for corner c with
     ``e_c = ds_j*scale*(q.k_c) + a_j*(do.v_c)``,
     ``dL/dp_t = sum_c (+-1) w_y w_x e_c`` (likewise y, x), zeroed where the position
@@ -62,12 +64,11 @@ import triton.language as tl
 
 from .dsa_cost import choose_halo
 from .dsa_reference import validate_dsa_inputs, validate_slab_inputs
-from .dsa_triton_halo import halo_backward_query, halo_forward, score_chunk
+from .dsa_triton_halo import halo_backward_query, halo_forward
 from .dsa_triton_pull import (
     INTERPRETED,  # which kind of kernel the @triton.jit decorators made (CPU tensors only when interpreted)
     REC_FIELDS,
     _past_bound,
-    bound_refusal,
     log_halo_once,
     log_mode_once,
     offsets_extent,
@@ -77,14 +78,18 @@ from .dsa_triton_pull import (
     pull_span,
     rec_chunk,
 )
+from .dsa_triton_split import split_chunk, split_plan
 
-__all__ = ["dsa_triton", "dsa_triton_slab", "INTERPRETED", "scratch_bytes", "tightened_bound"]
+__all__ = ["dsa_triton", "dsa_triton_slab", "INTERPRETED", "tightened_bound"]
 
 log = logging.getLogger(__name__)
 
 LOG2E = 1.4426950408889634
 # How the backward sums dk and dv: "auto" -- the key-side pass (dsa_triton_pull: deterministic, no
-# float atomics) when the offsets' bound allows it, else fp32 atomics; "atomic" -- always atomics.
+# float atomics) when the offsets' bound allows it; past its cap the split mode (dsa_triton_split: the
+# key-side pass for the queries within a smaller bound, atomics for the rest) where the cost model
+# predicts it faster than fp32 atomics for all; "split" -- the split mode wherever the cap is passed;
+# "atomic" -- always atomics.
 DKV_MODE = "auto"
 ATOMIC_BUDGET_BYTES = 1 << 30  # the atomic mode's fp32 dk, dv per launch; (batch, head) pairs in chunks within it
 # Which kernels take the forward and the backward's query side: "auto" -- per pass, the halo kernels
@@ -240,6 +245,7 @@ def _corner_scatter(DK, DV, kv_base, tok, cols, mask2, row_stride, w, gk, gv):
 def _dsa_bwd(
     Q, Kx, V, OFF, OUT, DOUT, LSE,
     DQ, DK, DV, DOFF, REC,
+    OUTL,  # SPLIT: per (batch, query, head) int8, nonzero for a query whose samples go by atomics
     sm_scale, qk_scale,
     N, T, H, W, NH,
     NK, TK, Q0, K0, BH0,
@@ -248,6 +254,7 @@ def _dsa_bwd(
     KT: tl.constexpr, KH: tl.constexpr, KW: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr,
     PULL: tl.constexpr,  # write per-sample records for dsa_triton_pull instead of dk/dv atomics
+    SPLIT: tl.constexpr = False,  # PULL for most queries, atomics for those OUTL flags (dsa_triton_split)
 ):
     pid_m = tl.program_id(0)
     pid_bh = BH0 + tl.program_id(1)
@@ -277,6 +284,11 @@ def _dsa_bwd(
     lse = tl.load(LSE + pid_bh.to(tl.int64) * N + offs_m, mask=mask_m, other=0.0)
     off_row = ((b.to(tl.int64) * N + offs_m) * NH + h) * (KS * 3)
 
+    if SPLIT:  # the flagged queries' records carry no weight; their samples are scattered instead
+        outl = tl.load(OUTL + (b.to(tl.int64) * N + offs_m) * NH + h, mask=mask_m, other=0) != 0
+        any_outl = tl.max(outl.to(tl.int32), axis=0) > 0
+        mask_o = mask2 & outl[:, None]
+        keep = 1.0 - outl.to(tl.float32)
     dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
     beyond = tl.zeros([BLOCK_M], dtype=tl.int1)  # PULL: a sample past the bound the key-side pass assumes
     rec_row = REC + tl.program_id(1).to(tl.int64) * (5 * KS * N) + offs_m  # PULL: this (batch, head)'s records
@@ -340,8 +352,19 @@ def _dsa_bwd(
         dq += ds[:, None] * k_j
 
         if PULL:  # dk, dv: the key-side pass reads ds and a (dsa_triton_pull)
-            tl.store(rec_row + (3 * KS + j) * N, ds, mask=mask_m)
-            tl.store(rec_row + (4 * KS + j) * N, a, mask=mask_m)
+            if SPLIT:
+                tl.store(rec_row + (3 * KS + j) * N, ds * keep, mask=mask_m)
+                tl.store(rec_row + (4 * KS + j) * N, a * keep, mask=mask_m)
+                if any_outl:  # a program without a flagged query issues no atomics
+                    gk = ds[:, None] * q
+                    gv = a[:, None] * do
+                    acc_base = (pid_bh - BH0).to(tl.int64) * NK * HEAD_DIM  # the chunk's (pairs, NK, d) buffers
+                    for c in tl.range(0, 8, loop_unroll_factor=1):
+                        tok, w = _corner(c, t0, t1, wt, y0, y1, wy, x0, x1, wx, H, W)
+                        _corner_scatter(DK, DV, acc_base, tok, cols, mask_o, HEAD_DIM, w, gk, gv)
+            else:
+                tl.store(rec_row + (3 * KS + j) * N, ds, mask=mask_m)
+                tl.store(rec_row + (4 * KS + j) * N, a, mask=mask_m)
         else:  # dk, dv: scatter to the 8 corners (fp32 atomics: other queries sample the same rows)
             gk = ds[:, None] * q
             gv = a[:, None] * do
@@ -358,6 +381,8 @@ def _dsa_bwd(
         tl.store(doff_ptr + 2, tl.where(in_x, ds * qx + a * vx, 0.0).to(out_ty), mask=mask_m)
 
     if PULL:  # refused in-band: the key-side pass would miss this query's far corners
+        if SPLIT:  # (the flagged queries' were scattered)
+            beyond &= ~outl
         dq = tl.where(beyond[:, None], float("nan"), dq)
     tl.store(_row_ptrs(DQ, head_base, offs_m, cols, row_stride), dq.to(DQ.dtype.element_ty), mask=mask2)
 
@@ -384,6 +409,7 @@ _dsa_fwd_tuned = triton.autotune(configs=FWD_CONFIGS, key=_TUNE_KEY)(_dsa_fwd)
 # autotune runs the kernel several times: the atomic targets must restart from zero each time
 _dsa_bwd_tuned = triton.autotune(configs=BWD_CONFIGS, key=_TUNE_KEY, reset_to_zero=["DK", "DV"])(_dsa_bwd)
 _dsa_bwd_pull_tuned = triton.autotune(configs=BWD_PULL_CONFIGS, key=_TUNE_KEY)(_dsa_bwd)
+_dsa_bwd_split_tuned = triton.autotune(configs=BWD_PULL_CONFIGS, key=_TUNE_KEY, reset_to_zero=["DK", "DV"])(_dsa_bwd)
 
 
 # -----------------------------------------------------------------------------
@@ -512,18 +538,28 @@ def _dsa_bwd_launch(q, k, v, offsets, out, dout, lse, win, scale, block_m, slab=
     doff = torch.empty_like(offsets)
     bound, why = ((None, "DKV_MODE atomic") if DKV_MODE == "atomic"
                   else pull_bound(offsets, max_offset, slab, win[0], win[2], measured))
-    log_mode_once("atomic" if bound is None else "pull", why)
+    split = None  # offsets past the key-side pass's cap: it may still take the queries within a smaller bound
+    if bound is None and DKV_MODE in ("auto", "split"):
+        extent = float(max_offset) if max_offset is not None else measured[0] if measured else offsets_extent(offsets)
+        split = split_plan(q, offsets, win, extent, slab, force=DKV_MODE == "split")
+        if split is not None:
+            bound, why = split.bound, split.why
+    log_mode_once("split" if split else "atomic" if bound is None else "pull", why,
+                  f"bound {bound:g}" if split else None)  # the split mode: once per bound
     # the query side on tensor cores (dsa_triton_halo) where the halo kernels may run: the pull mode's records
-    halo, halo_why = halo_choice("bwd", q, win, bound, why, block_m)
+    halo, halo_why = (False, "the split mode: the gather query side") if split else halo_choice(
+        "bwd", q, win, bound, why, block_m)
     if bound is not None:
         log_halo_once("backward's query side", halo, halo_why)
-    meta = dict(HEAD_DIM=d, KT=win[0], KH=win[1], KW=win[2], BLOCK_D=_block_d(d), PULL=bound is not None)
+    meta = dict(HEAD_DIM=d, KT=win[0], KH=win[1], KW=win[2], BLOCK_D=_block_d(d), PULL=bound is not None,
+                SPLIT=split is not None)
 
     def query_pass(dk, dv, rec, bh0, count, elo, ehi):
-        args = (q, k, v, offsets, out, dout, lse, dq, dk, dv, doff, rec, scale, scale * LOG2E, N, T, H, W, nh,
-                *kv_args, bh0, elo, ehi)
+        args = (q, k, v, offsets, out, dout, lse, dq, dk, dv, doff, rec, rec if split is None else split.flags,
+                scale, scale * LOG2E, N, T, H, W, nh, *kv_args, bh0, elo, ehi)
         if block_m is None and not INTERPRETED:
-            tuned = _dsa_bwd_pull_tuned if meta["PULL"] else _dsa_bwd_tuned
+            tuned = (_dsa_bwd_split_tuned if meta["SPLIT"] else _dsa_bwd_pull_tuned if meta["PULL"]
+                     else _dsa_bwd_tuned)
             tuned[lambda m: (triton.cdiv(N, m["BLOCK_M"]), count)](*args, **meta)
         else:
             bm = block_m or _default_block_m(d, backward=True)
@@ -550,6 +586,10 @@ def _dsa_bwd_launch(q, k, v, offsets, out, dout, lse, win, scale, block_m, slab=
     dk, dv = torch.empty_like(k), torch.empty_like(v)
     K = win[0] * win[1] * win[2]
     chunk = rec_chunk(B * nh, win, N)
+    acc = None  # the split mode: the flagged queries' atomics, fp32, per chunk
+    if split is not None:
+        chunk = split_chunk(B * nh, win, N, kv_args[0], d)
+        acc = torch.empty((2, chunk, kv_args[0], d), device=q.device, dtype=torch.float32)
     rec = torch.empty((chunk, REC_FIELDS, K, N), device=q.device, dtype=torch.float32)
     elo, ehi = pull_span(bound)
     grid_args = (N, T, H, W, nh, *kv_args)
@@ -558,9 +598,12 @@ def _dsa_bwd_launch(q, k, v, offsets, out, dout, lse, win, scale, block_m, slab=
         if halo:
             halo_backward_query(q, k, v, offsets, out, dout, lse, win, scale * LOG2E, scale, bound, grid_args, dq,
                                 doff, rec, bh0, count)
+        elif acc is not None:
+            acc.zero_()
+            query_pass(acc[0], acc[1], rec, bh0, count, elo, ehi)
         else:
             query_pass(dk, dv, rec, bh0, count, elo, ehi)
-        pull_launch(q, dout, rec, dk, dv, win, bound, grid_args, bh0, count)
+        pull_launch(q, dout, rec, dk, dv, win, bound, grid_args, bh0, count, acc)
     return dq, dk, dv, doff
 
 
@@ -635,46 +678,3 @@ def atomic_chunk(pairs: int, key_tokens: int, head_dim: int) -> int:
     """(batch, head) pairs per atomic-mode launch so the fp32 dk, dv accumulators stay within
     ``ATOMIC_BUDGET_BYTES``."""
     return pairs_within(pairs, 2 * key_tokens * head_dim * 4, ATOMIC_BUDGET_BYTES)
-
-
-def scratch_bytes(batch: int, heads: int, grid: Sequence[int], key_tokens: int, window: Sequence[int],
-                  head_dim: int, max_offset: float | None, dtype_bytes: int = 2, backward: bool = True) -> int:
-    """The most device memory one call's launchers allocate besides their inputs, outputs and the
-    log-sum-exp (for the planner): the forward's and the backward's peaks, whichever is larger.
-    ``grid``: the queries' (T, H, W); ``key_tokens``: the keys (a slab's, or the grid's);
-    ``max_offset``: the bound the caller passes (None: measured at run time, so the larger of
-    the two backward modes, and the halo forward wherever it may run at small offsets). With
-    ``TIGHTEN_BOUND`` a call may run at any bound below the given one (``tightened_bound``), so
-    the halo forward counts wherever it may run at small offsets, and a bound past the key-side
-    pass's cap counts the records too.
-
-    - the halo forward, where ``auto`` takes it: the scores, ``4 K`` bytes per token and head, the
-      (batch, head) pairs in chunks within ``SCORE_BUDGET_BYTES``;
-    - the pull mode's backward: the records, ``4 REC_FIELDS K`` bytes per token and head, in chunks
-      within ``REC_BUDGET_BYTES`` (the halo query side writes the same records);
-    - the atomic mode's backward: fp32 dk and dv, ``8 d`` bytes per key and head, in chunks within
-      ``ATOMIC_BUDGET_BYTES``.
-    """
-    win = tuple(int(w) for w in window)
-    K, N, pairs = math.prod(win), math.prod(grid), batch * heads
-    bound = None if max_offset is None or bound_refusal(float(max_offset), window_w=win[2]) else float(max_offset)
-    # measured offsets may be small on any call (a fresh offset head: 0), where the halo is likeliest
-    measured = max_offset is None or TIGHTEN_BOUND
-    halo_bound = 0.0 if measured else bound
-    fwd = 0
-    if halo_bound is not None and dtype_bytes < 4 and HALO_MODE != "gather" and (
-            HALO_MODE == "halo" or choose_halo(tuple(grid), win, head_dim, float(halo_bound), dtype_bytes)["fwd"][0]):
-        fwd = score_chunk(pairs, K, N) * K * N * 4
-    if not backward:
-        return fwd
-    records = rec_chunk(pairs, win, N) * REC_FIELDS * K * N * 4
-    atomic = atomic_chunk(pairs, key_tokens, head_dim) * key_tokens * head_dim * 4 * 2
-    if DKV_MODE == "atomic":
-        bwd = atomic
-    elif bound is not None:  # the given bound takes the pull mode, and so does any bound below it
-        bwd = records
-    elif measured:  # none given, or one past the cap: the measured offsets may take either mode
-        bwd = max(records, atomic)
-    else:
-        bwd = atomic
-    return max(fwd, bwd)

@@ -62,6 +62,7 @@ from __future__ import annotations
 
 import logging
 import math
+import re
 
 import torch
 import triton
@@ -207,6 +208,7 @@ def _split_dot(acc, g, rows, IEEE: tl.constexpr, WIDEN: tl.constexpr):
 @triton.jit
 def _dsa_pull_dkv(
     X, REC, DX,  # X: q (for dk) or dout (for dv); DX: dk or dv
+    ACC,  # ACCUM: fp32 (pairs, NK, d), what the split mode's atomics summed for its flagged queries
     N, T, H, W, NH,
     NK, TK, Q0, K0, BH0,
     ELO, EHI,  # a sample reaches key n only if its base b has b - n in [-ELO, EHI] on every axis
@@ -217,6 +219,7 @@ def _dsa_pull_dkv(
     JC: tl.constexpr,  # window slots along x taken at once onto the band (1: one at a time; fp32)
     COEF: tl.constexpr,  # the record field that weighs X's rows: 3 (ds: dk) or 4 (a: dv)
     WIDEN: tl.constexpr = False,  # under the interpreter: half dots widened (``_split_dot``)
+    ACCUM: tl.constexpr = False,  # add ACC's rows before the one rounding to DX's dtype
 ):
     pid = tl.program_id(0)
     rec_bh = tl.program_id(1)
@@ -304,6 +307,9 @@ def _dsa_pull_dkv(
     key_tok = (kt_l * H + ky) * W + nx
     out_mask = key_ok[:, None] & col_ok[None, :]
     out_off = kv_base + key_tok.to(tl.int64)[:, None] * row_stride + cols[None, :]
+    if ACCUM:
+        acc += tl.load(ACC + (rec_bh.to(tl.int64) * NK + key_tok)[:, None] * HEAD_DIM + cols[None, :], mask=out_mask,
+                       other=0.0)
     tl.store(DX + out_off, acc.to(DX.dtype.element_ty), mask=out_mask)
 
 
@@ -394,12 +400,18 @@ def pull_bound(offsets: torch.Tensor, max_offset: float | None, slab=None, windo
     return bound, src
 
 
-def log_mode_once(mode: str, why: str) -> None:
-    if why not in _LOGGED:
-        _LOGGED.add(why)
-        level = logging.INFO if mode == "pull" else logging.WARNING
-        log.log(level, "3D-DSA gather backward: dk, dv by %s (%s)", "the key-side pass" if mode == "pull"
-                else "fp32 atomics", why)
+_MODES = {"pull": "the key-side pass", "atomic": "fp32 atomics",
+          "split": "the key-side pass, and fp32 atomics for the queries whose offsets reach past its bound"}
+
+
+def log_mode_once(mode: str, why: str, key: str | None = None) -> None:
+    """Log how the backward sums dk, dv (``mode``: "pull", "atomic" or "split"), once per ``key``
+    (default: ``why`` without its numbers, so a measured extent does not log every call)."""
+    key = f"{mode}: " + (re.sub(r"\d+(\.\d+)?", "#", why) if key is None else key)
+    if key not in _LOGGED:
+        _LOGGED.add(key)
+        level = logging.INFO if mode in ("pull", "split") else logging.WARNING
+        log.log(level, "3D-DSA gather backward: dk, dv by %s (%s)", _MODES[mode], why)
 
 
 def log_halo_once(pass_: str, halo: bool, why: str) -> None:
@@ -431,30 +443,34 @@ def compute_capability(x: torch.Tensor) -> int:
     return 10 * major + minor
 
 
-def pull_launch(q, dout, rec, dk, dv, win, bound, grid_args, bh0: int, bh_count: int):
-    """The key-side pass for (batch, head) pairs ``[bh0, bh0 + bh_count)`` (``rec`` holds theirs)."""
+def pull_launch(q, dout, rec, dk, dv, win, bound, grid_args, bh0: int, bh_count: int, acc=None):
+    """The key-side pass for (batch, head) pairs ``[bh0, bh0 + bh_count)`` (``rec`` holds theirs).
+    ``acc``: the split mode's fp32 ``(2, pairs, NK, d)`` sums of its flagged queries, added to the
+    pass's (``dsa_triton_split``)."""
     N, T, H, W, nh, NK, TK, Q0, K0 = grid_args
     elo, ehi = pull_span(bound)
     cfg = pull_config(q.shape[-1], win, elo, ehi, fp32=q.dtype == torch.float32, cc=compute_capability(q))
     d = q.shape[-1]
     grid = (TK * H * triton.cdiv(W, cfg["BX"]), bh_count)
     for x, dx, coef in ((q, dk, 3), (dout, dv, 4)):  # two launches: one (BX, QXP) weight tile live, not two
-        _dsa_pull_dkv[grid](x, rec, dx, N, T, H, W, nh, NK, TK, Q0, K0, bh0, elo, ehi,
+        _dsa_pull_dkv[grid](x, rec, dx, rec if acc is None else acc[coef - 3], N, T, H, W, nh, NK, TK, Q0, K0, bh0, elo, ehi,
                             BX=cfg["BX"], HEAD_DIM=d, KT=win[0], KH=win[1], KW=win[2], BXP=cfg["BXP"], QXP=cfg["QXP"], UP=cfg["UP"],
                             JC=cfg["JC"],
-                            BLOCK_D=max(16, triton.next_power_of_2(d)), COEF=coef, WIDEN=INTERPRETED, num_warps=cfg["num_warps"],
+                            BLOCK_D=max(16, triton.next_power_of_2(d)), COEF=coef, WIDEN=INTERPRETED, ACCUM=acc is not None,
+                            num_warps=cfg["num_warps"],
                             num_stages=1, maxnreg=cfg["maxnreg"])
 
 
-def aot_variants(shape) -> list[dict]:
+def aot_variants(shape, accum: bool = False) -> list[dict]:
     """The key-side pass as the launcher compiles it at ``shape`` (dtype, head dim, window,
-    ``max_offset``), for the compile-only check."""
+    ``max_offset``), for the compile-only check. ``accum``: as the split mode launches it (adding
+    its atomics' sums: ``ACCUM``; kernels ``pull_dk+acc``, ``pull_dv+acc``)."""
     t = AOT_POINTER_TYPES[shape.dtype]
     d = shape.head_dim
     elo, ehi = pull_span(shape.max_offset if shape.max_offset is not None else 0.0)
     fp32 = shape.dtype == "fp32"
     fn = _dsa_pull_dkv
-    ptrs = {"X": t, "DX": t, "REC": "*fp32"}
+    ptrs = {"X": t, "DX": t, "REC": "*fp32", "ACC": "*fp32"}
     out = []
     # the launch options depend on the target (pull_config's warps and register limit): one variant
     # per target, compiled for it
@@ -463,8 +479,8 @@ def aot_variants(shape) -> list[dict]:
         for coef, name in ((3, "pull_dk"), (4, "pull_dv")):
             consts = dict(HEAD_DIM=d, KT=shape.window[0], KH=shape.window[1], KW=shape.window[2], BXP=cfg["BXP"],
                           QXP=cfg["QXP"], UP=cfg["UP"], JC=cfg["JC"], BLOCK_D=max(16, triton.next_power_of_2(d)), COEF=coef,
-                          WIDEN=False)
-            out.append(dict(kernel=name, fn=fn, signature=signature_for(fn, ptrs, (), consts), constexprs=consts,
+                          WIDEN=False, ACCUM=accum)
+            out.append(dict(kernel=name + ("+acc" if accum else ""), fn=fn, signature=signature_for(fn, ptrs, (), consts), constexprs=consts,
                             attrs=aligned_pointer_attrs(fn, ptrs), num_warps=cfg["num_warps"], num_stages=1,
                             config=f"BX={cfg['BX']},QXP={cfg['QXP']}" + ("" if fp32 else f",UP={cfg['UP']}")
                             + (f",maxnreg={cfg['maxnreg']}" if cfg["maxnreg"] else ""),

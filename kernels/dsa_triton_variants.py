@@ -15,6 +15,7 @@ from .aot import AOT_POINTER_TYPES, aligned_pointer_attrs, signature_for
 from .dsa_cost import span_class
 from .dsa_triton_halo import aot_variants as halo_variants
 from .dsa_triton_pull import aot_variants as pull_variants
+from .dsa_triton_split import SPLIT_BOUNDS
 
 __all__ = ["aot_variants", "bounds_run"]
 
@@ -22,10 +23,11 @@ __all__ = ["aot_variants", "bounds_run"]
 def aot_variants(shape) -> list[dict]:
     """What the launchers of ``dsa_triton`` compile for ``shape`` (an object with ``dtype`` ("bf16"/"fp32"),
     ``head_dim``, ``window`` and ``max_offset``): forward and backward at every autotune config, as
-    dicts for ``benchmarks.gpu_check.compile.Variant``. The backward in both modes: ``pull`` (the
+    dicts for ``benchmarks.gpu_check.compile.Variant``. The backward in its three modes: ``pull`` (the
     query-side pass writing records; with ``max_offset`` within ``PULL_MAX_OFFSET`` the one that
-    runs) and ``atomic`` (larger or unknown offsets), then the key-side pass
-    (``dsa_triton_pull``). The slab path launches the same kernels. The key-side pass and the halo
+    runs), ``atomic`` and ``split`` (larger or unknown offsets: ``dsa_triton_split``), then the
+    key-side pass (``dsa_triton_pull``; the split mode's adds its atomics' sums, at every bound
+    it may pick). The slab path launches the same kernels. The key-side pass and the halo
     kernels at every bound a call may run at (``bounds_run``): their configs follow the bound's span,
     and a measured bound may be smaller than the given one."""
     t = AOT_POINTER_TYPES[shape.dtype]
@@ -37,16 +39,18 @@ def aot_variants(shape) -> list[dict]:
     for fn, configs in ((DT._dsa_fwd, DT.FWD_CONFIGS), (DT._dsa_bwd, DT.BWD_CONFIGS)):
         ptrs = {n: t for n in ("Q", "Kx", "V", "OFF", "OUT", "DOUT", "DQ", "DOFF") if n in fn.arg_names}
         ptrs.update({n: "*fp32" for n in ("LSE", "DK", "DV", "REC") if n in fn.arg_names})
-        modes = ((True, bool(bounds)), (False, atomic)) if fn is DT._dsa_bwd else ((None, True),)
+        ptrs.update({n: "*i8" for n in ("OUTL",) if n in fn.arg_names})
+        # the backward: the pull mode, the atomic mode and the split mode (dsa_triton_split: past the cap)
+        modes = ((True, bool(bounds)), (False, atomic), ("split", atomic)) if fn is DT._dsa_bwd else ((None, True),)
         for mode, runs in modes:
             for cfg in (DT.BWD_PULL_CONFIGS if mode else configs):
                 consts = dict(HEAD_DIM=d, KT=shape.window[0], KH=shape.window[1], KW=shape.window[2],
                               BLOCK_D=DT._block_d(d), **cfg.kwargs)
                 name = "gather_fwd"
                 if mode is not None:
-                    consts["PULL"] = mode
-                    name = "gather_bwd_pull" if mode else "gather_bwd_atomic"
-                halo = halo_at["bwd" if mode else "fwd"] if mode is not False else None
+                    consts.update(PULL=bool(mode), SPLIT=mode == "split")
+                    name = {True: "gather_bwd_pull", False: "gather_bwd_atomic", "split": "gather_bwd_split"}[mode]
+                halo = halo_at["bwd" if mode else "fwd"] if mode in (None, True) else None
                 note = ("the other backward mode at this bound (compiled for the record)" if not runs else
                         f"not picked: {halo} (compiled for the record)" if halo else "")
                 out.append(dict(kernel=name, fn=fn,
@@ -68,6 +72,15 @@ def aot_variants(shape) -> list[dict]:
                 spec = dict(spec, note="; ".join(filter(None, (spec.get("note", ""),
                                                                  f"at a measured bound: {span_class(bound)[1]}"))))
             out.append(spec)
+    if atomic and bounds:  # the split mode's key-side pass (adding its atomics' sums) at each bound it may pick
+        for bound in SPLIT_BOUNDS:
+            at = SimpleNamespace(dtype=shape.dtype, head_dim=d, window=tuple(shape.window), max_offset=bound)
+            for spec in pull_variants(at, accum=True):
+                key = (spec["kernel"], spec.get("archs"), tuple(sorted(spec["constexprs"].items())), spec["num_warps"],
+                       spec.get("maxnreg"))
+                if key not in seen:
+                    seen.add(key)
+                    out.append(dict(spec, note=f"the split mode at {span_class(bound)[1]}"))
     return out
 
 
@@ -82,7 +95,7 @@ def _halo_everywhere(shape, bounds) -> dict:
     q = torch.empty(1, *grid, 1, shape.head_dim, device="meta",
                     dtype=torch.float32 if shape.dtype == "fp32" else torch.bfloat16)
     why = ("HALO_MODE halo" if DT.HALO_MODE == "halo" else
-           f"the cost model predicts the halo kernels faster at every bound up to {shape.max_offset:g}")
+           f"the cost model predicts the halo kernels faster at every bound up to {max(bounds):g}")
     return {p: why if all(DT.halo_choice(p, q, tuple(shape.window), b, "")[0] for b in bounds) else None
             for p in ("fwd", "bwd")}
 

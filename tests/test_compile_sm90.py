@@ -119,7 +119,8 @@ def test_gather_autotune_lists_are_what_the_check_compiles():
               if v["kernel"].startswith("gather")]
     tuned = ([("gather_fwd", c.kwargs["BLOCK_M"], c.num_warps, c.num_stages) for c in dsa_triton.FWD_CONFIGS]
              + [("gather_bwd_pull", c.kwargs["BLOCK_M"], c.num_warps, c.num_stages) for c in dsa_triton.BWD_PULL_CONFIGS]
-             + [("gather_bwd_atomic", c.kwargs["BLOCK_M"], c.num_warps, c.num_stages) for c in dsa_triton.BWD_CONFIGS])
+             + [("gather_bwd_atomic", c.kwargs["BLOCK_M"], c.num_warps, c.num_stages) for c in dsa_triton.BWD_CONFIGS]
+             + [("gather_bwd_split", c.kwargs["BLOCK_M"], c.num_warps, c.num_stages) for c in dsa_triton.BWD_PULL_CONFIGS])
     assert listed == tuned
     # the key-side pass: the launcher's config on each target (pull_config's cc), for dk and for dv,
     # at every bound a call may run at (the given one and, measured, each smaller span), each once
@@ -159,7 +160,9 @@ def test_the_gather_kernels_are_listed_as_picked_only_where_auto_may_take_them(m
     (d 128, 3x7x7, bound 1.5) the cost model predicts the halo kernels faster at every span a call
     may run at, so neither gather pass is picked (listed for the record); at d 64 3x5x5 the forward
     is predicted faster on the gather kernels in (1, 2), so it is; fp32 and ``HALO_MODE`` "gather"
-    take them everywhere; the atomic backward only where the bound passes the key-side pass's cap."""
+    take them everywhere; the atomic and split backward modes only where the bound passes the
+    key-side pass's cap (or none is given), and then the key-side pass that adds the split mode's
+    atomics too, once per target (its constexprs are one at every bound the split mode picks)."""
     pytest.importorskip("triton")
     import kernels.dsa_triton as DT
     from kernels import aot_variants
@@ -169,20 +172,28 @@ def test_the_gather_kernels_are_listed_as_picked_only_where_auto_may_take_them(m
         return {v["kernel"]: v.get("may_pick", True) for v in aot_variants(shape) if v["kernel"].startswith("gather")}
 
     wan = picked("bf16", 128, (3, 7, 7))
-    assert wan == {"gather_fwd": False, "gather_bwd_pull": False, "gather_bwd_atomic": False}
+    assert wan == {"gather_fwd": False, "gather_bwd_pull": False, "gather_bwd_atomic": False, "gather_bwd_split": False}
     notes = [v["note"] for v in aot_variants(aot.AotShape("bf16", 128, (3, 7, 7), (21, 30, 52), 1.5))
              if v["kernel"] == "gather_fwd"]
     assert notes and all("not picked: the cost model predicts the halo kernels faster" in n for n in notes)
-    assert picked("bf16", 64, (3, 5, 5)) == {"gather_fwd": True, "gather_bwd_pull": False, "gather_bwd_atomic": False}
+    assert picked("bf16", 64, (3, 5, 5)) == {"gather_fwd": True, "gather_bwd_pull": False, "gather_bwd_atomic": False,
+                                             "gather_bwd_split": False}
     assert picked("bf16", 128, (3, 7, 7), bound=2.5)["gather_fwd"] is True  # offsets in (2, 3): the gather kernels
     assert picked("bf16", 128, (3, 7, 7), bound=4.0)["gather_bwd_atomic"] is True  # past the cap
+    for bound in (4.0, None):  # past the cap, or unbounded: every gather kernel, the split mode's key-side pass
+        assert set(picked("bf16", 128, (3, 7, 7), bound=bound).values()) == {True}
+        acc = [(v["kernel"], v["archs"]) for v in aot_variants(aot.AotShape("bf16", 128, (3, 7, 7), (21, 30, 52), bound))
+               if v["kernel"].endswith("+acc")]
+        assert sorted(acc) == [(k, (a,)) for k in ("pull_dk+acc", "pull_dv+acc") for a in ("sm_100", "sm_90")]
+    assert not any(v["kernel"].endswith("+acc") for v in aot_variants(aot.AotShape("bf16", 128, (3, 7, 7),
+                                                                                    (21, 30, 52), 1.5)))
     assert set(picked("fp32", 128, (3, 7, 7)).values()) == {True, False}  # fp32: gather (the atomic mode not at 1.5)
     assert picked("fp32", 128, (3, 7, 7))["gather_fwd"] is True
     monkeypatch.setattr(DT, "HALO_MODE", "gather")
     assert picked("bf16", 128, (3, 7, 7))["gather_fwd"] is True
 
 
-@pytest.mark.slow  # about 70 s on 2 cores: every config at the presets' shapes, for sm_90
+@pytest.mark.slow  # about 2 min on 2 cores: every config at the presets' shapes, for sm_90
 @pytest.mark.child_process
 def test_sm90_compile_only_check_passes_at_the_preset_shapes(tmp_path):
     pytest.importorskip("triton")
@@ -194,12 +205,13 @@ def test_sm90_compile_only_check_passes_at_the_preset_shapes(tmp_path):
     recs = report["records"]
     shapes = {(r["head_dim"], tuple(r["window"])) for r in recs}
     assert shapes == {(d, w) for d in (64, 128) for w in ((3, 5, 5), (3, 7, 7))}
-    assert {r["kernel"] for r in recs} == {"gather_fwd", "gather_bwd_pull", "gather_bwd_atomic", "pull_dk", "pull_dv",
-                                           "halo_scores", "halo_out", "halo_bwd_v", "halo_bwd_k", "halo_dq"}
+    assert {r["kernel"] for r in recs} == {"gather_fwd", "gather_bwd_pull", "gather_bwd_atomic", "gather_bwd_split",
+                                           "pull_dk", "pull_dv", "pull_dk+acc", "pull_dv+acc", "halo_scores", "halo_out",
+                                           "halo_bwd_v", "halo_bwd_k", "halo_dq"}
     for r in recs:
         assert r["ok"] and r["spill_stores"] == 0 and r["smem"] <= aot.SMEM_PER_BLOCK[90], r
         assert r["compile_s"] < 60, r
-        if r["kernel"] in ("pull_dk", "pull_dv", "gather_bwd_pull") or r["kernel"].startswith("halo"):
+        if r["kernel"] in ("gather_bwd_pull",) or r["kernel"].startswith(("pull", "halo")):
             assert r["atomics_f32"] == 0, r  # the backward that runs at this bound: no float atomics
         if r["kernel"].startswith("pull"):  # its products on Hopper's tensor cores, 2 blocks per SM
             assert r["dot"] == "wgmma" and r["blocks_per_sm"] >= 2, r
@@ -207,8 +219,10 @@ def test_sm90_compile_only_check_passes_at_the_preset_shapes(tmp_path):
             assert r["dot"] == "wgmma" and r["blocks_per_sm"] * r["num_warps"] >= 8, r
     assert report["predictions"] and all(p["ms_per_layer"] > 0 for p in report["predictions"])
     assert "every config the product may pick launches" in proc.stdout
-    # at the presets' head dim (128) every config auto may pick runs on tensor cores
-    assert not [r for r in recs if r["may_pick"] and r["head_dim"] == 128 and r["dot"] != "wgmma"]
+    # with offsets bounded by 1.5 at head dim 128 every config auto may pick runs on tensor cores; with
+    # the presets' unbounded offsets the gather kernels may run too (offsets in (2, 3) and past the cap)
+    cuda = {(r["kernel"], r["max_offset"]) for r in recs if r["may_pick"] and r["head_dim"] == 128 and r["dot"] != "wgmma"}
+    assert cuda == {(k, None) for k in ("gather_fwd", "gather_bwd_pull", "gather_bwd_atomic", "gather_bwd_split")}
     assert "on tensor cores" in proc.stdout
     # the cost model's issue table holds what these compiles issue: a kernel changed without
     # rerunning `python -m benchmarks.gpu_check.issue_table` fails here

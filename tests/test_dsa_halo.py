@@ -146,7 +146,7 @@ def _launch_scratch(monkeypatch, q, off, bound):
     monkeypatch.setattr(HALO, "SCORE_BUDGET_BYTES", K * N * 4 * 4)  # 4 pairs per chunk of 6
     calls = []
     for mod, name in ((HALO, "_dsa_halo_scores"), (HALO, "_dsa_halo_rows"), (DT, "_dsa_fwd_tuned"),
-                      (DT, "_dsa_bwd_tuned"), (DT, "_dsa_bwd_pull_tuned"), (DT, "pull_launch"),
+                      (DT, "_dsa_bwd_tuned"), (DT, "_dsa_bwd_pull_tuned"), (DT, "_dsa_bwd_split_tuned"), (DT, "pull_launch"),
                       (DT, "halo_backward_query")):
         monkeypatch.setattr(mod, name, Launches(calls, name))
 
@@ -175,19 +175,29 @@ def _launch_scratch(monkeypatch, q, off, bound):
 WAN = dict(B=1, nh=6, d=128, grid=(21, 30, 52))  # the Wan grid, 3x7x7, six heads
 
 
+def _far_few(shape) -> torch.Tensor:
+    """bf16 offsets of ``shape`` on the CPU: zero, but 4 tokens along x for every 50th token of each
+    head (2% of the queries past the key-side pass's cap: the split mode's case)."""
+    off = torch.zeros(shape, dtype=torch.bfloat16)
+    off.view(shape[0], -1, *shape[4:])[:, ::50, :, :, 2] = 4.0
+    return off
+
+
 @pytest.mark.parametrize("bound,fwd_kernel,bwd_mode", [
     (0.0, "halo", "pull"),  # neighborhood attention: the halo forward's scores, the records
     (1.5, "halo", "pull"),  # the GPU check's bound: the halo forward's scores, the records
     (2.5, "gather", "pull"),  # the records only
-    (4.0, "gather", "atomic"),  # past the key-side pass's cap: fp32 dk and dv
+    (4.0, "gather", "atomic"),  # past the key-side pass's cap: fp32 dk and dv (or the split mode's)
 ])
 def test_scratch_bytes_is_what_the_launchers_allocate(monkeypatch, bound, fwd_kernel, bwd_mode):
     """``scratch_bytes`` (the planner's term) against every allocation the forward and backward
     launchers make, on the meta device at the Wan grid: at the bound given, and at the smallest a
     call given it may run at (its offsets measured at zero, ``tightened_bound``), the larger of
-    the two; without tightening, the given bound's alone."""
+    the two; without tightening, the given bound's alone. Past the key-side pass's cap a call
+    whose few queries reach far takes the split mode (its offsets measured: CPU tensors)."""
     pytest.importorskip("triton")
     import kernels.dsa_triton as DT
+    from kernels.dsa_scratch import scratch_bytes
 
     B, nh, d, grid = WAN["B"], WAN["nh"], WAN["d"], WAN["grid"]
     q = torch.empty(B, *grid, nh, d, dtype=torch.bfloat16, device="meta")
@@ -199,30 +209,39 @@ def test_scratch_bytes_is_what_the_launchers_allocate(monkeypatch, bound, fwd_ke
     fwd0, bwd0, ran0 = _launch_scratch(monkeypatch, q, off, 0.0)
     assert {"_dsa_halo_scores", "pull_launch"} <= set(ran0)
     N = 21 * 30 * 52
-    assert DT.scratch_bytes(B, nh, grid, N, (3, 7, 7), d, bound) == max(fwd, bwd, fwd0, bwd0)
-    assert DT.scratch_bytes(B, nh, grid, N, (3, 7, 7), d, bound, backward=False) == max(fwd, fwd0)
+    split = 0
+    if bound > 3:
+        fwd_s, split, ran_s = _launch_scratch(monkeypatch, q.new_empty(q.shape, device="cpu"), _far_few(off.shape),
+                                              bound)
+        assert {"_dsa_bwd_split_tuned", "pull_launch"} <= set(ran_s) and "_dsa_bwd_tuned" not in ran_s
+        assert fwd_s == fwd and split > 0
+    assert scratch_bytes(B, nh, grid, N, (3, 7, 7), d, bound) == max(fwd, bwd, fwd0, bwd0, split)
+    assert scratch_bytes(B, nh, grid, N, (3, 7, 7), d, bound, backward=False) == max(fwd, fwd0)
     monkeypatch.setattr(DT, "TIGHTEN_BOUND", False)
-    assert DT.scratch_bytes(B, nh, grid, N, (3, 7, 7), d, bound) == max(fwd, bwd)
-    assert DT.scratch_bytes(B, nh, grid, N, (3, 7, 7), d, bound, backward=False) == fwd
+    assert scratch_bytes(B, nh, grid, N, (3, 7, 7), d, bound) == max(fwd, bwd, split)
+    assert scratch_bytes(B, nh, grid, N, (3, 7, 7), d, bound, backward=False) == fwd
 
 
 def test_scratch_bytes_covers_measured_offsets_small_and_large(monkeypatch):
-    """No bound given (offsets unbounded, measured per call): ``scratch_bytes`` is the larger of what
-    zero offsets (a fresh offset head: halo forward, records) and offsets past the cap (atomic
-    fp32 dk, dv) allocate. CPU tensors, since the bound is measured from the offsets' values."""
+    """No bound given (offsets unbounded, measured per call): ``scratch_bytes`` is the largest of what
+    zero offsets (a fresh offset head: halo forward, records), offsets past the cap (atomic fp32
+    dk, dv) and a few queries' past it (the split mode: records and fp32 dk, dv per chunk)
+    allocate. CPU tensors, since the bound is measured from the offsets' values."""
     pytest.importorskip("triton")
-    import kernels.dsa_triton as DT
+    from kernels.dsa_scratch import scratch_bytes
 
     B, nh, d, grid = WAN["B"], WAN["nh"], WAN["d"], WAN["grid"]
     q = torch.empty(B, *grid, nh, d, dtype=torch.bfloat16)
     seen = []
-    for value, modes in ((0.0, {"_dsa_halo_scores", "pull_launch"}), (4.0, {"_dsa_bwd_tuned"})):
-        off = torch.full((*q.shape[:5], 147, 3), value, dtype=torch.bfloat16)
+    shape = (*q.shape[:5], 147, 3)
+    for value, modes in ((0.0, {"_dsa_halo_scores", "pull_launch"}), (4.0, {"_dsa_bwd_tuned"}),
+                         (None, {"_dsa_bwd_split_tuned", "pull_launch"})):
+        off = _far_few(shape) if value is None else torch.full(shape, value, dtype=torch.bfloat16)
         fwd, bwd, ran = _launch_scratch(monkeypatch, q, off, None)
         assert modes <= set(ran), (value, ran)
         seen.append(max(fwd, bwd))
         del off
-    assert DT.scratch_bytes(B, nh, grid, 21 * 30 * 52, (3, 7, 7), d, None) == max(seen)
+    assert scratch_bytes(B, nh, grid, 21 * 30 * 52, (3, 7, 7), d, None) == max(seen)
 
 
 @pytest.mark.parametrize("extent,fwd,bwd_query", [

@@ -69,8 +69,9 @@ def test_gpu_check_smoke_runs_without_ray_decord_av_diffusers(tmp_path):
 
     attn = parts["attention"]
     kinds = {(r["kind"], r["tokens"]) for r in attn["rows"]}
-    assert {"dense", "dsa", "dsa_gather", "dsa_gather_atomic", "dsa_halo", "neighborhood"} == {k for k, _ in kinds} and len({n for _, n in kinds}) == 2
-    assert {n for k, n in kinds if k == "dsa_halo"} == {27}  # the smoke times the halo kernels at the first grid only
+    assert {"dense", "dsa", "dsa_gather", "dsa_gather_atomic", "dsa_gather_split", "dsa_halo", "neighborhood"} == {k for k, _ in kinds} and len({n for _, n in kinds}) == 2
+    for kind in ("dsa_halo", "dsa_gather_split"):  # the smoke times these at the first grid only
+        assert {n for k, n in kinds if k == kind} == {27}
     for r in attn["rows"]:
         assert r["status"] == "ok" and r["fwd_ms"] > 0 and r["bwd_ms"] > 0 and r["fwd_tflops"] > 0
     assert all({"fwd_ms", "bwd_ms", "total_ms"} == set(c) for c in attn["crossover_tokens"].values())

@@ -32,7 +32,8 @@ rewritten after every part and marked ``running`` before it, so a killed run sti
 4. ``attention``: 3D-DSA forward and backward timed apart -- ``dsa`` (the public ``triton``
    path: the tiled kernel, ``max_offset`` 1.5; its ``backend`` says when it fell back to the
    gather kernel), ``dsa_gather`` (the gather kernel, same offsets, dk/dv by the key-side
-   pass), ``dsa_gather_atomic`` (the same, dk/dv by fp32 atomics), ``dsa_halo`` (the halo
+   pass), ``dsa_gather_atomic`` (the same, dk/dv by fp32 atomics), ``dsa_gather_split``
+   (unbounded offsets, 5% of the queries 4 tokens out: dk/dv by the split mode), ``dsa_halo`` (the halo
    kernels: the forward and the backward's query side on tensor cores) -- against flash SDPA
    (``sdpa_kernel(FLASH_ATTENTION)``) and against the neighborhood case (zero offsets) at
    paper-like shapes: d = 128, nh = 8 (the paper's 44-96 heads scale time linearly and leave

@@ -1,8 +1,10 @@
 """Part 4, ``attention``: 3D-DSA forward and backward against flash SDPA and the neighborhood case at
 paper-like shapes; TFLOP/s and the dense/DSA crossover. The fused kernels three ways, so each of
 the cost model's predictions meets a measurement: ``dsa_gather`` (the gather kernels, dk/dv by the
-key-side pass), ``dsa_gather_atomic`` (dk/dv by fp32 atomics) and ``dsa_halo`` (the halo kernels:
-the forward and the backward's query side on tensor cores, forced with ``HALO_MODE`` "halo")."""
+key-side pass), ``dsa_gather_atomic`` (dk/dv by fp32 atomics), ``dsa_gather_split`` (unbounded
+offsets, one sample of every 20th token 4 tokens out: the split mode, forced with ``DKV_MODE``
+"split", the key-side pass for the rest) and ``dsa_halo`` (the halo kernels: the forward and the
+backward's query side on tensor cores, forced with ``HALO_MODE`` "halo")."""
 
 from __future__ import annotations
 
@@ -21,6 +23,9 @@ from .common import Clock, peak_since, reset_peak
 
 if TYPE_CHECKING:
     from .run import Run
+
+
+GATHER_KINDS = ("dsa_gather", "dsa_gather_atomic", "dsa_gather_split", "dsa_halo")
 
 
 def attention_flops(kind: str, tokens: int, K: int, nh: int, d: int) -> tuple[float, float]:
@@ -48,9 +53,12 @@ def measure_attention(kind: str, grid, window, nh: int, d: int, device, reps: in
     q, k, v = (rand(*shape).requires_grad_() for _ in range(3))
     dout = rand(*shape)
     offsets = None
-    if kind in ("dsa", "dsa_gather", "dsa_gather_atomic", "dsa_halo"):
+    if kind in ("dsa", *GATHER_KINDS):
         u = torch.rand((*shape[:5], K, 3), generator=gen, device=device)
-        offsets = ((2 * u - 1) * 1.5).to(dtype).requires_grad_()
+        offsets = ((2 * u - 1) * 1.5).to(dtype)
+        if kind == "dsa_gather_split":  # 5% of the queries past the key-side pass's cap (an unbounded head's)
+            offsets.view(-1, nh, K, 3)[::20, :, 0, 2] = 4.0
+        offsets.requires_grad_()
     elif kind == "neighborhood":
         offsets = torch.zeros((*shape[:5], K, 3), device=device, dtype=dtype)
     leaves = [x for x in (q, k, v, offsets) if x is not None and x.requires_grad]
@@ -59,8 +67,9 @@ def measure_attention(kind: str, grid, window, nh: int, d: int, device, reps: in
         if kind == "dense":
             flat = [x.reshape(1, N, nh, d).transpose(1, 2) for x in (q, k, v)]
             return F.scaled_dot_product_attention(*flat).transpose(1, 2)
-        if kind in ("dsa_gather", "dsa_gather_atomic", "dsa_halo"):  # the bound as a model passes it
-            return deformable_slide_attention(q, k, v, offsets, window, backend="triton_gather", max_offset=1.5)
+        if kind in GATHER_KINDS:  # the bound as a model passes it (none: an unbounded head's, measured)
+            return deformable_slide_attention(q, k, v, offsets, window, backend="triton_gather",
+                                              max_offset=None if kind == "dsa_gather_split" else 1.5)
         # the bound the offsets were drawn with (a model passes attention.max_offset): no host sync
         return deformable_slide_attention(q, k, v, offsets, window, backend="triton",
                                           max_offset=1.5 if kind == "dsa" else 0.0)
@@ -78,9 +87,10 @@ def measure_attention(kind: str, grid, window, nh: int, d: int, device, reps: in
     def once() -> tuple[float, float]:
         for x in leaves:
             x.grad = None
-        dkv = _mode(gather, "DKV_MODE", "atomic") if kind == "dsa_gather_atomic" else contextlib.nullcontext()
+        dkv = (_mode(gather, "DKV_MODE", {"dsa_gather_atomic": "atomic", "dsa_gather_split": "split"}[kind])
+               if kind in ("dsa_gather_atomic", "dsa_gather_split") else contextlib.nullcontext())
         halo = (_mode(gather, "HALO_MODE", "halo" if kind == "dsa_halo" else "gather")
-                if kind in ("dsa_gather", "dsa_gather_atomic", "dsa_halo") else contextlib.nullcontext())
+                if kind in GATHER_KINDS else contextlib.nullcontext())
         with _flash_only() if kind == "dense" else contextlib.nullcontext(), dkv, halo:
             a = clock.mark()
             out = forward()
@@ -102,6 +112,7 @@ def measure_attention(kind: str, grid, window, nh: int, d: int, device, reps: in
             "reps": n, "status": "ok",
             "backend": {"dense": "sdpa-flash", "dsa_gather": "triton gather, dk/dv pulled",
                         "dsa_gather_atomic": "triton gather, dk/dv by atomics",
+                        "dsa_gather_split": "triton gather, dk/dv split: pulled, 5% of queries by atomics",
                         "dsa_halo": "triton halo (tensor cores), dk/dv pulled"}.get(
                 kind, "triton tiled" if sum(tiled.FALLBACKS.values()) == fallbacks
                 else "triton gather (tiled fell back, logged)")}
@@ -157,7 +168,7 @@ def part_attention(ctx: Run) -> dict:
     for g, grid in enumerate(sz.attn_grids):
         plan.append(("dense", grid, sz.attn_windows[0]))
         for window in sz.attn_windows:
-            plan += [(kind, grid, window) for kind in ("dsa", "dsa_gather", "dsa_gather_atomic", "dsa_halo", "neighborhood")
+            plan += [(kind, grid, window) for kind in ("dsa", *GATHER_KINDS, "neighborhood")
                      if g == 0 or kind not in sz.attn_first_grid_only]
     for kind, grid, window in plan:
         key = (kind, tuple(window) if kind != "dense" else None)

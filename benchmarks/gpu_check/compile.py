@@ -57,12 +57,8 @@ class AotShape:
     head_dim: int
     window: tuple[int, int, int]
     grid: tuple[int, int, int]
-    max_offset: float
+    max_offset: float | None  # None: unbounded (the presets' ``attention.max_offset`` 0), measured per call
     label: str = ""
-
-    @property
-    def radius(self) -> int:
-        return int(math.ceil(self.max_offset))
 
 
 @dataclass
@@ -96,7 +92,7 @@ class Record:
     head_dim: int
     window: list
     grid: list
-    max_offset: float
+    max_offset: float | None
     config: str
     num_warps: int
     num_stages: int
@@ -276,18 +272,22 @@ def preset_shapes(full: bool = False) -> list[AotShape]:
     """The shapes the presets run DSA at: head dims 64 (videodit widths such as 512/8) and 128 (the
     paper's and every Wan preset's), windows 3x5x5 (videodit) and 3x7x7 (Wan), the 81x480x832
     clip's 21x30x52 token grid, offsets bounded by 1.5 (halo radius 2, as the GPU check runs them),
-    and Wan2.2 TI2V-5B's 21x15x26 (its 16x VAE; the halo kernels take two image rows a tile there).
+    Wan2.2 TI2V-5B's 21x15x26 (its 16x VAE; the halo kernels take two image rows a tile there), and
+    the presets' unbounded offsets at d 128, 3x7x7 (every bound a call may run at: the atomic and
+    split backward modes past the key-side pass's cap).
     ``full`` adds fp32, zero offsets (neighborhood attention, radius 0) and 720p's 21x45x80."""
     grid = (21, 30, 52)
     shapes = [AotShape("bf16", d, w, grid, 1.5) for d in (64, 128) for w in ((3, 5, 5), (3, 7, 7))]
     shapes.append(AotShape("bf16", 128, (3, 7, 7), (21, 15, 26), 1.5))
+    shapes.append(AotShape("bf16", 128, (3, 7, 7), grid, None))  # the presets' unbounded offsets
     if full:
         shapes += [AotShape("fp32", d, w, grid, 1.5) for d in (64, 128) for w in ((3, 5, 5), (3, 7, 7))]
         shapes += [AotShape("bf16", 128, w, grid, 0.0) for w in ((3, 5, 5), (3, 7, 7))]
         shapes.append(AotShape("bf16", 128, (3, 7, 7), (21, 45, 80), 1.5))
     return [AotShape(s.dtype, s.head_dim, s.window, s.grid, s.max_offset,
                      f"{s.dtype} d{s.head_dim} w{'x'.join(map(str, s.window))} "
-                     f"{'x'.join(map(str, s.grid))} off{s.max_offset:g}") for s in shapes]
+                     f"{'x'.join(map(str, s.grid))} "
+                     + ("unbounded" if s.max_offset is None else f"off{s.max_offset:g}")) for s in shapes]
 
 
 def run(archs: list[str], shapes: list[AotShape], kernels: tuple[str, ...] | None = None,

@@ -144,7 +144,9 @@ def markdown(report: dict) -> list[str]:
             lines += [f"bf16, B=1, nh={info['heads']}, d={info['head_dim']}; {info['flops_rule']}.", "",
                       "`dsa` and `neighborhood`: the tiled kernel (backend column: where it fell back to "
                       "the gather kernel); `dsa_gather`: the gather kernel, same offsets, dk/dv by the key-side pass; "
-                      "`dsa_gather_atomic`: the same with dk/dv by fp32 atomics; `dsa_halo`: the halo kernels "
+                      "`dsa_gather_atomic`: the same with dk/dv by fp32 atomics; `dsa_gather_split`: unbounded offsets "
+                      "with every 20th token's first sample 4 tokens out, dk/dv by the split mode (the key-side pass "
+                      "for the rest, atomics for those); `dsa_halo`: the halo kernels "
                       "(the forward and the backward's query side on tensor cores), dk/dv by the key-side pass.", "",
                       "| kind | tokens | window | fwd [ms] | bwd [ms] | fwd TFLOP/s | bwd TFLOP/s | peak [MiB] | status "
                       "| backend |",

@@ -554,7 +554,8 @@ def _notes(cfg: Config, generate: bool, wb: int, P: int, parts: dict[str, int], 
                      "per call, its largest |offset|, and a trained head's few large offsets set it (in the "
                      "adaptation study, past 3 tokens in half the calls or more). Past 2 tokens (1 to 2 at a "
                      "window 5 wide) the forward and the backward's query side run on CUDA cores, past 3 the "
-                     "backward adds dk and dv by float atomics; attention.max_offset 1.5 with "
+                     "backward adds the dk and dv of the queries past a smaller bound by float atomics (of all "
+                     "queries where most are); attention.max_offset 1.5 with "
                      "attention.offset_scale 0.667 (offsets start as fast) keeps every pass on tensor cores "
                      "(benchmarks/RESULTS.md: what the bound costs in held-out loss)")
     if a.kind == "dense":

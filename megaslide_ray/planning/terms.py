@@ -155,13 +155,13 @@ def _attention_terms(cfg: Config, a: int, Q: int, Qp: int, g: int) -> dict[str, 
 def _kernel_scratch(cfg: Config, a: int, Q: int, g: int) -> dict[str, int]:
     """The fused kernels' scratch for one attention call over ``Q`` query tokens (whole time
     slices), per variant that runs them: DSA at the configured bound, the neighborhood at zero
-    offsets (``kernels.dsa_triton.scratch_bytes``: the halo forward's scores, the backward's
+    offsets (``kernels.dsa_scratch.scratch_bytes``: the halo forward's scores, the backward's
     records or atomic fp32 dk/dv; chunked, so not proportional to the tokens). None where
     ``runtime.device`` is ``cpu``: the CPU operators (``kernels.dsa_cpu``) allocate no such buffers;
     ``auto`` counts them, as a GPU may take the run."""
     if cfg.runtime.device == "cpu":
         return {}
-    from kernels.dsa_triton import scratch_bytes  # lazy: imports triton (gpu_check --smoke sets it up first)
+    from kernels.dsa_scratch import scratch_bytes  # lazy: imports triton (gpu_check --smoke sets it up first)
 
     m = cfg.model
     T, Ht, Wt = cfg.token_grid
