@@ -105,6 +105,13 @@ def test_the_study_end_to_end_and_a_variant_added_on_resume(stand_in, tmp_path, 
     ext = by["dsa"]["offset_extent"]
     assert ext["calls"] > 0 and 0 <= ext["p99"] <= ext["p999"] <= ext["max"] and ext["median"] <= ext["max"]
     assert set(ext["over"]) == {"1.5", "2", "3"} and "offset_extent" not in by["neighborhood"]
+    # the (query, head) pairs past each bound of the backward's split mode: some call has one past a
+    # bound exactly when the largest extent passes it; fewer pairs past a larger bound
+    marks = ["1", "1.5", "2", "2.5", "3"]
+    assert list(ext["pairs_over"]) == list(ext["pairs_over_max"]) == marks
+    for m in marks:
+        assert (ext["pairs_over_max"][m] > 0) == (ext["max"] > float(m)) and ext["pairs_over"][m] <= ext["pairs_over_max"][m]
+    assert all(ext["pairs_over"][a] >= ext["pairs_over"][b] for a, b in zip(marks, marks[1:]))
     assert offset_extent.extents(out) == [{"kind": "dsa", "seed": 0, "offset_extent": ext}]
     text = (out / "adaptation.md").read_text()
     assert "Goals for `dsa`" in text and (out / "adaptation_videodit_curves.png").is_file()

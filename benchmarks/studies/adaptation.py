@@ -187,12 +187,15 @@ def evaluate(model, cfg, val, teacher_pred: torch.Tensor | None = None, keep: bo
     seen: list[torch.Tensor] = []
     calls: list[float] = []  # each head call's largest |offset|
     quantiles: list[torch.Tensor] = []
+    pairs: list[torch.Tensor] = []  # each call's share of (query, head) pairs past each of PAIR_MARKS
 
     def hook(module, args, out):
         mag = out.detach().abs()
         seen.append(mag.flatten(1).mean(1))
         calls.append(float(mag.max()))
         quantiles.append(torch.quantile(mag.flatten().float()[:1 << 24], torch.tensor([0.99, 0.999])))
+        reach = mag.amax(dim=(-2, -1)).float()  # (..., heads): each (query, head)'s largest |offset|
+        pairs.append(torch.stack([(reach > m).float().mean() for m in PAIR_MARKS]))
 
     hooks = [h.register_forward_hook(hook) for h in heads]
     v_err, x0_err, dist, offs, preds = [], [], [], [], []
@@ -231,7 +234,7 @@ def evaluate(model, cfg, val, teacher_pred: torch.Tensor | None = None, keep: bo
         out["teacher_dist"], out["teacher_dist_buckets"] = statistics.fmean(dist), by_bucket(dist)
     if offs:
         out["offset_buckets"] = by_bucket(offs)
-        out["offset_extent"] = offset_extent_summary(calls, torch.stack(quantiles))
+        out["offset_extent"] = offset_extent_summary(calls, torch.stack(quantiles), torch.stack(pairs))
     if keep:
         out["pred"] = torch.cat(preds)
     return out
@@ -240,17 +243,25 @@ def evaluate(model, cfg, val, teacher_pred: torch.Tensor | None = None, keep: bo
 EXTENT_MARKS = (1.5, 2.0, 3.0)
 """Offsets' extents that change the GPU kernels: the halo kernels at Wan's 480p shape run up to 1.5
 at 3x5x5 and 2 at 3x7x7, the backward's key-side pass (no atomics) up to 3 (kernels/dsa_cost.py)."""
+PAIR_MARKS = (1.0, 1.5, 2.0, 2.5, 3.0)
+"""The bounds the backward's split mode may run its key-side pass at (``kernels.dsa_triton_split``):
+the (query, head) pairs with an offset past the one it picks take atomics."""
 
 
-def offset_extent_summary(calls: list[float], quantiles: torch.Tensor) -> dict:
+def offset_extent_summary(calls: list[float], quantiles: torch.Tensor, pairs: torch.Tensor) -> dict:
     """The extents of a model's offset-head calls (``calls``: each call's largest |offset|, in
-    tokens) and each call's 99th and 99.9th percentile |offset| (``quantiles``, ``(calls, 2)``):
-    ``median`` and ``max`` extent, ``over``: the share of calls past each of ``EXTENT_MARKS``,
-    ``p99``/``p999``: the percentiles' median over calls. The kernels take one bound per call, so
-    a few large offsets set it for every sample of the call."""
+    tokens), each call's 99th and 99.9th percentile |offset| (``quantiles``, ``(calls, 2)``) and
+    share of (query, head) pairs with an offset past each of ``PAIR_MARKS`` (``pairs``, ``(calls,
+    marks)``): ``median`` and ``max`` extent, ``over``: the share of calls past each of
+    ``EXTENT_MARKS``, ``p99``/``p999``: the percentiles' median over calls, ``pairs_over`` and
+    ``pairs_over_max``: the pairs' share past each mark, mean and largest over calls. The kernels
+    take one bound per call, so a few large offsets set it for every sample of the call; past 3
+    the backward's split mode takes atomics for the pairs past the bound it picks."""
     return {"calls": len(calls), "median": statistics.median(calls), "max": max(calls),
             "over": {f"{m:g}": sum(c > m for c in calls) / len(calls) for m in EXTENT_MARKS},
-            "p99": float(quantiles[:, 0].median()), "p999": float(quantiles[:, 1].median())}
+            "p99": float(quantiles[:, 0].median()), "p999": float(quantiles[:, 1].median()),
+            "pairs_over": {f"{m:g}": float(x) for m, x in zip(PAIR_MARKS, pairs.mean(0))},
+            "pairs_over_max": {f"{m:g}": float(x) for m, x in zip(PAIR_MARKS, pairs.amax(0))}}
 
 
 def extent_line(extents: list[dict]) -> str:
@@ -260,9 +271,14 @@ def extent_line(extents: list[dict]) -> str:
         return "/".join(f"{get(e):.2f}" for e in extents)
 
     over = ", ".join(f"{m} {seeds(lambda e, m=m: e['over'][m])}" for m in extents[0]["over"])
-    return (f"offsets' extent per head call (the bound the GPU kernels take), seeds {seeds(lambda e: e['median'])} "
+    line = (f"offsets' extent per head call (the bound the GPU kernels take), seeds {seeds(lambda e: e['median'])} "
             f"median, {seeds(lambda e: e['max'])} max; share of calls past {over}; |offset| p99 "
             f"{seeds(lambda e: e['p99'])}, p99.9 {seeds(lambda e: e['p999'])}")
+    if all("pairs_over" in e for e in extents):  # studies recorded before the split mode lack it
+        pairs = ", ".join(f"{m} {seeds(lambda e, m=m: e['pairs_over'][m])} (max "
+                          f"{seeds(lambda e, m=m: e['pairs_over_max'][m])})" for m in extents[0]["pairs_over"])
+        line += f"; share of (query, head) pairs past {pairs}"
+    return line
 
 
 def score_samples(model, cfg, setup: dict, captions: list[str], version: int) -> tuple[list[np.ndarray], list[dict]]:

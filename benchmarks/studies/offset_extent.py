@@ -11,7 +11,9 @@ mean |offset| says little about it: a few large offsets set the bound for all of
 This reads ``DIR/runs.jsonl`` and the models ``--out`` saved (``DIR/models``), runs every dsa
 model on the study's held-out inputs (``adaptation.evaluate``: each t-bucket's fixed noise) and
 prints, per run, each offset head call's extent (median and max over calls, the share of calls
-past 1.5, 2 and 3 tokens) and the |offset| percentiles. Studies run since this was added record
+past 1.5, 2 and 3 tokens), the |offset| percentiles, and the share of (query, head) pairs with an
+offset past 1, 1.5, 2, 2.5 and 3 (mean and largest over calls: past 3, the backward's split mode
+takes atomics for the pairs past the bound it picks). Studies run since this was added record
 the same in their runs (``offset_extent``); this gives it for the models of earlier ones.
 """
 
