@@ -6,6 +6,7 @@ from __future__ import annotations
 import math
 from typing import Sequence
 
+from . import dsa_triton as DT
 from .dsa_cost import choose_halo
 from .dsa_triton_halo import score_chunk
 from .dsa_triton_pull import REC_FIELDS, bound_refusal, rec_chunk
@@ -34,8 +35,7 @@ def scratch_bytes(batch: int, heads: int, grid: Sequence[int], key_tokens: int, 
     - the split mode's (``dsa_triton_split``; offsets past the key-side pass's cap): both, for
       chunks within ``REC_BUDGET_BYTES`` together, and a flag byte per query and head.
     """
-    from .dsa_triton import DKV_MODE, HALO_MODE, TIGHTEN_BOUND, atomic_chunk  # read at the call: settable
-
+    DKV_MODE, HALO_MODE, TIGHTEN_BOUND = DT.DKV_MODE, DT.HALO_MODE, DT.TIGHTEN_BOUND  # switches: read per call
     win = tuple(int(w) for w in window)
     K, N, pairs = math.prod(win), math.prod(grid), batch * heads
     bound = None if max_offset is None or bound_refusal(float(max_offset), window_w=win[2]) else float(max_offset)
@@ -49,7 +49,7 @@ def scratch_bytes(batch: int, heads: int, grid: Sequence[int], key_tokens: int, 
     if not backward:
         return fwd
     records = rec_chunk(pairs, win, N) * REC_FIELDS * K * N * 4
-    atomic = atomic_chunk(pairs, key_tokens, head_dim) * key_tokens * head_dim * 4 * 2
+    atomic = DT.atomic_chunk(pairs, key_tokens, head_dim) * key_tokens * head_dim * 4 * 2
     # the split mode: a chunk's records and its atomics' fp32 sums, and its flags (a byte per query and head)
     split = split_chunk(pairs, win, N, key_tokens, head_dim) * (
         REC_FIELDS * K * N * 4 + key_tokens * head_dim * 4 * 2) + pairs * N

@@ -242,6 +242,17 @@ def _corner_scatter(DK, DV, kv_base, tok, cols, mask2, row_stride, w, gk, gv):
 
 
 @triton.jit
+def _scatter_sample(DK, DV, acc_base, cols, mask2, row_stride, ds, a, q, do, t0, t1, wt, y0, y1, wy, x0, x1, wx, H, W):
+    """One window slot's dk, dv: ``ds q`` and ``a do`` spread over the sample's 8 corners (fp32 atomics
+    into the chunk's ``(pairs, NK, d)`` buffers at ``acc_base``)."""
+    gk = ds[:, None] * q
+    gv = a[:, None] * do
+    for c in tl.range(0, 8, loop_unroll_factor=1):
+        tok, w = _corner(c, t0, t1, wt, y0, y1, wy, x0, x1, wx, H, W)
+        _corner_scatter(DK, DV, acc_base, tok, cols, mask2, row_stride, w, gk, gv)
+
+
+@triton.jit
 def _dsa_bwd(
     Q, Kx, V, OFF, OUT, DOUT, LSE,
     DQ, DK, DV, DOFF, REC,
@@ -356,22 +367,14 @@ def _dsa_bwd(
                 tl.store(rec_row + (3 * KS + j) * N, ds * keep, mask=mask_m)
                 tl.store(rec_row + (4 * KS + j) * N, a * keep, mask=mask_m)
                 if any_outl:  # a program without a flagged query issues no atomics
-                    gk = ds[:, None] * q
-                    gv = a[:, None] * do
-                    acc_base = (pid_bh - BH0).to(tl.int64) * NK * HEAD_DIM  # the chunk's (pairs, NK, d) buffers
-                    for c in tl.range(0, 8, loop_unroll_factor=1):
-                        tok, w = _corner(c, t0, t1, wt, y0, y1, wy, x0, x1, wx, H, W)
-                        _corner_scatter(DK, DV, acc_base, tok, cols, mask_o, HEAD_DIM, w, gk, gv)
+                    _scatter_sample(DK, DV, (pid_bh - BH0).to(tl.int64) * NK * HEAD_DIM, cols, mask_o, HEAD_DIM,
+                                    ds, a, q, do, t0, t1, wt, y0, y1, wy, x0, x1, wx, H, W)
             else:
                 tl.store(rec_row + (3 * KS + j) * N, ds, mask=mask_m)
                 tl.store(rec_row + (4 * KS + j) * N, a, mask=mask_m)
         else:  # dk, dv: scatter to the 8 corners (fp32 atomics: other queries sample the same rows)
-            gk = ds[:, None] * q
-            gv = a[:, None] * do
-            acc_base = (pid_bh - BH0).to(tl.int64) * NK * HEAD_DIM  # the chunk's (pairs, NK, d) buffers
-            for c in tl.range(0, 8, loop_unroll_factor=1):
-                tok, w = _corner(c, t0, t1, wt, y0, y1, wy, x0, x1, wx, H, W)
-                _corner_scatter(DK, DV, acc_base, tok, cols, mask2, HEAD_DIM, w, gk, gv)
+            _scatter_sample(DK, DV, (pid_bh - BH0).to(tl.int64) * NK * HEAD_DIM, cols, mask2, HEAD_DIM,
+                            ds, a, q, do, t0, t1, wt, y0, y1, wy, x0, x1, wx, H, W)
 
         # -- d(position): sum_c (d weight_c / d p) e_c, e_c = ds q.k_c + a do.v_c
         doff_ptr = DOFF + off_row + j * 3

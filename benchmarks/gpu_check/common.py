@@ -32,7 +32,7 @@ class Case:
     name: str
     shape: tuple[int, int, int, int, int, int]
     window: tuple[int, int, int]
-    offsets: str  # "wild" (moves, whole tokens, far clamps), "edge" (kinks), "uniform", "small"
+    offsets: str  # "wild" (moves, whole tokens, far clamps), "edge" (kinks), "uniform", "small", "far_few"
     block_m: int | None = None  # None: the launcher's default
 
 
@@ -43,6 +43,8 @@ CASES = (
     Case("window spans T, d=6, block 64", (2, 5, 3, 7, 2, 6), (5, 1, 3), "wild", 64),
     Case("benchmark shape, uniform [-1.5, 1.5]", (1, 8, 32, 32, 2, 32), (3, 3, 3), "uniform"),
     Case("halo inside the grid (tiled), uniform [-0.9, 0.9]", (2, 5, 24, 24, 3, 64), (3, 5, 5), "small"),
+    Case("every 10th query 3.7 out, the rest [-0.9, 0.9]: the split backward", (1, 5, 12, 20, 2, 64), (3, 5, 5),
+         "far_few"),
 )
 SMOKE_CASES = (  # small windows: the interpreter's time grows with K
     Case("smoke: odd sizes, wild offsets", (1, 3, 3, 5, 1, 8), (3, 1, 1), "wild", 16),

@@ -28,10 +28,13 @@ def _case_offsets(t, case: Case, seed: int):
         K = math.prod(case.window)
         g = torch.Generator().manual_seed(seed)
         return (2 * torch.rand((*case.shape[:5], K, 3), generator=g) - 1) * 1.5
-    if case.offsets == "small":
+    if case.offsets in ("small", "far_few"):
         K = math.prod(case.window)
         g = torch.Generator().manual_seed(seed)
-        return (2 * torch.rand((*case.shape[:5], K, 3), generator=g) - 1) * 0.9
+        off = (2 * torch.rand((*case.shape[:5], K, 3), generator=g) - 1) * 0.9
+        if case.offsets == "far_few":  # past the key-side pass's cap: the split mode's flagged queries
+            off.view(-1, case.shape[4], K, 3)[::10, :, K // 2, 2] = 3.7
+        return off
     raise ValueError(f"unknown offsets kind {case.offsets!r}")
 
 
@@ -57,11 +60,20 @@ def check_case(t, case: Case, dtype, device: str, kernel: str = "gather") -> dic
             return tiled.dsa_triton_tiled(*a, case.window, block_m=case.block_m)
         return dsa_triton(*a, case.window, block_m=case.block_m)
 
+    from kernels import dsa_triton as gather  # lazy: as above
+
+    mode = gather.DKV_MODE
+    if case.offsets == "far_few" and kernel == "gather":  # the split mode, whatever the cost model says here
+        gather.DKV_MODE = "split"
+
     def ref(*a, **kw):
         return dsa_reference(*a, case.window, **kw)
 
     fallbacks = sum(tiled.FALLBACKS.values())
-    got = t.grads(tri, inputs, dout)
+    try:
+        got = t.grads(tri, inputs, dout)
+    finally:
+        gather.DKV_MODE = mode
     ran = kernel if sum(tiled.FALLBACKS.values()) == fallbacks else "gather (tiled fell back, logged)"
     result = {"case": f"{case.name} [{kernel}]", "shape": case.shape, "window": case.window,
               "dtype": str(dtype).replace("torch.", ""), "block_m": case.block_m, "kernel": ran}
