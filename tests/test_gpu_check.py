@@ -87,6 +87,7 @@ def test_gpu_check_smoke_runs_without_ray_decord_av_diffusers(tmp_path):
 
     aot = parts["compile"]  # the compile-only table beside the measurements (smoke: the first shape)
     assert aot["archs"] == ["sm_90"] and aot["records"] and all(r["ok"] for r in aot["records"])
-    assert {r["kernel"] for r in aot["records"]} == {"gather_fwd", "gather_bwd_pull", "gather_bwd_atomic", "pull_dk", "pull_dv",
-                                                      "halo_scores", "halo_out", "halo_bwd_v", "halo_bwd_k", "halo_dq"}
+    assert {r["kernel"] for r in aot["records"]} == {"gather_fwd", "gather_bwd_pull", "gather_bwd_atomic", "gather_bwd_split",
+                                                      "pull_dk", "pull_dv", "halo_scores", "halo_out", "halo_bwd_v",
+                                                      "halo_bwd_k", "halo_dq"}
     assert aot["predictions"] and "Predicted (cost model" in (tmp_path / "out" / "gpu_check.md").read_text()
