@@ -31,8 +31,8 @@ corner ``b`` allows (``pull_bound``).
 
 Verification status (Caution)
   Verified under the Triton CPU interpreter against ``dsa_reference`` (tests/test_dsa_split.py)
-  and compiled for sm_90 (``python -m benchmarks.gpu_check --compile-only --full``: the unbounded
-  shapes); not yet run on a GPU.
+  and compiled for sm_90 and sm_100 (``python -m benchmarks.gpu_check --compile-only``: the presets'
+  unbounded shape); not yet run on a GPU.
 """
 
 from __future__ import annotations
