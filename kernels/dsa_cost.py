@@ -359,8 +359,8 @@ def choose_split(grid, window, head_dim: int, dtype_bytes: int, shares: dict, ex
         parts = {b: _split_parts(tuple(grid), tuple(window), head_dim, *span_class(b), dtype_bytes, False)
                  for b in shares}
     how = "issue slots from the sm_90 compile" if all(p[3] for p in parts.values()) else "estimated lane operations"
-    times = {b: q + k + shares[b] * max(0.0, atomic - q) for b, (q, k, atomic, _) in parts.items()}
-    atomic = next(iter(parts.values()))[2]
+    atomic = next(iter(parts.values()))[2]  # the atomic mode's backward: the same at every bound
+    times = {b: query + key + shares[b] * max(0.0, atomic - query) for b, (query, key, _, _) in parts.items()}
     best = min(times, key=times.get)
     label = f"offsets up to {extent:.3g}, cost model ({how}) per head"
     if times[best] >= atomic and not force:

@@ -59,15 +59,19 @@ def aot_variants(shape) -> list[dict]:
                                 num_stages=cfg.num_stages, config=f"BLOCK_M={cfg.kwargs['BLOCK_M']}",
                                 tensor_cores=False, may_pick=runs and not halo, note=note))
     seen = set()
+
+    def first(spec) -> bool:
+        """Not yet listed: the same compile as at a larger bound is one (BX, ELO and EHI are run-time)."""
+        key = (spec["kernel"], spec.get("archs"), tuple(sorted(spec["constexprs"].items())), spec["num_warps"],
+               spec.get("maxnreg"))
+        new = key not in seen
+        seen.add(key)
+        return new
+
     for i, bound in enumerate(bounds):
         at = SimpleNamespace(dtype=shape.dtype, head_dim=d, window=tuple(shape.window), max_offset=bound,
                              grid=getattr(shape, "grid", None))
-        for spec in pull_variants(at) + halo_variants(at):
-            key = (spec["kernel"], spec.get("archs"), tuple(sorted(spec["constexprs"].items())), spec["num_warps"],
-                   spec.get("maxnreg"))
-            if key in seen:
-                continue  # the same compile as at a larger bound (BX, ELO and EHI are run-time arguments)
-            seen.add(key)
+        for spec in filter(first, pull_variants(at) + halo_variants(at)):
             if i:
                 spec = dict(spec, note="; ".join(filter(None, (spec.get("note", ""),
                                                                  f"at a measured bound: {span_class(bound)[1]}"))))
@@ -75,12 +79,8 @@ def aot_variants(shape) -> list[dict]:
     if atomic and bounds:  # the split mode's key-side pass (adding its atomics' sums) at each bound it may pick
         for bound in SPLIT_BOUNDS:
             at = SimpleNamespace(dtype=shape.dtype, head_dim=d, window=tuple(shape.window), max_offset=bound)
-            for spec in pull_variants(at, accum=True):
-                key = (spec["kernel"], spec.get("archs"), tuple(sorted(spec["constexprs"].items())), spec["num_warps"],
-                       spec.get("maxnreg"))
-                if key not in seen:
-                    seen.add(key)
-                    out.append(dict(spec, note=f"the split mode at {span_class(bound)[1]}"))
+            out += [dict(spec, note=f"the split mode at {span_class(bound)[1]}")
+                    for spec in filter(first, pull_variants(at, accum=True))]
     return out
 
 

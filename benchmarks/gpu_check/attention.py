@@ -19,7 +19,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from kernels import deformable_slide_attention
 
-from .common import Clock, peak_since, reset_peak
+from .common import Clock, kernel_mode, peak_since, reset_peak
 
 if TYPE_CHECKING:
     from .run import Run
@@ -87,9 +87,9 @@ def measure_attention(kind: str, grid, window, nh: int, d: int, device, reps: in
     def once() -> tuple[float, float]:
         for x in leaves:
             x.grad = None
-        dkv = (_mode(gather, "DKV_MODE", {"dsa_gather_atomic": "atomic", "dsa_gather_split": "split"}[kind])
+        dkv = (kernel_mode(gather, "DKV_MODE", {"dsa_gather_atomic": "atomic", "dsa_gather_split": "split"}[kind])
                if kind in ("dsa_gather_atomic", "dsa_gather_split") else contextlib.nullcontext())
-        halo = (_mode(gather, "HALO_MODE", "halo" if kind == "dsa_halo" else "gather")
+        halo = (kernel_mode(gather, "HALO_MODE", "halo" if kind == "dsa_halo" else "gather")
                 if kind in GATHER_KINDS else contextlib.nullcontext())
         with _flash_only() if kind == "dense" else contextlib.nullcontext(), dkv, halo:
             a = clock.mark()
@@ -116,17 +116,6 @@ def measure_attention(kind: str, grid, window, nh: int, d: int, device, reps: in
                         "dsa_halo": "triton halo (tensor cores), dk/dv pulled"}.get(
                 kind, "triton tiled" if sum(tiled.FALLBACKS.values()) == fallbacks
                 else "triton gather (tiled fell back, logged)")}
-
-
-@contextlib.contextmanager
-def _mode(gather, name: str, mode: str):
-    """One of ``dsa_triton``'s kernel switches (``DKV_MODE``, ``HALO_MODE``) for one measurement."""
-    old = getattr(gather, name)
-    setattr(gather, name, mode)
-    try:
-        yield
-    finally:
-        setattr(gather, name, old)
 
 
 @contextlib.contextmanager

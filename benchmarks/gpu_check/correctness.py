@@ -3,6 +3,7 @@ the flash rule of kernels/checks.py) and the operator's two identities."""
 
 from __future__ import annotations
 
+import contextlib
 import math
 import traceback
 from typing import TYPE_CHECKING
@@ -12,7 +13,7 @@ import torch
 from kernels import checks as t
 from kernels import deformable_slide_attention, dsa_reference
 
-from .common import BF16_REL_ATOL, FP32_ATOL, FP32_RTOL, Case, Sizes
+from .common import BF16_REL_ATOL, FP32_ATOL, FP32_RTOL, Case, Sizes, kernel_mode
 
 if TYPE_CHECKING:
     from .run import Run
@@ -62,18 +63,14 @@ def check_case(t, case: Case, dtype, device: str, kernel: str = "gather") -> dic
 
     from kernels import dsa_triton as gather  # lazy: as above
 
-    mode = gather.DKV_MODE
-    if case.offsets == "far_few" and kernel == "gather":  # the split mode, whatever the cost model says here
-        gather.DKV_MODE = "split"
+    split = case.offsets == "far_few" and kernel == "gather"  # the split mode, whatever the cost model says here
 
     def ref(*a, **kw):
         return dsa_reference(*a, case.window, **kw)
 
     fallbacks = sum(tiled.FALLBACKS.values())
-    try:
+    with kernel_mode(gather, "DKV_MODE", "split") if split else contextlib.nullcontext():
         got = t.grads(tri, inputs, dout)
-    finally:
-        gather.DKV_MODE = mode
     ran = kernel if sum(tiled.FALLBACKS.values()) == fallbacks else "gather (tiled fell back, logged)"
     result = {"case": f"{case.name} [{kernel}]", "shape": case.shape, "window": case.window,
               "dtype": str(dtype).replace("torch.", ""), "block_m": case.block_m, "kernel": ran}
