@@ -319,8 +319,11 @@ def choose_halo(grid, window, head_dim: int, bound: float, dtype_bytes: int = 2)
     return _choose_halo(tuple(grid), tuple(window), head_dim, *span_class(float(bound)), dtype_bytes)
 
 
-@functools.lru_cache(maxsize=256)
-def _choose_halo(grid, window, head_dim: int, bound: float, label: str, dtype_bytes: int) -> dict:
+def halo_seconds(grid, window, head_dim: int, bound: float, dtype_bytes: int = 2) -> tuple[dict, str]:
+    """The two sides ``choose_halo`` weighs, per head on H100 figures, with the offsets at the worst
+    ``bound`` allows: ``({"fwd": (gather s, halo s), "bwd": (the pull mode's query side s, halo's
+    query side s)}, how)``; ``how`` says whether they are the compile's issue slots or estimated
+    lane operations (one measure for every kernel weighed)."""
     N = math.prod(grid)
     chip = CHIPS[0]
 
@@ -331,13 +334,18 @@ def _choose_halo(grid, window, head_dim: int, bound: float, label: str, dtype_by
 
     costs = kernels(True)
     measured = all(c.issue is not None for gather, halo in costs.values() for c in (gather, *halo))
-    if not measured:  # one measure for every kernel weighed
+    if not measured:
         costs = kernels(False)
     how = "issue slots from the sm_90 compile" if measured else "estimated lane operations"
+    return {pass_: (gather.seconds(chip)["seconds"], sum(c.seconds(chip)["seconds"] for c in halo))
+            for pass_, (gather, halo) in costs.items()}, how
+
+
+@functools.lru_cache(maxsize=256)
+def _choose_halo(grid, window, head_dim: int, bound: float, label: str, dtype_bytes: int) -> dict:
+    seconds, how = halo_seconds(grid, window, head_dim, bound, dtype_bytes)
     out = {}
-    for pass_, (gather, halo) in costs.items():
-        gather_s = gather.seconds(chip)["seconds"]
-        halo_s = sum(c.seconds(chip)["seconds"] for c in halo)
+    for pass_, (gather_s, halo_s) in seconds.items():
         faster = halo_s < gather_s
         out[pass_] = (faster, f"cost model at {label} ({how}): halo {1e3 * halo_s:.3g} ms vs gather "
                               f"{1e3 * gather_s:.3g} ms per head ({'x'.join(map(str, grid))}, d {head_dim}, "
@@ -345,15 +353,13 @@ def _choose_halo(grid, window, head_dim: int, bound: float, label: str, dtype_by
     return out
 
 
-def choose_split(grid, window, head_dim: int, dtype_bytes: int, shares: dict, extent: float,
-                 force: bool = False) -> tuple:
-    """The backward's split mode (``dsa_triton_split``): ``(bound, why)`` for the bound of ``shares``
-    (bound -> the share of (query, head) pairs with an offset past it) with the smallest predicted
-    time on H100 figures, or ``(None, why)`` where the atomic mode's is smaller. At bound ``b``: the
-    query-side pass, the key-side pass at ``b`` and the flagged share of what the atomic mode's
-    backward costs beyond the query-side pass (its scatter), as if the flagged queries were spread
-    evenly (a program of queries without one skips the scatter; one with one issues it for all).
-    ``force``: the best bound even where the atomic mode is predicted faster."""
+def split_seconds(grid, window, head_dim: int, dtype_bytes: int, shares: dict) -> tuple[dict, float, str]:
+    """The backward's predicted time per head on H100 figures at each bound of ``shares`` (bound ->
+    the share of (query, head) pairs past it) in the split mode, the atomic mode's, and how they were
+    measured: ``({bound: s}, atomic s, how)``. At bound ``b``: the query-side pass, the key-side pass
+    at ``b`` and the flagged share of what the atomic mode's backward costs beyond the query-side
+    pass (its scatter), as if the flagged queries were spread evenly (a program of queries without
+    one skips the scatter; one with one issues it for all)."""
     parts = {b: _split_parts(tuple(grid), tuple(window), head_dim, *span_class(b), dtype_bytes, True) for b in shares}
     if any(p is None for p in parts.values()):  # one measure for every kernel weighed
         parts = {b: _split_parts(tuple(grid), tuple(window), head_dim, *span_class(b), dtype_bytes, False)
@@ -361,6 +367,16 @@ def choose_split(grid, window, head_dim: int, dtype_bytes: int, shares: dict, ex
     how = "issue slots from the sm_90 compile" if all(p[3] for p in parts.values()) else "estimated lane operations"
     atomic = next(iter(parts.values()))[2]  # the atomic mode's backward: the same at every bound
     times = {b: query + key + shares[b] * max(0.0, atomic - query) for b, (query, key, _, _) in parts.items()}
+    return times, atomic, how
+
+
+def choose_split(grid, window, head_dim: int, dtype_bytes: int, shares: dict, extent: float,
+                 force: bool = False) -> tuple:
+    """The backward's split mode (``dsa_triton_split``): ``(bound, why)`` for the bound of ``shares``
+    (bound -> the share of (query, head) pairs with an offset past it) with the smallest predicted
+    time (``split_seconds``), or ``(None, why)`` where the atomic mode's is smaller. ``force``: the
+    best bound even where the atomic mode is predicted faster."""
+    times, atomic, how = split_seconds(grid, window, head_dim, dtype_bytes, shares)
     best = min(times, key=times.get)
     label = f"offsets up to {extent:.3g}, cost model ({how}) per head"
     if times[best] >= atomic and not force:
@@ -368,6 +384,39 @@ def choose_split(grid, window, head_dim: int, dtype_bytes: int, shares: dict, ex
                       f"ms (bound {best:g}, {shares[best]:.1%} of the queries by atomics)")
     return best, (f"{'forced (DKV_MODE split); ' if force else ''}{label}: the key-side pass at {best:g}, atomics for the {shares[best]:.1%} of the (query, head) "
                   f"pairs past it, {1e3 * times[best]:.3g} ms vs the atomic mode's {1e3 * atomic:.3g} ms")
+
+
+def predict_call(grid, window, head_dim: int, extent: float, shares: dict, dtype_bytes: int = 2,
+                 max_offset: float | None = None) -> dict:
+    """What ``DKV_MODE``/``HALO_MODE`` "auto" run for one call of a whole clip whose offsets reach
+    ``extent`` (their largest |offset|), ``shares`` being the share of (query, head) pairs past each
+    of the split mode's bounds, and the predicted time per head on H100 figures: ``{"bound", "fwd":
+    (kernel, s), "bwd": (mode, s)}``; kernels "halo" and "gather"; modes "halo+pull" and
+    "gather+pull" (that query side, then the key-side pass), "split at B" and "atomic". The bound
+    is ``max_offset`` tightened to the extent where that is smaller (``dsa_triton.tightened_bound``),
+    else the extent. Up to ``PULL_MAX_OFFSET`` the forward and the backward's query side each take
+    the halo or the gather kernels (``choose_halo``), then the key-side pass; past it, the gather
+    forward and the backward's split or atomic mode, whichever ``split_seconds`` predicts faster
+    (``choose_split``)."""
+    from .dsa_triton_pull import PULL_MAX_OFFSET  # lazy: imports triton
+
+    bound = float(extent) if max_offset is None else min(float(extent), float(max_offset))
+    chip = CHIPS[0]
+    if bound <= PULL_MAX_OFFSET:
+        seconds, _ = halo_seconds(tuple(grid), tuple(window), head_dim, span_class(bound)[0], dtype_bytes)
+        pick = choose_halo(grid, window, head_dim, bound, dtype_bytes)
+        key = (_split_parts(tuple(grid), tuple(window), head_dim, *span_class(bound), dtype_bytes, True)
+               or _split_parts(tuple(grid), tuple(window), head_dim, *span_class(bound), dtype_bytes, False))[1]
+        fwd = ("halo", seconds["fwd"][1]) if pick["fwd"][0] else ("gather", seconds["fwd"][0])
+        bwd = ("halo+pull", seconds["bwd"][1] + key) if pick["bwd"][0] else ("gather+pull", seconds["bwd"][0] + key)
+        return {"bound": bound, "fwd": fwd, "bwd": bwd}
+    gather = gather_costs(math.prod(grid), window, head_dim, dtype_bytes)[0]
+    if gather.issue is None:
+        gather = gather_costs(math.prod(grid), window, head_dim, dtype_bytes, issue=False)[0]
+    times, atomic, _ = split_seconds(grid, window, head_dim, dtype_bytes, shares)
+    best = min(times, key=times.get)
+    bwd = (f"split at {best:g}", times[best]) if times[best] < atomic else ("atomic", atomic)
+    return {"bound": bound, "fwd": ("gather", gather.seconds(chip)["seconds"]), "bwd": bwd}
 
 
 @functools.lru_cache(maxsize=256)

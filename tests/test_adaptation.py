@@ -2,6 +2,7 @@
 exactly as neighborhood, for both architectures; the study end to end at the smallest size, and
 resumed with a dsa variant; the temporal-consistency score and the Wan text stand-in."""
 
+import importlib.util
 import json
 
 import numpy as np
@@ -112,7 +113,16 @@ def test_the_study_end_to_end_and_a_variant_added_on_resume(stand_in, tmp_path, 
     for m in marks:
         assert (ext["pairs_over_max"][m] > 0) == (ext["max"] > float(m)) and ext["pairs_over"][m] <= ext["pairs_over_max"][m]
     assert all(ext["pairs_over"][a] >= ext["pairs_over"][b] for a, b in zip(marks, marks[1:]))
-    assert offset_extent.extents(out) == [{"kind": "dsa", "seed": 0, "offset_extent": ext}]
+    assert offset_extent.extents(out) == [{"kind": "dsa", "seed": 0, "offset_extent": ext, "max_offset": None}]
+    # each call's extent and shares, priced on a GPU shape by offset_extent --predict
+    assert len(ext["per_call"]) == ext["calls"] and max(c[0] for c in ext["per_call"]) == round(ext["max"], 5)
+    assert [max(c[i + 1] for c in ext["per_call"]) for i in range(len(marks))] == [
+        round(ext["pairs_over_max"][m], 5) for m in marks]
+    if importlib.util.find_spec("triton") is not None:
+        priced = offset_extent.price(ext["per_call"], (21, 30, 52), (3, 7, 7), 128, None)
+        assert priced["fwd_ms"] > 0 and priced["bwd_ms"] > 0
+        assert abs(sum(priced["fwd"].values()) - 1) < 1e-9 and abs(sum(priced["bwd"].values()) - 1) < 1e-9
+        assert priced["far"] == sum(c[0] > 3 for c in ext["per_call"])
     text = (out / "adaptation.md").read_text()
     assert "Goals for `dsa`" in text and (out / "adaptation_videodit_curves.png").is_file()
     assert (out / "teachers" / "videodit_seed0.safetensors").is_file()

@@ -148,6 +148,39 @@ def test_the_split_cost_model_weighs_the_flagged_share():
     assert choose_split(WAN_GRID, WAN_WINDOW, 128, 2, {b: 1.0 for b in SPLIT_BOUNDS}, 4.0)[0] is None
 
 
+def test_predict_call_follows_the_choices_the_launchers_make():
+    """``predict_call`` (what ``offset_extent --predict`` prices): up to the key-side pass's cap the
+    forward and the backward's query side on the kernels ``choose_halo`` picks at the call's bound,
+    the key-side pass after; past it the gather forward and the split mode at the bound and time
+    ``choose_split`` gives, or the atomic mode where every query is far; a given ``max_offset``
+    above the extent tightened to it, one below it taken."""
+    pytest.importorskip("triton")
+    from kernels.dsa_cost import choose_halo, choose_split, predict_call
+    from kernels.dsa_triton_pull import PULL_MAX_OFFSET
+    from kernels.dsa_triton_split import SPLIT_BOUNDS
+
+    few = {b: 0.2 / b for b in SPLIT_BOUNDS}
+    for extent in (0.0, 0.7, 1.0, 1.5, 2.0, 2.5, PULL_MAX_OFFSET):
+        got = predict_call(WAN_GRID, WAN_WINDOW, 128, extent, few)
+        pick = choose_halo(WAN_GRID, WAN_WINDOW, 128, extent)
+        assert got["bound"] == extent
+        assert got["fwd"][0] == ("halo" if pick["fwd"][0] else "gather")
+        assert got["bwd"][0] == ("halo+pull" if pick["bwd"][0] else "gather+pull")
+        fwd_ms = float(pick["fwd"][1].split("halo " if pick["fwd"][0] else "gather ")[-1].split(" ms")[0])
+        assert f"{1e3 * got['fwd'][1]:.3g}" == f"{fwd_ms:.3g}"
+    near, mid = (predict_call(WAN_GRID, WAN_WINDOW, 128, e, few) for e in (0.5, 1.5))
+    assert near["fwd"][1] < mid["fwd"][1] and near["bwd"][1] < mid["bwd"][1]  # a wider bound, more work
+
+    b_few, why = choose_split(WAN_GRID, WAN_WINDOW, 128, 2, few, 4.0)
+    far = predict_call(WAN_GRID, WAN_WINDOW, 128, 4.0, few)
+    assert far["fwd"][0] == "gather" and far["bwd"][0] == f"split at {b_few:g}"
+    assert f"{1e3 * far['bwd'][1]:.3g} ms vs" in why
+    assert predict_call(WAN_GRID, WAN_WINDOW, 128, 4.0, {b: 1.0 for b in SPLIT_BOUNDS})["bwd"][0] == "atomic"
+    assert predict_call(WAN_GRID, WAN_WINDOW, 128, 5.0, few, max_offset=1.5) == predict_call(
+        WAN_GRID, WAN_WINDOW, 128, 1.5, few)
+    assert predict_call(WAN_GRID, WAN_WINDOW, 128, 1.2, few, max_offset=1.5)["bound"] == 1.2
+
+
 # -----------------------------------------------------------------------------
 # Kernels under the interpreter
 

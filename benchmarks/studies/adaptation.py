@@ -254,14 +254,16 @@ def offset_extent_summary(calls: list[float], quantiles: torch.Tensor, pairs: to
     share of (query, head) pairs with an offset past each of ``PAIR_MARKS`` (``pairs``, ``(calls,
     marks)``): ``median`` and ``max`` extent, ``over``: the share of calls past each of
     ``EXTENT_MARKS``, ``p99``/``p999``: the percentiles' median over calls, ``pairs_over`` and
-    ``pairs_over_max``: the pairs' share past each mark, mean and largest over calls. The kernels
-    take one bound per call, so a few large offsets set it for every sample of the call; past 3
-    the backward's split mode takes atomics for the pairs past the bound it picks."""
+    ``pairs_over_max``: the pairs' share past each mark, mean and largest over calls, ``per_call``:
+    each call's ``[extent, share past each mark]`` (what ``offset_extent --predict`` prices). The
+    kernels take one bound per call, so a few large offsets set it for every sample of the call;
+    past 3 the backward's split mode takes atomics for the pairs past the bound it picks."""
     return {"calls": len(calls), "median": statistics.median(calls), "max": max(calls),
             "over": {f"{m:g}": sum(c > m for c in calls) / len(calls) for m in EXTENT_MARKS},
             "p99": float(quantiles[:, 0].median()), "p999": float(quantiles[:, 1].median()),
             "pairs_over": {f"{m:g}": float(x) for m, x in zip(PAIR_MARKS, pairs.mean(0))},
-            "pairs_over_max": {f"{m:g}": float(x) for m, x in zip(PAIR_MARKS, pairs.amax(0))}}
+            "pairs_over_max": {f"{m:g}": float(x) for m, x in zip(PAIR_MARKS, pairs.amax(0))},
+            "per_call": [[round(c, 5), *(round(float(x), 5) for x in row)] for c, row in zip(calls, pairs)]}
 
 
 def extent_line(extents: list[dict]) -> str:
