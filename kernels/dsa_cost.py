@@ -287,16 +287,18 @@ def halo_costs(grid, window, head_dim: int, bound: float, rows: int | None = Non
     scores = grouped("halo_scores", cfg["scores_gy"], r, 1, 20 * bxp * kwp, row_bytes,
                      N * (row + 3 * K * e + 4 * K + 4) + N * row, cfg["scores_warps"])
     r_rows = widen(r)
-    out = cost("halo_out", visits * r_rows * dot, visits * (group_lane + r_rows * band_lane), visits * r_rows * row_bytes,
-               N * (row + 3 * K * e + 4 * K) + N * row, r_rows, rows_shape, cfg["rows_warps"])
+
+    def rows_pass(name):  # the output and dq: the same rows pass, over v and over k
+        return cost(name, visits * r_rows * dot, visits * (group_lane + r_rows * band_lane), visits * r_rows * row_bytes,
+                    N * (row + 3 * K * e + 4 * K) + N * row, r_rows, rows_shape, cfg["rows_warps"])
+
+    out = rows_pass("halo_out")
     # the backward's query side: sweep v (dO V_row^T) and sweep k (q K_row^T, the records), over the
     # rows the corners touch or whose weight's derivative reaches
     sweeps = [grouped(name, gy, r_grad, 1, 30 * bxp * kwp, row_bytes + bxp * d * e, dram, cfg["bwd_warps"])
               for name, gy, dram in (("halo_bwd_v", cfg["bwd_gy"][0], N * (2 * row + 3 * K * e + 16 * K)),
                                      ("halo_bwd_k", cfg["bwd_gy"][1], N * (row + 6 * K * e + 36 * K + 4)))]
-    dq = cost("halo_dq", visits * r_rows * dot, visits * (group_lane + r_rows * band_lane), visits * r_rows * row_bytes,
-              N * (row + 3 * K * e + 4 * K) + N * row, r_rows, rows_shape, cfg["rows_warps"])
-    return {"fwd": [scores, out], "bwd": [*sweeps, dq]}
+    return {"fwd": [scores, out], "bwd": [*sweeps, rows_pass("halo_dq")]}
 
 
 def span_class(bound: float) -> tuple[float, str]:
