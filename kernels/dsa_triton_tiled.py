@@ -19,7 +19,7 @@ Geometry
     corner of every sample lies in the **halo**: per axis
     ``E = min(size, B + k + 2R)`` positions starting at ``clamp(s_first - R, 0, size - E)``.
     ``R`` is ``ceil`` of the caller's ``max_offset`` when given (``attention.max_offset`` bounds
-    the offset head's output as ``max_offset * tanh``), else of the measured ``max |offsets|``
+    the offset head's output, by ``tanh`` or ``clamp``), else of the measured ``max |offsets|``
     (one reduction and a host sync per call). A given bound is checked, not trusted: the forward
     compares each offset it loads with ``R``, and a query with one beyond it (or a non-finite
     one) is refused in-band -- NaN output and log-sum-exp, hence NaN gradients -- rather than

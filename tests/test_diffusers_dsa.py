@@ -81,7 +81,9 @@ def test_enable_dsa_runs_the_export_as_trained(tmp_path, kind, caplog):
 
 
 @pytest.mark.parametrize("head", [{"attention.offset_condition": "add"}, {"attention.offset_condition": "gate"},
-                                  {"attention.offset_source": "query"}], ids=["condition-add", "condition-gate", "query"])
+                                  {"attention.offset_source": "query"},
+                                  {"attention.offset_bound": "clamp", "attention.max_offset": 1.5}],
+                         ids=["condition-add", "condition-gate", "query", "clamp"])
 def test_enable_dsa_runs_every_offset_head_option(tmp_path, head):
     """Heads that read the timestep embedding or the queries run in diffusers as trained; the
     export records the options and --init-from reads them back."""

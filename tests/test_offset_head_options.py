@@ -133,3 +133,36 @@ def test_a_choice_that_is_not_offered_is_refused():
         build_config("tiny", None, {"attention.offset_condition": "timestep"})
     with pytest.raises(ConfigError, match="offset_source"):
         build_config("tiny", None, {"attention.offset_source": "keys"})
+
+
+def test_a_clamped_bound_keeps_the_offsets_within_it_and_leaves_the_rest_as_unbounded():
+    """``attention.offset_bound = clamp``: each coordinate is the unbounded head's clipped to
+    ``max_offset`` (those within it unchanged, unlike ``tanh``), its gradient zero where clipped;
+    a fresh head still predicts zeros; an unknown bound is refused before any work."""
+    from megaslide_ray.models.attention import OffsetPredictor
+
+    torch.manual_seed(0)
+    free = OffsetPredictor(D, 2, (3, 3, 3), 0.0)
+    clamped = OffsetPredictor(D, 2, (3, 3, 3), 1.5, bound="clamp")
+    smooth = OffsetPredictor(D, 2, (3, 3, 3), 1.5)
+    with torch.no_grad():
+        free.out.weight.normal_(0.0, 0.5)
+        free.out.bias.normal_(0.0, 1.0)
+    clamped.load_state_dict(free.state_dict())
+    smooth.load_state_dict(free.state_dict())
+    h = torch.randn(1, 4, 3, 3, D)
+    raw = free(h)
+    got = clamped(h)
+    inside = raw.abs() < 1.5
+    assert 0.2 < inside.float().mean() < 0.9  # both sides of the bound are exercised
+    assert torch.equal(got, raw.clamp(-1.5, 1.5)) and torch.equal(got[inside], raw[inside])
+    assert not torch.allclose(smooth(h)[inside], raw[inside])  # tanh compresses inside the bound too
+    g = torch.randn(got.shape)
+    (gw,) = torch.autograd.grad((clamped(h) * g).sum(), clamped.out.bias)
+    (want,) = torch.autograd.grad((free(h) * g * inside).sum(), free.out.bias)
+    assert torch.allclose(gw, want, atol=1e-5)
+    fresh = OffsetPredictor(D, 2, (3, 3, 3), 1.5, bound="clamp")
+    fresh.reset_output()
+    assert torch.equal(fresh(h), torch.zeros_like(raw))
+    with pytest.raises(ConfigError, match="offset_bound"):
+        build_config("tiny", None, {"attention.offset_bound": "sigmoid"})

@@ -28,11 +28,11 @@ TOL = 1e-6
 
 
 def _config(arch: str, kind: str, chunk: int, max_offset: float = 1.5, offset_kernel: str = "3,3,3",
-            backend: str = "auto"):
+            backend: str = "auto", bound: str = "tanh"):
     over = {"model.depth": 1, "model.hidden_size": 32, "model.num_heads": 2, "model.ffn_dim": 64,
             "attention.kind": kind, "attention.window": "3,3,3", "attention.max_offset": max_offset,
             "attention.offset_kernel": offset_kernel, "attention.backend": backend, "runtime.token_chunk": chunk,
-            "model.cross_attention": arch == "videodit"}  # videodit: the chunked cross-attention too
+            "attention.offset_bound": bound, "model.cross_attention": arch == "videodit"}  # videodit: the chunked cross-attention too
     if arch == "wan":
         over.update({"model.arch": "wan", "model.text_dim": 16, "model.text_len": 5, "model.in_channels": 4,
                      "model.patch_size": "1,2,2", "model.timestep_freq_dim": 16, "data.num_frames": 9,
@@ -40,9 +40,9 @@ def _config(arch: str, kind: str, chunk: int, max_offset: float = 1.5, offset_ke
     return build_config("tiny", None, over)
 
 
-def _blocks(arch, kind, chunk, max_offset=1.5, seed=0, offset_kernel="3,3,3", backend="auto"):
-    whole = build_shard(_config(arch, kind, 0, max_offset, offset_kernel, backend), 1)
-    chunked = build_shard(_config(arch, kind, chunk, max_offset, offset_kernel, backend), 1)
+def _blocks(arch, kind, chunk, max_offset=1.5, seed=0, offset_kernel="3,3,3", backend="auto", bound="tanh"):
+    whole = build_shard(_config(arch, kind, 0, max_offset, offset_kernel, backend, bound), 1)
+    chunked = build_shard(_config(arch, kind, chunk, max_offset, offset_kernel, backend, bound), 1)
     g = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for p in whole.parameters():
@@ -105,8 +105,8 @@ def _assert_same(got, want, tol, exact=None):
 
 
 def _compare(arch, kind, chunk, max_offset=1.5, functional=False, dtype=torch.float32, grid=GRID, B=2,
-             offset_kernel="3,3,3", backend="auto"):
-    whole, chunked = _blocks(arch, kind, chunk, max_offset, offset_kernel=offset_kernel, backend=backend)
+             offset_kernel="3,3,3", backend="auto", bound="tanh"):
+    whole, chunked = _blocks(arch, kind, chunk, max_offset, offset_kernel=offset_kernel, backend=backend, bound=bound)
     whole, chunked = whole.to(dtype), chunked.to(dtype)
     x, c = _inputs(arch, grid=grid, B=B)
     x, c = x.to(dtype), c.to(dtype)
@@ -114,7 +114,7 @@ def _compare(arch, kind, chunk, max_offset=1.5, functional=False, dtype=torch.fl
     if functional:  # fresh leaves, like the compute actor's views of a flat buffer
         params = {n: p.detach().clone().requires_grad_(True) for n, p in chunked.named_parameters()}
         with torch.device("meta"):
-            meta = build_shard(_config(arch, kind, chunk, max_offset, backend=backend), 1)
+            meta = build_shard(_config(arch, kind, chunk, max_offset, backend=backend, bound=bound), 1)
         got = _run(meta, x, c, params)
     else:
         got = _run(chunked, x, c)
@@ -163,6 +163,15 @@ def test_other_kinds_chunked_equal_whole(arch, kind):
         _compare(arch, kind, chunk)
     if arch == "videodit":
         _compare(arch, kind, 40, dtype=torch.float64)
+
+
+@pytest.mark.parametrize("arch", ["videodit", "wan"])
+def test_clamped_offsets_chunked_equal_whole(arch):
+    """``attention.offset_bound = clamp``: many offsets sit exactly on the bound (a corner at the
+    slab's held frames' edge); the chunked block is still the whole block's function."""
+    whole = _compare(arch, "dsa", 16, bound="clamp", backend="cpu")
+    off = (getattr(whole, "attn", None) or whole.attn1).offsets(torch.randn(1, *GRID, 32))
+    assert off.abs().max() == 1.5 and (off.abs() == 1.5).float().mean() > 0.1 and (off.abs() < 1.4).float().mean() > 0.1
 
 
 @pytest.mark.parametrize("arch", ["videodit", "wan"])

@@ -107,7 +107,15 @@ class AttentionConfig:
     tiles the grid is cut into (any size; one that divides the grid needs no padding, e.g. (2, 4, 4)
     on a 4 x 8 x 8 grid, where (3, 3, 3) pads it to 6 x 9 x 9). ``dense`` ignores it."""
     max_offset: float = 0.0
-    """If > 0, offsets are bounded as ``max_offset * tanh(raw)``; 0 leaves them unbounded."""
+    """If > 0, offsets are bounded by it (``offset_bound`` says how); 0 leaves them unbounded. A
+    bound lets the GPU kernels plan for it: up to 1.5 tokens at Wan's 480p shapes every pass runs
+    on tensor cores (``python -m megaslide_ray.plan`` says so for a config)."""
+    offset_bound: Literal["tanh", "clamp"] = "tanh"
+    """How ``max_offset`` bounds the offsets: ``tanh``, ``max_offset * tanh(raw)`` (smooth, and
+    already compressing well inside the bound: ``offset_scale = 1 / max_offset`` gives slope 1 at
+    zero); ``clamp``, ``raw`` clipped to ``[-max_offset, max_offset]`` per coordinate (the
+    unbounded head's offsets wherever they lie within it; no gradient where one is clipped, as
+    for a sample the operator clamps at the grid's border)."""
     scale: float = 0.0
     """Softmax scale; 0 means ``head_dim ** -0.5``."""
     offset_scale: float = 1.0

@@ -60,7 +60,7 @@ def window_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, h: torch
     offset head ``offsets`` applied to ``h`` (and the block's condition ``cond (B, D)``, which a
     head with ``attention.offset_condition`` reads), or zero when there is none (``neighborhood``). The
     operator is told the offsets' bound where it is known (``attention.max_offset > 0``: the
-    head's ``max_offset * tanh``; zero offsets: 0), so the tiled Triton kernel sizes its halo
+    head bounds them, by ``tanh`` or ``clamp``; zero offsets: 0), so the tiled Triton kernel sizes its halo
     without measuring them (a host sync); the gather kernels measure them once per forward call and
     run at the smaller of the two (``kernels.dsa_triton.TIGHTEN_BOUND``)."""
     if offsets is not None:
@@ -147,7 +147,7 @@ def offset_head(cfg: Config) -> "OffsetPredictor | None":
     if a.kind != "dsa":
         return None
     return OffsetPredictor(m.hidden_size, m.num_heads, tuple(a.window), a.max_offset, a.offset_groups,
-                           a.offset_kernel, a.offset_scale, a.offset_condition, a.offset_source)
+                           a.offset_kernel, a.offset_scale, a.offset_condition, a.offset_source, a.offset_bound)
 
 
 class OffsetPredictor(nn.Module):
@@ -162,7 +162,7 @@ class OffsetPredictor(nn.Module):
 
     def __init__(self, hidden: int, num_heads: int, window: tuple[int, int, int], max_offset: float,
                  groups: int = 0, kernel: tuple[int, int, int] = (3, 3, 3), scale: float = 1.0,
-                 condition: str = "none", source: str = "block"):
+                 condition: str = "none", source: str = "block", bound: str = "tanh"):
         super().__init__()
         self.num_heads = num_heads
         self.groups = groups or num_heads
@@ -182,6 +182,9 @@ class OffsetPredictor(nn.Module):
         if source not in ("block", "query"):
             raise ValueError(f"offset source {source!r} is not 'block' or 'query'")
         self.source = source
+        if bound not in ("tanh", "clamp"):
+            raise ValueError(f"offset bound {bound!r} is not 'tanh' or 'clamp'")
+        self.bound = bound
         # registered after ``out``: the weights drawn before them are those of a head without them
         self.cond = nn.Linear(hidden, hidden) if condition == "add" else None
         self.gate = nn.Linear(hidden, self.groups) if condition == "gate" else None
@@ -209,7 +212,8 @@ class OffsetPredictor(nn.Module):
         if self.gate is not None:  # before the bound, so max_offset still holds
             y = y * (1 + self.gate(cond.to(y.dtype))).view(cond.shape[0], 1, 1, 1, self.groups, 1)
         if self.max_offset > 0:
-            y = self.max_offset * torch.tanh(y)
+            y = (self.max_offset * torch.tanh(y) if self.bound == "tanh"
+                 else torch.clamp(y, -self.max_offset, self.max_offset))
         y = y.view(*h.shape[:4], self.groups, self.K, 3)
         if self.groups != self.num_heads:
             y = y.repeat_interleave(self.num_heads // self.groups, dim=4)

@@ -33,7 +33,7 @@ the frames its windows cover widened by ``ceil(attention.max_offset) + 1`` frame
 side, clipped to the clip (``kernels.slab_kv_frames``: every trilinear corner is held). The operator computes window starts, sample positions and clamps
 on the whole clip's grid and only looks keys up in the frames it holds, so a slab's rows are
 exactly the unchunked operator's. The halo needs ``|offset| <= attention.max_offset``, which the
-offset head's ``max_offset * tanh`` guarantees; with ``max_offset = 0`` (offsets unbounded) a
+offset head's bound (``attention.offset_bound``: ``tanh`` or ``clamp``) guarantees; with ``max_offset = 0`` (offsets unbounded) a
 slab's keys are the whole clip. The offset head itself (a 3x3x3 depthwise conv) reads the slab
 plus one frame on either side. Dense attention runs query chunks of ``token_chunk`` tokens
 against all keys; swin attention stays whole (its windows), with its projection chunked.

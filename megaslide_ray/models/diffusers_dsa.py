@@ -49,14 +49,15 @@ DENSE_NOTE = ("this transformer was trained with {kind} self-attention (megaslid
 
 def export_settings(kind: str, window, scale: float, max_offset: float, offset_groups: int, offset_kernel,
                     offset_scale: float, offsets: bool, offset_condition: str = "none",
-                    offset_source: str = "block") -> dict:
+                    offset_source: str = "block", offset_bound: str = "tanh") -> dict:
     """The ``config.json`` entry (``CONFIG_KEY``) an export of a model with ``attention.kind`` other
     than dense carries: everything ``enable_dsa`` needs, and the note a plain load prints. An
-    entry without ``offset_condition`` / ``offset_source`` (older exports) means ``none`` / ``block``."""
+    entry without ``offset_condition`` / ``offset_source`` / ``offset_bound`` (older exports) means
+    ``none`` / ``block`` / ``tanh``."""
     return {"note": DENSE_NOTE.format(kind=kind), "kind": kind, "window": list(window), "scale": scale,
             "max_offset": max_offset, "offset_groups": offset_groups, "offset_kernel": list(offset_kernel),
             "offset_scale": offset_scale, "offsets": offsets, "offset_condition": offset_condition,
-            "offset_source": offset_source}
+            "offset_source": offset_source, "offset_bound": offset_bound}
 
 
 class TokenGrid:
@@ -223,7 +224,8 @@ def _enable(transformer: nn.Module, path: str | Path | None, backend: str) -> No
             D = attn.to_q.out_features
             head = OffsetPredictor(D, attn.heads, tuple(settings["window"]), settings["max_offset"],
                                    settings["offset_groups"], tuple(settings["offset_kernel"]), settings["offset_scale"],
-                                   settings.get("offset_condition", "none"), settings.get("offset_source", "block"))
+                                   settings.get("offset_condition", "none"), settings.get("offset_source", "block"),
+                                   settings.get("offset_bound", "tanh"))
             prefix = f"blocks.{i}.attn1.offsets."
             state = {k[len(prefix):]: v for k, v in weights.items() if k.startswith(prefix)}
             missing = sorted(set(head.state_dict()) - set(state))

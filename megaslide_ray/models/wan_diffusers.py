@@ -93,7 +93,8 @@ def wan_config_from_diffusers(config_json: dict, vae_config: dict | None = None)
                     "attention.offset_kernel": tuple(dsa["offset_kernel"]),
                     "attention.offset_scale": float(dsa["offset_scale"]),
                     "attention.offset_condition": dsa.get("offset_condition", "none"),
-                    "attention.offset_source": dsa.get("offset_source", "block")})
+                    "attention.offset_source": dsa.get("offset_source", "block"),
+                    "attention.offset_bound": dsa.get("offset_bound", "tanh")})
     if vae_config is not None:
         z = vae_config.get("z_dim")
         if z is not None and int(z) != out["model.in_channels"]:

@@ -383,6 +383,7 @@ def export_diffusers(checkpoint: str | Path, out: str | Path, dtype: torch.dtype
     if a.kind != "dense":  # what enable_dsa needs, and the note diffusers prints on a plain load
         config[DSA_CONFIG_KEY] = export_settings(a.kind, a.window, a.scale, a.max_offset, a.offset_groups,
                                                  a.offset_kernel, a.offset_scale, offsets=not drop_offsets,
-                                                 offset_condition=a.offset_condition, offset_source=a.offset_source)
+                                                 offset_condition=a.offset_condition, offset_source=a.offset_source,
+                                                 offset_bound=a.offset_bound)
     (out / "config.json").write_text(json.dumps(config, indent=2))
     return [*written, str(out / DIFFUSERS_INDEX), str(out / "config.json")]
