@@ -334,7 +334,7 @@ def test_goal_training_81_frames_1080p_fits_with_the_last_block_inputs_kept_on_t
     assert p.offload_keep == 3 and p.token_chunk == 73_440
     assert p.host_offloaded_bytes == (L - 3) * ND and p.host_required_bytes <= 1649e9
     assert p.device_terms["block-input checkpoints"] == (p.prefetch_depth + 1 + 3) * ND
-    # the fused kernels' scratch (offsets unbounded: the atomic mode's fp32 dk, dv, in chunks) is counted
+    # the fused kernels' scratch (the key-side pass's records, in chunks within 1 GiB) is counted
     scratch = p.device_terms["attention kernels' scratch (records, scores or fp32 dk/dv)"]
     assert scratch == p.activation_parts["dsa_fused_scratch"] and 0.5e9 < scratch <= 1 << 30
     assert p.device_required_bytes <= 141e9
@@ -486,12 +486,17 @@ def test_resident_shards_cross_the_link_once_and_auto_fills_the_device():
 
 
 def test_unbounded_dsa_offsets_get_a_note_on_which_gpu_kernels_run():
-    """A dsa plan with unbounded offsets (the presets') says what that costs on a GPU and which
-    settings keep every pass on tensor cores; bounded, on the CPU, or another kind: no such note."""
+    """A dsa plan with unbounded offsets says what that costs on a GPU and which settings keep every
+    pass on tensor cores (the presets' own); bounded (the presets), on the CPU, or another kind: no
+    such note."""
     def noted(over: dict) -> bool:
         return any("leaves dsa's offsets unbounded" in n and "attention.max_offset 1.5" in n
                    for n in plan(build_config("wan2.1-t2v-1.3b", None, over)).notes)
 
-    assert noted({})
-    for over in ({"attention.max_offset": "1.5"}, {"runtime.device": "cpu"}, {"attention.kind": "neighborhood"}):
+    unbounded = {"attention.max_offset": "0"}
+    assert noted(unbounded)
+    for over in ({}, {**unbounded, "runtime.device": "cpu"}, {**unbounded, "attention.kind": "neighborhood"}):
         assert not noted(over), over
+    for name in ("dit-105b", "wan2.1-t2v-1.3b", "wan2.1-t2v-14b", "wan2.2-ti2v-5b"):
+        a = build_config(name, None, {}).attention
+        assert (a.max_offset, a.offset_bound) == (1.5, "clamp"), name

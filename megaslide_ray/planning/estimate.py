@@ -556,7 +556,7 @@ def _notes(cfg: Config, generate: bool, wb: int, P: int, parts: dict[str, int], 
                      "window 5 wide) the forward and the backward's query side run on CUDA cores, past 3 the "
                      "backward adds the dk and dv of the queries past a smaller bound by float atomics (of all "
                      "queries where most are); attention.max_offset 1.5 with "
-                     "attention.offset_scale 0.667 (offsets start as fast) keeps every pass on tensor cores "
+                     "attention.offset_bound clamp (the GPU presets' setting) keeps every pass on tensor cores "
                      "(benchmarks/RESULTS.md: what the bound costs in held-out loss)")
     if a.kind == "dense":
         notes.append("dense assumes flash/SDPA on the device; a materialised N^2 score matrix would need "
