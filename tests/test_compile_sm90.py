@@ -219,11 +219,18 @@ def test_sm90_compile_only_check_passes_at_the_preset_shapes(tmp_path):
             assert r["dot"] == "wgmma" and r["blocks_per_sm"] * r["num_warps"] >= 8, r
     assert report["predictions"] and all(p["ms_per_layer"] > 0 for p in report["predictions"])
     assert "every config the product may pick launches" in proc.stdout
-    # with offsets bounded by 1.5 at head dim 128 every config auto may pick runs on tensor cores; with
-    # the presets' unbounded offsets the gather kernels may run too (offsets in (2, 3) and past the cap)
+    # at every GPU preset's shape (head dim 128, offsets clamped at 1.5) every config auto may pick runs
+    # on tensor cores; with unbounded offsets (attention.max_offset 0) the gather kernels may run too
+    # (offsets in (2, 3) and past the cap)
+    presets = {p for r in recs for p in r["presets"]}
+    assert presets == {"dit-105b", "dit-33b", "dit-28b", "wan2.1-t2v-1.3b", "wan2.1-t2v-14b", "wan2.2-ti2v-5b"}
+    at_presets = [r for r in recs if r["presets"] and r["may_pick"]]
+    assert at_presets and all(r["dot"] == "wgmma" for r in at_presets), [r for r in at_presets if r["dot"] != "wgmma"]
+    assert {r["kernel"] for r in at_presets} == {"pull_dk", "pull_dv", "halo_scores", "halo_out", "halo_bwd_v",
+                                                 "halo_bwd_k", "halo_dq"}
     cuda = {(r["kernel"], r["max_offset"]) for r in recs if r["may_pick"] and r["head_dim"] == 128 and r["dot"] != "wgmma"}
     assert cuda == {(k, None) for k in ("gather_fwd", "gather_bwd_pull", "gather_bwd_atomic", "gather_bwd_split")}
-    assert "on tensor cores" in proc.stdout
+    assert "at the presets' shapes" in proc.stdout and "on tensor cores, 0 on CUDA cores" in proc.stdout
     # the cost model's issue table holds what these compiles issue: a kernel changed without
     # rerunning `python -m benchmarks.gpu_check.issue_table` fails here
     import triton

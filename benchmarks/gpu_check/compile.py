@@ -57,8 +57,9 @@ class AotShape:
     head_dim: int
     window: tuple[int, int, int]
     grid: tuple[int, int, int]
-    max_offset: float | None  # None: unbounded (the presets' ``attention.max_offset`` 0), measured per call
+    max_offset: float | None  # None: unbounded (``attention.max_offset`` 0), measured per call
     label: str = ""
+    presets: tuple = ()  # the presets that run at this shape (none: a shape users may configure)
 
 
 @dataclass
@@ -114,6 +115,7 @@ class Record:
     ok: bool = False
     problems: list = field(default_factory=list)
     note: str = ""
+    presets: list = field(default_factory=list)  # the presets that run at this shape
 
 
 _REGS = re.compile(r"Used (\d+) registers")
@@ -204,7 +206,7 @@ def compile_variant(variant: Variant, arch: str, shape: AotShape, timeout_s: flo
     cc = ARCHS[arch]
     rec = Record(kernel=variant.kernel, arch=arch, shape=shape.label, dtype=shape.dtype, head_dim=shape.head_dim,
                  window=list(shape.window), grid=list(shape.grid), max_offset=shape.max_offset,
-                 config=variant.config, num_warps=variant.num_warps, num_stages=variant.num_stages,
+                 presets=list(shape.presets), config=variant.config, num_warps=variant.num_warps, num_stages=variant.num_stages,
                  may_pick=variant.may_pick, note=variant.note, smem_limit=SMEM_PER_BLOCK[cc],
                  constexprs={k: v for k, v in variant.constexprs.items() if isinstance(v, (bool, int, str))})
     ctx = multiprocessing.get_context("fork")
@@ -268,26 +270,42 @@ def judge(rec: Record, tensor_cores: bool, cc: int) -> None:
 # Shapes
 
 
+def gpu_preset_shapes() -> dict[tuple, tuple[str, ...]]:
+    """The shapes the GPU presets (those on VAE latents: the paper's and Wan's) run DSA at, bf16:
+    ``(head dim, window, token grid, max_offset or None) -> preset names``."""
+    from megaslide_ray.config.presets import PRESETS
+
+    out: dict[tuple, tuple[str, ...]] = {}
+    for name, make in PRESETS.items():
+        cfg = make()
+        if cfg.model.inputs != "latents" or cfg.attention.kind != "dsa":
+            continue
+        a = cfg.attention
+        key = (cfg.model.hidden_size // cfg.model.num_heads, tuple(a.window), cfg.token_grid, a.max_offset or None)
+        out[key] = (*out.get(key, ()), name)
+    return out
+
+
 def preset_shapes(full: bool = False) -> list[AotShape]:
-    """The shapes the presets run DSA at: head dims 64 (videodit widths such as 512/8) and 128 (the
-    paper's and every Wan preset's), windows 3x5x5 (videodit) and 3x7x7 (Wan), the 81x480x832
-    clip's 21x30x52 token grid, offsets bounded by 1.5 (halo radius 2, as the GPU check runs them),
-    Wan2.2 TI2V-5B's 21x15x26 (its 16x VAE; the halo kernels take two image rows a tile there), and
-    the presets' unbounded offsets at d 128, 3x7x7 (every bound a call may run at: the atomic and
-    split backward modes past the key-side pass's cap).
-    ``full`` adds fp32, zero offsets (neighborhood attention, radius 0) and 720p's 21x45x80."""
+    """The shapes the GPU presets run DSA at (``gpu_preset_shapes``: head dim 128; windows 3x5x5,
+    the paper's, and 3x7x7, Wan's; the 480p grid 21x30x52, Wan2.2 TI2V-5B's 21x15x26 through its
+    16x VAE, Wan2.1 14B's 720p 21x45x80; offsets clamped at 1.5, halo radius 2), then shapes users
+    may configure: head dim 64 (videodit widths such as 512/8) at both windows, and unbounded
+    offsets (``attention.max_offset 0``) at d 128, 3x7x7 (every bound a call may run at: the
+    atomic and split backward modes past the key-side pass's cap). ``full`` adds fp32 and zero
+    offsets (neighborhood attention, radius 0)."""
     grid = (21, 30, 52)
-    shapes = [AotShape("bf16", d, w, grid, 1.5) for d in (64, 128) for w in ((3, 5, 5), (3, 7, 7))]
-    shapes.append(AotShape("bf16", 128, (3, 7, 7), (21, 15, 26), 1.5))
-    shapes.append(AotShape("bf16", 128, (3, 7, 7), grid, None))  # the presets' unbounded offsets
+    presets = gpu_preset_shapes()
+    shapes = [AotShape("bf16", d, w, g, m, presets=names) for (d, w, g, m), names in presets.items()]
+    shapes += [AotShape("bf16", 64, w, grid, 1.5) for w in ((3, 5, 5), (3, 7, 7))]
+    shapes.append(AotShape("bf16", 128, (3, 7, 7), grid, None))
     if full:
         shapes += [AotShape("fp32", d, w, grid, 1.5) for d in (64, 128) for w in ((3, 5, 5), (3, 7, 7))]
         shapes += [AotShape("bf16", 128, w, grid, 0.0) for w in ((3, 5, 5), (3, 7, 7))]
-        shapes.append(AotShape("bf16", 128, (3, 7, 7), (21, 45, 80), 1.5))
     return [AotShape(s.dtype, s.head_dim, s.window, s.grid, s.max_offset,
                      f"{s.dtype} d{s.head_dim} w{'x'.join(map(str, s.window))} "
                      f"{'x'.join(map(str, s.grid))} "
-                     + ("unbounded" if s.max_offset is None else f"off{s.max_offset:g}")) for s in shapes]
+                     + ("unbounded" if s.max_offset is None else f"off{s.max_offset:g}"), s.presets) for s in shapes]
 
 
 def run(archs: list[str], shapes: list[AotShape], kernels: tuple[str, ...] | None = None,
@@ -345,13 +363,18 @@ def verdict(records: list[Record]) -> tuple[bool, list[str]]:
 
 
 def picked_cores(records: list[Record]) -> str:
-    """Where the configs the product may pick run: how many on each target's tensor cores, and which
-    (kernel and shape) on CUDA cores."""
-    picked = [r for r in records if r.may_pick]
-    mma = [r for r in picked if r.dot in ("wgmma", "tcgen05")]
-    cuda = sorted({f"{r.kernel} ({r.shape})" for r in picked if r.dot not in ("wgmma", "tcgen05")})
-    return (f"{len(picked)} configs the product may pick: {len(mma)} on tensor cores, {len(picked) - len(mma)} on "
-            f"CUDA cores" + (": " + ", ".join(cuda) if cuda else ""))
+    """Where the configs the product may pick run: at the presets' shapes and at the others, how
+    many on each target's tensor cores, and which (kernel and shape) on CUDA cores."""
+
+    def line(recs, where):
+        picked = [r for r in recs if r.may_pick]
+        mma = [r for r in picked if r.dot in ("wgmma", "tcgen05")]
+        cuda = sorted({f"{r.kernel} ({r.shape})" for r in picked if r.dot not in ("wgmma", "tcgen05")})
+        return (f"{len(picked)} configs the product may pick {where}: {len(mma)} on tensor cores, "
+                f"{len(picked) - len(mma)} on CUDA cores" + (": " + ", ".join(cuda) if cuda else ""))
+
+    return "\n".join([line([r for r in records if r.presets], "at the presets' shapes"),
+                      line([r for r in records if not r.presets], "at the other shapes")])
 
 
 def as_json(records: list[Record]) -> list[dict]:
