@@ -3,7 +3,7 @@ atomics for the few whose offsets reach past the bound it runs at.
 
 Why
   The key-side pass (``dsa_triton_pull``) covers offsets up to ``PULL_MAX_OFFSET`` (3 tokens). An
-  unbounded offset head (the presets' ``attention.max_offset`` 0) trains to per-call extents of
+  unbounded offset head (``attention.max_offset`` 0) trains to per-call extents of
   3-6 tokens (benchmarks/RESULTS.md, "The offsets' extent per call"), so one far sample sent the
   whole call to the atomic mode: ``16 d`` fp32 atomics per (query, sample), the largest term of the
   backward's cost, and a result that differs from run to run. Yet most queries stay close: in that
