@@ -138,6 +138,9 @@ def test_local_attention_over_the_whole_grid_is_diffusers_dense_attention(tmp_pa
     ours = from_diffusers(tmp_path, attention_kind=kind, window=grid)
     has_offsets = any(".attn1.offsets." in n for n, _ in ours.named_parameters())
     assert has_offsets == (kind == "dsa")
+    if kind == "dsa":  # a plain Wan directory: the Wan presets' bound
+        heads = [m for n, m in ours.named_modules() if n.endswith(".attn1.offsets")]
+        assert heads and all((h.max_offset, h.bound) == (1.5, "clamp") for h in heads)
     x, ts, text = _inputs(shape, tokens, kw["text_dim"])
     with torch.no_grad():
         assert _rel(ours(x, ts, text), ref(x, ts, text, return_dict=False)[0]) < 1e-5

@@ -14,6 +14,7 @@ import torch
 import torch.nn as nn
 
 from megaslide_ray.config import WAN_WINDOW, Config, ConfigError, apply_overrides
+from megaslide_ray.config.presets import GPU_MAX_OFFSET
 from megaslide_ray.models.diffusers_dsa import CONFIG_KEY as DSA_CONFIG_KEY
 from megaslide_ray.models.layers import ffn_width
 from megaslide_ray.models.wan import WanTransformer, cast_like_diffusers, initialize_shard
@@ -205,16 +206,21 @@ def from_diffusers(path: str | Path, attention_kind: str = "dense", window: Sequ
 
     ``attention_kind``/``window``/``offset_groups`` choose the self-attention (default ``dense``,
     diffusers' own; ``window`` defaults to the presets' ``WAN_WINDOW``). A ``dsa`` model gets offset
-    heads initialised from ``seed`` with the last layer zero. ``dtype``: float32 by default; bf16
+    heads initialised from ``seed`` with the last layer zero, their offsets clamped at the presets'
+    ``GPU_MAX_OFFSET`` unless the directory is an export of ours that records its own bound. ``dtype``: float32 by default; bf16
     keeps diffusers' float32 modules (``KEEP_FP32``) in float32. The model is built in ``dtype``
     and filled one tensor at a time: a bf16 14B model takes its 28.6 GB, not an fp32 copy first."""
     from safetensors import safe_open
 
     tdir = transformer_dir(path)
     cfg = Config()
-    apply_overrides(cfg, diffusers_overrides(tdir))
-    apply_overrides(cfg, {"attention.kind": attention_kind, "attention.window": tuple(window or WAN_WINDOW),
-                          "attention.offset_groups": offset_groups})
+    found = diffusers_overrides(tdir)
+    apply_overrides(cfg, found)
+    chosen = {"attention.kind": attention_kind, "attention.window": tuple(window or WAN_WINDOW),
+              "attention.offset_groups": offset_groups}
+    if attention_kind == "dsa" and "attention.max_offset" not in found:  # the Wan presets' bound
+        chosen.update({"attention.max_offset": GPU_MAX_OFFSET, "attention.offset_bound": "clamp"})
+    apply_overrides(cfg, chosen)
     dtype = dtype or torch.float32
     with torch.device("meta"):
         model = DiffusersWanTransformer(cfg)
