@@ -129,6 +129,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--window", type=_dims, default=(3, 7, 7), help="window kt x kh x kw (default 3x7x7: Wan)")
     p.add_argument("--head-dim", type=int, default=128, help="head dim (default 128)")
     a = p.parse_args(argv)
+    if a.head_dim <= 0:
+        p.error(f"--head-dim {a.head_dim} must be a positive integer (128: every GPU preset's)")
     if any(w % 2 == 0 or w > g for w, g in zip(a.window, a.grid)):
         p.error(f"--window {a.window} must be odd and within --grid {a.grid} on every axis")
     if not (a.folder / A.RUNS_FILE).is_file():
