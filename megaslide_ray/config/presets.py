@@ -58,7 +58,8 @@ unbounded offsets send the calls whose largest offset passes 2 tokens to the gat
 cores) and past 3 add float atomics; it also lets a token-chunked block hold only the key frames a
 slab reaches. In the Wan adaptation study (benchmarks/RESULTS.md, three seeds) the clamped bound
 cost +0.0004 / +0.0008 / -0.0004 in held-out loss against unbounded offsets (a tanh bound at 1.5:
-+0.0014 / +0.0012 / -0.0007); ``attention.max_offset 0`` restores unbounded offsets."""
++0.0014 / +0.0012 / -0.0007), and on videodit within 1% in every seed; ``attention.max_offset 0``
+restores unbounded offsets."""
 
 
 def _dsa(window: tuple[int, int, int]) -> AttentionConfig:
