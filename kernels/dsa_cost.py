@@ -393,7 +393,8 @@ def predict_call(grid, window, head_dim: int, extent: float, shares: dict, dtype
     """What ``DKV_MODE``/``HALO_MODE`` "auto" run for one call of a whole clip whose offsets reach
     ``extent`` (their largest |offset|), ``shares`` being the share of (query, head) pairs past each
     of the split mode's bounds, and the predicted time per head on H100 figures: ``{"bound", "fwd":
-    (kernel, s), "bwd": (mode, s)}``; kernels "halo" and "gather"; modes "halo+pull" and
+    (kernel, s), "bwd": (mode, s)}``, past the cap also ``"atomic"``: the atomic mode's backward
+    s, which the split mode is weighed against; kernels "halo" and "gather"; modes "halo+pull" and
     "gather+pull" (that query side, then the key-side pass), "split at B" and "atomic". The bound
     is ``max_offset`` tightened to the extent where that is smaller (``dsa_triton.tightened_bound``),
     else the extent. Up to ``PULL_MAX_OFFSET`` the forward and the backward's query side each take
@@ -418,7 +419,7 @@ def predict_call(grid, window, head_dim: int, extent: float, shares: dict, dtype
     times, atomic, _ = split_seconds(grid, window, head_dim, dtype_bytes, shares)
     best = min(times, key=times.get)
     bwd = (f"split at {best:g}", times[best]) if times[best] < atomic else ("atomic", atomic)
-    return {"bound": bound, "fwd": ("gather", gather.seconds(chip)["seconds"]), "bwd": bwd}
+    return {"bound": bound, "fwd": ("gather", gather.seconds(chip)["seconds"]), "bwd": bwd, "atomic": atomic}
 
 
 @functools.lru_cache(maxsize=256)

@@ -155,7 +155,7 @@ def test_predict_call_follows_the_choices_the_launchers_make():
     ``choose_split`` gives, or the atomic mode where every query is far; a given ``max_offset``
     above the extent tightened to it, one below it taken."""
     pytest.importorskip("triton")
-    from kernels.dsa_cost import choose_halo, choose_split, predict_call
+    from kernels.dsa_cost import choose_halo, choose_split, predict_call, split_seconds
     from kernels.dsa_triton_pull import PULL_MAX_OFFSET
     from kernels.dsa_triton_split import SPLIT_BOUNDS
 
@@ -174,6 +174,8 @@ def test_predict_call_follows_the_choices_the_launchers_make():
     b_few, why = choose_split(WAN_GRID, WAN_WINDOW, 128, 2, few, 4.0)
     far = predict_call(WAN_GRID, WAN_WINDOW, 128, 4.0, few)
     assert far["fwd"][0] == "gather" and far["bwd"][0] == f"split at {b_few:g}"
+    assert far["atomic"] == split_seconds(WAN_GRID, WAN_WINDOW, 128, 2, few)[1] > far["bwd"][1]
+    assert "atomic" not in mid  # within the cap the atomic mode is not weighed
     assert f"{1e3 * far['bwd'][1]:.3g} ms vs" in why
     assert predict_call(WAN_GRID, WAN_WINDOW, 128, 4.0, {b: 1.0 for b in SPLIT_BOUNDS})["bwd"][0] == "atomic"
     assert predict_call(WAN_GRID, WAN_WINDOW, 128, 5.0, few, max_offset=1.5) == predict_call(

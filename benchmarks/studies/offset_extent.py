@@ -76,8 +76,7 @@ def price(per_call: list[list[float]], grid, window, head_dim: int, max_offset: 
     (each kernel or mode's share of the calls) and, over the calls past the key-side pass's cap,
     ``far`` (their count) with ``far_atomic_ms``/``far_bwd_ms`` (the atomic mode's backward and the
     one auto runs, mean per head)."""
-    from kernels.dsa_cost import predict_call, split_seconds  # lazy: imports triton
-    from kernels.dsa_triton_pull import PULL_MAX_OFFSET
+    from kernels.dsa_cost import predict_call  # lazy: imports triton
 
     fwd_ms, bwd_ms, fwd, bwd, far_atomic, far_auto = [], [], {}, {}, [], []
     for extent, *shares in per_call:
@@ -89,8 +88,8 @@ def price(per_call: list[list[float]], grid, window, head_dim: int, max_offset: 
         fwd[fk] = fwd.get(fk, 0) + 1 / len(per_call)
         mode = bk.split(" at ")[0]
         bwd[mode] = bwd.get(mode, 0) + 1 / len(per_call)
-        if got["bound"] > PULL_MAX_OFFSET:
-            far_atomic.append(1e3 * split_seconds(grid, window, head_dim, 2, by_mark)[1])
+        if "atomic" in got:  # past the key-side pass's cap
+            far_atomic.append(1e3 * got["atomic"])
             far_auto.append(1e3 * bs)
 
     def mean(xs):

@@ -61,9 +61,12 @@ cost +0.0004 / +0.0008 / -0.0004 in held-out loss against unbounded offsets (a t
 +0.0014 / +0.0012 / -0.0007), and on videodit within 1% in every seed; ``attention.max_offset 0``
 restores unbounded offsets."""
 
+GPU_OFFSET_FIELDS = {"max_offset": GPU_MAX_OFFSET, "offset_bound": "clamp"}
+"""The ``attention`` fields that give a dsa model the GPU presets' bound."""
+
 
 def _dsa(window: tuple[int, int, int]) -> AttentionConfig:
-    return AttentionConfig(kind="dsa", window=window, max_offset=GPU_MAX_OFFSET, offset_bound="clamp")
+    return AttentionConfig(kind="dsa", window=window, **GPU_OFFSET_FIELDS)
 
 
 def _paper(name: str, hidden: int, depth: int, heads: int) -> Config:

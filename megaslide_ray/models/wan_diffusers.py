@@ -14,7 +14,7 @@ import torch
 import torch.nn as nn
 
 from megaslide_ray.config import WAN_WINDOW, Config, ConfigError, apply_overrides
-from megaslide_ray.config.presets import GPU_MAX_OFFSET
+from megaslide_ray.config.presets import GPU_OFFSET_FIELDS
 from megaslide_ray.models.diffusers_dsa import CONFIG_KEY as DSA_CONFIG_KEY
 from megaslide_ray.models.layers import ffn_width
 from megaslide_ray.models.wan import WanTransformer, cast_like_diffusers, initialize_shard
@@ -219,7 +219,7 @@ def from_diffusers(path: str | Path, attention_kind: str = "dense", window: Sequ
     chosen = {"attention.kind": attention_kind, "attention.window": tuple(window or WAN_WINDOW),
               "attention.offset_groups": offset_groups}
     if attention_kind == "dsa" and "attention.max_offset" not in found:  # the Wan presets' bound
-        chosen.update({"attention.max_offset": GPU_MAX_OFFSET, "attention.offset_bound": "clamp"})
+        chosen.update({f"attention.{k}": v for k, v in GPU_OFFSET_FIELDS.items()})
     apply_overrides(cfg, chosen)
     dtype = dtype or torch.float32
     with torch.device("meta"):
