@@ -14,33 +14,22 @@ backend per call:
   time and memory, refused above ``MATRIX_LIMIT_TOKENS`` tokens).
 - ``"chunked"``: ``dsa_reference_chunked`` (the reference's math, queries in chunks,
   backward recomputes: bounded memory, reference speed).
-- ``"triton_gather"``: the fused Triton kernels. The forward and the backward's query side run,
+- ``"triton"``: the fused Triton kernels. The forward and the backward's query side run,
   per pass, either the gather kernels (``dsa_triton``: a strip of queries per program, one
   trilinear corner per loop iteration, CUDA-core FMAs) or the halo kernels (``dsa_triton_halo``:
   64 queries of a row against whole key rows, tensor-core dots), whichever the cost model
-  (``dsa_cost``) predicts faster at the offsets' bound (``dsa_triton.HALO_MODE``; logged). The bound
-  a call runs at is the offsets' measured extent where it is below the given ``max_offset``
-  (``dsa_triton.TIGHTEN_BOUND``: one reduction and a host sync per forward call), or measured when
-  none is given. The
-  backward sums dk, dv with the key-side pass (``dsa_triton_pull``): tensor-core dots, no
-  atomics, deterministic.
-  It runs for offsets bounded by at most ``PULL_MAX_OFFSET``. Past it (an unbounded offset head's
-  far samples) the split mode (``dsa_triton_split``) runs it for the queries within a smaller bound
-  and scatters the few others' samples with fp32 atomics, where the cost model predicts that faster
-  than atomics for every query (which run otherwise). Every autotune config compiles for sm_90 at
-  the presets' shapes without spills (the compile-only check, ``python -m benchmarks.gpu_check
-  --compile-only``).
-- ``"triton"``: the tiled Triton kernels (``dsa_triton_tiled``: 3D query tiles of 16-64
-  queries, a staged key/value halo, ``tl.dot``, dk/dv with one atomic per halo element per
-  tile); where the halo of the call's offsets does not fit a tile (or the tiled kernel fails to
-  compile) the call runs the gather kernel, logged. Not picked by ``auto``: at the presets'
-  shapes its halos do not fit, and where they fit its configs need more shared memory than a
-  Hopper block has, or spill (benchmarks/RESULTS.md, "Compile-only check").
-  Both Triton paths need CUDA tensors and are verified so far only under the Triton CPU
-  interpreter and by compiling for sm_90.
+  (``dsa_cost``) predicts faster at the call's bound (``dsa_triton.HALO_MODE``; logged). The bound
+  is the caller's ``max_offset`` (``attention.max_offset``), a constant of the config: nothing is
+  measured per call, so a call makes no host sync and compiles nothing new mid-run. The backward
+  sums dk, dv with the key-side pass (``dsa_triton_pull``): tensor-core dots, no atomics,
+  deterministic, for offsets bounded by at most ``PULL_MAX_OFFSET``. Past it, and for unbounded
+  offsets (no ``max_offset``), the split mode (``dsa_triton_split``) runs it at its cap for the
+  queries whose offsets stay within (flagged on the device) and scatters the others' samples with
+  fp32 atomics. Every autotune config compiles for sm_90 at the presets' shapes without spills (the
+  compile-only check, ``python -m benchmarks.gpu_check --compile-only``). Verified so far only under
+  the Triton CPU interpreter and by compiling for sm_90 and sm_100.
 - ``"auto"`` (``backend=None``, the default): for CUDA tensors when Triton imports, the kernel the
-  compile-only check passes at the call's shape (``pick_cuda_kernel``: today ``triton_gather``
-  everywhere); for CPU tensors ``matrix`` up to ``MATRIX_MAX_TOKENS`` tokens per clip (while its
+  compile-only check passes at the call's shape (``pick_cuda_kernel``: ``triton``); for CPU tensors ``matrix`` up to ``MATRIX_MAX_TOKENS`` tokens per clip (while its
   matrices stay within ``MATRIX_MAX_ELEMENTS``) and ``cpu`` above; else reference. The first
   automatic pick per device type and kernel is logged once (INFO) with its reason.
 
@@ -79,15 +68,18 @@ __all__ = [
 
 log = logging.getLogger(__name__)
 
-DSABackend = Literal["reference", "cpu", "matrix", "chunked", "triton", "triton_gather", "auto"]
-_BACKENDS = ("reference", "cpu", "matrix", "chunked", "triton", "triton_gather", "auto")
+DSABackend = Literal["reference", "cpu", "matrix", "chunked", "triton", "auto"]
+_BACKENDS = ("reference", "cpu", "matrix", "chunked", "triton", "auto")
+_RENAMED = {"triton_gather": "triton"}  # old backend names, refused with the new one
 
 
 def resolve_dsa_backend(q: torch.Tensor, backend: str | None = None) -> str:
-    """The concrete backend ("reference", "cpu", "matrix", "chunked", "triton" or "triton_gather")
-    a call on ``q`` uses; ``backend=None`` means ``"auto"``. (``triton`` may still run the gather
-    kernel for a call whose offsets are too large for its tiles; ``dsa_triton_tiled`` logs that.)"""
+    """The concrete backend ("reference", "cpu", "matrix", "chunked" or "triton") a call on ``q``
+    uses; ``backend=None`` means ``"auto"``."""
     choice = "auto" if backend is None else str(backend).strip().lower()
+    if choice in _RENAMED:
+        raise ValueError(f"DSA backend {backend!r} is now called {_RENAMED[choice]!r} (the same kernels); "
+                         f"set attention.backend {_RENAMED[choice]}")
     if choice not in _BACKENDS:
         raise ValueError(f"unknown DSA backend backend={backend!r}; choose one of {_BACKENDS}")
     if choice == "auto":
@@ -103,15 +95,12 @@ def resolve_dsa_backend(q: torch.Tensor, backend: str | None = None) -> str:
 
 
 def pick_cuda_kernel(q: torch.Tensor) -> tuple[str, str]:
-    """(backend, reason) for a CUDA call under ``auto``: a kernel whose every autotune config the
-    compile-only check (``python -m benchmarks.gpu_check --compile-only --arch sm_90``) passes at
-    this shape -- it launches and does not spill. The gather kernel passes at every shape the
-    presets use (bf16 and fp32, head dims 64 and 128, windows up to 3x7x7); the tiled kernel does
-    not (its 16-query tiles find no halo at the presets' grids with ``max_offset`` 1.5, and where
-    a halo fits its configs exceed a Hopper block's shared memory or spill: benchmarks/RESULTS.md)."""
-    return "triton_gather", ("gather kernel: every config compiles for sm_90 without spills at head dim "
-                             f"{q.shape[-1]}, its backward's key-side dk/dv pass on wgmma; the tiled "
-                             "kernel's do not (compile-only check, benchmarks/RESULTS.md)")
+    """(backend, reason) for a CUDA call under ``auto``: the fused Triton kernels, whose every
+    autotune config the compile-only check (``python -m benchmarks.gpu_check --compile-only --arch
+    sm_90``) passes at the presets' shapes (bf16 and fp32, head dims 64 and 128, windows up to
+    3x7x7): it launches and does not spill."""
+    return "triton", (f"fused Triton kernels (halo or gather per pass, by the cost model) at head dim {q.shape[-1]}: "
+                      "every config compiles for sm_90 without spills (compile-only check)")
 
 
 _TRITON_ERROR: list[str] = []  # why the Triton kernels did not import (once known)
@@ -120,7 +109,7 @@ _WARNED: set[str] = set()
 
 def _triton_available() -> bool:
     try:
-        importlib.import_module(f"{__name__}.dsa_triton_tiled")  # imports dsa_triton too
+        importlib.import_module(f"{__name__}.dsa_triton")
     except Exception as e:  # triton missing or broken: the reference still works
         if not _TRITON_ERROR:
             _TRITON_ERROR.append(f"{type(e).__name__}: {e}")
@@ -164,22 +153,15 @@ def deformable_slide_attention(
     fp32 internally. The exact semantics: docs/architecture.md ("3D-DSA: the operator")
     and ``dsa_reference``.
 
-    ``max_offset``: a bound on ``|offsets|`` the caller guarantees (a tanh-bounded offset head's
-    ``attention.max_offset``); the Triton paths read it, the others ignore it. The tiled kernel
-    sizes its halo by it, and a query with an offset beyond ``ceil(max_offset)`` gets NaN output
-    and gradients (``dsa_triton_tiled``). The gather
-    kernels run at the smaller of it and the offsets' measured extent (one reduction and a host
-    sync per forward call; ``dsa_triton.TIGHTEN_BOUND = False`` turns that off), which sizes their
-    key-side dk/dv pass (``dsa_triton_pull``) and picks the halo kernels where small offsets make
-    them faster; a query with an offset beyond ``max_offset`` gets a NaN ``dq`` (and a NaN output
-    row in the halo forward).
+    ``max_offset``: a bound on ``|offsets|`` the caller guarantees (``attention.max_offset``: the
+    offset head's tanh or clamp bound); the Triton path reads it, the others ignore it. It sizes the
+    backward's key-side dk/dv pass (``dsa_triton_pull``) and picks the halo kernels where the cost
+    model predicts them faster at it; a query with an offset beyond it gets a NaN ``dq`` (and a NaN
+    output row in the halo forward). Without it the Triton path runs the gather forward and the
+    backward's split mode at the key-side pass's cap: nothing is measured per call.
     """
     path = resolve_dsa_backend(q, backend)
     if path == "triton":
-        from .dsa_triton_tiled import dsa_triton_tiled  # lazy: needs triton, which a CPU machine may lack
-
-        return dsa_triton_tiled(q, k, v, offsets, window, scale=scale, max_offset=max_offset)
-    if path == "triton_gather":
         from .dsa_triton import dsa_triton  # lazy: needs triton, which a CPU machine may lack
 
         return dsa_triton(q, k, v, offsets, window, scale=scale, max_offset=max_offset)
@@ -212,7 +194,7 @@ def deformable_slide_attention_slab(
     (``runtime.token_chunk``). Backends as ``deformable_slide_attention`` (``chunked`` runs the
     reference; ``matrix``, and ``auto`` on CPU, the ``cpu`` path: a slab is part of a long clip)."""
     path = resolve_dsa_backend(q, backend)
-    if path in ("triton", "triton_gather"):  # the slab path runs the gather kernel for both
+    if path == "triton":
         from .dsa_triton import dsa_triton_slab  # lazy: needs triton, which a CPU machine may lack
 
         return dsa_triton_slab(q, k, v, offsets, window, q_start, kv_start, frames, scale=scale,

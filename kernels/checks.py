@@ -1,6 +1,6 @@
 """Checks for attention kernels: independent implementations, test inputs, tolerance rules.
 
-Used by the tests (``tests/test_dsa.py``, ``tests/test_dsa_tiled.py``, ``tests/test_swin.py``)
+Used by the tests (``tests/test_dsa.py``, ``tests/test_swin.py``)
 and by the GPU check
 (``benchmarks/gpu_check/``), which must run on a machine without pytest or the tests
 folder. Nothing here is used by training.

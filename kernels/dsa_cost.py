@@ -372,40 +372,22 @@ def split_seconds(grid, window, head_dim: int, dtype_bytes: int, shares: dict) -
     return times, atomic, how
 
 
-def choose_split(grid, window, head_dim: int, dtype_bytes: int, shares: dict, extent: float,
-                 force: bool = False) -> tuple:
-    """The backward's split mode (``dsa_triton_split``): ``(bound, why)`` for the bound of ``shares``
-    (bound -> the share of (query, head) pairs with an offset past it) with the smallest predicted
-    time (``split_seconds``), or ``(None, why)`` where the atomic mode's is smaller. ``force``: the
-    best bound even where the atomic mode is predicted faster."""
-    times, atomic, how = split_seconds(grid, window, head_dim, dtype_bytes, shares)
-    best = min(times, key=times.get)
-    label = f"offsets up to {extent:.3g}, cost model ({how}) per head"
-    if times[best] >= atomic and not force:
-        return None, (f"{label}: the atomic mode {1e3 * atomic:.3g} ms, the split mode at best {1e3 * times[best]:.3g} "
-                      f"ms (bound {best:g}, {shares[best]:.1%} of the queries by atomics)")
-    return best, (f"{'forced (DKV_MODE split); ' if force else ''}{label}: the key-side pass at {best:g}, atomics for the {shares[best]:.1%} of the (query, head) "
-                  f"pairs past it, {1e3 * times[best]:.3g} ms vs the atomic mode's {1e3 * atomic:.3g} ms")
-
-
-def predict_call(grid, window, head_dim: int, extent: float, shares: dict, dtype_bytes: int = 2,
+def predict_call(grid, window, head_dim: int, shares: dict, dtype_bytes: int = 2,
                  max_offset: float | None = None) -> dict:
-    """What ``DKV_MODE``/``HALO_MODE`` "auto" run for one call of a whole clip whose offsets reach
-    ``extent`` (their largest |offset|), ``shares`` being the share of (query, head) pairs past each
-    of the split mode's bounds, and the predicted time per head on H100 figures: ``{"bound", "fwd":
-    (kernel, s), "bwd": (mode, s)}``, past the cap also ``"atomic"``: the atomic mode's backward
-    s, which the split mode is weighed against; kernels "halo" and "gather"; modes "halo+pull" and
-    "gather+pull" (that query side, then the key-side pass), "split at B" and "atomic". The bound
-    is ``max_offset`` tightened to the extent where that is smaller (``dsa_triton.tightened_bound``),
-    else the extent. Up to ``PULL_MAX_OFFSET`` the forward and the backward's query side each take
-    the halo or the gather kernels (``choose_halo``), then the key-side pass; past it, the gather
-    forward and the backward's split or atomic mode, whichever ``split_seconds`` predicts faster
-    (``choose_split``)."""
+    """What ``DKV_MODE``/``HALO_MODE`` "auto" run for one call of a whole clip and the predicted time
+    per head on H100 figures: ``{"bound", "fwd": (kernel, s), "bwd": (mode, s)}``, past the cap also
+    ``"atomic"``: the atomic mode's backward s, for comparison. Kernels "halo" and "gather"; modes
+    "halo+pull" and "gather+pull" (that query side, then the key-side pass) and "split at B". A call
+    runs at its ``max_offset`` (nothing is measured): up to ``PULL_MAX_OFFSET`` the forward and the
+    backward's query side each take the halo or the gather kernels (``choose_halo``), then the
+    key-side pass; without a bound or past the cap, the gather forward and the split mode at the
+    cap, whose flagged share is ``shares[PULL_MAX_OFFSET]`` (the share of (query, head) pairs with
+    an offset past it: a trained model's, e.g. from ``benchmarks.studies.offset_extent``)."""
     from .dsa_triton_pull import PULL_MAX_OFFSET  # lazy: imports triton
 
-    bound = float(extent) if max_offset is None else min(float(extent), float(max_offset))
     chip = CHIPS[0]
-    if bound <= PULL_MAX_OFFSET:
+    if max_offset is not None and float(max_offset) <= PULL_MAX_OFFSET:
+        bound = float(max_offset)
         seconds, _ = halo_seconds(tuple(grid), tuple(window), head_dim, span_class(bound)[0], dtype_bytes)
         pick = choose_halo(grid, window, head_dim, bound, dtype_bytes)
         key = (_split_parts(tuple(grid), tuple(window), head_dim, *span_class(bound), dtype_bytes, True)
@@ -416,15 +398,14 @@ def predict_call(grid, window, head_dim: int, extent: float, shares: dict, dtype
     gather = gather_costs(math.prod(grid), window, head_dim, dtype_bytes)[0]
     if gather.issue is None:
         gather = gather_costs(math.prod(grid), window, head_dim, dtype_bytes, issue=False)[0]
-    times, atomic, _ = split_seconds(grid, window, head_dim, dtype_bytes, shares)
-    best = min(times, key=times.get)
-    bwd = (f"split at {best:g}", times[best]) if times[best] < atomic else ("atomic", atomic)
-    return {"bound": bound, "fwd": ("gather", gather.seconds(chip)["seconds"]), "bwd": bwd, "atomic": atomic}
+    times, atomic, _ = split_seconds(grid, window, head_dim, dtype_bytes, {PULL_MAX_OFFSET: shares[PULL_MAX_OFFSET]})
+    return {"bound": max_offset, "fwd": ("gather", gather.seconds(chip)["seconds"]),
+            "bwd": (f"split at {PULL_MAX_OFFSET:g}", times[PULL_MAX_OFFSET]), "atomic": atomic}
 
 
 @functools.lru_cache(maxsize=256)
 def _split_parts(grid, window, head_dim: int, bound: float, label: str, dtype_bytes: int, issue: bool):
-    """(query-side s, key-side s, the atomic mode's backward s, measured) on H100 for ``choose_split``,
+    """(query-side s, key-side s, the atomic mode's backward s, measured) on H100 for ``split_seconds``,
     or None when ``issue`` asks for the compile's issue slots and the table lacks one of them."""
     chip = CHIPS[0]
     query, key = pull_costs(grid, window, head_dim, bound, dtype_bytes, issue=issue)

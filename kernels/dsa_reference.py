@@ -23,8 +23,7 @@ backward); no Python loop runs over tokens. For speed and long videos on CPU use
 ``dsa_cpu`` (same function, ~10x faster, chunked, recomputes in backward; what
 ``deformable_slide_attention`` picks for CPU tensors), ``dsa_reference_chunked`` (this
 math in chunks: O(chunk*K*d) extra, reference speed) or, on GPU, the Triton kernels
-(O(N*d): samples are never materialised; ``dsa_triton_tiled``, falling back to
-``dsa_triton``).
+(O(N*d): samples are never materialised; ``dsa_triton``).
 
 ``dsa_slab`` is the operator for the queries of a slab of frames against only the frames of
 k, v they reach (``slab_kv_frames``), computed on the whole grid's geometry: the token-chunked

@@ -1,14 +1,12 @@
 """Fused Triton kernels for 3D Deformable Slide Attention (3D-DSA): the gather kernels.
 
-Backend ``triton_gather``; since the tiled kernels (``dsa_triton_tiled.py``, backend
-``triton``) exist, these are their fallback -- calls whose halo does not fit a tile, logged --
-and the baseline they are timed against (benchmarks/gpu_check/).
+Backend ``triton``: this module's launchers are its entry points (``dsa_triton``, ``dsa_triton_slab``).
 
 The forward and the backward's query side have a second implementation, the halo kernels
 (``dsa_triton_halo``: the products on tensor cores); ``HALO_MODE`` "auto" takes them per pass where
-the cost model (``dsa_cost.choose_halo``) predicts them faster at the bound the call runs at (the
-offsets' measured extent where it is below a given ``max_offset``: ``TIGHTEN_BOUND``), and logs the
-choice once per span of the bound.
+the cost model (``dsa_cost.choose_halo``) predicts them faster at the call's bound (``max_offset``,
+a constant of the config: nothing is measured per call, so no host sync and no new compile
+mid-run), and logs the choice once per span of the bound.
 
 Semantics are those of ``dsa_reference`` (docs/architecture.md, "3D-DSA: the operator"):
 channels-last ``q, k, v: (B, T, H, W, nh, d)``, ``offsets: (B, T, H, W, nh, K, 3)``.
@@ -27,7 +25,7 @@ Algorithm (structure of the triton tutorial 06-fused-attention):
   * dk, dv: in the pull mode (the default when the offsets' bound is at most
     ``dsa_triton_pull.PULL_MAX_OFFSET``) each (query, sample) writes a record (position, ds, a)
     and the key-side pass ``dsa_triton_pull`` sums them per key tile: no atomics, deterministic.
-    In the atomic mode (larger or unknown bounds, ``DKV_MODE = "atomic"``) they are scattered
+    In the atomic mode (``DKV_MODE = "atomic"``, or where no bound fits a slab) they are scattered
     to the 8 corners of every sample with fp32 ``atomic_add`` (many queries sample the same
     key) into fp32 buffers (``(pairs, keys, d)``, the (batch, head) pairs in chunks within
     ``ATOMIC_BUDGET_BYTES``), each chunk cast into dk, dv after its launch. The split mode
@@ -55,7 +53,6 @@ Verification status (Caution):
 from __future__ import annotations
 
 import logging
-import math
 from typing import Sequence
 
 import torch
@@ -71,7 +68,6 @@ from .dsa_triton_pull import (
     _past_bound,
     log_halo_once,
     log_mode_once,
-    offsets_extent,
     pairs_within,
     pull_bound,
     pull_launch,
@@ -80,30 +76,23 @@ from .dsa_triton_pull import (
 )
 from .dsa_triton_split import split_chunk, split_plan
 
-__all__ = ["dsa_triton", "dsa_triton_slab", "INTERPRETED", "tightened_bound"]
+__all__ = ["dsa_triton", "dsa_triton_slab", "INTERPRETED"]
 
 log = logging.getLogger(__name__)
 
 LOG2E = 1.4426950408889634
 # How the backward sums dk and dv: "auto" -- the key-side pass (dsa_triton_pull: deterministic, no
-# float atomics) when the offsets' bound allows it; past its cap the split mode (dsa_triton_split: the
-# key-side pass for the queries within a smaller bound, atomics for the rest) where the cost model
-# predicts it faster than fp32 atomics for all; "split" -- the split mode wherever the cap is passed;
-# "atomic" -- always atomics.
+# float atomics) when the offsets' bound (max_offset) allows it; past its cap, or with no bound, the
+# split mode (dsa_triton_split: the key-side pass at its cap for the queries within it, atomics for
+# the rest, flagged on the device); "atomic" -- always atomics.
 DKV_MODE = "auto"
 ATOMIC_BUDGET_BYTES = 1 << 30  # the atomic mode's fp32 dk, dv per launch; (batch, head) pairs in chunks within it
 # Which kernels take the forward and the backward's query side: "auto" -- per pass, the halo kernels
 # (dsa_triton_halo: the products on tensor cores) for bf16 and fp16 when the offsets' bound allows them
-# (as for the pull mode) and the cost model (dsa_cost.choose_halo) predicts them faster at that bound,
+# (max_offset, as for the pull mode) and the cost model (dsa_cost.choose_halo) predicts them faster there,
 # else the gather kernels; "halo" -- the halo kernels whenever the bound allows them, fp32 too;
 # "gather" -- always the gather kernels. A call with an explicit ``block_m`` takes the gather kernels.
 HALO_MODE = "auto"
-# Whether a call with a given ``max_offset`` measures its offsets (``max |offsets|``: one min/max
-# reduction and a host sync per forward call, reused by its backward) and runs at the smaller of the
-# two. The kernels' work grows with the bound's span (the key-side pass's candidates as (2M + 2)^3,
-# the rows a halo group touches as (2M + 2)^2), and the offsets a tanh-bounded head predicts are
-# mostly well inside its bound: zero from a fresh head. False: the given bound, no host sync.
-TIGHTEN_BOUND = True
 
 
 
@@ -483,29 +472,7 @@ def halo_choice(pass_: str, q, win, bound: float | None, why: str, block_m=None)
     return choose_halo(tuple(q.shape[1:4]), tuple(win), q.shape[-1], float(bound), q.element_size())[pass_]
 
 
-_TIGHTENED: list[float] = []  # the first tightened extent, once logged
-
-
-def tightened_bound(offsets: torch.Tensor, max_offset: float | None) -> float | None:
-    """The bound the kernels run a call at: the caller's ``max_offset``, or, with ``TIGHTEN_BOUND``,
-    the offsets' measured extent where it is smaller. Only speed depends on it: every sample lies
-    within it. A non-finite extent (a NaN or infinite offset) keeps ``max_offset``, so a query
-    past the given bound still gets its NaN row; so do meta tensors (nothing to measure) and calls
-    without a bound (the launchers measure those themselves)."""
-    if max_offset is None or not TIGHTEN_BOUND or offsets.device.type == "meta":
-        return max_offset
-    extent = offsets_extent(offsets)
-    if not math.isfinite(extent) or extent >= float(max_offset):
-        return max_offset
-    if not _TIGHTENED:  # said once per process
-        _TIGHTENED.append(extent)
-        log.info("3D-DSA gather kernels: each call runs at its offsets' measured extent where it is below the given "
-                 "max_offset (first: %.3g of %g; one reduction and a host sync per forward call; "
-                 "dsa_triton.TIGHTEN_BOUND)", extent, float(max_offset))
-    return extent
-
-
-def _dsa_fwd_launch(q, k, v, offsets, win, scale, block_m, slab=None, max_offset=None, measured=None):
+def _dsa_fwd_launch(q, k, v, offsets, win, scale, block_m, slab=None, max_offset=None):
     """out and the log-sum-exp: the halo forward (``dsa_triton_halo``: tensor cores) where
     ``halo_choice`` takes it, else the gather forward."""
     B, T, H, W, nh, d = q.shape
@@ -514,7 +481,7 @@ def _dsa_fwd_launch(q, k, v, offsets, win, scale, block_m, slab=None, max_offset
     out = torch.empty_like(q)
     lse = torch.empty((B, nh, N), device=q.device, dtype=torch.float32)
     bound, why = ((None, "") if halo_refusal(q, block_m)
-                  else pull_bound(offsets, max_offset, slab, win[0], win[2], measured))
+                  else pull_bound(offsets, max_offset, slab, win[0], win[2]))
     halo, why = halo_choice("fwd", q, win, bound, why, block_m)
     log_halo_once("forward", halo, why)
     if halo:
@@ -530,21 +497,20 @@ def _dsa_fwd_launch(q, k, v, offsets, win, scale, block_m, slab=None, max_offset
     return out, lse
 
 
-def _dsa_bwd_launch(q, k, v, offsets, out, dout, lse, win, scale, block_m, slab=None, max_offset=None,
-                    measured=None):
+def _dsa_bwd_launch(q, k, v, offsets, out, dout, lse, win, scale, block_m, slab=None, max_offset=None):
     """dq, dk, dv, d(offsets). dk and dv come from the key-side pass (``dsa_triton_pull``) when the
-    offsets' bound allows it (``DKV_MODE`` "auto"), else from the query-side pass's fp32 atomics."""
+    offsets' bound allows it (``DKV_MODE`` "auto"), else from the split mode (the key-side pass at its
+    cap, fp32 atomics for the queries past it) or, where no bound fits, the query-side pass's atomics."""
     B, T, H, W, nh, d = q.shape
     N = T * H * W
     kv_args, T = _slab_args(q, k, slab)
     dq = torch.empty_like(q)
     doff = torch.empty_like(offsets)
     bound, why = ((None, "DKV_MODE atomic") if DKV_MODE == "atomic"
-                  else pull_bound(offsets, max_offset, slab, win[0], win[2], measured))
-    split = None  # offsets past the key-side pass's cap: it may still take the queries within a smaller bound
-    if bound is None and DKV_MODE in ("auto", "split"):
-        extent = float(max_offset) if max_offset is not None else measured[0] if measured else offsets_extent(offsets)
-        split = split_plan(q, offsets, win, extent, slab, force=DKV_MODE == "split")
+                  else pull_bound(offsets, max_offset, slab, win[0], win[2]))
+    split = None  # a bound past the key-side pass's cap, or none: it still takes the queries within its cap
+    if bound is None and DKV_MODE == "auto":
+        split = split_plan(offsets, win, max_offset, slab)
         if split is not None:
             bound, why = split.bound, split.why
     log_mode_once("split" if split else "atomic" if bound is None else "pull", why,
@@ -615,20 +581,17 @@ class _DSATriton(torch.autograd.Function):
     def forward(ctx, q, k, v, offsets, win, scale, block_m, slab=None, max_offset=None):
         q, k, v, offsets = (x.contiguous() for x in (q, k, v, offsets))
         _check_launch(q, k, v, offsets)
-        max_offset = tightened_bound(offsets, max_offset)  # the backward runs at the same bound
-        measured = []  # without a bound: the extent, measured by the first launch that needs it, once
-        out, lse = _dsa_fwd_launch(q, k, v, offsets, win, scale, block_m, slab, max_offset, measured)
+        out, lse = _dsa_fwd_launch(q, k, v, offsets, win, scale, block_m, slab, max_offset)
         ctx.save_for_backward(q, k, v, offsets, out, lse)
-        ctx.meta = (win, scale, block_m, slab, max_offset, measured)
+        ctx.meta = (win, scale, block_m, slab, max_offset)
         return out
 
     @staticmethod
     def backward(ctx, dout):
         q, k, v, offsets, out, lse = ctx.saved_tensors
-        win, scale, block_m, slab, max_offset, measured = ctx.meta
+        win, scale, block_m, slab, max_offset = ctx.meta
         dout = dout.contiguous().to(q.dtype)
-        dq, dk, dv, doff = _dsa_bwd_launch(q, k, v, offsets, out, dout, lse, win, scale, block_m, slab,
-                                             max_offset, measured)
+        dq, dk, dv, doff = _dsa_bwd_launch(q, k, v, offsets, out, dout, lse, win, scale, block_m, slab, max_offset)
         return dq, dk, dv, doff, None, None, None, None, None
 
 
@@ -647,10 +610,10 @@ def dsa_triton(
     Same arguments and result as ``dsa_reference``; q/k/v in fp16/bf16/fp32 (computed
     in fp32), offsets in fp16/bf16/fp32. ``block_m`` (a power of two, >= 16) is queries
     per program for forward and backward; default: a heuristic on the head dim.
-    ``max_offset``: a bound on ``|offsets|`` the caller guarantees. The call runs at it, or at the
-    offsets' measured extent where that is smaller (``tightened_bound``; ``TIGHTEN_BOUND``), which
-    sizes the backward's key-side pass (``dsa_triton_pull``) and the halo kernels and picks
-    between them and the gather kernels. A query with an offset beyond it gets a NaN ``dq``.
+    ``max_offset``: a bound on ``|offsets|`` the caller guarantees. The call runs at it: it sizes
+    the backward's key-side pass (``dsa_triton_pull``) and the halo kernels and picks between them
+    and the gather kernels. A query with an offset beyond it gets a NaN ``dq``. Without it: the
+    gather forward and the split backward at the key-side pass's cap. No host sync either way.
     """
     win = validate_dsa_inputs(q, k, v, offsets, window)
     return _gather_validated(q, k, v, offsets, win, scale, block_m, max_offset=max_offset)
@@ -670,7 +633,7 @@ def dsa_triton_slab(q, k, v, offsets, window, q_start: int, kv_start: int, frame
 def _gather_validated(q, k, v, offsets, win: tuple[int, int, int], scale: float | None, block_m: int | None,
                      slab=None, max_offset: float | None = None) -> torch.Tensor:
     """The gather kernels on inputs an entry point has validated (``win``: its window tuple);
-    ``dsa_triton``, ``dsa_triton_slab`` and the tiled kernels' fallback call it."""
+    ``dsa_triton`` and ``dsa_triton_slab`` call it."""
     if block_m is not None and (block_m < 16 or block_m & (block_m - 1)):
         raise ValueError(f"block_m must be a power of two >= 16, got {block_m}")
     scale = q.shape[-1] ** -0.5 if scale is None else float(scale)

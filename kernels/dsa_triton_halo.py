@@ -72,8 +72,7 @@ When it runs
   column run covers, a slab holding every reachable frame: ``dsa_triton_pull.pull_bound``), bf16
   and fp16. ``dsa_triton.HALO_MODE`` "auto" takes the halo kernels per pass (the forward; the
   backward's query side) where the cost model (``dsa_cost.choose_halo``) predicts them faster than
-  the gather kernels at the bound the call runs at (the offsets' measured extent where it is below
-  a given ``max_offset``), both counted in issue slots from their sm_90 compiles. At the Wan grid
+  the gather kernels at the call's bound (its ``max_offset``), both counted in issue slots from their sm_90 compiles. At the Wan grid
   (21x30x52) and head dim 128, window 3x7x7: both passes up to offsets of 2 (the GPU check's bound
   is 1.5); past that it predicts the gather kernels faster (at 3x5x5 from 2). At
   Wan2.2 TI2V-5B's narrower grid (21x15x26, two image rows a tile) both passes up to offsets in

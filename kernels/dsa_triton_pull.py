@@ -43,15 +43,13 @@ Two passes (the pull mode of the gather backward)
 
 When it runs
   When the offsets' bound ``M`` is known and small: the caller's ``max_offset`` (the model's
-  tanh-bounded offset head passes it), tightened to the offsets' measured extent where that is
-  smaller (``dsa_triton.tightened_bound``: once per forward call, reused by its backward), else
-  ``max |offsets|`` measured once per call (a reduction and a host sync, by the forward where it
-  needs the bound, else by the backward; ``pull_bound``'s ``measured``). Up to
+  bounded offset head passes it; a constant of the config, never measured per call), up to
   ``PULL_MAX_OFFSET`` (the candidate set grows as ``(2M + 2)^3``). With a given bound, the query-side pass checks each sample against it: a query
   whose sample lies beyond it gets a NaN ``dq`` row. The key-side pass would miss that sample's
   corners, so the result is refused rather than wrong. Slab calls take the pull only when the
-  held frames contain every corner the bound allows. Otherwise the atomic mode runs, and the
-  first such call per reason is logged.
+  held frames contain every corner the bound allows. Otherwise (no bound, or past the cap) the
+  split mode runs it at its cap for the queries within (``dsa_triton_split``), and the first
+  such call per reason is logged.
 
 Verification status (Caution)
   Verified under the Triton CPU interpreter against ``dsa_reference`` (tests/test_dsa_pull.py)
@@ -368,21 +366,13 @@ def offsets_extent(offsets: torch.Tensor) -> float:
 
 
 def pull_bound(offsets: torch.Tensor, max_offset: float | None, slab=None, window_t: int = 1,
-               window_w: int | None = None, measured: list | None = None) -> tuple[float | None, str]:
-    """The offsets' bound for the pull mode, or ``(None, why)`` when the atomic mode must run.
-    ``max_offset`` (the caller's guarantee) when given, else ``max |offsets|`` measured: once per
-    call where the caller passes ``measured`` (a list the first measurement is kept in, which the
-    call's other launch reads: the forward's measure serves its backward)."""
-    if max_offset is not None:
-        bound, src = float(max_offset), "max_offset"
-    else:
-        if measured:
-            bound = measured[0]
-        else:
-            bound = offsets_extent(offsets)
-            if measured is not None:
-                measured.append(bound)
-        src = "measured"
+               window_w: int | None = None) -> tuple[float | None, str]:
+    """The offsets' bound for the pull mode, or ``(None, why)`` when it cannot run: ``max_offset``
+    (the caller's guarantee, a constant of the config) when given; without it the offsets are
+    unbounded (nothing is measured: that would be a host sync per call)."""
+    if max_offset is None:
+        return None, "no max_offset (unbounded offsets)"
+    bound, src = float(max_offset), "max_offset"
     why = bound_refusal(bound, src, window_w)
     if why:
         return None, why

@@ -11,12 +11,13 @@ Why
   (up to 35% and 58% in the worst call).
 
 How
-  1. Per (batch, query, head) the largest ``|offset|`` over its samples (``query_extents``: a max
-     and a min reduction, no ``|offsets|`` copy), and the share of pairs past each candidate bound
-     (one host sync).
-  2. The bound ``b`` (one per span class up to ``PULL_MAX_OFFSET``) whose predicted time is the
-     smallest (``dsa_cost.choose_split``: the query-side pass, the key-side pass at ``b``, and the
-     flagged share of what the atomic mode's scatter costs), if it beats the atomic mode's.
+  1. The key-side pass runs at its cap, ``PULL_MAX_OFFSET`` (a slab: the largest of ``SPLIT_BOUNDS``
+     whose corners its held frames hold). Per (batch, query, head) the largest ``|offset|`` over
+     its samples (``query_extents``: a max and a min reduction, no ``|offsets|`` copy) flags the
+     queries past it, on the device: nothing is read back, so the call makes no host sync.
+  2. The cost model's figures for this mode against the atomic mode at a call's measured shares
+     (``dsa_cost.split_seconds``) are the offline study's (``benchmarks.studies.offset_extent
+     --predict``); the launcher does not weigh them per call, which would need the shares on the host.
   3. The query-side pass (``dsa_triton._dsa_bwd`` with ``SPLIT``) writes the records of every
      query, with ``ds`` and ``a`` zeroed for the flagged ones (``|offset| > b``), and scatters the
      flagged queries' samples to their corners with fp32 atomics into per-chunk buffers. A program
@@ -43,7 +44,6 @@ from dataclasses import dataclass
 import torch
 
 from . import dsa_triton_pull as P
-from .dsa_cost import choose_split
 from .dsa_triton_pull import PULL_MAX_OFFSET, REC_FIELDS, pairs_within, pull_bound
 
 __all__ = ["SplitPlan", "split_plan", "split_chunk", "query_extents", "SPLIT_BOUNDS"]
@@ -67,27 +67,23 @@ def query_extents(offsets: torch.Tensor) -> torch.Tensor:
     return torch.maximum(o.amax(dim=(-2, -1)), -o.amin(dim=(-2, -1)))
 
 
-def split_plan(q: torch.Tensor, offsets: torch.Tensor, win, extent: float, slab=None,
-               force: bool = False) -> SplitPlan | None:
-    """The split mode for a backward whose offsets' ``extent`` (finite, past ``PULL_MAX_OFFSET``) sends it
-    to the atomic mode, or None where the atomic mode is predicted faster (``force``: taken anyway)
-    or no bound fits the slab. Measures every query's extent (``query_extents``; a host sync)."""
-    if offsets.device.type == "meta" or not math.isfinite(extent) or extent <= PULL_MAX_OFFSET:
+def split_plan(offsets: torch.Tensor, win, max_offset: float | None = None, slab=None) -> SplitPlan | None:
+    """The split mode for a backward the key-side pass cannot take whole: offsets without a bound
+    (``max_offset`` None or non-finite) or bounded past ``PULL_MAX_OFFSET``. The largest bound of
+    ``SPLIT_BOUNDS`` that fits the window and the slab (``pull_bound``), and the queries past it
+    flagged on the device (``query_extents``: no host sync); None where no bound fits (the atomic
+    mode runs) or where ``max_offset`` is within the cap (the pull mode takes the call whole)."""
+    if max_offset is not None and math.isfinite(max_offset) and max_offset <= PULL_MAX_OFFSET:
         return None
-    ext = query_extents(offsets)
-    counts = torch.stack([(ext > b).sum() for b in SPLIT_BOUNDS]).tolist()
-    total = max(1, ext.numel())
-    shares = {b: c / total for b, c in zip(SPLIT_BOUNDS, counts)}
-    for b in list(shares):  # a slab's held frames must hold every corner the bound allows
-        if pull_bound(offsets, b, slab, win[0], win[2])[0] is None:
-            del shares[b]
-    if not shares:
+    for bound in sorted(SPLIT_BOUNDS, reverse=True):
+        if pull_bound(offsets, bound, slab, win[0], win[2])[0] is not None:
+            break
+    else:
         return None
-    bound, why = choose_split(tuple(q.shape[1:4]), tuple(win), q.shape[-1], q.element_size(), shares, extent,
-                              force)
-    if bound is None:
-        return None
-    return SplitPlan(bound, (ext > bound).to(torch.int8).contiguous(), why)
+    flags = (query_extents(offsets) > bound).to(torch.int8).contiguous()
+    src = "no max_offset" if max_offset is None or not math.isfinite(max_offset) else f"max_offset {max_offset:g}"
+    return SplitPlan(bound, flags, f"{src}: the key-side pass at {bound:g}, fp32 atomics for the queries past it "
+                                   "(flagged on the device)")
 
 
 def split_chunk(pairs: int, window, tokens: int, key_tokens: int, head_dim: int) -> int:

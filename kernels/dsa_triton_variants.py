@@ -28,8 +28,7 @@ def aot_variants(shape) -> list[dict]:
     runs), ``atomic`` and ``split`` (larger or unknown offsets: ``dsa_triton_split``), then the
     key-side pass (``dsa_triton_pull``; the split mode's adds its atomics' sums, at every bound
     it may pick). The slab path launches the same kernels. The key-side pass and the halo
-    kernels at every bound a call may run at (``bounds_run``): their configs follow the bound's span,
-    and a measured bound may be smaller than the given one."""
+    kernels at the bound a call runs at (``bounds_run``): their configs follow the bound's span."""
     t = AOT_POINTER_TYPES[shape.dtype]
     d = shape.head_dim
     bounds = bounds_run(shape.max_offset)
@@ -68,15 +67,11 @@ def aot_variants(shape) -> list[dict]:
         seen.add(key)
         return new
 
-    for i, bound in enumerate(bounds):
+    for bound in bounds:
         at = SimpleNamespace(dtype=shape.dtype, head_dim=d, window=tuple(shape.window), max_offset=bound,
                              grid=getattr(shape, "grid", None))
-        for spec in filter(first, pull_variants(at) + halo_variants(at)):
-            if i:
-                spec = dict(spec, note="; ".join(filter(None, (spec.get("note", ""),
-                                                                 f"at a measured bound: {span_class(bound)[1]}"))))
-            out.append(spec)
-    if atomic and bounds:  # the split mode's key-side pass (adding its atomics' sums) at each bound it may pick
+        out += filter(first, pull_variants(at) + halo_variants(at))
+    if atomic:  # the split mode's key-side pass (adding its atomics' sums) at each bound it may pick
         for bound in SPLIT_BOUNDS:
             at = SimpleNamespace(dtype=shape.dtype, head_dim=d, window=tuple(shape.window), max_offset=bound)
             out += [dict(spec, note=f"the split mode at {span_class(bound)[1]}")
@@ -101,17 +96,9 @@ def _halo_everywhere(shape, bounds) -> dict:
 
 
 def bounds_run(max_offset: float | None) -> list[float]:
-    """The bounds the key-side pass and the halo kernels may run a call at, given ``max_offset``:
-    one per ``dsa_cost.span_class`` (their configs and work depend on the bound only through it),
-    the given bound first. With ``dsa_triton.TIGHTEN_BOUND``, or without a given bound (measured per call),
-    every class up to the smaller of it and ``PULL_MAX_OFFSET``; else the given bound within it."""
-    if max_offset is not None and not DT.TIGHTEN_BOUND:
-        return [float(max_offset)] if float(max_offset) <= P.PULL_MAX_OFFSET else []
-    top = P.PULL_MAX_OFFSET if max_offset is None else min(float(max_offset), P.PULL_MAX_OFFSET)
-    out, classes = [top], {span_class(top)[0]}
-    for k in range(int(2 * top), -1, -1):  # whole and half numbers: one of each class below
-        rep = span_class(k / 2)[0]
-        if rep not in classes:
-            classes.add(rep)
-            out.append(k / 2)
-    return out
+    """The bounds the key-side pass (in the pull mode) and the halo kernels may run a call at, given
+    ``max_offset``: the given bound where it is within ``PULL_MAX_OFFSET`` (a call runs at it: nothing
+    is measured), else none (the split mode's key-side pass runs at ``SPLIT_BOUNDS``, listed apart)."""
+    if max_offset is None or not float(max_offset) <= P.PULL_MAX_OFFSET:
+        return []
+    return [float(max_offset)]

@@ -123,9 +123,10 @@ def test_gather_autotune_lists_are_what_the_check_compiles():
              + [("gather_bwd_split", c.kwargs["BLOCK_M"], c.num_warps, c.num_stages) for c in dsa_triton.BWD_PULL_CONFIGS])
     assert listed == tuned
     # the key-side pass: the launcher's config on each target (pull_config's cc), for dk and for dv,
-    # at every bound a call may run at (the given one and, measured, each smaller span), each once
+    # at the bound a call runs at (the given one: nothing is measured), once
     bounds = dsa_triton_variants.bounds_run(shape.max_offset)
-    assert bounds == [1.5, 1.0, 0.5, 0.0]
+    assert bounds == [1.5]
+    assert dsa_triton_variants.bounds_run(None) == dsa_triton_variants.bounds_run(4.0) == []
     for arch, cc in (("sm_90", 90), ("sm_100", 100)):
         pulls = [(v["kernel"], v["constexprs"]["BXP"], v["constexprs"]["QXP"], v["constexprs"]["UP"], v["num_warps"],
                   v["maxnreg"]) for v in variants if v["kernel"].startswith("pull") and arch in v["archs"]]
@@ -133,7 +134,7 @@ def test_gather_autotune_lists_are_what_the_check_compiles():
                     for cfg in (pull_config(shape.head_dim, shape.window, *pull_span(b), cc=cc) for b in bounds)
                     for k in ("pull_dk", "pull_dv")]
         assert len(set(pulls)) == len(pulls) and set(pulls) == set(launched)
-        assert len(pulls) == 4  # 3x5x5: the band of 16 columns down to offsets in (1, 2), of 8 below
+        assert len(pulls) == 2  # 3x5x5 at 1.5: one config each for dk and dv
     assert pull_config(128, (3, 7, 7), 2, 2, fp32=True, cc=100)["maxnreg"] == 255  # fp32 on sm_100: no 128 cap
     # the halo kernels: the launchers' one config per pass and target (halo_config's cc), the rows
     # pass with its register limit, every pass picked (bf16)
@@ -161,7 +162,8 @@ def test_the_gather_kernels_are_listed_as_picked_only_where_auto_may_take_them(m
     may run at, so neither gather pass is picked (listed for the record); at d 64 3x5x5 the forward
     is predicted faster on the gather kernels in (1, 2), so it is; fp32 and ``HALO_MODE`` "gather"
     take them everywhere; the atomic and split backward modes only where the bound passes the
-    key-side pass's cap (or none is given), and then the key-side pass that adds the split mode's
+    key-side pass's cap (or none is given, when the pull mode's query side never runs), and then the
+    key-side pass that adds the split mode's
     atomics too, once per target (its constexprs are one at every bound the split mode picks)."""
     pytest.importorskip("triton")
     import kernels.dsa_triton as DT
@@ -180,8 +182,10 @@ def test_the_gather_kernels_are_listed_as_picked_only_where_auto_may_take_them(m
                                              "gather_bwd_split": False}
     assert picked("bf16", 128, (3, 7, 7), bound=2.5)["gather_fwd"] is True  # offsets in (2, 3): the gather kernels
     assert picked("bf16", 128, (3, 7, 7), bound=4.0)["gather_bwd_atomic"] is True  # past the cap
-    for bound in (4.0, None):  # past the cap, or unbounded: every gather kernel, the split mode's key-side pass
-        assert set(picked("bf16", 128, (3, 7, 7), bound=bound).values()) == {True}
+    for bound in (4.0, None):  # past the cap, or unbounded: the gather forward, the split mode (atomics where
+        # no split bound fits a slab), the split mode's key-side pass; the pull mode's query side never
+        assert picked("bf16", 128, (3, 7, 7), bound=bound) == {
+            "gather_fwd": True, "gather_bwd_pull": False, "gather_bwd_atomic": True, "gather_bwd_split": True}
         acc = [(v["kernel"], v["archs"]) for v in aot_variants(aot.AotShape("bf16", 128, (3, 7, 7), (21, 30, 52), bound))
                if v["kernel"].endswith("+acc")]
         assert sorted(acc) == [(k, (a,)) for k in ("pull_dk+acc", "pull_dv+acc") for a in ("sm_100", "sm_90")]

@@ -3,7 +3,7 @@ products on tensor cores) against the reference and against the gather kernels.
 
 The kernels run under the Triton CPU interpreter in a child pytest (``test_interp_*``, started by
 ``test_halo_kernels_under_interpreter``). Shapes are tiny because the interpreter is slow; they
-still cover every border on each axis, two query tiles along x, a measured and a given bound,
+still cover every border on each axis, two query tiles along x, several given bounds,
 offsets up to 2.7 with whole-token moves, a slab, and both identities (zero offsets:
 neighborhood attention; the window the whole grid: dense attention). The launch plan is checked
 in the parent, without the interpreter.
@@ -185,16 +185,16 @@ def _far_few(shape) -> torch.Tensor:
 
 @pytest.mark.parametrize("bound,fwd_kernel,bwd_mode", [
     (0.0, "halo", "pull"),  # neighborhood attention: the halo forward's scores, the records
-    (1.5, "halo", "pull"),  # the GPU check's bound: the halo forward's scores, the records
+    (1.5, "halo", "pull"),  # the presets' bound: the halo forward's scores, the records
     (2.5, "gather", "pull"),  # the records only
-    (4.0, "gather", "atomic"),  # past the key-side pass's cap: fp32 dk and dv (or the split mode's)
+    (4.0, "gather", "split"),  # past the key-side pass's cap: records at the cap, fp32 dk and dv, flags
+    (None, "gather", "split"),  # unbounded offsets: the same
 ])
 def test_scratch_bytes_is_what_the_launchers_allocate(monkeypatch, bound, fwd_kernel, bwd_mode):
     """``scratch_bytes`` (the planner's term) against every allocation the forward and backward
-    launchers make, on the meta device at the Wan grid: at the bound given, and at the smallest a
-    call given it may run at (its offsets measured at zero, ``tightened_bound``), the larger of
-    the two; without tightening, the given bound's alone. Past the key-side pass's cap a call
-    whose few queries reach far takes the split mode (its offsets measured: CPU tensors)."""
+    launchers make, on the meta device at the Wan grid: the call runs at the bound given. Without a
+    bound (or past the cap) it also covers the atomic mode, which runs where no split bound fits a
+    slab (here forced with ``DKV_MODE`` atomic)."""
     pytest.importorskip("triton")
     import kernels.dsa_triton as DT
     from kernels.dsa_scratch import scratch_bytes
@@ -204,114 +204,72 @@ def test_scratch_bytes_is_what_the_launchers_allocate(monkeypatch, bound, fwd_ke
     off = torch.empty(*q.shape[:5], 147, 3, dtype=torch.bfloat16, device="meta")
     fwd, bwd, ran = _launch_scratch(monkeypatch, q, off, bound)
     assert ("_dsa_halo_scores" in ran) == (fwd_kernel == "halo")
-    assert ("pull_launch" in ran) == (bwd_mode == "pull")
-    assert max(fwd, bwd) > 0
-    fwd0, bwd0, ran0 = _launch_scratch(monkeypatch, q, off, 0.0)
-    assert {"_dsa_halo_scores", "pull_launch"} <= set(ran0)
+    assert ("_dsa_fwd_tuned" in ran) == (fwd_kernel == "gather")
+    assert ("_dsa_bwd_split_tuned" in ran) == (bwd_mode == "split") and "pull_launch" in ran
+    assert "_dsa_bwd_tuned" not in ran and bwd > 0
     N = 21 * 30 * 52
-    split = 0
-    if bound > 3:
-        fwd_s, split, ran_s = _launch_scratch(monkeypatch, q.new_empty(q.shape, device="cpu"), _far_few(off.shape),
-                                              bound)
-        assert {"_dsa_bwd_split_tuned", "pull_launch"} <= set(ran_s) and "_dsa_bwd_tuned" not in ran_s
-        assert fwd_s == fwd and split > 0
-    assert scratch_bytes(B, nh, grid, N, (3, 7, 7), d, bound) == max(fwd, bwd, fwd0, bwd0, split)
-    assert scratch_bytes(B, nh, grid, N, (3, 7, 7), d, bound, backward=False) == max(fwd, fwd0)
-    monkeypatch.setattr(DT, "TIGHTEN_BOUND", False)
-    assert scratch_bytes(B, nh, grid, N, (3, 7, 7), d, bound) == max(fwd, bwd, split)
+    atomic = 0
+    if bwd_mode == "split":
+        with monkeypatch.context() as m:
+            m.setattr(DT, "DKV_MODE", "atomic")
+            _, atomic, ran_a = _launch_scratch(m, q, off, bound)
+        assert "_dsa_bwd_tuned" in ran_a and "pull_launch" not in ran_a and atomic > 0
+    assert scratch_bytes(B, nh, grid, N, (3, 7, 7), d, bound) == max(fwd, bwd, atomic)
     assert scratch_bytes(B, nh, grid, N, (3, 7, 7), d, bound, backward=False) == fwd
 
 
-def test_scratch_bytes_covers_measured_offsets_small_and_large(monkeypatch):
-    """No bound given (offsets unbounded, measured per call): ``scratch_bytes`` is the largest of what
-    zero offsets (a fresh offset head: halo forward, records), offsets past the cap (atomic fp32
-    dk, dv) and a few queries' past it (the split mode: records and fp32 dk, dv per chunk)
-    allocate. CPU tensors, since the bound is measured from the offsets' values."""
-    pytest.importorskip("triton")
-    from kernels.dsa_scratch import scratch_bytes
-
-    B, nh, d, grid = WAN["B"], WAN["nh"], WAN["d"], WAN["grid"]
-    q = torch.empty(B, *grid, nh, d, dtype=torch.bfloat16)
-    seen = []
-    shape = (*q.shape[:5], 147, 3)
-    for value, modes in ((0.0, {"_dsa_halo_scores", "pull_launch"}), (4.0, {"_dsa_bwd_tuned"}),
-                         (None, {"_dsa_bwd_split_tuned", "pull_launch"})):
-        off = _far_few(shape) if value is None else torch.full(shape, value, dtype=torch.bfloat16)
-        fwd, bwd, ran = _launch_scratch(monkeypatch, q, off, None)
-        assert modes <= set(ran), (value, ran)
-        seen.append(max(fwd, bwd))
-        del off
-    assert scratch_bytes(B, nh, grid, 21 * 30 * 52, (3, 7, 7), d, None) == max(seen)
+NO_SYNC = ("tolist", "item", "__bool__", "__float__", "__int__", "__index__", "numpy")
+"""The tensor methods that read a value back to the host (on a GPU: a sync)."""
 
 
-@pytest.mark.parametrize("extent,fwd,bwd_query", [
-    (0.0, "halo", "halo"),  # a fresh offset head: neighborhood attention on tensor cores
-    (0.375, "halo", "halo"),  # offsets within a token: both passes on tensor cores
-    (1.375, "halo", "halo"),  # within 2 tokens: still both
-    (2.375, "gather", "gather"),  # near the bound: as at the bound itself
+@pytest.mark.parametrize("max_offset,fwd,bwd_query,key_bound", [
+    (1.5, "halo", "halo", 1.5),  # the presets' clamp: both passes on the halo kernels, the key-side pass at it
+    (2.75, "gather", "gather", 2.75),  # the gather kernels there, the key-side pass at the bound
+    (4.0, "gather", "split", 3.0),  # past the key-side pass's cap: the split mode at the cap
+    (None, "gather", "split", 3.0),  # unbounded offsets: the same
 ])
-def test_a_given_bound_is_tightened_to_the_measured_extent(monkeypatch, extent, fwd, bwd_query):
-    """``max_offset`` 2.75, offsets up to ``extent``: the forward measures them once and both passes
-    run at the smaller bound -- the kernels the cost model picks there and the key-side pass's span
-    for it; the backward does not measure again. ``TIGHTEN_BOUND`` False: the given bound (the
-    gather kernels there), nothing measured. No bound (the presets' unbounded offsets): measured
-    once per call too, for both passes. Kernels stubbed (CPU tensors at the Wan grid)."""
+def test_a_call_runs_at_its_given_bound_without_a_host_sync(monkeypatch, max_offset, fwd, bwd_query, key_bound):
+    """The bound a call runs at is its ``max_offset``, a constant of the config: the same kernels
+    and key-side bound whatever the offsets hold (zero, or up to 1.4), and nothing read back to the
+    host in the forward or the backward (every value-reading tensor method raises). Kernels stubbed
+    (CPU tensors at the Wan grid)."""
     pytest.importorskip("triton")
     import kernels.dsa_triton as DT
     import kernels.dsa_triton_halo as HALO
-    import kernels.dsa_triton_pull as P
 
-    calls, measured = [], []
+    calls = []
     bound_at = lambda i: lambda grid, args: (args[i],)  # noqa: E731
     for mod, name, what in ((DT, "halo_forward", bound_at(6)), (DT, "halo_backward_query", bound_at(10)),
                             (DT, "pull_launch", bound_at(6)), (DT, "_dsa_fwd_tuned", lambda g, a: ()),
                             (DT, "_dsa_bwd_pull_tuned", lambda g, a: ()), (DT, "_dsa_bwd_tuned", lambda g, a: ()),
-                            (HALO, "_dsa_halo_rows", lambda g, a: ())):
+                            (DT, "_dsa_bwd_split_tuned", lambda g, a: ()), (HALO, "_dsa_halo_rows", lambda g, a: ())):
         monkeypatch.setattr(mod, name, Launches(calls, name, what))
     monkeypatch.setattr(DT, "_check_launch", lambda *a: None)  # CPU tensors reach the (stubbed) launches
-    real_extent = DT.offsets_extent
-    monkeypatch.setattr(DT, "offsets_extent", lambda off: measured.append(1) or real_extent(off))
-    monkeypatch.setattr(P, "offsets_extent", lambda off: measured.append("pull") or real_extent(off))
 
     q, k, v = (torch.zeros(1, 21, 30, 52, 1, 128, dtype=torch.bfloat16, requires_grad=True) for _ in range(3))
-    off = torch.zeros(*q.shape[:5], 147, 3, dtype=torch.bfloat16)
-    off[..., 5, 0], off[..., 9, 2] = extent, -extent
-    off.requires_grad_(True)
 
-    def run(max_offset=2.75):
-        calls.clear(), measured.clear()
-        DT.dsa_triton(q, k, v, off, (3, 7, 7), max_offset=max_offset).float().sum().backward()
+    def run(extent):
+        off = torch.zeros(*q.shape[:5], 147, 3, dtype=torch.bfloat16)
+        off[..., 5, 0], off[..., 9, 2] = extent, -extent
+        off.requires_grad_(True)
+        out = DT.dsa_triton(q, k, v, off, (3, 7, 7), max_offset=max_offset)
+        calls.clear()
+        with monkeypatch.context() as m:
+            for name in NO_SYNC:
+                m.setattr(torch.Tensor, name, lambda *a, _n=name, **k: pytest.fail(f"host sync: Tensor.{_n}"))
+            out = DT.dsa_triton(q, k, v, off, (3, 7, 7), max_offset=max_offset)
+            out.float().sum().backward()
         return {c[0]: c[1:] for c in calls}
 
-    ran = run()
-    assert measured == [1]  # once, in the forward
+    ran = run(0.0)
+    assert ran == run(1.375)  # the offsets' values change nothing
     assert ("halo_forward" in ran) == (fwd == "halo") and ("_dsa_fwd_tuned" in ran) == (fwd == "gather")
     assert ("halo_backward_query" in ran) == (bwd_query == "halo")
     assert ("_dsa_bwd_pull_tuned" in ran) == (bwd_query == "gather")
-    assert ran["pull_launch"] == (extent,)  # the key-side pass at the measured bound (exact in bf16)
+    assert ("_dsa_bwd_split_tuned" in ran) == (bwd_query == "split")
+    assert ran["pull_launch"] == (key_bound,)
     if fwd == "halo":
-        assert ran["halo_forward"] == (extent,)
-    monkeypatch.setattr(DT, "TIGHTEN_BOUND", False)
-    ran = run()
-    assert measured == [] and "_dsa_fwd_tuned" in ran and ran["pull_launch"] == (2.75,)
-    ran = run(None)
-    assert measured == ["pull"] and ran["pull_launch"] == (extent,)  # the forward's measure, reused
-
-
-def test_tightened_bound_keeps_the_given_one_where_it_must():
-    """An extent at or past the given bound, a NaN offset (its query's NaN row needs the given
-    bound), meta tensors and no bound at all: the given value unchanged."""
-    pytest.importorskip("triton")
-    import kernels.dsa_triton as DT
-
-    off = torch.tensor([0.25, -0.75, 0.5])
-    assert DT.tightened_bound(off, 1.5) == 0.75
-    assert DT.tightened_bound(off, 0.75) == 0.75 and DT.tightened_bound(off, 0.5) == 0.5
-    assert DT.tightened_bound(torch.tensor([0.1, float("nan")]), 1.5) == 1.5
-    assert DT.tightened_bound(torch.tensor([0.1, float("-inf")]), 1.5) == 1.5
-    assert DT.tightened_bound(torch.empty(4, 3, device="meta"), 1.5) == 1.5
-    assert DT.tightened_bound(off, None) is None
-    assert DT.tightened_bound(torch.empty(0, 3), 1.5) == 0.0
+        assert ran["halo_forward"] == (max_offset,)
 
 
 def test_cost_model_counts_the_halo_work_the_offsets_reach():
@@ -394,7 +352,7 @@ def _run(window, shape, bound, given, seed=12, dtype=torch.float32, mode="halo")
 
 @pytest.mark.parametrize("grid,window,bound,given", [
     ((3, 3, 4), (3, 3, 3), 1.5, True),  # every border on every axis; the window spans T
-    ((1, 3, 62), (1, 3, 3), 0.6, False),  # two query tiles along x (31 + 31), two rows each; the bound measured
+    ((1, 3, 62), (1, 3, 3), 0.6, True),  # two query tiles along x (31 + 31), two rows each
     ((3, 2, 5), (3, 1, 3), 2.7, True),  # near the cap: corners three tokens out
     ((2, 5, 20), (1, 3, 5), 1.5, True),  # tiles of three 20-token rows: the second holds two
 ])
@@ -454,12 +412,12 @@ def test_interp_zero_offsets_are_neighborhood_attention(halo_fp32):
 
 @interpreter_only
 def test_interp_zero_offsets_full_window_is_dense_attention(halo_fp32):
-    """The window the whole grid (3, 1, 5), offsets zero (the bound measured: 0): dense attention
+    """The window the whole grid (3, 1, 5), offsets zero (the bound given: 0): dense attention
     against fp64 SDPA, forward and the q, k, v gradients."""
     from kernels.dsa_triton import dsa_triton
 
     def attn(q, k, v, offsets, window, scale):
-        return dsa_triton(q, k, v, offsets, window, scale=scale)
+        return dsa_triton(q, k, v, offsets, window, scale=scale, max_offset=0.0)
 
     assert_dense_identity(attn, (3, 1, 5), torch.float32, 2e-5, seed=38)
 

@@ -74,113 +74,82 @@ def _wan_offsets(every: int, value: float) -> tuple[torch.Tensor, torch.Tensor]:
     return q, off
 
 
-def test_split_plan_flags_the_far_queries_at_the_bound_it_picks():
-    """2% of one head's queries 4 tokens out at the Wan grid: the plan runs the key-side pass at
-    a bound within the cap, flags exactly the queries past it (those 2%), and says why, with
-    both modes' predicted times; the same call forced (``force``) agrees."""
+def test_split_plan_flags_the_far_queries_at_the_cap():
+    """2% of one head's queries 4 tokens out at the Wan grid, offsets unbounded (or bounded past the
+    cap): the plan runs the key-side pass at its cap and flags exactly the queries past it, on the
+    device (meta tensors too: nothing is read back); a bound within the cap has no plan (the pull
+    mode takes the call whole)."""
     pytest.importorskip("triton")
     from kernels.dsa_triton_pull import PULL_MAX_OFFSET
-    from kernels.dsa_triton_split import SPLIT_BOUNDS, split_plan
-
-    q, off = _wan_offsets(50, 4.0)
-    plan = split_plan(q, off, WAN_WINDOW, 4.0)
-    assert plan is not None and plan.bound in SPLIT_BOUNDS and plan.bound <= PULL_MAX_OFFSET
-    want = torch.zeros(q.shape[:5], dtype=torch.int8)
-    want.view(-1, 4)[::50, 1] = 1
-    assert plan.flags.dtype == torch.int8 and torch.equal(plan.flags, want)
-    assert "atomic mode's" in plan.why and "0.5% of the (query, head) pairs" in plan.why, plan.why
-    forced = split_plan(q, off, WAN_WINDOW, 4.0, force=True)
-    assert forced.bound == plan.bound and torch.equal(forced.flags, plan.flags)
-
-
-def test_split_plan_leaves_the_atomic_mode_where_most_queries_reach_far():
-    """Every query 4 tokens out: atomics for all beat the split mode (None), unless forced; an
-    extent within the cap, a non-finite one or meta tensors have no plan."""
-    pytest.importorskip("triton")
     from kernels.dsa_triton_split import split_plan
 
-    q, off = _wan_offsets(1, 4.0)
-    off.fill_(4.0)  # every query of every head
-    assert split_plan(q, off, WAN_WINDOW, 4.0) is None
-    forced = split_plan(q, off, WAN_WINDOW, 4.0, force=True)
-    assert forced is not None and bool(forced.flags.all())
-    assert split_plan(q, off, WAN_WINDOW, 3.0) is None
-    assert split_plan(q, off, WAN_WINDOW, float("nan")) is None
-    assert split_plan(q.to("meta"), off.to("meta"), WAN_WINDOW, 4.0) is None
+    q, off = _wan_offsets(50, 4.0)
+    want = torch.zeros(q.shape[:5], dtype=torch.int8)
+    want.view(-1, 4)[::50, 1] = 1
+    for max_offset in (None, 4.0, float("inf")):
+        plan = split_plan(off, WAN_WINDOW, max_offset)
+        assert plan is not None and plan.bound == PULL_MAX_OFFSET
+        assert plan.flags.dtype == torch.int8 and torch.equal(plan.flags, want)
+        assert "flagged on the device" in plan.why
+    off.fill_(4.0)  # every query far: still the split mode, every query flagged
+    assert bool(split_plan(off, WAN_WINDOW, None).flags.all())
+    assert split_plan(off, WAN_WINDOW, PULL_MAX_OFFSET) is None and split_plan(off, WAN_WINDOW, 1.5) is None
+    meta = split_plan(off.to("meta"), WAN_WINDOW, None)
+    assert meta.bound == PULL_MAX_OFFSET and meta.flags.device.type == "meta"
 
 
 def test_split_plan_keeps_a_slab_within_its_held_frames():
-    """A slab whose k, v hold only the frames offsets up to 1 reach: the bounds past that would
-    need frames it lacks, so the plan takes 1 (or none)."""
+    """A slab whose k, v hold only the frames offsets up to 1 reach: the plan takes the largest bound
+    whose corners they hold (not the cap, which needs frames they lack); the whole grid's frames, the cap."""
     pytest.importorskip("triton")
     from kernels.dsa_reference import slab_kv_frames
-    from kernels.dsa_triton_split import split_plan
+    from kernels.dsa_triton_pull import PULL_MAX_OFFSET, pull_bound
+    from kernels.dsa_triton_split import SPLIT_BOUNDS, split_plan
 
     window, frames, q0, q1 = (3, 3, 3), 12, 5, 7
     a, b = slab_kv_frames(q0, q1, frames, window[0], 1.0)
     q = torch.empty(1, q1 - q0, 8, 64, 1, 16)
     off = torch.zeros(*q.shape[:5], 27, 3)
     off.view(-1, 27, 3)[::40, 3, 2] = 3.5
-    plan = split_plan(q, off, window, 3.5, slab=(b - a, frames, q0, a), force=True)
-    assert plan is not None and plan.bound == 1.0
-    whole = split_plan(q, off, window, 3.5, slab=(frames, frames, q0, 0), force=True)
-    assert whole is not None and whole.bound >= plan.bound
-
-
-def test_the_split_cost_model_weighs_the_flagged_share():
-    """``choose_split``: fewer flagged queries, a faster split mode; the bound it picks is the one
-    with the smallest predicted time; all queries flagged, the atomic mode."""
-    pytest.importorskip("triton")
-    from kernels.dsa_cost import choose_split
-    from kernels.dsa_triton_split import SPLIT_BOUNDS
-
-    def ms(why):
-        return float(why.split(" ms vs")[0].rsplit(" ", 1)[1])
-
-    few = {b: 0.2 / b for b in SPLIT_BOUNDS}
-    many = {b: 0.6 / b for b in SPLIT_BOUNDS}
-    b_few, why_few = choose_split(WAN_GRID, WAN_WINDOW, 128, 2, few, 4.0)
-    b_many, why_many = choose_split(WAN_GRID, WAN_WINDOW, 128, 2, many, 4.0)
-    assert b_few is not None and b_many is not None and ms(why_few) < ms(why_many)
-    for b in SPLIT_BOUNDS:  # each bound alone costs no less than the pick
-        alone, why = choose_split(WAN_GRID, WAN_WINDOW, 128, 2, {b: few[b]}, 4.0, force=True)
-        assert alone == b and ms(why) >= ms(why_few)
-    assert choose_split(WAN_GRID, WAN_WINDOW, 128, 2, {b: 1.0 for b in SPLIT_BOUNDS}, 4.0)[0] is None
+    slab = (b - a, frames, q0, a)
+    plan = split_plan(off, window, None, slab=slab)
+    assert plan is not None and 1.0 <= plan.bound < PULL_MAX_OFFSET
+    larger = [x for x in SPLIT_BOUNDS if x > plan.bound]  # the largest bound whose corners the slab holds
+    assert pull_bound(off, plan.bound, slab, 3, 3)[0] == plan.bound
+    assert larger and pull_bound(off, larger[0], slab, 3, 3)[0] is None
+    assert torch.equal(plan.flags.view(-1)[::40], torch.ones_like(plan.flags.view(-1)[::40]))
+    whole = split_plan(off, window, None, slab=(frames, frames, q0, 0))
+    assert whole is not None and whole.bound == PULL_MAX_OFFSET
 
 
 def test_predict_call_follows_the_choices_the_launchers_make():
-    """``predict_call`` (what ``offset_extent --predict`` prices): up to the key-side pass's cap the
-    forward and the backward's query side on the kernels ``choose_halo`` picks at the call's bound,
-    the key-side pass after; past it the gather forward and the split mode at the bound and time
-    ``choose_split`` gives, or the atomic mode where every query is far; a given ``max_offset``
-    above the extent tightened to it, one below it taken."""
+    """``predict_call`` (what ``offset_extent --predict`` prices): a bound within the key-side pass's
+    cap runs the forward and the backward's query side on the kernels ``choose_halo`` picks at it,
+    the key-side pass after; without a bound or past the cap, the gather forward and the split
+    mode at the cap, priced by ``split_seconds`` at the share past it, beside the atomic mode's."""
     pytest.importorskip("triton")
-    from kernels.dsa_cost import choose_halo, choose_split, predict_call, split_seconds
+    from kernels.dsa_cost import choose_halo, predict_call, split_seconds
     from kernels.dsa_triton_pull import PULL_MAX_OFFSET
     from kernels.dsa_triton_split import SPLIT_BOUNDS
 
     few = {b: 0.2 / b for b in SPLIT_BOUNDS}
-    for extent in (0.0, 0.7, 1.0, 1.5, 2.0, 2.5, PULL_MAX_OFFSET):
-        got = predict_call(WAN_GRID, WAN_WINDOW, 128, extent, few)
-        pick = choose_halo(WAN_GRID, WAN_WINDOW, 128, extent)
-        assert got["bound"] == extent
+    for bound in (0.0, 0.7, 1.0, 1.5, 2.0, 2.5, PULL_MAX_OFFSET):
+        got = predict_call(WAN_GRID, WAN_WINDOW, 128, few, max_offset=bound)
+        pick = choose_halo(WAN_GRID, WAN_WINDOW, 128, bound)
+        assert got["bound"] == bound and "atomic" not in got
         assert got["fwd"][0] == ("halo" if pick["fwd"][0] else "gather")
         assert got["bwd"][0] == ("halo+pull" if pick["bwd"][0] else "gather+pull")
         fwd_ms = float(pick["fwd"][1].split("halo " if pick["fwd"][0] else "gather ")[-1].split(" ms")[0])
         assert f"{1e3 * got['fwd'][1]:.3g}" == f"{fwd_ms:.3g}"
-    near, mid = (predict_call(WAN_GRID, WAN_WINDOW, 128, e, few) for e in (0.5, 1.5))
+    near, mid = (predict_call(WAN_GRID, WAN_WINDOW, 128, few, max_offset=b) for b in (0.5, 1.5))
     assert near["fwd"][1] < mid["fwd"][1] and near["bwd"][1] < mid["bwd"][1]  # a wider bound, more work
-
-    b_few, why = choose_split(WAN_GRID, WAN_WINDOW, 128, 2, few, 4.0)
-    far = predict_call(WAN_GRID, WAN_WINDOW, 128, 4.0, few)
-    assert far["fwd"][0] == "gather" and far["bwd"][0] == f"split at {b_few:g}"
-    assert far["atomic"] == split_seconds(WAN_GRID, WAN_WINDOW, 128, 2, few)[1] > far["bwd"][1]
-    assert "atomic" not in mid  # within the cap the atomic mode is not weighed
-    assert f"{1e3 * far['bwd'][1]:.3g} ms vs" in why
-    assert predict_call(WAN_GRID, WAN_WINDOW, 128, 4.0, {b: 1.0 for b in SPLIT_BOUNDS})["bwd"][0] == "atomic"
-    assert predict_call(WAN_GRID, WAN_WINDOW, 128, 5.0, few, max_offset=1.5) == predict_call(
-        WAN_GRID, WAN_WINDOW, 128, 1.5, few)
-    assert predict_call(WAN_GRID, WAN_WINDOW, 128, 1.2, few, max_offset=1.5)["bound"] == 1.2
+    times, atomic, _ = split_seconds(WAN_GRID, WAN_WINDOW, 128, 2, {PULL_MAX_OFFSET: few[PULL_MAX_OFFSET]})
+    for max_offset in (None, 4.0):
+        far = predict_call(WAN_GRID, WAN_WINDOW, 128, few, max_offset=max_offset)
+        assert far["fwd"][0] == "gather" and far["bwd"] == (f"split at {PULL_MAX_OFFSET:g}", times[PULL_MAX_OFFSET])
+        assert far["atomic"] == atomic
+    worse = predict_call(WAN_GRID, WAN_WINDOW, 128, {b: 0.5 for b in SPLIT_BOUNDS})
+    assert worse["bwd"][1] > far["bwd"][1]  # more queries flagged, more atomics
 
 
 # -----------------------------------------------------------------------------
@@ -211,10 +180,10 @@ def _mode(monkeypatch, mode):
     P._LOGGED.clear()  # the mode is logged once per reason and process
 
 
-@pytest.mark.parametrize("given", [None, 6.0])  # measured; a bound past the cap given
+@pytest.mark.parametrize("given", [None, 6.0])  # unbounded; a bound past the cap given
 @interpreter_only
 def test_interp_fp32_split_matches_reference(given, monkeypatch, caplog):
-    _mode(monkeypatch, "split")
+    _mode(monkeypatch, "auto")
     with caplog.at_level(logging.INFO, logger="kernels.dsa_triton_pull"):
         got, inputs, dout = _run(given=given)
     said = [r.getMessage() for r in caplog.records if "dk, dv by" in r.getMessage()]
@@ -226,7 +195,7 @@ def test_interp_fp32_split_matches_reference(given, monkeypatch, caplog):
 
 @interpreter_only
 def test_interp_bf16_split_flash_rule(monkeypatch):
-    _mode(monkeypatch, "split")
+    _mode(monkeypatch, "auto")
     got, inputs, dout = _run(torch.bfloat16, seed=84)
     assert_bf16_flash_rule(got, inputs, dout, WINDOW, "split")
 
@@ -238,7 +207,7 @@ def test_interp_slab_split_matches_reference(monkeypatch):
     from kernels.dsa_reference import slab_kv_frames
     from kernels.dsa_triton import dsa_triton_slab
 
-    _mode(monkeypatch, "split")
+    _mode(monkeypatch, "auto")
     window, frames, q0, q1 = (3, 3, 3), 10, 4, 6
     a, b = slab_kv_frames(q0, q1, frames, window[0], 3.5)
     H, W, nh, d = 3, 6, 1, 4

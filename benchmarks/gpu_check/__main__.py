@@ -11,9 +11,9 @@ recorded and the next part still runs), each has a share of ``--budget-s`` (a pa
 start too late is skipped, loops inside a part stop at its deadline), and the results are
 rewritten after every part and marked ``running`` before it, so a killed run still reports:
 
-1. ``correctness``: the gather kernel ``dsa_triton`` and the tiled kernel ``dsa_triton_tiled``
-   (each row says which ran: the tiled one falls back, logged, where its halo does not fit),
-   forward and the gradients of q, k, v and offsets against ``dsa_reference``, per case,
+1. ``correctness``: the fused kernels ``dsa_triton`` with the gather kernels and with the halo
+   kernels (``HALO_MODE``; each row says which ran: the halo kernels need a bound, which the cases
+   with far or unbounded offsets lack), forward and the gradients of q, k, v and offsets against ``dsa_reference``, per case,
    kernel and dtype. fp32: against the fp64 reference,
    ``|tri - ref| <= 2e-5 + 1e-4 |ref|``. bf16: the flash-attention rule of kernels/checks.py.
    Cases: odd sizes, head dims that are not powers of two, several query block sizes, offsets
@@ -30,8 +30,7 @@ rewritten after every part and marked ``running`` before it, so a killed run sti
    on the same synthetic batches. Compared with ``on`` under the tolerance below; the
    ``on again`` run measures the device's own run-to-run noise.
 4. ``attention``: 3D-DSA forward and backward timed apart -- ``dsa`` (the public ``triton``
-   path: the tiled kernel, ``max_offset`` 1.5; its ``backend`` says when it fell back to the
-   gather kernel), ``dsa_gather`` (the gather kernel, same offsets, dk/dv by the key-side
+   path as ``auto`` runs it: halo or gather per pass by the cost model, ``max_offset`` 1.5), ``dsa_gather`` (the gather kernel, same offsets, dk/dv by the key-side
    pass), ``dsa_gather_atomic`` (the same, dk/dv by fp32 atomics), ``dsa_gather_split``
    (unbounded offsets, 5% of the queries 4 tokens out: dk/dv by the split mode), ``dsa_halo`` (the halo
    kernels: the forward and the backward's query side on tensor cores) -- against flash SDPA

@@ -2,8 +2,8 @@
 paper-like shapes; TFLOP/s and the dense/DSA crossover. The fused kernels three ways, so each of
 the cost model's predictions meets a measurement: ``dsa_gather`` (the gather kernels, dk/dv by the
 key-side pass), ``dsa_gather_atomic`` (dk/dv by fp32 atomics), ``dsa_gather_split`` (unbounded
-offsets, one sample of every 20th token 4 tokens out: the split mode, forced with ``DKV_MODE``
-"split", the key-side pass for the rest) and ``dsa_halo`` (the halo kernels: the forward and the
+offsets, one sample of every 20th token 4 tokens out: the split mode, which ``auto`` runs for
+unbounded offsets, the key-side pass for the rest) and ``dsa_halo`` (the halo kernels: the forward and the
 backward's query side on tensor cores, forced with ``HALO_MODE`` "halo")."""
 
 from __future__ import annotations
@@ -67,28 +67,22 @@ def measure_attention(kind: str, grid, window, nh: int, d: int, device, reps: in
         if kind == "dense":
             flat = [x.reshape(1, N, nh, d).transpose(1, 2) for x in (q, k, v)]
             return F.scaled_dot_product_attention(*flat).transpose(1, 2)
-        if kind in GATHER_KINDS:  # the bound as a model passes it (none: an unbounded head's, measured)
-            return deformable_slide_attention(q, k, v, offsets, window, backend="triton_gather",
-                                              max_offset=None if kind == "dsa_gather_split" else 1.5)
-        # the bound the offsets were drawn with (a model passes attention.max_offset): no host sync
+        # the bound the offsets were drawn with, as a model passes attention.max_offset (none: an
+        # unbounded head's, whose backward takes the split mode)
         return deformable_slide_attention(q, k, v, offsets, window, backend="triton",
-                                          max_offset=1.5 if kind == "dsa" else 0.0)
+                                          max_offset=None if kind == "dsa_gather_split" else
+                                          0.0 if kind == "neighborhood" else 1.5)
 
     from kernels import (
         dsa_triton as gather,  # lazy: imports triton, after --smoke set TRITON_INTERPRET
     )
-    from kernels import (
-        dsa_triton_tiled as tiled,  # lazy: as above
-    )
 
-    fallbacks = sum(tiled.FALLBACKS.values())
     clock = Clock(device)
 
     def once() -> tuple[float, float]:
         for x in leaves:
             x.grad = None
-        dkv = (kernel_mode(gather, "DKV_MODE", {"dsa_gather_atomic": "atomic", "dsa_gather_split": "split"}[kind])
-               if kind in ("dsa_gather_atomic", "dsa_gather_split") else contextlib.nullcontext())
+        dkv = kernel_mode(gather, "DKV_MODE", "atomic") if kind == "dsa_gather_atomic" else contextlib.nullcontext()
         halo = (kernel_mode(gather, "HALO_MODE", "halo" if kind == "dsa_halo" else "gather")
                 if kind in GATHER_KINDS else contextlib.nullcontext())
         with _flash_only() if kind == "dense" else contextlib.nullcontext(), dkv, halo:
@@ -114,8 +108,7 @@ def measure_attention(kind: str, grid, window, nh: int, d: int, device, reps: in
                         "dsa_gather_atomic": "triton gather, dk/dv by atomics",
                         "dsa_gather_split": "triton gather, dk/dv split: pulled, 5% of queries by atomics",
                         "dsa_halo": "triton halo (tensor cores), dk/dv pulled"}.get(
-                kind, "triton tiled" if sum(tiled.FALLBACKS.values()) == fallbacks
-                else "triton gather (tiled fell back, logged)")}
+                kind, "triton auto (halo or gather per pass by the cost model), dk/dv pulled")}
 
 
 @contextlib.contextmanager

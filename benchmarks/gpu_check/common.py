@@ -43,13 +43,14 @@ CASES = (
     Case("integer / zero / clamp-bound positions", (2, 4, 6, 5, 2, 8), (3, 3, 3), "edge", 32),
     Case("window spans T, d=6, block 64", (2, 5, 3, 7, 2, 6), (5, 1, 3), "wild", 64),
     Case("benchmark shape, uniform [-1.5, 1.5]", (1, 8, 32, 32, 2, 32), (3, 3, 3), "uniform"),
-    Case("halo inside the grid (tiled), uniform [-0.9, 0.9]", (2, 5, 24, 24, 3, 64), (3, 5, 5), "small"),
+    Case("offsets within 0.9: the halo kernels at 0.9, uniform [-0.9, 0.9]", (2, 5, 24, 24, 3, 64), (3, 5, 5), "small"),
     Case("every 10th query 3.7 out, the rest [-0.9, 0.9]: the split backward", (1, 5, 12, 20, 2, 64), (3, 5, 5),
          "far_few"),
 )
 SMOKE_CASES = (  # small windows: the interpreter's time grows with K
     Case("smoke: odd sizes, wild offsets", (1, 3, 3, 5, 1, 8), (3, 1, 1), "wild", 16),
     Case("smoke: clamp bounds", (1, 3, 4, 3, 1, 8), (1, 3, 1), "edge", 16),
+    Case("smoke: offsets within 0.9 (the halo kernels)", (1, 2, 3, 5, 1, 16), (1, 3, 3), "small"),
 )
 
 

@@ -3,7 +3,6 @@ the flash rule of kernels/checks.py) and the operator's two identities."""
 
 from __future__ import annotations
 
-import contextlib
 import math
 import traceback
 from typing import TYPE_CHECKING
@@ -39,39 +38,35 @@ def _case_offsets(t, case: Case, seed: int):
     raise ValueError(f"unknown offsets kind {case.offsets!r}")
 
 
+CASE_BOUND = {"uniform": 1.5, "small": 0.9}
+"""The bound a case's offsets were drawn within, passed as ``max_offset`` (the other kinds reach
+far or are unbounded: the call gets none)."""
+
+
 def check_case(t, case: Case, dtype, device: str, kernel: str = "gather") -> dict:
     """Triton vs reference for one case in one dtype: max errors and the verdict. ``kernel``:
-    "gather" (``dsa_triton``) or "tiled" (``dsa_triton_tiled``; a case its tiles cannot take
-    runs the gather kernel, and the result says so)."""
+    "gather" (``HALO_MODE`` gather: the gather kernels) or "halo" (``HALO_MODE`` halo: the halo
+    kernels wherever the case's offsets have a bound, ``CASE_BOUND``; the gather kernels where
+    they have none, and the result says so). Far offsets take the split backward."""
 
-    from kernels import (
-        dsa_triton_tiled as tiled,  # lazy: imports triton, after --smoke set TRITON_INTERPRET
-    )
-    from kernels.dsa_triton import (
-        dsa_triton,  # lazy: imports triton, after --smoke set TRITON_INTERPRET
-    )
+    from kernels import dsa_triton as fused  # lazy: imports triton, after --smoke set TRITON_INTERPRET
 
     q, k, v = (x.to(device) for x in t.make_qkv(case.shape, seed=40))
     offsets = _case_offsets(t, case, seed=41).to(device)
     dout = torch.randn(case.shape, generator=torch.Generator().manual_seed(42)).to(device)
     inputs = [x.to(dtype) for x in (q, k, v, offsets)]
+    bound = CASE_BOUND.get(case.offsets)
 
     def tri(*a):
-        if kernel == "tiled":
-            return tiled.dsa_triton_tiled(*a, case.window, block_m=case.block_m)
-        return dsa_triton(*a, case.window, block_m=case.block_m)
-
-    from kernels import dsa_triton as gather  # lazy: as above
-
-    split = case.offsets == "far_few" and kernel == "gather"  # the split mode, whatever the cost model says here
+        return fused.dsa_triton(*a, case.window, block_m=None if kernel == "halo" else case.block_m,
+                                max_offset=bound)
 
     def ref(*a, **kw):
         return dsa_reference(*a, case.window, **kw)
 
-    fallbacks = sum(tiled.FALLBACKS.values())
-    with kernel_mode(gather, "DKV_MODE", "split") if split else contextlib.nullcontext():
+    with kernel_mode(fused, "HALO_MODE", kernel):
         got = t.grads(tri, inputs, dout)
-    ran = kernel if sum(tiled.FALLBACKS.values()) == fallbacks else "gather (tiled fell back, logged)"
+    ran = kernel if kernel == "gather" or bound is not None else "gather (no bound: the halo kernels need one)"
     result = {"case": f"{case.name} [{kernel}]", "shape": case.shape, "window": case.window,
               "dtype": str(dtype).replace("torch.", ""), "block_m": case.block_m, "kernel": ran}
     if dtype == torch.float32:
@@ -132,7 +127,7 @@ def part_correctness(ctx: Run) -> dict:
     # kernels.checks: inputs, identities, the bf16 rule (shared with the tests)
     results = []
     for case in ctx.sizes.cases:
-        for kernel, dtype in ((kn, dt) for kn in ("gather", "tiled") for dt in (torch.float32, torch.bfloat16)):
+        for kernel, dtype in ((kn, dt) for kn in ("gather", "halo") for dt in (torch.float32, torch.bfloat16)):
             if ctx.past_deadline():
                 results.append({"case": f"{case.name} [{kernel}]", "dtype": str(dtype).replace("torch.", ""),
                                 "ok": False, "errors": ["skipped: time budget (--budget-s)"]})

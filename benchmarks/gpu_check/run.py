@@ -142,8 +142,8 @@ def markdown(report: dict) -> list[str]:
             lines.append("")
         if part == "attention" and "rows" in info:
             lines += [f"bf16, B=1, nh={info['heads']}, d={info['head_dim']}; {info['flops_rule']}.", "",
-                      "`dsa` and `neighborhood`: the tiled kernel (backend column: where it fell back to "
-                      "the gather kernel); `dsa_gather`: the gather kernel, same offsets, dk/dv by the key-side pass; "
+                      "`dsa` and `neighborhood`: the public `triton` path as `auto` runs it (halo or gather per pass "
+                      "by the cost model, bound 1.5 and 0); `dsa_gather`: the gather kernel, same offsets, dk/dv by the key-side pass; "
                       "`dsa_gather_atomic`: the same with dk/dv by fp32 atomics; `dsa_gather_split`: unbounded offsets "
                       "with every 20th token's first sample 4 tokens out, dk/dv by the split mode (the key-side pass "
                       "for the rest, atomics for those); `dsa_halo`: the halo kernels "

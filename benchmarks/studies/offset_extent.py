@@ -19,9 +19,9 @@ the same in their runs (``offset_extent``); this gives it for the models of earl
 
 ``--predict`` prices each call on a GPU preset's shape (default Wan 480p: the 21x30x52 token grid,
 the 3x7x7 window, head dim 128, bf16) with the cost model (``kernels.dsa_cost.predict_call``): the
-kernels "auto" runs at the call's bound (the run's ``attention.max_offset`` tightened to the
-extent, else the extent) and the predicted forward and backward per head on H100 figures, the
-backward's split mode weighing the call's own shares of far (query, head) pairs. The study's calls
+kernels "auto" runs at the run's ``attention.max_offset`` (or, unbounded, the gather forward and
+the split backward at the key-side pass's cap) and the predicted forward and backward per head on
+H100 figures, the split mode priced at the call's own share of (query, head) pairs past the cap. The study's calls
 come from a small model (its grid and window), so this is what offsets distributed like these would
 cost at the preset's shape, not a measurement.
 """
@@ -73,15 +73,15 @@ def extents(folder: Path, kinds: list[str] | None = None, threads: int = 1) -> l
 def price(per_call: list[list[float]], grid, window, head_dim: int, max_offset: float | None) -> dict:
     """The calls of ``per_call`` (``[extent, share past each of adaptation.PAIR_MARKS]``) priced by
     ``kernels.dsa_cost.predict_call``: ``fwd_ms``/``bwd_ms`` (mean per head), ``fwd``/``bwd``
-    (each kernel or mode's share of the calls) and, over the calls past the key-side pass's cap,
-    ``far`` (their count) with ``far_atomic_ms``/``far_bwd_ms`` (the atomic mode's backward and the
-    one auto runs, mean per head)."""
+    (each kernel or mode's share of the calls) and, over the calls the key-side pass cannot take
+    whole (no bound, or one past its cap: the split mode), ``far`` (their count) with
+    ``far_atomic_ms``/``far_bwd_ms`` (the atomic mode's backward and the one auto runs, mean per head)."""
     from kernels.dsa_cost import predict_call  # lazy: imports triton
 
     fwd_ms, bwd_ms, fwd, bwd, far_atomic, far_auto = [], [], {}, {}, [], []
-    for extent, *shares in per_call:
+    for _extent, *shares in per_call:
         by_mark = dict(zip(A.PAIR_MARKS, shares))
-        got = predict_call(grid, window, head_dim, extent, by_mark, 2, max_offset)
+        got = predict_call(grid, window, head_dim, by_mark, 2, max_offset)
         (fk, fs), (bk, bs) = got["fwd"], got["bwd"]
         fwd_ms.append(1e3 * fs)
         bwd_ms.append(1e3 * bs)

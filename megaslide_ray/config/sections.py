@@ -145,12 +145,12 @@ class AttentionConfig:
     """``dsa``: heads share offsets in this many groups (consecutive heads, ``num_heads /
     offset_groups`` per group): the offset head predicts ``offset_groups * K * 3`` values per token.
     0: one group per head. Must divide ``model.num_heads``."""
-    backend: Literal["auto", "reference", "cpu", "matrix", "chunked", "triton", "triton_gather"] = "auto"
+    backend: Literal["auto", "reference", "cpu", "matrix", "chunked", "triton"] = "auto"
     """``dsa`` and ``neighborhood``: the 3D-DSA kernel. ``auto`` picks per call and logs its pick
     once: on CPU ``matrix`` (two dense products through an interpolation matrix) for small clips
     and ``cpu`` (the linear path) above, on CUDA the Triton kernels. ``reference`` is the
     pure-PyTorch definition (slow, O(N*K*d) memory), ``chunked`` the reference over query chunks;
-    ``triton`` and ``triton_gather`` need CUDA. Every path computes the same function (docs/
+    ``triton`` (the fused kernels) needs CUDA. Every path computes the same function (docs/
     architecture.md, "3D-DSA: the operator")."""
 
 

@@ -60,9 +60,8 @@ def window_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, h: torch
     offset head ``offsets`` applied to ``h`` (and the block's condition ``cond (B, D)``, which a
     head with ``attention.offset_condition`` reads), or zero when there is none (``neighborhood``). The
     operator is told the offsets' bound where it is known (``attention.max_offset > 0``: the
-    head bounds them, by ``tanh`` or ``clamp``; zero offsets: 0), so the tiled Triton kernel sizes its halo
-    without measuring them (a host sync); the gather kernels measure them once per forward call and
-    run at the smaller of the two (``kernels.dsa_triton.TIGHTEN_BOUND``)."""
+    head bounds them, by ``tanh`` or ``clamp``; zero offsets: 0): the Triton kernels run at that bound,
+    a constant of the config, and never measure the offsets (a host sync per call)."""
     if offsets is not None:
         off = offsets(h, cond)
         bound = offsets.max_offset if offsets.max_offset > 0 else None

@@ -550,12 +550,10 @@ def _notes(cfg: Config, generate: bool, wb: int, P: int, parts: dict[str, int], 
                          f"disk speed for AdamW")
     a = cfg.attention
     if a.kind == "dsa" and a.max_offset == 0 and cfg.runtime.device != "cpu":
-        notes.append("attention.max_offset = 0 leaves dsa's offsets unbounded: the GPU kernels take one bound "
-                     "per call, its largest |offset|, and a trained head's few large offsets set it (in the "
-                     "adaptation study, past 3 tokens in half the calls or more). Past 2 tokens (1 to 2 at a "
-                     "window 5 wide) the forward and the backward's query side run on CUDA cores, past 3 the "
-                     "backward adds the dk and dv of the queries past a smaller bound by float atomics (of all "
-                     "queries where most are); attention.max_offset 1.5 with "
+        notes.append("attention.max_offset = 0 leaves dsa's offsets unbounded: on a GPU the forward and the "
+                     "backward's query side then run on CUDA cores (the gather kernels), and the backward adds "
+                     "the dk and dv of the queries with an offset past 3 tokens by float atomics (in the "
+                     "adaptation study 4-9% of them); attention.max_offset 1.5 with "
                      "attention.offset_bound clamp (the GPU presets' setting) keeps every pass on tensor cores "
                      "(benchmarks/RESULTS.md: what the bound costs in held-out loss)")
     if a.kind == "dense":
