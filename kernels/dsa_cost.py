@@ -66,6 +66,17 @@ CHIPS = (
 )
 
 
+FA3_MFU = {"fwd": 0.75, "bwd": 0.55}
+"""FlashAttention-3's MFU as its paper reports it on H100 (bf16, head dim 128): the dense baseline."""
+
+
+def fa3_seconds(tokens: int, head_dim: int, chip: Chip) -> dict:
+    """FlashAttention-3 on the same tokens, dense, one head: forward (``4 N^2 d`` FLOPs) and backward
+    (2.5x the forward's) at ``FA3_MFU`` of the bf16 peak."""
+    f = 4.0 * tokens * tokens * head_dim
+    return {"fwd": f / (chip.bf16_tc * FA3_MFU["fwd"]), "bwd": 2.5 * f / (chip.bf16_tc * FA3_MFU["bwd"])}
+
+
 def issue_key(kernel: str, head_dim: int, window, constexprs: dict, warps: int) -> str:
     """The issue table's key for a compile: the kernel, head dim, window, the constexprs that change
     its code (tile sizes and widths; the bound and the grid are run-time arguments) and the warps."""
@@ -102,6 +113,11 @@ def issue_slots(key: str, programs: float, trips) -> float | None:
     return programs * 32 * entry["warps"] * _per_thread(entry["depths"], trips)
 
 
+def issue_blocks(key: str) -> int | None:
+    """Resident blocks per SM of the table's ``key`` (its sm_90 compile), or None where unknown."""
+    return issue_table().get(key, {}).get("blocks_per_sm")
+
+
 @dataclass(frozen=True)
 class Cost:
     """One kernel launch's work for one batch item and one head."""
@@ -116,12 +132,20 @@ class Cost:
     l1_bytes: float
     atomic_bytes: float
     issue: float | None = None  # lane issue slots from the compile (``issue_slots``); None: the FMA estimate
+    blocks_per_sm: int | None = None  # resident blocks per SM (the compile's registers and shared memory)
 
     def seconds(self, chip: Chip) -> dict:
+        """The roofline time: the largest term. A kernel with tensor-core dots adds ``issue+tc``: its
+        dots are synchronous (each ``wgmma`` is waited for by the warps that issued it, which have
+        nothing else to issue meanwhile), so only other resident blocks overlap a block's dots with
+        instructions: at best ``(lanes + tc) / blocks`` per SM; at one block per SM (or where the
+        occupancy is unknown) the two add up instead of overlapping."""
         lanes = {"fma": self.fma_flops / chip.fp32} if self.issue is None else {"issue": self.issue / chip.issue}
         parts = {**lanes, "tc": self.tc_flops / chip.bf16_tc,
                  "dram": self.dram_bytes / chip.hbm, "l1": self.l1_bytes / chip.l1,
                  "atomics": self.atomic_bytes / chip.l2_atomic}
+        if self.tc_flops:
+            parts["issue+tc"] = (next(iter(lanes.values())) + parts["tc"]) / max(1, self.blocks_per_sm or 1)
         bound = max(parts, key=parts.get)
         return {"seconds": parts[bound], "bound": bound, **{f"{k}_s": v for k, v in parts.items()}}
 
@@ -193,14 +217,17 @@ def pull_costs(grid, window, head_dim: int, bound: float, dtype_bytes: int = 2, 
                       dram_bytes=N * K * 4 * 4 + 2 * N * d * e, l1_bytes=tiles * (iters * qxp * 4 * 4 + rows * qxp * d * e),
                       atomic_bytes=0.0)
     slots = None
+    keys = [issue_key(k, d, window, {"QXP": qxp, "UP": cfg["UP"], "JC": cfg["JC"]}, cfg["num_warps"])
+            for k in ("pull_dk", "pull_dv")]
     if issue and dtype_bytes == 2:  # loops: candidate frames, rows, then their slots' jt, jy, jx chunks
         it, iy = min(T, kt * span), min(H, kh * span)
         rt, ry = min(T, kt + span - 1), min(H, kh + span - 1)
-        consts = {"QXP": qxp, "UP": cfg["UP"], "JC": cfg["JC"]}
         trips = (rt, ry, it / rt, iy / ry, math.ceil(kw / cfg["JC"]))
-        found = [issue_slots(issue_key(k, d, window, consts, cfg["num_warps"]), tiles, trips) for k in ("pull_dk", "pull_dv")]
+        found = [issue_slots(key, tiles, trips) for key in keys]
         slots = None if None in found else sum(found)
-    key_side = Cost("pull_dk+dv", N, K, d, **{k: 2 * v for k, v in per_launch.items()}, issue=slots)
+    blocks = [issue_blocks(key) for key in keys]
+    key_side = Cost("pull_dk+dv", N, K, d, **{k: 2 * v for k, v in per_launch.items()}, issue=slots,
+                    blocks_per_sm=None if None in blocks else min(blocks))
     row = d * e
     query_side = Cost("gather_bwd_pull", N, K, d, fma_flops=52.0 * N * K * d, tc_flops=0.0,
                       dram_bytes=N * (7 * row + 4 + 6 * K * e) + N * K * 20, l1_bytes=N * K * 16 * row,
@@ -266,11 +293,11 @@ def halo_costs(grid, window, head_dim: int, bound: float, rows: int | None = Non
 
     def cost(name, tc, lane, l1, dram, rows_run, consts, warps, groups=kh):
         slots = None
+        key = issue_key(name, d, window, consts, warps)
         if issue and dtype_bytes == 2:
-            slots = issue_slots(issue_key(name, d, window, consts, warps), tiles,
-                                (kt, groups, frames, rows_run / frames, kw))  # kw: the rows pass's slot loop (no BAND3)
+            slots = issue_slots(key, tiles, (kt, groups, frames, rows_run / frames, kw))  # kw: the rows pass's slot loop (no BAND3)
         return Cost(name, N, K, d, fma_flops=2.0 * lane, tc_flops=tc, dram_bytes=dram, l1_bytes=l1,
-                    atomic_bytes=0.0, issue=slots)
+                    atomic_bytes=0.0, issue=slots, blocks_per_sm=issue_blocks(key))
 
     shape = {"XP": xp, "KWP": kwp, "RY": ry}
     rows_shape = dict(shape, UP=up)
@@ -372,35 +399,79 @@ def split_seconds(grid, window, head_dim: int, dtype_bytes: int, shares: dict) -
     return times, atomic, how
 
 
+def _terms(cost: Cost, chip: Chip, pass_: str, label: str | None = None, scale: float = 1.0) -> dict:
+    t = cost.seconds(chip)
+    return {"kernel": label or cost.kernel, "pass": pass_, "ms": 1e3 * scale * t["seconds"], "bound_by": t["bound"],
+            "blocks_per_sm": cost.blocks_per_sm,
+            "terms_ms": {k[:-2]: 1e3 * scale * v for k, v in t.items() if k.endswith("_s")}}
+
+
+def call_breakdown(grid, window, head_dim: int, bound: float | None, dtype_bytes: int = 2, chip: Chip = CHIPS[0],
+                   far_share: float | None = None) -> dict:
+    """The kernels ``auto`` runs for one call of a whole clip at ``bound`` (its ``max_offset``; None:
+    unbounded) and the predicted time per head on ``chip``, kernel by kernel with each roofline term,
+    beside FlashAttention-3 (``fa3_seconds``) on the same tokens. Up to ``PULL_MAX_OFFSET``: per pass
+    the halo or the gather kernels (``choose_halo``), then the key-side pass; without a bound or past
+    the cap, the gather forward and the split backward at the cap, which needs ``far_share`` (the
+    share of (query, head) pairs with an offset past the cap): its scatter is that share of what the
+    atomic mode costs beyond the query-side pass. Every kernel in one measure: the compile's issue
+    slots where the table has them all, else the estimates."""
+    from .dsa_triton_pull import PULL_MAX_OFFSET  # lazy: imports triton
+
+    grid, window = tuple(grid), tuple(window)
+    N = math.prod(grid)
+    bounded = bound is not None and float(bound) <= PULL_MAX_OFFSET
+    at = float(bound) if bounded else PULL_MAX_OFFSET
+    if not bounded and far_share is None:
+        raise ValueError(f"bound {bound} is unbounded or past the key-side pass's cap {PULL_MAX_OFFSET:g}: the "
+                         "split backward's time needs far_share, the share of (query, head) pairs past the cap")
+    pick = choose_halo(grid, window, head_dim, at, dtype_bytes) if bounded else None
+
+    def kernels(issue: bool):
+        gather_fwd, gather_atomic = gather_costs(N, window, head_dim, dtype_bytes, issue=issue)
+        query, key = pull_costs(grid, window, head_dim, at, dtype_bytes, issue=issue)
+        halo = halo_costs(grid, window, head_dim, at, dtype_bytes=dtype_bytes, issue=issue) if bounded else None
+        fwd = halo["fwd"] if bounded and pick["fwd"][0] else [gather_fwd]
+        bwd = (halo["bwd"] if bounded and pick["bwd"][0] else [query]) + [key]
+        return fwd, bwd, query, gather_atomic
+
+    fwd, bwd, query, atomic = kernels(True)
+    how = "issue slots from the sm_90 compile"
+    if any(c.issue is None for c in (*fwd, *bwd, query, atomic)):
+        fwd, bwd, query, atomic = kernels(False)
+        how = "estimated lane operations"
+    rows = [_terms(c, chip, "fwd") for c in fwd] + [_terms(c, chip, "bwd") for c in bwd]
+    if not bounded:  # the split mode: the flagged share of the atomic mode's scatter
+        scatter = max(0.0, atomic.seconds(chip)["seconds"] - query.seconds(chip)["seconds"])
+        rows.append({"kernel": "split scatter", "pass": "bwd", "ms": 1e3 * far_share * scatter, "bound_by": "atomics",
+                     "blocks_per_sm": None, "terms_ms": {"share": far_share, "atomic_scatter": 1e3 * scatter}})
+    dsa = {p: sum(r["ms"] for r in rows if r["pass"] == p) for p in ("fwd", "bwd")}
+    fa3 = {p: 1e3 * v for p, v in fa3_seconds(N, head_dim, chip).items()}
+    dsa["total"], fa3["total"] = dsa["fwd"] + dsa["bwd"], fa3["fwd"] + fa3["bwd"]
+    modes = {"fwd": "halo" if bounded and pick["fwd"][0] else "gather",
+             "bwd": (("halo+pull" if pick["bwd"][0] else "gather+pull") if bounded else f"split at {at:g}")}
+    return {"grid": list(grid), "window": list(window), "head_dim": head_dim, "bound": bound, "chip": chip.name,
+            "dtype_bytes": dtype_bytes, "how": how, "modes": modes, "kernels": rows, "dsa_ms": dsa, "fa3_ms": fa3,
+            "ratio": fa3["total"] / dsa["total"], "atomic_bwd_ms": 1e3 * atomic.seconds(chip)["seconds"]}
+
+
 def predict_call(grid, window, head_dim: int, shares: dict, dtype_bytes: int = 2,
                  max_offset: float | None = None) -> dict:
     """What ``DKV_MODE``/``HALO_MODE`` "auto" run for one call of a whole clip and the predicted time
-    per head on H100 figures: ``{"bound", "fwd": (kernel, s), "bwd": (mode, s)}``, past the cap also
-    ``"atomic"``: the atomic mode's backward s, for comparison. Kernels "halo" and "gather"; modes
-    "halo+pull" and "gather+pull" (that query side, then the key-side pass) and "split at B". A call
-    runs at its ``max_offset`` (nothing is measured): up to ``PULL_MAX_OFFSET`` the forward and the
-    backward's query side each take the halo or the gather kernels (``choose_halo``), then the
-    key-side pass; without a bound or past the cap, the gather forward and the split mode at the
-    cap, whose flagged share is ``shares[PULL_MAX_OFFSET]`` (the share of (query, head) pairs with
-    an offset past it: a trained model's, e.g. from ``benchmarks.studies.offset_extent``)."""
+    per head on H100 figures (``call_breakdown``): ``{"bound", "fwd": (kernel, s), "bwd": (mode, s)}``,
+    past the cap also ``"atomic"``: the atomic mode's backward s, for comparison. Kernels "halo" and
+    "gather"; modes "halo+pull" and "gather+pull" (that query side, then the key-side pass) and
+    "split at B". A call runs at its ``max_offset`` (nothing is measured); without a bound or past
+    the cap the split mode's flagged share is ``shares[PULL_MAX_OFFSET]`` (the share of (query, head)
+    pairs past it: a trained model's, e.g. from ``benchmarks.studies.offset_extent``)."""
     from .dsa_triton_pull import PULL_MAX_OFFSET  # lazy: imports triton
 
-    chip = CHIPS[0]
-    if max_offset is not None and float(max_offset) <= PULL_MAX_OFFSET:
-        bound = float(max_offset)
-        seconds, _ = halo_seconds(tuple(grid), tuple(window), head_dim, span_class(bound)[0], dtype_bytes)
-        pick = choose_halo(grid, window, head_dim, bound, dtype_bytes)
-        key = (_split_parts(tuple(grid), tuple(window), head_dim, *span_class(bound), dtype_bytes, True)
-               or _split_parts(tuple(grid), tuple(window), head_dim, *span_class(bound), dtype_bytes, False))[1]
-        fwd = ("halo", seconds["fwd"][1]) if pick["fwd"][0] else ("gather", seconds["fwd"][0])
-        bwd = ("halo+pull", seconds["bwd"][1] + key) if pick["bwd"][0] else ("gather+pull", seconds["bwd"][0] + key)
-        return {"bound": bound, "fwd": fwd, "bwd": bwd}
-    gather = gather_costs(math.prod(grid), window, head_dim, dtype_bytes)[0]
-    if gather.issue is None:
-        gather = gather_costs(math.prod(grid), window, head_dim, dtype_bytes, issue=False)[0]
-    times, atomic, _ = split_seconds(grid, window, head_dim, dtype_bytes, {PULL_MAX_OFFSET: shares[PULL_MAX_OFFSET]})
-    return {"bound": max_offset, "fwd": ("gather", gather.seconds(chip)["seconds"]),
-            "bwd": (f"split at {PULL_MAX_OFFSET:g}", times[PULL_MAX_OFFSET]), "atomic": atomic}
+    b = call_breakdown(grid, window, head_dim, max_offset, dtype_bytes, far_share=shares.get(PULL_MAX_OFFSET))
+    out = {"bound": max_offset, "fwd": (b["modes"]["fwd"], b["dsa_ms"]["fwd"] / 1e3),
+           "bwd": (b["modes"]["bwd"], b["dsa_ms"]["bwd"] / 1e3)}
+    if b["modes"]["bwd"].startswith("split"):
+        out["atomic"] = b["atomic_bwd_ms"] / 1e3
+    return out
 
 
 @functools.lru_cache(maxsize=256)
@@ -413,3 +484,67 @@ def _split_parts(grid, window, head_dim: int, bound: float, label: str, dtype_by
     if issue and None in (query.issue, key.issue, atomic.issue):
         return None
     return (query.seconds(chip)["seconds"], key.seconds(chip)["seconds"], atomic.seconds(chip)["seconds"], issue)
+
+
+# -----------------------------------------------------------------------------
+# Command line: python -m kernels.dsa_cost --grid 21x30x52 --window 3x7x7 --head-dim 128 --bound 1.5
+
+
+def _dims(text: str, n: int, name: str) -> tuple[int, ...]:
+    try:
+        dims = tuple(int(x) for x in text.lower().split("x"))
+    except ValueError:
+        dims = ()
+    if len(dims) != n or min(dims) <= 0:
+        raise SystemExit(f"--{name} {text!r}: give {n} positive integers joined by x (e.g. "
+                         f"{'21x30x52' if n == 3 else '3x7x7'})")
+    return dims
+
+
+def main(argv=None) -> int:
+    """Print the cost model's prediction for one call (per head): the kernels ``auto`` runs, each
+    roofline term, the forward and backward against FlashAttention-3 on the same tokens."""
+    import argparse
+
+    p = argparse.ArgumentParser(prog="python -m kernels.dsa_cost", description=main.__doc__)
+    p.add_argument("--grid", default="21x30x52", help="token grid TxHxW (default: Wan 480p, 21x30x52)")
+    p.add_argument("--window", default="3x7x7", help="DSA window kt x kh x kw (default 3x7x7)")
+    p.add_argument("--head-dim", type=int, default=128)
+    p.add_argument("--bound", type=float, default=1.5,
+                   help="attention.max_offset the call runs at (default 1.5, the GPU presets'); negative: unbounded")
+    p.add_argument("--far-share", type=float, default=None,
+                   help="unbounded or past the cap: the share of (query, head) pairs with an offset past 3 tokens "
+                        "(the split backward's atomics; the adaptation study measured 0.04-0.09)")
+    p.add_argument("--dtype", choices=("bf16", "fp32"), default="bf16")
+    p.add_argument("--chip", choices=[c.name for c in CHIPS], default=CHIPS[0].name)
+    p.add_argument("--json", action="store_true", help="one JSON object instead of the table")
+    a = p.parse_args(argv)
+    grid, window = _dims(a.grid, 3, "grid"), _dims(a.window, 3, "window")
+    if a.head_dim <= 0:
+        p.error(f"--head-dim {a.head_dim}: give a positive head dim (128 for Wan and the dit-* presets)")
+    if a.far_share is not None and not 0.0 <= a.far_share <= 1.0:
+        p.error(f"--far-share {a.far_share}: give a share between 0 and 1")
+    bound = None if a.bound < 0 else a.bound
+    try:
+        b = call_breakdown(grid, window, a.head_dim, bound, 2 if a.dtype == "bf16" else 4,
+                           next(c for c in CHIPS if c.name == a.chip), a.far_share)
+    except ValueError as e:
+        p.error(str(e))
+    if a.json:
+        print(json.dumps(b))
+        return 0
+    print(f"{a.dtype}, grid {a.grid}, window {a.window}, head dim {a.head_dim}, bound "
+          f"{'unbounded' if bound is None else f'{bound:g}'}, {a.chip}, per head ({b['how']}):")
+    for r in b["kernels"]:
+        terms = ", ".join(f"{k} {v:.3g}" for k, v in r["terms_ms"].items() if v)
+        print(f"  {r['pass']:>3} {r['kernel']:<16} {r['ms']:8.3f} ms  bound by {r['bound_by']:<9} ({terms})")
+    d, f = b["dsa_ms"], b["fa3_ms"]
+    print(f"  DSA  fwd {d['fwd']:.3f} + bwd {d['bwd']:.3f} = {d['total']:.3f} ms ({b['modes']['fwd']}, {b['modes']['bwd']})")
+    print(f"  FA3  fwd {f['fwd']:.3f} + bwd {f['bwd']:.3f} = {f['total']:.3f} ms (dense, {FA3_MFU['fwd']:.0%}/"
+          f"{FA3_MFU['bwd']:.0%} MFU)")
+    print(f"  FA3 / DSA: {b['ratio']:.2f}x")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -42,7 +42,16 @@ def _record(**kw):
 def test_ptxas_log_and_ptx_are_read():
     assert aot.parse_ptxas_log(PTXAS_LOG) == {"regs": 255, "stack": 696, "spill_stores": 824, "spill_loads": 700}
     got = aot.count_ptx(PTX)
-    assert got == {"wgmma": 1, "mma_sync": 1, "dot": "wgmma", "atomics_f32": 2, "loop_instr": {0: 5}}
+    assert got == {"wgmma": 1, "mma_sync": 1, "dot": "wgmma", "wgmma_not_16bit": 0, "atomics_f32": 2,
+                   "loop_instr": {0: 5}}
+    tf32 = PTX.replace("m64n128k16.f32.bf16.bf16", "m64n128k8.f32.tf32.tf32")
+    assert aot.count_ptx(tf32)["wgmma_not_16bit"] == 1
+    serialized = PTXAS_LOG + ("ptxas info    : (C7515) Potential Performance Loss: wgmma.mma_async instructions "
+                              "are serialized due to the presence of Extern calls in the function '_dsa_fwd'\n")
+    assert "serialized due to" in aot.parse_ptxas_log(serialized)["mma_serialized"]
+    ttir = "%1 = tt.dot %a, %b, %c : tensor<64x16xbf16>\n%2 = tt.dot %d, %e, %f\n"
+    ttgir = "%1 = ttng.warp_group_dot %a, %b, %c\n%2 = tt.dot %d, %e, %f\n"
+    assert aot.count_dots(ttir, ttgir) == {"tt_dots": 2, "mma_dots": 1}
     assert aot.count_ptx("fma.rn.f32 %f1, %f2, %f3, %f4;")["dot"] == "-"
     assert aot.count_ptx("tcgen05.mma.cta_group::1.kind::f16 [%r1], %rd2, %rd3, %r4, p;")["dot"] == "tcgen05"
 
@@ -89,6 +98,12 @@ def test_each_target_wants_its_own_tensor_core_instruction():
     (dict(regs=255, spill_stores=824, spill_loads=700, smem=128), "spills"),
     (dict(regs=128, spill_stores=0, spill_loads=0, smem=128, dot="mma.sync"), "not wgmma"),
     (dict(regs=None, smem=128), "no ptxas register report"),
+    (dict(regs=128, spill_stores=0, spill_loads=0, smem=128, dot="wgmma", tt_dots=4, mma_dots=3),
+     "1 of 4 dots not lowered to wgmma"),
+    (dict(regs=128, spill_stores=0, spill_loads=0, smem=128, dot="wgmma", wgmma_not_16bit=2),
+     "without bf16/fp16 operands"),
+    (dict(regs=128, spill_stores=0, spill_loads=0, smem=128, dot="wgmma",
+          mma_serialized="Potential Performance Loss: wgmma.mma_async instructions are serialized"), "serialized"),
 ])
 def test_verdict_fails_what_cannot_launch_spills_or_misses_wgmma(fields, problem):
     rec = _record(**fields)
@@ -157,10 +172,10 @@ def test_gather_autotune_lists_are_what_the_check_compiles():
 
 
 def test_the_gather_kernels_are_listed_as_picked_only_where_auto_may_take_them(monkeypatch):
-    """The compile-only check's ``may_pick`` for the gather kernels follows ``auto``: at the Wan shape
-    (d 128, 3x7x7, bound 1.5) the cost model predicts the halo kernels faster at every span a call
-    may run at, so neither gather pass is picked (listed for the record); at d 64 3x5x5 the forward
-    is predicted faster on the gather kernels in (1, 2), so it is; fp32 and ``HALO_MODE`` "gather"
+    """The compile-only check's ``may_pick`` for the gather kernels follows ``auto`` (``choose_halo`` at
+    the shape's bound): at the Wan shape (d 128, 3x7x7, bound 1.5) the halo forward is predicted
+    faster, so the gather forward is listed for the record only, and the backward's query side on
+    the gather kernels; fp32 and ``HALO_MODE`` "gather"
     take them everywhere; the atomic and split backward modes only where the bound passes the
     key-side pass's cap (or none is given, when the pull mode's query side never runs), and then the
     key-side pass that adds the split mode's
@@ -173,13 +188,15 @@ def test_the_gather_kernels_are_listed_as_picked_only_where_auto_may_take_them(m
         shape = aot.AotShape(dtype, d, window, (21, 30, 52), bound)
         return {v["kernel"]: v.get("may_pick", True) for v in aot_variants(shape) if v["kernel"].startswith("gather")}
 
-    wan = picked("bf16", 128, (3, 7, 7))
-    assert wan == {"gather_fwd": False, "gather_bwd_pull": False, "gather_bwd_atomic": False, "gather_bwd_split": False}
+    from kernels.dsa_cost import choose_halo
+
+    for d, window in ((128, (3, 7, 7)), (64, (3, 5, 5))):  # the pull mode's gather passes exactly where auto takes them
+        pick = choose_halo((21, 30, 52), window, d, 1.5)
+        assert picked("bf16", d, window) == {"gather_fwd": not pick["fwd"][0], "gather_bwd_pull": not pick["bwd"][0],
+                                             "gather_bwd_atomic": False, "gather_bwd_split": False}
     notes = [v["note"] for v in aot_variants(aot.AotShape("bf16", 128, (3, 7, 7), (21, 30, 52), 1.5))
              if v["kernel"] == "gather_fwd"]
     assert notes and all("not picked: the cost model predicts the halo kernels faster" in n for n in notes)
-    assert picked("bf16", 64, (3, 5, 5)) == {"gather_fwd": True, "gather_bwd_pull": False, "gather_bwd_atomic": False,
-                                             "gather_bwd_split": False}
     assert picked("bf16", 128, (3, 7, 7), bound=2.5)["gather_fwd"] is True  # offsets in (2, 3): the gather kernels
     assert picked("bf16", 128, (3, 7, 7), bound=4.0)["gather_bwd_atomic"] is True  # past the cap
     for bound in (4.0, None):  # past the cap, or unbounded: the gather forward, the split mode (atomics where
@@ -229,12 +246,21 @@ def test_sm90_compile_only_check_passes_at_the_preset_shapes(tmp_path):
     presets = {p for r in recs for p in r["presets"]}
     assert presets == {"dit-105b", "dit-33b", "dit-28b", "wan2.1-t2v-1.3b", "wan2.1-t2v-14b", "wan2.2-ti2v-5b"}
     at_presets = [r for r in recs if r["presets"] and r["may_pick"]]
-    assert at_presets and all(r["dot"] == "wgmma" for r in at_presets), [r for r in at_presets if r["dot"] != "wgmma"]
-    assert {r["kernel"] for r in at_presets} == {"pull_dk", "pull_dv", "halo_scores", "halo_out", "halo_bwd_v",
-                                                 "halo_bwd_k", "halo_dq"}
+    assert at_presets and {r["kernel"] for r in at_presets if r["dot"] == "wgmma"} >= {"pull_dk", "pull_dv"}
+    from kernels.dsa_cost import choose_halo
+
+    for r in at_presets:  # halo or gather per pass, as the cost model picks at the preset's shape
+        if r["kernel"].startswith(("halo", "gather")):
+            pass_ = "fwd" if r["kernel"] in ("halo_scores", "halo_out", "gather_fwd") else "bwd"
+            halo = choose_halo(tuple(r["grid"]), tuple(r["window"]), r["head_dim"], r["max_offset"])[pass_][0]
+            assert r["kernel"].startswith("halo") == halo and (r["dot"] == "wgmma") == halo, r
+    # every dot of every picked tensor-core config on wgmma with bf16 operands, none serialized by ptxas
+    mma = [r for r in recs if r["may_pick"] and r["dot"] == "wgmma"]
+    assert mma and all(r["mma_dots"] == r["tt_dots"] > 0 and r["wgmma_not_16bit"] == 0 and not r["mma_serialized"]
+                       for r in mma), [r for r in mma if r["mma_dots"] != r["tt_dots"] or r["wgmma_not_16bit"]]
     cuda = {(r["kernel"], r["max_offset"]) for r in recs if r["may_pick"] and r["head_dim"] == 128 and r["dot"] != "wgmma"}
-    assert cuda == {(k, None) for k in ("gather_fwd", "gather_bwd_pull", "gather_bwd_atomic", "gather_bwd_split")}
-    assert "at the presets' shapes" in proc.stdout and "on tensor cores, 0 on CUDA cores" in proc.stdout
+    assert cuda == {(k, None) for k in ("gather_fwd", "gather_bwd_atomic", "gather_bwd_split")}
+    assert "configs the product may pick at the presets' shapes" in proc.stdout
     # the cost model's issue table holds what these compiles issue: a kernel changed without
     # rerunning `python -m benchmarks.gpu_check.issue_table` fails here
     import triton
@@ -250,6 +276,7 @@ def test_sm90_compile_only_check_passes_at_the_preset_shapes(tmp_path):
             key = issue_key(r["kernel"], r["head_dim"], r["window"], r["constexprs"], r["num_warps"])
             assert key in table["entries"], key
             assert table["entries"][key]["depths"] == {str(k): v for k, v in r["loop_instr"].items()}, key
+            assert table["entries"][key]["blocks_per_sm"] == r["blocks_per_sm"], key
             checked.add(r["kernel"])
     assert checked == set(ISSUE_KERNELS)
 

@@ -103,9 +103,11 @@ def test_plan_covers_every_corner_and_chunks_the_scores(monkeypatch):
 
 def test_auto_takes_the_halo_kernels_where_the_cost_model_predicts_them_faster(monkeypatch):
     """``auto``: per pass, bf16 within the pull bound and predicted faster (Wan's grid and window at
-    d 128: offsets up to 0 -- neighborhood attention -- and up to 1.5, the GPU check's bound, take
-    the halo kernels for both passes, offsets in (2, 3) the gather kernels); fp32 and a bound past
-    the cap take the gather kernels; "halo" forces."""
+    d 128: offsets up to 0 -- neighborhood attention -- and up to 1 take the halo kernels for both
+    passes; at 1.5, the presets' bound, the forward only: the backward's query side, whose dots
+    cannot overlap its other instructions at one block per SM, is predicted faster on the gather
+    kernels; offsets in (2, 3) the gather kernels); fp32 and a bound past the cap take the gather
+    kernels; "halo" forces."""
     pytest.importorskip("triton")
     import kernels.dsa_triton as DT
 
@@ -113,10 +115,11 @@ def test_auto_takes_the_halo_kernels_where_the_cost_model_predicts_them_faster(m
     q16 = torch.empty(1, 21, 30, 52, 1, 128, dtype=torch.bfloat16, device="meta")
     q32 = torch.empty(1, 21, 30, 52, 1, 128, device="meta")
     for pass_ in ("fwd", "bwd"):
-        halo, why = DT.halo_choice(pass_, q16, win, 0.0, "max_offset")
-        assert halo and "cost model" in why and "halo" in why, why
+        for bound in (0.0, 1.0):
+            halo, why = DT.halo_choice(pass_, q16, win, bound, "max_offset")
+            assert halo and "cost model" in why and "halo" in why, why
         halo, why = DT.halo_choice(pass_, q16, win, 1.5, "max_offset")
-        assert halo and "cost model" in why, why
+        assert halo == (pass_ == "fwd") and "cost model" in why, why
         halo, why = DT.halo_choice(pass_, q16, win, 2.5, "max_offset")
         assert not halo and "cost model" in why, why
         halo, why = DT.halo_choice(pass_, q32, win, 0.0, "max_offset")
@@ -223,7 +226,8 @@ NO_SYNC = ("tolist", "item", "__bool__", "__float__", "__int__", "__index__", "n
 
 
 @pytest.mark.parametrize("max_offset,fwd,bwd_query,key_bound", [
-    (1.5, "halo", "halo", 1.5),  # the presets' clamp: both passes on the halo kernels, the key-side pass at it
+    (1.0, "halo", "halo", 1.0),  # both passes on the halo kernels, the key-side pass at the bound
+    (1.5, "halo", "gather", 1.5),  # the presets' clamp: the halo forward, the gather query side (the cost model)
     (2.75, "gather", "gather", 2.75),  # the gather kernels there, the key-side pass at the bound
     (4.0, "gather", "split", 3.0),  # past the key-side pass's cap: the split mode at the cap
     (None, "gather", "split", 3.0),  # unbounded offsets: the same

@@ -76,6 +76,7 @@ def test_gpu_check_smoke_runs_without_ray_decord_av_diffusers(tmp_path):
         assert {n for k, n in kinds if k == kind} == {27}
     for r in attn["rows"]:
         assert r["status"] == "ok" and r["fwd_ms"] > 0 and r["bwd_ms"] > 0 and r["fwd_tflops"] > 0
+        assert r["predicted_fwd_ms"] > 0 and r["predicted_bwd_ms"] > 0  # the cost model beside each measurement
     assert all({"fwd_ms", "bwd_ms", "total_ms"} == set(c) for c in attn["crossover_tokens"].values())
 
     model = parts["model"]

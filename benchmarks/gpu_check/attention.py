@@ -37,6 +37,34 @@ def attention_flops(kind: str, tokens: int, K: int, nh: int, d: int) -> tuple[fl
     return fwd, 2.5 * fwd
 
 
+SPLIT_FAR_SHARE = 0.05
+"""``dsa_gather_split``'s offsets: one sample of every 20th token past the key-side pass's cap."""
+
+
+def predicted_ms(kind: str, grid, window, nh: int, d: int) -> tuple[float, float]:
+    """The cost model's forward and backward ms for a row (``kernels.dsa_cost``, H100 figures, ``nh``
+    heads): the kernels the row forces, or those ``auto`` runs (``dsa``, ``neighborhood``,
+    ``dsa_gather_split``: ``call_breakdown``); ``dense``: FlashAttention-3's model (the row measures
+    SDPA's flash kernel). Printed beside the measurement, so the first GPU run checks the model."""
+    from kernels import dsa_cost as C  # lazy: imports triton
+
+    chip, N, grid, window = C.CHIPS[0], math.prod(grid), tuple(grid), tuple(window)
+    if kind == "dense":
+        f = C.fa3_seconds(N, d, chip)
+        return 1e3 * nh * f["fwd"], 1e3 * nh * f["bwd"]
+    if kind in ("dsa", "neighborhood", "dsa_gather_split"):
+        bound = {"dsa": 1.5, "neighborhood": 0.0, "dsa_gather_split": None}[kind]
+        b = C.call_breakdown(grid, window, d, bound, far_share=SPLIT_FAR_SHARE)
+        return nh * b["dsa_ms"]["fwd"], nh * b["dsa_ms"]["bwd"]
+    gather_fwd, gather_atomic = C.gather_costs(N, window, d)
+    query, key = C.pull_costs(grid, window, d, 1.5)
+    fwd, bwd = [gather_fwd], {"dsa_gather": [query, key], "dsa_gather_atomic": [gather_atomic]}.get(kind)
+    if kind == "dsa_halo":
+        halo = C.halo_costs(grid, window, d, 1.5)
+        fwd, bwd = halo["fwd"], [*halo["bwd"], key]
+    return tuple(1e3 * nh * sum(c.seconds(chip)["seconds"] for c in cs) for cs in (fwd, bwd))
+
+
 def measure_attention(kind: str, grid, window, nh: int, d: int, device, reps: int) -> dict:
     """Forward and backward timed apart (medians over ``reps`` after one warm-up) and the peak
     memory of a forward + backward over its inputs."""
@@ -164,6 +192,7 @@ def part_attention(ctx: Run) -> dict:
             continue
         try:
             r = measure_attention(kind, grid, window, sz.attn_heads, sz.attn_dim, dev, sz.attn_reps)
+            r["predicted_fwd_ms"], r["predicted_bwd_ms"] = predicted_ms(kind, grid, window, sz.attn_heads, sz.attn_dim)
             if (r["fwd_ms"] + r["bwd_ms"]) / 1e3 > sz.attn_slow_s:
                 slow.add(key)
         except Exception as e:  # noqa: BLE001 - e.g. out of memory: the other rows still run
@@ -185,6 +214,7 @@ def _attn_line(r: dict) -> str:
 
     window = "x".join(map(str, r["window"])) if r["kind"] != "dense" else "-"
     return (f"| {r['kind']} | {r['tokens']} | {window} | {f('fwd_ms', '.2f')} | {f('bwd_ms', '.2f')} | "
+            f"{f('predicted_fwd_ms', '.2f')} | {f('predicted_bwd_ms', '.2f')} | "
             f"{f('fwd_tflops', '.1f')} | {f('bwd_tflops', '.1f')} | {f('peak_mib', '.0f')} | {r['status']} | "
             f"{r.get('backend', '-')} |")
 

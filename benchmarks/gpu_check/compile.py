@@ -107,6 +107,10 @@ class Record:
     blocks_per_sm: int | None = None
     dot: str = "-"
     wgmma: int = 0
+    tt_dots: int = 0  # the kernel's dots (``tt.dot`` in its TTIR)
+    mma_dots: int = 0  # of them, those lowered to the target's MMA (``ttng.warp_group_dot``, ``ttng.tc_gen5_mma``)
+    wgmma_not_16bit: int = 0  # wgmma instructions whose operands are not bf16 or fp16 (tf32, fp8, ...)
+    mma_serialized: str = ""  # ptxas's warning that it serialized the wgmma instructions, if any
     mma_sync: int = 0
     atomics_f32: int = 0
     compile_s: float | None = None
@@ -119,6 +123,8 @@ class Record:
 
 
 _REGS = re.compile(r"Used (\d+) registers")
+_SERIALIZED = re.compile(r"^.*wgmma[^\n]*serializ[^\n]*$", re.M | re.I)
+_WGMMA = re.compile(r"wgmma\.mma_async[\w.]*")
 _SPILL = re.compile(r"(\d+) bytes stack frame, (\d+) bytes spill stores, (\d+) bytes spill loads")
 _ATOMIC = re.compile(r"^\s*(?:@%p\d+\s+)?(?:atom|red)\.(?:\w+\.)*global\.(?:\w+\.)*f32", re.M)
 
@@ -129,7 +135,16 @@ def parse_ptxas_log(log: str) -> dict:
         out["regs"] = int(m.group(1))
     if m := _SPILL.search(log):
         out["stack"], out["spill_stores"], out["spill_loads"] = (int(g) for g in m.groups())
+    if m := _SERIALIZED.search(log):
+        out["mma_serialized"] = m.group(0).strip()[:300]
     return out
+
+
+def count_dots(ttir: str, ttgir: str) -> dict:
+    """The kernel's dots (``tt.dot`` in the TTIR) and how many the TTGIR lowered to the target's
+    tensor-core MMA (Hopper's ``warp_group_dot``, Blackwell's ``tc_gen5_mma``): each dot, not just one."""
+    return {"tt_dots": len(re.findall(r"\btt\.dot\b", ttir)),
+            "mma_dots": len(re.findall(r"\bttng\.(?:warp_group_dot|tc_gen5_mma)\b", ttgir))}
 
 
 _BLOCK = re.compile(r"^(?:\$L__BB\d+_\d+:|// %bb\.\d+:)")
@@ -166,7 +181,9 @@ def count_ptx(ptx: str) -> dict:
     tcgen05 = len(re.findall(r"\btcgen05\.mma", ptx))  # Blackwell's (sm_100) tensor-core MMA
     mma = len(re.findall(r"\bmma\.sync", ptx))
     dot = "tcgen05" if tcgen05 else "wgmma" if wgmma else ("mma.sync" if mma else "-")
-    return {"wgmma": wgmma, "mma_sync": mma, "dot": dot, "atomics_f32": len(_ATOMIC.findall(ptx)),
+    not_16bit = sum(1 for w in _WGMMA.findall(ptx) if not w.endswith((".bf16.bf16", ".f16.f16")))
+    return {"wgmma": wgmma, "mma_sync": mma, "dot": dot, "wgmma_not_16bit": not_16bit,
+            "atomics_f32": len(_ATOMIC.findall(ptx)),
             "loop_instr": loop_instructions(ptx)}
 
 
@@ -194,7 +211,7 @@ def _compile_in_child(variant: Variant, cc: int, conn, cache: str) -> None:
                                                             **({"maxnreg": variant.maxnreg} if variant.maxnreg else {})})
         seconds = time.perf_counter() - t0
         res = {"compile_s": round(seconds, 2), "smem": int(k.metadata.shared), **parse_ptxas_log(buf.getvalue()),
-               **count_ptx(k.asm["ptx"])}
+               **count_ptx(k.asm["ptx"]), **count_dots(k.asm["ttir"], k.asm["ttgir"])}
         conn.send(("ok", res))
     except BaseException as e:  # noqa: BLE001 - everything goes back to the parent as a problem
         conn.send(("error", f"{type(e).__name__}: {str(e)[:800]}\n{traceback.format_exc()[-1500:]}"))
@@ -259,8 +276,15 @@ def judge(rec: Record, tensor_cores: bool, cc: int) -> None:
     if rec.spill_stores or rec.spill_loads:
         problems.append(f"spills {rec.spill_stores} B stores / {rec.spill_loads} B loads per thread")
     want = "tcgen05" if cc >= 100 else "wgmma"  # the target's own tensor-core MMA
-    if tensor_cores and cc >= 90 and rec.dot != want:
-        problems.append(f"products on {rec.dot if rec.dot != '-' else 'no MMA'}, not {want}")
+    if tensor_cores and cc >= 90:
+        if rec.dot != want:
+            problems.append(f"products on {rec.dot if rec.dot != '-' else 'no MMA'}, not {want}")
+        if rec.mma_dots < rec.tt_dots:  # every dot, not one: a dot left on CUDA cores costs its FMAs
+            problems.append(f"{rec.tt_dots - rec.mma_dots} of {rec.tt_dots} dots not lowered to {want}")
+        if rec.wgmma_not_16bit:
+            problems.append(f"{rec.wgmma_not_16bit} wgmma instructions without bf16/fp16 operands")
+        if rec.mma_serialized:
+            problems.append(f"ptxas: {rec.mma_serialized}")
     if rec.regs is not None and rec.smem is not None:
         rec.blocks_per_sm = blocks_per_sm(rec.regs, rec.num_warps, rec.smem, cc)
     rec.ok = not problems
@@ -336,8 +360,8 @@ def run(archs: list[str], shapes: list[AotShape], kernels: tuple[str, ...] | Non
 # Report
 
 HEADER = ("| kernel | arch | shape | config | warps/stages | regs | spills (B st/ld) | smem (B) | blocks/SM "
-          "| dot | f32 atomics | compile (s) | ok | problems |")
-RULE = "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"
+          "| dot | dots on MMA | f32 atomics | compile (s) | ok | problems |")
+RULE = "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"
 
 
 def table_line(r: Record) -> str:
@@ -347,7 +371,8 @@ def table_line(r: Record) -> str:
     spills = "-" if r.spill_stores is None else f"{r.spill_stores}/{r.spill_loads}"
     ok = ("yes" if r.ok else "NO") + ("" if r.may_pick else " (not picked)")
     return (f"| {r.kernel} | {r.arch} | {r.shape} | {r.config} | {r.num_warps}/{r.num_stages} | {f(r.regs)} | "
-            f"{spills} | {f(r.smem)} | {f(r.blocks_per_sm)} | {r.dot} | {r.atomics_f32} | {f(r.compile_s)} | "
+            f"{spills} | {f(r.smem)} | {f(r.blocks_per_sm)} | {r.dot} | {r.mma_dots}/{r.tt_dots} | {r.atomics_f32} | "
+            f"{f(r.compile_s)} | "
             f"{ok} | {'; '.join(r.problems)} |")
 
 

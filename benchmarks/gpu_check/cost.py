@@ -24,16 +24,18 @@ from __future__ import annotations
 import math
 from dataclasses import asdict
 
-from kernels.dsa_cost import CHIPS, Chip, Cost, gather_costs, halo_costs, pull_costs  # noqa: F401 (re-exported)
+from kernels.dsa_cost import (  # noqa: F401 (re-exported)
+    CHIPS,
+    FA3_MFU,
+    Chip,
+    Cost,
+    gather_costs,
+    halo_costs,
+    pull_costs,
+)
+from kernels.dsa_cost import fa3_seconds as flash_seconds
 
-FA3_MFU = {"fwd": 0.75, "bwd": 0.55}
 ANCHOR_OF_FA3 = (0.58, 0.85)
-
-
-def flash_seconds(tokens: int, head_dim: int, chip: Chip) -> dict:
-    """FlashAttention-3 on the same tokens, dense, one head: forward and backward."""
-    f = 4.0 * tokens * tokens * head_dim
-    return {"fwd": f / (chip.bf16_tc * FA3_MFU["fwd"]), "bwd": 2.5 * f / (chip.bf16_tc * FA3_MFU["bwd"])}
 
 
 def anchor_seconds(tokens: int, K: int, head_dim: int, chip: Chip) -> dict:
@@ -89,3 +91,50 @@ def table(rows: list[dict]) -> list[str]:
                    f"{r['flash_ms_per_layer']:.2f} | {r['anchor_ms_per_layer'][0]:.3g}-{r['anchor_ms_per_layer'][1]:.3g} | "
                    f"x{r['vs_flash']:.2f} |")
     return out
+
+
+def preset_rows(chip_name: str = "H100") -> list[dict]:
+    """The cost model's figure for every GPU preset's attention call (``kernels.dsa_cost.call_breakdown``
+    at the preset's token grid, window, head dim and bound, one head): what ``auto`` runs and its
+    forward + backward against FlashAttention-3 on the same tokens."""
+    from kernels.dsa_cost import call_breakdown  # lazy: imports triton
+
+    from .compile import gpu_preset_shapes
+
+    chip = next(c for c in CHIPS if c.name == chip_name)
+    rows = []
+    for (d, window, grid, bound), names in gpu_preset_shapes().items():
+        b = call_breakdown(grid, window, d, bound, chip=chip)
+        rows.append({"presets": list(names), **{k: b[k] for k in ("grid", "window", "head_dim", "bound", "chip", "how",
+                                                                 "modes", "dsa_ms", "fa3_ms", "ratio")}})
+    return rows
+
+
+def main(argv=None) -> int:
+    """``python -m benchmarks.gpu_check.cost [--chip H100|H200] [--json]``: the cost model's figure for
+    every GPU preset (``preset_rows``)."""
+    import argparse
+    import json
+
+    p = argparse.ArgumentParser(prog="python -m benchmarks.gpu_check.cost", description=main.__doc__)
+    p.add_argument("--chip", choices=[c.name for c in CHIPS], default="H100")
+    p.add_argument("--json", action="store_true")
+    a = p.parse_args(argv)
+    rows = preset_rows(a.chip)
+    if a.json:
+        for r in rows:
+            print(json.dumps(r))
+        return 0
+    print("| presets | grid | window | bound | kernels (fwd; bwd) | DSA fwd + bwd ms | FA3 fwd + bwd ms | FA3 / DSA |\n"
+          "|---|---|---|---|---|---|---|---|")
+    for r in rows:
+        d, f = r["dsa_ms"], r["fa3_ms"]
+        print(f"| {', '.join(r['presets'])} | {'x'.join(map(str, r['grid']))} | {'x'.join(map(str, r['window']))} | "
+              f"{r['bound']:g} | {r['modes']['fwd']}; {r['modes']['bwd']} | {d['fwd']:.2f} + {d['bwd']:.2f} = "
+              f"{d['total']:.2f} | {f['fwd']:.2f} + {f['bwd']:.2f} = {f['total']:.2f} | {r['ratio']:.2f}x |")
+    print(f"\n{a.chip} figures, one head, bf16; {rows[0]['how'] if rows else 'no GPU preset'}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

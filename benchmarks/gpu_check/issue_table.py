@@ -31,7 +31,7 @@ GRIDS = ((21, 30, 52), (21, 15, 26))
 
 def measure(shapes=SHAPES, kernels=None, progress=print, grids=GRIDS) -> dict:
     """``{issue_key: {"kernel", "head_dim", "window", "constexprs", "warps", "depths": {depth:
-    instructions}}}`` for the kernels ``dsa_cost`` counts (``ISSUE_KERNELS``), compiled for sm_90
+    instructions}, "blocks_per_sm"}}`` (resident blocks per SM, from registers and shared memory) for the kernels ``dsa_cost`` counts (``ISSUE_KERNELS``), compiled for sm_90
     at ``shapes``."""
     import triton  # lazy: the compile imports it anyway
 
@@ -40,8 +40,10 @@ def measure(shapes=SHAPES, kernels=None, progress=print, grids=GRIDS) -> dict:
     from kernels.dsa_triton_pull import PULL_MAX_OFFSET
 
     table = {}
-    for (dtype, d, window), grid in ((s, g) for g in grids for s in shapes):
-        shape = aot.AotShape(dtype, d, window, grid, PULL_MAX_OFFSET)
+    # every bound class up to the key-side pass's cap (a call runs at its max_offset: any of them)
+    bounds = [k / 2 for k in range(int(2 * PULL_MAX_OFFSET), -1, -1)]
+    for (dtype, d, window), grid, bound in ((s, g, b) for g in grids for s in shapes for b in bounds):
+        shape = aot.AotShape(dtype, d, window, grid, bound)
         for spec in aot_variants(shape):
             name = spec["kernel"]
             if name not in (kernels or ISSUE_KERNELS) or (spec.get("archs") and "sm_90" not in spec["archs"]):
@@ -54,7 +56,8 @@ def measure(shapes=SHAPES, kernels=None, progress=print, grids=GRIDS) -> dict:
                 raise RuntimeError(f"{key}: no PTX counted ({'; '.join(rec.problems)})")
             consts = {k: v for k, v in spec["constexprs"].items() if isinstance(v, (bool, int))}
             table[key] = {"kernel": name, "head_dim": d, "window": list(window), "constexprs": consts,
-                          "warps": spec["num_warps"], "depths": {str(k): v for k, v in sorted(rec.loop_instr.items())}}
+                          "warps": spec["num_warps"], "depths": {str(k): v for k, v in sorted(rec.loop_instr.items())},
+                          "blocks_per_sm": rec.blocks_per_sm}
             if progress:
                 progress(f"{key}: {spec['num_warps']} warps, {rec.loop_instr}")
     return {"arch": "sm_90", "triton": triton.__version__, "dtype": "bf16", "entries": table}

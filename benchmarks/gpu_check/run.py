@@ -148,9 +148,11 @@ def markdown(report: dict) -> list[str]:
                       "with every 20th token's first sample 4 tokens out, dk/dv by the split mode (the key-side pass "
                       "for the rest, atomics for those); `dsa_halo`: the halo kernels "
                       "(the forward and the backward's query side on tensor cores), dk/dv by the key-side pass.", "",
-                      "| kind | tokens | window | fwd [ms] | bwd [ms] | fwd TFLOP/s | bwd TFLOP/s | peak [MiB] | status "
-                      "| backend |",
-                      "|---|---|---|---|---|---|---|---|---|---|"]
+                      "Predicted: the cost model (`kernels.dsa_cost`, H100 figures) for the same kernels and shape; "
+                      "`dense`: FlashAttention-3's model beside SDPA's flash kernel.", "",
+                      "| kind | tokens | window | fwd [ms] | bwd [ms] | predicted fwd [ms] | predicted bwd [ms] "
+                      "| fwd TFLOP/s | bwd TFLOP/s | peak [MiB] | status | backend |",
+                      "|---|---|---|---|---|---|---|---|---|---|---|---|"]
             lines += [_attn_line(r) for r in info["rows"]]
             lines += ["", "Crossover (dense flash slower than DSA from):"]
             for K, c in info["crossover_tokens"].items():

@@ -107,9 +107,11 @@ class AttentionConfig:
     tiles the grid is cut into (any size; one that divides the grid needs no padding, e.g. (2, 4, 4)
     on a 4 x 8 x 8 grid, where (3, 3, 3) pads it to 6 x 9 x 9). ``dense`` ignores it."""
     max_offset: float = 0.0
-    """If > 0, offsets are bounded by it (``offset_bound`` says how); 0 leaves them unbounded. A
-    bound lets the GPU kernels plan for it: up to 1.5 tokens at Wan's 480p shapes every pass runs
-    on tensor cores (``python -m megaslide_ray.plan`` says so for a config)."""
+    """If > 0, offsets are bounded by it (``offset_bound`` says how); 0 leaves them unbounded. The
+    GPU kernels run every call at this bound (nothing measured per call): it sizes the backward's
+    deterministic key-side dk/dv pass (up to 3 tokens) and decides where the halo kernels (tensor
+    cores) are predicted faster; unbounded offsets take the gather kernels and, for the few queries
+    past 3 tokens, float atomics (``python -m megaslide_ray.plan`` notes it for a config)."""
     offset_bound: Literal["tanh", "clamp"] = "tanh"
     """How ``max_offset`` bounds the offsets: ``tanh``, ``max_offset * tanh(raw)`` (smooth, and
     already compressing well inside the bound: ``offset_scale = 1 / max_offset`` gives slope 1 at
