@@ -390,7 +390,7 @@ class ParameterStore(NodeSyncMethods, CheckpointMethods):
         with self._lock:
             if generation is not None and generation != self._generation:
                 log.warning("dropped a gradient report of shard %d for step %d from a replaced compute actor",
-                            shard, step)
+                            shard, step + 1)
                 return
             if int(self.versions[shard]) != step:
                 # Checked before anything is written: w holds this shard's weights (or another
@@ -488,11 +488,11 @@ class ParameterStore(NodeSyncMethods, CheckpointMethods):
                         return done
                     if self.sync is None:
                         raise GradientsLostError(
-                            f"step {step}: this parameter store process holds no gradients of that step (it was "
+                            f"step {step + 1}: this parameter store process holds no gradients of that step (it was "
                             f"restarted after they were reported; versions {self.versions.tolist()}): redo the step")
                 left = deadline - time.monotonic()
                 if left <= 0:
-                    raise TimeoutError(f"update of step {step} not finished after {timeout:.0f} s")
+                    raise TimeoutError(f"update of step {step + 1} not finished after {timeout:.0f} s")
                 self._lock.wait(min(left, 1.0))
             return self._results.pop(step)
 
@@ -522,7 +522,7 @@ class ParameterStore(NodeSyncMethods, CheckpointMethods):
             try:
                 result = self._apply_update(step, total)
             except BaseException as e:  # surfaced to every waiter
-                log.exception("AdamW update of step %d failed", step)
+                log.exception("AdamW update of step %d failed", step + 1)
                 with self._lock:
                     self._error = e
                     self._applying = False
@@ -542,7 +542,7 @@ class ParameterStore(NodeSyncMethods, CheckpointMethods):
         # The record goes first: a store that restarts between two shards finishes from it.
         self._write_record(step, total, coef, lr, skipped=not finite, seconds=0.0)
         if not finite:
-            log.warning("step %d: gradient norm is %s; update skipped on every shard", step, total)
+            log.warning("step %d: gradient norm is %s; update skipped on every shard", step + 1, total)
         for i in self.owned:  # shard order: the next forward needs shard 0 first
             if i == self._middle:
                 fault_point("store.mid_update", step)
@@ -628,7 +628,7 @@ class ParameterStore(NodeSyncMethods, CheckpointMethods):
         if cut:
             raise StateNotTrustedError(
                 f"the parameter store in {self.dir} was stopped in the middle of updating shard(s) {cut} "
-                f"(step {int(self.updating[cut[0]])}): their weights and moments are half-written and cannot be "
+                f"(step {int(self.updating[cut[0]]) + 1}): their weights and moments are half-written and cannot be "
                 f"trusted. Resume from the latest checkpoint (python -m megaslide_ray.train --run-dir RUN --resume)")
         versions = self.versions.tolist()
         lo, hi = min(versions), max(versions)
@@ -641,10 +641,10 @@ class ParameterStore(NodeSyncMethods, CheckpointMethods):
         if hi != lo + 1 or rec is None:
             raise StateNotTrustedError(
                 f"the parameter store in {self.dir} holds shard versions {versions} with no record of the update "
-                f"of step {lo}; it cannot be finished. Resume from the latest checkpoint "
+                f"of step {lo + 1}; it cannot be finished. Resume from the latest checkpoint "
                 f"(python -m megaslide_ray.train --run-dir RUN --resume)")
         todo = [i for i in range(self.n) if versions[i] == lo]
-        log.warning("the update of step %d was cut between shards; finishing it on shards %s", lo, todo)
+        log.warning("the update of step %d was cut between shards; finishing it on shards %s", lo + 1, todo)
         for i in todo:  # their gradients of step lo are still in their w segments
             self._update_shard(i, lo, rec.clip_coef, rec.lr, skip=rec.skipped)
 
