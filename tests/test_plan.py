@@ -500,3 +500,29 @@ def test_unbounded_dsa_offsets_get_a_note_on_which_gpu_kernels_run():
     for name in ("dit-105b", "wan2.1-t2v-1.3b", "wan2.1-t2v-14b", "wan2.2-ti2v-5b"):
         a = build_config(name, None, {}).attention
         assert (a.max_offset, a.offset_bound) == (1.5, "clamp"), name
+
+
+def _host_rows(p) -> dict[str, int]:
+    """The host rows ``render`` prints (the state's parts once: their sum is the state row)."""
+    if p.scale is not None and (p.gpus_per_node > 1 or p.nodes > 1):
+        rows = dict(p.scale.host_terms)
+    elif p.mode == "generate":
+        rows = {"w": p.host_bytes["w"], "offloaded": p.host_offloaded_bytes}
+    else:
+        rows = {"state": p.host_state_bytes, "fp32 update scratch": p.scratch_bytes,
+                "offloaded": p.host_offloaded_bytes}
+    return {**rows, "reserve": p.host_reserve_bytes}
+
+
+@pytest.mark.parametrize("preset", ["tiny", "dit-105b", "dit-28b", "wan2.1-t2v-14b", "wan2.2-ti2v-5b"])
+@pytest.mark.parametrize("gpus,nodes,generate", [(1, 1, False), (1, 1, True), (8, 1, False), (8, 4, False)])
+def test_the_host_rows_add_up_to_the_host_total(preset, gpus, nodes, generate):
+    cfg = build_config(preset, None, {"runtime.offload_activations": True} if preset == "dit-105b" else {})
+    p = plan(cfg, gpus_per_node=gpus, nodes=nodes, generate=generate)
+    assert sum(_host_rows(p).values()) == p.host_required_bytes
+    if not generate:  # the scratch row is the store's: the gradient upcast into fp32 for AdamW
+        assert p.scratch_bytes == 4 * p.largest_shard_params
+        text = render(p)
+        if gpus == nodes == 1:
+            assert f"fp32 update scratch: 4 B x shard {p.largest_shard}" in text
+    assert p.device_required_bytes == sum(p.device_terms.values())

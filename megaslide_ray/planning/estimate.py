@@ -431,8 +431,8 @@ def plan(cfg: Config, w_dtype: str = "bfloat16", pcie_gbps: float = 55.0, dram_g
         host_terms = dict(scale.host_terms)
     host_terms["reserve (OS, Ray, processes)"] = reserve
     host_required = sum(host_terms.values())
-    scratch = parts.get(variant + "_scratch", 0)
-    block_total = parts["block_linear"] + parts[variant] + scratch
+    kernel_scratch = parts.get(variant + "_scratch", 0)  # on the device (``scratch`` is the host's)
+    block_total = parts["block_linear"] + parts[variant] + kernel_scratch
     device_terms = {"shard buffers": shard_bytes}
     if resident_bytes:
         device_terms[f"resident shards ({len(resident)}, kept from forward to backward)"] = resident_bytes
@@ -443,8 +443,8 @@ def plan(cfg: Config, w_dtype: str = "bfloat16", pcie_gbps: float = 55.0, dram_g
     else:
         device_terms.update(block_terms)
         device_terms[f"attention ({VARIANT_LABELS[variant]})"] = parts[variant]
-        if scratch:
-            device_terms["attention kernels' scratch (records, scores or fp32 dk/dv)"] = scratch
+        if kernel_scratch:
+            device_terms["attention kernels' scratch (records, scores or fp32 dk/dv)"] = kernel_scratch
     device_terms["input tensors (fp32)"] = parts["pixels"]
     device_required = shard_bytes + resident_bytes + act_totals[variant]
     assert device_required == sum(device_terms.values())
