@@ -62,9 +62,10 @@ Host memory, training (the ParameterStore; see ``actors/param_store.py``), per p
 Host memory, generation: the bf16 weights w (2 B/param, what ``sample`` maps) + the reserve.
 
 Device memory:
-    shard buffers = (prefetch_depth + 1) * Smax * (w bytes + grad bytes): the block being
-    computed plus ``runtime.prefetch_depth`` staged ahead (none with ``runtime.overlap`` off),
-    each with its weights and (training) its gradient.
+    shard buffers = (prefetch_depth + 1) * Smax * (w bytes + 4): the block being computed plus
+    ``runtime.prefetch_depth`` staged ahead (none with ``runtime.overlap`` off), each with its
+    weights and (training) its gradient, summed in fp32 whatever the weights' dtype (the one
+    computing and the one on its way to the host: ``ComputeActor``'s ``grad_views``).
     activations = checkpoints + max(one block's working set + its attention, the input side)
                   + the input tensors
         checkpoints      L * ND, the block inputs kept at block boundaries (training; with
@@ -246,7 +247,7 @@ class Plan:
     # -- device memory
     prefetch_depth: int
     offload_keep: int              # k: block inputs kept on the device with offload (0 without offload)
-    device_shard_bytes: int        # (prefetch_depth + 1) * Smax * (w [+ grad] bytes)
+    device_shard_bytes: int        # (prefetch_depth + 1) * Smax * (w bytes [+ 4: the fp32 gradient])
     activation_parts: dict[str, int]   # checkpoints, block_linear, pixels, attention extras, ...
     block_terms: dict[str, int]        # the named terms of one block's working set
     activation_bytes: dict[str, int]   # total activations per attention variant
@@ -371,7 +372,7 @@ def plan(cfg: Config, w_dtype: str = "bfloat16", pcie_gbps: float = 55.0, dram_g
     store = state + scratch
 
     # -- device memory
-    shard_bytes = staged_shards(cfg) * Smax * (wb if generate else wb + wb)
+    shard_bytes = staged_shards(cfg) * Smax * (wb if generate else wb + 4)  # gradients are summed in fp32
     resident = [] if generate else resident_shards(cfg.model.depth, counts, wb, cfg.runtime.resident_gb * 1e9)
     resident_bytes = sum(counts[i] for i in resident) * wb
     parts, block_terms, act_totals, Q = _activations(cfg, wb, generate)
