@@ -65,7 +65,7 @@ class StoreClient(Protocol):
     def get_weights(self, shard: int, step: int) -> np.ndarray: ...
     def report_grad(self, shard: int, step: int, sqnorm: float, grad: np.ndarray | None) -> None: ...
     def flush(self) -> int: ...
-    # several compute actors only: ``report_grad`` then also takes ``slot=``, and
+    # several compute actors only: ``report_grad`` then also takes ``slot=`` and ``piece=``, and
     # def wait_grad_slot(self, slot: int) -> None: ...
     # generation: int (a property: the compute actors' generation, written into a filled slot)
 
@@ -508,9 +508,9 @@ class LocalStoreClient:
     def get_weights(self, shard: int, step: int) -> np.ndarray:
         return self._store.get_weights(shard, step)
 
-    def report_grad(self, shard: int, step: int, sqnorm: float, grad, slot: int = -1) -> None:
+    def report_grad(self, shard: int, step: int, sqnorm: float, grad, slot: int = -1, piece: int = 0) -> None:
         if slot >= 0:
-            self._store.report_grad(shard, step, sqnorm, grad, actor=self._rank, slot=slot)
+            self._store.report_grad(shard, step, sqnorm, grad, actor=self._rank, slot=slot, piece=piece)
         else:
             self._store.report_grad(shard, step, sqnorm, grad)
 

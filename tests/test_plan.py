@@ -421,9 +421,11 @@ def test_gpus_per_node_add_gradient_slots_and_draw_on_the_same_dram():
     cfg = config_for("wan2.1-t2v-14b", 81, 480, 832)
     one, eight = plan(cfg, ram_gb=2000), plan(cfg, ram_gb=2000, gpus_per_node=8)
     smax, wb = eight.largest_shard_params, 2
-    slots = 8 * cfg.runtime.grad_slots * smax * wb
-    assert eight.scale.host_terms["gradient slots (8 GPUs x 2 x largest shard)"] == slots
-    assert eight.host_required_bytes == one.host_required_bytes + slots + 4 * smax  # + the fp32 sum
+    slot = 512_000_000 // wb  # runtime.grad_slot_mb: Wan 14B's largest shard (0.7 GB) goes in pieces
+    assert slot < smax
+    slots = 8 * cfg.runtime.grad_slots * slot * wb
+    assert eight.scale.host_terms["gradient slots (8 GPUs x 2 x 512 MB)"] == slots
+    assert eight.host_required_bytes == one.host_required_bytes + slots + 4 * slot  # + the fp32 sum of a piece
     assert "adamw" in one.time_terms and "host_dram" not in one.time_terms  # one GPU: as before
     dram = 8 * (one.h2d_bytes + one.d2h_bytes) + 10 * one.params * wb + one.adamw_dram_bytes
     assert eight.scale.host_dram_bytes == dram and _close(eight.time_terms["host_dram"], dram / 300e9)
@@ -447,12 +449,26 @@ def test_nodes_shard_the_optimizer_state_and_count_the_network(plan_105b):
     assert _close(four.scale.network_bytes, 2 * wb * P * 3 / 4, 0.03)
     assert any("2 nodes (runtime.nodes = 2): one store per node" in n for n in two.notes)
     assert not any("not implemented" in n for n in two.notes)
-    # README rows: 105B on two nodes of 1 TB fits with one gradient slot per GPU, and not with two.
+    # 105B on two nodes of 1 TB: whole-block slots fit with one gradient slot per GPU, not with two
+    # (the note says so); slots of 512 MB (the default) fit with two.
+    cfg.runtime.grad_slot_mb = 0
     cfg.runtime.grad_slots = 1
     assert plan(cfg, ram_gb=1000, gpu_gb=141, gpus_per_node=8, nodes=2).fits
     cfg.runtime.grad_slots = 2
     short = plan(cfg, ram_gb=1000, gpu_gb=141, gpus_per_node=8, nodes=2)
     assert short.fits_host is False and any("--grad-slots 1" in n for n in short.notes)
+    cfg.runtime.grad_slot_mb = 512
+    assert plan(cfg, ram_gb=1000, gpu_gb=141, gpus_per_node=8, nodes=2).fits
+
+
+def test_105b_on_four_nodes_of_eight_gpus_fits_640_gb_with_sub_block_gradient_slots(capsys):
+    assert main(["--preset", "dit-105b", "--nodes", "4", "--gpus-per-node", "8", "--ram-gb", "640"]) == 0
+    out = capsys.readouterr().out
+    assert "=> fits: this machine can run it" in out and "gradient slots (8 GPUs x 2 x 512 MB)" in out
+    cfg = config_for("dit-105b")
+    cfg.runtime.grad_slot_mb = 0  # whole-block slots: 95 GB of them per node, 719 GB in all
+    whole = plan(cfg, ram_gb=640, gpus_per_node=8, nodes=4)
+    assert whole.fits_host is False and 700e9 < whole.host_required_bytes < 740e9
 
 
 def test_cli_scale_out_flags(capsys):

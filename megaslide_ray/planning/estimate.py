@@ -185,7 +185,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from megaslide_ray.config import Config, ConfigError
-from megaslide_ray.models.shards import resident_shards
+from megaslide_ray.models.shards import grad_slot_numel, resident_shards
 from megaslide_ray.planning.scaleout import ScaleOut, scale_out
 from megaslide_ray.planning.terms import (
     FIXED_TERMS,
@@ -414,7 +414,7 @@ def plan(cfg: Config, w_dtype: str = "bfloat16", pcie_gbps: float = 55.0, dram_g
         label = label.replace("x ND)", f"x {micro} micro-batches x ND)")
     if not generate:
         scale = scale_out(counts, wb, gpus_per_node, nodes, cfg.runtime.grad_slots, micro, network_gbps, adamw_pp,
-                          h2d, d2h, parts["offloaded_checkpoints"], label)
+                          h2d, d2h, parts["offloaded_checkpoints"], label, cfg.runtime.grad_slot_mb)
         if gpus_per_node * nodes > 1:  # the node's DRAM serves every GPU's link, the gradient sum and AdamW
             del terms["adamw"]
             terms["host_dram"] = scale.host_dram_bytes / (dram_gbps * 1e9)
@@ -463,8 +463,8 @@ def plan(cfg: Config, w_dtype: str = "bfloat16", pcie_gbps: float = 55.0, dram_g
                      f"(the network receive slots term)")
     slots = cfg.runtime.grad_slots
     if fits_host is False and not generate and slots > 1 and gpus_per_node * nodes > 1:
-        holders = (gpus_per_node if gpus_per_node > 1 else 0) + (nodes - 1)  # GPUs' slots, network receive slots
-        saved = holders * (slots - 1) * Smax * wb
+        slot = grad_slot_numel(Smax, cfg.runtime.grad_slot_mb, wb)  # the GPUs' slots; network receive slots: whole
+        saved = ((gpus_per_node if gpus_per_node > 1 else 0) * slot + (nodes - 1) * Smax) * (slots - 1) * wb
         notes.append(f"runtime.grad_slots = 1 (--grad-slots 1) would free {fmt_bytes(saved)} of host per node (a GPU "
                      f"then waits for each sum before it returns its next gradient)")
     if gpus_per_node > 1 and not generate and terms.get("host_dram", 0) >= max(terms["h2d"], terms["compute"]):
