@@ -469,6 +469,9 @@ def test_105b_on_four_nodes_of_eight_gpus_fits_640_gb_with_sub_block_gradient_sl
     cfg.runtime.grad_slot_mb = 0  # whole-block slots: 95 GB of them per node, 719 GB in all
     whole = plan(cfg, ram_gb=640, gpus_per_node=8, nodes=4)
     assert whole.fits_host is False and 700e9 < whole.host_required_bytes < 740e9
+    assert main(["--preset", "dit-105b", "--nodes", "4", "--gpus-per-node", "8", "--ram-gb", "640",
+                 "--grad-slot-mb", "0"]) == 0
+    assert "DOES NOT FIT" in capsys.readouterr().out
 
 
 def test_cli_scale_out_flags(capsys):
