@@ -266,6 +266,13 @@ def test_a_rotten_shard_is_refused_on_load_naming_the_file(cfg, tmp_path):
         ParameterStore(cfg, str(tmp_path / "again"), resume_checkpoint=str(ckpt))
     with pytest.raises(CheckpointDamagedError, match=r"step_1 is damaged: shard_0001.safetensors"):
         read_checkpoint_shards(ckpt)
+    # --init-from and the export read through the same check
+    from megaslide_ray.state.pretrained import export_state_dict
+
+    with pytest.raises(CheckpointDamagedError, match=r"shard_0001.safetensors tensor master has checksum"):
+        ParameterStore(cfg, str(tmp_path / "init"), init_from=str(ckpt))
+    with pytest.raises(CheckpointDamagedError, match=r"shard_0001.safetensors tensor master has checksum"):
+        export_state_dict(ckpt, tmp_path / "out.safetensors")
 
 
 def test_a_checkpoint_without_checksums_still_loads_and_says_so(cfg, tmp_path, caplog):
