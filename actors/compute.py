@@ -46,6 +46,7 @@ from actors.grad_reduce import GradSlots
 from actors.param_store import ShardInfo
 from actors.transfer import ShardFeed, Transfers
 from megaslide_ray.config import Config
+from megaslide_ray.models.chunking import FP32_GRAD, fp32_grad_params
 from megaslide_ray.models.prediction import as_velocity
 from megaslide_ray.models.registry import build_shard, num_shards
 from megaslide_ray.models.shards import resident_shards
@@ -64,7 +65,7 @@ class StoreClient(Protocol):
     def get_weights(self, shard: int, step: int) -> np.ndarray: ...
     def report_grad(self, shard: int, step: int, sqnorm: float, grad: np.ndarray | None) -> None: ...
     def flush(self) -> int: ...
-    # several compute actors only: ``report_grad`` then also takes ``slot=``, and
+    # several compute actors only: ``report_grad`` then also takes ``slot=`` and ``piece=``, and
     # def wait_grad_slot(self, slot: int) -> None: ...
     # generation: int (a property: the compute actors' generation, written into a filled slot)
 
@@ -169,6 +170,7 @@ class ComputeActor:
         # Each micro-batch's loss is scaled so that the gradients summed over the micro-batches, the
         # actors and the nodes are those of the mean loss over the global batch (1: no scaling at all).
         self.loss_scale = 1.0 / (nodes * self.actors * self.micro_batches)
+        self.w_dtype = DTYPES[shards[0].w_dtype]  # the weights' dtype: gradients are sent in it
         self.link = Transfers(self.device, store, shards, transport, DTYPES[shards[0].w_dtype],
                               rt.overlap, rt.prefetch_depth, rt.link_gbps, grad_slots, rank)
         self.stash = ActivationStash(self.link, rt.offload_activations, rt.state_dir, rt.offload_keep)
@@ -186,14 +188,18 @@ class ComputeActor:
 
     def _run_with_grad(self, shard: int, params: dict, *args):
         """Run shard ``shard`` on ``params`` from ``grad_views`` (their backward adds the gradient
-        into that flat buffer; the micro-batches of a step add into the same one)."""
-        return functional_call(self.modules[shard], params, args)
+        into that flat buffer; the micro-batches of a step add into the same one, in fp32 whatever
+        the weights' dtype: each call is one use, ``fp32_grad_params``)."""
+        return functional_call(self.modules[shard], fp32_grad_params(params), args)
 
     def _push_grad(self, shard: int, step: int, grad: torch.Tensor, poison: torch.Tensor | None = None) -> None:
         """Hand shard ``shard``'s flat gradient to the store with its squared norm, computed on
         the device without an fp32 copy of the gradient and read on the return thread (no host
         sync here). ``poison``: a 0-d bool tensor, True when the loss was not finite: the norm is
-        then reported as NaN, so the store skips the step's update on every shard."""
+        then reported as NaN, so the store skips the step's update on every shard. ``grad`` is
+        the fp32 sum (``grad_views``); weights of another dtype get it rounded once to theirs."""
+        if grad.dtype != self.w_dtype:
+            grad = round_in_place(grad, self.w_dtype)
         sqnorm = torch.linalg.vector_norm(grad, dtype=torch.float32).square()
         if poison is not None:
             sqnorm = torch.where(poison, torch.full_like(sqnorm, float("nan")), sqnorm)
@@ -502,9 +508,9 @@ class LocalStoreClient:
     def get_weights(self, shard: int, step: int) -> np.ndarray:
         return self._store.get_weights(shard, step)
 
-    def report_grad(self, shard: int, step: int, sqnorm: float, grad, slot: int = -1) -> None:
+    def report_grad(self, shard: int, step: int, sqnorm: float, grad, slot: int = -1, piece: int = 0) -> None:
         if slot >= 0:
-            self._store.report_grad(shard, step, sqnorm, grad, actor=self._rank, slot=slot)
+            self._store.report_grad(shard, step, sqnorm, grad, actor=self._rank, slot=slot, piece=piece)
         else:
             self._store.report_grad(shard, step, sqnorm, grad)
 
@@ -518,20 +524,50 @@ class LocalStoreClient:
 def grad_views(layout, w: torch.Tensor) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
     """Parameters for ``functional_call`` that send their gradients into one flat buffer.
 
-    Returns ``(params, grad)``: ``grad`` is a zeroed buffer shaped like ``w``; every parameter is
-    a leaf view of ``w`` whose ``.grad`` is preset to its view of ``grad``, so the backward adds
-    each parameter's gradient in place (autograd accumulates into an existing ``.grad``). The
-    alternative, a flat leaf that requires grad with the parameters sliced out of it, makes
-    autograd's ``slice_backward`` build a zero tensor the size of the whole shard per parameter
-    (tests/test_overlap.py counts the zero fills). Adding to zeros is exact, so the gradient is
-    bit-identical to that of the flat leaf."""
-    grad = torch.zeros_like(w)
+    Returns ``(params, grad)``: ``grad`` is a zeroed fp32 buffer shaped like ``w``. With fp32
+    weights every parameter is a leaf view of ``w`` whose ``.grad`` is preset to its view of
+    ``grad``, so the backward adds each parameter's gradient in place (autograd accumulates into
+    an existing ``.grad``). The alternative, a flat leaf that requires grad with the parameters
+    sliced out of it, makes autograd's ``slice_backward`` build a zero tensor the size of the
+    whole shard per parameter (tests/test_overlap.py counts the zero fills). Adding to zeros is
+    exact, so the gradient is bit-identical to that of the flat leaf.
+
+    With weights of another dtype (bf16 on a GPU) ``.grad`` would have theirs, and every
+    micro-batch and token chunk would be added in bf16: each leaf instead carries its view of
+    the fp32 ``grad`` (``chunking.FP32_GRAD``), and ``_run_with_grad`` and ``chunking.bind`` add
+    each use's gradient into it in fp32 (``chunking.fp32_grad_params``). The sum is rounded to
+    the weights' dtype once, when it is sent (``ComputeActor._push_grad``)."""
+    grad = torch.zeros(w.shape, dtype=torch.float32, device=w.device)
     params = {}
     for (name, view), gview in zip(layout.views(w).items(), layout.views(grad).values()):
         leaf = view.detach().requires_grad_(True)
-        leaf.grad = gview
+        if w.dtype == torch.float32:
+            leaf.grad = gview
+        else:
+            setattr(leaf, FP32_GRAD, gview)
         params[name] = leaf
     return params, grad
+
+
+def round_in_place(acc: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """The flat fp32 ``acc`` rounded to a 2-byte ``dtype`` (bf16) in ``acc``'s own storage (no
+    second buffer on the device): a view of its first half. Pieces of doubling size, in order:
+    piece ``[a, b)`` with ``b <= 2a`` writes bytes ``[2a, 2b)``, which hold only elements before
+    ``a``, already read (the first piece, which overlaps itself, goes through a small copy).
+    The copies run in order on one stream, so each reads before anything overwrites it."""
+    if acc.dtype != torch.float32 or dtype.itemsize != 2 or acc.dim() != 1:
+        raise ValueError(f"round_in_place rounds a flat float32 tensor to a 2-byte dtype, not {acc.dtype} "
+                         f"of shape {tuple(acc.shape)} to {dtype}")
+    n = acc.numel()
+    out = acc.view(dtype)[:n]
+    first = min(n, 4096)
+    out[:first].copy_(acc[:first].clone())
+    a = first
+    while a < n:
+        b = min(n, 2 * a)
+        out[a:b].copy_(acc[a:b])
+        a = b
+    return out
 
 
 def peak_memory(device: torch.device) -> int:

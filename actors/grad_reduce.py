@@ -5,15 +5,21 @@ With one compute actor a shard's gradient lands in the shard's own ``w`` segment
 ``w_l`` still holds weights that the other actors read in their own backward of shard l, and it
 may be overwritten only once every actor has finished reading it. So each actor writes its
 gradient of a shard into one of its own **gradient slots** (``runtime.grad_slots`` of them, each
-the size of the largest shard, in the compute dtype; shared-memory segments beside the state)
+``runtime.grad_slot_mb``, at most the largest shard, in the compute dtype; shared-memory segments
+beside the state)
 and reports it. Once all N reports of a shard are in (each sent after that actor's backward of
 the shard returned, so nobody reads ``w_l`` any more), the reducer thread sums them **in fp32 in
 the fixed order actor 0, 1, ..., N-1** (bit-identical run to run) into ``w_l``, computes the
 squared norm of the sum there, frees the N slots and hands the norm to the store, which counts
 the shard as reported. From then on the shard is exactly where a one-actor step leaves it: its
 gradient in ``w_l``, the update reading it from there. Host memory beyond the 14 B/param state:
-``N x grad_slots`` slots plus, on a bf16 run, one fp32 accumulator the size of the largest shard
-(the planner counts both): a few shards, never a second gradient buffer of the model.
+``N x grad_slots`` slots plus, on a bf16 run, one fp32 accumulator of one slot's size (the
+planner counts both): never a second gradient buffer of the model.
+
+A slot holds ``runtime.grad_slot_mb`` (at most the largest shard): a larger shard's gradient goes
+in **pieces** of a slot's size, each reported (and summed into its range of ``w_l``) on its own;
+the shard counts as reported once its last piece is summed, with the squared norms of its pieces
+added up. So the slots and the fp32 accumulator are sub-block sized, whatever the block.
 
 Slots are used in turn (the j-th report of an actor's step goes to slot ``j % grad_slots``): the
 store sums shards in the order every actor reports them (L+1, L, ..., 0), so slots come free in
@@ -49,7 +55,7 @@ class GradSlots:
     """Where the gradient slots of every compute actor are: what a compute actor maps."""
     actors: int
     slots: int
-    numel: int                            # each slot's capacity: the largest shard
+    numel: int                            # each slot's capacity (runtime.grad_slot_mb, at most the largest shard)
     w_dtype: str
     paths: tuple[tuple[str, ...], ...]    # [actor][slot] -> segment file
     state_path: str                       # int64 [actors * slots]: -1 free, else the step it holds
@@ -74,10 +80,14 @@ class GradientReducer:
     reducer thread, once shard ``shard``'s sum is in ``targets[shard]``."""
 
     def __init__(self, directory: Path, actors: int, slots: int, targets: list[torch.Tensor], w_dtype: str,
-                 create: bool, threads: int, on_reduced: Callable[[int, int, float, int, float], None]):
+                 create: bool, threads: int, on_reduced: Callable[[int, int, float, int, float], None],
+                 slot_numel: int | None = None):
+        """``slot_numel``: one slot's capacity (``models.shards.grad_slot_numel``; default, and at
+        most, the largest shard): a shard larger than it is reported in pieces of that size."""
         self.actors, self.slots, self.w_dtype = actors, slots, w_dtype
         self.targets = targets
-        self.numel = max(t.numel() for t in targets)
+        largest = max(t.numel() for t in targets)
+        self.numel = min(largest, slot_numel) if slot_numel else largest
         dtype = DTYPES[w_dtype]
         paths = tuple(tuple(str(directory / f"grad_{a}_{s}.{w_dtype}") for s in range(slots))
                       for a in range(actors))
@@ -93,8 +103,10 @@ class GradientReducer:
         self._threads = threads
         self._on_reduced = on_reduced
         self._lock = threading.Condition()
-        self._parts: dict[tuple[int, int], dict[int, tuple[int, float]]] = {}  # (step, shard) -> actor -> (slot, sqnorm)
-        self._queue: list[tuple[int, int, int, dict[int, tuple[int, float]]]] = []  # (generation, step, shard, parts)
+        # (step, shard, piece) -> actor -> (slot, sqnorm)
+        self._parts: dict[tuple[int, int, int], dict[int, tuple[int, float]]] = {}
+        self._queue: list[tuple[int, int, int, int, dict]] = []  # (generation, step, shard, piece, parts)
+        self._summed: dict[tuple[int, int], list] = {}  # (step, shard) -> [pieces summed, sqnorm, seconds]
         self._generation = 0
         self._busy = False
         self._busy_step = -1
@@ -102,6 +114,10 @@ class GradientReducer:
         self.error: BaseException | None = None
         self._worker = threading.Thread(target=self._loop, name="grad-reduce", daemon=True)
         self._worker.start()
+
+    def pieces(self, shard: int) -> int:
+        """How many slot-sized pieces shard ``shard``'s gradient is sent in."""
+        return -(-self.targets[shard].numel() // self.numel)
 
     def scratch_bytes(self) -> int:
         """Host bytes of the slots and the fp32 accumulator."""
@@ -134,14 +150,18 @@ class GradientReducer:
                 self._lock.wait(min(left, 1.0))
 
     def add(self, shard: int, step: int, actor: int, slot: int, sqnorm: float, generation: int,
-            grad: np.ndarray | None = None) -> None:
-        """Compute actor ``actor``'s gradient of ``shard`` for ``step`` is in its slot ``slot``
-        (same node: it wrote it there), or in ``grad`` (raw bytes, object-ref transport: copied into
-        the slot here, once the slot is free). ``sqnorm``: the actor's own squared norm, read only
-        for finiteness (a NaN poisons the step, see ``ComputeActor._push_grad``)."""
+            grad: np.ndarray | None = None, piece: int = 0) -> None:
+        """Compute actor ``actor``'s gradient of ``shard`` for ``step`` (its piece ``piece``: elements
+        ``piece x numel`` on) is in its slot ``slot`` (same node: it wrote it there), or in ``grad``
+        (raw bytes, object-ref transport: copied into the slot here, once the slot is free).
+        ``sqnorm``: the actor's own squared norm of the shard, read only for finiteness (a NaN
+        poisons the step, see ``ComputeActor._push_grad``)."""
         if not (0 <= actor < self.actors and 0 <= slot < self.slots):
             raise ValueError(f"gradient report from actor {actor}, slot {slot}: the store has {self.actors} actors "
                              f"x {self.slots} slots (runtime.compute_actors, runtime.grad_slots)")
+        if not 0 <= piece < self.pieces(shard):
+            raise ValueError(f"gradient report of shard {shard}, piece {piece}: the shard has {self.pieces(shard)} "
+                             f"piece(s) of {self.numel} elements")
         with self._lock:
             if generation != self._generation:
                 return  # a replaced actor's report: its step is redone (and its slot is not touched)
@@ -154,21 +174,22 @@ class GradientReducer:
         with self._lock:
             if generation != self._generation:
                 return  # a replaced actor's report: its step is redone
-            parts = self._parts.setdefault((step, shard), {})
+            parts = self._parts.setdefault((step, shard, piece), {})
             if actor in parts:
-                raise RuntimeError(f"compute actor {actor} reported shard {shard} of step {step} twice")
+                raise RuntimeError(f"compute actor {actor} reported shard {shard} (piece {piece}) of step {step} "
+                                   f"twice")
             parts[actor] = (slot, float(sqnorm))
             if len(parts) == self.actors:
-                del self._parts[(step, shard)]
-                self._queue.append((generation, step, shard, parts))
+                del self._parts[(step, shard, piece)]
+                self._queue.append((generation, step, shard, piece, parts))
                 self._lock.notify_all()
 
     def holds(self, step: int) -> bool:
         """Whether a report of ``step`` is here and not yet handed to the store (so the step's
         gradients are not lost: the store counts them once summed)."""
         with self._lock:
-            return (any(s == step for s, _ in self._parts) or any(s == step for _, s, _, _ in self._queue)
-                    or (self._busy and self._busy_step == step))
+            return (any(k[0] == step for k in self._parts) or any(q[1] == step for q in self._queue)
+                    or any(k[0] == step for k in self._summed) or (self._busy and self._busy_step == step))
 
     def reset(self, generation: int) -> None:
         """The compute actors were replaced (``generation`` is the new one): forget every partial
@@ -178,6 +199,7 @@ class GradientReducer:
             self._generation = generation
             self._parts.clear()
             self._queue.clear()
+            self._summed.clear()
             while self._busy:
                 self._lock.wait(1.0)
             self.state.fill_(-1)
@@ -203,11 +225,11 @@ class GradientReducer:
                     self._lock.wait()
                 if self._closed:
                     return
-                generation, step, shard, parts = self._queue.pop(0)
+                generation, step, shard, piece, parts = self._queue.pop(0)
                 self._busy, self._busy_step = True, step
             try:
                 t0 = time.perf_counter()
-                sqnorm = self._sum(shard, parts)
+                sqnorm = self._sum(shard, piece, parts)
                 seconds = time.perf_counter() - t0
             except BaseException as e:  # surfaced to every waiter and to the store
                 log.exception("summing the gradients of shard %d, step %d failed", shard, step)
@@ -220,19 +242,26 @@ class GradientReducer:
                 for actor, (slot, _) in parts.items():
                     self.state[self.info.index(actor, slot)] = -1
                 current = generation == self._generation
+                done = None
+                if current:  # the shard counts once its last piece is summed: the pieces' norms added
+                    acc = self._summed.setdefault((step, shard), [0, 0.0, 0.0])
+                    acc[0], acc[1], acc[2] = acc[0] + 1, acc[1] + sqnorm, acc[2] + seconds
+                    if acc[0] == self.pieces(shard):
+                        done = self._summed.pop((step, shard))
                 self._lock.notify_all()
             try:
-                if current:  # (still busy meanwhile: ``holds(step)`` stays true until the store counted it)
-                    self._on_reduced(shard, step, sqnorm, generation, seconds)
+                if done is not None:  # (still busy meanwhile: ``holds(step)`` stays true until the store counted it)
+                    self._on_reduced(shard, step, done[1], generation, done[2])
             finally:
                 with self._lock:
                     self._busy = False
                     self._lock.notify_all()
 
-    def _sum(self, shard: int, parts: dict[int, tuple[int, float]]) -> float:
-        """Sum the N slots of ``shard`` into its ``w`` in fp32, actor 0 first; the squared norm of
-        what ``w`` then holds (NaN when an actor poisoned its part)."""
-        w = self.targets[shard]
+    def _sum(self, shard: int, piece: int, parts: dict[int, tuple[int, float]]) -> float:
+        """Sum the N slots of ``shard``'s piece ``piece`` into its range of ``w`` in fp32, actor 0
+        first; the squared norm of what that range then holds (NaN when an actor poisoned its part)."""
+        lo = piece * self.numel
+        w = self.targets[shard][lo:lo + self.numel]
         n = w.numel()
         order = [self.seg[a][parts[a][0]][:n] for a in range(self.actors)]
         acc = w if self._acc is None else self._acc[:n]

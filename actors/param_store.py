@@ -71,7 +71,7 @@ from actors.ray_context import was_reconstructed as _was_reconstructed
 from actors.store_checkpoints import CheckpointMethods
 from megaslide_ray.config import Config
 from megaslide_ray.models.registry import build_shard, initialize_shard, num_shards
-from megaslide_ray.models.shards import ShardLayout
+from megaslide_ray.models.shards import ShardLayout, grad_slot_numel
 from megaslide_ray.runtime.faults import arm_fault, fault_point, fire_fault
 from megaslide_ray.runtime.faults import set_node as set_fault_node
 from megaslide_ray.state.kept import dir_bytes, is_kept, keep_state, unkeep_state
@@ -240,7 +240,7 @@ class ParameterStore(NodeSyncMethods, CheckpointMethods):
         if self.compute_actors > 1:
             self.reducer = GradientReducer(self.dir, self.compute_actors, cfg.runtime.grad_slots,
                                            [s["w"] for s in self.seg], w_dtype, not attached, threads,
-                                           self._reduced)
+                                           self._reduced, slot_numel=self._slot_numel())
             self.reducer.reset(self._generation)
         self.adamw, self._single_pass = choose_adamw(adamw or cfg.optim.adamw, sum(lay.numel for lay in self.layouts),
                                                      cfg.optim, DTYPES[self.w_dtype])
@@ -309,13 +309,18 @@ class ParameterStore(NodeSyncMethods, CheckpointMethods):
         return ((self.reducer.scratch_bytes() if self.reducer is not None else 0)
                 + (self.sync.scratch_bytes() if self.sync is not None else 0))
 
+    def _slot_numel(self) -> int:
+        """One gradient slot's elements: ``runtime.grad_slot_mb``, at most the largest shard."""
+        return grad_slot_numel(max(lay.numel for lay in self.layouts), self.cfg.runtime.grad_slot_mb,
+                               DTYPES[self.w_dtype].itemsize)
+
     def slot_bytes(self) -> int:
         """Several compute actors: the gradient slots beside the state (``compute_actors x
-        runtime.grad_slots`` of the largest shard, in the compute dtype); 0 with one."""
+        runtime.grad_slots`` slots of ``runtime.grad_slot_mb``, at most the largest shard, in the
+        compute dtype); 0 with one."""
         if self.compute_actors == 1:
             return 0
-        largest = max(lay.numel for lay in self.layouts)
-        return self.compute_actors * self.cfg.runtime.grad_slots * largest * DTYPES[self.w_dtype].itemsize
+        return self.compute_actors * self.cfg.runtime.grad_slots * self._slot_numel() * DTYPES[self.w_dtype].itemsize
 
     def _initialize(self, seed: int) -> None:
         """Shard by shard (a 105B model never exists whole in one process's memory)."""
@@ -369,13 +374,14 @@ class ParameterStore(NodeSyncMethods, CheckpointMethods):
 
     # -- gradients and updates ----------------------------------------------------------------
     def report_grad(self, shard: int, step: int, sqnorm: float, grad: np.ndarray | None = None,
-                    generation: int | None = None, actor: int = 0, slot: int = -1) -> None:
+                    generation: int | None = None, actor: int = 0, slot: int = -1, piece: int = 0) -> None:
         """The compute actor's gradient of ``shard`` for ``step`` is complete: in the shard's ``w``
         segment already (shm transport: the compute actor wrote it there) or in ``grad``
         (object-ref transport, raw bytes, copied into ``w`` here). ``generation`` names the
         compute actor (see ``set_client_generation``). Several compute actors: the gradient of
         compute actor ``actor`` is in (or, as ``grad``, goes to) its gradient slot ``slot``, and the
-        shard counts as reported once the N of them are summed into ``w``."""
+        shard counts as reported once the N of them are summed into ``w`` (a shard larger than a
+        slot comes in pieces, ``piece`` naming which: ``actors/grad_reduce.py``)."""
         if self._awaiting_recovery:  # a restarted store of several nodes: nothing counts before the recovery
             return
         if self.reducer is not None:
@@ -385,12 +391,12 @@ class ParameterStore(NodeSyncMethods, CheckpointMethods):
                 if generation == self._generation and int(self.versions[shard]) != step:
                     raise RuntimeError(f"gradient of shard {shard} for step {step} arrived but the shard is at "
                                        f"version {int(self.versions[shard])}")
-            self.reducer.add(shard, step, actor, slot, sqnorm, generation, grad)
+            self.reducer.add(shard, step, actor, slot, sqnorm, generation, grad, piece)
             return
         with self._lock:
             if generation is not None and generation != self._generation:
                 log.warning("dropped a gradient report of shard %d for step %d from a replaced compute actor",
-                            shard, step)
+                            shard, step + 1)
                 return
             if int(self.versions[shard]) != step:
                 # Checked before anything is written: w holds this shard's weights (or another
@@ -488,11 +494,11 @@ class ParameterStore(NodeSyncMethods, CheckpointMethods):
                         return done
                     if self.sync is None:
                         raise GradientsLostError(
-                            f"step {step}: this parameter store process holds no gradients of that step (it was "
+                            f"step {step + 1}: this parameter store process holds no gradients of that step (it was "
                             f"restarted after they were reported; versions {self.versions.tolist()}): redo the step")
                 left = deadline - time.monotonic()
                 if left <= 0:
-                    raise TimeoutError(f"update of step {step} not finished after {timeout:.0f} s")
+                    raise TimeoutError(f"update of step {step + 1} not finished after {timeout:.0f} s")
                 self._lock.wait(min(left, 1.0))
             return self._results.pop(step)
 
@@ -522,7 +528,7 @@ class ParameterStore(NodeSyncMethods, CheckpointMethods):
             try:
                 result = self._apply_update(step, total)
             except BaseException as e:  # surfaced to every waiter
-                log.exception("AdamW update of step %d failed", step)
+                log.exception("AdamW update of step %d failed", step + 1)
                 with self._lock:
                     self._error = e
                     self._applying = False
@@ -542,7 +548,7 @@ class ParameterStore(NodeSyncMethods, CheckpointMethods):
         # The record goes first: a store that restarts between two shards finishes from it.
         self._write_record(step, total, coef, lr, skipped=not finite, seconds=0.0)
         if not finite:
-            log.warning("step %d: gradient norm is %s; update skipped on every shard", step, total)
+            log.warning("step %d: gradient norm is %s; update skipped on every shard", step + 1, total)
         for i in self.owned:  # shard order: the next forward needs shard 0 first
             if i == self._middle:
                 fault_point("store.mid_update", step)
@@ -628,7 +634,7 @@ class ParameterStore(NodeSyncMethods, CheckpointMethods):
         if cut:
             raise StateNotTrustedError(
                 f"the parameter store in {self.dir} was stopped in the middle of updating shard(s) {cut} "
-                f"(step {int(self.updating[cut[0]])}): their weights and moments are half-written and cannot be "
+                f"(step {int(self.updating[cut[0]]) + 1}): their weights and moments are half-written and cannot be "
                 f"trusted. Resume from the latest checkpoint (python -m megaslide_ray.train --run-dir RUN --resume)")
         versions = self.versions.tolist()
         lo, hi = min(versions), max(versions)
@@ -641,10 +647,10 @@ class ParameterStore(NodeSyncMethods, CheckpointMethods):
         if hi != lo + 1 or rec is None:
             raise StateNotTrustedError(
                 f"the parameter store in {self.dir} holds shard versions {versions} with no record of the update "
-                f"of step {lo}; it cannot be finished. Resume from the latest checkpoint "
+                f"of step {lo + 1}; it cannot be finished. Resume from the latest checkpoint "
                 f"(python -m megaslide_ray.train --run-dir RUN --resume)")
         todo = [i for i in range(self.n) if versions[i] == lo]
-        log.warning("the update of step %d was cut between shards; finishing it on shards %s", lo, todo)
+        log.warning("the update of step %d was cut between shards; finishing it on shards %s", lo + 1, todo)
         for i in todo:  # their gradients of step lo are still in their w segments
             self._update_shard(i, lo, rec.clip_coef, rec.lr, skip=rec.skipped)
 

@@ -303,7 +303,26 @@ class Transfers:
         the D2H stream into a reused pinned buffer). The norm is read on the return thread, so
         the compute thread never waits for it. With overlap the report is sent from the return
         thread: the returned future surfaces its errors; without, it is sent now and None is
-        returned."""
+        returned. Several compute actors: a gradient larger than a slot goes in slot-sized pieces,
+        each through its own slot and report, in order (each piece's report is queued before the
+        next piece claims a slot, so a full slot is always freed by a report already on its way)."""
+        cap = max(1, self.grad_slots.numel if self.grad_slots is not None else g.numel())
+        futures = []
+        for piece, lo in enumerate(range(0, max(g.numel(), 1), cap)):
+            send = self._prepare_return(shard, step, g[lo:lo + cap], sqnorm, piece)
+            if not self.overlap:
+                send()
+            else:
+                futures.append(self.returner.submit(send))
+        if not futures:
+            return None
+        if len(futures) == 1:
+            return futures[0]
+        return self.returner.submit(lambda: [f.result() for f in futures])  # after the pieces (one thread, FIFO)
+
+    def _prepare_return(self, shard: int, step: int, g: torch.Tensor, sqnorm: torch.Tensor, piece: int):
+        """``return_grad`` for one piece (the whole gradient with one compute actor): starts the
+        device copy (CUDA) and returns the function that finishes it and sends the report."""
         copied = host = norm = None
         slot = self._next_slot()
         if self.cuda:  # both after the backward, on the D2H stream
@@ -347,17 +366,14 @@ class Transfers:
                     self.store.wait_grad_slot(slot)
                     with self._lock:
                         self._slot_wait += time.perf_counter() - t_wait
-                self.store.report_grad(shard, step, value, grad, slot=slot)
+                self.store.report_grad(shard, step, value, grad, slot=slot, piece=piece)
             else:
                 self.store.report_grad(shard, step, value, grad)
             if host is not None:
                 self.host_staging.release(host)
             self.count("d2h", g.numel() * g.element_size(), seconds)
 
-        if not self.overlap:
-            send()
-            return None
-        return self.returner.submit(send)
+        return send
 
     def close(self) -> None:
         self.prefetcher.shutdown(wait=True)

@@ -122,6 +122,9 @@ def main(argv: list[str] | None = None) -> int:
                          "(one fetch per step instead of two); auto (needs --gpu-gb): what the plan leaves free")
     ap.add_argument("--grad-slots", type=_positive(int), default=None,
                     help="runtime.grad_slots: gradient slots per GPU in the store's scratch (default: the config's)")
+    ap.add_argument("--grad-slot-mb", type=float, default=None, metavar="MB",
+                    help="runtime.grad_slot_mb: one gradient slot's MB (a larger shard goes in pieces; 0: the "
+                         "largest shard; default: the config's, 512)")
     ap.add_argument("--network-gbps", type=_positive(float), default=25.0,
                     help="with --nodes > 1: network GB/s each way per node (default 25: 200 Gb/s)")
     ap.add_argument("--generate", action="store_true",
@@ -154,6 +157,11 @@ def main(argv: list[str] | None = None) -> int:
             raise ConfigError("--resident-gb auto uses the device a plan leaves free; with --max-frames give GB")
         if args.grad_slots is not None:
             cfg.runtime.grad_slots = args.grad_slots
+        if args.grad_slot_mb is not None:
+            if not (args.grad_slot_mb >= 0 and math.isfinite(args.grad_slot_mb)):
+                raise ConfigError(f"--grad-slot-mb {args.grad_slot_mb} must be >= 0 (MB per gradient slot; 0: a "
+                                  f"slot holds the largest shard)")
+            cfg.runtime.grad_slot_mb = args.grad_slot_mb
         if args.prefetch_depth is not None:
             if args.prefetch_depth < 1:
                 raise ConfigError(f"--prefetch-depth {args.prefetch_depth} must be >= 1")

@@ -59,6 +59,7 @@ from actors.compute import StepResult
 from actors.decoder import BatchInfo
 from actors.param_store import GradientsLostError, ParameterStore, UpdateResult
 from megaslide_ray.runtime import faults
+from megaslide_ray.state.checkpoint import CheckpointDamagedError
 from megaslide_ray.state.kept import is_kept, keep_state, release_state, state_path
 from megaslide_ray.state.preflight import StateSpaceError
 from megaslide_ray.state.segments import run_owner
@@ -96,14 +97,15 @@ def actor_options() -> dict:
     return {"runtime_env": {"env_vars": env}} if env else {}
 
 
-def raise_state_space_error(e: BaseException) -> None:
-    """The store's constructor refused for want of room (``StateSpaceError``): raise it again
-    here with its own message, instead of Ray's actor traceback around it."""
-    text = str(e)
-    key = "StateSpaceError: "
-    if key in text:
-
-        raise StateSpaceError(text[text.rindex(key) + len(key):].strip().splitlines()[0]) from None
+def raise_store_start_error(e: BaseException) -> None:
+    """The store's constructor refused for want of room (``StateSpaceError``) or because a tensor
+    of the checkpoint it loads does not match its checksum (``CheckpointDamagedError``): raise it
+    again here with its own message, instead of Ray's actor traceback around it."""
+    text = str(getattr(e, "error", e))  # several nodes: a StoreCallError around the store's failure
+    for cls in (StateSpaceError, CheckpointDamagedError):
+        key = f"{cls.__name__}: "
+        if key in text:
+            raise cls(text[text.rindex(key) + len(key):].strip().splitlines()[0]) from None
 
 
 def is_actor_failure(error: BaseException) -> bool:
@@ -147,9 +149,10 @@ class RayStoreClient:
     def get_weights(self, shard: int, step: int):
         return ray.get(self._store.get_weights.remote(shard, step))
 
-    def report_grad(self, shard: int, step: int, sqnorm: float, grad, slot: int = -1) -> None:
-        if slot >= 0:  # several compute actors: the gradient is in (or goes to) this actor's slot
-            ref = self._store.report_grad.remote(shard, step, sqnorm, grad, self._generation, self._rank, slot)
+    def report_grad(self, shard: int, step: int, sqnorm: float, grad, slot: int = -1, piece: int = 0) -> None:
+        if slot >= 0:  # several compute actors: the gradient (its piece ``piece``) is in (or goes to) this actor's slot
+            ref = self._store.report_grad.remote(shard, step, sqnorm, grad, self._generation, self._rank, slot,
+                                                 piece)
         else:
             ref = self._store.report_grad.remote(shard, step, sqnorm, grad, self._generation)
         self._inflight.append(ref)
@@ -288,10 +291,14 @@ class StreamingPipeline:
         # restart Ray re-runs __init__ with these arguments; it then re-attaches to its segments.
         if self.nodes > 1:  # one store per node, pinned there (pipelines/multinode.py)
             nodes = pick_nodes(self.nodes, self.compute_actors if self.use_gpu else 0)
-            self._node_stores = NodeStores(cfg, run_dir, nodes, actor_options(),
-                                           w_dtype=self.w_dtype, resume_checkpoint=resume_checkpoint,
-                                           init_from=init_from,
-                                           owner=run_owner(), compute_actors=self.compute_actors)
+            try:
+                self._node_stores = NodeStores(cfg, run_dir, nodes, actor_options(),
+                                               w_dtype=self.w_dtype, resume_checkpoint=resume_checkpoint,
+                                               init_from=init_from,
+                                               owner=run_owner(), compute_actors=self.compute_actors)
+            except StoreCallError as e:
+                raise_store_start_error(e)
+                raise
             self._store = self._node_stores.handles[0]
         else:
             store_cls = ray.remote(ParameterStore).options(
@@ -302,7 +309,7 @@ class StreamingPipeline:
         try:
             self.infos = ray.get(self._store.shard_infos.remote())
         except RayActorError as e:
-            raise_state_space_error(e)
+            raise_store_start_error(e)
             raise
         status = self.status()
         self.store_node, self.state_dir = status.node_id, status.state_dir

@@ -179,3 +179,22 @@ def test_a_stale_slot_mark_of_a_replaced_actor_does_not_block_the_new_one(tmp_pa
             reducer.wait_slot(0, 1, 1, timeout=1.0)
     finally:
         reducer.close()
+
+
+@pytest.mark.parametrize("transport", ["shm", "object_ref"])
+def test_gradients_in_pieces_smaller_than_a_shard_equal_one_actor(tmp_path, manifest, transport):
+    """Slots of 4 kB (1,000 fp32 values) against shards of thousands: every shard's gradient goes
+    in pieces, each summed on its own; the run equals one actor with twice the batch."""
+    cfg = build_config("tiny", None, {**EXACT, "data.manifest": manifest, "runtime.compute_actors": 2,
+                                      "runtime.grad_slot_mb": 0.004, "runtime.state_dir": str(tmp_path)})
+    store = ParameterStore(cfg, str(tmp_path / "probe"), compute_actors=2)
+    try:
+        assert store.grad_slots().numel == 1000 and store.slot_bytes() == 2 * 2 * 1000 * 4
+        assert max(store.reducer.pieces(i) for i in range(store.n)) > 3  # the test means something
+    finally:
+        store.close()
+    batches = global_batches(manifest, 2)
+    one, _ = train(tmp_path, manifest, batches, 1, "one", **{"data.batch_size": 2})
+    pieces, _ = train(tmp_path, manifest, batches, 2, "pieces", transport=transport,
+                      **{"data.batch_size": 1, "runtime.grad_slot_mb": 0.004})
+    assert_close(pieces, one)

@@ -84,3 +84,13 @@ def test_three_compute_actors_and_micro_batches_through_ray(ray_session, small_c
     assert whole < 1e-6, whole
     assert_close(got, want, rtol=1e-5)
     assert len(rows[-1]["compute_actors"]) == 3
+
+
+def test_two_actors_sending_gradients_in_pieces_through_ray_equal_one(one, small_config, tmp_path):
+    """Gradient slots of 20 kB (5,000 fp32 values) against shards of tens of thousands: every shard
+    goes through Ray in pieces (``runtime.grad_slot_mb``), and the run equals one actor with the
+    whole batch, as whole-shard slots do."""
+    summary, got, _ = run(small_config(**STEPS, **TWO, **{"runtime.grad_slot_mb": 0.02}), tmp_path / "pieces")
+    assert summary.last_step == 4
+    assert max(t.numel() for t in got) > 4 * 5000  # a shard of several pieces: the test means something
+    assert_close(got, one[1])

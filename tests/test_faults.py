@@ -38,10 +38,15 @@ def metrics_rows(run_dir: Path) -> list[dict]:
     return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
 
 
+STRAIGHT_DIRS: dict[str, Path] = {}
+"""The run directory of each uninterrupted run made (tests copy it before changing anything)."""
+
+
 @pytest.fixture(scope="module")
 def straight(ray_session, small_config, tmp_path_factory):
     """The uninterrupted run: (final master weights, metrics rows)."""
     run_dir = tmp_path_factory.mktemp("straight") / "run"
+    STRAIGHT_DIRS["one"] = run_dir
     return run(small_config(**STEPS), run_dir)[1], metrics_rows(run_dir)
 
 
@@ -147,19 +152,24 @@ def test_nan_steps_are_skipped_then_too_many_stop(ray_session, small_config, tmp
     monkeypatch.setenv(faults.ENV_SPEC, "compute.loss@2-3:nan")
     trainer = Trainer(cfg, run_dir=str(tmp_path / "a"), progress=False)
     try:
-        rows = [trainer.train_step(s) for s in range(4)]
+        rows = [trainer.train_step(s) for s in range(3)]
+        trainer.pipeline.save_checkpoint(str(tmp_path / "probe"), 3, {})  # the state after step 3, for the check
+        rows.append(trainer.train_step(3))
         bad = trainer.bad_steps
     finally:
         trainer.close()
     assert [r["update_skipped"] for r in rows] == [False, True, True, False]
     assert [r["loss"] != r["loss"] for r in rows] == [False, True, True, False]  # NaN != NaN
     assert bad == 2 and rows[-1]["bad_steps"] == 2
-    # A skipped update changes no weight and no moment: the state after step 3 is that after step 1.
+    # The steps whose update was skipped wrote no checkpoint.
     root = tmp_path / "a" / "checkpoints"
+    assert sorted(p.name for p in root.iterdir()) == ["latest", "step_1", "step_4"]
+    # A skipped update changes no weight and no moment: the state after step 3 is that after step 1.
+    probe = tmp_path / "probe" / "checkpoints"
     for kind in ("master", "m", "v"):
-        for a, b in zip(read_checkpoint_shards(root / "step_1", kind), read_checkpoint_shards(root / "step_3", kind)):
+        for a, b in zip(read_checkpoint_shards(root / "step_1", kind), read_checkpoint_shards(probe / "step_3", kind)):
             assert torch.equal(a, b), kind
-    assert not all(torch.equal(a, b) for a, b in zip(read_checkpoint_shards(root / "step_3"),
+    assert not all(torch.equal(a, b) for a, b in zip(read_checkpoint_shards(probe / "step_3"),
                                                       read_checkpoint_shards(root / "step_4")))
 
     monkeypatch.setenv(faults.ENV_DIR, str(tmp_path / "f2"))
@@ -170,6 +180,19 @@ def test_nan_steps_are_skipped_then_too_many_stop(ray_session, small_config, tmp
             trainer.train()
     finally:
         trainer.close()
+
+    # The last step not finite: no checkpoint of it, the run stops naming it and the last good one.
+    monkeypatch.setenv(faults.ENV_DIR, str(tmp_path / "f3"))
+    monkeypatch.setenv(faults.ENV_SPEC, "compute.loss@4:nan")
+    cfg = small_config(**{"training.steps": 4, "training.checkpoint_every": 2, "attention.kind": "dense"})
+    trainer = Trainer(cfg, run_dir=str(tmp_path / "c"), progress=False)
+    try:
+        with pytest.raises(BadStepsError, match=r"step 4 had a NaN/Inf loss.*no checkpoint of it is written; the last "
+                                                r"good checkpoint is .*step_2"):
+            trainer.train()
+    finally:
+        trainer.close()
+    assert sorted(p.name for p in (tmp_path / "c" / "checkpoints").iterdir()) == ["latest", "step_2"]
 
 
 def test_disk_full_during_checkpoint_keeps_the_previous_one(ray_session, small_config, tmp_path, monkeypatch):
@@ -222,3 +245,37 @@ def test_fault_fires_once(tmp_path, monkeypatch):
         faults.fault_point("compute.mid_forward", 1)
     faults.fault_point("compute.mid_forward", 1)  # already fired: a restarted actor goes on
     assert faults.fired("compute.mid_forward@2:raise", directory=tmp_path)
+
+
+@pytest.mark.slow  # about 15 s of Ray: a resume and two steps
+def test_resume_falls_back_past_a_rotten_checkpoint_and_ends_bit_identical(uninterrupted, small_config, tmp_path,
+                                                                           caplog):
+    """Bit rot in the newest checkpoint (its size and header intact, its tensor bytes random): the
+    store finds the checksum wrong, --resume falls back to the step-2 checkpoint with one warning
+    and redoes steps 3 and 4; every step count agrees and the weights are the uninterrupted run's."""
+    import shutil
+
+    run_dir = tmp_path / "run"
+    shutil.copytree(STRAIGHT_DIRS["one"], run_dir)
+    file = run_dir / "checkpoints" / "step_4" / "shard_0001.safetensors"
+    raw = bytearray(file.read_bytes())
+    start = 8 + int.from_bytes(raw[:8], "little")
+    raw[start:] = torch.randint(0, 256, (len(raw) - start,), dtype=torch.uint8,
+                                generator=torch.Generator().manual_seed(1)).numpy().tobytes()
+    file.write_bytes(bytes(raw))
+    with caplog.at_level("WARNING"):
+        trainer = Trainer(small_config(**STEPS), run_dir=str(run_dir), resume=True, progress=False)
+    try:
+        assert trainer.start_step == 2
+        summary = trainer.train()
+        versions = trainer.pipeline.status().versions
+    finally:
+        trainer.close()
+    warnings = [r.getMessage() for r in caplog.records if "step_4 is damaged" in r.getMessage()]
+    assert len(warnings) == 1, warnings
+    assert "shard_0001.safetensors tensor master has checksum" in warnings[0] and "falling back to" in warnings[0]
+    assert summary.first_step == 2 and summary.last_step == 4 and versions == (4,) * len(versions)
+    assert [r["step"] for r in metrics_rows(run_dir)][-2:] == [3, 4]
+    assert summary.checkpoint.endswith("step_4")
+    for i, (a, b) in enumerate(zip(read_checkpoint_shards(Path(summary.checkpoint)), uninterrupted)):
+        assert torch.equal(a, b), f"shard {i} differs from the uninterrupted run"

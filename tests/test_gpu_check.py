@@ -94,3 +94,32 @@ def test_gpu_check_smoke_runs_without_ray_decord_av_diffusers(tmp_path):
                                                       "pull_dk", "pull_dv", "halo_scores", "halo_out", "halo_bwd_v",
                                                       "halo_bwd_k", "halo_dq"}
     assert aot["predictions"] and "Predicted (cost model" in (tmp_path / "out" / "gpu_check.md").read_text()
+
+
+def test_the_gpu_check_names_everything_it_lacks_up_front(monkeypatch, capsys):
+    from benchmarks.gpu_check import requirements
+
+    installed = {"torch": "2.13.0+cpu", "triton": "3.1.0", "numpy": "2.4.6", "safetensors": None}
+    monkeypatch.setattr(requirements, "_version", installed.get)
+    monkeypatch.setattr(requirements.shutil, "which", lambda name: None)
+    monkeypatch.delenv("CC", raising=False)
+    assert requirements.missing(["--out", "x"]) == [
+        "triton >= 3.2 (tl.gather, in the DSA kernels): 3.1.0 is installed",
+        "safetensors >= 0.4 (the checkpoint format): not installed",
+        "a C compiler (Triton builds its CUDA launcher with it): none of cc, gcc, clang is on PATH and CC is not set",
+    ]
+    # The interpreter (--smoke) and --compile-only need no C compiler.
+    assert len(requirements.missing(["--smoke", "--out", "x"])) == 2
+    assert len(requirements.missing(["--compile-only"])) == 2
+    with pytest.raises(SystemExit) as exit_:
+        requirements.exit_if_missing(["--out", "x"])
+    assert exit_.value.code == 2
+    err = capsys.readouterr().err
+    assert "nothing was run" in err and "safetensors >= 0.4" in err and "C compiler" in err
+
+
+def test_the_gpu_check_finds_what_this_machine_has():
+    from benchmarks.gpu_check import requirements
+
+    assert requirements.missing(["--smoke"]) == []  # the test environment has all four packages
+    assert requirements._numbers("2.13.0+cpu") == (2, 13, 0) and requirements._numbers("3.2") == (3, 2)

@@ -43,9 +43,10 @@ def test_105b_matches_the_papers_accounting(plan_105b):
     assert p.host_store_bytes == 14 * p.params + 4 * p.largest_shard_params
     assert p.scratch_bytes < 0.01 * p.host_state_bytes
     assert p.host_required_bytes == p.host_store_bytes + int(HOST_RESERVE_GB * 1e9)  # no offload: nothing else
-    # runtime.prefetch_depth (1 by default) staged + the one computing, each bf16 w + bf16 grad
+    # runtime.prefetch_depth (1 by default) staged + the one computing, each bf16 w + its gradient,
+    # summed in fp32 (4 B)
     assert p.prefetch_depth == 1
-    assert p.largest_shard_params * 2 * 4 == p.device_shard_bytes
+    assert p.largest_shard_params * 2 * (2 + 4) == p.device_shard_bytes
     assert p.binding in p.time_terms and p.step_floor_s == max(p.time_terms.values())
     assert _close(p.time_terms["h2d"], 420e9 / 55e9)
 
@@ -265,7 +266,7 @@ def test_generate_keeps_no_block_inputs_and_streams_weights_once():
     assert gen.activation_parts["checkpoints"] == 0 and gen.activation_parts["offloaded_checkpoints"] == 0
     assert gen.host_bytes == {"w": 2 * gen.params} and gen.host_offloaded_bytes == 0
     assert gen.h2d_bytes == 2 * gen.params and gen.d2h_bytes == 0 and gen.adamw_dram_bytes == 0
-    assert gen.device_shard_bytes * 2 == train.device_shard_bytes  # weights only, no gradients
+    assert gen.device_shard_bytes * 3 == train.device_shard_bytes  # weights only, no fp32 gradients
     assert gen.flops_recompute == 0 and gen.flops_executed < train.flops_executed / 2.5
     assert gen.device_required_bytes < train.device_required_bytes
     assert "forward only" in render(gen)
@@ -314,7 +315,7 @@ def test_goal_training_1080p_on_an_h200_and_1649_gb():
     # partial offload (runtime.offload_keep) would close the gap with a smaller chunk: the note says how
     keep = [n for n in p.notes if "block inputs on the device instead of offloading" in n]
     assert len(keep) == 1 and "runtime.offload_keep = 3 (--offload-keep 3, or auto)" in keep[0]
-    assert "token_chunk 73,440" in keep[0] and "not implemented" not in keep[0]
+    assert "token_chunk 57,120" in keep[0] and "not implemented" not in keep[0]
     # the longest clip that fits is well past the 33-frame floor
     s = max_frames(cfg, "auto", **GOAL)
     assert s.best_frames >= 33 and s.best.fits
@@ -331,7 +332,7 @@ def test_goal_training_81_frames_1080p_fits_with_the_last_block_inputs_kept_on_t
     L = cfg.model.depth
     ND = cfg.tokens_per_sample * cfg.model.hidden_size * 2
     assert p.fits and p.fits_host and p.fits_device
-    assert p.offload_keep == 3 and p.token_chunk == 73_440
+    assert p.offload_keep == 3 and p.token_chunk == 57_120
     assert p.host_offloaded_bytes == (L - 3) * ND and p.host_required_bytes <= 1649e9
     assert p.device_terms["block-input checkpoints"] == (p.prefetch_depth + 1 + 3) * ND
     # the fused kernels' scratch (the key-side pass's records, in chunks within 1 GiB) is counted
@@ -339,16 +340,16 @@ def test_goal_training_81_frames_1080p_fits_with_the_last_block_inputs_kept_on_t
     assert scratch == p.activation_parts["dsa_fused_scratch"] and 0.5e9 < scratch <= 1 << 30
     assert p.device_required_bytes <= 141e9
     # one fewer kept does not fit the host; the next larger chunk does not fit the device with 3
-    assert plan_with_chunk(_keep(cfg, 2), 73_440, **GOAL).fits_host is False
-    assert plan_with_chunk(_keep(cfg, 3), 81_600, **GOAL).fits_device is False
+    assert plan_with_chunk(_keep(cfg, 2), 57_120, **GOAL).fits_host is False
+    assert plan_with_chunk(_keep(cfg, 3), 65_280, **GOAL).fits_device is False
     assert p.notes[0].startswith("--offload-keep auto: k = 3, the fewest")
     assert main(["--preset", "dit-105b", "--frames", "81", "--height", "1080", "--width", "1920", "--gpu-gb", "141",
                  "--ram-gb", "1649", "--offload-activations", "--token-chunk", "auto", "--offload-keep", "auto"]) == 0
     assert "fits: this machine can run it" in capsys.readouterr().out
     # the longest training clip at 1080p then: k and the chunk re-picked at every length
     s = max_frames(cfg, "auto", keep="auto", **GOAL)
-    assert s.best_frames == 101 and s.best.fits and s.best.offload_keep == 9
-    assert s.next_frames == 105 and s.next.fits is False and s.next.binding_memory[0] == "device"
+    assert s.best_frames == 97 and s.best.fits and s.best.offload_keep == 8
+    assert s.next_frames == 101 and s.next.fits is False and s.next.binding_memory[0] == "device"
 
 
 def _keep(cfg, k):
@@ -420,9 +421,11 @@ def test_gpus_per_node_add_gradient_slots_and_draw_on_the_same_dram():
     cfg = config_for("wan2.1-t2v-14b", 81, 480, 832)
     one, eight = plan(cfg, ram_gb=2000), plan(cfg, ram_gb=2000, gpus_per_node=8)
     smax, wb = eight.largest_shard_params, 2
-    slots = 8 * cfg.runtime.grad_slots * smax * wb
-    assert eight.scale.host_terms["gradient slots (8 GPUs x 2 x largest shard)"] == slots
-    assert eight.host_required_bytes == one.host_required_bytes + slots + 4 * smax  # + the fp32 sum
+    slot = 512_000_000 // wb  # runtime.grad_slot_mb: Wan 14B's largest shard (0.7 GB) goes in pieces
+    assert slot < smax
+    slots = 8 * cfg.runtime.grad_slots * slot * wb
+    assert eight.scale.host_terms["gradient slots (8 GPUs x 2 x 512 MB)"] == slots
+    assert eight.host_required_bytes == one.host_required_bytes + slots + 4 * slot  # + the fp32 sum of a piece
     assert "adamw" in one.time_terms and "host_dram" not in one.time_terms  # one GPU: as before
     dram = 8 * (one.h2d_bytes + one.d2h_bytes) + 10 * one.params * wb + one.adamw_dram_bytes
     assert eight.scale.host_dram_bytes == dram and _close(eight.time_terms["host_dram"], dram / 300e9)
@@ -446,12 +449,29 @@ def test_nodes_shard_the_optimizer_state_and_count_the_network(plan_105b):
     assert _close(four.scale.network_bytes, 2 * wb * P * 3 / 4, 0.03)
     assert any("2 nodes (runtime.nodes = 2): one store per node" in n for n in two.notes)
     assert not any("not implemented" in n for n in two.notes)
-    # README rows: 105B on two nodes of 1 TB fits with one gradient slot per GPU, and not with two.
+    # 105B on two nodes of 1 TB: whole-block slots fit with one gradient slot per GPU, not with two
+    # (the note says so); slots of 512 MB (the default) fit with two.
+    cfg.runtime.grad_slot_mb = 0
     cfg.runtime.grad_slots = 1
     assert plan(cfg, ram_gb=1000, gpu_gb=141, gpus_per_node=8, nodes=2).fits
     cfg.runtime.grad_slots = 2
     short = plan(cfg, ram_gb=1000, gpu_gb=141, gpus_per_node=8, nodes=2)
     assert short.fits_host is False and any("--grad-slots 1" in n for n in short.notes)
+    cfg.runtime.grad_slot_mb = 512
+    assert plan(cfg, ram_gb=1000, gpu_gb=141, gpus_per_node=8, nodes=2).fits
+
+
+def test_105b_on_four_nodes_of_eight_gpus_fits_640_gb_with_sub_block_gradient_slots(capsys):
+    assert main(["--preset", "dit-105b", "--nodes", "4", "--gpus-per-node", "8", "--ram-gb", "640"]) == 0
+    out = capsys.readouterr().out
+    assert "=> fits: this machine can run it" in out and "gradient slots (8 GPUs x 2 x 512 MB)" in out
+    cfg = config_for("dit-105b")
+    cfg.runtime.grad_slot_mb = 0  # whole-block slots: 95 GB of them per node, 719 GB in all
+    whole = plan(cfg, ram_gb=640, gpus_per_node=8, nodes=4)
+    assert whole.fits_host is False and 700e9 < whole.host_required_bytes < 740e9
+    assert main(["--preset", "dit-105b", "--nodes", "4", "--gpus-per-node", "8", "--ram-gb", "640",
+                 "--grad-slot-mb", "0"]) == 0
+    assert "DOES NOT FIT" in capsys.readouterr().out
 
 
 def test_cli_scale_out_flags(capsys):
@@ -500,3 +520,29 @@ def test_unbounded_dsa_offsets_get_a_note_on_which_gpu_kernels_run():
     for name in ("dit-105b", "wan2.1-t2v-1.3b", "wan2.1-t2v-14b", "wan2.2-ti2v-5b"):
         a = build_config(name, None, {}).attention
         assert (a.max_offset, a.offset_bound) == (1.5, "clamp"), name
+
+
+def _host_rows(p) -> dict[str, int]:
+    """The host rows ``render`` prints (the state's parts once: their sum is the state row)."""
+    if p.scale is not None and (p.gpus_per_node > 1 or p.nodes > 1):
+        rows = dict(p.scale.host_terms)
+    elif p.mode == "generate":
+        rows = {"w": p.host_bytes["w"], "offloaded": p.host_offloaded_bytes}
+    else:
+        rows = {"state": p.host_state_bytes, "fp32 update scratch": p.scratch_bytes,
+                "offloaded": p.host_offloaded_bytes}
+    return {**rows, "reserve": p.host_reserve_bytes}
+
+
+@pytest.mark.parametrize("preset", ["tiny", "dit-105b", "dit-28b", "wan2.1-t2v-14b", "wan2.2-ti2v-5b"])
+@pytest.mark.parametrize("gpus,nodes,generate", [(1, 1, False), (1, 1, True), (8, 1, False), (8, 4, False)])
+def test_the_host_rows_add_up_to_the_host_total(preset, gpus, nodes, generate):
+    cfg = build_config(preset, None, {"runtime.offload_activations": True} if preset == "dit-105b" else {})
+    p = plan(cfg, gpus_per_node=gpus, nodes=nodes, generate=generate)
+    assert sum(_host_rows(p).values()) == p.host_required_bytes
+    if not generate:  # the scratch row is the store's: the gradient upcast into fp32 for AdamW
+        assert p.scratch_bytes == 4 * p.largest_shard_params
+        text = render(p)
+        if gpus == nodes == 1:
+            assert f"fp32 update scratch: 4 B x shard {p.largest_shard}" in text
+    assert p.device_required_bytes == sum(p.device_terms.values())

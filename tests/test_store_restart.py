@@ -224,3 +224,94 @@ def test_store_cut_inside_a_shard_stops_training_with_a_clear_error(ray_session,
     finally:
         trainer.close()
     assert not Path(status.state_dir).exists(), "the dead store's untrusted state must go with the run"
+
+
+# -- checkpoint checksums and finiteness, in-process ---------------------------------------------
+
+
+def _rot(file: Path) -> None:
+    """Bit rot: the tensor bytes of a safetensors file replaced by others, its header and size intact."""
+    raw = bytearray(file.read_bytes())
+    header = 8 + int.from_bytes(raw[:8], "little")
+    gen = torch.Generator().manual_seed(0)
+    raw[header:] = torch.randint(0, 256, (len(raw) - header,), dtype=torch.uint8, generator=gen).numpy().tobytes()
+    file.write_bytes(bytes(raw))
+
+
+def _saved_store(cfg, tmp_path, steps: int = 1):
+    """A store that took ``steps`` updates and wrote their checkpoints; (store, run dir)."""
+    run = tmp_path / "run"
+    store = ParameterStore(cfg, str(run))
+    for step in range(steps):
+        sq = _report_all(store, step, seed=step)
+        for i in range(store.n):
+            store.report_grad(i, step, sq[i])
+        store.wait_step(step)
+        store.save_checkpoint(str(run), step + 1, {})
+    return store, run
+
+
+def test_a_rotten_shard_is_refused_on_load_naming_the_file(cfg, tmp_path):
+    from megaslide_ray.state.checkpoint import CheckpointDamagedError, check_checkpoint, read_checkpoint_state
+
+    store, run = _saved_store(cfg, tmp_path)
+    store.close()
+    ckpt = run / "checkpoints" / "step_1"
+    sums = read_checkpoint_state(ckpt)["files"]["shard_0001.safetensors"]["crc32"]
+    assert set(sums) == {"master", "m", "v"}
+    assert read_checkpoint_shards(ckpt)  # intact: every checksum matches
+    _rot(ckpt / "shard_0001.safetensors")
+    assert check_checkpoint(ckpt) == []  # size and header intact: only the checksum tells
+    with pytest.raises(CheckpointDamagedError, match=r"shard_0001.safetensors tensor master has checksum .*recorded"):
+        ParameterStore(cfg, str(tmp_path / "again"), resume_checkpoint=str(ckpt))
+    with pytest.raises(CheckpointDamagedError, match=r"step_1 is damaged: shard_0001.safetensors"):
+        read_checkpoint_shards(ckpt)
+    # --init-from and the export read through the same check
+    from megaslide_ray.state.pretrained import export_state_dict
+
+    with pytest.raises(CheckpointDamagedError, match=r"shard_0001.safetensors tensor master has checksum"):
+        ParameterStore(cfg, str(tmp_path / "init"), init_from=str(ckpt))
+    with pytest.raises(CheckpointDamagedError, match=r"shard_0001.safetensors tensor master has checksum"):
+        export_state_dict(ckpt, tmp_path / "out.safetensors")
+
+
+def test_a_checkpoint_without_checksums_still_loads_and_says_so(cfg, tmp_path, caplog):
+    import json
+
+    from megaslide_ray.state.checkpoint import STATE_FILE
+
+    store, run = _saved_store(cfg, tmp_path)
+    want = [store.seg[i]["master"].clone() for i in range(store.n)]
+    store.close()
+    ckpt = run / "checkpoints" / "step_1"
+    state = json.loads((ckpt / STATE_FILE).read_text())
+    for rec in state["files"].values():
+        del rec["crc32"]
+    del state["checksum"]
+    (ckpt / STATE_FILE).write_text(json.dumps(state))  # what an older version wrote
+    with caplog.at_level("WARNING"):
+        again = ParameterStore(cfg, str(tmp_path / "again"), resume_checkpoint=str(ckpt))
+    try:
+        assert all(torch.equal(again.seg[i]["master"], want[i]) for i in range(again.n))
+    finally:
+        again.close()
+    assert any("has no checksums" in r.getMessage() for r in caplog.records)
+
+
+def test_a_non_finite_state_is_never_checkpointed(cfg, tmp_path):
+    from megaslide_ray.state.checkpoint import NonFiniteStateError, latest_checkpoint
+
+    store, run = _saved_store(cfg, tmp_path)
+    try:
+        sq = _report_all(store, 1, seed=5)
+        for i in range(store.n):
+            store.report_grad(i, 1, sq[i])
+        store.wait_step(1)
+        store.seg[2]["v"][3] = float("nan")  # what an update from a rotten moment leaves
+        with pytest.raises(NonFiniteStateError, match=r"step 2: shard 2's v hold\(s\) NaN.*no checkpoint of step 2.*"
+                                                     r"latest good checkpoint is .*step_1"):
+            store.save_checkpoint(str(run), 2, {})
+    finally:
+        store.close()
+    assert latest_checkpoint(run) == run / "checkpoints" / "step_1"
+    assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["latest", "step_1"]

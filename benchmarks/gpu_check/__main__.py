@@ -77,7 +77,9 @@ same JSON; ``tests/test_gpu_check.py`` runs it with ray, decord, av and diffuser
 
 Writes ``DIR/gpu_check.json`` (every number) and ``DIR/gpu_check.md`` (the summary).
 Exit status: 0 every part ran and every check passed; 1 a check failed, a part raised or was
-skipped for time; 2 no CUDA device and no ``--smoke`` (nothing is run).
+skipped for time; 2 no CUDA device and no ``--smoke``, or something the check needs is missing
+(``requirements``: torch >= 2.6, Triton >= 3.2, numpy, safetensors, and for a GPU run a C
+compiler; all named in one message): nothing is run.
 """
 
 from __future__ import annotations
@@ -90,9 +92,14 @@ import sys
 import time
 from pathlib import Path
 
-import torch
+from .requirements import exit_if_missing
 
-from . import compile as compile_aot
+if __name__ == "__main__":  # before torch, triton or the parts are imported: name what is missing
+    exit_if_missing(sys.argv[1:])
+
+import torch  # noqa: E402
+
+from . import compile as compile_aot  # noqa: E402
 from . import cost
 from .attention import part_attention
 from .common import PARTS, SMOKE, Sizes
@@ -173,6 +180,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--timeout-s", type=float, default=compile_aot.COMPILE_TIMEOUT_S,
                    help="--compile-only: seconds one compile may take (default %(default)s)")
     args = p.parse_args(argv)
+    exit_if_missing(sys.argv[1:] if argv is None else list(argv))
     if args.compile_only:
         return compile_only(args)
     if args.out is None:

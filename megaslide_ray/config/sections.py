@@ -318,10 +318,17 @@ class RuntimeConfig:
     A compute actor that dies is replaced together with the others and the step redone."""
     grad_slots: int = 2
     """With ``compute_actors`` > 1: gradient slots per compute actor in the store's in-flight
-    scratch, each the size of the largest shard in the compute dtype (the planner counts
-    ``compute_actors x grad_slots`` of them). An actor whose slots are all full waits until the
+    scratch, each ``grad_slot_mb`` (at most the largest shard in the compute dtype; the planner
+    counts ``compute_actors x grad_slots`` of them). An actor whose slots are all full waits until the
     store has summed one; 2 lets it write a shard's gradient while the last one is summed. Not used
     with one compute actor (its gradient lands in the shard's own ``w`` segment)."""
+    grad_slot_mb: float = 512.0
+    """With ``compute_actors`` > 1: the size of one gradient slot in MB (decimal), at most the
+    largest shard. A compute actor sends a larger shard's gradient in pieces of this size, each
+    through its own slot, and the store sums each piece as soon as every actor sent it, so the
+    slots (``compute_actors x grad_slots`` of them) and the fp32 sum are sub-block sized: 8 GPUs
+    with 2 slots of 512 MB take 8.2 GB of host, not 95 GB of whole ``dit-105b`` blocks. 0: one
+    slot holds the largest shard (whole-shard slots)."""
     nodes: int = 1
     """Ray nodes the run trains on, data-parallel: one parameter store per node, each node's
     ``compute_actors`` beside it. Every node keeps the compute copy ``w`` of every shard and the

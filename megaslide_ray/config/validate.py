@@ -102,6 +102,9 @@ def _check_runtime_counts(cfg: Config) -> None:
     if rt.grad_slots < 1:
         raise ConfigError(f"runtime.grad_slots={rt.grad_slots} must be >= 1 (2 lets a compute actor write one "
                           f"shard's gradient while the store sums the last)")
+    if not (rt.grad_slot_mb >= 0 and math.isfinite(rt.grad_slot_mb)):
+        raise ConfigError(f"runtime.grad_slot_mb={rt.grad_slot_mb} must be >= 0 (MB per gradient slot; 0: a slot "
+                          f"holds the largest shard)")
     if cfg.training.micro_batches < 1:
         raise ConfigError(f"training.micro_batches={cfg.training.micro_batches} must be >= 1 (1: one batch of "
                           f"data.batch_size per compute actor and step)")

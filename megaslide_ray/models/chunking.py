@@ -24,6 +24,9 @@ The helpers here are architecture-neutral:
   block under ``torch.func.functional_call``; a checkpoint recomputes during the backward,
   after that call has returned and the module holds its ``meta`` parameters again, so a
   recomputed function must use the tensors captured during the forward.
+* ``fp32_grad_params``: parameters whose gradient each use adds into an fp32 buffer (the compute
+  actor's bf16 weights on a GPU): ``bind`` gives every chunk its own use, so the chunks'
+  gradients are summed in fp32, not in the weights' dtype.
 
 Windowed attention (``dsa``, ``neighborhood``) runs over slabs of whole time frames: a slab is
 ``token_chunk`` tokens rounded down to whole frames, at least one frame (a chunk smaller than a
@@ -51,16 +54,57 @@ from torch.utils.checkpoint import checkpoint
 from kernels import deformable_slide_attention_slab
 from kernels.dsa_reference import slab_kv_frames
 
-__all__ = ["Chunked", "FrameRanges", "bind", "checkpointed", "slab_attention", "slab_frames", "slabbed_attention",
-           "time_slabs", "token_map"]
+__all__ = ["Chunked", "FrameRanges", "bind", "checkpointed", "fp32_grad_params", "slab_attention", "slab_frames",
+           "slabbed_attention", "time_slabs", "token_map"]
+
+FP32_GRAD = "_fp32_grad"
+"""The attribute naming a parameter's fp32 gradient buffer (``fp32_grad_params``)."""
+
+
+class _Fp32GradSum(torch.autograd.Function):
+    """Identity on a parameter; its backward adds the gradient of this one use into the
+    parameter's fp32 buffer (``acc += g``, computed in fp32) and passes nothing on, so uses are
+    never summed in the parameter's own dtype."""
+
+    @staticmethod
+    def forward(ctx, w, acc):
+        ctx.acc = acc
+        ctx.set_materialize_grads(False)
+        return w.view_as(w)
+
+    @staticmethod
+    def backward(ctx, g):
+        if g is not None:
+            ctx.acc.add_(g)
+        return None, None
+
+
+def _fp32_use(t: torch.Tensor) -> torch.Tensor:
+    """One use of ``t``: through its own ``_Fp32GradSum`` where ``t`` has an fp32 gradient buffer."""
+    acc = getattr(t, FP32_GRAD, None)
+    if acc is None or not torch.is_grad_enabled():
+        return t
+    out = _Fp32GradSum.apply(t, acc)
+    setattr(out, FP32_GRAD, acc)  # a ``bind`` inside the call gives each chunk its own use again
+    return out
+
+
+def fp32_grad_params(params: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """``params`` for one call of ``functional_call``: every tensor carrying an fp32 gradient
+    buffer (attribute ``FP32_GRAD``) passed through its own identity node, whose backward adds
+    this call's gradient into the buffer in fp32. Call it once per use (each micro-batch's call;
+    ``bind`` does it per chunk), so autograd never sums two uses' gradients in bf16 first."""
+    return {k: _fp32_use(v) for k, v in params.items()}
 
 
 def bind(module: nn.Module) -> Callable:
-    """``module``'s forward on the parameters it holds now (see the module docstring)."""
+    """``module``'s forward on the parameters it holds now (see the module docstring). Each call
+    is one use of the parameters (``fp32_grad_params``): a chunk's gradient goes into the fp32
+    buffer on its own."""
     params = dict(module.named_parameters())
     buffers = dict(module.named_buffers())
     tensors = {**params, **buffers}
-    return lambda *args: functional_call(module, tensors, args)
+    return lambda *args: functional_call(module, fp32_grad_params(tensors), args)
 
 
 def checkpointed(fn: Callable, *args):

@@ -61,3 +61,11 @@ def resident_shards(depth: int, numels: list[int], wbytes: int, budget_bytes: fl
             break
         out.append(shard)
     return out
+
+
+def grad_slot_numel(largest: int, slot_mb: float, itemsize: int) -> int:
+    """Elements of one gradient slot (``runtime.grad_slot_mb``): ``slot_mb`` MB of ``itemsize``-byte
+    elements, at most ``largest`` (the largest shard); ``slot_mb = 0``: ``largest``."""
+    if slot_mb <= 0:
+        return largest
+    return max(1, min(largest, int(slot_mb * 1e6) // itemsize))

@@ -62,9 +62,10 @@ Host memory, training (the ParameterStore; see ``actors/param_store.py``), per p
 Host memory, generation: the bf16 weights w (2 B/param, what ``sample`` maps) + the reserve.
 
 Device memory:
-    shard buffers = (prefetch_depth + 1) * Smax * (w bytes + grad bytes): the block being
-    computed plus ``runtime.prefetch_depth`` staged ahead (none with ``runtime.overlap`` off),
-    each with its weights and (training) its gradient.
+    shard buffers = (prefetch_depth + 1) * Smax * (w bytes + 4): the block being computed plus
+    ``runtime.prefetch_depth`` staged ahead (none with ``runtime.overlap`` off), each with its
+    weights and (training) its gradient, summed in fp32 whatever the weights' dtype (the one
+    computing and the one on its way to the host: ``ComputeActor``'s ``grad_views``).
     activations = checkpoints + max(one block's working set + its attention, the input side)
                   + the input tensors
         checkpoints      L * ND, the block inputs kept at block boundaries (training; with
@@ -184,7 +185,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from megaslide_ray.config import Config, ConfigError
-from megaslide_ray.models.shards import resident_shards
+from megaslide_ray.models.shards import grad_slot_numel, resident_shards
 from megaslide_ray.planning.scaleout import ScaleOut, scale_out
 from megaslide_ray.planning.terms import (
     FIXED_TERMS,
@@ -246,7 +247,7 @@ class Plan:
     # -- device memory
     prefetch_depth: int
     offload_keep: int              # k: block inputs kept on the device with offload (0 without offload)
-    device_shard_bytes: int        # (prefetch_depth + 1) * Smax * (w [+ grad] bytes)
+    device_shard_bytes: int        # (prefetch_depth + 1) * Smax * (w bytes [+ 4: the fp32 gradient])
     activation_parts: dict[str, int]   # checkpoints, block_linear, pixels, attention extras, ...
     block_terms: dict[str, int]        # the named terms of one block's working set
     activation_bytes: dict[str, int]   # total activations per attention variant
@@ -371,7 +372,7 @@ def plan(cfg: Config, w_dtype: str = "bfloat16", pcie_gbps: float = 55.0, dram_g
     store = state + scratch
 
     # -- device memory
-    shard_bytes = staged_shards(cfg) * Smax * (wb if generate else wb + wb)
+    shard_bytes = staged_shards(cfg) * Smax * (wb if generate else wb + 4)  # gradients are summed in fp32
     resident = [] if generate else resident_shards(cfg.model.depth, counts, wb, cfg.runtime.resident_gb * 1e9)
     resident_bytes = sum(counts[i] for i in resident) * wb
     parts, block_terms, act_totals, Q = _activations(cfg, wb, generate)
@@ -413,7 +414,7 @@ def plan(cfg: Config, w_dtype: str = "bfloat16", pcie_gbps: float = 55.0, dram_g
         label = label.replace("x ND)", f"x {micro} micro-batches x ND)")
     if not generate:
         scale = scale_out(counts, wb, gpus_per_node, nodes, cfg.runtime.grad_slots, micro, network_gbps, adamw_pp,
-                          h2d, d2h, parts["offloaded_checkpoints"], label)
+                          h2d, d2h, parts["offloaded_checkpoints"], label, cfg.runtime.grad_slot_mb)
         if gpus_per_node * nodes > 1:  # the node's DRAM serves every GPU's link, the gradient sum and AdamW
             del terms["adamw"]
             terms["host_dram"] = scale.host_dram_bytes / (dram_gbps * 1e9)
@@ -431,8 +432,8 @@ def plan(cfg: Config, w_dtype: str = "bfloat16", pcie_gbps: float = 55.0, dram_g
         host_terms = dict(scale.host_terms)
     host_terms["reserve (OS, Ray, processes)"] = reserve
     host_required = sum(host_terms.values())
-    scratch = parts.get(variant + "_scratch", 0)
-    block_total = parts["block_linear"] + parts[variant] + scratch
+    kernel_scratch = parts.get(variant + "_scratch", 0)  # on the device (``scratch`` is the host's)
+    block_total = parts["block_linear"] + parts[variant] + kernel_scratch
     device_terms = {"shard buffers": shard_bytes}
     if resident_bytes:
         device_terms[f"resident shards ({len(resident)}, kept from forward to backward)"] = resident_bytes
@@ -443,8 +444,8 @@ def plan(cfg: Config, w_dtype: str = "bfloat16", pcie_gbps: float = 55.0, dram_g
     else:
         device_terms.update(block_terms)
         device_terms[f"attention ({VARIANT_LABELS[variant]})"] = parts[variant]
-        if scratch:
-            device_terms["attention kernels' scratch (records, scores or fp32 dk/dv)"] = scratch
+        if kernel_scratch:
+            device_terms["attention kernels' scratch (records, scores or fp32 dk/dv)"] = kernel_scratch
     device_terms["input tensors (fp32)"] = parts["pixels"]
     device_required = shard_bytes + resident_bytes + act_totals[variant]
     assert device_required == sum(device_terms.values())
@@ -462,8 +463,8 @@ def plan(cfg: Config, w_dtype: str = "bfloat16", pcie_gbps: float = 55.0, dram_g
                      f"(the network receive slots term)")
     slots = cfg.runtime.grad_slots
     if fits_host is False and not generate and slots > 1 and gpus_per_node * nodes > 1:
-        holders = (gpus_per_node if gpus_per_node > 1 else 0) + (nodes - 1)  # GPUs' slots, network receive slots
-        saved = holders * (slots - 1) * Smax * wb
+        slot = grad_slot_numel(Smax, cfg.runtime.grad_slot_mb, wb)  # the GPUs' slots; network receive slots: whole
+        saved = ((gpus_per_node if gpus_per_node > 1 else 0) * slot + (nodes - 1) * Smax) * (slots - 1) * wb
         notes.append(f"runtime.grad_slots = 1 (--grad-slots 1) would free {fmt_bytes(saved)} of host per node (a GPU "
                      f"then waits for each sum before it returns its next gradient)")
     if gpus_per_node > 1 and not generate and terms.get("host_dram", 0) >= max(terms["h2d"], terms["compute"]):

@@ -76,7 +76,7 @@ def render(p: Plan) -> str:
 
     lines.append("\ndevice memory")
     parts = p.activation_parts
-    row(f"shard buffers: {p.prefetch_depth + 1} x ({'w' if gen else 'w + grad'}) of shard {p.largest_shard}",
+    row(f"shard buffers: {p.prefetch_depth + 1} x ({'w' if gen else 'w + fp32 grad'}) of shard {p.largest_shard}",
         fmt_bytes(p.device_shard_bytes))
     if p.resident_bytes:
         row(f"resident shards: {len(p.resident_shards)} kept from forward to backward (runtime.resident_gb)",

@@ -10,8 +10,10 @@ term of the step-time floor (with one GPU per node the ``adamw`` term stands for
 before: the PCIe reads are small next to AdamW's).
 
 Host per node, G GPUs: the 14 B/param state, the fp32 update scratch, the gradient slots (G x
-``runtime.grad_slots`` x the largest shard x w bytes) and, on a bf16 run, the fp32 accumulator of
-the sum (4 B x the largest shard); every GPU's offloaded block inputs.
+``runtime.grad_slots`` x one slot, ``runtime.grad_slot_mb`` or the largest shard if smaller, x w
+bytes: a larger shard's gradient goes through the slots in pieces, ``actors/grad_reduce.py``)
+and, on a bf16 run, the fp32 accumulator of the sum (4 B x one slot); every GPU's offloaded block
+inputs.
 
 M nodes (``--nodes``, ``runtime.nodes``; ``actors/node_sync.py``, ``pipelines/multinode.py``): every node keeps the compute copy ``w`` of every shard (w bytes x P)
 and the optimizer state (master, m, v: 12 B/param) of the shards it owns (shard l owned by node
@@ -27,6 +29,8 @@ not bound them by slots: as the nodes run the backward in step, a few shards are
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+
+from megaslide_ray.models.shards import grad_slot_numel
 
 
 @dataclass(frozen=True)
@@ -55,11 +59,14 @@ def network_bytes(params: int, own: int, wb: int, nodes: int) -> int:
 
 def scale_out(counts: list[int], wb: int, gpus: int, nodes: int, grad_slots: int, micro_batches: int,
               network_gbps: float, adamw_pp: int, h2d_gpu: int, d2h_gpu: int, offloaded_gpu: int,
-              offload_label: str) -> ScaleOut:
+              offload_label: str, slot_mb: float = 0.0) -> ScaleOut:
     """The per-node terms (module docstring) for ``gpus`` GPUs on each of ``nodes`` nodes;
     ``h2d_gpu``, ``d2h_gpu``: one GPU's PCIe bytes per step, ``offloaded_gpu`` its offloaded block
-    inputs (host bytes), ``adamw_pp`` AdamW's DRAM bytes per parameter."""
+    inputs (host bytes), ``adamw_pp`` AdamW's DRAM bytes per parameter; ``slot_mb``:
+    ``runtime.grad_slot_mb`` (a gradient slot and the fp32 sum hold that much of a shard at a time;
+    0: the largest shard)."""
     P, Smax = sum(counts), max(counts)
+    slot = grad_slot_numel(Smax, slot_mb, wb)
     own = owner_params(counts, nodes)
     terms: dict[str, int] = {}
     if nodes == 1:
@@ -70,9 +77,10 @@ def scale_out(counts: list[int], wb: int, gpus: int, nodes: int, grad_slots: int
     if wb == 2:
         terms["fp32 update scratch (largest shard)"] = 4 * Smax
     if gpus > 1:
-        terms[f"gradient slots ({gpus} GPUs x {grad_slots} x largest shard)"] = gpus * grad_slots * Smax * wb
+        what = "largest shard" if slot == Smax else f"{slot_mb:g} MB"
+        terms[f"gradient slots ({gpus} GPUs x {grad_slots} x {what})"] = gpus * grad_slots * slot * wb
         if wb == 2:
-            terms["fp32 sum of the GPUs' gradients (largest shard)"] = 4 * Smax
+            terms[f"fp32 sum of the GPUs' gradients ({'largest shard' if slot == Smax else 'one slot'})"] = 4 * slot
     if nodes > 1:
         terms[f"network receive slots ({nodes - 1} nodes x {grad_slots} x largest shard)"] = \
             (nodes - 1) * grad_slots * Smax * wb

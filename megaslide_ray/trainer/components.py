@@ -53,15 +53,31 @@ class Checkpointer:
     def due(self, done: int) -> bool:
         return done == self.steps or every(self.every, done)
 
-    def save(self, done: int, data_state: dict) -> str:
-        """Checkpoint the state after step ``done``; ``data_state``: where the data continues."""
+    def save(self, done: int, data_state: dict, skipped: bool = False) -> str:
+        """Checkpoint the state after step ``done``; ``data_state``: where the data continues.
+        ``skipped``: step ``done`` had a NaN/Inf loss or gradient (its update was skipped): no
+        checkpoint is written; after the last step that stops the run (``BadStepsError`` naming
+        the step and the last good checkpoint), before it a warning says so and training goes on."""
+        if skipped:
+            what = (f"step {done} had a NaN/Inf loss or gradient (its update was skipped): no checkpoint of it is "
+                    f"written; the last good checkpoint is {self.last or 'none (no checkpoint yet)'}")
+            if done >= self.steps:
+                raise BadStepsError(f"{what}. The run's last step was not finite: lower optim.lr, raise "
+                                    f"optim.warmup_steps or check the data, then --resume")
+            log.warning("%s; training goes on", what)
+            return self.last
         self.last = self.pipeline.save_checkpoint(str(self.run_dir), done, data_state)
         self.step = done
         return self.last
 
-    def save_on_stop(self, done: int, start_step: int, data_state: dict) -> None:
-        """A stop after step ``done``: checkpoint it unless nothing ran or it is already saved."""
+    def save_on_stop(self, done: int, start_step: int, data_state: dict, skipped: bool = False) -> None:
+        """A stop after step ``done``: checkpoint it unless nothing ran, it is already saved or its
+        update was skipped (``skipped``: a warning names the last good checkpoint instead)."""
         if done > start_step and not self.last.endswith(f"step_{done}"):
+            if skipped:
+                log.warning("stopping after step %d, whose loss or gradient was NaN/Inf: no checkpoint of it is "
+                            "written; the last good checkpoint is %s", done, self.last or "none (no checkpoint yet)")
+                return
             self.save(done, data_state)
 
 

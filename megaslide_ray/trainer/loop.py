@@ -21,6 +21,7 @@ from megaslide_ray.data.demo import ensure_demo_dataset
 from megaslide_ray.evaluation.validation import load_val_set
 from megaslide_ray.runtime.faults import fault_point
 from megaslide_ray.state.checkpoint import (
+    CheckpointDamagedError,
     describe_damaged,
     latest_checkpoint,
     newest_complete_checkpoint,
@@ -88,18 +89,20 @@ class ResumePoint:
     notes: tuple[str, ...] = ()  # what was passed over: damaged checkpoints, a kept state that does not fit
 
 
-def resume_point(cfg: Config, run_dir: str | Path) -> ResumePoint:
+def resume_point(cfg: Config, run_dir: str | Path, known_damaged: dict[Path, str] | None = None) -> ResumePoint:
     """Where ``--resume`` continues ``run_dir`` (checked before Ray starts; nothing is written):
     the newest checkpoint whose files are all there and of the size they were written with
     (newer damaged ones are named in ``notes`` and in a warning), or a kept state newer than it
     that fits this run. FileNotFoundError when neither exists; ValueError when the data order
-    cannot continue (another ``data.num_decoders``)."""
-    ckpt, damaged = newest_complete_checkpoint(run_dir)
+    cannot continue (another ``data.num_decoders``). ``known_damaged``: checkpoints whose
+    tensors did not match their checksums when the store read them (passed over; no kept state
+    is considered then: the store already refused the newest checkpoint)."""
+    ckpt, damaged = newest_complete_checkpoint(run_dir, known_damaged)
     notes = []
     if damaged:
         notes.append(f"{describe_damaged(damaged)}; " + (f"falling back to {ckpt}" if ckpt else "none is complete"))
     ckpt_step = int(read_checkpoint_state(ckpt)["step"]) if ckpt else 0
-    kept = find_kept_state(cfg, run_dir)
+    kept = None if known_damaged else find_kept_state(cfg, run_dir)
     if kept is not None:
         problems = (["it is not newer than that checkpoint"] if ckpt and kept.step <= ckpt_step
                     else check_kept_state(kept, cfg, "bfloat16" if w_dtype_bytes(cfg) == 2 else "float32"))
@@ -138,21 +141,13 @@ class Trainer:
         self.run_dir = Path(run_dir or cfg.training.run_dir or default_run_dir())
         self.progress = progress
         self.start_step, position, ckpt, kept = 0, 0, None, None
+        self.done = 0  # steps completed: the state's version once the last one is applied
         # What a checkpoint (or a kept state) after the last step records of the data (where the
         # next batch starts), and that step.
         self.data_state: dict = {}
         if resume:
             point = resume if isinstance(resume, ResumePoint) else resume_point(cfg, self.run_dir)
-            ckpt, self.start_step, position, kept = point.checkpoint, point.step, point.cursor, point.kept
-            if kept is not None:
-                log.warning("--resume: continuing from the shared-memory state a failed run kept: %s (newer than %s)",
-                            kept.describe(), ckpt or "any checkpoint")
-                self.data_state = {k: v for k, v in kept.doc.items() if k not in ("step", "init_from")}
-                init_from = kept.doc.get("init_from") or None
-            if self.start_step >= cfg.training.steps:
-                log.warning("%s is at step %d and training.steps=%d: nothing to do; raise --steps",
-                            "the kept state" if kept else "checkpoint", self.start_step, cfg.training.steps)
-        self.done = self.start_step  # steps completed: the state's version once the last one is applied
+            ckpt, position, kept, init_from = self._resume_from(point, init_from)
         if init_from and ckpt is not None:
             log.warning("--init-from %s ignored: resuming from %s, which holds the trained weights", init_from, ckpt)
             init_from = None
@@ -166,10 +161,20 @@ class Trainer:
         if cfg.training.eval_every and val_set is None:
             val_set = load_val_set(cfg)
         self.run_dir.mkdir(parents=True, exist_ok=True)
-        # The only pipeline of the run: a rollback rebuilds its actors in place.
-        self.pipeline = StreamingPipeline(cfg, str(self.run_dir), str(ckpt) if ckpt else None, position,
-                                          init_from=str(Path(init_from).resolve()) if init_from else None,
-                                          kept_doc=kept.doc if kept else None)
+        # The only pipeline of the run: a rollback rebuilds its actors in place. A checkpoint whose
+        # tensors fail their checksums when the store reads them is passed over for an older one.
+        damaged: dict[Path, str] = {}
+        while True:
+            try:
+                self.pipeline = StreamingPipeline(cfg, str(self.run_dir), str(ckpt) if ckpt else None, position,
+                                                  init_from=str(Path(init_from).resolve()) if init_from else None,
+                                                  kept_doc=kept.doc if kept else None)
+                break
+            except CheckpointDamagedError as e:
+                if not resume or ckpt is None or kept is not None:
+                    raise
+                damaged[Path(ckpt)] = str(e).split(" is damaged: ", 1)[-1].split(". Use an older", 1)[0]
+                ckpt, position, kept, init_from = self._resume_from(resume_point(cfg, self.run_dir, damaged), None)
         # Written once the store holds the state (a refused resume leaves the old config.toml).
         (self.run_dir / "config.toml").write_text(to_toml(cfg))
         self.checkpointer = Checkpointer(cfg, self.run_dir, self.pipeline, str(ckpt) if ckpt else "",
@@ -180,6 +185,21 @@ class Trainer:
         self.guard = BadStepGuard(cfg)
         self.stop_reason = ""   # set by request_stop (a signal handler): stop after the current step
         self._last_time = time.perf_counter()
+
+    def _resume_from(self, point: ResumePoint, init_from: str | None):
+        """Take ``point`` as where the run continues; returns (checkpoint, data cursor, kept
+        state, init_from)."""
+        self.start_step, kept = point.step, point.kept
+        if kept is not None:
+            log.warning("--resume: continuing from the shared-memory state a failed run kept: %s (newer than %s)",
+                        kept.describe(), point.checkpoint or "any checkpoint")
+            self.data_state = {k: v for k, v in kept.doc.items() if k not in ("step", "init_from")}
+            init_from = kept.doc.get("init_from") or None
+        if self.start_step >= self.cfg.training.steps:
+            log.warning("%s is at step %d and training.steps=%d: nothing to do; raise --steps",
+                        "the kept state" if kept else "checkpoint", self.start_step, self.cfg.training.steps)
+        self.done = self.start_step  # steps completed: the state's version once the last one is applied
+        return point.checkpoint, point.cursor, kept, init_from
 
     @property
     def last_checkpoint(self) -> str:
@@ -233,7 +253,7 @@ class Trainer:
         if sample:
             row.update(self.sampler.run(done))
         if checkpoint:
-            self.checkpointer.save(done, self.data_state)
+            self.checkpointer.save(done, self.data_state, skipped=row["update_skipped"])
         if not quiet:  # the next step's time excludes saving, sampling, validating
             self._last_time = time.perf_counter()
         return row
@@ -292,7 +312,8 @@ class Trainer:
             while step < steps:
                 if self.stop_reason:
                     step = self._finish_queued(step, rows, bar)
-                    self.checkpointer.save_on_stop(step, self.start_step, self.data_state)
+                    self.checkpointer.save_on_stop(step, self.start_step, self.data_state,
+                                                   skipped=bool(rows) and rows[-1]["update_skipped"])
                     break
                 try:
                     row = self.train_step(step)
