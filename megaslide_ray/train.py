@@ -41,6 +41,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "steps; what the tiny-motion preset learns in minutes)")
     p.add_argument("--resume", action="store_true",
                    help="continue from the run dir's newest complete checkpoint (or the state a failed run kept)")
+    p.add_argument("--overwrite", action="store_true",
+                   help="replace the earlier run a non-empty --run-dir holds (its checkpoints, metrics.jsonl, "
+                        "config.toml, samples and kept state); without it a new run there is refused")
     p.add_argument("--init-from", default=None, metavar="FILE_OR_DIR",
                    help="start from pretrained weights: a checkpoint dir (RUN/checkpoints/step_N), a .safetensors "
                         "file or a directory of them with the model's state-dict names, or a diffusers Wan model "
@@ -113,7 +116,7 @@ def main(argv: list[str] | None = None) -> int:
         print(to_toml(cfg), end="")
         return 0
     return launch(cfg, resume=args.resume, init_from=args.init_from, progress=not args.no_progress,
-                  inject_fault=args.inject_fault)
+                  inject_fault=args.inject_fault, overwrite=args.overwrite)
 
 
 if __name__ == "__main__":

@@ -36,7 +36,6 @@ from megaslide_ray.evaluation.validation import load_val_set
 from megaslide_ray.runtime import faults
 from megaslide_ray.state.kept import (
     dir_bytes,
-    find_kept_state,
     human_bytes,
     is_kept,
     keep_state,
@@ -46,6 +45,13 @@ from megaslide_ray.state.kept import (
 from megaslide_ray.state.preflight import StateSpaceError, plan_state_space
 from megaslide_ray.state.pretrained import PretrainedMismatchError, check_pretrained, describe_init
 from megaslide_ray.trainer.loop import ResumePoint, Trainer, default_run_dir, resume_point
+from megaslide_ray.trainer.preflight import (
+    check_devices,
+    check_resume_config,
+    check_run_dir,
+    clear_run_dir,
+    local_devices,
+)
 from pipelines.errors import root_cause
 
 log = logging.getLogger(__name__)
@@ -84,13 +90,17 @@ class StopOnSignal:
 
 def check_resume(cfg: Config, run_dir: str) -> ResumePoint:
     """Where ``--resume`` continues (``resume_point``), checked before Ray starts: ConfigError
-    when it cannot (no run dir, no complete checkpoint or kept state, another number of decoders)."""
+    when it cannot (no run dir, no complete checkpoint or kept state, another number of decoders,
+    another model than the checkpoint's)."""
     if not cfg.training.run_dir:
         raise ConfigError("--resume needs --run-dir (the run to continue)")
     try:
-        return resume_point(cfg, run_dir)
+        point = resume_point(cfg, run_dir)
     except (FileNotFoundError, ValueError) as e:
         raise ConfigError(str(e)) from None
+    if point.checkpoint is not None:
+        check_resume_config(cfg, point.checkpoint)
+    return point
 
 
 def start_ray(cfg: Config, space=None):
@@ -112,10 +122,23 @@ def start_ray(cfg: Config, space=None):
 
 
 def launch(cfg: Config, resume: bool = False, init_from: str | None = None, progress: bool = True,
-           inject_fault: str | None = None) -> int:
+           inject_fault: str | None = None, overwrite: bool = False) -> int:
     """Train ``cfg`` (``resume``: continue ``training.run_dir`` from its latest checkpoint;
     ``init_from``: start from pretrained weights; ``inject_fault``: a fault spec for drills,
-    ``runtime.faults``). Returns the exit code (see the module docstring)."""
+    ``runtime.faults``; ``overwrite``: replace the run a non-empty run directory holds). Returns
+    the exit code (see the module docstring)."""
+    run_dir = cfg.training.run_dir or default_run_dir()
+    try:
+        check_run_dir(cfg, run_dir, resume, overwrite)  # first: a refused run changes nothing anywhere
+    except ConfigError as e:
+        print(f"run dir error: {e}", file=sys.stderr)
+        return 2
+    if not cfg.ray.address:  # a local cluster: this machine's devices (a cluster's: once joined)
+        try:
+            check_devices(cfg, *local_devices(cfg), "this machine")
+        except ConfigError as e:
+            print(f"config error: {e}", file=sys.stderr)
+            return 2
     try:
         check_data(cfg)  # the data must be what the model reads (video, or latents for wan)
         val_set = None
@@ -143,7 +166,6 @@ def launch(cfg: Config, resume: bool = False, init_from: str | None = None, prog
               f"--runtime.nodes 1", file=sys.stderr)
         return 2
 
-    run_dir = cfg.training.run_dir or default_run_dir()
     point = None
     if resume:
         try:
@@ -155,12 +177,6 @@ def launch(cfg: Config, resume: bool = False, init_from: str | None = None, prog
             print(f"nothing to do: {'the kept state' if point.kept else point.checkpoint} is at step {point.step} "
                   f"and training.steps={cfg.training.steps}; raise --steps to train further", flush=True)
             return 0
-
-    else:
-        kept = find_kept_state(cfg, run_dir)
-        if kept is not None:  # a new run in the same directory replaces it: say so before it is gone
-            log.warning("the shared-memory state a failed run of this run directory kept, %s, is replaced by this new "
-                        "run; to continue that run instead, stop now and start again with --resume", kept.describe())
 
     created_marker_dir = None
     if inject_fault:
@@ -175,6 +191,10 @@ def launch(cfg: Config, resume: bool = False, init_from: str | None = None, prog
             created_marker_dir = os.environ[faults.ENV_DIR]
         log.warning("fault injection on: %s", inject_fault)
 
+    if overwrite and not resume:  # every check passed: the earlier run goes now, before Ray starts
+        removed = clear_run_dir(cfg, run_dir)
+        if removed:
+            log.warning("--overwrite: removed the earlier run's %s", ", ".join(removed))
     try:
         return _run(cfg, run_dir, point, init_from, val_set, progress)
     finally:

@@ -1,0 +1,198 @@
+"""A run directory belongs to one run, and the main job refuses before Ray starts what cannot
+work: a new run into an earlier run's directory (without ``--resume`` or ``--overwrite``), a
+``--run-dir`` that is a file, ``--resume`` with another model than the checkpoint's, more compute
+actors than the machine has CPUs. Each refusal is one message, exit 2, nothing changed and no
+process left (``test_bad_inputs.run_here``). ``--overwrite`` removes the earlier run's files (and
+only those) once every other check passed. The slow test replaces a real run with ``--overwrite``."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import pytest
+from conftest import CLI_SMALL, run_cli
+from test_bad_inputs import _files, _state, run_here
+
+from megaslide_ray.config import build_config, to_toml
+from megaslide_ray.trainer import launch as launch_module
+from megaslide_ray.trainer.preflight import RUN_ENTRIES, clear_run_dir
+
+SMALL_OVERRIDES = {"model.depth": 1, "model.hidden_size": 32, "model.num_heads": 2, "data.num_frames": 6,
+                   "data.height": 16, "data.width": 16}
+"""``CLI_SMALL``'s model as config overrides."""
+
+
+@pytest.fixture(scope="module")
+def earlier_run(tmp_path_factory):
+    """A run directory as a finished run leaves it, made without Ray: a step-0 checkpoint written
+    by an in-process parameter store, config.toml and a metrics.jsonl line. Read-only to the tests."""
+    from actors.param_store import ParameterStore
+
+    root = tmp_path_factory.mktemp("earlier")
+    run_dir = root / "run"
+    cfg = build_config("tiny", None, {**SMALL_OVERRIDES, "runtime.state_dir": str(root / "shm"),
+                                      "training.run_dir": str(run_dir)})
+    store = ParameterStore(cfg, str(run_dir))
+    try:
+        store.save_checkpoint(str(run_dir), 0, {"data_position": 0})
+    finally:
+        store.close()
+    (run_dir / "config.toml").write_text(to_toml(cfg))
+    (run_dir / "metrics.jsonl").write_text(json.dumps({"step": 0, "loss": 1.0}) + "\n")
+    return run_dir
+
+
+def _copy(earlier_run: Path, tmp_path: Path) -> Path:
+    import shutil
+
+    run_dir = tmp_path / "run"
+    shutil.copytree(earlier_run, run_dir)
+    return run_dir
+
+
+def _main(args, tmp_path, capsys):
+    from megaslide_ray.train import main
+
+    return run_here(main, [*CLI_SMALL, "--steps", "2", "--runtime.state_dir", str(tmp_path / "shm"), *args], capsys)
+
+
+def test_a_new_run_into_an_earlier_runs_directory_is_refused_and_changes_nothing(earlier_run, tmp_path, capsys):
+    run_dir = _copy(earlier_run, tmp_path)
+    before = _files(run_dir)
+    ran = _main(["--run-dir", str(run_dir)], tmp_path, capsys)
+    assert ran.rc == 2
+    assert ran.message == (f"run dir error: --run-dir {run_dir} already holds checkpoints, config.toml, metrics.jsonl: "
+                           f"a run directory belongs to one run. Continue that run with --resume, replace it with "
+                           f"--overwrite, or give a new --run-dir")
+    assert _files(run_dir) == before and _state(tmp_path / "shm") == [] and not ran.left
+
+
+def test_overwrite_never_removes_files_no_run_writes(earlier_run, tmp_path, capsys):
+    run_dir = _copy(earlier_run, tmp_path)
+    (run_dir / "notes.txt").write_text("mine")
+    before = _files(run_dir)
+    ran = _main(["--run-dir", str(run_dir), "--overwrite"], tmp_path, capsys)
+    assert ran.rc == 2
+    assert ran.message == (f"run dir error: --overwrite: --run-dir {run_dir} holds notes.txt, which no run writes; "
+                           f"nothing was removed. Give a run's directory or a new --run-dir")
+    assert _files(run_dir) == before and not ran.left
+
+
+def test_resume_and_overwrite_together_are_refused(earlier_run, tmp_path, capsys):
+    run_dir = _copy(earlier_run, tmp_path)
+    before = _files(run_dir)
+    ran = _main(["--run-dir", str(run_dir), "--resume", "--overwrite"], tmp_path, capsys)
+    assert ran.rc == 2
+    assert ran.message == (f"run dir error: --resume continues the run in {run_dir} and --overwrite replaces it: "
+                           f"give one of them")
+    assert _files(run_dir) == before and not ran.left
+
+
+def test_a_run_dir_that_is_a_file_is_refused_before_ray(tmp_path, capsys):
+    target = tmp_path / "a-file"
+    target.write_text("not a directory")
+    for extra in ([], ["--resume"]):
+        ran = _main(["--run-dir", str(target), *extra], tmp_path, capsys)
+        assert ran.rc == 2
+        assert ran.message == (f"run dir error: --run-dir {target} is an existing file, not a directory: give the "
+                               f"path of a directory (a new one, or an earlier run's with --resume)")
+        assert target.read_text() == "not a directory" and not ran.left
+
+
+def test_resume_with_another_model_names_the_field_before_ray(earlier_run, tmp_path, capsys):
+    run_dir = _copy(earlier_run, tmp_path)
+    before = _files(run_dir)
+    ckpt = run_dir / "checkpoints" / "step_0"
+    ran = _main(["--run-dir", str(run_dir), "--resume", "--model.depth", "8", "--attention.kind", "swin"],
+                tmp_path, capsys)
+    assert ran.rc == 2
+    assert ran.message == (f"resume error: --resume: {ckpt} was trained with another model than this config's: "
+                           f"model.depth 1 -> 8; attention.kind 'dsa' -> 'swin' (checkpoint -> this config). Leave "
+                           f"these fields as the run had them to continue it, or start a new run in a new --run-dir "
+                           f"(--init-from {ckpt} starts from its weights)")
+    assert _files(run_dir) == before and _state(tmp_path / "shm") == [] and not ran.left
+
+
+def test_resume_may_change_the_attention_backend(earlier_run, tmp_path, capsys, monkeypatch):
+    # Same model, another kernel: accepted (``_run``, where Ray would start, is reached).
+    run_dir = _copy(earlier_run, tmp_path)
+    reached = []
+    monkeypatch.setattr(launch_module, "_run", lambda cfg, run_dir_, point, *args: reached.append(point.step) or 0)
+    ran = _main(["--run-dir", str(run_dir), "--resume", "--attention.backend", "reference"], tmp_path, capsys)
+    assert ran.rc == 0, ran.err
+    assert reached == [0] and not ran.left
+
+
+def test_more_compute_actors_than_cpus_is_refused_with_what_was_found(tmp_path, capsys):
+    ran = _main(["--run-dir", str(tmp_path / "run"), "--runtime.compute_actors", "99", "--runtime.device", "cpu"],
+                tmp_path, capsys)
+    assert ran.rc == 2
+    assert ran.message == ("config error: runtime.compute_actors=99 asks for 99 CPU compute actors, but this machine "
+                           "has 2 CPU(s) and no GPU: use at most 2 (each holds its own copy of a block's weights and "
+                           "activations), or raise ray.num_cpus on a machine that has them")
+    assert not (tmp_path / "run").exists() and not ran.left
+
+
+def test_cuda_asked_for_on_a_machine_without_one_is_refused_before_ray(tmp_path, capsys, monkeypatch):
+    monkeypatch.setattr("torch.cuda.is_available", lambda: False)
+    ran = _main(["--run-dir", str(tmp_path / "run"), "--runtime.device", "cuda"], tmp_path, capsys)
+    assert ran.rc == 2
+    assert ran.message == ("config error: runtime.device='cuda' but this machine has no GPU (found 2 CPUs and no CUDA "
+                           "device); use --runtime.device auto or cpu")
+    assert not ran.left
+
+
+def test_overwrite_clears_the_earlier_run_once_every_check_passed(earlier_run, tmp_path, capsys, monkeypatch):
+    run_dir = _copy(earlier_run, tmp_path)
+    kept = tmp_path / "shm"
+    seen = {}
+
+    def started(cfg, run_dir_, *args):  # where Ray would start: what is left of the earlier run
+        seen["entries"] = sorted(p.name for p in Path(run_dir_).iterdir())
+        return 0
+
+    monkeypatch.setattr(launch_module, "_run", started)
+    ran = _main(["--run-dir", str(run_dir), "--overwrite"], tmp_path, capsys)
+    assert ran.rc == 0 and seen["entries"] == [] and not ran.left
+    # Refused by the last check before Ray (a bad fault spec): nothing removed.
+    run_dir2 = _copy(earlier_run, tmp_path / "second")
+    before = _files(run_dir2)
+    ran = _main(["--run-dir", str(run_dir2), "--overwrite", "--inject-fault", "no-such-point"], tmp_path, capsys)
+    assert ran.rc == 2 and ran.message.startswith("--inject-fault error:") and _files(run_dir2) == before
+    assert not kept.exists() or _state(kept) == []
+
+
+def test_clear_run_dir_removes_the_run_files_and_its_kept_state(earlier_run, tmp_path):
+    run_dir = _copy(earlier_run, tmp_path)
+    (run_dir / "samples").mkdir()
+    (run_dir / "error.log").write_text("x")
+    cfg = build_config("tiny", None, {**SMALL_OVERRIDES, "runtime.state_dir": str(tmp_path / "shm")})
+    from megaslide_ray.state.kept import RESUME_FILE, state_path
+
+    state = state_path(cfg, run_dir)
+    state.mkdir(parents=True)
+    (state / RESUME_FILE).write_text(json.dumps({"step": 3}))
+    removed = clear_run_dir(cfg, str(run_dir))
+    assert sorted(Path(p).name for p in removed) == sorted(["checkpoints", "config.toml", "error.log",
+                                                             "metrics.jsonl", "samples", state.name])
+    assert list(run_dir.iterdir()) == [] and not state.exists()
+    assert set(RUN_ENTRIES) >= {"checkpoints", "config.toml", "metrics.jsonl", "samples"}
+
+
+@pytest.mark.slow  # one 1-step run through Ray over the session's run
+def test_overwrite_replaces_a_finished_run(cli_run, tmp_path):
+    import shutil
+
+    first_dir, _, env = cli_run
+    run_dir = tmp_path / "run"
+    shutil.copytree(first_dir, run_dir)
+    proc = run_cli([*CLI_SMALL, "--steps", "1", "--run-dir", str(run_dir), "--overwrite", "--model.depth", "2"],
+                   {**env, "MEGASLIDE_CACHE": env["MEGASLIDE_CACHE"]})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [1]
+    assert sorted(p.name for p in (run_dir / "checkpoints").iterdir()) == ["latest", "step_1"]
+    assert "depth = 2" in (run_dir / "config.toml").read_text()
+    assert os.path.isfile(run_dir / "checkpoints" / "step_1" / "state.json")
