@@ -196,3 +196,56 @@ def test_overwrite_replaces_a_finished_run(cli_run, tmp_path):
     assert sorted(p.name for p in (run_dir / "checkpoints").iterdir()) == ["latest", "step_1"]
     assert "depth = 2" in (run_dir / "config.toml").read_text()
     assert os.path.isfile(run_dir / "checkpoints" / "step_1" / "state.json")
+
+
+# ---------------------------------------------------------------------------------------------
+# Exports never overwrite without --overwrite
+# ---------------------------------------------------------------------------------------------
+
+
+def _export(args, capsys):
+    from megaslide_ray.pretrained import main
+
+    return run_here(main, args, capsys)
+
+
+def test_export_to_an_existing_file_that_is_not_safetensors_is_one_message(earlier_run, tmp_path, capsys):
+    ckpt = earlier_run / "checkpoints" / "step_0"
+    out = tmp_path / "weights.pt"
+    out.write_text("earlier")
+    for extra in ([], ["--overwrite"]):
+        ran = _export([str(ckpt), str(out), *extra], capsys)
+        assert ran.rc == 2
+        assert ran.message == (f"error: {out} is an existing file and does not end in .safetensors: give "
+                               f"OUT.safetensors for one file, or the path of a directory (new or empty) for one "
+                               f"file per shard")
+        assert out.read_text() == "earlier"
+
+
+def test_export_never_overwrites_without_overwrite(earlier_run, tmp_path, capsys):
+    from safetensors.torch import load_file
+
+    ckpt = earlier_run / "checkpoints" / "step_0"
+    one = tmp_path / "model.safetensors"
+    one.write_bytes(b"earlier")
+    ran = _export([str(ckpt), str(one)], capsys)
+    assert ran.rc == 2
+    assert ran.message == f"error: {one} exists: pass --overwrite to replace it, or give a new path"
+    assert one.read_bytes() == b"earlier"
+    ran = _export([str(ckpt), str(one), "--overwrite"], capsys)
+    assert ran.rc == 0 and ran.out.split() == [str(one)]
+    fresh = tmp_path / "fresh.safetensors"
+    assert _export([str(ckpt), str(fresh)], capsys).rc == 0
+    got, want = load_file(str(one)), load_file(str(fresh))
+    assert sorted(got) == sorted(want) and all(got[k].equal(want[k]) for k in want)
+
+    shards = tmp_path / "shards"
+    shards.mkdir()
+    (shards / "model-00001-of-00009.safetensors").write_bytes(b"an earlier export of 9 shards")
+    ran = _export([str(ckpt), str(shards)], capsys)
+    assert ran.rc == 2
+    assert ran.message == (f"error: {shards} is a directory with files in it: pass --overwrite to replace the export "
+                           f"there, or give a new or empty directory")
+    ran = _export([str(ckpt), str(shards), "--overwrite"], capsys)
+    assert ran.rc == 0
+    assert sorted(p.name for p in shards.iterdir()) == sorted(Path(p).name for p in ran.out.split())
