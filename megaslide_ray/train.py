@@ -20,6 +20,9 @@ from megaslide_ray.trainer.launch import launch
 
 log = logging.getLogger("megaslide_ray")
 
+DEMO_EVAL_EVERY = {"motion": 10, "motion-simple": 600}
+"""``training.eval_every`` of a run on the motion demo set (``--demo``) unless the config sets it."""
+
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
@@ -36,9 +39,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--demo", choices=["shapes", "motion", "motion-simple"], default=None,
                    help="without --data: the demo set to train on: shapes (default), motion (megaslide_ray.motion: "
                         "shapes at stated speeds and directions; its held-out split becomes data.val_manifest, "
-                        "evaluated every 10 steps unless training.eval_every says otherwise) or motion-simple (its "
-                        "simple variant: one large shape, 8 frames, no bounces or occluders, validated every 600 "
-                        "steps; what the tiny-motion preset learns in minutes)")
+                        f"evaluated every {DEMO_EVAL_EVERY['motion']} steps unless training.eval_every says "
+                        f"otherwise) or motion-simple (its simple variant: one large shape, 8 frames, no bounces or "
+                        f"occluders, validated every {DEMO_EVAL_EVERY['motion-simple']} steps; what the tiny-motion "
+                        f"preset learns in minutes)")
     p.add_argument("--resume", action="store_true",
                    help="continue from the run dir's newest complete checkpoint (or the state a failed run kept)")
     p.add_argument("--overwrite", action="store_true",
@@ -73,7 +77,7 @@ def config_from_args(args: argparse.Namespace, extra: list[str]) -> Config:
         train, val = ensure_motion_dataset(variant="simple" if args.demo == "motion-simple" else "motion")
         overrides["data.manifest"] = str(train)
         overrides.setdefault("data.val_manifest", str(val))
-        overrides.setdefault("training.eval_every", 10 if args.demo == "motion" else 600)
+        overrides.setdefault("training.eval_every", DEMO_EVAL_EVERY[args.demo])
     config_file, saved_run = args.config, False
     if args.resume and config_file is None and args.preset is None and args.run_dir:
         saved = Path(args.run_dir) / "config.toml"

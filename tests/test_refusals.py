@@ -1,9 +1,13 @@
-"""A run directory belongs to one run, and the main job refuses before Ray starts what cannot
+"""Refusals a user meets before anything starts, and the documented commands as written.
+
+A run directory belongs to one run, and the main job refuses before Ray starts what cannot
 work: a new run into an earlier run's directory (without ``--resume`` or ``--overwrite``), a
 ``--run-dir`` that is a file, ``--resume`` with another model than the checkpoint's, more compute
 actors than the machine has CPUs. Each refusal is one message, exit 2, nothing changed and no
 process left (``test_bad_inputs.run_here``). ``--overwrite`` removes the earlier run's files (and
-only those) once every other check passed. The slow test replaces a real run with ``--overwrite``."""
+only those) once every other check passed; the slow test replaces a real run with it. Exports
+never overwrite without ``--overwrite``; ``sample`` refuses a ``--model-dir`` it would not use;
+README's planner examples and docs/cli.md's demo defaults say what the code does."""
 
 from __future__ import annotations
 
@@ -249,3 +253,49 @@ def test_export_never_overwrites_without_overwrite(earlier_run, tmp_path, capsys
     ran = _export([str(ckpt), str(shards), "--overwrite"], capsys)
     assert ran.rc == 0
     assert sorted(p.name for p in shards.iterdir()) == sorted(Path(p).name for p in ran.out.split())
+
+
+def test_sample_refuses_a_model_dir_for_a_pixel_checkpoint(earlier_run, tmp_path, capsys):
+    from megaslide_ray.sample import main
+
+    ckpt = earlier_run / "checkpoints" / "step_0"
+    for model_dir in ("/nonexistent", str(tmp_path)):
+        ran = run_here(main, ["--checkpoint", str(ckpt), "--model-dir", model_dir, "--steps", "1", "--device", "cpu",
+                              "--out", str(tmp_path / "x.mp4")], capsys)
+        assert ran.rc == 2
+        assert ran.message == (f"error: --model-dir {model_dir}: this checkpoint's model draws pixels "
+                               f"(model.inputs='pixels'), so no model folder encodes its prompt or decodes its video; "
+                               f"leave out --model-dir")
+        assert not (tmp_path / "x.mp4").exists() and not ran.left
+
+
+# ---------------------------------------------------------------------------------------------
+# The documented commands say what the code does
+# ---------------------------------------------------------------------------------------------
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def test_readme_max_frames_example_runs_for_training_and_with_generate(capsys):
+    import re
+    import shlex
+
+    from megaslide_ray.plan import main
+
+    readme = (ROOT / "README.md").read_text()
+    said = re.search(r"the longest 1080p clip that fits: (\d+) frames for training, (\d+) for sampling \(--generate\)",
+                     readme)
+    command = re.search(r"\n(python -m megaslide_ray\.plan [^\n]*\\\n[^\n]*--max-frames)\n", readme)
+    assert said and command, "README's --max-frames example moved: update this test"
+    args = shlex.split(command.group(1).replace("\\\n", " "))[3:]
+    for extra, frames in (([], said.group(1)), (["--generate"], said.group(2))):
+        assert main([*args, *extra]) == 0, capsys.readouterr().err
+        assert f"longest clip that fits: {frames} frames" in capsys.readouterr().out
+
+
+def test_docs_give_the_motion_demos_eval_every_the_code_uses():
+    from megaslide_ray.train import DEMO_EVAL_EVERY
+
+    cli = (ROOT / "docs" / "cli.md").read_text()
+    assert f"`training.eval_every` defaults to {DEMO_EVAL_EVERY['motion']})" in cli
+    assert f"`training.eval_every` defaulting to {DEMO_EVAL_EVERY['motion-simple']};" in cli
