@@ -13,6 +13,7 @@ import logging
 import sys
 from pathlib import Path
 
+from megaslide_ray import early_interrupt  # first: a Ctrl-C while the imports below load is one line
 from megaslide_ray.config import SECTIONS, Config, ConfigError, build_config, describe_fields, parse_overrides, to_toml
 from megaslide_ray.data.motion import ensure_motion_dataset
 from megaslide_ray.state.pretrained import config_for_diffusers_dir, is_diffusers_dir
@@ -103,6 +104,15 @@ def help_config() -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
+    early_interrupt.restore()
+    try:
+        return _main(argv)
+    except KeyboardInterrupt:  # before Ray started (after it, launch answers a signal itself)
+        print("interrupted: nothing was started or written", file=sys.stderr, flush=True)
+        return 130
+
+
+def _main(argv: list[str] | None) -> int:
     parser = build_parser()
     args, extra = parser.parse_known_args(argv)
     logging.basicConfig(level=getattr(logging, args.log_level.upper(), logging.INFO),

@@ -299,3 +299,125 @@ def test_docs_give_the_motion_demos_eval_every_the_code_uses():
     cli = (ROOT / "docs" / "cli.md").read_text()
     assert f"`training.eval_every` defaults to {DEMO_EVAL_EVERY['motion']})" in cli
     assert f"`training.eval_every` defaulting to {DEMO_EVAL_EVERY['motion-simple']};" in cli
+
+
+# ---------------------------------------------------------------------------------------------
+# Joining a cluster that does not answer, and signals while Ray starts
+# ---------------------------------------------------------------------------------------------
+
+
+def test_an_address_where_nothing_listens_is_refused_at_once(tmp_path, capsys):
+    import time
+
+    started = time.monotonic()
+    ran = _main(["--run-dir", str(tmp_path / "run"), "--ray-address", "127.0.0.1:1"], tmp_path, capsys)
+    assert ran.rc == 2
+    assert ran.message == ("ray error: nothing answers at --ray-address 127.0.0.1:1 (Connection refused): start the "
+                           "cluster's head there (`ray start --head --port 1`) or give the address `ray start --head` "
+                           "printed")
+    assert time.monotonic() - started < 30 and not (tmp_path / "run").exists() and not ran.left
+
+
+def _signal_when(proc, ready, sig, timeout=120.0) -> None:
+    import signal
+    import time
+
+    deadline = time.monotonic() + timeout
+    while not ready() and proc.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert proc.poll() is None, "the command ended before the moment the test waits for"
+    proc.send_signal(getattr(signal, sig))
+
+
+def _session_left(sid: int, wait_s: float = 20.0) -> list[str]:
+    import time
+
+    from test_bad_inputs import _session_processes
+
+    deadline = time.monotonic() + wait_s
+    while (left := _session_processes(sid)) and time.monotonic() < deadline:
+        time.sleep(0.5)
+    return left
+
+
+def _start_train(args, env):
+    import subprocess
+    import sys
+
+    return subprocess.Popen([sys.executable, "-m", "megaslide_ray.train", *CLI_SMALL, *args], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, env=env, start_new_session=True)
+
+
+def _maps(proc, name: str) -> bool:
+    try:
+        return name in Path(f"/proc/{proc.pid}/maps").read_text()
+    except OSError:
+        return False
+
+
+def test_ctrl_c_while_the_imports_load_is_one_line_and_130(tmp_path):
+    env = {**os.environ, "MEGASLIDE_CACHE": str(tmp_path / "cache")}
+    proc = _start_train(["--run-dir", str(tmp_path / "run")], env)
+    _signal_when(proc, lambda: _maps(proc, "libtorch"), "SIGINT")  # torch is loading: seconds of imports
+    out, err = proc.communicate(timeout=120)
+    assert proc.returncode == 130, err[-3000:]
+    assert "Traceback" not in err and err.strip().splitlines()[-1].startswith(("interrupted", "SIGINT: interrupted"))
+    assert not (tmp_path / "run").exists() and not _session_left(proc.pid)
+
+
+@pytest.mark.slow  # Ray starts: a local cluster's processes, then none
+def test_ctrl_c_while_a_local_ray_starts_is_one_line_130_and_leaves_nothing(tmp_path):
+    from test_bad_inputs import LOG_LINE
+
+    env = {**os.environ, "MEGASLIDE_CACHE": str(tmp_path / "cache")}
+    shm_before = set(os.listdir("/dev/shm"))
+    proc = _start_train(["--steps", "2", "--run-dir", str(tmp_path / "run"), "--runtime.state_dir",
+                         str(tmp_path / "shm")], env)
+
+    def gcs_started():  # ray.init is under way: its GCS server runs, the driver is not connected yet
+        from test_bad_inputs import _session_processes
+
+        return any("gcs_server" in p for p in _session_processes(proc.pid))
+
+    _signal_when(proc, gcs_started, "SIGINT")
+    out, err = proc.communicate(timeout=120)
+    lines = [line for line in err.splitlines() if not LOG_LINE.match(line)]
+    assert proc.returncode == 130, err[-3000:]
+    assert lines == ["SIGINT: interrupted while Ray was starting; nothing was started or written"] or lines == [
+        "SIGINT: interrupted while Ray was starting; nothing was started or written (Ray's processes stopped)"], err
+    assert not _session_left(proc.pid)
+    assert _state(tmp_path / "shm") == [] and set(os.listdir("/dev/shm")) - shm_before == set()
+
+
+@pytest.mark.slow  # a Ray driver that tries to connect (no cluster is started)
+def test_an_address_that_does_not_answer_stops_in_time_and_obeys_sigterm(tmp_path):
+    import socket
+    import time
+
+    env = {**os.environ, "MEGASLIDE_CACHE": str(tmp_path / "cache")}
+    with socket.socket() as listener:  # accepts TCP connections, speaks no Ray
+        listener.bind(("127.0.0.1", 0))
+        listener.listen(16)
+        address = f"127.0.0.1:{listener.getsockname()[1]}"
+        started = time.monotonic()
+        waits = _start_train(["--run-dir", str(tmp_path / "a"), "--ray-address", address,
+                              "--ray.connect_timeout_s", "10"], env)
+        stopped = _start_train(["--run-dir", str(tmp_path / "b"), "--ray-address", address], env)
+        ray_loaded = time.monotonic() + 600.0
+
+        def connecting():  # Ray's core loaded, then 4 s: inside ray.init's connection attempts
+            nonlocal ray_loaded
+            if ray_loaded > time.monotonic() + 60 and _maps(stopped, "_raylet"):
+                ray_loaded = time.monotonic() + 4
+            return time.monotonic() >= ray_loaded
+
+        _signal_when(stopped, connecting, "SIGTERM")
+        _, err_b = stopped.communicate(timeout=60)
+        _, err_a = waits.communicate(timeout=120)
+        took = time.monotonic() - started
+    assert stopped.returncode == 130, err_b[-3000:]
+    assert "SIGTERM: interrupted while Ray was starting" in err_b and "Traceback" not in err_b
+    assert waits.returncode == 2 and took < 60, err_a[-3000:]
+    assert err_a.strip().splitlines()[-1].startswith(f"ray error: the Ray cluster at --ray-address {address} did not "
+                                                     f"answer within 10 s")
+    assert not _session_left(waits.pid) and not _session_left(stopped.pid)

@@ -29,6 +29,7 @@ import traceback
 from pathlib import Path
 
 import ray
+from ray.exceptions import AuthenticationError
 
 from megaslide_ray.config import Config, ConfigError
 from megaslide_ray.data.checks import check_data
@@ -52,12 +53,17 @@ from megaslide_ray.trainer.preflight import (
     clear_run_dir,
     local_devices,
 )
+from megaslide_ray.trainer.raystart import RayStartInterrupted, RayUnreachable, guarded_init, probe_address
 from pipelines.errors import root_cause
 
 log = logging.getLogger(__name__)
 
 MESSAGE_LINES = 12
 """A failure's message is printed up to this many lines (all of it goes to RUN/error.log)."""
+
+
+def first_line(error: BaseException) -> str:
+    return (str(error).strip().splitlines() or [type(error).__name__])[0]
 
 
 class StopOnSignal:
@@ -105,9 +111,13 @@ def check_resume(cfg: Config, run_dir: str) -> ResumePoint:
 
 def start_ray(cfg: Config, space=None):
     """Join ``ray.address`` or start a local cluster; ``space`` (``preflight.SpacePlan``) sizes a
-    local cluster's object store so that it and the parameter store's state fit in /dev/shm."""
+    local cluster's object store so that it and the parameter store's state fit in /dev/shm.
+    A signal while Ray starts raises ``RayStartInterrupted`` (Ray shut down), an address where
+    no cluster answers ``RayUnreachable`` or ends the process with one line (``raystart``)."""
     if cfg.ray.address:
-        return ray.init(address=cfg.ray.address, namespace="megaslide", log_to_driver=True)
+        probe_address(cfg.ray.address)  # nothing listening: refused in a moment, naming the address
+        return guarded_init(lambda: ray.init(address=cfg.ray.address, namespace="megaslide", log_to_driver=True),
+                            ray.shutdown, address=cfg.ray.address, timeout_s=cfg.ray.connect_timeout_s)
     extra = {"_metrics_export_port": cfg.ray.metrics_export_port} if cfg.ray.metrics_export_port else {}
     if space is not None and space.object_store_bytes:
         extra["object_store_memory"] = space.object_store_bytes
@@ -116,9 +126,20 @@ def start_ray(cfg: Config, space=None):
         log.warning("Ray's object store: %.2f GB%s, so that it and the parameter store's %.2f GB of state fit in %s",
                     space.object_store_bytes / 1e9, f" in {space.plasma_dir}" if space.plasma_dir else "",
                     space.need_bytes / 1e9, space.root)
-    return ray.init(address="local", num_cpus=cfg.ray.num_cpus or None, include_dashboard=True,
-                    dashboard_host=cfg.ray.dashboard_host, namespace="megaslide",
-                    logging_level=logging.WARNING, log_to_driver=True, **extra)
+    return guarded_init(lambda: ray.init(address="local", num_cpus=cfg.ray.num_cpus or None, include_dashboard=True,
+                                         dashboard_host=cfg.ray.dashboard_host, namespace="megaslide",
+                                         logging_level=logging.WARNING, log_to_driver=True, **extra),
+                        ray.shutdown)
+
+
+def cluster_devices(cfg: Config) -> tuple[float, float]:
+    """(GPUs, CPUs) per node of the joined cluster for ``check_devices``: those of the
+    ``runtime.nodes``-th best node (a run places its stores and compute actors on that many)."""
+    alive = [n.get("Resources", {}) for n in ray.nodes() if n.get("Alive")]
+    gpus = sorted((r.get("GPU", 0.0) for r in alive), reverse=True)
+    cpus = sorted((r.get("CPU", 0.0) for r in alive), reverse=True)
+    k = min(cfg.runtime.nodes, len(alive)) - 1
+    return (gpus[k], cpus[k]) if k >= 0 else (0.0, 0.0)
 
 
 def launch(cfg: Config, resume: bool = False, init_from: str | None = None, progress: bool = True,
@@ -214,7 +235,25 @@ def _run(cfg: Config, run_dir: str, point: ResumePoint | None, init_from: str | 
             print(f"state dir error: {e}", file=sys.stderr)
             return 2
 
-    ctx = start_ray(cfg, space)
+    try:
+        ctx = start_ray(cfg, space)
+    except RayStartInterrupted as e:
+        print(f"{e}: interrupted while Ray was starting; nothing was started or written", file=sys.stderr, flush=True)
+        return 130
+    except (RayUnreachable, AuthenticationError) as e:
+        print(f"ray error: {first_line(e)}", file=sys.stderr, flush=True)
+        return 2
+    except Exception as e:  # noqa: BLE001 - Ray's own failure to start or join: one line, not its traceback
+        where = f"join the Ray cluster at --ray-address {cfg.ray.address}" if cfg.ray.address else "start a local Ray"
+        print(f"ray error: could not {where}: {type(e).__name__}: {first_line(e)}", file=sys.stderr, flush=True)
+        return 2
+    if cfg.ray.address:  # the cluster's devices, now that they can be seen: before any actor starts
+        try:
+            check_devices(cfg, *cluster_devices(cfg), f"the Ray cluster at {cfg.ray.address} (per node)")
+        except ConfigError as e:
+            ray.shutdown()
+            print(f"config error: {e}", file=sys.stderr, flush=True)
+            return 2
     url = getattr(ctx, "dashboard_url", None)
     if url:
         print(f"Ray dashboard: http://{url}  (Ray token auth is on: `ray get-auth-token` prints the token "
