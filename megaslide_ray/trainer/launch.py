@@ -29,7 +29,6 @@ import traceback
 from pathlib import Path
 
 import ray
-from ray.exceptions import AuthenticationError
 
 from megaslide_ray.config import Config, ConfigError
 from megaslide_ray.data.checks import check_data
@@ -53,7 +52,14 @@ from megaslide_ray.trainer.preflight import (
     clear_run_dir,
     local_devices,
 )
-from megaslide_ray.trainer.raystart import RayStartInterrupted, RayUnreachable, guarded_init, probe_address
+from megaslide_ray.trainer.raystart import (
+    RayStartInterrupted,
+    RayUnreachable,
+    guarded_init,
+    join_hint,
+    probe_address,
+    use_token_if_at_hand,
+)
 from pipelines.errors import root_cause
 
 log = logging.getLogger(__name__)
@@ -116,6 +122,7 @@ def start_ray(cfg: Config, space=None):
     no cluster answers ``RayUnreachable`` or ends the process with one line (``raystart``)."""
     if cfg.ray.address:
         probe_address(cfg.ray.address)  # nothing listening: refused in a moment, naming the address
+        use_token_if_at_hand()
         return guarded_init(lambda: ray.init(address=cfg.ray.address, namespace="megaslide", log_to_driver=True),
                             ray.shutdown, address=cfg.ray.address, timeout_s=cfg.ray.connect_timeout_s)
     extra = {"_metrics_export_port": cfg.ray.metrics_export_port} if cfg.ray.metrics_export_port else {}
@@ -199,19 +206,13 @@ def launch(cfg: Config, resume: bool = False, init_from: str | None = None, prog
                   f"and training.steps={cfg.training.steps}; raise --steps to train further", flush=True)
             return 0
 
-    created_marker_dir = None
     if inject_fault:
         try:
             faults.parse_faults(inject_fault)
         except ValueError as e:
             print(f"--inject-fault error: {e}", file=sys.stderr)
             return 2
-        os.environ[faults.ENV_SPEC] = inject_fault  # the actors inherit it (pipelines/streaming.py)
-        if faults.ENV_DIR not in os.environ:  # this run's markers: removed when it ends
-            os.environ[faults.ENV_DIR] = tempfile.mkdtemp(prefix="megaslide-faults-")
-            created_marker_dir = os.environ[faults.ENV_DIR]
-        log.warning("fault injection on: %s", inject_fault)
-
+    created_marker_dir = _inject(inject_fault) if inject_fault else None
     if overwrite and not resume:  # every check passed: the earlier run goes now, before Ray starts
         removed = clear_run_dir(cfg, run_dir)
         if removed:
@@ -222,6 +223,45 @@ def launch(cfg: Config, resume: bool = False, init_from: str | None = None, prog
         if created_marker_dir:
             shutil.rmtree(created_marker_dir, ignore_errors=True)
             os.environ.pop(faults.ENV_DIR, None)
+
+
+def _inject(inject_fault: str) -> str | None:
+    """Fault injection on for this run's actors; the marker dir it made (removed when the run ends)."""
+    os.environ[faults.ENV_SPEC] = inject_fault  # the actors inherit it (pipelines/streaming.py)
+    created = None
+    if faults.ENV_DIR not in os.environ:  # this run's markers: removed when it ends
+        os.environ[faults.ENV_DIR] = created = tempfile.mkdtemp(prefix="megaslide-faults-")
+    log.warning("fault injection on: %s", inject_fault)
+    return created
+
+
+def _start(cfg: Config, space) -> tuple[object, int | None]:
+    """``start_ray``, then a joined cluster's devices: (Ray's context, None), or (None, the exit
+    code) after one line saying why not (Ray is down again then)."""
+    try:
+        ctx = start_ray(cfg, space)
+    except RayStartInterrupted as e:
+        print(f"{e}: interrupted while Ray was starting; nothing was started or written", file=sys.stderr, flush=True)
+        return None, 130
+    except RayUnreachable as e:
+        print(f"ray error: {e}", file=sys.stderr, flush=True)
+        return None, 2
+    except Exception as e:  # noqa: BLE001 - Ray's own failure to start or join: one line, not its traceback
+        if cfg.ray.address:
+            print(f"ray error: could not join the Ray cluster at --ray-address {cfg.ray.address} "
+                  f"({type(e).__name__}: {first_line(e)[:200]}); {join_hint()}", file=sys.stderr, flush=True)
+        else:
+            print(f"ray error: could not start a local Ray cluster: {type(e).__name__}: {first_line(e)}",
+                  file=sys.stderr, flush=True)
+        return None, 2
+    if cfg.ray.address:  # the cluster's devices, now that they can be seen: before any actor starts
+        try:
+            check_devices(cfg, *cluster_devices(cfg), f"the Ray cluster at {cfg.ray.address} (per node)")
+        except ConfigError as e:
+            ray.shutdown()
+            print(f"config error: {e}", file=sys.stderr, flush=True)
+            return None, 2
+    return ctx, None
 
 
 def _run(cfg: Config, run_dir: str, point: ResumePoint | None, init_from: str | None, val_set,
@@ -235,25 +275,9 @@ def _run(cfg: Config, run_dir: str, point: ResumePoint | None, init_from: str | 
             print(f"state dir error: {e}", file=sys.stderr)
             return 2
 
-    try:
-        ctx = start_ray(cfg, space)
-    except RayStartInterrupted as e:
-        print(f"{e}: interrupted while Ray was starting; nothing was started or written", file=sys.stderr, flush=True)
-        return 130
-    except (RayUnreachable, AuthenticationError) as e:
-        print(f"ray error: {first_line(e)}", file=sys.stderr, flush=True)
-        return 2
-    except Exception as e:  # noqa: BLE001 - Ray's own failure to start or join: one line, not its traceback
-        where = f"join the Ray cluster at --ray-address {cfg.ray.address}" if cfg.ray.address else "start a local Ray"
-        print(f"ray error: could not {where}: {type(e).__name__}: {first_line(e)}", file=sys.stderr, flush=True)
-        return 2
-    if cfg.ray.address:  # the cluster's devices, now that they can be seen: before any actor starts
-        try:
-            check_devices(cfg, *cluster_devices(cfg), f"the Ray cluster at {cfg.ray.address} (per node)")
-        except ConfigError as e:
-            ray.shutdown()
-            print(f"config error: {e}", file=sys.stderr, flush=True)
-            return 2
+    ctx, rc = _start(cfg, space)
+    if rc is not None:
+        return rc
     url = getattr(ctx, "dashboard_url", None)
     if url:
         print(f"Ray dashboard: http://{url}  (Ray token auth is on: `ray get-auth-token` prints the token "

@@ -76,6 +76,48 @@ def probe_address(address: str, timeout_s: float = PROBE_TIMEOUT_S) -> None:
                              f"printed") from None
 
 
+AUTH_MODE, AUTH_TOKEN, AUTH_TOKEN_PATH = "RAY_AUTH_MODE", "RAY_AUTH_TOKEN", "RAY_AUTH_TOKEN_PATH"
+"""Ray's token auth settings: the mode (``token`` or ``disabled``), the token, a file holding it
+(default ``~/.ray/auth_token``)."""
+
+
+def token_at_hand() -> bool:
+    """A Ray token this process would send: ``RAY_AUTH_TOKEN``, or the file ``RAY_AUTH_TOKEN_PATH``
+    or ``~/.ray/auth_token`` names."""
+    if os.environ.get(AUTH_TOKEN, "").strip():
+        return True
+    path = os.environ.get(AUTH_TOKEN_PATH) or os.path.join(os.path.expanduser("~"), ".ray", "auth_token")
+    try:
+        with open(path) as f:
+            return bool(f.read().strip())
+    except OSError:
+        return False
+
+
+def use_token_if_at_hand() -> None:
+    """Joining a cluster with ``RAY_AUTH_MODE`` unset and a token at hand: send it, as ``ray
+    start --head`` uses a token it finds (Ray itself does so for ``address=auto`` only). A cluster
+    without token auth accepts a driver that sends one."""
+    if os.environ.get(AUTH_MODE) or not token_at_hand():
+        return
+    try:
+        from ray._private.authentication.authentication_token_setup import (  # lazy: Ray's own switch
+            maybe_enable_token_auth_if_token_available,
+        )
+    except ImportError:  # another Ray version: the user sets RAY_AUTH_MODE (join_hint says so)
+        return
+    maybe_enable_token_auth_if_token_available(warn_if_disabled=False)
+
+
+def join_hint() -> str:
+    """What to set when joining a cluster failed: Ray's token auth is the usual cause."""
+    if os.environ.get(AUTH_MODE, "").lower() == "token" and token_at_hand():
+        return (f"if the cluster uses token auth, this command's token is not the cluster's: set {AUTH_TOKEN} to the "
+                f"head's (`ray get-auth-token` on the head prints it)")
+    return (f"if the cluster uses token auth (`ray start --head` turns it on where it finds a token), set "
+            f"{AUTH_MODE}=token and {AUTH_TOKEN} to the head's token (`ray get-auth-token` on the head prints it)")
+
+
 def descendants() -> list[int]:
     """The processes this one started, and theirs, all the way down (read from /proc)."""
     parent: dict[int, int] = {}
@@ -130,10 +172,8 @@ def _watch(sock: socket.socket, done: threading.Event, seen: list, address: str 
                 return
         if deadline is not None and time.monotonic() >= deadline and not done.is_set():
             _say_and_exit(f"ray error: the Ray cluster at --ray-address {address} did not answer within {timeout_s:g} s "
-                          f"(something listens there, but no Ray head of this Ray version that accepts this "
-                          f"command's token): check the address and that the head runs `ray start --head`; with "
-                          f"token auth set RAY_AUTH_MODE=token and the head's token (RAY_AUTH_TOKEN or "
-                          f"~/.ray/auth_token) here", 2)
+                          f"(ray.connect_timeout_s): check that a head runs there (`ray start --head`); "
+                          f"{join_hint()}", 2)
 
 
 def guarded_init(init: Callable[[], object], shutdown: Callable[[], None], address: str | None = None,
