@@ -106,3 +106,10 @@ def test_readme_two_node_recipe_with_token_auth(tmp_path):
         left = [p for sid in sessions for p in _stop(sid)]
         shutil.rmtree(temp, ignore_errors=True)
     assert not left, left
+
+
+def test_readme_gives_the_recipe_this_module_runs():
+    readme = (Path(__file__).resolve().parent.parent / "README.md").read_text()
+    for step in ("ray get-auth-token --generate", "export RAY_AUTH_MODE=token RAY_AUTH_TOKEN=", "`ray start --head`",
+                 "`ray start --address HEAD:6379`", "--ray-address HEAD:6379 --runtime.nodes 2"):
+        assert step in readme, f"README's two-machine recipe lost {step!r}: this module runs it as written"
