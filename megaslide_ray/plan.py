@@ -142,6 +142,11 @@ def main(argv: list[str] | None = None) -> int:
             raise ConfigError("--guidance plans sampling: add --generate")
         if args.max_frames and args.frames is not None:
             raise ConfigError("--max-frames searches the clip length: leave out --frames")
+        if args.generate and args.offload_keep == "auto":  # one command line plans training and, with
+            # --generate, sampling; a number of kept inputs with --generate is still refused (no backward)
+            print("note: --offload-keep auto is ignored with --generate: sampling runs no backward, so it keeps no "
+                  "block input", file=sys.stderr)
+            args.offload_keep = None
         batch = args.batch_size
         if args.guidance:
             batch = 2 * (batch or build_config(args.preset, args.config).data.batch_size)

@@ -27,16 +27,19 @@ def main(argv: list[str] | None = None) -> int:
                    help="cast the weights on export (default: as stored, fp32 master)")
     p.add_argument("--drop-offsets", action="store_true",
                    help="--format diffusers: leave out the DSA offset heads (attn1.offsets.*)")
+    p.add_argument("--overwrite", action="store_true",
+                   help="replace an existing OUT (a file, or a directory's earlier export); without it an existing "
+                        "OUT is refused")
     args = p.parse_args(argv)
     dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}.get(args.dtype)
     try:
         if args.format == "diffusers":
             if args.kind != "master":
                 raise ValueError("--format diffusers exports the master weights (leave --kind at master)")
-            paths = export_diffusers(args.checkpoint, args.out, dtype, args.drop_offsets)
+            paths = export_diffusers(args.checkpoint, args.out, dtype, args.drop_offsets, args.overwrite)
         else:
-            paths = export_state_dict(args.checkpoint, args.out, args.kind, dtype)
-    except (ValueError, FileNotFoundError) as e:
+            paths = export_state_dict(args.checkpoint, args.out, args.kind, dtype, args.overwrite)
+    except (ValueError, OSError) as e:  # a missing checkpoint, an unwritable OUT: one line
         print(f"error: {e}", file=sys.stderr)
         return 2
     for path in paths:

@@ -13,12 +13,16 @@ import logging
 import sys
 from pathlib import Path
 
+from megaslide_ray import early_interrupt  # first: a Ctrl-C while the imports below load is one line
 from megaslide_ray.config import SECTIONS, Config, ConfigError, build_config, describe_fields, parse_overrides, to_toml
 from megaslide_ray.data.motion import ensure_motion_dataset
 from megaslide_ray.state.pretrained import config_for_diffusers_dir, is_diffusers_dir
 from megaslide_ray.trainer.launch import launch
 
 log = logging.getLogger("megaslide_ray")
+
+DEMO_EVAL_EVERY = {"motion": 10, "motion-simple": 600}
+"""``training.eval_every`` of a run on the motion demo set (``--demo``) unless the config sets it."""
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -36,11 +40,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--demo", choices=["shapes", "motion", "motion-simple"], default=None,
                    help="without --data: the demo set to train on: shapes (default), motion (megaslide_ray.motion: "
                         "shapes at stated speeds and directions; its held-out split becomes data.val_manifest, "
-                        "evaluated every 10 steps unless training.eval_every says otherwise) or motion-simple (its "
-                        "simple variant: one large shape, 8 frames, no bounces or occluders, validated every 600 "
-                        "steps; what the tiny-motion preset learns in minutes)")
+                        f"evaluated every {DEMO_EVAL_EVERY['motion']} steps unless training.eval_every says "
+                        f"otherwise) or motion-simple (its simple variant: one large shape, 8 frames, no bounces or "
+                        f"occluders, validated every {DEMO_EVAL_EVERY['motion-simple']} steps; what the tiny-motion "
+                        f"preset learns in minutes)")
     p.add_argument("--resume", action="store_true",
                    help="continue from the run dir's newest complete checkpoint (or the state a failed run kept)")
+    p.add_argument("--overwrite", action="store_true",
+                   help="replace the earlier run a non-empty --run-dir holds (its checkpoints, metrics.jsonl, "
+                        "config.toml, samples and kept state); without it a new run there is refused")
     p.add_argument("--init-from", default=None, metavar="FILE_OR_DIR",
                    help="start from pretrained weights: a checkpoint dir (RUN/checkpoints/step_N), a .safetensors "
                         "file or a directory of them with the model's state-dict names, or a diffusers Wan model "
@@ -70,7 +78,7 @@ def config_from_args(args: argparse.Namespace, extra: list[str]) -> Config:
         train, val = ensure_motion_dataset(variant="simple" if args.demo == "motion-simple" else "motion")
         overrides["data.manifest"] = str(train)
         overrides.setdefault("data.val_manifest", str(val))
-        overrides.setdefault("training.eval_every", 10 if args.demo == "motion" else 600)
+        overrides.setdefault("training.eval_every", DEMO_EVAL_EVERY[args.demo])
     config_file, saved_run = args.config, False
     if args.resume and config_file is None and args.preset is None and args.run_dir:
         saved = Path(args.run_dir) / "config.toml"
@@ -96,6 +104,15 @@ def help_config() -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
+    early_interrupt.restore()
+    try:
+        return _main(argv)
+    except KeyboardInterrupt:  # before Ray started (after it, launch answers a signal itself)
+        print("interrupted: nothing was started or written", file=sys.stderr, flush=True)
+        return 130
+
+
+def _main(argv: list[str] | None) -> int:
     parser = build_parser()
     args, extra = parser.parse_known_args(argv)
     logging.basicConfig(level=getattr(logging, args.log_level.upper(), logging.INFO),
@@ -113,7 +130,7 @@ def main(argv: list[str] | None = None) -> int:
         print(to_toml(cfg), end="")
         return 0
     return launch(cfg, resume=args.resume, init_from=args.init_from, progress=not args.no_progress,
-                  inject_fault=args.inject_fault)
+                  inject_fault=args.inject_fault, overwrite=args.overwrite)
 
 
 if __name__ == "__main__":

@@ -411,6 +411,9 @@ class RayConfig:
     metrics_export_port: int = 0
     """Port where a locally started cluster exports metrics in Prometheus text (the megaslide_*
     metrics among them); 0 lets Ray choose one."""
+    connect_timeout_s: float = 45.0
+    """Seconds joining ``address`` may take; then the run stops with one line naming the address
+    (Ray itself retries for many minutes). An address where nothing listens is refused at once."""
 
 
 @dataclass

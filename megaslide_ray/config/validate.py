@@ -192,6 +192,8 @@ def _check_optimizer_and_runtime(cfg: Config) -> None:
                          ("ray.metrics_export_port", cfg.ray.metrics_export_port)]:
         if value < 0:
             raise ConfigError(f"{where}={value} must be >= 0")
+    if not (cfg.ray.connect_timeout_s > 0 and math.isfinite(cfg.ray.connect_timeout_s)):
+        raise ConfigError(f"ray.connect_timeout_s={cfg.ray.connect_timeout_s} must be a finite number of seconds > 0")
     if not cfg.runtime.recompute_blocks:
         rt = cfg.runtime
         for bad, what in ((rt.device == "cuda", "runtime.device='cuda'"),

@@ -293,7 +293,8 @@ def sample_video(checkpoint: str | Path, prompt: str, out: str | Path, frames: i
     provides the text encoder for ``prompt`` and ``negative_prompt`` (the unconditional half of
     guidance) and the VAE that decodes the result; ``training.flow_shift`` shifts the time grid.
     A ``videodit`` on latents (``model.inputs = latents``, the ``dit-*`` presets) reads the prompt
-    as bytes and needs ``model_dir`` only for its VAE (the one its latents were made with)."""
+    as bytes and needs ``model_dir`` only for its VAE (the one its latents were made with). A
+    ``videodit`` on pixels takes no ``model_dir`` (ConfigError: one given was meant for another model)."""
     if upscale < 1:
         raise ValueError(f"upscale={upscale} must be >= 1 (1 writes the model's own size)")
 
@@ -333,6 +334,9 @@ def sample_video(checkpoint: str | Path, prompt: str, out: str | Path, frames: i
                           "cuda" if device != "cpu" and torch.cuda.is_available() else "cpu", "float32")
         text, negative = encoder.encode_text([prompt, negative_prompt])
         encoder.close()  # frees the text encoder before the transformer streams
+    elif not cfg.latent_space and model_dir is not None:  # refused, not ignored: the user meant something by it
+        raise ConfigError(f"--model-dir {model_dir}: this checkpoint's model draws pixels (model.inputs='pixels'), so "
+                          f"no model folder encodes its prompt or decodes its video; leave out --model-dir")
     elif cfg.latent_space:
         if model_dir is None:
             raise ConfigError("this checkpoint's model reads VAE latents (model.inputs='latents'): give --model-dir "

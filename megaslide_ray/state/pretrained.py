@@ -311,14 +311,45 @@ def _read_source(ckpt: CheckpointReader | None, file: str, entries: list[Entry])
 # ---------------------------------------------------------------------------------------------
 
 
+def check_export_target(out: str | Path, one_file: bool, overwrite: bool = False) -> None:
+    """Refuse (ValueError naming ``out``) an export that would overwrite without ``overwrite``:
+    an existing file, or a directory with anything in it; and one that cannot be written: a
+    file where a directory goes (not ``.safetensors``), a directory where a file goes."""
+    out = Path(out)
+    if not out.exists():
+        return
+    if one_file and out.is_dir():
+        raise ValueError(f"{out} is a directory: a one-file export needs a file path ending in .safetensors (or "
+                         f"give the directory a name without that suffix to write one file per shard)")
+    if not one_file and not out.is_dir():
+        raise ValueError(f"{out} is an existing file and does not end in .safetensors: give OUT.safetensors for one "
+                         f"file, or the path of a directory (new or empty) for one file per shard")
+    if overwrite:
+        return
+    if out.is_file():
+        raise ValueError(f"{out} exists: pass --overwrite to replace it, or give a new path")
+    if any(out.iterdir()):
+        raise ValueError(f"{out} is a directory with files in it: pass --overwrite to replace the export there, or "
+                         f"give a new or empty directory")
+
+
+def _remove_stale(out: Path, pattern: str, keep: list[str]) -> None:
+    """An export over an earlier one: its files that this one does not write again go."""
+    for old in out.glob(pattern):
+        if str(old) not in keep and old.is_file():
+            old.unlink()
+
+
 def export_state_dict(checkpoint: str | Path, out: str | Path, kind: str = "master",
-                      dtype: torch.dtype | None = None) -> list[str]:
+                      dtype: torch.dtype | None = None, overwrite: bool = False) -> list[str]:
     """Write a checkpoint's ``kind`` tensors (``master`` or ``w``) under the standard model
     names: one file if ``out`` ends in ``.safetensors``, else one file per shard in the
-    directory ``out``. Returns the files written."""
+    directory ``out``. An existing ``out`` is refused (``check_export_target``) unless
+    ``overwrite``. Returns the files written."""
     checkpoint, out = Path(checkpoint), Path(out)
     if kind not in ("master", "w"):
         raise ValueError(f"kind={kind!r}; use 'master' or 'w'")
+    check_export_target(out, out.suffix == ".safetensors", overwrite)
     ckpt = CheckpointReader(checkpoint)
     n, arch = ckpt.num_shards, checkpoint_arch(ckpt)
     one_file = out.suffix == ".safetensors"
@@ -338,6 +369,8 @@ def export_state_dict(checkpoint: str | Path, out: str | Path, kind: str = "mast
         out.parent.mkdir(parents=True, exist_ok=True)
         save_file(together, str(out), metadata={"format": "pt"})
         written.append(str(out))
+    else:
+        _remove_stale(out, "model-*-of-*.safetensors", written)
     ckpt.close()
     return written
 
@@ -346,15 +379,17 @@ DIFFUSERS_INDEX = "diffusion_pytorch_model.safetensors.index.json"
 
 
 def export_diffusers(checkpoint: str | Path, out: str | Path, dtype: torch.dtype | None = None,
-                     drop_offsets: bool = False) -> list[str]:
+                     drop_offsets: bool = False, overwrite: bool = False) -> list[str]:
     """Write a ``wan`` checkpoint's master weights as a diffusers ``WanTransformer3DModel``
     folder: ``config.json``, one ``diffusion_pytorch_model-XXXXX-of-NNNNN.safetensors`` per
     shard and the index that maps each name to its file, so ``from_pretrained(out)`` loads it.
     diffusers' model has dense self-attention and no offset heads (``attn1.offsets.*``, kept in
     the files unless ``drop_offsets``): a model trained with another ``attention.kind`` gets a
     ``megaslide_dsa`` entry in ``config.json``, which ``megaslide_ray.models.diffusers_dsa.enable_dsa``
-    reads to run it as trained, and whose note diffusers prints when it loads the folder alone."""
+    reads to run it as trained, and whose note diffusers prints when it loads the folder alone.
+    An existing ``out`` with files in it is refused (``check_export_target``) unless ``overwrite``."""
     checkpoint, out = Path(checkpoint), Path(out)
+    check_export_target(out, False, overwrite)
     with CheckpointReader(checkpoint) as ckpt:
         if checkpoint_arch(ckpt) != "wan":
             raise ValueError(f"{checkpoint} holds a {checkpoint_arch(ckpt)} model; --format diffusers exports "
@@ -376,6 +411,7 @@ def export_diffusers(checkpoint: str | Path, out: str | Path, dtype: torch.dtype
                 weight_map[full] = name
                 total += t.numel() * t.element_size()
             written.append(str(out / name))
+    _remove_stale(out, "diffusion_pytorch_model-*-of-*.safetensors", written)
     (out / DIFFUSERS_INDEX).write_text(json.dumps({"metadata": {"total_size": total},
                                                    "weight_map": dict(sorted(weight_map.items()))}, indent=2))
     config = diffusers_config(cfg)

@@ -36,7 +36,6 @@ from megaslide_ray.evaluation.validation import load_val_set
 from megaslide_ray.runtime import faults
 from megaslide_ray.state.kept import (
     dir_bytes,
-    find_kept_state,
     human_bytes,
     is_kept,
     keep_state,
@@ -46,12 +45,31 @@ from megaslide_ray.state.kept import (
 from megaslide_ray.state.preflight import StateSpaceError, plan_state_space
 from megaslide_ray.state.pretrained import PretrainedMismatchError, check_pretrained, describe_init
 from megaslide_ray.trainer.loop import ResumePoint, Trainer, default_run_dir, resume_point
+from megaslide_ray.trainer.preflight import (
+    check_devices,
+    check_resume_config,
+    check_run_dir,
+    clear_run_dir,
+    local_devices,
+)
+from megaslide_ray.trainer.raystart import (
+    RayStartInterrupted,
+    RayUnreachable,
+    guarded_init,
+    join_hint,
+    probe_address,
+    use_token_if_at_hand,
+)
 from pipelines.errors import root_cause
 
 log = logging.getLogger(__name__)
 
 MESSAGE_LINES = 12
 """A failure's message is printed up to this many lines (all of it goes to RUN/error.log)."""
+
+
+def first_line(error: BaseException) -> str:
+    return (str(error).strip().splitlines() or [type(error).__name__])[0]
 
 
 class StopOnSignal:
@@ -84,20 +102,29 @@ class StopOnSignal:
 
 def check_resume(cfg: Config, run_dir: str) -> ResumePoint:
     """Where ``--resume`` continues (``resume_point``), checked before Ray starts: ConfigError
-    when it cannot (no run dir, no complete checkpoint or kept state, another number of decoders)."""
+    when it cannot (no run dir, no complete checkpoint or kept state, another number of decoders,
+    another model than the checkpoint's)."""
     if not cfg.training.run_dir:
         raise ConfigError("--resume needs --run-dir (the run to continue)")
     try:
-        return resume_point(cfg, run_dir)
+        point = resume_point(cfg, run_dir)
     except (FileNotFoundError, ValueError) as e:
         raise ConfigError(str(e)) from None
+    if point.checkpoint is not None:
+        check_resume_config(cfg, point.checkpoint)
+    return point
 
 
 def start_ray(cfg: Config, space=None):
     """Join ``ray.address`` or start a local cluster; ``space`` (``preflight.SpacePlan``) sizes a
-    local cluster's object store so that it and the parameter store's state fit in /dev/shm."""
+    local cluster's object store so that it and the parameter store's state fit in /dev/shm.
+    A signal while Ray starts raises ``RayStartInterrupted`` (Ray shut down), an address where
+    no cluster answers ``RayUnreachable`` or ends the process with one line (``raystart``)."""
     if cfg.ray.address:
-        return ray.init(address=cfg.ray.address, namespace="megaslide", log_to_driver=True)
+        probe_address(cfg.ray.address)  # nothing listening: refused in a moment, naming the address
+        use_token_if_at_hand()
+        return guarded_init(lambda: ray.init(address=cfg.ray.address, namespace="megaslide", log_to_driver=True),
+                            ray.shutdown, address=cfg.ray.address, timeout_s=cfg.ray.connect_timeout_s)
     extra = {"_metrics_export_port": cfg.ray.metrics_export_port} if cfg.ray.metrics_export_port else {}
     if space is not None and space.object_store_bytes:
         extra["object_store_memory"] = space.object_store_bytes
@@ -106,16 +133,40 @@ def start_ray(cfg: Config, space=None):
         log.warning("Ray's object store: %.2f GB%s, so that it and the parameter store's %.2f GB of state fit in %s",
                     space.object_store_bytes / 1e9, f" in {space.plasma_dir}" if space.plasma_dir else "",
                     space.need_bytes / 1e9, space.root)
-    return ray.init(address="local", num_cpus=cfg.ray.num_cpus or None, include_dashboard=True,
-                    dashboard_host=cfg.ray.dashboard_host, namespace="megaslide",
-                    logging_level=logging.WARNING, log_to_driver=True, **extra)
+    return guarded_init(lambda: ray.init(address="local", num_cpus=cfg.ray.num_cpus or None, include_dashboard=True,
+                                         dashboard_host=cfg.ray.dashboard_host, namespace="megaslide",
+                                         logging_level=logging.WARNING, log_to_driver=True, **extra),
+                        ray.shutdown)
+
+
+def cluster_devices(cfg: Config) -> tuple[float, float]:
+    """(GPUs, CPUs) per node of the joined cluster for ``check_devices``: those of the
+    ``runtime.nodes``-th best node (a run places its stores and compute actors on that many)."""
+    alive = [n.get("Resources", {}) for n in ray.nodes() if n.get("Alive")]
+    gpus = sorted((r.get("GPU", 0.0) for r in alive), reverse=True)
+    cpus = sorted((r.get("CPU", 0.0) for r in alive), reverse=True)
+    k = min(cfg.runtime.nodes, len(alive)) - 1
+    return (gpus[k], cpus[k]) if k >= 0 else (0.0, 0.0)
 
 
 def launch(cfg: Config, resume: bool = False, init_from: str | None = None, progress: bool = True,
-           inject_fault: str | None = None) -> int:
+           inject_fault: str | None = None, overwrite: bool = False) -> int:
     """Train ``cfg`` (``resume``: continue ``training.run_dir`` from its latest checkpoint;
     ``init_from``: start from pretrained weights; ``inject_fault``: a fault spec for drills,
-    ``runtime.faults``). Returns the exit code (see the module docstring)."""
+    ``runtime.faults``; ``overwrite``: replace the run a non-empty run directory holds). Returns
+    the exit code (see the module docstring)."""
+    run_dir = cfg.training.run_dir or default_run_dir()
+    try:
+        check_run_dir(cfg, run_dir, resume, overwrite)  # first: a refused run changes nothing anywhere
+    except ConfigError as e:
+        print(f"run dir error: {e}", file=sys.stderr)
+        return 2
+    if not cfg.ray.address:  # a local cluster: this machine's devices (a cluster's: once joined)
+        try:
+            check_devices(cfg, *local_devices(cfg), "this machine")
+        except ConfigError as e:
+            print(f"config error: {e}", file=sys.stderr)
+            return 2
     try:
         check_data(cfg)  # the data must be what the model reads (video, or latents for wan)
         val_set = None
@@ -143,7 +194,6 @@ def launch(cfg: Config, resume: bool = False, init_from: str | None = None, prog
               f"--runtime.nodes 1", file=sys.stderr)
         return 2
 
-    run_dir = cfg.training.run_dir or default_run_dir()
     point = None
     if resume:
         try:
@@ -156,31 +206,62 @@ def launch(cfg: Config, resume: bool = False, init_from: str | None = None, prog
                   f"and training.steps={cfg.training.steps}; raise --steps to train further", flush=True)
             return 0
 
-    else:
-        kept = find_kept_state(cfg, run_dir)
-        if kept is not None:  # a new run in the same directory replaces it: say so before it is gone
-            log.warning("the shared-memory state a failed run of this run directory kept, %s, is replaced by this new "
-                        "run; to continue that run instead, stop now and start again with --resume", kept.describe())
-
-    created_marker_dir = None
     if inject_fault:
         try:
             faults.parse_faults(inject_fault)
         except ValueError as e:
             print(f"--inject-fault error: {e}", file=sys.stderr)
             return 2
-        os.environ[faults.ENV_SPEC] = inject_fault  # the actors inherit it (pipelines/streaming.py)
-        if faults.ENV_DIR not in os.environ:  # this run's markers: removed when it ends
-            os.environ[faults.ENV_DIR] = tempfile.mkdtemp(prefix="megaslide-faults-")
-            created_marker_dir = os.environ[faults.ENV_DIR]
-        log.warning("fault injection on: %s", inject_fault)
-
+    created_marker_dir = _inject(inject_fault) if inject_fault else None
+    if overwrite and not resume:  # every check passed: the earlier run goes now, before Ray starts
+        removed = clear_run_dir(cfg, run_dir)
+        if removed:
+            log.warning("--overwrite: removed the earlier run's %s", ", ".join(removed))
     try:
         return _run(cfg, run_dir, point, init_from, val_set, progress)
     finally:
         if created_marker_dir:
             shutil.rmtree(created_marker_dir, ignore_errors=True)
             os.environ.pop(faults.ENV_DIR, None)
+
+
+def _inject(inject_fault: str) -> str | None:
+    """Fault injection on for this run's actors; the marker dir it made (removed when the run ends)."""
+    os.environ[faults.ENV_SPEC] = inject_fault  # the actors inherit it (pipelines/streaming.py)
+    created = None
+    if faults.ENV_DIR not in os.environ:  # this run's markers: removed when it ends
+        os.environ[faults.ENV_DIR] = created = tempfile.mkdtemp(prefix="megaslide-faults-")
+    log.warning("fault injection on: %s", inject_fault)
+    return created
+
+
+def _start(cfg: Config, space) -> tuple[object, int | None]:
+    """``start_ray``, then a joined cluster's devices: (Ray's context, None), or (None, the exit
+    code) after one line saying why not (Ray is down again then)."""
+    try:
+        ctx = start_ray(cfg, space)
+    except RayStartInterrupted as e:
+        print(f"{e}: interrupted while Ray was starting; nothing was started or written", file=sys.stderr, flush=True)
+        return None, 130
+    except RayUnreachable as e:
+        print(f"ray error: {e}", file=sys.stderr, flush=True)
+        return None, 2
+    except Exception as e:  # noqa: BLE001 - Ray's own failure to start or join: one line, not its traceback
+        if cfg.ray.address:
+            print(f"ray error: could not join the Ray cluster at --ray-address {cfg.ray.address} "
+                  f"({type(e).__name__}: {first_line(e)[:200]}); {join_hint()}", file=sys.stderr, flush=True)
+        else:
+            print(f"ray error: could not start a local Ray cluster: {type(e).__name__}: {first_line(e)}",
+                  file=sys.stderr, flush=True)
+        return None, 2
+    if cfg.ray.address:  # the cluster's devices, now that they can be seen: before any actor starts
+        try:
+            check_devices(cfg, *cluster_devices(cfg), f"the Ray cluster at {cfg.ray.address} (per node)")
+        except ConfigError as e:
+            ray.shutdown()
+            print(f"config error: {e}", file=sys.stderr, flush=True)
+            return None, 2
+    return ctx, None
 
 
 def _run(cfg: Config, run_dir: str, point: ResumePoint | None, init_from: str | None, val_set,
@@ -194,7 +275,9 @@ def _run(cfg: Config, run_dir: str, point: ResumePoint | None, init_from: str | 
             print(f"state dir error: {e}", file=sys.stderr)
             return 2
 
-    ctx = start_ray(cfg, space)
+    ctx, rc = _start(cfg, space)
+    if rc is not None:
+        return rc
     url = getattr(ctx, "dashboard_url", None)
     if url:
         print(f"Ray dashboard: http://{url}  (Ray token auth is on: `ray get-auth-token` prints the token "
