@@ -32,6 +32,7 @@ import torch
 from actors.compute import ComputeActor
 from actors.param_store import ShardInfo
 from megaslide_ray.config import Config, ConfigError, config_from_dict, validate
+from megaslide_ray.config.wan_folders import describe_wan_folder, refuse_unsupported
 from megaslide_ray.data.captions import caption_batch
 from megaslide_ray.data.demo import write_video
 from megaslide_ray.data.encoders import Encoder, check_model_dir
@@ -268,9 +269,12 @@ def decode_latents(vae, latents: torch.Tensor) -> np.ndarray:
 def check_model_files(model_dir: str | Path, parts: tuple[str, ...]) -> Path:
     """The local model folder's ``parts`` present (``check_model_dir``) and their safetensors files
     whole, checked before denoising (a VAE found missing or damaged only after the last Euler
-    step would cost the whole run). Returns the folder, absolute."""
+    step would cost the whole run), and the folder a text-to-video Wan model's or its encoders'
+    alone (``refuse_unsupported``: an image-to-video folder is refused, naming what it is).
+    Returns the folder, absolute."""
     try:
         root = check_model_dir(model_dir, parts)
+        refuse_unsupported(describe_wan_folder(root, need_transformer=False), "--model-dir")
     except ValueError as e:
         raise ConfigError(str(e)) from None
     damaged = [f"{f.relative_to(root)}: {problem.removeprefix(f.name + ' ')}" for part in parts

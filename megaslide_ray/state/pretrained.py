@@ -33,8 +33,9 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from megaslide_ray.config import PRESETS, Config, build_config, config_from_dict
+from megaslide_ray.config import PRESETS, Config, ConfigError, build_config, config_from_dict
 from megaslide_ray.config import preset as make_preset
+from megaslide_ray.config.wan_folders import describe_wan_folder, refuse_two_experts, refuse_unsupported
 from megaslide_ray.models.diffusers_dsa import CONFIG_KEY as DSA_CONFIG_KEY
 from megaslide_ray.models.diffusers_dsa import export_settings
 from megaslide_ray.models.registry import build_shard, initialize_shard, num_shards
@@ -83,7 +84,9 @@ def config_for_diffusers_dir(path: str | Path, preset_name: str | None, config_f
     from its ``config.json`` (and ``vae/config.json``). With no ``--preset``/``--config`` the
     rest starts from the ``wan`` preset of the same shape (else ``wan2.1-t2v-1.3b``); flags apply
     on top. Anything the preset, the file or a flag sets that contradicts the directory is
-    listed in one ``ConfigError``."""
+    listed in one ``ConfigError``, and so is a folder that is not a text-to-video Wan model
+    (``check_init_folder``)."""
+    check_init_folder(path)
     model = diffusers_overrides(path)
     source = f"--init-from {path}"
     if preset_name is None and config_file is None:
@@ -98,6 +101,15 @@ def config_for_diffusers_dir(path: str | Path, preset_name: str | None, config_f
         cfg = build_config(preset_name, config_file, overrides)
     check_against(cfg, model, source)
     return cfg
+
+
+def check_init_folder(path: str | Path) -> None:
+    """Refuse (``ConfigError``, naming what it is) a diffusers folder given to ``--init-from`` that
+    is not a one-transformer text-to-video Wan model: image-to-video, VACE, Animate, S2V, unknown
+    classes, and the two experts of a Wan2.2 A14B model."""
+    folder = describe_wan_folder(path)
+    refuse_unsupported(folder, "--init-from")
+    refuse_two_experts(folder, "--init-from")
 
 
 def checkpoint_arch(ckpt: CheckpointReader) -> str:
@@ -148,7 +160,10 @@ def index_source(path: str | Path) -> dict[str, Entry]:
             raise PretrainedMismatchError(f"--init-from {path}: the checkpoint is damaged: {'; '.join(problems)}")
         return _index_checkpoint(path)
     if is_diffusers_dir(path):  # a diffusers model directory or its transformer/ folder: the weights' folder
-
+        try:
+            check_init_folder(path)
+        except ConfigError as e:
+            raise PretrainedMismatchError(str(e)) from None
         path = transformer_dir(path)
     files = sorted(path.glob("*.safetensors")) if path.is_dir() else [path]
     if not files:
