@@ -31,10 +31,12 @@ KILL_WAIT_S = 30.0
 
 def resolve_compute_actors(cfg) -> int:
     """``runtime.compute_actors`` as a number: ``auto`` is the GPUs of the driver's node (where a
-    local run's store lands), at least 1."""
+    local run's store lands), at least 1; 1 when both experts of a two-expert model train."""
     n = cfg.runtime.compute_actors
     if n != "auto":
         return int(n)
+    if cfg.training.expert == "both":  # both experts in one store: one compute actor (config validation)
+        return 1
     here = ray.get_runtime_context().get_node_id()
     gpus = next((node["Resources"].get("GPU", 0) for node in ray.nodes() if node["NodeID"] == here), 0)
     return max(1, int(gpus))

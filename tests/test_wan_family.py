@@ -8,9 +8,16 @@ from __future__ import annotations
 
 import json
 import shutil
+from pathlib import Path
 
+import numpy as np
 import pytest
-from wan_models import BOUNDARY, make_family_dir, make_wan_dir
+import torch
+from diffusers import WanTransformer3DModel
+from wan_models import BOUNDARY, LATENT_SHAPE, make_family_dir, make_wan_dir
+
+from actors.compute import ComputeActor, LocalStoreClient
+from actors.param_store import ParameterStore
 
 from megaslide_ray import precompute as precompute_cli
 from megaslide_ray import train as train_cli
@@ -18,7 +25,22 @@ from megaslide_ray.config import ConfigError
 from megaslide_ray.config.wan_folders import describe_wan_folder
 from megaslide_ray.evaluation.sampling import check_model_files
 from megaslide_ray.models.wan_diffusers import from_diffusers
-from megaslide_ray.state.pretrained import PretrainedMismatchError, check_pretrained, config_for_diffusers_dir
+from megaslide_ray.models.registry import expert_shards, num_shards
+from megaslide_ray.state.pretrained import (
+    PretrainedMismatchError,
+    check_pretrained,
+    config_for_diffusers_dir,
+    model_names,
+)
+from megaslide_ray.training.flow import (
+    HIGH,
+    LOW,
+    batch_flow_inputs,
+    expert_t_range,
+    flow_loss,
+    route_expert,
+    step_expert,
+)
 
 KINDS = ("t2v", "t2v-a14b", "i2v", "flf2v", "i2v-a14b", "vace")
 CLIP = {"data.num_frames": 9, "data.height": 32, "data.width": 32, "attention.window": "3,1,1"}
@@ -86,12 +108,32 @@ def test_image_to_video_is_never_stored_as_text_to_video(family, tmp_path, capsy
     assert "image-to-video is not supported" in err and "z_dim" not in err
 
 
-@pytest.mark.parametrize("part", ["", "transformer", "transformer_2"])
-def test_a_two_expert_folder_is_not_trained_as_one_transformer(family, part, capsys):
-    path = family["t2v-a14b"] / part if part else family["t2v-a14b"]
-    assert train_cli.main(["--init-from", str(path), "--print-config"]) == 2
+def test_a_two_expert_folder_needs_its_experts_named(family, capsys):
+    """``--init-from`` an A14B model folder without ``training.expert`` is refused before Ray; a
+    transformer folder of it sets its expert and the boundary; a contradiction is refused."""
+    a14b = family["t2v-a14b"]
+    assert train_cli.main(["--init-from", str(a14b), "--print-config"]) == 2
     err = capsys.readouterr().err
-    assert "Wan2.2 T2V-A14B" in err and "boundary_ratio" in err
+    assert "two-expert Wan2.2 A14B" in err and "--training.expert both" in err
+    for part, expert in (("transformer", "high"), ("transformer_2", "low")):
+        cfg = config_for_diffusers_dir(a14b / part, None, None, CLIP)
+        assert (cfg.training.expert, cfg.training.boundary_ratio) == (expert, BOUNDARY)
+    with pytest.raises(ConfigError, match="training.expert: the config has 'high', --init-from .* has 'low'"):
+        config_for_diffusers_dir(a14b / "transformer_2", None, None, {**CLIP, "training.expert": "high"})
+
+
+@pytest.mark.parametrize("expert", ["high", "low", "both"])
+def test_the_named_experts_weights_are_the_source(family, expert):
+    a14b = family["t2v-a14b"]
+    cfg = config_for_diffusers_dir(a14b, None, None, {**CLIP, "training.expert": expert})
+    source = check_pretrained(cfg, a14b)
+    folders = {"high": ["transformer"], "low": ["transformer_2"], "both": ["transformer", "transformer_2"]}[expert]
+    assert {Path(e.file).parent.name for e in source.values()} == set(folders)
+    second = sorted(n for n in source if n.startswith("transformer_2."))
+    assert bool(second) == (expert == "both")
+    if expert == "both":  # the second expert's names are the first's under transformer_2.
+        assert sorted(n.removeprefix("transformer_2.") for n in second) == sorted(
+            n for n in source if not n.startswith("transformer_2."))
 
 
 def test_text_to_video_folders_still_load(family, tmp_path):
@@ -102,3 +144,85 @@ def test_text_to_video_folders_still_load(family, tmp_path):
         from_diffusers(family["t2v-a14b"])
     low = from_diffusers(family["t2v-a14b"] / "transformer_2")
     assert low.cfg.model.depth == 2
+
+
+# ---------------------------------------------------------------------------------------------
+# Both experts in one store
+# ---------------------------------------------------------------------------------------------
+
+
+def _both_config(a14b, tmp_path, **extra):
+    return config_for_diffusers_dir(a14b, None, None, {
+        **CLIP, "training.expert": "both", "attention.kind": "dense", "data.batch_size": 2, "training.flow_shift": 3.0,
+        "training.t_sampling": "uniform", "optim.lr": 1e-3, "optim.grad_clip": 0.05, "runtime.device": "cpu", "runtime.state_dir": str(tmp_path / "state"),
+        **extra})
+
+
+def _latent_batch(cfg, seed: int) -> dict:
+    """A batch as a latent decoder delivers it: (B, F', H', W', C) latents, text padded to 512."""
+    g = torch.Generator().manual_seed(seed)
+    B, m = cfg.data.batch_size, cfg.model
+    text = torch.zeros(B, m.text_len, m.text_dim)
+    text[:, :5] = torch.randn(B, 5, m.text_dim, generator=g)
+    return {"latents": torch.randn(B, *LATENT_SHAPE, generator=g).numpy(), "text": text.numpy(),
+            "text_len": np.array([5] * B), "position": seed}
+
+
+def _diffusers_grads(folder, cfg, batch, step, expert):
+    """diffusers' own WanTransformer3DModel of ``folder``: the flow loss of ``batch`` at step
+    ``step``'s noise and t (in ``expert``'s range), its gradient by parameter name."""
+    model = WanTransformer3DModel.from_pretrained(str(folder)).float()
+    t = cfg.training
+    fx = batch_flow_inputs(batch, t.seed, step, t.t_sampling, t.flow_shift, 0,
+                           expert_t_range(t.boundary_ratio, expert))
+    pred = model(hidden_states=fx.x_t.permute(0, 4, 1, 2, 3), timestep=1000 * fx.t,
+                 encoder_hidden_states=torch.from_numpy(batch["text"]), return_dict=False)[0]
+    flow_loss(pred.permute(0, 2, 3, 4, 1), fx.target).backward()
+    return {n: p.grad for n, p in model.named_parameters()}, fx.t
+
+
+def test_both_experts_one_store_one_expert_per_step(family, tmp_path):
+    """Each step trains the expert ``step_expert`` draws, with every clip's t in its range (diffusers'
+    routing rule), streams only its shards, and leaves the other expert's master weights and AdamW
+    moments bit-identical. The trained expert's first moment after its first step is (1 - beta1) x
+    the clipped gradient of diffusers' own model of that expert's folder."""
+    a14b = family["t2v-a14b"]
+    cfg = _both_config(a14b, tmp_path)
+    per = expert_shards(cfg)
+    assert num_shards(cfg) == 2 * per
+    experts = [step_expert(cfg, k) for k in range(4)]
+    assert set(experts) == {HIGH, LOW}, experts  # seed 0 draws both within 4 steps
+    store = ParameterStore(cfg, str(tmp_path / "run"), init_from=str(a14b))
+    compute = ComputeActor(cfg, store.shard_infos(), LocalStoreClient(store), "shm")
+    names = model_names(cfg)
+    seen: set[int] = set()
+    try:
+        for step, expert in enumerate(experts):
+            batch = _latent_batch(cfg, step)
+            before = [{k: s[k].clone() for k in ("master", "m", "v")} for s in store.seg]
+            result = compute.train_step(batch, step)
+            update = store.wait_step(step)
+            assert result.expert == expert and len(result.t) == 2
+            assert all(route_expert(t, BOUNDARY) == expert for t in result.t)  # WanPipeline's rule
+            trained = range(expert * per, (expert + 1) * per)
+            for i, s in enumerate(store.seg):
+                same = all(torch.equal(s[k], before[i][k]) for k in ("master", "m", "v"))
+                assert same == (i not in trained), (step, i)
+            assert store.adam_step(step) == sum(e == expert for e in experts[:step])
+            if expert in seen:
+                continue
+            seen.add(expert)
+            grads, t = _diffusers_grads(a14b / ("transformer" if expert == HIGH else "transformer_2"), cfg, batch,
+                                        step, expert)
+            assert torch.allclose(t, torch.tensor(result.t))
+            coef = update.clip_coef
+            assert coef < 1.0  # the clipping is the expert's own norm: exercised
+            prefix = "transformer_2." if expert == LOW else ""
+            for name, grad in grads.items():
+                _, shard, off = names[prefix + name]
+                m = store.seg[shard]["m"][off:off + grad.numel()].view(grad.shape)
+                torch.testing.assert_close(m, (1 - cfg.optim.betas[0]) * coef * grad, rtol=1e-4, atol=1e-9)
+    finally:
+        compute.close()
+        store.close()
+    assert seen == {HIGH, LOW}

@@ -172,14 +172,3 @@ def refuse_unsupported(folder: WanFolder, flag: str) -> None:
     raise ConfigError(f"{flag} {str(folder.path)!r} is {what} ({folder.evidence}): {why}. Give a Wan2.1 T2V, "
                       f"Wan2.2 TI2V-5B or Wan2.2 T2V-A14B folder")
 
-
-def refuse_two_experts(folder: WanFolder, flag: str) -> None:
-    """A ``ConfigError`` for a two-expert (Wan2.2 A14B) folder or one of its transformer folders:
-    training one expert's weights over every timestep is not what the model runs."""
-    if not folder.two_experts:
-        return
-    named = f" (its {folder.given}/ expert)" if folder.given else ""
-    raise ConfigError(f"{flag} {str(folder.path)!r}{named} is {folder.name} ({folder.evidence}): diffusers' pipeline "
-                      f"runs transformer/ for the timesteps t >= boundary_ratio x 1000 and transformer_2/ for those "
-                      f"below, and training either over every timestep would train the wrong thing; training the "
-                      f"experts of a two-expert model is not supported")

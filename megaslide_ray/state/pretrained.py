@@ -35,10 +35,10 @@ from safetensors.torch import save_file
 
 from megaslide_ray.config import PRESETS, Config, ConfigError, build_config, config_from_dict
 from megaslide_ray.config import preset as make_preset
-from megaslide_ray.config.wan_folders import describe_wan_folder, refuse_two_experts, refuse_unsupported
+from megaslide_ray.config.wan_folders import describe_wan_folder, refuse_unsupported
 from megaslide_ray.models.diffusers_dsa import CONFIG_KEY as DSA_CONFIG_KEY
 from megaslide_ray.models.diffusers_dsa import export_settings
-from megaslide_ray.models.registry import build_shard, initialize_shard, num_shards
+from megaslide_ray.models.registry import build_shard, initialize_shard, num_experts, num_shards
 from megaslide_ray.models.shards import ShardLayout
 from megaslide_ray.models.wan_diffusers import check_against, diffusers_config, diffusers_overrides, transformer_dir
 from megaslide_ray.state.checkpoint import CheckpointReader, check_checkpoint, is_checkpoint_dir, safetensors_problem
@@ -52,15 +52,24 @@ class PretrainedMismatchError(ValueError):
     """The pretrained weights do not fit the configured model."""
 
 
-def shard_prefix(index: int, shards: int, arch: str = "videodit") -> str:
-    """Standard state-dict prefix of shard ``index`` in a model of ``shards`` shards. ``wan``:
-    the diffusers names, whose input side (``patch_embedding.*``, ``condition_embedder.*``) and
-    head (``scale_shift_table``, ``proj_out.*``) sit at the top level."""
-    if 0 < index < shards - 1:
-        return f"blocks.{index - 1}."
+EXPERT_2_PREFIX = "transformer_2."
+"""The standard names of a two-expert model's second expert (``transformer_2/``) start with this;
+the first expert's (``transformer/``) are the plain names."""
+
+
+def shard_prefix(index: int, shards: int, arch: str = "videodit", experts: int = 1) -> str:
+    """Standard state-dict prefix of shard ``index`` in a model of ``shards`` shards (``experts``
+    transformers of ``shards / experts`` each; the second's names start with ``EXPERT_2_PREFIX``).
+    ``wan``: the diffusers names, whose input side (``patch_embedding.*``,
+    ``condition_embedder.*``) and head (``scale_shift_table``, ``proj_out.*``) sit at the top level."""
+    per = shards // experts
+    expert, index = divmod(index, per)
+    first = EXPERT_2_PREFIX if expert else ""
+    if 0 < index < per - 1:
+        return f"{first}blocks.{index - 1}."
     if arch == "wan":
-        return ""
-    return "embed." if index == 0 else "head."
+        return first
+    return first + ("embed." if index == 0 else "head.")
 
 
 def is_diffusers_dir(path: str | Path) -> bool:
@@ -86,8 +95,8 @@ def config_for_diffusers_dir(path: str | Path, preset_name: str | None, config_f
     on top. Anything the preset, the file or a flag sets that contradicts the directory is
     listed in one ``ConfigError``, and so is a folder that is not a text-to-video Wan model
     (``check_init_folder``)."""
-    check_init_folder(path)
-    model = diffusers_overrides(path)
+    experts = expert_overrides(path)  # first: it names what an unsupported folder is
+    model = {**diffusers_overrides(path), **experts}
     source = f"--init-from {path}"
     if preset_name is None and config_file is None:
         base = "wan2.1-t2v-1.3b"
@@ -105,16 +114,42 @@ def config_for_diffusers_dir(path: str | Path, preset_name: str | None, config_f
 
 def check_init_folder(path: str | Path) -> None:
     """Refuse (``ConfigError``, naming what it is) a diffusers folder given to ``--init-from`` that
-    is not a one-transformer text-to-video Wan model: image-to-video, VACE, Animate, S2V, unknown
-    classes, and the two experts of a Wan2.2 A14B model."""
+    is not a text-to-video Wan model: image-to-video, VACE, Animate, S2V, unknown classes."""
+    refuse_unsupported(describe_wan_folder(path), "--init-from")
+
+
+def expert_overrides(path: str | Path) -> dict:
+    """What a two-expert folder sets (refusing any other model ``check_init_folder`` refuses):
+    ``training.boundary_ratio`` from its ``model_index.json``, and ``training.expert`` when ``path``
+    is one expert's folder (``transformer/``: high, ``transformer_2/``: low). The model folder of
+    a two-expert model must hold two transformers of the same config. Empty for one transformer."""
+    check_init_folder(path)
     folder = describe_wan_folder(path)
-    refuse_unsupported(folder, "--init-from")
-    refuse_two_experts(folder, "--init-from")
+    if not folder.two_experts:
+        return {}
+    if folder.boundary_ratio is None:
+        raise ConfigError(f"--init-from {str(path)!r}: {folder.name} without a boundary_ratio in "
+                          f"{folder.root}/model_index.json; diffusers' pipeline would run transformer/ alone")
+    out = {"training.boundary_ratio": folder.boundary_ratio}
+    if folder.given is not None:
+        out["training.expert"] = "high" if folder.given == "transformer" else "low"
+        return out
+    first, second = (diffusers_overrides(folder.root / name) for name in ("transformer", "transformer_2"))
+    if first != second:
+        diff = sorted(k for k in first if first[k] != second.get(k))
+        raise ConfigError(f"--init-from {str(path)!r}: transformer/ and transformer_2/ differ in {diff}; both experts "
+                          f"must have the same shape")
+    return out
 
 
 def checkpoint_arch(ckpt: CheckpointReader) -> str:
     """The architecture a checkpoint was written for (checkpoints before ``model.arch``: videodit)."""
     return ckpt.state.get("config", {}).get("model", {}).get("arch", "videodit")
+
+
+def checkpoint_experts(ckpt: CheckpointReader) -> int:
+    """Transformers a checkpoint holds: 2 when it trained both experts of a two-expert model."""
+    return 2 if ckpt.state.get("config", {}).get("training", {}).get("expert") == "both" else 1
 
 
 def is_fresh_part(name: str) -> bool:
@@ -126,12 +161,12 @@ def is_fresh_part(name: str) -> bool:
 
 def model_names(cfg: Config) -> dict[str, tuple[tuple[int, ...], int, int]]:
     """Standard name -> (shape, shard, offset in the shard's flat buffer), from meta shards."""
-    n = num_shards(cfg)
+    n, experts = num_shards(cfg), num_experts(cfg)
     out = {}
     for i in range(n):
         lay = ShardLayout.of(build_shard(cfg, i, "meta"), i)
         for name, shape, off in zip(lay.names, lay.shapes, lay.offsets):
-            out[shard_prefix(i, n, cfg.model.arch) + name] = (tuple(shape), i, off)
+            out[shard_prefix(i, n, cfg.model.arch, experts) + name] = (tuple(shape), i, off)
     return out
 
 
@@ -149,8 +184,10 @@ class Entry:
     shard: int = -1       # checkpoint sources: the checkpoint shard that holds it
 
 
-def index_source(path: str | Path) -> dict[str, Entry]:
-    """Standard name -> Entry for every tensor the source holds."""
+def index_source(path: str | Path, cfg: Config | None = None) -> dict[str, Entry]:
+    """Standard name -> Entry for every tensor the source holds. A two-expert diffusers folder
+    gives the transformer folders ``cfg.training.expert`` names (``both``: ``transformer_2/``'s
+    tensors under ``EXPERT_2_PREFIX``)."""
     path = Path(path)
     if not path.exists():
         raise FileNotFoundError(f"--init-from {path}: no such file or directory")
@@ -159,12 +196,47 @@ def index_source(path: str | Path) -> dict[str, Entry]:
         if problems:
             raise PretrainedMismatchError(f"--init-from {path}: the checkpoint is damaged: {'; '.join(problems)}")
         return _index_checkpoint(path)
-    if is_diffusers_dir(path):  # a diffusers model directory or its transformer/ folder: the weights' folder
+    if is_diffusers_dir(path):  # a diffusers model directory or its transformer folder(s): the weights' folders
         try:
-            check_init_folder(path)
+            folders = diffusers_weight_dirs(path, cfg)
         except ConfigError as e:
             raise PretrainedMismatchError(str(e)) from None
-        path = transformer_dir(path)
+        out: dict[str, Entry] = {}
+        for folder, prefix in folders:
+            out.update({prefix + k: e for k, e in _index_files(folder).items()})
+        return out
+    return _index_files(path)
+
+
+def diffusers_weight_dirs(path: str | Path, cfg: Config | None) -> list[tuple[Path, str]]:
+    """The transformer folders ``--init-from path`` loads, each with the prefix its names get:
+    ``[(transformer/, "")]`` for a one-transformer model; for a two-expert model the expert
+    ``cfg.training.expert`` names (``both``: both, the second under ``EXPERT_2_PREFIX``). Refuses a
+    folder that is not a text-to-video Wan model, and an expert that contradicts the folder given."""
+    check_init_folder(path)
+    folder = describe_wan_folder(path)
+    if not folder.two_experts:
+        return [(transformer_dir(path), "")]
+    expert = cfg.training.expert if cfg is not None else ""
+    if folder.given is not None:  # one expert's folder
+        named = "high" if folder.given == "transformer" else "low"
+        if expert != named:
+            raise ConfigError(f"--init-from {str(path)!r} is the {named}-noise expert ({folder.given}/) of "
+                              f"{folder.name}, but training.expert={expert!r}; set training.expert={named!r}, or give "
+                              f"the model folder {str(folder.root or folder.path.parent)!r} with training.expert=both")
+        return [(folder.path, "")]
+    if expert == "high":
+        return [(folder.root / "transformer", "")]
+    if expert == "low":
+        return [(folder.root / "transformer_2", "")]
+    if expert == "both":
+        return [(folder.root / "transformer", ""), (folder.root / "transformer_2", EXPERT_2_PREFIX)]
+    raise ConfigError(f"--init-from {str(path)!r} is {folder.name} ({folder.evidence}): set training.expert to both, "
+                      f"high or low")
+
+
+def _index_files(path: Path) -> dict[str, Entry]:
+    """Standard name -> Entry of a .safetensors file or a folder of them."""
     files = sorted(path.glob("*.safetensors")) if path.is_dir() else [path]
     if not files:
         raise PretrainedMismatchError(f"--init-from {path}: a directory with no .safetensors files and no "
@@ -198,11 +270,11 @@ def _index_checkpoint(path: Path) -> dict[str, Entry]:
         raise PretrainedMismatchError(f"--init-from {path}: {e}") from None
     out: dict[str, Entry] = {}
     with ckpt:
-        n, arch = ckpt.num_shards, checkpoint_arch(ckpt)
+        n, arch, experts = ckpt.num_shards, checkpoint_arch(ckpt), checkpoint_experts(ckpt)
         for i in range(n):
             lay, dtype = ckpt.layout(i), ckpt.dtype(i, "master")
             for name, shape in zip(lay.names, lay.shapes):
-                out[shard_prefix(i, n, arch) + name] = Entry(tuple(shape), dtype, str(ckpt.file(i)), name, i)
+                out[shard_prefix(i, n, arch, experts) + name] = Entry(tuple(shape), dtype, str(ckpt.file(i)), name, i)
     return out
 
 
@@ -214,7 +286,7 @@ def _index_checkpoint(path: Path) -> dict[str, Entry]:
 def check_pretrained(cfg: Config, path: str | Path) -> dict[str, Entry]:
     """Compare the source's names and shapes with the model's; raise one error listing every
     mismatch. Returns the source's index."""
-    source = index_source(path)
+    source = index_source(path, cfg)
     model = model_names(cfg)
     missing = [n for n in model if n not in source and not is_fresh_part(n)]
     unexpected = [n for n in source if n not in model]
@@ -284,7 +356,7 @@ def load_pretrained_into(store, path: str | Path) -> None:
         owned = "master" in store.seg[i]
         master = store.seg[i]["master"] if owned else torch.empty(lay.numel, dtype=torch.float32)
         views = lay.views(master)
-        prefix = shard_prefix(i, store.n, store.cfg.model.arch)
+        prefix = shard_prefix(i, store.n, store.cfg.model.arch, num_experts(store.cfg))
         if any(model[n][1] == i for n in fresh):  # a fresh shard first, then the source on top
             module = build_shard(store.cfg, i, "cpu")
             initialize_shard(module, store.cfg.training.seed, i)
@@ -335,13 +407,13 @@ def export_state_dict(checkpoint: str | Path, out: str | Path, kind: str = "mast
     if kind not in ("master", "w"):
         raise ValueError(f"kind={kind!r}; use 'master' or 'w'")
     ckpt = CheckpointReader(checkpoint)
-    n, arch = ckpt.num_shards, checkpoint_arch(ckpt)
+    n, arch, experts = ckpt.num_shards, checkpoint_arch(ckpt), checkpoint_experts(ckpt)
     one_file = out.suffix == ".safetensors"
     if not one_file:
         out.mkdir(parents=True, exist_ok=True)
     written, together = [], {}
     for i in range(n):
-        tensors = {shard_prefix(i, n, arch) + name: (t.to(dtype) if dtype else t).clone()
+        tensors = {shard_prefix(i, n, arch, experts) + name: (t.to(dtype) if dtype else t).clone()
                    for name, t in ckpt.tensors(i, kind).items()}
         if one_file:
             together.update(tensors)
