@@ -62,7 +62,8 @@ def combine(results: list[StepResult]) -> StepResult:
         device=r0.device, data_wait_seconds=slowest("data_wait_seconds"), h2d_bytes=total("h2d_bytes"),
         h2d_seconds=total("h2d_seconds"), d2h_bytes=total("d2h_bytes"), d2h_seconds=total("d2h_seconds"),
         device_memory_peak_bytes=max(r.device_memory_peak_bytes for r in results), rank=0,
-        grad_slot_wait_seconds=slowest("grad_slot_wait_seconds"))
+        grad_slot_wait_seconds=slowest("grad_slot_wait_seconds"), t=tuple(x for r in results for x in r.t),
+        expert=r0.expert)
 
 
 def combine_batches(infos: list[BatchInfo | None]) -> BatchInfo | None:

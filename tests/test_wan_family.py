@@ -10,6 +10,7 @@ import json
 import shutil
 from pathlib import Path
 
+import diffusers
 import numpy as np
 import pytest
 import torch
@@ -23,13 +24,15 @@ from megaslide_ray import precompute as precompute_cli
 from megaslide_ray import train as train_cli
 from megaslide_ray.config import ConfigError
 from megaslide_ray.config.wan_folders import describe_wan_folder
-from megaslide_ray.evaluation.sampling import check_model_files
+from megaslide_ray.evaluation.sampling import CheckpointWeights, check_model_files
 from megaslide_ray.models.wan_diffusers import from_diffusers
 from megaslide_ray.models.registry import expert_shards, num_shards
+from megaslide_ray.state.checkpoint import latest_checkpoint
 from megaslide_ray.state.pretrained import (
     PretrainedMismatchError,
     check_pretrained,
     config_for_diffusers_dir,
+    export_diffusers,
     model_names,
 )
 from megaslide_ray.training.flow import (
@@ -226,3 +229,55 @@ def test_both_experts_one_store_one_expert_per_step(family, tmp_path):
         compute.close()
         store.close()
     assert seen == {HIGH, LOW}
+
+
+def test_both_experts_export_to_a_wan_pipeline_that_routes_as_the_project(family, tmp_path):
+    """A checkpoint of both experts exports to transformer/, transformer_2/ and a model_index.json
+    with the boundary; diffusers' WanPipeline loads it with the trained weights, runs each step on
+    the expert its rule picks, and at every one of its calls the project's own predict (the
+    checkpoint's weights, streamed, routed by t) gives the same velocity."""
+    a14b = family["t2v-a14b"]
+    cfg = _both_config(a14b, tmp_path)
+    store = ParameterStore(cfg, str(tmp_path / "run"), init_from=str(a14b))
+    compute = ComputeActor(cfg, store.shard_infos(), LocalStoreClient(store), "shm")
+    try:
+        for step in range(4):  # both experts train (test above: seed 0 draws both in 4 steps)
+            compute.train_step(_latent_batch(cfg, step), step)
+            store.wait_step(step)
+        store.save_checkpoint(str(tmp_path / "run"), 4, {"data_position": 0})
+        masters = [s["master"].clone() for s in store.seg]
+    finally:
+        compute.close()
+        store.close()
+    ckpt = latest_checkpoint(tmp_path / "run")
+    out = tmp_path / "export"
+    export_diffusers(ckpt, out)
+    index = json.loads((out / "model_index.json").read_text())
+    assert index["boundary_ratio"] == BOUNDARY and index["transformer_2"] == ["diffusers", "WanTransformer3DModel"]
+    parts = {name: getattr(diffusers.WanPipeline.from_pretrained(str(a14b)), name)
+             for name in ("vae", "text_encoder", "tokenizer", "scheduler")}
+    pipe = diffusers.WanPipeline.from_pretrained(str(out), **parts)
+    names, per = model_names(cfg), expert_shards(cfg)
+    for prefix, model in (("", pipe.transformer), ("transformer_2.", pipe.transformer_2)):
+        for name, p in model.state_dict().items():
+            shape, shard, off = names[prefix + name]
+            assert torch.equal(p.reshape(-1), masters[shard][off:off + p.numel()]), prefix + name
+    calls = []
+    for expert, model in ((HIGH, pipe.transformer), (LOW, pipe.transformer_2)):
+        model.register_forward_hook(lambda mod, args, kwargs, out, e=expert: calls.append(
+            (e, kwargs["hidden_states"].clone(), kwargs["timestep"].clone(), kwargs["encoder_hidden_states"].clone(),
+             out[0].clone())), with_kwargs=True)
+    pipe(prompt="a red circle moving right", height=32, width=32, num_frames=9, num_inference_steps=6,
+         guidance_scale=1.0, output_type="latent", generator=torch.Generator().manual_seed(0))
+    assert {e for e, *_ in calls} == {HIGH, LOW} and len(calls) == 6
+    source = CheckpointWeights(ckpt, cfg, "master")
+    ours = ComputeActor(cfg, source.shard_infos(), source, transport="object_ref")
+    try:
+        for expert, x, timestep, text, want in calls:
+            t = timestep.float() / 1000
+            assert route_expert(float(t[0]), BOUNDARY) == expert
+            got = ours.predict(x.permute(0, 2, 3, 4, 1), t, text, torch.tensor([text.shape[1]]), source.step)
+            torch.testing.assert_close(got.permute(0, 4, 1, 2, 3), want.float(), rtol=1e-4, atol=1e-5)
+    finally:
+        ours.close()
+        source.close()

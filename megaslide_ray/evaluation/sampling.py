@@ -297,7 +297,9 @@ def sample_video(checkpoint: str | Path, prompt: str, out: str | Path, frames: i
     provides the text encoder for ``prompt`` and ``negative_prompt`` (the unconditional half of
     guidance) and the VAE that decodes the result; ``training.flow_shift`` shifts the time grid.
     A ``videodit`` on latents (``model.inputs = latents``, the ``dit-*`` presets) reads the prompt
-    as bytes and needs ``model_dir`` only for its VAE (the one its latents were made with)."""
+    as bytes and needs ``model_dir`` only for its VAE (the one its latents were made with). A
+    checkpoint of both experts of a two-expert model runs, at each time, the expert diffusers'
+    ``WanPipeline`` runs (``ComputeActor.predict``); one of one expert alone is refused."""
     if upscale < 1:
         raise ValueError(f"upscale={upscale} must be >= 1 (1 writes the model's own size)")
 
@@ -312,6 +314,11 @@ def sample_video(checkpoint: str | Path, prompt: str, out: str | Path, frames: i
         raise FileNotFoundError(f"--checkpoint {e}") from None
     state = read_checkpoint_state(ckpt)
     cfg = sampling_config(state, frames, height, width, device)
+    if cfg.training.expert in ("high", "low"):
+        raise ConfigError(f"{ckpt} holds one expert of a two-expert model (training.expert={cfg.training.expert!r}): "
+                          f"sampling runs both (timestep t >= {cfg.training.boundary_ratio} x 1000: transformer/, below: "
+                          f"transformer_2/). Export it (--format diffusers) into the model folder in place of its "
+                          f"expert and sample with diffusers' WanPipeline, or train both (training.expert=both)")
     if cfg.model.arch == "videodit" and cfg_scale != 1.0 and not cfg.training.caption_dropout:
         log.warning("--cfg-scale %s: this checkpoint was trained without caption dropout "
                        "(training.caption_dropout = 0), so its unconditional prediction (the empty caption) "

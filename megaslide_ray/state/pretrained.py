@@ -440,29 +440,63 @@ def export_diffusers(checkpoint: str | Path, out: str | Path, dtype: torch.dtype
     diffusers' model has dense self-attention and no offset heads (``attn1.offsets.*``, kept in
     the files unless ``drop_offsets``): a model trained with another ``attention.kind`` gets a
     ``megaslide_dsa`` entry in ``config.json``, which ``megaslide_ray.models.diffusers_dsa.enable_dsa``
-    reads to run it as trained, and whose note diffusers prints when it loads the folder alone."""
+    reads to run it as trained, and whose note diffusers prints when it loads the folder alone.
+
+    A checkpoint of both experts of a two-expert model (``training.expert = both``) is written as
+    a pipeline folder instead: ``out/transformer/`` and ``out/transformer_2/`` (each as above) and
+    ``model_index.json`` with its ``boundary_ratio`` (the other components' entries taken from the
+    ``--init-from`` folder's ``model_index.json`` when there is one), which diffusers'
+    ``WanPipeline.from_pretrained(out, vae=..., text_encoder=..., tokenizer=..., scheduler=...)``
+    loads; copy ``vae/``, ``text_encoder/``, ``tokenizer/``, ``scheduler/`` of the original folder
+    beside them to load it alone."""
     checkpoint, out = Path(checkpoint), Path(out)
     with CheckpointReader(checkpoint) as ckpt:
         if checkpoint_arch(ckpt) != "wan":
             raise ValueError(f"{checkpoint} holds a {checkpoint_arch(ckpt)} model; --format diffusers exports "
                              f"model.arch = 'wan' checkpoints (use --format safetensors for this one)")
         cfg = config_from_dict(ckpt.state["config"])
-        n = ckpt.num_shards
-        out.mkdir(parents=True, exist_ok=True)
-        weight_map, total, written = {}, 0, []
-        for i in range(n):
-            name = f"diffusion_pytorch_model-{i + 1:05d}-of-{n:05d}.safetensors"
-            tensors = {}
-            for key, t in ckpt.tensors(i, "master").items():
-                full = shard_prefix(i, n, "wan") + key
-                if drop_offsets and is_fresh_part(full):
-                    continue
-                tensors[full] = (t.to(dtype) if dtype else t).contiguous()
-            save_file(tensors, str(out / name), metadata={"format": "pt"})
-            for full, t in tensors.items():
-                weight_map[full] = name
-                total += t.numel() * t.element_size()
-            written.append(str(out / name))
+        if checkpoint_experts(ckpt) == 1:
+            return _write_transformer(ckpt, cfg, range(ckpt.num_shards), out, dtype, drop_offsets)
+        per = ckpt.num_shards // 2
+        written = [*_write_transformer(ckpt, cfg, range(per), out / "transformer", dtype, drop_offsets),
+                   *_write_transformer(ckpt, cfg, range(per, 2 * per), out / "transformer_2", dtype, drop_offsets)]
+    (out / "model_index.json").write_text(json.dumps(_model_index(cfg), indent=2))
+    return [*written, str(out / "model_index.json")]
+
+
+def _model_index(cfg: Config) -> dict:
+    """The ``model_index.json`` of a two-expert export: ``WanPipeline`` with both transformers and
+    ``cfg``'s ``boundary_ratio``; the other entries from the ``--init-from`` folder's, else Wan2.2's."""
+    index = {"_class_name": "WanPipeline", "_diffusers_version": "0.35.0", "expand_timesteps": False,
+             "scheduler": ["diffusers", "UniPCMultistepScheduler"], "text_encoder": ["transformers", "UMT5EncoderModel"],
+             "tokenizer": ["transformers", "T5TokenizerFast"], "vae": ["diffusers", "AutoencoderKLWan"]}
+    source = Path(cfg.training.init_from) / "model_index.json" if cfg.training.init_from else None
+    if source is not None and source.is_file():
+        index.update(json.loads(source.read_text()))
+    index.update({"transformer": ["diffusers", "WanTransformer3DModel"],
+                  "transformer_2": ["diffusers", "WanTransformer3DModel"], "boundary_ratio": cfg.training.boundary_ratio})
+    return index
+
+
+def _write_transformer(ckpt: CheckpointReader, cfg: Config, shards: range, out: Path, dtype: torch.dtype | None,
+                       drop_offsets: bool) -> list[str]:
+    """One transformer (checkpoint shards ``shards``) as a diffusers folder ``out`` (``export_diffusers``)."""
+    out.mkdir(parents=True, exist_ok=True)
+    n = len(shards)
+    weight_map, total, written = {}, 0, []
+    for i, shard in enumerate(shards):
+        name = f"diffusion_pytorch_model-{i + 1:05d}-of-{n:05d}.safetensors"
+        tensors = {}
+        for key, t in ckpt.tensors(shard, "master").items():
+            full = shard_prefix(i, n, "wan") + key
+            if drop_offsets and is_fresh_part(full):
+                continue
+            tensors[full] = (t.to(dtype) if dtype else t).contiguous()
+        save_file(tensors, str(out / name), metadata={"format": "pt"})
+        for full, t in tensors.items():
+            weight_map[full] = name
+            total += t.numel() * t.element_size()
+        written.append(str(out / name))
     (out / DIFFUSERS_INDEX).write_text(json.dumps({"metadata": {"total_size": total},
                                                    "weight_map": dict(sorted(weight_map.items()))}, indent=2))
     config = diffusers_config(cfg)

@@ -36,6 +36,7 @@ from megaslide_ray.trainer.components import (
     Sampler,
     Validator,
 )
+from megaslide_ray.training.flow import EXPERT_NAMES
 from pipelines.decoder_pool import DataCursor
 from pipelines.streaming import StoreLostError, StreamingPipeline
 
@@ -257,6 +258,8 @@ class Trainer:
             "data_position": c.data_position, "data_rows": list(report.batch.rows) if report.batch else None,
             "skipped_files": report.skipped_files, "decoders_replaced": self.pipeline.decoders_replaced,
             "device": c.device, "time": time.time(),
+            # the flow time of each clip of the step's global batch; a two-expert model: the expert trained
+            "t": list(c.t), "expert": EXPERT_NAMES[c.expert] if c.expert >= 0 else None,
             # several compute actors: each one's own times (the fields above are the slowest's)
             **({"compute_actors": [{"rank": r.rank, "loss": r.loss, "compute_seconds": r.seconds,
                                     "weight_wait_seconds": r.weight_wait_seconds,
