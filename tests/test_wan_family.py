@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import json
 import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import diffusers
@@ -15,7 +17,7 @@ import numpy as np
 import pytest
 import torch
 from diffusers import WanTransformer3DModel
-from wan_models import BOUNDARY, LATENT_SHAPE, make_family_dir, make_wan_dir
+from wan_models import BOUNDARY, FRAMES, LATENT_SHAPE, SIZE, make_family_dir, make_wan_dir
 
 from actors.compute import ComputeActor, LocalStoreClient
 from actors.param_store import ParameterStore
@@ -24,10 +26,13 @@ from megaslide_ray import precompute as precompute_cli
 from megaslide_ray import train as train_cli
 from megaslide_ray.config import ConfigError
 from megaslide_ray.config.wan_folders import describe_wan_folder
+from megaslide_ray.data.demo import ensure_demo_dataset
+from megaslide_ray.data.precompute import precompute
 from megaslide_ray.evaluation.sampling import CheckpointWeights, check_model_files
+from megaslide_ray.evaluation.validation import evaluate_checkpoint
 from megaslide_ray.models.wan_diffusers import from_diffusers
 from megaslide_ray.models.registry import expert_shards, num_shards
-from megaslide_ray.state.checkpoint import latest_checkpoint
+from megaslide_ray.state.checkpoint import latest_checkpoint, read_checkpoint_shards
 from megaslide_ray.state.pretrained import (
     PretrainedMismatchError,
     check_pretrained,
@@ -35,11 +40,14 @@ from megaslide_ray.state.pretrained import (
     export_diffusers,
     model_names,
 )
+from megaslide_ray.trainer import Trainer
 from megaslide_ray.training.flow import (
     HIGH,
     LOW,
+    base_cdf,
     batch_flow_inputs,
     expert_t_range,
+    flow_inputs,
     flow_loss,
     route_expert,
     step_expert,
@@ -281,3 +289,73 @@ def test_both_experts_export_to_a_wan_pipeline_that_routes_as_the_project(family
     finally:
         ours.close()
         source.close()
+
+
+def test_t_in_an_experts_range_has_the_distribution_conditioned_on_it():
+    """An expert's t is the usual draw conditioned on its range: the in-range draws of the full
+    distribution and the range's own draws have the same quantiles; both experts' probabilities
+    are their ranges' masses."""
+    x0 = torch.zeros(20000, 1, 1, 1, 1)
+    for sampling in ("uniform", "logit_normal"):
+        full = flow_inputs(x0, 0, 0, sampling, 3.0).t
+        for expert, keep in ((HIGH, full >= BOUNDARY), (LOW, full < BOUNDARY)):
+            t = flow_inputs(x0, 0, 1, sampling, 3.0, t_range=expert_t_range(BOUNDARY, expert)).t
+            assert all(route_expert(x, BOUNDARY) == expert for x in t.tolist())
+            q = torch.tensor([0.1, 0.25, 0.5, 0.75, 0.9])
+            torch.testing.assert_close(torch.quantile(t, q), torch.quantile(full[keep], q), atol=0.01, rtol=0)
+        high = 1 - base_cdf(BOUNDARY, sampling, 3.0)
+        assert abs(float((full >= BOUNDARY).float().mean()) - high) < 0.01
+
+
+@pytest.mark.slow  # about a minute: precompute, Ray, two runs, export, evaluate, sample
+def test_both_experts_precompute_train_resume_evaluate_sample(ray_session, family, tmp_path):
+    a14b = family["t2v-a14b"]
+    videos = ensure_demo_dataset(tmp_path / "videos", num_videos=3)
+    precompute(a14b, videos, tmp_path / "cache", FRAMES, SIZE, SIZE, device="cpu", dtype="fp32", num_encoders=0,
+               progress=False)
+    manifest = tmp_path / "cache" / "manifest.parquet"
+
+    def config(steps):
+        return config_for_diffusers_dir(a14b, None, None, {
+            "data.manifest": str(manifest), "data.val_manifest": str(manifest), "data.num_frames": FRAMES,
+            "data.height": SIZE, "data.width": SIZE, "data.batch_size": 1, "attention.kind": "dsa",
+            "attention.window": "3,1,1", "training.steps": steps, "training.expert": "both",
+            "training.t_sampling": "uniform", "training.flow_shift": 3.0, "training.log_every": 1, "optim.lr": 1e-3,
+            "runtime.state_dir": str(tmp_path / "state")})
+
+    def train(cfg, run, resume=False):
+        trainer = Trainer(cfg, run_dir=str(run), resume=resume, progress=False, init_from=None if resume else str(a14b))
+        try:
+            return trainer.train()
+        finally:
+            trainer.close()
+
+    straight = train(config(4), tmp_path / "straight")
+    train(config(2), tmp_path / "resumed")
+    resumed = train(config(4), tmp_path / "resumed", resume=True)
+    assert (resumed.first_step, resumed.last_step) == (2, 4)
+    for a, b in zip(read_checkpoint_shards(straight.checkpoint), read_checkpoint_shards(resumed.checkpoint)):
+        assert torch.equal(a, b)  # both experts, their moments and the per-step expert continue exactly
+    cfg = config(4)
+    rows = [json.loads(line) for line in (tmp_path / "straight" / "metrics.jsonl").read_text().splitlines()]
+    rows = [r for r in rows if "expert" in r]
+    assert [r["expert"] for r in rows] == [("high", "low")[step_expert(cfg, k)] for k in range(4)]
+    assert {r["expert"] for r in rows} == {"high", "low"}
+    assert all(route_expert(t, BOUNDARY) == ("high", "low").index(r["expert"]) for r in rows for t in r["t"])
+
+    out = tmp_path / "export"
+    export_diffusers(straight.checkpoint, out, drop_offsets=True)
+    for part in ("transformer", "transformer_2"):
+        assert json.loads((out / part / "config.json").read_text())["megaslide_dsa"]["kind"] == "dsa"
+        trained = WanTransformer3DModel.from_pretrained(str(out / part)).state_dict()
+        pretrained = WanTransformer3DModel.from_pretrained(str(a14b / part)).state_dict()
+        assert any(not torch.equal(trained[n], pretrained[n]) for n in trained), part
+
+    result = evaluate_checkpoint(tmp_path / "straight", clips=2, buckets=4, device="cpu")
+    assert {name for name, _ in result.expert_losses} == {"high", "low"}
+    video = tmp_path / "a14b.mp4"
+    proc = subprocess.run([sys.executable, "-m", "megaslide_ray.sample", "--checkpoint", str(tmp_path / "straight"),
+                           "--model-dir", str(a14b), "--prompt", "a red circle moving right", "--steps", "3",
+                           "--device", "cpu", "--out", str(video)], capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert video.is_file()
