@@ -359,3 +359,26 @@ def test_both_experts_precompute_train_resume_evaluate_sample(ray_session, famil
                            "--device", "cpu", "--out", str(video)], capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert video.is_file()
+
+
+def test_the_base_preset_has_the_folders_number_of_experts(tmp_path):
+    """A Wan2.1 14B folder starts from wan2.1-t2v-14b (one transformer) and a Wan2.2 A14B folder
+    of the same shape from wan2.2-t2v-a14b (both experts, its boundary): never the other way round."""
+    from megaslide_ray.config import build_config
+    from megaslide_ray.models.wan_diffusers import diffusers_config
+
+    transformer = json.dumps(diffusers_config(build_config("wan2.1-t2v-14b")))
+    vae = json.dumps({"_class_name": "AutoencoderKLWan", "z_dim": 16})
+    for name, parts in (("wan21", ("transformer",)), ("wan22", ("transformer", "transformer_2"))):
+        for part in (*parts, "vae"):
+            (tmp_path / name / part).mkdir(parents=True)
+            (tmp_path / name / part / "config.json").write_text(vae if part == "vae" else transformer)
+    (tmp_path / "wan22" / "model_index.json").write_text(json.dumps({
+        "_class_name": "WanPipeline", "boundary_ratio": BOUNDARY, "transformer": ["diffusers", "WanTransformer3DModel"],
+        "transformer_2": ["diffusers", "WanTransformer3DModel"]}))
+    one = config_for_diffusers_dir(tmp_path / "wan21", None, None, {})
+    assert (one.preset, one.training.expert, one.training.boundary_ratio) == ("wan2.1-t2v-14b", "", 0.0)
+    both = config_for_diffusers_dir(tmp_path / "wan22", None, None, {})
+    assert (both.preset, both.training.expert, both.training.boundary_ratio) == ("wan2.2-t2v-a14b", "both", BOUNDARY)
+    low = config_for_diffusers_dir(tmp_path / "wan22" / "transformer_2", None, None, {})
+    assert (low.training.expert, num_shards(low)) == ("low", 42)

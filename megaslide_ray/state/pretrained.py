@@ -91,7 +91,8 @@ def config_for_diffusers_dir(path: str | Path, preset_name: str | None, config_f
                              overrides: dict) -> Config:
     """The run's config when ``--init-from`` is a diffusers Wan directory: the model section comes
     from its ``config.json`` (and ``vae/config.json``). With no ``--preset``/``--config`` the
-    rest starts from the ``wan`` preset of the same shape (else ``wan2.1-t2v-1.3b``); flags apply
+    rest starts from the ``wan`` preset of the same shape and the same number of experts (a
+    Wan2.2 A14B folder: ``wan2.2-t2v-a14b``, both experts; else ``wan2.1-t2v-1.3b``); flags apply
     on top. Anything the preset, the file or a flag sets that contradicts the directory is
     listed in one ``ConfigError``, and so is a folder that is not a text-to-video Wan model
     (``check_init_folder``)."""
@@ -100,10 +101,12 @@ def config_for_diffusers_dir(path: str | Path, preset_name: str | None, config_f
     source = f"--init-from {path}"
     if preset_name is None and config_file is None:
         base = "wan2.1-t2v-1.3b"
-        for name in PRESETS:
-            m = make_preset(name).model
+        for name in PRESETS:  # the preset of the same shape and the same number of experts
+            p = make_preset(name)
+            m = p.model
             if m.arch == "wan" and (m.hidden_size, m.depth, m.in_channels) == (
-                    model["model.hidden_size"], model["model.depth"], model["model.in_channels"]):
+                    model["model.hidden_size"], model["model.depth"], model["model.in_channels"]) and \
+                    bool(p.training.boundary_ratio) == ("training.boundary_ratio" in experts):
                 base = name
         cfg = build_config(base, None, {**model, **overrides})
     else:
