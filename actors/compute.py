@@ -261,7 +261,7 @@ class ComputeActor:
         self.link.begin_step()
         self._returns = []
         expert = step_expert(self.cfg, step)
-        self._base = 0 if expert is None else expert * self.per_expert
+        self._base = expert * self.per_expert if self.experts > 1 else 0  # one expert alone: the store holds it only
         order, reuse = self.step_order()
         feed = self._feed(order, step, reuse)
         inputs = self._inputs(batch, step)

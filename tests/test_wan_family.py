@@ -28,9 +28,10 @@ from megaslide_ray.config import ConfigError
 from megaslide_ray.config.wan_folders import describe_wan_folder
 from megaslide_ray.data.demo import ensure_demo_dataset
 from megaslide_ray.data.precompute import precompute
-from megaslide_ray.evaluation.sampling import CheckpointWeights, check_model_files
+from megaslide_ray.evaluation.sampling import CheckpointWeights, check_model_files, sample_video
 from megaslide_ray.evaluation.validation import evaluate_checkpoint
 from megaslide_ray.models.wan_diffusers import from_diffusers
+from megaslide_ray.models.diffusers_dsa import enable_dsa
 from megaslide_ray.models.registry import expert_shards, num_shards
 from megaslide_ray.state.checkpoint import latest_checkpoint, read_checkpoint_shards
 from megaslide_ray.state.pretrained import (
@@ -239,13 +240,15 @@ def test_both_experts_one_store_one_expert_per_step(family, tmp_path):
     assert seen == {HIGH, LOW}
 
 
-def test_both_experts_export_to_a_wan_pipeline_that_routes_as_the_project(family, tmp_path):
+@pytest.mark.parametrize("kind", ["dense", "dsa"])
+def test_both_experts_export_to_a_wan_pipeline_that_routes_as_the_project(family, tmp_path, kind):
     """A checkpoint of both experts exports to transformer/, transformer_2/ and a model_index.json
-    with the boundary; diffusers' WanPipeline loads it with the trained weights, runs each step on
-    the expert its rule picks, and at every one of its calls the project's own predict (the
-    checkpoint's weights, streamed, routed by t) gives the same velocity."""
+    with the boundary; diffusers' WanPipeline loads it with the trained weights (``enable_dsa`` on
+    both for a 3D-DSA model), runs each step on the expert its rule picks, and at every one of its
+    calls the project's own predict (the checkpoint's weights, streamed, routed by t) gives the
+    same velocity."""
     a14b = family["t2v-a14b"]
-    cfg = _both_config(a14b, tmp_path)
+    cfg = _both_config(a14b, tmp_path, **{"attention.kind": kind})
     store = ParameterStore(cfg, str(tmp_path / "run"), init_from=str(a14b))
     compute = ComputeActor(cfg, store.shard_infos(), LocalStoreClient(store), "shm")
     try:
@@ -265,6 +268,8 @@ def test_both_experts_export_to_a_wan_pipeline_that_routes_as_the_project(family
     parts = {name: getattr(diffusers.WanPipeline.from_pretrained(str(a14b)), name)
              for name in ("vae", "text_encoder", "tokenizer", "scheduler")}
     pipe = diffusers.WanPipeline.from_pretrained(str(out), **parts)
+    if kind == "dsa":
+        enable_dsa(pipe)
     names, per = model_names(cfg), expert_shards(cfg)
     for prefix, model in (("", pipe.transformer), ("transformer_2.", pipe.transformer_2)):
         for name, p in model.state_dict().items():
@@ -382,3 +387,36 @@ def test_the_base_preset_has_the_folders_number_of_experts(tmp_path):
     assert (both.preset, both.training.expert, both.training.boundary_ratio) == ("wan2.2-t2v-a14b", "both", BOUNDARY)
     low = config_for_diffusers_dir(tmp_path / "wan22" / "transformer_2", None, None, {})
     assert (low.training.expert, num_shards(low)) == ("low", 42)
+
+
+@pytest.mark.parametrize("expert", ["high", "low"])
+def test_one_expert_trains_its_own_weights_in_its_range(family, tmp_path, expert):
+    """``training.expert`` high / low: the store holds that expert's transformer (the folder's
+    ``transformer/`` or ``transformer_2/``), every step's t is in its range, and the export is that
+    transformer's folder; sampling it alone is refused."""
+    a14b = family["t2v-a14b"]
+    cfg = _both_config(a14b, tmp_path, **{"training.expert": expert})
+    folder = a14b / ("transformer" if expert == "high" else "transformer_2")
+    store = ParameterStore(cfg, str(tmp_path / "run"), init_from=str(a14b))
+    compute = ComputeActor(cfg, store.shard_infos(), LocalStoreClient(store), "shm")
+    names = model_names(cfg)
+    try:
+        assert num_shards(cfg) == expert_shards(cfg)
+        start = WanTransformer3DModel.from_pretrained(str(folder)).state_dict()
+        for name, p in start.items():
+            _, shard, off = names[name]
+            assert torch.equal(store.seg[shard]["master"][off:off + p.numel()], p.reshape(-1)), name
+        for step in range(3):
+            result = compute.train_step(_latent_batch(cfg, step), step)
+            store.wait_step(step)
+            assert result.expert == ("high", "low").index(expert)
+            assert all(route_expert(t, BOUNDARY) == result.expert for t in result.t)
+        store.save_checkpoint(str(tmp_path / "run"), 3, {"data_position": 0})
+    finally:
+        compute.close()
+        store.close()
+    export_diffusers(latest_checkpoint(tmp_path / "run"), tmp_path / "export")
+    trained = WanTransformer3DModel.from_pretrained(str(tmp_path / "export")).state_dict()
+    assert set(trained) == set(start) and any(not torch.equal(trained[n], start[n]) for n in start)
+    with pytest.raises(ConfigError, match="holds one expert of a two-expert model"):
+        sample_video(tmp_path / "run", "a red circle", tmp_path / "x.mp4", model_dir=a14b, device="cpu")
