@@ -420,3 +420,65 @@ def test_one_expert_trains_its_own_weights_in_its_range(family, tmp_path, expert
     assert set(trained) == set(start) and any(not torch.equal(trained[n], start[n]) for n in start)
     with pytest.raises(ConfigError, match="holds one expert of a two-expert model"):
         sample_video(tmp_path / "run", "a red circle", tmp_path / "x.mp4", model_dir=a14b, device="cpu")
+
+
+def test_a_cut_update_of_one_expert_is_finished_on_reattach(tmp_path):
+    """A store of both experts killed between two shards of a step's update re-attaches, finishes
+    the trained expert's shards from their gradients and moves the idle expert's on untouched: the
+    same state as an uncut update."""
+    import math
+
+    from megaslide_ray.config import build_config
+    from megaslide_ray.training.schedule import clip_coefficient, lr_at
+
+    cfg = build_config("wan2.1-t2v-1.3b", None, {
+        **CLIP, "model.hidden_size": 16, "model.num_heads": 2, "model.depth": 2, "model.ffn_dim": 24,
+        "model.text_dim": 16, "model.in_channels": 4, "model.out_channels": 4, "model.latent_compression": "4,8,8",
+        "training.expert": "both", "training.boundary_ratio": BOUNDARY, "runtime.device": "cpu",
+        "runtime.state_dir": str(tmp_path)})
+    per, expert = expert_shards(cfg), step_expert(cfg, 0)
+    trained = range(expert * per, (expert + 1) * per)
+
+    def report(store):
+        gen = torch.Generator().manual_seed(1)
+        sq = {}
+        for i in trained:
+            store.seg[i]["w"].copy_(torch.randn(store.seg[i]["w"].numel(), generator=gen))
+            sq[i] = float(store.seg[i]["w"].pow(2).sum())
+        return sq
+
+    def state(store):
+        return [{k: s[k].clone() for k in ("w", "master", "m", "v")} for s in store.seg]
+
+    whole = ParameterStore(cfg, str(tmp_path / "whole"))
+    try:
+        before = state(whole)
+        for i, sq in report(whole).items():
+            whole.report_grad(i, 0, sq)
+        whole.wait_step(0)
+        expected = state(whole)
+    finally:
+        whole.close()
+    for i in range(2 * per):  # the idle expert untouched, the trained one moved
+        assert all(torch.equal(expected[i][k], before[i][k]) for k in ("master", "m", "v")) == (i not in trained)
+
+    cut = ParameterStore(cfg, str(tmp_path / "cut"))
+    sq = report(cut)
+    total = math.sqrt(sum(sq.values()))
+    coef, lr = clip_coefficient(total, cfg.optim.grad_clip), lr_at(cfg.optim, cfg.training.steps, 0)
+    cut._write_record(0, total, coef, lr, skipped=False, seconds=0.0)
+    for i in range(trained[0] + 2):  # what _apply_update does, cut after the trained expert's second shard
+        if i in trained:
+            cut._update_shard(i, 0, coef, lr)
+        else:
+            cut._pass_shard(i, 0)
+    assert sorted(set(cut.versions.tolist())) == [0, 1]
+    cut.close(remove_state=False)
+    again = ParameterStore(cfg, str(tmp_path / "cut"), attach=True)
+    try:
+        assert again.status().versions == (1,) * again.n
+        for i, (got, want) in enumerate(zip(state(again), expected)):
+            for k in got:
+                assert torch.equal(got[k], want[k]), (i, k)
+    finally:
+        again.close()
