@@ -45,9 +45,6 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-if __name__ == "__main__":
-    sys.exit(main())
-
 
 def format_result(r: ValResult) -> str:
     n = len(r.bucket_losses)
@@ -59,3 +56,7 @@ def format_result(r: ValResult) -> str:
     for name, v in r.expert_losses:  # a two-expert model
         lines.append(f"  {name}-noise expert ({'transformer' if name == 'high' else 'transformer_2'}): {v:.6f}")
     return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -358,6 +358,9 @@ def test_both_experts_precompute_train_resume_evaluate_sample(ray_session, famil
 
     result = evaluate_checkpoint(tmp_path / "straight", clips=2, buckets=4, device="cpu")
     assert {name for name, _ in result.expert_losses} == {"high", "low"}
+    proc = subprocess.run([sys.executable, "-m", "megaslide_ray.evaluate", "--checkpoint", str(tmp_path / "straight"),
+                           "--clips", "2", "--device", "cpu"], capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0 and "high-noise expert (transformer)" in proc.stdout, proc.stderr[-2000:]
     video = tmp_path / "a14b.mp4"
     proc = subprocess.run([sys.executable, "-m", "megaslide_ray.sample", "--checkpoint", str(tmp_path / "straight"),
                            "--model-dir", str(a14b), "--prompt", "a red circle moving right", "--steps", "3",

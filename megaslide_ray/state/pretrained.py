@@ -26,6 +26,7 @@ from __future__ import annotations
 import json
 import logging
 import math
+import os
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -325,7 +326,8 @@ def describe_init(cfg: Config, path: str | Path, source: dict[str, Entry]) -> st
     loaded = [n for n in model if n in source]
     fresh = [n for n in model if n not in source]
     files = sorted({source[n].file for n in loaded})
-    where = (Path(files[0]).parent if files else Path(path)).resolve()
+    # the folder that holds them all (both experts' files: the model folder)
+    where = (Path(os.path.commonpath([str(Path(f).parent) for f in files])) if files else Path(path)).resolve()
     numel = lambda names: sum(math.prod(model[n][0]) for n in names)  # noqa: E731
     line = (f"init-from: {len(loaded)} tensors ({numel(loaded):,} parameters) from {where} ({len(files)} file"
             f"{'s' if len(files) != 1 else ''})")
