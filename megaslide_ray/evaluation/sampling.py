@@ -284,6 +284,15 @@ def check_model_files(model_dir: str | Path, parts: tuple[str, ...]) -> Path:
     return root
 
 
+def refuse_one_expert(cfg: Config, ckpt: Path) -> None:
+    """A checkpoint of one expert of a two-expert model cannot sample alone: ``ConfigError``."""
+    if cfg.training.expert in ("high", "low"):
+        raise ConfigError(f"{ckpt} holds one expert of a two-expert model (training.expert={cfg.training.expert!r}): "
+                          f"sampling runs both (timestep t >= {cfg.training.boundary_ratio} x 1000: transformer/, below: "
+                          f"transformer_2/). Export it (--format diffusers) into the model folder in place of its "
+                          f"expert and sample with diffusers' WanPipeline, or train both (training.expert=both)")
+
+
 def sample_video(checkpoint: str | Path, prompt: str, out: str | Path, frames: int | None = None,
                  steps: int = 20, seed: int = 0, height: int | None = None, width: int | None = None,
                  cfg_scale: float = 1.0, fps: int = 8, device: str = "auto", model_dir: str | Path | None = None,
@@ -314,11 +323,7 @@ def sample_video(checkpoint: str | Path, prompt: str, out: str | Path, frames: i
         raise FileNotFoundError(f"--checkpoint {e}") from None
     state = read_checkpoint_state(ckpt)
     cfg = sampling_config(state, frames, height, width, device)
-    if cfg.training.expert in ("high", "low"):
-        raise ConfigError(f"{ckpt} holds one expert of a two-expert model (training.expert={cfg.training.expert!r}): "
-                          f"sampling runs both (timestep t >= {cfg.training.boundary_ratio} x 1000: transformer/, below: "
-                          f"transformer_2/). Export it (--format diffusers) into the model folder in place of its "
-                          f"expert and sample with diffusers' WanPipeline, or train both (training.expert=both)")
+    refuse_one_expert(cfg, ckpt)
     if cfg.model.arch == "videodit" and cfg_scale != 1.0 and not cfg.training.caption_dropout:
         log.warning("--cfg-scale %s: this checkpoint was trained without caption dropout "
                        "(training.caption_dropout = 0), so its unconditional prediction (the empty caption) "

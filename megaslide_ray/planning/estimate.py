@@ -320,6 +320,13 @@ class Plan:
         return d
 
 
+def _refuse_experts_on_several_gpus(cfg: Config, gpus_per_node: int, nodes: int, generate: bool) -> None:
+    if num_experts(cfg) > 1 and gpus_per_node * nodes > 1 and not generate:
+        raise ConfigError(f"training.expert='both' trains with one compute actor on one node (asked: {gpus_per_node} "
+                          f"GPUs x {nodes} nodes); plan each expert's run (training.expert high or low: one "
+                          f"transformer, e.g. --preset wan2.1-t2v-14b, the same shape) for several GPUs")
+
+
 def plan(cfg: Config, w_dtype: str = "bfloat16", pcie_gbps: float = 55.0, dram_gbps: float = 300.0,
          device_tflops: float = 990.0, ram_gb: float | None = None, gpu_gb: float | None = None, *,
          generate: bool = False, sample_steps: int = 50, host_reserve_gb: float | None = None,
@@ -337,10 +344,7 @@ def plan(cfg: Config, w_dtype: str = "bfloat16", pcie_gbps: float = 55.0, dram_g
             raise ConfigError(f"{name}={value!r} must be an integer >= 1")
     if not (network_gbps > 0 and math.isfinite(network_gbps)):
         raise ConfigError(f"network_gbps={network_gbps!r} must be a finite number > 0 (GB/s)")
-    if num_experts(cfg) > 1 and gpus_per_node * nodes > 1 and not generate:
-        raise ConfigError(f"training.expert='both' trains with one compute actor on one node (asked: {gpus_per_node} "
-                          f"GPUs x {nodes} nodes); plan each expert's run (training.expert high or low: one "
-                          f"transformer, e.g. --preset wan2.1-t2v-14b, the same shape) for several GPUs")
+    _refuse_experts_on_several_gpus(cfg, gpus_per_node, nodes, generate)
     micro = 1 if generate else cfg.training.micro_batches
     if w_dtype not in W_DTYPES:
         raise ConfigError(f"w_dtype={w_dtype!r}; use one of {list(W_DTYPES)}")
