@@ -193,13 +193,15 @@ def _diffusers_grads(folder, cfg, batch, step, expert):
     return {n: p.grad for n, p in model.named_parameters()}, fx.t
 
 
-def test_both_experts_one_store_one_expert_per_step(family, tmp_path):
+@pytest.mark.parametrize("recompute", [True, False])
+def test_both_experts_one_store_one_expert_per_step(family, tmp_path, recompute):
     """Each step trains the expert ``step_expert`` draws, with every clip's t in its range (diffusers'
     routing rule), streams only its shards, and leaves the other expert's master weights and AdamW
     moments bit-identical. The trained expert's first moment after its first step is (1 - beta1) x
-    the clipped gradient of diffusers' own model of that expert's folder."""
+    the clipped gradient of diffusers' own model of that expert's folder. With the blocks
+    recomputed in the backward and with their graphs kept."""
     a14b = family["t2v-a14b"]
-    cfg = _both_config(a14b, tmp_path)
+    cfg = _both_config(a14b, tmp_path, **{"runtime.recompute_blocks": recompute})
     per = expert_shards(cfg)
     assert num_shards(cfg) == 2 * per
     experts = [step_expert(cfg, k) for k in range(4)]
