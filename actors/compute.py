@@ -48,12 +48,20 @@ from actors.transfer import ShardFeed, Transfers
 from megaslide_ray.config import Config
 from megaslide_ray.models.chunking import FP32_GRAD, fp32_grad_params
 from megaslide_ray.models.prediction import as_velocity
-from megaslide_ray.models.registry import build_shard, num_shards
+from megaslide_ray.models.registry import build_shard, expert_shards, num_experts, num_shards
 from megaslide_ray.models.shards import resident_shards
 from megaslide_ray.runtime.faults import fault_point
 from megaslide_ray.runtime.faults import set_node as set_fault_node
 from megaslide_ray.state.segments import DTYPES
-from megaslide_ray.training.flow import batch_conditioning, batch_flow_inputs, caption_dropout, flow_loss
+from megaslide_ray.training.flow import (
+    batch_conditioning,
+    batch_flow_inputs,
+    caption_dropout,
+    expert_t_range,
+    flow_loss,
+    route_expert,
+    step_expert,
+)
 
 log = logging.getLogger(__name__)
 
@@ -90,6 +98,8 @@ class StepResult:
     store_unanswered: int = 0       # gradient reports the store did not answer within runtime.store_timeout_s
     rank: int = 0                   # which compute actor (several: runtime.compute_actors)
     grad_slot_wait_seconds: float = 0.0  # several compute actors: time blocked on a full gradient slot
+    t: tuple = ()                   # the flow time of each of its clips
+    expert: int = -1                # two-expert model: the expert it trained (0 high noise, 1 low); -1: none
 
 
 class BlockGraph(NamedTuple):
@@ -161,7 +171,12 @@ class ComputeActor:
         self.n = num_shards(cfg)
         if len(shards) != self.n:
             raise ValueError(f"store has {len(shards)} shards, the model needs {self.n}")
-        self.modules = [build_shard(cfg, i, "meta") for i in range(self.n)]
+        # One transformer's shards: with two experts both have these modules and layouts, and a
+        # step streams one expert's (``_base``: the first shard of the step's expert in the store).
+        self.per_expert = expert_shards(cfg)
+        self.experts = num_experts(cfg)
+        self._base = 0
+        self.modules = [build_shard(cfg, i, "meta") for i in range(self.per_expert)]
         rt = cfg.runtime
         self.rank = rank
         self.actors = grad_slots.actors if grad_slots is not None else 1
@@ -203,7 +218,7 @@ class ComputeActor:
         sqnorm = torch.linalg.vector_norm(grad, dtype=torch.float32).square()
         if poison is not None:
             sqnorm = torch.where(poison, torch.full_like(sqnorm, float("nan")), sqnorm)
-        self._returns.append(self.link.return_grad(shard, step, grad, sqnorm))
+        self._returns.append(self.link.return_grad(self._base + shard, step, grad, sqnorm))
 
     # -- one step -----------------------------------------------------------------------------
     def resident_shards(self) -> list[int]:
@@ -221,13 +236,20 @@ class ComputeActor:
         holds more than prefetch_depth + 1 shards. The resident shards (``runtime.resident_gb``)
         are kept from their forward fetch to their backward the same way: one fetch per step,
         and their weights on the device in between."""
-        L = self.cfg.model.depth
+        L, n = self.cfg.model.depth, self.per_expert
         if self.keep_graphs:  # the backward reads the graphs' weights
-            return list(range(self.n)), {}
-        reuse = {self.n: L}
+            return list(range(n)), {}
+        reuse = {n: L}
         for shard in self.resident_shards():
-            reuse[self.n + L - shard] = shard  # the backward's position of ``shard`` reuses its forward fetch
-        return list(range(self.n)) + list(range(L, -1, -1)), reuse
+            reuse[n + L - shard] = shard  # the backward's position of ``shard`` reuses its forward fetch
+        return list(range(n)) + list(range(L, -1, -1)), reuse
+
+    def _feed(self, order: list[int], step: int, reuse: dict[int, int] | None = None) -> "ShardFeed | ExpertFeed":
+        """The step's ``ShardFeed`` over ``order`` (one transformer's shard indices), fetching the
+        shards of the expert that starts at ``_base`` in the store."""
+        if self.experts == 1:
+            return ShardFeed(self.link, order, step, reuse)
+        return ExpertFeed(ShardFeed(self.link, [self._base + i for i in order], step, reuse), self._base)
 
     def train_step(self, batch, step: int) -> StepResult:
         """One step. ``batch``: the decoder's dict, or ``[ObjectRef]`` of it (the pipeline wraps
@@ -244,8 +266,10 @@ class ComputeActor:
             torch.cuda.reset_peak_memory_stats(self.device)
         self.link.begin_step()
         self._returns = []
+        expert = step_expert(self.cfg, step)
+        self._base = expert * self.per_expert if self.experts > 1 else 0  # one expert alone: the store holds it only
         order, reuse = self.step_order()
-        feed = ShardFeed(self.link, order, step, reuse)
+        feed = self._feed(order, step, reuse)
         inputs = self._inputs(batch, step)
         micro = inputs.split(self.micro_batches)
 
@@ -279,6 +303,7 @@ class ComputeActor:
             h2d_bytes=h2d_bytes, h2d_seconds=h2d_seconds, d2h_bytes=d2h_bytes, d2h_seconds=d2h_seconds,
             device_memory_peak_bytes=peak_memory(self.device), store_unanswered=unanswered, rank=self.rank,
             grad_slot_wait_seconds=self.link.slot_wait_seconds,
+            t=tuple(float(x) for x in inputs.t.float().cpu()), expert=-1 if expert is None else expert,
         )
 
     def _inputs(self, batch: dict, step: int) -> FlowInputs:
@@ -288,7 +313,9 @@ class ComputeActor:
         t = self.cfg.training
         noise_step = 0 if t.overfit_one_batch else step
         first = self.global_rank * len(batch["latents"] if "latents" in batch else batch["video"])  # every actor's batch is as large
-        fx = batch_flow_inputs(batch, t.seed, noise_step, t.t_sampling, t.flow_shift, first)
+        expert = step_expert(self.cfg, step)  # a two-expert model: t in the step's expert's range
+        t_range = None if expert is None else expert_t_range(t.boundary_ratio, expert)
+        fx = batch_flow_inputs(batch, t.seed, noise_step, t.t_sampling, t.flow_shift, first, t_range)
         cond, cond_len = batch_conditioning(batch, t.seed, noise_step, self._caption_dropout, first)
         dev = self.device
         return FlowInputs(fx.x_t.to(dev), fx.t.to(dev), fx.target.to(dev), cond.to(dev), cond_len.to(dev))
@@ -463,18 +490,30 @@ class ComputeActor:
                                f"Predict before queueing the next training step (the trainer queues nothing "
                                f"ahead of a sample or an evaluation)")
         x_t, t, cap, cap_len = (as_tensor(a) for a in (x_t, t, caption, caption_len))
+        self._base = self._predict_base(t)
         self.link.begin_step()  # (predictions report no transfer counters)
-        feed = ShardFeed(self.link, list(range(self.n)), step)
+        feed = self._feed(list(range(self.per_expert)), step)
         w = feed.take(0)
         x, c = self._run(0, w, x_t.float(), t.float(), cap, cap_len)
         feed.done(w)
-        for shard in range(1, self.n):
+        for shard in range(1, self.per_expert):
             w = feed.take(shard)
             x = self._run(shard, w, x, c)
             feed.done(w)
             del w
         x = as_velocity(x, x_t, t, self.cfg.model.prediction)
         return x.float().cpu()  # host sync: the caller integrates on the CPU
+
+    def _predict_base(self, t: torch.Tensor) -> int:
+        """The first shard of the expert diffusers' pipeline runs at the times ``t`` (0 with one
+        transformer); the clips of one call must share an expert."""
+        if self.experts == 1:
+            return 0
+        experts = {route_expert(float(x), self.cfg.training.boundary_ratio) for x in t.flatten().tolist()}
+        if len(experts) != 1:
+            raise ValueError(f"predict at times {t.tolist()} straddles the experts' boundary "
+                             f"{self.cfg.training.boundary_ratio}: call it once per expert")
+        return experts.pop() * self.per_expert
 
     def transport_name(self) -> str:
         return self.transport
@@ -519,6 +558,28 @@ class LocalStoreClient:
 
     def flush(self) -> int:
         return 0
+
+
+class ExpertFeed:
+    """A ``ShardFeed`` over one expert's shards, taken by their index within the expert (the
+    model code and the schedule speak of one transformer; the store holds two)."""
+
+    def __init__(self, feed: ShardFeed, base: int):
+        self.feed, self.base = feed, base
+
+    def take(self, shard: int) -> torch.Tensor:
+        return self.feed.take(self.base + shard)
+
+    def done(self, w: torch.Tensor) -> None:
+        self.feed.done(w)
+
+    @property
+    def wait(self) -> float:
+        return self.feed.wait
+
+    @property
+    def log(self) -> list:
+        return self.feed.log
 
 
 def grad_views(layout, w: torch.Tensor) -> tuple[dict[str, torch.Tensor], torch.Tensor]:

@@ -18,6 +18,8 @@ Versions: ``versions[l]`` is the step whose weights ``w_l`` holds. Step k's upda
 l runs only after every shard reported its gradient for step k (exact global-norm clipping),
 in shard order 0..L+1, so the next forward can start on shard 0 while the rest update.
 
+Two experts (``training.expert = both``): each step trains one; ``actors/store_experts.py``.
+
 Restarts: the segments outlive the store's process. A store constructed again over a state
 directory that holds a ``layout.json`` (``attach=True``, or Ray re-running ``__init__`` after a
 crash) maps the same segments instead of initialising. Two small control segments make an
@@ -69,8 +71,9 @@ from actors.node_sync import NodeSync, NodeSyncMethods
 from actors.ray_context import node_id as _node_id
 from actors.ray_context import was_reconstructed as _was_reconstructed
 from actors.store_checkpoints import CheckpointMethods
+from actors.store_experts import ExpertMethods
 from megaslide_ray.config import Config
-from megaslide_ray.models.registry import build_shard, initialize_shard, num_shards
+from megaslide_ray.models.registry import build_shard, initialize_shard, num_experts, num_shards
 from megaslide_ray.models.shards import ShardLayout, grad_slot_numel
 from megaslide_ray.runtime.faults import arm_fault, fault_point, fire_fault
 from megaslide_ray.runtime.faults import set_node as set_fault_node
@@ -138,7 +141,7 @@ class GradientsLostError(RuntimeError):
     after they were reported): the driver redoes the step."""
 
 
-class ParameterStore(NodeSyncMethods, CheckpointMethods):
+class ParameterStore(NodeSyncMethods, CheckpointMethods, ExpertMethods):
     def __init__(self, cfg: Config, run_dir: str, w_dtype: str = "float32",
                  resume_checkpoint: str | None = None, attach: bool = False, init_from: str | None = None,
                  adamw: str | None = None, owner: dict | None = None, compute_actors: int = 1,
@@ -166,6 +169,7 @@ class ParameterStore(NodeSyncMethods, CheckpointMethods):
         self.cfg = cfg
         self.w_dtype = w_dtype
         self.n = num_shards(cfg)
+        self._experts = num_experts(cfg)  # two: both experts of a two-expert model, one trained per step
         self.compute_actors = int(compute_actors)
         self.nodes, self.node = int(nodes), int(node)
         self.owned = [i for i in range(self.n) if i % self.nodes == self.node]  # optimizer state kept here
@@ -441,7 +445,7 @@ class ParameterStore(NodeSyncMethods, CheckpointMethods):
         with self._lock:
             got = self._pending.setdefault(step, {})
             got[shard] = float(sqnorm)
-            last = len(got) == self.n
+            last = len(got) == len(self.step_shards(step))
             if last:
                 self._queue.append(step)
                 self._inflight.add(step)
@@ -549,9 +553,13 @@ class ParameterStore(NodeSyncMethods, CheckpointMethods):
         self._write_record(step, total, coef, lr, skipped=not finite, seconds=0.0)
         if not finite:
             log.warning("step %d: gradient norm is %s; update skipped on every shard", step + 1, total)
+        trained = self.step_shards(step)
         for i in self.owned:  # shard order: the next forward needs shard 0 first
             if i == self._middle:
                 fault_point("store.mid_update", step)
+            if i not in trained:  # the idle expert's shard: its weights and moments stay as they are
+                self._pass_shard(i, step)
+                continue
             # Several nodes: the new weights go to the other nodes before the version bump lets this
             # node's next backward write a gradient into w.
             self._update_shard(i, step, coef, lr, skip=not finite,
@@ -593,6 +601,7 @@ class ParameterStore(NodeSyncMethods, CheckpointMethods):
 
     def _fused_update(self, s: dict[str, torch.Tensor], step: int, coef: float, lr: float) -> None:
         o = self.cfg.optim
+        step = self.adam_step(step)
         if self._grad32 is None:
             g = s["w"]  # fp32 run: the gradient is scaled in place (the marker of this shard is set)
         else:
@@ -609,7 +618,7 @@ class ParameterStore(NodeSyncMethods, CheckpointMethods):
 
     def _single_pass_update(self, s: dict[str, torch.Tensor], step: int, coef: float, lr: float) -> None:
         o = self.cfg.optim
-        self._single_pass(s["w"], s["master"], s["m"], s["v"], *adamw_scalars(o, step, coef, lr))
+        self._single_pass(s["w"], s["master"], s["m"], s["v"], *adamw_scalars(o, self.adam_step(step), coef, lr))
 
     # -- crash consistency --------------------------------------------------------------------
     def _write_record(self, step: int, total: float, coef: float, lr: float, skipped: bool,
@@ -651,8 +660,12 @@ class ParameterStore(NodeSyncMethods, CheckpointMethods):
                 f"(python -m megaslide_ray.train --run-dir RUN --resume)")
         todo = [i for i in range(self.n) if versions[i] == lo]
         log.warning("the update of step %d was cut between shards; finishing it on shards %s", lo + 1, todo)
+        trained = self.step_shards(lo)
         for i in todo:  # their gradients of step lo are still in their w segments
-            self._update_shard(i, lo, rec.clip_coef, rec.lr, skip=rec.skipped)
+            if i in trained:
+                self._update_shard(i, lo, rec.clip_coef, rec.lr, skip=rec.skipped)
+            else:
+                self._pass_shard(i, lo)
 
     def settle(self, timeout: float = 120.0) -> tuple[int, ...]:
         """The versions once the updates already queued are applied (the driver stopped sending

@@ -45,14 +45,18 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-if __name__ == "__main__":
-    sys.exit(main())
-
 
 def format_result(r: ValResult) -> str:
     n = len(r.bucket_losses)
     lines = [f"validation loss {r.val_loss:.6f} (step {r.version}, {r.clips} clips x {n} t-buckets, "
              f"{r.seconds:.1f} s)"]
+    (lo, hi), d = r.t_range, 2 if r.t_range == (0.0, 1.0) else 4  # an expert's range: its boundary shown whole
     for b, v in enumerate(r.bucket_losses):
-        lines.append(f"  t in [{b / n:.2f}, {(b + 1) / n:.2f}): {v:.6f}")
+        lines.append(f"  t in [{lo + b * (hi - lo) / n:.{d}f}, {lo + (b + 1) * (hi - lo) / n:.{d}f}): {v:.6f}")
+    for name, v in r.expert_losses:  # a two-expert model
+        lines.append(f"  {name}-noise expert ({'transformer' if name == 'high' else 'transformer_2'}): {v:.6f}")
     return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

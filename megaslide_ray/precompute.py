@@ -10,7 +10,7 @@ import logging
 import sys
 from pathlib import Path
 
-from megaslide_ray.data.encoders import HANG_TIMEOUT_S
+from megaslide_ray.data.encoders import HANG_TIMEOUT_S, read_model_info
 from megaslide_ray.data.precompute import LATENTS_DIR, SKIPPED_NAME, precompute
 
 
@@ -38,6 +38,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--no-progress", action="store_true")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:  # what the folder is, before Ray starts
+        read_model_info(args.model_dir)
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     if args.ray_address and args.num_encoders != 0:
         import ray
 

@@ -31,10 +31,12 @@ KILL_WAIT_S = 30.0
 
 def resolve_compute_actors(cfg) -> int:
     """``runtime.compute_actors`` as a number: ``auto`` is the GPUs of the driver's node (where a
-    local run's store lands), at least 1."""
+    local run's store lands), at least 1; 1 when both experts of a two-expert model train."""
     n = cfg.runtime.compute_actors
     if n != "auto":
         return int(n)
+    if cfg.training.expert == "both":  # both experts in one store: one compute actor (config validation)
+        return 1
     here = ray.get_runtime_context().get_node_id()
     gpus = next((node["Resources"].get("GPU", 0) for node in ray.nodes() if node["NodeID"] == here), 0)
     return max(1, int(gpus))
@@ -60,7 +62,8 @@ def combine(results: list[StepResult]) -> StepResult:
         device=r0.device, data_wait_seconds=slowest("data_wait_seconds"), h2d_bytes=total("h2d_bytes"),
         h2d_seconds=total("h2d_seconds"), d2h_bytes=total("d2h_bytes"), d2h_seconds=total("d2h_seconds"),
         device_memory_peak_bytes=max(r.device_memory_peak_bytes for r in results), rank=0,
-        grad_slot_wait_seconds=slowest("grad_slot_wait_seconds"))
+        grad_slot_wait_seconds=slowest("grad_slot_wait_seconds"), t=tuple(x for r in results for x in r.t),
+        expert=r0.expert)
 
 
 def combine_batches(infos: list[BatchInfo | None]) -> BatchInfo | None:

@@ -3,6 +3,8 @@ weights after each step's update, and the same to the last bit from ``megaslide_
 on the checkpoint of that step (function and CLI), for video and latent manifests."""
 
 import json
+import subprocess
+import sys
 
 import numpy as np
 import pytest
@@ -99,6 +101,10 @@ def test_evaluate_equals_training_to_the_last_bit(evaluated_run, capsys):
     assert evaluate_cli.main(["--checkpoint", str(run_dir), "--clips", "1", "--buckets", "3", "--seed", "5"]) == 0
     text = capsys.readouterr().out
     assert "validation loss" in text and "1 clips x 3 t-buckets" in text and "t in [0.67, 1.00)" in text
+    # As a module (its summary printer defined before it runs).
+    proc = subprocess.run([sys.executable, "-m", "megaslide_ray.evaluate", "--checkpoint", str(run_dir), "--clips", "1",
+                           "--buckets", "3", "--device", "cpu"], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0 and "t in [0.67, 1.00)" in proc.stdout, proc.stderr[-2000:]
 
 
 def test_evaluate_cli_refusals(evaluated_run, tmp_path, capsys):

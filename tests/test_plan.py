@@ -546,3 +546,17 @@ def test_the_host_rows_add_up_to_the_host_total(preset, gpus, nodes, generate):
         if gpus == nodes == 1:
             assert f"fp32 update scratch: 4 B x shard {p.largest_shard}" in text
     assert p.device_required_bytes == sum(p.device_terms.values())
+
+
+def test_both_experts_hold_twice_the_host_state_and_stream_one():
+    """wan2.2-t2v-a14b: two experts of the Wan2.1 14B shape in the store (twice its host state), one
+    streamed and updated per step (the same traffic and compute); several GPUs are refused."""
+    both, one = (plan(build_config(name), ram_gb=1649, gpu_gb=141) for name in ("wan2.2-t2v-a14b", "wan2.1-t2v-14b"))
+    assert both.experts == 2 and both.params == one.params
+    assert both.host_state_bytes == 2 * one.host_state_bytes
+    assert both.host_required_bytes - one.host_required_bytes == one.host_state_bytes
+    assert (both.h2d_bytes, both.d2h_bytes, both.device_required_bytes) == (
+        one.h2d_bytes, one.d2h_bytes, one.device_required_bytes)
+    assert both.fits
+    with pytest.raises(ConfigError, match="training.expert='both' trains with one compute actor"):
+        plan(build_config("wan2.2-t2v-a14b"), gpus_per_node=8)

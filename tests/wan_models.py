@@ -41,3 +41,50 @@ def make_wan_dir(folder: Path) -> Path:
                                   relative_attention_num_buckets=8, relative_attention_max_distance=16)
     transformers.UMT5EncoderModel(cfg).save_pretrained(folder / "text_encoder")
     return folder
+
+
+BOUNDARY = 0.875
+"""The ``boundary_ratio`` of the tiny two-expert folders (Wan2.2 T2V-A14B's)."""
+
+
+def _pipeline_parts(base: Path) -> dict:
+    """The encoders of a ``make_wan_dir`` folder and a flow-matching scheduler, as pipeline parts."""
+    return dict(tokenizer=transformers.AutoTokenizer.from_pretrained(str(base / "tokenizer")),
+                text_encoder=transformers.UMT5EncoderModel.from_pretrained(str(base / "text_encoder")),
+                vae=diffusers.AutoencoderKLWan.from_pretrained(str(base / "vae")),
+                scheduler=diffusers.FlowMatchEulerDiscreteScheduler(shift=3.0))
+
+
+def make_family_dir(base: Path, folder: Path, kind: str, seed: int = 0) -> Path:
+    """A tiny random diffusers folder of one Wan layout, saved by diffusers' own pipeline class
+    (the encoders of ``base``, a ``make_wan_dir`` folder): ``t2v`` (WanPipeline), ``t2v-a14b``
+    (WanPipeline with ``transformer_2`` and ``boundary_ratio``), ``i2v`` (WanImageToVideoPipeline,
+    a transformer with ``image_dim``), ``i2v-a14b`` (two 3Z+4-channel experts, no image encoder),
+    ``flf2v`` (``pos_embed_seq_len``), ``vace`` (WanVACEPipeline)."""
+    torch.manual_seed(seed)
+    parts = _pipeline_parts(base)
+    t = dict(TRANSFORMER)
+    if kind == "t2v":
+        pipe = diffusers.WanPipeline(transformer=diffusers.WanTransformer3DModel(**t), **parts)
+    elif kind == "t2v-a14b":
+        pipe = diffusers.WanPipeline(transformer=diffusers.WanTransformer3DModel(**t),
+                                     transformer_2=diffusers.WanTransformer3DModel(**t), boundary_ratio=BOUNDARY,
+                                     **parts)
+    elif kind in ("i2v", "flf2v", "i2v-a14b"):
+        t["in_channels"] = 2 * Z + 4
+        if kind != "i2v-a14b":
+            t.update(image_dim=8, added_kv_proj_dim=16)
+        if kind == "flf2v":
+            t["pos_embed_seq_len"] = 2 * 257
+        two = kind == "i2v-a14b"
+        pipe = diffusers.WanImageToVideoPipeline(
+            transformer=diffusers.WanTransformer3DModel(**t),
+            transformer_2=diffusers.WanTransformer3DModel(**t) if two else None,
+            boundary_ratio=0.9 if two else None, **parts)
+    elif kind == "vace":
+        pipe = diffusers.WanVACEPipeline(transformer=diffusers.WanVACETransformer3DModel(
+            **t, vace_layers=[0], vace_in_channels=3 * Z), **parts)
+    else:
+        raise ValueError(kind)
+    pipe.save_pretrained(folder)
+    return folder

@@ -148,6 +148,18 @@ def wan22_ti2v_5b() -> Config:
                 compression=(4, 16, 16), height=480, width=832)
 
 
+def wan22_t2v_a14b() -> Config:
+    """Wan2.2 text-to-video A14B: two experts of the Wan2.1 14B shape (width 5120, 40 blocks, 40
+    heads, FFN 13824, 16 latent channels; 2 x 14,288,491,584 parameters with dense attention, plus
+    the DSA offset heads), ``transformer/`` for t >= 0.875 and ``transformer_2/`` below, both
+    trained in one run (``training.expert = both``); 81 frames of 720x1280. ``flow_shift`` 5 (Wan's
+    720p value): each step trains the high-noise expert with probability 0.37 (logit-normal t)."""
+    cfg = _wan("wan2.2-t2v-a14b", hidden=5120, depth=40, heads=40, ffn=13824, channels=16,
+               compression=(4, 8, 8), height=720, width=1280)
+    cfg.training.expert, cfg.training.boundary_ratio, cfg.training.flow_shift = "both", 0.875, 5.0
+    return cfg
+
+
 PRESETS: dict[str, typing.Callable[[], Config]] = {
     "tiny": tiny,
     "tiny-motion": tiny_motion,
@@ -157,6 +169,7 @@ PRESETS: dict[str, typing.Callable[[], Config]] = {
     "wan2.1-t2v-1.3b": wan21_t2v_1_3b,
     "wan2.1-t2v-14b": wan21_t2v_14b,
     "wan2.2-ti2v-5b": wan22_ti2v_5b,
+    "wan2.2-t2v-a14b": wan22_t2v_a14b,
 }
 
 

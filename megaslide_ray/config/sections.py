@@ -365,6 +365,21 @@ class TrainingConfig:
     """Time shift s of flow matching: a sampled t becomes ``s t / (1 + (s - 1) t)`` (more steps
     near the noise end), in training and in the sampler's time grid; 1 = no shift. Wan 2.x
     models use 3 (480p) to 5 (720p)."""
+    expert: Literal["", "high", "low", "both"] = ""
+    """Which experts of a two-expert Wan2.2 A14B model train (``training.boundary_ratio`` > 0):
+    ``high`` (``transformer/``, the flow times ``t >= boundary_ratio``), ``low`` (``transformer_2/``,
+    ``t < boundary_ratio``), each with its t drawn only in its range, or ``both`` (one parameter
+    store holding both: each step draws one expert, with the probability of its range under
+    ``t_sampling`` and ``flow_shift``, then every clip's t within that range, so over the steps t
+    has its usual distribution; only that expert's blocks stream, and only it is updated: the
+    other's weights and AdamW moments are untouched, each expert counts its own steps for AdamW
+    and is clipped by its own gradient norm; the learning-rate schedule follows the run's step).
+    Routing is diffusers' ``WanPipeline``'s: timestep ``1000 t >= boundary_ratio x 1000`` runs
+    ``transformer``. Empty: a one-transformer model. Set from ``--init-from ROOT/transformer`` or
+    ``ROOT/transformer_2``; ``--init-from ROOT`` of an A14B folder needs it."""
+    boundary_ratio: float = 0.0
+    """A two-expert model's boundary (``model_index.json``'s ``boundary_ratio``, 0.875 for Wan2.2
+    T2V-A14B), read from the ``--init-from`` folder; 0: a one-transformer model."""
     sample_every: int = 0
     """Every this many steps, sample ``sample_prompt`` through the compute actor into
     ``RUN_DIR/samples/step_N.mp4`` (and a ``.png`` contact sheet); 0 never."""

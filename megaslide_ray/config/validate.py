@@ -76,6 +76,9 @@ def _check_sizes_and_model(cfg: Config) -> None:
         raise ConfigError(f"model.prediction={m.prediction!r} is not one of ['velocity', 'sample']")
     if m.arch == "wan":
         _validate_wan(cfg)
+    elif t.expert or t.boundary_ratio:
+        raise ConfigError(f"training.expert={t.expert!r}, training.boundary_ratio={t.boundary_ratio}: experts are "
+                          f"a wan model's (model.arch='wan'); leave them unset")
     elif m.inputs == "latents":
         for i, c in enumerate(m.latent_compression):
             if not c > 0:
@@ -92,7 +95,7 @@ def _check_runtime_counts(cfg: Config) -> None:
     if rt.compute_actors != "auto" and (not isinstance(rt.compute_actors, int) or rt.compute_actors < 1):
         raise ConfigError(f"runtime.compute_actors={rt.compute_actors!r} must be an integer >= 1 or 'auto' (one "
                           f"compute actor per GPU of the node)")
-    shards = cfg.model.depth + 2  # the input side, the blocks, the head (models.registry.num_shards)
+    shards = cfg.model.depth + 2  # the input side, the blocks, the head (per expert: models.registry.num_shards)
     if not isinstance(rt.nodes, int) or not 1 <= rt.nodes <= shards:
         raise ConfigError(f"runtime.nodes={rt.nodes!r} must be an integer from 1 to the model's {shards} shards "
                           f"(model.depth + 2): each node owns the optimizer state of at least one shard")
@@ -252,6 +255,29 @@ def _validate_wan(cfg: Config) -> None:
     for i, c in enumerate(m.latent_compression):
         if not c > 0:
             raise ConfigError(f"model.latent_compression[{i}]={c} must be > 0")
+    _validate_experts(cfg)
+
+
+def _validate_experts(cfg: Config) -> None:
+    """``training.expert`` and ``training.boundary_ratio``: a two-expert model names the experts it
+    trains; ``both`` runs on one node with one compute actor."""
+    t, rt = cfg.training, cfg.runtime
+    if t.expert not in ("", "high", "low", "both"):
+        raise ConfigError(f"training.expert={t.expert!r} is not one of '', 'high', 'low', 'both'")
+    if not 0.0 <= t.boundary_ratio < 1.0:
+        raise ConfigError(f"training.boundary_ratio={t.boundary_ratio} must be in [0, 1) (0: a one-transformer "
+                          f"model)")
+    if t.boundary_ratio and not t.expert:
+        raise ConfigError(f"training.boundary_ratio={t.boundary_ratio}: a two-expert Wan2.2 A14B model; say which "
+                          f"experts train: --training.expert both (both in one run, routed by timestep), high "
+                          f"(transformer/, t >= {t.boundary_ratio}) or low (transformer_2/, t < {t.boundary_ratio})")
+    if t.expert and not t.boundary_ratio:
+        raise ConfigError(f"training.expert={t.expert!r} needs a two-expert model (training.boundary_ratio > 0, "
+                          f"read from an A14B folder's model_index.json by --init-from); leave it empty")
+    if t.expert == "both" and (rt.nodes != 1 or rt.compute_actors not in (1, "auto")):
+        raise ConfigError(f"training.expert='both' runs on one node with one compute actor (runtime.nodes="
+                          f"{rt.nodes}, runtime.compute_actors={rt.compute_actors!r}); set both to 1, or train "
+                          f"the experts in separate runs (training.expert high / low)")
 
 
 def _validate_latent_clip(cfg: Config) -> None:

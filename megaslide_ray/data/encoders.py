@@ -24,6 +24,7 @@ import numpy as np
 import torch
 
 from megaslide_ray.config import DataConfig
+from megaslide_ray.config.wan_folders import describe_wan_folder, refuse_unsupported
 from megaslide_ray.data.clips import ClipUnreadable, decode_clip
 from megaslide_ray.data.latents import (
     DTYPES,
@@ -127,8 +128,12 @@ def check_model_dir(model_dir: str | os.PathLike, parts: tuple[str, ...], flag: 
 
 def read_model_info(model_dir: str | os.PathLike) -> ModelInfo:
     """Read ``WAN_DIR/vae/config.json`` and ``WAN_DIR/text_encoder/config.json`` (checking that
-    ``tokenizer/`` is there too); a ``ValueError`` says what is missing."""
+    ``tokenizer/`` is there too); a ``ValueError`` says what is missing, and a folder of a model
+    that is not text-to-video (image-to-video, VACE, ...: ``refuse_unsupported``) is refused,
+    naming what it is, so its clips are never stored as text-to-video latents."""
     root = Path(model_dir)
+    if root.is_dir():
+        refuse_unsupported(describe_wan_folder(root, need_transformer=False), "--model-dir")
     need = [root / "vae" / "config.json", root / "text_encoder" / "config.json", root / "tokenizer"]
     missing = [str(p.relative_to(root)) for p in need if not p.exists()]
     if missing:

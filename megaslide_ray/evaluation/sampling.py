@@ -32,6 +32,7 @@ import torch
 from actors.compute import ComputeActor
 from actors.param_store import ShardInfo
 from megaslide_ray.config import Config, ConfigError, config_from_dict, validate
+from megaslide_ray.config.wan_folders import describe_wan_folder, refuse_unsupported
 from megaslide_ray.data.captions import caption_batch
 from megaslide_ray.data.demo import write_video
 from megaslide_ray.data.encoders import Encoder, check_model_dir
@@ -268,9 +269,12 @@ def decode_latents(vae, latents: torch.Tensor) -> np.ndarray:
 def check_model_files(model_dir: str | Path, parts: tuple[str, ...]) -> Path:
     """The local model folder's ``parts`` present (``check_model_dir``) and their safetensors files
     whole, checked before denoising (a VAE found missing or damaged only after the last Euler
-    step would cost the whole run). Returns the folder, absolute."""
+    step would cost the whole run), and the folder a text-to-video Wan model's or its encoders'
+    alone (``refuse_unsupported``: an image-to-video folder is refused, naming what it is).
+    Returns the folder, absolute."""
     try:
         root = check_model_dir(model_dir, parts)
+        refuse_unsupported(describe_wan_folder(root, need_transformer=False), "--model-dir")
     except ValueError as e:
         raise ConfigError(str(e)) from None
     damaged = [f"{f.relative_to(root)}: {problem.removeprefix(f.name + ' ')}" for part in parts
@@ -278,6 +282,15 @@ def check_model_files(model_dir: str | Path, parts: tuple[str, ...]) -> Path:
     if damaged:
         raise ConfigError(f"--model-dir {root}: damaged weights: {'; '.join(damaged)}; copy them again")
     return root
+
+
+def refuse_one_expert(cfg: Config, ckpt: Path) -> None:
+    """A checkpoint of one expert of a two-expert model cannot sample alone: ``ConfigError``."""
+    if cfg.training.expert in ("high", "low"):
+        raise ConfigError(f"{ckpt} holds one expert of a two-expert model (training.expert={cfg.training.expert!r}): "
+                          f"sampling runs both (timestep t >= {cfg.training.boundary_ratio} x 1000: transformer/, below: "
+                          f"transformer_2/). Export it (--format diffusers) into the model folder in place of its "
+                          f"expert and sample with diffusers' WanPipeline, or train both (training.expert=both)")
 
 
 def sample_video(checkpoint: str | Path, prompt: str, out: str | Path, frames: int | None = None,
@@ -294,7 +307,9 @@ def sample_video(checkpoint: str | Path, prompt: str, out: str | Path, frames: i
     guidance) and the VAE that decodes the result; ``training.flow_shift`` shifts the time grid.
     A ``videodit`` on latents (``model.inputs = latents``, the ``dit-*`` presets) reads the prompt
     as bytes and needs ``model_dir`` only for its VAE (the one its latents were made with). A
-    ``videodit`` on pixels takes no ``model_dir`` (ConfigError: one given was meant for another model)."""
+    ``videodit`` on pixels takes no ``model_dir`` (ConfigError: one given was meant for another model). A
+    checkpoint of both experts of a two-expert model runs, at each time, the expert diffusers'
+    ``WanPipeline`` runs (``ComputeActor.predict``); one of one expert alone is refused."""
     if upscale < 1:
         raise ValueError(f"upscale={upscale} must be >= 1 (1 writes the model's own size)")
 
@@ -309,6 +324,7 @@ def sample_video(checkpoint: str | Path, prompt: str, out: str | Path, frames: i
         raise FileNotFoundError(f"--checkpoint {e}") from None
     state = read_checkpoint_state(ckpt)
     cfg = sampling_config(state, frames, height, width, device)
+    refuse_one_expert(cfg, ckpt)
     if cfg.model.arch == "videodit" and cfg_scale != 1.0 and not cfg.training.caption_dropout:
         log.warning("--cfg-scale %s: this checkpoint was trained without caption dropout "
                        "(training.caption_dropout = 0), so its unconditional prediction (the empty caption) "

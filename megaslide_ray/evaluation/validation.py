@@ -50,7 +50,7 @@ from megaslide_ray.data.manifest import read_manifest
 from megaslide_ray.evaluation.sampling import CheckpointWeights
 from megaslide_ray.state.checkpoint import read_checkpoint_state, resolve_checkpoint
 from megaslide_ray.state.segments import DTYPES
-from megaslide_ray.training.flow import video_to_unit
+from megaslide_ray.training.flow import EXPERT_NAMES, HIGH, LOW, expert_t_range, route_expert, video_to_unit
 
 log = logging.getLogger(__name__)
 
@@ -71,20 +71,24 @@ class ValSet:
 @dataclass(frozen=True)
 class ValResult:
     val_loss: float
-    bucket_losses: tuple[float, ...]  # bucket b covers t in [b / n, (b + 1) / n)
+    bucket_losses: tuple[float, ...]  # bucket b covers t in [lo + b (hi - lo) / n, lo + (b + 1) (hi - lo) / n)
     clips: int
     seconds: float
     version: int                      # the weights' version (optimizer steps applied)
+    expert_losses: tuple = ()         # a two-expert model: (("high", loss), ("low", loss)) over each one's items
+    t_range: tuple = (0.0, 1.0)       # the times evaluated (one expert of a two-expert model: its range)
 
     def as_row(self) -> dict:
-        """The metrics.jsonl fields: ``val_loss`` and ``val_loss_t0`` ... ``val_loss_t{n-1}``."""
+        """The metrics.jsonl fields: ``val_loss`` and ``val_loss_t0`` ... ``val_loss_t{n-1}``, and
+        per expert ``val_loss_high`` / ``val_loss_low``."""
         return {"val_loss": self.val_loss, **{f"val_loss_t{b}": v for b, v in enumerate(self.bucket_losses)},
-                "val_seconds": self.seconds}
+                **{f"val_loss_{name}": v for name, v in self.expert_losses}, "val_seconds": self.seconds}
 
     def as_json(self) -> dict:
-        n = len(self.bucket_losses)
+        n, (lo, hi) = len(self.bucket_losses), self.t_range
         return {"val_loss": self.val_loss, "buckets": {f"val_loss_t{b}": v for b, v in enumerate(self.bucket_losses)},
-                "bucket_edges": [[b / n, (b + 1) / n] for b in range(n)], "clips": self.clips,
+                "bucket_edges": [[lo + b * (hi - lo) / n, lo + (b + 1) * (hi - lo) / n] for b in range(n)],
+                **({"experts": dict(self.expert_losses)} if self.expert_losses else {}), "clips": self.clips,
                 "step": self.version, "seconds": self.seconds}
 
 
@@ -154,13 +158,15 @@ def val_generator(seed: int, clip: int, bucket: int) -> torch.Generator:
     return torch.Generator(device="cpu").manual_seed(key)
 
 
-def val_inputs(x0: torch.Tensor, seed: int, clip: int, bucket: int, buckets: int
-               ) -> tuple[torch.Tensor, float, torch.Tensor]:
-    """``(x_t, t, target)`` of clip ``x0`` (one clip, no batch axis) in bucket ``bucket``."""
+def val_inputs(x0: torch.Tensor, seed: int, clip: int, bucket: int, buckets: int,
+               t_range: tuple[float, float] = (0.0, 1.0)) -> tuple[torch.Tensor, float, torch.Tensor]:
+    """``(x_t, t, target)`` of clip ``x0`` (one clip, no batch axis) in bucket ``bucket`` of
+    ``t_range`` (one expert's range; [0, 1] otherwise)."""
     g = val_generator(seed, clip, bucket)
     noise = torch.randn(x0.shape, generator=g, dtype=torch.float32)
     u = float(torch.rand((), generator=g, dtype=torch.float64))
-    t = min(max((bucket + u) / buckets, 1e-4), 1 - 1e-4)
+    lo, hi = t_range
+    t = min(max(lo + (hi - lo) * (bucket + u) / buckets, 1e-4), 1 - 1e-4)
     x_t = (1 - t) * x0 + t * noise
     return x_t, t, noise - x0
 
@@ -186,22 +192,42 @@ def validation_loss(predictor, cfg: Config, val: ValSet, version: int, *, seed: 
     seed = cfg.training.seed if seed is None else int(seed)
     nb = int(buckets or cfg.training.val_t_buckets)
     bs = int(batch_size or cfg.data.batch_size)
+    t_range, groups = _expert_items(cfg, val, seed, nb)
+    items = [item for group in groups.values() for item in group]
+    losses: dict[tuple[int, int], float] = {}
+    for group in groups.values():  # a call never mixes two experts' items
+        for start in range(0, len(group), bs):
+            chunk = group[start:start + bs]
+            xs, ts, targets = zip(*(val_inputs(val.x0[i], seed, i, b, nb, t_range) for i, b in chunk))
+            idx = [i for i, _ in chunk]
+            pred = predictor.predict(torch.stack(xs), torch.tensor(ts, dtype=torch.float32), val.cond[idx],
+                                     val.cond_len[idx], version)
+            err = (pred.double() - torch.stack(targets).double()).pow(2)
+            losses.update(zip(chunk, err.reshape(len(chunk), -1).mean(dim=1).tolist()))
+    items.sort()  # clip-major, as without experts: the sums below add in the same order
+    by_bucket = [math.fsum(losses[k] for k in items if k[1] == bucket) / len(val.rows) for bucket in range(nb)]
+    experts = tuple((EXPERT_NAMES[e], math.fsum(losses[k] for k in group) / len(group))
+                    for e, group in groups.items() if e is not None and group)
+    return ValResult(math.fsum(losses[k] for k in items) / len(items), tuple(by_bucket), len(val.rows),
+                     time.perf_counter() - t0, int(version), experts, t_range)
+
+
+def _expert_items(cfg: Config, val: ValSet, seed: int, nb: int) -> tuple[tuple[float, float], dict]:
+    """The times evaluated and the items ``(clip, bucket)`` by expert: one group (key None) for a
+    one-transformer model; for one expert of a two-expert model (``training.expert`` high or low)
+    the buckets divide its range; with both, each item goes to the expert diffusers' pipeline runs
+    at its t (``route_expert``)."""
+    t = cfg.training
     items = [(i, b) for i in range(len(val.rows)) for b in range(nb)]
-    losses = [0.0] * len(items)
-    for start in range(0, len(items), bs):
-        chunk = items[start:start + bs]
-        xs, ts, targets = zip(*(val_inputs(val.x0[i], seed, i, b, nb) for i, b in chunk))
-        idx = [i for i, _ in chunk]
-        pred = predictor.predict(torch.stack(xs), torch.tensor(ts, dtype=torch.float32), val.cond[idx],
-                                 val.cond_len[idx], version)
-        err = (pred.double() - torch.stack(targets).double()).pow(2)
-        per_item = err.reshape(len(chunk), -1).mean(dim=1)
-        for j, v in enumerate(per_item.tolist()):
-            losses[start + j] = v
-    by_bucket = [math.fsum(losses[k] for k, (_, b) in enumerate(items) if b == bucket) / len(val.rows)
-                 for bucket in range(nb)]
-    return ValResult(math.fsum(losses) / len(items), tuple(by_bucket), len(val.rows), time.perf_counter() - t0,
-                     int(version))
+    if not t.expert:
+        return (0.0, 1.0), {None: items}
+    if t.expert != "both":
+        expert = HIGH if t.expert == "high" else LOW
+        return expert_t_range(t.boundary_ratio, expert), {expert: items}
+    groups: dict = {HIGH: [], LOW: []}
+    for i, b in items:
+        groups[route_expert(val_inputs(val.x0[i], seed, i, b, nb)[1], t.boundary_ratio)].append((i, b))
+    return (0.0, 1.0), groups
 
 
 # ---------------------------------------------------------------------------------------------

@@ -48,8 +48,12 @@ def architecture(arch: str) -> Architecture:
 
 
 def build_shard(cfg: Config, index: int, device: str | torch.device = "cpu") -> nn.Module:
-    """One shard module, alone (the store initialises a 105B model this way, a block at a time)."""
+    """One shard module, alone (the store initialises a 105B model this way, a block at a time).
+    With two experts (``num_experts``) shard ``index`` is shard ``index mod (depth + 2)`` of
+    expert ``index // (depth + 2)``: both have the same modules."""
     arch, L = architecture(cfg.model.arch), cfg.model.depth
+    if 0 <= index < num_shards(cfg):
+        index %= L + 2
     with torch.device(device):
         if index == 0:
             return arch.embed(cfg)
@@ -60,9 +64,21 @@ def build_shard(cfg: Config, index: int, device: str | torch.device = "cpu") -> 
     raise IndexError(f"shard index {index} out of range 0..{L + 1}")
 
 
-def num_shards(cfg: Config) -> int:
-    """The input side, ``model.depth`` blocks and the head."""
+def num_experts(cfg: Config) -> int:
+    """Transformers the store holds: 2 when both experts of a two-expert model train
+    (``training.expert = both``), else 1."""
+    return 2 if cfg.training.expert == "both" else 1
+
+
+def expert_shards(cfg: Config) -> int:
+    """Shards of one transformer: the input side, ``model.depth`` blocks and the head."""
     return cfg.model.depth + 2
+
+
+def num_shards(cfg: Config) -> int:
+    """Shards in the store: the input side, ``model.depth`` blocks and the head, of each expert
+    (``num_experts``); expert e's shard i is shard ``e x (depth + 2) + i``."""
+    return num_experts(cfg) * expert_shards(cfg)
 
 
 def initialize_shard(module: nn.Module, seed: int, index: int) -> None:

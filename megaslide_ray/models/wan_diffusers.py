@@ -15,6 +15,7 @@ import torch.nn as nn
 
 from megaslide_ray.config import WAN_WINDOW, Config, ConfigError, apply_overrides
 from megaslide_ray.config.presets import GPU_OFFSET_FIELDS
+from megaslide_ray.config.wan_folders import describe_wan_folder, refuse_unsupported
 from megaslide_ray.models.diffusers_dsa import CONFIG_KEY as DSA_CONFIG_KEY
 from megaslide_ray.models.layers import ffn_width
 from megaslide_ray.models.wan import WanTransformer, cast_like_diffusers, initialize_shard
@@ -209,10 +210,19 @@ def from_diffusers(path: str | Path, attention_kind: str = "dense", window: Sequ
     heads initialised from ``seed`` with the last layer zero, their offsets clamped at the presets'
     ``GPU_MAX_OFFSET`` unless the directory is an export of ours that records its own bound. ``dtype``: float32 by default; bf16
     keeps diffusers' float32 modules (``KEEP_FP32``) in float32. The model is built in ``dtype``
-    and filled one tensor at a time: a bf16 14B model takes its 28.6 GB, not an fp32 copy first."""
+    and filled one tensor at a time: a bf16 14B model takes its 28.6 GB, not an fp32 copy first.
+    A folder that is not a text-to-video Wan model is refused naming what it is, and so is the
+    model folder of a two-expert Wan2.2 A14B model: name the expert's folder (``ROOT/transformer``
+    or ``ROOT/transformer_2``)."""
     from safetensors import safe_open
 
     tdir = transformer_dir(path)
+    folder = describe_wan_folder(path)
+    refuse_unsupported(folder, "from_diffusers:")
+    if folder.two_experts and folder.given is None:
+        raise ConfigError(f"from_diffusers: {str(path)!r} is {folder.name} ({folder.evidence}): load one expert by "
+                          f"its folder, {str(Path(path) / 'transformer')!r} (t >= boundary_ratio x 1000) or "
+                          f"{str(Path(path) / 'transformer_2')!r} (below)")
     cfg = Config()
     found = diffusers_overrides(tdir)
     apply_overrides(cfg, found)

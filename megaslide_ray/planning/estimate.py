@@ -185,6 +185,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from megaslide_ray.config import Config, ConfigError
+from megaslide_ray.models.registry import num_experts
 from megaslide_ray.models.shards import grad_slot_numel, resident_shards
 from megaslide_ray.planning.scaleout import ScaleOut, scale_out
 from megaslide_ray.planning.terms import (
@@ -229,7 +230,7 @@ class Plan:
     token_chunk: int               # runtime.token_chunk (0: whole clip)
     attention_chunk_tokens: int    # Q: query tokens per attention chunk (N when unchunked)
     # -- parameters
-    params: int
+    params: int                    # one transformer's (two experts: each one's; the host holds both)
     params_per_token: int          # P_tok: applied to every token
     params_offset_heads: int       # the DSA offset heads' share of params (attention.offset_groups shrinks it)
     num_shards: int
@@ -292,6 +293,7 @@ class Plan:
     global_batch: int = 0          # clips per step, all GPUs: gpus x nodes x micro_batches x batch_size
     transfer_compute_ratio: float = 0.0   # host -> device time / compute time, one GPU (falls as 1/k)
     scale: ScaleOut | None = None  # per node: network bytes, host DRAM bytes (training)
+    experts: int = 1               # transformers in the host store (2: both experts of a Wan2.2 A14B model)
     resident_shards: tuple[int, ...] = ()  # runtime.resident_gb: shards kept from forward to backward
     resident_bytes: int = 0        # their weights on the device (one fetch per step each, not two)
 
@@ -319,6 +321,13 @@ class Plan:
         return d
 
 
+def _refuse_experts_on_several_gpus(cfg: Config, gpus_per_node: int, nodes: int, generate: bool) -> None:
+    if num_experts(cfg) > 1 and gpus_per_node * nodes > 1 and not generate:
+        raise ConfigError(f"training.expert='both' trains with one compute actor on one node (asked: {gpus_per_node} "
+                          f"GPUs x {nodes} nodes); plan each expert's run (training.expert high or low: one "
+                          f"transformer, e.g. --preset wan2.1-t2v-14b, the same shape) for several GPUs")
+
+
 def plan(cfg: Config, w_dtype: str = "bfloat16", pcie_gbps: float = 55.0, dram_gbps: float = 300.0,
          device_tflops: float = 990.0, ram_gb: float | None = None, gpu_gb: float | None = None, *,
          generate: bool = False, sample_steps: int = 50, host_reserve_gb: float | None = None,
@@ -336,6 +345,7 @@ def plan(cfg: Config, w_dtype: str = "bfloat16", pcie_gbps: float = 55.0, dram_g
             raise ConfigError(f"{name}={value!r} must be an integer >= 1")
     if not (network_gbps > 0 and math.isfinite(network_gbps)):
         raise ConfigError(f"network_gbps={network_gbps!r} must be a finite number > 0 (GB/s)")
+    _refuse_experts_on_several_gpus(cfg, gpus_per_node, nodes, generate)
     micro = 1 if generate else cfg.training.micro_batches
     if w_dtype not in W_DTYPES:
         raise ConfigError(f"w_dtype={w_dtype!r}; use one of {list(W_DTYPES)}")
@@ -361,13 +371,14 @@ def plan(cfg: Config, w_dtype: str = "bfloat16", pcie_gbps: float = 55.0, dram_g
     Smax = counts[largest]
     chunk = min(cfg.runtime.token_chunk, N)
 
-    # -- host memory
+    # -- host memory: every expert's state (two experts: both in the store); the traffic below is one's
+    PH = num_experts(cfg) * P
     if generate:
-        host = {"w": wb * P}
+        host = {"w": wb * PH}
         state, scratch = host["w"], 0
     else:
         scratch = 4 * Smax if wb == 2 else 0  # the bf16 gradient is upcast into it for AdamW
-        host = {"w": wb * P, "master": 4 * P, "m": 4 * P, "v": 4 * P, "scratch": scratch}
+        host = {"w": wb * PH, "master": 4 * PH, "m": 4 * PH, "v": 4 * PH, "scratch": scratch}
         state = host["w"] + host["master"] + host["m"] + host["v"]
     store = state + scratch
 
@@ -414,7 +425,7 @@ def plan(cfg: Config, w_dtype: str = "bfloat16", pcie_gbps: float = 55.0, dram_g
         label = label.replace("x ND)", f"x {micro} micro-batches x ND)")
     if not generate:
         scale = scale_out(counts, wb, gpus_per_node, nodes, cfg.runtime.grad_slots, micro, network_gbps, adamw_pp,
-                          h2d, d2h, parts["offloaded_checkpoints"], label, cfg.runtime.grad_slot_mb)
+                          h2d, d2h, parts["offloaded_checkpoints"], label, cfg.runtime.grad_slot_mb, num_experts(cfg))
         if gpus_per_node * nodes > 1:  # the node's DRAM serves every GPU's link, the gradient sum and AdamW
             del terms["adamw"]
             terms["host_dram"] = scale.host_dram_bytes / (dram_gbps * 1e9)
@@ -481,7 +492,7 @@ def plan(cfg: Config, w_dtype: str = "bfloat16", pcie_gbps: float = 55.0, dram_g
         token_grid=tuple(cfg.token_grid), tokens_per_sample=N, tokens_per_step=tokens * gpus_per_node * nodes,
         token_chunk=chunk,
         attention_chunk_tokens=Q,
-        params=P, params_per_token=p_tok, params_offset_heads=p_offsets, num_shards=len(counts),
+        experts=num_experts(cfg), params=P, params_per_token=p_tok, params_offset_heads=p_offsets, num_shards=len(counts),
         largest_shard=largest, largest_shard_params=Smax,
         host_bytes=host, host_state_bytes=state, host_state_bytes_per_param=wb if generate else wb + 12,
         moment_bytes=host.get("m", 0) + host.get("v", 0), scratch_bytes=scratch, host_store_bytes=store,

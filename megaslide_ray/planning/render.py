@@ -46,6 +46,9 @@ def render(p: Plan) -> str:
                  if p.token_chunk else "  token chunk: none (whole clip at once; runtime.token_chunk = 0)")
     lines.append(f"  parameters {p.params:,} ({fmt_count(p.params)}) in {p.num_shards} shards; largest: "
                  f"shard {p.largest_shard}, {p.largest_shard_params:,}")
+    if p.experts > 1:
+        lines.append(f"  two experts: the host holds both ({fmt_count(p.experts * p.params)} parameters); a step "
+                     f"streams and updates one")
     if p.params_offset_heads:
         lines.append(f"  of which DSA offset heads {p.params_offset_heads:,} ({fmt_count(p.params_offset_heads)}, "
                      f"{100 * p.params_offset_heads / (p.params - p.params_offset_heads):.0f}% on top of the rest; "

@@ -8,7 +8,7 @@ import math
 from kernels import slab_kv_frames
 from megaslide_ray.config import Config, ConfigError, validate
 from megaslide_ray.models.layers import ffn_width
-from megaslide_ray.models.registry import build_shard, num_shards
+from megaslide_ray.models.registry import build_shard, expert_shards
 
 HOST_RESERVE_GB = 32.0
 """Host RAM kept free beyond the store, the offloaded block inputs and (generation) the weights:
@@ -128,7 +128,7 @@ def _shard_counts(cfg: Config) -> tuple[list[int], int, int, int, int]:
     counts = [sum(per_kind[0]), *[sum(per_kind[1])] * L, sum(per_kind[L + 1])]
     p_tok, p_sample, p_text = (per_kind[0][r] + L * per_kind[1][r] + per_kind[L + 1][r] for r in range(3))
     offsets = L * sum(p.numel() for n, p in kinds[1].named_parameters() if ".offsets." in f".{n}")
-    assert len(counts) == num_shards(cfg)
+    assert len(counts) == expert_shards(cfg)  # one transformer (two experts: each has these)
     _COUNT_CACHE[key] = (counts, p_tok, p_sample, p_text, offsets)
     return _COUNT_CACHE[key]
 

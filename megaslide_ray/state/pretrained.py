@@ -26,6 +26,7 @@ from __future__ import annotations
 import json
 import logging
 import math
+import os
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -33,11 +34,12 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from megaslide_ray.config import PRESETS, Config, build_config, config_from_dict
+from megaslide_ray.config import PRESETS, Config, ConfigError, build_config, config_from_dict
 from megaslide_ray.config import preset as make_preset
+from megaslide_ray.config.wan_folders import describe_wan_folder, refuse_unsupported
 from megaslide_ray.models.diffusers_dsa import CONFIG_KEY as DSA_CONFIG_KEY
 from megaslide_ray.models.diffusers_dsa import export_settings
-from megaslide_ray.models.registry import build_shard, initialize_shard, num_shards
+from megaslide_ray.models.registry import build_shard, initialize_shard, num_experts, num_shards
 from megaslide_ray.models.shards import ShardLayout
 from megaslide_ray.models.wan_diffusers import check_against, diffusers_config, diffusers_overrides, transformer_dir
 from megaslide_ray.state.checkpoint import CheckpointReader, check_checkpoint, is_checkpoint_dir, safetensors_problem
@@ -51,15 +53,24 @@ class PretrainedMismatchError(ValueError):
     """The pretrained weights do not fit the configured model."""
 
 
-def shard_prefix(index: int, shards: int, arch: str = "videodit") -> str:
-    """Standard state-dict prefix of shard ``index`` in a model of ``shards`` shards. ``wan``:
-    the diffusers names, whose input side (``patch_embedding.*``, ``condition_embedder.*``) and
-    head (``scale_shift_table``, ``proj_out.*``) sit at the top level."""
-    if 0 < index < shards - 1:
-        return f"blocks.{index - 1}."
+EXPERT_2_PREFIX = "transformer_2."
+"""The standard names of a two-expert model's second expert (``transformer_2/``) start with this;
+the first expert's (``transformer/``) are the plain names."""
+
+
+def shard_prefix(index: int, shards: int, arch: str = "videodit", experts: int = 1) -> str:
+    """Standard state-dict prefix of shard ``index`` in a model of ``shards`` shards (``experts``
+    transformers of ``shards / experts`` each; the second's names start with ``EXPERT_2_PREFIX``).
+    ``wan``: the diffusers names, whose input side (``patch_embedding.*``,
+    ``condition_embedder.*``) and head (``scale_shift_table``, ``proj_out.*``) sit at the top level."""
+    per = shards // experts
+    expert, index = divmod(index, per)
+    first = EXPERT_2_PREFIX if expert else ""
+    if 0 < index < per - 1:
+        return f"{first}blocks.{index - 1}."
     if arch == "wan":
-        return ""
-    return "embed." if index == 0 else "head."
+        return first
+    return first + ("embed." if index == 0 else "head.")
 
 
 def is_diffusers_dir(path: str | Path) -> bool:
@@ -81,17 +92,22 @@ def config_for_diffusers_dir(path: str | Path, preset_name: str | None, config_f
                              overrides: dict) -> Config:
     """The run's config when ``--init-from`` is a diffusers Wan directory: the model section comes
     from its ``config.json`` (and ``vae/config.json``). With no ``--preset``/``--config`` the
-    rest starts from the ``wan`` preset of the same shape (else ``wan2.1-t2v-1.3b``); flags apply
+    rest starts from the ``wan`` preset of the same shape and the same number of experts (a
+    Wan2.2 A14B folder: ``wan2.2-t2v-a14b``, both experts; else ``wan2.1-t2v-1.3b``); flags apply
     on top. Anything the preset, the file or a flag sets that contradicts the directory is
-    listed in one ``ConfigError``."""
-    model = diffusers_overrides(path)
+    listed in one ``ConfigError``, and so is a folder that is not a text-to-video Wan model
+    (``check_init_folder``)."""
+    experts = expert_overrides(path)  # first: it names what an unsupported folder is
+    model = {**diffusers_overrides(path), **experts}
     source = f"--init-from {path}"
     if preset_name is None and config_file is None:
         base = "wan2.1-t2v-1.3b"
-        for name in PRESETS:
-            m = make_preset(name).model
+        for name in PRESETS:  # the preset of the same shape and the same number of experts
+            p = make_preset(name)
+            m = p.model
             if m.arch == "wan" and (m.hidden_size, m.depth, m.in_channels) == (
-                    model["model.hidden_size"], model["model.depth"], model["model.in_channels"]):
+                    model["model.hidden_size"], model["model.depth"], model["model.in_channels"]) and \
+                    bool(p.training.boundary_ratio) == ("training.boundary_ratio" in experts):
                 base = name
         cfg = build_config(base, None, {**model, **overrides})
     else:
@@ -100,9 +116,44 @@ def config_for_diffusers_dir(path: str | Path, preset_name: str | None, config_f
     return cfg
 
 
+def check_init_folder(path: str | Path) -> None:
+    """Refuse (``ConfigError``, naming what it is) a diffusers folder given to ``--init-from`` that
+    is not a text-to-video Wan model: image-to-video, VACE, Animate, S2V, unknown classes."""
+    refuse_unsupported(describe_wan_folder(path), "--init-from")
+
+
+def expert_overrides(path: str | Path) -> dict:
+    """What a two-expert folder sets (refusing any other model ``check_init_folder`` refuses):
+    ``training.boundary_ratio`` from its ``model_index.json``, and ``training.expert`` when ``path``
+    is one expert's folder (``transformer/``: high, ``transformer_2/``: low). The model folder of
+    a two-expert model must hold two transformers of the same config. Empty for one transformer."""
+    check_init_folder(path)
+    folder = describe_wan_folder(path)
+    if not folder.two_experts:
+        return {}
+    if folder.boundary_ratio is None:
+        raise ConfigError(f"--init-from {str(path)!r}: {folder.name} without a boundary_ratio in "
+                          f"{folder.root}/model_index.json; diffusers' pipeline would run transformer/ alone")
+    out = {"training.boundary_ratio": folder.boundary_ratio}
+    if folder.given is not None:
+        out["training.expert"] = "high" if folder.given == "transformer" else "low"
+        return out
+    first, second = (diffusers_overrides(folder.root / name) for name in ("transformer", "transformer_2"))
+    if first != second:
+        diff = sorted(k for k in first if first[k] != second.get(k))
+        raise ConfigError(f"--init-from {str(path)!r}: transformer/ and transformer_2/ differ in {diff}; both experts "
+                          f"must have the same shape")
+    return out
+
+
 def checkpoint_arch(ckpt: CheckpointReader) -> str:
     """The architecture a checkpoint was written for (checkpoints before ``model.arch``: videodit)."""
     return ckpt.state.get("config", {}).get("model", {}).get("arch", "videodit")
+
+
+def checkpoint_experts(ckpt: CheckpointReader) -> int:
+    """Transformers a checkpoint holds: 2 when it trained both experts of a two-expert model."""
+    return 2 if ckpt.state.get("config", {}).get("training", {}).get("expert") == "both" else 1
 
 
 def is_fresh_part(name: str) -> bool:
@@ -114,12 +165,12 @@ def is_fresh_part(name: str) -> bool:
 
 def model_names(cfg: Config) -> dict[str, tuple[tuple[int, ...], int, int]]:
     """Standard name -> (shape, shard, offset in the shard's flat buffer), from meta shards."""
-    n = num_shards(cfg)
+    n, experts = num_shards(cfg), num_experts(cfg)
     out = {}
     for i in range(n):
         lay = ShardLayout.of(build_shard(cfg, i, "meta"), i)
         for name, shape, off in zip(lay.names, lay.shapes, lay.offsets):
-            out[shard_prefix(i, n, cfg.model.arch) + name] = (tuple(shape), i, off)
+            out[shard_prefix(i, n, cfg.model.arch, experts) + name] = (tuple(shape), i, off)
     return out
 
 
@@ -137,8 +188,10 @@ class Entry:
     shard: int = -1       # checkpoint sources: the checkpoint shard that holds it
 
 
-def index_source(path: str | Path) -> dict[str, Entry]:
-    """Standard name -> Entry for every tensor the source holds."""
+def index_source(path: str | Path, cfg: Config | None = None) -> dict[str, Entry]:
+    """Standard name -> Entry for every tensor the source holds. A two-expert diffusers folder
+    gives the transformer folders ``cfg.training.expert`` names (``both``: ``transformer_2/``'s
+    tensors under ``EXPERT_2_PREFIX``)."""
     path = Path(path)
     if not path.exists():
         raise FileNotFoundError(f"--init-from {path}: no such file or directory")
@@ -147,9 +200,47 @@ def index_source(path: str | Path) -> dict[str, Entry]:
         if problems:
             raise PretrainedMismatchError(f"--init-from {path}: the checkpoint is damaged: {'; '.join(problems)}")
         return _index_checkpoint(path)
-    if is_diffusers_dir(path):  # a diffusers model directory or its transformer/ folder: the weights' folder
+    if is_diffusers_dir(path):  # a diffusers model directory or its transformer folder(s): the weights' folders
+        try:
+            folders = diffusers_weight_dirs(path, cfg)
+        except ConfigError as e:
+            raise PretrainedMismatchError(str(e)) from None
+        out: dict[str, Entry] = {}
+        for folder, prefix in folders:
+            out.update({prefix + k: e for k, e in _index_files(folder).items()})
+        return out
+    return _index_files(path)
 
-        path = transformer_dir(path)
+
+def diffusers_weight_dirs(path: str | Path, cfg: Config | None) -> list[tuple[Path, str]]:
+    """The transformer folders ``--init-from path`` loads, each with the prefix its names get:
+    ``[(transformer/, "")]`` for a one-transformer model; for a two-expert model the expert
+    ``cfg.training.expert`` names (``both``: both, the second under ``EXPERT_2_PREFIX``). Refuses a
+    folder that is not a text-to-video Wan model, and an expert that contradicts the folder given."""
+    check_init_folder(path)
+    folder = describe_wan_folder(path)
+    if not folder.two_experts:
+        return [(transformer_dir(path), "")]
+    expert = cfg.training.expert if cfg is not None else ""
+    if folder.given is not None:  # one expert's folder
+        named = "high" if folder.given == "transformer" else "low"
+        if expert != named:
+            raise ConfigError(f"--init-from {str(path)!r} is the {named}-noise expert ({folder.given}/) of "
+                              f"{folder.name}, but training.expert={expert!r}; set training.expert={named!r}, or give "
+                              f"the model folder {str(folder.root or folder.path.parent)!r} with training.expert=both")
+        return [(folder.path, "")]
+    if expert == "high":
+        return [(folder.root / "transformer", "")]
+    if expert == "low":
+        return [(folder.root / "transformer_2", "")]
+    if expert == "both":
+        return [(folder.root / "transformer", ""), (folder.root / "transformer_2", EXPERT_2_PREFIX)]
+    raise ConfigError(f"--init-from {str(path)!r} is {folder.name} ({folder.evidence}): set training.expert to both, "
+                      f"high or low")
+
+
+def _index_files(path: Path) -> dict[str, Entry]:
+    """Standard name -> Entry of a .safetensors file or a folder of them."""
     files = sorted(path.glob("*.safetensors")) if path.is_dir() else [path]
     if not files:
         raise PretrainedMismatchError(f"--init-from {path}: a directory with no .safetensors files and no "
@@ -183,11 +274,11 @@ def _index_checkpoint(path: Path) -> dict[str, Entry]:
         raise PretrainedMismatchError(f"--init-from {path}: {e}") from None
     out: dict[str, Entry] = {}
     with ckpt:
-        n, arch = ckpt.num_shards, checkpoint_arch(ckpt)
+        n, arch, experts = ckpt.num_shards, checkpoint_arch(ckpt), checkpoint_experts(ckpt)
         for i in range(n):
             lay, dtype = ckpt.layout(i), ckpt.dtype(i, "master")
             for name, shape in zip(lay.names, lay.shapes):
-                out[shard_prefix(i, n, arch) + name] = Entry(tuple(shape), dtype, str(ckpt.file(i)), name, i)
+                out[shard_prefix(i, n, arch, experts) + name] = Entry(tuple(shape), dtype, str(ckpt.file(i)), name, i)
     return out
 
 
@@ -199,7 +290,7 @@ def _index_checkpoint(path: Path) -> dict[str, Entry]:
 def check_pretrained(cfg: Config, path: str | Path) -> dict[str, Entry]:
     """Compare the source's names and shapes with the model's; raise one error listing every
     mismatch. Returns the source's index."""
-    source = index_source(path)
+    source = index_source(path, cfg)
     model = model_names(cfg)
     missing = [n for n in model if n not in source and not is_fresh_part(n)]
     unexpected = [n for n in source if n not in model]
@@ -235,7 +326,8 @@ def describe_init(cfg: Config, path: str | Path, source: dict[str, Entry]) -> st
     loaded = [n for n in model if n in source]
     fresh = [n for n in model if n not in source]
     files = sorted({source[n].file for n in loaded})
-    where = (Path(files[0]).parent if files else Path(path)).resolve()
+    # the folder that holds them all (both experts' files: the model folder)
+    where = (Path(os.path.commonpath([str(Path(f).parent) for f in files])) if files else Path(path)).resolve()
     numel = lambda names: sum(math.prod(model[n][0]) for n in names)  # noqa: E731
     line = (f"init-from: {len(loaded)} tensors ({numel(loaded):,} parameters) from {where} ({len(files)} file"
             f"{'s' if len(files) != 1 else ''})")
@@ -269,7 +361,7 @@ def load_pretrained_into(store, path: str | Path) -> None:
         owned = "master" in store.seg[i]
         master = store.seg[i]["master"] if owned else torch.empty(lay.numel, dtype=torch.float32)
         views = lay.views(master)
-        prefix = shard_prefix(i, store.n, store.cfg.model.arch)
+        prefix = shard_prefix(i, store.n, store.cfg.model.arch, num_experts(store.cfg))
         if any(model[n][1] == i for n in fresh):  # a fresh shard first, then the source on top
             module = build_shard(store.cfg, i, "cpu")
             initialize_shard(module, store.cfg.training.seed, i)
@@ -351,13 +443,13 @@ def export_state_dict(checkpoint: str | Path, out: str | Path, kind: str = "mast
         raise ValueError(f"kind={kind!r}; use 'master' or 'w'")
     check_export_target(out, out.suffix == ".safetensors", overwrite)
     ckpt = CheckpointReader(checkpoint)
-    n, arch = ckpt.num_shards, checkpoint_arch(ckpt)
+    n, arch, experts = ckpt.num_shards, checkpoint_arch(ckpt), checkpoint_experts(ckpt)
     one_file = out.suffix == ".safetensors"
     if not one_file:
         out.mkdir(parents=True, exist_ok=True)
     written, together = [], {}
     for i in range(n):
-        tensors = {shard_prefix(i, n, arch) + name: (t.to(dtype) if dtype else t).clone()
+        tensors = {shard_prefix(i, n, arch, experts) + name: (t.to(dtype) if dtype else t).clone()
                    for name, t in ckpt.tensors(i, kind).items()}
         if one_file:
             together.update(tensors)
@@ -387,7 +479,15 @@ def export_diffusers(checkpoint: str | Path, out: str | Path, dtype: torch.dtype
     the files unless ``drop_offsets``): a model trained with another ``attention.kind`` gets a
     ``megaslide_dsa`` entry in ``config.json``, which ``megaslide_ray.models.diffusers_dsa.enable_dsa``
     reads to run it as trained, and whose note diffusers prints when it loads the folder alone.
-    An existing ``out`` with files in it is refused (``check_export_target``) unless ``overwrite``."""
+    An existing ``out`` with files in it is refused (``check_export_target``) unless ``overwrite``.
+
+    A checkpoint of both experts of a two-expert model (``training.expert = both``) is written as
+    a pipeline folder instead: ``out/transformer/`` and ``out/transformer_2/`` (each as above) and
+    ``model_index.json`` with its ``boundary_ratio`` (the other components' entries taken from the
+    ``--init-from`` folder's ``model_index.json`` when there is one), which diffusers'
+    ``WanPipeline.from_pretrained(out, vae=..., text_encoder=..., tokenizer=..., scheduler=...)``
+    loads; copy ``vae/``, ``text_encoder/``, ``tokenizer/``, ``scheduler/`` of the original folder
+    beside them to load it alone."""
     checkpoint, out = Path(checkpoint), Path(out)
     check_export_target(out, False, overwrite)
     with CheckpointReader(checkpoint) as ckpt:
@@ -395,22 +495,48 @@ def export_diffusers(checkpoint: str | Path, out: str | Path, dtype: torch.dtype
             raise ValueError(f"{checkpoint} holds a {checkpoint_arch(ckpt)} model; --format diffusers exports "
                              f"model.arch = 'wan' checkpoints (use --format safetensors for this one)")
         cfg = config_from_dict(ckpt.state["config"])
-        n = ckpt.num_shards
-        out.mkdir(parents=True, exist_ok=True)
-        weight_map, total, written = {}, 0, []
-        for i in range(n):
-            name = f"diffusion_pytorch_model-{i + 1:05d}-of-{n:05d}.safetensors"
-            tensors = {}
-            for key, t in ckpt.tensors(i, "master").items():
-                full = shard_prefix(i, n, "wan") + key
-                if drop_offsets and is_fresh_part(full):
-                    continue
-                tensors[full] = (t.to(dtype) if dtype else t).contiguous()
-            save_file(tensors, str(out / name), metadata={"format": "pt"})
-            for full, t in tensors.items():
-                weight_map[full] = name
-                total += t.numel() * t.element_size()
-            written.append(str(out / name))
+        if checkpoint_experts(ckpt) == 1:
+            return _write_transformer(ckpt, cfg, range(ckpt.num_shards), out, dtype, drop_offsets)
+        per = ckpt.num_shards // 2
+        written = [*_write_transformer(ckpt, cfg, range(per), out / "transformer", dtype, drop_offsets),
+                   *_write_transformer(ckpt, cfg, range(per, 2 * per), out / "transformer_2", dtype, drop_offsets)]
+    (out / "model_index.json").write_text(json.dumps(_model_index(cfg), indent=2))
+    return [*written, str(out / "model_index.json")]
+
+
+def _model_index(cfg: Config) -> dict:
+    """The ``model_index.json`` of a two-expert export: ``WanPipeline`` with both transformers and
+    ``cfg``'s ``boundary_ratio``; the other entries from the ``--init-from`` folder's, else Wan2.2's."""
+    index = {"_class_name": "WanPipeline", "_diffusers_version": "0.35.0", "expand_timesteps": False,
+             "scheduler": ["diffusers", "UniPCMultistepScheduler"], "text_encoder": ["transformers", "UMT5EncoderModel"],
+             "tokenizer": ["transformers", "T5TokenizerFast"], "vae": ["diffusers", "AutoencoderKLWan"]}
+    source = Path(cfg.training.init_from) / "model_index.json" if cfg.training.init_from else None
+    if source is not None and source.is_file():
+        index.update(json.loads(source.read_text()))
+    index.update({"transformer": ["diffusers", "WanTransformer3DModel"],
+                  "transformer_2": ["diffusers", "WanTransformer3DModel"], "boundary_ratio": cfg.training.boundary_ratio})
+    return index
+
+
+def _write_transformer(ckpt: CheckpointReader, cfg: Config, shards: range, out: Path, dtype: torch.dtype | None,
+                       drop_offsets: bool) -> list[str]:
+    """One transformer (checkpoint shards ``shards``) as a diffusers folder ``out`` (``export_diffusers``)."""
+    out.mkdir(parents=True, exist_ok=True)
+    n = len(shards)
+    weight_map, total, written = {}, 0, []
+    for i, shard in enumerate(shards):
+        name = f"diffusion_pytorch_model-{i + 1:05d}-of-{n:05d}.safetensors"
+        tensors = {}
+        for key, t in ckpt.tensors(shard, "master").items():
+            full = shard_prefix(i, n, "wan") + key
+            if drop_offsets and is_fresh_part(full):
+                continue
+            tensors[full] = (t.to(dtype) if dtype else t).contiguous()
+        save_file(tensors, str(out / name), metadata={"format": "pt"})
+        for full, t in tensors.items():
+            weight_map[full] = name
+            total += t.numel() * t.element_size()
+        written.append(str(out / name))
     _remove_stale(out, "diffusion_pytorch_model-*-of-*.safetensors", written)
     (out / DIFFUSERS_INDEX).write_text(json.dumps({"metadata": {"total_size": total},
                                                    "weight_map": dict(sorted(weight_map.items()))}, indent=2))

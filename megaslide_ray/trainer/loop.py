@@ -37,6 +37,7 @@ from megaslide_ray.trainer.components import (
     Sampler,
     Validator,
 )
+from megaslide_ray.training.flow import EXPERT_NAMES
 from pipelines.decoder_pool import DataCursor
 from pipelines.streaming import StoreLostError, StreamingPipeline
 
@@ -277,6 +278,8 @@ class Trainer:
             "data_position": c.data_position, "data_rows": list(report.batch.rows) if report.batch else None,
             "skipped_files": report.skipped_files, "decoders_replaced": self.pipeline.decoders_replaced,
             "device": c.device, "time": time.time(),
+            # the flow time of each clip of the step's global batch; a two-expert model: the expert trained
+            "t": list(c.t), "expert": EXPERT_NAMES[c.expert] if c.expert >= 0 else None,
             # several compute actors: each one's own times (the fields above are the slowest's)
             **({"compute_actors": [{"rank": r.rank, "loss": r.loss, "compute_seconds": r.seconds,
                                     "weight_wait_seconds": r.weight_wait_seconds,
@@ -332,7 +335,8 @@ class Trainer:
                 if row["step"] % self.cfg.training.log_every == 0 or row["step"] == steps:
                     msg = (f"step {row['step']}/{steps} | loss {row['loss']:.4f} | lr {row['lr']:.2e} | "
                            f"grad {row['grad_norm']:.3f} | {row['tokens_per_s']:.0f} tok/s | "
-                           f"{per_step:.2f} s/step | skipped files {row['skipped_files']}")
+                           f"{per_step:.2f} s/step | skipped files {row['skipped_files']}"
+                           + (f" | expert {row['expert']}" if row.get("expert") else ""))
                     self._say(msg, bar)
                 if "val_loss" in row:
                     buckets = sorted((k for k in row if k.startswith("val_loss_t")), key=lambda k: int(k[10:]))

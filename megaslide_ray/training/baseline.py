@@ -14,8 +14,8 @@ from dataclasses import dataclass
 import torch
 
 from megaslide_ray.config import Config
-from megaslide_ray.models.registry import build_model
-from megaslide_ray.training.flow import batch_conditioning, batch_flow_inputs, caption_dropout, flow_loss
+from megaslide_ray.models.registry import build_model, num_experts
+from megaslide_ray.training.flow import batch_conditioning, batch_flow_inputs, caption_dropout, flow_loss, step_t_range
 from megaslide_ray.training.schedule import lr_at
 
 
@@ -30,6 +30,8 @@ class BaselineStep:
 class InProcessTrainer:
     def __init__(self, cfg: Config, threads: int = 0):
         torch.set_num_threads(threads or os.cpu_count() or 1)
+        if num_experts(cfg) > 1:
+            raise ValueError("the in-process baseline trains one transformer; training.expert='both' holds two")
         self.cfg = cfg
         self.model = build_model(cfg)
         o = cfg.optim
@@ -41,7 +43,8 @@ class InProcessTrainer:
         t0 = time.perf_counter()
         cfg = self.cfg
         step = self.step if noise_step is None else noise_step
-        fx = batch_flow_inputs(batch, cfg.training.seed, step, cfg.training.t_sampling, cfg.training.flow_shift)
+        fx = batch_flow_inputs(batch, cfg.training.seed, step, cfg.training.t_sampling, cfg.training.flow_shift,
+                               t_range=step_t_range(cfg, step))
         cap, cap_len = batch_conditioning(batch, cfg.training.seed, step, caption_dropout(cfg))
         loss = flow_loss(self.model(fx.x_t, fx.t, cap, cap_len), fx.target)
         self.opt.zero_grad(set_to_none=True)

@@ -102,7 +102,8 @@ def caption_drops(seed: int, step: int, batch: int, p: float, first_sample: int 
 
 
 def batch_flow_inputs(batch: dict, seed: int, step: int, t_sampling: str = "logit_normal",
-                      flow_shift: float = 1.0, first_sample: int = 0) -> FlowInputs:
+                      flow_shift: float = 1.0, first_sample: int = 0,
+                      t_range: tuple[float, float] | None = None) -> FlowInputs:
     """Flow-matching inputs of a decoder batch: its ``latents`` (float, normalised) if it has
     them, else its ``video`` (uint8 pixels). Its clips are samples ``first_sample`` on of the
     step's global batch (``flow_inputs``)."""
@@ -110,7 +111,7 @@ def batch_flow_inputs(batch: dict, seed: int, step: int, t_sampling: str = "logi
         x0 = torch.from_numpy(np.array(batch["latents"], dtype=np.float32))
     else:
         x0 = video_to_unit(batch["video"])
-    return flow_inputs(x0, seed, step, t_sampling, flow_shift, first_sample)
+    return flow_inputs(x0, seed, step, t_sampling, flow_shift, first_sample, t_range)
 
 
 def sample_flow_inputs(video, seed: int, step: int, t_sampling: str = "logit_normal",
@@ -120,10 +121,13 @@ def sample_flow_inputs(video, seed: int, step: int, t_sampling: str = "logit_nor
 
 
 def flow_inputs(x0: torch.Tensor, seed: int, step: int, t_sampling: str = "logit_normal",
-                flow_shift: float = 1.0, first_sample: int = 0) -> FlowInputs:
+                flow_shift: float = 1.0, first_sample: int = 0,
+                t_range: tuple[float, float] | None = None) -> FlowInputs:
     """Noise and t for ``x0``, whose clips are samples ``first_sample, first_sample + 1, ...`` of
     step ``step``'s global batch: each clip's noise, then its t, from ``sample_generator(seed,
-    step, sample)``; t shifted by ``flow_shift``."""
+    step, sample)``; t shifted by ``flow_shift``. ``t_range`` (lo, hi): t drawn from the same
+    distribution conditioned on ``lo <= t < hi`` (an expert's range, ``expert_t_range``), by
+    mapping the draw's own quantile into the range's (one draw, no rejection)."""
     if t_sampling not in ("uniform", "logit_normal"):
         raise ValueError(f"t_sampling={t_sampling!r} is not 'uniform' or 'logit_normal'")
     B = x0.shape[0]
@@ -136,10 +140,89 @@ def flow_inputs(x0: torch.Tensor, seed: int, step: int, t_sampling: str = "logit
             t[i] = torch.rand((), generator=g, dtype=torch.float32)
         else:  # logit-normal, SD3-style: more weight on the middle of the path
             t[i] = torch.sigmoid(torch.randn((), generator=g, dtype=torch.float32))
+    if t_range is not None:
+        return _flow_inputs_in_range(x0, noise, t, t_sampling, flow_shift, t_range)
     t = shift_time(t, flow_shift).clamp(1e-4, 1 - 1e-4)
     tb = t.view(B, *([1] * (x0.dim() - 1)))
     x_t = (1 - tb) * x0 + tb * noise
     return FlowInputs(x0=x0, noise=noise, t=t, x_t=x_t, target=noise - x0)
+
+
+def _flow_inputs_in_range(x0, noise, t, t_sampling, shift, t_range) -> FlowInputs:
+    """``flow_inputs``' last part for t conditioned on ``t_range``: each draw's quantile ``u`` under
+    the unshifted distribution goes to ``F(lo) + (F(hi) - F(lo)) u``, back through the inverse
+    distribution and the shift; every t is then inside the range in float32 too."""
+    lo, hi = t_range
+    t64 = t.double()
+    u = t64 if t_sampling == "uniform" else torch.special.ndtr(torch.logit(t64))
+    f_lo, f_hi = base_cdf(lo, t_sampling, shift), base_cdf(hi, t_sampling, shift)
+    q = (f_lo + (f_hi - f_lo) * u).clamp(1e-12, 1 - 1e-12)
+    raw = q if t_sampling == "uniform" else torch.sigmoid(torch.special.ndtri(q))
+    t = shift_time(raw, shift).clamp(max(lo, 1e-4), min(hi, 1 - 1e-4)).float()
+    below, above = torch.tensor(lo, dtype=torch.float32), torch.tensor(hi, dtype=torch.float32)
+    t = torch.where(t.double() < lo, torch.nextafter(below, above).expand_as(t), t)  # lo <= t (float32)
+    t = torch.where(t.double() >= hi, torch.nextafter(above, below).expand_as(t), t)  # t < hi
+    tb = t.view(-1, *([1] * (x0.dim() - 1)))
+    return FlowInputs(x0=x0, noise=noise, t=t, x_t=(1 - tb) * x0 + tb * noise, target=noise - x0)
+
+
+def unshift_time(t, shift: float):
+    """The inverse of ``shift_time``: ``t / (s - (s - 1) t)``."""
+    return t if shift == 1.0 else t / (shift - (shift - 1) * t)
+
+
+def base_cdf(t: float, t_sampling: str, shift: float) -> float:
+    """P(shifted t < ``t``) under ``t_sampling`` and ``flow_shift`` (before the clamp)."""
+    if t <= 0.0:
+        return 0.0
+    if t >= 1.0:
+        return 1.0
+    x = unshift_time(float(t), shift)
+    if t_sampling == "uniform":
+        return x
+    return float(torch.special.ndtr(torch.logit(torch.tensor(x, dtype=torch.float64))))
+
+
+HIGH, LOW = 0, 1
+"""The experts of a two-expert model: 0 ``transformer`` (high noise), 1 ``transformer_2`` (low noise)."""
+EXPERT_NAMES = ("high", "low")
+_EXPERT_STREAM = 0x2545F4914F6CDD1D  # the expert of a step is drawn from its own stream of (seed, step)
+
+
+def expert_t_range(boundary: float, expert: int) -> tuple[float, float]:
+    """The flow times an expert denoises, as diffusers' ``WanPipeline`` routes them (timestep
+    ``1000 t >= boundary_ratio x 1000`` runs ``transformer``): high ``[b, 1)``, low ``[0, b)``."""
+    return (boundary, 1.0) if expert == HIGH else (0.0, boundary)
+
+
+def route_expert(t: float, boundary: float) -> int:
+    """The expert diffusers' pipeline runs at flow time ``t`` (timestep ``1000 t``)."""
+    return HIGH if 1000.0 * t >= boundary * 1000.0 else LOW
+
+
+def step_expert(cfg, step: int) -> int | None:
+    """The expert step ``step`` trains (None: a one-transformer model): ``training.expert`` high or
+    low, or with ``both`` one drawn from (seed, step) alone, high with the probability
+    ``1 - base_cdf(boundary)`` of its range. Under ``overfit_one_batch`` every step is step 0's."""
+    t = cfg.training
+    if not t.expert:
+        return None
+    if t.expert != "both":
+        return HIGH if t.expert == "high" else LOW
+    step = 0 if t.overfit_one_batch else step
+    u = _mix64(_mix64(_mix64(t.seed) ^ _EXPERT_STREAM) ^ step) / 2.0 ** 64
+    return HIGH if u < 1.0 - base_cdf(t.boundary_ratio, t.t_sampling, t.flow_shift) else LOW
+
+
+def step_t_range(cfg, step: int) -> tuple[float, float] | None:
+    """The range step ``step``'s t is drawn in (``step_expert``'s), or None (no expert)."""
+    expert = step_expert(cfg, step)
+    return None if expert is None else expert_t_range(cfg.training.boundary_ratio, expert)
+
+
+def expert_steps_before(cfg, step: int, expert: int) -> int:
+    """How many of steps ``0 .. step - 1`` trained ``expert`` (its own AdamW step count)."""
+    return sum(step_expert(cfg, k) == expert for k in range(step))
 
 
 def flow_loss(pred: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
