@@ -11,6 +11,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 from diffusers import WanTransformer3DModel
+from diffusers.utils import logging as dlog
 
 from megaslide_ray.config import build_config
 from megaslide_ray.models.diffusers_dsa import DSAAttnProcessor, enable_dsa
@@ -65,7 +66,13 @@ def _inputs():
 def test_enable_dsa_runs_the_export_as_trained(tmp_path, kind, caplog):
     ours, folder = _trained_export(tmp_path, kind)
     x, ts, text = _inputs()
-    plain = WanTransformer3DModel.from_pretrained(str(folder))  # what diffusers' warning says, as it prints it
+    # what diffusers' warning says, as it prints it; diffusers' logger does not propagate to the root
+    # logger (so to caplog) unless told to, and whether an earlier test told it depends on the order
+    dlog.enable_propagation()
+    try:
+        plain = WanTransformer3DModel.from_pretrained(str(folder))
+    finally:
+        dlog.disable_propagation()
     warned = "\n".join(r.getMessage() for r in caplog.records if r.levelname == "WARNING")
     assert "megaslide_dsa" in warned and "self-attention is DENSE" in warned and "enable_dsa(transformer)" in warned
     model = enable_dsa(WanTransformer3DModel.from_pretrained(str(folder)))
