@@ -46,6 +46,7 @@ from megaslide_ray.state.kept import (
 from megaslide_ray.state.preflight import StateSpaceError, plan_state_space
 from megaslide_ray.state.pretrained import PretrainedMismatchError, check_pretrained, describe_init
 from megaslide_ray.trainer.loop import ResumePoint, Trainer, default_run_dir, resume_point
+from megaslide_ray.trainer.trackers import check_tracker, open_tracker
 from pipelines.errors import root_cause
 
 log = logging.getLogger(__name__)
@@ -116,6 +117,11 @@ def launch(cfg: Config, resume: bool = False, init_from: str | None = None, prog
     """Train ``cfg`` (``resume``: continue ``training.run_dir`` from its latest checkpoint;
     ``init_from``: start from pretrained weights; ``inject_fault``: a fault spec for drills,
     ``runtime.faults``). Returns the exit code (see the module docstring)."""
+    try:
+        check_tracker(cfg.training.tracker)  # the tracker's package: before any work
+    except ConfigError as e:
+        print(f"config error: {e}", file=sys.stderr)
+        return 2
     try:
         check_data(cfg)  # the data must be what the model reads (video, or latents for wan)
         val_set = None
@@ -194,6 +200,21 @@ def _run(cfg: Config, run_dir: str, point: ResumePoint | None, init_from: str | 
             print(f"state dir error: {e}", file=sys.stderr)
             return 2
 
+    try:  # the tracker opens before Ray: one that cannot (W&B online without a login) costs no actor
+        tracker = open_tracker(cfg, run_dir)
+    except Exception as e:  # noqa: BLE001 - any tracker failure is a refusal: nothing started yet
+        print(f"tracker error: training.tracker={cfg.training.tracker} could not start: {e!r}", file=sys.stderr)
+        return 2
+    try:
+        return _train(cfg, run_dir, point, init_from, val_set, progress, space, tracker)
+    finally:
+        if tracker is not None:  # the trainer's metrics log closed it unless the trainer never started
+            tracker.close()
+
+
+def _train(cfg: Config, run_dir: str, point: ResumePoint | None, init_from: str | None, val_set, progress: bool,
+           space, tracker) -> int:
+    """``_run`` once the tracker is open: start Ray, train, settle."""
     ctx = start_ray(cfg, space)
     url = getattr(ctx, "dashboard_url", None)
     if url:
@@ -204,7 +225,7 @@ def _run(cfg: Config, run_dir: str, point: ResumePoint | None, init_from: str | 
         rc = 0
         try:
             trainer = Trainer(cfg, run_dir=run_dir, resume=point or False, progress=progress,
-                              init_from=init_from, val_set=val_set)
+                              init_from=init_from, val_set=val_set, tracker=tracker)
             stopper.trainer = trainer
             print(f"run dir: {trainer.run_dir}", flush=True)
             report_summary(trainer.train(), trainer, cfg)
