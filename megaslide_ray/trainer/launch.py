@@ -4,8 +4,9 @@ Trainer, signals and exit codes.
 ``python -m megaslide_ray.train`` parses its arguments into a config and calls ``launch``. Exit
 codes: 0 (done, or stopped by a signal after a checkpoint), 1 (the run failed after Ray started:
 too many bad steps, restarts over the limit, a checkpoint that cannot be written, unusable data,
-any other error), 2 (refused before Ray started: data, ``--init-from``, ``--resume``, fault spec
-or state dir; nothing is written to the run directory), 130 (interrupted twice: quit at once;
+any other error), 2 (refused before Ray started: data, ``--init-from``, ``--resume``, fault spec,
+state dir or ``training.tracker``; nothing is written to the run directory but what a tracker
+that failed to start wrote), 130 (interrupted twice: quit at once;
 the latest complete checkpoint stays intact).
 
 A run that fails after Ray started ends the same way whatever failed (``report_failure``): the
