@@ -146,6 +146,17 @@ def test_a_failing_tracker_never_ends_the_run(tmp_path, caplog):
     assert Broken.closed == 1
 
 
+def test_the_tensorboard_sample_is_a_gif_of_every_frame_at_most_256_pixels_wide(tmp_path):
+    pytest.importorskip("PIL")
+    from PIL import Image
+
+    frames = np.random.default_rng(1).integers(0, 255, (6, 96, 512, 3), dtype=np.uint8)
+    data, width, height = trackers.gif_bytes(frames, 16)
+    gif = Image.open(io.BytesIO(data))
+    assert (width, height) == gif.size == (256, 48) and gif.n_frames == 6
+    assert gif.info["duration"] == 60  # 62.5 ms a frame, in the centiseconds GIF counts in
+
+
 def test_tensorboard_event_files_hold_the_metrics_jsonl_rows(tmp_path):
     pytest.importorskip("tensorboard")
     from PIL import Image

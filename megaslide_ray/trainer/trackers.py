@@ -88,20 +88,33 @@ def read_video(path: Path) -> tuple[np.ndarray, float]:
         return np.stack([f.to_ndarray(format="rgb24") for f in container.decode(stream)]), fps
 
 
-def gif_bytes(frames: np.ndarray, fps: float) -> bytes:
-    """``frames`` as an animated GIF (what TensorBoard's image view plays)."""
+GIF_SIDE = 256
+"""TensorBoard's sample GIF is at most this many pixels on its longer side (a 480p Wan sample as
+a full-size GIF takes tens of MB in the event file and over a second to encode)."""
+
+
+def gif_bytes(frames: np.ndarray, fps: float) -> tuple[bytes, int, int]:
+    """``frames`` as an animated GIF (what TensorBoard's image view plays), scaled down to at most
+    ``GIF_SIDE`` pixels on the longer side; returns it with its width and height."""
     from PIL import Image  # lazy: only TensorBoard's sample videos need it
 
+    h, w = frames.shape[1:3]
+    scale = min(1.0, GIF_SIDE / max(h, w))
+    size = (max(1, round(w * scale)), max(1, round(h * scale)))
     images = [Image.fromarray(f) for f in frames]
+    if size != (w, h):
+        images = [im.resize(size, Image.Resampling.BILINEAR) for im in images]
+    images = [im.quantize(256, method=Image.Quantize.FASTOCTREE) for im in images]  # fast, per frame
     buf = io.BytesIO()
-    images[0].save(buf, format="GIF", save_all=True, append_images=images[1:], duration=round(1000 / fps), loop=0)
-    return buf.getvalue()
+    images[0].save(buf, format="GIF", save_all=True, append_images=images[1:],
+                   duration=10 * round(100 / fps), loop=0)  # GIF counts in centiseconds
+    return buf.getvalue(), size[0], size[1]
 
 
 class TensorBoardTracker:
     """Event files in ``RUN_DIR/tensorboard`` (a resumed run adds a file beside the old ones):
     each scalar under its metrics.jsonl name at the row's step and wall time, the config as the
-    text ``config``, each sample as the animated image ``sample``."""
+    text ``config``, each sample as the animated image ``sample`` (scaled down: ``GIF_SIDE``)."""
 
     def __init__(self, cfg: Config, run_dir: Path):
         from torch.utils.tensorboard import SummaryWriter  # lazy: an optional extra
@@ -124,9 +137,8 @@ class TensorBoardTracker:
     def _video(self, path: Path, step: int, walltime: float | None) -> None:
         from tensorboard.compat.proto.summary_pb2 import Summary  # lazy: an optional extra
 
-        frames, fps = read_video(path)
-        image = Summary.Image(height=frames.shape[1], width=frames.shape[2], colorspace=3,
-                              encoded_image_string=gif_bytes(frames, fps))
+        gif, width, height = gif_bytes(*read_video(path))
+        image = Summary.Image(height=height, width=width, colorspace=3, encoded_image_string=gif)
         summary = Summary(value=[Summary.Value(tag="sample", image=image)])
         self.writer.file_writer.add_summary(summary, step, walltime)
 
