@@ -114,6 +114,7 @@ def test_the_tracker_opens_before_ray_and_is_closed_on_a_ctrl_c_before_training(
         raise KeyboardInterrupt("SIGINT")
 
     monkeypatch.setattr(launch_module, "check_data", lambda cfg: None)
+    monkeypatch.setattr(launch_module, "check_tracker", lambda kind: None)  # tensorboard need not be installed
     monkeypatch.setattr(launch_module, "open_tracker", lambda cfg, run_dir: events.append("open") or Recorder())
     monkeypatch.setattr(launch_module, "start_ray", no_ray)
     cfg = build_config("tiny", None, {"training.tracker": "tensorboard", "training.run_dir": str(tmp_path / "run")})
