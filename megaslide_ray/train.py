@@ -57,6 +57,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=None, help="training.seed")
     p.add_argument("--sample-every", type=int, default=None, metavar="N",
                    help="sample training.sample_prompt into RUN_DIR/samples every N steps (training.sample_every)")
+    p.add_argument("--tracker", choices=["none", "tensorboard", "wandb"], default=None,
+                   help="log metrics.jsonl's rows, the config and the samples to TensorBoard (RUN_DIR/tensorboard) or "
+                        "Weights & Biases (RUN_DIR/wandb, offline unless WANDB_MODE says otherwise) "
+                        "(training.tracker; needs pip install tensorboard or wandb)")
     p.add_argument("--ray-address", default=None, help="join this Ray cluster instead of starting one")
     p.add_argument("--no-progress", action="store_true", help="no progress bar (log lines only)")
     p.add_argument("--print-config", action="store_true", help="print the resolved config as TOML and exit")
@@ -71,7 +75,7 @@ def config_from_args(args: argparse.Namespace, extra: list[str]) -> Config:
     overrides = parse_overrides(extra)
     for flag, key in (("steps", "training.steps"), ("seed", "training.seed"), ("data", "data.manifest"),
                       ("run_dir", "training.run_dir"), ("ray_address", "ray.address"),
-                      ("sample_every", "training.sample_every")):
+                      ("sample_every", "training.sample_every"), ("tracker", "training.tracker")):
         if getattr(args, flag) is not None:
             overrides[key] = getattr(args, flag)
     if args.demo in ("motion", "motion-simple") and args.data is None and "data.manifest" not in overrides:

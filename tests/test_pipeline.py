@@ -97,6 +97,8 @@ def test_samples_during_training(ray_session, small_config, tmp_path):
     run(cfg, tmp_path / "run")
     video = tmp_path / "run" / "samples" / "step_2.mp4"
     assert video.is_file() and video.with_suffix(".png").is_file()
+    rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert [r.get("sample") for r in rows] == [None, str(video)]  # the row of the step that sampled names it
     reader = decord.VideoReader(str(video))
     assert len(reader) == cfg.data.num_frames
     frames = read_frames(reader, list(range(len(reader))))

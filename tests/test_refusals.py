@@ -182,7 +182,7 @@ def test_clear_run_dir_removes_the_run_files_and_its_kept_state(earlier_run, tmp
     assert sorted(Path(p).name for p in removed) == sorted(["checkpoints", "config.toml", "error.log",
                                                              "metrics.jsonl", "samples", state.name])
     assert list(run_dir.iterdir()) == [] and not state.exists()
-    assert set(RUN_ENTRIES) >= {"checkpoints", "config.toml", "metrics.jsonl", "samples"}
+    assert set(RUN_ENTRIES) >= {"checkpoints", "config.toml", "metrics.jsonl", "samples", "tensorboard", "wandb"}
 
 
 @pytest.mark.slow  # one 1-step run through Ray over the session's run

@@ -355,6 +355,12 @@ class TrainingConfig:
     """Checkpoint every this many steps; 0 only at the end of the run."""
     run_dir: str = ""
     """Output directory; empty means ``runs/<timestamp>``."""
+    tracker: Literal["none", "tensorboard", "wandb"] = "none"
+    """Experiment tracker fed the rows of metrics.jsonl as they are written (every numeric field,
+    the config once, each sample video): ``tensorboard`` (event files in ``RUN_DIR/tensorboard``;
+    ``pip install tensorboard``) or ``wandb`` (Weights & Biases, a run in ``RUN_DIR/wandb``, offline
+    unless ``WANDB_MODE`` says otherwise; ``pip install wandb``); ``none`` only metrics.jsonl. A
+    missing package is refused before Ray starts."""
     init_from: str = ""
     """The pretrained weights a new run starts from (``--init-from``: a checkpoint, a safetensors
     file or folder, a diffusers Wan folder), as an absolute path; empty: the seeded

@@ -8,7 +8,8 @@
   ``samples/step_N.mp4`` and its ``.png`` contact sheet.
 - A validation or a sample that fails is logged (the traceback in ``RUN/error.log``) and counted
   (``val_failures``, ``sample_failures``); training goes on.
-- ``MetricsLog``: one ``metrics.jsonl`` line per step and the run's Ray metrics.
+- ``MetricsLog``: one ``metrics.jsonl`` line per step, the run's Ray metrics and the same row to
+  the experiment tracker (``training.tracker``, ``trainer.trackers``).
 - ``BadStepGuard``: counts steps whose update was skipped (NaN/Inf) and stops the run after
   ``optim.max_bad_steps`` in a row.
 
@@ -169,20 +170,24 @@ class Sampler:
 
 
 class MetricsLog:
-    """``metrics.jsonl`` (one JSON line per step, appended: a resumed run continues the file) and
-    the same numbers as Ray metrics tagged by run name (with the decoders' frame rate every
-    ``training.log_every`` steps)."""
+    """``metrics.jsonl`` (one JSON line per step, appended: a resumed run continues the file), the
+    same numbers as Ray metrics tagged by run name (with the decoders' frame rate every
+    ``training.log_every`` steps) and the same row, once written, to ``tracker`` (an open
+    ``trainer.trackers`` tracker or None), which ``close`` closes."""
 
-    def __init__(self, cfg: Config, run_dir: Path, pipeline: StreamingPipeline):
-        self.log_every, self.pipeline = cfg.training.log_every, pipeline
+    def __init__(self, cfg: Config, run_dir: Path, pipeline: StreamingPipeline, tracker=None):
+        self.log_every, self.pipeline, self.tracker = cfg.training.log_every, pipeline, tracker
         self.path = run_dir / "metrics.jsonl"
         self._file = self.path.open("a")
         self.ray_metrics = RunMetrics(run_dir.name, pipeline.status().state_bytes)
 
     def record(self, row: dict, first: bool) -> None:
         """Write step ``row`` (``first``: the run's first step here, which also records the decoders)."""
-        self._file.write(json.dumps(row) + "\n")
+        line = json.dumps(row)
+        self._file.write(line + "\n")
         self._file.flush()
+        if self.tracker is not None:  # the row as written: the tracker and the file cannot differ
+            self.tracker.log(json.loads(line))
         if row["step"] % self.log_every == 0 or first:
             stats = self.pipeline.decoder_stats()
             seconds = sum(st.decode_seconds for st in stats)
@@ -191,6 +196,8 @@ class MetricsLog:
 
     def close(self) -> None:
         self._file.close()
+        if self.tracker is not None:
+            self.tracker.close()
 
 
 class BadStepsError(RuntimeError):

@@ -4,8 +4,9 @@ Trainer, signals and exit codes.
 ``python -m megaslide_ray.train`` parses its arguments into a config and calls ``launch``. Exit
 codes: 0 (done, or stopped by a signal after a checkpoint), 1 (the run failed after Ray started:
 too many bad steps, restarts over the limit, a checkpoint that cannot be written, unusable data,
-any other error), 2 (refused before Ray started: data, ``--init-from``, ``--resume``, fault spec
-or state dir; nothing is written to the run directory), 130 (interrupted twice: quit at once;
+any other error), 2 (refused before Ray started: data, ``--init-from``, ``--resume``, fault spec,
+state dir or ``training.tracker``; nothing is written to the run directory but what a tracker
+that failed to start wrote), 130 (interrupted twice: quit at once;
 the latest complete checkpoint stays intact).
 
 A run that fails after Ray started ends the same way whatever failed (``report_failure``): the
@@ -60,6 +61,7 @@ from megaslide_ray.trainer.raystart import (
     probe_address,
     use_token_if_at_hand,
 )
+from megaslide_ray.trainer.trackers import check_tracker, open_tracker
 from pipelines.errors import root_cause
 
 log = logging.getLogger(__name__)
@@ -168,6 +170,11 @@ def launch(cfg: Config, resume: bool = False, init_from: str | None = None, prog
             print(f"config error: {e}", file=sys.stderr)
             return 2
     try:
+        check_tracker(cfg.training.tracker)  # the tracker's package: before any work
+    except ConfigError as e:
+        print(f"config error: {e}", file=sys.stderr)
+        return 2
+    try:
         check_data(cfg)  # the data must be what the model reads (video, or latents for wan)
         val_set = None
         if cfg.training.eval_every:  # the validation clips must decode: found out before Ray starts
@@ -275,6 +282,21 @@ def _run(cfg: Config, run_dir: str, point: ResumePoint | None, init_from: str | 
             print(f"state dir error: {e}", file=sys.stderr)
             return 2
 
+    try:  # the tracker opens before Ray: one that cannot (W&B online without a login) costs no actor
+        tracker = open_tracker(cfg, run_dir)
+    except Exception as e:  # noqa: BLE001 - any tracker failure is a refusal: nothing started yet
+        print(f"tracker error: training.tracker={cfg.training.tracker} could not start: {e!r}", file=sys.stderr)
+        return 2
+    try:
+        return _train(cfg, run_dir, point, init_from, val_set, progress, space, tracker)
+    finally:
+        if tracker is not None:  # the trainer's metrics log closed it unless the trainer never started
+            tracker.close()
+
+
+def _train(cfg: Config, run_dir: str, point: ResumePoint | None, init_from: str | None, val_set, progress: bool,
+           space, tracker) -> int:
+    """``_run`` once the tracker is open: start Ray, train, settle."""
     ctx, rc = _start(cfg, space)
     if rc is not None:
         return rc
@@ -287,7 +309,7 @@ def _run(cfg: Config, run_dir: str, point: ResumePoint | None, init_from: str | 
         rc = 0
         try:
             trainer = Trainer(cfg, run_dir=run_dir, resume=point or False, progress=progress,
-                              init_from=init_from, val_set=val_set)
+                              init_from=init_from, val_set=val_set, tracker=tracker)
             stopper.trainer = trainer
             print(f"run dir: {trainer.run_dir}", flush=True)
             report_summary(trainer.train(), trainer, cfg)

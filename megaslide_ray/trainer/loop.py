@@ -38,6 +38,7 @@ from megaslide_ray.trainer.components import (
     Validator,
 )
 from megaslide_ray.training.flow import EXPERT_NAMES
+from megaslide_ray.trainer.trackers import open_tracker
 from pipelines.decoder_pool import DataCursor
 from pipelines.streaming import StoreLostError, StreamingPipeline
 
@@ -137,7 +138,7 @@ def resolve_data(cfg: Config) -> Config:
 
 class Trainer:
     def __init__(self, cfg: Config, run_dir: str | None = None, resume: bool = False, progress: bool = True,
-                 init_from: str | None = None, val_set=None):
+                 init_from: str | None = None, val_set=None, tracker=None):
         self.cfg = cfg
         self.run_dir = Path(run_dir or cfg.training.run_dir or default_run_dir())
         self.progress = progress
@@ -182,7 +183,10 @@ class Trainer:
                                          int(read_checkpoint_state(ckpt)["step"]) if ckpt else 0)
         self.validator = Validator(cfg, self.pipeline, val_set, self.run_dir)
         self.sampler = Sampler(cfg, self.pipeline, self.run_dir)
-        self.metrics = MetricsLog(cfg, self.run_dir, self.pipeline)
+        # The experiment tracker (``training.tracker``): the CLI opens it before Ray starts and
+        # hands it over; from here on the metrics log owns it and closes it.
+        self.metrics = MetricsLog(cfg, self.run_dir, self.pipeline,
+                                  tracker if tracker is not None else open_tracker(cfg, self.run_dir))
         self.guard = BadStepGuard(cfg)
         self.stop_reason = ""   # set by request_stop (a signal handler): stop after the current step
         self._last_time = time.perf_counter()
@@ -250,9 +254,9 @@ class Trainer:
         row["restarts"] = self.pipeline.restarts
         if validate:
             row.update(self.validator.run(done))
-        self.metrics.record(row, first=step == self.start_step)
         if sample:
             row.update(self.sampler.run(done))
+        self.metrics.record(row, first=step == self.start_step)
         if checkpoint:
             self.checkpointer.save(done, self.data_state, skipped=row["update_skipped"])
         if not quiet:  # the next step's time excludes saving, sampling, validating

@@ -25,7 +25,8 @@ from megaslide_ray.config import Config, ConfigError, config_from_dict
 from megaslide_ray.state.checkpoint import read_checkpoint_state
 from megaslide_ray.state.kept import find_kept_state, release_state
 
-RUN_ENTRIES = ("checkpoints", "config.toml", "metrics.jsonl", "error.log", "samples", "decoders", "report")
+RUN_ENTRIES = ("checkpoints", "config.toml", "metrics.jsonl", "error.log", "samples", "decoders", "report",
+               "tensorboard", "wandb")  # the last two: the trackers' (training.tracker)
 """What a run writes into its directory (``--overwrite`` removes these, and only these)."""
 
 FREE_TO_CHANGE = {"attention.backend"}
