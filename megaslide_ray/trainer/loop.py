@@ -37,8 +37,8 @@ from megaslide_ray.trainer.components import (
     Sampler,
     Validator,
 )
-from megaslide_ray.training.flow import EXPERT_NAMES
 from megaslide_ray.trainer.trackers import open_tracker
+from megaslide_ray.training.flow import EXPERT_NAMES
 from pipelines.decoder_pool import DataCursor
 from pipelines.streaming import StoreLostError, StreamingPipeline
 
