@@ -382,23 +382,6 @@ def _choose_halo(grid, window, head_dim: int, bound: float, label: str, dtype_by
     return out
 
 
-def split_seconds(grid, window, head_dim: int, dtype_bytes: int, shares: dict) -> tuple[dict, float, str]:
-    """The backward's predicted time per head on H100 figures at each bound of ``shares`` (bound ->
-    the share of (query, head) pairs past it) in the split mode, the atomic mode's, and how they were
-    measured: ``({bound: s}, atomic s, how)``. At bound ``b``: the query-side pass, the key-side pass
-    at ``b`` and the flagged share of what the atomic mode's backward costs beyond the query-side
-    pass (its scatter), as if the flagged queries were spread evenly (a program of queries without
-    one skips the scatter; one with one issues it for all)."""
-    parts = {b: _split_parts(tuple(grid), tuple(window), head_dim, *span_class(b), dtype_bytes, True) for b in shares}
-    if any(p is None for p in parts.values()):  # one measure for every kernel weighed
-        parts = {b: _split_parts(tuple(grid), tuple(window), head_dim, *span_class(b), dtype_bytes, False)
-                 for b in shares}
-    how = "issue slots from the sm_90 compile" if all(p[3] for p in parts.values()) else "estimated lane operations"
-    atomic = next(iter(parts.values()))[2]  # the atomic mode's backward: the same at every bound
-    times = {b: query + key + shares[b] * max(0.0, atomic - query) for b, (query, key, _, _) in parts.items()}
-    return times, atomic, how
-
-
 def _terms(cost: Cost, chip: Chip, pass_: str, label: str | None = None, scale: float = 1.0) -> dict:
     t = cost.seconds(chip)
     return {"kernel": label or cost.kernel, "pass": pass_, "ms": 1e3 * scale * t["seconds"], "bound_by": t["bound"],
@@ -472,18 +455,6 @@ def predict_call(grid, window, head_dim: int, shares: dict, dtype_bytes: int = 2
     if b["modes"]["bwd"].startswith("split"):
         out["atomic"] = b["atomic_bwd_ms"] / 1e3
     return out
-
-
-@functools.lru_cache(maxsize=256)
-def _split_parts(grid, window, head_dim: int, bound: float, label: str, dtype_bytes: int, issue: bool):
-    """(query-side s, key-side s, the atomic mode's backward s, measured) on H100 for ``split_seconds``,
-    or None when ``issue`` asks for the compile's issue slots and the table lacks one of them."""
-    chip = CHIPS[0]
-    query, key = pull_costs(grid, window, head_dim, bound, dtype_bytes, issue=issue)
-    atomic = gather_costs(math.prod(grid), window, head_dim, dtype_bytes, issue=issue)[1]
-    if issue and None in (query.issue, key.issue, atomic.issue):
-        return None
-    return (query.seconds(chip)["seconds"], key.seconds(chip)["seconds"], atomic.seconds(chip)["seconds"], issue)
 
 
 # -----------------------------------------------------------------------------

@@ -69,7 +69,7 @@ import triton.language as tl
 from .aot import AOT_POINTER_TYPES, aligned_pointer_attrs, signature_for
 from .dsa_reference import window_starts
 
-__all__ = ["pull_bound", "offsets_extent", "bound_refusal", "pull_launch", "PULL_MAX_OFFSET", "REC_BUDGET_BYTES", "pull_config", "aot_variants"]
+__all__ = ["pull_bound", "bound_refusal", "pull_launch", "PULL_MAX_OFFSET", "REC_BUDGET_BYTES", "pull_config", "aot_variants"]
 
 log = logging.getLogger(__name__)
 
@@ -353,16 +353,6 @@ def bound_refusal(bound: float, src: str = "max_offset", window_w: int | None = 
     if window_w is not None and window_w - 1 + sum(pull_span(bound)) > MAX_REACH:
         return f"window width {window_w} is too wide for the key-side pass's candidate run"
     return None
-
-
-def offsets_extent(offsets: torch.Tensor) -> float:
-    """``max |offsets|`` (0 for none; NaN when an offset is NaN): one min/max reduction and a host
-    sync, without the ``|offsets|`` copy (as large as the offsets: a GB at Wan 14B's grid)."""
-    if offsets.numel() == 0:
-        return 0.0
-    lo, hi = torch.aminmax(offsets.detach())
-    lo, hi = torch.stack((lo, hi)).tolist()
-    return max(-lo, hi) if lo == lo and hi == hi else math.nan
 
 
 def pull_bound(offsets: torch.Tensor, max_offset: float | None, slab=None, window_t: int = 1,

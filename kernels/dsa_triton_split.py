@@ -15,9 +15,10 @@ How
      whose corners its held frames hold). Per (batch, query, head) the largest ``|offset|`` over
      its samples (``query_extents``: a max and a min reduction, no ``|offsets|`` copy) flags the
      queries past it, on the device: nothing is read back, so the call makes no host sync.
-  2. The cost model's figures for this mode against the atomic mode at a call's measured shares
-     (``dsa_cost.split_seconds``) are the offline study's (``benchmarks.studies.offset_extent
-     --predict``); the launcher does not weigh them per call, which would need the shares on the host.
+  2. The cost model prices this mode at a share of flagged pairs (``dsa_cost.call_breakdown``'s
+     ``far_share``: the query-side pass, the key-side pass at the cap and that share of the atomic
+     mode's scatter); the offline study (``benchmarks.studies.offset_extent --predict``) measures
+     the shares. The launcher does not weigh them per call, which would need them on the host.
   3. The query-side pass (``dsa_triton._dsa_bwd`` with ``SPLIT``) writes the records of every
      query, with ``ds`` and ``a`` zeroed for the flagged ones (``|offset| > b``), and scatters the
      flagged queries' samples to their corners with fp32 atomics into per-chunk buffers. A program

@@ -9,6 +9,7 @@ the kernels under the Triton CPU interpreter in a child pytest (``test_interp_*`
 from __future__ import annotations
 
 import logging
+import math
 import os
 
 import pytest
@@ -126,9 +127,10 @@ def test_predict_call_follows_the_choices_the_launchers_make():
     """``predict_call`` (what ``offset_extent --predict`` prices): a bound within the key-side pass's
     cap runs the forward and the backward's query side on the kernels ``choose_halo`` picks at it,
     the key-side pass after; without a bound or past the cap, the gather forward and the split
-    mode at the cap, priced by ``split_seconds`` at the share past it, beside the atomic mode's."""
+    mode at the cap: the query-side pass and the key-side pass at the cap, and the share past it
+    of what the atomic mode's backward costs beyond the query-side pass, beside the atomic mode's."""
     pytest.importorskip("triton")
-    from kernels.dsa_cost import choose_halo, predict_call, split_seconds
+    from kernels.dsa_cost import CHIPS, choose_halo, gather_costs, predict_call, pull_costs
     from kernels.dsa_triton_pull import PULL_MAX_OFFSET
     from kernels.dsa_triton_split import SPLIT_BOUNDS
 
@@ -143,11 +145,14 @@ def test_predict_call_follows_the_choices_the_launchers_make():
         assert f"{1e3 * got['fwd'][1]:.3g}" == f"{fwd_ms:.3g}"
     near, mid = (predict_call(WAN_GRID, WAN_WINDOW, 128, few, max_offset=b) for b in (0.5, 1.5))
     assert near["fwd"][1] < mid["fwd"][1] and near["bwd"][1] < mid["bwd"][1]  # a wider bound, more work
-    times, atomic, _ = split_seconds(WAN_GRID, WAN_WINDOW, 128, 2, {PULL_MAX_OFFSET: few[PULL_MAX_OFFSET]})
+    chip = CHIPS[0]
+    query, key = (c.seconds(chip)["seconds"] for c in pull_costs(WAN_GRID, WAN_WINDOW, 128, PULL_MAX_OFFSET))
+    atomic = gather_costs(21 * 30 * 52, WAN_WINDOW, 128)[1].seconds(chip)["seconds"]
+    split = query + key + few[PULL_MAX_OFFSET] * (atomic - query)
     for max_offset in (None, 4.0):
         far = predict_call(WAN_GRID, WAN_WINDOW, 128, few, max_offset=max_offset)
-        assert far["fwd"][0] == "gather" and far["bwd"] == (f"split at {PULL_MAX_OFFSET:g}", times[PULL_MAX_OFFSET])
-        assert far["atomic"] == atomic
+        assert far["fwd"][0] == "gather" and far["bwd"][0] == f"split at {PULL_MAX_OFFSET:g}"
+        assert math.isclose(far["bwd"][1], split) and math.isclose(far["atomic"], atomic)
     worse = predict_call(WAN_GRID, WAN_WINDOW, 128, {b: 0.5 for b in SPLIT_BOUNDS})
     assert worse["bwd"][1] > far["bwd"][1]  # more queries flagged, more atomics
 

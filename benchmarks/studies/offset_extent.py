@@ -3,11 +3,11 @@
     python -m benchmarks.studies.offset_extent DIR [--kinds dsa dsa+NAME ...] [--threads 1]
         [--predict [--grid 21x30x52] [--window 3x7x7] [--head-dim 128]]
 
-The GPU kernels take one bound per call: the offsets' largest |offset| over every token, head and
-sample of the call (``kernels.dsa_triton_pull.offsets_extent``), or ``attention.max_offset`` where
-the head bounds them. That bound picks the halo kernels (tensor cores, up to offsets of 1.5-2 at
-Wan's 480p shape), the gather kernels, or, past 3 tokens, the backward's atomic mode. A head's
-mean |offset| says little about it: a few large offsets set the bound for all of the call.
+A call's extent is its offsets' largest |offset| over every token, head and sample. The GPU kernels
+run a call at its ``attention.max_offset`` (a bounded head's), never at a measured extent; for an
+unbounded head (``max_offset`` 0) the backward's split mode scatters by atomics the (query, head)
+pairs past 3 tokens, so their share sets its cost. A head's mean |offset| says little about
+either: a few large offsets set the extent of the whole call.
 
 This reads ``DIR/runs.jsonl`` and the models ``--out`` saved (``DIR/models``), runs every dsa
 model on the study's held-out inputs (``adaptation.evaluate``: each t-bucket's fixed noise) and
