@@ -382,11 +382,10 @@ def _choose_halo(grid, window, head_dim: int, bound: float, label: str, dtype_by
     return out
 
 
-def _terms(cost: Cost, chip: Chip, pass_: str, label: str | None = None, scale: float = 1.0) -> dict:
+def _terms(cost: Cost, chip: Chip, pass_: str) -> dict:
     t = cost.seconds(chip)
-    return {"kernel": label or cost.kernel, "pass": pass_, "ms": 1e3 * scale * t["seconds"], "bound_by": t["bound"],
-            "blocks_per_sm": cost.blocks_per_sm,
-            "terms_ms": {k[:-2]: 1e3 * scale * v for k, v in t.items() if k.endswith("_s")}}
+    return {"kernel": cost.kernel, "pass": pass_, "ms": 1e3 * t["seconds"], "bound_by": t["bound"],
+            "blocks_per_sm": cost.blocks_per_sm, "terms_ms": {k[:-2]: 1e3 * v for k, v in t.items() if k.endswith("_s")}}
 
 
 def call_breakdown(grid, window, head_dim: int, bound: float | None, dtype_bytes: int = 2, chip: Chip = CHIPS[0],
