@@ -457,6 +457,50 @@ def predict_call(grid, window, head_dim: int, shares: dict, dtype_bytes: int = 2
 
 
 # -----------------------------------------------------------------------------
+# The fused halo-dense kernels' design (``dsa_halo_dense``): no GPU kernel of it exists yet
+
+
+DESIGN_ASSUMPTIONS = {
+    "mma_efficiency": "FA3_MFU per pass (the same tensor-core efficiency as the dense baseline)",
+    "corner_instr": 6,  # lane instructions per sample corner per gather or scatter (index, weight, smem op)
+    "sample_instr": 40,  # per sample and pass: positions, clamps, floors, fractions, 8 weights and indices
+    "smem_conflict": 2.0,  # shared-memory gathers and scatter-adds at half the conflict-free rate
+    "blocks_per_sm": 1,  # ~200 KB of halo K or V, scores and probabilities per block: no second block
+}
+
+
+def halo_dense_design(grid, window, head_dim: int, bound: float, chip: Chip = CHIPS[0]) -> dict:
+    """The design estimate of the fused halo-dense forward and backward (``kernels/dsa_halo_dense``)
+    for one head, beside FlashAttention-3: the mirror's work counts priced with
+    ``DESIGN_ASSUMPTIONS``. Per pass: tensor-core time plus issue time (one block per SM: the
+    synchronous dots do not overlap the per-sample instructions), or the shared-memory, L2 (every
+    tile's halo read once) or DRAM time where larger. A design figure, not a compiled kernel's."""
+    from .dsa_halo_dense import halo_dense_counts  # lazy: imports torch
+
+    c = halo_dense_counts(tuple(grid), tuple(window), head_dim, bound)
+    A, N, K = DESIGN_ASSUMPTIONS, math.prod(grid), math.prod(window)
+    halo_bytes = c["tiles"] * c["mean_halo_keys"] * head_dim * 2
+    rows = {}
+    for pass_, macs, corners, halo_reads, dram in (
+            ("fwd", c["fwd_macs"], c["fwd_corner_ops"], 2 * halo_bytes, N * (4 * head_dim * 2 + K * 3 * 2)),
+            ("bwd", c["bwd_macs"], c["bwd_corner_ops"], 4 * halo_bytes, N * (8 * head_dim * 2 + 2 * K * 3 * 2))):
+        terms = {"tc": 2 * macs / (chip.bf16_tc * FA3_MFU[pass_]),
+                 "issue": (corners * A["corner_instr"] + c["samples"] * A["sample_instr"]) / chip.issue,
+                 "smem": corners * 4 * A["smem_conflict"] / chip.l1,
+                 "l2": halo_reads / chip.l2_atomic, "dram": dram / chip.hbm}
+        terms["issue+tc"] = (terms["tc"] + terms["issue"]) / A["blocks_per_sm"]
+        bound_by = max(("issue+tc", "smem", "l2", "dram"), key=terms.get)
+        rows[pass_] = {"ms": 1e3 * terms[bound_by], "bound_by": bound_by,
+                       "terms_ms": {k: 1e3 * v for k, v in terms.items()}}
+    fa3 = {p: 1e3 * v for p, v in fa3_seconds(N, head_dim, chip).items()}
+    dsa = {"fwd": rows["fwd"]["ms"], "bwd": rows["bwd"]["ms"]}
+    dsa["total"], fa3["total"] = dsa["fwd"] + dsa["bwd"], fa3["fwd"] + fa3["bwd"]
+    return {"grid": list(grid), "window": list(window), "head_dim": head_dim, "bound": bound, "chip": chip.name,
+            "how": "design estimate (no kernel yet)", "assumptions": A, "counts": c, "passes": rows,
+            "dsa_ms": dsa, "fa3_ms": fa3, "ratio": fa3["total"] / dsa["total"]}
+
+
+# -----------------------------------------------------------------------------
 # Command line: python -m kernels.dsa_cost --grid 21x30x52 --window 3x7x7 --head-dim 128 --bound 1.5
 
 
@@ -488,6 +532,8 @@ def main(argv=None) -> int:
     p.add_argument("--dtype", choices=("bf16", "fp32"), default="bf16")
     p.add_argument("--chip", choices=[c.name for c in CHIPS], default=CHIPS[0].name)
     p.add_argument("--json", action="store_true", help="one JSON object instead of the table")
+    p.add_argument("--design", action="store_true",
+                   help="also the fused halo-dense kernels' design estimate (no kernel yet; JSON key 'design')")
     a = p.parse_args(argv)
     grid, window = _dims(a.grid, 3, "grid"), _dims(a.window, 3, "window")
     if a.head_dim <= 0:
@@ -500,6 +546,10 @@ def main(argv=None) -> int:
                            next(c for c in CHIPS if c.name == a.chip), a.far_share)
     except ValueError as e:
         p.error(str(e))
+    if a.design:
+        if bound is None:
+            p.error("--design needs a bound (the halo is sized by attention.max_offset)")
+        b["design"] = halo_dense_design(grid, window, a.head_dim, bound, next(c for c in CHIPS if c.name == a.chip))
     if a.json:
         print(json.dumps(b))
         return 0
@@ -513,6 +563,13 @@ def main(argv=None) -> int:
     print(f"  FA3  fwd {f['fwd']:.3f} + bwd {f['bwd']:.3f} = {f['total']:.3f} ms (dense, {FA3_MFU['fwd']:.0%}/"
           f"{FA3_MFU['bwd']:.0%} MFU)")
     print(f"  FA3 / DSA: {b['ratio']:.2f}x")
+    if a.design:
+        g = b["design"]
+        for pass_, r in g["passes"].items():
+            terms = ", ".join(f"{k} {v:.3g}" for k, v in r["terms_ms"].items())
+            print(f"  design {pass_}: {r['ms']:.3f} ms, bound by {r['bound_by']} ({terms})")
+        print(f"  halo-dense design ({g['counts']['tiles']} tiles, {g['counts']['phases']} colour phases): "
+              f"{g['dsa_ms']['total']:.3f} ms, FA3 / design {g['ratio']:.2f}x (an estimate: no kernel yet)")
     return 0
 
 

@@ -88,3 +88,23 @@ def test_cli_unbounded_needs_the_far_share_and_refuses_bad_shapes(capsys):
             main(list(bad))
         err = capsys.readouterr().err + str(e.value)
         assert e.value.code != 0 and word in err, (bad, err)
+
+
+def test_cli_design_prices_the_mirrors_work(capsys):
+    """``--design``: the fused halo-dense design estimate, from the mirror's work counts (its tensor-core
+    term is the counted MACs at FA3's efficiency; the pass time is its largest term)."""
+    from kernels.dsa_cost import main
+    from kernels.dsa_halo_dense import halo_dense_counts
+
+    assert main(["--grid", "5x16x24", "--window", "3x7x7", "--bound", "1.5", "--design", "--json"]) == 0
+    d = json.loads(capsys.readouterr().out)["design"]
+    counts = halo_dense_counts((5, 16, 24), (3, 7, 7), 128, 1.5)
+    assert d["counts"] == counts
+    tc = 1e3 * 2 * counts["fwd_macs"] / (CHIPS[0].bf16_tc * FA3_MFU["fwd"])
+    assert d["passes"]["fwd"]["terms_ms"]["tc"] == pytest.approx(tc)
+    for r in d["passes"].values():
+        terms = {k: v for k, v in r["terms_ms"].items() if k not in ("tc", "issue")}
+        assert r["ms"] == pytest.approx(max(terms.values()))
+    assert d["ratio"] == pytest.approx(d["fa3_ms"]["total"] / d["dsa_ms"]["total"])
+    with pytest.raises(SystemExit):
+        main(["--bound", "-1", "--far-share", "0.06", "--design"])

@@ -1,0 +1,150 @@
+"""The fused halo-dense algorithm's blocked PyTorch mirror (``kernels/dsa_halo_dense.py``) against
+``dsa_reference``: forward and every gradient, in fp64 (the algebra, to rounding), fp32 (the fp32
+rule) and bf16 (the flash rule), at borders, partial tiles, several tiles and bounds, both
+identities, a broken bound promise, and the colour phases the backward adds dk, dv in."""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+import torch
+
+from kernels import dsa_reference
+from kernels.checks import (
+    assert_bf16_flash_rule,
+    assert_dense_identity,
+    assert_grads_close,
+    bounded_offsets,
+    edge_offsets,
+    grads,
+    make_qkv,
+    naive_neighborhood_attention,
+)
+from kernels.dsa_halo_dense import colour_counts, dsa_halo_dense, halo_dense_counts, halo_tiles
+
+CASES = [  # grid, window, bound, tile: partial tiles on every axis, tiles smaller and larger than the window
+    ((3, 9, 10), (3, 3, 3), 1.5, (1, 4, 4)),
+    ((4, 7, 11), (3, 5, 5), 1.0, (2, 4, 4)),
+    ((5, 6, 9), (3, 3, 5), 2.7, (1, 8, 8)),
+    ((3, 5, 6), (1, 3, 3), 0.5, (3, 2, 3)),
+]
+
+
+def _run(dtype, grid, window, bound, tile, seed=0, offsets=None):
+    shape = (2, *grid, 2, 8)
+    q, k, v = make_qkv(shape, dtype, seed=seed)
+    off = bounded_offsets(shape, window, bound, seed=seed + 1, dtype=dtype) if offsets is None else offsets
+    dout = torch.randn(shape, dtype=torch.float64, generator=torch.Generator().manual_seed(seed + 2))
+    got = grads(lambda *a: dsa_halo_dense(*a, window, bound, tile=tile), [q, k, v, off], dout)
+    return got, (q, k, v, off), dout
+
+
+@pytest.mark.parametrize("grid,window,bound,tile", CASES)
+def test_fp64_is_the_operator(grid, window, bound, tile):
+    """In fp64 every step runs in fp64: the blocked algorithm equals the operator to rounding."""
+    got, inputs, dout = _run(torch.float64, grid, window, bound, tile)
+    want = grads(lambda *a: dsa_reference(*a, window), list(inputs), dout)
+    assert_grads_close(got, want, f"{grid} {window} b{bound}", rtol=1e-10, atol=1e-11)
+
+
+def test_fp64_clamps_kinks_and_borders():
+    """Positions exactly on integers, on the grid's borders and clamped far outside (a bound that
+    covers the far moves: the halo is the whole grid)."""
+    grid, window = (3, 6, 7), (3, 3, 5)
+    shape = (2, *grid, 2, 8)
+    off = edge_offsets(shape, window)
+    bound = float(off.abs().max())
+    got, inputs, dout = _run(torch.float64, grid, window, bound, (1, 4, 4), offsets=off)
+    want = grads(lambda *a: dsa_reference(*a, window), list(inputs), dout)
+    assert_grads_close(got, want, "edges", rtol=1e-10, atol=1e-11)
+
+
+@pytest.mark.parametrize("grid,window,bound,tile", CASES[:2])
+def test_fp32_rule(grid, window, bound, tile):
+    got, inputs, dout = _run(torch.float32, grid, window, bound, tile, seed=5)
+    want = grads(lambda *a: dsa_reference(*a, window), list(inputs), dout)
+    assert_grads_close(got, want, f"{grid} fp32")
+
+
+@pytest.mark.parametrize("grid,window,bound,tile", CASES[:2])
+def test_bf16_flash_rule(grid, window, bound, tile):
+    """bf16 operands for the five products, P and dS cast to bf16 before theirs, as flash attention."""
+    got, inputs, dout = _run(torch.bfloat16, grid, window, bound, tile, seed=9)
+    assert_bf16_flash_rule(got, inputs, dout, window, f"halo-dense {grid}")
+
+
+def test_zero_offsets_are_neighborhood_attention():
+    grid, window = (3, 7, 9), (3, 3, 5)
+    shape = (2, *grid, 2, 8)
+    q, k, v = make_qkv(shape, torch.float64, seed=3)
+    off = torch.zeros(*shape[:5], 45, 3, dtype=torch.float64)
+    got = dsa_halo_dense(q, k, v, off, window, 0.0, tile=(1, 4, 4))
+    torch.testing.assert_close(got, naive_neighborhood_attention(q, k, v, window), rtol=1e-10, atol=1e-11)
+
+
+def test_whole_grid_window_is_dense_attention():
+    assert_dense_identity(lambda q, k, v, off, win, scale: dsa_halo_dense(q, k, v, off, win, 0.0, scale, tile=(1, 2, 4)),
+                          (3, 5, 5), torch.float64, 1e-10, seed=4)
+
+
+def test_a_broken_bound_shows_as_nan_rows_only():
+    """Offsets past the promised bound: exactly the queries whose corners leave their tile's halo get
+    a NaN output row (and NaN dq); every other query is the operator's."""
+    grid, window, bound = (3, 8, 16), (3, 3, 3), 1.0
+    shape = (1, *grid, 1, 8)
+    q, k, v = make_qkv(shape, torch.float64, seed=6)
+    off = bounded_offsets(shape, window, bound, seed=7, dtype=torch.float64)
+    # the last query along x of the tile x 4..7 (halo x 2..10): its sample (1, 1, 2), at x 8, moves 3.6
+    # tokens to 11.6 (corners 11, 12: outside the halo)
+    off[0, 1, 4, 7, 0, 14, 2] = 3.6
+    got = dsa_halo_dense(q, k, v, off, window, bound, tile=(1, 4, 4))
+    nan_rows = got.isnan().any(-1)[0, ..., 0]
+    assert nan_rows.nonzero().tolist() == [[1, 4, 7]]
+    want = dsa_reference(q, k, v, off, window)
+    keep = ~got.isnan()
+    torch.testing.assert_close(got[keep], want[keep], rtol=1e-10, atol=1e-11)
+
+
+def test_colour_phases_share_no_key():
+    """Tiles of one colour have disjoint halos, so a phase adds its dk, dv without atomics."""
+    for grid, window, bound, tile in CASES + [((21, 30, 52), (3, 7, 7), 1.5, (1, 8, 8))]:
+        tiles = halo_tiles(grid, window, bound, tile)
+        counts = colour_counts(tiles)
+        phases = {}
+        for t in tiles:
+            phases.setdefault(tuple(i % c for i, c in zip(t.index, counts)), []).append(t)
+        for members in phases.values():
+            for a, b in itertools.combinations(members, 2):
+                assert any(a.k_hi[x] < b.k_lo[x] or b.k_hi[x] < a.k_lo[x] for x in range(3)), (grid, a, b)
+        assert sum(map(len, phases.values())) == len(tiles)
+
+
+def test_every_reachable_corner_is_in_the_halo():
+    """The halo box holds every corner of every sample of every query of its tile, for offsets at the
+    bound (the extreme positions), and the 480p interior halo is 7 x 18 x 18 keys."""
+    grid, window, bound, tile = (5, 11, 13), (3, 5, 5), 1.5, (1, 4, 4)
+    for sign in (-1.0, 1.0):
+        shape = (1, *grid, 1, 4)
+        q, k, v = make_qkv(shape, torch.float64, seed=2)
+        off = torch.full((*shape[:5], 75, 3), sign * bound, dtype=torch.float64)
+        out = dsa_halo_dense(q, k, v, off, window, bound, tile=tile)
+        assert not out.isnan().any()
+        torch.testing.assert_close(out, dsa_reference(q, k, v, off, window), rtol=1e-10, atol=1e-11)
+    interior = [t for t in halo_tiles((21, 30, 52), (3, 7, 7), 1.5) if t.index == (10, 1, 3)]
+    assert interior[0].halo_shape == (7, 18, 18)
+
+
+def test_work_counts_grow_with_tokens_not_with_their_square():
+    small = halo_dense_counts((21, 30, 52), (3, 7, 7), 128, 1.5)
+    large = halo_dense_counts((21, 45, 80), (3, 7, 7), 128, 1.5)
+    tokens = (21 * 45 * 80) / (21 * 30 * 52)
+    assert small["samples"] == 21 * 30 * 52 * 147
+    assert 0.9 * tokens < large["fwd_macs"] / small["fwd_macs"] < 1.3 * tokens
+
+
+def test_refuses_a_missing_bound():
+    q, k, v = make_qkv((1, 3, 4, 4, 1, 4))
+    off = torch.zeros(1, 3, 4, 4, 1, 27, 3)
+    with pytest.raises(ValueError, match="bound"):
+        dsa_halo_dense(q, k, v, off, (3, 3, 3), float("inf"))
