@@ -97,7 +97,7 @@ def preset_rows(chip_name: str = "H100") -> list[dict]:
     """The cost model's figure for every GPU preset's attention call (``kernels.dsa_cost.call_breakdown``
     at the preset's token grid, window, head dim and bound, one head): what ``auto`` runs and its
     forward + backward against FlashAttention-3 on the same tokens."""
-    from kernels.dsa_cost import call_breakdown  # lazy: imports triton
+    from kernels.dsa_cost import call_breakdown, halo_dense_design  # lazy: imports triton
 
     from .compile import gpu_preset_shapes
 
@@ -105,8 +105,10 @@ def preset_rows(chip_name: str = "H100") -> list[dict]:
     rows = []
     for (d, window, grid, bound), names in gpu_preset_shapes().items():
         b = call_breakdown(grid, window, d, bound, chip=chip)
+        g = halo_dense_design(grid, window, d, bound, chip=chip)
         rows.append({"presets": list(names), **{k: b[k] for k in ("grid", "window", "head_dim", "bound", "chip", "how",
-                                                                 "modes", "dsa_ms", "fa3_ms", "ratio")}})
+                                                                 "modes", "dsa_ms", "fa3_ms", "ratio")},
+                     "design_ms": g["dsa_ms"], "design_ratio": g["ratio"]})
     return rows
 
 
@@ -125,14 +127,16 @@ def main(argv=None) -> int:
         for r in rows:
             print(json.dumps(r))
         return 0
-    print("| presets | grid | window | bound | kernels (fwd; bwd) | DSA fwd + bwd ms | FA3 fwd + bwd ms | FA3 / DSA |\n"
-          "|---|---|---|---|---|---|---|---|")
+    print("| presets | grid | window | bound | kernels (fwd; bwd) | DSA fwd + bwd ms | FA3 fwd + bwd ms | FA3 / DSA | "
+          "halo-dense design ms | FA3 / design |\n|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         d, f = r["dsa_ms"], r["fa3_ms"]
         print(f"| {', '.join(r['presets'])} | {'x'.join(map(str, r['grid']))} | {'x'.join(map(str, r['window']))} | "
               f"{r['bound']:g} | {r['modes']['fwd']}; {r['modes']['bwd']} | {d['fwd']:.2f} + {d['bwd']:.2f} = "
-              f"{d['total']:.2f} | {f['fwd']:.2f} + {f['bwd']:.2f} = {f['total']:.2f} | {r['ratio']:.2f}x |")
-    print(f"\n{a.chip} figures, one head, bf16; {rows[0]['how'] if rows else 'no GPU preset'}")
+              f"{d['total']:.2f} | {f['fwd']:.2f} + {f['bwd']:.2f} = {f['total']:.2f} | {r['ratio']:.2f}x | "
+              f"{r['design_ms']['total']:.3f} | {r['design_ratio']:.1f}x |")
+    print(f"\n{a.chip} figures, one head, bf16; {rows[0]['how'] if rows else 'no GPU preset'}; the halo-dense "
+          "columns: the fused design's estimate (kernels.dsa_cost.halo_dense_design; no kernel yet)")
     return 0
 
 
