@@ -18,7 +18,7 @@ backend per call:
   per pass, either the gather kernels (``dsa_triton``: a strip of queries per program, one
   trilinear corner per loop iteration, CUDA-core FMAs) or the halo kernels (``dsa_triton_halo``:
   64 queries of a row against whole key rows, tensor-core dots), whichever the cost model
-  (``dsa_cost``) predicts faster at the call's bound (``dsa_triton.HALO_MODE``; logged). The bound
+  (``dsa_cost``) predicts faster at the call's bound (``modes``, ``dsa_modes.KernelModes``; logged). The bound
   is the caller's ``max_offset`` (``attention.max_offset``), a constant of the config: nothing is
   measured per call, so a call makes no host sync and compiles nothing new mid-run. The backward
   sums dk, dv with the key-side pass (``dsa_triton_pull``): tensor-core dots, no atomics,
@@ -50,6 +50,7 @@ import torch
 
 from .dsa_cpu import dsa_cpu, dsa_cpu_slab
 from .dsa_matrix import MATRIX_MAX_TOKENS, dsa_matrix, matrix_path_fits
+from .dsa_modes import KernelModes
 from .dsa_reference import dsa_reference, dsa_reference_chunked, dsa_slab, slab_kv_frames, window_base_positions
 
 __all__ = [
@@ -64,6 +65,7 @@ __all__ = [
     "window_base_positions",
     "pick_cuda_kernel",
     "aot_variants",
+    "KernelModes",
 ]
 
 log = logging.getLogger(__name__)
@@ -146,6 +148,7 @@ def deformable_slide_attention(
     scale: float | None = None,
     backend: DSABackend | None = None,
     max_offset: float | None = None,
+    modes: KernelModes | None = None,
 ) -> torch.Tensor:
     """3D-DSA: ``(B, T, H, W, nh, d)`` q, k, v and ``(B, T, H, W, nh, K, 3)`` offsets.
 
@@ -158,13 +161,15 @@ def deformable_slide_attention(
     backward's key-side dk/dv pass (``dsa_triton_pull``) and picks the halo kernels where the cost
     model predicts them faster at it; a query with an offset beyond it gets a NaN ``dq`` (and a NaN
     output row in the halo forward). Without it the Triton path runs the gather forward and the
-    backward's split mode at the key-side pass's cap: nothing is measured per call.
+    backward's split mode at the key-side pass's cap: nothing is measured per call. ``modes``
+    (``KernelModes``): which Triton kernel families run (default ``auto``; the others force one
+    family, for measurements and tests); the other backends ignore it.
     """
     path = resolve_dsa_backend(q, backend)
     if path == "triton":
         from .dsa_triton import dsa_triton  # lazy: needs triton, which a CPU machine may lack
 
-        return dsa_triton(q, k, v, offsets, window, scale=scale, max_offset=max_offset)
+        return dsa_triton(q, k, v, offsets, window, scale=scale, max_offset=max_offset, modes=modes)
     if path == "matrix":
         return dsa_matrix(q, k, v, offsets, window, scale=scale)
     if path == "cpu":
@@ -186,6 +191,7 @@ def deformable_slide_attention_slab(
     scale: float | None = None,
     backend: DSABackend | None = None,
     max_offset: float | None = None,
+    modes: KernelModes | None = None,
 ) -> torch.Tensor:
     """3D-DSA for the queries of frames ``[q_start, q_start + Tq)`` of a ``frames``-frame grid,
     against k, v holding frames ``[kv_start, kv_start + Tk)`` (``dsa_reference.dsa_slab``): the
@@ -198,7 +204,7 @@ def deformable_slide_attention_slab(
         from .dsa_triton import dsa_triton_slab  # lazy: needs triton, which a CPU machine may lack
 
         return dsa_triton_slab(q, k, v, offsets, window, q_start, kv_start, frames, scale=scale,
-                               max_offset=max_offset)
+                               max_offset=max_offset, modes=modes)
     if path in ("cpu", "matrix"):
         return dsa_cpu_slab(q, k, v, offsets, window, q_start, kv_start, frames, scale=scale)
     return dsa_slab(q, k, v, offsets, window, q_start, kv_start, frames, scale=scale)

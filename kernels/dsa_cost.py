@@ -439,7 +439,7 @@ def call_breakdown(grid, window, head_dim: int, bound: float | None, dtype_bytes
 
 def predict_call(grid, window, head_dim: int, shares: dict, dtype_bytes: int = 2,
                  max_offset: float | None = None) -> dict:
-    """What ``DKV_MODE``/``HALO_MODE`` "auto" run for one call of a whole clip and the predicted time
+    """What the ``auto`` kernel modes (``dsa_modes``) run for one call of a whole clip and the predicted time
     per head on H100 figures (``call_breakdown``): ``{"bound", "fwd": (kernel, s), "bwd": (mode, s)}``,
     past the cap also ``"atomic"``: the atomic mode's backward s, for comparison. Kernels "halo" and
     "gather"; modes "halo+pull" and "gather+pull" (that query side, then the key-side pass) and

@@ -3,7 +3,7 @@
 Backend ``triton``: this module's launchers are its entry points (``dsa_triton``, ``dsa_triton_slab``).
 
 The forward and the backward's query side have a second implementation, the halo kernels
-(``dsa_triton_halo``: the products on tensor cores); ``HALO_MODE`` "auto" takes them per pass where
+(``dsa_triton_halo``: the products on tensor cores); the ``auto`` halo mode (``dsa_modes``) takes them per pass where
 the cost model (``dsa_cost.choose_halo``) predicts them faster at the call's bound (``max_offset``,
 a constant of the config: nothing is measured per call, so no host sync and no new compile
 mid-run), and logs the choice once per span of the bound.
@@ -25,7 +25,7 @@ Algorithm (structure of the triton tutorial 06-fused-attention):
   * dk, dv: in the pull mode (the default when the offsets' bound is at most
     ``dsa_triton_pull.PULL_MAX_OFFSET``) each (query, sample) writes a record (position, ds, a)
     and the key-side pass ``dsa_triton_pull`` sums them per key tile: no atomics, deterministic.
-    In the atomic mode (``DKV_MODE = "atomic"``, or where no bound fits a slab) they are scattered
+    In the atomic mode (``KernelModes(dkv="atomic")``, or where no bound fits a slab) they are scattered
     to the 8 corners of every sample with fp32 ``atomic_add`` (many queries sample the same
     key) into fp32 buffers (``(pairs, keys, d)``, the (batch, head) pairs in chunks within
     ``ATOMIC_BUDGET_BYTES``), each chunk cast into dk, dv after its launch. The split mode
@@ -60,6 +60,7 @@ import triton
 import triton.language as tl
 
 from .dsa_cost import choose_halo
+from .dsa_modes import AUTO, KernelModes
 from .dsa_reference import validate_dsa_inputs, validate_slab_inputs
 from .dsa_triton_halo import halo_backward_query, halo_forward
 from .dsa_triton_pull import (
@@ -81,18 +82,7 @@ __all__ = ["dsa_triton", "dsa_triton_slab", "INTERPRETED"]
 log = logging.getLogger(__name__)
 
 LOG2E = 1.4426950408889634
-# How the backward sums dk and dv: "auto" -- the key-side pass (dsa_triton_pull: deterministic, no
-# float atomics) when the offsets' bound (max_offset) allows it; past its cap, or with no bound, the
-# split mode (dsa_triton_split: the key-side pass at its cap for the queries within it, atomics for
-# the rest, flagged on the device); "atomic" -- always atomics.
-DKV_MODE = "auto"
 ATOMIC_BUDGET_BYTES = 1 << 30  # the atomic mode's fp32 dk, dv per launch; (batch, head) pairs in chunks within it
-# Which kernels take the forward and the backward's query side: "auto" -- per pass, the halo kernels
-# (dsa_triton_halo: the products on tensor cores) for bf16 and fp16 when the offsets' bound allows them
-# (max_offset, as for the pull mode) and the cost model (dsa_cost.choose_halo) predicts them faster there,
-# else the gather kernels; "halo" -- the halo kernels whenever the bound allows them, fp32 too;
-# "gather" -- always the gather kernels. A call with an explicit ``block_m`` takes the gather kernels.
-HALO_MODE = "auto"
 
 
 
@@ -447,32 +437,33 @@ def _slab_args(q, k, slab):
     return (Tk * H * W, Tk, q0, k0), frames
 
 
-def halo_refusal(q, block_m) -> str | None:
+def halo_refusal(q, block_m, modes: KernelModes = AUTO) -> str | None:
     """Why the halo kernels (``dsa_triton_halo``) may not run for ``q`` whatever the bound, or None:
-    ``HALO_MODE`` "gather", an explicit ``block_m``, or fp32 in "auto"."""
-    if HALO_MODE == "gather":
-        return "HALO_MODE gather"
+    ``modes.halo`` "gather", an explicit ``block_m``, or fp32 in "auto"."""
+    if modes.halo == "gather":
+        return "halo mode gather"
     if block_m is not None:
         return f"block_m {block_m} asks for the gather kernels"
-    if HALO_MODE == "auto" and q.dtype == torch.float32:
+    if modes.halo == "auto" and q.dtype == torch.float32:
         return "fp32 inputs: the halo kernels' fp32 dots spill (bf16 and fp16 take them)"
     return None
 
 
-def halo_choice(pass_: str, q, win, bound: float | None, why: str, block_m=None) -> tuple[bool, str]:
+def halo_choice(pass_: str, q, win, bound: float | None, why: str, block_m=None,
+                modes: KernelModes = AUTO) -> tuple[bool, str]:
     """Whether pass ``pass_`` ("fwd" or "bwd": the backward's query side) takes the halo kernels,
-    and why, given the pull mode's ``bound`` (None: refused, ``why``)."""
-    refused = halo_refusal(q, block_m)
+    and why, given the pull mode's ``bound`` (None: refused, ``why``) and the call's ``modes``."""
+    refused = halo_refusal(q, block_m, modes)
     if refused is not None:
         return False, refused
     if bound is None:
         return False, why
-    if HALO_MODE == "halo":
-        return True, f"HALO_MODE halo; offsets up to {bound:g} ({why})"
+    if modes.halo == "halo":
+        return True, f"halo mode halo; offsets up to {bound:g} ({why})"
     return choose_halo(tuple(q.shape[1:4]), tuple(win), q.shape[-1], float(bound), q.element_size())[pass_]
 
 
-def _dsa_fwd_launch(q, k, v, offsets, win, scale, block_m, slab=None, max_offset=None):
+def _dsa_fwd_launch(q, k, v, offsets, win, scale, block_m, slab=None, max_offset=None, modes: KernelModes = AUTO):
     """out and the log-sum-exp: the halo forward (``dsa_triton_halo``: tensor cores) where
     ``halo_choice`` takes it, else the gather forward."""
     B, T, H, W, nh, d = q.shape
@@ -480,9 +471,9 @@ def _dsa_fwd_launch(q, k, v, offsets, win, scale, block_m, slab=None, max_offset
     kv_args, T = _slab_args(q, k, slab)
     out = torch.empty_like(q)
     lse = torch.empty((B, nh, N), device=q.device, dtype=torch.float32)
-    bound, why = ((None, "") if halo_refusal(q, block_m)
+    bound, why = ((None, "") if halo_refusal(q, block_m, modes)
                   else pull_bound(offsets, max_offset, slab, win[0], win[2]))
-    halo, why = halo_choice("fwd", q, win, bound, why, block_m)
+    halo, why = halo_choice("fwd", q, win, bound, why, block_m, modes)
     log_halo_once("forward", halo, why)
     if halo:
         halo_forward(q, k, v, offsets, win, scale * LOG2E, bound, (N, T, H, W, nh, *kv_args), out, lse)
@@ -497,19 +488,20 @@ def _dsa_fwd_launch(q, k, v, offsets, win, scale, block_m, slab=None, max_offset
     return out, lse
 
 
-def _dsa_bwd_launch(q, k, v, offsets, out, dout, lse, win, scale, block_m, slab=None, max_offset=None):
+def _dsa_bwd_launch(q, k, v, offsets, out, dout, lse, win, scale, block_m, slab=None, max_offset=None,
+                    modes: KernelModes = AUTO):
     """dq, dk, dv, d(offsets). dk and dv come from the key-side pass (``dsa_triton_pull``) when the
-    offsets' bound allows it (``DKV_MODE`` "auto"), else from the split mode (the key-side pass at its
+    offsets' bound allows it (``modes.dkv`` "auto"), else from the split mode (the key-side pass at its
     cap, fp32 atomics for the queries past it) or, where no bound fits, the query-side pass's atomics."""
     B, T, H, W, nh, d = q.shape
     N = T * H * W
     kv_args, T = _slab_args(q, k, slab)
     dq = torch.empty_like(q)
     doff = torch.empty_like(offsets)
-    bound, why = ((None, "DKV_MODE atomic") if DKV_MODE == "atomic"
+    bound, why = ((None, "dkv mode atomic") if modes.dkv == "atomic"
                   else pull_bound(offsets, max_offset, slab, win[0], win[2]))
     split = None  # a bound past the key-side pass's cap, or none: it still takes the queries within its cap
-    if bound is None and DKV_MODE == "auto":
+    if bound is None and modes.dkv == "auto":
         split = split_plan(offsets, win, max_offset, slab)
         if split is not None:
             bound, why = split.bound, split.why
@@ -517,7 +509,7 @@ def _dsa_bwd_launch(q, k, v, offsets, out, dout, lse, win, scale, block_m, slab=
                   f"bound {bound:g}" if split else None)  # the split mode: once per bound
     # the query side on tensor cores (dsa_triton_halo) where the halo kernels may run: the pull mode's records
     halo, halo_why = (False, "the split mode: the gather query side") if split else halo_choice(
-        "bwd", q, win, bound, why, block_m)
+        "bwd", q, win, bound, why, block_m, modes)
     if bound is not None:
         log_halo_once("backward's query side", halo, halo_why)
     meta = dict(HEAD_DIM=d, KT=win[0], KH=win[1], KW=win[2], BLOCK_D=_block_d(d), PULL=bound is not None,
@@ -578,21 +570,22 @@ def _dsa_bwd_launch(q, k, v, offsets, out, dout, lse, win, scale, block_m, slab=
 
 class _DSATriton(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, offsets, win, scale, block_m, slab=None, max_offset=None):
+    def forward(ctx, q, k, v, offsets, win, scale, block_m, slab=None, max_offset=None, modes=AUTO):
         q, k, v, offsets = (x.contiguous() for x in (q, k, v, offsets))
         _check_launch(q, k, v, offsets)
-        out, lse = _dsa_fwd_launch(q, k, v, offsets, win, scale, block_m, slab, max_offset)
+        out, lse = _dsa_fwd_launch(q, k, v, offsets, win, scale, block_m, slab, max_offset, modes)
         ctx.save_for_backward(q, k, v, offsets, out, lse)
-        ctx.meta = (win, scale, block_m, slab, max_offset)
+        ctx.meta = (win, scale, block_m, slab, max_offset, modes)
         return out
 
     @staticmethod
     def backward(ctx, dout):
         q, k, v, offsets, out, lse = ctx.saved_tensors
-        win, scale, block_m, slab, max_offset = ctx.meta
+        win, scale, block_m, slab, max_offset, modes = ctx.meta
         dout = dout.contiguous().to(q.dtype)
-        dq, dk, dv, doff = _dsa_bwd_launch(q, k, v, offsets, out, dout, lse, win, scale, block_m, slab, max_offset)
-        return dq, dk, dv, doff, None, None, None, None, None
+        dq, dk, dv, doff = _dsa_bwd_launch(q, k, v, offsets, out, dout, lse, win, scale, block_m, slab, max_offset,
+                                           modes)
+        return dq, dk, dv, doff, None, None, None, None, None, None
 
 
 def dsa_triton(
@@ -604,6 +597,7 @@ def dsa_triton(
     scale: float | None = None,
     block_m: int | None = None,
     max_offset: float | None = None,
+    modes: KernelModes | None = None,
 ) -> torch.Tensor:
     """3D-DSA with the fused Triton kernels (CUDA; CPU only under TRITON_INTERPRET=1).
 
@@ -614,30 +608,34 @@ def dsa_triton(
     the backward's key-side pass (``dsa_triton_pull``) and the halo kernels and picks between them
     and the gather kernels. A query with an offset beyond it gets a NaN ``dq``. Without it: the
     gather forward and the split backward at the key-side pass's cap. No host sync either way.
+    ``modes``: which kernel families run (``kernels.dsa_modes.KernelModes``; default ``auto``).
     """
     win = validate_dsa_inputs(q, k, v, offsets, window)
-    return _gather_validated(q, k, v, offsets, win, scale, block_m, max_offset=max_offset)
+    return _gather_validated(q, k, v, offsets, win, scale, block_m, max_offset=max_offset, modes=modes)
 
 
 def dsa_triton_slab(q, k, v, offsets, window, q_start: int, kv_start: int, frames: int,
                     scale: float | None = None, block_m: int | None = None,
-                    max_offset: float | None = None) -> torch.Tensor:
+                    max_offset: float | None = None, modes: KernelModes | None = None) -> torch.Tensor:
     """``dsa_slab`` (the queries of some frames against the frames of k, v they reach) with the
-    fused kernels: same arguments and result as ``dsa_reference.dsa_slab``; ``max_offset`` as
-    ``dsa_triton``."""
+    fused kernels: same arguments and result as ``dsa_reference.dsa_slab``; ``max_offset`` and
+    ``modes`` as ``dsa_triton``."""
     win = validate_slab_inputs(q, k, v, offsets, window, q_start, kv_start, frames)
     slab = (k.shape[1], int(frames), int(q_start), int(kv_start))
-    return _gather_validated(q, k, v, offsets, win, scale, block_m, slab, max_offset)
+    return _gather_validated(q, k, v, offsets, win, scale, block_m, slab, max_offset, modes)
 
 
 def _gather_validated(q, k, v, offsets, win: tuple[int, int, int], scale: float | None, block_m: int | None,
-                     slab=None, max_offset: float | None = None) -> torch.Tensor:
+                     slab=None, max_offset: float | None = None, modes: KernelModes | None = None) -> torch.Tensor:
     """The gather kernels on inputs an entry point has validated (``win``: its window tuple);
     ``dsa_triton`` and ``dsa_triton_slab`` call it."""
     if block_m is not None and (block_m < 16 or block_m & (block_m - 1)):
         raise ValueError(f"block_m must be a power of two >= 16, got {block_m}")
     scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
-    return _DSATriton.apply(q, k, v, offsets, win, scale, block_m, slab, max_offset)
+    modes = AUTO if modes is None else modes
+    if not isinstance(modes, KernelModes):
+        raise TypeError(f"modes={modes!r}: pass a kernels.dsa_modes.KernelModes (or None for auto)")
+    return _DSATriton.apply(q, k, v, offsets, win, scale, block_m, slab, max_offset, modes)
 
 
 def atomic_chunk(pairs: int, key_tokens: int, head_dim: int) -> int:

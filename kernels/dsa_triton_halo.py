@@ -70,7 +70,7 @@ Four passes
 When it runs
   Where the backward's pull mode may run (a known bound up to ``PULL_MAX_OFFSET``, a window the
   column run covers, a slab holding every reachable frame: ``dsa_triton_pull.pull_bound``), bf16
-  and fp16. ``dsa_triton.HALO_MODE`` "auto" takes the halo kernels per pass (the forward; the
+  and fp16. the ``auto`` halo mode (``dsa_modes.KernelModes``) takes the halo kernels per pass (the forward; the
   backward's query side) where the cost model (``dsa_cost.choose_halo``) predicts them faster than
   the gather kernels at the call's bound (its ``max_offset``), both counted in issue slots from their sm_90 compiles. At the Wan grid
   (21x30x52) and head dim 128, window 3x7x7: both passes up to offsets of 2 (the GPU check's bound

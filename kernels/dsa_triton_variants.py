@@ -82,15 +82,14 @@ def aot_variants(shape) -> list[dict]:
 def _halo_everywhere(shape, bounds) -> dict:
     """Per pass ("fwd"; "bwd": the backward's query side in the pull mode), why ``auto`` never takes
     the gather kernels at ``shape`` -- ``dsa_triton.halo_choice`` takes the halo kernels at every
-    bound a call may run at -- or None where it may (fp32, ``HALO_MODE`` "gather", a bound past the
+    bound a call may run at -- or None where it may (fp32, a bound past the
     key-side pass's cap, or a span where the gather kernels are predicted faster)."""
     grid = getattr(shape, "grid", None)
     if grid is None or not bounds:
         return {"fwd": None, "bwd": None}
     q = torch.empty(1, *grid, 1, shape.head_dim, device="meta",
                     dtype=torch.float32 if shape.dtype == "fp32" else torch.bfloat16)
-    why = ("HALO_MODE halo" if DT.HALO_MODE == "halo" else
-           f"the cost model predicts the halo kernels faster at every bound up to {max(bounds):g}")
+    why = f"the cost model predicts the halo kernels faster at every bound up to {max(bounds):g}"
     return {p: why if all(DT.halo_choice(p, q, tuple(shape.window), b, "")[0] for b in bounds) else None
             for p in ("fwd", "bwd")}
 

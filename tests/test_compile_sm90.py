@@ -175,13 +175,11 @@ def test_the_gather_kernels_are_listed_as_picked_only_where_auto_may_take_them(m
     """The compile-only check's ``may_pick`` for the gather kernels follows ``auto`` (``choose_halo`` at
     the shape's bound): at the Wan shape (d 128, 3x7x7, bound 1.5) the halo forward is predicted
     faster, so the gather forward is listed for the record only, and the backward's query side on
-    the gather kernels; fp32 and ``HALO_MODE`` "gather"
-    take them everywhere; the atomic and split backward modes only where the bound passes the
+    the gather kernels; fp32 takes them everywhere; the atomic and split backward modes only where the bound passes the
     key-side pass's cap (or none is given, when the pull mode's query side never runs), and then the
     key-side pass that adds the split mode's
     atomics too, once per target (its constexprs are one at every bound the split mode picks)."""
     pytest.importorskip("triton")
-    import kernels.dsa_triton as DT
     from kernels import aot_variants
 
     def picked(dtype, d, window, bound=1.5):
@@ -210,8 +208,6 @@ def test_the_gather_kernels_are_listed_as_picked_only_where_auto_may_take_them(m
                                                                                     (21, 30, 52), 1.5)))
     assert set(picked("fp32", 128, (3, 7, 7)).values()) == {True, False}  # fp32: gather (the atomic mode not at 1.5)
     assert picked("fp32", 128, (3, 7, 7))["gather_fwd"] is True
-    monkeypatch.setattr(DT, "HALO_MODE", "gather")
-    assert picked("bf16", 128, (3, 7, 7))["gather_fwd"] is True
 
 
 @pytest.mark.slow  # about 2 min on 2 cores: every config at the presets' shapes, for sm_90
@@ -252,7 +248,7 @@ def test_sm90_compile_only_check_passes_at_the_preset_shapes(tmp_path):
 
     for r in at_presets:  # a gather pass is listed as picked only where the cost model prefers it to the
         # halo kernels at the preset's shape; the halo kernels (listed wherever their bound allows them:
-        # HALO_MODE halo forces them) are on tensor cores
+        # KernelModes(halo="halo") forces them) are on tensor cores
         if r["kernel"].startswith("gather"):
             pass_ = "fwd" if r["kernel"] == "gather_fwd" else "bwd"
             assert not choose_halo(tuple(r["grid"]), tuple(r["window"]), r["head_dim"], r["max_offset"])[pass_][0], r

@@ -17,7 +17,7 @@ import os
 import pytest
 import torch
 
-from kernels import dsa_reference
+from kernels import KernelModes, dsa_reference
 from kernels.checks import (
     assert_bf16_flash_rule,
     assert_dense_identity,
@@ -127,13 +127,12 @@ def test_auto_takes_the_halo_kernels_where_the_cost_model_predicts_them_faster(m
         halo, why = DT.halo_choice(pass_, q16, win, None, "offsets up to 3.5 exceed the key-side pass's 3.0")
         assert not halo and "exceed" in why
         assert DT.halo_choice(pass_, q16, win, 0.0, "", block_m=16)[0] is False
-    monkeypatch.setattr(DT, "HALO_MODE", "halo")
-    assert DT.halo_choice("bwd", q32, win, 1.5, "max_offset")[0] is True
-    monkeypatch.setattr(DT, "HALO_MODE", "gather")
-    assert DT.halo_choice("fwd", q16, win, 0.0, "max_offset") == (False, "HALO_MODE gather")
+    assert DT.halo_choice("bwd", q32, win, 1.5, "max_offset", modes=KernelModes(halo="halo"))[0] is True
+    assert DT.halo_choice("fwd", q16, win, 0.0, "max_offset", modes=KernelModes(halo="gather")) == (
+        False, "halo mode gather")
 
 
-def _launch_scratch(monkeypatch, q, off, bound):
+def _launch_scratch(monkeypatch, q, off, bound, modes=None):
     """(forward scratch, backward scratch, kernels launched): every allocation ``_dsa_fwd_launch``
     and ``_dsa_bwd_launch`` make, kernels stubbed, less their outputs (out, lse; dq, dk, dv,
     d(offsets)), with budgets small enough that the Wan grid's scratch comes in chunks."""
@@ -167,9 +166,9 @@ def _launch_scratch(monkeypatch, q, off, bound):
     lse = torch.empty(B, nh, N, device=q.device)
     win = (3, 7, 7)
     with Allocations() as fwd:
-        DT._dsa_fwd_launch(q, q, q, off, win, d ** -0.5, None, None, bound)
+        DT._dsa_fwd_launch(q, q, q, off, win, d ** -0.5, None, None, bound, modes or KernelModes())
     with Allocations() as bwd:
-        DT._dsa_bwd_launch(q, q, q, off, q, q, lse, win, d ** -0.5, None, None, bound)
+        DT._dsa_bwd_launch(q, q, q, off, q, q, lse, win, d ** -0.5, None, None, bound, modes or KernelModes())
     outputs_fwd = q.numel() * 2 + lse.numel() * 4  # out (bf16), lse (fp32)
     outputs_bwd = 3 * q.numel() * 2 + off.numel() * 2  # dq, dk, dv, d(offsets) (bf16)
     return fwd.bytes - outputs_fwd, bwd.bytes - outputs_bwd, [c[0] for c in calls]
@@ -197,9 +196,8 @@ def test_scratch_bytes_is_what_the_launchers_allocate(monkeypatch, bound, fwd_ke
     """``scratch_bytes`` (the planner's term) against every allocation the forward and backward
     launchers make, on the meta device at the Wan grid: the call runs at the bound given. Without a
     bound (or past the cap) it also covers the atomic mode, which runs where no split bound fits a
-    slab (here forced with ``DKV_MODE`` atomic)."""
+    slab (here forced with ``KernelModes(dkv="atomic")``)."""
     pytest.importorskip("triton")
-    import kernels.dsa_triton as DT
     from kernels.dsa_scratch import scratch_bytes
 
     B, nh, d, grid = WAN["B"], WAN["nh"], WAN["d"], WAN["grid"]
@@ -214,8 +212,7 @@ def test_scratch_bytes_is_what_the_launchers_allocate(monkeypatch, bound, fwd_ke
     atomic = 0
     if bwd_mode == "split":
         with monkeypatch.context() as m:
-            m.setattr(DT, "DKV_MODE", "atomic")
-            _, atomic, ran_a = _launch_scratch(m, q, off, bound)
+            _, atomic, ran_a = _launch_scratch(m, q, off, bound, KernelModes(dkv="atomic"))
         assert "_dsa_bwd_tuned" in ran_a and "pull_launch" not in ran_a and atomic > 0
     assert scratch_bytes(B, nh, grid, N, (3, 7, 7), d, bound) == max(fwd, bwd, atomic)
     assert scratch_bytes(B, nh, grid, N, (3, 7, 7), d, bound, backward=False) == fwd
@@ -326,17 +323,9 @@ def test_cost_model_weighs_issue_slots_counted_from_the_compile(monkeypatch):
 # Kernels under the interpreter
 
 
-@pytest.fixture
-def halo_fp32():
-    """``HALO_MODE`` "halo": the halo kernels whatever the cost model says, fp32 too (``auto`` gives
-    fp32 the gather kernels: the halo kernels' fp32 dots spill on the GPU), so the 1e-6 checks run
-    on them."""
-    import kernels.dsa_triton as DT
-
-    old = DT.HALO_MODE
-    DT.HALO_MODE = "halo"
-    yield
-    DT.HALO_MODE = old
+HALO = KernelModes(halo="halo")
+"""The halo kernels whatever the cost model says, fp32 too (``auto`` gives fp32 the gather kernels:
+the halo kernels' fp32 dots spill on the GPU), so the 1e-6 checks run on them."""
 
 
 def _run(window, shape, bound, given, seed=12, dtype=torch.float32, mode="halo"):
@@ -345,12 +334,8 @@ def _run(window, shape, bound, given, seed=12, dtype=torch.float32, mode="halo")
     q, k, v = (x.to(dtype) for x in make_qkv(shape, seed=seed))
     off = bounded_offsets(shape, window, bound, seed=seed + 1, dtype=dtype)
     dout = torch.randn(shape, generator=torch.Generator().manual_seed(seed + 2))
-    old = DT.HALO_MODE
-    DT.HALO_MODE = mode
-    try:
-        got = grads(lambda *a: DT.dsa_triton(*a, window, max_offset=bound if given else None), (q, k, v, off), dout)
-    finally:
-        DT.HALO_MODE = old
+    got = grads(lambda *a: DT.dsa_triton(*a, window, max_offset=bound if given else None,
+                                         modes=KernelModes(halo=mode)), (q, k, v, off), dout)
     return got, (q, k, v, off), dout
 
 
@@ -389,45 +374,45 @@ def test_interp_bf16_halo_flash_rule(caplog):
 
 
 @interpreter_only
-def test_interp_offsets_beyond_the_given_bound_give_nan_out_for_their_queries(halo_fp32):
+def test_interp_offsets_beyond_the_given_bound_give_nan_out_for_their_queries():
     from kernels.dsa_triton import dsa_triton
 
     window, shape = (1, 3, 3), (1, 2, 3, 5, 1, 4)
     q, k, v = make_qkv(shape, seed=50)
     off = bounded_offsets(shape, window, 0.5, seed=51)
     off[0, 1, 2, 1, 0, 4, 2] = 1.6  # query (t 1, y 2, x 1) breaks the bound 0.5 (base x 1: not clamped)
-    out = dsa_triton(q, k, v, off, window, max_offset=0.5)
+    out = dsa_triton(q, k, v, off, window, max_offset=0.5, modes=HALO)
     bad = out[0, :, :, :, 0].isnan().any(-1)
     assert bad[1, 2, 1] and int(bad.sum()) == 1, bad.nonzero()
 
 
 @interpreter_only
-def test_interp_zero_offsets_are_neighborhood_attention(halo_fp32):
+def test_interp_zero_offsets_are_neighborhood_attention():
     from kernels.dsa_triton import dsa_triton
 
     window, shape = (3, 3, 3), (1, 3, 3, 5, 1, 4)
     q, k, v = make_qkv(shape, seed=60)
     off = torch.zeros(*shape[:5], 27, 3)
     dout = torch.randn(shape, generator=torch.Generator().manual_seed(61))
-    got = grads(lambda *a: dsa_triton(*a, window, max_offset=0.0), (q, k, v, off), dout)
+    got = grads(lambda *a: dsa_triton(*a, window, max_offset=0.0, modes=HALO), (q, k, v, off), dout)
     want = grads(lambda q, k, v, o: naive_neighborhood_attention(q, k, v, window) + 0 * o.sum(), (q, k, v, off), dout)
     assert_grads_close(got[:4], want[:4])  # out, dq, dk, dv
 
 
 @interpreter_only
-def test_interp_zero_offsets_full_window_is_dense_attention(halo_fp32):
+def test_interp_zero_offsets_full_window_is_dense_attention():
     """The window the whole grid (3, 1, 5), offsets zero (the bound given: 0): dense attention
     against fp64 SDPA, forward and the q, k, v gradients."""
     from kernels.dsa_triton import dsa_triton
 
     def attn(q, k, v, offsets, window, scale):
-        return dsa_triton(q, k, v, offsets, window, scale=scale, max_offset=0.0)
+        return dsa_triton(q, k, v, offsets, window, scale=scale, max_offset=0.0, modes=HALO)
 
     assert_dense_identity(attn, (3, 1, 5), torch.float32, 2e-5, seed=38)
 
 
 @interpreter_only
-def test_interp_slab_halo_matches_reference(halo_fp32):
+def test_interp_slab_halo_matches_reference():
     """Queries of frames [4, 6) of 10 against the frames they reach with offsets up to 1.0."""
     from kernels.dsa_reference import dsa_slab, slab_kv_frames
     from kernels.dsa_triton import dsa_triton_slab
@@ -439,6 +424,21 @@ def test_interp_slab_halo_matches_reference(halo_fp32):
     q, _, _ = make_qkv((1, q1 - q0, H, W, nh, d), seed=70)
     _, k, v = make_qkv((1, b - a, H, W, nh, d), seed=71)
     off = bounded_offsets(q.shape, window, bound, seed=72)
-    got = dsa_triton_slab(q, k, v, off, window, q0, a, frames, max_offset=bound)
+    got = dsa_triton_slab(q, k, v, off, window, q0, a, frames, max_offset=bound, modes=HALO)
     want = dsa_slab(q, k, v, off, window, q0, a, frames)
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+
+
+def test_kernel_modes_are_an_argument_checked_before_any_launch():
+    """The kernel families are chosen per call (``KernelModes``), not by module state: a mode that
+    does not exist, or a bare string, is refused naming it."""
+    pytest.importorskip("triton")
+    from kernels.dsa_triton import dsa_triton
+
+    with pytest.raises(ValueError, match="halo='tiled'"):
+        KernelModes(halo="tiled")
+    with pytest.raises(ValueError, match="dkv='pull'"):
+        KernelModes(dkv="pull")
+    q, k, v = make_qkv((1, 3, 3, 3, 1, 4))
+    with pytest.raises(TypeError, match="KernelModes"):
+        dsa_triton(q, k, v, torch.zeros(1, 3, 3, 3, 1, 27, 3), (3, 3, 3), max_offset=1.0, modes="halo")

@@ -15,7 +15,7 @@ import os
 import pytest
 import torch
 
-from kernels import dsa_reference
+from kernels import KernelModes, dsa_reference
 from kernels.checks import (
     GRAD_NAMES,
     assert_bf16_flash_rule,
@@ -113,13 +113,13 @@ def test_plan_fits_the_candidate_run_and_chunks_the_records(monkeypatch):
 # Kernels under the interpreter
 
 
-def _run(window, shape, bound, given, seed=12, dtype=torch.float32):
+def _run(window, shape, bound, given, seed=12, dtype=torch.float32, modes=None):
     from kernels.dsa_triton import dsa_triton
 
     q, k, v = (x.to(dtype) for x in make_qkv(shape, seed=seed))
     off = bounded_offsets(shape, window, bound, seed=seed + 1, dtype=dtype)
     dout = torch.randn(shape, generator=torch.Generator().manual_seed(seed + 2))
-    got = grads(lambda *a: dsa_triton(*a, window, block_m=16, max_offset=bound if given else None),
+    got = grads(lambda *a: dsa_triton(*a, window, block_m=16, max_offset=bound if given else None, modes=modes),
                 (q, k, v, off), dout)
     return got, (q, k, v, off), dout
 
@@ -131,7 +131,6 @@ def _run(window, shape, bound, given, seed=12, dtype=torch.float32):
 ])
 @interpreter_only
 def test_interp_fp32_pull_matches_reference(grid, window, bound, given, caplog):
-    import kernels.dsa_triton as DT
     import kernels.dsa_triton_pull as P
 
     shape = (1, *grid, 1, 4)
@@ -142,12 +141,7 @@ def test_interp_fp32_pull_matches_reference(grid, window, bound, given, caplog):
     want = grads(lambda *a: dsa_reference(*a, window), inputs, dout)
     assert_grads_close(got, want)
     # the same call with dk, dv by atomics: the two modes agree
-    old = DT.DKV_MODE
-    DT.DKV_MODE = "atomic"
-    try:
-        atomic, _, _ = _run(window, shape, bound, given)
-    finally:
-        DT.DKV_MODE = old
+    atomic, _, _ = _run(window, shape, bound, given, modes=KernelModes(dkv="atomic"))
     assert_grads_close(got, atomic, "pull vs atomic")
 
 

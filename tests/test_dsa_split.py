@@ -177,18 +177,16 @@ def _run(dtype=torch.float32, given=None, seed=80):
     return got, (q, k, v, off), dout
 
 
-def _mode(monkeypatch, mode):
-    import kernels.dsa_triton as DT
+def _fresh_log():
     import kernels.dsa_triton_pull as P
 
-    monkeypatch.setattr(DT, "DKV_MODE", mode)
     P._LOGGED.clear()  # the mode is logged once per reason and process
 
 
 @pytest.mark.parametrize("given", [None, 6.0])  # unbounded; a bound past the cap given
 @interpreter_only
 def test_interp_fp32_split_matches_reference(given, monkeypatch, caplog):
-    _mode(monkeypatch, "auto")
+    _fresh_log()
     with caplog.at_level(logging.INFO, logger="kernels.dsa_triton_pull"):
         got, inputs, dout = _run(given=given)
     said = [r.getMessage() for r in caplog.records if "dk, dv by" in r.getMessage()]
@@ -200,7 +198,7 @@ def test_interp_fp32_split_matches_reference(given, monkeypatch, caplog):
 
 @interpreter_only
 def test_interp_bf16_split_flash_rule(monkeypatch):
-    _mode(monkeypatch, "auto")
+    _fresh_log()
     got, inputs, dout = _run(torch.bfloat16, seed=84)
     assert_bf16_flash_rule(got, inputs, dout, WINDOW, "split")
 
@@ -212,7 +210,7 @@ def test_interp_slab_split_matches_reference(monkeypatch):
     from kernels.dsa_reference import slab_kv_frames
     from kernels.dsa_triton import dsa_triton_slab
 
-    _mode(monkeypatch, "auto")
+    _fresh_log()
     window, frames, q0, q1 = (3, 3, 3), 10, 4, 6
     a, b = slab_kv_frames(q0, q1, frames, window[0], 3.5)
     H, W, nh, d = 3, 6, 1, 4

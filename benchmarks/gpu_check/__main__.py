@@ -12,7 +12,7 @@ start too late is skipped, loops inside a part stop at its deadline), and the re
 rewritten after every part and marked ``running`` before it, so a killed run still reports:
 
 1. ``correctness``: the fused kernels ``dsa_triton`` with the gather kernels and with the halo
-   kernels (``HALO_MODE``; each row says which ran: the halo kernels need a bound, which the cases
+   kernels (``KernelModes``; each row says which ran: the halo kernels need a bound, which the cases
    with far or unbounded offsets lack), forward and the gradients of q, k, v and offsets against ``dsa_reference``, per case,
    kernel and dtype. fp32: against the fp64 reference,
    ``|tri - ref| <= 2e-5 + 1e-4 |ref|``. bf16: the flash-attention rule of kernels/checks.py.

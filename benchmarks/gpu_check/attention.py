@@ -4,7 +4,7 @@ the cost model's predictions meets a measurement: ``dsa_gather`` (the gather ker
 key-side pass), ``dsa_gather_atomic`` (dk/dv by fp32 atomics), ``dsa_gather_split`` (unbounded
 offsets, one sample of every 20th token 4 tokens out: the split mode, which ``auto`` runs for
 unbounded offsets, the key-side pass for the rest) and ``dsa_halo`` (the halo kernels: the forward and the
-backward's query side on tensor cores, forced with ``HALO_MODE`` "halo")."""
+backward's query side on tensor cores, forced with ``KernelModes(halo="halo")``)."""
 
 from __future__ import annotations
 
@@ -17,9 +17,9 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from kernels import deformable_slide_attention
+from kernels import KernelModes, deformable_slide_attention
 
-from .common import Clock, kernel_mode, peak_since, reset_peak
+from .common import Clock, peak_since, reset_peak
 
 if TYPE_CHECKING:
     from .run import Run
@@ -97,23 +97,18 @@ def measure_attention(kind: str, grid, window, nh: int, d: int, device, reps: in
             return F.scaled_dot_product_attention(*flat).transpose(1, 2)
         # the bound the offsets were drawn with, as a model passes attention.max_offset (none: an
         # unbounded head's, whose backward takes the split mode)
-        return deformable_slide_attention(q, k, v, offsets, window, backend="triton",
+        return deformable_slide_attention(q, k, v, offsets, window, backend="triton", modes=modes,
                                           max_offset=None if kind == "dsa_gather_split" else
                                           0.0 if kind == "neighborhood" else 1.5)
 
-    from kernels import (
-        dsa_triton as gather,  # lazy: imports triton, after --smoke set TRITON_INTERPRET
-    )
-
+    modes = KernelModes(halo=("halo" if kind == "dsa_halo" else "gather") if kind in GATHER_KINDS else "auto",
+                        dkv="atomic" if kind == "dsa_gather_atomic" else "auto")
     clock = Clock(device)
 
     def once() -> tuple[float, float]:
         for x in leaves:
             x.grad = None
-        dkv = kernel_mode(gather, "DKV_MODE", "atomic") if kind == "dsa_gather_atomic" else contextlib.nullcontext()
-        halo = (kernel_mode(gather, "HALO_MODE", "halo" if kind == "dsa_halo" else "gather")
-                if kind in GATHER_KINDS else contextlib.nullcontext())
-        with _flash_only() if kind == "dense" else contextlib.nullcontext(), dkv, halo:
+        with _flash_only() if kind == "dense" else contextlib.nullcontext():
             a = clock.mark()
             out = forward()
             b = clock.mark()

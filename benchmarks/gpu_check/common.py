@@ -3,7 +3,6 @@ memory helpers, synthetic batches."""
 
 from __future__ import annotations
 
-import contextlib
 import os
 import shutil
 import tempfile
@@ -198,15 +197,3 @@ def w_dtype_for(device) -> str:
 
 def fmt(x, spec: str) -> str:
     return format(x, spec) if isinstance(x, (int, float)) else "-"
-
-
-@contextlib.contextmanager
-def kernel_mode(gather, name: str, mode: str):
-    """One of ``dsa_triton``'s kernel switches (``DKV_MODE``, ``HALO_MODE``) set for one measurement or
-    check, restored after it."""
-    old = getattr(gather, name)
-    setattr(gather, name, mode)
-    try:
-        yield
-    finally:
-        setattr(gather, name, old)

@@ -9,10 +9,10 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from kernels import KernelModes, deformable_slide_attention, dsa_reference
 from kernels import checks as t
-from kernels import deformable_slide_attention, dsa_reference
 
-from .common import BF16_REL_ATOL, FP32_ATOL, FP32_RTOL, Case, Sizes, kernel_mode
+from .common import BF16_REL_ATOL, FP32_ATOL, FP32_RTOL, Case, Sizes
 
 if TYPE_CHECKING:
     from .run import Run
@@ -45,7 +45,7 @@ far or are unbounded: the call gets none)."""
 
 def check_case(t, case: Case, dtype, device: str, kernel: str = "gather") -> dict:
     """Triton vs reference for one case in one dtype: max errors and the verdict. ``kernel``:
-    "gather" (``HALO_MODE`` gather: the gather kernels) or "halo" (``HALO_MODE`` halo: the halo
+    "gather" (``KernelModes(halo="gather")``: the gather kernels) or "halo" (``KernelModes(halo="halo")``: the halo
     kernels wherever the case's offsets have a bound, ``CASE_BOUND``; the gather kernels where
     they have none, and the result says so). Far offsets take the split backward."""
 
@@ -59,13 +59,12 @@ def check_case(t, case: Case, dtype, device: str, kernel: str = "gather") -> dic
 
     def tri(*a):
         return fused.dsa_triton(*a, case.window, block_m=None if kernel == "halo" else case.block_m,
-                                max_offset=bound)
+                                max_offset=bound, modes=KernelModes(halo=kernel))
 
     def ref(*a, **kw):
         return dsa_reference(*a, case.window, **kw)
 
-    with kernel_mode(fused, "HALO_MODE", kernel):
-        got = t.grads(tri, inputs, dout)
+    got = t.grads(tri, inputs, dout)
     ran = kernel if kernel == "gather" or bound is not None else "gather (no bound: the halo kernels need one)"
     result = {"case": f"{case.name} [{kernel}]", "shape": case.shape, "window": case.window,
               "dtype": str(dtype).replace("torch.", ""), "block_m": case.block_m, "kernel": ran}

@@ -1,0 +1,39 @@
+"""Which Triton kernels a 3D-DSA call runs: ``KernelModes``, an explicit argument of the kernels'
+entry points (``dsa_triton``, ``deformable_slide_attention``, the planner's ``scratch_bytes``).
+
+The product always runs ``AUTO`` (the cost model's pick per call, logged once). The other modes
+force one kernel family, for the GPU check's measurements and the tests that hold each family to
+the reference. No module state: a mode is passed with the call it applies to."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+__all__ = ["KernelModes", "AUTO"]
+
+HALO_MODES = ("auto", "halo", "gather")
+DKV_MODES = ("auto", "atomic")
+
+
+@dataclass(frozen=True)
+class KernelModes:
+    halo: str = "auto"
+    """Which kernels take the forward and the backward's query side: ``auto`` -- per pass, the halo
+    kernels (tensor cores) for bf16 and fp16 when the offsets' bound allows them and the cost model
+    predicts them faster there, else the gather kernels; ``halo`` -- the halo kernels whenever the
+    bound allows them, fp32 too; ``gather`` -- always the gather kernels. A call with an explicit
+    ``block_m`` takes the gather kernels."""
+    dkv: str = "auto"
+    """How the backward sums dk and dv: ``auto`` -- the key-side pass (deterministic, no float
+    atomics) when the offsets' bound allows it; past its cap, or with no bound, the split mode (the
+    key-side pass at its cap for the queries within it, atomics for the rest); ``atomic`` -- always
+    fp32 atomics."""
+
+    def __post_init__(self):
+        if self.halo not in HALO_MODES:
+            raise ValueError(f"KernelModes(halo={self.halo!r}): choose one of {', '.join(HALO_MODES)}")
+        if self.dkv not in DKV_MODES:
+            raise ValueError(f"KernelModes(dkv={self.dkv!r}): choose one of {', '.join(DKV_MODES)}")
+
+
+AUTO = KernelModes()
