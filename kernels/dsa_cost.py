@@ -44,9 +44,10 @@ from pathlib import Path
 
 ISSUE_FILE = Path(__file__).with_name("dsa_issue_sm90.json")
 ISSUE_KERNELS = ("gather_fwd", "gather_bwd_pull", "gather_bwd_atomic", "halo_scores", "halo_out", "halo_bwd_v",
-                 "halo_bwd_k", "halo_dq", "pull_dk", "pull_dv")
+                 "halo_bwd_k", "halo_dq", "pull_dk", "pull_dv", "fused_fwd")
 """The kernels the issue table holds: those ``choose_halo`` weighs, the key-side pass the pull
-mode adds, and the atomic mode's backward (the per-head totals)."""
+mode adds, and the atomic mode's backward (the per-head totals), and the fused halo-dense forward (Gluon; compiled, not
+yet picked)."""
 
 
 @dataclass(frozen=True)
@@ -80,7 +81,7 @@ def fa3_seconds(tokens: int, head_dim: int, chip: Chip) -> dict:
 def issue_key(kernel: str, head_dim: int, window, constexprs: dict, warps: int) -> str:
     """The issue table's key for a compile: the kernel, head dim, window, the constexprs that change
     its code (tile sizes and widths; the bound and the grid are run-time arguments) and the warps."""
-    cfg = ",".join(f"{k}={constexprs[k]}" for k in ("BLOCK_M", "XP", "QXP", "KWP", "UP", "JC", "RY", "GY")
+    cfg = ",".join(f"{k}={constexprs[k]}" for k in ("BLOCK_M", "XP", "QXP", "KWP", "UP", "JC", "RY", "GY", "ELO", "EHI")
                    if k in constexprs)
     return f"{kernel} d{head_dim} w{'x'.join(map(str, window))} {cfg} warps={warps}"
 
@@ -469,6 +470,31 @@ DESIGN_ASSUMPTIONS = {
 }
 
 
+def fused_fwd_cost(grid, window, head_dim: int, bound: float) -> Cost | None:
+    """The fused halo-dense forward (``dsa_gluon_halo``, compiled for sm_90, not yet run) from its
+    compile: issue slots are the PTX instructions of its frame loop (both passes' bodies) times the
+    halo frames of each tile, plus the rest, for 256 threads per tile (an upper bound: a window layer
+    that cannot reach a frame is skipped at run time, counted here); its dots are 64 x 64 x d per
+    chunk of 64 halo keys, twice (``S = Q K^T``, ``O = P V``), per frame. None where the issue table
+    lacks the compile (another head dim, window or Triton)."""
+    from .dsa_gluon_halo import GLUON_WARPS, gluon_halo_constexprs  # lazy: imports torch
+    from .dsa_halo_dense import halo_tiles
+
+    cx = gluon_halo_constexprs(head_dim, window, bound)
+    key = issue_key("fused_fwd", head_dim, window, cx, GLUON_WARPS)
+    entry = issue_table().get(key)
+    if entry is None:
+        return None
+    tiles = halo_tiles(tuple(grid), tuple(window), bound, (1, 8, 8))
+    frames = sum(t.halo_shape[0] for t in tiles)
+    per_thread = len(tiles) * entry["depths"].get("0", 0) + frames * entry["depths"].get("1", 0)
+    N, K = math.prod(grid), math.prod(window)
+    return Cost("fused_fwd", N, K, head_dim, 0.0, tc_flops=2 * 2 * 64 * cx["NCH"] * 64 * head_dim * frames,
+                dram_bytes=N * (4 * head_dim * 2 + K * 3 * 2),
+                l1_bytes=frames * cx["NCH"] * 64 * head_dim * 2 * 2, atomic_bytes=0.0,
+                issue=32 * GLUON_WARPS * per_thread, blocks_per_sm=entry.get("blocks_per_sm"))
+
+
 def halo_dense_design(grid, window, head_dim: int, bound: float, chip: Chip = CHIPS[0]) -> dict:
     """The design estimate of the fused halo-dense forward and backward (``kernels/dsa_halo_dense``)
     for one head, beside FlashAttention-3: the mirror's work counts priced with
@@ -492,12 +518,16 @@ def halo_dense_design(grid, window, head_dim: int, bound: float, chip: Chip = CH
         bound_by = max(("issue+tc", "smem", "l2", "dram"), key=terms.get)
         rows[pass_] = {"ms": 1e3 * terms[bound_by], "bound_by": bound_by,
                        "terms_ms": {k: 1e3 * v for k, v in terms.items()}}
+    rows["fwd"]["how"] = rows["bwd"]["how"] = "design estimate (no kernel yet)"
+    compiled = fused_fwd_cost(grid, window, head_dim, bound)
+    if compiled is not None:  # the Gluon forward exists: its compile, not the assumptions
+        rows["fwd"] = {**_terms(compiled, chip, "fwd"), "how": "the Gluon kernel's sm_90 compile (not yet run)"}
     fa3 = {p: 1e3 * v for p, v in fa3_seconds(N, head_dim, chip).items()}
     dsa = {"fwd": rows["fwd"]["ms"], "bwd": rows["bwd"]["ms"]}
     dsa["total"], fa3["total"] = dsa["fwd"] + dsa["bwd"], fa3["fwd"] + fa3["bwd"]
     return {"grid": list(grid), "window": list(window), "head_dim": head_dim, "bound": bound, "chip": chip.name,
-            "how": "design estimate (no kernel yet)", "assumptions": A, "counts": c, "passes": rows,
-            "dsa_ms": dsa, "fa3_ms": fa3, "ratio": fa3["total"] / dsa["total"]}
+            "how": "; ".join(f"{p}: {r['how']}" for p, r in rows.items()), "assumptions": A, "counts": c,
+            "passes": rows, "dsa_ms": dsa, "fa3_ms": fa3, "ratio": fa3["total"] / dsa["total"]}
 
 
 # -----------------------------------------------------------------------------
@@ -567,9 +597,9 @@ def main(argv=None) -> int:
         g = b["design"]
         for pass_, r in g["passes"].items():
             terms = ", ".join(f"{k} {v:.3g}" for k, v in r["terms_ms"].items())
-            print(f"  design {pass_}: {r['ms']:.3f} ms, bound by {r['bound_by']} ({terms})")
-        print(f"  halo-dense design ({g['counts']['tiles']} tiles, {g['counts']['phases']} colour phases): "
-              f"{g['dsa_ms']['total']:.3f} ms, FA3 / design {g['ratio']:.2f}x (an estimate: no kernel yet)")
+            print(f"  halo-dense {pass_}: {r['ms']:.3f} ms, bound by {r['bound_by']} ({terms}; {r['how']})")
+        print(f"  halo-dense ({g['counts']['tiles']} tiles, {g['counts']['phases']} colour phases): "
+              f"{g['dsa_ms']['total']:.3f} ms, FA3 / halo-dense {g['ratio']:.2f}x (no kernel of it has run)")
     return 0
 
 

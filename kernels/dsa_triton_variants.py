@@ -13,6 +13,7 @@ from . import dsa_triton as DT
 from . import dsa_triton_pull as P
 from .aot import AOT_POINTER_TYPES, aligned_pointer_attrs, signature_for
 from .dsa_cost import span_class
+from .dsa_gluon_halo import aot_variants as gluon_variants
 from .dsa_triton_halo import aot_variants as halo_variants
 from .dsa_triton_pull import aot_variants as pull_variants
 from .dsa_triton_split import SPLIT_BOUNDS
@@ -70,7 +71,7 @@ def aot_variants(shape) -> list[dict]:
     for bound in bounds:
         at = SimpleNamespace(dtype=shape.dtype, head_dim=d, window=tuple(shape.window), max_offset=bound,
                              grid=getattr(shape, "grid", None))
-        out += filter(first, pull_variants(at) + halo_variants(at))
+        out += filter(first, pull_variants(at) + halo_variants(at) + gluon_variants(at))
     if atomic:  # the split mode's key-side pass (adding its atomics' sums) at each bound it may pick
         for bound in SPLIT_BOUNDS:
             at = SimpleNamespace(dtype=shape.dtype, head_dim=d, window=tuple(shape.window), max_offset=bound)

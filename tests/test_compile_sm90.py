@@ -222,9 +222,16 @@ def test_sm90_compile_only_check_passes_at_the_preset_shapes(tmp_path):
     recs = report["records"]
     shapes = {(r["head_dim"], tuple(r["window"])) for r in recs}
     assert shapes == {(d, w) for d in (64, 128) for w in ((3, 5, 5), (3, 7, 7))}
+    from kernels.dsa_gluon_halo import gluon_halo_refusal
+
+    fused = set() if gluon_halo_refusal() else {"fused_fwd"}  # the Gluon forward, where this Triton builds it
     assert {r["kernel"] for r in recs} == {"gather_fwd", "gather_bwd_pull", "gather_bwd_atomic", "gather_bwd_split",
                                            "pull_dk", "pull_dv", "pull_dk+acc", "pull_dv+acc", "halo_scores", "halo_out",
-                                           "halo_bwd_v", "halo_bwd_k", "halo_dq"}
+                                           "halo_bwd_v", "halo_bwd_k", "halo_dq"} | fused
+    for r in recs:  # the fused forward (not picked yet): clean by the same rules, each of its 12 dots a bf16 wgmma
+        if r["kernel"] == "fused_fwd":
+            assert r["ok"] and r["mma_dots"] == r["tt_dots"] == 12 and r["wgmma_not_16bit"] == 0, r
+            assert not r["mma_serialized"] and r["atomics_f32"] == 0, r
     for r in recs:
         assert r["ok"] and r["spill_stores"] == 0 and r["smem"] <= aot.SMEM_PER_BLOCK[90], r
         assert r["compile_s"] < 60, r
@@ -279,7 +286,7 @@ def test_sm90_compile_only_check_passes_at_the_preset_shapes(tmp_path):
             assert table["entries"][key]["depths"] == {str(k): v for k, v in r["loop_instr"].items()}, key
             assert table["entries"][key]["blocks_per_sm"] == r["blocks_per_sm"], key
             checked.add(r["kernel"])
-    assert checked == set(ISSUE_KERNELS)
+    assert checked == set(ISSUE_KERNELS) - ({"fused_fwd"} - fused)
 
 
 @pytest.mark.slow

@@ -100,11 +100,33 @@ def test_cli_design_prices_the_mirrors_work(capsys):
     d = json.loads(capsys.readouterr().out)["design"]
     counts = halo_dense_counts((5, 16, 24), (3, 7, 7), 128, 1.5)
     assert d["counts"] == counts
-    tc = 1e3 * 2 * counts["fwd_macs"] / (CHIPS[0].bf16_tc * FA3_MFU["fwd"])
-    assert d["passes"]["fwd"]["terms_ms"]["tc"] == pytest.approx(tc)
-    for r in d["passes"].values():
-        terms = {k: v for k, v in r["terms_ms"].items() if k not in ("tc", "issue")}
-        assert r["ms"] == pytest.approx(max(terms.values()))
+    tc = 1e3 * 2 * counts["bwd_macs"] / (CHIPS[0].bf16_tc * FA3_MFU["bwd"])
+    bwd = d["passes"]["bwd"]
+    assert bwd["terms_ms"]["tc"] == pytest.approx(tc) and "design" in bwd["how"]
+    assert bwd["ms"] == pytest.approx(max(v for k, v in bwd["terms_ms"].items() if k not in ("tc", "issue")))
     assert d["ratio"] == pytest.approx(d["fa3_ms"]["total"] / d["dsa_ms"]["total"])
     with pytest.raises(SystemExit):
         main(["--bound", "-1", "--far-share", "0.06", "--design"])
+
+
+def test_the_fused_forward_is_priced_from_its_compile():
+    """The Gluon forward's row: issue slots from its sm_90 compile (the issue table's counts at loop
+    depths 0 and 1, times the tiles and their halo frames, 256 threads a tile), its dots two 64 x 64 x d
+    products per chunk of 64 halo keys and frame; the design row's forward is this row."""
+    from kernels.dsa_cost import fused_fwd_cost, halo_dense_design, issue_key, issue_table
+    from kernels.dsa_gluon_halo import gluon_halo_constexprs
+    from kernels.dsa_halo_dense import halo_tiles
+
+    grid, window = (5, 16, 24), (3, 7, 7)
+    cx = gluon_halo_constexprs(128, window, 1.5)
+    entry = issue_table().get(issue_key("fused_fwd", 128, window, cx, 8))
+    if entry is None:
+        pytest.skip("the issue table has no fused forward (a Triton whose Gluon cannot build it)")
+    tiles = halo_tiles(grid, window, 1.5, (1, 8, 8))
+    frames = sum(t.halo_shape[0] for t in tiles)
+    cost = fused_fwd_cost(grid, window, 128, 1.5)
+    assert cost.issue == 256 * (len(tiles) * entry["depths"]["0"] + frames * entry["depths"]["1"])
+    assert cost.tc_flops == 4 * 64 * cx["NCH"] * 64 * 128 * frames
+    d = halo_dense_design(grid, window, 128, 1.5)
+    assert d["passes"]["fwd"]["ms"] == pytest.approx(1e3 * cost.seconds(CHIPS[0])["seconds"])
+    assert fused_fwd_cost(grid, (3, 5, 5), 128, 1.5) is None  # compiled at the Wan shape only

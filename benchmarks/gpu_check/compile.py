@@ -140,11 +140,12 @@ def parse_ptxas_log(log: str) -> dict:
     return out
 
 
-def count_dots(ttir: str, ttgir: str) -> dict:
+def count_dots(ttir: str | None, ttgir: str) -> dict:
     """The kernel's dots (``tt.dot`` in the TTIR) and how many the TTGIR lowered to the target's
-    tensor-core MMA (Hopper's ``warp_group_dot``, Blackwell's ``tc_gen5_mma``): each dot, not just one."""
-    return {"tt_dots": len(re.findall(r"\btt\.dot\b", ttir)),
-            "mma_dots": len(re.findall(r"\bttng\.(?:warp_group_dot|tc_gen5_mma)\b", ttgir))}
+    tensor-core MMA (Hopper's ``warp_group_dot``, Blackwell's ``tc_gen5_mma``): each dot, not just one.
+    A Gluon kernel has no TTIR: its dots are the MMA ops it wrote (each counted in the TTGIR)."""
+    mma = len(re.findall(r"\bttng\.(?:warp_group_dot|tc_gen5_mma)\b", ttgir))
+    return {"tt_dots": mma if ttir is None else len(re.findall(r"\btt\.dot\b", ttir)), "mma_dots": mma}
 
 
 _BLOCK = re.compile(r"^(?:\$L__BB\d+_\d+:|// %bb\.\d+:)")
@@ -201,8 +202,13 @@ def _compile_in_child(variant: Variant, cc: int, conn, cache: str) -> None:
             triton.knobs.nvidia.dump_ptxas_log = True
         except AttributeError:
             pass
-        src = triton.compiler.ASTSource(fn=variant.fn, signature=variant.signature, constexprs=variant.constexprs,
-                                        attrs=variant.attrs)
+        if getattr(variant.fn, "is_gluon", lambda: False)():  # a Gluon kernel (kernels/dsa_gluon_halo.py)
+            from triton.experimental.gluon._runtime import GluonASTSource  # lazy: as above
+
+            src = GluonASTSource(variant.fn, variant.signature, constexprs=variant.constexprs, attrs=variant.attrs)
+        else:
+            src = triton.compiler.ASTSource(fn=variant.fn, signature=variant.signature, constexprs=variant.constexprs,
+                                            attrs=variant.attrs)
         buf = io.StringIO()
         t0 = time.perf_counter()
         with contextlib.redirect_stdout(buf):
@@ -211,7 +217,7 @@ def _compile_in_child(variant: Variant, cc: int, conn, cache: str) -> None:
                                                             **({"maxnreg": variant.maxnreg} if variant.maxnreg else {})})
         seconds = time.perf_counter() - t0
         res = {"compile_s": round(seconds, 2), "smem": int(k.metadata.shared), **parse_ptxas_log(buf.getvalue()),
-               **count_ptx(k.asm["ptx"]), **count_dots(k.asm["ttir"], k.asm["ttgir"])}
+               **count_ptx(k.asm["ptx"]), **count_dots(k.asm["ttir"] if "ttir" in k.asm else None, k.asm["ttgir"])}
         conn.send(("ok", res))
     except BaseException as e:  # noqa: BLE001 - everything goes back to the parent as a problem
         conn.send(("error", f"{type(e).__name__}: {str(e)[:800]}\n{traceback.format_exc()[-1500:]}"))
