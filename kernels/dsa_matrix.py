@@ -1,6 +1,6 @@
 """3D-DSA on the CPU for small token grids: ``dsa_matrix``.
 
-The same function as ``dsa_reference`` (docs/architecture.md, "3D-DSA: the operator"), written
+The same function as ``dsa_reference`` (docs/dsa.md), written
 for grids small enough that an N x N matrix per batch item and head is cheap (N = T*H*W tokens,
 a few hundred): per (batch item, head), with the reference's corner tokens ``r[m, j, c]`` and
 trilinear weights ``W[m, j, c]`` of query m, sample j, corner c,

@@ -152,8 +152,7 @@ class AttentionConfig:
     once: on CPU ``matrix`` (two dense products through an interpolation matrix) for small clips
     and ``cpu`` (the linear path) above, on CUDA the Triton kernels. ``reference`` is the
     pure-PyTorch definition (slow, O(N*K*d) memory), ``chunked`` the reference over query chunks;
-    ``triton`` (the fused kernels) needs CUDA. Every path computes the same function (docs/
-    architecture.md, "3D-DSA: the operator")."""
+    ``triton`` (the fused kernels) needs CUDA. Every path computes the same function (docs/dsa.md)."""
 
 
 @dataclass
