@@ -151,7 +151,7 @@ class ParameterStore(NodeSyncMethods, CheckpointMethods, ExpertMethods):
         step), else ``init_from`` (pretrained weights, moments zero, step 0; see
         ``megaslide_ray/state/pretrained.py``), else the seeded initialisation. ``attach`` maps an
         existing state instead (Ray restarts attach by themselves). ``adamw``: ``fused``,
-        ``compiled`` or ``auto`` (default: ``MEGASLIDE_ADAMW``, else ``fused``). ``owner``: the
+        ``compiled`` or ``auto`` (default: ``cfg.optim.adamw``). ``owner``: the
         process whose run this is and its machine (``segments.run_owner()`` taken in the driver;
         default this process): a fresh state records it, and first removes states under the same
         root whose recorded owner, on this machine, is gone.

@@ -71,9 +71,8 @@ class ModelConfig:
     """``videodit``: every block cross-attends from the video tokens to the caption's tokens (each
     byte's feature from the caption encoder, plus a learned null token), as Wan and PixArt do, so
     what the caption says can reach each position; the pooled caption still joins the timestep
-    in the adaLN condition either way. Adds ``4 D^2`` parameters per block. Off by default: on
-    ``tiny`` it costs about a quarter more step time and did not yet read captions better
-    (benchmarks/RESULTS.md); the ``dit-*`` presets keep it off so their counts stay the paper's."""
+    in the adaLN condition either way. Adds ``4 D^2`` parameters per block. Off by default (on ``tiny`` it costs about a quarter more step time); the ``dit-*`` presets keep
+    it off so their counts stay the paper's."""
     ffn_dim: int = 0
     """Feed-forward hidden width; 0: ``mlp_ratio * hidden_size``. The Wan models set it (8960, 13824,
     14336)."""
