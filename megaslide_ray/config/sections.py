@@ -207,6 +207,10 @@ class DataConfig:
     crop: a later epoch of a small dataset) without decoding it. A cached clip is the same bytes
     as a new decode; a file changed on disk is decoded again. 0: no cache. Latent manifests
     ignore it."""
+    cache_dir: str = ""
+    """Where the built-in data sets (the demo set an empty ``manifest`` trains on, the motion sets
+    of ``--demo``) are generated on first use and found afterwards. Empty (default): the
+    environment's ``$MEGASLIDE_CACHE`` if set, else ``~/.cache/megaslide_ray``."""
 
 
 @dataclass
