@@ -343,6 +343,13 @@ class RuntimeConfig:
     writes the checkpoints, which resume on any number of nodes (``--resume`` reads the run
     directory from every node: a filesystem they share). A dead compute actor or store is recovered
     in place (``runtime.max_restarts``); a lost node stops the run with the ``--resume`` command."""
+    inject_fault: str = ""
+    """For drills: make an actor fail at a chosen point, once (docs/failures.md, "Fault drills"):
+    comma-separated specs ``POINT[@STEP][/NODE][:ACTION]``; the hidden flag ``--inject-fault SPEC``
+    sets it. Empty (default): the environment's ``$MEGASLIDE_FAULT`` if set, else no fault. The run
+    hands it to every actor through that variable, with a fresh marker folder
+    (``$MEGASLIDE_FAULT_DIR``, unless set) that keeps each spec from firing twice. Never saved in
+    ``config.toml``: a resumed run injects only what it is given again."""
 
 
 @dataclass
