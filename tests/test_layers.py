@@ -29,7 +29,7 @@ LAYERS: dict[str, tuple[set[str], str]] = {
     M + "runtime": (set(), "fault points and Ray metrics are called from every process; they know no layer"),
     M + "models": ({M + "config", "kernels"}, "a model is built from its config and calls the attention kernels; "
                    "it does not know how its weights are placed or streamed"),
-    M + "data": (BASE, "clips and manifests need no model: the decoders run without torch models"),
+    M + "data": (BASE, "clips, manifests and data sets need no model of this project: a decoder process builds none"),
     M + "training": ({M + "config", M + "models"}, "the objective and AdamW act on a model's outputs and shards"),
     M + "state": ({M + "config", M + "models"}, "state and checkpoints are laid out by the model's shards"),
     M + "planning": ({M + "config", M + "models", "kernels"}, "the planner counts from the config, the shard "
