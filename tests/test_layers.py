@@ -80,13 +80,15 @@ SKIP = ("__pycache__", ".git", ".pytest_cache", ".ruff_cache", ".venv", "*.egg-i
 def tree_files(root: Path) -> list[Path]:
     """The repository's files, relative to ``root``: git's tracked and untracked-but-not-ignored
     files where ``root`` is a git checkout (so a new folder counts before its first commit),
-    else every file outside the usual caches."""
+    else every file outside the usual caches and what ``.gitignore`` names."""
     if (root / ".git").exists():
         out = subprocess.run(["git", "-C", str(root), "ls-files", "-co", "--exclude-standard", "-z"],
                              capture_output=True, text=True, check=True).stdout
         return sorted(Path(p) for p in out.split("\0") if p and (root / p).is_file())
+    ignore = (root / ".gitignore").read_text().split() if (root / ".gitignore").is_file() else []
+    skip = (*SKIP, *(pattern.strip("/") for pattern in ignore if not pattern.startswith("#")))
     return sorted(p.relative_to(root) for p in root.rglob("*") if p.is_file()
-                  and not any(fnmatch.fnmatch(part, s) for part in p.relative_to(root).parts for s in SKIP))
+                  and not any(fnmatch.fnmatch(part, s) for part in p.relative_to(root).parts for s in skip))
 
 
 def modules(root: Path, files: list[Path], rules: dict) -> dict[str, Path]:
