@@ -255,7 +255,7 @@ class VideoDecoder:
             self.manifest_path = Path(data.manifest)
         else:
 
-            self.manifest_path = ensure_demo_dataset()
+            self.manifest_path = ensure_demo_dataset(data.cache_dir or None)
         self.latent_rows: list[dict] | None = None  # a latent manifest's rows (None: videos)
         if is_latent_manifest(self.manifest_path):
             rows, meta = read_latent_manifest(self.manifest_path)

@@ -59,7 +59,6 @@ import os
 import shutil
 import threading
 import time
-from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -72,6 +71,7 @@ from actors.ray_context import node_id as _node_id
 from actors.ray_context import was_reconstructed as _was_reconstructed
 from actors.store_checkpoints import CheckpointMethods
 from actors.store_experts import ExpertMethods
+from actors.store_types import GradientsLostError, ShardInfo, StateNotTrustedError, StoreStatus, UpdateResult
 from megaslide_ray.config import Config
 from megaslide_ray.models.registry import build_shard, initialize_shard, num_experts, num_shards
 from megaslide_ray.models.shards import ShardLayout, grad_slot_numel
@@ -99,49 +99,13 @@ RECORDS = 4          # update records kept in shared memory (ring indexed by ste
 RECORD_FIELDS = 6    # step, grad_norm, clip_coef, lr, skipped, optimizer_seconds
 
 
-@dataclass(frozen=True)
-class ShardInfo:
-    index: int
-    numel: int
-    w_dtype: str
-    paths: dict  # kind -> segment file
-    layout: ShardLayout
-
-
-@dataclass(frozen=True)
-class UpdateResult:
-    step: int               # the step whose gradients were applied (versions are now step + 1)
-    grad_norm: float        # global L2 norm before clipping
-    clip_coef: float
-    lr: float
-    optimizer_seconds: float
-    skipped: bool = False   # non-finite gradients: no shard was updated
-    reduce_seconds: float = 0.0  # several compute actors: the store's time summing their gradients
-    network_bytes: int = 0       # several nodes: bytes this store sent to the other nodes for this step
-
-
-@dataclass(frozen=True)
-class StoreStatus:
-    versions: tuple[int, ...]
-    state_dir: str
-    state_bytes: int
-    node_id: str
-    pid: int = 0    # the store's process (a restarted store has another)
-    scratch_bytes: int = 0  # several compute actors: the gradient slots and the fp32 accumulator
-    node: int = 0           # several nodes (runtime.nodes): this store's node index, and how many
-    nodes: int = 1
-
-
-class StateNotTrustedError(RuntimeError):
-    """The store's shared state was cut in the middle of an update: resume from a checkpoint."""
-
-
-class GradientsLostError(RuntimeError):
-    """Asked for a step whose gradients this store process never received (it was restarted
-    after they were reported): the driver redoes the step."""
-
-
 class ParameterStore(NodeSyncMethods, CheckpointMethods, ExpertMethods):
+    """The store of one node (module docstring). Its methods for checkpoints
+    (``actors/store_checkpoints.py``), several nodes (``actors/node_sync.py``) and two experts
+    (``actors/store_experts.py``) live in mixins beside it: each concern reads alone, and all of
+    them act on the one state this class maps (its segments, versions and lock), which a separate
+    object would have to be handed whole; Ray makes the one class an actor."""
+
     def __init__(self, cfg: Config, run_dir: str, w_dtype: str = "float32",
                  resume_checkpoint: str | None = None, attach: bool = False, init_from: str | None = None,
                  adamw: str | None = None, owner: dict | None = None, compute_actors: int = 1,
@@ -151,7 +115,7 @@ class ParameterStore(NodeSyncMethods, CheckpointMethods, ExpertMethods):
         step), else ``init_from`` (pretrained weights, moments zero, step 0; see
         ``megaslide_ray/state/pretrained.py``), else the seeded initialisation. ``attach`` maps an
         existing state instead (Ray restarts attach by themselves). ``adamw``: ``fused``,
-        ``compiled`` or ``auto`` (default: ``MEGASLIDE_ADAMW``, else ``fused``). ``owner``: the
+        ``compiled`` or ``auto`` (default: ``cfg.optim.adamw``). ``owner``: the
         process whose run this is and its machine (``segments.run_owner()`` taken in the driver;
         default this process): a fresh state records it, and first removes states under the same
         root whose recorded owner, on this machine, is gone.
@@ -163,6 +127,44 @@ class ParameterStore(NodeSyncMethods, CheckpointMethods, ExpertMethods):
         (``actors/node_sync.py``)."""
         if w_dtype not in DTYPES:
             raise ValueError(f"w_dtype={w_dtype!r}; use one of {list(DTYPES)}")
+        self._set_fields(cfg, run_dir, w_dtype, compute_actors, nodes, node)
+        # Ray re-runs __init__ with the original arguments when it restarts a crashed store.
+        attached = (attach or _was_reconstructed()) and (self.dir / "layout.json").is_file()
+        set_fault_node(self.node)
+        # Several nodes: a restarted store re-attaches but takes part in nothing (no report, no other
+        # node's message counts) until the driver's recovery (``sync_pause``, actors/node_sync.py).
+        self._awaiting_recovery = attached and self.nodes > 1
+        if attached:
+            self._check_layout()
+        else:
+            self._make_state_dir(owner)
+        self._map_state(attached, resume_checkpoint)
+        # bf16 runs: gradients are upcast into one reused fp32 buffer of the largest shard's size
+        # (a fresh ``g.float()`` per shard per step costs an allocation and page faults: ~3x
+        # slower, see benchmarks/adamw.py). Private memory, not state: the planner counts it.
+        self._grad32 = (torch.empty(max(lay.numel for lay in self.layouts), dtype=torch.float32)
+                        if w_dtype != "float32" else None)
+        # Several nodes: the owner of a shard sums the nodes' gradients of it here (node_sync).
+        self.sync = NodeSync(self) if self.nodes > 1 else None
+        if self.compute_actors > 1:
+            self.reducer = GradientReducer(self.dir, self.compute_actors, cfg.runtime.grad_slots,
+                                           [s["w"] for s in self.seg], w_dtype, not attached, self.threads,
+                                           self._reduced, slot_numel=self._slot_numel())
+            self.reducer.reset(self._generation)
+        self.adamw, self._single_pass = choose_adamw(adamw or cfg.optim.adamw, sum(lay.numel for lay in self.layouts),
+                                                     cfg.optim, DTYPES[self.w_dtype])
+        if not attached:
+            self._fill_state(resume_checkpoint, init_from)
+        else:
+            self._reattached(owner)
+        self._queue: list[int] = []
+        self._worker = threading.Thread(target=self._update_loop, name="adamw-updates", daemon=True)
+        self._worker.start()
+
+    # -- set-up -------------------------------------------------------------------------------
+    def _set_fields(self, cfg: Config, run_dir: str, w_dtype: str, compute_actors: int, nodes: int,
+                    node: int) -> None:
+        """The store's settings, shard layouts and bookkeeping, before any state is touched."""
         threads = cfg.runtime.optimizer_threads or os.cpu_count() or 1
         torch.set_num_threads(threads)
         self.threads = threads  # the update thread sets them again for itself (_update_loop)
@@ -174,8 +176,8 @@ class ParameterStore(NodeSyncMethods, CheckpointMethods, ExpertMethods):
         self.nodes, self.node = int(nodes), int(node)
         self.owned = [i for i in range(self.n) if i % self.nodes == self.node]  # optimizer state kept here
         self._middle = self.owned[len(self.owned) // 2]  # where the mid-update fault points fire
-        root = Path(cfg.runtime.state_dir) if cfg.runtime.state_dir else default_state_root()
-        self.dir = root / node_state_key(run_dir, self.nodes, self.node)
+        self._root = Path(cfg.runtime.state_dir) if cfg.runtime.state_dir else default_state_root()
+        self.dir = self._root / node_state_key(run_dir, self.nodes, self.node)
         self.layouts = [ShardLayout.of(build_shard(cfg, i, "meta"), i) for i in range(self.n)]
         self._lock = threading.Condition()
         self._pending: dict[int, dict[int, float]] = {}   # step -> {shard: ||g||^2}
@@ -189,29 +191,27 @@ class ParameterStore(NodeSyncMethods, CheckpointMethods, ExpertMethods):
         self._totals: dict[int, float] = {}               # several nodes: step -> global squared norm
         self.reducer: GradientReducer | None = None
 
-        # Ray re-runs __init__ with the original arguments when it restarts a crashed store.
-        attached = (attach or _was_reconstructed()) and (self.dir / "layout.json").is_file()
-        set_fault_node(self.node)
-        # Several nodes: a restarted store re-attaches but takes part in nothing (no report, no other
-        # node's message counts) until the driver's recovery (``sync_pause``, actors/node_sync.py).
-        self._awaiting_recovery = attached and self.nodes > 1
-        if attached:
-            self._check_layout()
-        else:
-            root.mkdir(parents=True, exist_ok=True)
-            sweep_stale_states(root, keep=self.dir)
-            self._check_space(root)
-            if self.dir.exists():
-                shutil.rmtree(self.dir)
-            self.dir.mkdir(parents=True, mode=0o700)
-            os.chmod(self.dir, 0o700)  # only the user who runs the job reads its weights
-            write_owner(self.dir, owner or run_owner())
+    def _make_state_dir(self, owner: dict | None) -> None:
+        """A fresh, empty state directory (stale states of gone owners swept, the space checked)."""
+        root = self._root
+        root.mkdir(parents=True, exist_ok=True)
+        sweep_stale_states(root, keep=self.dir)
+        self._check_space(root)
+        if self.dir.exists():
+            shutil.rmtree(self.dir)
+        self.dir.mkdir(parents=True, mode=0o700)
+        os.chmod(self.dir, 0o700)  # only the user who runs the job reads its weights
+        write_owner(self.dir, owner or run_owner())
+
+    def _map_state(self, attached: bool, resume_checkpoint: str | None) -> None:
+        """Map every shard's segments (created, or the existing ones when ``attached``) and the
+        control segments; a full filesystem while creating them is a ``StateSpaceError``."""
         self.seg: list[dict[str, torch.Tensor]] = []
         try:
             for i, lay in enumerate(self.layouts):
                 segs = {}
                 for kind in (KINDS if self.owns(i) else ("w",)):  # another node owns its master, m, v
-                    dtype = DTYPES[w_dtype] if kind == "w" else torch.float32
+                    dtype = DTYPES[self.w_dtype] if kind == "w" else torch.float32
                     segs[kind] = map_segment(self._path(i, kind), lay.numel, dtype, create=not attached)
                 self.seg.append(segs)
         except OSError as e:
@@ -220,8 +220,8 @@ class ParameterStore(NodeSyncMethods, CheckpointMethods, ExpertMethods):
             self.seg = []
             shutil.rmtree(self.dir, ignore_errors=True)  # a fresh state: nothing in it to keep
             raise StateSpaceError(
-                f"the parameter store could not reserve its {self.state_bytes() / 1e9:.2f} GB of state in {root}: "
-                f"{e.strerror} (the filesystem filled up after the driver's check). Nothing was written; free "
+                f"the parameter store could not reserve its {self.state_bytes() / 1e9:.2f} GB of state in "
+                f"{self._root}: {e.strerror} (the filesystem filled up after the driver's check). Nothing was written; free "
                 f"space there or set runtime.state_dir to a filesystem with room, then start again"
                 + (" (--resume continues from the latest checkpoint)" if resume_checkpoint else "")) from None
         self.versions = map_segment(self.dir / "versions.i64", self.n, torch.int64, create=not attached)
@@ -234,38 +234,30 @@ class ParameterStore(NodeSyncMethods, CheckpointMethods, ExpertMethods):
         if not attached:
             self._generation_seg.zero_()
         self._generation = int(self._generation_seg[0])
-        # bf16 runs: gradients are upcast into one reused fp32 buffer of the largest shard's size
-        # (a fresh ``g.float()`` per shard per step costs an allocation and page faults: ~3x
-        # slower, see benchmarks/adamw.py). Private memory, not state: the planner counts it.
-        self._grad32 = (torch.empty(max(lay.numel for lay in self.layouts), dtype=torch.float32)
-                        if w_dtype != "float32" else None)
-        # Several nodes: the owner of a shard sums the nodes' gradients of it here (node_sync).
-        self.sync = NodeSync(self) if self.nodes > 1 else None
-        if self.compute_actors > 1:
-            self.reducer = GradientReducer(self.dir, self.compute_actors, cfg.runtime.grad_slots,
-                                           [s["w"] for s in self.seg], w_dtype, not attached, threads,
-                                           self._reduced, slot_numel=self._slot_numel())
-            self.reducer.reset(self._generation)
-        self.adamw, self._single_pass = choose_adamw(adamw or cfg.optim.adamw, sum(lay.numel for lay in self.layouts),
-                                                     cfg.optim, DTYPES[self.w_dtype])
-        if not attached:
-            try:
-                self.updating.fill_(-1)
-                self.records[:, 0] = -1
-                if resume_checkpoint:
-                    self._load_checkpoint(resume_checkpoint)
-                elif init_from:
-                    load_pretrained_into(self, init_from)
-                else:
-                    self._initialize(cfg.training.seed)
-                (self.dir / "layout.json").write_text(json.dumps(self._layout_doc()))
-            except BaseException:
-                # A fresh state that could not be filled (a damaged checkpoint or source) holds
-                # nothing to keep: it goes, so a refused start leaves no RAM behind.
-                self.seg = []
-                shutil.rmtree(self.dir, ignore_errors=True)
-                raise
-        elif self.nodes > 1:  # the driver decides, with every node's state, how the step in flight ends
+
+    def _fill_state(self, resume_checkpoint: str | None, init_from: str | None) -> None:
+        """Fill a fresh state from the checkpoint, the pretrained weights or the seed."""
+        try:
+            self.updating.fill_(-1)
+            self.records[:, 0] = -1
+            if resume_checkpoint:
+                self._load_checkpoint(resume_checkpoint)
+            elif init_from:
+                load_pretrained_into(self, init_from)
+            else:
+                self._initialize(self.cfg.training.seed)
+            (self.dir / "layout.json").write_text(json.dumps(self._layout_doc()))
+        except BaseException:
+            # A fresh state that could not be filled (a damaged checkpoint or source) holds
+            # nothing to keep: it goes, so a refused start leaves no RAM behind.
+            self.seg = []
+            shutil.rmtree(self.dir, ignore_errors=True)
+            raise
+
+    def _reattached(self, owner: dict | None) -> None:
+        """After re-attaching: recover the update in flight (one node), or wait for the driver's
+        recovery (several nodes)."""
+        if self.nodes > 1:  # the driver decides, with every node's state, how the step in flight ends
             log.warning("parameter store of node %d re-attached to %s at versions %s; waiting for the driver's "
                         "recovery", self.node, self.dir, self.versions.tolist())
         else:
@@ -274,11 +266,7 @@ class ParameterStore(NodeSyncMethods, CheckpointMethods, ExpertMethods):
                 write_owner(self.dir, owner or run_owner())
                 unkeep_state(self.dir)
             log.warning("parameter store re-attached to %s at versions %s", self.dir, self.versions.tolist())
-        self._queue: list[int] = []
-        self._worker = threading.Thread(target=self._update_loop, name="adamw-updates", daemon=True)
-        self._worker.start()
 
-    # -- set-up -------------------------------------------------------------------------------
     def _path(self, shard: int, kind: str) -> Path:
         return self.dir / f"shard_{shard:04d}.{kind}"
 

@@ -20,7 +20,7 @@ the figure of merit is the fraction of the machine's STREAM triad bandwidth an u
                buffer + ``w.copy_(master)``
    bf16-alloc  bf16 grad -> ``g.float()`` (a fresh allocation per shard) -> fused -> bf16 ``w``
    store-bf16  the store on CUDA runs: the same, upcasting into its preallocated fp32 buffer
-   compiled    the store's ``compiled`` kernel (``MEGASLIDE_ADAMW=compiled``): ``torch.compile``
+   compiled    the store's ``compiled`` kernel (``optim.adamw compiled``): ``torch.compile``
                of ``actors.param_store.adamw_single_pass`` (fp32 w, holding the grad on entry)
    compiled-bf16  the same reading a bf16 grad and writing a bf16 w
    deepspeed   DeepSpeed's ``DeepSpeedCPUAdam`` + ``w.copy_(master)``, only if

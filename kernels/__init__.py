@@ -153,7 +153,7 @@ def deformable_slide_attention(
     """3D-DSA: ``(B, T, H, W, nh, d)`` q, k, v and ``(B, T, H, W, nh, K, 3)`` offsets.
 
     Returns ``out`` ``(B, T, H, W, nh, d)`` in q's dtype; half inputs are computed in
-    fp32 internally. The exact semantics: docs/architecture.md ("3D-DSA: the operator")
+    fp32 internally. The exact semantics: docs/dsa.md
     and ``dsa_reference``.
 
     ``max_offset``: a bound on ``|offsets|`` the caller guarantees (``attention.max_offset``: the

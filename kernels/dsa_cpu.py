@@ -1,6 +1,6 @@
 """Fast CPU path of 3D Deformable Slide Attention: ``dsa_cpu``.
 
-The same function as ``dsa_reference`` (docs/architecture.md, "3D-DSA: the operator"), with the
+The same function as ``dsa_reference`` (docs/dsa.md), with the
 same gradients for q, k, v and offsets, but built from PyTorch's ``embedding_bag``
 kernels instead of materialised corner gathers:
 

@@ -1,6 +1,6 @@
 """3D-DSA on the CPU for small token grids: ``dsa_matrix``.
 
-The same function as ``dsa_reference`` (docs/architecture.md, "3D-DSA: the operator"), written
+The same function as ``dsa_reference`` (docs/dsa.md), written
 for grids small enough that an N x N matrix per batch item and head is cheap (N = T*H*W tokens,
 a few hundred): per (batch item, head), with the reference's corner tokens ``r[m, j, c]`` and
 trilinear weights ``W[m, j, c]`` of query m, sample j, corner c,
@@ -20,8 +20,7 @@ Why: the linear paths (``dsa_cpu``, the reference) gather 8 corner rows per samp
 element; at a few hundred tokens that gather costs far more than two dense matmuls, which the CPU
 runs at full speed. The cost here is O(B * nh * N^2 * d) time and O(B * nh * N^2) memory (``P`` is
 kept for the backward), so ``kernels.deformable_slide_attention`` takes this path only for grids
-of at most ``MATRIX_MAX_TOKENS`` tokens (benchmarks/RESULTS.md, "Attention kinds vs token
-count, CPU"); above that the linear ``dsa_cpu`` is faster and its memory stays linear.
+of at most ``MATRIX_MAX_TOKENS`` tokens; above that the linear ``dsa_cpu`` is faster and its memory stays linear.
 
 Caution: quadratic in N by construction; ``dsa_matrix`` refuses grids above
 ``MATRIX_LIMIT_TOKENS`` rather than allocate gigabytes.
@@ -40,7 +39,7 @@ __all__ = ["dsa_matrix", "matrix_path_fits", "MATRIX_MAX_TOKENS", "MATRIX_MAX_EL
 MATRIX_MAX_TOKENS = 1024
 """``deformable_slide_attention`` on CPU tensors uses ``dsa_matrix`` up to this many tokens per
 clip and ``dsa_cpu`` above: the matrix path is 1.5x faster at 1,024 tokens and the linear one
-1.6x faster at 2,048 (benchmarks/RESULTS.md, "Attention kinds vs token count, CPU")."""
+1.6x faster at 2,048 (``benchmarks/attention.py`` measures both)."""
 MATRIX_MAX_ELEMENTS = 2**26
 """... and only while one N x N matrix for every batch item and head (``B * nh * N^2`` values)
 stays within this many (256 MiB in fp32; the forward keeps one such matrix per call for the

@@ -1,6 +1,6 @@
 """Pure-PyTorch reference of 3D Deformable Slide Attention (3D-DSA).
 
-This is the operator exactly as docs/architecture.md ("3D-DSA: the operator") writes it, and
+This is the operator exactly as docs/dsa.md writes it, and
 its autograd gradients are *by definition* the gradients of the operator: every
 faster implementation (the Triton kernels in ``dsa_triton.py``, the fast CPU path in
 ``dsa_cpu.py``, the chunked path below) is tested against this file.
@@ -283,7 +283,7 @@ def dsa_reference(
     scale: float | None = None,
     upcast: bool | None = None,
 ) -> torch.Tensor:
-    """3D-DSA, written exactly as docs/architecture.md ("3D-DSA: the operator") specifies.
+    """3D-DSA, written exactly as docs/dsa.md specifies.
 
     Args:
         q, k, v: ``(B, T, H, W, nh, d)``.

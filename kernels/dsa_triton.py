@@ -8,7 +8,7 @@ the cost model (``dsa_cost.choose_halo``) predicts them faster at the call's bou
 a constant of the config: nothing is measured per call, so no host sync and no new compile
 mid-run), and logs the choice once per span of the bound.
 
-Semantics are those of ``dsa_reference`` (docs/architecture.md, "3D-DSA: the operator"):
+Semantics are those of ``dsa_reference`` (docs/dsa.md):
 channels-last ``q, k, v: (B, T, H, W, nh, d)``, ``offsets: (B, T, H, W, nh, K, 3)``.
 
 Algorithm (structure of the triton tutorial 06-fused-attention):

@@ -11,7 +11,7 @@ import math
 import sys
 
 from megaslide_ray import planning
-from megaslide_ray.config import ConfigError, build_config
+from megaslide_ray.config import Config, ConfigError, build_config
 from megaslide_ray.planning.render import render, render_search
 from megaslide_ray.planning.search import config_for, max_frames, plan_with_resident, requested_clip
 from megaslide_ray.planning.terms import HOST_RESERVE_GB, W_DTYPES
@@ -70,7 +70,8 @@ def _non_negative_float(text: str) -> float:
     return value
 
 
-def main(argv: list[str] | None = None) -> int:
+def _parser() -> argparse.ArgumentParser:
+    """The command line: the clip and the model, the machine, the runtime, the mode."""
     ap = argparse.ArgumentParser(prog="python -m megaslide_ray.plan", description=planning.__doc__.split("\n\n")[0],
                                  epilog="All sizes in decimal GB (1e9 B): a '1.5 TB' server of 24 x 64 GiB DIMMs "
                                         "has --ram-gb 1649; an H200 --gpu-gb 141.")
@@ -93,6 +94,22 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--ram-gb", type=_positive(float), default=None, help="host RAM in GB (1e9 B): check the fit")
     ap.add_argument("--gpu-gb", type=_positive(float), default=None,
                     help="device memory in GB (1e9 B): check the fit")
+    _add_runtime_args(ap)
+    ap.add_argument("--generate", action="store_true",
+                    help="plan one denoising step of sampling (forward only) instead of a training step")
+    ap.add_argument("--guidance", action="store_true",
+                    help="with --generate: classifier-free guidance in one batch (twice the batch)")
+    ap.add_argument("--sample-steps", type=_positive(int), default=50,
+                    help="with --generate: denoising steps of one sample, for the time floor (default 50)")
+    ap.add_argument("--max-frames", action="store_true",
+                    help="search the longest clip at --height x --width that fits --gpu-gb (and --ram-gb)")
+    ap.add_argument("--json", action="store_true", help="print one JSON object")
+    return ap
+
+
+def _add_runtime_args(ap: argparse.ArgumentParser) -> None:
+    """The runtime settings a plan may override: reserve, prefetch, offload, chunk, GPUs and nodes,
+    resident shards, gradient slots, network."""
     ap.add_argument("--host-reserve-gb", type=_non_negative_float, default=None,
                     help=f"host RAM kept for the OS, Ray and the processes (default {HOST_RESERVE_GB:g}, or a "
                          f"quarter of --ram-gb when that is less)")
@@ -128,62 +145,73 @@ def main(argv: list[str] | None = None) -> int:
                          "largest shard; default: the config's, 512)")
     ap.add_argument("--network-gbps", type=_positive(float), default=25.0,
                     help="with --nodes > 1: network GB/s each way per node (default 25: 200 Gb/s)")
-    ap.add_argument("--generate", action="store_true",
-                    help="plan one denoising step of sampling (forward only) instead of a training step")
-    ap.add_argument("--guidance", action="store_true",
-                    help="with --generate: classifier-free guidance in one batch (twice the batch)")
-    ap.add_argument("--sample-steps", type=_positive(int), default=50,
-                    help="with --generate: denoising steps of one sample, for the time floor (default 50)")
-    ap.add_argument("--max-frames", action="store_true",
-                    help="search the longest clip at --height x --width that fits --gpu-gb (and --ram-gb)")
-    ap.add_argument("--json", action="store_true", help="print one JSON object")
-    args = ap.parse_args(argv)
+
+
+def _config(args: argparse.Namespace) -> tuple[Config, tuple[int, int, int]]:
+    """The config the flags describe, and the clip asked for (before padding); ``ConfigError``
+    for a combination of flags that plans nothing."""
+    if args.guidance and not args.generate:
+        raise ConfigError("--guidance plans sampling: add --generate")
+    if args.max_frames and args.frames is not None:
+        raise ConfigError("--max-frames searches the clip length: leave out --frames")
+    if args.generate and args.offload_keep == "auto":  # one command line plans training and, with
+        # --generate, sampling; a number of kept inputs with --generate is still refused (no backward)
+        print("note: --offload-keep auto is ignored with --generate: sampling runs no backward, so it keeps no "
+              "block input", file=sys.stderr)
+        args.offload_keep = None
+    batch = args.batch_size
+    if args.guidance:
+        batch = 2 * (batch or build_config(args.preset, args.config).data.batch_size)
+    asked = requested_clip(args.preset, args.frames, args.height, args.width, args.config)
+    cfg = config_for(args.preset, args.frames, args.height, args.width, batch, args.attention, args.config)
+    if args.offload_activations:
+        cfg.runtime.offload_activations = True
+    if args.micro_batches is not None:
+        cfg.training.micro_batches = args.micro_batches
+    if args.resident_gb is not None and args.resident_gb != "auto":
+        cfg.runtime.resident_gb = args.resident_gb
+    if args.resident_gb == "auto" and args.max_frames:
+        raise ConfigError("--resident-gb auto uses the device a plan leaves free; with --max-frames give GB")
+    if args.grad_slots is not None:
+        cfg.runtime.grad_slots = args.grad_slots
+    if args.grad_slot_mb is not None:
+        if not (args.grad_slot_mb >= 0 and math.isfinite(args.grad_slot_mb)):
+            raise ConfigError(f"--grad-slot-mb {args.grad_slot_mb} must be >= 0 (MB per gradient slot; 0: a "
+                              f"slot holds the largest shard)")
+        cfg.runtime.grad_slot_mb = args.grad_slot_mb
+    if args.prefetch_depth is not None:
+        if args.prefetch_depth < 1:
+            raise ConfigError(f"--prefetch-depth {args.prefetch_depth} must be >= 1")
+        cfg.runtime.prefetch_depth = args.prefetch_depth
+    return cfg, asked
+
+
+def _machine(args: argparse.Namespace) -> dict:
+    """The machine and mode arguments of ``plan``."""
+    return dict(w_dtype=args.w_dtype, pcie_gbps=args.pcie_gbps, dram_gbps=args.dram_gbps,
+                device_tflops=args.device_tflops, ram_gb=args.ram_gb, gpu_gb=args.gpu_gb,
+                generate=args.generate, sample_steps=args.sample_steps, host_reserve_gb=args.host_reserve_gb,
+                gpus_per_node=args.gpus_per_node, nodes=args.nodes, network_gbps=args.network_gbps)
+
+
+def _print_search(args: argparse.Namespace, cfg: Config, asked: tuple[int, int, int], kw: dict) -> None:
+    """``--max-frames``: the longest clip that fits, as a table or JSON."""
+    search = max_frames(cfg, args.token_chunk, keep=args.offload_keep, **kw)
+    if args.json:
+        print(json.dumps({"max_frames": search.best_frames, "next_frames": search.next_frames,
+                          "tried": search.tried, "best": search.best.to_dict() if search.best else None,
+                          "next": search.next.to_dict() if search.next else None}))
+    else:
+        print(render_search(search, asked[1:], "generate" if args.generate else "train"))
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
     try:
-        if args.guidance and not args.generate:
-            raise ConfigError("--guidance plans sampling: add --generate")
-        if args.max_frames and args.frames is not None:
-            raise ConfigError("--max-frames searches the clip length: leave out --frames")
-        if args.generate and args.offload_keep == "auto":  # one command line plans training and, with
-            # --generate, sampling; a number of kept inputs with --generate is still refused (no backward)
-            print("note: --offload-keep auto is ignored with --generate: sampling runs no backward, so it keeps no "
-                  "block input", file=sys.stderr)
-            args.offload_keep = None
-        batch = args.batch_size
-        if args.guidance:
-            batch = 2 * (batch or build_config(args.preset, args.config).data.batch_size)
-        asked = requested_clip(args.preset, args.frames, args.height, args.width, args.config)
-        cfg = config_for(args.preset, args.frames, args.height, args.width, batch, args.attention, args.config)
-        if args.offload_activations:
-            cfg.runtime.offload_activations = True
-        if args.micro_batches is not None:
-            cfg.training.micro_batches = args.micro_batches
-        if args.resident_gb is not None and args.resident_gb != "auto":
-            cfg.runtime.resident_gb = args.resident_gb
-        if args.resident_gb == "auto" and args.max_frames:
-            raise ConfigError("--resident-gb auto uses the device a plan leaves free; with --max-frames give GB")
-        if args.grad_slots is not None:
-            cfg.runtime.grad_slots = args.grad_slots
-        if args.grad_slot_mb is not None:
-            if not (args.grad_slot_mb >= 0 and math.isfinite(args.grad_slot_mb)):
-                raise ConfigError(f"--grad-slot-mb {args.grad_slot_mb} must be >= 0 (MB per gradient slot; 0: a "
-                                  f"slot holds the largest shard)")
-            cfg.runtime.grad_slot_mb = args.grad_slot_mb
-        if args.prefetch_depth is not None:
-            if args.prefetch_depth < 1:
-                raise ConfigError(f"--prefetch-depth {args.prefetch_depth} must be >= 1")
-            cfg.runtime.prefetch_depth = args.prefetch_depth
-        kw = dict(w_dtype=args.w_dtype, pcie_gbps=args.pcie_gbps, dram_gbps=args.dram_gbps,
-                  device_tflops=args.device_tflops, ram_gb=args.ram_gb, gpu_gb=args.gpu_gb,
-                  generate=args.generate, sample_steps=args.sample_steps, host_reserve_gb=args.host_reserve_gb,
-                  gpus_per_node=args.gpus_per_node, nodes=args.nodes, network_gbps=args.network_gbps)
+        cfg, asked = _config(args)
+        kw = _machine(args)
         if args.max_frames:
-            search = max_frames(cfg, args.token_chunk, keep=args.offload_keep, **kw)
-            if args.json:
-                print(json.dumps({"max_frames": search.best_frames, "next_frames": search.next_frames,
-                                  "tried": search.tried, "best": search.best.to_dict() if search.best else None,
-                                  "next": search.next.to_dict() if search.next else None}))
-            else:
-                print(render_search(search, asked[1:], "generate" if args.generate else "train"))
+            _print_search(args, cfg, asked, kw)
             return 0
         result = plan_with_resident(cfg, args.token_chunk, args.offload_keep,
                                     "auto" if args.resident_gb == "auto" else None, requested_clip=asked,

@@ -80,7 +80,8 @@ def config_from_args(args: argparse.Namespace, extra: list[str]) -> Config:
             overrides[key] = getattr(args, flag)
     if args.demo in ("motion", "motion-simple") and args.data is None and "data.manifest" not in overrides:
 
-        train, val = ensure_motion_dataset(variant="simple" if args.demo == "motion-simple" else "motion")
+        train, val = ensure_motion_dataset(overrides.get("data.cache_dir") or None,
+                                           variant="simple" if args.demo == "motion-simple" else "motion")
         overrides["data.manifest"] = str(train)
         overrides.setdefault("data.val_manifest", str(val))
         overrides.setdefault("training.eval_every", DEMO_EVAL_EVERY[args.demo])

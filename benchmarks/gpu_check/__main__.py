@@ -18,7 +18,7 @@ rewritten after every part and marked ``running`` before it, so a killed run sti
    ``|tri - ref| <= 2e-5 + 1e-4 |ref|``. bf16: the flash-attention rule of kernels/checks.py.
    Cases: odd sizes, head dims that are not powers of two, several query block sizes, offsets
    that clamp far outside the volume, positions on integers and clamp bounds; plus both
-   identities of docs/architecture.md ("3D-DSA: the operator").
+   identities of docs/dsa.md.
 2. ``pinning``: a 2 GiB shared-memory segment registered in 256 MiB pieces
    (``actors/pinned.py``: ``HostPinning``, copies cut at the pieces): host->device and
    device->host GB/s against a ``pin_memory()`` buffer and a pageable one; the data arrive

@@ -19,7 +19,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from kernels import KernelModes, deformable_slide_attention
 
-from .common import Clock, peak_since, reset_peak
+from .common import Clock, attn_line, peak_since, reset_peak
 
 if TYPE_CHECKING:
     from .run import Run
@@ -195,22 +195,9 @@ def part_attention(ctx: Run) -> dict:
             if ctx.cuda:
                 torch.cuda.empty_cache()
         rows.append(r)
-        print(_attn_line(r), flush=True)
+        print(attn_line(r), flush=True)
     cross = {f"window {'x'.join(map(str, w))} (K={math.prod(w)})":
              {k: crossover(rows, w, k) for k in ("fwd_ms", "bwd_ms", "total_ms")} for w in sz.attn_windows}
     return {"ok": all(r["status"] == "ok" for r in rows), "heads": sz.attn_heads, "head_dim": sz.attn_dim,
             "dtype": "bfloat16", "rows": rows, "crossover_tokens": cross,
             "flops_rule": "fwd: dense 4 N^2 d nh, dsa/neighborhood 36 N K d nh; bwd = 2.5 x fwd"}
-
-
-def _attn_line(r: dict) -> str:
-    def f(key, fmt):
-        return format(r[key], fmt) if r.get(key) is not None else "-"
-
-    window = "x".join(map(str, r["window"])) if r["kind"] != "dense" else "-"
-    return (f"| {r['kind']} | {r['tokens']} | {window} | {f('fwd_ms', '.2f')} | {f('bwd_ms', '.2f')} | "
-            f"{f('predicted_fwd_ms', '.2f')} | {f('predicted_bwd_ms', '.2f')} | "
-            f"{f('fwd_tflops', '.1f')} | {f('bwd_tflops', '.1f')} | {f('peak_mib', '.0f')} | {r['status']} | "
-            f"{r.get('backend', '-')} |")
-
-

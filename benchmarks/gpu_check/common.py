@@ -197,3 +197,15 @@ def w_dtype_for(device) -> str:
 
 def fmt(x, spec: str) -> str:
     return format(x, spec) if isinstance(x, (int, float)) else "-"
+
+
+def attn_line(r: dict) -> str:
+    """One row of the attention part's table (the console and summary.md print the same line)."""
+    def f(key, fmt):
+        return format(r[key], fmt) if r.get(key) is not None else "-"
+
+    window = "x".join(map(str, r["window"])) if r["kind"] != "dense" else "-"
+    return (f"| {r['kind']} | {r['tokens']} | {window} | {f('fwd_ms', '.2f')} | {f('bwd_ms', '.2f')} | "
+            f"{f('predicted_fwd_ms', '.2f')} | {f('predicted_bwd_ms', '.2f')} | "
+            f"{f('fwd_tflops', '.1f')} | {f('bwd_tflops', '.1f')} | {f('peak_mib', '.0f')} | {r['status']} | "
+            f"{r.get('backend', '-')} |")

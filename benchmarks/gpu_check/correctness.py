@@ -90,7 +90,7 @@ def check_case(t, case: Case, dtype, device: str, kernel: str = "gather") -> dic
 
 
 def check_identities(t, device: str, sz: Sizes) -> list[dict]:
-    """The identities of docs/architecture.md ("3D-DSA: the operator") through the public API
+    """The identities of docs/dsa.md through the public API
     with ``backend="triton"`` (fp32)."""
 
 

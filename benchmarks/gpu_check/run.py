@@ -19,8 +19,7 @@ import torch
 
 from . import compile as compile_aot
 from . import cost
-from .attention import _attn_line
-from .common import RESERVE_S, Sizes
+from .common import RESERVE_S, Sizes, attn_line
 from .common import fmt as _fmt
 
 
@@ -153,7 +152,7 @@ def markdown(report: dict) -> list[str]:
                       "| kind | tokens | window | fwd [ms] | bwd [ms] | predicted fwd [ms] | predicted bwd [ms] "
                       "| fwd TFLOP/s | bwd TFLOP/s | peak [MiB] | status | backend |",
                       "|---|---|---|---|---|---|---|---|---|---|---|---|"]
-            lines += [_attn_line(r) for r in info["rows"]]
+            lines += [attn_line(r) for r in info["rows"]]
             lines += ["", "Crossover (dense flash slower than DSA from):"]
             for K, c in info["crossover_tokens"].items():
                 lines.append(f"- {K}: " + "; ".join(f"{k} {v['tokens']} ({v['how']})" for k, v in c.items()))

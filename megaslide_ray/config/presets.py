@@ -34,11 +34,11 @@ def tiny_motion() -> Config:
     tiles (at this size dsa's CPU step is about 2.4x this one), 2400 steps, kept block graphs and a
     decoded-clip cache (under 9 minutes on 2 CPU cores through the actors). Made for the motion
     set's simple variant (``train --preset tiny-motion --demo motion-simple``), where its samples learn
-    to show the prompted colour, shape and direction (``benchmarks.studies.learning``; benchmarks/RESULTS.md)."""
+    to show the prompted colour, shape and direction (``benchmarks.studies.learning`` scores them)."""
     cfg = Config(preset="tiny-motion")
     cfg.model = ModelConfig(patch_size=(2, 2, 2), prediction="sample")
     # swin tiles of 2x4x4 tokens divide the 4x8x8 grid (3x3x3 pads it to 6x9x9): a cheaper step,
-    # and with 2400 steps 32 of 48 training prompts shown against 19 (benchmarks/RESULTS.md)
+    # and more training prompts shown after 2400 steps than with 3x3x3
     cfg.attention = AttentionConfig(kind="swin", window=(2, 4, 4))
     cfg.data = DataConfig(num_frames=8, height=16, width=16, batch_size=8, clip_cache_mb=64)
     cfg.optim = OptimizerConfig(lr=1e-3)
@@ -56,10 +56,8 @@ clamp``): within it a head's offsets are its own. At every preset's shape it kee
 tensor cores (the halo kernels, then the key-side pass: deterministic dk/dv without atomics), where
 unbounded offsets send the calls whose largest offset passes 2 tokens to the gather kernels (CUDA
 cores) and past 3 add float atomics; it also lets a token-chunked block hold only the key frames a
-slab reaches. In the Wan adaptation study (benchmarks/RESULTS.md, three seeds) the clamped bound
-cost +0.0004 / +0.0008 / -0.0004 in held-out loss against unbounded offsets (a tanh bound at 1.5:
-+0.0014 / +0.0012 / -0.0007), and on videodit within 1% in every seed; ``attention.max_offset 0``
-restores unbounded offsets."""
+slab reaches. ``attention.max_offset 0`` restores unbounded offsets (what the bound costs in
+held-out loss: docs/status.md)."""
 
 GPU_OFFSET_FIELDS = {"max_offset": GPU_MAX_OFFSET, "offset_bound": "clamp"}
 """The ``attention`` fields that give a dsa model the GPU presets' bound."""

@@ -71,9 +71,8 @@ class ModelConfig:
     """``videodit``: every block cross-attends from the video tokens to the caption's tokens (each
     byte's feature from the caption encoder, plus a learned null token), as Wan and PixArt do, so
     what the caption says can reach each position; the pooled caption still joins the timestep
-    in the adaLN condition either way. Adds ``4 D^2`` parameters per block. Off by default: on
-    ``tiny`` it costs about a quarter more step time and did not yet read captions better
-    (benchmarks/RESULTS.md); the ``dit-*`` presets keep it off so their counts stay the paper's."""
+    in the adaLN condition either way. Adds ``4 D^2`` parameters per block. Off by default (on ``tiny`` it costs about a quarter more step time); the ``dit-*`` presets keep
+    it off so their counts stay the paper's."""
     ffn_dim: int = 0
     """Feed-forward hidden width; 0: ``mlp_ratio * hidden_size``. The Wan models set it (8960, 13824,
     14336)."""
@@ -152,8 +151,7 @@ class AttentionConfig:
     once: on CPU ``matrix`` (two dense products through an interpolation matrix) for small clips
     and ``cpu`` (the linear path) above, on CUDA the Triton kernels. ``reference`` is the
     pure-PyTorch definition (slow, O(N*K*d) memory), ``chunked`` the reference over query chunks;
-    ``triton`` (the fused kernels) needs CUDA. Every path computes the same function (docs/
-    architecture.md, "3D-DSA: the operator")."""
+    ``triton`` (the fused kernels) needs CUDA. Every path computes the same function (docs/dsa.md)."""
 
 
 @dataclass
@@ -209,6 +207,10 @@ class DataConfig:
     crop: a later epoch of a small dataset) without decoding it. A cached clip is the same bytes
     as a new decode; a file changed on disk is decoded again. 0: no cache. Latent manifests
     ignore it."""
+    cache_dir: str = ""
+    """Where the built-in data sets (the demo set an empty ``manifest`` trains on, the motion sets
+    of ``--demo``) are generated on first use and found afterwards. Empty (default): the
+    environment's ``$MEGASLIDE_CACHE`` if set, else ``~/.cache/megaslide_ray``."""
 
 
 @dataclass
@@ -341,6 +343,13 @@ class RuntimeConfig:
     writes the checkpoints, which resume on any number of nodes (``--resume`` reads the run
     directory from every node: a filesystem they share). A dead compute actor or store is recovered
     in place (``runtime.max_restarts``); a lost node stops the run with the ``--resume`` command."""
+    inject_fault: str = ""
+    """For drills: make an actor fail at a chosen point, once (docs/failures.md, "Fault drills"):
+    comma-separated specs ``POINT[@STEP][/NODE][:ACTION]``; the hidden flag ``--inject-fault SPEC``
+    sets it. Empty (default): the environment's ``$MEGASLIDE_FAULT`` if set, else no fault. The run
+    hands it to every actor through that variable, with a fresh marker folder
+    (``$MEGASLIDE_FAULT_DIR``, unless set) that keeps each spec from firing twice. Never saved in
+    ``config.toml``: a resumed run injects only what it is given again."""
 
 
 @dataclass

@@ -20,7 +20,8 @@ logger = logging.getLogger(__name__)
 
 
 def cache_root(cache_dir: str | Path | None = None) -> Path:
-    """``cache_dir`` if given, else ``$MEGASLIDE_CACHE`` if set, else ``~/.cache/megaslide_ray``."""
+    """``cache_dir`` (``data.cache_dir``) if given, else ``$MEGASLIDE_CACHE`` if set, else
+    ``~/.cache/megaslide_ray``: the documented default of ``data.cache_dir``."""
     if cache_dir is not None:
         return Path(cache_dir).expanduser()
     env = os.environ.get("MEGASLIDE_CACHE")

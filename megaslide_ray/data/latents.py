@@ -21,9 +21,8 @@ model wants) with ``F' = 1 + (F - 1) / t`` and ``H' = H / s``, ``W' = W / s`` fo
 compression ``(t, s, s)``. Text embeddings are the UMT5 encoder's last hidden state for the
 **valid tokens only** (the attention mask's length, at most ``text_len`` = 512): ``pad_text``
 zero-pads them back to 512 rows, as the Wan pipeline pads. Both are stored in the manifest's
-``dtype`` (bf16 by default) as safetensors (never pickle): one file per clip reads 2.9-3.9x
-faster than Parquet shards with tensor columns from the page cache, and as fast or faster from
-disk (``benchmarks/latents.py``; figures in benchmarks/RESULTS.md).
+``dtype`` (bf16 by default) as safetensors (never pickle), one file per clip: it reads faster
+than Parquet shards with tensor columns (``benchmarks/latents.py`` measures both).
 
 The latent manifest (format version 1)
 --------------------------------------

@@ -407,9 +407,7 @@ CAPTION_EMBED_STD = 1.0
 The encoder's MLP has no norm before it; at GPT's 0.02 its inputs are so small that its GELU is
 nearly linear, so a fresh encoder is a bag of bytes plus a near-constant: "a red circle ... dark
 blue background" and "a blue circle ... dark red background" differ by 1.7% of the caption
-vector, against 9.7% at 1 (tests/test_model.py), and the caption is 170x smaller. Measured on
-``tiny-motion`` with shapes of half-size 10 px (benchmarks/RESULTS.md): samples find the prompted
-colour in 70% of frames after 2000 steps, against 50% at 0.02."""
+vector, against 9.7% at 1 (tests/test_model.py), and the caption is 170x smaller."""
 CAPTION_INPUTS = ("caption.embed", "caption.position")
 
 

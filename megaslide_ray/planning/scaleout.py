@@ -20,8 +20,7 @@ and the optimizer state (master, m, v: 12 B/param) of the shards it owns (shard 
 l % M), so about ``w + 12 / M`` B/param per node. A shard's gradient, summed over the node's GPUs,
 goes to its owner, which sums the M of them, updates, and sends the new ``w`` back: each node sends
 and receives ``w bytes x ((P - own) + own x (M - 1))`` per step, about ``2 x w bytes x P x (M - 1) /
-M`` each way, held against ``--network-gbps`` (the ``network`` term; the two-node test run sends
-exactly this, benchmarks/RESULTS.md). The received gradients wait in Ray's object store until
+M`` each way, held against ``--network-gbps`` (the ``network`` term). The received gradients wait in Ray's object store until
 the owner sums them; the planner counts ``(M - 1) x grad_slots`` shards of them (the runtime does
 not bound them by slots: as the nodes run the backward in step, a few shards are in flight).
 """

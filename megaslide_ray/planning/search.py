@@ -102,7 +102,7 @@ def _with_partial_offload_note(cfg: Config, p: Plan, kw: dict) -> Plan:
 def plan_with_keep(cfg: Config, token_chunk: int | str | None, keep: int | str | None, **kw: Any) -> Plan:
     """``plan_with_chunk`` with ``runtime.offload_keep`` = ``keep``: an int (set on the config),
     None (the config's), or ``auto``: the smallest k whose host fits ``ram_gb``, then the token
-    chunk for that k as ``plan_with_chunk`` picks it (module docstring, "Searches"). A note says
+    chunk for that k as ``plan_with_chunk`` picks it (docs/planner.md, "Searches"). A note says
     what was chosen."""
     if keep is None:
         return plan_with_chunk(cfg, token_chunk, **kw)

@@ -1,7 +1,7 @@
 """Fault injection: make a chosen actor die (or hang) at a chosen point, once.
 
-Off unless the environment variable ``MEGASLIDE_FAULT`` is set (the CLI's hidden
-``--inject-fault`` sets it before Ray starts, so every actor inherits it). Its value is a
+Off unless the environment variable ``MEGASLIDE_FAULT`` is set (``runtime.inject_fault``, or
+the CLI's hidden ``--inject-fault``, sets it before Ray starts, so every actor inherits it). Its value is a
 comma-separated list of specs ``POINT[@STEP][/NODE][:ACTION]``:
 
 - ``POINT``: one of ``FAULT_POINTS`` (for example ``compute.mid_backward``);

@@ -21,7 +21,7 @@ Each shard file holds three flat 1-D tensors, the shard's parameters laid end to
 ``m`` and ``v`` (float32 AdamW moments). The compute copy ``w`` is not saved: at a checkpoint it
 is exactly ``master`` cast to ``w_dtype`` (state.json), so a reader asked for ``w`` casts
 ``master`` (12 instead of 14 bytes per parameter on disk for bf16 runs, 12 instead of 16 for
-fp32; benchmarks/RESULTS.md has the write times). Checkpoints written before that hold a
+fp32). Checkpoints written before that hold a
 ``w`` tensor too; it is read when present. The safetensors metadata (strings) describes the
 flat layout, so a reader can rebuild the named tensors without building the model:
 ``names``, ``shapes``, ``offsets`` (JSON lists: parameter names inside the shard, their shapes,
@@ -52,7 +52,7 @@ to write a tensor holding NaN or Inf (``NonFiniteStateError``: nothing is writte
 checkpoint stays ``latest``). ``CheckpointReader.tensor`` checks the checksum of every tensor it
 reads (the parameter store's resume and rollback, ``--init-from``, the export, sampling): a
 mismatch is a ``CheckpointDamagedError`` naming the file and the tensor. The check costs no extra
-read (the bytes are read anyway), only the CRC (benchmarks/RESULTS.md has its cost). A checkpoint
+read (the bytes are read anyway), only the CRC. A checkpoint
 written before checksums were recorded loads unchecked, with one log line saying so.
 
 Atomic writes

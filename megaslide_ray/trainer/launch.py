@@ -154,33 +154,14 @@ def cluster_devices(cfg: Config) -> tuple[float, float]:
 def launch(cfg: Config, resume: bool = False, init_from: str | None = None, progress: bool = True,
            inject_fault: str | None = None, overwrite: bool = False) -> int:
     """Train ``cfg`` (``resume``: continue ``training.run_dir`` from its latest checkpoint;
-    ``init_from``: start from pretrained weights; ``inject_fault``: a fault spec for drills,
-    ``runtime.faults``; ``overwrite``: replace the run a non-empty run directory holds). Returns
-    the exit code (see the module docstring)."""
+    ``init_from``: start from pretrained weights; ``inject_fault``: a fault spec for drills
+    (``--inject-fault``, else ``runtime.inject_fault``; ``megaslide_ray/runtime/faults.py``);
+    ``overwrite``: replace the run a non-empty run directory holds). Returns the exit code (see
+    the module docstring)."""
     run_dir = cfg.training.run_dir or default_run_dir()
-    try:
-        check_run_dir(cfg, run_dir, resume, overwrite)  # first: a refused run changes nothing anywhere
-    except ConfigError as e:
-        print(f"run dir error: {e}", file=sys.stderr)
-        return 2
-    if not cfg.ray.address:  # a local cluster: this machine's devices (a cluster's: once joined)
-        try:
-            check_devices(cfg, *local_devices(cfg), "this machine")
-        except ConfigError as e:
-            print(f"config error: {e}", file=sys.stderr)
-            return 2
-    try:
-        check_tracker(cfg.training.tracker)  # the tracker's package: before any work
-    except ConfigError as e:
-        print(f"config error: {e}", file=sys.stderr)
-        return 2
-    try:
-        check_data(cfg)  # the data must be what the model reads (video, or latents for wan)
-        val_set = None
-        if cfg.training.eval_every:  # the validation clips must decode: found out before Ray starts
-            val_set = load_val_set(cfg)
-    except (ConfigError, ValueError, FileNotFoundError) as e:
-        print(f"data error: {e}", file=sys.stderr)
+    val_set, refused = _preflight(cfg, run_dir, resume, overwrite)
+    if refused:
+        print(refused, file=sys.stderr)
         return 2
 
     if resume and init_from:
@@ -213,11 +194,14 @@ def launch(cfg: Config, resume: bool = False, init_from: str | None = None, prog
                   f"and training.steps={cfg.training.steps}; raise --steps to train further", flush=True)
             return 0
 
+    flag = "--inject-fault" if inject_fault else "runtime.inject_fault"
+    inject_fault = inject_fault or cfg.runtime.inject_fault or None
+    cfg.runtime.inject_fault = ""  # handed to the actors through the environment; never in config.toml
     if inject_fault:
         try:
             faults.parse_faults(inject_fault)
         except ValueError as e:
-            print(f"--inject-fault error: {e}", file=sys.stderr)
+            print(f"{flag} error: {e}", file=sys.stderr)
             return 2
     created_marker_dir = _inject(inject_fault) if inject_fault else None
     if overwrite and not resume:  # every check passed: the earlier run goes now, before Ray starts
@@ -230,6 +214,31 @@ def launch(cfg: Config, resume: bool = False, init_from: str | None = None, prog
         if created_marker_dir:
             shutil.rmtree(created_marker_dir, ignore_errors=True)
             os.environ.pop(faults.ENV_DIR, None)
+
+
+def _preflight(cfg: Config, run_dir: str, resume: bool, overwrite: bool) -> tuple[object, str | None]:
+    """The first checks, none of which needs Ray, in order: the run directory (first: a refused run
+    changes nothing anywhere), this machine's devices, the tracker's package, the data and the
+    validation clips. (the validation set or None, None), or (None, the message of the refusal)."""
+    try:
+        check_run_dir(cfg, run_dir, resume, overwrite)
+    except ConfigError as e:
+        return None, f"run dir error: {e}"
+    if not cfg.ray.address:  # a local cluster: this machine's devices (a cluster's: once joined)
+        try:
+            check_devices(cfg, *local_devices(cfg), "this machine")
+        except ConfigError as e:
+            return None, f"config error: {e}"
+    try:
+        check_tracker(cfg.training.tracker)  # the tracker's package: before any work
+    except ConfigError as e:
+        return None, f"config error: {e}"
+    try:
+        check_data(cfg)  # the data must be what the model reads (video, or latents for wan)
+        # the validation clips must decode: found out before Ray starts
+        return (load_val_set(cfg) if cfg.training.eval_every else None), None
+    except (ConfigError, ValueError, FileNotFoundError) as e:
+        return None, f"data error: {e}"
 
 
 def _inject(inject_fault: str) -> str | None:

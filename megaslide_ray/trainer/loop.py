@@ -132,7 +132,7 @@ def resolve_data(cfg: Config) -> Config:
     if cfg.data.manifest:
         return cfg
 
-    cfg.data = replace(cfg.data, manifest=str(ensure_demo_dataset()))
+    cfg.data = replace(cfg.data, manifest=str(ensure_demo_dataset(cfg.data.cache_dir or None)))
     return cfg
 
 
