@@ -478,7 +478,7 @@ def fused_fwd_cost(grid, window, head_dim: int, bound: float) -> Cost | None:
     chunk of 64 halo keys, twice (``S = Q K^T``, ``O = P V``), per frame. None where the issue table
     lacks the compile (another head dim, window or Triton)."""
     from .dsa_gluon_halo import GLUON_WARPS, gluon_halo_constexprs  # lazy: imports torch
-    from .dsa_halo_dense import halo_tiles
+    from .dsa_halo_dense import halo_tiles  # lazy: imports torch
 
     cx = gluon_halo_constexprs(head_dim, window, bound)
     key = issue_key("fused_fwd", head_dim, window, cx, GLUON_WARPS)

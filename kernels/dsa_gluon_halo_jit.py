@@ -1,0 +1,241 @@
+"""The Gluon code of the fused halo-dense forward (``dsa_gluon_halo`` describes the algorithm and
+holds the host side). Imported only where ``dsa_gluon_halo.gluon_halo_refusal`` finds a Triton whose
+Gluon has the shared-memory gather and atomic scatter-add (>= 3.8)."""
+
+from __future__ import annotations
+
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia import hopper
+
+
+@gluon.jit
+def _axis(base, off, size, lo):
+    """Clamped position along one axis: (lower corner, upper corner) relative to ``lo``, and the
+    fraction; positions are fp32."""
+    p = gl.minimum(gl.maximum(base.to(gl.float32) + off, 0.0), (size - 1).to(gl.float32))
+    f0 = gl.floor(p)
+    i0 = f0.to(gl.int32)
+    i1 = gl.minimum(i0 + 1, size - 1)
+    return i0 - lo, i1 - lo, p - f0
+
+
+@gluon.jit
+def _layer_samples(OFF, off_row, q_ok, jt, j0, st, sy, sx, T, H, W, lo_t, lo_y, lo_x, fyn, fxn, f,
+                   KH: gl.constexpr, KW: gl.constexpr, JC: gl.constexpr, layout: gl.constexpr):
+    """The samples ``j0 .. j0 + JC`` of window layer ``jt`` of every query: per sample its weight in
+    frame ``f`` (0 where it does not touch it), its 4 (y, x) corners relative to the halo with their
+    fractions, and whether a corner leaves the halo."""
+    j = j0 + gl.arange(0, JC, layout=gl.SliceLayout(0, layout))
+    jy = j // KW
+    jx = j % KW
+    ok = q_ok[:, None] & (j < KH * KW)[None, :]
+    ptr = OFF + off_row[:, None] + ((jt * KH * KW + j) * 3)[None, :]
+    ot = gl.load(ptr, mask=ok, other=0.0).to(gl.float32)
+    oy = gl.load(ptr + 1, mask=ok, other=0.0).to(gl.float32)
+    ox = gl.load(ptr + 2, mask=ok, other=0.0).to(gl.float32)
+    t0, t1, ft = _axis(st + jt + gl.zeros_like(jy)[None, :], ot, T, lo_t)
+    y0, y1, fy = _axis(sy[:, None] + jy[None, :], oy, H, lo_y)
+    x0, x1, fx = _axis(sx[:, None] + jx[None, :], ox, W, lo_x)
+    wt = gl.where(t0 == f, 1.0 - ft, 0.0) + gl.where(t1 == f, ft, 0.0)
+    out = (t0 < 0) | (y0 < 0) | (x0 < 0) | (y1 >= fyn) | (x1 >= fxn)
+    return gl.where(ok, wt, 0.0), y0, y1, fy, x0, x1, fx, ok & out
+
+
+@gluon.jit
+def _halo_rows(X, base, row_stride, tf, r, H, W, lo_y, lo_x, fyn, fxn, cols, FX: gl.constexpr):
+    """Rows ``r`` of frame ``tf``'s halo of k or v (zeros past the halo), bf16."""
+    hy = r // FX
+    hx = r % FX
+    ok = (hy < fyn) & (hx < fxn)
+    ptr = X + base + ((tf * H + lo_y + hy) * W + lo_x + hx)[:, None] * row_stride + cols[None, :]
+    return gl.load(ptr, mask=ok[:, None], other=0.0).to(gl.bfloat16)
+
+
+@gluon.jit
+def _frame_scores(q_s, kv_s, S_s, K, base, row_stride, tf, H, W, lo_y, lo_x, fyn, fxn,
+                  M: gl.constexpr, HEAD_DIM: gl.constexpr, NCH: gl.constexpr, FX: gl.constexpr,
+                  ld: gl.constexpr, s_mma: gl.constexpr):
+    """``S = Q K_halo^T`` of frame ``tf``, 64 keys a chunk on tensor cores, into ``S_s`` (fp16)."""
+    kr = gl.arange(0, 64, layout=gl.SliceLayout(1, ld))
+    cols = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, ld))
+    for c in gl.static_range(NCH):
+        gl.barrier()
+        kv_s.store(_halo_rows(K, base, row_stride, tf, c * 64 + kr, H, W, lo_y, lo_x, fyn, fxn, cols, FX))
+        hopper.fence_async_shared()
+        s = hopper.warpgroup_mma(q_s, kv_s.permute((1, 0)), gl.zeros([M, 64], gl.float32, s_mma))
+        S_s.slice(c * 64, 64, dim=1).store(s.to(gl.float16))
+    gl.barrier()
+
+
+@gluon.jit
+def _frame_sample_scores(S_s, Z_s, OFF, off_row, q_ok, broken, st, sy, sx, T, H, W, lo_t, lo_y, lo_x, fyn, fxn, f,
+                         KT: gl.constexpr, KH: gl.constexpr, KW: gl.constexpr, ELO: gl.constexpr, EHI: gl.constexpr,
+                         FY: gl.constexpr, FX: gl.constexpr, KP: gl.constexpr, JC: gl.constexpr, smp: gl.constexpr):
+    """Each sample's score from its corners in frame ``f`` (a shared-memory gather of ``S_s``), added
+    to ``Z_s`` with the sample's weight in that frame; the window layers that cannot reach ``f``
+    skipped. Returns ``broken`` with the queries whose corners leave the halo."""
+    for jt in gl.static_range(KT):
+        if (lo_t + f >= st + jt - ELO) & (lo_t + f <= st + jt + EHI):
+            for j0 in gl.static_range(0, KP, JC):
+                wt, y0, y1, fy, x0, x1, fx, out = _layer_samples(
+                    OFF, off_row, q_ok, jt, j0, st, sy, sx, T, H, W, lo_t, lo_y, lo_x, fyn, fxn, f, KH, KW, JC, smp)
+                broken = broken | gl.max(out.to(gl.int32), axis=1)
+                y0 = gl.minimum(gl.maximum(y0, 0), FY - 1)
+                y1 = gl.minimum(gl.maximum(y1, 0), FY - 1)
+                x0 = gl.minimum(gl.maximum(x0, 0), FX - 1)
+                x1 = gl.minimum(gl.maximum(x1, 0), FX - 1)
+                z = (S_s.gather(y0 * FX + x0, 1).to(gl.float32) * (1.0 - fy) * (1.0 - fx)
+                     + S_s.gather(y0 * FX + x1, 1).to(gl.float32) * (1.0 - fy) * fx
+                     + S_s.gather(y1 * FX + x0, 1).to(gl.float32) * fy * (1.0 - fx)
+                     + S_s.gather(y1 * FX + x1, 1).to(gl.float32) * fy * fx)
+                zs = Z_s.slice(jt * KP + j0, JC, dim=1)
+                zs.store(zs.load(smp) + wt * z)
+    gl.barrier()
+    return broken
+
+
+@gluon.jit
+def _softmax(Z_s, qk_scale, M: gl.constexpr, KT: gl.constexpr, KH: gl.constexpr, KW: gl.constexpr,
+             KP: gl.constexpr, JC: gl.constexpr, smp: gl.constexpr):
+    """Base-2 softmax over the window: the row max and sum, the unnormalised probabilities written
+    over the scores in ``Z_s``."""
+    mx = gl.full([M], -float("inf"), gl.float32, gl.SliceLayout(1, smp))
+    for jt in gl.static_range(KT):
+        for j0 in gl.static_range(0, KP, JC):
+            j = j0 + gl.arange(0, JC, layout=gl.SliceLayout(0, smp))
+            z = gl.where((j < KH * KW)[None, :], Z_s.slice(jt * KP + j0, JC, dim=1).load(smp) * qk_scale, -float("inf"))
+            mx = gl.maximum(mx, gl.max(z, axis=1))
+    den = gl.zeros([M], gl.float32, gl.SliceLayout(1, smp))
+    for jt in gl.static_range(KT):
+        for j0 in gl.static_range(0, KP, JC):
+            j = j0 + gl.arange(0, JC, layout=gl.SliceLayout(0, smp))
+            zs = Z_s.slice(jt * KP + j0, JC, dim=1)
+            e = gl.where((j < KH * KW)[None, :], gl.exp2(zs.load(smp) * qk_scale - mx[:, None]), 0.0)
+            den = den + gl.sum(e, axis=1)
+            zs.store(e)
+    gl.barrier()
+    return mx, den
+
+
+@gluon.jit
+def _frame_probs(S_s, Z_s, inv, OFF, off_row, q_ok, st, sy, sx, T, H, W, lo_t, lo_y, lo_x, fyn, fxn, f,
+                 M: gl.constexpr, KT: gl.constexpr, KH: gl.constexpr, KW: gl.constexpr, ELO: gl.constexpr,
+                 EHI: gl.constexpr, FX: gl.constexpr, SW: gl.constexpr, KP: gl.constexpr, JC: gl.constexpr,
+                 smp: gl.constexpr):
+    """Frame ``f``'s ``P``: ``S_s`` zeroed, then every sample's probability times its corners' weights
+    scatter-added onto its corners (``red.shared.add.f16``)."""
+    zero = gl.zeros([M, 64], gl.float16, smp)
+    for c in gl.static_range(SW // 64):
+        S_s.slice(c * 64, 64, dim=1).store(zero)
+    gl.barrier()
+    for jt in gl.static_range(KT):
+        if (lo_t + f >= st + jt - ELO) & (lo_t + f <= st + jt + EHI):
+            for j0 in gl.static_range(0, KP, JC):
+                wt, y0, y1, fy, x0, x1, fx, out = _layer_samples(
+                    OFF, off_row, q_ok, jt, j0, st, sy, sx, T, H, W, lo_t, lo_y, lo_x, fyn, fxn, f, KH, KW, JC, smp)
+                a = Z_s.slice(jt * KP + j0, JC, dim=1).load(smp) * inv[:, None] * wt
+                keep = (a != 0.0) & (out == 0)
+                S_s.atomic_scatter_add((a * (1.0 - fy) * (1.0 - fx)).to(gl.float16), y0 * FX + x0, 1, mask=keep)
+                S_s.atomic_scatter_add((a * (1.0 - fy) * fx).to(gl.float16), y0 * FX + x1, 1, mask=keep)
+                S_s.atomic_scatter_add((a * fy * (1.0 - fx)).to(gl.float16), y1 * FX + x0, 1, mask=keep)
+                S_s.atomic_scatter_add((a * fy * fx).to(gl.float16), y1 * FX + x1, 1, mask=keep)
+    gl.barrier()
+
+
+@gluon.jit
+def _frame_output(acc, S_s, kv_s, p_s, V, base, row_stride, tf, H, W, lo_y, lo_x, fyn, fxn,
+                  HEAD_DIM: gl.constexpr, NCH: gl.constexpr, FX: gl.constexpr, ld: gl.constexpr, smp: gl.constexpr):
+    """``O += P V_halo`` for frame ``tf``, 64 keys a chunk on tensor cores, P cast to bf16."""
+    kr = gl.arange(0, 64, layout=gl.SliceLayout(1, ld))
+    cols = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, ld))
+    for c in gl.static_range(NCH):
+        gl.barrier()
+        kv_s.store(_halo_rows(V, base, row_stride, tf, c * 64 + kr, H, W, lo_y, lo_x, fyn, fxn, cols, FX))
+        p_s.store(S_s.slice(c * 64, 64, dim=1).load(smp).to(gl.bfloat16))
+        hopper.fence_async_shared()
+        acc = hopper.warpgroup_mma(p_s, kv_s, acc)
+    gl.barrier()
+    return acc
+
+
+@gluon.jit
+def _start(x, k: gl.constexpr, size):
+    """The window's first position along one axis for queries at ``x`` (shifted inward at borders)."""
+    return gl.minimum(gl.maximum(x - k // 2, 0), size - k)
+
+
+@gluon.jit
+def halo_dense_fwd(Q, K, V, OFF, OUT, LSE, qk_scale, T, H, W, NH,
+                   HEAD_DIM: gl.constexpr, KT: gl.constexpr, KH: gl.constexpr, KW: gl.constexpr,
+                   ELO: gl.constexpr, EHI: gl.constexpr, FY: gl.constexpr, FX: gl.constexpr,
+                   NCH: gl.constexpr, SW: gl.constexpr, KTP: gl.constexpr, KP: gl.constexpr,
+                   JC: gl.constexpr, TY: gl.constexpr, TX: gl.constexpr):
+    M: gl.constexpr = TY * TX
+    ld: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [8, 1], [1, 0])  # 16-byte rows of q, k, v
+    smp: gl.constexpr = gl.BlockedLayout([1, 1], [4, 8], [8, 1], [1, 0])  # (query, sample) tensors
+    s_mma: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 2], instr_shape=[16, 32, 16])
+    o_mma: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 2],
+                                                    instr_shape=[16, HEAD_DIM // 2, 16])
+    flat: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [1, 0])
+
+    tile = gl.program_id(0)
+    bh = gl.program_id(1)
+    tiles_x = gl.cdiv(W, TX)
+    x0 = (tile % tiles_x) * TX
+    y0 = ((tile // tiles_x) % gl.cdiv(H, TY)) * TY
+    t = tile // (tiles_x * gl.cdiv(H, TY))
+    N = T * H * W
+    row_stride = NH * HEAD_DIM
+    base = ((bh // NH) * N * NH + bh % NH) * HEAD_DIM
+
+    # the tile's queries, their windows, and the halo: every corner a sample within the bound reaches
+    m = gl.arange(0, M, layout=gl.SliceLayout(1, smp))
+    qy = y0 + m // TX
+    qx = x0 + m % TX
+    q_ok = (qy < H) & (qx < W)
+    st = _start(t, KT, T)
+    sy = _start(qy, KH, H)
+    sx = _start(qx, KW, W)
+    lo_t = gl.maximum(st - ELO, 0)
+    lo_y = gl.maximum(_start(y0, KH, H) - ELO, 0)
+    lo_x = gl.maximum(_start(x0, KW, W) - ELO, 0)
+    ftn = gl.minimum(st + KT - 1 + EHI, T - 1) - lo_t + 1
+    fyn = gl.minimum(_start(gl.minimum(y0 + TY, H) - 1, KH, H) + KH - 1 + EHI, H - 1) - lo_y + 1
+    fxn = gl.minimum(_start(gl.minimum(x0 + TX, W) - 1, KW, W) + KW - 1 + EHI, W - 1) - lo_x + 1
+    off_row = (((bh // NH) * N + (t * H + qy) * W + qx) * NH + bh % NH) * (KT * KH * KW * 3)
+
+    lm = gl.arange(0, M, layout=gl.SliceLayout(1, ld))
+    cols = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, ld))
+    rows = (t * H + y0 + lm // TX) * W + x0 + lm % TX
+    rows_ok = (y0 + lm // TX < H) & (x0 + lm % TX < W)
+    q = gl.load(Q + base + rows[:, None] * row_stride + cols[None, :], mask=rows_ok[:, None], other=0.0)
+    q_s = gl.allocate_shared_memory(gl.bfloat16, [M, HEAD_DIM],
+                                    gl.NVMMASharedLayout.get_default_for([M, HEAD_DIM], gl.bfloat16), q.to(gl.bfloat16))
+    kv_s = gl.allocate_shared_memory(gl.bfloat16, [64, HEAD_DIM],
+                                     gl.NVMMASharedLayout.get_default_for([64, HEAD_DIM], gl.bfloat16))
+    p_s = gl.allocate_shared_memory(gl.bfloat16, [M, 64], gl.NVMMASharedLayout.get_default_for([M, 64], gl.bfloat16))
+    S_s = gl.allocate_shared_memory(gl.float16, [M, SW], flat)  # a frame's scores, then its P
+    Z_s = gl.allocate_shared_memory(gl.float32, [M, KTP * KP], flat)  # the samples' scores, then p
+    for c in gl.static_range(KTP * KP // JC):
+        Z_s.slice(c * JC, JC, dim=1).store(gl.zeros([M, JC], gl.float32, smp))
+    broken = gl.zeros([M], gl.int32, gl.SliceLayout(1, smp))
+
+    for f in range(0, ftn):  # pass 1: the samples' scores, frame by frame
+        _frame_scores(q_s, kv_s, S_s, K, base, row_stride, lo_t + f, H, W, lo_y, lo_x, fyn, fxn,
+                      M, HEAD_DIM, NCH, FX, ld, s_mma)
+        broken = _frame_sample_scores(S_s, Z_s, OFF, off_row, q_ok, broken, st, sy, sx, T, H, W, lo_t, lo_y, lo_x,
+                                      fyn, fxn, f, KT, KH, KW, ELO, EHI, FY, FX, KP, JC, smp)
+    mx, den = _softmax(Z_s, qk_scale, M, KT, KH, KW, KP, JC, smp)
+    inv = 1.0 / den
+    acc = gl.zeros([M, HEAD_DIM], gl.float32, o_mma)
+    for f in range(0, ftn):  # pass 2: the probabilities onto the halo, O = P V, frame by frame
+        _frame_probs(S_s, Z_s, inv, OFF, off_row, q_ok, st, sy, sx, T, H, W, lo_t, lo_y, lo_x, fyn, fxn, f,
+                     M, KT, KH, KW, ELO, EHI, FX, SW, KP, JC, smp)
+        acc = _frame_output(acc, S_s, kv_s, p_s, V, base, row_stride, lo_t + f, H, W, lo_y, lo_x, fyn, fxn,
+                            HEAD_DIM, NCH, FX, ld, smp)
+
+    bad = gl.convert_layout(broken, gl.SliceLayout(1, ld)) != 0
+    o = gl.where(bad[:, None], float("nan"), gl.convert_layout(acc, ld))
+    gl.store(OUT + base + rows[:, None] * row_stride + cols[None, :], o.to(OUT.dtype.element_ty), mask=rows_ok[:, None])
+    gl.store(LSE + bh * N + (t * H + qy) * W + qx, mx + gl.log2(den), mask=q_ok)
