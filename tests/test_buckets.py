@@ -1,0 +1,172 @@
+"""Buckets (``data.buckets``): the index records sizes, lengths and images; rows go to buckets
+deterministically; every batch is one bucket's shape, in an order a start position resumes
+exactly; a corrupt file is skipped and counted; the config refuses a bucket the model cannot read;
+the planner answers for the largest bucket. The Ray training through buckets and its exact
+resume are at the end."""
+
+import json
+from dataclasses import replace
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+
+from actors.decoder import VideoDecoder
+from megaslide_ray.config import ConfigError, DataConfig, build_config
+from megaslide_ray.config.buckets import Bucket, config_buckets, largest_bucket, parse_buckets
+from megaslide_ray.data.buckets import BucketSchedule, assign_bucket, row_buckets
+from megaslide_ray.data.clips import resize_crop
+from megaslide_ray.data.demo import write_video
+from megaslide_ray.data.index import index_videos
+from megaslide_ray.data.manifest import read_manifest, write_manifest
+
+BUCKETS = "16x16x4,16x24x4,16x16x1"
+
+
+def _video(path, frames, height, width, seed):
+    rng = np.random.default_rng(seed)
+    clip = rng.integers(0, 256, size=(frames, height, width, 3), dtype=np.uint8)
+    write_video(path, clip)
+    return clip
+
+
+def _image(path, height, width, seed):
+    pixels = np.random.default_rng(seed).integers(0, 256, size=(height, width, 3), dtype=np.uint8)
+    Image.fromarray(pixels).save(path)
+    return pixels
+
+
+@pytest.fixture(scope="module")
+def mixed(tmp_path_factory):
+    """A folder of two video sizes and lengths, two images (png, webp) and a corrupt jpg; its
+    manifest as the index writes it."""
+    root = tmp_path_factory.mktemp("mixed")
+    for i in range(3):
+        _video(root / f"square{i}.mp4", 6 + 2 * i, 32, 32, seed=i)
+        _video(root / f"wide{i}.mp4", 8, 16, 24, seed=10 + i)
+    _image(root / "still.png", 20, 20, seed=20)
+    _image(root / "still2.webp", 24, 24, seed=21)
+    (root / "broken.jpg").write_bytes(b"\xff\xd8\xff\xe0 not really a jpeg" * 10)
+    rows, problems = index_videos(root)
+    path = write_manifest(rows, root / "manifest.parquet")
+    return root, path, rows, problems
+
+
+def test_index_records_size_length_and_images(mixed):
+    root, _, rows, problems = mixed
+    by_name = {Path(r.path).name: r for r in rows}
+    assert (by_name["square2.mp4"].width, by_name["square2.mp4"].height, by_name["square2.mp4"].num_frames) == (32, 32, 10)
+    assert (by_name["wide0.mp4"].width, by_name["wide0.mp4"].height, by_name["wide0.mp4"].num_frames) == (24, 16, 8)
+    assert (by_name["still.png"].width, by_name["still.png"].height, by_name["still.png"].num_frames) == (20, 20, 1)
+    assert by_name["still2.webp"].num_frames == 1 and by_name["still.png"].fps == 0.0
+    assert [Path(p).name for p, _ in problems] == ["broken.jpg"] and "Pillow" in problems[0][1]
+    no_images, _ = index_videos(root, images=False)
+    assert sorted(Path(r.path).name for r in no_images) == sorted(f"{k}{i}.mp4" for k in ("square", "wide")
+                                                                  for i in range(3))
+
+
+def test_assignment_nearest_aspect_with_enough_frames():
+    b = parse_buckets("16x16x4,16x24x4,16x16x1,24x16x8")
+    assert assign_bucket(32, 32, 10, b) == 0      # square video
+    assert assign_bucket(24, 16, 8, b) == 1       # 3:2 video
+    assert assign_bucket(20, 20, 1, b) == 2       # an image: only the one-frame bucket is short enough
+    assert assign_bucket(16, 24, 9, b) == 3       # portrait, long enough for 8 frames
+    assert assign_bucket(16, 24, 5, b) == 0       # portrait, too short for 24x16x8: nearest of the rest
+    assert assign_bucket(24, 16, 1, parse_buckets("16x24x4,16x16x2")) == 1  # shorter than all: fewest frames
+
+
+def test_schedule_is_deterministic_and_one_bucket_per_block():
+    bucket_of = [0, 1, 0, 2, 1, 0, 0, 1, 2, 0]
+    a, b = BucketSchedule(bucket_of, 3, 2, seed=7), BucketSchedule(bucket_of, 3, 2, seed=7)
+    assert a.per_epoch == 3 + 2 + 1
+    blocks = [a.block(p) for p in range(2 * a.per_epoch)]
+    again = [b.block(p) for p in reversed(range(2 * b.per_epoch))][::-1]  # any order of asking: same blocks
+    for (j, rows), (k, rows2) in zip(blocks, again):
+        assert j == k and np.array_equal(rows, rows2)
+        assert all(bucket_of[r] == j for r in rows)
+    # an epoch's blocks cover every row of every bucket
+    first = [r for j, rows in blocks[: a.per_epoch] for r in rows[:2]]
+    assert set(first) == set(range(len(bucket_of)))
+    other = BucketSchedule(bucket_of, 3, 2, seed=8)
+    assert [j for j, _ in blocks] != [other.block(p)[0] for p in range(2 * a.per_epoch)]
+
+
+def _data(manifest, **kw):
+    return DataConfig(manifest=str(manifest), num_frames=4, height=16, width=16, batch_size=2, prefetch=1,
+                      buckets=BUCKETS, **kw)
+
+
+def test_decoder_batches_one_bucket_and_resumes(mixed):
+    root, manifest, rows, _ = mixed
+    d = _data(manifest)
+    with VideoDecoder(d, 3, 32) as dec:
+        batches = [dec.next_batch() for _ in range(8)]
+    shapes = {b["video"].shape for b in batches}
+    assert shapes == {(2, 4, 16, 16, 3), (2, 4, 16, 24, 3), (2, 1, 16, 16, 3)}
+    entries = read_manifest(manifest)
+    want = row_buckets(entries, parse_buckets(BUCKETS), "m")
+    for b in batches:
+        j = {(4, 16, 16): 0, (4, 16, 24): 1, (1, 16, 16): 2}[b["video"].shape[1:4]]
+        assert all(want[r] == j for r in b["index"])
+    assert [int(b["position"]) for b in batches] == list(range(1, 9))  # a bucketed position counts batches
+    # an image row is its pixels, resized and centre-cropped
+    image = next(b for b in batches if b["video"].shape[1] == 1)
+    row = int(image["index"][0])
+    pixels = np.array(Image.open(entries[row].path).convert("RGB"))[None]
+    np.testing.assert_array_equal(image["video"][0], resize_crop(pixels, 16, 16))
+    with VideoDecoder(d, 3, 32, start_position=5, skipped_before=int(batches[4]["skipped"])) as dec:
+        resumed = [dec.next_batch() for _ in range(3)]
+    for a, b in zip(batches[5:], resumed):
+        for key in a:
+            np.testing.assert_array_equal(a[key], b[key], err_msg=key)
+
+
+def test_decoder_skips_and_counts_a_corrupt_file_in_its_bucket(mixed, tmp_path):
+    root, manifest, _, _ = mixed
+    entries = read_manifest(manifest)
+    bad = tmp_path / "corrupt.png"
+    bad.write_bytes(b"\x89PNG\r\n\x1a\n" + b"junk" * 50)
+    rows = [*entries, replace(entries[0], path=str(bad), width=20, height=20, num_frames=1, fps=0.0)]
+    path = write_manifest(rows, tmp_path / "manifest.parquet")
+    d = _data(path)
+    with VideoDecoder(d, 3, 32) as dec:
+        batches = [dec.next_batch() for _ in range(12)]
+        stats = dec.stats()
+    drawn_bad = sum(1 for b in batches if b["video"].shape[1] == 1)  # image blocks: the bad row is in that bucket
+    assert drawn_bad > 0 and int(batches[-1]["skipped"]) > 0
+    assert stats.skipped == int(batches[-1]["skipped"]) and str(bad) in stats.skipped_paths
+    assert all(len(rows) - 1 not in b["index"] for b in batches)
+
+
+def test_config_buckets_auto_and_refusals():
+    cfg = build_config("tiny", None, {"data.buckets": "auto", "model.patch_size": "1,4,4",
+                                      "attention.window": "1,3,3"})
+    found = config_buckets(cfg)
+    assert Bucket(64, 64, 16) in found and Bucket(64, 64, 1) in found
+    assert all(b.height % 4 == 0 and b.width % 4 == 0 for b in found)
+    assert "x" in cfg.data.buckets and "auto" not in cfg.data.buckets  # resolved: the run's config.toml lists them
+    with pytest.raises(ConfigError, match="64x64x1.*patch size 2"):
+        build_config("tiny", None, {"data.buckets": "64x64x16,64x64x1"})
+    with pytest.raises(ConfigError, match="HEIGHTxWIDTHxFRAMES"):
+        build_config("tiny", None, {"data.buckets": "64x64"})
+    wan = build_config("wan2.1-t2v-1.3b", None, {"data.buckets": "480x832x81,720x1280x81,480x480x41"})
+    big = largest_bucket(wan)
+    assert (big.data.num_frames, big.data.height, big.data.width) == (81, 720, 1280)
+
+
+def test_planner_answers_for_the_largest_bucket():
+    from megaslide_ray.planning.estimate import plan
+
+    base = build_config("wan2.1-t2v-1.3b", None, {"data.height": 720, "data.width": 1280})
+    bucketed = build_config("wan2.1-t2v-1.3b", None, {"data.buckets": "480x832x81,720x1280x81"})
+    a, b = plan(base), plan(bucketed)
+    assert a.to_dict() == b.to_dict()
+    assert plan(build_config("wan2.1-t2v-1.3b")).to_dict() != b.to_dict()  # the 480x832 bucket alone plans less
+
+
+def test_rows_without_sizes_are_refused_with_the_fix(tmp_path):
+    path = write_manifest([{"path": "a.mp4"}], tmp_path / "m.parquet")
+    with pytest.raises(ValueError, match="megaslide_ray.index"):
+        VideoDecoder(_data(path), 0, 32)
