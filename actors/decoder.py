@@ -104,7 +104,7 @@ import numpy as np
 
 from megaslide_ray.config import DataConfig
 from megaslide_ray.config.buckets import parse_buckets
-from megaslide_ray.data.buckets import BucketSchedule, row_buckets
+from megaslide_ray.data.buckets import BucketSchedule, latent_row_buckets, row_buckets
 from megaslide_ray.data.captions import empty_captions, set_caption
 from megaslide_ray.data.clips import ClipCache, ClipUnreadable, clip_indices, decode_clip, is_image, spatial_offset
 from megaslide_ray.data.demo import ensure_demo_dataset
@@ -276,7 +276,8 @@ class VideoDecoder:
         if is_latent_manifest(self.manifest_path):
             rows, meta = read_latent_manifest(self.manifest_path)
             self.latent_rows = rows
-            self.latent_shape = single_latent_shape(rows, self.manifest_path)  # raises on mixed shapes
+            # one shape, or with data.buckets one per bucket (_bucketing)
+            self.latent_shape = None if data.buckets.strip() else single_latent_shape(rows, self.manifest_path)
             self.text_dim, self.text_len = int(meta["text_dim"]), int(meta.get("text_len", TEXT_LEN))
             # bad-row bookkeeping, logs and the watchdog's status name the latent file
             self.entries: list[ManifestEntry] = [
@@ -287,6 +288,7 @@ class VideoDecoder:
         if not self.entries:
             raise ValueError(f"manifest {str(self.manifest_path)!r} has no rows; add videos to it or rebuild it "
                              f"with `python -m megaslide_ray.index VIDEO_DIR --out {self.manifest_path}`")
+        self._bucket_latent: list[tuple[int, ...]] = []  # a bucketed latent manifest: each bucket's latent shape
         self._schedule, self._bucket_data = self._bucketing(data)
         n = len(self.entries)
         self._min_rows_judged = min(BAD_FRACTION_MIN_ROWS, math.ceil(n / self.world_size))
@@ -405,11 +407,18 @@ class VideoDecoder:
         if text.lower() == "auto":
             raise ValueError("data.buckets='auto' reached a decoder unresolved; validate the config first "
                              "(megaslide_ray.config.validate lists the buckets it stands for)")
-        if self.latent_rows is not None:
-            raise ValueError(f"data.buckets={text!r} with a latent manifest ({self.manifest_path}): bucketed "
-                             f"training reads video manifests; leave data.buckets empty for latents")
         buckets = parse_buckets(text)
-        bucket_of = row_buckets(self.entries, buckets, str(self.manifest_path))
+        if self.latent_rows is not None:
+            bucket_of = latent_row_buckets(self.latent_rows, buckets, str(self.manifest_path))
+            self._bucket_latent = [tuple(self.latent_rows[bucket_of.index(j)]["latent_shape"]) if j in bucket_of
+                                   else () for j in range(len(buckets))]
+            for row, j in zip(self.latent_rows, bucket_of):
+                if tuple(row["latent_shape"]) != self._bucket_latent[j]:
+                    raise ValueError(f"latent manifest {self.manifest_path}: {row['latent_path']} has latent shape "
+                                     f"{row['latent_shape']}, others of bucket {buckets[j]} "
+                                     f"{self._bucket_latent[j]}; precompute it again")
+        else:
+            bucket_of = row_buckets(self.entries, buckets, str(self.manifest_path))
         schedule = BucketSchedule(bucket_of, len(buckets), data.batch_size, self.seed)
         shapes = [replace(data, num_frames=b.frames, height=b.height, width=b.width) for b in buckets]
         return schedule, shapes
@@ -453,7 +462,7 @@ class VideoDecoder:
             self._next_position += self.world_size
             bucket, rows = self._schedule.block(position)
             d = self._bucket_data[bucket]
-            out = self._empty_batch(d)
+            out = self._empty_batch(d, self._bucket_latent[bucket] if self._bucket_latent else None)
             index = np.zeros((b,), dtype=np.int64)
             filled, t, last_fill = 0, 0, 0
             while filled < b and t - last_fill < len(rows):
@@ -466,14 +475,14 @@ class VideoDecoder:
             if filled == b:
                 return self._finish_batch(out, index, position, tally)
 
-    def _empty_batch(self, d: DataConfig) -> dict[str, np.ndarray]:
-        b = d.batch_size
+    def _empty_batch(self, d: DataConfig, latent_shape: tuple[int, ...] | None = None) -> dict[str, np.ndarray]:
+        b, latent_shape = d.batch_size, latent_shape or self.latent_shape
         if self.latent_rows is not None and self.latent_captions == "bytes":
             caption, caption_len = empty_captions(b, self.caption_max_bytes)
-            return {"latents": np.empty((b, *self.latent_shape), dtype=np.float32), "caption": caption,
+            return {"latents": np.empty((b, *latent_shape), dtype=np.float32), "caption": caption,
                     "caption_len": caption_len}
         if self.latent_rows is not None:
-            return {"latents": np.empty((b, *self.latent_shape), dtype=np.float32),
+            return {"latents": np.empty((b, *latent_shape), dtype=np.float32),
                     "text": np.zeros((b, self.text_len, self.text_dim), dtype=np.float32),
                     "text_len": np.zeros((b,), dtype=np.int32)}
         caption, caption_len = empty_captions(b, self.caption_max_bytes)

@@ -170,3 +170,118 @@ def test_rows_without_sizes_are_refused_with_the_fix(tmp_path):
     path = write_manifest([{"path": "a.mp4"}], tmp_path / "m.parquet")
     with pytest.raises(ValueError, match="megaslide_ray.index"):
         VideoDecoder(_data(path), 0, 32)
+
+
+# ---------------------------------------------------------------------------------------------
+# Through Ray: a short training on the mixed manifest, and its exact resume
+# ---------------------------------------------------------------------------------------------
+
+RAY_SMALL = {"model.depth": 2, "model.hidden_size": 32, "model.num_heads": 2, "model.caption_dim": 16,
+             "model.patch_size": "1,4,4", "attention.window": "1,3,3", "data.num_frames": 4, "data.height": 16,
+             "data.width": 16, "data.batch_size": 2, "data.buckets": BUCKETS, "training.log_every": 1,
+             "training.steps": 6, "training.checkpoint_every": 3, "runtime.compute_threads": 1,
+             "runtime.optimizer_threads": 1}
+
+
+def _train(cfg, run_dir, steps=None, resume=False):
+    from megaslide_ray.trainer import Trainer
+
+    trainer = Trainer(cfg, run_dir=str(run_dir), resume=resume, progress=False)
+    try:
+        if steps is None:
+            return trainer.train()
+        for step in range(trainer.start_step, steps):
+            trainer.train_step(step)
+        return None
+    finally:
+        trainer.close()
+
+
+def test_ray_training_through_buckets_resumes_bit_identical(ray_session, mixed, tmp_path):
+    from megaslide_ray.state.checkpoint import read_checkpoint_shards
+
+    _, manifest, _, _ = mixed
+    cfg = build_config("tiny", None, {**RAY_SMALL, "data.manifest": str(manifest)})
+    straight = _train(cfg, tmp_path / "straight")
+    metrics = [json.loads(line) for line in (tmp_path / "straight" / "metrics.jsonl").read_text().splitlines()]
+    assert [m["step"] for m in metrics] == [1, 2, 3, 4, 5, 6] and all(np.isfinite(m["loss"]) for m in metrics)
+    assert metrics[-1]["data_position"] == 6  # one block per step
+    # each step's tokens are its bucket's: 2 clips of 4x4x4, 4x4x6 or 1x4x4 tokens
+    assert {m["tokens"] for m in metrics} == {2 * 4 * 4 * 4, 2 * 4 * 4 * 6, 2 * 1 * 4 * 4}
+    # the steps really went through more than one bucket: the schedule's first six blocks
+    entries = read_manifest(manifest)
+    schedule = BucketSchedule(row_buckets(entries, parse_buckets(BUCKETS), "m"), 3, 2, cfg.training.seed)
+    assert len({schedule.block(p)[0] for p in range(6)}) == 3
+
+    _train(cfg, tmp_path / "resumed", steps=3)  # interrupted after the step-3 checkpoint
+    resumed = _train(cfg, tmp_path / "resumed", resume=True)
+    assert resumed.first_step == 3 and resumed.last_step == 6
+    for i, (x, y) in enumerate(zip(read_checkpoint_shards(Path(resumed.checkpoint)),
+                                   read_checkpoint_shards(Path(straight.checkpoint)))):
+        assert torch.equal(x, y), f"shard {i} differs after resume"
+
+
+# ---------------------------------------------------------------------------------------------
+# Precomputed latents keyed by bucket (the tiny random Wan folder)
+# ---------------------------------------------------------------------------------------------
+
+LATENT_BUCKETS = "32x32x9,32x48x9,32x32x1"
+
+
+@pytest.fixture(scope="module")
+def bucket_latents(wan_dir, tmp_path_factory):
+    from megaslide_ray.data.precompute_buckets import precompute_buckets
+
+    root = tmp_path_factory.mktemp("latent-src")
+    for i in range(2):
+        _video(root / f"square{i}.mp4", 10, 32, 32, seed=30 + i)
+        _video(root / f"wide{i}.mp4", 10, 32, 48, seed=40 + i)
+    _image(root / "still.png", 40, 40, seed=50)
+    rows, _ = index_videos(root)
+    source = write_manifest(rows, root / "manifest.parquet")
+    out = tmp_path_factory.mktemp("latents") / "cache"
+    reports = precompute_buckets(wan_dir, source, out, parse_buckets(LATENT_BUCKETS), device="cpu", dtype="fp32",
+                                 num_encoders=0, progress=False)
+    return out / "manifest.parquet", reports
+
+
+def test_precompute_keys_latents_by_bucket(bucket_latents, wan_dir, tmp_path):
+    from megaslide_ray.data.checks import check_data
+    from megaslide_ray.data.latents import load_latents, read_latent_manifest
+    from megaslide_ray.state.pretrained import config_for_diffusers_dir
+
+    manifest, reports = bucket_latents
+    assert [(str(b), r.clips) for b, r in reports] == [("32x32x9", 2), ("32x48x9", 2), ("32x32x1", 1)]
+    rows, meta = read_latent_manifest(manifest)
+    shapes = sorted({(r["num_frames"], r["height"], r["width"], tuple(r["latent_shape"])) for r in rows})
+    assert shapes == [(1, 32, 32, (1, 4, 4, 4)), (9, 32, 32, (3, 4, 4, 4)), (9, 32, 48, (3, 4, 6, 4))]
+    assert meta["buckets"] == ["32x32x9", "32x48x9", "32x32x1"]
+    for r in rows:  # the merged manifest's paths reach the sub-folders' files
+        assert tuple(load_latents(manifest, r).shape) == tuple(r["latent_shape"])
+
+    cfg = config_for_diffusers_dir(wan_dir, None, None, {
+        "data.manifest": str(manifest), "data.num_frames": 9, "data.height": 32, "data.width": 32,
+        "data.buckets": LATENT_BUCKETS, "data.batch_size": 1, "attention.kind": "dense",
+        "runtime.state_dir": str(tmp_path)})
+    check_data(cfg)  # every row's latents are its bucket's grid
+    with VideoDecoder(cfg.data, 0, 32) as dec:
+        got = {tuple(dec.next_batch()["latents"].shape) for _ in range(10)}
+    assert got == {(1, 3, 4, 4, 4), (1, 3, 4, 6, 4), (1, 1, 4, 4, 4)}
+    with pytest.raises(ConfigError, match="none of data.buckets"):
+        check_data(replace(cfg, data=replace(cfg.data, buckets="32x32x9,32x48x9")))
+
+
+def test_wan_trains_through_latent_buckets(ray_session, bucket_latents, wan_dir, tmp_path):
+    """The Wan model (rotary positions, DSA) takes a new latent shape every step through the actors."""
+    from megaslide_ray.state.pretrained import config_for_diffusers_dir
+
+    manifest, _ = bucket_latents
+    cfg = config_for_diffusers_dir(wan_dir, None, None, {
+        "data.manifest": str(manifest), "data.num_frames": 9, "data.height": 32, "data.width": 32,
+        "data.buckets": LATENT_BUCKETS, "data.batch_size": 1, "attention.kind": "dsa", "attention.window": "1,1,1",
+        "training.steps": 5, "training.log_every": 1, "runtime.state_dir": str(tmp_path)})
+    summary = _train(cfg, tmp_path / "run")
+    metrics = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert summary.last_step == 5 and all(np.isfinite(m["loss"]) for m in metrics)
+    # 1 clip of 3x2x2, 3x2x3 or 1x2x2 tokens (1x2x2 patches of the latent grid): all three buckets seen
+    assert {m["tokens"] for m in metrics} == {12, 18, 4}

@@ -105,3 +105,19 @@ def row_buckets(entries: Sequence, buckets: Sequence[Bucket], where: str) -> lis
                              f"`python -m megaslide_ray.index VIDEO_DIR --out {where}` (it records them)")
         out.append(assign_bucket(int(e.width), int(e.height), int(frames), buckets))
     return out
+
+
+def latent_row_buckets(rows: Sequence[dict], buckets: Sequence[Bucket], where: str) -> list[int]:
+    """Each latent-manifest row's bucket: the one its pixel clip (``height``, ``width``,
+    ``num_frames``, as ``precompute --buckets`` encoded it) is; ``ValueError`` naming the first
+    row whose clip is no bucket."""
+    index = {b: j for j, b in enumerate(buckets)}
+    out = []
+    for i, r in enumerate(rows):
+        clip = Bucket(int(r.get("height") or 0), int(r.get("width") or 0), int(r.get("num_frames") or 0))
+        if clip not in index:
+            raise ValueError(f"latent manifest {where}: row {i} ({r['latent_path']}) holds a {clip} clip, which is "
+                             f"none of data.buckets ({', '.join(str(b) for b in buckets)}); precompute with "
+                             f"--buckets listing the same shapes as data.buckets")
+        out.append(index[clip])
+    return out
