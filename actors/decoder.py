@@ -64,6 +64,17 @@ it enters decord; the driver's watchdog (``pipelines.decoder_pool``) reads it, k
 stuck on one file longer than ``data.decode_timeout_s``, and starts a replacement that knows the
 file is bad.
 
+Buckets
+-------
+With ``data.buckets`` (a list; ``validate`` resolves ``auto``), every batch holds clips of one
+bucket's shape: rows are assigned to buckets from the manifest's sizes and lengths and batches
+are *blocks* of one bucket, in the seeded order of ``megaslide_ray.data.buckets``. A position then
+counts blocks, not clips (decoder ``i`` of a pool takes the blocks ``p % world_size == rank``;
+``start_position`` continues exactly as above); a row that cannot be used is skipped and counted
+and its slot filled from the next rows of the same bucket, each draw seeded by the block and the
+draw's place in it. A latent manifest made by ``precompute --buckets`` is read the same way, each
+row in the bucket of the pixel clip it encodes. docs/buckets.md has the rules.
+
 Latent manifests
 ----------------
 When ``data.manifest`` is a *latent manifest* (``megaslide_ray.data.latents``, made by ``python -m
@@ -476,7 +487,9 @@ class VideoDecoder:
                 return self._finish_batch(out, index, position, tally)
 
     def _empty_batch(self, d: DataConfig, latent_shape: tuple[int, ...] | None = None) -> dict[str, np.ndarray]:
-        b, latent_shape = d.batch_size, latent_shape or self.latent_shape
+        b = d.batch_size
+        if self.latent_rows is not None:
+            latent_shape = latent_shape or self.latent_shape
         if self.latent_rows is not None and self.latent_captions == "bytes":
             caption, caption_len = empty_captions(b, self.caption_max_bytes)
             return {"latents": np.empty((b, *latent_shape), dtype=np.float32), "caption": caption,
