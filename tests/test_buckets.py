@@ -285,3 +285,13 @@ def test_wan_trains_through_latent_buckets(ray_session, bucket_latents, wan_dir,
     assert summary.last_step == 5 and all(np.isfinite(m["loss"]) for m in metrics)
     # 1 clip of 3x2x2, 3x2x3 or 1x2x2 tokens (1x2x2 patches of the latent grid): all three buckets seen
     assert {m["tokens"] for m in metrics} == {12, 18, 4}
+
+
+def test_precompute_cli_takes_buckets_or_a_shape(tmp_path, capsys):
+    from megaslide_ray import precompute as cli
+
+    base = ["--model-dir", str(tmp_path), "--data", "m.parquet", "--out", str(tmp_path / "out")]
+    for extra in ([], ["--buckets", "32x32x9", "--frames", "9", "--height", "32", "--width", "32"]):
+        with pytest.raises(SystemExit) as e:
+            cli.main(base + extra)
+        assert e.value.code == 2 and "--buckets" in capsys.readouterr().err
