@@ -197,6 +197,7 @@ def _train(cfg, run_dir, steps=None, resume=False):
         trainer.close()
 
 
+@pytest.mark.slow  # 70 s (three runs); test_wan_trains_through_latent_buckets runs buckets through Ray by default
 def test_ray_training_through_buckets_resumes_bit_identical(ray_session, mixed, tmp_path):
     from megaslide_ray.state.checkpoint import read_checkpoint_shards
 
@@ -219,6 +220,14 @@ def test_ray_training_through_buckets_resumes_bit_identical(ray_session, mixed, 
     for i, (x, y) in enumerate(zip(read_checkpoint_shards(Path(resumed.checkpoint)),
                                    read_checkpoint_shards(Path(straight.checkpoint)))):
         assert torch.equal(x, y), f"shard {i} differs after resume"
+    # resuming with other buckets (or none) would read the positions as other batches: refused
+    from megaslide_ray.trainer.preflight import check_resume_config
+
+    check_resume_config(cfg, resumed.checkpoint)
+    for other in ("16x16x4,16x16x1", ""):
+        changed = build_config("tiny", None, {**RAY_SMALL, "data.manifest": str(manifest), "data.buckets": other})
+        with pytest.raises(ConfigError, match="data.buckets"):
+            check_resume_config(changed, resumed.checkpoint)
 
 
 # ---------------------------------------------------------------------------------------------
