@@ -429,7 +429,7 @@ class VideoDecoder:
                                      f"{row['latent_shape']}, others of bucket {buckets[j]} "
                                      f"{self._bucket_latent[j]}; precompute it again")
         else:
-            bucket_of = row_buckets(self.entries, buckets, str(self.manifest_path))
+            bucket_of = row_buckets(self.entries, buckets, str(self.manifest_path), data.frame_stride, data.fps)
         schedule = BucketSchedule(bucket_of, len(buckets), data.batch_size, self.seed)
         shapes = [replace(data, num_frames=b.frames, height=b.height, width=b.width) for b in buckets]
         return schedule, shapes

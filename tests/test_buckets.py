@@ -77,6 +77,17 @@ def test_assignment_nearest_aspect_with_enough_frames():
     assert assign_bucket(24, 16, 1, parse_buckets("16x24x4,16x16x2")) == 1  # shorter than all: fewest frames
 
 
+def test_assignment_counts_the_frames_a_clip_gets_at_its_stride_or_rate():
+    from megaslide_ray.data.manifest import ManifestEntry
+
+    b = parse_buckets("16x16x4,16x16x8")
+    video = [ManifestEntry(path="v.mp4", num_frames=10, fps=30.0, width=16, height=16)]
+    assert row_buckets(video, b, "m") == [1]             # 10 consecutive frames: 8 fit
+    assert row_buckets(video, b, "m", stride=2) == [0]   # every 2nd frame: 5, too few for 8
+    assert row_buckets(video, b, "m", fps=15.0) == [0]   # resampled 30 -> 15 fps: 5
+    assert row_buckets(video, b, "m", fps=30.0) == [1]
+
+
 def test_schedule_is_deterministic_and_one_bucket_per_block():
     bucket_of = [0, 1, 0, 2, 1, 0, 0, 1, 2, 0]
     a, b = BucketSchedule(bucket_of, 3, 2, seed=7), BucketSchedule(bucket_of, 3, 2, seed=7)

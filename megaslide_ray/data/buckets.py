@@ -3,7 +3,8 @@
 Assignment
 ----------
 A row goes to the bucket nearest its aspect ratio (``|log(w/h) - log(W/H)|``) among the buckets
-it has the frames for (``frames <= num_frames``; an image has one frame); ties go to the bucket
+it has the frames for (``frames <=`` the clip frames it gives without looping at
+``data.frame_stride`` or ``data.fps``: ``clip_frames``; an image has one frame); ties go to the bucket
 of more frames, then of the larger area, then to the first listed. A video shorter than every
 bucket goes to the nearest of the buckets of the fewest frames (``data.short_clips`` then loops
 or skips it, as without buckets). The frames are resized to cover the bucket and centre-cropped
@@ -90,10 +91,20 @@ class BucketSchedule:
         return [len(m) for m in self.members]
 
 
-def row_buckets(entries: Sequence, buckets: Sequence[Bucket], where: str) -> list[int]:
-    """Each manifest row's bucket (``assign_bucket``) from its ``width``, ``height`` and
-    ``num_frames`` (an image without ``num_frames`` has one); ``ValueError`` naming the first row
-    that lacks them (``where`` names the manifest)."""
+def clip_frames(num_frames: int, source_fps: float | None, stride: int = 1, fps: float = 0.0) -> int:
+    """How many clip frames a video of ``num_frames`` frames gives without looping: every
+    ``stride``-th frame, or resampled from ``source_fps`` to ``fps`` when both are known."""
+    if fps > 0 and source_fps:
+        return int((num_frames - 1) * fps / source_fps) + 1
+    return (num_frames - 1) // max(1, stride) + 1
+
+
+def row_buckets(entries: Sequence, buckets: Sequence[Bucket], where: str, stride: int = 1,
+                fps: float = 0.0) -> list[int]:
+    """Each manifest row's bucket (``assign_bucket``) from its ``width``, ``height`` and the clip
+    frames its ``num_frames`` give at ``data.frame_stride`` / ``data.fps`` (``clip_frames``; an
+    image without ``num_frames`` has one); ``ValueError`` naming the first row that lacks them
+    (``where`` names the manifest)."""
     from megaslide_ray.data.clips import is_image
 
     out = []
@@ -103,7 +114,8 @@ def row_buckets(entries: Sequence, buckets: Sequence[Bucket], where: str) -> lis
             raise ValueError(f"manifest {where}: row {i} ({e.path}) has no width, height or num_frames, which "
                              f"data.buckets needs to pick its bucket; rebuild the manifest with "
                              f"`python -m megaslide_ray.index VIDEO_DIR --out {where}` (it records them)")
-        out.append(assign_bucket(int(e.width), int(e.height), int(frames), buckets))
+        usable = clip_frames(int(frames), e.fps, stride, fps)
+        out.append(assign_bucket(int(e.width), int(e.height), usable, buckets))
     return out
 
 

@@ -103,7 +103,7 @@ def _check_bucket_rows(cfg: Config, path: str) -> None:
         raise ConfigError("data.buckets='auto' is resolved by validate(); build the config with build_config")
     buckets = parse_buckets(cfg.data.buckets)
     try:
-        bucket_of = row_buckets(read_manifest(path), buckets, path)
+        bucket_of = row_buckets(read_manifest(path), buckets, path, cfg.data.frame_stride, cfg.data.fps)
     except ValueError as e:
         raise ConfigError(f"data.manifest={path!r}: {e}") from None
     counts = [bucket_of.count(j) for j in range(len(buckets))]

@@ -38,7 +38,7 @@ def precompute_buckets(model_dir: str | os.PathLike, data: str | os.PathLike, ou
     out = Path(out)
     entries = read_manifest(data)
     try:
-        bucket_of = row_buckets(entries, buckets, str(data))
+        bucket_of = row_buckets(entries, buckets, str(data), fps=float(kwargs.get("fps", 0.0)))
     except ValueError as e:
         raise ValueError(f"--buckets: {e}") from None
     started = _start_ray(kwargs.get("num_encoders"))
