@@ -151,6 +151,17 @@ def test_decoder_skips_and_counts_a_corrupt_file_in_its_bucket(mixed, tmp_path):
     assert all(len(rows) - 1 not in b["index"] for b in batches)
 
 
+def test_an_image_without_buckets_is_a_still_clip(mixed):
+    from megaslide_ray.data.clips import decode_clip
+
+    root = mixed[0]
+    pixels = np.array(Image.open(root / "still.png").convert("RGB"))[None]
+    clip = decode_clip(str(root / "still.png"), DataConfig(num_frames=3, height=12, width=16), 0, 0)
+    assert clip.frames.shape == (3, 12, 16, 3) and clip.video_frames == 1
+    for frame in clip.frames:
+        np.testing.assert_array_equal(frame, resize_crop(pixels, 12, 16)[0])
+
+
 def test_config_buckets_auto_and_refusals():
     cfg = build_config("tiny", None, {"data.buckets": "auto", "model.patch_size": "1,4,4",
                                       "attention.window": "1,3,3"})
@@ -212,7 +223,12 @@ def _train(cfg, run_dir, steps=None, resume=False):
 def test_ray_training_through_buckets_resumes_bit_identical(ray_session, mixed, tmp_path):
     from megaslide_ray.state.checkpoint import read_checkpoint_shards
 
-    _, manifest, _, _ = mixed
+    _, source, _, _ = mixed
+    entries = read_manifest(source)
+    bad = tmp_path / "corrupt.png"  # in the image bucket: skipped, counted, its place taken by another image
+    bad.write_bytes(b"\x89PNG\r\n\x1a\n" + b"junk" * 50)
+    entries.append(replace(entries[0], path=str(bad), width=20, height=20, num_frames=1, fps=0.0))
+    manifest = write_manifest(entries, tmp_path / "manifest.parquet")
     cfg = build_config("tiny", None, {**RAY_SMALL, "data.manifest": str(manifest)})
     straight = _train(cfg, tmp_path / "straight")
     metrics = [json.loads(line) for line in (tmp_path / "straight" / "metrics.jsonl").read_text().splitlines()]
@@ -220,10 +236,16 @@ def test_ray_training_through_buckets_resumes_bit_identical(ray_session, mixed, 
     assert metrics[-1]["data_position"] == 6  # one block per step
     # each step's tokens are its bucket's: 2 clips of 4x4x4, 4x4x6 or 1x4x4 tokens
     assert {m["tokens"] for m in metrics} == {2 * 4 * 4 * 4, 2 * 4 * 4 * 6, 2 * 1 * 4 * 4}
-    # the steps really went through more than one bucket: the schedule's first six blocks
-    entries = read_manifest(manifest)
+    # the skipped draws of the corrupt row, from the documented block order
     schedule = BucketSchedule(row_buckets(entries, parse_buckets(BUCKETS), "m"), 3, 2, cfg.training.seed)
-    assert len({schedule.block(p)[0] for p in range(6)}) == 3
+    expected = 0
+    for p in range(6):
+        rows, filled, t = schedule.block(p)[1], 0, 0
+        while filled < 2:
+            expected += int(rows[t % len(rows)]) == len(entries) - 1
+            filled += int(rows[t % len(rows)]) != len(entries) - 1
+            t += 1
+    assert expected > 0 and metrics[-1]["skipped_files"] == expected
 
     _train(cfg, tmp_path / "resumed", steps=3)  # interrupted after the step-3 checkpoint
     resumed = _train(cfg, tmp_path / "resumed", resume=True)
