@@ -134,6 +134,29 @@ def test_decoder_batches_one_bucket_and_resumes(mixed):
             np.testing.assert_array_equal(a[key], b[key], err_msg=key)
 
 
+def test_decoder_ranks_split_the_blocks(mixed):
+    """Two decoders of a pool: rank r's j-th batch is block r + 2 j of the one-decoder order."""
+    d = _data(mixed[1])
+    with VideoDecoder(d, 3, 32) as one:
+        single = [one.next_batch() for _ in range(6)]
+    for rank in (0, 1):
+        with VideoDecoder(d, 3, 32, rank=rank, world_size=2) as dec:
+            for j in range(3):
+                got, want = dec.next_batch(), single[rank + 2 * j]
+                for key in ("video", "index", "position", "caption"):
+                    np.testing.assert_array_equal(got[key], want[key], err_msg=f"rank {rank} batch {j} {key}")
+
+
+def test_index_cli_counts_images(mixed, tmp_path, capsys):
+    from megaslide_ray.index import main
+
+    assert main([str(mixed[0]), "--out", str(tmp_path / "m.parquet")]) == 0
+    text = capsys.readouterr().out
+    assert "8 usable" in text and "2 images" in text and "broken.jpg" in text
+    assert main([str(mixed[0]), "--out", str(tmp_path / "v.parquet"), "--no-images"]) == 0
+    assert "6 usable" in capsys.readouterr().out
+
+
 def test_decoder_skips_and_counts_a_corrupt_file_in_its_bucket(mixed, tmp_path):
     root, manifest, _, _ = mixed
     entries = read_manifest(manifest)
