@@ -295,9 +295,10 @@ class ComputeActor:
         h2d_bytes, h2d_seconds, d2h_bytes, d2h_seconds = self.link.step_counters()
         t_end = time.perf_counter()
         self.last_timeline = (t_data, feed.log, t_end)
-        B = inputs.x_t.shape[0]
+        B, (pt, ph, pw) = inputs.x_t.shape[0], self.cfg.model.patch_size
+        f, h, w = inputs.x_t.shape[1:4]  # this batch's clip (data.buckets: its bucket's), not the config's
         return StepResult(
-            step=step, loss=float(loss.detach()), tokens=B * self.cfg.tokens_per_sample, seconds=t_end - t_data,
+            step=step, loss=float(loss.detach()), tokens=B * (f // pt) * (h // ph) * (w // pw), seconds=t_end - t_data,
             forward_seconds=t_fwd - t_data, backward_seconds=t_end - t_fwd, weight_wait_seconds=feed.wait,
             data_position=int(batch.get("position", -1)), device=str(self.device), data_wait_seconds=data_wait,
             h2d_bytes=h2d_bytes, h2d_seconds=h2d_seconds, d2h_bytes=d2h_bytes, d2h_seconds=d2h_seconds,

@@ -64,6 +64,17 @@ it enters decord; the driver's watchdog (``pipelines.decoder_pool``) reads it, k
 stuck on one file longer than ``data.decode_timeout_s``, and starts a replacement that knows the
 file is bad.
 
+Buckets
+-------
+With ``data.buckets`` (a list; ``validate`` resolves ``auto``), every batch holds clips of one
+bucket's shape: rows are assigned to buckets from the manifest's sizes and lengths and batches
+are *blocks* of one bucket, in the seeded order of ``megaslide_ray.data.buckets``. A position then
+counts blocks, not clips (decoder ``i`` of a pool takes the blocks ``p % world_size == rank``;
+``start_position`` continues exactly as above); a row that cannot be used is skipped and counted
+and its slot filled from the next rows of the same bucket, each draw seeded by the block and the
+draw's place in it. A latent manifest made by ``precompute --buckets`` is read the same way, each
+row in the bucket of the pixel clip it encodes. docs/buckets.md has the rules.
+
 Latent manifests
 ----------------
 When ``data.manifest`` is a *latent manifest* (``megaslide_ray.data.latents``, made by ``python -m
@@ -97,14 +108,16 @@ import os
 import queue
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import numpy as np
 
 from megaslide_ray.config import DataConfig
+from megaslide_ray.config.buckets import parse_buckets
+from megaslide_ray.data.buckets import BucketSchedule, latent_row_buckets, row_buckets
 from megaslide_ray.data.captions import empty_captions, set_caption
-from megaslide_ray.data.clips import ClipCache, ClipUnreadable, clip_indices, decode_clip, spatial_offset
+from megaslide_ray.data.clips import ClipCache, ClipUnreadable, clip_indices, decode_clip, is_image, spatial_offset
 from megaslide_ray.data.demo import ensure_demo_dataset
 from megaslide_ray.data.latents import (
     TEXT_LEN,
@@ -166,6 +179,20 @@ class BatchInfo:
     """This decoder stream's skipped draws up to and including this batch (with ``skipped_before``)."""
     rows: tuple[int, ...]
     """Manifest rows of the clips, in batch order."""
+
+
+@dataclass
+class _Tally:
+    """The counters a batch in the making adds to (``DecoderStats``'s, as of the last batch)."""
+
+    skipped: int
+    frames_decoded: int
+    seconds: float
+    skipped_paths: list[str] = field(default_factory=list)
+
+    @classmethod
+    def of(cls, s: DecoderStats) -> _Tally:
+        return cls(s.skipped, s.frames_decoded, s.decode_seconds, list(s.skipped_paths))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -260,7 +287,8 @@ class VideoDecoder:
         if is_latent_manifest(self.manifest_path):
             rows, meta = read_latent_manifest(self.manifest_path)
             self.latent_rows = rows
-            self.latent_shape = single_latent_shape(rows, self.manifest_path)  # raises on mixed shapes
+            # one shape, or with data.buckets one per bucket (_bucketing)
+            self.latent_shape = None if data.buckets.strip() else single_latent_shape(rows, self.manifest_path)
             self.text_dim, self.text_len = int(meta["text_dim"]), int(meta.get("text_len", TEXT_LEN))
             # bad-row bookkeeping, logs and the watchdog's status name the latent file
             self.entries: list[ManifestEntry] = [
@@ -271,6 +299,8 @@ class VideoDecoder:
         if not self.entries:
             raise ValueError(f"manifest {str(self.manifest_path)!r} has no rows; add videos to it or rebuild it "
                              f"with `python -m megaslide_ray.index VIDEO_DIR --out {self.manifest_path}`")
+        self._bucket_latent: list[tuple[int, ...]] = []  # a bucketed latent manifest: each bucket's latent shape
+        self._schedule, self._bucket_data = self._bucketing(data)
         n = len(self.entries)
         self._min_rows_judged = min(BAD_FRACTION_MIN_ROWS, math.ceil(n / self.world_size))
 
@@ -379,6 +409,31 @@ class VideoDecoder:
             except queue.Full:
                 continue
 
+    def _bucketing(self, data: DataConfig) -> tuple[BucketSchedule | None, list[DataConfig]]:
+        """With ``data.buckets`` (module docstring, "Buckets"): the block order and each bucket's
+        clip shape; ``(None, [])`` without."""
+        text = data.buckets.strip()
+        if not text:
+            return None, []
+        if text.lower() == "auto":
+            raise ValueError("data.buckets='auto' reached a decoder unresolved; validate the config first "
+                             "(megaslide_ray.config.validate lists the buckets it stands for)")
+        buckets = parse_buckets(text)
+        if self.latent_rows is not None:
+            bucket_of = latent_row_buckets(self.latent_rows, buckets, str(self.manifest_path))
+            self._bucket_latent = [tuple(self.latent_rows[bucket_of.index(j)]["latent_shape"]) if j in bucket_of
+                                   else () for j in range(len(buckets))]
+            for row, j in zip(self.latent_rows, bucket_of):
+                if tuple(row["latent_shape"]) != self._bucket_latent[j]:
+                    raise ValueError(f"latent manifest {self.manifest_path}: {row['latent_path']} has latent shape "
+                                     f"{row['latent_shape']}, others of bucket {buckets[j]} "
+                                     f"{self._bucket_latent[j]}; precompute it again")
+        else:
+            bucket_of = row_buckets(self.entries, buckets, str(self.manifest_path), data.frame_stride, data.fps)
+        schedule = BucketSchedule(bucket_of, len(buckets), data.batch_size, self.seed)
+        shapes = [replace(data, num_frames=b.frames, height=b.height, width=b.width) for b in buckets]
+        return schedule, shapes
+
     def _row_at(self, position: int) -> int:
         n = len(self.entries)
         epoch, k = divmod(position, n)
@@ -387,25 +442,13 @@ class VideoDecoder:
         return int(self._perm[k])
 
     def _produce_batch(self) -> dict[str, np.ndarray]:
-        d = self.data
-        b = d.batch_size
-        if self.latent_rows is not None and self.latent_captions == "bytes":
-            caption, caption_len = empty_captions(b, self.caption_max_bytes)
-            out = {"latents": np.empty((b, *self.latent_shape), dtype=np.float32), "caption": caption,
-                   "caption_len": caption_len}
-        elif self.latent_rows is not None:
-            out = {"latents": np.empty((b, *self.latent_shape), dtype=np.float32),
-                   "text": np.zeros((b, self.text_len, self.text_dim), dtype=np.float32),
-                   "text_len": np.zeros((b,), dtype=np.int32)}
-        else:
-            caption, caption_len = empty_captions(b, self.caption_max_bytes)
-            out = {"video": np.empty((b, d.num_frames, d.height, d.width, 3), dtype=np.uint8), "caption": caption,
-                   "caption_len": caption_len}
+        if self._schedule is not None:
+            return self._produce_bucket_batch()
+        out = self._empty_batch(self.data)
+        b = self.data.batch_size
         index = np.zeros((b,), dtype=np.int64)
-        s = self._produced
-        step = self.first_step + s.batches * self.world_size
-        skipped, skipped_paths = s.skipped, list(s.skipped_paths)
-        frames_decoded, seconds = s.frames_decoded, s.decode_seconds
+        tally = _Tally.of(self._produced)
+        step = self.first_step + self._produced.batches * self.world_size
         filled = 0
         last = self._next_position - self.world_size
         while filled < b:
@@ -413,39 +456,94 @@ class VideoDecoder:
             self._next_position += self.world_size
             last = position
             row = self._row_at(position)
-            entry = self.entries[row]
-            if row not in self._bad_rows:
-                t0 = time.perf_counter()
-                # Written before decord is entered: if it never returns, the driver knows the file.
-                self.status.write("decoding", position, row, entry.path)
-                fault_point("decoder.mid_batch", step)
-                try:
-                    frames_decoded += self._fill(out, filled, row, entry, position)
-                except ClipUnreadable as e:
-                    self._mark_bad(row, entry.path, str(e))
-                else:
+            if self._draw(out, filled, row, position, self.data, step, tally):
+                index[filled] = row
+                filled += 1
+        return self._finish_batch(out, index, last, tally)
+
+    def _produce_bucket_batch(self) -> dict[str, np.ndarray]:
+        """One block's batch (``megaslide_ray.data.buckets``): every clip of one bucket; a row that
+        cannot be used gives its place to the next of the bucket's shuffle; a bucket where none
+        decodes gives up its block and the next block of this decoder is drawn."""
+        b = self.data.batch_size
+        tally = _Tally.of(self._produced)
+        step = self.first_step + self._produced.batches * self.world_size
+        while True:
+            position = self._next_position
+            self._next_position += self.world_size
+            bucket, rows = self._schedule.block(position)
+            d = self._bucket_data[bucket]
+            out = self._empty_batch(d, self._bucket_latent[bucket] if self._bucket_latent else None)
+            index = np.zeros((b,), dtype=np.int64)
+            filled, t, last_fill = 0, 0, 0
+            while filled < b and t - last_fill < len(rows):
+                row = int(rows[t % len(rows)])
+                if self._draw(out, filled, row, (position << 32) + t, d, step, tally):
                     index[filled] = row
                     filled += 1
-                self.status.write("idle", position)
-                seconds += time.perf_counter() - t0
-            self._note_tried(row)
-            if row not in self._bad_rows:
-                continue
-            skipped += 1
-            if entry.path not in skipped_paths and len(skipped_paths) < MAX_REPORTED_PATHS:
-                skipped_paths.append(entry.path)
-        self._produced = DecoderStats(position=last + 1, batches=s.batches + 1, clips=s.clips + b, skipped=skipped,
-                                      skipped_paths=tuple(skipped_paths), frames_decoded=frames_decoded,
-                                      decode_seconds=seconds, clips_from_cache=self._clips_from_cache)
-        return {**out, "index": index, "position": np.array(last + 1, dtype=np.int64),
-                "skipped": np.array(skipped, dtype=np.int64)}
+                    last_fill = t + 1
+                t += 1
+            if filled == b:
+                return self._finish_batch(out, index, position, tally)
 
-    def _fill(self, out: dict[str, np.ndarray], i: int, row: int, entry: ManifestEntry, position: int) -> int:
-        """Put row ``row`` into slot ``i`` of the batch ``out``; frames produced, or ``ClipUnreadable``."""
+    def _empty_batch(self, d: DataConfig, latent_shape: tuple[int, ...] | None = None) -> dict[str, np.ndarray]:
+        b = d.batch_size
+        if self.latent_rows is not None:
+            latent_shape = latent_shape or self.latent_shape
+        if self.latent_rows is not None and self.latent_captions == "bytes":
+            caption, caption_len = empty_captions(b, self.caption_max_bytes)
+            return {"latents": np.empty((b, *latent_shape), dtype=np.float32), "caption": caption,
+                    "caption_len": caption_len}
+        if self.latent_rows is not None:
+            return {"latents": np.empty((b, *latent_shape), dtype=np.float32),
+                    "text": np.zeros((b, self.text_len, self.text_dim), dtype=np.float32),
+                    "text_len": np.zeros((b,), dtype=np.int32)}
+        caption, caption_len = empty_captions(b, self.caption_max_bytes)
+        return {"video": np.empty((b, d.num_frames, d.height, d.width, 3), dtype=np.uint8), "caption": caption,
+                "caption_len": caption_len}
+
+    def _draw(self, out: dict[str, np.ndarray], i: int, row: int, position: int, d: DataConfig, step: int,
+              tally: _Tally) -> bool:
+        """Try row ``row`` (drawn at ``position``) into slot ``i`` of ``out``; False when it is
+        unusable (skipped: counted in ``tally``)."""
+        entry = self.entries[row]
+        if row not in self._bad_rows:
+            t0 = time.perf_counter()
+            # Written before decord is entered: if it never returns, the driver knows the file.
+            self.status.write("decoding", position, row, entry.path)
+            fault_point("decoder.mid_batch", step)
+            try:
+                tally.frames_decoded += self._fill(out, i, row, entry, position, d)
+            except ClipUnreadable as e:
+                self._mark_bad(row, entry.path, str(e))
+            self.status.write("idle", position)
+            tally.seconds += time.perf_counter() - t0
+        self._note_tried(row)
+        if row not in self._bad_rows:
+            return True
+        tally.skipped += 1
+        if entry.path not in tally.skipped_paths and len(tally.skipped_paths) < MAX_REPORTED_PATHS:
+            tally.skipped_paths.append(entry.path)
+        return False
+
+    def _finish_batch(self, out: dict[str, np.ndarray], index: np.ndarray, last: int, tally: _Tally
+                      ) -> dict[str, np.ndarray]:
+        s, b = self._produced, len(index)
+        self._produced = DecoderStats(position=last + 1, batches=s.batches + 1, clips=s.clips + b,
+                                      skipped=tally.skipped, skipped_paths=tuple(tally.skipped_paths),
+                                      frames_decoded=tally.frames_decoded, decode_seconds=tally.seconds,
+                                      clips_from_cache=self._clips_from_cache)
+        return {**out, "index": index, "position": np.array(last + 1, dtype=np.int64),
+                "skipped": np.array(tally.skipped, dtype=np.int64)}
+
+    def _fill(self, out: dict[str, np.ndarray], i: int, row: int, entry: ManifestEntry, position: int,
+              d: DataConfig) -> int:
+        """Put row ``row`` into slot ``i`` of the batch ``out`` (clip shape ``d``); frames produced,
+        or ``ClipUnreadable``."""
         if self.latent_rows is None:
-            out["video"][i] = self._decode_clip(entry.path, position, row)
+            out["video"][i] = self._decode_clip(entry.path, position, row, d)
             set_caption(out["caption"], out["caption_len"], i, entry.caption)
-            return self.data.num_frames
+            return d.num_frames
         if self.latent_captions == "bytes":
             try:
                 latents = load_latents(self.manifest_path, self.latent_rows[row])
@@ -502,11 +600,11 @@ class VideoDecoder:
             logger.warning("skipping %s %s: %s", "video" if self.latent_rows is None else "latent file", path,
                            reason)
 
-    def _decode_clip(self, path: str, position: int, row: int) -> np.ndarray:
+    def _decode_clip(self, path: str, position: int, row: int, d: DataConfig) -> np.ndarray:
         """One clip as uint8 (F, H, W, 3), from the decoded-clip cache when it holds it;
         ``ClipUnreadable`` for any problem with the file."""
-        d, cache = self.data, self._clip_cache
-        if cache is None:
+        cache = self._clip_cache
+        if cache is None or is_image(path):  # an image decodes in one read: nothing to save
             return decode_clip(path, d, self.seed, position).frames
         try:  # the file's identity: a file changed on disk is decoded again
             st = os.stat(path)

@@ -1,6 +1,6 @@
-"""``python -m megaslide_ray.index VIDEO_DIR --out manifest.parquet [--captions FILE.csv|FILE.jsonl]``
+"""``python -m megaslide_ray.index VIDEO_DIR --out manifest.parquet [--captions FILE.csv|FILE.jsonl] [--no-images]``
 
-The command line of ``megaslide_ray.data.index``: a manifest of a folder of videos. It parses
+The command line of ``megaslide_ray.data.index``: a manifest of a folder of videos (and images). It parses
 the arguments and calls the library; every flag is in docs/cli.md."""
 
 from __future__ import annotations
@@ -9,6 +9,7 @@ import argparse
 import sys
 from pathlib import Path
 
+from megaslide_ray.data.clips import is_image
 from megaslide_ray.data.index import VIDEO_EXTENSIONS, _relative_to_manifest, index_videos
 from megaslide_ray.data.manifest import write_manifest
 
@@ -21,17 +22,21 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--captions", default=None, help="CSV (path,caption) or JSONL caption mapping")
     parser.add_argument("--first-frame-only", action="store_true",
                         help="decode only the first frame of each video (faster; misses truncated files)")
+    parser.add_argument("--no-images", action="store_true",
+                        help="leave image files (.png .jpg .jpeg .webp) out; by default each is a one-frame row")
     args = parser.parse_args(argv)
 
     try:
-        rows, problems = index_videos(args.video_dir, args.captions, not args.first_frame_only)
+        rows, problems = index_videos(args.video_dir, args.captions, not args.first_frame_only,
+                                       images=not args.no_images)
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     found = len(rows) + len(problems)
     captioned = sum(1 for r in rows if r.caption)
+    images = sum(1 for r in rows if is_image(r.path))
     print(f"found {found} video files in {args.video_dir}: {len(rows)} usable "
-          f"({captioned} with captions), {len(problems)} unreadable")
+          f"({captioned} with captions{f', {images} images' if images else ''}), {len(problems)} unreadable")
     for path, reason in problems:
         print(f"  unreadable: {path}: {reason}")
     if not rows:

@@ -22,9 +22,12 @@ def main(argv: list[str] | None = None) -> int:
                         help="local diffusers Wan folder (vae/, text_encoder/, tokenizer/)")
     parser.add_argument("--data", required=True, help="video manifest (Parquet; make one with megaslide_ray.index)")
     parser.add_argument("--out", required=True, help="cache folder: latents/, text/, manifest.parquet")
-    parser.add_argument("--frames", type=int, required=True, help="pixel frames per clip, 4k+1 (e.g. 81)")
-    parser.add_argument("--height", type=int, required=True)
-    parser.add_argument("--width", type=int, required=True)
+    parser.add_argument("--frames", type=int, default=None, help="pixel frames per clip, 4k+1 (e.g. 81)")
+    parser.add_argument("--height", type=int, default=None)
+    parser.add_argument("--width", type=int, default=None)
+    parser.add_argument("--buckets", default="", metavar="HxWxF,...",
+                        help="instead of --frames/--height/--width: each video at its bucket's shape, one sub-folder "
+                             "per bucket (train with the same data.buckets)")
     parser.add_argument("--fps", type=float, default=0.0, help="resample clips to this rate (0: consecutive frames)")
     parser.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
     parser.add_argument("--dtype", choices=("bf16", "fp16", "fp32"), default="bf16", help="storage dtype")
@@ -37,6 +40,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--ray-address", default=None, help="join a running Ray cluster")
     parser.add_argument("--no-progress", action="store_true")
     args = parser.parse_args(argv)
+    if bool(args.buckets) == (None not in (args.frames, args.height, args.width)):
+        parser.error("give --frames, --height and --width, or --buckets (not both)")
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:  # what the folder is, before Ray starts
         read_model_info(args.model_dir)
@@ -48,6 +53,8 @@ def main(argv: list[str] | None = None) -> int:
 
         ray.init(address=args.ray_address, namespace="megaslide")
     try:
+        if args.buckets:
+            return _run_buckets(args)
         rep = precompute(args.model_dir, args.data, args.out, args.frames, args.height, args.width, fps=args.fps,
                          device=args.device, dtype=args.dtype, num_encoders=args.num_encoders,
                          progress=not args.no_progress, hang_timeout_s=args.hang_timeout)
@@ -70,6 +77,28 @@ def main(argv: list[str] | None = None) -> int:
     if rep.skipped:
         print(f"  (listed in {Path(args.out) / SKIPPED_NAME})")
     return 0 if rep.clips else 1
+
+
+def _run_buckets(args: argparse.Namespace) -> int:
+    """``--buckets``: ``megaslide_ray.data.precompute_buckets``."""
+    from megaslide_ray.config.buckets import parse_buckets
+    from megaslide_ray.config.sections import ConfigError
+    from megaslide_ray.data.precompute_buckets import precompute_buckets
+
+    try:
+        buckets = parse_buckets(args.buckets)
+    except ConfigError as e:
+        raise ValueError(str(e).replace("data.buckets", "--buckets")) from None
+    reports = precompute_buckets(args.model_dir, args.data, args.out, buckets, fps=args.fps, device=args.device,
+                                 dtype=args.dtype, num_encoders=args.num_encoders, progress=not args.no_progress,
+                                 hang_timeout_s=args.hang_timeout)
+    for bucket, rep in reports:
+        print(f"{bucket}: {rep.clips} clips ({rep.encoded} encoded, {rep.reused} already done, "
+              f"{len(rep.skipped)} skipped)")
+        for path, reason in rep.skipped:
+            print(f"  skipped: {path}: {reason}")
+    print(f"wrote {Path(args.out) / 'manifest.parquet'} ({sum(r.clips for _, r in reports)} clips)")
+    return 0
 
 
 if __name__ == "__main__":

@@ -201,6 +201,16 @@ class DataConfig:
     """Stop with an error listing examples when more than this fraction of the distinct manifest
     rows a decoder has tried are unusable (judged once it has tried 20 rows, or its whole share of
     a smaller manifest); 1 never stops."""
+    buckets: str = ""
+    """Train on clips of several shapes: a comma-separated list of ``HEIGHTxWIDTHxFRAMES``
+    buckets (e.g. ``"480x832x81,832x480x81,512x512x1"``), or ``auto`` (five aspect ratios at the
+    area ``data.height x data.width``, with ``data.num_frames`` frames, plus one-frame buckets for
+    images when the model can read one frame). Each manifest row goes to the bucket nearest its
+    aspect ratio among those it has the frames for (resized and centre-cropped to it); every batch
+    comes from one bucket, in a seeded order the checkpoint's data position fixes
+    (docs/buckets.md). Needs the manifest's ``width``, ``height`` and ``num_frames`` columns
+    (``megaslide_ray.index`` writes them). Empty: one clip shape, ``data.num_frames x height x
+    width``. The planner answers for the bucket of the most tokens."""
     clip_cache_mb: float = 0.0
     """Each decoder keeps the clips it decoded (resized and cropped) in memory, up to this many MiB,
     the least recently used dropped first, and serves a clip drawn again (same file, frames and

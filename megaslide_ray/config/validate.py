@@ -8,6 +8,7 @@ from __future__ import annotations
 import math
 from pathlib import Path
 
+from megaslide_ray.config.buckets import config_buckets, with_clip
 from megaslide_ray.config.presets import PRESETS
 from megaslide_ray.config.sections import Config, ConfigError
 
@@ -28,7 +29,7 @@ def validate(cfg: Config) -> Config:
     if cfg.model.arch == "wan":  # a wan model reads latents whatever an older config.toml said
         cfg.model.inputs = "latents"
     for check in (_check_sizes_and_model, _check_runtime_counts, _check_decoding, _check_shapes_and_attention,
-                  _check_optimizer_and_runtime, _check_run):
+                  _check_buckets, _check_optimizer_and_runtime, _check_run):
         check(cfg)
     return cfg
 
@@ -278,6 +279,21 @@ def _validate_experts(cfg: Config) -> None:
         raise ConfigError(f"training.expert='both' runs on one node with one compute actor (runtime.nodes="
                           f"{rt.nodes}, runtime.compute_actors={rt.compute_actors!r}); set both to 1, or train "
                           f"the experts in separate runs (training.expert high / low)")
+
+
+def _check_buckets(cfg: Config) -> None:
+    """Every bucket of ``data.buckets`` must be a clip the model reads, as ``data.num_frames/height/width``
+    is. ``auto`` is replaced by the buckets it stands for, so a run's saved config lists them (and a
+    resumed run draws the same batches)."""
+    buckets = config_buckets(cfg)
+    if cfg.data.buckets.strip().lower() == "auto":
+        cfg.data.buckets = ",".join(str(b) for b in buckets)
+    for bucket in buckets:
+        try:
+            _check_shapes_and_attention(with_clip(cfg, bucket))
+        except ConfigError as e:
+            raise ConfigError(f"data.buckets={cfg.data.buckets!r}: the bucket {bucket} (height x width x frames) "
+                              f"does not fit the model: {e}") from None
 
 
 def _validate_latent_clip(cfg: Config) -> None:

@@ -8,7 +8,10 @@ from __future__ import annotations
 import logging
 
 from megaslide_ray.config import Config, ConfigError
+from megaslide_ray.config.buckets import parse_buckets, with_clip
+from megaslide_ray.data.buckets import latent_row_buckets, row_buckets
 from megaslide_ray.data.latents import is_latent_manifest, latent_manifest_info, read_latent_manifest, resolve
+from megaslide_ray.data.manifest import read_manifest
 
 log = logging.getLogger(__name__)
 
@@ -50,6 +53,11 @@ def _check_manifest(cfg: Config, field: str, path: str) -> None:
         raise ConfigError(f"{field}={path!r} is a video manifest; model.inputs='latents' reads latents: "
                           f"precompute them first (python -m megaslide_ray.precompute ...)")
     if not latent:
+        if field == "data.manifest" and d.buckets.strip():
+            _check_bucket_rows(cfg, path)
+        return
+    if field == "data.manifest" and d.buckets.strip():
+        _check_latent_buckets(cfg, path)
         return
     info = latent_manifest_info(path)
     want = (*cfg.latent_grid, m.in_channels)
@@ -71,6 +79,11 @@ def _check_manifest(cfg: Config, field: str, path: str) -> None:
         problems.append(f"its text is padded to {info.text_len} tokens, model.text_len={m.text_len}")
     if problems:
         raise ConfigError(f"{field}={path!r} does not fit the model:\n  " + "\n  ".join(problems))
+    _check_latent_files(field, path)
+
+
+def _check_latent_files(field: str, path: str) -> None:
+    """A latent manifest none of whose files exists is refused; some missing are warned about."""
     rows, _ = read_latent_manifest(path)
     missing = [r["latent_path"] for r in rows if not resolve(path, r["latent_path"]).is_file()]
     if missing and len(missing) == len(rows):  # found here in a second, not by the decoders after Ray is up
@@ -81,3 +94,47 @@ def _check_manifest(cfg: Config, field: str, path: str) -> None:
         log.warning("%s=%r: %d of its %d latent files are missing (e.g. %s): those rows are skipped; run "
                     "`python -m megaslide_ray.precompute` again to recompute them", field, path, len(missing),
                     len(rows), resolve(path, missing[0]))
+
+
+def _check_bucket_rows(cfg: Config, path: str) -> None:
+    """With ``data.buckets`` every row must say its size and length (the decoders pick its bucket
+    from them), and each bucket that gets no row is reported (its shape never trains)."""
+    if cfg.data.buckets.strip().lower() == "auto":
+        raise ConfigError("data.buckets='auto' is resolved by validate(); build the config with build_config")
+    buckets = parse_buckets(cfg.data.buckets)
+    try:
+        bucket_of = row_buckets(read_manifest(path), buckets, path, cfg.data.frame_stride, cfg.data.fps)
+    except ValueError as e:
+        raise ConfigError(f"data.manifest={path!r}: {e}") from None
+    counts = [bucket_of.count(j) for j in range(len(buckets))]
+    log.info("data.buckets: %s", ", ".join(f"{b} {n} rows" for b, n in zip(buckets, counts)))
+    empty = [str(b) for b, n in zip(buckets, counts) if n == 0]
+    if empty:
+        log.warning("data.buckets: no row of %s falls in %s", path, ", ".join(empty))
+
+
+def _check_latent_buckets(cfg: Config, path: str) -> None:
+    """A latent manifest keyed by bucket (``precompute --buckets``): every row's clip is one of
+    ``data.buckets`` and its latents are that bucket's latent grid; the text and VAE agree with the
+    model as for one shape."""
+    m = cfg.model
+    buckets = parse_buckets(cfg.data.buckets)
+    rows, meta = read_latent_manifest(path)
+    try:
+        bucket_of = latent_row_buckets(rows, buckets, path)
+    except ValueError as e:
+        raise ConfigError(f"data.manifest={path!r}: {e}") from None
+    problems = []
+    for row, j in zip(rows, bucket_of):
+        want = (*with_clip(cfg, buckets[j]).latent_grid, m.in_channels)
+        if tuple(row["latent_shape"]) != want and len(problems) < 3:
+            problems.append(f"{row['latent_path']} ({buckets[j]}) holds latents {tuple(row['latent_shape'])}, the "
+                            f"model reads {want} at that clip")
+    if tuple(meta["compression"]) != tuple(m.latent_compression):
+        problems.append(f"its VAE compresses {tuple(meta['compression'])}, model.latent_compression="
+                        f"{tuple(m.latent_compression)}")
+    if m.arch == "wan" and int(meta["text_dim"]) != m.text_dim:
+        problems.append(f"its text embeddings are {meta['text_dim']} wide, model.text_dim={m.text_dim}")
+    if problems:
+        raise ConfigError(f"data.manifest={path!r} does not fit the model:\n  " + "\n  ".join(problems))
+    _check_latent_files("data.manifest", path)

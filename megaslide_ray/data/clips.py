@@ -1,7 +1,7 @@
 """From a video row to a clip: the rules every reader of videos shares.
 
 The decoder actors (training), the validation set and ``precompute`` all cut clips the same
-way: which frames (``clip_offsets``, ``clip_start``: consecutive or resampled to
+way (an image, ``IMAGE_EXTENSIONS``, is a still clip: its one frame repeated, ``read_image``): which frames (``clip_offsets``, ``clip_start``: consecutive or resampled to
 ``data.fps``, a random or fixed start, looping a video shorter than the clip), which crop
 (``resize_crop``: the shorter side resized to cover the clip, then a random or centre crop),
 and ``decode_clip``, which does all of it for one row. ``ClipCache`` keeps decoded clips for a
@@ -29,6 +29,31 @@ _SPATIAL_STREAM = 2  # third word of the spatial-crop RNG's seed
 
 class ClipUnreadable(Exception):
     """A video could not be turned into a clip; ``str(e)`` is the reason."""
+
+
+IMAGE_EXTENSIONS = (".png", ".jpg", ".jpeg", ".webp")
+"""Still images: a one-frame clip (looped to the clip's length when it has more frames)."""
+
+
+def is_image(path: str) -> bool:
+    """By extension (case-insensitive): ``IMAGE_EXTENSIONS``."""
+    return os.path.splitext(str(path))[1].lower() in IMAGE_EXTENSIONS
+
+
+def read_image(path: str) -> np.ndarray:
+    """An image file as uint8 ``(1, h, w, 3)`` (Pillow; alpha dropped, palette and grey made
+    RGB); ``ClipUnreadable`` when Pillow cannot decode all of it."""
+    from PIL import Image
+
+    try:
+        with Image.open(path) as im:
+            im.load()  # decodes every byte: a truncated file fails here, not later
+            rgb = np.array(im.convert("RGB"), dtype=np.uint8)
+    except Exception as e:  # noqa: BLE001 - PIL raises OSError, SyntaxError, ValueError ...
+        raise ClipUnreadable(f"Pillow could not decode it ({_first_line(e)})") from None
+    if rgb.ndim != 3 or min(rgb.shape[:2]) < 1:
+        raise ClipUnreadable(f"Pillow returned an image of shape {rgb.shape}")
+    return rgb[None]
 
 
 def clip_offsets(num_frames: int, stride: int = 1, source_fps: float = 0.0, target_fps: float = 0.0) -> np.ndarray:
@@ -175,16 +200,9 @@ def decode_clip(path: str, d: DataConfig, seed: int, position: int) -> Clip:
     for any problem with the file. ``VideoDecoder`` and ``megaslide_ray.precompute`` both use it."""
     import decord
 
-    try:
-        st = os.stat(path)
-    except FileNotFoundError:
-        raise ClipUnreadable("missing file") from None
-    except OSError as e:
-        raise ClipUnreadable(f"cannot stat: {e.strerror or e}") from None
-    if not stat.S_ISREG(st.st_mode):  # a fifo or device could block the open forever
-        raise ClipUnreadable("not a regular file")
-    if st.st_size == 0:
-        raise ClipUnreadable("zero bytes")
+    _regular_file(path)
+    if is_image(path):
+        return _image_clip(path, d, seed, position)
     try:
         reader = decord.VideoReader(path, ctx=decord.cpu(0))
         video_frames = len(reader)
@@ -204,6 +222,31 @@ def decode_clip(path: str, d: DataConfig, seed: int, position: int) -> Clip:
     # Resizing is our code, outside the try: a bug here must surface, not become a skip.
     offset = spatial_offset(seed, position, d.spatial_crop == "random")
     return Clip(resize_crop(frames, d.height, d.width, offset), indices, source_fps, video_frames)
+
+
+def _regular_file(path: str) -> os.stat_result:
+    """``os.stat(path)`` of a non-empty regular file, else ``ClipUnreadable`` saying what it is."""
+    try:
+        st = os.stat(path)
+    except FileNotFoundError:
+        raise ClipUnreadable("missing file") from None
+    except OSError as e:
+        raise ClipUnreadable(f"cannot stat: {e.strerror or e}") from None
+    if not stat.S_ISREG(st.st_mode):  # a fifo or device could block the open forever
+        raise ClipUnreadable("not a regular file")
+    if st.st_size == 0:
+        raise ClipUnreadable("zero bytes")
+    return st
+
+
+def _image_clip(path: str, d: DataConfig, seed: int, position: int) -> Clip:
+    """An image as a still clip of ``d.num_frames`` frames (the one frame repeated), resized and
+    cropped as a video's frames are."""
+    frame = read_image(path)
+    offset = spatial_offset(seed, position, d.spatial_crop == "random")
+    still = resize_crop(frame, d.height, d.width, offset)
+    indices = np.zeros((d.num_frames,), dtype=np.int64)
+    return Clip(np.ascontiguousarray(np.repeat(still, d.num_frames, axis=0)), indices, 0.0, 1)
 
 
 def _reader_fps(reader) -> float:

@@ -6,7 +6,9 @@ Scans ``VIDEO_DIR`` recursively for ``.mp4 .mkv .webm .avi .mov .m4v`` files, op
 decord to read its frame count, frame rate and size (and decodes its first and last frames to
 prove it decodes: a truncated file often opens and shows its first frame; ``--first-frame-only``
 skips the last-frame check, which costs a seek per video), and writes one manifest row per
-usable video (schema: ``megaslide_ray.data.manifest``).
+usable video (schema: ``megaslide_ray.data.manifest``). Images (``.png .jpg .jpeg .webp``) are
+rows too: decoded whole with Pillow, recorded as one frame (``num_frames`` 1, ``fps`` 0) with
+their size; training reads them as still clips (``data.buckets`` gives them one-frame buckets).
 Paths in the manifest are relative to the manifest's folder, so both can move together.
 
 Captions, first match wins:
@@ -32,15 +34,18 @@ import json
 import os
 from pathlib import Path
 
+from megaslide_ray.data.clips import IMAGE_EXTENSIONS, ClipUnreadable, is_image, read_image
 from megaslide_ray.data.manifest import MANIFEST_NAME, ManifestEntry, read_manifest
 
 VIDEO_EXTENSIONS = (".mp4", ".mkv", ".webm", ".avi", ".mov", ".m4v")
 
 
-def find_videos(video_dir: str | Path) -> list[Path]:
-    """Video files under ``video_dir`` (recursive, by extension, case-insensitive), sorted."""
+def find_videos(video_dir: str | Path, images: bool = False) -> list[Path]:
+    """Video files (and with ``images`` image files) under ``video_dir`` (recursive, by extension,
+    case-insensitive), sorted."""
     root = Path(video_dir)
-    return sorted(p for p in root.rglob("*") if p.suffix.lower() in VIDEO_EXTENSIONS and p.is_file())
+    kinds = VIDEO_EXTENSIONS + (IMAGE_EXTENSIONS if images else ())
+    return sorted(p for p in root.rglob("*") if p.suffix.lower() in kinds and p.is_file())
 
 
 def load_captions(path: str | Path) -> dict[str, str]:
@@ -86,9 +91,27 @@ def _pyav_reason(path: Path) -> str:
     return ""
 
 
+def probe_image(path: Path) -> tuple[dict | None, str]:
+    """``(metadata, "")`` for an image Pillow decodes whole (one frame, no frame rate), ``(None,
+    reason)`` otherwise."""
+    try:
+        if path.stat().st_size == 0:
+            return None, "zero bytes"
+        frame = read_image(str(path))
+    except OSError as e:
+        return None, f"cannot stat: {e.strerror or e}"
+    except ClipUnreadable as e:
+        return None, str(e)
+    return dict(num_frames=1, fps=0.0, width=int(frame.shape[2]), height=int(frame.shape[1])), ""
+
+
 def probe_video(path: Path, check_last_frame: bool = True) -> tuple[dict | None, str]:
-    """``(metadata, "")`` for a usable video, ``(None, reason)`` otherwise."""
+    """``(metadata, "")`` for a usable video, ``(None, reason)`` otherwise (an image:
+    ``probe_image``)."""
     import decord
+
+    if is_image(str(path)):
+        return probe_image(path)
 
     try:
         size = path.stat().st_size
@@ -149,9 +172,9 @@ def _folder_captions(folder: Path) -> dict[Path, str]:
     return _FOLDER_CAPTIONS[folder]
 
 
-def index_videos(video_dir: str | Path, captions: str | Path | None = None, check_last_frame: bool = True
-                 ) -> tuple[list[ManifestEntry], list[tuple[str, str]]]:
-    """Probe every video under ``video_dir``.
+def index_videos(video_dir: str | Path, captions: str | Path | None = None, check_last_frame: bool = True,
+                 images: bool = True) -> tuple[list[ManifestEntry], list[tuple[str, str]]]:
+    """Probe every video (and with ``images`` every image) under ``video_dir``.
 
     Returns ``(rows, problems)``: manifest rows with absolute paths for the usable videos, and
     ``(path, reason)`` for each file left out.
@@ -163,7 +186,7 @@ def index_videos(video_dir: str | Path, captions: str | Path | None = None, chec
     _FOLDER_CAPTIONS.clear()  # a manifest read in an earlier call may have changed since
     rows: list[ManifestEntry] = []
     problems: list[tuple[str, str]] = []
-    for video in find_videos(root):
+    for video in find_videos(root, images):
         meta, reason = probe_video(video, check_last_frame)
         if meta is None:
             problems.append((str(video), reason))

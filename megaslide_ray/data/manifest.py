@@ -5,17 +5,18 @@ Schema
 ============  =========  ========  ==================================================
 column        type       required  meaning
 ============  =========  ========  ==================================================
-``path``      string     yes       video file; a relative path is relative to the
+``path``      string     yes       video (or image) file; a relative path is relative to the
                                    folder holding the manifest (so a manifest and its
                                    videos can move together)
 ``caption``   string     no        text describing the video; missing or null -> ""
-``num_frames``  int64    no        frames in the video (as decord counts them)
+``num_frames``  int64    no        frames in the video (as decord counts them; 1 for an image)
 ``fps``       float64    no        average frame rate
 ``width``     int64      no        frame width in pixels
 ``height``    int64      no        frame height in pixels
 ============  =========  ========  ==================================================
 
-The metadata columns are informational (the decoder reads the video itself); a missing
+The metadata columns are informational (the decoder reads the video itself), except that
+``data.buckets`` assigns rows to buckets from ``width``, ``height`` and ``num_frames``; a missing
 column or a null reads back as ``None``. Other columns are ignored.
 
 Build a manifest from a folder of videos with ``python -m megaslide_ray.index VIDEO_DIR

@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from megaslide_ray.config import Config, ConfigError
+from megaslide_ray.config.buckets import largest_bucket
 from megaslide_ray.models.registry import num_experts
 from megaslide_ray.models.shards import grad_slot_numel, resident_shards
 from megaslide_ray.planning.scaleout import ScaleOut, scale_out
@@ -166,7 +167,9 @@ def plan(cfg: Config, w_dtype: str = "bfloat16", pcie_gbps: float = 55.0, dram_g
     """Memory, traffic and step-time floor of one training step of ``cfg``, or with ``generate``
     of one denoising step (module docstring). ``gpus_per_node`` (default: ``runtime.compute_actors``
     when a number, else 1), ``nodes`` and ``network_gbps`` (GB/s each way per node): the scale-out
-    terms of ``planning/scaleout.py``; ``training.micro_batches`` is read from ``cfg``."""
+    terms of ``planning/scaleout.py``; ``training.micro_batches`` is read from ``cfg``. With
+    ``data.buckets`` it answers for the bucket of the most tokens."""
+    cfg = largest_bucket(cfg)
     if gpus_per_node is None:
         n = cfg.runtime.compute_actors
         gpus_per_node = n if isinstance(n, int) else 1

@@ -28,6 +28,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from megaslide_ray.config import Config
+from megaslide_ray.config.buckets import largest_bucket
 from megaslide_ray.models.registry import build_shard, num_shards
 from megaslide_ray.models.shards import ShardLayout
 from megaslide_ray.state.segments import default_state_root, state_key
@@ -85,7 +86,8 @@ def offload_bytes(cfg: Config, wbytes: int) -> int:
     if not cfg.runtime.offload_activations:
         return 0
     slots = max(0, cfg.model.depth - cfg.runtime.offload_keep)
-    return slots * cfg.data.batch_size * cfg.tokens_per_sample * cfg.model.hidden_size * wbytes
+    tokens = largest_bucket(cfg).tokens_per_sample  # data.buckets: the largest clip's
+    return slots * cfg.data.batch_size * tokens * cfg.model.hidden_size * wbytes
 
 
 def _existing(path: Path) -> Path:

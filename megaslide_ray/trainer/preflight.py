@@ -86,7 +86,8 @@ def _fields(cfg: Config, section: str) -> dict:
 
 def check_resume_config(cfg: Config, checkpoint: str | Path) -> None:
     """Refuse to continue ``checkpoint`` with another model: every ``model.*`` and
-    ``attention.*`` field (but ``FREE_TO_CHANGE``) must be the one its ``state.json`` records."""
+    ``attention.*`` field (but ``FREE_TO_CHANGE``) must be the one its ``state.json`` records, and
+    ``data.buckets`` too (a bucketed data position counts batches of those buckets)."""
     recorded = read_checkpoint_state(checkpoint).get("config")
     if not recorded:
         return
@@ -96,11 +97,20 @@ def check_resume_config(cfg: Config, checkpoint: str | Path) -> None:
         old, new = _fields(then, section), _fields(cfg, section)
         differ += [f"{key} {_show(old[key])} -> {_show(new[key])}" for key in old
                    if key not in FREE_TO_CHANGE and _norm(old[key]) != _norm(new[key])]
+    if _norm_buckets(then.data.buckets) != _norm_buckets(cfg.data.buckets):
+        # a bucketed data position counts blocks of the buckets, an unbucketed one clips
+        raise ConfigError(f"--resume: {checkpoint} was trained with data.buckets={then.data.buckets!r}, this config has "
+                          f"{cfg.data.buckets!r}: its data positions would name other batches. Resume with "
+                          f"--data.buckets {then.data.buckets or chr(34) * 2}, or start a new run")
     if differ:
         raise ConfigError(f"--resume: {checkpoint} was trained with another model than this config's: "
                           f"{'; '.join(differ)} (checkpoint -> this config). Leave these fields as the run had them "
                           f"to continue it, or start a new run in a new --run-dir (--init-from {checkpoint} starts "
                           f"from its weights)")
+
+
+def _norm_buckets(text: str) -> str:
+    return ",".join(t.strip().lower() for t in text.split(",")) if text.strip() else ""
 
 
 def _norm(value):
