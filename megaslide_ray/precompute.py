@@ -10,8 +10,11 @@ import logging
 import sys
 from pathlib import Path
 
+from megaslide_ray.config.buckets import parse_buckets
+from megaslide_ray.config.sections import ConfigError
 from megaslide_ray.data.encoders import HANG_TIMEOUT_S, read_model_info
 from megaslide_ray.data.precompute import LATENTS_DIR, SKIPPED_NAME, precompute
+from megaslide_ray.data.precompute_buckets import precompute_buckets
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -81,10 +84,6 @@ def main(argv: list[str] | None = None) -> int:
 
 def _run_buckets(args: argparse.Namespace) -> int:
     """``--buckets``: ``megaslide_ray.data.precompute_buckets``."""
-    from megaslide_ray.config.buckets import parse_buckets
-    from megaslide_ray.config.sections import ConfigError
-    from megaslide_ray.data.precompute_buckets import precompute_buckets
-
     try:
         buckets = parse_buckets(args.buckets)
     except ConfigError as e:

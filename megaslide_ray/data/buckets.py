@@ -32,6 +32,7 @@ from collections.abc import Sequence
 import numpy as np
 
 from megaslide_ray.config.buckets import Bucket
+from megaslide_ray.data.clips import is_image
 
 _ROWS_STREAM = 3    # third word of a bucket's row shuffle seed: [seed, epoch, 3, bucket]
 _BLOCKS_STREAM = 4  # third word of the block shuffle seed: [seed, epoch, 4]
@@ -105,8 +106,6 @@ def row_buckets(entries: Sequence, buckets: Sequence[Bucket], where: str, stride
     frames its ``num_frames`` give at ``data.frame_stride`` / ``data.fps`` (``clip_frames``; an
     image without ``num_frames`` has one); ``ValueError`` naming the first row that lacks them
     (``where`` names the manifest)."""
-    from megaslide_ray.data.clips import is_image
-
     out = []
     for i, e in enumerate(entries):
         frames = e.num_frames if e.num_frames is not None else (1 if is_image(e.path) else None)

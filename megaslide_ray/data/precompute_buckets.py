@@ -46,7 +46,9 @@ def precompute_buckets(model_dir: str | os.PathLike, data: str | os.PathLike, ou
         reports, merged, metadata = _each_bucket(model_dir, entries, bucket_of, out, buckets, kwargs)
     finally:
         if started:
-            __import__("ray").shutdown()
+            import ray  # lazy: only a run that started Ray here stops it
+
+            ray.shutdown()
     if not reports:
         raise ValueError(f"--buckets: no row of {data} falls in any bucket")
     metadata = {k: v for k, v in metadata.items() if k not in ("kind", "format_version")}
