@@ -172,8 +172,32 @@ def test_a_latent_videodit_needs_a_latent_manifest():
 
     with pytest.raises(ConfigError, match="model.inputs='latents' .* trains on precomputed VAE latents"):
         check_data(build_config("dit-28b"))
-    with pytest.raises(ConfigError, match="training.sample_every=5 with model.arch='videodit' on latents"):
-        build_config("dit-28b", None, {"training.sample_every": 5})
+    from megaslide_ray.evaluation.sampling import sample_model_dir
+
+    cfg = build_config("dit-28b", None, {"training.sample_every": 5})  # its samples need the VAE's folder
+    with pytest.raises(ConfigError, match=r"training.sample_every=5 with model.arch='videodit' on latents: .*its "
+                                          r"vae/.*give --training.sample_model_dir DIR"):
+        sample_model_dir(cfg)
+
+
+def test_sampling_during_training_is_checked_before_any_work(tmp_path):
+    from megaslide_ray.config import sample_prompts
+
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("  a red circle  \n# a comment\n\nthe second\n")
+    cfg = build_config("tiny", None, {"training.sample_every": 2, "training.sample_prompts_file": str(prompts)})
+    assert sample_prompts(cfg) == ["a red circle", "the second"]
+    assert sample_prompts(build_config("tiny", None, {"training.sample_prompt": "x"})) == ["x"]
+    (tmp_path / "empty.txt").write_text("# nothing\n\n")
+    for overrides, match in (
+            ({"training.sample_prompts_file": str(tmp_path / "none.txt")}, r"sample_prompts_file=.*none.txt' cannot be "
+                                                                           r"read"),
+            ({"training.sample_prompts_file": str(tmp_path / "empty.txt")}, "holds no prompt"),
+            ({"training.sample_steps": 0}, "training.sample_steps=0 must be > 0"),
+            ({"training.sample_cfg_scale": float("nan")}, "training.sample_cfg_scale=nan must be finite")):
+        with pytest.raises(ConfigError, match=match):
+            build_config("tiny", None, {"training.sample_every": 2, **overrides})
+    build_config("tiny", None, {"training.sample_prompts_file": str(tmp_path / "none.txt")})  # unused: no sampling
 
 
 def test_a_saved_run_lacking_later_fields_keeps_their_old_behaviour(tmp_path):

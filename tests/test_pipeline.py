@@ -93,13 +93,30 @@ def test_samples_during_training(ray_session, small_config, tmp_path):
 
     from megaslide_ray.data.clips import read_frames
 
-    cfg = small_config(**{"training.steps": 2, "training.sample_every": 2, "training.sample_steps": 2})
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("# the samples\na red circle moving right\n\nA Blue Square, moving up!\n")
+    cfg = small_config(**{"training.steps": 4, "training.sample_every": 2, "training.sample_steps": 2,
+                          "training.sample_prompts_file": str(prompts)})
     run(cfg, tmp_path / "run")
-    video = tmp_path / "run" / "samples" / "step_2.mp4"
-    assert video.is_file() and video.with_suffix(".png").is_file()
+    samples = tmp_path / "run" / "samples"
+    names = [f"step_{s:06d}_{i:02d}_{slug}.mp4" for s in (2, 4)
+             for i, slug in enumerate(("a-red-circle-moving-right", "a-blue-square-moving-up"))]
     rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
-    assert [r.get("sample") for r in rows] == [None, str(video)]  # the row of the step that sampled names it
-    reader = decord.VideoReader(str(video))
-    assert len(reader) == cfg.data.num_frames
-    frames = read_frames(reader, list(range(len(reader))))
-    assert frames.shape[1:] == (cfg.data.height, cfg.data.width, 3)
+    # the row of the step that sampled names its videos and what the sampling held the step up by
+    assert [r.get("sample") for r in rows] == [None, [str(samples / n) for n in names[:2]], None,
+                                               [str(samples / n) for n in names[2:]]]
+    assert rows[1]["sample_seconds"] > 0 and rows[1]["sample_failures"] == 0
+    index = [json.loads(line) for line in (samples / "samples.jsonl").read_text().splitlines()]
+    assert sorted(Path(e["video"]).name for e in index) == names
+    assert {(e["step"], e["index"], e["prompt"], e["seed"]) for e in index} == {
+        (s, i, p, i) for s in (2, 4) for i, p in enumerate(("a red circle moving right", "A Blue Square, moving up!"))}
+    videos = {}
+    for name in names:
+        video = samples / name
+        assert video.with_suffix(".png").is_file()
+        reader = decord.VideoReader(str(video))
+        videos[name] = read_frames(reader, list(range(len(reader))))
+        assert videos[name].shape == (cfg.data.num_frames, cfg.data.height, cfg.data.width, 3)
+    # the two prompts differ (caption and noise), the same prompt after another step differs (weights)
+    assert not np.array_equal(videos[names[0]], videos[names[1]])
+    assert not np.array_equal(videos[names[0]], videos[names[2]])

@@ -99,3 +99,34 @@ def test_wan_needs_latents_and_a_model_dir_to_sample(wan_dir, latents, tmp_path,
     cfg.data.num_frames = 13  # latents of 9 frames
     with pytest.raises(ConfigError, match=r"need --data.num_frames 9 --data.height 32 --data.width 32"):
         check_data(cfg)
+
+
+def test_samples_during_wan_training_are_decoded_off_the_training_path(ray_session, wan_dir, latents, tmp_path):
+    """``training.sample_every`` on a Wan model: each prompt of the file is denoised with the step's
+    weights, VAE-decoded by the sample writer actor into an mp4 of the clip's frames and size, and
+    shown by TensorBoard (its own reader) at that step, one series per prompt."""
+    pytest.importorskip("tensorboard")
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("a red circle moving right\nblue square on dark background\n")
+    cfg = _config(wan_dir, latents, tmp_path, 2)
+    for key, value in (("sample_every", 2), ("sample_steps", 2), ("sample_prompts_file", str(prompts)),
+                       ("sample_cfg_scale", 3.0), ("sample_negative_prompt", "green"), ("tracker", "tensorboard")):
+        setattr(cfg.training, key, value)
+    run_dir = tmp_path / "run"
+    _train(cfg, run_dir, wan_dir)  # the VAE and text encoder come from the --init-from folder
+    slugs = ("a-red-circle-moving-right", "blue-square-on-dark-background")
+    videos = [run_dir / "samples" / f"step_000002_{i:02d}_{slug}.mp4" for i, slug in enumerate(slugs)]
+    decoded = []
+    for video in videos:
+        reader = decord.VideoReader(str(video))
+        decoded.append(read_frames(reader, np.arange(len(reader))))
+        assert decoded[-1].shape == (FRAMES, SIZE, SIZE, 3) and video.with_suffix(".png").is_file()
+    assert not np.array_equal(*decoded)  # two prompts, two noises
+    acc = EventAccumulator(str(run_dir / "tensorboard"), size_guidance={"images": 0})
+    acc.Reload()
+    assert sorted(acc.Tags()["images"]) == [f"sample/{i:02d}_{slug}" for i, slug in enumerate(slugs)]
+    for i, slug in enumerate(slugs):
+        (image,) = acc.Images(f"sample/{i:02d}_{slug}")
+        assert image.step == 2 and (image.width, image.height) == (SIZE, SIZE)

@@ -266,22 +266,78 @@ def decode_latents(vae, latents: torch.Tensor) -> np.ndarray:
     return to_uint8_frames(video.permute(0, 2, 3, 4, 1).float().cpu())
 
 
-def check_model_files(model_dir: str | Path, parts: tuple[str, ...]) -> Path:
+def check_model_files(model_dir: str | Path, parts: tuple[str, ...], flag: str = "--model-dir") -> Path:
     """The local model folder's ``parts`` present (``check_model_dir``) and their safetensors files
     whole, checked before denoising (a VAE found missing or damaged only after the last Euler
     step would cost the whole run), and the folder a text-to-video Wan model's or its encoders'
     alone (``refuse_unsupported``: an image-to-video folder is refused, naming what it is).
     Returns the folder, absolute."""
     try:
-        root = check_model_dir(model_dir, parts)
-        refuse_unsupported(describe_wan_folder(root, need_transformer=False), "--model-dir")
+        root = check_model_dir(model_dir, parts, flag)
+        refuse_unsupported(describe_wan_folder(root, need_transformer=False), flag)
     except ValueError as e:
         raise ConfigError(str(e)) from None
     damaged = [f"{f.relative_to(root)}: {problem.removeprefix(f.name + ' ')}" for part in parts
                for f in sorted((root / part).glob("*.safetensors")) if (problem := safetensors_problem(f))]
     if damaged:
-        raise ConfigError(f"--model-dir {root}: damaged weights: {'; '.join(damaged)}; copy them again")
+        raise ConfigError(f"{flag} {root}: damaged weights: {'; '.join(damaged)}; copy them again")
     return root
+
+
+# ---------------------------------------------------------------------------------------------
+# Samples during training: the model folder, file names
+# ---------------------------------------------------------------------------------------------
+
+
+def sample_parts(cfg: Config) -> tuple[str, ...]:
+    """The model-folder parts sampling ``cfg``'s model needs: the text encoder and VAE for
+    ``wan``, the VAE for a latent ``videodit``, none for pixels."""
+    if cfg.model.arch == "wan":
+        return ("text_encoder", "tokenizer", "vae")
+    return ("vae",) if cfg.latent_space else ()
+
+
+def sample_model_dir(cfg: Config, init_from: str | Path | None = None) -> Path | None:
+    """The local diffusers folder the samples taken during training are encoded and decoded with
+    (None for a pixel model): ``training.sample_model_dir``, else the ``init_from`` folder (or
+    ``training.init_from``: a diffusers Wan folder, or the one above its ``transformer/``), its
+    parts checked whole (``check_model_files``). ``ConfigError`` naming the flag otherwise."""
+    parts = sample_parts(cfg)
+    if not parts:
+        return None
+    t = cfg.training
+    given = t.sample_model_dir
+    if not given:
+        source = init_from or t.init_from
+        start = Path(source).expanduser() if source else None
+        found = next((d for d in ((start, start.parent) if start else ()) if (d / "vae").is_dir()), None)
+        if found is None:
+            what = "its text_encoder/, tokenizer/ and vae/" if cfg.model.arch == "wan" else "its vae/ (the one the " \
+                   "latents were made with)"
+            raise ConfigError(f"training.sample_every={t.sample_every} with model.arch={cfg.model.arch!r} on latents: "
+                              f"the samples need a local diffusers model folder, {what}; "
+                              + (f"the init_from source {source} has no vae/ beside it; " if source else "")
+                              + "give --training.sample_model_dir DIR (or set training.sample_every=0)")
+        given = str(found)
+    return check_model_files(given, parts, "training.sample_model_dir")
+
+
+def prompt_slug(prompt: str, max_chars: int = 40) -> str:
+    """A file-name part for ``prompt``: lower-case letters and digits joined by ``-`` (``empty``
+    for a prompt of none), at most ``max_chars`` long."""
+    words = "".join(c if c.isascii() and c.isalnum() else " " for c in prompt.lower()).split()
+    slug = ""
+    for w in words:
+        if len(slug) + len(w) + bool(slug) > max_chars:
+            break
+        slug += ("-" if slug else "") + w
+    return slug or (words[0][:max_chars] if words else "empty")
+
+
+def sample_path(run_dir: str | Path, step: int, index: int, prompt: str) -> Path:
+    """Where the sample of prompt ``index`` taken after step ``step`` is written:
+    ``RUN_DIR/samples/step_{step:06d}_{index:02d}_{slug}.mp4`` (sorting by name sorts by step)."""
+    return Path(run_dir) / "samples" / f"step_{step:06d}_{index:02d}_{prompt_slug(prompt)}.mp4"
 
 
 def refuse_one_expert(cfg: Config, ckpt: Path) -> None:

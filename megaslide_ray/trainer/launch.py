@@ -33,6 +33,7 @@ import ray
 
 from megaslide_ray.config import Config, ConfigError
 from megaslide_ray.data.checks import check_data
+from megaslide_ray.evaluation.sampling import sample_model_dir
 from megaslide_ray.evaluation.validation import load_val_set
 from megaslide_ray.runtime import faults
 from megaslide_ray.state.kept import (
@@ -193,6 +194,12 @@ def launch(cfg: Config, resume: bool = False, init_from: str | None = None, prog
             print(f"init-from error: {e}", file=sys.stderr)
             return 2
         print(describe_init(cfg, init_from, source), flush=True)
+    if cfg.training.sample_every:
+        try:  # a latent model's samples need its model folder (vae/, a wan's text encoder): found now
+            sample_model_dir(cfg, init_from)
+        except ConfigError as e:
+            print(f"config error: {e}", file=sys.stderr)
+            return 2
 
     nodes = cfg.runtime.nodes
     if nodes > 1 and not cfg.ray.address:
