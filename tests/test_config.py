@@ -245,3 +245,15 @@ def test_runtime_nodes_between_one_and_the_shards(nodes):
     with pytest.raises(ConfigError, match=f"runtime.nodes={nodes} must be an integer from 1 to the model's 4 shards"):
         build_config("tiny", None, {"model.depth": 2, "runtime.nodes": nodes})
     assert build_config("tiny", None, {"model.depth": 2, "runtime.nodes": 4}).runtime.nodes == 4
+
+
+def test_samples_decoded_on_the_gpu_need_a_gpu_run():
+    from megaslide_ray.trainer.preflight import check_devices
+
+    cfg = build_config("tiny", None, {"training.sample_every": 2, "training.sample_device": "cuda"})
+    with pytest.raises(ConfigError, match="training.sample_device='cuda' .* trains on no GPU .* --training.sample_device "
+                                          "cpu"):
+        check_devices(cfg, 0, 2, "this machine")
+    check_devices(cfg, 1, 2, "this machine")
+    cfg.training.sample_device = "cpu"
+    check_devices(cfg, 0, 2, "this machine")

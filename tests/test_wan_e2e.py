@@ -130,3 +130,25 @@ def test_samples_during_wan_training_are_decoded_off_the_training_path(ray_sessi
     for i, slug in enumerate(slugs):
         (image,) = acc.Images(f"sample/{i:02d}_{slug}")
         assert image.step == 2 and (image.width, image.height) == (SIZE, SIZE)
+
+
+def test_the_model_folder_of_the_samples_is_found_or_refused_before_training(wan_dir, latents, tmp_path):
+    from megaslide_ray.config import ConfigError
+    from megaslide_ray.evaluation.sampling import sample_model_dir
+
+    cfg = _config(wan_dir, latents, tmp_path, 1)
+    cfg.training.sample_every = 1
+    root = wan_dir.resolve()
+    assert sample_model_dir(cfg, wan_dir) == root
+    assert sample_model_dir(cfg, wan_dir / "transformer") == root  # --init-from ROOT/transformer
+    cfg.training.init_from = str(wan_dir)  # a resumed run: the folder its config.toml recorded
+    assert sample_model_dir(cfg) == root
+    cfg.training.init_from = ""
+    with pytest.raises(ConfigError, match=r"text_encoder/, tokenizer/ and vae/; give --training.sample_model_dir"):
+        sample_model_dir(cfg)
+    cfg.training.sample_model_dir = str(tmp_path / "nowhere")
+    with pytest.raises(ConfigError, match="training.sample_model_dir '.*nowhere': no such local folder"):
+        sample_model_dir(cfg, wan_dir)  # given, it wins over the init_from folder
+    cfg.training.sample_model_dir = str(wan_dir / "transformer")
+    with pytest.raises(ConfigError, match="lacks text_encoder/, tokenizer/, vae/"):
+        sample_model_dir(cfg)
