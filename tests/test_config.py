@@ -200,6 +200,15 @@ def test_sampling_during_training_is_checked_before_any_work(tmp_path):
     build_config("tiny", None, {"training.sample_prompts_file": str(tmp_path / "none.txt")})  # unused: no sampling
 
 
+def test_a_sample_file_is_named_after_its_step_and_prompt(tmp_path):
+    from megaslide_ray.evaluation.sampling import prompt_slug, sample_path
+
+    assert prompt_slug("A Blue Square, moving up!") == "a-blue-square-moving-up"
+    assert prompt_slug("a red circle moving right on a dark blue background") == "a-red-circle-moving-right-on-a-dark-blue"
+    assert prompt_slug("x" * 50) == "x" * 40 and prompt_slug("") == prompt_slug("日本 ...") == "empty"
+    assert sample_path(tmp_path, 12, 3, "Two  words") == tmp_path / "samples" / "step_000012_03_two-words.mp4"
+
+
 def test_a_saved_run_lacking_later_fields_keeps_their_old_behaviour(tmp_path):
     """A run saved before ``model.caption_layers``, ``training.caption_dropout`` and
     ``model.cross_attention`` existed is resumed, evaluated and sampled as it was trained (its

@@ -120,3 +120,51 @@ def test_samples_during_training(ray_session, small_config, tmp_path):
     # the two prompts differ (caption and noise), the same prompt after another step differs (weights)
     assert not np.array_equal(videos[names[0]], videos[names[1]])
     assert not np.array_equal(videos[names[0]], videos[names[2]])
+
+
+def test_the_sampler_waits_only_for_a_writer_two_samplings_behind(ray_session, small_config, tmp_path, monkeypatch):
+    """Sampling hands each video to the writer and returns; with two samplings still being
+    written the next one waits for the oldest, and ``collect`` returns what was written, in step
+    order, without waiting."""
+    import threading
+
+    import ray
+
+    from megaslide_ray.trainer import components
+
+    @ray.remote(num_cpus=0, max_concurrency=4)
+    class GatedWriter:
+        def __init__(self):
+            self.gate = threading.Event()
+
+        def open(self):
+            self.gate.set()
+
+        def write(self, x, step, index, prompt, seed, path):
+            self.gate.wait()
+            return (step, index, x.shape)
+
+    class Predictor:  # the pipeline's predict: a zero velocity
+        def predict(self, x, t, cond, cond_len, version):
+            return torch.zeros_like(x)
+
+    writer = GatedWriter.remote()
+    monkeypatch.setattr(components, "start_sample_writer", lambda cfg, run_dir, model_dir: writer)
+    cfg = small_config(**{"training.sample_every": 1, "training.sample_steps": 1})
+    sampler = components.Sampler(cfg, Predictor(), tmp_path)
+    for step in (1, 2):
+        # the default prompt's slug: its words up to 40 characters
+        assert sampler.run(step)["sample"] == [str(tmp_path / "samples" / f"step_{step:06d}_00_a-red-circle-moving-"
+                                                                           f"right-on-a-dark-blue.mp4")]
+        assert sampler.collect() == []
+    third = threading.Thread(target=sampler.run, args=(3,))
+    third.start()
+    third.join(timeout=2.0)
+    assert third.is_alive()  # two samplings in flight: the third waits for the oldest
+    writer.open.remote()
+    third.join(timeout=60)
+    assert not third.is_alive()
+    shape = (1, *cfg.latent_grid, cfg.model.in_channels)
+    assert sampler.collect(wait_s=60) == [(1, 0, shape), (2, 0, shape), (3, 0, shape)]
+    assert sampler.failures == 0
+    sampler.abort()

@@ -189,8 +189,9 @@ class Sampler:
 
     def _run(self, version: int) -> list[Path]:
         t = self.cfg.training
-        while len(self.pending) >= MAX_PENDING:  # the writer is behind: wait for its oldest round
-            self._wait(self.pending[0][1], timeout=None)
+        behind = len(self.pending) - MAX_PENDING + 1  # the writer is behind: wait for its oldest rounds
+        for _, refs in list(self.pending)[:max(0, behind)]:
+            self._wait(refs, timeout=None)  # (``collect`` after the step takes them off ``pending``)
         refs, paths = [], []
         for i, prompt in enumerate(self.prompts):
             seed = t.sample_seed + i
