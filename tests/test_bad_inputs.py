@@ -450,13 +450,17 @@ class _BrokenPipeline:
         raise RuntimeError("sampling failed in the compute actor")
 
 
-def test_a_failing_validation_or_sample_is_logged_and_counted_and_training_goes_on(small_config, tmp_path, caplog):
+def test_a_failing_validation_or_sample_is_logged_and_counted_and_training_goes_on(small_config, tmp_path, caplog,
+                                                                                   monkeypatch):
+    from megaslide_ray.trainer import components
     from megaslide_ray.trainer.components import Sampler, Validator
 
-    cfg = small_config(**{"training.sample_steps": 1})
+    monkeypatch.setattr(components, "start_sample_writer", lambda *args: None)  # never reached: no Ray here
+    cfg = small_config(**{"training.sample_steps": 1, "training.sample_every": 3})
     validator, sampler = Validator(cfg, _BrokenPipeline(), None, tmp_path), Sampler(cfg, _BrokenPipeline(), tmp_path)
     assert validator.run(3) == {"val_failures": 1} and validator.run(6) == {"val_failures": 2}
-    assert sampler.run(3) == {"sample_failures": 1}
+    row = sampler.run(3)
+    assert row.keys() == {"sample_seconds", "sample_failures"} and row["sample_failures"] == 1
     assert "validation after step 3 failed, training goes on: the compute actor could not run the validation " \
            "batch" in caplog.text
     assert "sampling after step 3 failed, training goes on: sampling failed in the compute actor" in caplog.text

@@ -4,6 +4,7 @@ run hold equals metrics.jsonl, row for row; a missing package is refused before 
 import io
 import json
 import struct
+import sys
 import types
 from pathlib import Path
 
@@ -247,6 +248,41 @@ def test_wandb_offline_run_holds_the_metrics_jsonl_rows(tmp_path, monkeypatch):
     assert history[2][f"{TAG}/_type"] == "video-file"
     assert history[2][f"{TAG}/caption"] == f"step 3: {PROMPT}"
     assert (offline / "files" / history[2][f"{TAG}/path"]).read_bytes() == (tmp_path / "step_3.mp4").read_bytes()
+
+
+def test_the_wandb_tracker_logs_each_video_at_the_step_of_the_last_row(tmp_path, monkeypatch):
+    """Without wandb installed (its offline test above then skips): a stand-in module records
+    the calls. W&B drops a step lower than one it has, so a video written after its row is logged
+    at the last row's step (merged into that row), captioned with its own step and prompt."""
+    calls = []
+
+    class Video:
+        def __init__(self, path, caption=None, format=None):
+            self.args = (path, caption, format)
+
+    class Run:
+        def log(self, data, step=None):
+            calls.append(({k: getattr(v, "args", v) for k, v in data.items()}, step))
+
+        def finish(self):
+            calls.append("finish")
+
+    fake = types.SimpleNamespace(Video=Video, Settings=lambda **kw: kw, init=lambda **kw: Run(),
+                                 teardown=lambda: calls.append("teardown"))
+    monkeypatch.setitem(sys.modules, "wandb", fake)
+    monkeypatch.setattr(trackers, "check_tracker", lambda kind: None)
+    cfg = build_config("tiny", None, {"training.tracker": "wandb"})
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    log = MetricsLog(cfg, run_dir, _Pipeline(), open_tracker(cfg, run_dir))
+    rows = _rows(_sample_video(tmp_path / "step_3.mp4"))
+    log.record(rows[0], first=True)
+    log.record(rows[1], first=False)
+    log.record_samples([])  # nothing written yet: nothing logged
+    log.record_samples([_written(tmp_path / "step_1.mp4", 1)])  # step 1's video, written during step 2
+    log.close()
+    assert calls == [(_expected(rows[0]), 1), (_expected(rows[1]), 2),
+                     ({TAG: (str(tmp_path / "step_1.mp4"), f"step 1: {PROMPT}", "mp4")}, 2), "finish", "teardown"]
 
 
 @pytest.mark.slow  # a 2-step Ray run with a sample: about 20 s
