@@ -84,6 +84,8 @@ class SampleWriter:
         """The denoised sample ``x`` (float32 ``(1, F, H, W, C)``: latents, or pixels in [-1, 1])
         as the mp4 ``path``, its contact sheet beside it and a line of ``samples.jsonl``."""
         t0 = time.perf_counter()
+        if self.encoder is not None:
+            torch.set_num_threads(self.encoder.threads)  # this call's thread (Ray sets 1 for an actor of no CPU)
         x = torch.from_numpy(np.array(x, dtype=np.float32))  # a copy: Ray hands over a read-only array
         frames = to_uint8_frames(x) if self.encoder is None else decode_latents(self.encoder.load_vae(), x)
         t1 = time.perf_counter()

@@ -10,6 +10,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import ray
+from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from actors.sample_writer import SampleWriter
 from megaslide_ray.config import Config
@@ -24,9 +25,12 @@ def sample_fps(cfg: Config) -> int:
 
 
 def start_sample_writer(cfg: Config, run_dir: str | Path, model_dir: Path | None):
-    """The run's sample writer actor (``NAMESPACE/sample-writer``), started and ready."""
+    """The run's sample writer actor (``NAMESPACE/sample-writer``), started and ready, on the
+    driver's node: it writes into the run directory the driver reads (and, with ``cuda``, uses the
+    GPU of the compute actor beside it)."""
+    here = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False)
     actor = ray.remote(SampleWriter).options(name=f"{NAMESPACE}/sample-writer", num_cpus=0, num_gpus=0,
-                                             **actor_options()).remote(
+                                             scheduling_strategy=here, **actor_options()).remote(
         str(run_dir), str(model_dir) if model_dir is not None else None, cfg.training.sample_device, sample_fps(cfg))
     ray.get(actor.__ray_ready__.remote())  # a writer that cannot start says so here, before training
     return actor
