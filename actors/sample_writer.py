@@ -70,15 +70,19 @@ class SampleWriter:
             from megaslide_ray.config import DataConfig  # lazy: a pixel run needs no encoders
             from megaslide_ray.data.encoders import Encoder
 
-            # The encoder's clip settings are those of precompute's video decoding: unused here.
-            self.encoder = Encoder(model_dir, DataConfig(), device, "float32", threads or writer_threads())
+            # The encoder's clip settings are those of precompute's video decoding: unused here. Its
+            # dtype sets the text encoder's, as in precompute: bf16 on a GPU (the VAE is fp32 anyway).
+            dtype = "bfloat16" if device == "cuda" else "float32"
+            self.encoder = Encoder(model_dir, DataConfig(), device, dtype, threads or writer_threads())
 
     def encode_prompts(self, prompts: list[str]) -> list[np.ndarray]:
         """Each prompt's text embedding, float32 ``(L, text_dim)`` (its valid tokens), as
-        precompute encodes captions; the text encoder is freed when the VAE first loads."""
+        precompute encodes captions; then the text encoder is freed and the VAE loaded."""
         if self.encoder is None:
             raise RuntimeError("this sample writer has no model folder: a pixel model reads its prompts as bytes")
-        return [t.numpy() for t in self.encoder.encode_text(list(prompts))]
+        texts = [t.numpy() for t in self.encoder.encode_text(list(prompts))]
+        self.encoder.load_vae()  # frees the text encoder now (on a GPU: before training's first step)
+        return texts
 
     def write(self, x: np.ndarray, step: int, index: int, prompt: str, seed: int, path: str) -> WrittenSample:
         """The denoised sample ``x`` (float32 ``(1, F, H, W, C)``: latents, or pixels in [-1, 1])

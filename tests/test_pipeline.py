@@ -168,3 +168,37 @@ def test_the_sampler_waits_only_for_a_writer_two_samplings_behind(ray_session, s
     assert sampler.collect(wait_s=60) == [(1, 0, shape), (2, 0, shape), (3, 0, shape)]
     assert sampler.failures == 0
     sampler.abort()
+
+
+def test_each_prompt_starts_from_its_own_fixed_noise_whatever_the_training_seed(small_config, tmp_path, monkeypatch):
+    """Prompt i's samples start from the noise of seed ``training.sample_seed + i``: the same in
+    runs of different ``training.seed``, so their samples compare."""
+    import types
+
+    from megaslide_ray.evaluation.sampling import initial_noise
+    from megaslide_ray.trainer import components
+
+    handed = []
+    writer = types.SimpleNamespace(write=types.SimpleNamespace(remote=lambda *args: handed.append(args)))
+    monkeypatch.setattr(components, "start_sample_writer", lambda *args: writer)
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("one\ntwo\n")
+    starts = {}
+    for seed in (5, 9):
+        seen = []
+
+        class Predictor:  # records where each sample starts; a zero velocity keeps it there
+            def predict(self, x, t, cond, cond_len, version):
+                seen.append(x.clone())
+                return torch.zeros_like(x)
+
+        cfg = small_config(**{"training.seed": seed, "training.sample_every": 1, "training.sample_steps": 1,
+                              "training.sample_seed": 7, "training.sample_prompts_file": str(prompts)})
+        components.Sampler(cfg, Predictor(), tmp_path / str(seed)).run(1)
+        starts[seed] = seen
+    for i in (0, 1):
+        assert torch.equal(starts[5][i], initial_noise(cfg, 7 + i)) and torch.equal(starts[9][i], starts[5][i])
+    assert not torch.equal(starts[5][0], starts[5][1])
+    assert [(a[1], a[2], a[3], a[4]) for a in handed] == [(1, i, p, 7 + i) for _ in (5, 9) for i, p in
+                                                          enumerate(("one", "two"))]
+    assert np.array_equal(handed[0][0], initial_noise(cfg, 7).numpy())  # a zero velocity: the sample is its noise

@@ -8,7 +8,9 @@ Writes ``loss.png``, ``tokens_per_s.png`` and ``time_split.png`` into ``RUN_DIR/
 ``loss.png`` too. A ``dsa`` run with a checkpoint gets ``offsets.png``: the learned offset field
 of one clip, as arrows per head group (``megaslide_ray.evaluation.offsets_view``). Several runs (e.g. one
 per attention kind) are each reported, and ``val_loss_by_run.png`` draws their validation
-losses side by side. How a step's wall time splits: ``step_seconds`` is the
+losses side by side. A run that sampled during training also gets its samples listed
+(``read_samples``, ``format_samples``: by step and prompt, and what sampling held the steps up by).
+How a step's wall time splits: ``step_seconds`` is the
 driver's time between two steps; the compute actor's share is ``forward_seconds +
 backward_seconds`` (= ``compute_seconds``), and the rest (``step_seconds - compute_seconds``)
 is waiting for data and driver overhead. ``weight_wait_seconds`` (blocked on a shard version
