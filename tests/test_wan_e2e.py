@@ -101,6 +101,7 @@ def test_wan_needs_latents_and_a_model_dir_to_sample(wan_dir, latents, tmp_path,
         check_data(cfg)
 
 
+@pytest.mark.slow  # 18-30 s on the shared 2-core machine; by default the writer's decode is held to diffusers below
 def test_samples_during_wan_training_are_decoded_off_the_training_path(ray_session, wan_dir, latents, tmp_path):
     """``training.sample_every`` on a Wan model: each prompt of the file is denoised with the step's
     weights, VAE-decoded by the sample writer actor into an mp4 of the clip's frames and size, and
@@ -152,3 +153,38 @@ def test_the_model_folder_of_the_samples_is_found_or_refused_before_training(wan
     cfg.training.sample_model_dir = str(wan_dir / "transformer")
     with pytest.raises(ConfigError, match="lacks text_encoder/, tokenizer/, vae/"):
         sample_model_dir(cfg)
+
+
+def test_the_sample_writer_decodes_as_diffusers_vae_does(wan_dir, tmp_path):
+    """The writer (in process, no Ray) undoes the latents' per-channel normalisation and decodes
+    them with the folder's AutoencoderKLWan: its lossless contact sheet holds exactly the frames
+    diffusers' VAE gives; samples.jsonl lists the video."""
+    import json
+
+    from diffusers import AutoencoderKLWan
+    from PIL import Image
+    from wan_models import LATENT_SHAPE
+
+    from actors.sample_writer import SampleWriter
+    from megaslide_ray.evaluation.sampling import contact_sheet
+
+    writer = SampleWriter(str(tmp_path), str(wan_dir), "cpu")
+    texts = writer.encode_prompts(["a red circle", "blue"])
+    assert [t.shape for t in texts] == [(4, 16), (2, 16)]  # the valid tokens and </s>
+    latents = torch.randn((1, *LATENT_SHAPE), generator=torch.Generator().manual_seed(4))
+    done = writer.write(latents.numpy(), 6, 1, "blue", 8, str(tmp_path / "samples" / "s.mp4"))
+    writer.close()
+    vae = AutoencoderKLWan.from_pretrained(str(wan_dir / "vae")).eval()
+    mean = torch.tensor(vae.config.latents_mean).view(1, -1, 1, 1, 1)
+    std = torch.tensor(vae.config.latents_std).view(1, -1, 1, 1, 1)
+    with torch.no_grad():
+        video = vae.decode(latents.permute(0, 4, 1, 2, 3) * std + mean).sample  # (1, 3, F, H, W)
+    frames = ((video[0].permute(1, 2, 3, 0).clamp(-1, 1) + 1) * 127.5).round().to(torch.uint8).numpy()
+    assert frames.shape == (FRAMES, SIZE, SIZE, 3)
+    assert np.array_equal(np.asarray(Image.open(done.sheet).convert("RGB")), contact_sheet(frames))
+    assert (done.step, done.index, done.prompt, done.seed, done.frames, done.height, done.width) == (
+        6, 1, "blue", 8, FRAMES, SIZE, SIZE)
+    (line,) = (tmp_path / "samples" / "samples.jsonl").read_text().splitlines()
+    assert json.loads(line)["video"] == done.video == str(tmp_path / "samples" / "s.mp4")
+    reader = decord.VideoReader(done.video)
+    assert len(reader) == FRAMES
