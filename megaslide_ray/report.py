@@ -9,7 +9,14 @@ import argparse
 import sys
 from pathlib import Path
 
-from megaslide_ray.evaluation.report import compare_runs, format_summary, report
+from megaslide_ray.evaluation.report import (
+    compare_runs,
+    format_samples,
+    format_summary,
+    read_metrics,
+    read_samples,
+    report,
+)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -28,6 +35,9 @@ def main(argv: list[str] | None = None) -> int:
             print(f"run {run}")
             print(format_summary(summary))
             print("plots: " + ", ".join(str(x) for x in plots))
+            samples = format_samples(read_samples(run), read_metrics(Path(run) / "metrics.jsonl"), run)
+            if samples:
+                print(samples)
         if len(a.run_dirs) > 1:
             where = Path(a.out) if a.out else Path(a.run_dirs[0]) / "report"
             print(f"comparison: {compare_runs(a.run_dirs, where)}")

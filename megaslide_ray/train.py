@@ -56,7 +56,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "directory (its config.json sets the model); moments start at zero, step at 0")
     p.add_argument("--seed", type=int, default=None, help="training.seed")
     p.add_argument("--sample-every", type=int, default=None, metavar="N",
-                   help="sample training.sample_prompt into RUN_DIR/samples every N steps (training.sample_every)")
+                   help="every N steps sample each prompt (training.sample_prompt, or the lines of "
+                        "training.sample_prompts_file) into RUN_DIR/samples (training.sample_every)")
     p.add_argument("--tracker", choices=["none", "tensorboard", "wandb"], default=None,
                    help="log metrics.jsonl's rows, the config and the samples to TensorBoard (RUN_DIR/tensorboard) or "
                         "Weights & Biases (RUN_DIR/wandb, offline unless WANDB_MODE says otherwise) "

@@ -352,6 +352,28 @@ def test_a_latent_manifest_with_no_latent_file_left_is_refused_before_ray(wan, t
     assert _state(tmp_path / "shm") == [] and not ran.left
 
 
+def test_samples_without_their_model_folder_are_refused_before_ray(wan, tmp_path, capsys):
+    from megaslide_ray.train import main
+
+    _, wan_dir, manifest, _ = wan
+    common = ["--data", str(manifest), *WAN_DATA, "--attention.window", "3,1,1", "--sample-every", "2",
+              "--run-dir", str(tmp_path / "run"), "--runtime.state_dir", str(tmp_path / "shm")]
+    ran = run_here(main, ["--init-from", str(wan_dir), *common, "--training.sample_model_dir",
+                          str(tmp_path / "nowhere")], capsys)
+    assert ran.rc == 2
+    assert ran.message.startswith(f"config error: training.sample_model_dir '{tmp_path / 'nowhere'}': no such local "
+                                  f"folder")
+    parts = tmp_path / "no-vae"  # the transformer alone: it trains, but its samples cannot be decoded
+    shutil.copytree(wan_dir / "transformer", parts / "transformer")
+    ran = run_here(main, ["--init-from", str(parts / "transformer"), *common], capsys)
+    assert ran.rc == 2
+    assert ran.message == (f"config error: training.sample_every=2 with model.arch='wan' on latents: the samples need "
+                           f"a local diffusers model folder, its text_encoder/, tokenizer/ and vae/; the init_from "
+                           f"source {parts / 'transformer'} has no vae/ beside it; give --training.sample_model_dir "
+                           f"DIR (or set training.sample_every=0)")
+    assert not (tmp_path / "run").exists() and _state(tmp_path / "shm") == [] and not ran.left
+
+
 def test_init_from_a_cut_safetensors_file_names_it(wan, tmp_path, capsys):
     from megaslide_ray.train import main
 
@@ -450,13 +472,17 @@ class _BrokenPipeline:
         raise RuntimeError("sampling failed in the compute actor")
 
 
-def test_a_failing_validation_or_sample_is_logged_and_counted_and_training_goes_on(small_config, tmp_path, caplog):
+def test_a_failing_validation_or_sample_is_logged_and_counted_and_training_goes_on(small_config, tmp_path, caplog,
+                                                                                   monkeypatch):
+    from megaslide_ray.trainer import components
     from megaslide_ray.trainer.components import Sampler, Validator
 
-    cfg = small_config(**{"training.sample_steps": 1})
+    monkeypatch.setattr(components, "start_sample_writer", lambda *args: None)  # never reached: no Ray here
+    cfg = small_config(**{"training.sample_steps": 1, "training.sample_every": 3})
     validator, sampler = Validator(cfg, _BrokenPipeline(), None, tmp_path), Sampler(cfg, _BrokenPipeline(), tmp_path)
     assert validator.run(3) == {"val_failures": 1} and validator.run(6) == {"val_failures": 2}
-    assert sampler.run(3) == {"sample_failures": 1}
+    row = sampler.run(3)
+    assert row.keys() == {"sample_seconds", "sample_failures"} and row["sample_failures"] == 1
     assert "validation after step 3 failed, training goes on: the compute actor could not run the validation " \
            "batch" in caplog.text
     assert "sampling after step 3 failed, training goes on: sampling failed in the compute actor" in caplog.text

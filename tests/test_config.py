@@ -172,8 +172,41 @@ def test_a_latent_videodit_needs_a_latent_manifest():
 
     with pytest.raises(ConfigError, match="model.inputs='latents' .* trains on precomputed VAE latents"):
         check_data(build_config("dit-28b"))
-    with pytest.raises(ConfigError, match="training.sample_every=5 with model.arch='videodit' on latents"):
-        build_config("dit-28b", None, {"training.sample_every": 5})
+    from megaslide_ray.evaluation.sampling import sample_model_dir
+
+    cfg = build_config("dit-28b", None, {"training.sample_every": 5})  # its samples need the VAE's folder
+    with pytest.raises(ConfigError, match=r"training.sample_every=5 with model.arch='videodit' on latents: .*its "
+                                          r"vae/.*give --training.sample_model_dir DIR"):
+        sample_model_dir(cfg)
+
+
+def test_sampling_during_training_is_checked_before_any_work(tmp_path):
+    from megaslide_ray.config import sample_prompts
+
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("  a red circle  \n# a comment\n\nthe second\n")
+    cfg = build_config("tiny", None, {"training.sample_every": 2, "training.sample_prompts_file": str(prompts)})
+    assert sample_prompts(cfg) == ["a red circle", "the second"]
+    assert sample_prompts(build_config("tiny", None, {"training.sample_prompt": "x"})) == ["x"]
+    (tmp_path / "empty.txt").write_text("# nothing\n\n")
+    for overrides, match in (
+            ({"training.sample_prompts_file": str(tmp_path / "none.txt")}, r"sample_prompts_file=.*none.txt' cannot be "
+                                                                           r"read"),
+            ({"training.sample_prompts_file": str(tmp_path / "empty.txt")}, "holds no prompt"),
+            ({"training.sample_steps": 0}, "training.sample_steps=0 must be > 0"),
+            ({"training.sample_cfg_scale": float("nan")}, "training.sample_cfg_scale=nan must be finite")):
+        with pytest.raises(ConfigError, match=match):
+            build_config("tiny", None, {"training.sample_every": 2, **overrides})
+    build_config("tiny", None, {"training.sample_prompts_file": str(tmp_path / "none.txt")})  # unused: no sampling
+
+
+def test_a_sample_file_is_named_after_its_step_and_prompt(tmp_path):
+    from megaslide_ray.evaluation.sampling import prompt_slug, sample_path
+
+    assert prompt_slug("A Blue Square, moving up!") == "a-blue-square-moving-up"
+    assert prompt_slug("a red circle moving right on a dark blue background") == "a-red-circle-moving-right-on-a-dark-blue"
+    assert prompt_slug("x" * 50) == "x" * 40 and prompt_slug("") == prompt_slug("日本 ...") == "empty"
+    assert sample_path(tmp_path, 12, 3, "Two  words") == tmp_path / "samples" / "step_000012_03_two-words.mp4"
 
 
 def test_a_saved_run_lacking_later_fields_keeps_their_old_behaviour(tmp_path):
@@ -221,3 +254,15 @@ def test_runtime_nodes_between_one_and_the_shards(nodes):
     with pytest.raises(ConfigError, match=f"runtime.nodes={nodes} must be an integer from 1 to the model's 4 shards"):
         build_config("tiny", None, {"model.depth": 2, "runtime.nodes": nodes})
     assert build_config("tiny", None, {"model.depth": 2, "runtime.nodes": 4}).runtime.nodes == 4
+
+
+def test_samples_decoded_on_the_gpu_need_a_gpu_run():
+    from megaslide_ray.trainer.preflight import check_devices
+
+    cfg = build_config("tiny", None, {"training.sample_every": 2, "training.sample_device": "cuda"})
+    with pytest.raises(ConfigError, match="training.sample_device='cuda' .* trains on no GPU .* --training.sample_device "
+                                          "cpu"):
+        check_devices(cfg, 0, 2, "this machine")
+    check_devices(cfg, 1, 2, "this machine")
+    cfg.training.sample_device = "cpu"
+    check_devices(cfg, 0, 2, "this machine")

@@ -106,3 +106,42 @@ def test_sample_decodes_a_latent_videodit_with_the_vae(tmp_path, wan_dir):
     result = sample_video(tmp_path / "run", "a red circle", tmp_path / "out.mp4", steps=2, device="cpu",
                           model_dir=wan_dir)
     assert result.frames.shape == (9, 64, 64, 3) and result.frames.dtype == np.uint8
+
+
+def test_samples_during_training_of_a_latent_videodit_are_vae_decoded(tmp_path, wan_dir, monkeypatch):
+    """The Sampler on a latent videodit (no Ray: the compute actor and the sample writer in this
+    process): the prompt read as bytes, the latents denoised by the compute actor, decoded by the
+    writer with ``training.sample_model_dir``'s VAE into a video of the pixel clip."""
+    import types
+
+    import decord
+    from wan_models import Z
+
+    from actors.sample_writer import SampleWriter
+    from megaslide_ray.evaluation.sampling import sample_model_dir
+    from megaslide_ray.trainer import components
+
+    cfg = build_config("dit-28b", None, {
+        "model.hidden_size": 32, "model.depth": 2, "model.num_heads": 2, "model.caption_dim": 16,
+        "model.in_channels": Z, "attention.window": "3,3,3", "data.num_frames": 9, "data.height": 64,
+        "data.width": 64, "runtime.state_dir": str(tmp_path), "runtime.device": "cpu",
+        "training.sample_every": 1, "training.sample_steps": 2, "training.sample_model_dir": str(wan_dir)})
+    folder = sample_model_dir(cfg)
+    assert folder == wan_dir.resolve()
+    run_dir = tmp_path / "run"
+    writer = SampleWriter(str(run_dir), str(folder), "cpu")
+    here = types.SimpleNamespace(write=types.SimpleNamespace(remote=writer.write))  # the actor's call, in process
+    monkeypatch.setattr(components, "start_sample_writer", lambda *args: here)
+    store = ParameterStore(cfg, str(run_dir))
+    compute = ComputeActor(cfg, store.shard_infos(), LocalStoreClient(store), "shm")
+    try:
+        sampler = components.Sampler(cfg, compute, run_dir, folder)
+        assert sampler.texts is None  # a videodit reads its prompt as bytes: no text encoder
+        row = sampler.run(0)
+    finally:
+        compute.close()
+        store.close()
+        writer.close()
+    (video,) = row["sample"]
+    assert row["sample_failures"] == 0 and video.endswith("step_000000_00_a-red-circle-moving-right-on-a-dark-blue.mp4")
+    assert len(decord.VideoReader(video)) == 9 and decord.VideoReader(video)[0].shape == (64, 64, 3)

@@ -93,13 +93,112 @@ def test_samples_during_training(ray_session, small_config, tmp_path):
 
     from megaslide_ray.data.clips import read_frames
 
-    cfg = small_config(**{"training.steps": 2, "training.sample_every": 2, "training.sample_steps": 2})
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("# the samples\na red circle moving right\n\nA Blue Square, moving up!\n")
+    cfg = small_config(**{"training.steps": 4, "training.sample_every": 2, "training.sample_steps": 2,
+                          "training.sample_prompts_file": str(prompts)})
     run(cfg, tmp_path / "run")
-    video = tmp_path / "run" / "samples" / "step_2.mp4"
-    assert video.is_file() and video.with_suffix(".png").is_file()
+    samples = tmp_path / "run" / "samples"
+    names = [f"step_{s:06d}_{i:02d}_{slug}.mp4" for s in (2, 4)
+             for i, slug in enumerate(("a-red-circle-moving-right", "a-blue-square-moving-up"))]
     rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
-    assert [r.get("sample") for r in rows] == [None, str(video)]  # the row of the step that sampled names it
-    reader = decord.VideoReader(str(video))
-    assert len(reader) == cfg.data.num_frames
-    frames = read_frames(reader, list(range(len(reader))))
-    assert frames.shape[1:] == (cfg.data.height, cfg.data.width, 3)
+    # the row of the step that sampled names its videos and what the sampling held the step up by
+    assert [r.get("sample") for r in rows] == [None, [str(samples / n) for n in names[:2]], None,
+                                               [str(samples / n) for n in names[2:]]]
+    assert rows[1]["sample_seconds"] > 0 and rows[1]["sample_failures"] == 0
+    index = [json.loads(line) for line in (samples / "samples.jsonl").read_text().splitlines()]
+    assert sorted(Path(e["video"]).name for e in index) == names
+    assert {(e["step"], e["index"], e["prompt"], e["seed"]) for e in index} == {
+        (s, i, p, i) for s in (2, 4) for i, p in enumerate(("a red circle moving right", "A Blue Square, moving up!"))}
+    videos = {}
+    for name in names:
+        video = samples / name
+        assert video.with_suffix(".png").is_file()
+        reader = decord.VideoReader(str(video))
+        videos[name] = read_frames(reader, list(range(len(reader))))
+        assert videos[name].shape == (cfg.data.num_frames, cfg.data.height, cfg.data.width, 3)
+    # the two prompts differ (caption and noise), the same prompt after another step differs (weights)
+    assert not np.array_equal(videos[names[0]], videos[names[1]])
+    assert not np.array_equal(videos[names[0]], videos[names[2]])
+
+
+def test_the_sampler_waits_only_for_a_writer_two_samplings_behind(ray_session, small_config, tmp_path, monkeypatch):
+    """Sampling hands each video to the writer and returns; with two samplings still being
+    written the next one waits for the oldest, and ``collect`` returns what was written, in step
+    order, without waiting."""
+    import threading
+
+    import ray
+
+    from megaslide_ray.trainer import components
+
+    @ray.remote(num_cpus=0, max_concurrency=4)
+    class GatedWriter:
+        def __init__(self):
+            self.gate = threading.Event()
+
+        def open(self):
+            self.gate.set()
+
+        def write(self, x, step, index, prompt, seed, path):
+            self.gate.wait()
+            return (step, index, x.shape)
+
+    class Predictor:  # the pipeline's predict: a zero velocity
+        def predict(self, x, t, cond, cond_len, version):
+            return torch.zeros_like(x)
+
+    writer = GatedWriter.remote()
+    monkeypatch.setattr(components, "start_sample_writer", lambda cfg, run_dir, model_dir: writer)
+    cfg = small_config(**{"training.sample_every": 1, "training.sample_steps": 1})
+    sampler = components.Sampler(cfg, Predictor(), tmp_path)
+    for step in (1, 2):
+        # the default prompt's slug: its words up to 40 characters
+        assert sampler.run(step)["sample"] == [str(tmp_path / "samples" / f"step_{step:06d}_00_a-red-circle-moving-"
+                                                                           f"right-on-a-dark-blue.mp4")]
+        assert sampler.collect() == []
+    third = threading.Thread(target=sampler.run, args=(3,))
+    third.start()
+    third.join(timeout=2.0)
+    assert third.is_alive()  # two samplings in flight: the third waits for the oldest
+    writer.open.remote()
+    third.join(timeout=60)
+    assert not third.is_alive()
+    shape = (1, *cfg.latent_grid, cfg.model.in_channels)
+    assert sampler.collect(wait_s=60) == [(1, 0, shape), (2, 0, shape), (3, 0, shape)]
+    assert sampler.failures == 0
+    sampler.abort()
+
+
+def test_each_prompt_starts_from_its_own_fixed_noise_whatever_the_training_seed(small_config, tmp_path, monkeypatch):
+    """Prompt i's samples start from the noise of seed ``training.sample_seed + i``: the same in
+    runs of different ``training.seed``, so their samples compare."""
+    import types
+
+    from megaslide_ray.evaluation.sampling import initial_noise
+    from megaslide_ray.trainer import components
+
+    handed = []
+    writer = types.SimpleNamespace(write=types.SimpleNamespace(remote=lambda *args: handed.append(args)))
+    monkeypatch.setattr(components, "start_sample_writer", lambda *args: writer)
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("one\ntwo\n")
+    starts = {}
+    for seed in (5, 9):
+        seen = []
+
+        class Predictor:  # records where each sample starts; a zero velocity keeps it there
+            def predict(self, x, t, cond, cond_len, version):
+                seen.append(x.clone())
+                return torch.zeros_like(x)
+
+        cfg = small_config(**{"training.seed": seed, "training.sample_every": 1, "training.sample_steps": 1,
+                              "training.sample_seed": 7, "training.sample_prompts_file": str(prompts)})
+        components.Sampler(cfg, Predictor(), tmp_path / str(seed)).run(1)
+        starts[seed] = seen
+    for i in (0, 1):
+        assert torch.equal(starts[5][i], initial_noise(cfg, 7 + i)) and torch.equal(starts[9][i], starts[5][i])
+    assert not torch.equal(starts[5][0], starts[5][1])
+    assert [(a[1], a[2], a[3], a[4]) for a in handed] == [(1, i, p, 7 + i) for _ in (5, 9) for i, p in
+                                                          enumerate(("one", "two"))]
+    assert np.array_equal(handed[0][0], initial_noise(cfg, 7).numpy())  # a zero velocity: the sample is its noise

@@ -110,3 +110,28 @@ def test_several_runs_are_compared_by_validation_loss(tmp_path, capsys):
     _write(tmp_path / "noval", _rows())
     assert main([str(tmp_path / "noval"), str(tmp_path / "noval"), "--out", str(tmp_path / "x")]) == 2
     assert "logged a val_loss" in capsys.readouterr().err
+
+
+def test_the_report_lists_the_samples_taken_during_training(tmp_path, capsys):
+    run = tmp_path / "run"
+    rows = _rows(4)
+    rows[1].update({"sample": ["x"], "sample_seconds": 0.25})
+    rows[3].update({"sample": ["y"], "sample_seconds": 0.75, "step_seconds": 9.0})
+    _write(run, rows)
+    (run / "samples").mkdir()
+    entries = [{"step": s, "index": i, "prompt": p, "seed": i, "video": str(run / "samples" / f"step_{s}_{i}.mp4"),
+                "decode_seconds": d} for s, d in ((4, 3.0), (2, 1.0)) for i, p in enumerate(("red circle", "blue"))]
+    (run / "samples" / "samples.jsonl").write_text("".join(json.dumps(e) + "\n" for e in entries) + '{"step": 6, "ind')
+    assert main([str(run)]) == 0
+    out = capsys.readouterr().out
+    section = out[out.index("samples:"):].splitlines()
+    assert section == ["samples: 4 videos of 2 prompts",
+                       "  sampling held its step up by 0.500 s on average (2 times), a step without it took 1.500 s",
+                       "  decoding a sample took 2.000 s on average (the sample writer, off the step)",
+                       "  step      2 [00] 'red circle': samples/step_2_0.mp4",
+                       "  step      2 [01] 'blue': samples/step_2_1.mp4",
+                       "  step      4 [00] 'red circle': samples/step_4_0.mp4",
+                       "  step      4 [01] 'blue': samples/step_4_1.mp4"]
+    _write(tmp_path / "plain", _rows(2))
+    assert main([str(tmp_path / "plain")]) == 0
+    assert "samples:" not in capsys.readouterr().out

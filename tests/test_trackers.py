@@ -4,12 +4,14 @@ run hold equals metrics.jsonl, row for row; a missing package is refused before 
 import io
 import json
 import struct
+import sys
 import types
 from pathlib import Path
 
 import numpy as np
 import pytest
 
+from actors.sample_writer import WrittenSample
 from megaslide_ray.config import build_config, to_toml
 from megaslide_ray.data.demo import write_video
 from megaslide_ray.trainer import trackers
@@ -42,7 +44,7 @@ def _rows(sample: Path) -> list[dict]:
         if step == 2:
             row.update({"val_loss": 0.81, "val_loss_t0": 0.9, "val_loss_t1": 0.72, "val_failures": 0})
         if step == 3:
-            row.update({"sample": str(sample), "sample_failures": 0})
+            row.update({"sample": [str(sample)], "sample_seconds": 0.5, "sample_failures": 0})
         rows.append(row)
     return rows
 
@@ -53,12 +55,23 @@ def _sample_video(path: Path, frames: int = 5) -> Path:
     return path
 
 
+PROMPT = "a red circle, moving right"
+TAG = "sample/00_a-red-circle-moving-right"
+
+
+def _written(path: Path, step: int) -> WrittenSample:
+    """What the sample writer returns for the video ``path`` of step ``step``'s first prompt."""
+    return WrittenSample(step, 0, PROMPT, 0, str(path), str(path.with_suffix(".png")), 5, 16, 24, 0.1, 0.1)
+
+
 def _feed(cfg, run_dir: Path, rows: list[dict]) -> list[dict]:
-    """``rows`` through the driver's MetricsLog with the config's tracker; metrics.jsonl read back."""
+    """``rows`` through the driver's MetricsLog with the config's tracker, the sample a row names
+    handed over once written (after the row, as the Trainer does); metrics.jsonl read back."""
     log = MetricsLog(cfg, run_dir, _Pipeline(), open_tracker(cfg, run_dir))
     try:
         for i, row in enumerate(rows):
             log.record(row, first=i == 0)
+            log.record_samples([_written(Path(p), row["step"]) for p in row.get("sample", ())])
     finally:
         log.close()
     return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
@@ -79,8 +92,7 @@ def test_scalars_are_every_numeric_field_of_a_row():
            "compute_actors": [{"rank": 1, "loss": 0.3, "data_wait_seconds": 0.0}]}
     assert scalars(row) == {"loss": 0.25, "update_skipped": 1.0, "tokens": 7.0, "val_loss_t1": 0.5,
                             "compute_actors/rank1/loss": 0.3, "compute_actors/rank1/data_wait_seconds": 0.0}
-    assert trackers.sample_videos(row) == [Path("samples/step_4.mp4")]
-    assert trackers.sample_videos({"step": 1}) == []
+    assert trackers.sample_tag(_written(Path("x.mp4"), 4)) == TAG
 
 
 @pytest.mark.parametrize("kind", ["tensorboard", "wandb"])
@@ -179,7 +191,8 @@ def test_tensorboard_event_files_hold_the_metrics_jsonl_rows(tmp_path):
     (config_event,) = acc.Tensors("config/text_summary")
     text = config_event.tensor_proto.string_val[0].decode()
     assert text.splitlines() == ["    " + line for line in to_toml(cfg).splitlines()]
-    (image,) = acc.Images("sample")
+    assert acc.Tags()["images"] == [TAG]
+    (image,) = acc.Images(TAG)
     assert image.step == 3 and (image.width, image.height) == (24, 16)
     gif = Image.open(io.BytesIO(image.encoded_image_string))
     assert gif.format == "GIF" and gif.n_frames == 5
@@ -232,9 +245,44 @@ def test_wandb_offline_run_holds_the_metrics_jsonl_rows(tmp_path, monkeypatch):
     assert config["training"]["tracker"] == "wandb"
     assert config["model"] == json.loads(json.dumps(vars(cfg.model)))  # tuples as lists
     assert not any(k.startswith("sample/") for h in history[:2] for k in h)
-    assert history[2]["sample/_type"] == "video-file"
-    assert history[2]["sample/caption"] == cfg.training.sample_prompt
-    assert (offline / "files" / history[2]["sample/path"]).read_bytes() == (tmp_path / "step_3.mp4").read_bytes()
+    assert history[2][f"{TAG}/_type"] == "video-file"
+    assert history[2][f"{TAG}/caption"] == f"step 3: {PROMPT}"
+    assert (offline / "files" / history[2][f"{TAG}/path"]).read_bytes() == (tmp_path / "step_3.mp4").read_bytes()
+
+
+def test_the_wandb_tracker_logs_each_video_at_the_step_of_the_last_row(tmp_path, monkeypatch):
+    """Without wandb installed (its offline test above then skips): a stand-in module records
+    the calls. W&B drops a step lower than one it has, so a video written after its row is logged
+    at the last row's step (merged into that row), captioned with its own step and prompt."""
+    calls = []
+
+    class Video:
+        def __init__(self, path, caption=None, format=None):
+            self.args = (path, caption, format)
+
+    class Run:
+        def log(self, data, step=None):
+            calls.append(({k: getattr(v, "args", v) for k, v in data.items()}, step))
+
+        def finish(self):
+            calls.append("finish")
+
+    fake = types.SimpleNamespace(Video=Video, Settings=lambda **kw: kw, init=lambda **kw: Run(),
+                                 teardown=lambda: calls.append("teardown"))
+    monkeypatch.setitem(sys.modules, "wandb", fake)
+    monkeypatch.setattr(trackers, "check_tracker", lambda kind: None)
+    cfg = build_config("tiny", None, {"training.tracker": "wandb"})
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    log = MetricsLog(cfg, run_dir, _Pipeline(), open_tracker(cfg, run_dir))
+    rows = _rows(_sample_video(tmp_path / "step_3.mp4"))
+    log.record(rows[0], first=True)
+    log.record(rows[1], first=False)
+    log.record_samples([])  # nothing written yet: nothing logged
+    log.record_samples([_written(tmp_path / "step_1.mp4", 1)])  # step 1's video, written during step 2
+    log.close()
+    assert calls == [(_expected(rows[0]), 1), (_expected(rows[1]), 2),
+                     ({TAG: (str(tmp_path / "step_1.mp4"), f"step 1: {PROMPT}", "mp4")}, 2), "finish", "teardown"]
 
 
 @pytest.mark.slow  # a 2-step Ray run with a sample: about 20 s
@@ -242,6 +290,7 @@ def test_a_run_with_tensorboard_logs_its_metrics_jsonl_and_sample(ray_session, s
     pytest.importorskip("tensorboard")
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
+    from megaslide_ray.evaluation.sampling import prompt_slug, sample_path
     from megaslide_ray.trainer import Trainer
 
     cfg = small_config(**{"training.steps": 2, "training.sample_every": 2, "training.sample_steps": 1,
@@ -259,6 +308,7 @@ def test_a_run_with_tensorboard_logs_its_metrics_jsonl_and_sample(ray_session, s
         for tag, value in _expected(row).items():
             (event,) = [e for e in acc.Scalars(tag) if e.step == row["step"]]
             assert event.value == np.float32(value) and event.wall_time == row["time"], tag
-    (image,) = acc.Images("sample")
-    assert image.step == 2 and rows[1]["sample"].endswith("step_2.mp4")
+    tag = f"sample/00_{prompt_slug(cfg.training.sample_prompt)}"
+    (image,) = acc.Images(tag)
+    assert image.step == 2 and rows[1]["sample"] == [str(sample_path(tmp_path / "run", 2, 0, cfg.training.sample_prompt))]
     assert (image.width, image.height) == (cfg.data.width, cfg.data.height)

@@ -99,3 +99,92 @@ def test_wan_needs_latents_and_a_model_dir_to_sample(wan_dir, latents, tmp_path,
     cfg.data.num_frames = 13  # latents of 9 frames
     with pytest.raises(ConfigError, match=r"need --data.num_frames 9 --data.height 32 --data.width 32"):
         check_data(cfg)
+
+
+@pytest.mark.slow  # 18-30 s on the shared 2-core machine; by default the writer's decode is held to diffusers below
+def test_samples_during_wan_training_are_decoded_off_the_training_path(ray_session, wan_dir, latents, tmp_path):
+    """``training.sample_every`` on a Wan model: each prompt of the file is denoised with the step's
+    weights, VAE-decoded by the sample writer actor into an mp4 of the clip's frames and size, and
+    shown by TensorBoard (its own reader) at that step, one series per prompt."""
+    pytest.importorskip("tensorboard")
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("a red circle moving right\nblue square on dark background\n")
+    cfg = _config(wan_dir, latents, tmp_path, 2)
+    for key, value in (("sample_every", 2), ("sample_steps", 2), ("sample_prompts_file", str(prompts)),
+                       ("sample_cfg_scale", 3.0), ("sample_negative_prompt", "green"), ("tracker", "tensorboard")):
+        setattr(cfg.training, key, value)
+    run_dir = tmp_path / "run"
+    _train(cfg, run_dir, wan_dir)  # the VAE and text encoder come from the --init-from folder
+    slugs = ("a-red-circle-moving-right", "blue-square-on-dark-background")
+    videos = [run_dir / "samples" / f"step_000002_{i:02d}_{slug}.mp4" for i, slug in enumerate(slugs)]
+    decoded = []
+    for video in videos:
+        reader = decord.VideoReader(str(video))
+        decoded.append(read_frames(reader, np.arange(len(reader))))
+        assert decoded[-1].shape == (FRAMES, SIZE, SIZE, 3) and video.with_suffix(".png").is_file()
+    assert not np.array_equal(*decoded)  # two prompts, two noises
+    acc = EventAccumulator(str(run_dir / "tensorboard"), size_guidance={"images": 0})
+    acc.Reload()
+    assert sorted(acc.Tags()["images"]) == [f"sample/{i:02d}_{slug}" for i, slug in enumerate(slugs)]
+    for i, slug in enumerate(slugs):
+        (image,) = acc.Images(f"sample/{i:02d}_{slug}")
+        assert image.step == 2 and (image.width, image.height) == (SIZE, SIZE)
+
+
+def test_the_model_folder_of_the_samples_is_found_or_refused_before_training(wan_dir, latents, tmp_path):
+    from megaslide_ray.config import ConfigError
+    from megaslide_ray.evaluation.sampling import sample_model_dir
+
+    cfg = _config(wan_dir, latents, tmp_path, 1)
+    cfg.training.sample_every = 1
+    root = wan_dir.resolve()
+    assert sample_model_dir(cfg, wan_dir) == root
+    assert sample_model_dir(cfg, wan_dir / "transformer") == root  # --init-from ROOT/transformer
+    cfg.training.init_from = str(wan_dir)  # a resumed run: the folder its config.toml recorded
+    assert sample_model_dir(cfg) == root
+    cfg.training.init_from = ""
+    with pytest.raises(ConfigError, match=r"text_encoder/, tokenizer/ and vae/; give --training.sample_model_dir"):
+        sample_model_dir(cfg)
+    cfg.training.sample_model_dir = str(tmp_path / "nowhere")
+    with pytest.raises(ConfigError, match="training.sample_model_dir '.*nowhere': no such local folder"):
+        sample_model_dir(cfg, wan_dir)  # given, it wins over the init_from folder
+    cfg.training.sample_model_dir = str(wan_dir / "transformer")
+    with pytest.raises(ConfigError, match="lacks text_encoder/, tokenizer/, vae/"):
+        sample_model_dir(cfg)
+
+
+def test_the_sample_writer_decodes_as_diffusers_vae_does(wan_dir, tmp_path):
+    """The writer (in process, no Ray) undoes the latents' per-channel normalisation and decodes
+    them with the folder's AutoencoderKLWan: its lossless contact sheet holds exactly the frames
+    diffusers' VAE gives; samples.jsonl lists the video."""
+    import json
+
+    from diffusers import AutoencoderKLWan
+    from PIL import Image
+    from wan_models import LATENT_SHAPE
+
+    from actors.sample_writer import SampleWriter
+    from megaslide_ray.evaluation.sampling import contact_sheet
+
+    writer = SampleWriter(str(tmp_path), str(wan_dir), "cpu")
+    texts = writer.encode_prompts(["a red circle", "blue"])
+    assert [t.shape for t in texts] == [(4, 16), (2, 16)]  # the valid tokens and </s>
+    latents = torch.randn((1, *LATENT_SHAPE), generator=torch.Generator().manual_seed(4))
+    done = writer.write(latents.numpy(), 6, 1, "blue", 8, str(tmp_path / "samples" / "s.mp4"))
+    writer.close()
+    vae = AutoencoderKLWan.from_pretrained(str(wan_dir / "vae")).eval()
+    mean = torch.tensor(vae.config.latents_mean).view(1, -1, 1, 1, 1)
+    std = torch.tensor(vae.config.latents_std).view(1, -1, 1, 1, 1)
+    with torch.no_grad():
+        video = vae.decode(latents.permute(0, 4, 1, 2, 3) * std + mean).sample  # (1, 3, F, H, W)
+    frames = ((video[0].permute(1, 2, 3, 0).clamp(-1, 1) + 1) * 127.5).round().to(torch.uint8).numpy()
+    assert frames.shape == (FRAMES, SIZE, SIZE, 3)
+    assert np.array_equal(np.asarray(Image.open(done.sheet).convert("RGB")), contact_sheet(frames))
+    assert (done.step, done.index, done.prompt, done.seed, done.frames, done.height, done.width) == (
+        6, 1, "blue", 8, FRAMES, SIZE, SIZE)
+    (line,) = (tmp_path / "samples" / "samples.jsonl").read_text().splitlines()
+    assert json.loads(line)["video"] == done.video == str(tmp_path / "samples" / "s.mp4")
+    reader = decord.VideoReader(done.video)
+    assert len(reader) == FRAMES

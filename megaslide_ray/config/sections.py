@@ -406,12 +406,38 @@ class TrainingConfig:
     """A two-expert model's boundary (``model_index.json``'s ``boundary_ratio``, 0.875 for Wan2.2
     T2V-A14B), read from the ``--init-from`` folder; 0: a one-transformer model."""
     sample_every: int = 0
-    """Every this many steps, sample ``sample_prompt`` through the compute actor into
-    ``RUN_DIR/samples/step_N.mp4`` (and a ``.png`` contact sheet); 0 never."""
+    """Every this many steps, sample each prompt (``sample_prompt``, or the lines of
+    ``sample_prompts_file``) with the weights of that step, denoised through the compute actor;
+    the sample writer actor (its own Ray actor, off the training path) decodes it (a latent
+    model's with the VAE of ``sample_model_dir``) and writes
+    ``RUN_DIR/samples/step_{N:06d}_{i:02d}_{prompt slug}.mp4``, a ``.png`` contact sheet beside it
+    and a line of ``samples/samples.jsonl``; the tracker shows each video. 0 never."""
     sample_prompt: str = "a red circle moving right on a dark blue background"
-    """Caption of the samples taken during training."""
+    """Caption of the samples taken during training (when ``sample_prompts_file`` is empty)."""
+    sample_prompts_file: str = ""
+    """A UTF-8 text file of the prompts to sample during training, one per line (blank lines and
+    lines starting with ``#`` are skipped); empty: ``sample_prompt`` alone."""
+    sample_seed: int = 0
+    """The noise of prompt i's samples is drawn from seed ``sample_seed + i``: the same at every
+    sampling step and in every run (whatever ``seed``), so samples compare across steps and runs."""
     sample_steps: int = 10
     """Euler steps of each sample taken during training."""
+    sample_cfg_scale: float = 1.0
+    """Classifier-free guidance of the samples taken during training (1: none; each Euler step then
+    costs one forward, else two). Wan pipelines use 5."""
+    sample_negative_prompt: str = ""
+    """``wan``: the negative prompt whose embedding is the unconditional half of guidance
+    (``sample_cfg_scale != 1``)."""
+    sample_model_dir: str = ""
+    """A latent-space model (``wan``, or ``videodit`` on latents): the local diffusers folder whose
+    ``vae/`` decodes the samples (and for ``wan`` whose ``text_encoder/`` and ``tokenizer/``
+    encode the prompts, once, when the run starts). Empty: the ``init_from`` folder (a diffusers
+    Wan folder, or the one above its ``transformer/``). Unused by pixel models."""
+    sample_device: Literal["cpu", "cuda"] = "cpu"
+    """Where the sample writer actor runs the text encoder and the VAE decode. ``cpu``: beside
+    training, which waits only for the denoising (the compute actor's own time); ``cuda``: on the
+    training GPU, between steps (the next step waits for the decode too, and the VAE stays on the
+    GPU)."""
     eval_every: int = 0
     """Every this many steps, compute the validation loss on ``data.val_manifest`` (forward only,
     through the compute actor, with the weights after that step's update) into metrics.jsonl

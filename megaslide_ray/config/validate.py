@@ -216,7 +216,7 @@ def _check_optimizer_and_runtime(cfg: Config) -> None:
 
 def _check_run(cfg: Config) -> None:
     """The preset, the manifests, validation and sampling during training."""
-    m, d, o, t = cfg.model, cfg.data, cfg.optim, cfg.training
+    d, o, t = cfg.data, cfg.optim, cfg.training
     if cfg.preset not in PRESETS:
         raise ConfigError(f"preset={cfg.preset!r} is unknown; choose one of {sorted(PRESETS)}")
     if d.manifest and not Path(d.manifest).is_file():
@@ -234,13 +234,43 @@ def _check_run(cfg: Config) -> None:
                           f"give --data.val_manifest MANIFEST or set training.eval_every=0")
     if not math.isfinite(o.lr):
         raise ConfigError(f"optim.lr={o.lr} must be finite")
-    if cfg.latent_space and t.sample_every:
-        after = ("sample a checkpoint with `python -m megaslide_ray.sample --checkpoint RUN --model-dir WAN_DIR "
-                 "--prompt TEXT`" if m.arch == "wan" else "sample it later (decoding a latent videodit's samples "
-                 "with a VAE is not wired into `megaslide_ray.sample` yet)")
-        raise ConfigError(f"training.sample_every={t.sample_every} with model.arch={m.arch!r} on latents: samples "
-                          f"during training need the model's VAE (and for wan its text encoder), which the trainer "
-                          f"does not load; set it to 0 and {after}")
+    if t.sample_every:
+        _check_sampling(cfg)
+
+
+def sample_prompts(cfg: Config) -> list[str]:
+    """The prompts sampled during training: the lines of ``training.sample_prompts_file`` (blank
+    lines and ``#`` comments skipped), else ``training.sample_prompt`` alone. ``ConfigError`` when
+    the file cannot be read or holds no prompt."""
+    t = cfg.training
+    if not t.sample_prompts_file:
+        return [t.sample_prompt]
+    path = Path(t.sample_prompts_file).expanduser()
+    try:
+        lines = path.read_text(encoding="utf-8").splitlines()
+    except (OSError, UnicodeDecodeError) as e:
+        raise ConfigError(f"training.sample_prompts_file={t.sample_prompts_file!r} cannot be read ({e}); give a "
+                          f"UTF-8 text file with one prompt per line, or leave it empty to sample "
+                          f"training.sample_prompt") from None
+    prompts = [line.strip() for line in lines if line.strip() and not line.lstrip().startswith("#")]
+    if not prompts:
+        raise ConfigError(f"training.sample_prompts_file={t.sample_prompts_file!r} holds no prompt (blank lines and "
+                          f"lines starting with # are skipped); write one prompt per line")
+    return prompts
+
+
+def _check_sampling(cfg: Config) -> None:
+    """Sampling during training (``training.sample_every`` > 0): its guidance, device, prompts and experts."""
+    t = cfg.training
+    if not math.isfinite(t.sample_cfg_scale):
+        raise ConfigError(f"training.sample_cfg_scale={t.sample_cfg_scale} must be finite (1: no guidance)")
+    if t.sample_device not in ("cpu", "cuda"):
+        raise ConfigError(f"training.sample_device={t.sample_device!r} is not one of 'cpu', 'cuda'")
+    if t.expert in ("high", "low"):
+        raise ConfigError(f"training.sample_every={t.sample_every} with training.expert={t.expert!r}: a sample runs "
+                          f"both experts of a two-expert model, and this run trains one; set training.sample_every=0 "
+                          f"(or train both: training.expert=both)")
+    sample_prompts(cfg)
 
 
 def _validate_wan(cfg: Config) -> None:

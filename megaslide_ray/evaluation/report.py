@@ -8,7 +8,9 @@ Writes ``loss.png``, ``tokens_per_s.png`` and ``time_split.png`` into ``RUN_DIR/
 ``loss.png`` too. A ``dsa`` run with a checkpoint gets ``offsets.png``: the learned offset field
 of one clip, as arrows per head group (``megaslide_ray.evaluation.offsets_view``). Several runs (e.g. one
 per attention kind) are each reported, and ``val_loss_by_run.png`` draws their validation
-losses side by side. How a step's wall time splits: ``step_seconds`` is the
+losses side by side. A run that sampled during training also gets its samples listed
+(``read_samples``, ``format_samples``: by step and prompt, and what sampling held the steps up by).
+How a step's wall time splits: ``step_seconds`` is the
 driver's time between two steps; the compute actor's share is ``forward_seconds +
 backward_seconds`` (= ``compute_seconds``), and the rest (``step_seconds - compute_seconds``)
 is waiting for data and driver overhead. ``weight_wait_seconds`` (blocked on a shard version
@@ -143,6 +145,55 @@ def format_summary(s: RunSummary) -> str:
         for name in ("forward", "backward", "other (data, driver)", "weight wait", "optimizer"):
             if name in s.split:
                 lines.append(f"  {name:<22} {100 * s.split[name]:5.1f}%{notes.get(name, '')}")
+    return "\n".join(lines)
+
+
+# ---------------------------------------------------------------------------------------------
+# Samples taken during training
+# ---------------------------------------------------------------------------------------------
+
+
+SAMPLES_INDEX = Path("samples") / "samples.jsonl"
+"""The sample writer's list of the videos it wrote (``actors.sample_writer``), one JSON line each."""
+
+
+def read_samples(run_dir: str | Path) -> list[dict]:
+    """The samples a run wrote (``training.sample_every``), by step then prompt; [] when none.
+    A line that is not JSON (a run stopped while writing it) is skipped."""
+    path = Path(run_dir) / SAMPLES_INDEX
+    if not path.is_file():
+        return []
+    out = []
+    for line in path.read_text().splitlines():
+        try:
+            entry = json.loads(line)
+        except json.JSONDecodeError:
+            continue
+        if isinstance(entry, dict) and {"step", "index", "prompt", "video"} <= entry.keys():
+            out.append(entry)
+    return sorted(out, key=lambda e: (e["step"], e["index"]))
+
+
+def format_samples(samples: list[dict], rows: list[dict], run_dir: str | Path) -> str:
+    """The report's sample section: how long sampling held the steps up (``sample_seconds`` of the
+    rows, against the mean ``step_seconds``) and each video, by step and prompt, its path relative
+    to ``run_dir``; empty when the run took no sample."""
+    held = [r["sample_seconds"] for r in rows if isinstance(r.get("sample_seconds"), (int, float))]
+    if not samples and not held:
+        return ""
+    steps = [r["step_seconds"] for r in rows if "sample" not in r and isinstance(r.get("step_seconds"), (int, float))]
+    lines = [f"samples: {len(samples)} videos of {len({e['prompt'] for e in samples})} prompts"]
+    if held:
+        line = f"  sampling held its step up by {_mean(held):.3f} s on average ({len(held)} times)"
+        lines.append(line + (f", a step without it took {_mean(steps):.3f} s" if steps else ""))
+    decode = [e["decode_seconds"] for e in samples if isinstance(e.get("decode_seconds"), (int, float))]
+    if decode:
+        lines.append(f"  decoding a sample took {_mean(decode):.3f} s on average (the sample writer, off the step)")
+    root = Path(run_dir)
+    for e in samples:
+        video = Path(e["video"])
+        shown = video.relative_to(root) if video.is_relative_to(root) else video
+        lines.append(f"  step {e['step']:>6} [{e['index']:02d}] {e['prompt']!r}: {shown}")
     return "\n".join(lines)
 
 

@@ -19,10 +19,7 @@ Writes the H.264 mp4 and, beside it (same name, ``.png``), a contact sheet of it
 from __future__ import annotations
 
 import logging
-import math
-import struct
 import time
-import zlib
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -36,6 +33,7 @@ from megaslide_ray.config.wan_folders import describe_wan_folder, refuse_unsuppo
 from megaslide_ray.data.captions import caption_batch
 from megaslide_ray.data.demo import write_video
 from megaslide_ray.data.encoders import Encoder, check_model_dir
+from megaslide_ray.data.frames import contact_sheet, decode_latents, to_uint8_frames, write_png  # noqa: F401
 from megaslide_ray.data.latents import pad_text
 from megaslide_ray.data.precompute import clip_config
 from megaslide_ray.models.registry import build_shard, num_shards
@@ -51,8 +49,6 @@ from megaslide_ray.training.flow import shift_time
 
 log = logging.getLogger(__name__)
 
-SHEET_MAX_FRAMES = 16   # the contact sheet shows at most this many frames, evenly spaced
-SHEET_COLUMNS = 8
 
 
 # ---------------------------------------------------------------------------------------------
@@ -194,48 +190,6 @@ def wan_sample(compute: ComputeActor, cfg: Config, text: torch.Tensor, negative:
                      lens[1])
 
 
-def to_uint8_frames(x: torch.Tensor) -> np.ndarray:
-    """(1, F, H, W, C) in [-1, 1] -> uint8 (F, H, W, 3); one channel is repeated to RGB."""
-    frames = ((x[0].clamp(-1, 1) + 1) * 127.5).round().to(torch.uint8).numpy()
-    if frames.shape[-1] == 1:
-        frames = np.repeat(frames, 3, axis=-1)
-    if frames.shape[-1] != 3:
-        raise ValueError(f"the model makes {frames.shape[-1]} channels; a video needs 1 or 3 (model.in_channels)")
-    return frames
-
-
-# ---------------------------------------------------------------------------------------------
-# Contact sheet (a dependency-free PNG writer: zlib + the PNG chunk format)
-# ---------------------------------------------------------------------------------------------
-
-
-def contact_sheet(frames: np.ndarray, max_frames: int = SHEET_MAX_FRAMES, columns: int = SHEET_COLUMNS,
-                  gap: int = 2) -> np.ndarray:
-    """Up to ``max_frames`` evenly spaced frames of uint8 ``(F, H, W, 3)`` in a grid, row-major."""
-    f, h, w, _ = frames.shape
-    picks = np.unique(np.linspace(0, f - 1, min(f, max_frames)).round().astype(int))
-    cols = min(columns, len(picks))
-    rows = math.ceil(len(picks) / cols)
-    sheet = np.full((rows * h + (rows - 1) * gap, cols * w + (cols - 1) * gap, 3), 255, dtype=np.uint8)
-    for k, i in enumerate(picks):
-        r, c = divmod(k, cols)
-        sheet[r * (h + gap): r * (h + gap) + h, c * (w + gap): c * (w + gap) + w] = frames[i]
-    return sheet
-
-
-def write_png(path: str | Path, image: np.ndarray) -> None:
-    """uint8 (H, W, 3) RGB -> 8-bit PNG."""
-    h, w, _ = image.shape
-    raw = b"".join(b"\x00" + image[y].tobytes() for y in range(h))  # filter type 0 per row
-
-    def chunk(tag: bytes, data: bytes) -> bytes:
-        return struct.pack(">I", len(data)) + tag + data + struct.pack(">I", zlib.crc32(tag + data) & 0xFFFFFFFF)
-
-    png = (b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", struct.pack(">IIBBBBB", w, h, 8, 2, 0, 0, 0))
-           + chunk(b"IDAT", zlib.compress(raw, 9)) + chunk(b"IEND", b""))
-    Path(path).write_bytes(png)
-
-
 # ---------------------------------------------------------------------------------------------
 # Public API
 # ---------------------------------------------------------------------------------------------
@@ -251,37 +205,78 @@ class SampleResult:
     seconds: float
 
 
-def decode_latents(vae, latents: torch.Tensor) -> np.ndarray:
-    """Normalised latents ``(1, F', H', W', C)`` -> uint8 video ``(F, H, W, 3)`` with a diffusers
-    ``AutoencoderKLWan``: undo the per-channel normalisation (``latents_mean``/``latents_std``
-    of its config, as precompute applied it), decode, map [-1, 1] to bytes."""
-    c = vae.config
-    shape = (1, len(c.latents_mean), 1, 1, 1)
-    mean = torch.tensor(c.latents_mean, dtype=torch.float32).view(shape)
-    std = torch.tensor(c.latents_std, dtype=torch.float32).view(shape)
-    z = latents.permute(0, 4, 1, 2, 3).float() * std + mean  # (1, C, F', H', W')
-    param = next(vae.parameters())
-    with torch.inference_mode():
-        video = vae.decode(z.to(param.device, param.dtype)).sample  # (1, 3, F, H, W) in [-1, 1]
-    return to_uint8_frames(video.permute(0, 2, 3, 4, 1).float().cpu())
-
-
-def check_model_files(model_dir: str | Path, parts: tuple[str, ...]) -> Path:
+def check_model_files(model_dir: str | Path, parts: tuple[str, ...], flag: str = "--model-dir") -> Path:
     """The local model folder's ``parts`` present (``check_model_dir``) and their safetensors files
     whole, checked before denoising (a VAE found missing or damaged only after the last Euler
     step would cost the whole run), and the folder a text-to-video Wan model's or its encoders'
     alone (``refuse_unsupported``: an image-to-video folder is refused, naming what it is).
     Returns the folder, absolute."""
     try:
-        root = check_model_dir(model_dir, parts)
-        refuse_unsupported(describe_wan_folder(root, need_transformer=False), "--model-dir")
+        root = check_model_dir(model_dir, parts, flag)
+        refuse_unsupported(describe_wan_folder(root, need_transformer=False), flag)
     except ValueError as e:
         raise ConfigError(str(e)) from None
     damaged = [f"{f.relative_to(root)}: {problem.removeprefix(f.name + ' ')}" for part in parts
                for f in sorted((root / part).glob("*.safetensors")) if (problem := safetensors_problem(f))]
     if damaged:
-        raise ConfigError(f"--model-dir {root}: damaged weights: {'; '.join(damaged)}; copy them again")
+        raise ConfigError(f"{flag} {root}: damaged weights: {'; '.join(damaged)}; copy them again")
     return root
+
+
+# ---------------------------------------------------------------------------------------------
+# Samples during training: the model folder, file names
+# ---------------------------------------------------------------------------------------------
+
+
+def sample_parts(cfg: Config) -> tuple[str, ...]:
+    """The model-folder parts sampling ``cfg``'s model needs: the text encoder and VAE for
+    ``wan``, the VAE for a latent ``videodit``, none for pixels."""
+    if cfg.model.arch == "wan":
+        return ("text_encoder", "tokenizer", "vae")
+    return ("vae",) if cfg.latent_space else ()
+
+
+def sample_model_dir(cfg: Config, init_from: str | Path | None = None) -> Path | None:
+    """The local diffusers folder the samples taken during training are encoded and decoded with
+    (None for a pixel model): ``training.sample_model_dir``, else the ``init_from`` folder (or
+    ``training.init_from``: a diffusers Wan folder, or the one above its ``transformer/``), its
+    parts checked whole (``check_model_files``). ``ConfigError`` naming the flag otherwise."""
+    parts = sample_parts(cfg)
+    if not parts:
+        return None
+    t = cfg.training
+    given = t.sample_model_dir
+    if not given:
+        source = init_from or t.init_from
+        start = Path(source).expanduser() if source else None
+        found = next((d for d in ((start, start.parent) if start else ()) if (d / "vae").is_dir()), None)
+        if found is None:
+            what = "its text_encoder/, tokenizer/ and vae/" if cfg.model.arch == "wan" else "its vae/ (the one the " \
+                   "latents were made with)"
+            raise ConfigError(f"training.sample_every={t.sample_every} with model.arch={cfg.model.arch!r} on latents: "
+                              f"the samples need a local diffusers model folder, {what}; "
+                              + (f"the init_from source {source} has no vae/ beside it; " if source else "")
+                              + "give --training.sample_model_dir DIR (or set training.sample_every=0)")
+        given = str(found)
+    return check_model_files(given, parts, "training.sample_model_dir")
+
+
+def prompt_slug(prompt: str, max_chars: int = 40) -> str:
+    """A file-name part for ``prompt``: lower-case letters and digits joined by ``-`` (``empty``
+    for a prompt of none), at most ``max_chars`` long."""
+    words = "".join(c if c.isascii() and c.isalnum() else " " for c in prompt.lower()).split()
+    slug = ""
+    for w in words:
+        if len(slug) + len(w) + bool(slug) > max_chars:
+            break
+        slug += ("-" if slug else "") + w
+    return slug or (words[0][:max_chars] if words else "empty")
+
+
+def sample_path(run_dir: str | Path, step: int, index: int, prompt: str) -> Path:
+    """Where the sample of prompt ``index`` taken after step ``step`` is written:
+    ``RUN_DIR/samples/step_{step:06d}_{index:02d}_{slug}.mp4`` (sorting by name sorts by step)."""
+    return Path(run_dir) / "samples" / f"step_{step:06d}_{index:02d}_{prompt_slug(prompt)}.mp4"
 
 
 def refuse_one_expert(cfg: Config, ckpt: Path) -> None:

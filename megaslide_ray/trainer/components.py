@@ -4,12 +4,14 @@
   when a stop is requested (``pipeline.save_checkpoint``: atomic; the previous one stays).
 - ``Validator``: the held-out loss every ``training.eval_every`` steps, through the compute actor
   (forward only, ``evaluation.validation``).
-- ``Sampler``: a sample of ``training.sample_prompt`` every ``training.sample_every`` steps into
-  ``samples/step_N.mp4`` and its ``.png`` contact sheet.
+- ``Sampler``: a sample of each prompt every ``training.sample_every`` steps, denoised through the
+  compute actor, decoded and written by the sample writer actor (``actors.sample_writer``) into
+  ``samples/step_{N:06d}_{i:02d}_{slug}.mp4``, its ``.png`` contact sheet and ``samples/samples.jsonl``.
 - A validation or a sample that fails is logged (the traceback in ``RUN/error.log``) and counted
   (``val_failures``, ``sample_failures``); training goes on.
 - ``MetricsLog``: one ``metrics.jsonl`` line per step, the run's Ray metrics and the same row to
-  the experiment tracker (``training.tracker``, ``trainer.trackers``).
+  the experiment tracker (``training.tracker``, ``trainer.trackers``), and to it the sample videos
+  once they are written.
 - ``BadStepGuard``: counts steps whose update was skipped (NaN/Inf) and stops the run after
   ``optim.max_bad_steps`` in a row.
 
@@ -23,14 +25,19 @@ import json
 import logging
 import time
 import traceback
+from collections import deque
 from pathlib import Path
 
-from megaslide_ray.config import Config
-from megaslide_ray.data.demo import write_video
-from megaslide_ray.evaluation.sampling import contact_sheet, euler_sample, to_uint8_frames, write_png
+import numpy as np
+import ray
+import torch
+
+from megaslide_ray.config import Config, sample_prompts
+from megaslide_ray.evaluation.sampling import euler_sample, sample_path, wan_sample
 from megaslide_ray.evaluation.validation import ValSet, validation_loss
 from megaslide_ray.runtime.metrics import RunMetrics
 from pipelines.errors import root_cause
+from pipelines.sample_writer import start_sample_writer
 from pipelines.streaming import StreamingPipeline
 
 log = logging.getLogger(__name__)
@@ -136,37 +143,113 @@ class Validator:
         return result
 
 
-class Sampler:
-    """Samples ``training.sample_prompt`` with the weights after step ``done`` every
-    ``training.sample_every`` steps, through the compute actor (forward only). One that fails is
-    logged and counted (``sample_failures``); training goes on."""
+MAX_PENDING = 2
+"""Sampling rounds whose videos may still be decoding when the next one is due; past that the
+next round waits for the oldest (``sample_seconds`` counts the wait)."""
 
-    def __init__(self, cfg: Config, pipeline: StreamingPipeline, run_dir: Path):
+
+class Sampler:
+    """Samples each prompt (``training.sample_prompt`` or ``sample_prompts_file``) with the weights
+    after step ``done`` every ``training.sample_every`` steps: the compute actor denoises it (forward
+    only, prompt i's noise from seed ``sample_seed + i``), the sample writer actor
+    (``actors.sample_writer``, started here; for a latent model it encodes the prompts once, now,
+    and VAE-decodes each sample) writes the mp4, its contact sheet and ``samples/samples.jsonl``.
+    The step waits for the denoising; on ``sample_device = cpu`` the decode overlaps the next
+    steps (``collect`` picks up the videos written), on ``cuda`` it runs before the next step.
+    A sample that fails is logged and counted (``sample_failures``); training goes on."""
+
+    def __init__(self, cfg: Config, pipeline: StreamingPipeline, run_dir: Path, model_dir: Path | None = None):
         self.cfg, self.pipeline, self.run_dir = cfg, pipeline, run_dir
         self.failures = 0
+        self.pending: deque = deque()  # (step, [object refs of WrittenSample]) in step order
+        self.writer, self.prompts, self.texts = None, [], None
+        if not cfg.training.sample_every:
+            return
+        t = cfg.training
+        self.prompts = sample_prompts(cfg)
+        self.writer = start_sample_writer(cfg, run_dir, model_dir)
+        if cfg.model.arch == "wan":  # once: the text encoder is freed before the first decode
+            texts = ray.get(self.writer.encode_prompts.remote([*self.prompts, t.sample_negative_prompt]))
+            self.texts = [torch.from_numpy(np.array(x)) for x in texts]  # copies: Ray hands over read-only arrays
 
     def due(self, done: int) -> bool:
         return every(self.cfg.training.sample_every, done)
 
     def run(self, version: int) -> dict:
-        """The metrics.jsonl fields: ``sample`` (the mp4's path) and ``sample_failures``."""
+        """The metrics.jsonl fields: ``sample`` (the mp4s being written), ``sample_seconds`` (what
+        the step was held up by: denoising, and a wait for the writer) and ``sample_failures``."""
+        t0 = time.perf_counter()
         try:
-            return {"sample": str(self._run(version)), "sample_failures": self.failures}
+            paths = [str(p) for p in self._run(version)]
+            return {"sample": paths, "sample_seconds": time.perf_counter() - t0, "sample_failures": self.failures}
         except Exception as e:  # noqa: BLE001 - a sample never ends the run
             self.failures += 1
             log_failure("sampling", version, e, self.run_dir)
-            return {"sample_failures": self.failures}
+            return {"sample_seconds": time.perf_counter() - t0, "sample_failures": self.failures}
 
-    def _run(self, version: int) -> Path:
-        """``samples/step_N.mp4`` and its ``.png`` contact sheet."""
+    def _run(self, version: int) -> list[Path]:
         t = self.cfg.training
-        x = euler_sample(self.pipeline, self.cfg, t.sample_prompt, t.sample_steps, t.seed, version)
-        frames = to_uint8_frames(x)
-        out = self.run_dir / "samples" / f"step_{version}.mp4"
-        out.parent.mkdir(parents=True, exist_ok=True)
-        write_video(out, frames)
-        write_png(out.with_suffix(".png"), contact_sheet(frames))
+        behind = len(self.pending) - MAX_PENDING + 1  # the writer is behind: wait for its oldest rounds
+        for _, refs in list(self.pending)[:max(0, behind)]:
+            self._wait(refs, timeout=None)  # (``collect`` after the step takes them off ``pending``)
+        refs, paths = [], []
+        for i, prompt in enumerate(self.prompts):
+            seed = t.sample_seed + i
+            if self.texts is not None:
+                x = wan_sample(self.pipeline, self.cfg, self.texts[i], self.texts[-1], t.sample_steps, seed, version,
+                               t.sample_cfg_scale)
+            else:
+                x = euler_sample(self.pipeline, self.cfg, prompt, t.sample_steps, seed, version, t.sample_cfg_scale)
+            path = sample_path(self.run_dir, version, i, prompt)
+            refs.append(self.writer.write.remote(x.numpy(), version, i, prompt, seed, str(path)))
+            paths.append(path)
+        self.pending.append((version, refs))
+        if t.sample_device == "cuda":  # the decode runs on the training GPU: before the next step
+            self._wait(refs, timeout=None)
+        return paths
+
+    def _wait(self, refs: list, timeout: float | None) -> None:
+        ray.wait(refs, num_returns=len(refs), timeout=timeout)
+
+    def collect(self, wait_s: float = 0.0) -> list:
+        """The ``WrittenSample`` of every video written since the last call, in step order (never
+        waits unless ``wait_s``: then up to that long for every round in flight). A decode that
+        failed is logged and counted."""
+        if self.pending and wait_s:
+            self._wait([r for _, refs in self.pending for r in refs], timeout=wait_s)
+        out = []
+        while self.pending:
+            step, refs = self.pending[0]
+            ready, _ = ray.wait(refs, num_returns=len(refs), timeout=0)
+            if len(ready) < len(refs):
+                break
+            self.pending.popleft()
+            for ref in refs:
+                try:
+                    out.append(ray.get(ref))
+                except Exception as e:  # noqa: BLE001 - a sample never ends the run
+                    self.failures += 1
+                    log_failure("writing a sample", step, e, self.run_dir)
         return out
+
+    def close(self, wait_s: float = 600.0) -> list:
+        """Wait up to ``wait_s`` for the videos still being written, stop the writer and return
+        what was written since the last ``collect``."""
+        if self.writer is None:
+            return []
+        out = self.collect(wait_s)
+        if self.pending:
+            log.warning("samples of steps %s were still being written after %.0f s and are left out",
+                        [step for step, _ in self.pending], wait_s)
+        self.abort()
+        return out
+
+    def abort(self) -> None:
+        """Stop the writer now (a video being written is left incomplete)."""
+        if self.writer is not None:
+            ray.kill(self.writer, no_restart=True)
+            self.writer = None
+            self.pending.clear()
 
 
 class MetricsLog:
@@ -177,6 +260,7 @@ class MetricsLog:
 
     def __init__(self, cfg: Config, run_dir: Path, pipeline: StreamingPipeline, tracker=None):
         self.log_every, self.pipeline, self.tracker = cfg.training.log_every, pipeline, tracker
+        self.last_step = 0  # the step of the last row recorded
         self.path = run_dir / "metrics.jsonl"
         self._file = self.path.open("a")
         self.ray_metrics = RunMetrics(run_dir.name, pipeline.status().state_bytes)
@@ -186,6 +270,7 @@ class MetricsLog:
         line = json.dumps(row)
         self._file.write(line + "\n")
         self._file.flush()
+        self.last_step = row["step"]
         if self.tracker is not None:  # the row as written: the tracker and the file cannot differ
             self.tracker.log(json.loads(line))
         if row["step"] % self.log_every == 0 or first:
@@ -193,6 +278,12 @@ class MetricsLog:
             seconds = sum(st.decode_seconds for st in stats)
             self.ray_metrics.record_decoders(sum(st.frames_decoded for st in stats) / seconds if seconds else 0.0)
         self.ray_metrics.record(row)
+
+    def record_samples(self, samples: list) -> None:
+        """The sample videos written since the last call (``Sampler.collect``) to the tracker
+        (samples.jsonl, which the writer keeps, lists them all)."""
+        if self.tracker is not None and samples:
+            self.tracker.log_samples(samples, self.last_step)
 
     def close(self) -> None:
         self._file.close()

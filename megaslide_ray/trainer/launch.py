@@ -33,6 +33,7 @@ import ray
 
 from megaslide_ray.config import Config, ConfigError
 from megaslide_ray.data.checks import check_data
+from megaslide_ray.evaluation.sampling import sample_model_dir
 from megaslide_ray.evaluation.validation import load_val_set
 from megaslide_ray.runtime import faults
 from megaslide_ray.state.kept import (
@@ -167,13 +168,8 @@ def launch(cfg: Config, resume: bool = False, init_from: str | None = None, prog
     if resume and init_from:
         log.warning("--init-from %s ignored: --resume continues from the run's own weights", init_from)
     init_from = None if resume else (init_from or cfg.training.init_from or None)
-    if init_from:
-        try:
-            source = check_pretrained(cfg, init_from)  # every mismatch in one message, before Ray starts
-        except (PretrainedMismatchError, FileNotFoundError) as e:
-            print(f"init-from error: {e}", file=sys.stderr)
-            return 2
-        print(describe_init(cfg, init_from, source), flush=True)
+    if not check_sources(cfg, init_from):
+        return 2
 
     nodes = cfg.runtime.nodes
     if nodes > 1 and not cfg.ray.address:
@@ -239,6 +235,26 @@ def _preflight(cfg: Config, run_dir: str, resume: bool, overwrite: bool) -> tupl
         return (load_val_set(cfg) if cfg.training.eval_every else None), None
     except (ConfigError, ValueError, FileNotFoundError) as e:
         return None, f"data error: {e}"
+
+
+def check_sources(cfg: Config, init_from: str | None) -> bool:
+    """The pretrained weights (``init_from``) fit the model, and a latent model that samples during
+    training has its model folder (``vae/``, a wan's text encoder); said before Ray starts, and what
+    ``init_from`` loads is printed. False (the error printed) when either is refused."""
+    if init_from:
+        try:
+            source = check_pretrained(cfg, init_from)  # every mismatch in one message, before Ray starts
+        except (PretrainedMismatchError, FileNotFoundError) as e:
+            print(f"init-from error: {e}", file=sys.stderr)
+            return False
+        print(describe_init(cfg, init_from, source), flush=True)
+    if cfg.training.sample_every:
+        try:
+            sample_model_dir(cfg, init_from)
+        except ConfigError as e:
+            print(f"config error: {e}", file=sys.stderr)
+            return False
+    return True
 
 
 def _inject(inject_fault: str) -> str | None:

@@ -18,6 +18,7 @@ from tqdm import tqdm
 from megaslide_ray.config import Config, to_toml
 from megaslide_ray.data.checks import check_data
 from megaslide_ray.data.demo import ensure_demo_dataset
+from megaslide_ray.evaluation.sampling import sample_model_dir
 from megaslide_ray.evaluation.validation import load_val_set
 from megaslide_ray.runtime.faults import fault_point
 from megaslide_ray.state.checkpoint import (
@@ -158,6 +159,8 @@ class Trainer:
             if not resume:  # config.toml records where the weights came from
                 cfg.training = replace(cfg.training, init_from=str(Path(init_from).resolve()))
         resolve_data(cfg)
+        # A latent model's samples need its model folder: refused (ConfigError) before any actor starts.
+        sample_dir = sample_model_dir(cfg, init_from) if cfg.training.sample_every else None
         # The validation clips (``evaluation.validation.ValSet``; the CLI decodes them before Ray
         # starts and hands them over), decoded once, here, before any actor starts.
         if cfg.training.eval_every and val_set is None:
@@ -182,7 +185,11 @@ class Trainer:
         self.checkpointer = Checkpointer(cfg, self.run_dir, self.pipeline, str(ckpt) if ckpt else "",
                                          int(read_checkpoint_state(ckpt)["step"]) if ckpt else 0)
         self.validator = Validator(cfg, self.pipeline, val_set, self.run_dir)
-        self.sampler = Sampler(cfg, self.pipeline, self.run_dir)
+        try:  # the sample writer (a latent model's prompts encoded now, once)
+            self.sampler = Sampler(cfg, self.pipeline, self.run_dir, sample_dir)
+        except BaseException:
+            self.pipeline.close()
+            raise
         # The experiment tracker (``training.tracker``): the CLI opens it before Ray starts and
         # hands it over; from here on the metrics log owns it and closes it.
         self.metrics = MetricsLog(cfg, self.run_dir, self.pipeline,
@@ -256,7 +263,11 @@ class Trainer:
             row.update(self.validator.run(done))
         if sample:
             row.update(self.sampler.run(done))
+        written = self.sampler.collect()  # videos the writer finished meanwhile (never waits)
+        if written and not sample:
+            row["sample_failures"] = self.sampler.failures
         self.metrics.record(row, first=step == self.start_step)
+        self.metrics.record_samples(written)
         if checkpoint:
             self.checkpointer.save(done, self.data_state, skipped=row["update_skipped"])
         if not quiet:  # the next step's time excludes saving, sampling, validating
@@ -364,7 +375,10 @@ class Trainer:
 
     def close(self) -> None:
         self.pipeline.close()
-        self.metrics.close()
+        try:  # the videos still being written: waited for, then logged
+            self.metrics.record_samples(self.sampler.close())
+        finally:
+            self.metrics.close()
 
     def close_after_error(self) -> tuple[str, int] | None:
         """The run failed: stop every actor; keep the shared-memory state when it holds steps newer
@@ -374,10 +388,12 @@ class Trainer:
         try:
             return self.pipeline.close_after_error(self.done, self.checkpointer.step, doc)
         finally:
+            self.sampler.abort()
             self.metrics.close()
 
     def abort(self) -> None:
         """Quit at once (a second Ctrl-C): kill the actors without waiting for them, drop the
         shared-memory state. Checkpoints are written atomically, so the latest complete one stays."""
         self.pipeline.abort()
+        self.sampler.abort()
         self.metrics.close()

@@ -133,8 +133,14 @@ def local_devices(cfg: Config) -> tuple[int, int]:
 def check_devices(cfg: Config, gpus: float, cpus: float, where: str) -> None:
     """Refuse more compute actors (``runtime.compute_actors`` per node) than ``where`` has GPUs,
     or, on a CPU run, CPUs: each compute actor holds its own copy of a block's weights and its
-    activations, so more of them than devices only share the devices and the memory runs out."""
+    activations, so more of them than devices only share the devices and the memory runs out.
+    Samples decoded on the GPU (``training.sample_device``) need a GPU run."""
     n = cfg.runtime.compute_actors
+    t = cfg.training
+    if t.sample_every and t.sample_device == "cuda" and gpus < 1:
+        raise ConfigError(f"training.sample_device='cuda' decodes the samples on the training GPU between steps, but "
+                          f"{where} trains on no GPU (runtime.device={cfg.runtime.device!r}); use "
+                          f"--training.sample_device cpu")
     if cfg.runtime.device == "cuda" and gpus < 1:
         raise ConfigError(f"runtime.device='cuda' but {where} has no GPU (found {cpus:g} CPUs and no CUDA device); "
                           f"use --runtime.device auto or cpu")

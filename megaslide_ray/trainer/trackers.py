@@ -5,11 +5,14 @@ numbers (the file is the source of truth).
 - ``scalars(row)``: what a tracker logs of one row: every numeric field under its own name (a
   bool as 0/1; several compute actors' fields as ``compute_actors/rank{R}/{field}``), not
   ``step`` (the x axis) nor ``time`` (the event's wall time); lists and strings are left out.
-- ``sample_videos(row)``: the sample mp4s a row names (``sample``), logged as videos.
+- ``sample_tag(sample)``: the name a sample video is logged under, ``sample/{index:02d}_{prompt slug}``
+  (one series per prompt). The videos come to ``log_samples`` once the sample writer has written
+  them (``trainer.components.Sampler.collect``), which is after the row of the step that sampled.
 - ``check_tracker``: the tracker's package is installed (ConfigError naming the pip command
   otherwise); run before Ray starts.
 - ``open_tracker``: the tracker of ``training.tracker`` (None for ``none``), its config logged
-  once. ``log(row)`` each row, ``close()`` once (twice is harmless).
+  once. ``log(row)`` each row, ``log_samples(samples, step)`` the videos written since (``step``:
+  the last row's), ``close()`` once (twice is harmless).
 
 The packages are optional extras (``pip install 'megaslide-ray[tensorboard]'`` or ``[wandb]``):
 each is imported only when its tracker is opened.
@@ -27,6 +30,7 @@ from pathlib import Path
 import numpy as np
 
 from megaslide_ray.config import Config, ConfigError, to_toml
+from megaslide_ray.evaluation.sampling import prompt_slug
 
 log = logging.getLogger(__name__)
 
@@ -70,12 +74,13 @@ def scalars(row: dict) -> dict[str, float]:
     return out
 
 
-def sample_videos(row: dict) -> list[Path]:
-    """The sample videos ``row`` names (``sample``: one path or a list of them)."""
-    value = row.get("sample")
-    if not value:
-        return []
-    return [Path(p) for p in ([value] if isinstance(value, str) else value)]
+def sample_tag(sample) -> str:
+    """The tag of a ``WrittenSample`` (``actors.sample_writer``): ``sample/{index:02d}_{slug}``."""
+    return f"sample/{sample.index:02d}_{prompt_slug(sample.prompt)}"
+
+
+def sample_caption(sample) -> str:
+    return f"step {sample.step}: {sample.prompt}"
 
 
 def read_video(path: Path) -> tuple[np.ndarray, float]:
@@ -114,13 +119,13 @@ def gif_bytes(frames: np.ndarray, fps: float) -> tuple[bytes, int, int]:
 class TensorBoardTracker:
     """Event files in ``RUN_DIR/tensorboard`` (a resumed run adds a file beside the old ones):
     each scalar under its metrics.jsonl name at the row's step and wall time, the config as the
-    text ``config``, each sample as the animated image ``sample`` (scaled down: ``GIF_SIDE``)."""
+    text ``config``, each sample video as an animated image (scaled down: ``GIF_SIDE``) at the step
+    whose weights made it, one tag per prompt (``sample_tag``)."""
 
     def __init__(self, cfg: Config, run_dir: Path):
         from torch.utils.tensorboard import SummaryWriter  # lazy: an optional extra
 
         self.log_dir = run_dir / "tensorboard"
-        self.caption = cfg.training.sample_prompt
         self.writer = SummaryWriter(log_dir=str(self.log_dir))
         # Four spaces: a code block in TensorBoard's markdown, so the TOML shows as written.
         self.writer.add_text("config", "\n".join("    " + line for line in to_toml(cfg).splitlines()))
@@ -130,17 +135,17 @@ class TensorBoardTracker:
         step, walltime = row["step"], row.get("time")
         for key, value in scalars(row).items():
             self.writer.add_scalar(key, value, step, walltime=walltime)
-        for path in sample_videos(row):
-            self._video(path, step, walltime)
         self.writer.flush()
 
-    def _video(self, path: Path, step: int, walltime: float | None) -> None:
+    def log_samples(self, samples: list, step: int) -> None:
         from tensorboard.compat.proto.summary_pb2 import Summary  # lazy: an optional extra
 
-        gif, width, height = gif_bytes(*read_video(path))
-        image = Summary.Image(height=height, width=width, colorspace=3, encoded_image_string=gif)
-        summary = Summary(value=[Summary.Value(tag="sample", image=image)])
-        self.writer.file_writer.add_summary(summary, step, walltime)
+        for sample in samples:  # TensorBoard takes any step order: each at its own step
+            gif, width, height = gif_bytes(*read_video(Path(sample.video)))
+            image = Summary.Image(height=height, width=width, colorspace=3, encoded_image_string=gif)
+            summary = Summary(value=[Summary.Value(tag=sample_tag(sample), image=image)])
+            self.writer.file_writer.add_summary(summary, sample.step)
+        self.writer.flush()
 
     def close(self) -> None:
         self.writer.close()
@@ -150,13 +155,14 @@ class WandbTracker:
     """A Weights & Biases run in ``RUN_DIR/wandb``: offline unless the environment's
     ``WANDB_MODE`` says otherwise (``wandb sync RUN_DIR/wandb/offline-run-*`` uploads it later),
     project ``WANDB_PROJECT`` (default ``megaslide``), named after the run directory; the config
-    as the run's config, each row at its step, each sample as the video ``sample``."""
+    as the run's config, each row at its step, each sample as a video under ``sample_tag``,
+    captioned with its step and prompt, at the step of the row logged last (W&B drops anything
+    logged at an earlier step than one it already has, and a video is written after its row)."""
 
     def __init__(self, cfg: Config, run_dir: Path):
         import wandb  # lazy: an optional extra
 
         self.wandb = wandb
-        self.caption = cfg.training.sample_prompt
         self.run = wandb.init(
             dir=str(run_dir), project=os.environ.get("WANDB_PROJECT", "megaslide"), name=run_dir.name,
             mode=os.environ.get("WANDB_MODE", "offline"), config=dataclasses.asdict(cfg),
@@ -164,11 +170,12 @@ class WandbTracker:
         self._closed = False
 
     def log(self, row: dict) -> None:
-        data: dict = dict(scalars(row))
-        videos = [self.wandb.Video(str(p), caption=self.caption, format="mp4") for p in sample_videos(row)]
-        if videos:
-            data["sample"] = videos[0] if len(videos) == 1 else videos
-        self.run.log(data, step=row["step"])
+        self.run.log(scalars(row), step=row["step"])
+
+    def log_samples(self, samples: list, step: int) -> None:
+        videos = {sample_tag(s): self.wandb.Video(s.video, caption=sample_caption(s), format="mp4") for s in samples}
+        if videos:  # merged into the row of ``step`` (not committed yet: W&B commits it when the step moves on)
+            self.run.log(videos, step=step)
 
     def close(self) -> None:
         if not self._closed:
@@ -187,14 +194,21 @@ class SafeTracker:
         self.tracker, self.failed, self.closed = tracker, False, False
 
     def log(self, row: dict) -> None:
+        self._call("log", row.get("step"), row)
+
+    def log_samples(self, samples: list, step: int) -> None:
+        if samples:
+            self._call("log_samples", step, samples, step)
+
+    def _call(self, method: str, step, *args) -> None:
         if self.failed or self.closed:
             return
         try:
-            self.tracker.log(row)
+            getattr(self.tracker, method)(*args)
         except Exception as e:  # noqa: BLE001 - a tracker never ends the run
             self.failed = True
             log.warning("the %s tracker failed at step %s and logs nothing more (metrics.jsonl has every step): %r",
-                        type(self.tracker).__name__, row.get("step"), e)
+                        type(self.tracker).__name__, step, e)
 
     def close(self) -> None:
         if self.closed:
