@@ -30,6 +30,7 @@ compiles it for sm_90 here (registers, spills, shared memory, the dots as ``wgmm
 
 from __future__ import annotations
 
+import logging
 import math
 
 import torch
@@ -117,3 +118,76 @@ def aot_variants(shape) -> list[dict]:
     return [dict(kernel="fused_fwd", fn=fn, signature=sig, constexprs=cx, num_warps=GLUON_WARPS, num_stages=1,
                  config=f"tile 1x{TILE_Y}x{TILE_X},JC={cx['JC']}", tensor_cores=True, may_pick=False, archs=("sm_90",),
                  note="the fused halo-dense forward (Gluon): not picked until a GPU run checks it")]
+
+
+# -----------------------------------------------------------------------------
+# The forward as a backend choice (``KernelModes(halo="fused")``): refusals, and the first-use check
+
+log = logging.getLogger(__name__)
+_CHECKED: dict[tuple, str | None] = {}  # (device, dtype, head dim, window, bound) -> None (passed) or why not
+
+
+def fused_refusal(q: torch.Tensor, window, bound: float | None, slab=None) -> str | None:
+    """Why the fused forward cannot take this call, or None: it needs Gluon's shared-memory ops, an
+    sm_90 GPU, bf16 or fp16, a bound, the whole clip (no slab), head dim 128 and window 3x7x7 (the
+    shape it was written and compiled for), and its first-use check passed at this shape."""
+    why = gluon_halo_refusal()
+    if why is not None:
+        return why
+    if q.device.type != "cuda" or torch.cuda.get_device_capability(q.device)[0] != 9:
+        return "the fused forward runs on sm_90 (Hopper) GPUs only"
+    if q.dtype not in (torch.bfloat16, torch.float16):
+        return f"the fused forward takes bf16 or fp16, not {q.dtype}"
+    if bound is None or slab is not None:
+        return "the fused forward needs a bound (attention.max_offset) and the whole clip (no token chunks)"
+    if (q.shape[-1], tuple(window)) != (128, (3, 7, 7)):
+        return f"the fused forward is built for head dim 128 and window 3x7x7, not {q.shape[-1]} and {tuple(window)}"
+    return first_use_check(q.device, q.dtype, tuple(window), float(bound))
+
+
+def first_use_check(device, dtype, window, bound: float) -> str | None:
+    """Run the kernel once per (device, dtype, window, bound) on a small random problem at the same
+    compile (a 3 x 20 x 20 grid, two heads, offsets within the bound) and hold it to the fp32 reference
+    by the flash rule; None when it passed, else why not (the caller falls back, never a wrong result)."""
+    key = (str(device), dtype, window, bound)
+    if key not in _CHECKED:
+        _CHECKED[key] = _check_once(device, dtype, window, bound)
+    return _CHECKED[key]
+
+
+def _check_once(device, dtype, window, bound: float) -> str | None:
+    from .checks import flash_rule_errors  # lazy: test helpers, needed only here
+    from .dsa_reference import dsa_reference
+
+    g = torch.Generator().manual_seed(0)
+    shape = (1, 3, 20, 20, 2, 128)
+    q, k, v = (torch.randn(shape, generator=g) for _ in range(3))
+    off = (torch.rand((*shape[:5], 147, 3), generator=g) * 2 - 1) * bound
+    try:
+        out, _ = halo_dense_forward(*(x.to(device, dtype) for x in (q, k, v, off)), window, 128 ** -0.5, bound)
+        if torch.device(device).type == "cuda":
+            torch.cuda.synchronize(device)
+    except Exception as e:  # noqa: BLE001 - any failure to build or run means: not this kernel
+        return f"the fused forward failed its first-use run ({type(e).__name__}: {str(e)[:200]})"
+    ref32 = dsa_reference(q, k, v, off, window)
+    same = dsa_reference(*(x.to(dtype) for x in (q, k, v, off)), window, upcast=False)
+    errors = flash_rule_errors((out.float().cpu(),), (ref32,), (same,), 1e-3)
+    return f"the fused forward failed its first-use check against the reference ({errors[0]})" if errors else None
+
+
+_NOTED: set = set()
+
+
+def note_fused_once(refused: str | None) -> None:
+    """Say once per reason what took the forward: the fused kernel (INFO), or why not -- a failed
+    first-use check as a warning (the kernel exists but disagreed), any other reason as INFO."""
+    key = refused or "fused"
+    if key in _NOTED:
+        return
+    _NOTED.add(key)
+    if refused is None:
+        log.info("3D-DSA forward: the fused halo-dense kernel (its first-use check passed)")
+    elif "first-use" in refused:
+        log.warning("3D-DSA forward: %s; the other kernels take it", refused)
+    else:
+        log.info("3D-DSA forward: not the fused kernel (%s); the other kernels take it", refused)

@@ -471,6 +471,14 @@ def _dsa_fwd_launch(q, k, v, offsets, win, scale, block_m, slab=None, max_offset
     kv_args, T = _slab_args(q, k, slab)
     out = torch.empty_like(q)
     lse = torch.empty((B, nh, N), device=q.device, dtype=torch.float32)
+    if modes.halo == "fused":  # the fused halo-dense forward where it can run, else auto's choice
+        from .dsa_gluon_halo import fused_refusal, halo_dense_forward, note_fused_once  # lazy: Gluon, when asked
+
+        refused = fused_refusal(q, win, max_offset, slab)
+        note_fused_once(refused)
+        if refused is None:
+            return halo_dense_forward(q, k, v, offsets, win, scale, float(max_offset))
+        modes = AUTO
     bound, why = ((None, "") if halo_refusal(q, block_m, modes)
                   else pull_bound(offsets, max_offset, slab, win[0], win[2]))
     halo, why = halo_choice("fwd", q, win, bound, why, block_m, modes)
@@ -498,6 +506,8 @@ def _dsa_bwd_launch(q, k, v, offsets, out, dout, lse, win, scale, block_m, slab=
     kv_args, T = _slab_args(q, k, slab)
     dq = torch.empty_like(q)
     doff = torch.empty_like(offsets)
+    if modes.halo == "fused":  # the fused forward's backward: auto's kernels
+        modes = KernelModes(dkv=modes.dkv)
     bound, why = ((None, "dkv mode atomic") if modes.dkv == "atomic"
                   else pull_bound(offsets, max_offset, slab, win[0], win[2]))
     split = None  # a bound past the key-side pass's cap, or none: it still takes the queries within its cap

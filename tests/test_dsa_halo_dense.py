@@ -148,3 +148,65 @@ def test_refuses_a_missing_bound():
     off = torch.zeros(1, 3, 4, 4, 1, 27, 3)
     with pytest.raises(ValueError, match="bound"):
         dsa_halo_dense(q, k, v, off, (3, 3, 3), float("inf"))
+
+
+# -----------------------------------------------------------------------------
+# The fused forward as a backend choice: the first-use check and the fallback (no GPU needed)
+
+
+def test_the_first_use_check_passes_a_right_kernel_and_catches_a_wrong_or_failing_one(monkeypatch):
+    """``first_use_check`` holds the kernel to the reference by the flash rule on a small problem at
+    the call's compile: the mirror (the kernel's algorithm) passes; a result off by a little, or a
+    kernel that raises, is refused with the reason, so the caller falls back."""
+    import kernels.dsa_gluon_halo as G
+
+    def mirror(q, k, v, off, window, scale, bound):
+        return dsa_halo_dense(q, k, v, off, window, bound, scale=scale), None
+
+    def off_a_little(*a):
+        out, _ = mirror(*a)
+        return out * 1.02, None
+
+    def broken(*a):
+        raise RuntimeError("illegal memory access")
+
+    for fn, verdict in ((mirror, None), (off_a_little, "failed its first-use check"), (broken, "illegal memory")):
+        monkeypatch.setattr(G, "halo_dense_forward", fn)
+        monkeypatch.setattr(G, "_CHECKED", {})
+        got = G.first_use_check("cpu", torch.bfloat16, (3, 7, 7), 1.5)
+        assert (got is None) if verdict is None else (verdict in got), (fn.__name__, got)
+    monkeypatch.setattr(G, "halo_dense_forward", broken)  # the verdict is kept: checked once per shape
+    monkeypatch.setattr(G, "_CHECKED", {("cpu", torch.bfloat16, (3, 7, 7), 1.5): None})
+    assert G.first_use_check("cpu", torch.bfloat16, (3, 7, 7), 1.5) is None
+
+
+def test_fused_mode_takes_the_fused_forward_only_where_it_may(monkeypatch):
+    """``KernelModes(halo="fused")``: the forward launcher runs the fused kernel where
+    ``fused_refusal`` allows it, and otherwise what ``auto`` runs (here on a CPU: refused, sm_90 only)."""
+    pytest.importorskip("triton")
+    import kernels.dsa_gluon_halo as G
+    import kernels.dsa_triton as DT
+    from kernels import KernelModes
+
+    shape = (1, 3, 8, 8, 1, 128)
+    q = torch.zeros(shape, dtype=torch.bfloat16)
+    off = torch.zeros(*shape[:5], 147, 3, dtype=torch.bfloat16)
+    assert "sm_90" in G.fused_refusal(q, (3, 7, 7), 1.5)
+    ran = []
+
+    class Stub:  # stands in for a Triton kernel (``kernel[grid](...)``): records its name, runs nothing
+        def __init__(self, name):
+            self.name = name
+
+        def __getitem__(self, grid):
+            return lambda *a, **k: ran.append(self.name)
+
+    monkeypatch.setattr(DT, "halo_forward", lambda *a: ran.append("halo"))
+    monkeypatch.setattr(DT, "_dsa_fwd_tuned", Stub("gather"))
+    monkeypatch.setattr(DT, "_dsa_fwd", Stub("gather"))
+    DT._dsa_fwd_launch(q, q, q, off, (3, 7, 7), 0.1, None, None, 1.5, KernelModes(halo="fused"))
+    DT._dsa_fwd_launch(q, q, q, off, (3, 7, 7), 0.1, None, None, 1.5, KernelModes())
+    assert len(ran) == 2 and ran[0] == ran[1]  # refused: what auto runs at this shape and bound
+    monkeypatch.setattr(G, "fused_refusal", lambda *a: None)
+    monkeypatch.setattr(G, "halo_dense_forward", lambda *a: ("fused", None))
+    assert DT._dsa_fwd_launch(q, q, q, off, (3, 7, 7), 0.1, None, None, 1.5, KernelModes(halo="fused"))[0] == "fused"

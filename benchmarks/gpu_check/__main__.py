@@ -33,7 +33,8 @@ rewritten after every part and marked ``running`` before it, so a killed run sti
    path as ``auto`` runs it: halo or gather per pass by the cost model, ``max_offset`` 1.5), ``dsa_gather`` (the gather kernel, same offsets, dk/dv by the key-side
    pass), ``dsa_gather_atomic`` (the same, dk/dv by fp32 atomics), ``dsa_gather_split``
    (unbounded offsets, 5% of the queries 4 tokens out: dk/dv by the split mode), ``dsa_halo`` (the halo
-   kernels: the forward and the backward's query side on tensor cores) -- against flash SDPA
+   kernels: the forward and the backward's query side on tensor cores), ``dsa_fused`` (GPU only: the
+   fused halo-dense forward where Triton >= 3.8 builds it and its first-use check passes) -- against flash SDPA
    (``sdpa_kernel(FLASH_ATTENTION)``) and against the neighborhood case (zero offsets) at
    paper-like shapes: d = 128, nh = 8 (the paper's 44-96 heads scale time linearly and leave
    TFLOP/s as they are), K = 27 and 75, 16k / 64k / 256k tokens, bf16; TFLOP/s and the

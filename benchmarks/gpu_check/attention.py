@@ -25,7 +25,9 @@ if TYPE_CHECKING:
     from .run import Run
 
 
-GATHER_KINDS = ("dsa_gather", "dsa_gather_atomic", "dsa_gather_split", "dsa_halo")
+GATHER_KINDS = ("dsa_gather", "dsa_gather_atomic", "dsa_gather_split", "dsa_halo", "dsa_fused")
+"""The DSA rows that force a kernel family (``KernelModes``); ``dsa_fused``: the fused halo-dense
+forward where it can run (Triton >= 3.8, sm_90, d 128, 3x7x7; its first-use check passed), else auto's."""
 
 
 def attention_flops(kind: str, tokens: int, K: int, nh: int, d: int) -> tuple[float, float]:
@@ -52,10 +54,12 @@ def predicted_ms(kind: str, grid, window, nh: int, d: int) -> tuple[float, float
     if kind == "dense":
         f = C.fa3_seconds(N, d, chip)
         return 1e3 * nh * f["fwd"], 1e3 * nh * f["bwd"]
-    if kind in ("dsa", "neighborhood", "dsa_gather_split"):
-        bound = {"dsa": 1.5, "neighborhood": 0.0, "dsa_gather_split": None}[kind]
+    if kind in ("dsa", "neighborhood", "dsa_gather_split", "dsa_fused"):
+        bound = {"dsa": 1.5, "neighborhood": 0.0, "dsa_gather_split": None, "dsa_fused": 1.5}[kind]
         b = C.call_breakdown(grid, window, d, bound, far_share=SPLIT_FAR_SHARE)
-        return nh * b["dsa_ms"]["fwd"], nh * b["dsa_ms"]["bwd"]
+        fused = C.fused_fwd_cost(grid, window, d, 1.5) if kind == "dsa_fused" else None
+        fwd_ms = 1e3 * fused.seconds(chip)["seconds"] if fused is not None else b["dsa_ms"]["fwd"]
+        return nh * fwd_ms, nh * b["dsa_ms"]["bwd"]
     gather_fwd, gather_atomic = C.gather_costs(N, window, d)
     query, key = C.pull_costs(grid, window, d, 1.5)
     fwd, bwd = [gather_fwd], {"dsa_gather": [query, key], "dsa_gather_atomic": [gather_atomic]}.get(kind)
@@ -101,8 +105,8 @@ def measure_attention(kind: str, grid, window, nh: int, d: int, device, reps: in
                                           max_offset=None if kind == "dsa_gather_split" else
                                           0.0 if kind == "neighborhood" else 1.5)
 
-    modes = KernelModes(halo=("halo" if kind == "dsa_halo" else "gather") if kind in GATHER_KINDS else "auto",
-                        dkv="atomic" if kind == "dsa_gather_atomic" else "auto")
+    halo = {"dsa_halo": "halo", "dsa_fused": "fused"}.get(kind, "gather") if kind in GATHER_KINDS else "auto"
+    modes = KernelModes(halo=halo, dkv="atomic" if kind == "dsa_gather_atomic" else "auto")
     clock = Clock(device)
 
     def once() -> tuple[float, float]:
@@ -130,7 +134,8 @@ def measure_attention(kind: str, grid, window, nh: int, d: int, device, reps: in
             "backend": {"dense": "sdpa-flash", "dsa_gather": "triton gather, dk/dv pulled",
                         "dsa_gather_atomic": "triton gather, dk/dv by atomics",
                         "dsa_gather_split": "triton gather, dk/dv split: pulled, 5% of queries by atomics",
-                        "dsa_halo": "triton halo (tensor cores), dk/dv pulled"}.get(
+                        "dsa_halo": "triton halo (tensor cores), dk/dv pulled",
+                        "dsa_fused": "fused halo-dense forward (Gluon) where it may run, else auto; backward auto"}.get(
                 kind, "triton auto (halo or gather per pass by the cost model), dk/dv pulled")}
 
 
@@ -174,7 +179,8 @@ def part_attention(ctx: Run) -> dict:
         plan.append(("dense", grid, sz.attn_windows[0]))
         for window in sz.attn_windows:
             plan += [(kind, grid, window) for kind in ("dsa", *GATHER_KINDS, "neighborhood")
-                     if g == 0 or kind not in sz.attn_first_grid_only]
+                     if (g == 0 or kind not in sz.attn_first_grid_only)
+                     and (kind != "dsa_fused" or str(dev).startswith("cuda"))]  # the fused kernel: a GPU's
     for kind, grid, window in plan:
         key = (kind, tuple(window) if kind != "dense" else None)
         base = {"kind": kind, "grid": list(grid), "tokens": math.prod(grid), "window": list(window),

@@ -58,7 +58,7 @@ def check_case(t, case: Case, dtype, device: str, kernel: str = "gather") -> dic
     bound = CASE_BOUND.get(case.offsets)
 
     def tri(*a):
-        return fused.dsa_triton(*a, case.window, block_m=None if kernel == "halo" else case.block_m,
+        return fused.dsa_triton(*a, case.window, block_m=None if kernel in ("halo", "fused") else case.block_m,
                                 max_offset=bound, modes=KernelModes(halo=kernel))
 
     def ref(*a, **kw):
@@ -66,6 +66,11 @@ def check_case(t, case: Case, dtype, device: str, kernel: str = "gather") -> dic
 
     got = t.grads(tri, inputs, dout)
     ran = kernel if kernel == "gather" or bound is not None else "gather (no bound: the halo kernels need one)"
+    if kernel == "fused":  # it runs only where it may (and passed its first-use check): say what ran
+        from kernels.dsa_gluon_halo import fused_refusal  # lazy: as above
+
+        refused = fused_refusal(inputs[0], case.window, bound)
+        ran = "fused" if refused is None else f"auto ({refused})"
     result = {"case": f"{case.name} [{kernel}]", "shape": case.shape, "window": case.window,
               "dtype": str(dtype).replace("torch.", ""), "block_m": case.block_m, "kernel": ran}
     if dtype == torch.float32:
@@ -126,7 +131,8 @@ def part_correctness(ctx: Run) -> dict:
     # kernels.checks: inputs, identities, the bf16 rule (shared with the tests)
     results = []
     for case in ctx.sizes.cases:
-        for kernel, dtype in ((kn, dt) for kn in ("gather", "halo") for dt in (torch.float32, torch.bfloat16)):
+        kernels = ("gather", "halo", "fused") if str(ctx.device).startswith("cuda") else ("gather", "halo")  # fused: GPU
+        for kernel, dtype in ((kn, dt) for kn in kernels for dt in (torch.float32, torch.bfloat16)):
             if ctx.past_deadline():
                 results.append({"case": f"{case.name} [{kernel}]", "dtype": str(dtype).replace("torch.", ""),
                                 "ok": False, "errors": ["skipped: time budget (--budget-s)"]})

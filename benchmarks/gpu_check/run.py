@@ -146,7 +146,9 @@ def markdown(report: dict) -> list[str]:
                       "`dsa_gather_atomic`: the same with dk/dv by fp32 atomics; `dsa_gather_split`: unbounded offsets "
                       "with every 20th token's first sample 4 tokens out, dk/dv by the split mode (the key-side pass "
                       "for the rest, atomics for those); `dsa_halo`: the halo kernels "
-                      "(the forward and the backward's query side on tensor cores), dk/dv by the key-side pass.", "",
+                      "(the forward and the backward's query side on tensor cores), dk/dv by the key-side pass; "
+                      "`dsa_fused` (GPU only): the fused halo-dense forward (Gluon, Triton >= 3.8, sm_90) where it "
+                      "runs and passed its first-use check, else auto's; the backward auto's.", "",
                       "Predicted: the cost model (`kernels.dsa_cost`, H100 figures) for the same kernels and shape; "
                       "`dense`: FlashAttention-3's model beside SDPA's flash kernel.", "",
                       "| kind | tokens | window | fwd [ms] | bwd [ms] | predicted fwd [ms] | predicted bwd [ms] "
