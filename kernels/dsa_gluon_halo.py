@@ -124,7 +124,8 @@ def aot_variants(shape) -> list[dict]:
 # The forward as a backend choice (``KernelModes(halo="fused")``): refusals, and the first-use check
 
 log = logging.getLogger(__name__)
-_CHECKED: dict[tuple, str | None] = {}  # (device, dtype, head dim, window, bound) -> None (passed) or why not
+_CHECKED: dict[tuple, str | None] = {}
+CHECK_SHAPE = (1, 3, 20, 20, 2, 128)  # the first-use check's problem: 3 frames of 20 x 20 tokens, two heads  # (device, dtype, head dim, window, bound) -> None (passed) or why not
 
 
 def fused_refusal(q: torch.Tensor, window, bound: float | None, slab=None) -> str | None:
@@ -147,7 +148,7 @@ def fused_refusal(q: torch.Tensor, window, bound: float | None, slab=None) -> st
 
 def first_use_check(device, dtype, window, bound: float) -> str | None:
     """Run the kernel once per (device, dtype, window, bound) on a small random problem at the same
-    compile (a 3 x 20 x 20 grid, two heads, offsets within the bound) and hold it to the fp32 reference
+    compile (``CHECK_SHAPE``: a 3 x 20 x 20 grid, two heads, offsets within the bound) and hold it to the fp32 reference
     by the flash rule; None when it passed, else why not (the caller falls back, never a wrong result)."""
     key = (str(device), dtype, window, bound)
     if key not in _CHECKED:
@@ -157,10 +158,10 @@ def first_use_check(device, dtype, window, bound: float) -> str | None:
 
 def _check_once(device, dtype, window, bound: float) -> str | None:
     from .checks import flash_rule_errors  # lazy: test helpers, needed only here
-    from .dsa_reference import dsa_reference
+    from .dsa_reference import dsa_reference  # lazy: as above, once per shape
 
     g = torch.Generator().manual_seed(0)
-    shape = (1, 3, 20, 20, 2, 128)
+    shape = CHECK_SHAPE
     q, k, v = (torch.randn(shape, generator=g) for _ in range(3))
     off = (torch.rand((*shape[:5], 147, 3), generator=g) * 2 - 1) * bound
     try:

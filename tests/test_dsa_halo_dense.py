@@ -170,6 +170,7 @@ def test_the_first_use_check_passes_a_right_kernel_and_catches_a_wrong_or_failin
     def broken(*a):
         raise RuntimeError("illegal memory access")
 
+    monkeypatch.setattr(G, "CHECK_SHAPE", (1, 3, 12, 12, 1, 128))  # two tiles a side: small enough for a CPU
     for fn, verdict in ((mirror, None), (off_a_little, "failed its first-use check"), (broken, "illegal memory")):
         monkeypatch.setattr(G, "halo_dense_forward", fn)
         monkeypatch.setattr(G, "_CHECKED", {})
