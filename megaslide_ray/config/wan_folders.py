@@ -29,6 +29,9 @@ from megaslide_ray.config.sections import ConfigError
 
 TEXT_TO_VIDEO = ("t2v", "ti2v", "t2v-a14b")
 """The kinds whose transformer this project trains (text-to-video)."""
+IMAGE_TO_VIDEO = ("i2v", "i2v-a14b", "flf2v")
+"""The image-to-video kinds whose transformer ``from_diffusers`` loads (``refuse_unsupported``'s
+``image_to_video``)."""
 
 NAMES = {
     "t2v": "a Wan text-to-video model",
@@ -155,10 +158,11 @@ def describe_wan_folder(path: str | Path, need_transformer: bool = True) -> WanF
                      evidence=", ".join(e for e in evidence if e) or "no model_index.json")
 
 
-def refuse_unsupported(folder: WanFolder, flag: str) -> None:
+def refuse_unsupported(folder: WanFolder, flag: str, image_to_video: bool = False) -> None:
     """A ``ConfigError`` naming what ``folder`` is when it is not a text-to-video Wan model
-    (image-to-video, VACE, Animate, S2V, an unknown class). ``flag``: the option that gave it."""
-    if folder.kind in TEXT_TO_VIDEO:
+    (image-to-video, VACE, Animate, S2V, an unknown class). ``flag``: the option that gave it.
+    ``image_to_video``: the image-to-video kinds pass too (what the caller handles)."""
+    if folder.kind in TEXT_TO_VIDEO or (image_to_video and folder.kind in IMAGE_TO_VIDEO):
         return
     what = folder.name
     if folder.kind in ("i2v", "i2v-a14b", "flf2v"):

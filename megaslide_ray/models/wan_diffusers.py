@@ -26,9 +26,7 @@ class DiffusersWanTransformer(WanTransformer):
 
     def forward(self, hidden_states: torch.Tensor, timestep: torch.Tensor, encoder_hidden_states: torch.Tensor,
                 encoder_hidden_states_image: torch.Tensor | None = None) -> torch.Tensor:
-        if encoder_hidden_states_image is not None:
-            raise ValueError("image-to-video conditioning (encoder_hidden_states_image) is not supported")
-        return self.forward_diffusers(hidden_states, timestep, encoder_hidden_states)
+        return self.forward_diffusers(hidden_states, timestep, encoder_hidden_states, encoder_hidden_states_image)
 
 
 _DIFFUSERS_CLASS = "WanTransformer3DModel"
@@ -49,17 +47,13 @@ _IMAGE_KEYS = ("image_dim", "added_kv_proj_dim", "pos_embed_seq_len")
 
 def wan_config_from_diffusers(config_json: dict, vae_config: dict | None = None) -> dict[str, Any]:
     """``model.*`` overrides from a diffusers transformer ``config.json`` (and, when given, the
-    VAE's ``config.json``, for ``model.latent_compression``). Refuses image-to-video models, other
-    classes, other q/k norms and keys this module does not know, naming each."""
+    VAE's ``config.json``, for ``model.latent_compression``); an image-to-video model's
+    ``image_dim``/``added_kv_proj_dim``/``pos_embed_seq_len`` become the same ``model.*`` fields.
+    Refuses other classes, other q/k norms and keys this module does not know, naming each."""
     cls = config_json.get("_class_name", _DIFFUSERS_CLASS)
     if cls != _DIFFUSERS_CLASS:
         raise ConfigError(f"diffusers class {cls!r} is not supported; only {_DIFFUSERS_CLASS} (Wan2.1 / Wan2.2 "
                           f"text-to-video transformers)")
-    image = {k: config_json[k] for k in _IMAGE_KEYS if config_json.get(k) is not None}
-    if image:
-        raise ConfigError(f"an image-to-video Wan model ({', '.join(f'{k}={v}' for k, v in image.items())}) is not "
-                          f"supported: its image embedder and image cross-attention are not implemented; use a "
-                          f"text-to-video model (Wan2.1 T2V, Wan2.2 TI2V-5B)")
     unknown = sorted(k for k in config_json
                      if not k.startswith("_") and k not in _DIFFUSERS_DEFAULTS and k != DSA_CONFIG_KEY)
     if unknown:
@@ -87,6 +81,8 @@ def wan_config_from_diffusers(config_json: dict, vae_config: dict | None = None)
         "model.eps": float(c["eps"]),
         "model.rope_max_seq_len": int(c["rope_max_seq_len"]),
     }
+    for key in _IMAGE_KEYS:  # image-to-video (Wan2.1 I2V, FLF2V); absent: 0 (none)
+        out[f"model.{key}"] = int(c[key] or 0)
     dsa = config_json.get(DSA_CONFIG_KEY)
     if dsa:  # an export of ours trained with local attention: its attention shapes its offset heads
         out.update({"attention.kind": dsa["kind"], "attention.window": tuple(dsa["window"]),
@@ -99,9 +95,13 @@ def wan_config_from_diffusers(config_json: dict, vae_config: dict | None = None)
                     "attention.offset_bound": dsa.get("offset_bound", "tanh")})
     if vae_config is not None:
         z = vae_config.get("z_dim")
-        if z is not None and int(z) != out["model.in_channels"]:
+        if z is not None and out["model.in_channels"] not in (int(z), 2 * int(z) + 4):
             raise ConfigError(f"the VAE makes {z} latent channels (z_dim) but the transformer reads "
-                              f"in_channels={out['model.in_channels']}")
+                              f"in_channels={out['model.in_channels']} (neither {z} nor an image-to-video "
+                              f"model's {2 * int(z) + 4}: noise, 4 mask channels and the image latents)")
+        if z is not None and int(z) != out["model.out_channels"]:
+            raise ConfigError(f"the VAE makes {z} latent channels (z_dim) but the transformer predicts "
+                              f"out_channels={out['model.out_channels']}")
         ct = int(vae_config.get("scale_factor_temporal") or 4)
         cs = int(vae_config.get("scale_factor_spatial") or 8)
         out["model.latent_compression"] = (ct, cs, cs)
@@ -174,10 +174,10 @@ def diffusers_config(cfg: Config) -> dict[str, Any]:
         "cross_attn_norm": m.cross_attn_norm,
         "qk_norm": "rms_norm_across_heads",
         "eps": m.eps,
-        "image_dim": None,
-        "added_kv_proj_dim": None,
+        "image_dim": m.image_dim or None,
+        "added_kv_proj_dim": m.added_kv_proj_dim or None,
         "rope_max_seq_len": m.rope_max_seq_len,
-        "pos_embed_seq_len": None,
+        "pos_embed_seq_len": m.pos_embed_seq_len or None,
     }
 
 
@@ -211,14 +211,15 @@ def from_diffusers(path: str | Path, attention_kind: str = "dense", window: Sequ
     ``GPU_MAX_OFFSET`` unless the directory is an export of ours that records its own bound. ``dtype``: float32 by default; bf16
     keeps diffusers' float32 modules (``KEEP_FP32``) in float32. The model is built in ``dtype``
     and filled one tensor at a time: a bf16 14B model takes its 28.6 GB, not an fp32 copy first.
-    A folder that is not a text-to-video Wan model is refused naming what it is, and so is the
+    A folder that is neither a text-to-video nor an image-to-video Wan model (VACE, Animate, S2V,
+    unknown) is refused naming what it is, and so is the
     model folder of a two-expert Wan2.2 A14B model: name the expert's folder (``ROOT/transformer``
     or ``ROOT/transformer_2``)."""
     from safetensors import safe_open
 
     tdir = transformer_dir(path)
     folder = describe_wan_folder(path)
-    refuse_unsupported(folder, "from_diffusers:")
+    refuse_unsupported(folder, "from_diffusers:", image_to_video=True)
     if folder.two_experts and folder.given is None:
         raise ConfigError(f"from_diffusers: {str(path)!r} is {folder.name} ({folder.evidence}): load one expert by "
                           f"its folder, {str(Path(path) / 'transformer')!r} (t >= boundary_ratio x 1000) or "
