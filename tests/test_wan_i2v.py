@@ -11,6 +11,7 @@ import copy
 import pytest
 import torch
 from diffusers import WanTransformer3DModel
+from wan_models import CLIP_TOKENS
 
 from megaslide_ray.config import Config, ConfigError, apply_overrides
 from megaslide_ray.config.validate import validate
@@ -168,7 +169,7 @@ def family(tmp_path_factory):
                                        ("i2v-a14b", "transformer_2")])
 def test_from_diffusers_loads_the_image_to_video_folders(family, kind, part):
     """Each saved transformer gives diffusers' own output from its folder (FLF2V: two frames'
-    257 image tokens each; I2V-A14B: the wider input alone, no image states)."""
+    CLIP tokens each; I2V-A14B: the wider input alone, no image states)."""
     path = family[kind] / part if part else family[kind]
     ref = WanTransformer3DModel.from_pretrained(str(family[kind] / (part or "transformer"))).eval()
     ours = from_diffusers(path)
@@ -177,7 +178,7 @@ def test_from_diffusers_loads_the_image_to_video_folders(family, kind, part):
     x = torch.randn(1, c.in_channels, 3, 4, 4, generator=g)
     text = torch.randn(1, TEXT_TOKENS, c.text_dim, generator=g)
     frames = 2 if c.pos_embed_seq_len else 1
-    image = torch.randn(frames, 257, c.image_dim, generator=g) if c.image_dim else None
+    image = torch.randn(frames, CLIP_TOKENS, c.image_dim, generator=g) if c.image_dim else None
     with torch.no_grad():
         want = ref(x, torch.tensor([700.0]), text, encoder_hidden_states_image=image, return_dict=False)[0]
         got = ours(x, torch.tensor([700.0]), text, image)

@@ -8,6 +8,7 @@ from __future__ import annotations
 import logging
 
 from megaslide_ray.config import Config, ConfigError
+from megaslide_ray.data.image_condition import IMAGE_CONDITION_KEY, condition_problems, required_kind
 from megaslide_ray.data.latents import is_latent_manifest, latent_manifest_info, read_latent_manifest, resolve
 
 log = logging.getLogger(__name__)
@@ -52,14 +53,15 @@ def _check_manifest(cfg: Config, field: str, path: str) -> None:
     if not latent:
         return
     info = latent_manifest_info(path)
-    want = (*cfg.latent_grid, m.in_channels)
+    image = required_kind(m) if m.arch == "wan" else None
+    want = (*cfg.latent_grid, (m.out_channels or m.in_channels) if image else m.in_channels)
     problems = []
     if tuple(info.latent_shape) != want:
         ct, cs, _ = info.compression
         F_, H_, W_, C = info.latent_shape
         problems.append(f"its latents are {tuple(info.latent_shape)} (frames, height, width, channels) but "
                         f"data.num_frames={d.num_frames}, data.height={d.height}, data.width={d.width} and "
-                        f"model.in_channels={m.in_channels} make {want}: precomputed clips of "
+                        f"model.{'out' if image else 'in'}_channels={want[-1]} make {want}: precomputed clips of "
                         f"{ct * (F_ - 1) + 1} frames of {cs * W_}x{cs * H_} need --data.num_frames "
                         f"{ct * (F_ - 1) + 1} --data.height {cs * H_} --data.width {cs * W_}")
     if m.arch == "wan" and info.text_dim != m.text_dim:
@@ -71,7 +73,9 @@ def _check_manifest(cfg: Config, field: str, path: str) -> None:
         problems.append(f"its text is padded to {info.text_len} tokens, model.text_len={m.text_len}")
     if problems:
         raise ConfigError(f"{field}={path!r} does not fit the model:\n  " + "\n  ".join(problems))
-    rows, _ = read_latent_manifest(path)
+    rows, meta = read_latent_manifest(path)
+    if m.arch == "wan":
+        _check_image_condition(cfg, field, path, meta, info.latent_shape[-1])
     missing = [r["latent_path"] for r in rows if not resolve(path, r["latent_path"]).is_file()]
     if missing and len(missing) == len(rows):  # found here in a second, not by the decoders after Ray is up
         raise ConfigError(f"{field}={path!r}: none of its {len(rows)} latent files exists (e.g. "
@@ -81,3 +85,20 @@ def _check_manifest(cfg: Config, field: str, path: str) -> None:
         log.warning("%s=%r: %d of its %d latent files are missing (e.g. %s): those rows are skipped; run "
                     "`python -m megaslide_ray.precompute` again to recompute them", field, path, len(missing),
                     len(rows), resolve(path, missing[0]))
+
+
+def _check_image_condition(cfg: Config, field: str, path: str, meta: dict, latent_channels: int) -> None:
+    """An image-to-video model needs the manifest's image condition (``megaslide_ray.data.image_condition``),
+    made by precompute from an image-to-video folder of its kind: else a ``ConfigError`` names
+    the precompute command to run."""
+    kind = required_kind(cfg.model)
+    if kind is None:
+        return
+    problems = condition_problems(cfg.model, meta.get(IMAGE_CONDITION_KEY), latent_channels)
+    if problems:
+        d = cfg.data
+        raise ConfigError(f"{field}={path!r} does not fit the image-to-video model ({kind}):\n  "
+                          + "\n  ".join(problems) + f"\nprecompute the clips with the model's own folder, which "
+                          f"makes the first frame's condition: `python -m megaslide_ray.precompute --model-dir "
+                          f"I2V_MODEL_DIR --data VIDEOS.parquet --out CACHE --frames {d.num_frames} --height "
+                          f"{d.height} --width {d.width}`, then train with --data CACHE/manifest.parquet")
