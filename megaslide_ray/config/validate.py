@@ -278,6 +278,10 @@ def _validate_image_fields(cfg: Config) -> None:
     if m.pos_embed_seq_len and not m.image_dim:
         raise ConfigError(f"model.pos_embed_seq_len={m.pos_embed_seq_len} (FLF2V) needs the image embedder "
                           f"(model.image_dim > 0)")
+    image_to_video = m.image_dim or m.in_channels > (m.out_channels or m.in_channels)
+    if image_to_video and cfg.training.eval_every:
+        raise ConfigError(f"training.eval_every={cfg.training.eval_every}: the held-out evaluation does not feed an "
+                          f"image-to-video model its image condition yet; set it to 0 (the training loss is logged)")
     if m.pos_embed_seq_len % 2:
         raise ConfigError(f"model.pos_embed_seq_len={m.pos_embed_seq_len}: FLF2V's positions cover the first and "
                           f"last frames' image tokens alike, so it is even (2 x 257)")

@@ -158,3 +158,31 @@ def load_condition(manifest_path, row: Mapping[str, Any], info: Mapping[str, Any
                                   f"`python -m megaslide_ray.precompute` again with the image-to-video --model-dir")
         got[key] = t.float()
     return got[CONDITION_KEY], got.get(IMAGE_KEY)
+
+
+def condition_arrays(info: Mapping[str, Any], batch: int, latent_shape) -> dict[str, np.ndarray]:
+    """Empty batch arrays of an image-to-video cache (the decoder fills them): ``condition``
+    ``(B, F', H', W', mask + C)`` and, with CLIP states, ``image`` ``(B, n, Li, image_dim)``."""
+    F_, H_, W_, C = latent_shape
+    out = {"condition": np.zeros((batch, F_, H_, W_, int(info["mask_channels"]) + C), dtype=np.float32)}
+    if int(info.get("image_dim", 0)):
+        out["image"] = np.zeros((batch, int(info["frames"]), int(info["image_tokens"]), int(info["image_dim"])),
+                                dtype=np.float32)
+    return out
+
+
+def batch_condition(batch: Mapping[str, Any], model: Any) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """``(condition, image)`` of a decoder batch as the ``model`` config reads them (None, None
+    for a text-to-video model; ``image`` None for I2V-A14B): float32 tensors, ``image`` as
+    ``(B n, Li, D)`` (``stack_image_states``). A model that needs them and a batch without them
+    is a ``ValueError``."""
+    kind = required_kind(model)
+    if kind is None:
+        return None, None
+    if "condition" not in batch or (uses_clip(kind) and "image" not in batch):
+        raise ValueError(f"the image-to-video model ({kind}) needs the batch's image condition; its latent manifest "
+                         f"has none: precompute it with the model's folder")
+    # np.array copies: batches from Ray are read-only views of the object store.
+    condition = torch.from_numpy(np.array(batch["condition"], dtype=np.float32))
+    image = stack_image_states(torch.from_numpy(np.array(batch["image"], dtype=np.float32))) if uses_clip(kind) else None
+    return condition, image

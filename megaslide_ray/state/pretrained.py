@@ -118,8 +118,8 @@ def config_for_diffusers_dir(path: str | Path, preset_name: str | None, config_f
 
 def check_init_folder(path: str | Path) -> None:
     """Refuse (``ConfigError``, naming what it is) a diffusers folder given to ``--init-from`` that
-    is not a text-to-video Wan model: image-to-video, VACE, Animate, S2V, unknown classes."""
-    refuse_unsupported(describe_wan_folder(path), "--init-from")
+    is neither a text-to-video nor an image-to-video Wan model: VACE, Animate, S2V, unknown classes."""
+    refuse_unsupported(describe_wan_folder(path), "--init-from", image_to_video=True)
 
 
 def expert_overrides(path: str | Path) -> dict:
