@@ -116,7 +116,8 @@ class ModelInfo:
     """CLIP tokens per frame (patches + the class token); 0: none."""
 
 
-MODEL_PARTS = {"vae": "config.json", "text_encoder": "config.json", "tokenizer": "tokenizer_config.json"}
+MODEL_PARTS = {"vae": "config.json", "text_encoder": "config.json", "tokenizer": "tokenizer_config.json",
+               "image_encoder": "config.json", "image_processor": "preprocessor_config.json"}
 """The parts of a diffusers Wan folder the encoders read, each with the file that must be in it."""
 
 
@@ -133,7 +134,8 @@ def check_model_dir(model_dir: str | os.PathLike, parts: tuple[str, ...], flag: 
         d = root / part
         if not (d / MODEL_PARTS[part]).is_file():
             missing.append(f"{part}/{MODEL_PARTS[part]}" if d.is_dir() else f"{part}/")
-        elif part != "tokenizer" and not any(d.glob("*.safetensors")) and not any(d.glob("*.bin")):
+        elif part not in ("tokenizer", "image_processor") and not any(d.glob("*.safetensors")) and \
+                not any(d.glob("*.bin")):
             missing.append(f"{part}/ weights (*.safetensors)")
     if missing:
         raise ValueError(f"{flag} {str(model_dir)!r} ({root}) lacks {', '.join(missing)}: it must be a local "

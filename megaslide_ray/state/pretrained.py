@@ -504,15 +504,26 @@ def export_diffusers(checkpoint: str | Path, out: str | Path, dtype: torch.dtype
     return [*written, str(out / "model_index.json")]
 
 
+def _diffusers_version() -> str:
+    """The installed diffusers' version (what ``save_pretrained`` would record), else the oldest
+    release with Wan2.2's two experts."""
+    try:
+        import diffusers
+    except ImportError:
+        return "0.35.0"
+    return diffusers.__version__
+
+
 def _model_index(cfg: Config) -> dict:
     """The ``model_index.json`` of a two-expert export: ``WanPipeline`` with both transformers and
     ``cfg``'s ``boundary_ratio``; the other entries from the ``--init-from`` folder's, else Wan2.2's."""
-    index = {"_class_name": "WanPipeline", "_diffusers_version": "0.35.0", "expand_timesteps": False,
+    index = {"_class_name": "WanPipeline", "_diffusers_version": _diffusers_version(), "expand_timesteps": False,
              "scheduler": ["diffusers", "UniPCMultistepScheduler"], "text_encoder": ["transformers", "UMT5EncoderModel"],
              "tokenizer": ["transformers", "T5TokenizerFast"], "vae": ["diffusers", "AutoencoderKLWan"]}
     source = Path(cfg.training.init_from) / "model_index.json" if cfg.training.init_from else None
     if source is not None and source.is_file():
         index.update(json.loads(source.read_text()))
+        index["_diffusers_version"] = _diffusers_version()
     index.update({"transformer": ["diffusers", "WanTransformer3DModel"],
                   "transformer_2": ["diffusers", "WanTransformer3DModel"], "boundary_ratio": cfg.training.boundary_ratio})
     return index
