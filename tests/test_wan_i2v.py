@@ -183,3 +183,26 @@ def test_from_diffusers_loads_the_image_to_video_folders(family, kind, part):
         want = ref(x, torch.tensor([700.0]), text, encoder_hidden_states_image=image, return_dict=False)[0]
         got = ours(x, torch.tensor([700.0]), text, image)
     assert _rel(got, want) < 1e-5
+
+
+@pytest.mark.parametrize("name", ["wan2.1-i2v-14b-480p", "wan2.1-i2v-14b-720p", "wan2.1-flf2v-14b-720p",
+                                  "wan2.2-i2v-a14b"])
+def test_image_to_video_presets_are_diffusers_models(name):
+    """Each preset's dense model has diffusers' parameters for its config.json (image embedder,
+    image keys/values, 36 input channels; FLF2V's positions), and the planner counts them and,
+    for I2V-A14B, both experts on the host."""
+    from megaslide_ray.config import build_config
+    from megaslide_ray.planning.estimate import plan
+
+    cfg = build_config(name, None, {"attention.kind": "dense"})
+    with torch.device("meta"):
+        theirs = WanTransformer3DModel.from_config(diffusers_config(cfg))
+        ours = WanTransformer(cfg)
+    assert {n: p.shape for n, p in ours.named_parameters()} == {n: p.shape for n, p in theirs.named_parameters()}
+    assert cfg.model.in_channels == 36 and (cfg.model.out_channels or 16) == 16
+    p = plan(cfg, ram_gb=1649, gpu_gb=141)
+    assert p.params == sum(x.numel() for x in theirs.parameters())
+    assert p.experts == (2 if name == "wan2.2-i2v-a14b" else 1) and p.fits
+    if p.experts == 2:
+        with pytest.raises(ConfigError, match="--preset wan2.2-i2v-a14b with a --config TOML"):
+            plan(cfg, gpus_per_node=8)

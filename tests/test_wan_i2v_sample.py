@@ -40,9 +40,11 @@ def trained(tmp_path_factory):
     root = tmp_path_factory.mktemp("i2v-sample")
     base = make_wan_dir(root / "base")
     out = {}
-    for kind in ("i2v", "flf2v"):
+    for kind in ("i2v", "flf2v", "i2v-a14b"):
         folder = make_family_dir(base, root / kind, kind)
-        cfg = config_for_diffusers_dir(folder, None, None, {**CLIP, "runtime.state_dir": str(root / "state" / kind)})
+        both = {"training.expert": "both"} if kind == "i2v-a14b" else {}
+        cfg = config_for_diffusers_dir(folder, None, None, {**CLIP, **both,
+                                                            "runtime.state_dir": str(root / "state" / kind)})
         store = ParameterStore(cfg, str(root / kind / "run"), init_from=str(folder))
         compute = ComputeActor(cfg, store.shard_infos(), LocalStoreClient(store), "shm")
         g = torch.Generator().manual_seed(1)
@@ -51,10 +53,12 @@ def trained(tmp_path_factory):
                  "text": torch.randn(1, 512, 16, generator=g).numpy(), "text_len": np.array([512]), "position": 0,
                  "condition": torch.randn(1, *grid, 8, generator=g).numpy(),
                  "image": torch.randn(1, 2 if kind == "flf2v" else 1, 5, 8, generator=g).numpy()}
+        steps = 4 if both else 1  # both experts train within 4 steps (seed 0)
         try:
-            compute.train_step(batch, 0)
-            store.wait_step(0)
-            store.save_checkpoint(str(root / kind / "run"), 1, {"data_position": 1})
+            for step in range(steps):
+                compute.train_step(batch, step)
+                store.wait_step(step)
+            store.save_checkpoint(str(root / kind / "run"), steps, {"data_position": steps})
         finally:
             compute.close()
             store.close()
@@ -67,8 +71,11 @@ def _frame(seed: int) -> Image.Image:
     return Image.fromarray(rng.integers(0, 256, (SIZE, SIZE, 3), dtype=np.uint8))
 
 
-@pytest.mark.parametrize("kind,guidance", [("i2v", 1.0), ("i2v", 3.0), ("flf2v", 2.0)])
+@pytest.mark.parametrize("kind,guidance", [("i2v", 1.0), ("i2v", 3.0), ("flf2v", 2.0), ("i2v-a14b", 2.0)])
 def test_sampling_from_an_image_lands_on_the_pipelines_latents(trained, tmp_path, kind, guidance):
+    """I2V-A14B: both experts exported (transformer/, transformer_2/, model_index.json with the
+    boundary) and loaded by the pipeline, which runs each step on the expert its rule picks;
+    the project's predictions route the same way."""
     folder, ckpt = trained[kind]
     cfg = sampling_config(read_checkpoint_state(ckpt), device="cpu")
     first, last = _frame(3), _frame(4) if kind == "flf2v" else None
@@ -76,10 +83,20 @@ def test_sampling_from_an_image_lands_on_the_pipelines_latents(trained, tmp_path
     if last is not None:
         last.save(tmp_path / "last.png")
     export_diffusers(ckpt, tmp_path / "export")
-    pipe = WanImageToVideoPipeline.from_pretrained(
-        str(folder), transformer=WanTransformer3DModel.from_pretrained(str(tmp_path / "export")))
+    if kind == "i2v-a14b":
+        parts = WanImageToVideoPipeline.from_pretrained(str(folder))
+        pipe = WanImageToVideoPipeline.from_pretrained(str(tmp_path / "export"), vae=parts.vae,
+                                                       text_encoder=parts.text_encoder, tokenizer=parts.tokenizer,
+                                                       scheduler=parts.scheduler)
+        assert pipe.config.boundary_ratio == 0.9 and pipe.transformer_2 is not None
+        calls = []
+        for name in ("transformer", "transformer_2"):
+            getattr(pipe, name).register_forward_hook(lambda *a, n=name: calls.append(n))
+    else:
+        pipe = WanImageToVideoPipeline.from_pretrained(
+            str(folder), transformer=WanTransformer3DModel.from_pretrained(str(tmp_path / "export")))
     noise = initial_noise(cfg, seed=7)
-    steps = 3
+    steps = 4
     encoder = Encoder(str(folder), clip_config(FRAMES, SIZE, SIZE, 0.0), "cpu", "float32")
     text, neg = encoder.encode_text(["a red circle moving right", "blue square"])
     # the prompts as embeddings, padded to 512 as the pipeline pads them (its own prompt cleaning needs ftfy)
@@ -102,6 +119,8 @@ def test_sampling_from_an_image_lands_on_the_pipelines_latents(trained, tmp_path
     assert got.shape == want.shape
     assert float((got - want).norm() / want.norm()) < 1e-4
     assert float((got - noise.permute(0, 4, 1, 2, 3)).norm()) > 1e-2  # the steps moved it
+    if kind == "i2v-a14b":
+        assert set(calls) == {"transformer", "transformer_2"}  # both experts ran
 
 
 def test_sample_cli_needs_the_images_its_checkpoint_reads(trained, tmp_path):
