@@ -27,6 +27,8 @@ from megaslide_ray.evaluation.sampling import (
     sampling_condition,
     sampling_config,
 )
+from megaslide_ray.models.diffusers_dsa import enable_dsa
+from megaslide_ray.models.wan_diffusers import from_diffusers
 from megaslide_ray.state.checkpoint import latest_checkpoint, read_checkpoint_state
 from megaslide_ray.state.pretrained import config_for_diffusers_dir, export_diffusers
 
@@ -40,10 +42,11 @@ def trained(tmp_path_factory):
     root = tmp_path_factory.mktemp("i2v-sample")
     base = make_wan_dir(root / "base")
     out = {}
-    for kind in ("i2v", "flf2v", "i2v-a14b"):
-        folder = make_family_dir(base, root / kind, kind)
+    for kind in ("i2v", "flf2v", "i2v-a14b", "i2v-dsa"):
+        folder = make_family_dir(base, root / kind, kind.removesuffix("-dsa"))
         both = {"training.expert": "both"} if kind == "i2v-a14b" else {}
-        cfg = config_for_diffusers_dir(folder, None, None, {**CLIP, **both,
+        dsa = {"attention.kind": "dsa", "attention.window": "3,1,1"} if kind == "i2v-dsa" else {}
+        cfg = config_for_diffusers_dir(folder, None, None, {**CLIP, **both, **dsa,
                                                             "runtime.state_dir": str(root / "state" / kind)})
         store = ParameterStore(cfg, str(root / kind / "run"), init_from=str(folder))
         compute = ComputeActor(cfg, store.shard_infos(), LocalStoreClient(store), "shm")
@@ -71,11 +74,13 @@ def _frame(seed: int) -> Image.Image:
     return Image.fromarray(rng.integers(0, 256, (SIZE, SIZE, 3), dtype=np.uint8))
 
 
-@pytest.mark.parametrize("kind,guidance", [("i2v", 1.0), ("i2v", 3.0), ("flf2v", 2.0), ("i2v-a14b", 2.0)])
+@pytest.mark.parametrize("kind,guidance", [("i2v", 1.0), ("i2v", 3.0), ("flf2v", 2.0), ("i2v-a14b", 2.0),
+                                           ("i2v-dsa", 2.0)])
 def test_sampling_from_an_image_lands_on_the_pipelines_latents(trained, tmp_path, kind, guidance):
     """I2V-A14B: both experts exported (transformer/, transformer_2/, model_index.json with the
     boundary) and loaded by the pipeline, which runs each step on the expert its rule picks;
-    the project's predictions route the same way."""
+    the project's predictions route the same way. 3D-DSA: the export (offset heads kept) in the
+    pipeline with ``enable_dsa``."""
     folder, ckpt = trained[kind]
     cfg = sampling_config(read_checkpoint_state(ckpt), device="cpu")
     first, last = _frame(3), _frame(4) if kind == "flf2v" else None
@@ -95,6 +100,8 @@ def test_sampling_from_an_image_lands_on_the_pipelines_latents(trained, tmp_path
     else:
         pipe = WanImageToVideoPipeline.from_pretrained(
             str(folder), transformer=WanTransformer3DModel.from_pretrained(str(tmp_path / "export")))
+        if kind == "i2v-dsa":
+            enable_dsa(pipe.transformer, tmp_path / "export")
     noise = initial_noise(cfg, seed=7)
     steps = 4
     encoder = Encoder(str(folder), clip_config(FRAMES, SIZE, SIZE, 0.0), "cpu", "float32")
@@ -135,3 +142,30 @@ def test_sample_cli_needs_the_images_its_checkpoint_reads(trained, tmp_path):
     r = sample_video(ckpt, "a red circle", tmp_path / "i2v.mp4", steps=2, device="cpu", model_dir=folder,
                      image=tmp_path / "first.png")
     assert r.frames.shape == (FRAMES, SIZE, SIZE, 3) and (tmp_path / "i2v.mp4").is_file()
+
+
+def test_from_diffusers_keeps_an_exports_recorded_attention(trained, tmp_path):
+    """An export of a 3D-DSA model loads as that model (kind, window, its trained offset heads)
+    unless the caller names another attention, and gives the checkpoint's own prediction."""
+    folder, ckpt = trained["i2v-dsa"]
+    cfg = sampling_config(read_checkpoint_state(ckpt), device="cpu")
+    export_diffusers(ckpt, tmp_path / "export")
+    model = from_diffusers(tmp_path / "export")
+    a = model.cfg.attention
+    assert (a.kind, tuple(a.window), a.max_offset) == ("dsa", (3, 1, 1), cfg.attention.max_offset)
+    assert model.blocks[0].attn1.offsets.out.weight.abs().sum() > 0  # trained, not fresh
+    g = torch.Generator().manual_seed(2)
+    x = torch.randn(1, *cfg.latent_grid, 12, generator=g)
+    text, image = torch.randn(1, 512, 16, generator=g), torch.randn(1, 5, 8, generator=g)
+    source = CheckpointWeights(ckpt, cfg, "master")
+    compute = ComputeActor(cfg, source.shard_infos(), source, transport="object_ref")
+    try:
+        want = compute.predict(x[..., :4], torch.tensor([0.6]), text.numpy(), np.array([512]), source.step,
+                               condition=x[..., 4:], image=image)
+    finally:
+        compute.close()
+        source.close()
+    with torch.no_grad():
+        got = model(x.permute(0, 4, 1, 2, 3), torch.tensor([600.0]), text, image).permute(0, 2, 3, 4, 1)
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
+    assert from_diffusers(tmp_path / "export", attention_kind="neighborhood").cfg.attention.kind == "neighborhood"

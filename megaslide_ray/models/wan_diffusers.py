@@ -197,16 +197,18 @@ def weight_files(tdir: Path) -> list[Path]:
                             f"pickled .bin weights are never read")
 
 
-def from_diffusers(path: str | Path, attention_kind: str = "dense", window: Sequence[int] | None = None,
-                   offset_groups: int = 0, dtype: torch.dtype | None = None, seed: int = 0,
+def from_diffusers(path: str | Path, attention_kind: str | None = None, window: Sequence[int] | None = None,
+                   offset_groups: int | None = None, dtype: torch.dtype | None = None, seed: int = 0,
                    device: str | torch.device = "cpu") -> DiffusersWanTransformer:
     """Load a diffusers Wan transformer (a model directory with ``transformer/``, or that folder):
     ``config.json`` and safetensors weights (sharded with an index, or one file); nothing pickled
     is read. The module's ``forward(hidden_states, timestep, encoder_hidden_states)`` returns what
     ``WanTransformer3DModel(...)(..., return_dict=False)[0]`` returns.
 
-    ``attention_kind``/``window``/``offset_groups`` choose the self-attention (default ``dense``,
-    diffusers' own; ``window`` defaults to the presets' ``WAN_WINDOW``). A ``dsa`` model gets offset
+    ``attention_kind``/``window``/``offset_groups`` choose the self-attention; left None, an export
+    of ours (``config.json``'s ``megaslide_dsa`` entry) keeps the attention it was trained with
+    (kind, window, offset groups and bound as recorded), any other folder gets ``dense``,
+    diffusers' own, with the presets' ``WAN_WINDOW`` and per-head offset heads. A ``dsa`` model gets offset
     heads initialised from ``seed`` with the last layer zero, their offsets clamped at the presets'
     ``GPU_MAX_OFFSET`` unless the directory is an export of ours that records its own bound. ``dtype``: float32 by default; bf16
     keeps diffusers' float32 modules (``KEEP_FP32``) in float32. The model is built in ``dtype``
@@ -227,8 +229,13 @@ def from_diffusers(path: str | Path, attention_kind: str = "dense", window: Sequ
     cfg = Config()
     found = diffusers_overrides(tdir)
     apply_overrides(cfg, found)
-    chosen = {"attention.kind": attention_kind, "attention.window": tuple(window or WAN_WINDOW),
-              "attention.offset_groups": offset_groups}
+    recorded = "attention.kind" in found  # an export's own attention settings: kept unless overridden
+    attention_kind = attention_kind or found.get("attention.kind", "dense")
+    chosen = {"attention.kind": attention_kind}
+    if window is not None or not recorded:
+        chosen["attention.window"] = tuple(window or WAN_WINDOW)
+    if offset_groups is not None or not recorded:
+        chosen["attention.offset_groups"] = offset_groups or 0
     if attention_kind == "dsa" and "attention.max_offset" not in found:  # the Wan presets' bound
         chosen.update({f"attention.{k}": v for k, v in GPU_OFFSET_FIELDS.items()})
     apply_overrides(cfg, chosen)
@@ -246,7 +253,9 @@ def from_diffusers(path: str | Path, attention_kind: str = "dense", window: Sequ
         with safe_open(str(file), framework="pt", device="cpu") as f:
             for key in f.keys():
                 if key not in expected:
-                    if "norm_added_q" not in key:  # diffusers ignores these too
+                    # diffusers ignores norm_added_q too; an export's offset heads go unused when the
+                    # caller asked for an attention without them
+                    if "norm_added_q" not in key and not (".attn1.offsets." in key and attention_kind != "dsa"):
                         unexpected.append(key)
                     continue
                 shape = tuple(f.get_slice(key).get_shape())
