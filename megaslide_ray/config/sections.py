@@ -103,6 +103,12 @@ class ModelConfig:
     added_kv_proj_dim: int = 0
     """``wan``: input width of the cross-attention's image keys and values (diffusers'
     ``added_kv_proj_dim``; ``hidden_size`` whenever ``image_dim`` is set). 0: none."""
+    clean_first_frame: bool = False
+    """``wan`` Wan2.2 TI2V-5B from an image (diffusers' ``expand_timesteps``): the first latent frame
+    is the image's clean latents at timestep 0 and the others are noised at the sample's t
+    (per-token timesteps: the blocks and the head modulate the first token frame with timestep
+    0's embedding); training keeps the clip's first latent frame clean and leaves it out of the
+    loss, sampling keeps it at ``--image``'s latents. False: text-to-video."""
     pos_embed_seq_len: int = 0
     """``wan`` FLF2V: image tokens of the first and last frames together (2 x 257), each with a
     learned position (``image_embedder.pos_embed``). 0: none."""

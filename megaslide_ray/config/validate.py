@@ -282,6 +282,11 @@ def _validate_image_fields(cfg: Config) -> None:
     if image_to_video and cfg.training.eval_every:
         raise ConfigError(f"training.eval_every={cfg.training.eval_every}: the held-out evaluation does not feed an "
                           f"image-to-video model its image condition yet; set it to 0 (the training loss is logged)")
+    if m.clean_first_frame and (image_to_video or m.patch_size[0] != 1 or cfg.runtime.token_chunk):
+        raise ConfigError(f"model.clean_first_frame (Wan2.2 TI2V from an image) needs a text-to-video input "
+                          f"(model.in_channels = out_channels, no image embedder), model.patch_size[0] = 1 (got "
+                          f"{m.patch_size[0]}) and runtime.token_chunk = 0 (got {cfg.runtime.token_chunk}: the "
+                          f"chunked block does not modulate per frame yet)")
     if m.pos_embed_seq_len % 2:
         raise ConfigError(f"model.pos_embed_seq_len={m.pos_embed_seq_len}: FLF2V's positions cover the first and "
                           f"last frames' image tokens alike, so it is even (2 x 257)")

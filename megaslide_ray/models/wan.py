@@ -97,6 +97,9 @@ none here): a parameter whose dotted name has one of these as a component stays 
 ROPE_THETA = 10000.0
 CONDITION_PARTS = 7
 """``c`` starts with ``temb`` (1 x D) and ``timestep_proj`` (6 x D); the text follows."""
+CLEAN_PARTS = 14
+"""With ``model.clean_first_frame`` (Wan2.2 TI2V-5B from an image) ``c`` starts with ``temb`` and
+``timestep_proj`` at the sample's time, then both again at timestep 0 (the first latent frame's)."""
 
 
 # ---------------------------------------------------------------------------------------------
@@ -148,12 +151,30 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return out.to(x.dtype)
 
 
-def split_condition(c: torch.Tensor, dim: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``c (B, 7 D + Lt D)`` -> ``temb (B, D)``, ``timestep_proj (B, 6 D)``, ``text (B, Lt, D)``."""
-    start = CONDITION_PARTS * dim
+def split_condition(c: torch.Tensor, dim: int, parts: int = CONDITION_PARTS
+                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``c (B, parts D + Lt D)`` -> ``temb (B, D)``, ``timestep_proj (B, 6 D)``, ``text (B, Lt, D)``
+    (with ``CLEAN_PARTS``, those of the sample's time; ``clean_condition`` gives timestep 0's)."""
+    start = parts * dim
     if c.dim() != 2 or c.shape[1] <= start or (c.shape[1] - start) % dim:
         raise ValueError(f"condition of shape {tuple(c.shape)} is not (B, 7 * {dim} + text tokens * {dim})")
-    return c[:, :dim], c[:, dim:start], c[:, start:].unflatten(1, (-1, dim))
+    return c[:, :dim], c[:, dim:CONDITION_PARTS * dim], c[:, start:].unflatten(1, (-1, dim))
+
+
+def clean_condition(c: torch.Tensor, dim: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``temb (B, D)`` and ``timestep_proj (B, 6 D)`` at timestep 0 from a ``CLEAN_PARTS`` condition."""
+    return c[:, 7 * dim:8 * dim], c[:, 8 * dim:CLEAN_PARTS * dim]
+
+
+def frame_modulation(table: torch.Tensor, proj: torch.Tensor, proj0: torch.Tensor, frames: int
+                     ) -> tuple[torch.Tensor, ...]:
+    """``table (1, k, D) + proj`` per token frame, float32, each of the ``k`` parts ``(B, T, 1, 1, D)``:
+    frame 0 from ``proj0`` (timestep 0: the clean first frame), the others from ``proj`` (diffusers'
+    per-token timesteps of Wan2.2 TI2V with an image, whose mask is 0 on the first latent frame)."""
+    B, k, D = proj.shape[0], table.shape[1], table.shape[2]
+    m, m0 = table.float() + proj.float().view(B, -1, D), table.float() + proj0.float().view(B, -1, D)  # head: one
+    per_frame = torch.cat([m0[:, :, None], m[:, :, None].expand(-1, -1, frames - 1, -1)], dim=2)  # (B, k, T, D)
+    return tuple(per_frame[:, i, :, None, None, :] for i in range(k))
 
 
 def pad_text(text: torch.Tensor, text_len: torch.Tensor, tokens: int) -> torch.Tensor:
@@ -348,10 +369,11 @@ class WanAttention(nn.Module):
 
 def embed_inputs(patch_embedding: nn.Conv3d, condition_embedder: ConditionEmbedder, freq_dim: int,
                  x_t: torch.Tensor, timestep: torch.Tensor, text: torch.Tensor,
-                 image: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                 image: torch.Tensor | None = None, clean_first_frame: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """Shard 0's computation on diffusers' timestep scale and unpadded text: ``(x, c)``. ``image``
     (an image-to-video model's CLIP states) is embedded and its tokens go before the text's in
-    ``c``, as diffusers concatenates them."""
+    ``c``, as diffusers concatenates them. ``clean_first_frame``: ``temb`` and ``timestep_proj``
+    at timestep 0 follow those of ``timestep`` (``CLEAN_PARTS``)."""
     x = patch_embedding(x_t.to(patch_embedding.weight.dtype).permute(0, 4, 1, 2, 3))
     x = x.permute(0, 2, 3, 4, 1).contiguous()  # (B, T, H, W, D)
     ce = condition_embedder
@@ -365,6 +387,10 @@ def embed_inputs(patch_embedding: nn.Conv3d, condition_embedder: ConditionEmbedd
     proj = ce.time_proj(F.silu(temb))
     ctx = ce.text_embedder(text)
     parts = [temb, proj.to(temb.dtype)]
+    if clean_first_frame:  # timestep 0, the clean first latent frame's
+        features0 = timestep_features(torch.zeros_like(timestep), freq_dim).to(features.dtype)
+        temb0 = ce.time_embedder(features0).to(text.dtype)
+        parts += [temb0, ce.time_proj(F.silu(temb0)).to(temb0.dtype)]
     if image is not None:
         parts.append(ce.image_embedder(image.to(ce.image_embedder.ff.net[0].proj.weight.dtype)).flatten(1)
                      .to(temb.dtype))
@@ -372,11 +398,15 @@ def embed_inputs(patch_embedding: nn.Conv3d, condition_embedder: ConditionEmbedd
 
 
 def head_output(scale_shift_table: torch.Tensor, proj_out: nn.Linear, patch: tuple[int, int, int], eps: float,
-                x: torch.Tensor, c: torch.Tensor) -> torch.Tensor:
+                x: torch.Tensor, c: torch.Tensor, parts: int = CONDITION_PARTS) -> torch.Tensor:
     """The head's computation: ``(B, T, H, W, D) -> (B, F, H, W, C_out)``."""
-    temb, _, _ = split_condition(c, x.shape[-1])
-    shift, scale = (scale_shift_table.float() + temb.float()[:, None, :]).unbind(1)
-    y = (layer_norm32(x, eps) * (1 + _broadcast(scale, x)) + _broadcast(shift, x)).to(x.dtype)
+    D = x.shape[-1]
+    temb, _, _ = split_condition(c, D, parts)
+    if parts == CLEAN_PARTS:
+        shift, scale = frame_modulation(scale_shift_table, temb, clean_condition(c, D)[0], x.shape[1])
+    else:
+        shift, scale = (_broadcast(z, x) for z in (scale_shift_table.float() + temb.float()[:, None, :]).unbind(1))
+    y = (layer_norm32(x, eps) * (1 + scale) + shift).to(x.dtype)
     y = proj_out(y)
     return unpatchify(y, patch, y.shape[-1] // math.prod(patch))
 
@@ -393,6 +423,7 @@ class WanEmbed(nn.Module):
         m = cfg.model
         self.freq_dim = m.timestep_freq_dim
         self.text_len = m.text_len
+        self.clean_first_frame = m.clean_first_frame
         self.patch_embedding = (patch_embedding if patch_embedding is not None else
                                 nn.Conv3d(m.in_channels, m.hidden_size, kernel_size=m.patch_size, stride=m.patch_size))
         self.condition_embedder = condition_embedder if condition_embedder is not None else ConditionEmbedder(cfg)
@@ -400,7 +431,7 @@ class WanEmbed(nn.Module):
     def forward(self, x_t: torch.Tensor, t: torch.Tensor, text: torch.Tensor,
                 text_len: torch.Tensor, image: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         return embed_inputs(self.patch_embedding, self.condition_embedder, self.freq_dim, x_t, t * 1000.0,
-                            pad_text(text, text_len, self.text_len), image)
+                            pad_text(text, text_len, self.text_len), image, self.clean_first_frame)
 
 
 class WanBlock(nn.Module):
@@ -420,6 +451,7 @@ class WanBlock(nn.Module):
         self.ffn = FeedForward(D, ffn_width(cfg))
         self.token_chunk = cfg.runtime.token_chunk  # 0: whole clip; else chunked (see chunking.py)
         self.text_len = m.text_len
+        self.parts = CLEAN_PARTS if m.clean_first_frame else CONDITION_PARTS
 
     def context(self, ctx: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor]:
         """The cross-attention's ``(image, text)`` tokens: with image keys/values, ``ctx``'s last
@@ -436,10 +468,13 @@ class WanBlock(nn.Module):
         if self.token_chunk:
             return self._forward_chunked(x, c)
         B, D = x.shape[0], x.shape[-1]
-        temb, proj, ctx = split_condition(c, D)
+        temb, proj, ctx = split_condition(c, D, self.parts)
         image, text = self.context(ctx)
-        mod = self.scale_shift_table.float() + proj.float().view(B, 6, D)
-        shift_a, scale_a, gate_a, shift_f, scale_f, gate_f = (_broadcast(z, x) for z in mod.unbind(1))
+        if self.parts == CLEAN_PARTS:  # the first token frame at timestep 0
+            mods = frame_modulation(self.scale_shift_table, proj, clean_condition(c, D)[1], x.shape[1])
+        else:
+            mods = (_broadcast(z, x) for z in (self.scale_shift_table.float() + proj.float().view(B, 6, D)).unbind(1))
+        shift_a, scale_a, gate_a, shift_f, scale_f, gate_f = mods
         h = (layer_norm32(x, self.eps) * (1 + scale_a) + shift_a).to(x.dtype)
         x = (x.float() + self.attn1(h, temb=temb) * gate_a).to(x.dtype)
         h = self.norm2(x).to(x.dtype) if self.norm2 is not None else x
@@ -516,13 +551,26 @@ class WanHead(nn.Module):
         D = m.hidden_size
         self.patch_size = tuple(m.patch_size)
         self.eps = m.eps
+        self.parts = CLEAN_PARTS if m.clean_first_frame else CONDITION_PARTS
         self.scale_shift_table = (scale_shift_table if scale_shift_table is not None
                                   else nn.Parameter(torch.randn(1, 2, D) / D ** 0.5))
         out = (m.out_channels or m.in_channels) * math.prod(m.patch_size)
         self.proj_out = proj_out if proj_out is not None else nn.Linear(D, out)
 
     def forward(self, x: torch.Tensor, c: torch.Tensor) -> torch.Tensor:
-        return head_output(self.scale_shift_table, self.proj_out, self.patch_size, self.eps, x, c)
+        return head_output(self.scale_shift_table, self.proj_out, self.patch_size, self.eps, x, c, self.parts)
+
+
+def first_frame_timesteps(timestep: torch.Tensor, frames: int) -> torch.Tensor:
+    """diffusers' per-token timesteps of Wan2.2 TI2V from an image ``(B, N)`` (0 on the first token
+    frame, the sample's ``t`` elsewhere) -> ``(B,)`` ``t``; a ``ValueError`` for any other layout."""
+    B, N = timestep.shape
+    per_frame = timestep.view(B, frames, N // frames)
+    t = per_frame[:, -1, 0]
+    if per_frame[:, 0].any() or not torch.equal(per_frame[:, 1:], t.view(B, 1, 1).expand_as(per_frame[:, 1:])):
+        raise ValueError("per-token timesteps other than 0 on the first frame and one t elsewhere (Wan2.2 TI2V "
+                         "from an image) are not supported")
+    return t
 
 
 class WanTransformer(nn.Module):
@@ -555,13 +603,14 @@ class WanTransformer(nn.Module):
         for block in self.blocks:
             x = block(x, c)
         m = self.cfg.model
-        return head_output(self.scale_shift_table, self.proj_out, tuple(m.patch_size), m.eps, x, c)
+        return head_output(self.scale_shift_table, self.proj_out, tuple(m.patch_size), m.eps, x, c,
+                           CLEAN_PARTS if m.clean_first_frame else CONDITION_PARTS)
 
     def forward(self, x_t: torch.Tensor, t: torch.Tensor, text: torch.Tensor, text_len: torch.Tensor,
                 image: torch.Tensor | None = None) -> torch.Tensor:
         m = self.cfg.model
         x, c = embed_inputs(self.patch_embedding, self.condition_embedder, m.timestep_freq_dim, x_t, t * 1000.0,
-                            pad_text(text, text_len, m.text_len), image)
+                            pad_text(text, text_len, m.text_len), image, m.clean_first_frame)
         return self._run(x, c)
 
     def forward_diffusers(self, hidden_states: torch.Tensor, timestep: torch.Tensor,
@@ -574,15 +623,17 @@ class WanTransformer(nn.Module):
         ``L = model.text_len``, as diffusers' needs 512), the CLIP image states ``(B, Li,
         image_dim)`` -> ``(B, C_out, F, H, W)``."""
         m = self.cfg.model
+        if timestep.dim() == 2 and m.clean_first_frame:
+            timestep = first_frame_timesteps(timestep, hidden_states.shape[2] // m.patch_size[0])
         if timestep.dim() != 1:
-            raise ValueError(f"timestep of shape {tuple(timestep.shape)}: one timestep per sample (B,) is supported, "
-                             f"not per-token timesteps (Wan2.2 TI2V image conditioning)")
+            raise ValueError(f"timestep of shape {tuple(timestep.shape)}: per-token timesteps are read only with "
+                             f"model.clean_first_frame (Wan2.2 TI2V from an image); one per sample (B,) otherwise")
         if m.added_kv_proj_dim and encoder_hidden_states.shape[1] != m.text_len:
             raise ValueError(f"the text has {encoder_hidden_states.shape[1]} tokens: an image-to-video model reads "
                              f"model.text_len={m.text_len} (the image tokens are those before them); pad it")
         x, c = embed_inputs(self.patch_embedding, self.condition_embedder, m.timestep_freq_dim,
                             hidden_states.permute(0, 2, 3, 4, 1), timestep, encoder_hidden_states,
-                            encoder_hidden_states_image)
+                            encoder_hidden_states_image, m.clean_first_frame)
         return self._run(x, c).permute(0, 4, 1, 2, 3).contiguous()
 
     def initialize_weights(self, seed: int) -> None:
