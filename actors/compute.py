@@ -59,7 +59,8 @@ from megaslide_ray.training.flow import (
     batch_flow_inputs,
     caption_dropout,
     expert_t_range,
-    flow_loss,
+    keep_first_frame,
+    model_loss,
     route_expert,
     step_expert,
 )
@@ -325,6 +326,8 @@ class ComputeActor:
         expert = step_expert(self.cfg, step)  # a two-expert model: t in the step's expert's range
         t_range = None if expert is None else expert_t_range(t.boundary_ratio, expert)
         fx = batch_flow_inputs(batch, t.seed, noise_step, t.t_sampling, t.flow_shift, first, t_range)
+        if self.cfg.model.arch == "wan" and self.cfg.model.clean_first_frame:
+            fx = keep_first_frame(fx)
         cond, cond_len = batch_conditioning(batch, t.seed, noise_step, self._caption_dropout, first)
         dev = self.device
         condition, image = batch_condition(batch, self.cfg.model) if self.cfg.model.arch == "wan" else (None, None)
@@ -373,7 +376,8 @@ class ComputeActor:
             x_last = x.detach().requires_grad_(True)
             c_leaf = c.detach().requires_grad_(True)
             pred = self._run_with_grad(head, params, x_last, c_leaf)
-            loss = flow_loss(as_velocity(pred, m.x_t, m.t, self.cfg.model.prediction), m.target)
+            loss = model_loss(as_velocity(pred, m.x_t, m.t, self.cfg.model.prediction), m.target,
+                              self.cfg.model.arch == "wan" and self.cfg.model.clean_first_frame)
             if fault_point("compute.loss", step) == "nan":
                 loss = loss * float("nan")
             # A NaN/Inf loss with finite gradients must not slip through: poison the step's norm

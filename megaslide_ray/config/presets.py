@@ -205,6 +205,16 @@ def wan22_i2v_a14b() -> Config:
     return cfg
 
 
+def wan22_ti2v_5b_i2v() -> Config:
+    """Wan2.2 TI2V-5B from an image (``model.clean_first_frame``): ``wan2.2-ti2v-5b``'s model with the
+    first latent frame the image's clean latents at timestep 0, the others noised (diffusers'
+    ``expand_timesteps``); the same parameters; 81 frames of 480x832."""
+    cfg = _wan("wan2.2-ti2v-5b-i2v", hidden=3072, depth=30, heads=24, ffn=14336, channels=48,
+               compression=(4, 16, 16), height=480, width=832)
+    cfg.model.clean_first_frame = True
+    return cfg
+
+
 PRESETS: dict[str, typing.Callable[[], Config]] = {
     "tiny": tiny,
     "tiny-motion": tiny_motion,
@@ -219,6 +229,7 @@ PRESETS: dict[str, typing.Callable[[], Config]] = {
     "wan2.1-i2v-14b-720p": wan21_i2v_14b_720p,
     "wan2.1-flf2v-14b-720p": wan21_flf2v_14b_720p,
     "wan2.2-i2v-a14b": wan22_i2v_a14b,
+    "wan2.2-ti2v-5b-i2v": wan22_ti2v_5b_i2v,
 }
 
 

@@ -10,7 +10,8 @@ Kinds (``WanFolder.kind``):
 
 * ``t2v``: text-to-video, one transformer (Wan2.1 T2V, ``WanPipeline``; a
   ``WanVideoToVideoPipeline`` folder holds the same transformer);
-* ``ti2v``: Wan2.2 TI2V-5B (``WanPipeline`` with ``expand_timesteps``): trained as text-to-video;
+* ``ti2v``: Wan2.2 TI2V-5B (``WanPipeline`` with ``expand_timesteps``): trained as text-to-video,
+  or from an image with ``model.clean_first_frame``;
 * ``t2v-a14b``: Wan2.2 T2V-A14B, two experts: ``transformer/`` denoises the timesteps ``t >=
   boundary_ratio x 1000`` (high noise), ``transformer_2/`` those below (low noise);
 * ``i2v``, ``i2v-a14b``, ``flf2v``: image-to-video (Wan2.1 I2V, Wan2.2 I2V-A14B, Wan2.1
@@ -35,7 +36,7 @@ IMAGE_TO_VIDEO = ("i2v", "i2v-a14b", "flf2v")
 
 NAMES = {
     "t2v": "a Wan text-to-video model",
-    "ti2v": "a Wan2.2 TI2V-5B model (trained here as text-to-video)",
+    "ti2v": "a Wan2.2 TI2V-5B model (text-to-video, or from an image with model.clean_first_frame)",
     "t2v-a14b": "a Wan2.2 T2V-A14B model (two experts: transformer/ and transformer_2/)",
     "i2v": "a Wan2.1 image-to-video model",
     "i2v-a14b": "a Wan2.2 I2V-A14B image-to-video model (two experts)",

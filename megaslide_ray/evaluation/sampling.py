@@ -162,9 +162,13 @@ def integrate(predictor, cfg: Config, x: torch.Tensor, cond, cond_len, steps: in
     compute actor, or the pipeline during training). With ``cfg_scale != 1`` each step also
     predicts with ``uncond`` and mixes ``v_u + cfg_scale * (v_c - v_u)`` (one batch of 2).
     ``extra``: an image-to-video model's ``condition`` and ``image`` (``sampling_condition``),
-    passed to every prediction (both halves of guidance see the same image)."""
+    passed to every prediction (both halves of guidance see the same image); its ``first_frame``
+    (``model.clean_first_frame``: the image's latents ``(1, 1, H', W', C)``) is instead kept as
+    the first latent frame, before every prediction and at the end, as diffusers' pipeline with
+    ``expand_timesteps`` keeps it."""
     guided = cfg_scale != 1.0
     extra = {k: v for k, v in (extra or {}).items() if v is not None}
+    first = extra.pop("first_frame", None)
     if guided:
         cond = np.concatenate([np.asarray(cond), np.asarray(uncond)])
         cond_len = np.concatenate([np.asarray(cond_len), np.asarray(uncond_len)])
@@ -174,12 +178,14 @@ def integrate(predictor, cfg: Config, x: torch.Tensor, cond, cond_len, steps: in
         raise ValueError(f"a time grid of {len(ts)} values for {steps} steps (needs {steps + 1})")
     for i in range(steps):
         t, dt = float(ts[i]), float(ts[i] - ts[i + 1])
+        if first is not None:
+            x = torch.cat([first.to(x.dtype), x[:, 1:]], dim=1)
         xb = torch.cat([x, x]) if guided else x
         v = predictor.predict(xb, torch.full((xb.shape[0],), t), cond, cond_len, version, **extra)
         if guided:
             v = v[1:] + cfg_scale * (v[:1] - v[1:])
         x = x - dt * v
-    return x
+    return x if first is None else torch.cat([first.to(x.dtype), x[:, 1:]], dim=1)
 
 
 def euler_sample(compute: ComputeActor, cfg: Config, prompt: str, steps: int, seed: int, version: int,
@@ -226,6 +232,12 @@ def sampling_condition(encoder: Encoder, cfg: Config, image: str | Path | None,
     "image": (n, Li, D) or None}``; ``{}`` for a text-to-video checkpoint. A missing or extra
     image is a ``ConfigError``."""
     kind = required_kind(cfg.model)
+    if cfg.model.clean_first_frame:  # Wan2.2 TI2V from an image: its latents are the first latent frame
+        if image is None or last_image is not None:
+            raise ConfigError("this checkpoint is Wan2.2 TI2V from an image (model.clean_first_frame): give --image "
+                              "FILE (the first frame) and no --last-image")
+        d = cfg.data
+        return {"first_frame": encoder.encode_video(read_image(image, d.height, d.width)[None])[None]}
     if kind is None:
         if image is not None or last_image is not None:
             raise ConfigError("--image/--last-image: this checkpoint is a text-to-video model; leave them out")
