@@ -206,3 +206,37 @@ def test_image_to_video_presets_are_diffusers_models(name):
     if p.experts == 2:
         with pytest.raises(ConfigError, match="--preset wan2.2-i2v-a14b with a --config TOML"):
             plan(cfg, gpus_per_node=8)
+
+
+def test_an_image_to_video_folder_starts_from_its_preset(tmp_path):
+    """--init-from a folder of the I2V-14B shape starts from wan2.1-i2v-14b-480p, FLF2V's from its
+    preset, I2V-A14B's from wan2.2-i2v-a14b (both experts), and TI2V-5B's stays text-to-video
+    (its image mode is asked for with --model.clean_first_frame)."""
+    import json
+
+    from megaslide_ray.config import build_config
+    from megaslide_ray.state.pretrained import config_for_diffusers_dir
+
+    vae = json.dumps({"_class_name": "AutoencoderKLWan", "z_dim": 16})
+    cases = {"wan2.1-i2v-14b-720p": ("wan2.1-i2v-14b-480p", ("transformer",)),
+             "wan2.1-flf2v-14b-720p": ("wan2.1-flf2v-14b-720p", ("transformer",)),
+             "wan2.2-i2v-a14b": ("wan2.2-i2v-a14b", ("transformer", "transformer_2"))}
+    for source, (want, parts) in cases.items():
+        transformer = json.dumps(diffusers_config(build_config(source)))
+        for part in (*parts, "vae"):
+            (tmp_path / source / part).mkdir(parents=True)
+            (tmp_path / source / part / "config.json").write_text(vae if part == "vae" else transformer)
+        index = {"_class_name": "WanImageToVideoPipeline", **({"boundary_ratio": 0.9} if len(parts) == 2 else {})}
+        (tmp_path / source / "model_index.json").write_text(json.dumps(index))
+        cfg = config_for_diffusers_dir(tmp_path / source, None, None, {})
+        assert cfg.preset == want and not cfg.model.clean_first_frame, source
+    ti2v = tmp_path / "ti2v"
+    for part in ("transformer", "vae"):
+        (ti2v / part).mkdir(parents=True)
+    (ti2v / "transformer" / "config.json").write_text(json.dumps(diffusers_config(build_config("wan2.2-ti2v-5b"))))
+    (ti2v / "vae" / "config.json").write_text(json.dumps({"_class_name": "AutoencoderKLWan", "z_dim": 48,
+                                                          "scale_factor_spatial": 16}))
+    (ti2v / "model_index.json").write_text(json.dumps({"_class_name": "WanPipeline", "expand_timesteps": True}))
+    cfg = config_for_diffusers_dir(ti2v, None, None, {})
+    assert cfg.preset == "wan2.2-ti2v-5b" and not cfg.model.clean_first_frame
+    assert config_for_diffusers_dir(ti2v, None, None, {"model.clean_first_frame": True}).model.clean_first_frame

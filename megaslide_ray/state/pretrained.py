@@ -102,13 +102,15 @@ def config_for_diffusers_dir(path: str | Path, preset_name: str | None, config_f
     source = f"--init-from {path}"
     if preset_name is None and config_file is None:
         base = "wan2.1-t2v-1.3b"
-        for name in PRESETS:  # the preset of the same shape and the same number of experts
+        for name in PRESETS:  # the first preset of the same shape and the same number of experts
             p = make_preset(name)
             m = p.model
-            if m.arch == "wan" and (m.hidden_size, m.depth, m.in_channels) == (
-                    model["model.hidden_size"], model["model.depth"], model["model.in_channels"]) and \
+            shape = ("hidden_size", "depth", "in_channels", "image_dim", "pos_embed_seq_len")
+            if m.arch == "wan" and all(getattr(m, k) == model[f"model.{k}"] for k in shape) and \
+                    not m.clean_first_frame and \
                     bool(p.training.boundary_ratio) == ("training.boundary_ratio" in experts):
-                base = name
+                base = name  # (image-to-video from TI2V-5B is asked for: --model.clean_first_frame true)
+                break
         cfg = build_config(base, None, {**model, **overrides})
     else:
         cfg = build_config(preset_name, config_file, overrides)
