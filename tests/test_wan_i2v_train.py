@@ -1,7 +1,8 @@
 """Training the Wan image-to-video models (tiny random folders saved by diffusers'
 WanImageToVideoPipeline): one streamed step's gradient is diffusers' own on ``[noisy latents,
 mask, image latents]`` with the CLIP states, for Wan2.1 I2V, FLF2V and both experts of Wan2.2
-I2V-A14B; and through Ray, precompute, train, resume (bit for bit) on each."""
+I2V-A14B; and through Ray, precompute, train, resume (bit for bit), export and sample on each,
+and on Wan2.2 TI2V-5B's layout from an image (``model.clean_first_frame``)."""
 
 from __future__ import annotations
 
@@ -9,14 +10,16 @@ import numpy as np
 import pytest
 import torch
 from diffusers import WanTransformer3DModel
+from PIL import Image
 from wan_models import CLIP_DIM, CLIP_TOKENS, FRAMES, LATENT_SHAPE, SIZE, Z, make_family_dir, make_wan_dir
 
 from actors.compute import ComputeActor, LocalStoreClient
 from actors.param_store import ParameterStore
 from megaslide_ray.data.demo import ensure_demo_dataset
 from megaslide_ray.data.precompute import precompute
+from megaslide_ray.evaluation.sampling import sample_video
 from megaslide_ray.state.checkpoint import read_checkpoint_shards
-from megaslide_ray.state.pretrained import config_for_diffusers_dir, model_names
+from megaslide_ray.state.pretrained import config_for_diffusers_dir, export_diffusers, model_names
 from megaslide_ray.trainer import Trainer
 from megaslide_ray.training.flow import HIGH, batch_flow_inputs, expert_t_range, flow_loss, step_expert
 
@@ -104,10 +107,15 @@ def test_a_streamed_step_is_diffusers_gradient_on_the_image_condition(family, tm
     assert seen == ({None} if kind != "i2v-a14b" else {HIGH, 1})
 
 
-@pytest.mark.slow  # precompute, Ray, three runs per kind
-@pytest.mark.parametrize("kind", KINDS)
-def test_precompute_train_resume_on_the_image_condition(ray_session, family, tmp_path, kind):
-    folder = family[kind]
+@pytest.mark.slow  # precompute, Ray, three runs per kind, export, sample
+@pytest.mark.parametrize("kind", [*KINDS, "ti2v"])
+def test_precompute_train_resume_sample_export(ray_session, family, tmp_path, kind):
+    """Each kind (TI2V-5B's layout with model.clean_first_frame) through precompute, Ray training
+    of every parameter, a bit-exact resume, the diffusers export (the trained weights, loaded by
+    diffusers) and ``sample --image``."""
+    folder = family[kind] if kind != "ti2v" else make_family_dir(family["i2v"].parent / "base", tmp_path / "ti2v",
+                                                                  "ti2v")
+    image_mode = {"model.clean_first_frame": True} if kind == "ti2v" else {}
     videos = ensure_demo_dataset(tmp_path / "videos", num_videos=3)
     manifest = precompute(folder, videos, tmp_path / "cache", FRAMES, SIZE, SIZE, device="cpu", dtype="fp32",
                           num_encoders=0, progress=False).manifest
@@ -115,7 +123,7 @@ def test_precompute_train_resume_on_the_image_condition(ray_session, family, tmp
     def config(steps):
         return _config(folder, tmp_path, **{"data.manifest": str(manifest), "data.batch_size": 1,
                                             "attention.kind": "dsa", "training.steps": steps,
-                                            "training.log_every": 1, "optim.grad_clip": 1.0})
+                                            "training.log_every": 1, "optim.grad_clip": 1.0, **image_mode})
 
     def train(cfg, run, resume=False):
         trainer = Trainer(cfg, run_dir=str(run), resume=resume, progress=False,
@@ -132,3 +140,19 @@ def test_precompute_train_resume_on_the_image_condition(ray_session, family, tmp
     shards = list(zip(read_checkpoint_shards(straight.checkpoint), read_checkpoint_shards(resumed.checkpoint)))
     assert shards and all(torch.equal(a, b) for a, b in shards)
     assert Z == LATENT_SHAPE[-1]
+
+    export_diffusers(straight.checkpoint, tmp_path / "export", drop_offsets=True)
+    parts = ("transformer", "transformer_2") if kind == "i2v-a14b" else (None,)
+    for part in parts:
+        out = tmp_path / "export" / part if part else tmp_path / "export"
+        trained = WanTransformer3DModel.from_pretrained(str(out)).state_dict()
+        pretrained = WanTransformer3DModel.from_pretrained(str(folder / (part or "transformer"))).state_dict()
+        assert trained.keys() == pretrained.keys()
+        assert any(not torch.equal(trained[n], pretrained[n]) for n in trained), part
+    rng = np.random.default_rng(0)
+    for name in ("first.png", "last.png"):
+        Image.fromarray(rng.integers(0, 256, (SIZE, SIZE, 3), dtype=np.uint8)).save(tmp_path / name)
+    r = sample_video(tmp_path / "straight", "a red circle moving right", tmp_path / "sample.mp4", steps=2,
+                     device="cpu", model_dir=folder, image=tmp_path / "first.png",
+                     last_image=tmp_path / "last.png" if kind == "flf2v" else None, cfg_scale=2.0)
+    assert r.frames.shape == (FRAMES, SIZE, SIZE, 3) and (tmp_path / "sample.mp4").is_file()

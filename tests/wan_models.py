@@ -74,12 +74,15 @@ def make_family_dir(base: Path, folder: Path, kind: str, seed: int = 0) -> Path:
     (the encoders of ``base``, a ``make_wan_dir`` folder): ``t2v`` (WanPipeline), ``t2v-a14b``
     (WanPipeline with ``transformer_2`` and ``boundary_ratio``), ``i2v`` (WanImageToVideoPipeline,
     a transformer with ``image_dim`` and a tiny CLIP image encoder), ``i2v-a14b`` (two 3Z+4-channel experts, no image encoder),
-    ``flf2v`` (``pos_embed_seq_len``), ``vace`` (WanVACEPipeline)."""
+    ``flf2v`` (``pos_embed_seq_len``), ``vace`` (WanVACEPipeline), ``ti2v`` (WanPipeline with
+    ``expand_timesteps``, Wan2.2 TI2V-5B's layout)."""
     torch.manual_seed(seed)
     parts = _pipeline_parts(base)
     t = dict(TRANSFORMER)
     if kind == "t2v":
         pipe = diffusers.WanPipeline(transformer=diffusers.WanTransformer3DModel(**t), **parts)
+    elif kind == "ti2v":  # Wan2.2 TI2V-5B's layout: WanPipeline with expand_timesteps
+        pipe = diffusers.WanPipeline(transformer=diffusers.WanTransformer3DModel(**t), expand_timesteps=True, **parts)
     elif kind == "t2v-a14b":
         pipe = diffusers.WanPipeline(transformer=diffusers.WanTransformer3DModel(**t),
                                      transformer_2=diffusers.WanTransformer3DModel(**t), boundary_ratio=BOUNDARY,
