@@ -156,3 +156,47 @@ def test_precompute_train_resume_sample_export(ray_session, family, tmp_path, ki
                      device="cpu", model_dir=folder, image=tmp_path / "first.png",
                      last_image=tmp_path / "last.png" if kind == "flf2v" else None, cfg_scale=2.0)
     assert r.frames.shape == (FRAMES, SIZE, SIZE, 3) and (tmp_path / "sample.mp4").is_file()
+
+
+@pytest.mark.parametrize("kind", ["i2v", "flf2v", "ti2v"])
+def test_the_held_out_loss_feeds_the_condition_as_diffusers_pipeline_does(family, tmp_path, kind):
+    """``validation_loss`` on an image-to-video cache (TI2V-5B's layout from an image: a plain
+    cache, its first latent frame kept clean and out of the loss) equals the loss of diffusers'
+    own model fed the pipeline's input, clip by clip and bucket by bucket."""
+    from megaslide_ray.evaluation.validation import load_val_set, val_inputs, validation_loss
+
+    folder = family[kind] if kind != "ti2v" else make_family_dir(family["i2v"].parent / "base", tmp_path / "ti2v",
+                                                                  "ti2v")
+    videos = ensure_demo_dataset(tmp_path / "videos", num_videos=2)
+    manifest = precompute(folder, videos, tmp_path / "cache", FRAMES, SIZE, SIZE, device="cpu", dtype="fp32",
+                          num_encoders=0, progress=False).manifest
+    cfg = _config(folder, tmp_path, **{"data.val_manifest": str(manifest), "training.val_clips": 2,
+                                       "training.val_t_buckets": 2, "training.eval_every": 1,
+                                       **({"model.clean_first_frame": True} if kind == "ti2v" else {})})
+    val = load_val_set(cfg)
+    assert (val.condition is None) == (kind == "ti2v")
+    store = ParameterStore(cfg, str(tmp_path / "run"), init_from=str(folder))
+    compute = ComputeActor(cfg, store.shard_infos(), LocalStoreClient(store), "shm")
+    try:
+        got = validation_loss(compute, cfg, val, 0)
+    finally:
+        compute.close()
+        store.close()
+    ref = WanTransformer3DModel.from_pretrained(str(folder / "transformer")).float().eval()
+    losses = []
+    for i in range(2):
+        for b in range(2):
+            x_t, t, target = val_inputs(val.x0[i], cfg.training.seed, i, b, 2)
+            timestep = torch.tensor([1000.0 * t])
+            if kind == "ti2v":  # the clean first frame at per-token timestep 0
+                x_t[:1] = val.x0[i][:1]
+                timestep = torch.cat([torch.zeros(4), torch.full((8,), 1000.0 * t)])[None]
+            x = x_t if val.condition is None else torch.cat([x_t, val.condition[i]], dim=-1)
+            image = val.image[i] if val.image is not None else None
+            with torch.no_grad():
+                pred = ref(x[None].permute(0, 4, 1, 2, 3), timestep, torch.from_numpy(val.cond[i:i + 1]),
+                           encoder_hidden_states_image=image, return_dict=False)[0].permute(0, 2, 3, 4, 1)[0]
+            first = int(kind == "ti2v")
+            losses.append(float((pred[first:].double() - target[first:].double()).pow(2).mean()))
+    want = sum(losses) / len(losses)
+    assert abs(got.val_loss - want) < 1e-5 * want

@@ -279,9 +279,6 @@ def _validate_image_fields(cfg: Config) -> None:
         raise ConfigError(f"model.pos_embed_seq_len={m.pos_embed_seq_len} (FLF2V) needs the image embedder "
                           f"(model.image_dim > 0)")
     image_to_video = m.image_dim or m.in_channels > (m.out_channels or m.in_channels)
-    if (image_to_video or m.clean_first_frame) and cfg.training.eval_every:
-        raise ConfigError(f"training.eval_every={cfg.training.eval_every}: the held-out evaluation does not feed an "
-                          f"image-to-video model its image condition yet; set it to 0 (the training loss is logged)")
     if m.clean_first_frame and (image_to_video or m.patch_size[0] != 1 or cfg.runtime.token_chunk):
         raise ConfigError(f"model.clean_first_frame (Wan2.2 TI2V from an image) needs a text-to-video input "
                           f"(model.in_channels = out_channels, no image embedder), model.patch_size[0] = 1 (got "
