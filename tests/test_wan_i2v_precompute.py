@@ -125,3 +125,21 @@ def test_an_image_to_video_model_needs_its_condition_in_the_manifest(caches, tmp
     with pytest.raises(ConfigError, match="its image condition is 'i2v', the model reads 'flf2v'"):
         check_data(_config(caches["flf2v"][0], caches["i2v"][1]))
     check_data(_config(t2v, caches["i2v"][1]))  # a text-to-video model ignores the condition
+
+
+def test_train_refuses_a_condition_less_cache_before_ray(caches, tmp_path, capsys):
+    """``train --init-from I2V_DIR`` on a text-to-video cache: exit 2 before Ray, naming the
+    precompute command."""
+    from megaslide_ray import train as train_cli
+
+    folder, manifest = caches["i2v"]
+    t2v = make_family_dir(folder.parent / "base", tmp_path / "t2v", "t2v")
+    videos = ensure_demo_dataset(folder.parent / "videos", num_videos=2)
+    plain = precompute(t2v, videos, tmp_path / "cache", FRAMES, SIZE, SIZE, device="cpu", dtype="fp32",
+                       num_encoders=0, progress=False).manifest
+    rc = train_cli.main(["--init-from", str(folder), "--data", str(plain), "--data.num_frames", str(FRAMES),
+                         "--data.height", str(SIZE), "--data.width", str(SIZE), "--attention.window", "3,1,1",
+                         "--steps", "1", "--run-dir", str(tmp_path / "run")])
+    err = capsys.readouterr().err
+    assert rc == 2 and "holds no image condition" in err and "python -m megaslide_ray.precompute --model-dir" in err
+    assert not (tmp_path / "run" / "metrics.jsonl").exists()
