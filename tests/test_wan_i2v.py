@@ -153,6 +153,8 @@ def test_image_config_round_trips_and_is_checked():
         validate(apply_overrides(copy.deepcopy(cfg), {"model.added_kv_proj_dim": 0}))
     with pytest.raises(ConfigError, match="set it to 16"):
         validate(apply_overrides(copy.deepcopy(cfg), {"model.added_kv_proj_dim": 8}))
+    with pytest.raises(ConfigError, match="reads 512 text tokens; set model.text_len=512"):
+        validate(apply_overrides(copy.deepcopy(cfg), {"model.text_len": 256}))
 
 
 @pytest.fixture(scope="module")

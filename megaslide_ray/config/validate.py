@@ -271,6 +271,10 @@ def _validate_image_fields(cfg: Config) -> None:
         raise ConfigError(f"model.image_dim={m.image_dim} and model.added_kv_proj_dim={m.added_kv_proj_dim}: an "
                           f"image-to-video Wan model has both (the image embedder and the image keys/values) or "
                           f"neither; set both (added_kv_proj_dim = model.hidden_size) or both to 0")
+    if m.added_kv_proj_dim and m.text_len != 512:
+        raise ConfigError(f"model.text_len={m.text_len} with image keys/values (model.added_kv_proj_dim): diffusers' "
+                          f"Wan attention takes the last 512 tokens of the context as the text and those before as "
+                          f"the image, so an image-to-video model reads 512 text tokens; set model.text_len=512")
     if m.added_kv_proj_dim and m.added_kv_proj_dim != m.hidden_size:
         raise ConfigError(f"model.added_kv_proj_dim={m.added_kv_proj_dim}: the image embedder projects to "
                           f"model.hidden_size={m.hidden_size}, so the image keys/values read that width; set "
