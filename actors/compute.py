@@ -58,10 +58,12 @@ from megaslide_ray.training.flow import (
     batch_flow_inputs,
     caption_dropout,
     expert_t_range,
-    flow_loss,
+    keep_first_frame,
+    model_loss,
     route_expert,
     step_expert,
 )
+from megaslide_ray.training.image_inputs import batch_condition, model_input
 
 log = logging.getLogger(__name__)
 
@@ -117,6 +119,8 @@ class FlowInputs(NamedTuple):
     target: torch.Tensor    # (B, F, H, W, C) velocity to predict
     caption: torch.Tensor   # (B, Lc) uint8 caption bytes, or (B, L, text_dim) text embeddings
     caption_len: torch.Tensor
+    condition: torch.Tensor | None = None  # image-to-video: (B, F, H, W, mask + C) mask and image latents
+    image: torch.Tensor | None = None      # image-to-video with CLIP: (B n, Li, image_dim) image states
 
     def split(self, k: int) -> list["FlowInputs"]:
         """The k micro-batches, consecutive clips of the batch (``training.micro_batches``)."""
@@ -125,7 +129,13 @@ class FlowInputs(NamedTuple):
         B = self.x_t.shape[0]
         if B % k:
             raise ValueError(f"a batch of {B} clips does not split into training.micro_batches={k}")
-        return [FlowInputs(*(a.chunk(k)[j] for a in self)) for j in range(k)]
+        return [FlowInputs(*(None if a is None else a.chunk(k)[j] for a in self)) for j in range(k)]
+
+    def embed_args(self) -> tuple:
+        """Shard 0's arguments: the noised clips (with an image-to-video model's condition
+        channels after them), t, the conditioning, and the image states when there are some."""
+        x = self.x_t if self.condition is None else model_input(self.x_t, self.condition)
+        return (x, self.t, self.caption, self.caption_len) + (() if self.image is None else (self.image,))
 
 
 def select_device(cfg: Config) -> str:
@@ -317,9 +327,13 @@ class ComputeActor:
         expert = step_expert(self.cfg, step)  # a two-expert model: t in the step's expert's range
         t_range = None if expert is None else expert_t_range(t.boundary_ratio, expert)
         fx = batch_flow_inputs(batch, t.seed, noise_step, t.t_sampling, t.flow_shift, first, t_range)
+        if self.cfg.model.arch == "wan" and self.cfg.model.clean_first_frame:
+            fx = keep_first_frame(fx)
         cond, cond_len = batch_conditioning(batch, t.seed, noise_step, self._caption_dropout, first)
         dev = self.device
-        return FlowInputs(fx.x_t.to(dev), fx.t.to(dev), fx.target.to(dev), cond.to(dev), cond_len.to(dev))
+        condition, image = batch_condition(batch, self.cfg.model) if self.cfg.model.arch == "wan" else (None, None)
+        return FlowInputs(fx.x_t.to(dev), fx.t.to(dev), fx.target.to(dev), cond.to(dev), cond_len.to(dev),
+                          *(None if a is None else a.to(dev) for a in (condition, image)))
 
     @torch.no_grad()
     def _forward(self, feed: ShardFeed, micro: list[FlowInputs], step: int) -> tuple[list, list]:
@@ -329,7 +343,7 @@ class ComputeActor:
         L, k = self.cfg.model.depth, len(micro)
         w = feed.take(0)
         fault_point("compute.after_weights", step)
-        xs, cs = map(list, zip(*(self._run(0, w, m.x_t, m.t, m.caption, m.caption_len) for m in micro)))
+        xs, cs = map(list, zip(*(self._run(0, w, *m.embed_args()) for m in micro)))
         feed.done(w)
         self.stash.begin(L * k, group=k)
         for shard in range(1, L + 1):
@@ -363,7 +377,8 @@ class ComputeActor:
             x_last = x.detach().requires_grad_(True)
             c_leaf = c.detach().requires_grad_(True)
             pred = self._run_with_grad(head, params, x_last, c_leaf)
-            loss = flow_loss(as_velocity(pred, m.x_t, m.t, self.cfg.model.prediction), m.target)
+            loss = model_loss(as_velocity(pred, m.x_t, m.t, self.cfg.model.prediction), m.target,
+                              self.cfg.model.arch == "wan" and self.cfg.model.clean_first_frame)
             if fault_point("compute.loss", step) == "nan":
                 loss = loss * float("nan")
             # A NaN/Inf loss with finite gradients must not slip through: poison the step's norm
@@ -412,7 +427,7 @@ class ComputeActor:
         params, grad = grad_views(self.infos[0].layout, w_staged)
         for j in range(k - 1, -1, -1):
             m = micro[j]
-            x0, c0 = self._run_with_grad(0, params, m.x_t, m.t, m.caption, m.caption_len)
+            x0, c0 = self._run_with_grad(0, params, *m.embed_args())
             torch.autograd.backward([x0, c0], [dxs[j], dcs[j].to(c0.dtype)])
         self._push_grad(0, step, grad)
         feed.done(w_staged)
@@ -427,7 +442,7 @@ class ComputeActor:
         w = feed.take(0)
         fault_point("compute.after_weights", step)
         params, grad = grad_views(self.infos[0].layout, w)
-        outs = [self._run_with_grad(0, params, m.x_t, m.t, m.caption, m.caption_len) for m in micro]
+        outs = [self._run_with_grad(0, params, *m.embed_args()) for m in micro]
         feed.done(w)
         graphs = [BlockGraph([None] * len(micro), [None] * len(micro), outs, grad)]
         for shard in range(1, L + 1):
@@ -472,13 +487,15 @@ class ComputeActor:
 
     # -- forward only (sampling) -------------------------------------------------------------
     @torch.no_grad()
-    def predict(self, x_t, t, caption, caption_len, step: int) -> torch.Tensor:
+    def predict(self, x_t, t, caption, caption_len, step: int, condition=None, image=None) -> torch.Tensor:
         """The model's velocity for ``x_t`` at times ``t``, with the weights of version ``step``.
 
         Forward only: shards 0..L+1 fetched as in training (prefetched while the current one
         computes), no activations kept, nothing sent back to the store.
         ``x_t: (B, F, H, W, C)`` in [-1, 1] scale, ``t: (B,)``, ``caption: (B, Lc)`` uint8 bytes,
-        ``caption_len: (B,)``. Returns the prediction as float32 on the CPU, shaped like ``x_t``.
+        ``caption_len: (B,)``; an image-to-video model also takes ``condition`` ``(B, F, H, W, mask
+        + C)`` and, with CLIP, ``image`` ``(B n, Li, image_dim)`` (``FlowInputs``). Returns the
+        prediction as float32 on the CPU, shaped like ``x_t``.
         """
         def as_tensor(a) -> torch.Tensor:
             # np.array copies: arrays from Ray are read-only views of the object store.
@@ -495,7 +512,8 @@ class ComputeActor:
         self.link.begin_step()  # (predictions report no transfer counters)
         feed = self._feed(list(range(self.per_expert)), step)
         w = feed.take(0)
-        x, c = self._run(0, w, x_t.float(), t.float(), cap, cap_len)
+        extra = (None if a is None else as_tensor(a).float() for a in (condition, image))
+        x, c = self._run(0, w, *FlowInputs(x_t.float(), t.float(), x_t, cap, cap_len, *extra).embed_args())
         feed.done(w)
         for shard in range(1, self.per_expert):
             w = feed.take(shard)

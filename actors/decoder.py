@@ -119,6 +119,7 @@ from megaslide_ray.data.buckets import BucketSchedule, latent_row_buckets, row_b
 from megaslide_ray.data.captions import empty_captions, set_caption
 from megaslide_ray.data.clips import ClipCache, ClipUnreadable, clip_indices, decode_clip, is_image, spatial_offset
 from megaslide_ray.data.demo import ensure_demo_dataset
+from megaslide_ray.data.image_condition import IMAGE_CONDITION_KEY, condition_arrays, load_condition
 from megaslide_ray.data.latents import (
     TEXT_LEN,
     LatentFileError,
@@ -284,12 +285,14 @@ class VideoDecoder:
 
             self.manifest_path = ensure_demo_dataset(data.cache_dir or None)
         self.latent_rows: list[dict] | None = None  # a latent manifest's rows (None: videos)
+        self.image_condition = None
         if is_latent_manifest(self.manifest_path):
             rows, meta = read_latent_manifest(self.manifest_path)
             self.latent_rows = rows
             # one shape, or with data.buckets one per bucket (_bucketing)
             self.latent_shape = None if data.buckets.strip() else single_latent_shape(rows, self.manifest_path)
             self.text_dim, self.text_len = int(meta["text_dim"]), int(meta.get("text_len", TEXT_LEN))
+            self.image_condition = meta.get(IMAGE_CONDITION_KEY)  # an image-to-video cache: loaded with each clip
             # bad-row bookkeeping, logs and the watchdog's status name the latent file
             self.entries: list[ManifestEntry] = [
                 ManifestEntry(path=str(resolve(self.manifest_path, r["latent_path"])), caption=r["caption"])
@@ -495,9 +498,12 @@ class VideoDecoder:
             return {"latents": np.empty((b, *latent_shape), dtype=np.float32), "caption": caption,
                     "caption_len": caption_len}
         if self.latent_rows is not None:
-            return {"latents": np.empty((b, *latent_shape), dtype=np.float32),
-                    "text": np.zeros((b, self.text_len, self.text_dim), dtype=np.float32),
-                    "text_len": np.zeros((b,), dtype=np.int32)}
+            out = {"latents": np.empty((b, *latent_shape), dtype=np.float32),
+                   "text": np.zeros((b, self.text_len, self.text_dim), dtype=np.float32),
+                   "text_len": np.zeros((b,), dtype=np.int32)}
+            if self.image_condition:  # an image-to-video cache: the condition (and CLIP states) of each clip
+                out.update(condition_arrays(self.image_condition, b, latent_shape))
+            return out
         caption, caption_len = empty_captions(b, self.caption_max_bytes)
         return {"video": np.empty((b, d.num_frames, d.height, d.width, 3), dtype=np.uint8), "caption": caption,
                 "caption_len": caption_len}
@@ -558,10 +564,22 @@ class VideoDecoder:
             raise ClipUnreadable(str(e)) from None
         if text.shape[0] > self.text_len:
             raise ClipUnreadable(f"{text.shape[0]} text tokens, more than the manifest's text_len={self.text_len}")
+        if self.image_condition:
+            self._fill_condition(out, i, row)
         out["latents"][i] = latents.numpy()
         out["text"][i, : text.shape[0]] = text.numpy()
         out["text_len"][i] = text.shape[0]
         return int(latents.shape[0])
+
+    def _fill_condition(self, out: dict[str, np.ndarray], i: int, row: int) -> None:
+        """An image-to-video cache's condition (and CLIP states) of row ``row`` into slot ``i``."""
+        try:
+            condition, image = load_condition(self.manifest_path, self.latent_rows[row], self.image_condition)
+        except LatentFileError as e:
+            raise ClipUnreadable(str(e)) from None
+        out["condition"][i] = condition.numpy()
+        if image is not None:
+            out["image"][i] = image.numpy()
 
     def _note_tried(self, row: int) -> None:
         """Count distinct rows tried and stop when too many of them are unusable."""

@@ -77,7 +77,9 @@ def _parser() -> argparse.ArgumentParser:
                                         "has --ram-gb 1649; an H200 --gpu-gb 141.")
     ap.add_argument("--preset", default="tiny", help="config preset (tiny, dit-105b, dit-33b, dit-28b, "
                                                      "wan2.1-t2v-1.3b, wan2.1-t2v-14b, wan2.2-ti2v-5b, "
-                                                     "wan2.2-t2v-a14b: both experts on the host)")
+                                                     "wan2.2-t2v-a14b, wan2.2-i2v-a14b: both experts on the host; "
+                                                     "wan2.1-i2v-14b-480p, wan2.1-i2v-14b-720p, "
+                                                     "wan2.1-flf2v-14b-720p)")
     ap.add_argument("--config", default=None, help="TOML config file (as for training)")
     ap.add_argument("--frames", type=_positive(int), default=None,
                     help="clip length in pixel frames (default: the preset's; latent presets pad to 4k+1)")

@@ -29,6 +29,9 @@ def main(argv: list[str] | None = None) -> int:
                    help="wan checkpoints: the local diffusers Wan folder (text_encoder/, tokenizer/, vae/); a videodit on "
                         "latents (dit-* presets): the folder whose vae/ decodes its latents")
     p.add_argument("--negative-prompt", default="", help="wan: the prompt of guidance's unconditional half")
+    p.add_argument("--image", default=None,
+                   help="image-to-video checkpoint: the first frame (resized to cover the clip, center-cropped)")
+    p.add_argument("--last-image", default=None, help="FLF2V checkpoint: the last frame")
     p.add_argument("--fps", type=int, default=8)
     p.add_argument("--upscale", type=int, default=1,
                    help="write each pixel K x K times (nearest neighbour), e.g. 4 for tiny-motion's 16x16 "
@@ -40,7 +43,8 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=a.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
     try:
         r = sample_video(a.checkpoint, a.prompt, a.out, a.frames, a.steps, a.seed, a.height, a.width,
-                         a.cfg_scale, a.fps, a.device, a.model_dir, a.negative_prompt, a.upscale)
+                         a.cfg_scale, a.fps, a.device, a.model_dir, a.negative_prompt, a.upscale, a.image,
+                         a.last_image)
     except (ConfigError, FileNotFoundError, ValueError, RuntimeError, ImportError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

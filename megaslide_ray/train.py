@@ -32,8 +32,9 @@ def build_parser() -> argparse.ArgumentParser:
         epilog="Any config field: --SECTION.FIELD VALUE (e.g. --model.depth 8 --attention.kind dense). "
                "See --help-config.")
     p.add_argument("--preset", default=None, help="tiny (default), tiny-motion, dit-105b, dit-33b, dit-28b, "
-                                                  "wan2.1-t2v-1.3b, wan2.1-t2v-14b, wan2.2-ti2v-5b or "
-                                                  "wan2.2-t2v-a14b")
+                                                  "wan2.1-t2v-1.3b, wan2.1-t2v-14b, wan2.2-ti2v-5b, "
+                                                  "wan2.2-t2v-a14b, wan2.1-i2v-14b-480p, wan2.1-i2v-14b-720p, "
+                                                  "wan2.1-flf2v-14b-720p or wan2.2-i2v-a14b")
     p.add_argument("--config", default=None, help="TOML file with [section] tables (e.g. a run's config.toml)")
     p.add_argument("--steps", type=int, default=None, help="total optimizer steps (training.steps)")
     p.add_argument("--run-dir", default=None, help="output directory (default runs/<timestamp>)")

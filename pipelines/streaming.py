@@ -552,12 +552,13 @@ class StreamingPipeline:
         and node."""
         return ray.get(self._store.status.remote())
 
-    def predict(self, x_t, t, caption, caption_len, version: int):
+    def predict(self, x_t, t, caption, caption_len, version: int, **condition):
         """The model's velocity for ``x_t`` at times ``t`` with the weights of ``version``, forward
         only through the compute actor (``ComputeActor.predict``); so the pipeline can be handed to
         ``euler_sample`` for sampling during training. Call it with no step queued past
-        ``version`` (the Trainer does not queue ahead of a sample)."""
-        return ray.get(self._computes.first.predict.remote(x_t, t, caption, caption_len, version))
+        ``version`` (the Trainer does not queue ahead of a sample). ``condition``: an image-to-video
+        model's ``condition`` and ``image`` (``ComputeActor.predict``)."""
+        return ray.get(self._computes.first.predict.remote(x_t, t, caption, caption_len, version, **condition))
 
     def actor_handles(self) -> ActorHandles:
         """The live actors' handles, for tests and fault drills that kill one on purpose. They

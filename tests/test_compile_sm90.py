@@ -248,7 +248,8 @@ def test_sm90_compile_only_check_passes_at_the_preset_shapes(tmp_path):
     # (offsets in (2, 3) and past the cap)
     presets = {p for r in recs for p in r["presets"]}
     assert presets == {"dit-105b", "dit-33b", "dit-28b", "wan2.1-t2v-1.3b", "wan2.1-t2v-14b", "wan2.2-t2v-a14b",
-                       "wan2.2-ti2v-5b"}
+                       "wan2.2-ti2v-5b", "wan2.1-i2v-14b-480p", "wan2.1-i2v-14b-720p", "wan2.1-flf2v-14b-720p",
+                       "wan2.2-i2v-a14b", "wan2.2-ti2v-5b-i2v"}
     at_presets = [r for r in recs if r["presets"] and r["may_pick"]]
     assert at_presets and {r["kernel"] for r in at_presets if r["dot"] == "wgmma"} >= {"pull_dk", "pull_dv"}
     from kernels.dsa_cost import choose_halo

@@ -319,17 +319,17 @@ def test_check_against_lists_every_contradiction_at_once():
         assert needle in msg
 
 
-def test_image_to_video_and_unknown_configs_are_refused(tmp_path):
+def test_unknown_configs_are_refused(tmp_path):
     base = diffusers_config(build_config("wan2.1-t2v-14b"))
-    with pytest.raises(ConfigError, match="image-to-video Wan model .*image_dim=1280, added_kv_proj_dim=5120"):
-        wan_config_from_diffusers({**base, "image_dim": 1280, "added_kv_proj_dim": 5120})
+    got = wan_config_from_diffusers({**base, "image_dim": 1280, "added_kv_proj_dim": 5120})  # I2V: test_wan_i2v.py
+    assert (got["model.image_dim"], got["model.added_kv_proj_dim"], got["model.pos_embed_seq_len"]) == (1280, 5120, 0)
     with pytest.raises(ConfigError, match="unknown WanTransformer3DModel config keys \\['vace_layers'\\]"):
         wan_config_from_diffusers({**base, "vace_layers": [0, 2]})
     with pytest.raises(ConfigError, match="qk_norm='rms_norm'"):
         wan_config_from_diffusers({**base, "qk_norm": "rms_norm"})
     (tmp_path / "transformer").mkdir()
-    (tmp_path / "transformer" / "config.json").write_text(json.dumps({**base, "image_dim": 1280}))
-    with pytest.raises(ConfigError, match="image-to-video"):
+    (tmp_path / "transformer" / "config.json").write_text(json.dumps({**base, "_class_name": "WanVACETransformer3DModel"}))
+    with pytest.raises(ConfigError, match="Wan VACE"):
         from_diffusers(tmp_path)
     with pytest.raises(FileNotFoundError, match="neither transformer/config.json nor config.json"):
         from_diffusers(tmp_path / "transformer" / "nothing")

@@ -1,8 +1,8 @@
 """The Wan family's folders, as diffusers' own pipeline classes save them (tiny random models):
 what each is is read from model_index.json and the transformer's config.json, and every folder
-this project does not train (image-to-video, FLF2V, VACE, Animate, S2V, unknown) is refused by
-``train --init-from``, ``precompute`` and ``sample --model-dir`` before any work, naming what it
-is; a Wan2.2 A14B folder is never trained as one transformer over every timestep."""
+this project does not train (VACE, Animate, S2V, unknown) is refused by ``train --init-from``,
+``precompute`` and ``sample --model-dir`` before any work, naming what it is (image-to-video
+folders precompute, train and sample: test_wan_i2v_*.py); a Wan2.2 A14B folder is never trained as one transformer over every timestep."""
 
 from __future__ import annotations
 
@@ -24,7 +24,7 @@ from actors.param_store import ParameterStore
 from megaslide_ray import precompute as precompute_cli
 from megaslide_ray import train as train_cli
 from megaslide_ray.config import ConfigError
-from megaslide_ray.config.wan_folders import describe_wan_folder
+from megaslide_ray.config.wan_folders import IMAGE_TO_VIDEO, describe_wan_folder
 from megaslide_ray.data.demo import ensure_demo_dataset
 from megaslide_ray.data.precompute import precompute
 from megaslide_ray.evaluation.sampling import CheckpointWeights, check_model_files, sample_video
@@ -91,32 +91,38 @@ REFUSED = {"i2v": "Wan2.1 image-to-video", "flf2v": "first-last-frame", "i2v-a14
 @pytest.mark.parametrize("kind", sorted(REFUSED))
 def test_unsupported_folders_are_refused_everywhere_before_any_work(family, kind, tmp_path, capsys):
     path = family[kind]
-    # train --init-from: refused while the config is built (before Ray), exit 2.
-    assert train_cli.main(["--init-from", str(path), "--print-config"]) == 2
-    err = capsys.readouterr().err
-    assert REFUSED[kind] in err and str(path) in err
-    # The launch path (check_pretrained, before Ray) refuses it as well.
-    cfg = config_for_diffusers_dir(family["t2v"], None, None, CLIP)
-    with pytest.raises(PretrainedMismatchError, match=REFUSED[kind]):
-        check_pretrained(cfg, path)
-    # precompute: refused before anything is read or written.
+    if kind not in IMAGE_TO_VIDEO:  # image-to-video trains: test_wan_i2v_train.py
+        # train --init-from: refused while the config is built (before Ray), exit 2.
+        assert train_cli.main(["--init-from", str(path), "--print-config"]) == 2
+        err = capsys.readouterr().err
+        assert REFUSED[kind] in err and str(path) in err
+        # The launch path (check_pretrained, before Ray) refuses it as well.
+        cfg = config_for_diffusers_dir(family["t2v"], None, None, CLIP)
+        with pytest.raises(PretrainedMismatchError, match=REFUSED[kind]):
+            check_pretrained(cfg, path)
+    # precompute: refused before anything is read or written (image-to-video folders make their
+    # image condition: test_wan_i2v_precompute.py).
     out = tmp_path / "cache"
     rc = precompute_cli.main(["--model-dir", str(path), "--data", str(tmp_path / "none.parquet"), "--out", str(out),
                               "--frames", "9", "--height", "32", "--width", "32", "--num-encoders", "0"])
-    assert rc == 2 and REFUSED[kind] in capsys.readouterr().err and not out.exists()
-    # sample --model-dir and from_diffusers.
-    with pytest.raises(ConfigError, match=REFUSED[kind]):
-        check_model_files(path, ("vae",))
-    with pytest.raises(ConfigError, match=REFUSED[kind]):
-        from_diffusers(path)
+    err = capsys.readouterr().err
+    assert rc == 2 and not out.exists()
+    assert (REFUSED[kind] in err) == (kind not in IMAGE_TO_VIDEO)
+    # sample --model-dir and from_diffusers (image-to-video: test_wan_i2v.py, test_wan_i2v_sample.py).
+    if kind not in IMAGE_TO_VIDEO:
+        with pytest.raises(ConfigError, match=REFUSED[kind]):
+            check_model_files(path, ("vae",))
+        with pytest.raises(ConfigError, match=REFUSED[kind]):
+            from_diffusers(path)
 
 
 def test_image_to_video_is_never_stored_as_text_to_video(family, tmp_path, capsys):
-    """The tiny I2V-A14B's VAE makes 4 channels and its transformer reads 12: the refusal says
-    image-to-video, not a channel mismatch."""
-    assert train_cli.main(["--init-from", str(family["i2v-a14b"]), "--print-config"]) == 2
-    err = capsys.readouterr().err
-    assert "image-to-video is not supported" in err and "z_dim" not in err
+    """The tiny I2V-A14B's VAE makes 4 channels and its transformer reads 12 (noise, mask, image
+    latents): the folder gives an image-to-video config, not a channel mismatch."""
+    assert train_cli.main(["--init-from", str(family["i2v-a14b"]), "--training.expert", "both",
+                           "--print-config"]) == 0
+    out = capsys.readouterr().out
+    assert "in_channels = 12" in out and "out_channels = 4" in out
 
 
 def test_a_two_expert_folder_needs_its_experts_named(family, capsys):

@@ -55,17 +55,34 @@ def _pipeline_parts(base: Path) -> dict:
                 scheduler=diffusers.FlowMatchEulerDiscreteScheduler(shift=3.0))
 
 
+CLIP_DIM, CLIP_TOKENS = 8, 5
+"""The tiny CLIP vision encoder's width (the I2V transformers' ``image_dim``) and its tokens per
+image (2 x 2 patches of 16 pixels and the class token)."""
+
+
+def tiny_clip() -> dict:
+    """A random ``CLIPVisionModel`` (two layers, 32-pixel images) and its ``CLIPImageProcessor``,
+    as the ``image_encoder``/``image_processor`` of a ``WanImageToVideoPipeline``."""
+    cfg = transformers.CLIPVisionConfig(hidden_size=CLIP_DIM, intermediate_size=16, num_hidden_layers=2,
+                                        num_attention_heads=2, image_size=32, patch_size=16, projection_dim=8)
+    processor = transformers.CLIPImageProcessor(size={"shortest_edge": 32}, crop_size={"height": 32, "width": 32})
+    return dict(image_encoder=transformers.CLIPVisionModel(cfg).eval(), image_processor=processor)
+
+
 def make_family_dir(base: Path, folder: Path, kind: str, seed: int = 0) -> Path:
     """A tiny random diffusers folder of one Wan layout, saved by diffusers' own pipeline class
     (the encoders of ``base``, a ``make_wan_dir`` folder): ``t2v`` (WanPipeline), ``t2v-a14b``
     (WanPipeline with ``transformer_2`` and ``boundary_ratio``), ``i2v`` (WanImageToVideoPipeline,
-    a transformer with ``image_dim``), ``i2v-a14b`` (two 3Z+4-channel experts, no image encoder),
-    ``flf2v`` (``pos_embed_seq_len``), ``vace`` (WanVACEPipeline)."""
+    a transformer with ``image_dim`` and a tiny CLIP image encoder), ``i2v-a14b`` (two 3Z+4-channel experts, no image encoder),
+    ``flf2v`` (``pos_embed_seq_len``), ``vace`` (WanVACEPipeline), ``ti2v`` (WanPipeline with
+    ``expand_timesteps``, Wan2.2 TI2V-5B's layout)."""
     torch.manual_seed(seed)
     parts = _pipeline_parts(base)
     t = dict(TRANSFORMER)
     if kind == "t2v":
         pipe = diffusers.WanPipeline(transformer=diffusers.WanTransformer3DModel(**t), **parts)
+    elif kind == "ti2v":  # Wan2.2 TI2V-5B's layout: WanPipeline with expand_timesteps
+        pipe = diffusers.WanPipeline(transformer=diffusers.WanTransformer3DModel(**t), expand_timesteps=True, **parts)
     elif kind == "t2v-a14b":
         pipe = diffusers.WanPipeline(transformer=diffusers.WanTransformer3DModel(**t),
                                      transformer_2=diffusers.WanTransformer3DModel(**t), boundary_ratio=BOUNDARY,
@@ -73,14 +90,15 @@ def make_family_dir(base: Path, folder: Path, kind: str, seed: int = 0) -> Path:
     elif kind in ("i2v", "flf2v", "i2v-a14b"):
         t["in_channels"] = 2 * Z + 4
         if kind != "i2v-a14b":
-            t.update(image_dim=8, added_kv_proj_dim=16)
+            t.update(image_dim=CLIP_DIM, added_kv_proj_dim=16)
         if kind == "flf2v":
-            t["pos_embed_seq_len"] = 2 * 257
+            t["pos_embed_seq_len"] = 2 * CLIP_TOKENS
         two = kind == "i2v-a14b"
+        clip = {} if two else tiny_clip()
         pipe = diffusers.WanImageToVideoPipeline(
             transformer=diffusers.WanTransformer3DModel(**t),
             transformer_2=diffusers.WanTransformer3DModel(**t) if two else None,
-            boundary_ratio=0.9 if two else None, **parts)
+            boundary_ratio=0.9 if two else None, **clip, **parts)
     elif kind == "vace":
         pipe = diffusers.WanVACEPipeline(transformer=diffusers.WanVACETransformer3DModel(
             **t, vace_layers=[0], vace_in_channels=3 * Z), **parts)

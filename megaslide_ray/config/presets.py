@@ -158,6 +158,61 @@ def wan22_t2v_a14b() -> Config:
     return cfg
 
 
+def _wan_i2v(name: str, height: int, width: int, flf2v: bool = False) -> Config:
+    """Wan2.1 image-to-video 14B (the T2V 14B shape with 36 input channels, noise + 4 mask + 16
+    image latent channels, a 1280-wide CLIP image embedder and image keys/values in every
+    cross-attention); FLF2V: the image tokens of the first and last frames, with positions."""
+    cfg = _wan(name, hidden=5120, depth=40, heads=40, ffn=13824, channels=16, compression=(4, 8, 8), height=height,
+               width=width)
+    cfg.model.in_channels, cfg.model.image_dim, cfg.model.added_kv_proj_dim = 36, 1280, 5120
+    cfg.model.pos_embed_seq_len = 2 * 257 if flf2v else 0
+    cfg.training.flow_shift = 3.0 if height <= 480 else 5.0  # Wan's sampling shift at 480p / 720p
+    return cfg
+
+
+def wan21_i2v_14b_480p() -> Config:
+    """Wan2.1 image-to-video 14B at 480p: the Wan2.1 14B shape reading 36 channels (noisy latents, the
+    4-channel first-frame mask, the first frame's latents) and the first frame's CLIP states (257 x 1280)
+    through its image embedder and image keys/values (16,394,878,784 parameters with dense attention,
+    plus the DSA offset heads); 81 frames of 480x832, ``flow_shift`` 3."""
+    return _wan_i2v("wan2.1-i2v-14b-480p", 480, 832)
+
+
+def wan21_i2v_14b_720p() -> Config:
+    """Wan2.1 image-to-video 14B at 720p: ``wan2.1-i2v-14b-480p``'s model on 81 frames of 720x1280,
+    ``flow_shift`` 5."""
+    return _wan_i2v("wan2.1-i2v-14b-720p", 720, 1280)
+
+
+def wan21_flf2v_14b_720p() -> Config:
+    """Wan2.1 first-last-frame-to-video 14B at 720p: the I2V model whose image embedder reads the first
+    and the last frames' CLIP states (2 x 257 tokens, each with a learned position; 16,395,536,704 parameters
+    with dense attention, plus the DSA offset heads); 81 frames of 720x1280."""
+    return _wan_i2v("wan2.1-flf2v-14b-720p", 720, 1280, flf2v=True)
+
+
+def wan22_i2v_a14b() -> Config:
+    """Wan2.2 image-to-video A14B: two experts of the Wan2.1 14B shape reading 36 channels (no CLIP image
+    embedder; 2 x 14,288,901,184 parameters with dense attention, plus the DSA offset heads),
+    ``transformer/`` for t >= 0.9 and ``transformer_2/`` below, both trained in one run;
+    81 frames of 720x1280, ``flow_shift`` 5."""
+    cfg = _wan("wan2.2-i2v-a14b", hidden=5120, depth=40, heads=40, ffn=13824, channels=16,
+               compression=(4, 8, 8), height=720, width=1280)
+    cfg.model.in_channels = 36
+    cfg.training.expert, cfg.training.boundary_ratio, cfg.training.flow_shift = "both", 0.9, 5.0
+    return cfg
+
+
+def wan22_ti2v_5b_i2v() -> Config:
+    """Wan2.2 TI2V-5B from an image (``model.clean_first_frame``): ``wan2.2-ti2v-5b``'s model with the
+    first latent frame the image's clean latents at timestep 0, the others noised (diffusers'
+    ``expand_timesteps``); the same parameters; 81 frames of 480x832."""
+    cfg = _wan("wan2.2-ti2v-5b-i2v", hidden=3072, depth=30, heads=24, ffn=14336, channels=48,
+               compression=(4, 16, 16), height=480, width=832)
+    cfg.model.clean_first_frame = True
+    return cfg
+
+
 PRESETS: dict[str, typing.Callable[[], Config]] = {
     "tiny": tiny,
     "tiny-motion": tiny_motion,
@@ -168,6 +223,11 @@ PRESETS: dict[str, typing.Callable[[], Config]] = {
     "wan2.1-t2v-14b": wan21_t2v_14b,
     "wan2.2-ti2v-5b": wan22_ti2v_5b,
     "wan2.2-t2v-a14b": wan22_t2v_a14b,
+    "wan2.1-i2v-14b-480p": wan21_i2v_14b_480p,
+    "wan2.1-i2v-14b-720p": wan21_i2v_14b_720p,
+    "wan2.1-flf2v-14b-720p": wan21_flf2v_14b_720p,
+    "wan2.2-i2v-a14b": wan22_i2v_a14b,
+    "wan2.2-ti2v-5b-i2v": wan22_ti2v_5b_i2v,
 }
 
 

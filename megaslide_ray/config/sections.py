@@ -93,6 +93,24 @@ class ModelConfig:
     """``wan``: epsilon of the layer norms and the q/k RMS norms."""
     cross_attn_norm: bool = True
     """``wan``: an affine LayerNorm (``norm2``) before each block's cross-attention; False: none."""
+    image_dim: int = 0
+    """``wan`` image-to-video (Wan2.1 I2V-14B, FLF2V): width of the CLIP image states (the vision
+    encoder's penultimate hidden states, 1280) the ``condition_embedder.image_embedder`` projects
+    to ``hidden_size``; each block's cross-attention then also attends to those image tokens
+    (``add_k_proj``/``add_v_proj``/``norm_added_k``). 0: no image embedder (text-to-video,
+    Wan2.2 I2V-A14B)."""
+    added_kv_proj_dim: int = 0
+    """``wan``: input width of the cross-attention's image keys and values (diffusers'
+    ``added_kv_proj_dim``; ``hidden_size`` whenever ``image_dim`` is set). 0: none."""
+    clean_first_frame: bool = False
+    """``wan`` Wan2.2 TI2V-5B from an image (diffusers' ``expand_timesteps``): the first latent frame
+    is the image's clean latents at timestep 0 and the others are noised at the sample's t
+    (per-token timesteps: the blocks and the head modulate the first token frame with timestep
+    0's embedding); training keeps the clip's first latent frame clean and leaves it out of the
+    loss, sampling keeps it at ``--image``'s latents. False: text-to-video."""
+    pos_embed_seq_len: int = 0
+    """``wan`` FLF2V: image tokens of the first and last frames together (2 x 257), each with a
+    learned position (``image_embedder.pos_embed``). 0: none."""
 
 
 @dataclass

@@ -286,7 +286,42 @@ def _validate_wan(cfg: Config) -> None:
     for i, c in enumerate(m.latent_compression):
         if not c > 0:
             raise ConfigError(f"model.latent_compression[{i}]={c} must be > 0")
+    _validate_image_fields(cfg)
     _validate_experts(cfg)
+
+
+def _validate_image_fields(cfg: Config) -> None:
+    """The image-to-video fields: the image embedder and the image keys/values come together,
+    the keys' width is the model's, FLF2V's positions need the embedder."""
+    m = cfg.model
+    for where, value in [("model.image_dim", m.image_dim), ("model.added_kv_proj_dim", m.added_kv_proj_dim),
+                         ("model.pos_embed_seq_len", m.pos_embed_seq_len)]:
+        if value < 0:
+            raise ConfigError(f"{where}={value} must be >= 0 (0: none)")
+    if bool(m.image_dim) != bool(m.added_kv_proj_dim):
+        raise ConfigError(f"model.image_dim={m.image_dim} and model.added_kv_proj_dim={m.added_kv_proj_dim}: an "
+                          f"image-to-video Wan model has both (the image embedder and the image keys/values) or "
+                          f"neither; set both (added_kv_proj_dim = model.hidden_size) or both to 0")
+    if m.added_kv_proj_dim and m.text_len != 512:
+        raise ConfigError(f"model.text_len={m.text_len} with image keys/values (model.added_kv_proj_dim): diffusers' "
+                          f"Wan attention takes the last 512 tokens of the context as the text and those before as "
+                          f"the image, so an image-to-video model reads 512 text tokens; set model.text_len=512")
+    if m.added_kv_proj_dim and m.added_kv_proj_dim != m.hidden_size:
+        raise ConfigError(f"model.added_kv_proj_dim={m.added_kv_proj_dim}: the image embedder projects to "
+                          f"model.hidden_size={m.hidden_size}, so the image keys/values read that width; set "
+                          f"it to {m.hidden_size}")
+    if m.pos_embed_seq_len and not m.image_dim:
+        raise ConfigError(f"model.pos_embed_seq_len={m.pos_embed_seq_len} (FLF2V) needs the image embedder "
+                          f"(model.image_dim > 0)")
+    image_to_video = m.image_dim or m.in_channels > (m.out_channels or m.in_channels)
+    if m.clean_first_frame and (image_to_video or m.patch_size[0] != 1 or cfg.runtime.token_chunk):
+        raise ConfigError(f"model.clean_first_frame (Wan2.2 TI2V from an image) needs a text-to-video input "
+                          f"(model.in_channels = out_channels, no image embedder), model.patch_size[0] = 1 (got "
+                          f"{m.patch_size[0]}) and runtime.token_chunk = 0 (got {cfg.runtime.token_chunk}: the "
+                          f"chunked block does not modulate per frame yet)")
+    if m.pos_embed_seq_len % 2:
+        raise ConfigError(f"model.pos_embed_seq_len={m.pos_embed_seq_len}: FLF2V's positions cover the first and "
+                          f"last frames' image tokens alike, so it is even (2 x 257)")
 
 
 def _validate_experts(cfg: Config) -> None:

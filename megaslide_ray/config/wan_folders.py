@@ -10,7 +10,8 @@ Kinds (``WanFolder.kind``):
 
 * ``t2v``: text-to-video, one transformer (Wan2.1 T2V, ``WanPipeline``; a
   ``WanVideoToVideoPipeline`` folder holds the same transformer);
-* ``ti2v``: Wan2.2 TI2V-5B (``WanPipeline`` with ``expand_timesteps``): trained as text-to-video;
+* ``ti2v``: Wan2.2 TI2V-5B (``WanPipeline`` with ``expand_timesteps``): trained as text-to-video,
+  or from an image with ``model.clean_first_frame``;
 * ``t2v-a14b``: Wan2.2 T2V-A14B, two experts: ``transformer/`` denoises the timesteps ``t >=
   boundary_ratio x 1000`` (high noise), ``transformer_2/`` those below (low noise);
 * ``i2v``, ``i2v-a14b``, ``flf2v``: image-to-video (Wan2.1 I2V, Wan2.2 I2V-A14B, Wan2.1
@@ -29,10 +30,13 @@ from megaslide_ray.config.sections import ConfigError
 
 TEXT_TO_VIDEO = ("t2v", "ti2v", "t2v-a14b")
 """The kinds whose transformer this project trains (text-to-video)."""
+IMAGE_TO_VIDEO = ("i2v", "i2v-a14b", "flf2v")
+"""The image-to-video kinds whose transformer ``from_diffusers`` loads (``refuse_unsupported``'s
+``image_to_video``)."""
 
 NAMES = {
     "t2v": "a Wan text-to-video model",
-    "ti2v": "a Wan2.2 TI2V-5B model (trained here as text-to-video)",
+    "ti2v": "a Wan2.2 TI2V-5B model (text-to-video, or from an image with model.clean_first_frame)",
     "t2v-a14b": "a Wan2.2 T2V-A14B model (two experts: transformer/ and transformer_2/)",
     "i2v": "a Wan2.1 image-to-video model",
     "i2v-a14b": "a Wan2.2 I2V-A14B image-to-video model (two experts)",
@@ -155,10 +159,11 @@ def describe_wan_folder(path: str | Path, need_transformer: bool = True) -> WanF
                      evidence=", ".join(e for e in evidence if e) or "no model_index.json")
 
 
-def refuse_unsupported(folder: WanFolder, flag: str) -> None:
+def refuse_unsupported(folder: WanFolder, flag: str, image_to_video: bool = False) -> None:
     """A ``ConfigError`` naming what ``folder`` is when it is not a text-to-video Wan model
-    (image-to-video, VACE, Animate, S2V, an unknown class). ``flag``: the option that gave it."""
-    if folder.kind in TEXT_TO_VIDEO:
+    (image-to-video, VACE, Animate, S2V, an unknown class). ``flag``: the option that gave it.
+    ``image_to_video``: the image-to-video kinds pass too (what the caller handles)."""
+    if folder.kind in TEXT_TO_VIDEO or (image_to_video and folder.kind in IMAGE_TO_VIDEO):
         return
     what = folder.name
     if folder.kind in ("i2v", "i2v-a14b", "flf2v"):

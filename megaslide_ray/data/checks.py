@@ -10,6 +10,7 @@ import logging
 from megaslide_ray.config import Config, ConfigError
 from megaslide_ray.config.buckets import parse_buckets, with_clip
 from megaslide_ray.data.buckets import latent_row_buckets, row_buckets
+from megaslide_ray.data.image_condition import IMAGE_CONDITION_KEY, condition_problems, required_kind
 from megaslide_ray.data.latents import is_latent_manifest, latent_manifest_info, read_latent_manifest, resolve
 from megaslide_ray.data.manifest import read_manifest
 
@@ -60,14 +61,15 @@ def _check_manifest(cfg: Config, field: str, path: str) -> None:
         _check_latent_buckets(cfg, path)
         return
     info = latent_manifest_info(path)
-    want = (*cfg.latent_grid, m.in_channels)
+    image = required_kind(m) if m.arch == "wan" else None
+    want = (*cfg.latent_grid, (m.out_channels or m.in_channels) if image else m.in_channels)
     problems = []
     if tuple(info.latent_shape) != want:
         ct, cs, _ = info.compression
         F_, H_, W_, C = info.latent_shape
         problems.append(f"its latents are {tuple(info.latent_shape)} (frames, height, width, channels) but "
                         f"data.num_frames={d.num_frames}, data.height={d.height}, data.width={d.width} and "
-                        f"model.in_channels={m.in_channels} make {want}: precomputed clips of "
+                        f"model.{'out' if image else 'in'}_channels={want[-1]} make {want}: precomputed clips of "
                         f"{ct * (F_ - 1) + 1} frames of {cs * W_}x{cs * H_} need --data.num_frames "
                         f"{ct * (F_ - 1) + 1} --data.height {cs * H_} --data.width {cs * W_}")
     if m.arch == "wan" and info.text_dim != m.text_dim:
@@ -79,12 +81,14 @@ def _check_manifest(cfg: Config, field: str, path: str) -> None:
         problems.append(f"its text is padded to {info.text_len} tokens, model.text_len={m.text_len}")
     if problems:
         raise ConfigError(f"{field}={path!r} does not fit the model:\n  " + "\n  ".join(problems))
-    _check_latent_files(field, path)
+    rows, meta = read_latent_manifest(path)
+    if m.arch == "wan":
+        _check_image_condition(cfg, field, path, meta, info.latent_shape[-1])
+    _check_latent_files(field, path, rows)
 
 
-def _check_latent_files(field: str, path: str) -> None:
+def _check_latent_files(field: str, path: str, rows: list[dict]) -> None:
     """A latent manifest none of whose files exists is refused; some missing are warned about."""
-    rows, _ = read_latent_manifest(path)
     missing = [r["latent_path"] for r in rows if not resolve(path, r["latent_path"]).is_file()]
     if missing and len(missing) == len(rows):  # found here in a second, not by the decoders after Ray is up
         raise ConfigError(f"{field}={path!r}: none of its {len(rows)} latent files exists (e.g. "
@@ -118,6 +122,10 @@ def _check_latent_buckets(cfg: Config, path: str) -> None:
     ``data.buckets`` and its latents are that bucket's latent grid; the text and VAE agree with the
     model as for one shape."""
     m = cfg.model
+    if m.arch == "wan" and (required_kind(m) is not None or m.clean_first_frame):
+        raise ConfigError(f"data.buckets={cfg.data.buckets!r} with an image-to-video model "
+                          f"({required_kind(m) or 'TI2V from an image'}): its image condition is not kept by bucket "
+                          "yet; train it on one clip shape (leave data.buckets empty)")
     buckets = parse_buckets(cfg.data.buckets)
     rows, meta = read_latent_manifest(path)
     try:
@@ -137,4 +145,21 @@ def _check_latent_buckets(cfg: Config, path: str) -> None:
         problems.append(f"its text embeddings are {meta['text_dim']} wide, model.text_dim={m.text_dim}")
     if problems:
         raise ConfigError(f"data.manifest={path!r} does not fit the model:\n  " + "\n  ".join(problems))
-    _check_latent_files("data.manifest", path)
+    _check_latent_files("data.manifest", path, rows)
+
+
+def _check_image_condition(cfg: Config, field: str, path: str, meta: dict, latent_channels: int) -> None:
+    """An image-to-video model needs the manifest's image condition (``megaslide_ray.data.image_condition``),
+    made by precompute from an image-to-video folder of its kind: else a ``ConfigError`` names
+    the precompute command to run."""
+    kind = required_kind(cfg.model)
+    if kind is None:
+        return
+    problems = condition_problems(cfg.model, meta.get(IMAGE_CONDITION_KEY), latent_channels)
+    if problems:
+        d = cfg.data
+        raise ConfigError(f"{field}={path!r} does not fit the image-to-video model ({kind}):\n  "
+                          + "\n  ".join(problems) + f"\nprecompute the clips with the model's own folder, which "
+                          f"makes the first frame's condition: `python -m megaslide_ray.precompute --model-dir "
+                          f"I2V_MODEL_DIR --data VIDEOS.parquet --out CACHE --frames {d.num_frames} --height "
+                          f"{d.height} --width {d.width}`, then train with --data CACHE/manifest.parquet")

@@ -24,8 +24,16 @@ import numpy as np
 import torch
 
 from megaslide_ray.config import DataConfig
-from megaslide_ray.config.wan_folders import describe_wan_folder, refuse_unsupported
+from megaslide_ray.config.wan_folders import IMAGE_TO_VIDEO, describe_wan_folder, refuse_unsupported
 from megaslide_ray.data.clips import ClipUnreadable, decode_clip
+from megaslide_ray.data.image_condition import (
+    CONDITION_KEY,
+    IMAGE_KEY,
+    condition_mask,
+    condition_pixels,
+    kept_frames,
+    uses_clip,
+)
 from megaslide_ray.data.latents import (
     DTYPES,
     HEADER_KEY,
@@ -99,9 +107,17 @@ class ModelInfo:
     text_dim: int
     configs_sha1: str
     """Hash of vae/config.json and text_encoder/config.json: a different model is a different cache."""
+    condition: str = ""
+    """The image condition precompute makes (``megaslide_ray.data.image_condition``): ``i2v``,
+    ``flf2v``, ``i2v-a14b`` for an image-to-video folder; "" for text-to-video."""
+    image_dim: int = 0
+    """Width of the CLIP states (``image_encoder/config.json``'s ``hidden_size``); 0: none."""
+    image_tokens: int = 0
+    """CLIP tokens per frame (patches + the class token); 0: none."""
 
 
-MODEL_PARTS = {"vae": "config.json", "text_encoder": "config.json", "tokenizer": "tokenizer_config.json"}
+MODEL_PARTS = {"vae": "config.json", "text_encoder": "config.json", "tokenizer": "tokenizer_config.json",
+               "image_encoder": "config.json", "image_processor": "preprocessor_config.json"}
 """The parts of a diffusers Wan folder the encoders read, each with the file that must be in it."""
 
 
@@ -118,7 +134,8 @@ def check_model_dir(model_dir: str | os.PathLike, parts: tuple[str, ...], flag: 
         d = root / part
         if not (d / MODEL_PARTS[part]).is_file():
             missing.append(f"{part}/{MODEL_PARTS[part]}" if d.is_dir() else f"{part}/")
-        elif part != "tokenizer" and not any(d.glob("*.safetensors")) and not any(d.glob("*.bin")):
+        elif part not in ("tokenizer", "image_processor") and not any(d.glob("*.safetensors")) and \
+                not any(d.glob("*.bin")):
             missing.append(f"{part}/ weights (*.safetensors)")
     if missing:
         raise ValueError(f"{flag} {str(model_dir)!r} ({root}) lacks {', '.join(missing)}: it must be a local "
@@ -132,8 +149,13 @@ def read_model_info(model_dir: str | os.PathLike) -> ModelInfo:
     that is not text-to-video (image-to-video, VACE, ...: ``refuse_unsupported``) is refused,
     naming what it is, so its clips are never stored as text-to-video latents."""
     root = Path(model_dir)
+    condition, image_dim, image_tokens = "", 0, 0
     if root.is_dir():
-        refuse_unsupported(describe_wan_folder(root, need_transformer=False), "--model-dir")
+        folder = describe_wan_folder(root, need_transformer=False)
+        refuse_unsupported(folder, "--model-dir", image_to_video=True)
+        if folder.kind in IMAGE_TO_VIDEO:
+            condition = folder.kind
+            image_dim, image_tokens = read_clip_info(root) if uses_clip(condition) else (0, 0)
     need = [root / "vae" / "config.json", root / "text_encoder" / "config.json", root / "tokenizer"]
     missing = [str(p.relative_to(root)) for p in need if not p.exists()]
     if missing:
@@ -153,7 +175,24 @@ def read_model_info(model_dir: str | os.PathLike) -> ModelInfo:
     digest = hashlib.sha1(vae_text.encode() + b"\0" + te_text.encode()).hexdigest()
     return ModelInfo(name=root.resolve().name, latent_channels=z, compression=(t, s, s),
                      latents_mean=[float(x) for x in mean], latents_std=[float(x) for x in std],
-                     text_dim=int(te.get("d_model", te.get("hidden_size"))), configs_sha1=digest)
+                     text_dim=int(te.get("d_model", te.get("hidden_size"))), configs_sha1=digest,
+                     condition=condition, image_dim=image_dim, image_tokens=image_tokens)
+
+
+def read_clip_info(root: Path) -> tuple[int, int]:
+    """``(image_dim, image_tokens)`` of an image-to-video folder's CLIP vision encoder, from
+    ``image_encoder/config.json``; a ``ValueError`` names a missing ``image_encoder/`` or
+    ``image_processor/`` (Wan2.1 I2V and FLF2V read CLIP states of the first frame)."""
+    need = [root / "image_encoder" / "config.json", root / "image_processor" / "preprocessor_config.json"]
+    missing = [str(p.relative_to(root)) for p in need if not p.is_file()]
+    if missing:
+        raise ValueError(f"--model-dir {str(root)!r} is an image-to-video folder whose transformer reads CLIP states "
+                         f"of the first frame, but it lacks {', '.join(missing)} (the pipeline's image_encoder, a "
+                         f"CLIPVisionModel, and its image_processor)")
+    cfg = json.loads(need[0].read_text())
+    cfg = cfg.get("vision_config", cfg)
+    patches = (int(cfg["image_size"]) // int(cfg["patch_size"])) ** 2
+    return int(cfg["hidden_size"]), patches + 1
 
 
 def prompt_clean(text: str) -> str:
@@ -174,7 +213,7 @@ class Encoder:
     files itself (atomically) and returns small result dicts. Holds one model at a time."""
 
     def __init__(self, model_dir: str, data: DataConfig, device: str = "cpu", dtype: str = "bfloat16",
-                 threads: int = 0) -> None:
+                 threads: int = 0, condition: str = "") -> None:
         import_hf()
         self.threads = threads if threads > 0 else torch.get_num_threads()
         torch.set_num_threads(self.threads)
@@ -190,6 +229,8 @@ class Encoder:
         self.vae = None
         self.text_encoder = None
         self.tokenizer = None
+        self.condition = condition  # "" or an image-to-video kind: the clip's image condition is made too
+        self.image_encoder = self.image_processor = None
         self._decode_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="precompute-decode")
         # An actor runs two calls at once (``max_concurrency=2``): the second one's clips decode
         # while the first one encodes; the models run one call at a time (the Wan VAE keeps its
@@ -199,7 +240,7 @@ class Encoder:
     # -- models ----------------------------------------------------------------------------------
 
     def _free(self) -> None:
-        self.vae = self.text_encoder = None
+        self.vae = self.text_encoder = self.image_encoder = None
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
 
@@ -227,6 +268,17 @@ class Encoder:
             self.text_encoder = te.to(device=self.device, dtype=self.text_dtype).eval()
         return self.text_encoder
 
+    def load_image_encoder(self):
+        """The folder's CLIP vision encoder (float32) and its image processor (image-to-video)."""
+        if self.image_encoder is None:
+            _, transformers = import_hf()
+            self.image_processor = transformers.CLIPImageProcessor.from_pretrained(
+                str(self.model_dir / "image_processor"), local_files_only=True)
+            enc = transformers.CLIPVisionModel.from_pretrained(str(self.model_dir / "image_encoder"),
+                                                               torch_dtype=torch.float32, local_files_only=True)
+            self.image_encoder = enc.to(self.device).eval()
+        return self.image_encoder
+
     # -- encoding --------------------------------------------------------------------------------
 
     @torch.inference_mode()
@@ -238,6 +290,29 @@ class Encoder:
         z = vae.encode(x).latent_dist.mode().float()
         z = (z - self._mean) / self._std
         return z[0].permute(1, 2, 3, 0).contiguous().cpu()
+
+    @torch.inference_mode()
+    def encode_condition(self, frames: np.ndarray) -> dict[str, torch.Tensor]:
+        """The image condition of a uint8 clip ``(F, H, W, 3)`` (``megaslide_ray.data.image_condition``):
+        ``condition`` ``(F', H', W', t + z)`` (mask, then the normalised latents of the first
+        frame, and the last for FLF2V, with grey frames between) and, for the kinds that read
+        CLIP, ``image`` ``(n, Li, image_dim)`` (the kept frames' ``hidden_states[-2]``)."""
+        last = kept_frames(self.condition) == 2
+        vae = self.load_vae()
+        z = vae.encode(condition_pixels(frames, last).to(self.device)).latent_dist.mode().float()
+        z = ((z - self._mean) / self._std)[0].permute(1, 2, 3, 0).cpu()  # (F', H', W', z)
+        t = int(vae.config.scale_factor_temporal)
+        mask = condition_mask(frames.shape[0], t, z.shape[1], z.shape[2], last)
+        out = {CONDITION_KEY: torch.cat([mask, z], dim=-1)}
+        if uses_clip(self.condition):
+            from PIL import Image
+
+            enc = self.load_image_encoder()
+            kept = [frames[0], frames[-1]] if last else [frames[0]]
+            pixels = self.image_processor(images=[Image.fromarray(np.ascontiguousarray(f)) for f in kept],
+                                          return_tensors="pt")["pixel_values"].to(self.device)
+            out[IMAGE_KEY] = enc(pixel_values=pixels, output_hidden_states=True).hidden_states[-2].float().cpu()
+        return out
 
     @torch.inference_mode()
     def encode_text(self, captions: list[str]) -> list[torch.Tensor]:
@@ -273,14 +348,15 @@ class Encoder:
             with self._model_lock:
                 torch.set_num_threads(self.threads)  # this call's thread: see set_threads
                 latents = self.encode_video(clip.frames)
+                extra = self.encode_condition(clip.frames) if self.condition else {}
             d = self.data
             clip_fps = d.fps if d.fps > 0 else clip.source_fps
             info = {"source_path": task["source_rel"], "frame_start": int(clip.indices[0]),
                     "frame_end": int(clip.indices[-1]), "num_frames": d.num_frames, "fps": float(clip_fps),
                     "height": d.height, "width": d.width, "latent_shape": list(latents.shape),
-                    "dtype": self.dtype_name, **task["stamp"]}
+                    "dtype": self.dtype_name, **task["stamp"], **({"condition": self.condition} if extra else {})}
             save_tensor_file(task["out"], LATENT_KEY, latents.to(self.store_dtype),
-                             {HEADER_KEY: json.dumps(info)})
+                             {HEADER_KEY: json.dumps(info)}, {k: v.to(self.store_dtype) for k, v in extra.items()})
             results.append({"key": task["key"], "ok": True, "info": info})
         return results
 
@@ -333,14 +409,16 @@ class _Pool:
 
     encoder_cls = Encoder
 
-    def __init__(self, n: int, make_args: tuple, device: str, hang_timeout_s: float = HANG_TIMEOUT_S):
+    def __init__(self, n: int, make_args: tuple, device: str, hang_timeout_s: float = HANG_TIMEOUT_S,
+                 make_kwargs: dict | None = None):
         self.n, self.args, self.device = n, make_args, device
+        self.kwargs = dict(make_kwargs or {})
         self.hang_timeout_s = hang_timeout_s
         self.size = n  # actors started (``n`` drops to 1 for the text phase on CPU)
         self.replacements = 0
         self.threads = self.cpus = 0
         if n == 0:
-            self.local = self.encoder_cls(*make_args)
+            self.local = self.encoder_cls(*make_args, **self.kwargs)
             self.actors = []
             return
         import ray
@@ -355,7 +433,7 @@ class _Pool:
 
         opts = {"num_gpus": 1} if self.device == "cuda" else {}
         actor = ray.remote(self.encoder_cls).options(num_cpus=0, max_concurrency=2, **opts)
-        return actor.remote(*self.args, self.threads)
+        return actor.remote(*self.args, self.threads, **self.kwargs)
 
     @staticmethod
     def _wait_ready(actors: list, timeout: float = 600.0) -> None:

@@ -11,6 +11,8 @@ Layout of a cache folder
 
     CACHE/manifest.parquet               the latent manifest (below)
     CACHE/latents/<stem>-<hash>.safetensors   one per clip: tensor "latents", (F, H, W, C)
+                                         (image-to-video caches: also "condition" and "image",
+                                         ``megaslide_ray.data.image_condition``)
     CACHE/text/<hash>.safetensors        one per distinct caption: tensor "text", (L, text_dim)
     CACHE/precompute.json                the settings the cache was made with (precompute refuses others)
     CACHE/skipped.json                   videos the last run could not use, with the reasons
@@ -330,16 +332,19 @@ def pad_text(text: torch.Tensor, length: int = TEXT_LEN) -> torch.Tensor:
 
 
 def save_tensor_file(path: str | os.PathLike, key: str, tensor: torch.Tensor,
-                     metadata: Mapping[str, str] | None = None) -> Path:
-    """Write one tensor as a safetensors file: to a temporary sibling, then renamed into place
-    (a reader, or a resumed run, never sees half a file)."""
+                     metadata: Mapping[str, str] | None = None,
+                     extra: Mapping[str, torch.Tensor] | None = None) -> Path:
+    """Write one tensor (and the ``extra`` ones beside it: an image-to-video clip's condition) as
+    a safetensors file: to a temporary sibling, then renamed into place (a reader, or a resumed
+    run, never sees half a file)."""
     from safetensors.torch import save_file
 
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}-{id(tensor):x}")
+    tensors = {key: tensor.contiguous(), **{k: v.contiguous() for k, v in (extra or {}).items()}}
     try:
-        save_file({key: tensor.contiguous()}, str(tmp), metadata=dict(metadata or {}))
+        save_file(tensors, str(tmp), metadata=dict(metadata or {}))
         os.replace(tmp, path)
     finally:
         if tmp.exists():

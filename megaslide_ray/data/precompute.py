@@ -20,6 +20,11 @@ Per row of the video manifest (``megaslide_ray.data.manifest``):
   tokens) and encoded; only the valid tokens (the attention mask's length) are stored, once per
   caption.
 
+An image-to-video folder (Wan2.1 I2V, FLF2V, Wan2.2 I2V-A14B) also makes each clip's image
+condition (the mask, the latents of the first frame with grey frames after it, and CLIP's
+penultimate hidden states of the first frame; ``megaslide_ray.data.image_condition``), stored
+in the clip's latent file and named in the manifest's metadata.
+
 ``--frames`` must be ``t*k + 1`` for the VAE's temporal compression ``t`` (4: 5, 9, ..., 81), and
 ``--height``/``--width`` multiples of its spatial compression (8 for Wan 2.1, 16 for Wan 2.2).
 The VAE runs in float32 (as the Wan pipelines load it); ``--dtype`` (bf16, fp16 or fp32) is the
@@ -68,6 +73,7 @@ from megaslide_ray.data.encoders import (
     import_hf,
     read_model_info,
 )
+from megaslide_ray.data.image_condition import IMAGE_CONDITION_KEY, condition_info
 from megaslide_ray.data.latents import (
     FORMAT_VERSION,
     HEADER_KEY,
@@ -189,6 +195,20 @@ def _check_settings(out: Path, settings: dict) -> None:
     _write_json(path, settings)
 
 
+def condition_settings(model) -> dict:
+    """The settings entry of an image-to-video cache (none for text-to-video, so a text-to-video
+    cache made before image-to-video existed keeps its settings)."""
+    return {"condition": model.condition} if model.condition else {}
+
+
+def condition_metadata(model) -> dict:
+    """The latent manifest's image-condition entry (``megaslide_ray.data.image_condition``)."""
+    if not model.condition:
+        return {}
+    return {IMAGE_CONDITION_KEY: condition_info(model.condition, model.compression[0], model.image_tokens,
+                                                model.image_dim)}
+
+
 def precompute(model_dir: str | os.PathLike, data: str | os.PathLike, out: str | os.PathLike, frames: int,
                height: int, width: int, fps: float = 0.0, device: str = "auto", dtype: str = "bf16",
                num_encoders: int | None = None, progress: bool = True,
@@ -218,7 +238,8 @@ def precompute(model_dir: str | os.PathLike, data: str | os.PathLike, out: str |
     out = Path(out)
     dtype_name = DTYPE_NAMES[dtype]
     settings = {"format_version": FORMAT_VERSION, "model_dir": model.name, "model_configs_sha1": model.configs_sha1,
-                "frames": frames, "height": height, "width": width, "fps": float(fps), "dtype": dtype_name}
+                "frames": frames, "height": height, "width": width, "fps": float(fps), "dtype": dtype_name,
+                **condition_settings(model)}
     _check_settings(out, settings)
     shape = [1 + (frames - 1) // t, height // s, width // s, model.latent_channels]
 
@@ -237,7 +258,7 @@ def precompute(model_dir: str | os.PathLike, data: str | os.PathLike, out: str |
         stamp = _file_stamp(e.path)
         header = _latent_header(latent_file) if latent_file.is_file() else None
         if header and header.get("latent_shape") == shape and header.get("dtype") == dtype_name and all(
-                header.get(k) == v for k, v in stamp.items()):
+                header.get(k) == v for k, v in stamp.items()) and header.get("condition", "") == model.condition:
             infos[key] = header
             continue
         tasks[key] = {"key": key, "source": e.path, "out": str(latent_file), "stamp": stamp,
@@ -267,7 +288,7 @@ def precompute(model_dir: str | os.PathLike, data: str | os.PathLike, out: str |
                 num_encoders = (max(1, int(res.get("GPU", 0))) if dev == "cuda"
                                 else max(1, min(int(res.get("CPU", 1)), 4)))
             pool = _Pool(num_encoders, (str(model_dir), clip_config(frames, height, width, fps), dev, dtype_name), dev,
-                         hang_timeout_s)
+                         hang_timeout_s, {"condition": model.condition} if model.condition else None)
         return pool
 
     try:
@@ -343,7 +364,8 @@ def precompute(model_dir: str | os.PathLike, data: str | os.PathLike, out: str |
                 "compression": list(model.compression), "latent_channels": model.latent_channels,
                 "text_dim": model.text_dim, "text_len": TEXT_LEN, "model_dir": model.name, "layout": "FHWC",
                 "storage": "safetensors", "dtype": dtype_name,
-                "clip": {"frames": frames, "height": height, "width": width, "fps": float(fps), "frame_stride": 1}}
+                "clip": {"frames": frames, "height": height, "width": width, "fps": float(fps), "frame_stride": 1},
+                **condition_metadata(model)}
     manifest = write_latent_manifest(rows, metadata, out / MANIFEST_NAME)
     _write_json(out / SKIPPED_NAME, [{"path": p, "reason": r} for p, r in sorted(skipped.items())])
     return PrecomputeReport(manifest=manifest, clips=len(rows), encoded=len(tasks) - len(skipped), reused=reused,

@@ -31,9 +31,11 @@ from actors.param_store import ShardInfo
 from megaslide_ray.config import Config, ConfigError, config_from_dict, validate
 from megaslide_ray.config.wan_folders import describe_wan_folder, refuse_unsupported
 from megaslide_ray.data.captions import caption_batch
+from megaslide_ray.data.clips import resize_crop
 from megaslide_ray.data.demo import write_video
 from megaslide_ray.data.encoders import Encoder, check_model_dir
 from megaslide_ray.data.frames import contact_sheet, decode_latents, to_uint8_frames, write_png  # noqa: F401
+from megaslide_ray.data.image_condition import CONDITION_KEY, IMAGE_KEY, required_kind
 from megaslide_ray.data.latents import pad_text
 from megaslide_ray.data.precompute import clip_config
 from megaslide_ray.models.registry import build_shard, num_shards
@@ -143,29 +145,43 @@ def initial_noise(cfg: Config, seed: int) -> torch.Tensor:
     """The sampler's starting point: seeded standard noise of one clip, ``(1, F, H, W, C)`` of
     the model's input (pixels for videodit, the latent grid for wan)."""
     g = torch.Generator(device="cpu").manual_seed(int(seed))
-    return torch.randn((1, *cfg.latent_grid, cfg.model.in_channels), generator=g, dtype=torch.float32)
+    channels = cfg.model.out_channels or cfg.model.in_channels  # an image-to-video model: the latents it predicts
+    return torch.randn((1, *cfg.latent_grid, channels), generator=g, dtype=torch.float32)
 
 
 def integrate(predictor, cfg: Config, x: torch.Tensor, cond, cond_len, steps: int, version: int,
-              cfg_scale: float = 1.0, uncond=None, uncond_len=None) -> torch.Tensor:
+              cfg_scale: float = 1.0, uncond=None, uncond_len=None, extra: dict | None = None,
+              grid: torch.Tensor | None = None) -> torch.Tensor:
     """Euler steps from noise (t = 1) to data (t = 0) on the grid ``linspace(1, 0)`` shifted by
-    ``training.flow_shift``. ``predictor.predict(x, t, cond, cond_len, version)`` is the model's
-    velocity (the compute actor, or the pipeline during training). With ``cfg_scale != 1`` each
-    step also predicts with ``uncond`` and mixes ``v_u + cfg_scale * (v_c - v_u)`` (one batch
-    of 2)."""
+    ``training.flow_shift`` (or the ``steps + 1`` times of ``grid``, e.g. a diffusers scheduler's
+    sigmas). ``predictor.predict(x, t, cond, cond_len, version)`` is the model's velocity (the
+    compute actor, or the pipeline during training). With ``cfg_scale != 1`` each step also
+    predicts with ``uncond`` and mixes ``v_u + cfg_scale * (v_c - v_u)`` (one batch of 2).
+    ``extra``: an image-to-video model's ``condition`` and ``image`` (``sampling_condition``),
+    passed to every prediction (both halves of guidance see the same image); its ``first_frame``
+    (``model.clean_first_frame``: the image's latents ``(1, 1, H', W', C)``) is instead kept as
+    the first latent frame, before every prediction and at the end, as diffusers' pipeline with
+    ``expand_timesteps`` keeps it."""
     guided = cfg_scale != 1.0
+    extra = {k: v for k, v in (extra or {}).items() if v is not None}
+    first = extra.pop("first_frame", None)
     if guided:
         cond = np.concatenate([np.asarray(cond), np.asarray(uncond)])
         cond_len = np.concatenate([np.asarray(cond_len), np.asarray(uncond_len)])
-    ts = shift_time(torch.linspace(1.0, 0.0, steps + 1), cfg.training.flow_shift)  # t = 1 and 0 stay put
+        extra = {k: torch.cat([v, v]) for k, v in extra.items()}
+    ts = shift_time(torch.linspace(1.0, 0.0, steps + 1), cfg.training.flow_shift) if grid is None else grid.float()
+    if len(ts) != steps + 1:
+        raise ValueError(f"a time grid of {len(ts)} values for {steps} steps (needs {steps + 1})")
     for i in range(steps):
         t, dt = float(ts[i]), float(ts[i] - ts[i + 1])
+        if first is not None:
+            x = torch.cat([first.to(x.dtype), x[:, 1:]], dim=1)
         xb = torch.cat([x, x]) if guided else x
-        v = predictor.predict(xb, torch.full((xb.shape[0],), t), cond, cond_len, version)
+        v = predictor.predict(xb, torch.full((xb.shape[0],), t), cond, cond_len, version, **extra)
         if guided:
             v = v[1:] + cfg_scale * (v[:1] - v[1:])
         x = x - dt * v
-    return x
+    return x if first is None else torch.cat([first.to(x.dtype), x[:, 1:]], dim=1)
 
 
 def euler_sample(compute: ComputeActor, cfg: Config, prompt: str, steps: int, seed: int, version: int,
@@ -178,16 +194,63 @@ def euler_sample(compute: ComputeActor, cfg: Config, prompt: str, steps: int, se
 
 
 def wan_sample(compute: ComputeActor, cfg: Config, text: torch.Tensor, negative: torch.Tensor, steps: int,
-               seed: int, version: int, cfg_scale: float = 5.0) -> torch.Tensor:
+               seed: int, version: int, cfg_scale: float = 5.0, extra: dict | None = None) -> torch.Tensor:
     """wan: sample from prompt embeddings ``text`` and ``negative`` (``(L, text_dim)`` each, valid
     tokens only, as the text encoder gives them), zero-padded to ``model.text_len`` as the Wan
-    pipelines do. Returns normalised latents, float32 ``(1, F', H', W', C)``."""
+    pipelines do; ``extra``: an image-to-video model's condition (``sampling_condition``).
+    Returns normalised latents, float32 ``(1, F', H', W', C)``."""
     n = cfg.model.text_len
     cond = pad_text(text, n)[None].numpy()
     uncond = pad_text(negative, n)[None].numpy()
     lens = (np.array([min(len(text), n)], dtype=np.int32), np.array([min(len(negative), n)], dtype=np.int32))
     return integrate(compute, cfg, initial_noise(cfg, seed), cond, lens[0], steps, version, cfg_scale, uncond,
-                     lens[1])
+                     lens[1], extra)
+
+
+def read_image(path: str | Path, height: int, width: int) -> np.ndarray:
+    """An image file as uint8 ``(height, width, 3)``: the shorter side resized to cover the clip,
+    then center-cropped, as training clips are (``resize_crop``)."""
+    from PIL import Image
+
+    try:
+        with Image.open(path) as im:
+            pixels = np.asarray(im.convert("RGB"))
+    except (OSError, ValueError) as e:
+        raise ValueError(f"{str(path)!r}: not a readable image ({e})") from None
+    return resize_crop(pixels[None], height, width)[0]
+
+
+def sampling_condition(encoder: Encoder, cfg: Config, image: str | Path | None,
+                       last_image: str | Path | None) -> dict:
+    """An image-to-video checkpoint's condition from ``image`` (and FLF2V's ``last_image``), made
+    as precompute makes a clip's (``Encoder.encode_condition``: the mask, the VAE latents of the
+    image with grey frames after it, CLIP's states): ``{"condition": (1, F', H', W', 4 + C),
+    "image": (n, Li, D) or None}``; ``{}`` for a text-to-video checkpoint. A missing or extra
+    image is a ``ConfigError``."""
+    kind = required_kind(cfg.model)
+    if cfg.model.clean_first_frame:  # Wan2.2 TI2V from an image: its latents are the first latent frame
+        if image is None or last_image is not None:
+            raise ConfigError("this checkpoint is Wan2.2 TI2V from an image (model.clean_first_frame): give --image "
+                              "FILE (the first frame) and no --last-image")
+        d = cfg.data
+        return {"first_frame": encoder.encode_video(read_image(image, d.height, d.width)[None])[None]}
+    if kind is None:
+        if image is not None or last_image is not None:
+            raise ConfigError("--image/--last-image: this checkpoint is a text-to-video model; leave them out")
+        return {}
+    if image is None:
+        raise ConfigError(f"this checkpoint is an image-to-video model ({kind}): give --image FILE, the first frame")
+    if (last_image is not None) != (kind == "flf2v"):
+        raise ConfigError("--last-image: only a first-last-frame (FLF2V) checkpoint takes it" if last_image is not None
+                          else "this checkpoint is a first-last-frame (FLF2V) model: give --last-image FILE too")
+    d = cfg.data
+    frames = np.zeros((d.num_frames, d.height, d.width, 3), dtype=np.uint8)  # only the kept frames are read
+    frames[0] = read_image(image, d.height, d.width)
+    if last_image is not None:
+        frames[-1] = read_image(last_image, d.height, d.width)
+    encoder.condition = kind
+    out = encoder.encode_condition(frames)
+    return {"condition": out[CONDITION_KEY][None], "image": out.get(IMAGE_KEY)}
 
 
 # ---------------------------------------------------------------------------------------------
@@ -213,7 +276,7 @@ def check_model_files(model_dir: str | Path, parts: tuple[str, ...], flag: str =
     Returns the folder, absolute."""
     try:
         root = check_model_dir(model_dir, parts, flag)
-        refuse_unsupported(describe_wan_folder(root, need_transformer=False), flag)
+        refuse_unsupported(describe_wan_folder(root, need_transformer=False), flag, image_to_video=True)
     except ValueError as e:
         raise ConfigError(str(e)) from None
     damaged = [f"{f.relative_to(root)}: {problem.removeprefix(f.name + ' ')}" for part in parts
@@ -245,6 +308,12 @@ def sample_model_dir(cfg: Config, init_from: str | Path | None = None) -> Path |
     if not parts:
         return None
     t = cfg.training
+    kind = required_kind(cfg.model) if cfg.model.arch == "wan" else None
+    if kind is not None or cfg.model.clean_first_frame:
+        raise ConfigError(f"training.sample_every={t.sample_every} with an image-to-video model "
+                          f"({kind or 'TI2V from an image'}): samples during training need an image per prompt, "
+                          "which is not supported yet; set training.sample_every=0 and sample a checkpoint with "
+                          "python -m megaslide_ray.sample --image FILE")
     given = t.sample_model_dir
     if not given:
         source = init_from or t.init_from
@@ -291,7 +360,8 @@ def refuse_one_expert(cfg: Config, ckpt: Path) -> None:
 def sample_video(checkpoint: str | Path, prompt: str, out: str | Path, frames: int | None = None,
                  steps: int = 20, seed: int = 0, height: int | None = None, width: int | None = None,
                  cfg_scale: float = 1.0, fps: int = 8, device: str = "auto", model_dir: str | Path | None = None,
-                 negative_prompt: str = "", upscale: int = 1) -> SampleResult:
+                 negative_prompt: str = "", upscale: int = 1, image: str | Path | None = None,
+                 last_image: str | Path | None = None) -> SampleResult:
     """Sample one video from ``checkpoint`` (a checkpoint or run directory) and write
     ``out`` (mp4) and ``out`` with suffix ``.png`` (contact sheet), each pixel repeated
     ``upscale`` x ``upscale`` times (nearest neighbour: a 16x16 model's clip viewed at 64x64, and
@@ -304,7 +374,10 @@ def sample_video(checkpoint: str | Path, prompt: str, out: str | Path, frames: i
     as bytes and needs ``model_dir`` only for its VAE (the one its latents were made with). A
     ``videodit`` on pixels takes no ``model_dir`` (ConfigError: one given was meant for another model). A
     checkpoint of both experts of a two-expert model runs, at each time, the expert diffusers'
-    ``WanPipeline`` runs (``ComputeActor.predict``); one of one expert alone is refused."""
+    ``WanPipeline`` runs (``ComputeActor.predict``); one of one expert alone is refused. An
+    image-to-video checkpoint (Wan2.1 I2V, FLF2V, Wan2.2 I2V-A14B) starts from ``image`` (and
+    FLF2V also ends at ``last_image``): ``model_dir`` (its own folder) encodes them as precompute
+    encoded the training clips' first frames (``sampling_condition``)."""
     if upscale < 1:
         raise ValueError(f"upscale={upscale} must be >= 1 (1 writes the model's own size)")
 
@@ -339,11 +412,13 @@ def sample_video(checkpoint: str | Path, prompt: str, out: str | Path, frames: i
         if model_dir is None:
             raise ConfigError("this checkpoint is a wan model: give --model-dir WAN_DIR, the local diffusers folder "
                               "whose text_encoder/, tokenizer/ and vae/ encode the prompt and decode the video")
-        model_dir = check_model_files(model_dir, ("text_encoder", "tokenizer", "vae"))
+        clip_parts = ("image_encoder", "image_processor") if cfg.model.image_dim else ()
+        model_dir = check_model_files(model_dir, ("text_encoder", "tokenizer", "vae", *clip_parts))
         d = cfg.data
         encoder = Encoder(str(model_dir), clip_config(d.num_frames, d.height, d.width, 0.0),
                           "cuda" if device != "cpu" and torch.cuda.is_available() else "cpu", "float32")
         text, negative = encoder.encode_text([prompt, negative_prompt])
+        extra = sampling_condition(encoder, cfg, image, last_image)
         encoder.close()  # frees the text encoder before the transformer streams
     elif not cfg.latent_space and model_dir is not None:  # refused, not ignored: the user meant something by it
         raise ConfigError(f"--model-dir {model_dir}: this checkpoint's model draws pixels (model.inputs='pixels'), so "
@@ -361,7 +436,7 @@ def sample_video(checkpoint: str | Path, prompt: str, out: str | Path, frames: i
     compute = ComputeActor(cfg, source.shard_infos(), source, transport="object_ref")
     try:
         if cfg.model.arch == "wan":
-            x = wan_sample(compute, cfg, text, negative, steps, seed, source.step, cfg_scale)
+            x = wan_sample(compute, cfg, text, negative, steps, seed, source.step, cfg_scale, extra)
         else:
             x = euler_sample(compute, cfg, prompt, steps, seed, source.step, cfg_scale)
     finally:

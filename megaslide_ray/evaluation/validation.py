@@ -39,6 +39,7 @@ from megaslide_ray.config import Config, ConfigError, config_from_dict, validate
 from megaslide_ray.data.captions import empty_captions, set_caption
 from megaslide_ray.data.checks import _check_manifest
 from megaslide_ray.data.clips import ClipUnreadable, decode_clip
+from megaslide_ray.data.image_condition import IMAGE_CONDITION_KEY, load_condition, required_kind, uses_clip
 from megaslide_ray.data.latents import (
     LatentFileError,
     is_latent_manifest,
@@ -66,6 +67,17 @@ class ValSet:
     cond_len: np.ndarray      # (N,) int32
     rows: tuple[int, ...]     # the manifest rows used
     manifest: str
+    condition: torch.Tensor | None = None  # image-to-video: (N, F, H, W, mask + C) mask and image latents
+    image: torch.Tensor | None = None      # image-to-video with CLIP: (N, n, Li, image_dim) image states
+
+    def condition_of(self, idx: list[int]) -> dict:
+        """``predict``'s image-to-video arguments for clips ``idx`` (empty for text-to-video)."""
+        out = {}
+        if self.condition is not None:
+            out["condition"] = self.condition[idx]
+        if self.image is not None:
+            out["image"] = self.image[idx].flatten(0, 1)
+        return out
 
 
 @dataclass(frozen=True)
@@ -109,9 +121,10 @@ def load_val_set(cfg: Config, manifest: str | None = None, clips: int | None = N
     n = int(clips or cfg.training.val_clips)
     if not path:
         raise ValueError("no validation manifest: set data.val_manifest")
-    x0, cond, lens, rows = [], [], [], []
+    x0, cond, lens, rows, conditions = [], [], [], [], []
     if is_latent_manifest(path):
         entries, meta = read_latent_manifest(path)
+        info = meta.get(IMAGE_CONDITION_KEY) if cfg.model.arch == "wan" and required_kind(cfg.model) else None
         text_len = int(meta.get("text_len", cfg.model.text_len))
         n = len(entries) if n == ALL_ROWS else n
         for row, entry in enumerate(entries):
@@ -119,6 +132,8 @@ def load_val_set(cfg: Config, manifest: str | None = None, clips: int | None = N
                 break
             try:
                 latents, text = load_latent_sample(path, entry, int(meta["text_dim"]))
+                if info:
+                    conditions.append(load_condition(path, entry, info))
             except LatentFileError as e:
                 log.warning("validation: skipping row %d of %s: %s", row, path, e)
                 continue
@@ -149,7 +164,10 @@ def load_val_set(cfg: Config, manifest: str | None = None, clips: int | None = N
     if len(rows) < n or not rows:
         raise ValueError(f"validation manifest {str(path)!r}: {len(rows)} readable row(s) of {len(entries)}, "
                          f"training.val_clips={n} wanted; lower training.val_clips or add clips")
-    return ValSet(torch.stack(x0).float(), np.stack(cond), np.asarray(lens, dtype=np.int32), tuple(rows), str(path))
+    condition = torch.stack([c for c, _ in conditions]) if conditions else None
+    image = torch.stack([i for _, i in conditions]) if conditions and uses_clip(required_kind(cfg.model)) else None
+    return ValSet(torch.stack(x0).float(), np.stack(cond), np.asarray(lens, dtype=np.int32), tuple(rows), str(path),
+                  condition, image)
 
 
 def val_generator(seed: int, clip: int, bucket: int) -> torch.Generator:
@@ -200,9 +218,13 @@ def validation_loss(predictor, cfg: Config, val: ValSet, version: int, *, seed: 
             chunk = group[start:start + bs]
             xs, ts, targets = zip(*(val_inputs(val.x0[i], seed, i, b, nb, t_range) for i, b in chunk))
             idx = [i for i, _ in chunk]
-            pred = predictor.predict(torch.stack(xs), torch.tensor(ts, dtype=torch.float32), val.cond[idx],
-                                     val.cond_len[idx], version)
-            err = (pred.double() - torch.stack(targets).double()).pow(2)
+            x_t, target = torch.stack(xs), torch.stack(targets)
+            first = int(cfg.model.arch == "wan" and cfg.model.clean_first_frame)  # TI2V from an image
+            if first:
+                x_t[:, :1] = val.x0[idx][:, :1]
+            pred = predictor.predict(x_t, torch.tensor(ts, dtype=torch.float32), val.cond[idx],
+                                     val.cond_len[idx], version, **val.condition_of(idx))
+            err = (pred[:, first:].double() - target[:, first:].double()).pow(2)
             losses.update(zip(chunk, err.reshape(len(chunk), -1).mean(dim=1).tolist()))
     items.sort()  # clip-major, as without experts: the sums below add in the same order
     by_bucket = [math.fsum(losses[k] for k in items if k[1] == bucket) / len(val.rows) for bucket in range(nb)]

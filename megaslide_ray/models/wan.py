@@ -33,19 +33,24 @@ are named as inside diffusers' ``blocks.{i}`` (``scale_shift_table``, ``attn1.to
 ``norm2.weight``, ``ffn.net.0.proj.weight``, ...); the head's are ``scale_shift_table`` and
 ``proj_out.*``. With ``attention.kind = dsa`` each block adds the offset head
 ``attn1.offsets.{dwconv,out}.*`` (``model.OffsetPredictor``), which diffusers does not have.
-``WanTransformer``, the whole model, has exactly diffusers' names; image-to-video models
-(``image_dim`` / ``added_kv_proj_dim``) are refused.
+``WanTransformer``, the whole model, has exactly diffusers' names.
 
-**RoPE and local attention.** The 3D rotary embedding is diffusers' (head channels split into
-frame, height and width parts, angles computed in float64, tables kept in float32, nothing
-stored), recomputed in every block from the token grid and applied to q and k at their integer
-grid positions after the q/k RMS norms. For ``dsa``, ``neighborhood`` and ``swin`` the rotated q
-and k go into the operator, so 3D-DSA samples *rotated* keys: a key sampled at a fractional
-position is the trilinear blend of its neighbours' rotated keys, not the key rotated at the
-fractional position. With zero offsets every sample sits on a grid point and this is exactly
-Wan's attention restricted to the window (with the window equal to the grid, exactly Wan's dense
-attention); rotating before sampling keeps the operator unchanged and lets the offsets learn
-around the blend.
+**Image-to-video** (Wan2.1 I2V / FLF2V: ``model.image_dim``, ``added_kv_proj_dim``,
+``pos_embed_seq_len``). ``x_t`` has ``in_channels = 2 z + 4`` channels, the noisy latents, the
+4-channel mask and the image latents concatenated (the caller does it, as diffusers' pipeline
+does). Shard 0 also takes the CLIP image states ``image (B, Li, image_dim)``; its
+``condition_embedder.image_embedder`` embeds them and ``c`` carries the ``Li`` image tokens
+between ``timestep_proj`` and the text: ``(B, 7 D + (Li + Lt) D)``. Each block reads the last
+``model.text_len`` tokens as the text and those before as the image (diffusers splits at 512
+the same way) and its cross-attention adds the attention to the image keys/values
+(``attn2.add_k_proj``, ``norm_added_k``, ``add_v_proj``). Wan2.2 I2V-A14B has no image embedder:
+only the wider input.
+
+**RoPE and local attention.** diffusers' 3D rotary embedding (float64 angles, float32 tables,
+recomputed per block from the grid) rotates q and k at their integer positions after the q/k RMS
+norms; ``dsa``, ``neighborhood`` and ``swin`` take the rotated q and k, so 3D-DSA samples
+*rotated* keys (a fractional sample blends its neighbours' rotated keys). With zero offsets this
+is exactly Wan's attention restricted to the window (the window the grid: Wan's dense attention).
 
 **Precision.** diffusers keeps ``rope``, ``time_embedder``, ``scale_shift_table`` and
 ``norm1/2/3`` in float32 (``KEEP_FP32``); this module computes the layer norms, the modulation
@@ -54,10 +59,9 @@ weights' dtype, so a bf16 model (``cast_like_diffusers``) gives diffusers' bf16 
 parameter store holds one dtype per shard, so in a streamed bf16 run those few parameters are
 bf16 too (the arithmetic is still float32).
 
-Public API: ``from_diffusers(path)`` loads a diffusers directory (safetensors only) as a module
-with diffusers' ``forward``; ``wan_config_from_diffusers`` / ``diffusers_overrides`` turn a
-``config.json`` into ``model.*`` overrides, ``check_against`` lists every field a config
-contradicts, ``diffusers_config`` writes the ``config.json`` of a config.
+Public API: ``from_diffusers(path)`` (a diffusers directory, safetensors only, with diffusers'
+``forward``); ``wan_config_from_diffusers`` / ``diffusers_overrides`` (``config.json`` to
+``model.*``), ``check_against``, ``diffusers_config`` (a config's ``config.json``).
 """
 
 from __future__ import annotations
@@ -87,6 +91,9 @@ none here): a parameter whose dotted name has one of these as a component stays 
 ROPE_THETA = 10000.0
 CONDITION_PARTS = 7
 """``c`` starts with ``temb`` (1 x D) and ``timestep_proj`` (6 x D); the text follows."""
+CLEAN_PARTS = 14
+"""With ``model.clean_first_frame`` (Wan2.2 TI2V-5B from an image) ``c`` starts with ``temb`` and
+``timestep_proj`` at the sample's time, then both again at timestep 0 (the first latent frame's)."""
 
 
 # ---------------------------------------------------------------------------------------------
@@ -138,12 +145,30 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return out.to(x.dtype)
 
 
-def split_condition(c: torch.Tensor, dim: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``c (B, 7 D + Lt D)`` -> ``temb (B, D)``, ``timestep_proj (B, 6 D)``, ``text (B, Lt, D)``."""
-    start = CONDITION_PARTS * dim
+def split_condition(c: torch.Tensor, dim: int, parts: int = CONDITION_PARTS
+                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``c (B, parts D + Lt D)`` -> ``temb (B, D)``, ``timestep_proj (B, 6 D)``, ``text (B, Lt, D)``
+    (with ``CLEAN_PARTS``, those of the sample's time; ``clean_condition`` gives timestep 0's)."""
+    start = parts * dim
     if c.dim() != 2 or c.shape[1] <= start or (c.shape[1] - start) % dim:
         raise ValueError(f"condition of shape {tuple(c.shape)} is not (B, 7 * {dim} + text tokens * {dim})")
-    return c[:, :dim], c[:, dim:start], c[:, start:].unflatten(1, (-1, dim))
+    return c[:, :dim], c[:, dim:CONDITION_PARTS * dim], c[:, start:].unflatten(1, (-1, dim))
+
+
+def clean_condition(c: torch.Tensor, dim: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``temb (B, D)`` and ``timestep_proj (B, 6 D)`` at timestep 0 from a ``CLEAN_PARTS`` condition."""
+    return c[:, 7 * dim:8 * dim], c[:, 8 * dim:CLEAN_PARTS * dim]
+
+
+def frame_modulation(table: torch.Tensor, proj: torch.Tensor, proj0: torch.Tensor, frames: int
+                     ) -> tuple[torch.Tensor, ...]:
+    """``table (1, k, D) + proj`` per token frame, float32, each of the ``k`` parts ``(B, T, 1, 1, D)``:
+    frame 0 from ``proj0`` (timestep 0: the clean first frame), the others from ``proj`` (diffusers'
+    per-token timesteps of Wan2.2 TI2V with an image, whose mask is 0 on the first latent frame)."""
+    B, k, D = proj.shape[0], table.shape[1], table.shape[2]
+    m, m0 = table.float() + proj.float().view(B, -1, D), table.float() + proj0.float().view(B, -1, D)  # head: one
+    per_frame = torch.cat([m0[:, :, None], m[:, :, None].expand(-1, -1, frames - 1, -1)], dim=2)  # (B, k, T, D)
+    return tuple(per_frame[:, i, :, None, None, :] for i in range(k))
 
 
 def pad_text(text: torch.Tensor, text_len: torch.Tensor, tokens: int) -> torch.Tensor:
@@ -202,8 +227,34 @@ class MLP(nn.Module):
         return self.linear_2(self.act(self.linear_1(x)))
 
 
+class ImageEmbedder(nn.Module):
+    """diffusers' ``WanImageEmbedding``: the CLIP image states ``(B, Li, image_dim)`` through an
+    affine float32 LayerNorm, an exact-GELU MLP (``image_dim -> image_dim -> D``) and another
+    float32 LayerNorm (both norms return the input's dtype). FLF2V (``pos_embed_seq_len``): the
+    first and last frames' states, stacked along the batch as ``(2 B, Li, image_dim)``, are
+    joined per sample into ``(B, 2 Li, image_dim)`` and a learned position added."""
+
+    def __init__(self, image_dim: int, dim: int, pos_embed_seq_len: int = 0):
+        super().__init__()
+        self.norm1 = nn.LayerNorm(image_dim)  # diffusers' FP32LayerNorm: eps 1e-5, affine
+        self.ff = FeedForward(image_dim, image_dim, dim, approximate="none")
+        self.norm2 = nn.LayerNorm(dim)
+        self.pos_embed = nn.Parameter(torch.zeros(1, pos_embed_seq_len, image_dim)) if pos_embed_seq_len else None
+
+    @staticmethod
+    def _norm32(norm: nn.LayerNorm, x: torch.Tensor) -> torch.Tensor:
+        return F.layer_norm(x.float(), norm.normalized_shape, norm.weight.float(), norm.bias.float(),
+                            norm.eps).to(x.dtype)
+
+    def forward(self, image: torch.Tensor) -> torch.Tensor:
+        if self.pos_embed is not None:
+            image = image.reshape(-1, 2 * image.shape[1], image.shape[2]) + self.pos_embed
+        return self._norm32(self.norm2, self.ff(self._norm32(self.norm1, image)))
+
+
 class ConditionEmbedder(nn.Module):
-    """Timestep MLP, its projection to the six block modulations, and the text MLP."""
+    """Timestep MLP, its projection to the six block modulations, the text MLP, and for an
+    image-to-video model (``model.image_dim``) the image embedder."""
 
     def __init__(self, cfg: Config):
         super().__init__()
@@ -211,23 +262,28 @@ class ConditionEmbedder(nn.Module):
         self.time_embedder = MLP(m.timestep_freq_dim, m.hidden_size, nn.SiLU())
         self.time_proj = nn.Linear(m.hidden_size, 6 * m.hidden_size)
         self.text_embedder = MLP(m.text_dim, m.hidden_size, nn.GELU(approximate="tanh"))
+        self.image_embedder = (ImageEmbedder(m.image_dim, m.hidden_size, m.pos_embed_seq_len)
+                               if m.image_dim else None)
 
 
 class GELUProjection(nn.Module):
-    """``proj`` then tanh-GELU (diffusers' ``GELU`` activation module, ``ffn.net.0``)."""
+    """``proj`` then GELU (diffusers' ``GELU`` activation module, ``ffn.net.0``): tanh for the
+    blocks' feed-forward, exact for the image embedder's."""
 
-    def __init__(self, dim_in: int, dim_out: int):
+    def __init__(self, dim_in: int, dim_out: int, approximate: str = "tanh"):
         super().__init__()
         self.proj = nn.Linear(dim_in, dim_out)
+        self.approximate = approximate
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.gelu(self.proj(x), approximate="tanh")
+        return F.gelu(self.proj(x), approximate=self.approximate)
 
 
 class FeedForward(nn.Module):
-    def __init__(self, dim: int, hidden: int):
+    def __init__(self, dim: int, hidden: int, dim_out: int | None = None, approximate: str = "tanh"):
         super().__init__()
-        self.net = nn.ModuleList([GELUProjection(dim, hidden), nn.Identity(), nn.Linear(hidden, dim)])
+        self.net = nn.ModuleList([GELUProjection(dim, hidden, approximate), nn.Identity(),
+                                  nn.Linear(hidden, dim_out or dim)])
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.net[2](self.net[0](x))
@@ -236,7 +292,9 @@ class FeedForward(nn.Module):
 class WanAttention(nn.Module):
     """``attn1`` (``cross=False``: self-attention over the token grid with 3D RoPE, by
     ``attention.kind`` through ``attention.self_attention``) or ``attn2`` (``cross=True``: dense
-    cross-attention to the text)."""
+    cross-attention to the text; with ``model.added_kv_proj_dim``, also to the image tokens,
+    through keys and values of their own, ``add_k_proj``/``norm_added_k``/``add_v_proj``, the
+    two attentions' outputs summed before ``to_out``)."""
 
     def __init__(self, cfg: Config, cross: bool, shift: bool = False):
         super().__init__()
@@ -258,20 +316,34 @@ class WanAttention(nn.Module):
         self.norm_q = nn.RMSNorm(D, eps=m.eps)
         self.norm_k = nn.RMSNorm(D, eps=m.eps)
         self.offsets = None if cross else offset_head(cfg)
+        if cross and m.added_kv_proj_dim:
+            self.add_k_proj = nn.Linear(m.added_kv_proj_dim, D)
+            self.add_v_proj = nn.Linear(m.added_kv_proj_dim, D)
+            self.norm_added_k = nn.RMSNorm(D, eps=m.eps)
+        else:
+            self.add_k_proj = self.add_v_proj = self.norm_added_k = None
+
+    def image_kv(self, image: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The image tokens' keys and values, ``(B, Li, nh, d)`` each."""
+        return (self._heads(self.norm_added_k(self.add_k_proj(image))), self._heads(self.add_v_proj(image)))
 
     def _heads(self, z: torch.Tensor) -> torch.Tensor:
         return z.unflatten(-1, (self.num_heads, self.head_dim))
 
     def forward(self, h: torch.Tensor, text: torch.Tensor | None = None,
-                temb: torch.Tensor | None = None) -> torch.Tensor:
+                temb: torch.Tensor | None = None, image: torch.Tensor | None = None) -> torch.Tensor:
         # temb (B, D): the timestep embedding, read by an offset head with attention.offset_condition
+        # image (B, Li, D): the embedded image tokens (cross-attention of an image-to-video model)
         B, T, H, W, D = h.shape
         src = text if self.cross else h
         q = self._heads(self.norm_q(self.to_q(h)))  # (B, T, H, W, nh, d)
         k = self._heads(self.norm_k(self.to_k(src)))
         v = self._heads(self.to_v(src))
         if self.cross:  # keys and values: (B, Lt, nh, d)
-            o = self._sdpa(q.reshape(B, T * H * W, self.num_heads, self.head_dim), k, v)
+            q = q.reshape(B, T * H * W, self.num_heads, self.head_dim)
+            o = self._sdpa(q, k, v)
+            if image is not None:
+                o = o + self._sdpa(q, *self.image_kv(image))
         else:
             cos, sin = rope_tables((T, H, W), self.head_dim, self.rope_max_seq_len, h.device)
             off_in = q.flatten(-2) if reads_queries(self) else h  # what the offset head reads (queries before RoPE)
@@ -290,25 +362,45 @@ class WanAttention(nn.Module):
 
 
 def embed_inputs(patch_embedding: nn.Conv3d, condition_embedder: ConditionEmbedder, freq_dim: int,
-                 x_t: torch.Tensor, timestep: torch.Tensor, text: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Shard 0's computation on diffusers' timestep scale and unpadded text: ``(x, c)``."""
+                 x_t: torch.Tensor, timestep: torch.Tensor, text: torch.Tensor,
+                 image: torch.Tensor | None = None, clean_first_frame: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """Shard 0's computation on diffusers' timestep scale and unpadded text: ``(x, c)``. ``image``
+    (an image-to-video model's CLIP states) is embedded and its tokens go before the text's in
+    ``c``, as diffusers concatenates them. ``clean_first_frame``: ``temb`` and ``timestep_proj``
+    at timestep 0 follow those of ``timestep`` (``CLEAN_PARTS``)."""
     x = patch_embedding(x_t.to(patch_embedding.weight.dtype).permute(0, 4, 1, 2, 3))
     x = x.permute(0, 2, 3, 4, 1).contiguous()  # (B, T, H, W, D)
     ce = condition_embedder
+    if (image is None) != (ce.image_embedder is None):
+        raise ValueError("an image-to-video Wan model (model.image_dim > 0) needs the CLIP image states of its "
+                         "first frame (encoder_hidden_states_image)" if image is None else
+                         "CLIP image states given to a Wan model without an image embedder (model.image_dim = 0)")
     text = text.to(ce.text_embedder.linear_1.weight.dtype)
     features = timestep_features(timestep, freq_dim).to(ce.time_embedder.linear_1.weight.dtype)
     temb = ce.time_embedder(features).to(text.dtype)
     proj = ce.time_proj(F.silu(temb))
     ctx = ce.text_embedder(text)
-    return x, torch.cat([temb, proj.to(temb.dtype), ctx.flatten(1).to(temb.dtype)], dim=1)
+    parts = [temb, proj.to(temb.dtype)]
+    if clean_first_frame:  # timestep 0, the clean first latent frame's
+        features0 = timestep_features(torch.zeros_like(timestep), freq_dim).to(features.dtype)
+        temb0 = ce.time_embedder(features0).to(text.dtype)
+        parts += [temb0, ce.time_proj(F.silu(temb0)).to(temb0.dtype)]
+    if image is not None:
+        parts.append(ce.image_embedder(image.to(ce.image_embedder.ff.net[0].proj.weight.dtype)).flatten(1)
+                     .to(temb.dtype))
+    return x, torch.cat(parts + [ctx.flatten(1).to(temb.dtype)], dim=1)
 
 
 def head_output(scale_shift_table: torch.Tensor, proj_out: nn.Linear, patch: tuple[int, int, int], eps: float,
-                x: torch.Tensor, c: torch.Tensor) -> torch.Tensor:
+                x: torch.Tensor, c: torch.Tensor, parts: int = CONDITION_PARTS) -> torch.Tensor:
     """The head's computation: ``(B, T, H, W, D) -> (B, F, H, W, C_out)``."""
-    temb, _, _ = split_condition(c, x.shape[-1])
-    shift, scale = (scale_shift_table.float() + temb.float()[:, None, :]).unbind(1)
-    y = (layer_norm32(x, eps) * (1 + _broadcast(scale, x)) + _broadcast(shift, x)).to(x.dtype)
+    D = x.shape[-1]
+    temb, _, _ = split_condition(c, D, parts)
+    if parts == CLEAN_PARTS:
+        shift, scale = frame_modulation(scale_shift_table, temb, clean_condition(c, D)[0], x.shape[1])
+    else:
+        shift, scale = (_broadcast(z, x) for z in (scale_shift_table.float() + temb.float()[:, None, :]).unbind(1))
+    y = (layer_norm32(x, eps) * (1 + scale) + shift).to(x.dtype)
     y = proj_out(y)
     return unpatchify(y, patch, y.shape[-1] // math.prod(patch))
 
@@ -325,14 +417,15 @@ class WanEmbed(nn.Module):
         m = cfg.model
         self.freq_dim = m.timestep_freq_dim
         self.text_len = m.text_len
+        self.clean_first_frame = m.clean_first_frame
         self.patch_embedding = (patch_embedding if patch_embedding is not None else
                                 nn.Conv3d(m.in_channels, m.hidden_size, kernel_size=m.patch_size, stride=m.patch_size))
         self.condition_embedder = condition_embedder if condition_embedder is not None else ConditionEmbedder(cfg)
 
     def forward(self, x_t: torch.Tensor, t: torch.Tensor, text: torch.Tensor,
-                text_len: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+                text_len: torch.Tensor, image: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         return embed_inputs(self.patch_embedding, self.condition_embedder, self.freq_dim, x_t, t * 1000.0,
-                            pad_text(text, text_len, self.text_len))
+                            pad_text(text, text_len, self.text_len), image, self.clean_first_frame)
 
 
 class WanBlock(nn.Module):
@@ -351,18 +444,35 @@ class WanBlock(nn.Module):
         self.norm2 = FP32LayerNorm(D, eps=m.eps) if m.cross_attn_norm else None
         self.ffn = FeedForward(D, ffn_width(cfg))
         self.token_chunk = cfg.runtime.token_chunk  # 0: whole clip; else chunked (see chunking.py)
+        self.text_len = m.text_len
+        self.parts = CLEAN_PARTS if m.clean_first_frame else CONDITION_PARTS
+
+    def context(self, ctx: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor]:
+        """The cross-attention's ``(image, text)`` tokens: with image keys/values, ``ctx``'s last
+        ``model.text_len`` tokens are the text and those before them the image (diffusers splits
+        the same way, at 512 text tokens); else all of it is text and the image None."""
+        if self.attn2.add_k_proj is None:
+            return None, ctx
+        if ctx.shape[1] <= self.text_len:
+            raise ValueError(f"the condition holds {ctx.shape[1]} tokens, no image tokens before the "
+                             f"model.text_len={self.text_len} text tokens (an image-to-video model)")
+        return ctx[:, :-self.text_len], ctx[:, -self.text_len:]
 
     def forward(self, x: torch.Tensor, c: torch.Tensor) -> torch.Tensor:
         if self.token_chunk:
             return self._forward_chunked(x, c)
         B, D = x.shape[0], x.shape[-1]
-        temb, proj, text = split_condition(c, D)
-        mod = self.scale_shift_table.float() + proj.float().view(B, 6, D)
-        shift_a, scale_a, gate_a, shift_f, scale_f, gate_f = (_broadcast(z, x) for z in mod.unbind(1))
+        temb, proj, ctx = split_condition(c, D, self.parts)
+        image, text = self.context(ctx)
+        if self.parts == CLEAN_PARTS:  # the first token frame at timestep 0
+            mods = frame_modulation(self.scale_shift_table, proj, clean_condition(c, D)[1], x.shape[1])
+        else:
+            mods = (_broadcast(z, x) for z in (self.scale_shift_table.float() + proj.float().view(B, 6, D)).unbind(1))
+        shift_a, scale_a, gate_a, shift_f, scale_f, gate_f = mods
         h = (layer_norm32(x, self.eps) * (1 + scale_a) + shift_a).to(x.dtype)
         x = (x.float() + self.attn1(h, temb=temb) * gate_a).to(x.dtype)
         h = self.norm2(x).to(x.dtype) if self.norm2 is not None else x
-        x = x + self.attn2(h, text)
+        x = x + self.attn2(h, text, image=image)
         h = (layer_norm32(x, self.eps) * (1 + scale_f) + shift_f).to(x.dtype)
         return (x.float() + self.ffn(h).float() * gate_f).to(x.dtype)
 
@@ -376,7 +486,8 @@ class WanBlock(nn.Module):
         N, eps, dtype = self.token_chunk, self.eps, x.dtype
         a1, a2 = self.attn1, self.attn2
         nh, hd = a1.num_heads, a1.head_dim
-        temb, proj, text = split_condition(c, D)
+        temb, proj, ctx = split_condition(c, D)
+        image, text = self.context(ctx)
         mod = self.scale_shift_table.float() + proj.float().view(B, 6, D)
         shift_a, scale_a, gate_a, shift_f, scale_f, gate_f = mod.unbind(1)  # (B, D) each
         q1, k1, v1, qn1, kn1 = (bind(m) for m in (a1.to_q, a1.to_k, a1.to_v, a1.norm_q, a1.norm_k))
@@ -408,14 +519,18 @@ class WanBlock(nn.Module):
         del qkv
         k_text = a2.norm_k(a2.to_k(text)).unflatten(-1, (nh, hd))  # (B, Lt, nh, d): once per block
         v_text = a2.to_v(text).unflatten(-1, (nh, hd))
+        kv_image = a2.image_kv(image) if image is not None else ()  # (B, Li, nh, d) each, once per block
 
-        def cross_ffn_chunk(xc, kt, vt, sh, sc, g):
+        def cross_ffn_chunk(xc, kt, vt, sh, sc, g, *kvi):
             h = norm2(xc).to(dtype) if norm2 is not None else xc
-            o = a2._sdpa(qn2(q2(h)).unflatten(-1, (nh, hd)), kt, vt)
+            q = qn2(q2(h)).unflatten(-1, (nh, hd))
+            o = a2._sdpa(q, kt, vt)
+            if kvi:
+                o = o + a2._sdpa(q, *kvi)
             xc = xc + out2(o.flatten(-2))
             return (xc.float() + ffn(modulated(xc, sh, sc)).float() * _broadcast(g, xc)).to(dtype)
 
-        return token_map(cross_ffn_chunk, x, N, k_text, v_text, shift_f, scale_f, gate_f)
+        return token_map(cross_ffn_chunk, x, N, k_text, v_text, shift_f, scale_f, gate_f, *kv_image)
 
 
 class WanHead(nn.Module):
@@ -430,13 +545,26 @@ class WanHead(nn.Module):
         D = m.hidden_size
         self.patch_size = tuple(m.patch_size)
         self.eps = m.eps
+        self.parts = CLEAN_PARTS if m.clean_first_frame else CONDITION_PARTS
         self.scale_shift_table = (scale_shift_table if scale_shift_table is not None
                                   else nn.Parameter(torch.randn(1, 2, D) / D ** 0.5))
         out = (m.out_channels or m.in_channels) * math.prod(m.patch_size)
         self.proj_out = proj_out if proj_out is not None else nn.Linear(D, out)
 
     def forward(self, x: torch.Tensor, c: torch.Tensor) -> torch.Tensor:
-        return head_output(self.scale_shift_table, self.proj_out, self.patch_size, self.eps, x, c)
+        return head_output(self.scale_shift_table, self.proj_out, self.patch_size, self.eps, x, c, self.parts)
+
+
+def first_frame_timesteps(timestep: torch.Tensor, frames: int) -> torch.Tensor:
+    """diffusers' per-token timesteps of Wan2.2 TI2V from an image ``(B, N)`` (0 on the first token
+    frame, the sample's ``t`` elsewhere) -> ``(B,)`` ``t``; a ``ValueError`` for any other layout."""
+    B, N = timestep.shape
+    per_frame = timestep.view(B, frames, N // frames)
+    t = per_frame[:, -1, 0]
+    if per_frame[:, 0].any() or not torch.equal(per_frame[:, 1:], t.view(B, 1, 1).expand_as(per_frame[:, 1:])):
+        raise ValueError("per-token timesteps other than 0 on the first frame and one t elsewhere (Wan2.2 TI2V "
+                         "from an image) are not supported")
+    return t
 
 
 class WanTransformer(nn.Module):
@@ -469,24 +597,37 @@ class WanTransformer(nn.Module):
         for block in self.blocks:
             x = block(x, c)
         m = self.cfg.model
-        return head_output(self.scale_shift_table, self.proj_out, tuple(m.patch_size), m.eps, x, c)
+        return head_output(self.scale_shift_table, self.proj_out, tuple(m.patch_size), m.eps, x, c,
+                           CLEAN_PARTS if m.clean_first_frame else CONDITION_PARTS)
 
-    def forward(self, x_t: torch.Tensor, t: torch.Tensor, text: torch.Tensor, text_len: torch.Tensor) -> torch.Tensor:
+    def forward(self, x_t: torch.Tensor, t: torch.Tensor, text: torch.Tensor, text_len: torch.Tensor,
+                image: torch.Tensor | None = None) -> torch.Tensor:
         m = self.cfg.model
         x, c = embed_inputs(self.patch_embedding, self.condition_embedder, m.timestep_freq_dim, x_t, t * 1000.0,
-                            pad_text(text, text_len, m.text_len))
+                            pad_text(text, text_len, m.text_len), image, m.clean_first_frame)
         return self._run(x, c)
 
     def forward_diffusers(self, hidden_states: torch.Tensor, timestep: torch.Tensor,
-                          encoder_hidden_states: torch.Tensor) -> torch.Tensor:
+                          encoder_hidden_states: torch.Tensor,
+                          encoder_hidden_states_image: torch.Tensor | None = None) -> torch.Tensor:
         """``WanTransformer3DModel(...)(hidden_states, timestep, encoder_hidden_states,
-        return_dict=False)[0]``: ``(B, C, F, H, W)`` latents, ``(B,)`` timesteps on the 0..1000
-        scale, ``(B, L, text_dim)`` text (used as given: not padded) -> ``(B, C_out, F, H, W)``."""
+        encoder_hidden_states_image, return_dict=False)[0]``: ``(B, C, F, H, W)`` latents (an
+        image-to-video model's: noise, mask and image latents), ``(B,)`` timesteps on the 0..1000
+        scale, ``(B, L, text_dim)`` text (used as given: not padded; an image-to-video model needs
+        ``L = model.text_len``, as diffusers' needs 512), the CLIP image states ``(B, Li,
+        image_dim)`` -> ``(B, C_out, F, H, W)``."""
+        m = self.cfg.model
+        if timestep.dim() == 2 and m.clean_first_frame:
+            timestep = first_frame_timesteps(timestep, hidden_states.shape[2] // m.patch_size[0])
         if timestep.dim() != 1:
-            raise ValueError(f"timestep of shape {tuple(timestep.shape)}: one timestep per sample (B,) is supported, "
-                             f"not per-token timesteps (Wan2.2 TI2V image conditioning)")
-        x, c = embed_inputs(self.patch_embedding, self.condition_embedder, self.cfg.model.timestep_freq_dim,
-                            hidden_states.permute(0, 2, 3, 4, 1), timestep, encoder_hidden_states)
+            raise ValueError(f"timestep of shape {tuple(timestep.shape)}: per-token timesteps are read only with "
+                             f"model.clean_first_frame (Wan2.2 TI2V from an image); one per sample (B,) otherwise")
+        if m.added_kv_proj_dim and encoder_hidden_states.shape[1] != m.text_len:
+            raise ValueError(f"the text has {encoder_hidden_states.shape[1]} tokens: an image-to-video model reads "
+                             f"model.text_len={m.text_len} (the image tokens are those before them); pad it")
+        x, c = embed_inputs(self.patch_embedding, self.condition_embedder, m.timestep_freq_dim,
+                            hidden_states.permute(0, 2, 3, 4, 1), timestep, encoder_hidden_states,
+                            encoder_hidden_states_image, m.clean_first_frame)
         return self._run(x, c).permute(0, 4, 1, 2, 3).contiguous()
 
     def initialize_weights(self, seed: int) -> None:
@@ -545,6 +686,9 @@ def initialize_shard(module: nn.Module, seed: int, index: int) -> None:
         normal_(module.scale_shift_table, module.scale_shift_table.shape[-1] ** -0.5)
     if isinstance(module, WanHead):
         nn.init.zeros_(module.proj_out.weight)
+    for name, p in module.named_parameters():
+        if name.endswith("image_embedder.pos_embed"):  # FLF2V's positions start at zero (as diffusers')
+            nn.init.zeros_(p)
     if isinstance(module, WanBlock) and module.attn1.offsets is not None:
         module.attn1.offsets.reset_output()
 

@@ -26,9 +26,7 @@ class DiffusersWanTransformer(WanTransformer):
 
     def forward(self, hidden_states: torch.Tensor, timestep: torch.Tensor, encoder_hidden_states: torch.Tensor,
                 encoder_hidden_states_image: torch.Tensor | None = None) -> torch.Tensor:
-        if encoder_hidden_states_image is not None:
-            raise ValueError("image-to-video conditioning (encoder_hidden_states_image) is not supported")
-        return self.forward_diffusers(hidden_states, timestep, encoder_hidden_states)
+        return self.forward_diffusers(hidden_states, timestep, encoder_hidden_states, encoder_hidden_states_image)
 
 
 _DIFFUSERS_CLASS = "WanTransformer3DModel"
@@ -49,17 +47,13 @@ _IMAGE_KEYS = ("image_dim", "added_kv_proj_dim", "pos_embed_seq_len")
 
 def wan_config_from_diffusers(config_json: dict, vae_config: dict | None = None) -> dict[str, Any]:
     """``model.*`` overrides from a diffusers transformer ``config.json`` (and, when given, the
-    VAE's ``config.json``, for ``model.latent_compression``). Refuses image-to-video models, other
-    classes, other q/k norms and keys this module does not know, naming each."""
+    VAE's ``config.json``, for ``model.latent_compression``); an image-to-video model's
+    ``image_dim``/``added_kv_proj_dim``/``pos_embed_seq_len`` become the same ``model.*`` fields.
+    Refuses other classes, other q/k norms and keys this module does not know, naming each."""
     cls = config_json.get("_class_name", _DIFFUSERS_CLASS)
     if cls != _DIFFUSERS_CLASS:
         raise ConfigError(f"diffusers class {cls!r} is not supported; only {_DIFFUSERS_CLASS} (Wan2.1 / Wan2.2 "
                           f"text-to-video transformers)")
-    image = {k: config_json[k] for k in _IMAGE_KEYS if config_json.get(k) is not None}
-    if image:
-        raise ConfigError(f"an image-to-video Wan model ({', '.join(f'{k}={v}' for k, v in image.items())}) is not "
-                          f"supported: its image embedder and image cross-attention are not implemented; use a "
-                          f"text-to-video model (Wan2.1 T2V, Wan2.2 TI2V-5B)")
     unknown = sorted(k for k in config_json
                      if not k.startswith("_") and k not in _DIFFUSERS_DEFAULTS and k != DSA_CONFIG_KEY)
     if unknown:
@@ -87,6 +81,8 @@ def wan_config_from_diffusers(config_json: dict, vae_config: dict | None = None)
         "model.eps": float(c["eps"]),
         "model.rope_max_seq_len": int(c["rope_max_seq_len"]),
     }
+    for key in _IMAGE_KEYS:  # image-to-video (Wan2.1 I2V, FLF2V); absent: 0 (none)
+        out[f"model.{key}"] = int(c[key] or 0)
     dsa = config_json.get(DSA_CONFIG_KEY)
     if dsa:  # an export of ours trained with local attention: its attention shapes its offset heads
         out.update({"attention.kind": dsa["kind"], "attention.window": tuple(dsa["window"]),
@@ -99,9 +95,13 @@ def wan_config_from_diffusers(config_json: dict, vae_config: dict | None = None)
                     "attention.offset_bound": dsa.get("offset_bound", "tanh")})
     if vae_config is not None:
         z = vae_config.get("z_dim")
-        if z is not None and int(z) != out["model.in_channels"]:
+        if z is not None and out["model.in_channels"] not in (int(z), 2 * int(z) + 4):
             raise ConfigError(f"the VAE makes {z} latent channels (z_dim) but the transformer reads "
-                              f"in_channels={out['model.in_channels']}")
+                              f"in_channels={out['model.in_channels']} (neither {z} nor an image-to-video "
+                              f"model's {2 * int(z) + 4}: noise, 4 mask channels and the image latents)")
+        if z is not None and int(z) != out["model.out_channels"]:
+            raise ConfigError(f"the VAE makes {z} latent channels (z_dim) but the transformer predicts "
+                              f"out_channels={out['model.out_channels']}")
         ct = int(vae_config.get("scale_factor_temporal") or 4)
         cs = int(vae_config.get("scale_factor_spatial") or 8)
         out["model.latent_compression"] = (ct, cs, cs)
@@ -174,10 +174,10 @@ def diffusers_config(cfg: Config) -> dict[str, Any]:
         "cross_attn_norm": m.cross_attn_norm,
         "qk_norm": "rms_norm_across_heads",
         "eps": m.eps,
-        "image_dim": None,
-        "added_kv_proj_dim": None,
+        "image_dim": m.image_dim or None,
+        "added_kv_proj_dim": m.added_kv_proj_dim or None,
         "rope_max_seq_len": m.rope_max_seq_len,
-        "pos_embed_seq_len": None,
+        "pos_embed_seq_len": m.pos_embed_seq_len or None,
     }
 
 
@@ -197,40 +197,57 @@ def weight_files(tdir: Path) -> list[Path]:
                             f"pickled .bin weights are never read")
 
 
-def from_diffusers(path: str | Path, attention_kind: str = "dense", window: Sequence[int] | None = None,
-                   offset_groups: int = 0, dtype: torch.dtype | None = None, seed: int = 0,
+def _attention_config(tdir: Path, attention_kind: str | None, window, offset_groups: int | None
+                      ) -> tuple[Config, str]:
+    """The model's config from ``tdir``'s ``config.json``: an export's recorded attention kept unless
+    the caller names another, else ``dense`` with the presets' window; a ``dsa`` model without a
+    recorded bound gets the presets' clamp."""
+    cfg = Config()
+    found = diffusers_overrides(tdir)
+    apply_overrides(cfg, found)
+    recorded = "attention.kind" in found  # an export's own attention settings: kept unless overridden
+    attention_kind = attention_kind or found.get("attention.kind", "dense")
+    chosen = {"attention.kind": attention_kind}
+    if window is not None or not recorded:
+        chosen["attention.window"] = tuple(window or WAN_WINDOW)
+    if offset_groups is not None or not recorded:
+        chosen["attention.offset_groups"] = offset_groups or 0
+    if attention_kind == "dsa" and "attention.max_offset" not in found:  # the Wan presets' bound
+        chosen.update({f"attention.{k}": v for k, v in GPU_OFFSET_FIELDS.items()})
+    apply_overrides(cfg, chosen)
+    return cfg, attention_kind
+
+
+def from_diffusers(path: str | Path, attention_kind: str | None = None, window: Sequence[int] | None = None,
+                   offset_groups: int | None = None, dtype: torch.dtype | None = None, seed: int = 0,
                    device: str | torch.device = "cpu") -> DiffusersWanTransformer:
     """Load a diffusers Wan transformer (a model directory with ``transformer/``, or that folder):
     ``config.json`` and safetensors weights (sharded with an index, or one file); nothing pickled
     is read. The module's ``forward(hidden_states, timestep, encoder_hidden_states)`` returns what
     ``WanTransformer3DModel(...)(..., return_dict=False)[0]`` returns.
 
-    ``attention_kind``/``window``/``offset_groups`` choose the self-attention (default ``dense``,
-    diffusers' own; ``window`` defaults to the presets' ``WAN_WINDOW``). A ``dsa`` model gets offset
+    ``attention_kind``/``window``/``offset_groups`` choose the self-attention; left None, an export
+    of ours (``config.json``'s ``megaslide_dsa`` entry) keeps the attention it was trained with
+    (kind, window, offset groups and bound as recorded), any other folder gets ``dense``,
+    diffusers' own, with the presets' ``WAN_WINDOW`` and per-head offset heads. A ``dsa`` model gets offset
     heads initialised from ``seed`` with the last layer zero, their offsets clamped at the presets'
     ``GPU_MAX_OFFSET`` unless the directory is an export of ours that records its own bound. ``dtype``: float32 by default; bf16
     keeps diffusers' float32 modules (``KEEP_FP32``) in float32. The model is built in ``dtype``
     and filled one tensor at a time: a bf16 14B model takes its 28.6 GB, not an fp32 copy first.
-    A folder that is not a text-to-video Wan model is refused naming what it is, and so is the
+    A folder that is neither a text-to-video nor an image-to-video Wan model (VACE, Animate, S2V,
+    unknown) is refused naming what it is, and so is the
     model folder of a two-expert Wan2.2 A14B model: name the expert's folder (``ROOT/transformer``
     or ``ROOT/transformer_2``)."""
     from safetensors import safe_open
 
     tdir = transformer_dir(path)
     folder = describe_wan_folder(path)
-    refuse_unsupported(folder, "from_diffusers:")
+    refuse_unsupported(folder, "from_diffusers:", image_to_video=True)
     if folder.two_experts and folder.given is None:
         raise ConfigError(f"from_diffusers: {str(path)!r} is {folder.name} ({folder.evidence}): load one expert by "
                           f"its folder, {str(Path(path) / 'transformer')!r} (t >= boundary_ratio x 1000) or "
                           f"{str(Path(path) / 'transformer_2')!r} (below)")
-    cfg = Config()
-    found = diffusers_overrides(tdir)
-    apply_overrides(cfg, found)
-    chosen = {"attention.kind": attention_kind, "attention.window": tuple(window or WAN_WINDOW),
-              "attention.offset_groups": offset_groups}
-    if attention_kind == "dsa" and "attention.max_offset" not in found:  # the Wan presets' bound
-        chosen.update({f"attention.{k}": v for k, v in GPU_OFFSET_FIELDS.items()})
-    apply_overrides(cfg, chosen)
+    cfg, attention_kind = _attention_config(tdir, attention_kind, window, offset_groups)
     dtype = dtype or torch.float32
     with torch.device("meta"):
         model = DiffusersWanTransformer(cfg)
@@ -245,7 +262,9 @@ def from_diffusers(path: str | Path, attention_kind: str = "dense", window: Sequ
         with safe_open(str(file), framework="pt", device="cpu") as f:
             for key in f.keys():
                 if key not in expected:
-                    if "norm_added_q" not in key:  # diffusers ignores these too
+                    # diffusers ignores norm_added_q too; an export's offset heads go unused when the
+                    # caller asked for an attention without them
+                    if "norm_added_q" not in key and not (".attn1.offsets." in key and attention_kind != "dsa"):
                         unexpected.append(key)
                     continue
                 shape = tuple(f.get_slice(key).get_shape())

@@ -155,8 +155,9 @@ class Plan:
 def _refuse_experts_on_several_gpus(cfg: Config, gpus_per_node: int, nodes: int, generate: bool) -> None:
     if num_experts(cfg) > 1 and gpus_per_node * nodes > 1 and not generate:
         raise ConfigError(f"training.expert='both' trains with one compute actor on one node (asked: {gpus_per_node} "
-                          f"GPUs x {nodes} nodes); plan each expert's run (training.expert high or low: one "
-                          f"transformer, e.g. --preset wan2.1-t2v-14b, the same shape) for several GPUs")
+                          f"GPUs x {nodes} nodes); plan each expert's run for several GPUs: --preset "
+                          f"{cfg.preset} with a --config TOML holding [training] expert = \"high\" (or \"low\"): one "
+                          f"transformer")
 
 
 def plan(cfg: Config, w_dtype: str = "bfloat16", pcie_gbps: float = 55.0, dram_gbps: float = 300.0,

@@ -32,10 +32,16 @@ PER_SAMPLE_PREFIXES = ("ada", "t_mlp", "caption", "condition_embedder.time_")
 
 
 PER_TEXT_TOKEN = ("condition_embedder.text_embedder.", "attn2.to_k.", "attn2.to_v.", "caption.token_proj.",
-                  "cross.kv.")
-"""Parameters applied to each text token a block cross-attends to (``text_tokens``), not to the
-video tokens: wan's text projection and cross-attention keys and values; videodit's caption
-token projection and cross-attention keys and values."""
+                  "cross.kv.", "condition_embedder.image_embedder.", "attn2.add_k_proj.", "attn2.add_v_proj.")
+"""Parameters applied to each text (or image) token a block cross-attends to (``text_tokens``),
+not to the video tokens: wan's text projection and cross-attention keys and values, an
+image-to-video model's image embedder and image keys and values (counted over the text and image
+tokens together: a slight overcount, the text tokens outnumber the image ones 2 to 1);
+videodit's caption token projection and cross-attention keys and values."""
+
+CLIP_TOKENS = 257
+"""Image tokens per frame of the Wan2.1 image-to-video models' CLIP ViT-H/14 (16 x 16 patches of
+a 224-pixel image and the class token)."""
 
 
 NO_MATMUL = ("scale_shift_table",)
@@ -267,9 +273,11 @@ def _attention_flops_fwd(cfg: Config) -> float:
 
 
 def text_tokens(cfg: Config) -> int:
-    """``Lt``, the text tokens a block cross-attends to per sample (module docstring)."""
-    if cfg.model.arch == "wan":
-        return cfg.model.text_len
+    """``Lt``, the text tokens a block cross-attends to per sample (module docstring), with an
+    image-to-video model's image tokens (``CLIP_TOKENS``, FLF2V's ``pos_embed_seq_len``)."""
+    m = cfg.model
+    if m.arch == "wan":
+        return m.text_len + (m.pos_embed_seq_len or (CLIP_TOKENS if m.image_dim else 0))
     return cfg.model.caption_max_bytes + 1 if cfg.model.cross_attention else 0
 
 

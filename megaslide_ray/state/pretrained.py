@@ -102,13 +102,15 @@ def config_for_diffusers_dir(path: str | Path, preset_name: str | None, config_f
     source = f"--init-from {path}"
     if preset_name is None and config_file is None:
         base = "wan2.1-t2v-1.3b"
-        for name in PRESETS:  # the preset of the same shape and the same number of experts
+        for name in PRESETS:  # the first preset of the same shape and the same number of experts
             p = make_preset(name)
             m = p.model
-            if m.arch == "wan" and (m.hidden_size, m.depth, m.in_channels) == (
-                    model["model.hidden_size"], model["model.depth"], model["model.in_channels"]) and \
+            shape = ("hidden_size", "depth", "in_channels", "image_dim", "pos_embed_seq_len")
+            if m.arch == "wan" and all(getattr(m, k) == model[f"model.{k}"] for k in shape) and \
+                    not m.clean_first_frame and \
                     bool(p.training.boundary_ratio) == ("training.boundary_ratio" in experts):
-                base = name
+                base = name  # (image-to-video from TI2V-5B is asked for: --model.clean_first_frame true)
+                break
         cfg = build_config(base, None, {**model, **overrides})
     else:
         cfg = build_config(preset_name, config_file, overrides)
@@ -118,8 +120,8 @@ def config_for_diffusers_dir(path: str | Path, preset_name: str | None, config_f
 
 def check_init_folder(path: str | Path) -> None:
     """Refuse (``ConfigError``, naming what it is) a diffusers folder given to ``--init-from`` that
-    is not a text-to-video Wan model: image-to-video, VACE, Animate, S2V, unknown classes."""
-    refuse_unsupported(describe_wan_folder(path), "--init-from")
+    is neither a text-to-video nor an image-to-video Wan model: VACE, Animate, S2V, unknown classes."""
+    refuse_unsupported(describe_wan_folder(path), "--init-from", image_to_video=True)
 
 
 def expert_overrides(path: str | Path) -> dict:
@@ -504,15 +506,26 @@ def export_diffusers(checkpoint: str | Path, out: str | Path, dtype: torch.dtype
     return [*written, str(out / "model_index.json")]
 
 
+def _diffusers_version() -> str:
+    """The installed diffusers' version (what ``save_pretrained`` would record), else the oldest
+    release with Wan2.2's two experts."""
+    try:
+        import diffusers
+    except ImportError:
+        return "0.35.0"
+    return diffusers.__version__
+
+
 def _model_index(cfg: Config) -> dict:
     """The ``model_index.json`` of a two-expert export: ``WanPipeline`` with both transformers and
     ``cfg``'s ``boundary_ratio``; the other entries from the ``--init-from`` folder's, else Wan2.2's."""
-    index = {"_class_name": "WanPipeline", "_diffusers_version": "0.35.0", "expand_timesteps": False,
+    index = {"_class_name": "WanPipeline", "_diffusers_version": _diffusers_version(), "expand_timesteps": False,
              "scheduler": ["diffusers", "UniPCMultistepScheduler"], "text_encoder": ["transformers", "UMT5EncoderModel"],
              "tokenizer": ["transformers", "T5TokenizerFast"], "vae": ["diffusers", "AutoencoderKLWan"]}
     source = Path(cfg.training.init_from) / "model_index.json" if cfg.training.init_from else None
     if source is not None and source.is_file():
         index.update(json.loads(source.read_text()))
+        index["_diffusers_version"] = _diffusers_version()
     index.update({"transformer": ["diffusers", "WanTransformer3DModel"],
                   "transformer_2": ["diffusers", "WanTransformer3DModel"], "boundary_ratio": cfg.training.boundary_ratio})
     return index

@@ -15,7 +15,15 @@ import torch
 
 from megaslide_ray.config import Config
 from megaslide_ray.models.registry import build_model, num_experts
-from megaslide_ray.training.flow import batch_conditioning, batch_flow_inputs, caption_dropout, flow_loss, step_t_range
+from megaslide_ray.training.flow import (
+    batch_conditioning,
+    batch_flow_inputs,
+    caption_dropout,
+    keep_first_frame,
+    model_loss,
+    step_t_range,
+)
+from megaslide_ray.training.image_inputs import batch_condition, model_input
 from megaslide_ray.training.schedule import lr_at
 
 
@@ -45,8 +53,15 @@ class InProcessTrainer:
         step = self.step if noise_step is None else noise_step
         fx = batch_flow_inputs(batch, cfg.training.seed, step, cfg.training.t_sampling, cfg.training.flow_shift,
                                t_range=step_t_range(cfg, step))
+        clean = cfg.model.arch == "wan" and cfg.model.clean_first_frame
+        fx = keep_first_frame(fx) if clean else fx
         cap, cap_len = batch_conditioning(batch, cfg.training.seed, step, caption_dropout(cfg))
-        loss = flow_loss(self.model(fx.x_t, fx.t, cap, cap_len), fx.target)
+        x_in, extra = fx.x_t, ()
+        if cfg.model.arch == "wan":  # an image-to-video model: its condition channels and image states
+            condition, image = batch_condition(batch, cfg.model)
+            x_in = fx.x_t if condition is None else model_input(fx.x_t, condition)
+            extra = () if image is None else (image,)
+        loss = model_loss(self.model(x_in, fx.t, cap, cap_len, *extra), fx.target, clean)
         self.opt.zero_grad(set_to_none=True)
         loss.backward()
         if cfg.optim.grad_clip > 0:

@@ -227,3 +227,20 @@ def expert_steps_before(cfg, step: int, expert: int) -> int:
 
 def flow_loss(pred: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
     return F.mse_loss(pred.float(), target.float())
+
+
+def keep_first_frame(fx: FlowInputs) -> FlowInputs:
+    """``model.clean_first_frame`` (Wan2.2 TI2V from an image): the first latent frame of ``x_t``
+    is the clip's clean one, as the pipeline feeds the image's latents there (the Wan VAE encodes
+    the first frame alone, so the clip's first latent frame is the image's)."""
+    x_t = fx.x_t.clone()
+    x_t[:, :1] = fx.x0[:, :1]
+    return FlowInputs(x0=fx.x0, noise=fx.noise, t=fx.t, x_t=x_t, target=fx.target)
+
+
+def model_loss(pred: torch.Tensor, target: torch.Tensor, clean_first_frame: bool = False) -> torch.Tensor:
+    """``flow_loss``, without the first latent frame when it is the clean condition
+    (``model.clean_first_frame``: the model is not asked to denoise it)."""
+    if clean_first_frame:
+        return flow_loss(pred[:, 1:], target[:, 1:])
+    return flow_loss(pred, target)
