@@ -564,7 +564,8 @@ class ParameterStore(NodeSyncMethods, CheckpointMethods, ExpertMethods):
         whether the norm is finite (if not, the update is skipped)."""
         o = self.cfg.optim
         finite = math.isfinite(total)
-        return (clip_coefficient(total, o.grad_clip) if finite else 0.0), lr_at(o, self.cfg.training.steps, step), finite
+        lr = lr_at(o, self.cfg.training.steps, step) * self.expert_lr_factor(step)
+        return (clip_coefficient(total, o.grad_clip) if finite else 0.0), lr, finite
 
     def _update_shard(self, i: int, step: int, coef: float, lr: float, skip: bool = False, publish=None) -> None:
         """AdamW of step ``step`` on shard ``i`` (its gradient is in ``w``), bracketed by its

@@ -247,6 +247,31 @@ def test_both_experts_one_store_one_expert_per_step(family, tmp_path, recompute)
     assert seen == {HIGH, LOW}
 
 
+def test_the_low_noise_expert_takes_its_own_learning_rate(family, tmp_path):
+    """``training.low_expert_lr``: a step of the low-noise expert updates at the schedule's rate times
+    ``low_expert_lr / optim.lr``, a step of the high-noise expert at the schedule's (the rate the
+    store's AdamW takes for that step's shards). Refused without ``training.expert = both``."""
+    from megaslide_ray.training.schedule import lr_at
+
+    a14b = family["t2v-a14b"]
+    cfg = _both_config(a14b, tmp_path, **{"training.low_expert_lr": 4e-3, "optim.schedule": "linear",
+                                          "training.steps": 4})
+    experts = [step_expert(cfg, k) for k in range(3)]
+    assert set(experts) == {HIGH, LOW}, experts
+    store = ParameterStore(cfg, str(tmp_path / "run"), init_from=str(a14b))
+    compute = ComputeActor(cfg, store.shard_infos(), LocalStoreClient(store), "shm")
+    try:
+        for step, expert in enumerate(experts):
+            compute.train_step(_latent_batch(cfg, step), step)
+            want = lr_at(cfg.optim, 4, step) * (4.0 if expert == LOW else 1.0)
+            assert store.wait_step(step).lr == pytest.approx(want), (step, expert)
+    finally:
+        compute.close()
+        store.close()
+    with pytest.raises(ConfigError, match="low_expert_lr"):
+        config_for_diffusers_dir(a14b / "transformer_2", None, None, {**CLIP, "training.low_expert_lr": 1e-4})
+
+
 @pytest.mark.parametrize("kind", ["dense", "dsa"])
 def test_both_experts_export_to_a_wan_pipeline_that_routes_as_the_project(family, tmp_path, kind):
     """A checkpoint of both experts exports to transformer/, transformer_2/ and a model_index.json

@@ -423,6 +423,11 @@ class TrainingConfig:
     boundary_ratio: float = 0.0
     """A two-expert model's boundary (``model_index.json``'s ``boundary_ratio``, 0.875 for Wan2.2
     T2V-A14B), read from the ``--init-from`` folder; 0: a one-transformer model."""
+    low_expert_lr: float = 0.0
+    """With ``training.expert = both``: the low-noise expert's (``transformer_2/``) peak learning
+    rate; the high-noise expert's is ``optim.lr``. Both follow ``optim.schedule`` at the run's
+    step (a step of the low expert takes ``lr_at(step) x low_expert_lr / optim.lr``). 0: ``optim.lr``
+    for both. (One expert per run: set ``optim.lr``.)"""
     sample_every: int = 0
     """Every this many steps, sample each prompt (``sample_prompt``, or the lines of
     ``sample_prompts_file``) with the weights of that step, denoised through the compute actor;

@@ -337,6 +337,10 @@ def _validate_experts(cfg: Config) -> None:
         raise ConfigError(f"training.boundary_ratio={t.boundary_ratio}: a two-expert Wan2.2 A14B model; say which "
                           f"experts train: --training.expert both (both in one run, routed by timestep), high "
                           f"(transformer/, t >= {t.boundary_ratio}) or low (transformer_2/, t < {t.boundary_ratio})")
+    if t.low_expert_lr < 0 or (t.low_expert_lr and t.expert != "both"):
+        raise ConfigError(f"training.low_expert_lr={t.low_expert_lr}: the low-noise expert's learning rate when both "
+                          f"experts train in one run (training.expert='both', here {t.expert!r}), >= 0; with one "
+                          f"expert set optim.lr")
     if t.expert and not t.boundary_ratio:
         raise ConfigError(f"training.expert={t.expert!r} needs a two-expert model (training.boundary_ratio > 0, "
                           f"read from an A14B folder's model_index.json by --init-from); leave it empty")
