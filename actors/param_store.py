@@ -79,7 +79,7 @@ from megaslide_ray.runtime.faults import arm_fault, fault_point, fire_fault
 from megaslide_ray.runtime.faults import set_node as set_fault_node
 from megaslide_ray.state.kept import dir_bytes, is_kept, keep_state, unkeep_state
 from megaslide_ray.state.preflight import StateSpaceError, shm_advice
-from megaslide_ray.state.pretrained import load_pretrained_into
+from megaslide_ray.state.pretrained_io import load_pretrained_into
 from megaslide_ray.state.segments import (
     DTYPES,
     KINDS,
@@ -113,7 +113,7 @@ class ParameterStore(NodeSyncMethods, CheckpointMethods, ExpertMethods):
         """``run_dir`` names the state (a restarted store finds it again); ``w_dtype`` is the
         compute copy's dtype. Fresh state comes from ``resume_checkpoint`` (everything, at its
         step), else ``init_from`` (pretrained weights, moments zero, step 0; see
-        ``megaslide_ray/state/pretrained.py``), else the seeded initialisation. ``attach`` maps an
+        ``megaslide_ray/state/pretrained_io.py``), else the seeded initialisation. ``attach`` maps an
         existing state instead (Ray restarts attach by themselves). ``adamw``: ``fused``,
         ``compiled`` or ``auto`` (default: ``cfg.optim.adamw``). ``owner``: the
         process whose run this is and its machine (``segments.run_owner()`` taken in the driver;

@@ -25,7 +25,7 @@ import time
 import ray
 
 from megaslide_ray.config import build_config, parse_overrides
-from megaslide_ray.trainer import Trainer, resolve_data
+from megaslide_ray.driver import Trainer, resolve_data
 
 
 def run(preset: str, actors: int, steps: int, overrides: dict) -> dict:

@@ -128,7 +128,7 @@ def pool_fps(cfg, batches: int, status_dir: str) -> float:
 
 
 def trainer_data_wait(num_decoders: int, steps: int, run_dir: str) -> dict:
-    from megaslide_ray.trainer import Trainer
+    from megaslide_ray.driver import Trainer
 
     cfg = build_config("tiny", None, {"data.num_decoders": num_decoders, "training.steps": steps,
                                       "training.log_every": steps})

@@ -42,9 +42,9 @@ import torch
 
 from megaslide_ray.config import build_config
 from megaslide_ray.data.demo import ensure_demo_dataset
+from megaslide_ray.driver import Trainer
 from megaslide_ray.runtime import faults
 from megaslide_ray.state.checkpoint import read_checkpoint_shards
-from megaslide_ray.trainer import Trainer
 
 SMALL = {"model.depth": 2, "model.hidden_size": 64, "model.num_heads": 2, "model.caption_dim": 32,
          "model.patch_size": "2,8,8", "data.num_frames": 8, "data.height": 32, "data.width": 32,

@@ -28,10 +28,10 @@ import ray
 from ray.cluster_utils import Cluster
 
 from megaslide_ray.config import build_config, parse_overrides
+from megaslide_ray.driver import Trainer, resolve_data
 from megaslide_ray.models.registry import build_shard, num_shards
 from megaslide_ray.models.shards import ShardLayout
 from megaslide_ray.planning.scaleout import network_bytes, owner_params, scale_out
-from megaslide_ray.trainer import Trainer, resolve_data
 
 
 def planned_bytes(cfg, nodes: int, wb: int) -> tuple[int, int]:

@@ -21,7 +21,7 @@ import ray
 
 from actors.decoder import VideoDecoder
 from megaslide_ray.config import build_config, parse_overrides
-from megaslide_ray.trainer import Trainer, resolve_data
+from megaslide_ray.driver import Trainer, resolve_data
 from megaslide_ray.training.baseline import InProcessTrainer
 
 

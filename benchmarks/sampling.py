@@ -56,7 +56,7 @@ def make_latents(folder: Path, root: Path) -> Path:
     from wan_models import FRAMES, SIZE
 
     from megaslide_ray.data.demo import ensure_demo_dataset
-    from megaslide_ray.data.precompute import precompute
+    from megaslide_ray.data.latent_cache import precompute
 
     videos = ensure_demo_dataset(root / "videos", num_videos=4)
     precompute(folder, videos, root / "latents", FRAMES, SIZE, SIZE, device="cpu", dtype="fp32", num_encoders=0,
@@ -67,8 +67,8 @@ def make_latents(folder: Path, root: Path) -> Path:
 def train(folder: Path, manifest: Path, run_dir: Path, steps: int, sample: dict) -> list[dict]:
     from wan_models import FRAMES, SIZE
 
-    from megaslide_ray.state.pretrained import config_for_diffusers_dir
-    from megaslide_ray.trainer import Trainer
+    from megaslide_ray.driver import Trainer
+    from megaslide_ray.state.pretrained_io import config_for_diffusers_dir
 
     cfg = config_for_diffusers_dir(folder, None, None, {
         "data.manifest": str(manifest), "data.num_frames": FRAMES, "data.height": SIZE, "data.width": SIZE,

@@ -114,8 +114,8 @@ def data_wait(depth: int, grid: tuple[int, int, int], steps: int, clips: int = 1
 
     from megaslide_ray.config import build_config
     from megaslide_ray.data.latents import save_tensor_file, write_latent_manifest
+    from megaslide_ray.driver import Trainer
     from megaslide_ray.models.wan_diffusers import wan_config_from_diffusers
-    from megaslide_ray.trainer import Trainer
 
     with torch.device("meta"):
         model = wan_config_from_diffusers(dict(WanTransformer3DModel(num_layers=depth, **WIDTHS).config))

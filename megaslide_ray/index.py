@@ -1,6 +1,6 @@
 """``python -m megaslide_ray.index VIDEO_DIR --out manifest.parquet [--captions FILE.csv|FILE.jsonl] [--no-images]``
 
-The command line of ``megaslide_ray.data.index``: a manifest of a folder of videos (and images). It parses
+The command line of ``megaslide_ray.data.video_index``: a manifest of a folder of videos (and images). It parses
 the arguments and calls the library; every flag is in docs/cli.md."""
 
 from __future__ import annotations
@@ -10,8 +10,8 @@ import sys
 from pathlib import Path
 
 from megaslide_ray.data.clips import is_image
-from megaslide_ray.data.index import VIDEO_EXTENSIONS, _relative_to_manifest, index_videos
 from megaslide_ray.data.manifest import write_manifest
+from megaslide_ray.data.video_index import VIDEO_EXTENSIONS, _relative_to_manifest, index_videos
 
 
 def main(argv: list[str] | None = None) -> int:

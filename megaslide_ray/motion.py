@@ -1,6 +1,6 @@
 """``python -m megaslide_ray.motion [--variant simple] [--out DIR]``
 
-The command line of ``megaslide_ray.data.motion``: generate (or find) the motion set. It parses
+The command line of ``megaslide_ray.data.motion_set``: generate (or find) the motion set. It parses
 the arguments and calls the library; every flag is in docs/cli.md."""
 
 from __future__ import annotations
@@ -8,8 +8,8 @@ from __future__ import annotations
 import argparse
 import sys
 
-from megaslide_ray.data import motion
-from megaslide_ray.data.motion import DEFAULT_TRAIN, DEFAULT_VAL, VARIANTS, ensure_motion_dataset
+from megaslide_ray.data import motion_set as motion
+from megaslide_ray.data.motion_set import DEFAULT_TRAIN, DEFAULT_VAL, VARIANTS, ensure_motion_dataset
 
 
 def main(argv: list[str] | None = None) -> int:

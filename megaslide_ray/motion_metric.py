@@ -1,6 +1,6 @@
 """``python -m megaslide_ray.motion_metric CLIP.mp4 --caption TEXT [--json]``
 
-The command line of ``megaslide_ray.evaluation.motion_metric``: the motion fidelity of a
+The command line of ``megaslide_ray.evaluation.motion_score``: the motion fidelity of a
 generated clip. It parses the arguments and calls the library; every flag is in docs/cli.md."""
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ import sys
 import numpy as np
 
 from megaslide_ray.data.manifest import read_manifest
-from megaslide_ray.evaluation.motion_metric import KEYS, motion_fidelity, read_video
+from megaslide_ray.evaluation.motion_score import KEYS, motion_fidelity, read_video
 
 
 def main(argv: list[str] | None = None) -> int:

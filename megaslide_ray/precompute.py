@@ -1,6 +1,6 @@
 """``python -m megaslide_ray.precompute --model-dir WAN_DIR --data MANIFEST --out CACHE --frames F ...``
 
-The command line of ``megaslide_ray.data.precompute``: VAE latents and text embeddings of a
+The command line of ``megaslide_ray.data.latent_cache``: VAE latents and text embeddings of a
 video manifest. It parses the arguments and calls the library; every flag is in docs/cli.md."""
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from pathlib import Path
 from megaslide_ray.config.buckets import parse_buckets
 from megaslide_ray.config.sections import ConfigError
 from megaslide_ray.data.encoders import HANG_TIMEOUT_S, read_model_info
-from megaslide_ray.data.precompute import LATENTS_DIR, SKIPPED_NAME, precompute
+from megaslide_ray.data.latent_cache import LATENTS_DIR, SKIPPED_NAME, precompute
 from megaslide_ray.data.precompute_buckets import precompute_buckets
 
 

@@ -1,6 +1,6 @@
 """``python -m megaslide_ray.pretrained CHECKPOINT OUT [--format safetensors|diffusers]``
 
-The command line of ``megaslide_ray.state.pretrained``: export a checkpoint's weights under
+The command line of ``megaslide_ray.state.pretrained_io``: export a checkpoint's weights under
 standard names. It parses the arguments and calls the library; every flag is in docs/cli.md."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ import sys
 
 import torch
 
-from megaslide_ray.state.pretrained import export_diffusers, export_state_dict
+from megaslide_ray.state.pretrained_io import export_diffusers, export_state_dict
 
 
 def main(argv: list[str] | None = None) -> int:

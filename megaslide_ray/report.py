@@ -1,6 +1,6 @@
 """``python -m megaslide_ray.report RUN_DIR [RUN_DIR ...] [--out DIR]``
 
-The command line of ``megaslide_ray.evaluation.report``: plots and a summary of runs. It parses
+The command line of ``megaslide_ray.evaluation.run_report``: plots and a summary of runs. It parses
 the arguments and calls the library; every flag is in docs/cli.md."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ import argparse
 import sys
 from pathlib import Path
 
-from megaslide_ray.evaluation.report import (
+from megaslide_ray.evaluation.run_report import (
     compare_runs,
     format_samples,
     format_summary,

@@ -15,9 +15,9 @@ from pathlib import Path
 
 from megaslide_ray import early_interrupt  # first: a Ctrl-C while the imports below load is one line
 from megaslide_ray.config import SECTIONS, Config, ConfigError, build_config, describe_fields, parse_overrides, to_toml
-from megaslide_ray.data.motion import ensure_motion_dataset
-from megaslide_ray.state.pretrained import config_for_diffusers_dir, is_diffusers_dir
-from megaslide_ray.trainer.launch import launch
+from megaslide_ray.data.motion_set import ensure_motion_dataset
+from megaslide_ray.driver.launch import launch
+from megaslide_ray.state.pretrained_io import config_for_diffusers_dir, is_diffusers_dir
 
 log = logging.getLogger("megaslide_ray")
 

@@ -3,7 +3,7 @@
 It asks for no CPU of Ray's (it works only while a sample decodes, and a CPU reserved for it
 would be taken from the compute actor's share on a small machine) and no GPU: with
 ``training.sample_device = cuda`` it uses the GPU the compute actor holds, and the driver lets
-it run only between steps (``trainer.components.Sampler``)."""
+it run only between steps (``driver.components.Sampler``)."""
 
 from __future__ import annotations
 

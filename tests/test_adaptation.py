@@ -13,9 +13,9 @@ from benchmarks.studies import adaptation, offset_extent
 from benchmarks.studies.consistency import temporal_consistency
 from benchmarks.studies.harness import study_config
 from benchmarks.studies.wan_motion import WAN_OVERRIDES, caption_condition, caption_text
-from megaslide_ray.data import motion as M
+from megaslide_ray.data import motion_set as M
 from megaslide_ray.data.manifest import read_manifest
-from megaslide_ray.evaluation import motion_metric as MM
+from megaslide_ray.evaluation import motion_score as MM
 from megaslide_ray.models.registry import build_model
 from megaslide_ray.training.baseline import InProcessTrainer
 

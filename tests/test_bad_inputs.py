@@ -292,8 +292,8 @@ def wan(tmp_path_factory):
 
     from actors.param_store import ParameterStore
     from megaslide_ray.data.demo import ensure_demo_dataset
-    from megaslide_ray.data.precompute import precompute
-    from megaslide_ray.state.pretrained import config_for_diffusers_dir
+    from megaslide_ray.data.latent_cache import precompute
+    from megaslide_ray.state.pretrained_io import config_for_diffusers_dir
 
     root = tmp_path_factory.mktemp("wan")
     wan_dir = make_wan_dir(root / "Wan-Tiny")
@@ -448,8 +448,8 @@ def test_precompute_interrupted_says_how_to_continue_and_continuing_works(wan, t
 
 
 def test_index_keeps_the_captions_of_a_folder_that_has_a_manifest(manifest):
-    from megaslide_ray.data.index import index_videos
     from megaslide_ray.data.manifest import read_manifest
+    from megaslide_ray.data.video_index import index_videos
 
     rows, problems = index_videos(Path(manifest).parent)
     assert not problems
@@ -474,8 +474,8 @@ class _BrokenPipeline:
 
 def test_a_failing_validation_or_sample_is_logged_and_counted_and_training_goes_on(small_config, tmp_path, caplog,
                                                                                    monkeypatch):
-    from megaslide_ray.trainer import components
-    from megaslide_ray.trainer.components import Sampler, Validator
+    from megaslide_ray.driver import components
+    from megaslide_ray.driver.components import Sampler, Validator
 
     monkeypatch.setattr(components, "start_sample_writer", lambda *args: None)  # never reached: no Ray here
     cfg = small_config(**{"training.sample_steps": 1, "training.sample_every": 3})
@@ -492,7 +492,7 @@ def test_a_failing_validation_or_sample_is_logged_and_counted_and_training_goes_
 
 def test_init_from_is_described_and_recorded(wan, tmp_path):
     from megaslide_ray.config import to_toml
-    from megaslide_ray.state.pretrained import check_pretrained, describe_init
+    from megaslide_ray.state.pretrained_io import check_pretrained, describe_init
     from megaslide_ray.train import build_parser, config_from_args
 
     _, wan_dir, manifest, _ = wan
@@ -510,7 +510,7 @@ def test_init_from_is_described_and_recorded(wan, tmp_path):
 
 
 def test_one_seconds_per_step_figure():
-    from megaslide_ray.trainer.loop import seconds_per_step
+    from megaslide_ray.driver.loop import seconds_per_step
 
     rows = [{"step_seconds": s} for s in (9.0, 1.0, 2.0)]
     assert seconds_per_step(rows) == 1.5 and seconds_per_step(rows[:1]) == 9.0 and seconds_per_step([]) == 0.0
@@ -557,7 +557,7 @@ def test_an_encoder_that_hangs_is_killed_replaced_and_the_clip_listed(wan, tmp_p
     from wan_models import FRAMES, SIZE
 
     from megaslide_ray.data import encoders as E
-    from megaslide_ray.data import precompute as P
+    from megaslide_ray.data import latent_cache as P
     from megaslide_ray.data.manifest import ManifestEntry, read_manifest, write_manifest
 
     root, wan_dir, _, _ = wan

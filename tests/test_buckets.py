@@ -19,8 +19,8 @@ from megaslide_ray.config.buckets import Bucket, config_buckets, largest_bucket,
 from megaslide_ray.data.buckets import BucketSchedule, assign_bucket, row_buckets
 from megaslide_ray.data.clips import resize_crop
 from megaslide_ray.data.demo import write_video
-from megaslide_ray.data.index import index_videos
 from megaslide_ray.data.manifest import read_manifest, write_manifest
+from megaslide_ray.data.video_index import index_videos
 
 BUCKETS = "16x16x4,16x24x4,16x16x1"
 
@@ -229,7 +229,7 @@ RAY_SMALL = {"model.depth": 2, "model.hidden_size": 32, "model.num_heads": 2, "m
 
 
 def _train(cfg, run_dir, steps=None, resume=False):
-    from megaslide_ray.trainer import Trainer
+    from megaslide_ray.driver import Trainer
 
     trainer = Trainer(cfg, run_dir=str(run_dir), resume=resume, progress=False)
     try:
@@ -277,7 +277,7 @@ def test_ray_training_through_buckets_resumes_bit_identical(ray_session, mixed, 
                                    read_checkpoint_shards(Path(straight.checkpoint)))):
         assert torch.equal(x, y), f"shard {i} differs after resume"
     # resuming with other buckets (or none) would read the positions as other batches: refused
-    from megaslide_ray.trainer.preflight import check_resume_config
+    from megaslide_ray.driver.preflight import check_resume_config
 
     check_resume_config(cfg, resumed.checkpoint)
     for other in ("16x16x4,16x16x1", ""):
@@ -313,7 +313,7 @@ def bucket_latents(wan_dir, tmp_path_factory):
 def test_precompute_keys_latents_by_bucket(bucket_latents, wan_dir, tmp_path):
     from megaslide_ray.data.checks import check_data
     from megaslide_ray.data.latents import load_latents, read_latent_manifest
-    from megaslide_ray.state.pretrained import config_for_diffusers_dir
+    from megaslide_ray.state.pretrained_io import config_for_diffusers_dir
 
     manifest, reports = bucket_latents
     assert [(str(b), r.clips) for b, r in reports] == [("32x32x9", 2), ("32x48x9", 2), ("32x32x1", 1)]
@@ -338,7 +338,7 @@ def test_precompute_keys_latents_by_bucket(bucket_latents, wan_dir, tmp_path):
 
 def test_wan_trains_through_latent_buckets(ray_session, bucket_latents, wan_dir, tmp_path):
     """The Wan model (rotary positions, DSA) takes a new latent shape every step through the actors."""
-    from megaslide_ray.state.pretrained import config_for_diffusers_dir
+    from megaslide_ray.state.pretrained_io import config_for_diffusers_dir
 
     manifest, _ = bucket_latents
     cfg = config_for_diffusers_dir(wan_dir, None, None, {

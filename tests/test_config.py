@@ -257,7 +257,7 @@ def test_runtime_nodes_between_one_and_the_shards(nodes):
 
 
 def test_samples_decoded_on_the_gpu_need_a_gpu_run():
-    from megaslide_ray.trainer.preflight import check_devices
+    from megaslide_ray.driver.preflight import check_devices
 
     cfg = build_config("tiny", None, {"training.sample_every": 2, "training.sample_device": "cuda"})
     with pytest.raises(ConfigError, match="training.sample_device='cuda' .* trains on no GPU .* --training.sample_device "

@@ -21,7 +21,7 @@ from megaslide_ray import index as index_cli
 from megaslide_ray.config import DataConfig
 from megaslide_ray.data import clips as clips_mod
 from megaslide_ray.data import demo as demo_data
-from megaslide_ray.data import index
+from megaslide_ray.data import video_index as index
 from megaslide_ray.data.captions import encode_caption
 from megaslide_ray.data.clips import clip_frame_indices, clip_offsets, read_frames, resize_crop
 from megaslide_ray.data.demo import ensure_demo_dataset, write_video

@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from megaslide_ray.driver import Trainer
 from megaslide_ray.state.checkpoint import read_checkpoint_shards
-from megaslide_ray.trainer import Trainer
 
 pytestmark = pytest.mark.slow
 

@@ -157,7 +157,7 @@ def test_training_skips_bad_files_and_survives_a_hung_decode(ray_session, small_
                                                              monkeypatch):
     import json
 
-    from megaslide_ray.trainer import Trainer
+    from megaslide_ray.driver import Trainer
 
     manifest, bad, n_rows = mixed_manifest
     monkeypatch.setenv(faults.ENV_SPEC, "decoder.mid_batch@3:hang")
@@ -193,8 +193,8 @@ def test_pool_resume_and_decoder_death_see_the_same_batches(ray_session, small_c
 
     import torch
 
+    from megaslide_ray.driver import Trainer
     from megaslide_ray.state.checkpoint import read_checkpoint_shards
-    from megaslide_ray.trainer import Trainer
 
     manifest, bad, n_rows = mixed_manifest
     cfg = small_config(**{"data.manifest": manifest, "data.num_decoders": 2, "training.steps": 4,

@@ -18,7 +18,7 @@ from megaslide_ray.models.diffusers_dsa import DSAAttnProcessor, enable_dsa
 from megaslide_ray.models.shards import ShardLayout
 from megaslide_ray.models.wan import WanTransformer, cast_like_diffusers
 from megaslide_ray.state.checkpoint import write_checkpoint
-from megaslide_ray.state.pretrained import config_for_diffusers_dir, export_diffusers
+from megaslide_ray.state.pretrained_io import config_for_diffusers_dir, export_diffusers
 
 WINDOWS = {"dsa": "3,3,3", "neighborhood": "3,3,3", "swin": "3,2,2"}
 

@@ -12,9 +12,9 @@ import torch
 
 from megaslide_ray import evaluate as evaluate_cli
 from megaslide_ray.config import ConfigError, build_config
+from megaslide_ray.driver import Trainer
 from megaslide_ray.evaluation import validation as ev
-from megaslide_ray.evaluation.report import VAL_PLOT, report
-from megaslide_ray.trainer import Trainer
+from megaslide_ray.evaluation.run_report import VAL_PLOT, report
 
 VAL = {"training.val_clips": 2, "training.val_t_buckets": 2}
 

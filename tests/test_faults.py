@@ -10,9 +10,9 @@ from pathlib import Path
 import pytest
 import torch
 
+from megaslide_ray.driver import BadStepsError, Trainer
 from megaslide_ray.runtime import faults
 from megaslide_ray.state.checkpoint import CheckpointWriteError, latest_checkpoint, read_checkpoint_shards
-from megaslide_ray.trainer import BadStepsError, Trainer
 from pipelines.streaming import RestartLimitError
 
 # Recovery does not depend on the attention kind: the cheapest one keeps the matrix fast.

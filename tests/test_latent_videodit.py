@@ -118,8 +118,8 @@ def test_samples_during_training_of_a_latent_videodit_are_vae_decoded(tmp_path, 
     from wan_models import Z
 
     from actors.sample_writer import SampleWriter
+    from megaslide_ray.driver import components
     from megaslide_ray.evaluation.sampling import sample_model_dir
-    from megaslide_ray.trainer import components
 
     cfg = build_config("dit-28b", None, {
         "model.hidden_size": 32, "model.depth": 2, "model.num_heads": 2, "model.caption_dim": 16,

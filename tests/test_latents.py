@@ -25,8 +25,8 @@ from actors.decoder import VideoDecoder
 from megaslide_ray import precompute as precompute_cli
 from megaslide_ray.config import DataConfig
 from megaslide_ray.data import encoders as E
+from megaslide_ray.data import latent_cache as P
 from megaslide_ray.data import latents as L
-from megaslide_ray.data import precompute as P
 from megaslide_ray.data.clips import decode_clip
 from megaslide_ray.data.demo import ensure_demo_dataset, write_bad_videos
 from megaslide_ray.data.manifest import ManifestEntry, read_manifest, write_manifest

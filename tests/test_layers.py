@@ -37,9 +37,9 @@ LAYERS: dict[str, tuple[set[str], str]] = {
     "actors": (BELOW_ACTORS, "the actors are plain classes over the library; they know nothing of Ray's wiring"),
     "pipelines": (BELOW_ACTORS | {"actors"}, "the wiring makes the actors remote; the actors never see it"),
     M + "evaluation": (BELOW_ACTORS | {"actors"}, "sampling and validation stream through the compute actor's class"),
-    M + "trainer": (BELOW_ACTORS | {"actors", "pipelines", M + "evaluation"}, "the loop drives the pipeline and "
+    M + "driver": (BELOW_ACTORS | {"actors", "pipelines", M + "evaluation"}, "the loop drives the pipeline and "
                     "the evaluations"),
-    "megaslide_ray": (BELOW_ACTORS | {"actors", "pipelines", M + "evaluation", M + "trainer", M + "planning"},
+    "megaslide_ray": (BELOW_ACTORS | {"actors", "pipelines", M + "evaluation", M + "driver", M + "planning"},
                       "the command lines (python -m megaslide_ray.NAME) parse, then call the library: the top"),
     "benchmarks": ({"*"}, "benchmarks measure the product; nothing of the product imports them"),
     "benchmarks.gpu_check": ({"*"}, "the GPU check measures the product; nothing of the product imports it"),
@@ -61,7 +61,7 @@ DYNAMIC: dict[str, tuple[dict[str, tuple[str, ...]], str]] = {
                 "the Triton kernels load on first use: triton may be absent or broken, and the reference still runs"),
     M + "__main__": ({"COMMANDS[name][0]": ("megaslide_ray.*",)},
                      "`megaslide NAME` imports only the chosen command's module"),
-    M + "data.precompute": ({'"ray"': ()}, "Ray, started only when an encoder pool is needed"),
+    M + "data.latent_cache": ({'"ray"': ()}, "Ray, started only when an encoder pool is needed"),
     "tests.test_dsa": ({'"kernels.dsa_cpu"': ("kernels.dsa_cpu",)},
                        "the module, which the package's function of the same name hides"),
     "tests.test_entry_points": ({"module": ("megaslide_ray.*",), "m": ("megaslide_ray.*",), "n": ("benchmarks.*",),
@@ -334,3 +334,13 @@ def test_a_new_folder_or_sub_package_without_a_rule_fails(tmp_path):
     (tmp_path / "setup.py").unlink()
     got = violations(tmp_path, rules, folders={**FOLDERS, "docs/img": "a test"})
     assert got["unassigned"] == [] and got["layer"] == [], got
+
+
+def test_no_command_line_module_shares_its_name_with_a_library_module():
+    """``python -m megaslide_ray.NAME`` modules (the command lines) parse and call the library; a
+    library module of the same name (``megaslide_ray/*/NAME.py``) would make a newcomer guess which
+    is which, so none exists (the library's have names of what they hold)."""
+    commands = {p.stem for p in (ROOT / "megaslide_ray").glob("*.py")} - {"__init__", "__main__"}
+    clashes = sorted(str(p.relative_to(ROOT)) for p in (ROOT / "megaslide_ray").glob("*/*.py") if p.stem in commands)
+    assert not clashes, f"library modules named like a command line: {clashes}"
+    assert not (ROOT / "megaslide_ray" / "trainer").exists()  # the driver beside `training/` (the objective, AdamW)

@@ -8,8 +8,8 @@ import urllib.request
 import pytest
 import ray
 
+from megaslide_ray.driver import Trainer
 from megaslide_ray.runtime.metrics import STEP_GAUGES, VAL_GAUGES
-from megaslide_ray.trainer import Trainer
 
 
 @pytest.fixture(scope="module")

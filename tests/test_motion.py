@@ -10,9 +10,9 @@ import numpy as np
 import pytest
 
 from megaslide_ray import motion_metric as motion_metric_cli
-from megaslide_ray.data import motion as M
+from megaslide_ray.data import motion_set as M
 from megaslide_ray.data.manifest import read_manifest
-from megaslide_ray.evaluation import motion_metric as MM
+from megaslide_ray.evaluation import motion_score as MM
 
 
 @pytest.fixture(scope="module")

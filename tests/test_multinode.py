@@ -30,11 +30,11 @@ from actors.decoder import VideoDecoder
 from actors.param_store import ParameterStore
 from megaslide_ray.config import build_config
 from megaslide_ray.data.demo import ensure_demo_dataset
+from megaslide_ray.driver import Trainer
 from megaslide_ray.planning.scaleout import scale_out
 from megaslide_ray.runtime import faults
 from megaslide_ray.state.checkpoint import latest_checkpoint, read_checkpoint_shards
 from megaslide_ray.state.segments import map_segment
-from megaslide_ray.trainer import Trainer
 from pipelines.multinode import (
     NodeLostError,
     NodeStores,

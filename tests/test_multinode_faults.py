@@ -21,9 +21,9 @@ from conftest import EXACT
 from benchmarks.faults import start_cluster
 from megaslide_ray.config import build_config
 from megaslide_ray.data.demo import ensure_demo_dataset
+from megaslide_ray.driver import Trainer
 from megaslide_ray.runtime import faults
 from megaslide_ray.state.checkpoint import latest_checkpoint, read_checkpoint_shards
-from megaslide_ray.trainer import Trainer
 from pipelines.multinode import NodeLostError
 
 STEPS = {"training.steps": 4, "training.checkpoint_every": 2, "data.batch_size": 1, "runtime.nodes": 2}

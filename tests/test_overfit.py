@@ -10,7 +10,7 @@ from actors.compute import ComputeActor, LocalStoreClient
 from actors.decoder import VideoDecoder
 from actors.param_store import ParameterStore
 from megaslide_ray.config import build_config
-from megaslide_ray.trainer import resolve_data
+from megaslide_ray.driver import resolve_data
 
 
 def overfit_losses(tmp_path, overrides: dict, steps: int) -> list[float]:

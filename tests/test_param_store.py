@@ -23,7 +23,7 @@ from megaslide_ray.state.checkpoint import (
     latest_checkpoint,
     shard_file,
 )
-from megaslide_ray.state.pretrained import (
+from megaslide_ray.state.pretrained_io import (
     PretrainedMismatchError,
     check_pretrained,
     export_state_dict,

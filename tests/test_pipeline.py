@@ -10,8 +10,8 @@ import torch
 
 from actors.decoder import VideoDecoder
 from megaslide_ray.data.manifest import read_manifest, write_manifest
+from megaslide_ray.driver import Trainer
 from megaslide_ray.state.checkpoint import read_checkpoint_shards
-from megaslide_ray.trainer import Trainer
 from megaslide_ray.training.baseline import InProcessTrainer
 
 
@@ -130,7 +130,7 @@ def test_the_sampler_waits_only_for_a_writer_two_samplings_behind(ray_session, s
 
     import ray
 
-    from megaslide_ray.trainer import components
+    from megaslide_ray.driver import components
 
     @ray.remote(num_cpus=0, max_concurrency=4)
     class GatedWriter:
@@ -175,8 +175,8 @@ def test_each_prompt_starts_from_its_own_fixed_noise_whatever_the_training_seed(
     runs of different ``training.seed``, so their samples compare."""
     import types
 
+    from megaslide_ray.driver import components
     from megaslide_ray.evaluation.sampling import initial_noise
-    from megaslide_ray.trainer import components
 
     handed = []
     writer = types.SimpleNamespace(write=types.SimpleNamespace(remote=lambda *args: handed.append(args)))

@@ -20,8 +20,8 @@ from conftest import CLI_SMALL, run_cli
 from test_bad_inputs import _files, _state, run_here
 
 from megaslide_ray.config import build_config, to_toml
-from megaslide_ray.trainer import launch as launch_module
-from megaslide_ray.trainer.preflight import RUN_ENTRIES, clear_run_dir
+from megaslide_ray.driver import launch as launch_module
+from megaslide_ray.driver.preflight import RUN_ENTRIES, clear_run_dir
 
 SMALL_OVERRIDES = {"model.depth": 1, "model.hidden_size": 32, "model.num_heads": 2, "data.num_frames": 6,
                    "data.height": 16, "data.width": 16}

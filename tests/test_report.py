@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from megaslide_ray.evaluation.report import (
+from megaslide_ray.evaluation.run_report import (
     COMPARE_PLOT,
     OFFSETS_PLOT,
     PLOTS,

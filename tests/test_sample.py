@@ -154,7 +154,7 @@ def test_learning_benchmark_scores_a_checkpoint_as_a_user_would(run_dir, tmp_pat
 
     from benchmarks.studies import learning
     from benchmarks.studies.harness import shows_prompt
-    from megaslide_ray.evaluation.motion_metric import motion_fidelity, read_video
+    from megaslide_ray.evaluation.motion_score import motion_fidelity, read_video
 
     captions = ["a red circle moving right fast on a black background",
                 "a green square moving up slowly on a dark blue background"]

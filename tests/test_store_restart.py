@@ -12,9 +12,9 @@ import torch
 
 from actors.param_store import ParameterStore, StateNotTrustedError
 from megaslide_ray.config import build_config
+from megaslide_ray.driver import Trainer
 from megaslide_ray.state.checkpoint import read_checkpoint_shards
 from megaslide_ray.state.segments import map_segment
-from megaslide_ray.trainer import Trainer
 from megaslide_ray.training.schedule import clip_coefficient, lr_at
 
 
@@ -267,7 +267,7 @@ def test_a_rotten_shard_is_refused_on_load_naming_the_file(cfg, tmp_path):
     with pytest.raises(CheckpointDamagedError, match=r"step_1 is damaged: shard_0001.safetensors"):
         read_checkpoint_shards(ckpt)
     # --init-from and the export read through the same check
-    from megaslide_ray.state.pretrained import export_state_dict
+    from megaslide_ray.state.pretrained_io import export_state_dict
 
     with pytest.raises(CheckpointDamagedError, match=r"shard_0001.safetensors tensor master has checksum"):
         ParameterStore(cfg, str(tmp_path / "init"), init_from=str(ckpt))

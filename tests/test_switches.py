@@ -15,9 +15,9 @@ from test_bad_inputs import run_here
 
 from megaslide_ray.config import Config
 from megaslide_ray.data.folders import cache_root
+from megaslide_ray.driver import launch as launch_module
+from megaslide_ray.driver import loop as loop_module
 from megaslide_ray.runtime import faults
-from megaslide_ray.trainer import launch as launch_module
-from megaslide_ray.trainer import loop as loop_module
 
 ROOT = Path(__file__).resolve().parent.parent
 CODE = ("megaslide_ray", "actors", "kernels", "pipelines", "benchmarks")

@@ -14,9 +14,9 @@ import pytest
 from actors.sample_writer import WrittenSample
 from megaslide_ray.config import build_config, to_toml
 from megaslide_ray.data.demo import write_video
-from megaslide_ray.trainer import trackers
-from megaslide_ray.trainer.components import MetricsLog
-from megaslide_ray.trainer.trackers import open_tracker, scalars
+from megaslide_ray.driver import trackers
+from megaslide_ray.driver.components import MetricsLog
+from megaslide_ray.driver.trackers import open_tracker, scalars
 
 
 class _Pipeline:
@@ -97,7 +97,7 @@ def test_scalars_are_every_numeric_field_of_a_row():
 
 @pytest.mark.parametrize("kind", ["tensorboard", "wandb"])
 def test_a_missing_tracker_package_is_refused_before_ray(kind, tmp_path, monkeypatch, capsys):
-    from megaslide_ray.trainer import launch as launch_module
+    from megaslide_ray.driver import launch as launch_module
 
     monkeypatch.setitem(trackers.PACKAGES, kind, "megaslide_no_such_package")
     monkeypatch.setattr(launch_module, "start_ray", lambda *a, **k: pytest.fail("Ray started"))
@@ -110,7 +110,7 @@ def test_a_missing_tracker_package_is_refused_before_ray(kind, tmp_path, monkeyp
 
 
 def test_the_tracker_opens_before_ray_and_is_closed_on_a_ctrl_c_before_training(tmp_path, monkeypatch):
-    from megaslide_ray.trainer import launch as launch_module
+    from megaslide_ray.driver import launch as launch_module
 
     events = []
 
@@ -290,8 +290,8 @@ def test_a_run_with_tensorboard_logs_its_metrics_jsonl_and_sample(ray_session, s
     pytest.importorskip("tensorboard")
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
+    from megaslide_ray.driver import Trainer
     from megaslide_ray.evaluation.sampling import prompt_slug, sample_path
-    from megaslide_ray.trainer import Trainer
 
     cfg = small_config(**{"training.steps": 2, "training.sample_every": 2, "training.sample_steps": 1,
                           "training.tracker": "tensorboard"})

@@ -26,21 +26,21 @@ from megaslide_ray import train as train_cli
 from megaslide_ray.config import ConfigError
 from megaslide_ray.config.wan_folders import IMAGE_TO_VIDEO, describe_wan_folder
 from megaslide_ray.data.demo import ensure_demo_dataset
-from megaslide_ray.data.precompute import precompute
+from megaslide_ray.data.latent_cache import precompute
+from megaslide_ray.driver import Trainer
 from megaslide_ray.evaluation.sampling import CheckpointWeights, check_model_files, sample_video
 from megaslide_ray.evaluation.validation import evaluate_checkpoint
 from megaslide_ray.models.diffusers_dsa import enable_dsa
 from megaslide_ray.models.registry import expert_shards, num_shards
 from megaslide_ray.models.wan_diffusers import from_diffusers
 from megaslide_ray.state.checkpoint import latest_checkpoint, read_checkpoint_shards
-from megaslide_ray.state.pretrained import (
+from megaslide_ray.state.pretrained_io import (
     PretrainedMismatchError,
     check_pretrained,
     config_for_diffusers_dir,
     export_diffusers,
     model_names,
 )
-from megaslide_ray.trainer import Trainer
 from megaslide_ray.training.flow import (
     HIGH,
     LOW,

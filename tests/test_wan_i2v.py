@@ -217,7 +217,7 @@ def test_an_image_to_video_folder_starts_from_its_preset(tmp_path):
     import json
 
     from megaslide_ray.config import build_config
-    from megaslide_ray.state.pretrained import config_for_diffusers_dir
+    from megaslide_ray.state.pretrained_io import config_for_diffusers_dir
 
     vae = json.dumps({"_class_name": "AutoencoderKLWan", "z_dim": 16})
     cases = {"wan2.1-i2v-14b-720p": ("wan2.1-i2v-14b-480p", ("transformer",)),

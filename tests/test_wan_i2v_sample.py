@@ -17,8 +17,8 @@ from actors.compute import ComputeActor, LocalStoreClient
 from actors.param_store import ParameterStore
 from megaslide_ray.config import ConfigError
 from megaslide_ray.data.encoders import Encoder
+from megaslide_ray.data.latent_cache import clip_config
 from megaslide_ray.data.latents import pad_text
-from megaslide_ray.data.precompute import clip_config
 from megaslide_ray.evaluation.sampling import (
     CheckpointWeights,
     initial_noise,
@@ -30,7 +30,7 @@ from megaslide_ray.evaluation.sampling import (
 from megaslide_ray.models.diffusers_dsa import enable_dsa
 from megaslide_ray.models.wan_diffusers import from_diffusers
 from megaslide_ray.state.checkpoint import latest_checkpoint, read_checkpoint_state
-from megaslide_ray.state.pretrained import config_for_diffusers_dir, export_diffusers
+from megaslide_ray.state.pretrained_io import config_for_diffusers_dir, export_diffusers
 
 CLIP = {"data.num_frames": FRAMES, "data.height": SIZE, "data.width": SIZE, "attention.kind": "dense",
         "data.batch_size": 1, "runtime.device": "cpu", "optim.lr": 1e-2}

@@ -16,11 +16,11 @@ from wan_models import CLIP_DIM, CLIP_TOKENS, FRAMES, LATENT_SHAPE, SIZE, Z, mak
 from actors.compute import ComputeActor, LocalStoreClient
 from actors.param_store import ParameterStore
 from megaslide_ray.data.demo import ensure_demo_dataset
-from megaslide_ray.data.precompute import precompute
+from megaslide_ray.data.latent_cache import precompute
+from megaslide_ray.driver import Trainer
 from megaslide_ray.evaluation.sampling import sample_video
 from megaslide_ray.state.checkpoint import read_checkpoint_shards
-from megaslide_ray.state.pretrained import config_for_diffusers_dir, export_diffusers, model_names
-from megaslide_ray.trainer import Trainer
+from megaslide_ray.state.pretrained_io import config_for_diffusers_dir, export_diffusers, model_names
 from megaslide_ray.training.flow import HIGH, batch_flow_inputs, expert_t_range, flow_loss, step_expert
 
 CLIP = {"data.num_frames": FRAMES, "data.height": SIZE, "data.width": SIZE, "attention.window": "3,1,1"}

@@ -17,7 +17,7 @@ from diffusers import WanTransformer3DModel
 from actors.param_store import ParameterStore
 from megaslide_ray.config import ConfigError
 from megaslide_ray.state.checkpoint import latest_checkpoint
-from megaslide_ray.state.pretrained import (
+from megaslide_ray.state.pretrained_io import (
     PretrainedMismatchError,
     check_pretrained,
     config_for_diffusers_dir,

@@ -79,7 +79,7 @@ def ti2v(tmp_path_factory):
     from actors.compute import ComputeActor, LocalStoreClient
     from actors.param_store import ParameterStore
     from megaslide_ray.state.checkpoint import latest_checkpoint
-    from megaslide_ray.state.pretrained import config_for_diffusers_dir, model_names
+    from megaslide_ray.state.pretrained_io import config_for_diffusers_dir, model_names
 
     root = tmp_path_factory.mktemp("ti2v")
     base = make_wan_dir(root / "base")
@@ -141,8 +141,8 @@ def test_sampling_from_an_image_lands_on_the_expand_timesteps_pipelines_latents(
 
     from actors.compute import ComputeActor
     from megaslide_ray.data.encoders import Encoder
+    from megaslide_ray.data.latent_cache import clip_config
     from megaslide_ray.data.latents import pad_text
-    from megaslide_ray.data.precompute import clip_config
     from megaslide_ray.evaluation.sampling import (
         CheckpointWeights,
         initial_noise,
@@ -151,7 +151,7 @@ def test_sampling_from_an_image_lands_on_the_expand_timesteps_pipelines_latents(
         sampling_config,
     )
     from megaslide_ray.state.checkpoint import read_checkpoint_state
-    from megaslide_ray.state.pretrained import export_diffusers
+    from megaslide_ray.state.pretrained_io import export_diffusers
 
     folder, _, _, _, _, ckpt = ti2v
     cfg = sampling_config(read_checkpoint_state(ckpt), device="cpu")

@@ -1,7 +1,7 @@
 """Research studies: what the model learns, as opposed to how fast the system runs it (the
 performance benchmarks one folder up).
 
-Each measures small models trained in process on the motion set (``megaslide_ray.data.motion``):
+Each measures small models trained in process on the motion set (``megaslide_ray.data.motion_set``):
 trained there and then, or saved by a ``quality`` run. Each runs as
 ``python -m benchmarks.studies.NAME``; their findings are in benchmarks/RESULTS.md.
 

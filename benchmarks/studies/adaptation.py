@@ -84,7 +84,7 @@ from megaslide_ray.data.manifest import read_manifest
 from megaslide_ray.evaluation.plotting import pyplot
 from megaslide_ray.evaluation.sampling import write_png
 from megaslide_ray.evaluation.validation import load_val_set, val_inputs
-from megaslide_ray.state.pretrained import is_fresh_part
+from megaslide_ray.state.pretrained_io import is_fresh_part
 
 KINDS = ("dense", "swin", "neighborhood", "dsa")
 DEFAULT_WINDOW = "3,3,3"

@@ -30,7 +30,7 @@ import math
 
 import numpy as np
 
-from megaslide_ray.evaluation.motion_metric import as_uint8, largest_component
+from megaslide_ray.evaluation.motion_score import as_uint8, largest_component
 
 TOL = 40
 """A pixel is foreground when some channel differs from the frame's median colour by more than this."""

@@ -5,7 +5,7 @@ Training runs in process (``megaslide_ray.training.baseline.InProcessTrainer``: 
 objective of the streamed trainer, which the tests hold equal to it) on the batches the streamed
 trainer's decoder would give, so a study compares models, not plumbing. Samples start from fixed
 noise (seed 1000 + the caption's index, whichever study draws them) and are scored with the
-motion-fidelity metric (``megaslide_ray.evaluation.motion_metric``).
+motion-fidelity metric (``megaslide_ray.evaluation.motion_score``).
 
 The motion set is found through the module (``motion.ensure_motion_dataset``), not a name
 imported from it, so a test can stand a small set in for it.
@@ -25,9 +25,9 @@ from safetensors.torch import load_file, save_file
 
 from actors.decoder import VideoDecoder
 from megaslide_ray.config import Config, build_config
-from megaslide_ray.data import motion
+from megaslide_ray.data import motion_set as motion
 from megaslide_ray.data.captions import caption_batch
-from megaslide_ray.evaluation.motion_metric import motion_fidelity
+from megaslide_ray.evaluation.motion_score import motion_fidelity
 from megaslide_ray.evaluation.sampling import initial_noise, integrate, to_uint8_frames
 from megaslide_ray.models.attention import OffsetPredictor
 from megaslide_ray.models.registry import build_model

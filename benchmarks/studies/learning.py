@@ -12,7 +12,7 @@ motion-simple`` train on) in process (``harness``: the model and objective of th
 trainer, which the tests hold equal to it), and every ``--every`` steps samples ``--prompts``
 captions from fixed noise (Euler, ``training.sample_steps``, guided by ``--cfg-scale`` against
 the empty caption) and scores each sample against its caption with the motion-fidelity metric
-(``megaslide_ray.evaluation.motion_metric``).
+(``megaslide_ray.evaluation.motion_score``).
 
 A sample **shows its prompt** (``harness.shows_prompt``) when the caption's colour is found in at
 least 75% of its frames (``detection_rate``), the object's mask fits the caption's shape best in
@@ -55,7 +55,7 @@ from benchmarks.studies.harness import (
     training_decoder,
 )
 from megaslide_ray.data.manifest import read_manifest
-from megaslide_ray.evaluation.motion_metric import KEYS, motion_fidelity, read_video
+from megaslide_ray.evaluation.motion_score import KEYS, motion_fidelity, read_video
 from megaslide_ray.evaluation.sampling import contact_sheet, sample_video, write_png
 from megaslide_ray.state.checkpoint import read_checkpoint_state, resolve_checkpoint
 

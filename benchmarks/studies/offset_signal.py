@@ -47,7 +47,7 @@ from benchmarks.studies.harness import (
     study_config,
     training_decoder,
 )
-from megaslide_ray.data import motion
+from megaslide_ray.data import motion_set as motion
 from megaslide_ray.data.manifest import read_manifest
 from megaslide_ray.evaluation.offsets_view import motion_estimate
 from megaslide_ray.evaluation.validation import load_val_set, val_generator

@@ -7,7 +7,7 @@
 
 Every (kind, seed) trains the same small model (``--preset``, default ``tiny``: 16 frames of 64x64
 in 2x4x4 patches, 2048 tokens, 4 blocks of width 128) for the same steps on the same batches of the
-motion set's training split (``megaslide_ray.data.motion``: shapes moving 1-8 px per frame, so
+motion set's training split (``megaslide_ray.data.motion_set``: shapes moving 1-8 px per frame, so
 the fast ones move 2.5-4 tokens per patch frame; ``--variant simple``: its simple variant, one
 large shape over 8 frames, on which ``tiny-motion`` learns to draw its prompts within 2000
 steps), with the same initial weights per seed; only ``attention.kind`` differs (``dense``;
@@ -23,7 +23,7 @@ Per (kind, seed) it records:
   never seen in training), at fixed noise and t (``megaslide_ray.evaluation.validation``),
   at several steps, and per t-bucket at the end; and the same loss on as many clips of the
   training split (``train_split_loss``: the gap between the two is what a kind memorised);
-* **motion fidelity** of samples (``megaslide_ray.evaluation.motion_metric``): the first ``--samples``
+* **motion fidelity** of samples (``megaslide_ray.evaluation.motion_score``): the first ``--samples``
   held-out captions, and as many training captions (``train_*`` columns: motion the model was
   shown, which a small model draws long before it generalises to unseen combinations), are
   sampled from fixed noise (Euler, ``training.sample_steps``) and each clip is scored against
@@ -76,7 +76,7 @@ from benchmarks.studies.harness import (
     study_config,
     training_decoder,
 )
-from megaslide_ray.data import motion
+from megaslide_ray.data import motion_set as motion
 from megaslide_ray.data.manifest import read_manifest
 from megaslide_ray.evaluation.offsets_view import motion_estimate
 from megaslide_ray.evaluation.plotting import pyplot

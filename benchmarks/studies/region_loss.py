@@ -29,7 +29,7 @@ import torch
 
 from benchmarks.studies.harness import ModelPredictor, log
 from benchmarks.studies.quality import KINDS, quality_folder, saved_model
-from megaslide_ray.data import motion
+from megaslide_ray.data import motion_set as motion
 from megaslide_ray.data.manifest import read_manifest
 from megaslide_ray.evaluation.validation import load_val_set, val_inputs
 

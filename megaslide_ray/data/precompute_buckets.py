@@ -2,7 +2,7 @@
 
 Each row of the video manifest goes to its bucket (``megaslide_ray.data.buckets.assign_bucket``,
 from the manifest's ``width``, ``height`` and ``num_frames``, as training assigns it) and is
-encoded at that bucket's shape by ``megaslide_ray.data.precompute.precompute``, one sub-folder per
+encoded at that bucket's shape by ``megaslide_ray.data.latent_cache.precompute``, one sub-folder per
 bucket::
 
     CACHE/manifest.parquet            the merged latent manifest: every bucket's rows
@@ -22,9 +22,9 @@ from typing import Any
 
 from megaslide_ray.config.buckets import Bucket
 from megaslide_ray.data.buckets import row_buckets
+from megaslide_ray.data.latent_cache import PrecomputeReport, precompute
 from megaslide_ray.data.latents import read_latent_manifest, write_latent_manifest
 from megaslide_ray.data.manifest import MANIFEST_NAME, read_manifest, write_manifest
-from megaslide_ray.data.precompute import PrecomputeReport, precompute
 
 SOURCE_NAME = "source.parquet"
 """A bucket sub-folder's share of the video manifest (absolute paths)."""

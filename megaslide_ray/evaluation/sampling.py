@@ -36,8 +36,8 @@ from megaslide_ray.data.demo import write_video
 from megaslide_ray.data.encoders import Encoder, check_model_dir
 from megaslide_ray.data.frames import contact_sheet, decode_latents, to_uint8_frames, write_png  # noqa: F401
 from megaslide_ray.data.image_condition import CONDITION_KEY, IMAGE_KEY, required_kind
+from megaslide_ray.data.latent_cache import clip_config
 from megaslide_ray.data.latents import pad_text
-from megaslide_ray.data.precompute import clip_config
 from megaslide_ray.models.registry import build_shard, num_shards
 from megaslide_ray.models.shards import ShardLayout
 from megaslide_ray.state.checkpoint import (

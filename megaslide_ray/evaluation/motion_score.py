@@ -53,8 +53,8 @@ from pathlib import Path
 import numpy as np
 
 from megaslide_ray.data.demo import COLOURS, SHAPES, _shape_mask
-from megaslide_ray.data.motion import DIRECTIONS, SPEEDS
-from megaslide_ray.data.motion import WIDTH as MOTION_WIDTH
+from megaslide_ray.data.motion_set import DIRECTIONS, SPEEDS
+from megaslide_ray.data.motion_set import WIDTH as MOTION_WIDTH
 
 _CAPTION = re.compile(r"\b(" + "|".join(COLOURS) + r") (" + "|".join(SHAPES) + r") moving ("
                       + "|".join(sorted(DIRECTIONS, key=len, reverse=True)) + r") ("

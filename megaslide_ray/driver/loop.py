@@ -1,9 +1,9 @@
 """The Trainer: ``__init__`` builds everything, ``train_step`` runs one step, ``train`` loops,
-``close`` cleans up. Ray must already be initialised (``trainer.launch`` does that).
+``close`` cleans up. Ray must already be initialised (``driver.launch`` does that).
 
 A step is the pipeline's (``pipelines.streaming``: the compute actor's forward and backward, the
 store's AdamW overlapping the next step's forward); what follows a step is the components'
-(``trainer.components``: checkpoint, validation, sample, metrics, the NaN guard), each asked
+(``driver.components``: checkpoint, validation, sample, metrics, the NaN guard), each asked
 whether it is due."""
 
 from __future__ import annotations
@@ -18,6 +18,14 @@ from tqdm import tqdm
 from megaslide_ray.config import Config, to_toml
 from megaslide_ray.data.checks import check_data
 from megaslide_ray.data.demo import ensure_demo_dataset
+from megaslide_ray.driver.components import (
+    BadStepGuard,
+    Checkpointer,
+    MetricsLog,
+    Sampler,
+    Validator,
+)
+from megaslide_ray.driver.trackers import open_tracker
 from megaslide_ray.evaluation.sampling import sample_model_dir
 from megaslide_ray.evaluation.validation import load_val_set
 from megaslide_ray.runtime.faults import fault_point
@@ -30,15 +38,7 @@ from megaslide_ray.state.checkpoint import (
 )
 from megaslide_ray.state.kept import KeptState, check_kept_state, find_kept_state
 from megaslide_ray.state.preflight import w_dtype_bytes
-from megaslide_ray.state.pretrained import check_pretrained
-from megaslide_ray.trainer.components import (
-    BadStepGuard,
-    Checkpointer,
-    MetricsLog,
-    Sampler,
-    Validator,
-)
-from megaslide_ray.trainer.trackers import open_tracker
+from megaslide_ray.state.pretrained_io import check_pretrained
 from megaslide_ray.training.flow import EXPERT_NAMES
 from pipelines.decoder_pool import DataCursor
 from pipelines.streaming import StoreLostError, StreamingPipeline

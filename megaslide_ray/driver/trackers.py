@@ -7,7 +7,7 @@ numbers (the file is the source of truth).
   ``step`` (the x axis) nor ``time`` (the event's wall time); lists and strings are left out.
 - ``sample_tag(sample)``: the name a sample video is logged under, ``sample/{index:02d}_{prompt slug}``
   (one series per prompt). The videos come to ``log_samples`` once the sample writer has written
-  them (``trainer.components.Sampler.collect``), which is after the row of the step that sampled.
+  them (``driver.components.Sampler.collect``), which is after the row of the step that sampled.
 - ``check_tracker``: the tracker's package is installed (ConfigError naming the pip command
   otherwise); run before Ray starts.
 - ``open_tracker``: the tracker of ``training.tracker`` (None for ``none``), its config logged

@@ -33,6 +33,23 @@ import ray
 
 from megaslide_ray.config import Config, ConfigError
 from megaslide_ray.data.checks import check_data
+from megaslide_ray.driver.loop import ResumePoint, Trainer, default_run_dir, resume_point
+from megaslide_ray.driver.preflight import (
+    check_devices,
+    check_resume_config,
+    check_run_dir,
+    clear_run_dir,
+    local_devices,
+)
+from megaslide_ray.driver.raystart import (
+    RayStartInterrupted,
+    RayUnreachable,
+    guarded_init,
+    join_hint,
+    probe_address,
+    use_token_if_at_hand,
+)
+from megaslide_ray.driver.trackers import check_tracker, open_tracker
 from megaslide_ray.evaluation.sampling import sample_model_dir
 from megaslide_ray.evaluation.validation import load_val_set
 from megaslide_ray.runtime import faults
@@ -45,24 +62,7 @@ from megaslide_ray.state.kept import (
     state_path,
 )
 from megaslide_ray.state.preflight import StateSpaceError, plan_state_space
-from megaslide_ray.state.pretrained import PretrainedMismatchError, check_pretrained, describe_init
-from megaslide_ray.trainer.loop import ResumePoint, Trainer, default_run_dir, resume_point
-from megaslide_ray.trainer.preflight import (
-    check_devices,
-    check_resume_config,
-    check_run_dir,
-    clear_run_dir,
-    local_devices,
-)
-from megaslide_ray.trainer.raystart import (
-    RayStartInterrupted,
-    RayUnreachable,
-    guarded_init,
-    join_hint,
-    probe_address,
-    use_token_if_at_hand,
-)
-from megaslide_ray.trainer.trackers import check_tracker, open_tracker
+from megaslide_ray.state.pretrained_io import PretrainedMismatchError, check_pretrained, describe_init
 from pipelines.errors import root_cause
 
 log = logging.getLogger(__name__)

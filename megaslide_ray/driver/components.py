@@ -10,7 +10,7 @@
 - A validation or a sample that fails is logged (the traceback in ``RUN/error.log``) and counted
   (``val_failures``, ``sample_failures``); training goes on.
 - ``MetricsLog``: one ``metrics.jsonl`` line per step, the run's Ray metrics and the same row to
-  the experiment tracker (``training.tracker``, ``trainer.trackers``), and to it the sample videos
+  the experiment tracker (``training.tracker``, ``driver.trackers``), and to it the sample videos
   once they are written.
 - ``BadStepGuard``: counts steps whose update was skipped (NaN/Inf) and stops the run after
   ``optim.max_bad_steps`` in a row.
@@ -256,7 +256,7 @@ class MetricsLog:
     """``metrics.jsonl`` (one JSON line per step, appended: a resumed run continues the file), the
     same numbers as Ray metrics tagged by run name (with the decoders' frame rate every
     ``training.log_every`` steps) and the same row, once written, to ``tracker`` (an open
-    ``trainer.trackers`` tracker or None), which ``close`` closes."""
+    ``driver.trackers`` tracker or None), which ``close`` closes."""
 
     def __init__(self, cfg: Config, run_dir: Path, pipeline: StreamingPipeline, tracker=None):
         self.log_every, self.pipeline, self.tracker = cfg.training.log_every, pipeline, tracker
