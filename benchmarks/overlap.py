@@ -2,7 +2,17 @@
 speed where moving a step's weights takes about as long as the step's compute.
 
     python -m benchmarks.overlap [--steps 4] [--rounds 1] [--ratios 1.0,0.5] [--models tiny,wide]
-                                 [--prefetch-depth 1] [--skip-memory] [--json]
+                                 [--prefetch-depth 1] [--micro-batches 1,2,4] [--resident-gb 0,0.003]
+                                 [--actors 1,2] [--skip-memory] [--json]
+
+Micro-batches, resident shards, several actors: every (K, resident_gb) setting runs at the link
+speed set from the pure step with one micro-batch and no residency (so T_x = T_c at K=1 with
+``--ratios 1.0``); K multiplies the compute per fetched byte, residency takes fetches off the
+link. ``--actors N``: N compute actors on one store in threads, each on its own batch and its own
+simulated link, sharing the cores (as CPU compute actors of one node do); the link is set from
+that N's own K=1 step. Each row carries the planner's predicted step (``planning/schedule.py``)
+at that link speed and the compute rate measured in the setting, its error against the measured
+on-time, and what binds by each (link when the on-run's link is busier than the pure compute).
 
 For each model: (1) the pure compute step time T_c (no throttle, weights read in place);
 (2) the link speed X = weight bytes staged per step / T_c, so transfer time T_x ~= T_c;
@@ -222,8 +232,9 @@ def measure(name: str, actors: int, args, common: dict, base_cfg, dram: float) -
     """The rows of model ``name`` with ``actors`` compute actors: the link speeds from the pure
     step at K=1 without residency, then pure, off and on runs of every (K, resident_gb) setting,
     in rounds (medians per run kind, so a drift of the machine's speed hits every kind alike),
-    each held against the schedule model and the planner (its link speed, and the compute rate
-    measured at K=1: the planner's FLOPs of that step / its pure time)."""
+    each held against the schedule model and the planner at its link speed and the compute rate
+    measured in that setting (the planner's FLOPs of the step / its pure time; and, beside it, the
+    rate measured at K=1 without residency, which leaves the planner to scale the compute by FLOPs)."""
     ov = {**common, **MODELS[name], "runtime.compute_actors": str(actors)}
     if actors > 1:  # the actors share the cores, as CPU compute actors of one node do
         ov["runtime.compute_threads"] = str(max(1, (os.cpu_count() or 1) // actors))
@@ -249,21 +260,27 @@ def measure(name: str, actors: int, args, common: dict, base_cfg, dram: float) -
                                           args.steps, actors=actors)["seconds"])
                 ons[s, ratio].append(run(setting(*s, **link, **{"runtime.overlap": "true"}), batches[s[0]],
                                          args.steps, actors=actors))
-    k1 = pures.get((1, 0.0), [base])
-    step_flops = sum(step_positions(build_config("tiny", None, setting(1, 0.0)), 4).flops)
-    tflops = step_flops / statistics.median(r["seconds"] for r in k1) / 1e12
+    def rate(s: tuple, runs: list) -> float:  # the planner's FLOPs of setting s / its measured pure step
+        return sum(step_positions(build_config("tiny", None, setting(*s)), 4).flops) / \
+            statistics.median(r["seconds"] for r in runs) / 1e12
+
+    k1 = rate((1, 0.0), pures.get((1, 0.0), [base]))
     rows = []
     for s in settings:
+        cfg = build_config("tiny", None, setting(*s, **{"runtime.prefetch_depth": str(depth)}))
         for ratio, gbps in links.items():
+            plans = [plan(cfg, "float32", pcie_gbps=gbps, dram_gbps=dram, device_tflops=t)
+                     for t in (rate(s, pures[s]), k1)]
             rows.append(_row(name, actors, s, ratio, gbps, pures[s], offs[s, ratio], ons[s, ratio], depth,
-                             plan(build_config("tiny", None, setting(*s, **{"runtime.prefetch_depth": str(depth)})),
-                                  "float32", pcie_gbps=gbps, dram_gbps=dram, device_tflops=tflops), args.rounds))
+                             plans, args.rounds))
     return rows
 
 
 def _row(name: str, actors: int, s: tuple, ratio: float, gbps: float, pures: list, offs: list, ons: list,
-         depth: int, p, rounds: int) -> dict:
-    """One setting's row: measured medians, the schedule model, the planner's step."""
+         depth: int, plans: list, rounds: int) -> dict:
+    """One setting's row: measured medians, the schedule model, the planner's step (``plans``: at the
+    compute rate measured in this setting, and at the one measured at K=1 without residency)."""
+    p, p1 = plans
     compute = statistics.median(r["seconds"] for r in pures)
     pooled = {**pures[0], "timelines": [t for r in pures for t in r["timelines"]]}
     transfer = pures[0]["staged_bytes"] / (gbps * 1e9)
@@ -282,6 +299,7 @@ def _row(name: str, actors: int, s: tuple, ratio: float, gbps: float, pures: lis
             "plan_step_s": p.step_s, "plan_off_s": p.step_off_s, "plan_error": p.step_s / on_s - 1,
             "plan_binding": p.step_binding, "plan_compute_s": p.time_terms["compute"],
             "plan_device_tflops": p.device_tflops, "plan_dram_gbps": p.dram_gbps,
+            "plan_k1_rate_step_s": p1.step_s, "plan_k1_rate_error": p1.step_s / on_s - 1,
             "binding": "link" if link_busy > compute else "compute", "link_busy_s": link_busy}
 
 
