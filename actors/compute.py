@@ -44,7 +44,7 @@ from torch.func import functional_call
 from actors.activations import ActivationStash
 from actors.grad_reduce import GradSlots
 from actors.param_store import ShardInfo
-from actors.transfer import ShardFeed, Transfers
+from actors.transfer import ShardFeed, StagingPool, Transfers
 from megaslide_ray.config import Config
 from megaslide_ray.models.chunking import FP32_GRAD, fp32_grad_params
 from megaslide_ray.models.prediction import as_velocity
@@ -199,6 +199,9 @@ class ComputeActor:
         self.link = Transfers(self.device, store, shards, transport, DTYPES[shards[0].w_dtype],
                               rt.overlap, rt.prefetch_depth, rt.link_gbps, grad_slots, rank)
         self.stash = ActivationStash(self.link, rt.offload_activations, rt.state_dir, rt.offload_keep)
+        # CPU: the shards' fp32 gradient buffers are reused from step to step (``grad_views``); a
+        # GPU's caching allocator already reuses device memory.
+        self._grad_pool = StagingPool() if self.device.type == "cpu" else None
         self._returns: list[Future | None] = []  # this step's gradient reports in flight
         # The last step whose gradients this actor sent: they replaced that step's weights in
         # the store's w segments (a shard's gradient lands in its w), so predict cannot ask for
@@ -223,12 +226,19 @@ class ComputeActor:
         sync here). ``poison``: a 0-d bool tensor, True when the loss was not finite: the norm is
         then reported as NaN, so the store skips the step's update on every shard. ``grad`` is
         the fp32 sum (``grad_views``); weights of another dtype get it rounded once to theirs."""
+        acc = grad
         if grad.dtype != self.w_dtype:
             grad = round_in_place(grad, self.w_dtype)
         sqnorm = torch.linalg.vector_norm(grad, dtype=torch.float32).square()
         if poison is not None:
             sqnorm = torch.where(poison, torch.full_like(sqnorm, float("nan")), sqnorm)
-        self._returns.append(self.link.return_grad(self._base + shard, step, grad, sqnorm))
+        sent = self.link.return_grad(self._base + shard, step, grad, sqnorm)
+        self._returns.append(sent)
+        if self._grad_pool is not None:  # the buffer is free once the gradient is sent
+            if sent is None:
+                self._grad_pool.release(acc)
+            else:
+                sent.add_done_callback(lambda _, pool=self._grad_pool, acc=acc: pool.release(acc))
 
     # -- one step -----------------------------------------------------------------------------
     def resident_shards(self) -> list[int]:
@@ -370,7 +380,7 @@ class ComputeActor:
         w_staged = feed.take(head)
         for i in range(L * k - 1, L * k - 1 - self.link.prefetch_depth * k, -1):  # the backward's first inputs
             self.stash.prefetch(i)
-        params, grad = grad_views(self.infos[head].layout, w_staged)
+        params, grad = grad_views(self.infos[head].layout, w_staged, self._grad_pool)
         losses, dxs, dcs = [], [], []
         bad_loss = None
         for m, x, c in zip(micro, xs, cs):
@@ -405,7 +415,7 @@ class ComputeActor:
         ahead = self.link.prefetch_depth * k
         for shard in range(L, 0, -1):
             w_staged = feed.take(shard)
-            params, grad = grad_views(self.infos[shard].layout, w_staged)
+            params, grad = grad_views(self.infos[shard].layout, w_staged, self._grad_pool)
             for j in range(k - 1, -1, -1):
                 i = (shard - 1) * k + j
                 x_saved = stash.take(i)
@@ -424,7 +434,7 @@ class ComputeActor:
                 fault_point("compute.mid_backward", step)
             del grad, params
         w_staged = feed.take(0)
-        params, grad = grad_views(self.infos[0].layout, w_staged)
+        params, grad = grad_views(self.infos[0].layout, w_staged, self._grad_pool)
         for j in range(k - 1, -1, -1):
             m = micro[j]
             x0, c0 = self._run_with_grad(0, params, *m.embed_args())
@@ -441,7 +451,7 @@ class ComputeActor:
         L = self.cfg.model.depth
         w = feed.take(0)
         fault_point("compute.after_weights", step)
-        params, grad = grad_views(self.infos[0].layout, w)
+        params, grad = grad_views(self.infos[0].layout, w, self._grad_pool)
         outs = [self._run_with_grad(0, params, *m.embed_args()) for m in micro]
         feed.done(w)
         graphs = [BlockGraph([None] * len(micro), [None] * len(micro), outs, grad)]
@@ -449,7 +459,7 @@ class ComputeActor:
             if shard == (L + 2) // 2:
                 fault_point("compute.mid_forward", step)
             w = feed.take(shard)
-            params, grad = grad_views(self.infos[shard].layout, w)
+            params, grad = grad_views(self.infos[shard].layout, w, self._grad_pool)
             g = BlockGraph([], [], [], grad)
             for x, c in graphs[-1].out:
                 x_in = x.detach().requires_grad_(True)
@@ -601,7 +611,7 @@ class ExpertFeed:
         return self.feed.log
 
 
-def grad_views(layout, w: torch.Tensor) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
+def grad_views(layout, w: torch.Tensor, pool: "StagingPool | None" = None) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
     """Parameters for ``functional_call`` that send their gradients into one flat buffer.
 
     Returns ``(params, grad)``: ``grad`` is a zeroed fp32 buffer shaped like ``w``. With fp32
@@ -616,8 +626,15 @@ def grad_views(layout, w: torch.Tensor) -> tuple[dict[str, torch.Tensor], torch.
     micro-batch and token chunk would be added in bf16: each leaf instead carries its view of
     the fp32 ``grad`` (``chunking.FP32_GRAD``), and ``_run_with_grad`` and ``chunking.bind`` add
     each use's gradient into it in fp32 (``chunking.fp32_grad_params``). The sum is rounded to
-    the weights' dtype once, when it is sent (``ComputeActor._push_grad``)."""
-    grad = torch.zeros(w.shape, dtype=torch.float32, device=w.device)
+    the weights' dtype once, when it is sent (``ComputeActor._push_grad``).
+
+    ``pool``: take the buffer from it (zeroed in place; ``_push_grad`` hands it back once the
+    gradient is sent) instead of allocating a fresh one: on a CPU a fresh shard-sized buffer is
+    fresh pages, and faulting them in costs about as much again as the zero fill."""
+    if pool is None:
+        grad = torch.zeros(w.shape, dtype=torch.float32, device=w.device)
+    else:
+        grad = pool.acquire(w.numel(), torch.float32, w.device)[0].zero_()
     params = {}
     for (name, view), gview in zip(layout.views(w).items(), layout.views(grad).values()):
         leaf = view.detach().requires_grad_(True)

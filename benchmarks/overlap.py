@@ -2,7 +2,17 @@
 speed where moving a step's weights takes about as long as the step's compute.
 
     python -m benchmarks.overlap [--steps 4] [--rounds 1] [--ratios 1.0,0.5] [--models tiny,wide]
-                                 [--prefetch-depth 1] [--skip-memory] [--json]
+                                 [--prefetch-depth 1] [--micro-batches 1,2,4] [--resident-gb 0,0.003]
+                                 [--actors 1,2] [--skip-memory] [--json]
+
+Micro-batches, resident shards, several actors: every (K, resident_gb) setting runs at the link
+speed set from the pure step with one micro-batch and no residency (so T_x = T_c at K=1 with
+``--ratios 1.0``); K multiplies the compute per fetched byte, residency takes fetches off the
+link. ``--actors N``: N compute actors on one store in threads, each on its own batch and its own
+simulated link, sharing the cores (as CPU compute actors of one node do); the link is set from
+that N's own K=1 step. Each row carries the planner's predicted step (``planning/schedule.py``)
+at that link speed and the compute rate measured in the setting, its error against the measured
+on-time, and what binds by each (link when the on-run's link is busier than the pure compute).
 
 For each model: (1) the pure compute step time T_c (no throttle, weights read in place);
 (2) the link speed X = weight bytes staged per step / T_c, so transfer time T_x ~= T_c;
@@ -31,6 +41,7 @@ Runs the actor classes in one process (no Ray), so only the streaming logic is m
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import shutil
@@ -38,12 +49,17 @@ import statistics
 import tempfile
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
+
+import torch
 
 from actors.compute import ComputeActor, LocalStoreClient
 from actors.decoder import VideoDecoder
 from actors.param_store import ParameterStore
 from megaslide_ray.config import build_config
 from megaslide_ray.driver import resolve_data
+from megaslide_ray.planning.estimate import plan
+from megaslide_ray.planning.schedule import schedule_seconds, step_positions
 
 MODELS = {
     "tiny": {},
@@ -79,12 +95,20 @@ class PeakSampler:
         self._thread.join()
 
 
-def run(overrides: dict, batches, steps: int, measure_memory: bool = False) -> dict:
+def run(overrides: dict, batches, steps: int, measure_memory: bool = False, actors: int = 1) -> dict:
+    """``steps`` training steps of ``tiny`` with ``overrides``; ``actors`` compute actors on one
+    store, each on its own batch and its own (simulated) link, each in its own thread, as the
+    trainer runs them (``runtime.compute_actors``). A step's time is until the slowest is done."""
     cfg = build_config("tiny", None, overrides)
     state = tempfile.mkdtemp(prefix="megaslide-overlap-")
-    store = ParameterStore(cfg, state)
-    compute = ComputeActor(cfg, store.shard_infos(), LocalStoreClient(store), "shm")
-    times, peak, timelines = [], 0, []
+    store = ParameterStore(cfg, state, compute_actors=actors)
+    slots = store.grad_slots()
+    computes = [ComputeActor(cfg, store.shard_infos(), LocalStoreClient(store, r), "shm", rank=r, grad_slots=slots)
+                for r in range(actors)]
+    compute = computes[0]
+    threads = torch.get_num_threads()
+    pool = ThreadPoolExecutor(max_workers=actors, initializer=torch.set_num_threads, initargs=(threads,))
+    times, peak, timelines, h2d_s = [], 0, [], []
     try:
         for step in range(steps):
             t0 = time.perf_counter()
@@ -93,9 +117,12 @@ def run(overrides: dict, batches, steps: int, measure_memory: bool = False) -> d
                     r = compute.train_step(batches[step % len(batches)], step)
                 peak = s.peak - s.base
             else:
-                r = compute.train_step(batches[step % len(batches)], step)
+                futures = [pool.submit(c.train_step, batches[(step * actors + i) % len(batches)], step)
+                           for i, c in enumerate(computes)]
+                r = [f.result() for f in futures][0]
             times.append(time.perf_counter() - t0)
             timelines.append(compute.last_timeline)
+            h2d_s.append(r.h2d_seconds)
             # No wait for the store's update here: as in training, it overlaps the next step's
             # forward (whose weight fetches wait for each shard's new version).
         store.wait_step(steps - 1)
@@ -104,18 +131,21 @@ def run(overrides: dict, batches, steps: int, measure_memory: bool = False) -> d
         grads = [compute.infos[i].numel * 4 for i in order]
         fetches = [0 if p in reuse else b for p, b in enumerate(grads)]  # reused positions fetch nothing
     finally:
-        compute.close()
+        pool.shutdown()
+        for c in computes:
+            c.close()
         store.close()
         shutil.rmtree(state, ignore_errors=True)
     return {"seconds": statistics.mean(times[1:]) if len(times) > 1 else times[0],
             "staged_bytes": sum(fetches), "fetch_bytes": fetches, "grad_bytes": grads, "n": n,
-            "timelines": timelines[1:] or timelines, "h2d_bytes": r.h2d_bytes, "peak_anon_bytes": peak}
+            "timelines": timelines[1:] or timelines, "h2d_bytes": r.h2d_bytes, "peak_anon_bytes": peak,
+            "h2d_seconds": statistics.mean(h2d_s[1:] or h2d_s)}
 
 
 def simulate(pure: dict, gbps: float, depth: int, overlap: bool = True) -> float:
-    """Step time of the actor's schedule on an ideal machine (see the module docstring):
-    compute times from the pure run's timelines (each position's mean over the timed steps),
-    fetch and gradient-return times = bytes / link."""
+    """Step time of the actor's schedule on an ideal machine (``planning.schedule``): compute
+    times from the pure run's timelines (each position's mean over the timed steps), fetch and
+    gradient-return times = bytes / link."""
     sizes, n = pure["grad_bytes"], pure["n"]
     P = len(sizes)
     pre, comp = 0.0, [0.0] * P
@@ -126,25 +156,31 @@ def simulate(pure: dict, gbps: float, depth: int, overlap: bool = True) -> float
             comp[p] += (nxt - takes[p][1]) / len(pure["timelines"])
     fetch = [b / (gbps * 1e9) for b in pure["fetch_bytes"]]
     # gradients: the head's after its position (n - 1), each backward position's after its own
-    grad = {n - 1: sizes[n - 1], **{p: sizes[p] for p in range(n, P)}}
-    if not overlap:
-        return pre + sum(fetch) + sum(comp) + sum(b / (gbps * 1e9) for b in grad.values())
-    link = pre
-    f_end, c_start, c_end = [0.0] * P, [0.0] * P, [0.0] * P
-    ret = 0.0
-    for p in range(P):
-        submit = pre if p <= depth else c_start[p - depth]
-        if fetch[p]:  # a kept shard (fetch 0) neither waits for nor uses the link
-            f_end[p] = max(link, submit) + fetch[p]
-            link = f_end[p]
-        c_start[p] = max(c_end[p - 1] if p else pre, f_end[p])
-        c_end[p] = c_start[p] + comp[p]
-        if p in grad:
-            ret = max(ret, c_end[p]) + grad[p] / (gbps * 1e9)
-    return max(c_end[-1], ret)
+    grad = {p: sizes[p] / (gbps * 1e9) for p in [n - 1, *range(n, P)]}
+    return schedule_seconds(pre, fetch, comp, grad, depth, overlap)
 
 
-def main(argv: list[str] | None = None) -> int:
+def _ints(text: str, flag: str, low: int) -> list[int]:
+    try:
+        values = [int(v) for v in text.split(",")]
+    except ValueError:
+        raise SystemExit(f"{flag} {text!r}: give comma-separated integers, e.g. {flag} 1,2") from None
+    if any(v < low for v in values):
+        raise SystemExit(f"{flag} {text!r}: every value must be >= {low}")
+    return values
+
+
+def _floats(text: str, flag: str) -> list[float]:
+    try:
+        values = [float(v) for v in text.split(",")]
+    except ValueError:
+        raise SystemExit(f"{flag} {text!r}: give comma-separated numbers, e.g. {flag} 0,0.004") from None
+    if any(not v >= 0 for v in values):
+        raise SystemExit(f"{flag} {text!r}: every value must be >= 0")
+    return values
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m benchmarks.overlap", description=__doc__.split("\n\n")[0])
     p.add_argument("--steps", type=int, default=4)
     p.add_argument("--json", action="store_true")
@@ -153,52 +189,135 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--prefetch-depth", type=int, default=1, help="runtime.prefetch_depth of the overlap-on run")
     p.add_argument("--rounds", type=int, default=1, help="repeat pure/off/on this many times; medians")
     p.add_argument("--ratios", default="1.0,0.5",
-                   help="transfer time / compute time at which to set the link (comma-separated)")
+                   help="transfer time / compute time of one micro-batch (K=1, no residency) at which to set the "
+                        "link (comma-separated)")
+    p.add_argument("--micro-batches", default="1", help="training.micro_batches K to run (comma-separated)")
+    p.add_argument("--resident-gb", default="0", help="runtime.resident_gb to run (comma-separated, decimal GB)")
+    p.add_argument("--actors", default="1", help="compute actors N on one store (comma-separated)")
     p.add_argument("--memory-depth", type=int, help=argparse.SUPPRESS)  # one measurement, in a child
     p.add_argument("--memory-offload", action="store_true", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
+    unknown = [m for m in args.models.split(",") if m not in MODELS]
+    if unknown:
+        raise SystemExit(f"--models {args.models!r}: unknown {unknown}; use a subset of {','.join(MODELS)}")
+    args.ks = _ints(args.micro_batches, "--micro-batches", 1)
+    args.residents = _floats(args.resident_gb, "--resident-gb")
+    args.ns = _ints(args.actors, "--actors", 1)
+    args.ratio_list = _floats(args.ratios, "--ratios")
+    if 0 in args.ratio_list:
+        raise SystemExit(f"--ratios {args.ratios!r}: every ratio must be > 0")
+    return args
+
+
+def dram_gbps() -> float:
+    """The host's copy bandwidth (read + write bytes per second of a 64 MB copy, best of 3): the
+    planner's ``dram_gbps`` for this machine."""
+    src, dst = torch.empty(16 * 2**20), torch.empty(16 * 2**20)
+    best = float("inf")
+    for _ in range(3):
+        t0 = time.perf_counter()
+        dst.copy_(src)
+        best = min(best, time.perf_counter() - t0)
+    return 2 * src.numel() * 4 / best / 1e9
+
+
+def decode_batches(base_cfg, k: int, count: int) -> list:
+    """``count`` decoder batches of ``k`` micro-batches (``k x data.batch_size`` clips each)."""
+    data = dataclasses.replace(base_cfg.data, batch_size=base_cfg.data.batch_size * k)
+    with VideoDecoder(data, 0, base_cfg.model.caption_max_bytes) as dec:
+        return [dec.next_batch() for _ in range(count)]
+
+
+def measure(name: str, actors: int, args, common: dict, base_cfg, dram: float) -> list[dict]:
+    """The rows of model ``name`` with ``actors`` compute actors: the link speeds from the pure
+    step at K=1 without residency, then pure, off and on runs of every (K, resident_gb) setting,
+    in rounds (medians per run kind, so a drift of the machine's speed hits every kind alike),
+    each held against the schedule model and the planner at its link speed and the compute rate
+    measured in that setting (the planner's FLOPs of the step / its pure time; and, beside it, the
+    rate measured at K=1 without residency, which leaves the planner to scale the compute by FLOPs)."""
+    ov = {**common, **MODELS[name], "runtime.compute_actors": str(actors)}
+    if actors > 1:  # the actors share the cores, as CPU compute actors of one node do
+        ov["runtime.compute_threads"] = str(max(1, (os.cpu_count() or 1) // actors))
+
+    def setting(k: int, resident: float, **more) -> dict:
+        return {**ov, "training.micro_batches": str(k), "runtime.resident_gb": str(resident), **more}
+
+    settings = [(k, r) for k in args.ks for r in args.residents]
+    batches = {k: decode_batches(base_cfg, k, 2 * actors) for k in {1, *args.ks}}
+    base = run(setting(1, 0.0), batches[1], args.steps, actors=actors)
+    links = {ratio: base["staged_bytes"] / (ratio * base["seconds"]) / 1e9 for ratio in args.ratio_list}
+    pures = {s: [base] if s == (1, 0.0) else [] for s in settings}
+    offs = {(s, ratio): [] for s in settings for ratio in links}
+    ons = {(s, ratio): [] for s in settings for ratio in links}
+    depth = args.prefetch_depth
+    for rnd in range(args.rounds):
+        for s in settings:
+            if rnd or s != (1, 0.0):
+                pures[s].append(run(setting(*s), batches[s[0]], args.steps, actors=actors))
+            for ratio, gbps in links.items():
+                link = {"runtime.link_gbps": str(gbps), "runtime.prefetch_depth": str(depth)}
+                offs[s, ratio].append(run(setting(*s, **link, **{"runtime.overlap": "false"}), batches[s[0]],
+                                          args.steps, actors=actors)["seconds"])
+                ons[s, ratio].append(run(setting(*s, **link, **{"runtime.overlap": "true"}), batches[s[0]],
+                                         args.steps, actors=actors))
+    def rate(s: tuple, runs: list) -> float:  # the planner's FLOPs of setting s / its measured pure step
+        return sum(step_positions(build_config("tiny", None, setting(*s)), 4).flops) / \
+            statistics.median(r["seconds"] for r in runs) / 1e12
+
+    k1 = rate((1, 0.0), pures.get((1, 0.0), [base]))
+    rows = []
+    for s in settings:
+        cfg = build_config("tiny", None, setting(*s, **{"runtime.prefetch_depth": str(depth)}))
+        for ratio, gbps in links.items():
+            plans = [plan(cfg, "float32", pcie_gbps=gbps, dram_gbps=dram, device_tflops=t)
+                     for t in (rate(s, pures[s]), k1)]
+            rows.append(_row(name, actors, s, ratio, gbps, pures[s], offs[s, ratio], ons[s, ratio], depth,
+                             plans, args.rounds))
+    return rows
+
+
+def _row(name: str, actors: int, s: tuple, ratio: float, gbps: float, pures: list, offs: list, ons: list,
+         depth: int, plans: list, rounds: int) -> dict:
+    """One setting's row: measured medians, the schedule model, the planner's step (``plans``: at the
+    compute rate measured in this setting, and at the one measured at K=1 without residency)."""
+    p, p1 = plans
+    compute = statistics.median(r["seconds"] for r in pures)
+    pooled = {**pures[0], "timelines": [t for r in pures for t in r["timelines"]]}
+    transfer = pures[0]["staged_bytes"] / (gbps * 1e9)
+    off_s, on_s = statistics.median(offs), statistics.median(r["seconds"] for r in ons)
+    best = max(compute, transfer)
+    model_on = simulate(pooled, gbps, depth)
+    link_busy = statistics.median(r["h2d_seconds"] for r in ons)  # the on runs' throttled copies, per step
+    return {"model": name, "actors": actors, "micro_batches": s[0], "resident_gb": s[1], "ratio": ratio,
+            "compute_s": compute, "link_gbps": gbps, "transfer_s": transfer, "off_s": off_s, "on_s": on_s,
+            "efficiency": best / on_s, "speedup": off_s / on_s, "staged_mb": pures[0]["staged_bytes"] / 1e6,
+            "rounds": rounds, "on_s_each": [r["seconds"] for r in ons], "off_s_each": offs,
+            "compute_s_each": [r["seconds"] for r in pures], "prefetch_depth": depth,
+            "model_off_s": simulate(pooled, gbps, depth, overlap=False), "model_on_s": model_on,
+            "model_efficiency": best / model_on,
+            "unbounded_prefetch_efficiency": best / simulate(pooled, gbps, len(pures[0]["grad_bytes"])),
+            "plan_step_s": p.step_s, "plan_off_s": p.step_off_s, "plan_error": p.step_s / on_s - 1,
+            "plan_binding": p.step_binding, "plan_compute_s": p.time_terms["compute"],
+            "plan_device_tflops": p.device_tflops, "plan_dram_gbps": p.dram_gbps,
+            "plan_k1_rate_step_s": p1.step_s, "plan_k1_rate_error": p1.step_s / on_s - 1,
+            "binding": "link" if link_busy > compute else "compute", "link_busy_s": link_busy}
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
     base_cfg = resolve_data(build_config("tiny"))
-    with VideoDecoder(base_cfg.data, 0, base_cfg.model.caption_max_bytes) as dec:
-        batches = [dec.next_batch() for _ in range(2)]
     common = {"data.manifest": base_cfg.data.manifest, "training.steps": str(args.steps)}
     if args.memory_depth:
+        batches = decode_batches(base_cfg, 1, 1)
         r = run({**common, "model.depth": str(args.memory_depth), "runtime.link_gbps": "100",
                  "runtime.offload_activations": str(args.memory_offload).lower()}, batches, 1, measure_memory=True)
         print(r["peak_anon_bytes"])
         return 0
     rows = []
-    depth = args.prefetch_depth
-    ratios = [float(r) for r in args.ratios.split(",")]
+    dram = dram_gbps()
     for name in args.models.split(","):
-        ov = {**common, **MODELS[name]}
-        pure = run(ov, batches, args.steps)
-        links = {ratio: pure["staged_bytes"] / (ratio * pure["seconds"]) / 1e9 for ratio in ratios}
-        # Rounds: pure, then off and on at each link speed, again and again; medians per run kind,
-        # so a drift of the machine's speed hits every kind alike. The link speeds stay as set
-        # from the first pure run.
-        pures, offs, ons = [pure], {r: [] for r in ratios}, {r: [] for r in ratios}
-        for k in range(args.rounds):
-            if k:
-                pures.append(run(ov, batches, args.steps))
-            for ratio, gbps in links.items():
-                link = {"runtime.link_gbps": str(gbps), "runtime.prefetch_depth": str(depth)}
-                offs[ratio].append(run({**ov, **link, "runtime.overlap": "false"}, batches, args.steps)["seconds"])
-                ons[ratio].append(run({**ov, **link, "runtime.overlap": "true"}, batches, args.steps)["seconds"])
-        compute = statistics.median(r["seconds"] for r in pures)
-        pooled = {**pure, "timelines": [t for r in pures for t in r["timelines"]]}
-        for ratio, gbps in links.items():
-            transfer = pure["staged_bytes"] / (gbps * 1e9)
-            off_s, on_s = statistics.median(offs[ratio]), statistics.median(ons[ratio])
-            best = max(compute, transfer)
-            model_on = simulate(pooled, gbps, depth)
-            rows.append({"model": name, "ratio": transfer / compute, "compute_s": compute, "link_gbps": gbps,
-                         "transfer_s": transfer, "off_s": off_s, "on_s": on_s, "efficiency": best / on_s,
-                         "speedup": off_s / on_s, "staged_mb": pure["staged_bytes"] / 1e6, "rounds": args.rounds,
-                         "on_s_each": ons[ratio], "off_s_each": offs[ratio],
-                         "compute_s_each": [r["seconds"] for r in pures],
-                         "prefetch_depth": depth, "model_off_s": simulate(pooled, gbps, depth, overlap=False),
-                         "model_on_s": model_on, "model_efficiency": best / model_on,
-                         "unbounded_prefetch_efficiency": best / simulate(pooled, gbps, len(pure["grad_bytes"]))})
+        for actors in args.ns:
+            rows += measure(name, actors, args, common, base_cfg, dram)
     mem = []
     if not args.skip_memory:
         import subprocess
@@ -219,15 +338,7 @@ def main(argv: list[str] | None = None) -> int:
         for r in rows + mem:
             print(json.dumps(r))
         return 0
-    print(f"{'model':<8}{'T_x/T_c':>8}{'compute s':>10}{'link GB/s':>11}{'transfer s':>11}{'off s':>8}{'on s':>8}"
-          f"{'efficiency':>12}{'on/off speedup':>16}{'model off s':>13}{'model on s':>12}{'model eff':>11}")
-    for r in rows:
-        print(f"{r['model']:<8}{r['ratio']:>8.2f}{r['compute_s']:>10.3f}{r['link_gbps']:>11.3f}{r['transfer_s']:>11.3f}"
-              f"{r['off_s']:>8.3f}{r['on_s']:>8.3f}{r['efficiency']:>12.2f}{r['speedup']:>16.2f}"
-              f"{r['model_off_s']:>13.3f}{r['model_on_s']:>12.3f}{r['model_efficiency']:>11.2f}")
-    if rows:
-        print(f"prefetch_depth {depth}; model eff with unlimited prefetch: "
-              + ", ".join(f"{r['model']}@{r['ratio']:.2f} {r['unbounded_prefetch_efficiency']:.2f}" for r in rows))
+    print_rows(rows)
     for m in mem:
         where = "offloaded to host" if m["offload_activations"] else "kept in the process"
         print(f"{m['model']:<14} malloc {m['malloc']:<8} block inputs {where:<20} peak working memory "
@@ -239,6 +350,23 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"peak working memory depth 32 / depth 4, malloc {malloc}, "
                       f"offload_activations={str(offload).lower()}: {pair[1] / pair[0]:.2f}")
     return 0
+
+
+def print_rows(rows: list[dict]) -> None:
+    print(f"{'model':<6}{'N':>3}{'K':>3}{'res GB':>8}{'T_x/T_c':>8}{'compute s':>10}{'transfer s':>11}{'off s':>8}"
+          f"{'on s':>8}{'eff':>6}{'speedup':>8}{'model on s':>11}{'model eff':>10}{'plan s':>8}{'plan err':>9}"
+          f"{'binds (measured / plan)':>25}")
+    for r in rows:
+        print(f"{r['model']:<6}{r['actors']:>3}{r['micro_batches']:>3}{r['resident_gb']:>8.4g}{r['ratio']:>8.2f}"
+              f"{r['compute_s']:>10.3f}{r['transfer_s']:>11.3f}{r['off_s']:>8.3f}{r['on_s']:>8.3f}"
+              f"{r['efficiency']:>6.2f}{r['speedup']:>8.2f}{r['model_on_s']:>11.3f}{r['model_efficiency']:>10.2f}"
+              f"{r['plan_step_s']:>8.3f}{r['plan_error']:>+9.0%}{r['binding'] + ' / ' + r['plan_binding']:>25}")
+    for r in rows:
+        print(f"{r['model']} N={r['actors']} K={r['micro_batches']} resident {r['resident_gb']:g} GB @ {r['ratio']:.2f}: "
+              f"link {r['link_gbps'] * 1e3:.3g} MB/s; compute " + ", ".join(f"{x:.2f}" for x in r["compute_s_each"])
+              + "; off " + ", ".join(f"{x:.2f}" for x in r["off_s_each"])
+              + "; on " + ", ".join(f"{x:.2f}" for x in r["on_s_each"])
+              + f"; model eff with unlimited prefetch {r['unbounded_prefetch_efficiency']:.2f}")
 
 
 if __name__ == "__main__":

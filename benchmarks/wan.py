@@ -1,6 +1,6 @@
 """A Wan block at real width, streamed, against diffusers' WanTransformer3DModel in process.
 
-    python -m benchmarks.wan [--depth 2] [--grid 3,16,16] [--steps 4] [--attention dense] [--json]
+    python -m benchmarks.wan [--depth 2] [--grid 3,16,16] [--steps 4] [--attention dense] [--clock wall|cpu] [--json]
     python -m benchmarks.wan --data-wait [--steps 8]
 
 The model has the Wan2.1 T2V 1.3B widths (dim 1536, 12 heads, FFN 8960, text 4096, 16 latent
@@ -14,6 +14,9 @@ all fp32, forward + backward of one batch (B=1, 512 text tokens):
                    checkpointing), every shard's gradient returned to the store, which runs
                    AdamW between the steps (not timed: ``StepResult.seconds`` is the compute);
                    the store holds its own seeded weights (the time does not depend on values)
+    streamed, kept graphs  the same with ``runtime.recompute_blocks = false``: a CPU compute
+                   reading the weights in place keeps each block's graph from the forward, so the
+                   backward computes no forward again (what a CPU run does; a GPU recomputes)
 
 ``--data-wait`` instead trains the same model through the main job's Ray actors on a latent
 manifest of random clips (bf16 latents of ``--grid``, 120 valid text tokens each, padded to 512)
@@ -27,6 +30,7 @@ warm-up and not counted; the figure is the median of the rest.
 from __future__ import annotations
 
 import argparse
+import copy
 import json
 import statistics
 import tempfile
@@ -39,16 +43,22 @@ WIDTHS = dict(num_attention_heads=12, attention_head_dim=128, in_channels=16, ou
               freq_dim=256, ffn_dim=8960, patch_size=(1, 2, 2))
 
 
-def _timed(fn, steps: int) -> float:
+CLOCKS = {"wall": time.perf_counter, "cpu": time.process_time}
+
+
+def _timed(fn, steps: int, clock: str = "wall") -> float:
+    """Median seconds of ``fn`` over ``steps`` calls (the first a warm-up) on ``clock``: ``wall``, or
+    ``cpu``, the process's CPU time over all its threads (for a machine others load too)."""
+    now = CLOCKS[clock]
     times = []
     for _ in range(steps):
-        t0 = time.perf_counter()
+        t0 = now()
         fn()
-        times.append(time.perf_counter() - t0)
+        times.append(now() - t0)
     return statistics.median(times[1:] or times)
 
 
-def run(depth: int, grid: tuple[int, int, int], steps: int, attention: str) -> list[dict]:
+def run(depth: int, grid: tuple[int, int, int], steps: int, attention: str, clock: str = "wall") -> list[dict]:
     from diffusers import WanTransformer3DModel
 
     from actors.compute import ComputeActor, LocalStoreClient
@@ -83,26 +93,31 @@ def run(depth: int, grid: tuple[int, int, int], steps: int, attention: str) -> l
 
     batch = {"latents": latents[0].permute(1, 2, 3, 0).numpy()[None], "text": text.numpy(),
              "text_len": np.array([512], dtype=np.int32), "position": 0}
-    times: dict[str, list[float]] = {"diffusers": [], "ours": [], "streamed": []}
+    times: dict[str, list[float]] = {"diffusers": [], "ours": [], "streamed": [], "streamed, kept graphs": []}
+    kept = copy.deepcopy(cfg)
+    kept.runtime.recompute_blocks = False
     with tempfile.TemporaryDirectory(prefix="megaslide-wan-bench-") as tmp:
-        cfg.runtime.state_dir = tmp
-        store = ParameterStore(cfg, f"{tmp}/run")
-        compute = ComputeActor(cfg, store.shard_infos(), LocalStoreClient(store), "shm")
+        cfg.runtime.state_dir = kept.runtime.state_dir = tmp
+        stores = [ParameterStore(c, f"{tmp}/run{i}") for i, c in enumerate((cfg, kept))]
+        computes = [ComputeActor(c, s.shard_infos(), LocalStoreClient(s), "shm") for c, s in zip((cfg, kept), stores)]
         try:
             # The rows take turns, step by step, so a change in the machine's load hits them alike.
             for step in range(steps):
-                times["diffusers"].append(_timed(diffusers_step, 1))
-                times["ours"].append(_timed(ours_step, 1))
-                times["streamed"].append(compute.train_step(batch, step).seconds)
-                store.wait_step(step)  # AdamW outside the timed compute
+                times["diffusers"].append(_timed(diffusers_step, 1, clock))
+                times["ours"].append(_timed(ours_step, 1, clock))
+                for name, compute, store in zip(("streamed", "streamed, kept graphs"), computes, stores):
+                    t0 = CLOCKS[clock]()
+                    r = compute.train_step(batch, step)
+                    times[name].append(r.seconds if clock == "wall" else CLOCKS[clock]() - t0)
+                    store.wait_step(step)  # AdamW outside the timed compute
         finally:
-            compute.close()
-            store.close()
+            for c in computes + stores:
+                c.close()
     rows = [{"row": name, "seconds": statistics.median(ts[1:] or ts)} for name, ts in times.items()]
     base = rows[0]["seconds"]
     tokens = F_ * (H_ // 2) * (W_ // 2)
     for r in rows:
-        r.update(ratio=r["seconds"] / base, depth=depth, tokens=tokens, attention=attention,
+        r.update(ratio=r["seconds"] / base, depth=depth, tokens=tokens, attention=attention, clock=clock,
                  params=sum(p.numel() for p in ref.parameters()))
     return rows
 
@@ -163,6 +178,8 @@ def main(argv: list[str] | None = None) -> int:
                    help="our self-attention in the ours/streamed rows (diffusers is always dense)")
     p.add_argument("--threads", type=int, default=0, help="torch threads (0: all cores)")
     p.add_argument("--data-wait", action="store_true", help="measure the data wait of training on latents instead")
+    p.add_argument("--clock", choices=sorted(CLOCKS), default="wall",
+                   help="wall time, or the process's CPU time (every thread; for a machine others load too)")
     p.add_argument("--json", action="store_true")
     a = p.parse_args(argv)
     if a.threads:
@@ -172,7 +189,7 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps(r) if a.json else f"training on latents through the Ray actors: data wait "
               f"{100 * r['data_wait_fraction']:.1f}% of {r['step_seconds']:.2f} s/step over {r['steps']} steps")
         return 0
-    rows = run(a.depth, tuple(int(x) for x in a.grid.split(",")), a.steps, a.attention)
+    rows = run(a.depth, tuple(int(x) for x in a.grid.split(",")), a.steps, a.attention, a.clock)
     if a.json:
         for r in rows:
             print(json.dumps(r))
@@ -180,9 +197,9 @@ def main(argv: list[str] | None = None) -> int:
     r0 = rows[0]
     print(f"Wan 1.3B widths, {r0['depth']} blocks ({r0['params'] / 1e6:.0f}M parameters), {r0['tokens']} video "
           f"tokens + 512 text tokens, fp32, attention {a.attention} (ours/streamed)")
-    print(f"{'row':<12}{'s/step':>10}{'vs diffusers':>15}")
+    print(f"{'row':<24}{'s/step':>10}{'vs diffusers':>15}")
     for r in rows:
-        print(f"{r['row']:<12}{r['seconds']:>10.3f}{r['ratio']:>14.2f}x")
+        print(f"{r['row']:<24}{r['seconds']:>10.3f}{r['ratio']:>14.2f}x")
     return 0
 
 

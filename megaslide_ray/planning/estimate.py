@@ -19,6 +19,7 @@ from megaslide_ray.config.buckets import largest_bucket
 from megaslide_ray.models.registry import num_experts
 from megaslide_ray.models.shards import grad_slot_numel, resident_shards
 from megaslide_ray.planning.scaleout import ScaleOut, scale_out
+from megaslide_ray.planning.schedule import predict_step
 from megaslide_ray.planning.terms import (
     FIXED_TERMS,
     HOST_RESERVE_GB,
@@ -127,6 +128,10 @@ class Plan:
     experts: int = 1               # transformers in the host store (2: both experts of a Wan2.2 A14B model)
     resident_shards: tuple[int, ...] = ()  # runtime.resident_gb: shards kept from forward to backward
     resident_bytes: int = 0        # their weights on the device (one fetch per step each, not two)
+    # -- the schedule's step (training; planning/schedule.py): not a floor, the predicted time
+    step_s: float = 0.0            # with overlap: fetches, compute and returns position by position
+    step_off_s: float = 0.0        # fetch, compute, return in sequence
+    step_binding: str = ""         # link, compute or host DRAM: the busiest
 
     @property
     def fits(self) -> bool | None:
@@ -266,6 +271,9 @@ def plan(cfg: Config, w_dtype: str = "bfloat16", pcie_gbps: float = 55.0, dram_g
         if nodes > 1:
             terms["network"] = scale.network_bytes / (network_gbps * 1e9)
     binding = max(terms, key=terms.__getitem__)
+    node = {"host DRAM": terms["host_dram"]} if "host_dram" in terms else {}
+    node.update({"network": terms["network"]} if "network" in terms else {})
+    sched = None if generate else predict_step(cfg, wb, pcie_gbps, device_tflops, dram_gbps, node)
 
     # -- fit
     reserve = int(round(host_reserve_gb * 1e9))
@@ -348,6 +356,8 @@ def plan(cfg: Config, w_dtype: str = "bfloat16", pcie_gbps: float = 55.0, dram_g
         gpus_per_node=gpus_per_node, nodes=nodes, micro_batches=micro,
         global_batch=gpus_per_node * nodes * micro * B, transfer_compute_ratio=terms["h2d"] / terms["compute"],
         scale=scale, resident_shards=tuple(resident), resident_bytes=resident_bytes,
+        step_s=sched.seconds if sched else 0.0, step_off_s=sched.off_seconds if sched else 0.0,
+        step_binding=sched.binding if sched else "",
     )
 
 

@@ -179,6 +179,9 @@ def _floor(p: Plan, out: _Lines) -> None:
     for k, s in p.time_terms.items():
         out.row(labels[k], fmt_seconds(s), "<- binds" if k == p.binding else "")
     out.row("= floor", fmt_seconds(p.step_floor_s), f"({p.binding}-bound)")
+    if p.step_s:
+        out.row(f"predicted step: the schedule, prefetch depth {p.prefetch_depth} (planning/schedule.py)",
+                fmt_seconds(p.step_s), f"({p.step_binding} binds; overlap off: {fmt_seconds(p.step_off_s)})")
     if not gen:
         out.row("transfer / compute, one GPU (host -> device time / compute time)", f"{p.transfer_compute_ratio:.3g}",
                 "(falls as 1/k with --micro-batches k)")

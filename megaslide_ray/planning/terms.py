@@ -118,25 +118,40 @@ def _shard_counts(cfg: Config) -> tuple[list[int], int, int, int, int]:
         return _COUNT_CACHE[key]
     L = cfg.model.depth
     kinds = {0: build_shard(cfg, 0, "meta"), 1: build_shard(cfg, 1, "meta"), L + 1: build_shard(cfg, L + 1, "meta")}
-    per_kind: dict[int, list[int]] = {}
-    for i, module in kinds.items():
-        roles = [0, 0, 0, 0]  # per token, per sample, per text token, no matmul
-        for name, p in module.named_parameters():
-            if name.startswith(PER_TEXT_TOKEN):
-                roles[2] += p.numel()
-            elif name.startswith(PER_SAMPLE_PREFIXES):
-                roles[1] += p.numel()
-            elif name.startswith(NO_MATMUL):
-                roles[3] += p.numel()
-            else:
-                roles[0] += p.numel()
-        per_kind[i] = roles
+    per_kind = {i: _roles(module) for i, module in kinds.items()}
+    _ROLE_CACHE[key] = per_kind
     counts = [sum(per_kind[0]), *[sum(per_kind[1])] * L, sum(per_kind[L + 1])]
     p_tok, p_sample, p_text = (per_kind[0][r] + L * per_kind[1][r] + per_kind[L + 1][r] for r in range(3))
     offsets = L * sum(p.numel() for n, p in kinds[1].named_parameters() if ".offsets." in f".{n}")
     assert len(counts) == expert_shards(cfg)  # one transformer (two experts: each has these)
     _COUNT_CACHE[key] = (counts, p_tok, p_sample, p_text, offsets)
     return _COUNT_CACHE[key]
+
+
+_ROLE_CACHE: dict[str, dict[int, list[int]]] = {}
+
+
+def _roles(module) -> list[int]:
+    """A shard's parameters by how often they are applied: [per video token, per sample, per text
+    token, no matmul] (``PER_SAMPLE_PREFIXES``, ``PER_TEXT_TOKEN``, ``NO_MATMUL``)."""
+    roles = [0, 0, 0, 0]
+    for name, p in module.named_parameters():
+        if name.startswith(PER_TEXT_TOKEN):
+            roles[2] += p.numel()
+        elif name.startswith(PER_SAMPLE_PREFIXES):
+            roles[1] += p.numel()
+        elif name.startswith(NO_MATMUL):
+            roles[3] += p.numel()
+        else:
+            roles[0] += p.numel()
+    return roles
+
+
+def shard_roles(cfg: Config) -> dict[int, list[int]]:
+    """``_roles`` of the embedding (key 0), of one block (1: every block is the same module) and
+    of the head (depth + 1)."""
+    _shard_counts(cfg)
+    return _ROLE_CACHE[repr((cfg.model, cfg.attention))]
 
 
 def _attention_terms(cfg: Config, a: int, Q: int, Qp: int, g: int) -> dict[str, int]:

@@ -1,0 +1,134 @@
+"""The training step's schedule, position by position: what the planner predicts a step takes.
+
+The compute actor takes a step's shards in order: the forward 0..L+1 (the head computes its
+forward and backward at once), then the backward L..0; the turn's block L and the resident
+shards (``runtime.resident_gb``) are kept from their forward fetch for their backward, every other
+position fetches its shard (``actors/compute.py``, ``step_order``). ``schedule_seconds`` replays
+that on an ideal machine: one compute thread, one link towards the compute that keeps
+``prefetch_depth`` fetches ahead of the position computing, one link back that returns each
+gradient as it appears (the head's after its position, each backward position's after its own),
+no contention between them. Without overlap, fetch, compute and return run in sequence.
+
+``predict_step`` prices it for a config: each position's compute from its FLOPs at
+``device_tflops`` (a block's forward: 2 x its per-token parameters x tokens, plus its attention;
+recompute + backward: 3x that; shard 0 and the head run forward and backward together: 3x), each
+fetch and gradient at ``link_gbps``. ``benchmarks/overlap.py`` replays the same schedule with the
+compute times it measured and holds both against the measured step.
+
+What it leaves out: the step boundary (shard 0's next fetch waits for its AdamW update, which
+waits for the last gradient: exact global-norm clipping), AdamW competing with the compute for a
+CPU's cores, and the first position's input preparation.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from megaslide_ray.config import Config
+from megaslide_ray.models.shards import resident_shards
+from megaslide_ray.planning.terms import _attention_flops_fwd, _shard_counts, shard_roles, text_tokens
+
+
+@dataclass(frozen=True)
+class StepPositions:
+    """One step's positions (``order``: the shard each takes), the bytes each fetches (0: kept
+    from an earlier position), the gradient bytes returned after a position, and the FLOPs each
+    computes."""
+    order: list[int]
+    fetch_bytes: list[int]
+    grad_bytes: dict[int, int]
+    flops: list[float]
+
+
+@dataclass(frozen=True)
+class StepPrediction:
+    seconds: float            # the schedule with overlap (``runtime.overlap``)
+    off_seconds: float        # fetch, compute, return in sequence
+    compute_s: float          # the positions' compute, summed
+    transfer_s: float         # the fetches at the link speed, summed
+    return_s: float           # the gradients at the link speed, summed
+    adamw_s: float            # the update's DRAM traffic (it overlaps the next forward)
+    binding: str              # "link", "compute" or "host DRAM": the largest of the three
+
+    @property
+    def terms(self) -> dict[str, float]:
+        return {"link": max(self.transfer_s, self.return_s), "compute": self.compute_s, "host DRAM": self.adamw_s}
+
+
+def step_order(depth: int, counts: list[int], wbytes: int, resident_gb: float) -> tuple[list[int], dict[int, int]]:
+    """The positions' shards (forward 0..L+1, backward L..0) and which positions reuse an earlier
+    one's weights: the turn's block L and the resident shards (``ComputeActor.step_order``)."""
+    n = depth + 2
+    reuse = {n: depth}
+    for shard in resident_shards(depth, counts, wbytes, resident_gb * 1e9):
+        reuse[n + depth - shard] = shard
+    return list(range(n)) + list(range(depth, -1, -1)), reuse
+
+
+def step_positions(cfg: Config, wbytes: int) -> StepPositions:
+    """``cfg``'s step, position by position (module docstring), for one compute actor with
+    ``training.micro_batches`` micro-batches of ``data.batch_size`` clips."""
+    counts = _shard_counts(cfg)[0]
+    L, n = cfg.model.depth, cfg.model.depth + 2
+    order, reuse = step_order(L, counts, wbytes, cfg.runtime.resident_gb)
+    k, B = cfg.training.micro_batches, cfg.data.batch_size
+    tokens, texts = k * B * cfg.tokens_per_sample, k * B * text_tokens(cfg)
+    roles = shard_roles(cfg)
+    attention = k * _attention_flops_fwd(cfg) / L
+
+    def forward(shard: int) -> float:
+        tok, sample, text, _ = roles[min(shard, 1) if shard <= L else L + 1]
+        return 2.0 * (tok * tokens + sample * k * B + text * texts) + (attention if 1 <= shard <= L else 0.0)
+
+    backward = 4.0 if cfg.runtime.token_chunk else 3.0  # recompute (+ the chunk's) + 2x the forward
+    flops = [forward(s) for s in range(L + 1)] + [3.0 * forward(L + 1)]
+    flops += [(backward if s else 3.0) * forward(s) for s in order[n:]]
+    fetch = [0 if p in reuse else counts[s] * wbytes for p, s in enumerate(order)]
+    grads = {n - 1: counts[n - 1] * wbytes, **{p: counts[order[p]] * wbytes for p in range(n, len(order))}}
+    return StepPositions(order, fetch, grads, flops)
+
+
+def schedule_seconds(pre: float, fetch_s: list[float], comp_s: list[float], grad_s: dict[int, float],
+                     depth: int, overlap: bool = True) -> float:
+    """The step time of the schedule on an ideal machine (module docstring): ``pre`` before the
+    first position, each position's fetch (0: kept, it neither waits for nor uses the link) and
+    compute, the gradients returned after the positions of ``grad_s``."""
+    P = len(comp_s)
+    if not overlap:
+        return pre + sum(fetch_s) + sum(comp_s) + sum(grad_s.values())
+    link = pre
+    f_end, c_start, c_end = [0.0] * P, [0.0] * P, [0.0] * P
+    ret = 0.0
+    for p in range(P):
+        submit = pre if p <= depth else c_start[p - depth]
+        if fetch_s[p]:
+            f_end[p] = max(link, submit) + fetch_s[p]
+            link = f_end[p]
+        c_start[p] = max(c_end[p - 1] if p else pre, f_end[p])
+        c_end[p] = c_start[p] + comp_s[p]
+        if p in grad_s:
+            ret = max(ret, c_end[p]) + grad_s[p]
+    return max(c_end[-1], ret)
+
+
+def predict_step(cfg: Config, wbytes: int, link_gbps: float, device_tflops: float, dram_gbps: float,
+                 node_terms: dict[str, float] | None = None) -> StepPrediction:
+    """One compute actor's training step of ``cfg``: compute at ``device_tflops``, its link at
+    ``link_gbps`` each way, the update's DRAM bytes (the ideal single pass, 2 x w bytes + 24
+    B/param) at ``dram_gbps``. The update overlaps the next step's forward, so the step is at least
+    as long as it; ``node_terms``: more seconds per step that overlap the whole step (several GPUs:
+    ``host DRAM`` of the node, which then replaces the update's, and ``network``)."""
+    pos = step_positions(cfg, wbytes)
+    link, rate = link_gbps * 1e9, device_tflops * 1e12
+    fetch = [b / link for b in pos.fetch_bytes]
+    comp = [f / rate for f in pos.flops]
+    grads = {p: b / link for p, b in pos.grad_bytes.items()}
+    depth = cfg.runtime.prefetch_depth if cfg.runtime.overlap else 0
+    adamw = sum(_shard_counts(cfg)[0]) * (2 * wbytes + 24) / (dram_gbps * 1e9)
+    terms = {"link": max(sum(fetch), sum(grads.values())), "compute": sum(comp), "host DRAM": adamw,
+             **(node_terms or {})}
+    floor = max(terms.values())  # what overlaps the whole step
+    on = max(floor, schedule_seconds(0.0, fetch, comp, grads, depth, cfg.runtime.overlap))
+    off = max(floor, schedule_seconds(0.0, fetch, comp, grads, depth, overlap=False))
+    return StepPrediction(on, off, sum(comp), sum(fetch), sum(grads.values()), terms["host DRAM"],
+                          max(terms, key=terms.__getitem__))
