@@ -24,6 +24,7 @@ import torch
 
 from megaslide_ray.data.demo import write_video
 from megaslide_ray.data.frames import contact_sheet, decode_latents, to_uint8_frames, write_png
+from megaslide_ray.data.image_prompts import ImageSpec, image_condition
 
 log = logging.getLogger(__name__)
 
@@ -83,6 +84,16 @@ class SampleWriter:
         texts = [t.numpy() for t in self.encoder.encode_text(list(prompts))]
         self.encoder.load_vae()  # frees the text encoder now (on a GPU: before training's first step)
         return texts
+
+    def encode_images(self, spec: ImageSpec, images: list[tuple[str, str | None]]) -> list[dict]:
+        """An image-to-video model's condition of each prompt from its ``(image, last image)``
+        (``image_condition``: as ``sample --image`` makes it), as numpy arrays; CLIP is freed after."""
+        if self.encoder is None:
+            raise RuntimeError("this sample writer has no model folder: image prompts need the model's VAE")
+        out = [{k: (None if v is None else v.numpy()) for k, v in image_condition(self.encoder, spec, *pair).items()}
+               for pair in images]
+        self.encoder.image_encoder = None  # CLIP is needed only here
+        return out
 
     def write(self, x: np.ndarray, step: int, index: int, prompt: str, seed: int, path: str) -> WrittenSample:
         """The denoised sample ``x`` (float32 ``(1, F, H, W, C)``: latents, or pixels in [-1, 1])

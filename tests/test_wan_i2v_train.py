@@ -200,3 +200,69 @@ def test_the_held_out_loss_feeds_the_condition_as_diffusers_pipeline_does(family
             losses.append(float((pred[first:].double() - target[first:].double()).pow(2).mean()))
     want = sum(losses) / len(losses)
     assert abs(got.val_loss - want) < 1e-5 * want
+
+
+def _images(tmp_path):
+    rng = np.random.default_rng(1)
+    for name in ("first.png", "last.png"):
+        Image.fromarray(rng.integers(0, 256, (SIZE, SIZE, 3), dtype=np.uint8)).save(tmp_path / name)
+
+
+def test_sample_prompts_of_an_image_to_video_model_name_their_images(family, tmp_path):
+    """``training.sample_prompts_file`` lines ``PROMPT | IMAGE`` (FLF2V: ``| LAST_IMAGE``), paths
+    relative to the file: an image-to-video model needs them, a missing file or a missing last
+    image is refused naming the prompt, before anything starts."""
+    from megaslide_ray.config import ConfigError, sample_prompt_images, sample_prompts
+
+    _images(tmp_path)
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("# comment\na red circle | first.png\n")
+    cfg = _config(family["i2v"], tmp_path, **{"training.sample_every": 1, "training.sample_prompts_file": str(prompts)})
+    assert sample_prompts(cfg) == ["a red circle"]
+    assert sample_prompt_images(cfg) == [(str(tmp_path / "first.png"), None)]
+    for kind, text, why in (("i2v", "a red circle\n", "samples from an image"),
+                            ("i2v", "a red circle | nowhere.png\n", "does not exist"),
+                            ("flf2v", "a red circle | first.png\n", "LAST_IMAGE"),
+                            ("i2v", "a red circle | first.png | last.png\n", "only an FLF2V")):
+        prompts.write_text(text)
+        with pytest.raises(ConfigError, match=why):
+            _config(family[kind], tmp_path, **{"training.sample_every": 1,
+                                               "training.sample_prompts_file": str(prompts)})
+
+
+@pytest.mark.slow  # precompute and a Ray run per kind
+@pytest.mark.parametrize("kind", ["i2v", "flf2v"])
+def test_samples_during_training_start_from_each_prompts_image(ray_session, family, tmp_path, kind):
+    """Samples taken during training by an image-to-video model: each prompt's images encoded once
+    by the sample writer (as ``sample --image`` encodes them), the videos written at the sampled
+    steps with the clip's frames."""
+    import decord
+
+    folder = family[kind]
+    _images(tmp_path)
+    (tmp_path / "prompts.txt").write_text("a red circle | first.png" + (" | last.png" if kind == "flf2v" else "") + "\n")
+    videos = ensure_demo_dataset(tmp_path / "videos", num_videos=2)
+    manifest = precompute(folder, videos, tmp_path / "cache", FRAMES, SIZE, SIZE, device="cpu", dtype="fp32",
+                          num_encoders=0, progress=False).manifest
+    cfg = _config(folder, tmp_path, **{"data.manifest": str(manifest), "data.batch_size": 1, "training.steps": 2,
+                                       "training.sample_every": 2, "training.sample_steps": 2,
+                                       "training.sample_prompts_file": str(tmp_path / "prompts.txt")})
+    trainer = Trainer(cfg, run_dir=str(tmp_path / "run"), progress=False, init_from=str(folder))
+    try:
+        trainer.train()
+    finally:
+        trainer.close()
+    (video,) = (tmp_path / "run" / "samples").glob("step_000002_00_*.mp4")
+    reader = decord.VideoReader(str(video))
+    assert len(reader) == FRAMES and reader[0].shape[:2] == (SIZE, SIZE)
+    # the same sample by `sample --image` from the step's checkpoint (same weights, seed and steps): the
+    # same frames (their lossless contact sheets compared); from the other image: other frames
+    last = tmp_path / "last.png" if kind == "flf2v" else None
+    same = sample_video(tmp_path / "run", "a red circle", tmp_path / "same.mp4", steps=2, seed=0, device="cpu",
+                        model_dir=folder, image=tmp_path / "first.png", last_image=last)
+    other = sample_video(tmp_path / "run", "a red circle", tmp_path / "other.mp4", steps=2, seed=0, device="cpu",
+                         model_dir=folder, image=tmp_path / "last.png", last_image=tmp_path / "first.png" if last else None)
+    sheet = np.asarray(Image.open(video.with_suffix(".png")), dtype=np.int16)
+    near = np.abs(np.asarray(Image.open(same.sheet_path), dtype=np.int16) - sheet).max()
+    far = np.abs(np.asarray(Image.open(other.sheet_path), dtype=np.int16) - sheet).max()
+    assert near <= 1 and far > 1, (near, far)  # (the tiny random model reads its condition only a little)

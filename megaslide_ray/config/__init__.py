@@ -39,11 +39,11 @@ from megaslide_ray.config.sections import (
     RuntimeConfig,
     TrainingConfig,
 )
-from megaslide_ray.config.validate import sample_prompts, validate
+from megaslide_ray.config.validate import sample_prompt_images, sample_prompts, validate
 
 __all__ = [
     "ADDED_LATER", "PRESETS", "REFERENCE_COMMAND", "REFERENCE_PATH", "SECTIONS", "WAN_WINDOW", "AttentionConfig",
     "Config", "ConfigError", "DataConfig", "ModelConfig", "OptimizerConfig", "RayConfig", "RuntimeConfig",
     "TrainingConfig", "apply_overrides", "build_config", "config_from_dict", "describe_fields", "load_toml",
-    "parse_overrides", "preset", "reference_markdown", "sample_prompts", "to_toml", "validate",
+    "parse_overrides", "preset", "reference_markdown", "sample_prompt_images", "sample_prompts", "to_toml", "validate",
 ]

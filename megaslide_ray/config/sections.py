@@ -439,7 +439,10 @@ class TrainingConfig:
     """Caption of the samples taken during training (when ``sample_prompts_file`` is empty)."""
     sample_prompts_file: str = ""
     """A UTF-8 text file of the prompts to sample during training, one per line (blank lines and
-    lines starting with ``#`` are skipped); empty: ``sample_prompt`` alone."""
+    lines starting with ``#`` are skipped); empty: ``sample_prompt`` alone. An image-to-video model
+    samples each prompt from its image: lines ``PROMPT | IMAGE`` (FLF2V: ``PROMPT | IMAGE |
+    LAST_IMAGE``), paths relative to the file's folder, encoded once as ``sample --image`` encodes
+    them."""
     sample_seed: int = 0
     """The noise of prompt i's samples is drawn from seed ``sample_seed + i``: the same at every
     sampling step and in every run (whatever ``seed``), so samples compare across steps and runs."""

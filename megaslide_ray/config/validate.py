@@ -9,6 +9,7 @@ import math
 from pathlib import Path
 
 from megaslide_ray.config.buckets import config_buckets, with_clip
+from megaslide_ray.config.image_kinds import required_kind
 from megaslide_ray.config.presets import PRESETS
 from megaslide_ray.config.sections import Config, ConfigError
 
@@ -238,10 +239,13 @@ def _check_run(cfg: Config) -> None:
         _check_sampling(cfg)
 
 
-def sample_prompts(cfg: Config) -> list[str]:
-    """The prompts sampled during training: the lines of ``training.sample_prompts_file`` (blank
-    lines and ``#`` comments skipped), else ``training.sample_prompt`` alone. ``ConfigError`` when
-    the file cannot be read or holds no prompt."""
+IMAGE_SEP = " | "
+"""Splits a line of ``training.sample_prompts_file`` into its prompt and its images."""
+
+
+def _prompt_lines(cfg: Config) -> list[str]:
+    """The non-blank, non-comment lines of ``training.sample_prompts_file``, else
+    ``training.sample_prompt`` alone. ``ConfigError`` when the file cannot be read or is empty."""
     t = cfg.training
     if not t.sample_prompts_file:
         return [t.sample_prompt]
@@ -259,6 +263,52 @@ def sample_prompts(cfg: Config) -> list[str]:
     return prompts
 
 
+def sample_prompts(cfg: Config) -> list[str]:
+    """The prompts sampled during training: the lines of ``training.sample_prompts_file`` (blank
+    lines and ``#`` comments skipped; a line's images, after `` | ``, left out), else
+    ``training.sample_prompt`` alone."""
+    return [line.split(IMAGE_SEP)[0].strip() for line in _prompt_lines(cfg)]
+
+
+def sample_prompt_images(cfg: Config) -> list[tuple[str | None, str | None]]:
+    """Each prompt's ``(image, last image)`` for an image-to-video model: a line ``PROMPT | IMAGE``
+    (FLF2V: ``PROMPT | IMAGE | LAST_IMAGE``), paths relative to the prompts file's folder; ``(None,
+    None)`` for a line without them."""
+    t = cfg.training
+    base = Path(t.sample_prompts_file).expanduser().parent if t.sample_prompts_file else Path(".")
+    out = []
+    for line in _prompt_lines(cfg):
+        parts = [p.strip() for p in line.split(IMAGE_SEP)[1:]]
+        paths = [str(base / Path(p).expanduser()) if p else None for p in parts] + [None, None]
+        out.append((paths[0], paths[1]))
+    return out
+
+
+def _check_prompt_images(cfg: Config) -> None:
+    """An image-to-video model samples each prompt from its image(s); a text-to-video one takes none."""
+    m, t = cfg.model, cfg.training
+    kind = required_kind(m) if m.arch == "wan" else None
+    wants_image = kind is not None or m.clean_first_frame
+    for (image, last), prompt in zip(sample_prompt_images(cfg), sample_prompts(cfg)):
+        where = f"training.sample_prompts_file={t.sample_prompts_file!r}, prompt {prompt!r}"
+        if not wants_image and (image or last):
+            raise ConfigError(f"{where}: gives an image, but model is text-to-video; write the prompt alone")
+        if not wants_image:
+            continue
+        if image is None:
+            raise ConfigError(f"{where if t.sample_prompts_file else 'training.sample_prompt'}: an image-to-video "
+                              f"model ({kind or 'TI2V from an image'}) samples from an image: give "
+                              f"--training.sample_prompts_file with lines 'PROMPT | IMAGE'"
+                              + (" | LAST_IMAGE'" if kind == "flf2v" else ""))
+        if (last is not None) != (kind == "flf2v"):
+            raise ConfigError(f"{where}: " + ("a first-last-frame (FLF2V) model needs 'PROMPT | IMAGE | LAST_IMAGE'"
+                                              if kind == "flf2v" else "only an FLF2V model takes a last image"))
+        for path in (image, last):
+            if path is not None and not Path(path).is_file():
+                raise ConfigError(f"{where}: the image {path!r} does not exist (paths are relative to the prompts "
+                                  f"file's folder)")
+
+
 def _check_sampling(cfg: Config) -> None:
     """Sampling during training (``training.sample_every`` > 0): its guidance, device, prompts and experts."""
     t = cfg.training
@@ -270,7 +320,7 @@ def _check_sampling(cfg: Config) -> None:
         raise ConfigError(f"training.sample_every={t.sample_every} with training.expert={t.expert!r}: a sample runs "
                           f"both experts of a two-expert model, and this run trains one; set training.sample_every=0 "
                           f"(or train both: training.expert=both)")
-    sample_prompts(cfg)
+    _check_prompt_images(cfg)
 
 
 def _validate_wan(cfg: Config) -> None:

@@ -32,8 +32,8 @@ import numpy as np
 import ray
 import torch
 
-from megaslide_ray.config import Config, sample_prompts
-from megaslide_ray.evaluation.sampling import euler_sample, sample_path, wan_sample
+from megaslide_ray.config import Config, sample_prompt_images, sample_prompts
+from megaslide_ray.evaluation.sampling import euler_sample, image_spec, sample_path, wan_sample
 from megaslide_ray.evaluation.validation import ValSet, validation_loss
 from megaslide_ray.runtime.metrics import RunMetrics
 from pipelines.errors import root_cause
@@ -168,9 +168,15 @@ class Sampler:
         t = cfg.training
         self.prompts = sample_prompts(cfg)
         self.writer = start_sample_writer(cfg, run_dir, model_dir)
+        self.conditions = [None] * len(self.prompts)
         if cfg.model.arch == "wan":  # once: the text encoder is freed before the first decode
             texts = ray.get(self.writer.encode_prompts.remote([*self.prompts, t.sample_negative_prompt]))
             self.texts = [torch.from_numpy(np.array(x)) for x in texts]  # copies: Ray hands over read-only arrays
+            spec = image_spec(cfg)
+            if spec.kind or spec.clean_first_frame:  # an image-to-video model: each prompt's image, encoded once
+                made = ray.get(self.writer.encode_images.remote(spec, sample_prompt_images(cfg)))
+                self.conditions = [{k: None if v is None else torch.from_numpy(np.array(v)) for k, v in c.items()}
+                                   for c in made]
 
     def due(self, done: int) -> bool:
         return every(self.cfg.training.sample_every, done)
@@ -197,7 +203,7 @@ class Sampler:
             seed = t.sample_seed + i
             if self.texts is not None:
                 x = wan_sample(self.pipeline, self.cfg, self.texts[i], self.texts[-1], t.sample_steps, seed, version,
-                               t.sample_cfg_scale)
+                               t.sample_cfg_scale, self.conditions[i])
             else:
                 x = euler_sample(self.pipeline, self.cfg, prompt, t.sample_steps, seed, version, t.sample_cfg_scale)
             path = sample_path(self.run_dir, version, i, prompt)

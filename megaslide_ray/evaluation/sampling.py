@@ -31,11 +31,11 @@ from actors.param_store import ShardInfo
 from megaslide_ray.config import Config, ConfigError, config_from_dict, validate
 from megaslide_ray.config.wan_folders import describe_wan_folder, refuse_unsupported
 from megaslide_ray.data.captions import caption_batch
-from megaslide_ray.data.clips import resize_crop
 from megaslide_ray.data.demo import write_video
 from megaslide_ray.data.encoders import Encoder, check_model_dir
 from megaslide_ray.data.frames import contact_sheet, decode_latents, to_uint8_frames, write_png  # noqa: F401
-from megaslide_ray.data.image_condition import CONDITION_KEY, IMAGE_KEY, required_kind
+from megaslide_ray.data.image_condition import required_kind
+from megaslide_ray.data.image_prompts import ImageSpec, image_condition, read_image  # noqa: F401
 from megaslide_ray.data.latent_cache import clip_config
 from megaslide_ray.data.latents import pad_text
 from megaslide_ray.models.registry import build_shard, num_shards
@@ -207,19 +207,6 @@ def wan_sample(compute: ComputeActor, cfg: Config, text: torch.Tensor, negative:
                      lens[1], extra)
 
 
-def read_image(path: str | Path, height: int, width: int) -> np.ndarray:
-    """An image file as uint8 ``(height, width, 3)``: the shorter side resized to cover the clip,
-    then center-cropped, as training clips are (``resize_crop``)."""
-    from PIL import Image
-
-    try:
-        with Image.open(path) as im:
-            pixels = np.asarray(im.convert("RGB"))
-    except (OSError, ValueError) as e:
-        raise ValueError(f"{str(path)!r}: not a readable image ({e})") from None
-    return resize_crop(pixels[None], height, width)[0]
-
-
 def sampling_condition(encoder: Encoder, cfg: Config, image: str | Path | None,
                        last_image: str | Path | None) -> dict:
     """An image-to-video checkpoint's condition from ``image`` (and FLF2V's ``last_image``), made
@@ -232,8 +219,7 @@ def sampling_condition(encoder: Encoder, cfg: Config, image: str | Path | None,
         if image is None or last_image is not None:
             raise ConfigError("this checkpoint is Wan2.2 TI2V from an image (model.clean_first_frame): give --image "
                               "FILE (the first frame) and no --last-image")
-        d = cfg.data
-        return {"first_frame": encoder.encode_video(read_image(image, d.height, d.width)[None])[None]}
+        return image_condition(encoder, image_spec(cfg), image)
     if kind is None:
         if image is not None or last_image is not None:
             raise ConfigError("--image/--last-image: this checkpoint is a text-to-video model; leave them out")
@@ -243,14 +229,13 @@ def sampling_condition(encoder: Encoder, cfg: Config, image: str | Path | None,
     if (last_image is not None) != (kind == "flf2v"):
         raise ConfigError("--last-image: only a first-last-frame (FLF2V) checkpoint takes it" if last_image is not None
                           else "this checkpoint is a first-last-frame (FLF2V) model: give --last-image FILE too")
+    return image_condition(encoder, image_spec(cfg), image, last_image)
+
+
+def image_spec(cfg: Config) -> ImageSpec:
+    """What ``cfg``'s model needs to make a sample's image condition (``image_condition``)."""
     d = cfg.data
-    frames = np.zeros((d.num_frames, d.height, d.width, 3), dtype=np.uint8)  # only the kept frames are read
-    frames[0] = read_image(image, d.height, d.width)
-    if last_image is not None:
-        frames[-1] = read_image(last_image, d.height, d.width)
-    encoder.condition = kind
-    out = encoder.encode_condition(frames)
-    return {"condition": out[CONDITION_KEY][None], "image": out.get(IMAGE_KEY)}
+    return ImageSpec(required_kind(cfg.model) or "", bool(cfg.model.clean_first_frame), d.num_frames, d.height, d.width)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -295,7 +280,9 @@ def sample_parts(cfg: Config) -> tuple[str, ...]:
     """The model-folder parts sampling ``cfg``'s model needs: the text encoder and VAE for
     ``wan``, the VAE for a latent ``videodit``, none for pixels."""
     if cfg.model.arch == "wan":
-        return ("text_encoder", "tokenizer", "vae")
+        kind = required_kind(cfg.model)
+        clip = ("image_encoder", "image_processor") if kind in ("i2v", "flf2v") else ()
+        return ("text_encoder", "tokenizer", "vae", *clip)
     return ("vae",) if cfg.latent_space else ()
 
 
@@ -308,12 +295,6 @@ def sample_model_dir(cfg: Config, init_from: str | Path | None = None) -> Path |
     if not parts:
         return None
     t = cfg.training
-    kind = required_kind(cfg.model) if cfg.model.arch == "wan" else None
-    if kind is not None or cfg.model.clean_first_frame:
-        raise ConfigError(f"training.sample_every={t.sample_every} with an image-to-video model "
-                          f"({kind or 'TI2V from an image'}): samples during training need an image per prompt, "
-                          "which is not supported yet; set training.sample_every=0 and sample a checkpoint with "
-                          "python -m megaslide_ray.sample --image FILE")
     given = t.sample_model_dir
     if not given:
         source = init_from or t.init_from
