@@ -1,7 +1,7 @@
 """The adaptation study on clips that cannot be memorised (issue 46, item 1).
 
     python -m benchmarks.studies.fresh_adaptation [--arch videodit|wan] [--clips simple|long] [--grid 2k]
-        [--teacher-steps 1200] [--steps 600] [--evals 12] [--seeds 0 1 2 3 4] [--kinds dense swin neighborhood dsa]
+        [--teacher-steps 2400] [--steps 600] [--evals 12] [--seeds 0 1 2 3 4] [--kinds dense swin neighborhood dsa]
         [--rates 1e-5 1e-4 1e-3] [--sweep-seeds 0] [--lr KIND RATE] [--eval-clips 96] [--samples 48]
         [--set FIELD VALUE] [--threads N] [--out DIR [--resume]] [--json]
 
@@ -229,6 +229,9 @@ def sweep(setup: dict, runs: Runs, teachers) -> tuple[dict, list[dict]]:
     for kind in setup["kinds"]:
         if kind in picked:
             continue
+        if len(setup["rates"]) == 1:  # nothing to choose
+            picked[kind] = setup["rates"][0]
+            continue
         score = {}
         for lr in setup["rates"]:
             finals = []
@@ -289,7 +292,7 @@ def parser() -> argparse.ArgumentParser:
                    help="simple (default) or long: the long-clip row (32 frames of fast motion)")
     p.add_argument("--grid", default=None, choices=sorted(F.GRIDS),
                    help="token grid (default 2k; with --clips long: long)")
-    p.add_argument("--teacher-steps", type=int, default=1200)
+    p.add_argument("--teacher-steps", type=int, default=2400, help="dense teacher steps (default 2400)")
     p.add_argument("--steps", type=int, default=600, help="adaptation steps per run (default 600)")
     p.add_argument("--evals", type=int, default=12, help="curve points after step 0, evenly spaced (default 12)")
     p.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2, 3, 4])

@@ -5,7 +5,8 @@ steps measures memorisation. Here every training clip is **rendered when it is n
 motion set's own generators (``megaslide_ray.data.motion``: its planners, trajectories and
 antialiased renderer), deterministic per ``(seed, step, sample)`` and never the same clip twice
 (each clip draws its start position from a continuous range; the tests check a long stream holds
-no two equal clips). Nothing is written to disk and no codec runs: the pixels are the renderer's.
+no two equal clips at the motion set's 64x64; at 16x16 two starts a tenth of a pixel apart can round
+to the same pixels). Nothing is written to disk and no codec runs: the pixels are the renderer's.
 
 The combinations of (colour, shape, direction, speed) follow the motion set's split
 (``motion.is_held_out``): training clips are only of **trained** combinations. The held-out
@@ -30,6 +31,8 @@ several times longer than a 3-frame window reaches). ``GRIDS`` names the token g
 from __future__ import annotations
 
 import dataclasses
+import functools
+import math
 import zlib
 
 import numpy as np
@@ -89,23 +92,63 @@ def combination_kind(combo: tuple[str, str, str, str]) -> str:
     return unseen_group(*combo) if M.is_held_out(*combo) else "trained"
 
 
-def combinations(kind: str, speeds) -> list[tuple[str, str, str, str]]:
+@functools.lru_cache(maxsize=16)
+def combinations(kind: str, speeds: tuple[str, ...]) -> tuple[tuple[str, str, str, str], ...]:
     """Every combination of ``kind`` (``combination_kind``) at the given speeds, in a fixed order."""
     out = [(c, s, d, v) for c in COLOURS for s in SHAPES for d in M.DIRECTIONS for v in speeds]
-    return [x for x in out if combination_kind(x) == kind]
+    return tuple(x for x in out if combination_kind(x) == kind)
 
 
-def _plan(rng: np.random.Generator, combo, clips: str, size: int) -> dict:
+CELL_CLASSES = {"train": (0, 1), "seen": (2,), "val": (3,), "unseen": (0, 1, 2, 3), "samples": (0, 1, 2, 3)}
+"""Which start cells (class ``(jx + jy) % 4`` of cell ``(jx, jy)``) each stream draws from: a
+training clip and a held-out clip of one combination never share a start cell."""
+
+
+def start_range(combo, clips: str, size: int = M.WIDTH) -> tuple[float, float, float, float, float]:
+    """``(lo_x, hi_x, lo_y, hi_y, radius)``: where a clip of ``combo`` may start (the simple variant:
+    its whole path clear of the edges; long clips bounce: anywhere the shape fits)."""
+    _, _, direction, speed = combo
+    if clips == "long":
+        r = LONG_RADIUS
+        return r, size - r, r, size - r, r
+    r, travel, (dx, dy) = M.SIMPLE_RADIUS, M.SPEEDS[speed] * (M.SIMPLE_FRAMES - 1), M.DIRECTIONS[direction]
+    return (r + max(0.0, -dx * travel), size - r - max(0.0, dx * travel),
+            r + max(0.0, -dy * travel), size - r - max(0.0, dy * travel), r)
+
+
+@functools.lru_cache(maxsize=4096)
+def start_cells(combo, clips: str, spacing: float, classes: tuple[int, ...]) -> tuple[tuple[float, float], ...]:
+    """The start positions of ``combo`` on a lattice of ``spacing`` (one sample of the renderer's
+    supersampling at the rendered size) in the given cell classes (``CELL_CLASSES``). Two clips of
+    one combination at different cells are shifted by a whole sample: their pixels differ."""
+    lo_x, hi_x, lo_y, hi_y, _ = start_range(combo, clips)
+    off = 0.37 * spacing  # no edge of a shape at a lattice start sits exactly on a sample
+    xs = [lo_x + off + j * spacing for j in range(int((hi_x - lo_x - off) // spacing) + 1)]
+    ys = [lo_y + off + j * spacing for j in range(int((hi_y - lo_y - off) // spacing) + 1)]
+    return tuple((x, y) for jy, y in enumerate(ys) for jx, x in enumerate(xs) if (jx + jy) % 4 in classes)
+
+
+def nth_clip_start(pool: list, order: np.ndarray, n: int, clips: str, spacing: float, stream: str):
+    """The ``n``-th clip of a stream that walks ``pool`` (the combinations, in ``order``) round
+    after round: round ``r = n // len(pool)`` takes the ``r``-th cell of a fixed permutation of
+    the combination's cells, so no two clips of the stream share a (combination, start)."""
+    combo = pool[int(order[n % len(pool)])]
+    cells = start_cells(combo, clips, spacing, CELL_CLASSES[stream])
+    r = n // len(pool)
+    if r >= len(cells):
+        raise ValueError(f"{stream} clip {n}: the {len(cells)} starts of {combo} are used up at this size; "
+                         f"render larger frames or use fewer clips")
+    step = next(a for a in (7919, 104729, 1299709) if math.gcd(a, len(cells)) == 1)
+    return combo, cells[(step * r + 3) % len(cells)]
+
+
+def _plan(rng: np.random.Generator, combo, clips: str, size: int, start=None) -> dict:
     colour, shape, direction, speed = combo
     background = str(rng.choice(list(M.BACKGROUNDS)))
-    if clips == "long":
-        r, frames = LONG_RADIUS, LONG_FRAMES
-        start = (float(rng.uniform(r, size - r)), float(rng.uniform(r, size - r)))
-    else:  # the simple variant: the whole path clear of the edges
-        r, frames = M.SIMPLE_RADIUS, M.SIMPLE_FRAMES
-        travel, (dx, dy) = M.SPEEDS[speed] * (frames - 1), M.DIRECTIONS[direction]
-        start = (float(rng.uniform(r + max(0.0, -dx * travel), size - r - max(0.0, dx * travel))),
-                 float(rng.uniform(r + max(0.0, -dy * travel), size - r - max(0.0, dy * travel))))
+    lo_x, hi_x, lo_y, hi_y, r = start_range(combo, clips, size)
+    frames = LONG_FRAMES if clips == "long" else M.SIMPLE_FRAMES
+    if start is None:
+        start = (float(rng.uniform(lo_x, hi_x)), float(rng.uniform(lo_y, hi_y)))
     centres = M.trajectory(start, direction, M.SPEEDS[speed], frames=frames, radius=r, height=size, width=size)
     bounces = bool(np.any(np.abs(np.diff(centres, axis=0) - np.asarray(M.DIRECTIONS[direction]) * M.SPEEDS[speed])
                           > 1e-6))
@@ -123,20 +166,26 @@ def speeds_of(clips: str) -> tuple[str, ...]:
     return LONG_SPEEDS if clips == "long" else M.SIMPLE_SPEEDS
 
 
-def plan(stream: str, key: tuple[int, ...], clips: str = "simple", size: int = M.WIDTH) -> dict:
-    """The plan of one clip of set ``stream`` (``STREAMS``), drawn from its own generator keyed by
-    ``key`` (``(seed, step, sample)`` for ``train``, ``(index,)`` for the evaluation sets): a
-    combination of the set's kind (``val`` alternates trained and validation-unseen ones), then
-    the clip's background and start."""
-    rng = np.random.default_rng([STREAMS[stream], *key])
-    speeds = speeds_of(clips)
-    if stream in ("train", "seen") or (stream == "val" and key[-1] % 2 == 0):
-        kind = "trained"
+@functools.lru_cache(maxsize=64)
+def _order(stream: str, kind: str, clips: str, seed: int) -> np.ndarray:
+    pool = combinations(kind, speeds_of(clips))
+    return np.random.default_rng([STREAMS[stream], 99, seed]).permutation(len(pool))
+
+
+def plan(stream: str, key: tuple[int, ...], clips: str = "simple", width: int = M.WIDTH) -> dict:
+    """The plan of clip ``key`` of set ``stream`` (``STREAMS``): ``(seed, n)`` for ``train`` (the
+    seed's ``n``-th clip), ``(n,)`` for the evaluation sets (``val`` alternates trained and
+    validation-unseen combinations). The combination and start come from ``nth_clip_start`` on
+    the lattice of the rendered ``width``, the background from the clip's own generator."""
+    seed, n = (key[0], key[1]) if stream == "train" else (0, key[0])
+    if stream == "val":
+        kind, n = ("trained" if n % 2 == 0 else "val"), n // 2
     else:
-        kind = "val" if stream == "val" else "unseen"
-    pool = combinations(kind, speeds)
-    combo = pool[int(rng.integers(len(pool)))]
-    return _plan(rng, combo, clips, size)
+        kind = "trained" if stream in ("train", "seen") else "unseen"
+    pool = combinations(kind, speeds_of(clips))
+    spacing = M.WIDTH / (width * M.SUPERSAMPLE)
+    combo, start = nth_clip_start(pool, _order(stream, kind, clips, seed), n, clips, spacing, stream)
+    return _plan(np.random.default_rng([STREAMS[stream], *key]), combo, clips, M.WIDTH, start)
 
 
 def render(p: dict, frames: int, height: int, width: int) -> np.ndarray:
@@ -175,13 +224,14 @@ class ClipSource:
                    int(cfg.model.caption_max_bytes))
 
     def clip(self, stream: str, key: tuple[int, ...]) -> tuple[np.ndarray, str]:
-        p = plan(stream, key, self.clips)
+        p = plan(stream, key, self.clips, self.width)
         return render(p, self.frames, self.height, self.width), p["caption"]
 
     def batch(self, seed: int, step: int) -> dict:
         """Training batch ``step`` of ``seed``: fresh clips of trained combinations, as a video
         decoder's batch (``video`` uint8 ``(B, F, H, W, 3)``, ``caption``, ``caption_len``)."""
-        clips, captions = zip(*(self.clip("train", (seed, step, i)) for i in range(self.batch_size)))
+        n0 = step * self.batch_size
+        clips, captions = zip(*(self.clip("train", (seed, n0 + i)) for i in range(self.batch_size)))
         cap, cap_len = empty_captions(len(captions), self.caption_bytes)
         for i, c in enumerate(captions):
             set_caption(cap, cap_len, i, c)
@@ -240,6 +290,6 @@ def sample_captions(seed: int, count: int, unseen: bool, clips: str = "simple") 
     out = []
     for j in range(count):
         rng = np.random.default_rng([STREAMS["samples"], seed, int(unseen), j])
-        pool = combinations("unseen" if unseen else "trained", speeds_of(clips))
+        pool = combinations("unseen" if unseen else "trained", speeds_of(clips))  # a sampled prompt: any start
         out.append(_plan(rng, pool[int(rng.integers(len(pool)))], clips, M.WIDTH)["caption"])
     return out

@@ -106,7 +106,8 @@ def markdown(report: dict) -> str:
         L.append(f"| {kind} | " + " | ".join(_mean(runs, kind, lambda r, s=s: r["curve"][-1][s]["loss_ge25"])
                                             for s in EVAL_SETS) + " |")
     L += ["", "**Paired differences** (kind - reference, per seed; mean [95% t-interval] (relative, %)):", "",
-          "| comparison | seen, final | seen, curve mean | unseen, final | unseen, curve mean |", "|---|---|---|---|---|"]
+          "| comparison | seen, final | seen, curve mean | unseen, final | unseen, curve mean |",
+          "|---|---|---|---|---|"]
     for name, e in report["intervals"].items():
         L.append(f"| {name} | " + " | ".join(_ci(e[m]) for m in ("seen_loss_ge25", "seen_curve_mean",
                                                                  "unseen_loss_ge25", "unseen_curve_mean")) + " |")
