@@ -14,7 +14,7 @@ import torch
 from benchmarks.studies import fresh_adaptation as FA
 from benchmarks.studies import fresh_clips as F
 from benchmarks.studies.paired import paired_interval, t975, verdict
-from megaslide_ray.data import motion as M
+from megaslide_ray.data import motion_set as M
 
 
 def _source(clips: str = "simple", grid: str = "small", batch: int = 4) -> F.ClipSource:

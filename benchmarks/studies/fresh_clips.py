@@ -2,7 +2,7 @@
 
 The motion set on disk holds 48 training clips; a study that trains on them for thousands of
 steps measures memorisation. Here every training clip is **rendered when it is needed** from the
-motion set's own generators (``megaslide_ray.data.motion``: its planners, trajectories and
+motion set's own generators (``megaslide_ray.data.motion_set``: its planners, trajectories and
 antialiased renderer), deterministic per ``(seed, step, sample)`` and never the same clip twice
 (each clip draws its start position from a continuous range; the tests check a long stream holds
 no two equal clips at the motion set's 64x64; at 16x16 two starts a tenth of a pixel apart can round
@@ -38,7 +38,7 @@ import zlib
 import numpy as np
 import torch
 
-from megaslide_ray.data import motion as M
+from megaslide_ray.data import motion_set as M
 from megaslide_ray.data.captions import empty_captions, set_caption
 from megaslide_ray.data.demo import COLOURS, SHAPES
 
