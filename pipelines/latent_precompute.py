@@ -9,12 +9,13 @@ and ``tokenizer/`` (``transformers.AutoTokenizer``), and for an image-to-video f
 ``image_encoder/`` and ``image_processor/``. Nothing is downloaded. What the cache folder holds,
 and how a second run resumes it, is ``megaslide_ray.data.latent_cache``'s.
 
-``precompute`` runs in steps: check the arguments and the model folder (``_cache_spec``), plan what
-the folder lacks (``plan_clips``), encode those clips (``_encode_clips``), then the captions of
-the clips that made it (``plan_captions``, ``_encode_captions``), and write the latent manifest
-(``write_cache_manifest``). The encoders run in an ``EncoderPool`` (``pipelines/encoder_pool.py``),
-opened when the first step has work for it: a run with nothing left to encode starts no Ray and
-no actor.
+``precompute`` runs in steps: check the arguments and the model folder (``_check_arguments``,
+``_cache_spec``), plan what the folder lacks (``plan_clips``), encode those clips
+(``_encode_clips``), then the captions of the clips that made it (``plan_captions``,
+``_encode_captions``), and write the latent manifest (``write_cache_manifest``). The encoders run
+in an ``EncoderPool`` (``pipelines/encoder_pool.py``: actors, or one encoder in this process with
+``--num-encoders 0``), opened when the first step has work for it: a run with nothing left to
+encode starts no Ray and no actor.
 
 ``--frames`` must be ``t*k + 1`` for the VAE's temporal compression ``t`` (4: 5, 9, ..., 81), and
 ``--height``/``--width`` multiples of its spatial compression (8 for Wan 2.1, 16 for Wan 2.2).
@@ -95,21 +96,21 @@ def precompute(model_dir: str | os.PathLike, data: str | os.PathLike, out: str |
     check_settings(out, spec.settings())
     clips = plan_clips(entries, Path(data).resolve().parent, out, spec)
     reused = len(clips.done)
-    pools = _PoolOnDemand(str(model_dir), spec, num_encoders, device, hang_timeout_s)
+    encoders = _PoolOnDemand(str(model_dir), spec, num_encoders, device, hang_timeout_s)
     skipped: dict[str, str] = {}
     clip_times: list[float] = []
     try:
         if clips.tasks:
-            _encode_clips(pools, clips, spec, skipped, clip_times, t0, progress)
+            _encode_clips(encoders, clips, spec, skipped, clip_times, t0, progress)
         captions = plan_captions(entries, clips, out, spec.model.text_dim)
         texts_reused = len(captions.lengths)
         if captions.tasks:
-            _encode_captions(pools, captions)
+            _encode_captions(encoders, captions)
     finally:
-        pools.close()
+        encoders.close()
     rows = manifest_rows(entries, clips, captions)
     manifest = write_cache_manifest(out, rows, spec, skipped)
-    pool = pools.pool
+    pool = encoders.pool
     return PrecomputeReport(manifest=manifest, clips=len(rows), encoded=len(clips.tasks) - len(skipped),
                             reused=reused, texts_encoded=len(captions.tasks), texts_reused=texts_reused,
                             skipped=sorted(skipped.items()), seconds=time.perf_counter() - t0,
@@ -165,7 +166,7 @@ class _PoolOnDemand:
             self.pool.close()
 
 
-def _encode_clips(pools: _PoolOnDemand, clips: ClipPlan, spec: CacheSpec, skipped: dict[str, str],
+def _encode_clips(encoders: _PoolOnDemand, clips: ClipPlan, spec: CacheSpec, skipped: dict[str, str],
                   clip_times: list[float], t0: float, progress: bool) -> None:
     """Encode ``clips.tasks``: each clip encoded goes into ``clips.done``, each video that cannot
     be used into ``skipped`` (path -> reason); ``clip_times`` gets when each result arrived
@@ -188,18 +189,18 @@ def _encode_clips(pools: _PoolOnDemand, clips: ClipPlan, spec: CacheSpec, skippe
         bar.update(len(results))
 
     todo = list(clips.tasks.values())
-    pools().run("encode_clips", [todo[i: i + CLIPS_PER_CALL] for i in range(0, len(todo), CLIPS_PER_CALL)], got)
+    encoders().run("encode_clips", [todo[i: i + CLIPS_PER_CALL] for i in range(0, len(todo), CLIPS_PER_CALL)], got)
     bar.close()
 
 
-def _encode_captions(pools: _PoolOnDemand, captions: CaptionPlan) -> None:
+def _encode_captions(encoders: _PoolOnDemand, captions: CaptionPlan) -> None:
     """Encode ``captions.tasks``, each one's valid tokens into ``captions.lengths``; on CPU one
     actor with every thread does it (``EncoderPool.shrink_to_one``)."""
     def got(results: list[dict]) -> None:
         for r in results:
             captions.lengths[r["key"]] = r["text_len"]
 
-    pool = pools()
+    pool = encoders()
     if pool.device == "cpu":
         pool.shrink_to_one()
     tasks = captions.tasks

@@ -292,8 +292,8 @@ def wan(tmp_path_factory):
 
     from actors.param_store import ParameterStore
     from megaslide_ray.data.demo import ensure_demo_dataset
-    from pipelines.latent_precompute import precompute
     from megaslide_ray.state.pretrained_io import config_for_diffusers_dir
+    from pipelines.latent_precompute import precompute
 
     root = tmp_path_factory.mktemp("wan")
     wan_dir = make_wan_dir(root / "Wan-Tiny")
