@@ -1,7 +1,8 @@
-"""The encoders ``precompute`` runs: a Wan VAE, a UMT5 text encoder and, for an image-to-video
-folder, the CLIP image encoder, in one plain class (``Encoder``) that ``pipelines/encoder_pool.py``
-makes a Ray actor and the sample writer and sampling run in process; and what precompute reads
-of a model folder before loading anything (``read_model_info``, ``check_model_dir``).
+"""The encoders ``precompute`` runs (a Wan VAE, a UMT5 text encoder and, for an image-to-video
+folder, the CLIP image encoder) as one plain class, ``Encoder``: ``pipelines/encoder_pool.py``
+makes it a Ray actor, the sample writer and sampling run it in their own process. Also what
+precompute reads of a model folder before loading anything (``read_model_info``,
+``check_model_dir``).
 
 Only local files are read (``WAN_DIR/vae``, ``text_encoder``, ``tokenizer``, by absolute path and
 with ``local_files_only``: no model hub is ever contacted); the models come from diffusers and
