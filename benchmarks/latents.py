@@ -201,7 +201,7 @@ def bench_encode(args) -> list[dict]:
     import ray
 
     from megaslide_ray.data.demo import ensure_demo_dataset
-    from megaslide_ray.data.latent_cache import precompute
+    from pipelines.latent_precompute import precompute
 
     out = []
     with tempfile.TemporaryDirectory(prefix="latents-enc-") as tmp:

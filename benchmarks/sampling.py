@@ -56,7 +56,7 @@ def make_latents(folder: Path, root: Path) -> Path:
     from wan_models import FRAMES, SIZE
 
     from megaslide_ray.data.demo import ensure_demo_dataset
-    from megaslide_ray.data.latent_cache import precompute
+    from pipelines.latent_precompute import precompute
 
     videos = ensure_demo_dataset(root / "videos", num_videos=4)
     precompute(folder, videos, root / "latents", FRAMES, SIZE, SIZE, device="cpu", dtype="fp32", num_encoders=0,

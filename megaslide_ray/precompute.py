@@ -1,7 +1,8 @@
 """``python -m megaslide_ray.precompute --model-dir WAN_DIR --data MANIFEST --out CACHE --frames F ...``
 
-The command line of ``megaslide_ray.data.latent_cache``: VAE latents and text embeddings of a
-video manifest. It parses the arguments and calls the library; every flag is in docs/cli.md."""
+The command line of ``pipelines/latent_precompute.py`` (and, with ``--buckets``,
+``pipelines/bucket_precompute.py``): VAE latents and text embeddings of a video manifest. It
+parses the arguments and calls the library; every flag is in docs/cli.md."""
 
 from __future__ import annotations
 
@@ -12,9 +13,11 @@ from pathlib import Path
 
 from megaslide_ray.config.buckets import parse_buckets
 from megaslide_ray.config.sections import ConfigError
-from megaslide_ray.data.encoders import HANG_TIMEOUT_S, read_model_info
-from megaslide_ray.data.latent_cache import LATENTS_DIR, SKIPPED_NAME, precompute
-from megaslide_ray.data.precompute_buckets import precompute_buckets
+from megaslide_ray.data.encoders import read_model_info
+from megaslide_ray.data.latent_cache import LATENTS_DIR, SKIPPED_NAME
+from pipelines.bucket_precompute import precompute_buckets
+from pipelines.encoder_pool import HANG_TIMEOUT_S
+from pipelines.latent_precompute import precompute
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -83,7 +86,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _run_buckets(args: argparse.Namespace) -> int:
-    """``--buckets``: ``megaslide_ray.data.precompute_buckets``."""
+    """``--buckets``: ``pipelines/bucket_precompute.py``."""
     try:
         buckets = parse_buckets(args.buckets)
     except ConfigError as e:

@@ -292,8 +292,8 @@ def wan(tmp_path_factory):
 
     from actors.param_store import ParameterStore
     from megaslide_ray.data.demo import ensure_demo_dataset
-    from megaslide_ray.data.latent_cache import precompute
     from megaslide_ray.state.pretrained_io import config_for_diffusers_dir
+    from pipelines.latent_precompute import precompute
 
     root = tmp_path_factory.mktemp("wan")
     wan_dir = make_wan_dir(root / "Wan-Tiny")
@@ -556,9 +556,9 @@ def test_an_encoder_that_hangs_is_killed_replaced_and_the_clip_listed(wan, tmp_p
     import ray.cloudpickle
     from wan_models import FRAMES, SIZE
 
-    from megaslide_ray.data import encoders as E
-    from megaslide_ray.data import latent_cache as P
     from megaslide_ray.data.manifest import ManifestEntry, read_manifest, write_manifest
+    from pipelines.encoder_pool import EncoderPool
+    from pipelines.latent_precompute import precompute
 
     root, wan_dir, _, _ = wan
     ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])  # the workers cannot import this test file
@@ -567,11 +567,11 @@ def test_an_encoder_that_hangs_is_killed_replaced_and_the_clip_listed(wan, tmp_p
     shutil.copy(entries[0].path, hang)
     manifest = write_manifest([entries[0], ManifestEntry(path=str(hang), caption="x"), entries[1]],
                               tmp_path / "m.parquet")
-    monkeypatch.setattr(E._Pool, "encoder_cls", _hanging_encoder())
+    monkeypatch.setattr(EncoderPool, "encoder_cls", _hanging_encoder())
     ray.init(address="local", num_cpus=2, include_dashboard=False, namespace="megaslide", logging_level="ERROR")
     try:
-        rep = P.precompute(wan_dir, manifest, tmp_path / "out", frames=FRAMES, height=SIZE, width=SIZE, num_encoders=1,
-                           progress=False, hang_timeout_s=8)
+        rep = precompute(wan_dir, manifest, tmp_path / "out", frames=FRAMES, height=SIZE, width=SIZE, num_encoders=1,
+                         progress=False, hang_timeout_s=8)
     finally:
         ray.shutdown()
     assert rep.clips == 2 and rep.encoded == 2

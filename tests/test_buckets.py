@@ -295,7 +295,7 @@ LATENT_BUCKETS = "32x32x9,32x48x9,32x32x1"
 
 @pytest.fixture(scope="module")
 def bucket_latents(wan_dir, tmp_path_factory):
-    from megaslide_ray.data.precompute_buckets import precompute_buckets
+    from pipelines.bucket_precompute import precompute_buckets
 
     root = tmp_path_factory.mktemp("latent-src")
     for i in range(2):

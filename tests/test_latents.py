@@ -25,11 +25,13 @@ from actors.decoder import VideoDecoder
 from megaslide_ray import precompute as precompute_cli
 from megaslide_ray.config import DataConfig
 from megaslide_ray.data import encoders as E
-from megaslide_ray.data import latent_cache as P
 from megaslide_ray.data import latents as L
 from megaslide_ray.data.clips import decode_clip
 from megaslide_ray.data.demo import ensure_demo_dataset, write_bad_videos
+from megaslide_ray.data.latent_cache import clip_config
 from megaslide_ray.data.manifest import ManifestEntry, read_manifest, write_manifest
+from pipelines.encoder_pool import EncoderPool
+from pipelines.latent_precompute import precompute
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -77,7 +79,7 @@ def test_frames_must_be_4k_plus_1(wan_dir, source, tmp_path, capsys):
                    "--height", "32", "--width", "32", "--num-encoders", "0"])
     assert code == 2 and "--frames 8 is not 4k+1" in capsys.readouterr().err and not (tmp_path / "c").exists()
     with pytest.raises(ValueError, match=r"--height 36.*multiples of the VAE's spatial compression 8"):
-        P.precompute(wan_dir, source, tmp_path / "c", frames=9, height=36, width=32, num_encoders=0)
+        precompute(wan_dir, source, tmp_path / "c", frames=9, height=36, width=32, num_encoders=0)
 
 
 def test_missing_libraries_say_what_to_install(monkeypatch):
@@ -92,7 +94,7 @@ def test_latents_equal_a_direct_vae_encode(cache, source, wan_dir):
     vae = _vae(wan_dir)
     mean = torch.tensor(vae.config.latents_mean).view(1, Z, 1, 1, 1)
     std = torch.tensor(vae.config.latents_std).view(1, Z, 1, 1, 1)
-    data = P.clip_config(FRAMES, SIZE, SIZE, 0.0)
+    data = clip_config(FRAMES, SIZE, SIZE, 0.0)
     sources = read_manifest(source)
     for row, entry in zip(rows, sources[:3]):
         assert L.resolve(manifest, row["source_path"]).resolve() == Path(entry.path).resolve()
@@ -153,13 +155,13 @@ def test_manifest_metadata_and_skipped_file(cache, source, wan_dir):
 def test_second_run_skips_everything_and_other_settings_are_refused(cache, source, wan_dir):
     files = sorted(cache.rglob("*.safetensors"))
     mtimes = [f.stat().st_mtime_ns for f in files]
-    rep = P.precompute(wan_dir, source, cache, frames=FRAMES, height=SIZE, width=SIZE, dtype="fp32",
-                       num_encoders=0, progress=False)
+    rep = precompute(wan_dir, source, cache, frames=FRAMES, height=SIZE, width=SIZE, dtype="fp32",
+                     num_encoders=0, progress=False)
     assert (rep.clips, rep.encoded, rep.reused, rep.texts_encoded, rep.texts_reused) == (3, 0, 3, 0, 2)
     assert [Path(p).name for p, _ in rep.skipped] == ["not_a_video.mp4"]  # still listed (tried again)
     assert [f.stat().st_mtime_ns for f in sorted(cache.rglob("*.safetensors"))] == mtimes
     with pytest.raises(ValueError, match=r"other settings \(frames: 9 -> 5"):
-        P.precompute(wan_dir, source, cache, frames=5, height=SIZE, width=SIZE, dtype="fp32", num_encoders=0)
+        precompute(wan_dir, source, cache, frames=5, height=SIZE, width=SIZE, dtype="fp32", num_encoders=0)
 
 
 def test_resume_redoes_only_what_is_missing(cache, source, wan_dir, tmp_path):
@@ -169,8 +171,8 @@ def test_resume_redoes_only_what_is_missing(cache, source, wan_dir, tmp_path):
     (out / rows[1]["latent_path"]).unlink()
     (out / rows[1]["text_path"]).write_bytes(b"junk")  # a corrupt file is made again
     before = L.load_latent_sample(cache / "manifest.parquet", rows[1])
-    rep = P.precompute(wan_dir, source, out, frames=FRAMES, height=SIZE, width=SIZE, dtype="fp32",
-                       num_encoders=0, progress=False)
+    rep = precompute(wan_dir, source, out, frames=FRAMES, height=SIZE, width=SIZE, dtype="fp32",
+                     num_encoders=0, progress=False)
     assert (rep.encoded, rep.reused, rep.texts_encoded, rep.texts_reused) == (1, 2, 1, 1)
     after = L.load_latent_sample(out / "manifest.parquet", rows[1])
     torch.testing.assert_close(after, before, atol=1e-5, rtol=1e-5)
@@ -195,17 +197,17 @@ def test_an_encoder_that_dies_is_replaced_and_the_clip_listed(ray_session, wan_d
     shutil.copy(entries[0].path, die)
     manifest = write_manifest([entries[0], ManifestEntry(path=str(die), caption="x"), entries[1]],
                               tmp_path / "m.parquet")
-    monkeypatch.setattr(E._Pool, "encoder_cls", DyingEncoder)
-    rep = P.precompute(wan_dir, manifest, tmp_path / "out", frames=FRAMES, height=SIZE, width=SIZE,
-                       num_encoders=1, progress=False)
+    monkeypatch.setattr(EncoderPool, "encoder_cls", DyingEncoder)
+    rep = precompute(wan_dir, manifest, tmp_path / "out", frames=FRAMES, height=SIZE, width=SIZE,
+                     num_encoders=1, progress=False)
     assert rep.clips == 2 and rep.encoded == 2
     assert [p for p, _ in rep.skipped] == [str(die)] and "the encoder process died on it twice" in rep.skipped[0][1]
 
 
 def test_bf16_storage(wan_dir, source, cache, tmp_path):
     one = write_manifest(read_manifest(source)[:1], tmp_path / "one.parquet")
-    rep = P.precompute(wan_dir, one, tmp_path / "bf16", frames=FRAMES, height=SIZE, width=SIZE,
-                       num_encoders=0, progress=False)
+    rep = precompute(wan_dir, one, tmp_path / "bf16", frames=FRAMES, height=SIZE, width=SIZE,
+                     num_encoders=0, progress=False)
     rows, meta = L.read_latent_manifest(rep.manifest)
     assert meta["dtype"] == rows[0]["dtype"] == "bfloat16"
     lat, text = L.load_latent_sample(rep.manifest, rows[0])

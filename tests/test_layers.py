@@ -61,7 +61,6 @@ DYNAMIC: dict[str, tuple[dict[str, tuple[str, ...]], str]] = {
                 "the Triton kernels load on first use: triton may be absent or broken, and the reference still runs"),
     M + "__main__": ({"COMMANDS[name][0]": ("megaslide_ray.*",)},
                      "`megaslide NAME` imports only the chosen command's module"),
-    M + "data.latent_cache": ({'"ray"': ()}, "Ray, started only when an encoder pool is needed"),
     "tests.test_dsa": ({'"kernels.dsa_cpu"': ("kernels.dsa_cpu",)},
                        "the module, which the package's function of the same name hides"),
     "tests.test_entry_points": ({"module": ("megaslide_ray.*",), "m": ("megaslide_ray.*",), "n": ("benchmarks.*",),

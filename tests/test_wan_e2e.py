@@ -19,10 +19,10 @@ from wan_models import FRAMES, SIZE
 
 from megaslide_ray.data.clips import read_frames
 from megaslide_ray.data.demo import ensure_demo_dataset
-from megaslide_ray.data.latent_cache import precompute
 from megaslide_ray.driver import Trainer
 from megaslide_ray.state.checkpoint import latest_checkpoint, read_checkpoint_shards, read_checkpoint_state
 from megaslide_ray.state.pretrained_io import config_for_diffusers_dir, export_diffusers
+from pipelines.latent_precompute import precompute
 
 
 @pytest.fixture(scope="module")

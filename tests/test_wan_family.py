@@ -26,7 +26,6 @@ from megaslide_ray import train as train_cli
 from megaslide_ray.config import ConfigError
 from megaslide_ray.config.wan_folders import IMAGE_TO_VIDEO, describe_wan_folder
 from megaslide_ray.data.demo import ensure_demo_dataset
-from megaslide_ray.data.latent_cache import precompute
 from megaslide_ray.driver import Trainer
 from megaslide_ray.evaluation.sampling import CheckpointWeights, check_model_files, sample_video
 from megaslide_ray.evaluation.validation import evaluate_checkpoint
@@ -52,6 +51,7 @@ from megaslide_ray.training.flow import (
     route_expert,
     step_expert,
 )
+from pipelines.latent_precompute import precompute
 
 KINDS = ("t2v", "t2v-a14b", "i2v", "flf2v", "i2v-a14b", "vace")
 CLIP = {"data.num_frames": 9, "data.height": 32, "data.width": 32, "attention.window": "3,1,1"}

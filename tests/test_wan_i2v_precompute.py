@@ -17,8 +17,9 @@ from wan_models import CLIP_DIM, CLIP_TOKENS, FRAMES, LATENT_SHAPE, SIZE, Z, mak
 from megaslide_ray.data.clips import decode_clip
 from megaslide_ray.data.demo import ensure_demo_dataset
 from megaslide_ray.data.image_condition import IMAGE_CONDITION_KEY, condition_mask, load_condition
-from megaslide_ray.data.latent_cache import clip_config, precompute
+from megaslide_ray.data.latent_cache import clip_config
 from megaslide_ray.data.latents import read_latent_manifest, resolve
+from pipelines.latent_precompute import precompute
 
 
 @pytest.fixture(scope="module")

@@ -16,12 +16,12 @@ from wan_models import CLIP_DIM, CLIP_TOKENS, FRAMES, LATENT_SHAPE, SIZE, Z, mak
 from actors.compute import ComputeActor, LocalStoreClient
 from actors.param_store import ParameterStore
 from megaslide_ray.data.demo import ensure_demo_dataset
-from megaslide_ray.data.latent_cache import precompute
 from megaslide_ray.driver import Trainer
 from megaslide_ray.evaluation.sampling import sample_video
 from megaslide_ray.state.checkpoint import read_checkpoint_shards
 from megaslide_ray.state.pretrained_io import config_for_diffusers_dir, export_diffusers, model_names
 from megaslide_ray.training.flow import HIGH, batch_flow_inputs, expert_t_range, flow_loss, step_expert
+from pipelines.latent_precompute import precompute
 
 CLIP = {"data.num_frames": FRAMES, "data.height": SIZE, "data.width": SIZE, "attention.window": "3,1,1"}
 KINDS = ("i2v", "flf2v", "i2v-a14b")

@@ -1,5 +1,8 @@
-"""The encoders ``precompute`` runs: a Wan VAE and a UMT5 text encoder, in this process or as a
-pool of Ray actors with a watchdog.
+"""The encoders ``precompute`` runs (a Wan VAE, a UMT5 text encoder and, for an image-to-video
+folder, the CLIP image encoder) as one plain class, ``Encoder``: ``pipelines/encoder_pool.py``
+makes it a Ray actor, the sample writer and sampling run it in their own process. Also what
+precompute reads of a model folder before loading anything (``read_model_info``,
+``check_model_dir``).
 
 Only local files are read (``WAN_DIR/vae``, ``text_encoder``, ``tokenizer``, by absolute path and
 with ``local_files_only``: no model hub is ever contacted); the models come from diffusers and
@@ -10,12 +13,9 @@ from __future__ import annotations
 import hashlib
 import html
 import json
-import logging
 import os
 import re
 import threading
-import time
-from collections import deque
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -43,20 +43,8 @@ from megaslide_ray.data.latents import (
     save_tensor_file,
 )
 
-log = logging.getLogger(__name__)
-
-
 DTYPE_NAMES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32", "bfloat16": "bfloat16",
                "float16": "float16", "float32": "float32"}
-
-
-CLIPS_PER_CALL = 2
-"""Clips per actor call. Each actor runs two calls at once: one encodes while the other's clips
-decode, and the actor never waits for the driver."""
-
-
-CAPTIONS_PER_CALL = 16
-"""Captions per text-encoder batch."""
 
 
 def import_hf():
@@ -381,167 +369,3 @@ class Encoder:
     def close(self) -> None:
         self._decode_pool.shutdown(wait=False)
         self._free()
-
-
-def _pick_device(device: str, use_ray: bool) -> str:
-    if device != "auto":
-        return device
-    if use_ray:
-        import ray
-
-        return "cuda" if ray.cluster_resources().get("GPU", 0) >= 1 else "cpu"
-    return "cuda" if torch.cuda.is_available() else "cpu"
-
-
-HANG_TIMEOUT_S = 1800.0
-"""An encoder actor with calls in flight and no call finished for this long is taken for hung
-(``precompute --hang-timeout``): a call holds two clips, and a Wan VAE on a CPU takes minutes
-for one long clip."""
-
-
-class _Pool:
-    """The encoder actors, or one ``Encoder`` in this process (``n == 0``), and the dispatch of
-    chunks of tasks to them, two calls in flight per actor. An actor that dies (a codec crash, an
-    out-of-memory kill) or hangs (calls in flight, none finished for ``hang_timeout_s``: the
-    watchdog kills it) is replaced and the tasks of its calls are retried one at a time, each
-    alone on an actor; a task whose actor dies or hangs again while it runs alone is reported as
-    failed ("died on it twice", "hung on it twice") and the run goes on."""
-
-    encoder_cls = Encoder
-
-    def __init__(self, n: int, make_args: tuple, device: str, hang_timeout_s: float = HANG_TIMEOUT_S,
-                 make_kwargs: dict | None = None):
-        self.n, self.args, self.device = n, make_args, device
-        self.kwargs = dict(make_kwargs or {})
-        self.hang_timeout_s = hang_timeout_s
-        self.size = n  # actors started (``n`` drops to 1 for the text phase on CPU)
-        self.replacements = 0
-        self.threads = self.cpus = 0
-        if n == 0:
-            self.local = self.encoder_cls(*make_args, **self.kwargs)
-            self.actors = []
-            return
-        import ray
-
-        self.cpus = int(ray.cluster_resources().get("CPU", os.cpu_count() or 1))
-        self.threads = 0 if device == "cuda" else max(1, self.cpus // n)
-        self.actors = [self._start(i) for i in range(n)]
-        self._wait_ready(self.actors)
-
-    def _start(self, i: int):
-        import ray
-
-        opts = {"num_gpus": 1} if self.device == "cuda" else {}
-        actor = ray.remote(self.encoder_cls).options(num_cpus=0, max_concurrency=2, **opts)
-        return actor.remote(*self.args, self.threads, **self.kwargs)
-
-    @staticmethod
-    def _wait_ready(actors: list, timeout: float = 600.0) -> None:
-        """Until the actors' processes are up (imports done): their start does not count against
-        the hang watchdog. One that failed to start says so on its first call."""
-        import ray
-
-        ray.wait([a.__ray_ready__.remote() for a in actors], num_returns=len(actors), timeout=timeout)
-
-    def run(self, method: str, chunks: list[list[dict]], on_result) -> None:
-        if self.n == 0:
-            for chunk in chunks:
-                on_result(getattr(self.local, method)(chunk))
-            return
-        import ray
-        from ray.exceptions import RayActorError
-
-        queue = deque((c, 0) for c in chunks)  # (chunk, attempt); attempt 1: a retry, run alone
-        running: dict = {}  # ref -> (actor index, actor, chunk, attempt)
-        busy = [0] * self.n  # calls in flight on the current actor i
-        alone = [False] * self.n  # a retry runs on it: nothing else goes there meanwhile
-        progress = [time.monotonic()] * self.n  # when actor i last finished a call (or got one, idle)
-        hung: set = set()  # id() of the actors the watchdog killed
-
-        def fill(i: int) -> None:
-            while queue and busy[i] < 2 and not alone[i]:
-                chunk, attempt = queue[0]
-                if attempt and busy[i]:  # a retry waits for an idle actor: only it can be blamed
-                    return
-                queue.popleft()
-                if not busy[i]:
-                    progress[i] = time.monotonic()
-                running[getattr(self.actors[i], method).remote(chunk)] = (i, self.actors[i], chunk, attempt)
-                busy[i] += 1
-                alone[i] = attempt > 0
-
-        for i in range(self.n):
-            fill(i)
-        while running:
-            timeout = None
-            if self.hang_timeout_s > 0:
-                timeout = max(0.1, min(progress[i] for i in range(self.n) if busy[i]) + self.hang_timeout_s
-                              - time.monotonic()) if any(busy) else self.hang_timeout_s
-            done, _ = ray.wait(list(running), num_returns=1, timeout=timeout)
-            if not done:  # the watchdog: an actor with calls in flight and no progress is hung
-                for i in range(self.n):
-                    if busy[i] and time.monotonic() - progress[i] >= self.hang_timeout_s:
-                        log.warning("encoder %d finished no call in %.0f s (precompute --hang-timeout); killing it "
-                                    "as hung", i, self.hang_timeout_s)
-                        hung.add(id(self.actors[i]))
-                        ray.kill(self.actors[i], no_restart=True)  # its calls fail below, as a death's
-                        progress[i] = time.monotonic()
-                continue
-            i, actor, chunk, attempt = running.pop(done[0])
-            if self.actors[i] is actor:
-                progress[i] = time.monotonic()
-            current = self.actors[i] is actor
-            if current:
-                busy[i] -= 1
-                alone[i] = False
-            try:
-                results = ray.get(done[0])
-            except RayActorError as e:
-                if "creation task" in str(e):
-                    raise RuntimeError(f"an encoder actor could not start: {e}") from e
-                if current:  # not replaced yet (its other call fails too, and lands here as not current)
-                    self._died(i, e)
-                    busy[i], alone[i] = 0, False
-                if attempt == 0:  # maybe innocent (another call ran beside it): each task again, alone
-                    queue.extendleft(([t], 1) for t in reversed(chunk))
-                else:
-                    how = (f"hung on it twice (no answer in {self.hang_timeout_s:.0f} s)" if id(actor) in hung
-                           else f"died on it twice ({type(e).__name__})")
-                    on_result([{"key": chunk[0]["key"], "ok": False, "reason": f"the encoder process {how}"}])
-            else:
-                on_result(results)
-            for j in range(self.n):
-                fill(j)
-
-    def _died(self, i: int, error: BaseException) -> None:
-        import ray
-
-        self.replacements += 1
-        if self.replacements > 2 * self.n + 4:
-            raise RuntimeError(f"encoder actors died {self.replacements} times (last: {error}); check memory and the "
-                               f"worker logs") from error
-        log.warning("encoder %d died (%s); replacing it and retrying its clips one at a time", i, type(error).__name__)
-        ray.kill(self.actors[i], no_restart=True)
-        self.actors[i] = self._start(i)
-        self._wait_ready([self.actors[i]])
-
-    def shrink_to_one(self) -> None:
-        """Keep one actor, with every CPU (on CPU, before the text phase: each UMT5-XXL copy
-        takes 22 GB in float32, and the captions are few)."""
-        if self.n <= 1:
-            return
-        import ray
-
-        for a in self.actors[1:]:
-            ray.kill(a)
-        self.actors, self.n = self.actors[:1], 1
-        ray.get(self.actors[0].set_threads.remote(self.cpus))
-
-    def close(self) -> None:
-        if self.n == 0:
-            self.local.close()
-            return
-        import ray
-
-        for a in self.actors:
-            ray.kill(a)

@@ -2,8 +2,8 @@
 
 Each row of the video manifest goes to its bucket (``megaslide_ray.data.buckets.assign_bucket``,
 from the manifest's ``width``, ``height`` and ``num_frames``, as training assigns it) and is
-encoded at that bucket's shape by ``megaslide_ray.data.latent_cache.precompute``, one sub-folder per
-bucket::
+encoded at that bucket's shape by ``precompute`` (``pipelines/latent_precompute.py``), one
+sub-folder per bucket::
 
     CACHE/manifest.parquet            the merged latent manifest: every bucket's rows
     CACHE/480x832x81/                 one precompute folder per bucket (its own manifest,
@@ -20,11 +20,14 @@ import os
 from pathlib import Path
 from typing import Any
 
+import ray
+
 from megaslide_ray.config.buckets import Bucket
 from megaslide_ray.data.buckets import row_buckets
-from megaslide_ray.data.latent_cache import PrecomputeReport, precompute
 from megaslide_ray.data.latents import read_latent_manifest, write_latent_manifest
 from megaslide_ray.data.manifest import MANIFEST_NAME, read_manifest, write_manifest
+from pipelines.encoder_pool import start_ray
+from pipelines.latent_precompute import PrecomputeReport, precompute
 
 SOURCE_NAME = "source.parquet"
 """A bucket sub-folder's share of the video manifest (absolute paths)."""
@@ -41,13 +44,12 @@ def precompute_buckets(model_dir: str | os.PathLike, data: str | os.PathLike, ou
         bucket_of = row_buckets(entries, buckets, str(data), fps=float(kwargs.get("fps", 0.0)))
     except ValueError as e:
         raise ValueError(f"--buckets: {e}") from None
-    started = _start_ray(kwargs.get("num_encoders"))
+    # One Ray for every bucket's precompute (each would start and stop its own).
+    started = kwargs.get("num_encoders") != 0 and start_ray()
     try:
         reports, merged, metadata = _each_bucket(model_dir, entries, bucket_of, out, buckets, kwargs)
     finally:
         if started:
-            import ray  # lazy: only a run that started Ray here stops it
-
             ray.shutdown()
     if not reports:
         raise ValueError(f"--buckets: no row of {data} falls in any bucket")
@@ -55,18 +57,6 @@ def precompute_buckets(model_dir: str | os.PathLike, data: str | os.PathLike, ou
     metadata["buckets"] = [str(b) for b, _ in reports]
     write_latent_manifest(merged, metadata, out / MANIFEST_NAME)
     return reports
-
-
-def _start_ray(num_encoders: int | None) -> bool:
-    """One Ray for every bucket's precompute (each would start and stop its own)."""
-    if num_encoders == 0:
-        return False
-    import ray
-
-    if ray.is_initialized():
-        return False
-    ray.init(address="local", include_dashboard=False, namespace="megaslide", logging_level="ERROR")
-    return True
 
 
 def _each_bucket(model_dir, entries, bucket_of, out: Path, buckets, kwargs) -> tuple[list, list[dict], dict]:
