@@ -545,7 +545,7 @@ def _notes(cfg: Config, generate: bool, wb: int, P: int, parts: dict[str, int], 
                      "the dk and dv of the queries with an offset past 3 tokens by float atomics (in the "
                      "adaptation study 4-9% of them); attention.max_offset 1.5 with "
                      "attention.offset_bound clamp (the GPU presets' setting) keeps every pass on tensor cores "
-                     "(benchmarks/RESULTS.md: what the bound costs in held-out loss)")
+                     "(docs/dsa.md, the bound a call runs at: what the bound costs in held-out loss)")
     if a.kind == "dense":
         notes.append("dense assumes flash/SDPA on the device; a materialised N^2 score matrix would need "
                      f"{fmt_bytes(act_totals['dense_materialised'])} of activations")
