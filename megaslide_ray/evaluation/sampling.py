@@ -359,14 +359,40 @@ def sample_video(checkpoint: str | Path, prompt: str, out: str | Path, frames: i
     image-to-video checkpoint (Wan2.1 I2V, FLF2V, Wan2.2 I2V-A14B) starts from ``image`` (and
     FLF2V also ends at ``last_image``): ``model_dir`` (its own folder) encodes them as precompute
     encoded the training clips' first frames (``sampling_condition``)."""
+    _check_sample_arguments(upscale, steps, fps)
+    t0 = time.perf_counter()
+    ckpt, state, cfg = _sampling_checkpoint(checkpoint, frames, height, width, device, cfg_scale)
+    # A bf16 checkpoint sampled on the CPU: serve the fp32 master copy (CPU kernels want fp32).
+    on_cpu = device == "cpu" or not torch.cuda.is_available()
+    kind = "master" if on_cpu and DTYPES.get(state.get("w_dtype", "float32")) is torch.bfloat16 else "w"
+    if not prompt.strip():
+        log.warning("the prompt is empty: the video is sampled unconditionally, as the model learned its captions' "
+                    "absence (give --prompt TEXT)")
+    encoder, wan_condition = _sampling_encoder(cfg, model_dir, device, prompt, negative_prompt, image, last_image)
+    x, step = _denoise(cfg, ckpt, kind, prompt, wan_condition, steps, seed, cfg_scale)
+    if encoder is not None:
+        video = decode_latents(encoder.load_vae(), x)
+        encoder.close()
+    else:
+        video = to_uint8_frames(x)
+    out, sheet, video = _write_sample(out, video, upscale, fps)
+    return SampleResult(str(out), str(sheet), video, str(ckpt), step, time.perf_counter() - t0)
+
+
+def _check_sample_arguments(upscale: int, steps: int, fps: int) -> None:
+    """``sample_video``'s refusals of its own arguments (``ValueError``), before any file is read."""
     if upscale < 1:
         raise ValueError(f"upscale={upscale} must be >= 1 (1 writes the model's own size)")
-
     if steps < 1:
         raise ValueError(f"--steps {steps} must be >= 1")
     if fps < 1:
         raise ValueError(f"--fps {fps} must be >= 1")
-    t0 = time.perf_counter()
+
+
+def _sampling_checkpoint(checkpoint: str | Path, frames: int | None, height: int | None, width: int | None,
+                         device: str, cfg_scale: float) -> tuple[Path, dict, Config]:
+    """(checkpoint directory, its state, the config to sample with); refuses a checkpoint of one
+    expert and a size H.264 cannot hold, and warns of guidance a checkpoint was not trained for."""
     try:
         ckpt = resolve_checkpoint(checkpoint)
     except FileNotFoundError as e:
@@ -382,13 +408,15 @@ def sample_video(checkpoint: str | Path, prompt: str, out: str | Path, frames: i
     if cfg.data.height % 2 or cfg.data.width % 2:
         raise ConfigError(f"video size {cfg.data.width}x{cfg.data.height} must be even for H.264 (yuv420p); "
                           f"choose even --height/--width")
-    # A bf16 checkpoint sampled on the CPU: serve the fp32 master copy (CPU kernels want fp32).
-    on_cpu = device == "cpu" or not torch.cuda.is_available()
-    kind = "master" if on_cpu and DTYPES.get(state.get("w_dtype", "float32")) is torch.bfloat16 else "w"
-    encoder = None
-    if not prompt.strip():
-        log.warning("the prompt is empty: the video is sampled unconditionally, as the model learned its captions' "
-                    "absence (give --prompt TEXT)")
+    return ckpt, state, cfg
+
+
+def _sampling_encoder(cfg: Config, model_dir: str | Path | None, device: str, prompt: str, negative_prompt: str,
+                      image: str | Path | None, last_image: str | Path | None) -> tuple[Encoder | None, tuple | None]:
+    """The encoder whose VAE decodes the sample (None for a model on pixels), and for a ``wan``
+    model its condition (text, negative, image condition), encoded with the text encoder closed
+    again before the transformer streams; refuses a missing or a needless ``model_dir``."""
+    encoder = condition = None
     if cfg.model.arch == "wan":
         if model_dir is None:
             raise ConfigError("this checkpoint is a wan model: give --model-dir WAN_DIR, the local diffusers folder "
@@ -399,7 +427,7 @@ def sample_video(checkpoint: str | Path, prompt: str, out: str | Path, frames: i
         encoder = Encoder(str(model_dir), clip_config(d.num_frames, d.height, d.width, 0.0),
                           "cuda" if device != "cpu" and torch.cuda.is_available() else "cpu", "float32")
         text, negative = encoder.encode_text([prompt, negative_prompt])
-        extra = sampling_condition(encoder, cfg, image, last_image)
+        condition = (text, negative, sampling_condition(encoder, cfg, image, last_image))
         encoder.close()  # frees the text encoder before the transformer streams
     elif not cfg.latent_space and model_dir is not None:  # refused, not ignored: the user meant something by it
         raise ConfigError(f"--model-dir {model_dir}: this checkpoint's model draws pixels (model.inputs='pixels'), so "
@@ -413,21 +441,30 @@ def sample_video(checkpoint: str | Path, prompt: str, out: str | Path, frames: i
         d = cfg.data
         encoder = Encoder(str(model_dir), clip_config(d.num_frames, d.height, d.width, 0.0),
                           "cuda" if device != "cpu" and torch.cuda.is_available() else "cpu", "float32")
+    return encoder, condition
+
+
+def _denoise(cfg: Config, ckpt: Path, kind: str, prompt: str, wan_condition: tuple | None, steps: int, seed: int,
+             cfg_scale: float) -> tuple[torch.Tensor, int]:
+    """(the sampled clip, in the model's space; the checkpoint's step): the checkpoint's ``kind``
+    weights streamed through a ``ComputeActor``, closed however sampling ends."""
     source = CheckpointWeights(ckpt, cfg, kind)
     compute = ComputeActor(cfg, source.shard_infos(), source, transport="object_ref")
     try:
         if cfg.model.arch == "wan":
+            text, negative, extra = wan_condition
             x = wan_sample(compute, cfg, text, negative, steps, seed, source.step, cfg_scale, extra)
         else:
             x = euler_sample(compute, cfg, prompt, steps, seed, source.step, cfg_scale)
     finally:
         compute.close()
         source.close()
-    if encoder is not None:
-        video = decode_latents(encoder.load_vae(), x)
-        encoder.close()
-    else:
-        video = to_uint8_frames(x)
+    return x, source.step
+
+
+def _write_sample(out: str | Path, video: np.ndarray, upscale: int, fps: int) -> tuple[Path, Path, np.ndarray]:
+    """Write ``video``, each pixel repeated ``upscale`` x ``upscale`` times, as the mp4 ``out``
+    and its contact sheet beside it: (mp4, sheet, the frames written)."""
     out = Path(out)
     out.parent.mkdir(parents=True, exist_ok=True)
     if upscale > 1:
@@ -435,4 +472,4 @@ def sample_video(checkpoint: str | Path, prompt: str, out: str | Path, frames: i
     write_video(out, video, fps)
     sheet = out.with_suffix(".png")
     write_png(sheet, contact_sheet(video))
-    return SampleResult(str(out), str(sheet), video, str(ckpt), source.step, time.perf_counter() - t0)
+    return out, sheet, video

@@ -19,7 +19,7 @@ from megaslide_ray.config.buckets import largest_bucket
 from megaslide_ray.models.registry import num_experts
 from megaslide_ray.models.shards import grad_slot_numel, resident_shards
 from megaslide_ray.planning.scaleout import ScaleOut, scale_out
-from megaslide_ray.planning.schedule import predict_step
+from megaslide_ray.planning.schedule import StepPrediction, predict_step
 from megaslide_ray.planning.terms import (
     FIXED_TERMS,
     HOST_RESERVE_GB,
@@ -165,6 +165,81 @@ def _refuse_experts_on_several_gpus(cfg: Config, gpus_per_node: int, nodes: int,
                           f"transformer")
 
 
+@dataclass(frozen=True)
+class _Sizes:
+    """What one step moves and computes: the shards and the tokens (``plan``'s first step)."""
+    wb: int                    # bytes of one compute-copy weight (w_dtype)
+    counts: list[int]          # parameters per shard
+    p_tok: int                 # parameters applied to every video token
+    p_sample: int              # ... once per sample
+    p_text: int                # ... to every text token (wan)
+    p_offsets: int             # the DSA offset heads' parameters
+    P: int                     # one transformer's parameters
+    B: int                     # clips per micro-batch
+    N: int                     # tokens per clip
+    micro: int                 # micro-batches per step (1 in generation)
+    tokens: int                # one GPU's step: all its micro-batches
+    largest: int               # index of the largest shard
+    Smax: int                  # its parameters
+    chunk: int                 # token chunk (0: whole clip)
+
+
+@dataclass(frozen=True)
+class _Memory:
+    """Host and device memory of one step, before the fit."""
+    host: dict[str, int]       # w, master, m, v, scratch (training); w (generation)
+    state: int                 # w + master + m + v (generation: w)
+    scratch: int
+    store: int                 # state + scratch
+    shard_bytes: int
+    resident: list[int]        # the resident shards' indices
+    resident_bytes: int
+    parts: dict[str, int]
+    block_terms: dict[str, int]
+    act_totals: dict[str, int]
+    Q: int                     # query tokens per attention chunk
+    variant: str               # the attention variant the configured kind runs as
+
+
+@dataclass(frozen=True)
+class _Traffic:
+    """Bytes over the link and through host DRAM, and the FLOPs of one step."""
+    h2d: int
+    d2h: int
+    adamw_pp: int
+    adamw_store_pp: int
+    adamw_bytes: int
+    flops_linear: float
+    flops_attention: float
+    flops_recompute: float
+    flops_6pt: float
+    flops_executed: float
+
+
+@dataclass(frozen=True)
+class _Timing:
+    """The step-time floor's terms, the scale-out terms and the schedule's predicted step."""
+    terms: dict[str, float]
+    binding: str
+    scale: ScaleOut | None
+    label: str                 # the host term of offloaded block inputs
+    sched: StepPrediction | None   # planning/schedule.py's predicted step (None in generation)
+
+
+@dataclass(frozen=True)
+class _Fit:
+    """What host and device need, and whether the machine holds it."""
+    reserve: int
+    host_terms: dict[str, int]
+    host_required: int
+    device_terms: dict[str, int]
+    device_required: int
+    fits_host: bool | None
+    fits_device: bool | None
+    host_short: int
+    device_short: int
+
+
 def plan(cfg: Config, w_dtype: str = "bfloat16", pcie_gbps: float = 55.0, dram_gbps: float = 300.0,
          device_tflops: float = 990.0, ram_gb: float | None = None, gpu_gb: float | None = None, *,
          generate: bool = False, sample_steps: int = 50, host_reserve_gb: float | None = None,
@@ -176,6 +251,31 @@ def plan(cfg: Config, w_dtype: str = "bfloat16", pcie_gbps: float = 55.0, dram_g
     terms of ``planning/scaleout.py``; ``training.micro_batches`` is read from ``cfg``. With
     ``data.buckets`` it answers for the bucket of the most tokens."""
     cfg = largest_bucket(cfg)
+    gpus_per_node, host_reserve_gb = _checked_arguments(
+        cfg, w_dtype, pcie_gbps, dram_gbps, device_tflops, ram_gb, gpu_gb, generate, sample_steps, host_reserve_gb,
+        gpus_per_node, nodes, network_gbps)
+    sizes = _sizes(cfg, w_dtype, generate)
+    memory = _memory(cfg, sizes, generate)
+    traffic = _traffic(cfg, sizes, memory, generate)
+    timing = _timing(cfg, sizes, memory, traffic, generate, pcie_gbps, dram_gbps, device_tflops, gpus_per_node,
+                     nodes, network_gbps)
+    fit = _fit(memory, timing, generate, ram_gb, gpu_gb, host_reserve_gb)
+    notes = _notes(cfg, generate, sizes.wb, sizes.P, memory.parts, memory.block_terms, memory.act_totals,
+                   memory.variant, fit.fits_host, fit.fits_device, fit.host_short, fit.device_short,
+                   fit.device_required, gpu_gb, timing.terms)
+    notes += _scale_out_notes(cfg, sizes, traffic, timing, fit, generate, dram_gbps, gpus_per_node, nodes)
+    return _assemble(cfg, sizes, memory, traffic, timing, fit, notes, w_dtype=w_dtype, pcie_gbps=pcie_gbps,
+                     dram_gbps=dram_gbps, device_tflops=device_tflops, ram_gb=ram_gb, gpu_gb=gpu_gb,
+                     generate=generate, sample_steps=sample_steps, requested_clip=requested_clip,
+                     gpus_per_node=gpus_per_node, nodes=nodes)
+
+
+def _checked_arguments(cfg: Config, w_dtype: str, pcie_gbps: float, dram_gbps: float, device_tflops: float,
+                       ram_gb: float | None, gpu_gb: float | None, generate: bool, sample_steps: int,
+                       host_reserve_gb: float | None, gpus_per_node: int | None, nodes: int,
+                       network_gbps: float) -> tuple[int, float]:
+    """``plan``'s refusals, in order (``ConfigError``); the defaults it fills in: (gpus_per_node,
+    host_reserve_gb)."""
     if gpus_per_node is None:
         n = cfg.runtime.compute_actors
         gpus_per_node = n if isinstance(n, int) else 1
@@ -185,7 +285,6 @@ def plan(cfg: Config, w_dtype: str = "bfloat16", pcie_gbps: float = 55.0, dram_g
     if not (network_gbps > 0 and math.isfinite(network_gbps)):
         raise ConfigError(f"network_gbps={network_gbps!r} must be a finite number > 0 (GB/s)")
     _refuse_experts_on_several_gpus(cfg, gpus_per_node, nodes, generate)
-    micro = 1 if generate else cfg.training.micro_batches
     if w_dtype not in W_DTYPES:
         raise ConfigError(f"w_dtype={w_dtype!r}; use one of {list(W_DTYPES)}")
     for name, value in (("pcie_gbps", pcie_gbps), ("dram_gbps", dram_gbps), ("device_tflops", device_tflops)):
@@ -201,70 +300,86 @@ def plan(cfg: Config, w_dtype: str = "bfloat16", pcie_gbps: float = 55.0, dram_g
     if sample_steps < 1:
         raise ConfigError(f"sample_steps={sample_steps} must be >= 1")
     check_shape(cfg)
-    wb = W_DTYPES[w_dtype]
-    counts, p_tok, p_sample, p_text, p_offsets = _shard_counts(cfg)
-    P = sum(counts)
-    B, N = cfg.data.batch_size, cfg.tokens_per_sample
-    tokens = micro * B * N  # one GPU's step: all its micro-batches
-    largest = max(range(len(counts)), key=lambda i: counts[i])
-    Smax = counts[largest]
-    chunk = min(cfg.runtime.token_chunk, N)
+    return gpus_per_node, host_reserve_gb
 
-    # -- host memory: every expert's state (two experts: both in the store); the traffic below is one's
-    PH = num_experts(cfg) * P
+
+def _sizes(cfg: Config, w_dtype: str, generate: bool) -> _Sizes:
+    """The shards' parameter counts and the tokens of one GPU's step."""
+    micro = 1 if generate else cfg.training.micro_batches
+    counts, p_tok, p_sample, p_text, p_offsets = _shard_counts(cfg)
+    B, N = cfg.data.batch_size, cfg.tokens_per_sample
+    largest = max(range(len(counts)), key=lambda i: counts[i])
+    return _Sizes(wb=W_DTYPES[w_dtype], counts=counts, p_tok=p_tok, p_sample=p_sample, p_text=p_text,
+                  p_offsets=p_offsets, P=sum(counts), B=B, N=N, micro=micro, tokens=micro * B * N,
+                  largest=largest, Smax=counts[largest], chunk=min(cfg.runtime.token_chunk, N))
+
+
+def _memory(cfg: Config, s: _Sizes, generate: bool) -> _Memory:
+    """Host memory (every expert's state: two experts are both in the store; the traffic is one's)
+    and the device's shard buffers, resident shards and activations."""
+    wb, PH = s.wb, num_experts(cfg) * s.P
     if generate:
         host = {"w": wb * PH}
         state, scratch = host["w"], 0
     else:
-        scratch = 4 * Smax if wb == 2 else 0  # the bf16 gradient is upcast into it for AdamW
+        scratch = 4 * s.Smax if wb == 2 else 0  # the bf16 gradient is upcast into it for AdamW
         host = {"w": wb * PH, "master": 4 * PH, "m": 4 * PH, "v": 4 * PH, "scratch": scratch}
         state = host["w"] + host["master"] + host["m"] + host["v"]
-    store = state + scratch
-
-    # -- device memory
-    shard_bytes = staged_shards(cfg) * Smax * (wb if generate else wb + 4)  # gradients are summed in fp32
-    resident = [] if generate else resident_shards(cfg.model.depth, counts, wb, cfg.runtime.resident_gb * 1e9)
-    resident_bytes = sum(counts[i] for i in resident) * wb
+    shard_bytes = staged_shards(cfg) * s.Smax * (wb if generate else wb + 4)  # gradients are summed in fp32
+    resident = [] if generate else resident_shards(cfg.model.depth, s.counts, wb, cfg.runtime.resident_gb * 1e9)
     parts, block_terms, act_totals, Q = _activations(cfg, wb, generate)
-    variant = SELECTED_VARIANT[cfg.attention.kind]
+    return _Memory(host=host, state=state, scratch=scratch, store=state + scratch, shard_bytes=shard_bytes,
+                   resident=resident, resident_bytes=sum(s.counts[i] for i in resident) * wb, parts=parts,
+                   block_terms=block_terms, act_totals=act_totals, Q=Q, variant=SELECTED_VARIANT[cfg.attention.kind])
 
-    # -- traffic
+
+def _traffic(cfg: Config, s: _Sizes, mem: _Memory, generate: bool) -> _Traffic:
+    """Host <-> device bytes, AdamW's DRAM bytes and the FLOPs of one step."""
+    wb, P, B, micro, tokens = s.wb, s.P, s.B, s.micro, s.tokens
     attn_fwd = _attention_flops_fwd(cfg)
     n_text = B * text_tokens(cfg)
     if generate:
         h2d, d2h, adamw_pp, adamw_store_pp, adamw_bytes = P * wb, 0, 0, 0, 0
-        flops_linear = 2.0 * p_tok * tokens + 2.0 * p_sample * B + 2.0 * p_text * n_text
+        flops_linear = 2.0 * s.p_tok * tokens + 2.0 * s.p_sample * B + 2.0 * s.p_text * n_text
         flops_attention = attn_fwd
         flops_recompute = 0.0
         flops_6pt = 2.0 * P * tokens
     else:
         # offloaded block inputs all go out and come back, the ones a step holds on the device included
-        offloaded = parts["offloaded_checkpoints"]
-        h2d = 2 * P * wb - resident_bytes + offloaded  # a resident shard's weights cross once
+        offloaded = mem.parts["offloaded_checkpoints"]
+        h2d = 2 * P * wb - mem.resident_bytes + offloaded  # a resident shard's weights cross once
         d2h = P * wb + offloaded
         adamw_pp = wb + 12 + 12 + wb
         adamw_store_pp = adamw_pp + (12 if wb == 2 else 4)  # fused; bf16: g upcast and w cast; fp32: w.copy_
         adamw_bytes = P * adamw_pp
-        flops_linear = 6.0 * p_tok * tokens + micro * (6.0 * p_sample * B + 6.0 * p_text * n_text)
+        flops_linear = 6.0 * s.p_tok * tokens + micro * (6.0 * s.p_sample * B + 6.0 * s.p_text * n_text)
         flops_attention = 3.0 * micro * attn_fwd
-        flops_recompute = 2.0 * p_tok * tokens + micro * (2.0 * p_text * n_text + attn_fwd)
-        if chunk:  # the nested per-chunk checkpoint: one more forward of the blocks
-            flops_recompute += 2.0 * p_tok * tokens + micro * attn_fwd
+        flops_recompute = 2.0 * s.p_tok * tokens + micro * (2.0 * s.p_text * n_text + attn_fwd)
+        if s.chunk:  # the nested per-chunk checkpoint: one more forward of the blocks
+            flops_recompute += 2.0 * s.p_tok * tokens + micro * attn_fwd
         flops_6pt = 6.0 * P * tokens
-    flops_executed = flops_linear + flops_attention + flops_recompute
+    return _Traffic(h2d=h2d, d2h=d2h, adamw_pp=adamw_pp, adamw_store_pp=adamw_store_pp, adamw_bytes=adamw_bytes,
+                    flops_linear=flops_linear, flops_attention=flops_attention, flops_recompute=flops_recompute,
+                    flops_6pt=flops_6pt, flops_executed=flops_linear + flops_attention + flops_recompute)
 
-    terms = {"h2d": h2d / (pcie_gbps * 1e9)}
+
+def _timing(cfg: Config, s: _Sizes, mem: _Memory, tr: _Traffic, generate: bool, pcie_gbps: float,
+            dram_gbps: float, device_tflops: float, gpus_per_node: int, nodes: int, network_gbps: float) -> _Timing:
+    """The step-time floor's terms (seconds) and the one that binds; in training the scale-out
+    terms (several GPUs share the node's DRAM, several nodes the network) and the schedule's step."""
+    terms = {"h2d": tr.h2d / (pcie_gbps * 1e9)}
     if not generate:
-        terms["d2h"] = d2h / (pcie_gbps * 1e9)
-        terms["adamw"] = adamw_bytes / (dram_gbps * 1e9)
-    terms["compute"] = flops_executed / (device_tflops * 1e12)
+        terms["d2h"] = tr.d2h / (pcie_gbps * 1e9)
+        terms["adamw"] = tr.adamw_bytes / (dram_gbps * 1e9)
+    terms["compute"] = tr.flops_executed / (device_tflops * 1e12)
     scale = None
     label = "offloaded block inputs ((L - k) x ND)" if offload_keep(cfg) else "offloaded block inputs (L x ND)"
-    if micro > 1:
-        label = label.replace("x ND)", f"x {micro} micro-batches x ND)")
+    if s.micro > 1:
+        label = label.replace("x ND)", f"x {s.micro} micro-batches x ND)")
     if not generate:
-        scale = scale_out(counts, wb, gpus_per_node, nodes, cfg.runtime.grad_slots, micro, network_gbps, adamw_pp,
-                          h2d, d2h, parts["offloaded_checkpoints"], label, cfg.runtime.grad_slot_mb, num_experts(cfg))
+        scale = scale_out(s.counts, s.wb, gpus_per_node, nodes, cfg.runtime.grad_slots, s.micro, network_gbps,
+                          tr.adamw_pp, tr.h2d, tr.d2h, mem.parts["offloaded_checkpoints"], label,
+                          cfg.runtime.grad_slot_mb, num_experts(cfg))
         if gpus_per_node * nodes > 1:  # the node's DRAM serves every GPU's link, the gradient sum and AdamW
             del terms["adamw"]
             terms["host_dram"] = scale.host_dram_bytes / (dram_gbps * 1e9)
@@ -273,89 +388,108 @@ def plan(cfg: Config, w_dtype: str = "bfloat16", pcie_gbps: float = 55.0, dram_g
     binding = max(terms, key=terms.__getitem__)
     node = {"host DRAM": terms["host_dram"]} if "host_dram" in terms else {}
     node.update({"network": terms["network"]} if "network" in terms else {})
-    sched = None if generate else predict_step(cfg, wb, pcie_gbps, device_tflops, dram_gbps, node)
+    sched = None if generate else predict_step(cfg, s.wb, pcie_gbps, device_tflops, dram_gbps, node)
+    return _Timing(terms=terms, binding=binding, scale=scale, label=label, sched=sched)
 
-    # -- fit
+
+def _fit(mem: _Memory, timing: _Timing, generate: bool, ram_gb: float | None, gpu_gb: float | None,
+         host_reserve_gb: float) -> _Fit:
+    """The terms host and device memory add up to, and whether (and by how much not) they fit."""
+    parts, variant = mem.parts, mem.variant
     reserve = int(round(host_reserve_gb * 1e9))
     if generate:
-        host_terms = {"weights w": state}
+        host_terms = {"weights w": mem.state}
         if parts["offloaded_checkpoints"]:
-            host_terms[label] = parts["offloaded_checkpoints"]
+            host_terms[timing.label] = parts["offloaded_checkpoints"]
     else:
-        host_terms = dict(scale.host_terms)
+        host_terms = dict(timing.scale.host_terms)
     host_terms["reserve (OS, Ray, processes)"] = reserve
     host_required = sum(host_terms.values())
     kernel_scratch = parts.get(variant + "_scratch", 0)  # on the device (``scratch`` is the host's)
     block_total = parts["block_linear"] + parts[variant] + kernel_scratch
-    device_terms = {"shard buffers": shard_bytes}
-    if resident_bytes:
-        device_terms[f"resident shards ({len(resident)}, kept from forward to backward)"] = resident_bytes
+    device_terms = {"shard buffers": mem.shard_bytes}
+    if mem.resident_bytes:
+        device_terms[f"resident shards ({len(mem.resident)}, kept from forward to backward)"] = mem.resident_bytes
     if parts["checkpoints"]:
         device_terms["block-input checkpoints"] = parts["checkpoints"]
     if parts["input_side"] > block_total:
         device_terms["input side (patch embedding, position table)"] = parts["input_side"]
     else:
-        device_terms.update(block_terms)
+        device_terms.update(mem.block_terms)
         device_terms[f"attention ({VARIANT_LABELS[variant]})"] = parts[variant]
         if kernel_scratch:
             device_terms["attention kernels' scratch (records, scores or fp32 dk/dv)"] = kernel_scratch
     device_terms["input tensors (fp32)"] = parts["pixels"]
-    device_required = shard_bytes + resident_bytes + act_totals[variant]
+    device_required = mem.shard_bytes + mem.resident_bytes + mem.act_totals[variant]
     assert device_required == sum(device_terms.values())
-    fits_host = None if ram_gb is None else host_required <= ram_gb * 1e9
-    fits_device = None if gpu_gb is None else device_required <= gpu_gb * 1e9
-    host_short = 0 if ram_gb is None else max(0, host_required - int(ram_gb * 1e9))
-    device_short = 0 if gpu_gb is None else max(0, device_required - int(gpu_gb * 1e9))
+    return _Fit(reserve=reserve, host_terms=host_terms, host_required=host_required, device_terms=device_terms,
+                device_required=device_required,
+                fits_host=None if ram_gb is None else host_required <= ram_gb * 1e9,
+                fits_device=None if gpu_gb is None else device_required <= gpu_gb * 1e9,
+                host_short=0 if ram_gb is None else max(0, host_required - int(ram_gb * 1e9)),
+                device_short=0 if gpu_gb is None else max(0, device_required - int(gpu_gb * 1e9)))
 
-    notes = _notes(cfg, generate, wb, P, parts, block_terms, act_totals, variant, fits_host, fits_device,
-                   host_short, device_short, device_required, gpu_gb, terms)
+
+def _scale_out_notes(cfg: Config, s: _Sizes, tr: _Traffic, timing: _Timing, fit: _Fit, generate: bool,
+                     dram_gbps: float, gpus_per_node: int, nodes: int) -> list[str]:
+    """The notes of a training plan on several GPUs or nodes (after ``_notes``')."""
+    notes = []
     if nodes > 1 and not generate:
         notes.append(f"{nodes} nodes (runtime.nodes = {nodes}): one store per node, the optimizer state of shard l on "
                      f"node l % {nodes}, each shard's gradients summed at its owner and the new w sent back through "
                      f"Ray (docs/architecture.md, several nodes); the received gradients wait in Ray's object store "
                      f"(the network receive slots term)")
-    slots = cfg.runtime.grad_slots
-    if fits_host is False and not generate and slots > 1 and gpus_per_node * nodes > 1:
-        slot = grad_slot_numel(Smax, cfg.runtime.grad_slot_mb, wb)  # the GPUs' slots; network receive slots: whole
-        saved = ((gpus_per_node if gpus_per_node > 1 else 0) * slot + (nodes - 1) * Smax) * (slots - 1) * wb
+    slots, terms = cfg.runtime.grad_slots, timing.terms
+    if fit.fits_host is False and not generate and slots > 1 and gpus_per_node * nodes > 1:
+        slot = grad_slot_numel(s.Smax, cfg.runtime.grad_slot_mb, s.wb)  # the GPUs' slots; network receive slots: whole
+        saved = ((gpus_per_node if gpus_per_node > 1 else 0) * slot + (nodes - 1) * s.Smax) * (slots - 1) * s.wb
         notes.append(f"runtime.grad_slots = 1 (--grad-slots 1) would free {fmt_bytes(saved)} of host per node (a GPU "
                      f"then waits for each sum before it returns its next gradient)")
     if gpus_per_node > 1 and not generate and terms.get("host_dram", 0) >= max(terms["h2d"], terms["compute"]):
-        notes.append(f"the node's DRAM binds: {gpus_per_node} GPUs read {fmt_bytes(gpus_per_node * h2d)} of weights "
+        notes.append(f"the node's DRAM binds: {gpus_per_node} GPUs read {fmt_bytes(gpus_per_node * tr.h2d)} of weights "
                      f"per step over their links, all from the same DRAM ({dram_gbps:g} GB/s, --dram-gbps), "
                      f"beside the gradient sum and AdamW; micro-batches (--micro-batches) spread them over more "
                      f"compute")
+    return notes
+
+
+def _assemble(cfg: Config, s: _Sizes, mem: _Memory, tr: _Traffic, timing: _Timing, fit: _Fit, notes: list[str], *,
+              w_dtype: str, pcie_gbps: float, dram_gbps: float, device_tflops: float, ram_gb: float | None,
+              gpu_gb: float | None, generate: bool, sample_steps: int,
+              requested_clip: tuple[int, int, int] | None, gpus_per_node: int, nodes: int) -> Plan:
+    """The ``Plan`` of the steps' results."""
     clip = (cfg.data.num_frames, cfg.data.height, cfg.data.width)
+    terms, sched, parts = timing.terms, timing.sched, mem.parts
     return Plan(
         mode="generate" if generate else "train", preset=cfg.preset, attention=cfg.attention.kind,
-        w_dtype=w_dtype, batch_size=B, frames=clip[0], height=clip[1], width=clip[2],
+        w_dtype=w_dtype, batch_size=s.B, frames=clip[0], height=clip[1], width=clip[2],
         requested_clip=tuple(requested_clip or clip), latent_space=cfg.latent_space,
         latent_grid=tuple(cfg.latent_grid), in_channels=cfg.model.in_channels,
-        token_grid=tuple(cfg.token_grid), tokens_per_sample=N, tokens_per_step=tokens * gpus_per_node * nodes,
-        token_chunk=chunk,
-        attention_chunk_tokens=Q,
-        experts=num_experts(cfg), params=P, params_per_token=p_tok, params_offset_heads=p_offsets, num_shards=len(counts),
-        largest_shard=largest, largest_shard_params=Smax,
-        host_bytes=host, host_state_bytes=state, host_state_bytes_per_param=wb if generate else wb + 12,
-        moment_bytes=host.get("m", 0) + host.get("v", 0), scratch_bytes=scratch, host_store_bytes=store,
-        host_offloaded_bytes=parts["offloaded_checkpoints"], host_reserve_bytes=reserve,
+        token_grid=tuple(cfg.token_grid), tokens_per_sample=s.N, tokens_per_step=s.tokens * gpus_per_node * nodes,
+        token_chunk=s.chunk, attention_chunk_tokens=mem.Q,
+        experts=num_experts(cfg), params=s.P, params_per_token=s.p_tok, params_offset_heads=s.p_offsets,
+        num_shards=len(s.counts), largest_shard=s.largest, largest_shard_params=s.Smax,
+        host_bytes=mem.host, host_state_bytes=mem.state, host_state_bytes_per_param=s.wb if generate else s.wb + 12,
+        moment_bytes=mem.host.get("m", 0) + mem.host.get("v", 0), scratch_bytes=mem.scratch,
+        host_store_bytes=mem.store, host_offloaded_bytes=parts["offloaded_checkpoints"],
+        host_reserve_bytes=fit.reserve,
         prefetch_depth=staged_shards(cfg) - 1, offload_keep=0 if generate else offload_keep(cfg),
-        device_shard_bytes=shard_bytes, activation_parts=parts,
-        block_terms=block_terms, activation_bytes=act_totals, activation_variant=variant,
-        device_activation_bytes=act_totals[variant],
-        h2d_bytes=h2d, d2h_bytes=d2h, adamw_bytes_per_param=adamw_pp, adamw_store_bytes_per_param=adamw_store_pp,
-        adamw_compiled_bytes_per_param=adamw_pp,
-        adamw_dram_bytes=adamw_bytes, flops_6pt=flops_6pt, flops_linear=flops_linear,
-        flops_attention=flops_attention, flops_recompute=flops_recompute, flops_executed=flops_executed,
+        device_shard_bytes=mem.shard_bytes, activation_parts=parts,
+        block_terms=mem.block_terms, activation_bytes=mem.act_totals, activation_variant=mem.variant,
+        device_activation_bytes=mem.act_totals[mem.variant],
+        h2d_bytes=tr.h2d, d2h_bytes=tr.d2h, adamw_bytes_per_param=tr.adamw_pp,
+        adamw_store_bytes_per_param=tr.adamw_store_pp, adamw_compiled_bytes_per_param=tr.adamw_pp,
+        adamw_dram_bytes=tr.adamw_bytes, flops_6pt=tr.flops_6pt, flops_linear=tr.flops_linear,
+        flops_attention=tr.flops_attention, flops_recompute=tr.flops_recompute, flops_executed=tr.flops_executed,
         pcie_gbps=pcie_gbps, dram_gbps=dram_gbps, device_tflops=device_tflops, time_terms=terms,
-        step_floor_s=terms[binding], binding=binding, sample_steps=sample_steps if generate else 0,
-        ram_gb=ram_gb, gpu_gb=gpu_gb, host_required_bytes=host_required, device_required_bytes=device_required,
-        host_terms=host_terms, device_terms=device_terms,
-        fits_host=fits_host, fits_device=fits_device, host_shortfall_bytes=host_short,
-        device_shortfall_bytes=device_short, notes=tuple(notes),
-        gpus_per_node=gpus_per_node, nodes=nodes, micro_batches=micro,
-        global_batch=gpus_per_node * nodes * micro * B, transfer_compute_ratio=terms["h2d"] / terms["compute"],
-        scale=scale, resident_shards=tuple(resident), resident_bytes=resident_bytes,
+        step_floor_s=terms[timing.binding], binding=timing.binding, sample_steps=sample_steps if generate else 0,
+        ram_gb=ram_gb, gpu_gb=gpu_gb, host_required_bytes=fit.host_required,
+        device_required_bytes=fit.device_required, host_terms=fit.host_terms, device_terms=fit.device_terms,
+        fits_host=fit.fits_host, fits_device=fit.fits_device, host_shortfall_bytes=fit.host_short,
+        device_shortfall_bytes=fit.device_short, notes=tuple(notes),
+        gpus_per_node=gpus_per_node, nodes=nodes, micro_batches=s.micro,
+        global_batch=gpus_per_node * nodes * s.micro * s.B, transfer_compute_ratio=terms["h2d"] / terms["compute"],
+        scale=timing.scale, resident_shards=tuple(mem.resident), resident_bytes=mem.resident_bytes,
         step_s=sched.seconds if sched else 0.0, step_off_s=sched.off_seconds if sched else 0.0,
         step_binding=sched.binding if sched else "",
     )
@@ -411,7 +545,7 @@ def _notes(cfg: Config, generate: bool, wb: int, P: int, parts: dict[str, int], 
                      "the dk and dv of the queries with an offset past 3 tokens by float atomics (in the "
                      "adaptation study 4-9% of them); attention.max_offset 1.5 with "
                      "attention.offset_bound clamp (the GPU presets' setting) keeps every pass on tensor cores "
-                     "(benchmarks/RESULTS.md: what the bound costs in held-out loss)")
+                     "(docs/dsa.md, the bound a call runs at: what the bound costs in held-out loss)")
     if a.kind == "dense":
         notes.append("dense assumes flash/SDPA on the device; a materialised N^2 score matrix would need "
                      f"{fmt_bytes(act_totals['dense_materialised'])} of activations")
