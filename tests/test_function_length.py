@@ -16,10 +16,6 @@ ALLOWED: dict[str, str] = {
     "megaslide_ray/planning/estimate.py:plan": "the planner's terms (issue 49)",
     "megaslide_ray/data/latent_cache.py:precompute": "the image-to-video precompute",
     "megaslide_ray/evaluation/sampling.py:sample_video": "the samples work",
-    "kernels/dsa_triton.py:_dsa_bwd": "the attention kernels",
-    "kernels/dsa_triton_pull.py:_dsa_pull_dkv": "the attention kernels",
-    "kernels/dsa_triton_halo.py:_dsa_halo_bwd": "the attention kernels",
-    "kernels/dsa_cost.py:halo_costs": "the attention kernels",
 }
 
 
