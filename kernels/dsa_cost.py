@@ -251,7 +251,8 @@ class _HaloWork:
         self.window, self.dtype_bytes, self.issue = window, dtype_bytes, issue
         self.kt, self.kh, self.kw = kt, kh, kw = window
         self.K = kt * kh * kw
-        self.N, self.d, self.e = N, d, e = math.prod(grid), head_dim, dtype_bytes
+        self.N, self.d, self.e = math.prod(grid), head_dim, dtype_bytes
+        d, e = head_dim, dtype_bytes
         elo, ehi = pull_span(bound)
         span = elo + ehi + 1
         worst = min(span, T) * min(span, H)
