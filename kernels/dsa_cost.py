@@ -236,6 +236,77 @@ def pull_costs(grid, window, head_dim: int, bound: float, dtype_bytes: int = 2, 
     return [query_side, key_side]
 
 
+class _HaloWork:
+    """The halo passes' shared terms for one head at one bound (``halo_costs``): the launchers'
+    config, the tiles and their (tile, group) visits, a row's dot and bytes, the lane operations per
+    group and per row, and the key rows a window row's samples touch (``r``; ``r_grad`` with the
+    rows the offsets' gradient reaches)."""
+
+    def __init__(self, grid, window, head_dim: int, bound: float, rows: int | None, dtype_bytes: int, issue: bool):
+        from .dsa_triton_halo import halo_config  # lazy: imports triton
+        from .dsa_triton_pull import pull_span  # lazy: imports triton
+
+        T, H, W = grid
+        self.H = H
+        self.window, self.dtype_bytes, self.issue = window, dtype_bytes, issue
+        self.kt, self.kh, self.kw = kt, kh, kw = window
+        self.K = kt * kh * kw
+        self.N, self.d, self.e = math.prod(grid), head_dim, dtype_bytes
+        d, e = head_dim, dtype_bytes
+        elo, ehi = pull_span(bound)
+        span = elo + ehi + 1
+        worst = min(span, T) * min(span, H)
+        self.r = r = worst if rows is None else min(rows, worst)
+        self.r_grad = min(worst, 4 * r)  # the upper corners' rows: up to twice per axis
+        self.cfg = cfg = halo_config(d, window, elo, ehi, hw=(H, W))
+        self.bxp, self.xp, self.kwp, self.up = bxp, xp, kwp, up = cfg["BXP"], cfg["XP"], cfg["KWP"], cfg["UP"]
+        bx, ry = cfg["BX"], cfg["RY"]
+        self.ry = ry
+        self.visits = T * math.ceil(H / ry) * math.ceil(W / bx) * kt * kh  # (tile, group) pairs
+        self.dot = 2.0 * bxp * xp * d
+        self.row_bytes = xp * d * e
+        self.group_lane = 60 * bxp * kwp
+        self.band_lane = kw * (4 * bxp * kwp + 6 * bxp * up) + 4 * bxp * xp
+        self.row = d * e
+        self.tiles = self.visits // (kt * kh)
+        self.frames = min(span, T)
+        self.shape = {"XP": xp, "KWP": kwp, "RY": ry}
+
+    def widen(self, rows_, extra=0):
+        """A group's key rows: a tile's RY image rows reach RY - 1 more per frame."""
+        return self.frames * min(self.H, extra + self.ry - 1 + rows_ / self.frames)
+
+    def cost(self, name, tc, lane, l1, dram, rows_run, consts, warps, groups=None):
+        """One pass's ``Cost``, its issue slots from the issue table where it has the config."""
+        groups = self.kh if groups is None else groups
+        slots = None
+        key = issue_key(name, self.d, self.window, consts, warps)
+        if self.issue and self.dtype_bytes == 2:
+            # kw: the rows pass's slot loop (no BAND3)
+            slots = issue_slots(key, self.tiles, (self.kt, groups, self.frames, rows_run / self.frames, self.kw))
+        return Cost(name, self.N, self.K, self.d, fma_flops=2.0 * lane, tc_flops=tc, dram_bytes=dram, l1_bytes=l1,
+                    atomic_bytes=0.0, issue=slots, blocks_per_sm=issue_blocks(key))
+
+    def grouped(self, name, gy, rows, dots, lane_per_row, l1_per_row, dram, warps):
+        """The scores pass and the backward's two sweeps take GY window rows a group: a group's key rows
+        are its frames times the rows its GY window rows reach (each window row's r / frames, widened
+        by the GY - 1 rows between them)."""
+        kh = self.kh
+        blocks = [min(gy, kh - j) for j in range(0, kh, gy)]
+        r_gy = sum(self.widen(rows, b - 1) for b in blocks) / len(blocks)  # key rows a group, on average
+        v = self.visits * len(blocks) // kh
+        return self.cost(name, v * r_gy * dots * self.dot, v * (gy * self.group_lane + r_gy * lane_per_row * gy),
+                         v * r_gy * l1_per_row, dram, r_gy, dict(self.shape, GY=gy), warps, len(blocks))
+
+    def rows_pass(self, name):
+        """The output and dq: the same rows pass, over v and over k."""
+        N, K, e, row, visits = self.N, self.K, self.e, self.row, self.visits
+        r_rows = self.widen(self.r)
+        return self.cost(name, visits * r_rows * self.dot, visits * (self.group_lane + r_rows * self.band_lane),
+                         visits * r_rows * self.row_bytes, N * (row + 3 * K * e + 4 * K) + N * row, r_rows,
+                         dict(self.shape, UP=self.up), self.cfg["rows_warps"])
+
+
 def halo_costs(grid, window, head_dim: int, bound: float, rows: int | None = None, dtype_bytes: int = 2,
                issue: bool = True) -> dict:
     """The halo kernels (``dsa_triton_halo``) for one head: ``{"fwd": [scores, out], "bwd": [the
@@ -264,69 +335,18 @@ def halo_costs(grid, window, head_dim: int, bound: float, rows: int | None = Non
     being the ``KT`` x ``ceil(KH / GY)`` groups, then the touched rows' frames and rows (``r`` rows: frames
     ``min(span, T)``, ``r`` over that rows each; the backward's query side at ``r_grad`` rows), then
     (the rows pass without ``BAND3``) the ``KW`` slots."""
-    from .dsa_triton_halo import halo_config  # lazy: imports triton
-    from .dsa_triton_pull import pull_span  # lazy: imports triton
-
-    T, H, W = grid
-    kt, kh, kw = window
-    K = kt * kh * kw
-    N, d, e = math.prod(grid), head_dim, dtype_bytes
-    elo, ehi = pull_span(bound)
-    span = elo + ehi + 1
-    worst = min(span, T) * min(span, H)
-    r = worst if rows is None else min(rows, worst)
-    r_grad = min(worst, 4 * r)  # the upper corners' rows: up to twice per axis
-    cfg = halo_config(d, window, elo, ehi, hw=(H, W))
-    bxp, xp, kwp, up = cfg["BXP"], cfg["XP"], cfg["KWP"], cfg["UP"]
-    bx, ry = cfg["BX"], cfg["RY"]
-    visits = T * math.ceil(H / ry) * math.ceil(W / bx) * kt * kh  # (tile, group) pairs
-    dot = 2.0 * bxp * xp * d
-    row_bytes = xp * d * e
-    group_lane = 60 * bxp * kwp
-    band_lane = kw * (4 * bxp * kwp + 6 * bxp * up) + 4 * bxp * xp
-    row = d * e
-
-    tiles = visits // (kt * kh)
-    frames = min(span, T)
-
-    def widen(rows_, extra=0):  # a group's key rows: a tile's RY image rows reach RY - 1 more per frame
-        return frames * min(H, extra + ry - 1 + rows_ / frames)
-
-    def cost(name, tc, lane, l1, dram, rows_run, consts, warps, groups=kh):
-        slots = None
-        key = issue_key(name, d, window, consts, warps)
-        if issue and dtype_bytes == 2:
-            slots = issue_slots(key, tiles, (kt, groups, frames, rows_run / frames, kw))  # kw: the rows pass's slot loop (no BAND3)
-        return Cost(name, N, K, d, fma_flops=2.0 * lane, tc_flops=tc, dram_bytes=dram, l1_bytes=l1,
-                    atomic_bytes=0.0, issue=slots, blocks_per_sm=issue_blocks(key))
-
-    shape = {"XP": xp, "KWP": kwp, "RY": ry}
-    rows_shape = dict(shape, UP=up)
-    # the scores pass and the backward's two sweeps take GY window rows a group: a group's key rows
-    # are its frames times the rows its GY window rows reach (each window row's r / frames, widened
-    # by the GY - 1 rows between them)
-    def grouped(name, gy, rows, dots, lane_per_row, l1_per_row, dram, warps):
-        blocks = [min(gy, kh - j) for j in range(0, kh, gy)]
-        r_gy = sum(widen(rows, b - 1) for b in blocks) / len(blocks)  # key rows a group, on average
-        v = visits * len(blocks) // kh
-        return cost(name, v * r_gy * dots * dot, v * (gy * group_lane + r_gy * lane_per_row * gy),
-                    v * r_gy * l1_per_row, dram, r_gy, dict(shape, GY=gy), warps, len(blocks))
-
-    scores = grouped("halo_scores", cfg["scores_gy"], r, 1, 20 * bxp * kwp, row_bytes,
-                     N * (row + 3 * K * e + 4 * K + 4) + N * row, cfg["scores_warps"])
-    r_rows = widen(r)
-
-    def rows_pass(name):  # the output and dq: the same rows pass, over v and over k
-        return cost(name, visits * r_rows * dot, visits * (group_lane + r_rows * band_lane), visits * r_rows * row_bytes,
-                    N * (row + 3 * K * e + 4 * K) + N * row, r_rows, rows_shape, cfg["rows_warps"])
-
-    out = rows_pass("halo_out")
+    w = _HaloWork(grid, window, head_dim, bound, rows, dtype_bytes, issue)
+    N, K, e, row, cfg = w.N, w.K, w.e, w.row, w.cfg
+    scores = w.grouped("halo_scores", cfg["scores_gy"], w.r, 1, 20 * w.bxp * w.kwp, w.row_bytes,
+                       N * (row + 3 * K * e + 4 * K + 4) + N * row, cfg["scores_warps"])
+    out = w.rows_pass("halo_out")
     # the backward's query side: sweep v (dO V_row^T) and sweep k (q K_row^T, the records), over the
     # rows the corners touch or whose weight's derivative reaches
-    sweeps = [grouped(name, gy, r_grad, 1, 30 * bxp * kwp, row_bytes + bxp * d * e, dram, cfg["bwd_warps"])
+    sweeps = [w.grouped(name, gy, w.r_grad, 1, 30 * w.bxp * w.kwp, w.row_bytes + w.bxp * w.d * e, dram,
+                        cfg["bwd_warps"])
               for name, gy, dram in (("halo_bwd_v", cfg["bwd_gy"][0], N * (2 * row + 3 * K * e + 16 * K)),
                                      ("halo_bwd_k", cfg["bwd_gy"][1], N * (row + 6 * K * e + 36 * K + 4)))]
-    return {"fwd": [scores, out], "bwd": [*sweeps, rows_pass("halo_dq")]}
+    return {"fwd": [scores, out], "bwd": [*sweeps, w.rows_pass("halo_dq")]}
 
 
 def span_class(bound: float) -> tuple[float, str]:

@@ -232,6 +232,97 @@ def _scatter_sample(DK, DV, acc_base, cols, mask2, row_stride, ds, a, q, do, t0,
 
 
 @triton.jit
+def _query_block(pid_m, pid_bh, N, T, H, W, NH, NK, Q0, HEAD_DIM: tl.constexpr, KT: tl.constexpr,
+                 KH: tl.constexpr, KW: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr):
+    """Block ``pid_m`` of ``BLOCK_M`` queries of (batch, head) ``pid_bh``: where its q and k rows start,
+    the queries' tokens, columns and masks, and their window starts (shifted inward at borders)."""
+    b = pid_bh // NH
+    h = pid_bh % NH
+    row_stride = NH * HEAD_DIM
+    head_base = b.to(tl.int64) * N * row_stride + h * HEAD_DIM  # q, out, dout, dq rows
+    kv_base = b.to(tl.int64) * NK * row_stride + h * HEAD_DIM  # k, v, dk, dv rows
+
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    cols = tl.arange(0, BLOCK_D)
+    mask_m = offs_m < N
+    mask2 = mask_m[:, None] & (cols[None, :] < HEAD_DIM)
+
+    t = Q0 + offs_m // (H * W)  # frame on the whole grid
+    y = (offs_m // W) % H
+    x = offs_m % W
+    st = tl.minimum(tl.maximum(t - KT // 2, 0), T - KT)
+    sy = tl.minimum(tl.maximum(y - KH // 2, 0), H - KH)
+    sx = tl.minimum(tl.maximum(x - KW // 2, 0), W - KW)
+    return b, h, row_stride, head_base, kv_base, offs_m, cols, mask_m, mask2, st, sy, sx
+
+
+@triton.jit
+def _record_position(rec_row, j, N, KS: tl.constexpr, mask_m, beyond, t0, wt, bt, y0, wy, by, x0, wx, bx, ELO, EHI):
+    """The pull mode's position fields of slot ``j``'s records (the clamped position per axis), and
+    ``beyond`` updated: whether a sample's corners leave where the key-side pass looks."""
+    tl.store(rec_row + j * N, t0.to(tl.float32) + wt, mask=mask_m)
+    tl.store(rec_row + (KS + j) * N, y0.to(tl.float32) + wy, mask=mask_m)
+    tl.store(rec_row + (2 * KS + j) * N, x0.to(tl.float32) + wx, mask=mask_m)
+    beyond |= _past_bound(t0, wt, bt, ELO, EHI) | _past_bound(y0, wy, by, ELO, EHI)
+    beyond |= _past_bound(x0, wx, bx, ELO, EHI)
+    return beyond
+
+
+@triton.jit
+def _corner_sums(Kx, V, kv_base, cols, mask2, row_stride, q, do, t0, t1, wt, y0, y1, wy, x0, x1, wx, H, W,
+                 BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr):
+    """One sample recomputed, one corner per iteration (a run-time loop: one corner's rows in flight).
+    Per corner c: q.k_c and do.v_c; their weighted sums give the sample's score and do.v_j;
+    the offsets' gradient is linear in e_c = ds q.k_c + a do.v_c, so its three
+    components are kept as sums of q.k_c and of do.v_c weighted by the derivative of the
+    corner's weight along each axis (+-1 times the other two axes' weights). Returns
+    ``(q.k_j, do.v_j, the q.k_c sums along t, y, x, the do.v_c sums along t, y, x, k_j)``."""
+    qk = tl.zeros([BLOCK_M], dtype=tl.float32)
+    dov = tl.zeros([BLOCK_M], dtype=tl.float32)
+    qt = tl.zeros([BLOCK_M], dtype=tl.float32)
+    qy = tl.zeros([BLOCK_M], dtype=tl.float32)
+    qx = tl.zeros([BLOCK_M], dtype=tl.float32)
+    vt = tl.zeros([BLOCK_M], dtype=tl.float32)
+    vy = tl.zeros([BLOCK_M], dtype=tl.float32)
+    vx = tl.zeros([BLOCK_M], dtype=tl.float32)
+    k_j = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+    for c in tl.range(0, 8, loop_unroll_factor=1):
+        tok, w = _corner(c, t0, t1, wt, y0, y1, wy, x0, x1, wx, H, W)
+        ct = (c // 4) % 2
+        cy = (c // 2) % 2
+        cx = c % 2
+        at = tl.where(ct == 1, wt, 1.0 - wt)
+        ay = tl.where(cy == 1, wy, 1.0 - wy)
+        ax = tl.where(cx == 1, wx, 1.0 - wx)
+        k_c = _gather(Kx, kv_base, tok, cols, mask2, row_stride)
+        qk_c = tl.sum(q * k_c, axis=1)
+        dv_c = tl.sum(do * _gather(V, kv_base, tok, cols, mask2, row_stride), axis=1)
+        k_j += w[:, None] * k_c
+        qk += w * qk_c
+        dov += w * dv_c
+        gt = tl.where(ct == 1, 1.0, -1.0) * ay * ax
+        gy = tl.where(cy == 1, 1.0, -1.0) * at * ax
+        gx = tl.where(cx == 1, 1.0, -1.0) * at * ay
+        qt += gt * qk_c
+        vt += gt * dv_c
+        qy += gy * qk_c
+        vy += gy * dv_c
+        qx += gx * qk_c
+        vx += gx * dv_c
+    return qk, dov, qt, qy, qx, vt, vy, vx, k_j
+
+
+@triton.jit
+def _store_doff(doff_ptr, mask_m, in_t, in_y, in_x, ds, a, qt, qy, qx, vt, vy, vx):
+    """d(position) of one slot: sum_c (d weight_c / d p) e_c, e_c = ds q.k_c + a do.v_c, zeroed along
+    an axis where the position was clamped."""
+    out_ty = doff_ptr.dtype.element_ty
+    tl.store(doff_ptr + 0, tl.where(in_t, ds * qt + a * vt, 0.0).to(out_ty), mask=mask_m)
+    tl.store(doff_ptr + 1, tl.where(in_y, ds * qy + a * vy, 0.0).to(out_ty), mask=mask_m)
+    tl.store(doff_ptr + 2, tl.where(in_x, ds * qx + a * vx, 0.0).to(out_ty), mask=mask_m)
+
+
+@triton.jit
 def _dsa_bwd(
     Q, Kx, V, OFF, OUT, DOUT, LSE,
     DQ, DK, DV, DOFF, REC,
@@ -248,24 +339,9 @@ def _dsa_bwd(
 ):
     pid_m = tl.program_id(0)
     pid_bh = BH0 + tl.program_id(1)
-    b = pid_bh // NH
-    h = pid_bh % NH
     KS: tl.constexpr = KT * KH * KW
-    row_stride = NH * HEAD_DIM
-    head_base = b.to(tl.int64) * N * row_stride + h * HEAD_DIM  # q, out, dout, dq rows
-    kv_base = b.to(tl.int64) * NK * row_stride + h * HEAD_DIM  # k, v, dk, dv rows
-
-    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    cols = tl.arange(0, BLOCK_D)
-    mask_m = offs_m < N
-    mask2 = mask_m[:, None] & (cols[None, :] < HEAD_DIM)
-
-    t = Q0 + offs_m // (H * W)  # frame on the whole grid
-    y = (offs_m // W) % H
-    x = offs_m % W
-    st = tl.minimum(tl.maximum(t - KT // 2, 0), T - KT)
-    sy = tl.minimum(tl.maximum(y - KH // 2, 0), H - KH)
-    sx = tl.minimum(tl.maximum(x - KW // 2, 0), W - KW)
+    b, h, row_stride, head_base, kv_base, offs_m, cols, mask_m, mask2, st, sy, sx = _query_block(
+        pid_m, pid_bh, N, T, H, W, NH, NK, Q0, HEAD_DIM, KT, KH, KW, BLOCK_M, BLOCK_D)
 
     q = _gather(Q, head_base, offs_m, cols, mask2, row_stride)
     do = _gather(DOUT, head_base, offs_m, cols, mask2, row_stride)
@@ -290,50 +366,12 @@ def _dsa_bwd(
         y0, y1, wy, in_y = _axis_position(OFF + off_row + j * 3 + 1, mask_m, sy + jy, H)
         x0, x1, wx, in_x = _axis_position(OFF + off_row + j * 3 + 2, mask_m, sx + jx, W)
         if PULL:  # the sample's clamped position, and whether its corners stay where the pull looks
-            tl.store(rec_row + j * N, t0.to(tl.float32) + wt, mask=mask_m)
-            tl.store(rec_row + (KS + j) * N, y0.to(tl.float32) + wy, mask=mask_m)
-            tl.store(rec_row + (2 * KS + j) * N, x0.to(tl.float32) + wx, mask=mask_m)
-            beyond |= _past_bound(t0, wt, st + jt, ELO, EHI) | _past_bound(y0, wy, sy + jy, ELO, EHI)
-            beyond |= _past_bound(x0, wx, sx + jx, ELO, EHI)
+            beyond = _record_position(rec_row, j, N, KS, mask_m, beyond, t0, wt, st + jt, y0, wy, sy + jy,
+                                      x0, wx, sx + jx, ELO, EHI)
         t0 = tl.minimum(tl.maximum(t0 - K0, 0), TK - 1)  # whole-grid frame -> held frame
         t1 = tl.minimum(tl.maximum(t1 - K0, 0), TK - 1)
-        # -- recompute, one corner per iteration (a run-time loop: one corner's rows in flight).
-        # Per corner c: q.k_c and do.v_c; their weighted sums give the sample's score and do.v_j;
-        # the offsets' gradient is linear in e_c = ds q.k_c + a do.v_c, so its three
-        # components are kept as sums of q.k_c and of do.v_c weighted by the derivative of the
-        # corner's weight along each axis (+-1 times the other two axes' weights).
-        qk = tl.zeros([BLOCK_M], dtype=tl.float32)
-        dov = tl.zeros([BLOCK_M], dtype=tl.float32)
-        qt = tl.zeros([BLOCK_M], dtype=tl.float32)
-        qy = tl.zeros([BLOCK_M], dtype=tl.float32)
-        qx = tl.zeros([BLOCK_M], dtype=tl.float32)
-        vt = tl.zeros([BLOCK_M], dtype=tl.float32)
-        vy = tl.zeros([BLOCK_M], dtype=tl.float32)
-        vx = tl.zeros([BLOCK_M], dtype=tl.float32)
-        k_j = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
-        for c in tl.range(0, 8, loop_unroll_factor=1):
-            tok, w = _corner(c, t0, t1, wt, y0, y1, wy, x0, x1, wx, H, W)
-            ct = (c // 4) % 2
-            cy = (c // 2) % 2
-            cx = c % 2
-            at = tl.where(ct == 1, wt, 1.0 - wt)
-            ay = tl.where(cy == 1, wy, 1.0 - wy)
-            ax = tl.where(cx == 1, wx, 1.0 - wx)
-            k_c = _gather(Kx, kv_base, tok, cols, mask2, row_stride)
-            qk_c = tl.sum(q * k_c, axis=1)
-            dv_c = tl.sum(do * _gather(V, kv_base, tok, cols, mask2, row_stride), axis=1)
-            k_j += w[:, None] * k_c
-            qk += w * qk_c
-            dov += w * dv_c
-            gt = tl.where(ct == 1, 1.0, -1.0) * ay * ax
-            gy = tl.where(cy == 1, 1.0, -1.0) * at * ax
-            gx = tl.where(cx == 1, 1.0, -1.0) * at * ay
-            qt += gt * qk_c
-            vt += gt * dv_c
-            qy += gy * qk_c
-            vy += gy * dv_c
-            qx += gx * qk_c
-            vx += gx * dv_c
+        qk, dov, qt, qy, qx, vt, vy, vx, k_j = _corner_sums(Kx, V, kv_base, cols, mask2, row_stride, q, do, t0, t1, wt,
+                                                            y0, y1, wy, x0, x1, wx, H, W, BLOCK_M, BLOCK_D)
 
         # -- probabilities from the saved log-sum-exp; softmax backward
         a = tl.math.exp2(qk * qk_scale - lse)
@@ -354,13 +392,7 @@ def _dsa_bwd(
         else:  # dk, dv: scatter to the 8 corners (fp32 atomics: other queries sample the same rows)
             _scatter_sample(DK, DV, (pid_bh - BH0).to(tl.int64) * NK * HEAD_DIM, cols, mask2, HEAD_DIM,
                             ds, a, q, do, t0, t1, wt, y0, y1, wy, x0, x1, wx, H, W)
-
-        # -- d(position): sum_c (d weight_c / d p) e_c, e_c = ds q.k_c + a do.v_c
-        doff_ptr = DOFF + off_row + j * 3
-        out_ty = DOFF.dtype.element_ty
-        tl.store(doff_ptr + 0, tl.where(in_t, ds * qt + a * vt, 0.0).to(out_ty), mask=mask_m)
-        tl.store(doff_ptr + 1, tl.where(in_y, ds * qy + a * vy, 0.0).to(out_ty), mask=mask_m)
-        tl.store(doff_ptr + 2, tl.where(in_x, ds * qx + a * vx, 0.0).to(out_ty), mask=mask_m)
+        _store_doff(DOFF + off_row + j * 3, mask_m, in_t, in_y, in_x, ds, a, qt, qy, qx, vt, vy, vx)
 
     if PULL:  # refused in-band: the key-side pass would miss this query's far corners
         if SPLIT:  # (the flagged queries' were scattered)

@@ -402,6 +402,64 @@ def _dsa_halo_rows(
 
 
 @triton.jit
+def _sweep_rows(Q, Kx, V, DOUT, kv_base, row_ptr, row_mask, t0, ft, y0, fy, g01, t_lo, t_hi2, y_lo, y_hi2, TUP, H,
+                W, cx0, row_stride, HEAD_DIM: tl.constexpr, BXP: tl.constexpr, XP: tl.constexpr, BLOCK_D: tl.constexpr,
+                GC: tl.constexpr, SWEEP: tl.constexpr, IEEE: tl.constexpr, WIDEN: tl.constexpr):
+    """One group's sweep over the key rows ``[t_lo, t_hi2] x [y_lo, y_hi2]``: per row one dot (``dO
+    V_row^T`` at sweep 0, ``q K_row^T`` at sweep 1), both x corners of every slot picked by one
+    gather, summed weighted by the ``t``, ``y`` tents' product (``sw``), by the ``t`` tent's
+    derivative times the ``y`` tent (``st_``) and by the ``t`` tent times the ``y`` tent's
+    derivative (``sy_``), each ``(BXP, 2 GC)``."""
+    sw = tl.zeros([BXP, 2 * GC], dtype=tl.float32)  # tents' product
+    st_ = tl.zeros([BXP, 2 * GC], dtype=tl.float32)  # t tent's derivative
+    sy_ = tl.zeros([BXP, 2 * GC], dtype=tl.float32)  # y tent's derivative
+    for tr in tl.range(t_lo, t_hi2 + 1, loop_unroll_factor=1):
+        wt = _row_tent(t0, _upper(t0, TUP), ft, tr)
+        dwt = tl.where(_upper(t0, TUP) == tr, 1.0, 0.0) - tl.where(t0 == tr, 1.0, 0.0)
+        for yr in tl.range(y_lo, y_hi2 + 1, loop_unroll_factor=1):
+            wy = _row_tent(y0, _upper(y0, H - 1), fy, yr)
+            dwy = tl.where(_upper(y0, H - 1) == yr, 1.0, 0.0) - tl.where(y0 == yr, 1.0, 0.0)
+            if SWEEP == 0:
+                row = _row_dot(tl.load(DOUT + row_ptr, mask=row_mask, other=0.0), V, kv_base, tr,
+                               yr, H, W, cx0, row_stride, HEAD_DIM, XP, BLOCK_D, IEEE, WIDEN)
+            else:
+                row = _row_dot(tl.load(Q + row_ptr, mask=row_mask, other=0.0), Kx, kv_base, tr, yr,
+                               H, W, cx0, row_stride, HEAD_DIM, XP, BLOCK_D, IEEE, WIDEN)
+            e = tl.gather(row, g01, axis=1)
+            sw += _pairs(wt * wy, wt * wy) * e
+            st_ += _pairs(dwt * wy, dwt * wy) * e
+            sy_ += _pairs(wt * dwy, wt * dwy) * e
+    return sw, st_, sy_
+
+
+@triton.jit
+def _sweep1_records(OFF, DOFF, off_row, rec, FIELD, blend, et, ey, ex, ok, slot_ok, lse, qk_scale, j, jt, jy, col,
+                    st, sy, sx, T, H, W, KW: tl.constexpr):
+    """Sweep 1's results for one group: ``a`` from the score ``blend``, the offsets' gradient (sweep
+    0's terms, parked in the records' first four fields, plus ``cs`` times this sweep's) and the
+    records' final values ``(p_t, p_y, p_x, ds, a)`` over what sweep 0 parked."""
+    a = tl.where(ok, tl.math.exp2(blend * qk_scale - lse[:, None]), 0.0)
+    cs = tl.load(rec, mask=slot_ok, other=0.0)
+    et = tl.load(rec + FIELD, mask=slot_ok, other=0.0) + cs * et
+    ey = tl.load(rec + 2 * FIELD, mask=slot_ok, other=0.0) + cs * ey
+    ex = tl.load(rec + 3 * FIELD, mask=slot_ok, other=0.0) + cs * ex
+    tl.debug_barrier()  # every thread's loads are done before the records' final values overwrite them
+    tl.store(rec + 3 * FIELD, a * cs, mask=slot_ok)
+    tl.store(rec + 4 * FIELD, a, mask=slot_ok)
+    in_t, in_y, in_x, pt, py, px = _inside(OFF, off_row, slot_ok, j, st + jt,
+                                           sy + (jy + col // KW)[None, :],
+                                           sx[:, None] + (col % KW)[None, :], T, H, W)
+    doff = DOFF + off_row[:, None] + j[None, :] * 3
+    out_ty = DOFF.dtype.element_ty
+    tl.store(doff + 0, tl.where(in_t, a * et, 0.0).to(out_ty), mask=slot_ok)
+    tl.store(doff + 1, tl.where(in_y, a * ey, 0.0).to(out_ty), mask=slot_ok)
+    tl.store(doff + 2, tl.where(in_x, a * ex, 0.0).to(out_ty), mask=slot_ok)
+    tl.store(rec, pt, mask=slot_ok)
+    tl.store(rec + FIELD, py, mask=slot_ok)
+    tl.store(rec + 2 * FIELD, px, mask=slot_ok)
+
+
+@triton.jit
 def _dsa_halo_bwd(
     Q, Kx, V, OFF, OUT, DOUT, LSE, DOFF, REC,
     qk_scale, sm_scale,
@@ -452,25 +510,9 @@ def _dsa_halo_bwd(
             t_hi2 = tl.max(tl.max(_upper(t0, TUP), axis=1), axis=0)  # every upper corner: its weight's derivative is 1
             y_hi2 = tl.max(tl.max(tl.where(ok, _upper(y0, H - 1), -1), axis=1), axis=0)
             g01 = _pairs(g0, _upper(g0, GUP))
-            sw = tl.zeros([BXP, 2 * GC], dtype=tl.float32)  # tents' product
-            st_ = tl.zeros([BXP, 2 * GC], dtype=tl.float32)  # t tent's derivative
-            sy_ = tl.zeros([BXP, 2 * GC], dtype=tl.float32)  # y tent's derivative
-            for tr in tl.range(t_lo, t_hi2 + 1, loop_unroll_factor=1):
-                wt = _row_tent(t0, _upper(t0, TUP), ft, tr)
-                dwt = tl.where(_upper(t0, TUP) == tr, 1.0, 0.0) - tl.where(t0 == tr, 1.0, 0.0)
-                for yr in tl.range(y_lo, y_hi2 + 1, loop_unroll_factor=1):
-                    wy = _row_tent(y0, _upper(y0, H - 1), fy, yr)
-                    dwy = tl.where(_upper(y0, H - 1) == yr, 1.0, 0.0) - tl.where(y0 == yr, 1.0, 0.0)
-                    if SWEEP == 0:
-                        row = _row_dot(tl.load(DOUT + row_ptr, mask=row_mask, other=0.0), V, kv_base, tr,
-                                       yr, H, W, cx0, row_stride, HEAD_DIM, XP, BLOCK_D, IEEE, WIDEN)
-                    else:
-                        row = _row_dot(tl.load(Q + row_ptr, mask=row_mask, other=0.0), Kx, kv_base, tr, yr,
-                                       H, W, cx0, row_stride, HEAD_DIM, XP, BLOCK_D, IEEE, WIDEN)
-                    e = tl.gather(row, g01, axis=1)
-                    sw += _pairs(wt * wy, wt * wy) * e
-                    st_ += _pairs(dwt * wy, dwt * wy) * e
-                    sy_ += _pairs(wt * dwy, wt * dwy) * e
+            sw, st_, sy_ = _sweep_rows(Q, Kx, V, DOUT, kv_base, row_ptr, row_mask, t0, ft, y0, fy, g01, t_lo, t_hi2,
+                                       y_lo, y_hi2, TUP, H, W, cx0, row_stride, HEAD_DIM, BXP, XP, BLOCK_D, GC, SWEEP,
+                                       IEEE, WIDEN)
             xw = _pairs(1.0 - fx, fx)
             blend = _pair_sum(sw * xw, BXP, GC)
             et = _pair_sum(st_ * xw, BXP, GC)  # this sweep's terms of the offsets' gradient
@@ -483,25 +525,8 @@ def _dsa_halo_bwd(
                 tl.store(rec + 2 * KS * N, ey, mask=slot_ok)
                 tl.store(rec + 3 * KS * N, ex, mask=slot_ok)
             else:
-                a = tl.where(ok, tl.math.exp2(blend * qk_scale - lse[:, None]), 0.0)
-                cs = tl.load(rec, mask=slot_ok, other=0.0)
-                et = tl.load(rec + KS * N, mask=slot_ok, other=0.0) + cs * et
-                ey = tl.load(rec + 2 * KS * N, mask=slot_ok, other=0.0) + cs * ey
-                ex = tl.load(rec + 3 * KS * N, mask=slot_ok, other=0.0) + cs * ex
-                tl.debug_barrier()  # every thread's loads are done before the records' final values overwrite them
-                tl.store(rec + 3 * KS * N, a * cs, mask=slot_ok)
-                tl.store(rec + 4 * KS * N, a, mask=slot_ok)
-                in_t, in_y, in_x, pt, py, px = _inside(OFF, off_row, slot_ok, j, st + jt,
-                                                       sy + (jy + col // KW)[None, :],
-                                                       sx[:, None] + (col % KW)[None, :], T, H, W)
-                doff = DOFF + off_row[:, None] + j[None, :] * 3
-                out_ty = DOFF.dtype.element_ty
-                tl.store(doff + 0, tl.where(in_t, a * et, 0.0).to(out_ty), mask=slot_ok)
-                tl.store(doff + 1, tl.where(in_y, a * ey, 0.0).to(out_ty), mask=slot_ok)
-                tl.store(doff + 2, tl.where(in_x, a * ex, 0.0).to(out_ty), mask=slot_ok)
-                tl.store(rec, pt, mask=slot_ok)
-                tl.store(rec + KS * N, py, mask=slot_ok)
-                tl.store(rec + 2 * KS * N, px, mask=slot_ok)
+                _sweep1_records(OFF, DOFF, off_row, rec, KS * N, blend, et, ey, ex, ok, slot_ok, lse, qk_scale, j, jt,
+                                jy, col, st, sy, sx, T, H, W, KW)
 
 
 # -----------------------------------------------------------------------------

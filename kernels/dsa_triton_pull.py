@@ -204,6 +204,96 @@ def _split_dot(acc, g, rows, IEEE: tl.constexpr, WIDEN: tl.constexpr):
 
 
 @triton.jit
+def _key_tile(pid, H, W, K0, BX, HEAD_DIM: tl.constexpr, BXP: tl.constexpr, BLOCK_D: tl.constexpr):
+    """The program's key tile: ``BX`` keys of one held frame ``kt_l`` (``kt`` on the whole grid) and
+    row ``ky`` from column ``x0``, on ``BXP`` rows ``nx``, with the keys' and columns' masks."""
+    tiles_x = tl.cdiv(W, BX)
+    kt_l = pid // (H * tiles_x)
+    ky = (pid // tiles_x) % H
+    x0 = (pid % tiles_x) * BX
+    kt = K0 + kt_l  # frame on the whole grid
+    nx = x0 + tl.arange(0, BXP)
+    key_ok = (tl.arange(0, BXP) < BX) & (nx < W)
+    cols = tl.arange(0, BLOCK_D)
+    col_ok = cols < HEAD_DIM
+    return kt_l, ky, x0, kt, nx, key_ok, cols, col_ok
+
+
+@triton.jit
+def _candidates(kt, ky, x0, BX, T, H, W, Q0, TQ, ELO, EHI, KT: tl.constexpr, KH: tl.constexpr, KW: tl.constexpr,
+                QXP: tl.constexpr, UP: tl.constexpr):
+    """The queries whose samples may reach the key tile: a box of rows ``[qt_lo, qt_hi] x [qy_lo,
+    qy_hi]``, each a run of ``QXP`` consecutive x (``qx``, valid where ``lane_ok``) with their window
+    starts ``sx``; ``u = arange(UP)`` and the band's key columns ``ucol`` (``(QXP, UP)`` fp32)."""
+    qt_lo, qt_hi = _reach(kt, kt, ELO, EHI, T, KT)
+    qt_lo = tl.maximum(qt_lo, Q0)
+    qt_hi = tl.minimum(qt_hi, Q0 + TQ - 1)
+    qy_lo, qy_hi = _reach(ky, ky, ELO, EHI, H, KH)
+    qy_hi = tl.minimum(qy_hi, H - 1)
+    qx_lo, qx_hi = _reach(x0, tl.minimum(x0 + BX - 1, W - 1), ELO, EHI, W, KW)
+    qx_hi = tl.minimum(qx_hi, W - 1)
+    qx = qx_lo + tl.arange(0, QXP)
+    lane_ok = qx <= qx_hi
+    sx = tl.minimum(tl.maximum(qx - KW // 2, 0), W - KW)  # the candidate queries' window starts
+    u = tl.arange(0, UP)
+    ucol = (u[None, :] + (sx - EHI)[:, None]).to(tl.float32)  # (QXP, UP): the band's key columns
+    return qt_lo, qt_hi, qy_lo, qy_hi, qx, lane_ok, sx, u, ucol
+
+
+@triton.jit
+def _row_weights(rec_base, tok, lane_ok, sx, kt, ky, x0, nx, u, ucol, jt_lo, jt_hi, jy_lo, jy_hi, N, FIELD, T, H, W,
+                 EHI, KH: tl.constexpr, KW: tl.constexpr, BXP: tl.constexpr, QXP: tl.constexpr, UP: tl.constexpr,
+                 JC: tl.constexpr, COEF: tl.constexpr, IEEE: tl.constexpr):
+    """The weights of one row's candidate queries (tokens ``tok``) on the tile's keys, ``G^T``
+    ``(BXP, QXP)``: every window slot ``(jt, jy, jx)`` of the given ranges whose records reach key
+    row ``(kt, ky)``, weighted by its ``t``, ``y`` tents and its coefficient (record field ``COEF``)
+    and split by its x tent."""
+    if IEEE:  # fp32: the weight matrix itself (the band's gather spilled at fp32)
+        g = tl.zeros([BXP, QXP], dtype=tl.float32)
+    else:  # per query: its slots' x tents on a band relative to its window, u = x - s_x + EHI
+        band = tl.zeros([QXP, UP], dtype=tl.float32)
+    for jt in tl.range(jt_lo, jt_hi + 1, loop_unroll_factor=1):
+        for jy in tl.range(jy_lo, jy_hi + 1, loop_unroll_factor=1):
+            if JC > 1:  # bf16: JC slots at once, (JC, QXP) records, their tents summed onto the band
+                for jx0 in tl.range(0, KW, JC, loop_unroll_factor=1):
+                    band = _band_add_slots(band, rec_base, ((jt * KH + jy) * KW + jx0) * N, tok, lane_ok,
+                                           (jx0 + tl.arange(0, JC)) < KW, N, FIELD, kt, ky, T, H, ucol,
+                                           COEF, JC)
+            else:  # one slot at a time
+                for jx in tl.range(0, KW, loop_unroll_factor=1):
+                    rec = rec_base + ((jt * KH + jy) * KW + jx) * N + tok
+                    w_ty = (_tent(tl.load(rec, mask=lane_ok, other=0.0), kt, T)
+                            * _tent(tl.load(rec + FIELD, mask=lane_ok, other=0.0), ky, H))
+                    w_ty = tl.where(lane_ok, w_ty, 0.0)
+                    if tl.max(w_ty, axis=0) > 0.0:  # else no sample of this slot reaches the tile's row
+                        px = tl.load(rec + 2 * FIELD, mask=lane_ok, other=0.0)
+                        c = w_ty * tl.load(rec + COEF * FIELD, mask=lane_ok, other=0.0)
+                        i0 = px.to(tl.int32)  # the x tent
+                        f = px - i0.to(tl.float32)
+                        i1 = tl.minimum(i0 + 1, W - 1)
+                        if IEEE:  # spread over the tile's keys: (BXP, QXP)
+                            g += _x_tents(i0[None, :], i1[None, :], f[None, :], c[None, :], nx[:, None])
+                        else:  # on the band: (QXP, UP), a quarter of the lanes
+                            band = _band_add(band, u, i0 - sx + EHI, i1 - sx + EHI, f, c)
+    if not IEEE:  # the band placed on the tile's keys: G^T[q, n] = band[q, n - s_x(q) + EHI]
+        g = tl.trans(_band_place4(band, (x0 + EHI - sx)[:, None], UP, BXP))  # (BXP, QXP)
+    return g
+
+
+@triton.jit
+def _store_keys(DX, ACC, acc, kv_base, rec_bh, NK, kt_l, ky, H, W, nx, key_ok, cols, col_ok, row_stride,
+                HEAD_DIM: tl.constexpr, ACCUM: tl.constexpr):
+    """The tile's sums into its keys' rows of ``DX``, in its dtype (``ACCUM``: ``ACC``'s rows added first)."""
+    key_tok = (kt_l * H + ky) * W + nx
+    out_mask = key_ok[:, None] & col_ok[None, :]
+    out_off = kv_base + key_tok.to(tl.int64)[:, None] * row_stride + cols[None, :]
+    if ACCUM:
+        acc += tl.load(ACC + (rec_bh.to(tl.int64) * NK + key_tok)[:, None] * HEAD_DIM + cols[None, :], mask=out_mask,
+                       other=0.0)
+    tl.store(DX + out_off, acc.to(DX.dtype.element_ty), mask=out_mask)
+
+
+@triton.jit
 def _dsa_pull_dkv(
     X, REC, DX,  # X: q (for dk) or dout (for dv); DX: dk or dv
     ACC,  # ACCUM: fp32 (pairs, NK, d), what the split mode's atomics summed for its flagged queries
@@ -231,30 +321,9 @@ def _dsa_pull_dkv(
     head_base = b.to(tl.int64) * N * row_stride + h * HEAD_DIM  # X rows
     kv_base = b.to(tl.int64) * NK * row_stride + h * HEAD_DIM  # DX rows
 
-    # -- the key tile: BX keys of one held frame and row
-    tiles_x = tl.cdiv(W, BX)
-    kt_l = pid // (H * tiles_x)
-    ky = (pid // tiles_x) % H
-    x0 = (pid % tiles_x) * BX
-    kt = K0 + kt_l  # frame on the whole grid
-    nx = x0 + tl.arange(0, BXP)
-    key_ok = (tl.arange(0, BXP) < BX) & (nx < W)
-    cols = tl.arange(0, BLOCK_D)
-    col_ok = cols < HEAD_DIM
-
-    # -- candidate queries: a box of rows (qt, qy), each a run of QXP consecutive x
-    qt_lo, qt_hi = _reach(kt, kt, ELO, EHI, T, KT)
-    qt_lo = tl.maximum(qt_lo, Q0)
-    qt_hi = tl.minimum(qt_hi, Q0 + TQ - 1)
-    qy_lo, qy_hi = _reach(ky, ky, ELO, EHI, H, KH)
-    qy_hi = tl.minimum(qy_hi, H - 1)
-    qx_lo, qx_hi = _reach(x0, tl.minimum(x0 + BX - 1, W - 1), ELO, EHI, W, KW)
-    qx_hi = tl.minimum(qx_hi, W - 1)
-    qx = qx_lo + tl.arange(0, QXP)
-    lane_ok = qx <= qx_hi
-    sx = tl.minimum(tl.maximum(qx - KW // 2, 0), W - KW)  # the candidate queries' window starts
-    u = tl.arange(0, UP)
-    ucol = (u[None, :] + (sx - EHI)[:, None]).to(tl.float32)  # (QXP, UP): the band's key columns
+    kt_l, ky, x0, kt, nx, key_ok, cols, col_ok = _key_tile(pid, H, W, K0, BX, HEAD_DIM, BXP, BLOCK_D)
+    qt_lo, qt_hi, qy_lo, qy_hi, qx, lane_ok, sx, u, ucol = _candidates(kt, ky, x0, BX, T, H, W, Q0, TQ, ELO, EHI,
+                                                                       KT, KH, KW, QXP, UP)
     row_mask = lane_ok[:, None] & col_ok[None, :]
 
     rec_base = REC + rec_bh.to(tl.int64) * (5 * KS * N)
@@ -269,46 +338,13 @@ def _dsa_pull_dkv(
             jy_lo = tl.maximum(ky - ELO - sy, 0)
             jy_hi = tl.minimum(ky + EHI - sy, KH - 1)
             tok = ((qt - Q0) * H + qy) * W + qx  # the row's candidate queries
-            if IEEE:  # fp32: the weight matrix itself (the band's gather spilled at fp32)
-                g = tl.zeros([BXP, QXP], dtype=tl.float32)
-            else:  # per query: its slots' x tents on a band relative to its window, u = x - s_x + EHI
-                band = tl.zeros([QXP, UP], dtype=tl.float32)
-            for jt in tl.range(jt_lo, jt_hi + 1, loop_unroll_factor=1):
-                for jy in tl.range(jy_lo, jy_hi + 1, loop_unroll_factor=1):
-                    if JC > 1:  # bf16: JC slots at once, (JC, QXP) records, their tents summed onto the band
-                        for jx0 in tl.range(0, KW, JC, loop_unroll_factor=1):
-                            band = _band_add_slots(band, rec_base, ((jt * KH + jy) * KW + jx0) * N, tok, lane_ok,
-                                                   (jx0 + tl.arange(0, JC)) < KW, N, FIELD, kt, ky, T, H, ucol,
-                                                   COEF, JC)
-                    else:  # one slot at a time
-                        for jx in tl.range(0, KW, loop_unroll_factor=1):
-                            rec = rec_base + ((jt * KH + jy) * KW + jx) * N + tok
-                            w_ty = (_tent(tl.load(rec, mask=lane_ok, other=0.0), kt, T)
-                                    * _tent(tl.load(rec + FIELD, mask=lane_ok, other=0.0), ky, H))
-                            w_ty = tl.where(lane_ok, w_ty, 0.0)
-                            if tl.max(w_ty, axis=0) > 0.0:  # else no sample of this slot reaches the tile's row
-                                px = tl.load(rec + 2 * FIELD, mask=lane_ok, other=0.0)
-                                c = w_ty * tl.load(rec + COEF * FIELD, mask=lane_ok, other=0.0)
-                                i0 = px.to(tl.int32)  # the x tent
-                                f = px - i0.to(tl.float32)
-                                i1 = tl.minimum(i0 + 1, W - 1)
-                                if IEEE:  # spread over the tile's keys: (BXP, QXP)
-                                    g += _x_tents(i0[None, :], i1[None, :], f[None, :], c[None, :], nx[:, None])
-                                else:  # on the band: (QXP, UP), a quarter of the lanes
-                                    band = _band_add(band, u, i0 - sx + EHI, i1 - sx + EHI, f, c)
-            if not IEEE:  # the band placed on the tile's keys: G^T[q, n] = band[q, n - s_x(q) + EHI]
-                g = tl.trans(_band_place4(band, (x0 + EHI - sx)[:, None], UP, BXP))  # (BXP, QXP)
+            g = _row_weights(rec_base, tok, lane_ok, sx, kt, ky, x0, nx, u, ucol, jt_lo, jt_hi, jy_lo, jy_hi, N,
+                             FIELD, T, H, W, EHI, KH, KW, BXP, QXP, UP, JC, COEF, IEEE)
             rows = tl.load(X + head_base + tok.to(tl.int64)[:, None] * row_stride + cols[None, :],
                            mask=row_mask, other=0.0)
             acc = _split_dot(acc, g, rows, IEEE, WIDEN)
-
-    key_tok = (kt_l * H + ky) * W + nx
-    out_mask = key_ok[:, None] & col_ok[None, :]
-    out_off = kv_base + key_tok.to(tl.int64)[:, None] * row_stride + cols[None, :]
-    if ACCUM:
-        acc += tl.load(ACC + (rec_bh.to(tl.int64) * NK + key_tok)[:, None] * HEAD_DIM + cols[None, :], mask=out_mask,
-                       other=0.0)
-    tl.store(DX + out_off, acc.to(DX.dtype.element_ty), mask=out_mask)
+    _store_keys(DX, ACC, acc, kv_base, rec_bh, NK, kt_l, ky, H, W, nx, key_ok, cols, col_ok, row_stride, HEAD_DIM,
+                ACCUM)
 
 
 # -----------------------------------------------------------------------------

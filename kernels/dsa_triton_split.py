@@ -3,12 +3,11 @@ atomics for the few whose offsets reach past the bound it runs at.
 
 Why
   The key-side pass (``dsa_triton_pull``) covers offsets up to ``PULL_MAX_OFFSET`` (3 tokens). An
-  unbounded offset head (``attention.max_offset`` 0) trains to per-call extents of
-  3-6 tokens (benchmarks/RESULTS.md, "The offsets' extent per call"), so one far sample sent the
-  whole call to the atomic mode: ``16 d`` fp32 atomics per (query, sample), the largest term of the
-  backward's cost, and a result that differs from run to run. Yet most queries stay close: in that
-  study's models 4-9% of the (query, head) pairs had an offset past 3 tokens and 8-17% past 2.5
-  (up to 35% and 58% in the worst call).
+  unbounded offset head (``attention.max_offset`` 0) may reach further, and one far sample would
+  send the whole call to the atomic mode: ``16 d`` fp32 atomics per (query, sample), the largest
+  term of the backward's cost, and a result that differs from run to run. This mode sends only the
+  queries past the bound to the atomics; the others, usually most of them, stay with the key-side
+  pass.
 
 How
   1. The key-side pass runs at its cap, ``PULL_MAX_OFFSET`` (a slab: the largest of ``SPLIT_BOUNDS``

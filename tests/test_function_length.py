@@ -10,15 +10,6 @@ ROOT = Path(__file__).resolve().parent.parent
 PRODUCT = ("megaslide_ray", "actors", "kernels", "pipelines")
 MAX_LINES = 80
 
-ALLOWED: dict[str, str] = {
-    # Functions other engineers are changing in the same round of work; split them once their
-    # work has landed, then empty this list. Each entry: "path:function" -> who holds it now.
-    "kernels/dsa_triton.py:_dsa_bwd": "the attention kernels",
-    "kernels/dsa_triton_pull.py:_dsa_pull_dkv": "the attention kernels",
-    "kernels/dsa_triton_halo.py:_dsa_halo_bwd": "the attention kernels",
-    "kernels/dsa_cost.py:halo_costs": "the attention kernels",
-}
-
 
 def long_functions(root: Path = ROOT, tops=PRODUCT, limit: int = MAX_LINES) -> dict[str, int]:
     """``path:name`` -> lines of every function (or method) of ``tops`` longer than ``limit``."""
@@ -35,16 +26,8 @@ def long_functions(root: Path = ROOT, tops=PRODUCT, limit: int = MAX_LINES) -> d
 
 def test_no_product_function_is_over_80_lines():
     found = long_functions()
-    new = {k: v for k, v in found.items() if k not in ALLOWED}
-    assert not new, (f"functions over {MAX_LINES} lines (split each into named steps): "
-                     + ", ".join(f"{k} ({v})" for k, v in sorted(new.items())))
-
-
-def test_the_allow_list_holds_only_long_functions():
-    """An entry whose function got short (or went) leaves the list, so the list only shrinks."""
-    found = long_functions()
-    stale = sorted(k for k in ALLOWED if k not in found)
-    assert not stale, f"no longer over {MAX_LINES} lines: remove from ALLOWED: {stale}"
+    assert not found, (f"functions over {MAX_LINES} lines (split each into named steps): "
+                     + ", ".join(f"{k} ({v})" for k, v in sorted(found.items())))
 
 
 def test_the_check_finds_a_long_function(tmp_path):
