@@ -422,10 +422,8 @@ def _sampling_encoder(cfg: Config, model_dir: str | Path | None, device: str, pr
             raise ConfigError("this checkpoint is a wan model: give --model-dir WAN_DIR, the local diffusers folder "
                               "whose text_encoder/, tokenizer/ and vae/ encode the prompt and decode the video")
         clip_parts = ("image_encoder", "image_processor") if cfg.model.image_dim else ()
-        model_dir = check_model_files(model_dir, ("text_encoder", "tokenizer", "vae", *clip_parts))
-        d = cfg.data
-        encoder = Encoder(str(model_dir), clip_config(d.num_frames, d.height, d.width, 0.0),
-                          "cuda" if device != "cpu" and torch.cuda.is_available() else "cpu", "float32")
+        encoder = _decode_encoder(cfg, check_model_files(model_dir, ("text_encoder", "tokenizer", "vae", *clip_parts)),
+                                  device)
         text, negative = encoder.encode_text([prompt, negative_prompt])
         condition = (text, negative, sampling_condition(encoder, cfg, image, last_image))
         encoder.close()  # frees the text encoder before the transformer streams
@@ -437,11 +435,16 @@ def _sampling_encoder(cfg: Config, model_dir: str | Path | None, device: str, pr
             raise ConfigError("this checkpoint's model reads VAE latents (model.inputs='latents'): give --model-dir "
                               "DIR, the local diffusers folder whose vae/ made its latents (e.g. a Wan2.1 folder), "
                               "to decode the video")
-        model_dir = check_model_files(model_dir, ("vae",))
-        d = cfg.data
-        encoder = Encoder(str(model_dir), clip_config(d.num_frames, d.height, d.width, 0.0),
-                          "cuda" if device != "cpu" and torch.cuda.is_available() else "cpu", "float32")
+        encoder = _decode_encoder(cfg, check_model_files(model_dir, ("vae",)), device)
     return encoder, condition
+
+
+def _decode_encoder(cfg: Config, model_dir: str | Path, device: str) -> Encoder:
+    """``model_dir``'s encoders for clips of ``cfg``'s size, in float32 on the GPU unless the CPU
+    is asked for or no GPU is found."""
+    d = cfg.data
+    return Encoder(str(model_dir), clip_config(d.num_frames, d.height, d.width, 0.0),
+                   "cuda" if device != "cpu" and torch.cuda.is_available() else "cpu", "float32")
 
 
 def _denoise(cfg: Config, ckpt: Path, kind: str, prompt: str, wan_condition: tuple | None, steps: int, seed: int,
