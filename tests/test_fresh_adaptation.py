@@ -13,6 +13,7 @@ import torch
 
 from benchmarks.studies import fresh_adaptation as FA
 from benchmarks.studies import fresh_clips as F
+from benchmarks.studies import fresh_report as R
 from benchmarks.studies.paired import paired_interval, t975, verdict
 from megaslide_ray.data import motion_set as M
 
@@ -179,6 +180,12 @@ def test_the_paired_interval_of_known_differences():
     (["--eval-clips", "2"], "--eval-clips 2"),
     (["--grid", "long"], "--grid long"),
     (["--resume"], "--resume needs --out"),
+    (["--arm", "dsa", "dsa", "attention.max_offset=1"], "--arm dsa: the name is a kind"),
+    (["--arm", "x", "flash", "attention.max_offset=1"], "--arm x flash: the kind must be one of"),
+    (["--arm", "x", "dsa"], "--arm x dsa: give NAME KIND FIELD=VALUE"),
+    (["--arm", "x", "dsa", "attention.max_offset"], "'attention.max_offset' is not FIELD=VALUE"),
+    (["--arm", "x", "dsa", "attention.no_such_field=1"], "--arm x:"),
+    (["--arm", "x", "dsa", "attention.max_offset=-3"], "--arm x:"),
 ])
 def test_bad_input_is_refused_before_any_work(args, message, capsys):
     with pytest.raises(SystemExit):
@@ -189,6 +196,20 @@ def test_bad_input_is_refused_before_any_work(args, message, capsys):
 TINY = ["--grid", "small", "--teacher-steps", "2", "--steps", "2", "--evals", "2", "--seeds", "0", "1",
         "--kinds", "dense", "neighborhood", "dsa", "--rates", "1e-4", "1e-3", "--lr", "neighborhood", "3e-4",
         "--eval-clips", "4", "--samples", "1", "--set", "model.depth", "1", "--threads", "1"]
+
+
+def test_an_arm_runs_its_kind_with_its_overrides_and_is_compared_with_dense_and_its_kind():
+    p = FA.parser()
+    a = p.parse_args(["--grid", "small", "--kinds", "dense", "dsa", "--arm", "dsa-b1", "dsa",
+                      "attention.max_offset=1.5", "attention.offset_bound=clamp", "--set", "model.depth", "1"])
+    setup = FA.checked_setup(p, a)
+    assert setup["kinds"] == ["dense", "dsa", "dsa-b1"]
+    arm, dsa = (FA.run_config(setup, k, 0, 5) for k in ("dsa-b1", "dsa"))
+    assert arm.attention.kind == "dsa" and arm.attention.max_offset == 1.5 and arm.attention.offset_bound == "clamp"
+    assert dsa.attention.max_offset != 1.5 and arm.model.depth == dsa.model.depth == 1
+    assert R.comparisons(setup["kinds"], setup["arms"]) == [("dsa", "dense"), ("dsa-b1", "dense"), ("dsa-b1", "dsa")]
+    # an arm of dense is compared with dense once
+    assert R.comparisons(["dense", "ema"], {"ema": ("dense", {})}) == [("ema", "dense")]
 
 
 @pytest.mark.slow
@@ -224,11 +245,12 @@ def test_the_long_clip_row_on_wan_compares_dsa_with_neighborhood_and_swin(tmp_pa
     args = ["--arch", "wan", "--clips", "long", "--grid", "long-small", "--teacher-steps", "1", "--steps", "1",
             "--evals", "1", "--seeds", "0", "1", "--kinds", "swin", "neighborhood", "dsa", "--rates", "1e-4",
             "--eval-clips", "4", "--samples", "1", "--set", "model.depth", "1", "--threads", "1",
-            "--out", str(tmp_path)]
+            "--arm", "dsa-slow", "dsa", "attention.offset_scale=0.5", "--out", str(tmp_path)]
     assert FA.main(args) == 0
     report = json.loads((tmp_path / "fresh_adaptation.json").read_text())
-    assert report["sweep"] == [] and report["picked_lr"] == {"swin": 1e-4, "neighborhood": 1e-4, "dsa": 1e-4}
-    assert set(report["intervals"]) == {"dsa-neighborhood", "dsa-swin"}
+    assert report["sweep"] == [] and report["picked_lr"] == {"swin": 1e-4, "neighborhood": 1e-4, "dsa": 1e-4,
+                                                             "dsa-slow": 1e-4}
+    assert set(report["intervals"]) == {"dsa-neighborhood", "dsa-swin", "dsa-slow-dsa"}
     assert "train_temporal_consistency" in report["intervals"]["dsa-swin"]
     run = report["runs"][0]
     assert "bouncing" in run["train_samples"][0]["caption"] or run["train_samples"][0]["caption"].split()[4] in (

@@ -3,7 +3,7 @@
     python -m benchmarks.studies.fresh_adaptation [--arch videodit|wan] [--clips simple|long] [--grid 2k]
         [--teacher-steps 2400] [--steps 600] [--evals 12] [--seeds 0 1 2 3 4] [--kinds dense swin neighborhood dsa]
         [--rates 1e-5 1e-4 1e-3] [--sweep-seeds 0] [--lr KIND RATE] [--eval-clips 96] [--samples 48]
-        [--set FIELD VALUE] [--threads N] [--out DIR [--resume]] [--json]
+        [--set FIELD VALUE] [--arm NAME KIND FIELD=VALUE ...] [--threads N] [--out DIR [--resume]] [--json]
 
 ``benchmarks.studies.adaptation`` trained its teacher and every adaptation on the motion set's 48
 clips, read one held-out point on 12 clips, used one learning rate for every kind and 3 seeds.
@@ -26,6 +26,11 @@ exactly as neighborhood) and changes what made it unreadable:
 * ``--samples`` prompts per seed (default 48) of trained and of unseen combinations, sampled and
   scored with the motion metric (``harness.shows_prompt``) and temporal consistency
   (``consistency``).
+
+**Arms** (``--arm NAME KIND FIELD=VALUE ...``) measure a lever: a run named ``NAME`` of attention
+kind ``KIND`` with config overrides of its own (e.g. ``--arm dsa-dense-t dsa
+attention.dense_above_t=0.75``). An arm is swept, seeded, sampled and reported like a kind, and
+compared with dense and with its own kind (``NAME-dsa``), paired per seed.
 
 ``--clips long`` is the paper's **long-clip row**: clips of ``fresh_clips.LONG_FRAMES`` frames of
 fast motion bouncing off the edges (grid ``long``: 16x16x16 tokens, a 3x7x7 window reaching one
@@ -60,7 +65,7 @@ KINDS = ("dense", "swin", "neighborhood", "dsa")
 DEFAULT_RATES = (1e-5, 1e-4, 1e-3)
 """The sweep's rates: the Wan presets' fine-tuning rate, the from-scratch 1e-3, and between."""
 SETTING_KEYS = ("arch", "preset", "clips", "grid", "teacher_steps", "steps", "eval_steps", "overrides",
-                "eval_clips", "samples")
+                "eval_clips", "samples", "arms")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -69,13 +74,15 @@ SETTING_KEYS = ("arch", "preset", "clips", "grid", "teacher_steps", "steps", "ev
 
 
 def run_config(setup: dict, kind: str, seed: int, steps: int, lr: float | None = None):
-    """The config of one run: the preset, the grid, ``--arch``'s overrides, ``--set``, the kind,
-    the seed, the steps and (adaptation) the learning rate."""
-    over = {**F.grid_overrides(setup["grid"]), "attention.kind": kind, "training.seed": seed,
+    """The config of one run: the preset, the grid, ``--arch``'s overrides, ``--set``, the kind (or
+    an ``--arm``'s kind and its overrides), the seed, the steps and (adaptation) the learning rate."""
+    base, arm_over = setup.get("arms", {}).get(kind, (kind, {}))
+    over = {**F.grid_overrides(setup["grid"]), "attention.kind": base, "training.seed": seed,
             "training.steps": steps}
     if setup["arch"] == "wan":
         over.update(WAN_OVERRIDES)
     over.update(setup["overrides"])
+    over.update(arm_over)
     if lr is not None:
         over["optim.lr"] = lr
     return study_config(setup["preset"], over)
@@ -275,7 +282,7 @@ def run_study(setup: dict, folder: Path | None, resume: bool) -> dict:
             "teacher_seconds": teacher_seconds, "minutes": (time.perf_counter() - t_start) / 60,
             "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())}
     return {"meta": meta, "picked_lr": picked, "sweep": sweep_rows, "runs": final,
-            "intervals": R.intervals(final, setup["kinds"])}
+            "intervals": R.intervals(final, setup["kinds"], setup["arms"])}
 
 
 # ---------------------------------------------------------------------------------------------
@@ -305,6 +312,9 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--samples", type=int, default=48, help="prompts sampled per seed and split (default 48; 0: none)")
     p.add_argument("--set", nargs=2, action="append", default=[], metavar=("FIELD", "VALUE"),
                    help="a config override for every run")
+    p.add_argument("--arm", nargs="+", action="append", default=[], metavar="NAME KIND FIELD=VALUE",
+                   help="a lever's arm: runs named NAME of attention kind KIND with these overrides, "
+                        "reported like a kind and compared with dense and with KIND")
     p.add_argument("--threads", type=int, default=0, help="torch threads (0: all cores)")
     p.add_argument("--out", type=Path, default=None, help="folder for runs.jsonl, teachers, JSON, tables, plot")
     p.add_argument("--resume", action="store_true", help="with --out: keep DIR/runs.jsonl's runs of these settings")
@@ -325,10 +335,11 @@ def checked_setup(p: argparse.ArgumentParser, a: argparse.Namespace) -> dict:
         p.error(f"--samples {a.samples} must be >= 0 and --rates {a.rates} all > 0")
     if a.resume and not a.out:
         p.error("--resume needs --out DIR")
+    arms = checked_arms(p, a.arm)
     fixed = {}
     for kind, rate in a.lr:
-        if kind not in KINDS:
-            p.error(f"--lr {kind} {rate}: the kind must be one of {KINDS}")
+        if kind not in KINDS and kind not in arms:
+            p.error(f"--lr {kind} {rate}: the kind must be one of {KINDS} or an --arm's name")
         try:
             fixed[kind] = float(rate)
         except ValueError:
@@ -339,8 +350,28 @@ def checked_setup(p: argparse.ArgumentParser, a: argparse.Namespace) -> dict:
     return {"arch": a.arch, "preset": a.preset, "clips": a.clips, "grid": grid, "teacher_steps": a.teacher_steps,
             "steps": a.steps, "eval_steps": sorted({round(a.steps * (k + 1) / a.evals) for k in range(a.evals)}),
             "overrides": dict(a.set), "eval_clips": a.eval_clips, "samples": a.samples, "seeds": a.seeds,
-            "kinds": a.kinds, "rates": a.rates, "sweep_seeds": a.sweep_seeds, "fixed_lr": fixed,
+            "kinds": [*a.kinds, *arms], "arms": arms, "rates": a.rates, "sweep_seeds": a.sweep_seeds, "fixed_lr": fixed,
             "threads": a.threads}
+
+
+def checked_arms(p: argparse.ArgumentParser, given: list[list[str]]) -> dict:
+    """``--arm NAME KIND FIELD=VALUE ...`` as ``{NAME: (KIND, {FIELD: VALUE})}``, refused with the
+    value at fault (a name that is a kind or repeats, an unknown kind, an override without ``=``);
+    each arm's config is checked by the config's own validation before any work."""
+    arms: dict[str, tuple[str, dict]] = {}
+    for arm in given:
+        if len(arm) < 3:
+            p.error(f"--arm {' '.join(arm)}: give NAME KIND FIELD=VALUE [FIELD=VALUE ...]")
+        name, kind, sets = arm[0], arm[1], arm[2:]
+        if name in KINDS or name in arms:
+            p.error(f"--arm {name}: the name is a kind or another arm's; choose another")
+        if kind not in KINDS:
+            p.error(f"--arm {name} {kind}: the kind must be one of {KINDS}")
+        bad = [x for x in sets if "=" not in x or not x.split("=", 1)[0]]
+        if bad:
+            p.error(f"--arm {name}: {bad[0]!r} is not FIELD=VALUE (e.g. attention.dense_above_t=0.75)")
+        arms[name] = (kind, dict(x.split("=", 1) for x in sets))
+    return arms
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -349,6 +380,11 @@ def main(argv: list[str] | None = None) -> int:
     setup = checked_setup(p, a)
     torch.set_num_threads(a.threads or os.cpu_count() or 1)
     cfg0 = run_config(setup, "dense", setup["seeds"][0], setup["steps"])
+    for name in setup["arms"]:  # a bad override is refused here, before any clip is rendered
+        try:
+            run_config(setup, name, setup["seeds"][0], setup["steps"])
+        except (ValueError, KeyError, TypeError) as e:
+            p.error(f"--arm {name}: {e}")
     source = F.ClipSource.of(cfg0, setup["clips"])
     t0 = time.perf_counter()
     setup.update(source=source, eval_batch=source.batch_size, sets={

@@ -22,11 +22,13 @@ SAMPLE_METRICS = ("train_shown", "shown", "train_trajectory_error", "trajectory_
 """Sample scores compared (``train_``: prompts of trained combinations; else unseen ones)."""
 
 
-def comparisons(kinds: list[str]) -> list[tuple[str, str]]:
-    """(kind, reference) pairs: every kind against dense, and dsa against neighborhood and swin."""
+def comparisons(kinds: list[str], arms: dict | None = None) -> list[tuple[str, str]]:
+    """(kind, reference) pairs: every kind (and arm) against dense, dsa against neighborhood and
+    swin, and each arm against its own kind (``arms``: ``{name: (kind, overrides)}``)."""
     out = [(k, "dense") for k in kinds if k != "dense" and "dense" in kinds]
     out += [("dsa", r) for r in ("neighborhood", "swin") if "dsa" in kinds and r in kinds]
-    return out
+    out += [(name, kind) for name, (kind, _) in (arms or {}).items() if name in kinds and kind in kinds]
+    return list(dict.fromkeys(out))
 
 
 def curve_mean(run: dict, split: str, key: str = "loss_ge25") -> float:
@@ -47,12 +49,12 @@ def metrics_of(run: dict) -> dict[str, float]:
     return out
 
 
-def intervals(runs: list[dict], kinds: list[str]) -> dict:
+def intervals(runs: list[dict], kinds: list[str], arms: dict | None = None) -> dict:
     """Per ``"kind-reference"``: per metric (``metrics_of``) the paired interval over the seeds both
     ran, and ``curve_<set>``: one interval per curve point of the loss at t >= 0.25."""
     by = {(r["kind"], r["seed"]): r for r in runs}
     out = {}
-    for kind, ref in comparisons(kinds):
+    for kind, ref in comparisons(kinds, arms):
         seeds = sorted(s for (k, s) in by if k == kind and (ref, s) in by)
         if not seeds:
             continue
