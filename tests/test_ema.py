@@ -239,3 +239,19 @@ def test_a_checkpoint_without_the_average_is_refused_for_ema(tmp_path, batches):
     with pytest.raises(ValueError, match="no 'ema' weights"):
         export_state_dict(ckpt, tmp_path / "x.safetensors", kind="ema")
     assert Path(ckpt).is_dir()
+
+
+def test_plan_command_counts_the_average(capsys):
+    import json
+
+    from megaslide_ray.plan import main
+
+    assert main(["--preset", "tiny", "--json"]) == 0
+    without = json.loads(capsys.readouterr().out)
+    assert main(["--preset", "tiny", "--json", "--ema-decay", "0.999"]) == 0
+    with_ema = json.loads(capsys.readouterr().out)
+    n = without["params"]
+    assert with_ema["host_bytes"]["ema"] == 4 * n and "ema" not in without["host_bytes"]
+    assert with_ema["host_state_bytes"] - without["host_state_bytes"] == 4 * n
+    assert main(["--preset", "tiny", "--ema-decay", "1"]) == 2  # refused, naming the value
+    assert "--ema-decay 1.0" in capsys.readouterr().err
