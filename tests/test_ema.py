@@ -255,3 +255,15 @@ def test_plan_command_counts_the_average(capsys):
     assert with_ema["host_state_bytes"] - without["host_state_bytes"] == 4 * n
     assert main(["--preset", "tiny", "--ema-decay", "1"]) == 2  # refused, naming the value
     assert "--ema-decay 1.0" in capsys.readouterr().err
+
+
+def test_evaluate_takes_the_weights_asked_for(tmp_path, batches):
+    from megaslide_ray.evaluation.validation import evaluate_checkpoint
+
+    manifest, bs = batches
+    cfg = _cfg(tmp_path, manifest)
+    _, _, ckpt = _streamed(cfg, tmp_path / "run", bs[:3], save_at=3)
+    loss = {w: evaluate_checkpoint(ckpt, manifest, clips=2, buckets=2, device="cpu", weights=w).val_loss
+            for w in ("auto", "trained", "ema")}
+    assert loss["auto"] == loss["ema"]  # the run evaluated with the average (training.ema_eval)
+    assert loss["trained"] != loss["ema"]
