@@ -280,14 +280,19 @@ class Trainer:
         average = bool(t.ema_decay and t.ema_eval)
         row = {}
         if average:
-            self.pipeline.use_weights("ema")
+            try:
+                self.pipeline.use_weights("ema")
+            except Exception as e:  # noqa: BLE001 - like a failed validation or sample: logged, training goes on
+                log.warning("step %d: the moving average of the weights could not be served (%r): no validation loss "
+                            "or samples this time", done, e)
+                return {}
         try:
             if validate:
                 row.update(self.validator.run(done))
             if sample:
                 row.update(self.sampler.run(done))
         finally:
-            if average:
+            if average:  # (a store that fails here serves the trained weights again when it comes back)
                 self.pipeline.use_weights("master")
         return row
 
