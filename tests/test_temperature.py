@@ -135,7 +135,9 @@ def test_token_chunked_block_with_tau_equals_whole(arch, kind):
     want, got = _run(whole, x, c), _run(chunked, x, c)
     tau = next(n for n in want if n.endswith(".tau"))
     assert want[tau].abs().min() > 0
-    _assert_same(got, want, 1e-6)
+    # a gradient fp32 cannot give to 1e-6 (a cross-attention key bias: sums that cancel) is held to
+    # the float64 result instead, as in tests/test_token_chunk.py
+    _assert_same(got, want, 1e-6, lambda: _run(whole.double(), x.double(), c.double()))
 
 
 def test_a_pretrained_source_without_tau_loads_with_tau_zero(tmp_path):
