@@ -66,7 +66,7 @@ import warnings
 import numpy as np
 import torch
 
-from megaslide_ray.state.checkpoint import CHECKPOINT_KINDS
+from megaslide_ray.state.checkpoint import CHECKPOINT_KINDS, OPTIONAL_KINDS
 from megaslide_ray.state.segments import DTYPES
 
 log = logging.getLogger(__name__)
@@ -385,13 +385,13 @@ class NodeSyncMethods:
         if not self.owns(shard) or int(self.versions[shard]) != step:
             raise RuntimeError(f"node {self.node} asked for shard {shard} at step {step}: it owns it "
                                f"{self.owns(shard)}, at version {int(self.versions[shard])}")
-        return {kind: self.seg[shard][kind].numpy() for kind in CHECKPOINT_KINDS}
+        return {kind: t.numpy() for kind, t in self.seg[shard].items() if kind in CHECKPOINT_KINDS + OPTIONAL_KINDS}
 
     def checkpoint_state(self, shard: int, step: int) -> dict:
         """``master``, ``m``, ``v`` of ``shard`` at ``step``, for the checkpoint this store writes: its
         own, or (several nodes) its owner's, fetched through Ray."""
         if self.owns(shard):
-            return {kind: self.seg[shard][kind] for kind in CHECKPOINT_KINDS}
+            return {kind: t for kind, t in self.seg[shard].items() if kind in CHECKPOINT_KINDS + OPTIONAL_KINDS}
         import ray  # lazy: another node's shard, so a run through Ray; the GPU check has no Ray
 
         got = ray.get(self.sync.peers[owner_of(shard, self.nodes)].shard_state.remote(shard, step))

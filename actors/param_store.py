@@ -20,6 +20,9 @@ in shard order 0..L+1, so the next forward can start on shard 0 while the rest u
 
 Two experts (``training.expert = both``): each step trains one; ``actors/store_experts.py``.
 
+The moving average of the weights (``training.ema_decay``): one more fp32 segment per owned
+shard, ``ema``, updated after the shard's AdamW inside its crash marker; ``actors/store_average.py``.
+
 Restarts: the segments outlive the store's process. A store constructed again over a state
 directory that holds a ``layout.json`` (``attach=True``, or Ray re-running ``__init__`` after a
 crash) maps the same segments instead of initialising. Two small control segments make an
@@ -69,6 +72,7 @@ from actors.grad_reduce import GradientReducer, GradSlots
 from actors.node_sync import NodeSync, NodeSyncMethods
 from actors.ray_context import node_id as _node_id
 from actors.ray_context import was_reconstructed as _was_reconstructed
+from actors.store_average import AverageMethods
 from actors.store_checkpoints import CheckpointMethods
 from actors.store_experts import ExpertMethods
 from actors.store_types import GradientsLostError, ShardInfo, StateNotTrustedError, StoreStatus, UpdateResult
@@ -82,7 +86,6 @@ from megaslide_ray.state.preflight import StateSpaceError, shm_advice
 from megaslide_ray.state.pretrained_io import load_pretrained_into
 from megaslide_ray.state.segments import (
     DTYPES,
-    KINDS,
     default_state_root,
     map_segment,
     node_state_key,
@@ -99,10 +102,10 @@ RECORDS = 4          # update records kept in shared memory (ring indexed by ste
 RECORD_FIELDS = 6    # step, grad_norm, clip_coef, lr, skipped, optimizer_seconds
 
 
-class ParameterStore(NodeSyncMethods, CheckpointMethods, ExpertMethods):
+class ParameterStore(NodeSyncMethods, CheckpointMethods, ExpertMethods, AverageMethods):
     """The store of one node (module docstring). Its methods for checkpoints
-    (``actors/store_checkpoints.py``), several nodes (``actors/node_sync.py``) and two experts
-    (``actors/store_experts.py``) live in mixins beside it: each concern reads alone, and all of
+    (``actors/store_checkpoints.py``), several nodes (``actors/node_sync.py``), two experts
+    (``actors/store_experts.py``) and the moving average (``actors/store_average.py``) live in mixins beside it: each concern reads alone, and all of
     them act on the one state this class maps (its segments, versions and lock), which a separate
     object would have to be handed whole; Ray makes the one class an actor."""
 
@@ -171,6 +174,7 @@ class ParameterStore(NodeSyncMethods, CheckpointMethods, ExpertMethods):
         self.cfg = cfg
         self.w_dtype = w_dtype
         self.n = num_shards(cfg)
+        self.ema_decay = float(cfg.training.ema_decay)  # > 0: an ``ema`` segment per owned shard
         self._experts = num_experts(cfg)  # two: both experts of a two-expert model, one trained per step
         self.compute_actors = int(compute_actors)
         self.nodes, self.node = int(nodes), int(node)
@@ -210,7 +214,7 @@ class ParameterStore(NodeSyncMethods, CheckpointMethods, ExpertMethods):
         try:
             for i, lay in enumerate(self.layouts):
                 segs = {}
-                for kind in (KINDS if self.owns(i) else ("w",)):  # another node owns its master, m, v
+                for kind in self._kinds(i):  # another node owns its master, m, v
                     dtype = DTYPES[self.w_dtype] if kind == "w" else torch.float32
                     segs[kind] = map_segment(self._path(i, kind), lay.numel, dtype, create=not attached)
                 self.seg.append(segs)
@@ -244,8 +248,10 @@ class ParameterStore(NodeSyncMethods, CheckpointMethods, ExpertMethods):
                 self._load_checkpoint(resume_checkpoint)
             elif init_from:
                 load_pretrained_into(self, init_from)
+                self._start_average()
             else:
                 self._initialize(self.cfg.training.seed)
+                self._start_average()
             (self.dir / "layout.json").write_text(json.dumps(self._layout_doc()))
         except BaseException:
             # A fresh state that could not be filled (a damaged checkpoint or source) holds
@@ -271,7 +277,8 @@ class ParameterStore(NodeSyncMethods, CheckpointMethods, ExpertMethods):
         return self.dir / f"shard_{shard:04d}.{kind}"
 
     def _layout_doc(self) -> dict:
-        return {"w_dtype": self.w_dtype, "numels": [lay.numel for lay in self.layouts]}
+        doc = {"w_dtype": self.w_dtype, "numels": [lay.numel for lay in self.layouts]}
+        return {**doc, "ema": True} if self.ema_decay else doc  # a state without the average is refused
 
     def _check_layout(self) -> None:
         doc = json.loads((self.dir / "layout.json").read_text())
@@ -294,7 +301,8 @@ class ParameterStore(NodeSyncMethods, CheckpointMethods, ExpertMethods):
     def state_bytes(self) -> int:
         """Host bytes of the state: ``w`` of every shard, ``master``, ``m``, ``v`` of the owned ones."""
         wbytes = DTYPES[self.w_dtype].itemsize
-        return sum(lay.numel * (wbytes + (12 if self.owns(i) else 0)) for i, lay in enumerate(self.layouts))
+        own = 12 + (4 if self.ema_decay else 0)  # master, m, v (and the average) on the owner
+        return sum(lay.numel * (wbytes + (own if self.owns(i) else 0)) for i, lay in enumerate(self.layouts))
 
     def scratch_bytes(self) -> int:
         """Beside the state: gradient slots and sums (several compute actors; several nodes)."""
@@ -581,6 +589,8 @@ class ParameterStore(NodeSyncMethods, CheckpointMethods, ExpertMethods):
             self._single_pass_update(s, step, coef, lr)
         else:
             self._fused_update(s, step, coef, lr)
+        if not skip:
+            self._update_ema(s, step)
         if publish is not None:
             publish()
         with self._lock:

@@ -6,8 +6,12 @@ shard, the other owners' optimizer state fetched through Ray (``NodeSyncMethods.
 
 from __future__ import annotations
 
+import logging
+
 from megaslide_ray.runtime.faults import fault_point
 from megaslide_ray.state.checkpoint import CHECKPOINT_KINDS, CheckpointReader, write_checkpoint
+
+log = logging.getLogger(__name__)
 
 
 class CheckpointMethods:
@@ -58,4 +62,18 @@ class CheckpointMethods:
                 for kind in CHECKPOINT_KINDS:
                     self.seg[i][kind].copy_(ckpt.tensor(i, kind, lay.numel))
                 self.seg[i]["w"].copy_(self.seg[i]["master"])  # w is master cast: not stored
+                self._load_average(ckpt, i, lay.numel)
             self.versions.fill_(ckpt.step)
+
+    def _load_average(self, ckpt: CheckpointReader, i: int, numel: int) -> None:
+        """Shard ``i``'s moving average (``training.ema_decay``) from the checkpoint, exactly; one
+        written without it starts the average at the checkpoint's weights."""
+        if "ema" not in self.seg[i]:
+            return
+        if ckpt.has(i, "ema"):
+            self.seg[i]["ema"].copy_(ckpt.tensor(i, "ema", numel))
+            return
+        if i == 0:
+            log.warning("checkpoint %s holds no moving average of the weights (its run had no training.ema_decay): "
+                        "the average starts at its weights", ckpt.path)
+        self.seg[i]["ema"].copy_(self.seg[i]["master"])

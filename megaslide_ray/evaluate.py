@@ -28,6 +28,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--batch-size", type=int, default=None,
                    help="items per forward (default: data.batch_size; another value may change the last bits)")
     p.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
+    p.add_argument("--weights", choices=["auto", "trained", "ema"], default="auto",
+                   help="the trained weights or their moving average (training.ema_decay); auto: the average where "
+                        "the run kept one and evaluated with it (training.ema_eval), else the trained weights")
     p.add_argument("--json", action="store_true", help="print one JSON object (val_loss, per-bucket losses)")
     p.add_argument("--log-level", default="WARNING")
     a = p.parse_args(argv)
@@ -37,7 +40,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"error: {flag} {value} must be >= 1", file=sys.stderr)
             return 2
     try:
-        r = evaluate_checkpoint(a.checkpoint, a.data, a.clips, a.buckets, a.seed, a.batch_size, a.device)
+        r = evaluate_checkpoint(a.checkpoint, a.data, a.clips, a.buckets, a.seed, a.batch_size, a.device, a.weights)
     except (ConfigError, FileNotFoundError, ValueError, RuntimeError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

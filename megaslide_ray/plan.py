@@ -145,6 +145,9 @@ def _add_runtime_args(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--grad-slot-mb", type=float, default=None, metavar="MB",
                     help="runtime.grad_slot_mb: one gradient slot's MB (a larger shard goes in pieces; 0: the "
                          "largest shard; default: the config's, 512)")
+    ap.add_argument("--ema-decay", type=float, default=None,
+                    help="training.ema_decay: the store keeps a moving average of the weights (4 B/param more, "
+                         "fp32; 0: none; default: the config's)")
     ap.add_argument("--network-gbps", type=_positive(float), default=25.0,
                     help="with --nodes > 1: network GB/s each way per node (default 25: 200 Gb/s)")
 
@@ -181,6 +184,10 @@ def _config(args: argparse.Namespace) -> tuple[Config, tuple[int, int, int]]:
             raise ConfigError(f"--grad-slot-mb {args.grad_slot_mb} must be >= 0 (MB per gradient slot; 0: a "
                               f"slot holds the largest shard)")
         cfg.runtime.grad_slot_mb = args.grad_slot_mb
+    if args.ema_decay is not None:
+        if not 0 <= args.ema_decay < 1:
+            raise ConfigError(f"--ema-decay {args.ema_decay} must lie in [0, 1) (0: no average of the weights)")
+        cfg.training.ema_decay = args.ema_decay
     if args.prefetch_depth is not None:
         if args.prefetch_depth < 1:
             raise ConfigError(f"--prefetch-depth {args.prefetch_depth} must be >= 1")

@@ -19,7 +19,9 @@ def main(argv: list[str] | None = None) -> int:
                                             "state dict (loadable by VideoDiT(cfg).load_state_dict and --init-from).")
     p.add_argument("checkpoint", help="RUN/checkpoints/step_N")
     p.add_argument("out", help="OUT.safetensors (one file) or a directory (one file per shard)")
-    p.add_argument("--kind", default="master", choices=["master", "w"], help="which weights (default master)")
+    p.add_argument("--kind", default="master", choices=["master", "w", "ema"],
+                   help="which weights: master (fp32, the default), w (the compute copy) or ema (the fp32 moving "
+                        "average of a run with training.ema_decay)")
     p.add_argument("--format", default="safetensors", choices=["safetensors", "diffusers"],
                    help="safetensors: the project's standard names; diffusers: a WanTransformer3DModel folder "
                         "(config.json + shards + index; wan checkpoints)")
@@ -34,9 +36,9 @@ def main(argv: list[str] | None = None) -> int:
     dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}.get(args.dtype)
     try:
         if args.format == "diffusers":
-            if args.kind != "master":
-                raise ValueError("--format diffusers exports the master weights (leave --kind at master)")
-            paths = export_diffusers(args.checkpoint, args.out, dtype, args.drop_offsets, args.overwrite)
+            if args.kind not in ("master", "ema"):
+                raise ValueError("--format diffusers exports the fp32 weights: --kind master or ema")
+            paths = export_diffusers(args.checkpoint, args.out, dtype, args.drop_offsets, args.overwrite, args.kind)
         else:
             paths = export_state_dict(args.checkpoint, args.out, args.kind, dtype, args.overwrite)
     except (ValueError, OSError) as e:  # a missing checkpoint, an unwritable OUT: one line

@@ -37,6 +37,9 @@ def main(argv: list[str] | None = None) -> int:
                    help="write each pixel K x K times (nearest neighbour), e.g. 4 for tiny-motion's 16x16 "
                         "clips")
     p.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
+    p.add_argument("--weights", choices=["auto", "trained", "ema"], default="auto",
+                   help="the trained weights or their moving average (training.ema_decay); auto: the average where "
+                        "the run kept one and evaluated with it (training.ema_eval), else the trained weights")
     p.add_argument("--out", default="sample.mp4", help="output mp4; the contact sheet goes beside it as .png")
     p.add_argument("--log-level", default="WARNING")
     a = p.parse_args(argv)
@@ -44,7 +47,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         r = sample_video(a.checkpoint, a.prompt, a.out, a.frames, a.steps, a.seed, a.height, a.width,
                          a.cfg_scale, a.fps, a.device, a.model_dir, a.negative_prompt, a.upscale, a.image,
-                         a.last_image)
+                         a.last_image, a.weights)
     except (ConfigError, FileNotFoundError, ValueError, RuntimeError, ImportError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -547,6 +547,12 @@ class StreamingPipeline:
         """Decoders replaced in this run because they hung or died (rollbacks included)."""
         return self._replaced_before + self._decoder_pool.replacements
 
+    def use_weights(self, kind: str) -> None:
+        """The weights predictions read until the next call: ``ema`` (the moving average,
+        ``training.ema_decay``) or ``master`` (the trained weights; before any training step).
+        Between steps only (``ParameterStore.use_weights``)."""
+        ray.get(self._store.use_weights.remote(kind))
+
     def status(self):
         """The parameter store's ``StoreStatus`` now: shard versions, host state bytes, state dir
         and node."""

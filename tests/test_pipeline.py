@@ -202,3 +202,47 @@ def test_each_prompt_starts_from_its_own_fixed_noise_whatever_the_training_seed(
     assert [(a[1], a[2], a[3], a[4]) for a in handed] == [(1, i, p, 7 + i) for _ in (5, 9) for i, p in
                                                           enumerate(("one", "two"))]
     assert np.array_equal(handed[0][0], initial_noise(cfg, 7).numpy())  # a zero velocity: the sample is its noise
+
+
+def test_samples_during_training_use_the_moving_average(ray_session, small_config, tmp_path, monkeypatch):
+    """``training.ema_decay`` with ``ema_eval``: through Ray, the step-2 sample is denoised with the
+    average of the weights (the checkpoint's ``ema``), not with the trained weights, and training
+    goes on from the trained weights (the last checkpoint's, checked against the in-process trainer's)."""
+    from actors.compute import ComputeActor
+    from megaslide_ray.driver import components
+    from megaslide_ray.evaluation.sampling import CheckpointWeights, euler_sample
+
+    taken = []
+
+    def recording(*args, **kwargs):
+        taken.append(euler_sample(*args, **kwargs))
+        return taken[-1]
+
+    monkeypatch.setattr(components, "euler_sample", recording)
+    cfg = small_config(**{"training.steps": 3, "training.sample_every": 2, "training.sample_steps": 2,
+                          "training.checkpoint_every": 2, "training.ema_decay": 0.5, "optim.lr": 3e-3})
+    run(cfg, tmp_path / "run")
+    ckpt = tmp_path / "run" / "checkpoints" / "step_2"
+
+    def sample_with(average: bool) -> torch.Tensor:
+        source = CheckpointWeights(ckpt, cfg, "w", average)
+        compute = ComputeActor(cfg, source.shard_infos(), source, transport="object_ref")
+        try:
+            return euler_sample(compute, cfg, cfg.training.sample_prompt, 2, cfg.training.sample_seed, 2)
+        finally:
+            compute.close()
+            source.close()
+
+    averaged, trained = sample_with(True), sample_with(False)
+    assert len(taken) == 1
+    torch.testing.assert_close(taken[0], averaged, rtol=1e-5, atol=1e-6)
+    assert float((averaged - trained).abs().max()) > 100 * float((taken[0] - averaged).abs().max())
+    baseline = InProcessTrainer(cfg)
+    decoder = VideoDecoder(cfg.data, cfg.training.seed, cfg.model.caption_max_bytes)
+    for _ in range(3):
+        baseline.train_step(decoder.next_batch())
+    decoder.close()
+    final = read_checkpoint_shards(tmp_path / "run" / "checkpoints" / "step_3")
+    for i, (got, shard) in enumerate(zip(final, baseline.model.shards())):
+        want = torch.cat([p.detach().reshape(-1) for p in shard.parameters()])
+        assert float((got - want).norm() / want.norm()) < 1e-5, f"shard {i}"

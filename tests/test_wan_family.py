@@ -247,6 +247,37 @@ def test_both_experts_one_store_one_expert_per_step(family, tmp_path, recompute)
     assert seen == {HIGH, LOW}
 
 
+def test_each_expert_keeps_its_own_moving_average(family, tmp_path):
+    """``training.ema_decay`` with both experts: a step moves the average of the expert it trains
+    towards that expert's new weights (``ema = lerp(ema, master, 1 - decay)``), and leaves the
+    other expert's average as it was; a fresh store's average is the pretrained weights."""
+    a14b = family["t2v-a14b"]
+    decay = 0.7
+    cfg = _both_config(a14b, tmp_path, **{"training.ema_decay": decay})
+    per = expert_shards(cfg)
+    experts = [step_expert(cfg, k) for k in range(3)]
+    assert set(experts) == {HIGH, LOW}, experts
+    store = ParameterStore(cfg, str(tmp_path / "run"), init_from=str(a14b))
+    compute = ComputeActor(cfg, store.shard_infos(), LocalStoreClient(store), "shm")
+    try:
+        assert all(torch.equal(s["ema"], s["master"]) for s in store.seg)
+        for step, expert in enumerate(experts):
+            before = [s["ema"].clone() for s in store.seg]
+            compute.train_step(_latent_batch(cfg, step), step)
+            store.wait_step(step)
+            trained = range(expert * per, (expert + 1) * per)
+            for i, s in enumerate(store.seg):
+                if i not in trained:
+                    assert torch.equal(s["ema"], before[i]), (step, i)
+                    continue
+                want = decay * before[i] + (1 - decay) * s["master"]
+                torch.testing.assert_close(s["ema"], want, rtol=1e-6, atol=1e-7)
+            assert all(not torch.equal(store.seg[i]["ema"], before[i]) for i in trained[1:-1]), step  # blocks moved
+    finally:
+        compute.close()
+        store.close()
+
+
 def test_the_low_noise_expert_takes_its_own_learning_rate(family, tmp_path):
     """``training.low_expert_lr``: a step of the low-noise expert updates at the schedule's rate times
     ``low_expert_lr / optim.lr``, a step of the high-noise expert at the schedule's (the rate the

@@ -170,6 +170,14 @@ class AttentionConfig:
     and ``cpu`` (the linear path) above, on CUDA the Triton kernels. ``reference`` is the
     pure-PyTorch definition (slow, O(N*K*d) memory), ``chunked`` the reference over query chunks;
     ``triton`` (the fused kernels) needs CUDA. Every path computes the same function (docs/dsa.md)."""
+    learn_temperature: bool = False
+    """Each block's self-attention gets a learnable per-head log-temperature ``tau`` (one value per
+    head, starting at 0): head h's scores are ``scale * exp(tau_h) * <q, k>``, computed by scaling
+    the queries per head before the attention operator (every kind and kernel, token-chunked blocks
+    too). A lever for the quality gap after swapping the attention of a pretrained model: a
+    sparser or wider window may want a sharper or flatter softmax. ``tau`` starts at 0, so the
+    model starts unchanged; a pretrained source without it loads (``tau`` starts fresh, at 0).
+    The offset head (``dsa``) reads the unscaled queries."""
 
 
 @dataclass
@@ -487,6 +495,19 @@ class TrainingConfig:
     k (the block inputs kept for the backward do: k per block). The loss is the mean over the k
     micro-batches, so k micro-batches of b clips equal one batch of k x b; a decoder batch holds
     the k x b clips of one compute actor's step."""
+    ema_decay: float = 0.0
+    """An exponential moving average of the weights, kept beside the master weights (fp32, 4 more
+    bytes per parameter in host RAM, and in every checkpoint): after each optimizer step ``ema =
+    ema_decay x ema + (1 - ema_decay) x master``. 0: off. Typical 0.999 to 0.9999 (an average over
+    about ``1 / (1 - ema_decay)`` steps). ``ema_eval`` says which weights evaluation and sampling use."""
+    ema_start_step: int = 0
+    """With ``ema_decay``: until this many optimizer steps are done the average is the weights
+    themselves (``ema = master``), so it does not average the first steps, far from where the
+    weights settle; from there on it averages. 0: from the first step."""
+    ema_eval: bool = True
+    """With ``ema_decay``: the validation loss (``eval_every``) and the samples taken during training
+    (``sample_every``) use the averaged weights; false: the trained weights. The ``sample`` and
+    ``evaluate`` commands and the export choose for themselves (``--weights ema``)."""
     overfit_one_batch: bool = False
     """Debug: train on the first batch only, with the same noise and timesteps every step (the loss
     must fall steadily; a quick check that model, streaming and optimizer work together)."""

@@ -30,7 +30,7 @@ def validate(cfg: Config) -> Config:
     if cfg.model.arch == "wan":  # a wan model reads latents whatever an older config.toml said
         cfg.model.inputs = "latents"
     for check in (_check_sizes_and_model, _check_runtime_counts, _check_decoding, _check_shapes_and_attention,
-                  _check_buckets, _check_optimizer_and_runtime, _check_run):
+                  _check_buckets, _check_optimizer_and_runtime, _check_weight_average, _check_run):
         check(cfg)
     return cfg
 
@@ -213,6 +213,20 @@ def _check_optimizer_and_runtime(cfg: Config) -> None:
     if not 0 <= t.caption_dropout < 1:
         raise ConfigError(f"training.caption_dropout={t.caption_dropout} must lie in [0, 1) (0.1 is usual; 0 never "
                           f"drops a caption)")
+
+
+def _check_weight_average(cfg: Config) -> None:
+    """The moving average of the weights (``training.ema_*``)."""
+    t = cfg.training
+    if not (math.isfinite(t.ema_decay) and 0 <= t.ema_decay < 1):
+        raise ConfigError(f"training.ema_decay={t.ema_decay} must lie in [0, 1): 0 turns the average of the weights "
+                          f"off, 0.999 to 0.9999 is usual (an average over about 1 / (1 - ema_decay) steps)")
+    if t.ema_start_step < 0:
+        raise ConfigError(f"training.ema_start_step={t.ema_start_step} must be >= 0 (the optimizer steps before the "
+                          f"average starts; 0: from the first)")
+    if t.ema_decay and cfg.runtime.nodes > 1:
+        raise ConfigError(f"training.ema_decay={t.ema_decay} with runtime.nodes={cfg.runtime.nodes}: the average of "
+                          f"the weights is kept on one node only; set runtime.nodes=1 or training.ema_decay=0")
 
 
 def _check_run(cfg: Config) -> None:

@@ -259,10 +259,8 @@ class Trainer:
         self.guard.check(row, self.last_checkpoint)
         row["bad_steps"] = self.guard.count
         row["restarts"] = self.pipeline.restarts
-        if validate:
-            row.update(self.validator.run(done))
-        if sample:
-            row.update(self.sampler.run(done))
+        if validate or sample:
+            row.update(self._evaluate_and_sample(done, validate, sample))
         written = self.sampler.collect()  # videos the writer finished meanwhile (never waits)
         if written and not sample:
             row["sample_failures"] = self.sampler.failures
@@ -272,6 +270,30 @@ class Trainer:
             self.checkpointer.save(done, self.data_state, skipped=row["update_skipped"])
         if not quiet:  # the next step's time excludes saving, sampling, validating
             self._last_time = time.perf_counter()
+        return row
+
+    def _evaluate_and_sample(self, done: int, validate: bool, sample: bool) -> dict:
+        """The validation loss and the samples after step ``done``, with the moving average of the
+        weights where the run keeps one and ``training.ema_eval`` asks for it (the store serves it
+        through ``w`` meanwhile, and the trained weights again before the next step)."""
+        t = self.cfg.training
+        average = bool(t.ema_decay and t.ema_eval)
+        row = {}
+        if average:
+            try:
+                self.pipeline.use_weights("ema")
+            except Exception as e:  # noqa: BLE001 - like a failed validation or sample: logged, training goes on
+                log.warning("step %d: the moving average of the weights could not be served (%r): no validation loss "
+                            "or samples this time", done, e)
+                return {}
+        try:
+            if validate:
+                row.update(self.validator.run(done))
+            if sample:
+                row.update(self.sampler.run(done))
+        finally:
+            if average:  # (a store that fails here serves the trained weights again when it comes back)
+                self.pipeline.use_weights("master")
         return row
 
     def _row(self, done: int, report, wall: float) -> dict:

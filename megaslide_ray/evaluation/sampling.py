@@ -89,6 +89,23 @@ def sampling_config(state: dict, frames: int | None = None, height: int | None =
                           f"checkpoint's model: {e} (or ask for more --frames/--height/--width)") from None
 
 
+WEIGHTS = ("auto", "trained", "ema")
+"""``--weights`` of ``sample`` and ``evaluate``: the trained weights, their moving average
+(``training.ema_decay``), or ``auto``: the average where the run kept one and evaluated with it
+(``training.ema_eval``), else the trained weights."""
+
+
+def use_average(state: dict, weights: str) -> bool:
+    """Whether ``--weights`` (``WEIGHTS``) picks the moving average of the checkpoint whose
+    ``state.json`` is ``state``; ``ema`` of a run without it is refused later, by the reader."""
+    if weights not in WEIGHTS:
+        raise ValueError(f"--weights {weights!r}: use one of {list(WEIGHTS)}")
+    if weights != "auto":
+        return weights == "ema"
+    t = state.get("config", {}).get("training", {})
+    return bool(t.get("ema_decay", 0.0)) and bool(t.get("ema_eval", True))
+
+
 class CheckpointWeights:
     """Serves each shard's compute weights from a checkpoint, read-only.
 
@@ -96,13 +113,18 @@ class CheckpointWeights:
     transport: ``get_weights`` returns the shard's raw bytes (uint8). Files are opened once and
     read shard by shard on request, so only one or two shards are in memory at a time.
     ``kind`` is ``w`` (the compute copy) or ``master`` (fp32; for sampling a bf16 run on a CPU).
+    ``average``: the moving average of the weights (``ema``, ``training.ema_decay``) instead of the
+    trained ones, in the dtype ``kind`` names (``w``: the run's compute dtype; ``master``: fp32).
     """
 
-    def __init__(self, checkpoint: str | Path, cfg: Config, kind: str = "w"):
+    def __init__(self, checkpoint: str | Path, cfg: Config, kind: str = "w", average: bool = False):
         n = num_shards(cfg)
         self.reader = CheckpointReader(checkpoint, n)
         self.dir, self.state, self.step = self.reader.path, self.reader.state, self.reader.step
-        self.kind = kind
+        self.kind, self.average = kind, average
+        if average and not self.reader.has(0, "ema"):
+            raise ValueError(f"--weights ema: checkpoint {self.dir} holds no moving average of the weights (its run "
+                             f"had training.ema_decay = 0); use --weights trained")
         self.w_dtype = self.state.get("w_dtype", "float32") if kind == "w" else "float32"
         self.layouts = [ShardLayout.of(build_shard(cfg, i, "meta"), i) for i in range(n)]
         for i, lay in enumerate(self.layouts):
@@ -123,7 +145,11 @@ class CheckpointWeights:
 
     def get_weights(self, shard: int, step: int) -> np.ndarray:
         self.wait_version(shard, step)
-        t = self.reader.tensor(shard, self.kind, self.layouts[shard].numel)
+        if self.average:  # the fp32 average, cast as ``w`` is cast from master
+            t = self.reader.tensor(shard, "ema", self.layouts[shard].numel)
+            t = t.to(self.reader.w_dtype) if self.kind == "w" else t
+        else:
+            t = self.reader.tensor(shard, self.kind, self.layouts[shard].numel)
         return t.contiguous().view(torch.uint8).numpy()
 
     def report_grad(self, shard: int, step: int, sqnorm: float, grad) -> None:
@@ -342,7 +368,7 @@ def sample_video(checkpoint: str | Path, prompt: str, out: str | Path, frames: i
                  steps: int = 20, seed: int = 0, height: int | None = None, width: int | None = None,
                  cfg_scale: float = 1.0, fps: int = 8, device: str = "auto", model_dir: str | Path | None = None,
                  negative_prompt: str = "", upscale: int = 1, image: str | Path | None = None,
-                 last_image: str | Path | None = None) -> SampleResult:
+                 last_image: str | Path | None = None, weights: str = "auto") -> SampleResult:
     """Sample one video from ``checkpoint`` (a checkpoint or run directory) and write
     ``out`` (mp4) and ``out`` with suffix ``.png`` (contact sheet), each pixel repeated
     ``upscale`` x ``upscale`` times (nearest neighbour: a 16x16 model's clip viewed at 64x64, and
@@ -358,7 +384,8 @@ def sample_video(checkpoint: str | Path, prompt: str, out: str | Path, frames: i
     ``WanPipeline`` runs (``ComputeActor.predict``); one of one expert alone is refused. An
     image-to-video checkpoint (Wan2.1 I2V, FLF2V, Wan2.2 I2V-A14B) starts from ``image`` (and
     FLF2V also ends at ``last_image``): ``model_dir`` (its own folder) encodes them as precompute
-    encoded the training clips' first frames (``sampling_condition``)."""
+    encoded the training clips' first frames (``sampling_condition``). ``weights``: the trained
+    weights or their moving average (``WEIGHTS``, ``use_average``)."""
     _check_sample_arguments(upscale, steps, fps)
     t0 = time.perf_counter()
     ckpt, state, cfg = _sampling_checkpoint(checkpoint, frames, height, width, device, cfg_scale)
@@ -369,7 +396,7 @@ def sample_video(checkpoint: str | Path, prompt: str, out: str | Path, frames: i
         log.warning("the prompt is empty: the video is sampled unconditionally, as the model learned its captions' "
                     "absence (give --prompt TEXT)")
     encoder, wan_condition = _sampling_encoder(cfg, model_dir, device, prompt, negative_prompt, image, last_image)
-    x, step = _denoise(cfg, ckpt, kind, prompt, wan_condition, steps, seed, cfg_scale)
+    x, step = _denoise(cfg, ckpt, kind, prompt, wan_condition, steps, seed, cfg_scale, use_average(state, weights))
     if encoder is not None:
         video = decode_latents(encoder.load_vae(), x)
         encoder.close()
@@ -448,10 +475,11 @@ def _decode_encoder(cfg: Config, model_dir: str | Path, device: str) -> Encoder:
 
 
 def _denoise(cfg: Config, ckpt: Path, kind: str, prompt: str, wan_condition: tuple | None, steps: int, seed: int,
-             cfg_scale: float) -> tuple[torch.Tensor, int]:
+             cfg_scale: float, average: bool = False) -> tuple[torch.Tensor, int]:
     """(the sampled clip, in the model's space; the checkpoint's step): the checkpoint's ``kind``
-    weights streamed through a ``ComputeActor``, closed however sampling ends."""
-    source = CheckpointWeights(ckpt, cfg, kind)
+    weights (``average``: their moving average) streamed through a ``ComputeActor``, closed however
+    sampling ends."""
+    source = CheckpointWeights(ckpt, cfg, kind, average)
     compute = ComputeActor(cfg, source.shard_infos(), source, transport="object_ref")
     try:
         if cfg.model.arch == "wan":

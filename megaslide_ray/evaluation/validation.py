@@ -48,7 +48,7 @@ from megaslide_ray.data.latents import (
     read_latent_manifest,
 )
 from megaslide_ray.data.manifest import read_manifest
-from megaslide_ray.evaluation.sampling import CheckpointWeights
+from megaslide_ray.evaluation.sampling import CheckpointWeights, use_average
 from megaslide_ray.state.checkpoint import read_checkpoint_state, resolve_checkpoint
 from megaslide_ray.state.segments import DTYPES
 from megaslide_ray.training.flow import EXPERT_NAMES, HIGH, LOW, expert_t_range, route_expert, video_to_unit
@@ -286,11 +286,13 @@ def eval_config(state: dict, manifest: str | None, clips: int | None = None, buc
 
 def evaluate_checkpoint(checkpoint: str | Path, manifest: str | None = None, clips: int | None = None,
                         buckets: int | None = None, seed: int | None = None, batch_size: int | None = None,
-                        device: str = "auto") -> ValResult:
+                        device: str = "auto", weights: str = "auto") -> ValResult:
     """The validation loss of ``checkpoint`` (a checkpoint or run directory: its latest), in this
     process: the compute actor streams the checkpoint's weights as ``sample`` does. A ``manifest``
     given without ``clips`` is scored whole (every readable row); with neither, the run's own
-    validation set (``data.val_manifest``, ``training.val_clips``), so the loss equals the logged one."""
+    validation set (``data.val_manifest``, ``training.val_clips``), so the loss equals the logged one.
+    ``weights``: the trained weights or their moving average (``sampling.WEIGHTS``; ``auto``: what
+    the run evaluated with, ``training.ema_eval``)."""
     try:
         ckpt = resolve_checkpoint(checkpoint)
     except FileNotFoundError as e:
@@ -300,7 +302,7 @@ def evaluate_checkpoint(checkpoint: str | Path, manifest: str | None = None, cli
     on_cpu = device == "cpu" or not torch.cuda.is_available()
     kind = "master" if on_cpu and DTYPES.get(state.get("w_dtype", "float32")) is torch.bfloat16 else "w"
     val = load_val_set(cfg, clips=ALL_ROWS if manifest and clips is None else None)
-    source = CheckpointWeights(ckpt, cfg, kind)
+    source = CheckpointWeights(ckpt, cfg, kind, use_average(state, weights))
     compute = ComputeActor(cfg, source.shard_infos(), source, transport="object_ref")
     try:
         return validation_loss(compute, cfg, val, source.step)

@@ -13,7 +13,10 @@ with RoPE; videodit projects them from the modulated input) and hand them, chann
 all tokens; ``swin``: 3D shifted windows, ``shift`` on every other block; ``neighborhood``: DSA
 with offsets fixed at zero; ``dsa``: offsets from the module's ``offsets`` head, an
 ``OffsetPredictor``), ``window``, ``scale`` (None: ``head_dim ** -0.5``), ``num_heads``,
-``head_dim`` and ``backend`` (``attention.backend``: the DSA kernel, see ``kernels``).
+``head_dim`` and ``backend`` (``attention.backend``: the DSA kernel, see ``kernels``), and ``tau``:
+the per-head log-temperature (``attention.learn_temperature``; None without it). With ``tau`` the
+dispatch multiplies each head's queries by ``exp(tau_h)`` before the operator, so head h's scores
+are ``scale * exp(tau_h) * <q, k>`` whatever the kind and the kernel (none of them changes).
 """
 
 from __future__ import annotations
@@ -43,6 +46,43 @@ class SelfAttention(Protocol):
     head_dim: int
     backend: str
     offsets: "OffsetPredictor | None"
+    tau: "nn.Parameter | None"
+
+
+def temperature(cfg: Config, num_heads: int) -> nn.Parameter | None:
+    """A self-attention's per-head log-temperature (``attention.learn_temperature``), zero: the
+    softmax starts as without it. None when the lever is off."""
+    return nn.Parameter(torch.zeros(num_heads)) if cfg.attention.learn_temperature else None
+
+
+def self_attention_parts(cfg: Config, num_heads: int) -> tuple["OffsetPredictor | None", nn.Parameter | None]:
+    """What a block's self-attention learns beside its projections: the offset head (``dsa``) and
+    the per-head log-temperature (``attention.learn_temperature``); None where there is none."""
+    return offset_head(cfg), temperature(cfg, num_heads)
+
+
+@torch.no_grad()
+def reset_temperatures(module: nn.Module) -> None:
+    """Zero every self-attention temperature (``*.tau``) in ``module``: a fresh shard's softmax is
+    the one without the lever (``registry.initialize_shard`` calls it for both architectures)."""
+    for name, p in module.named_parameters():
+        if name == "tau" or name.endswith(".tau"):
+            p.zero_()
+
+
+def query_gain(attn: SelfAttention) -> torch.Tensor | None:
+    """``exp(tau)`` in fp32, ``(nh,)``, or None (no temperature). Computed once per block call:
+    a token-chunked block hands it to every chunk as a tensor (one use of ``tau``)."""
+    tau = getattr(attn, "tau", None)
+    return None if tau is None else torch.exp(tau.to(torch.promote_types(tau.dtype, torch.float32)))
+
+
+def scale_queries(q: torch.Tensor, gain: torch.Tensor | None) -> torch.Tensor:
+    """``q (..., nh, d)`` with head h multiplied by ``gain[h]`` (in fp32 at least, back to ``q``'s
+    dtype: a bf16 ``q`` is rounded once)."""
+    if gain is None:
+        return q
+    return (q.to(torch.promote_types(q.dtype, gain.dtype)) * gain[:, None]).to(q.dtype)
 
 
 def dense_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float | None) -> torch.Tensor:
@@ -76,7 +116,9 @@ def self_attention(attn: SelfAttention, q: torch.Tensor, k: torch.Tensor, v: tor
                    h: torch.Tensor, cond: torch.Tensor | None = None) -> torch.Tensor:
     """The block's self-attention over a whole clip: ``q, k, v (B, T, H, W, nh, d)`` ->
     ``(B, T, H, W, nh, d)``. ``h (B, T, H, W, D)``: what the offset head reads (``dsa``); ``cond
-    (B, D)``: the block's condition vector, which it also reads with ``attention.offset_condition``."""
+    (B, D)``: the block's condition vector, which it also reads with ``attention.offset_condition``.
+    A block with a temperature (``tau``) has its queries scaled per head here."""
+    q = scale_queries(q, query_gain(attn))
     if attn.kind == "dense":
         return dense_attention(q, k, v, attn.scale)
     if attn.kind == "swin":
@@ -102,19 +144,23 @@ def chunked_self_attention(attn: SelfAttention, x: torch.Tensor, qkv: torch.Tens
     frames, keys from the slab plus its halo (``chunking.slabbed_attention``)."""
     B, T, H, W, D = x.shape
     nh, hd = attn.num_heads, attn.head_dim
+    gain = query_gain(attn)  # a temperature's query scale, applied per chunk (dense) or slab (dsa)
     if attn.kind == "swin":
         q, k, v = qkv.view(B, T, H, W, 3, nh, hd).unbind(4)
-        o = swin_attention_3d(q, k, v, attn.window, attn.shift, scale=attn.scale).reshape(B, T, H, W, D)
+        o = swin_attention_3d(scale_queries(q, gain), k, v, attn.window, attn.shift,
+                              scale=attn.scale).reshape(B, T, H, W, D)
         return token_map(residual, x, chunk, Chunked(o), *gates)
     if attn.kind == "dense":
         kv = qkv.view(B, T * H * W, 3, nh, hd)[:, :, 1:].transpose(1, 3)  # (B, nh, 2, N, d)
 
         def dense_chunk(xc, qkvc, kvw, *g):
-            qc = qkvc.view(B, -1, 3, nh, hd)[:, :, 0].transpose(1, 2)
-            o = F.scaled_dot_product_attention(qc, kvw[:, :, 0], kvw[:, :, 1], scale=attn.scale)
+            qc = qkvc.view(B, -1, 3, nh, hd)[:, :, 0]
+            if gain is not None:  # the last extra: the temperature's query scale
+                qc, g = scale_queries(qc, g[-1]), g[:-1]
+            o = F.scaled_dot_product_attention(qc.transpose(1, 2), kvw[:, :, 0], kvw[:, :, 1], scale=attn.scale)
             return residual(xc, o.transpose(1, 2).reshape(B, -1, D), *g)
 
-        return token_map(dense_chunk, x, chunk, Chunked(qkv), kv, *gates)
+        return token_map(dense_chunk, x, chunk, Chunked(qkv), kv, *gates, *(() if gain is None else (gain,)))
     head = attn.offsets  # dsa: the offset head reads the modulated input of the slab's frames
     offsets = None
     if head is not None:
@@ -131,7 +177,7 @@ def chunked_self_attention(attn: SelfAttention, x: torch.Tensor, qkv: torch.Tens
     return slabbed_attention(x, qkv, chunk, nh, hd, attn.window, attn.scale,
                              head.max_offset if head is not None else 0.0, offsets, residual,
                              tuple(modulation), tuple(gates), head.halo if head is not None else 0,
-                             backend=attn.backend)
+                             backend=attn.backend, q_gain=gain)
 
 
 def reads_queries(attn: SelfAttention) -> bool:

@@ -264,7 +264,7 @@ def slabbed_attention(x: torch.Tensor, qkv: torch.Tensor, chunk: int, heads: int
                       window: tuple[int, int, int], scale: float | None, max_offset: float,
                       offsets: Callable | None, residual: Callable,
                       offset_args: Sequence = (), residual_args: Sequence = (), offset_halo: int = 1,
-                      backend: str = "auto") -> torch.Tensor:
+                      backend: str = "auto", q_gain: torch.Tensor | None = None) -> torch.Tensor:
     """A chunked block's windowed self-attention (``dsa``, ``neighborhood``) and the residual
     stream after it, over slabs of whole frames (``time_slabs``), each slab checkpointed; the
     driver ``model.DiTBlock`` and ``wan.WanBlock`` share.
@@ -280,9 +280,13 @@ def slabbed_attention(x: torch.Tensor, qkv: torch.Tensor, chunk: int, heads: int
     ``max_offset``: ``attention.max_offset``; 0 with an offset head: offsets unbounded, every
     slab's keys are the whole clip. ``offset_args`` / ``residual_args`` (tensors, e.g. the
     modulations) go through each slab's checkpoint. ``backend``: the DSA kernel
-    (``attention.backend``). Returns ``(B, T, H, W, D)``."""
+    (``attention.backend``). ``q_gain (heads,)``: each head's queries are multiplied by it before
+    the operator (a learned temperature, ``attention.learn_temperature``; None: not scaled); it goes
+    through each slab's checkpoint too. Returns ``(B, T, H, W, D)``."""
     B, T, H, W, D = x.shape
     n_off = len(offset_args)
+    gain_args = () if q_gain is None else (q_gain,)
+    n_res = n_off + len(residual_args)
     bound = max_offset if max_offset > 0 or offsets is None else None
     x_ranges, qkv_ranges = FrameRanges(x), FrameRanges(qkv)
     outs = []
@@ -291,14 +295,16 @@ def slabbed_attention(x: torch.Tensor, qkv: torch.Tensor, chunk: int, heads: int
 
         def slab(xe, qs, kvh, *args, t0=t0, t1=t1, a=a, e0=e0):
             q = qs.unflatten(-1, (3, heads, head_dim))[..., 0, :, :]
+            if len(args) > n_res:  # the query scale of a temperature, in fp32
+                q = (q.to(torch.promote_types(q.dtype, args[n_res].dtype)) * args[n_res][:, None]).to(q.dtype)
             _, k, v = kvh.unflatten(-1, (3, heads, head_dim)).unbind(4)
             off = None
             if offsets is not None:
                 off = offsets(xe, *args[:n_off])[:, t0 - e0:t1 - e0]
             o = slab_attention(q, k, v, off, t0, a, T, window, scale, backend, bound)
-            return residual(xe[:, t0 - e0:t1 - e0], o.reshape(B, t1 - t0, H, W, D), *args[n_off:])
+            return residual(xe[:, t0 - e0:t1 - e0], o.reshape(B, t1 - t0, H, W, D), *args[n_off:n_res])
 
         outs.append(checkpointed(slab, x_ranges(e0, e1), qkv_ranges(t0, t1), qkv_ranges(a, b),
-                                 *offset_args, *residual_args))
+                                 *offset_args, *residual_args, *gain_args))
     return torch.cat(outs, dim=1) if len(outs) > 1 else outs[0]
 

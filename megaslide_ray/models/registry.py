@@ -18,6 +18,7 @@ import torch.nn as nn
 
 from megaslide_ray.config import Config
 from megaslide_ray.models import videodit, wan
+from megaslide_ray.models.attention import reset_temperatures
 
 
 @dataclass(frozen=True)
@@ -83,8 +84,10 @@ def num_shards(cfg: Config) -> int:
 
 def initialize_shard(module: nn.Module, seed: int, index: int) -> None:
     """Deterministic init of one shard from (seed, index) by its architecture's recipe (a shard
-    module says its architecture in ``arch``; ``videodit`` when it does not)."""
+    module says its architecture in ``arch``; ``videodit`` when it does not); a learned attention
+    temperature (``attention.learn_temperature``) starts at 0 in both."""
     architecture(getattr(module, "arch", "videodit")).module.initialize_shard(module, seed, index)
+    reset_temperatures(module)
 
 
 def param_count(cfg: Config) -> int:

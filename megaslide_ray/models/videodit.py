@@ -32,9 +32,9 @@ from megaslide_ray.config import Config
 from megaslide_ray.models.attention import (
     chunked_self_attention,
     init_streams,
-    offset_head,
     reads_queries,
     self_attention,
+    self_attention_parts,
 )
 from megaslide_ray.models.chunking import bind, token_map
 from megaslide_ray.models.layers import ffn_width, unpatchify
@@ -242,7 +242,7 @@ class Attention(nn.Module):
         self.scale = a.scale if a.scale > 0 else self.head_dim ** -0.5
         self.qkv = nn.Linear(m.hidden_size, 3 * m.hidden_size)
         self.proj = nn.Linear(m.hidden_size, m.hidden_size)
-        self.offsets = offset_head(cfg)
+        self.offsets, self.tau = self_attention_parts(cfg, m.num_heads)  # dsa offset head, temperature
 
     def forward(self, h: torch.Tensor, cond: torch.Tensor | None = None) -> torch.Tensor:
         # cond (B, D): the block's adaLN condition, read by an offset head with attention.offset_condition

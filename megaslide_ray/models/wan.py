@@ -77,9 +77,9 @@ from megaslide_ray.config import Config
 from megaslide_ray.models.attention import (
     chunked_self_attention,
     init_streams,
-    offset_head,
     reads_queries,
     self_attention,
+    self_attention_parts,
 )
 from megaslide_ray.models.chunking import Chunked, bind, token_map
 from megaslide_ray.models.layers import ffn_width, unpatchify
@@ -315,7 +315,7 @@ class WanAttention(nn.Module):
         self.to_out = nn.ModuleList([nn.Linear(D, D), nn.Identity()])  # [1]: diffusers' dropout
         self.norm_q = nn.RMSNorm(D, eps=m.eps)
         self.norm_k = nn.RMSNorm(D, eps=m.eps)
-        self.offsets = None if cross else offset_head(cfg)
+        self.offsets, self.tau = (None, None) if cross else self_attention_parts(cfg, m.num_heads)  # dsa, temperature
         if cross and m.added_kv_proj_dim:
             self.add_k_proj = nn.Linear(m.added_kv_proj_dim, D)
             self.add_v_proj = nn.Linear(m.added_kv_proj_dim, D)

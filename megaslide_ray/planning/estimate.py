@@ -324,7 +324,9 @@ def _memory(cfg: Config, s: _Sizes, generate: bool) -> _Memory:
     else:
         scratch = 4 * s.Smax if wb == 2 else 0  # the bf16 gradient is upcast into it for AdamW
         host = {"w": wb * PH, "master": 4 * PH, "m": 4 * PH, "v": 4 * PH, "scratch": scratch}
-        state = host["w"] + host["master"] + host["m"] + host["v"]
+        if cfg.training.ema_decay:  # the moving average of the weights, fp32 beside master
+            host["ema"] = 4 * PH
+        state = host["w"] + host["master"] + host["m"] + host["v"] + host.get("ema", 0)
     shard_bytes = staged_shards(cfg) * s.Smax * (wb if generate else wb + 4)  # gradients are summed in fp32
     resident = [] if generate else resident_shards(cfg.model.depth, s.counts, wb, cfg.runtime.resident_gb * 1e9)
     parts, block_terms, act_totals, Q = _activations(cfg, wb, generate)
@@ -349,7 +351,7 @@ def _traffic(cfg: Config, s: _Sizes, mem: _Memory, generate: bool) -> _Traffic:
         offloaded = mem.parts["offloaded_checkpoints"]
         h2d = 2 * P * wb - mem.resident_bytes + offloaded  # a resident shard's weights cross once
         d2h = P * wb + offloaded
-        adamw_pp = wb + 12 + 12 + wb
+        adamw_pp = wb + 12 + 12 + wb + (12 if cfg.training.ema_decay else 0)  # the average: master read, ema r/w
         adamw_store_pp = adamw_pp + (12 if wb == 2 else 4)  # fused; bf16: g upcast and w cast; fp32: w.copy_
         adamw_bytes = P * adamw_pp
         flops_linear = 6.0 * s.p_tok * tokens + micro * (6.0 * s.p_sample * B + 6.0 * s.p_text * n_text)
@@ -379,7 +381,7 @@ def _timing(cfg: Config, s: _Sizes, mem: _Memory, tr: _Traffic, generate: bool, 
     if not generate:
         scale = scale_out(s.counts, s.wb, gpus_per_node, nodes, cfg.runtime.grad_slots, s.micro, network_gbps,
                           tr.adamw_pp, tr.h2d, tr.d2h, mem.parts["offloaded_checkpoints"], label,
-                          cfg.runtime.grad_slot_mb, num_experts(cfg))
+                          cfg.runtime.grad_slot_mb, num_experts(cfg), ema=bool(cfg.training.ema_decay))
         if gpus_per_node * nodes > 1:  # the node's DRAM serves every GPU's link, the gradient sum and AdamW
             del terms["adamw"]
             terms["host_dram"] = scale.host_dram_bytes / (dram_gbps * 1e9)
@@ -469,7 +471,7 @@ def _assemble(cfg: Config, s: _Sizes, mem: _Memory, tr: _Traffic, timing: _Timin
         token_chunk=s.chunk, attention_chunk_tokens=mem.Q,
         experts=num_experts(cfg), params=s.P, params_per_token=s.p_tok, params_offset_heads=s.p_offsets,
         num_shards=len(s.counts), largest_shard=s.largest, largest_shard_params=s.Smax,
-        host_bytes=mem.host, host_state_bytes=mem.state, host_state_bytes_per_param=s.wb if generate else s.wb + 12,
+        host_bytes=mem.host, host_state_bytes=mem.state, host_state_bytes_per_param=s.wb if generate else s.wb + 12 + (4 if "ema" in mem.host else 0),
         moment_bytes=mem.host.get("m", 0) + mem.host.get("v", 0), scratch_bytes=mem.scratch,
         host_store_bytes=mem.store, host_offloaded_bytes=parts["offloaded_checkpoints"],
         host_reserve_bytes=fit.reserve,

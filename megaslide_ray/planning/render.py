@@ -77,9 +77,11 @@ def _host_memory(p: Plan, out: _Lines) -> None:
     else:
         out.append("\nhost memory (ParameterStore, B/param)")
         for kind, bpp, label in (("w", wb, f"w, compute copy ({p.w_dtype}); gradients land here"),
-                                 ("master", 4, "master (fp32)"), ("m", 4, "m (fp32)"), ("v", 4, "v (fp32)")):
-            out.row(f"{label:<52}{bpp:>3} B", fmt_bytes(p.host_bytes[kind]))
-        state_label = "= state (the paper's 14 B/param)" if wb == 2 else "= state"
+                                 ("master", 4, "master (fp32)"), ("m", 4, "m (fp32)"), ("v", 4, "v (fp32)"),
+                                 ("ema", 4, "ema, the weights' moving average (fp32)")):
+            if kind in p.host_bytes:
+                out.row(f"{label:<52}{bpp:>3} B", fmt_bytes(p.host_bytes[kind]))
+        state_label = "= state (the paper's 14 B/param)" if wb == 2 and "ema" not in p.host_bytes else "= state"
         out.row(f"{state_label:<52}{p.host_state_bytes_per_param:>3} B", fmt_bytes(p.host_state_bytes))
         out.row(f"{'    of which moments m + v':<52}{8:>3} B", fmt_bytes(p.moment_bytes))
         if p.scratch_bytes:

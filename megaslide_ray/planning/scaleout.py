@@ -58,13 +58,14 @@ def network_bytes(params: int, own: int, wb: int, nodes: int) -> int:
 
 def scale_out(counts: list[int], wb: int, gpus: int, nodes: int, grad_slots: int, micro_batches: int,
               network_gbps: float, adamw_pp: int, h2d_gpu: int, d2h_gpu: int, offloaded_gpu: int,
-              offload_label: str, slot_mb: float = 0.0, experts: int = 1) -> ScaleOut:
+              offload_label: str, slot_mb: float = 0.0, experts: int = 1, ema: bool = False) -> ScaleOut:
     """The per-node terms (module docstring) for ``gpus`` GPUs on each of ``nodes`` nodes;
     ``h2d_gpu``, ``d2h_gpu``: one GPU's PCIe bytes per step, ``offloaded_gpu`` its offloaded block
     inputs (host bytes), ``adamw_pp`` AdamW's DRAM bytes per parameter; ``slot_mb``:
     ``runtime.grad_slot_mb`` (a gradient slot and the fp32 sum hold that much of a shard at a time;
     0: the largest shard); ``experts``: transformers the store holds (``counts`` is one's; a step
-    streams and updates one)."""
+    streams and updates one); ``ema``: the store keeps the moving average of the weights
+    (``training.ema_decay``), 4 B/param more (one node only)."""
     P, Smax = sum(counts), max(counts)
     slot = grad_slot_numel(Smax, slot_mb, wb)
     own = owner_params(counts, nodes)
@@ -75,6 +76,8 @@ def scale_out(counts: list[int], wb: int, gpus: int, nodes: int, grad_slots: int
     else:
         terms["weights w (every node)"] = wb * P
         terms[f"optimizer state master + m + v (this node's shards, about 1/{nodes})"] = 12 * own
+    if ema:
+        terms["weight average ema (fp32, training.ema_decay)"] = 4 * P * experts
     if wb == 2:
         terms["fp32 update scratch (largest shard)"] = 4 * Smax
     if gpus > 1:

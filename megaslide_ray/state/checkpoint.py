@@ -18,7 +18,8 @@ Layout on disk
 
 Each shard file holds three flat 1-D tensors, the shard's parameters laid end to end as in
 ``megaslide_ray.models.shards.ShardLayout`` (``CHECKPOINT_KINDS``): ``master`` (float32 weights),
-``m`` and ``v`` (float32 AdamW moments). The compute copy ``w`` is not saved: at a checkpoint it
+``m`` and ``v`` (float32 AdamW moments), and with ``training.ema_decay`` ``ema`` (the float32
+moving average of the weights, ``OPTIONAL_KINDS``). The compute copy ``w`` is not saved: at a checkpoint it
 is exactly ``master`` cast to ``w_dtype`` (state.json), so a reader asked for ``w`` casts
 ``master`` (12 instead of 14 bytes per parameter on disk for bf16 runs, 12 instead of 16 for
 fp32). Checkpoints written before that hold a
@@ -91,7 +92,8 @@ log = logging.getLogger(__name__)
 
 FORMAT_VERSION = 1
 CHECKPOINT_KINDS = ("master", "m", "v")      # what a checkpoint stores per shard
-READABLE_KINDS = ("w",) + CHECKPOINT_KINDS   # what a reader serves (w: master cast to w_dtype)
+OPTIONAL_KINDS = ("ema",)                    # stored when the state has it (training.ema_decay)
+READABLE_KINDS = ("w",) + CHECKPOINT_KINDS + OPTIONAL_KINDS  # what a reader serves (w: master cast to w_dtype)
 STATE_FILE = "state.json"
 LATEST = "latest"
 _RESERVED = ("format", "step", "num_shards", "files", "checksum")  # written by write_checkpoint itself
@@ -156,7 +158,7 @@ def write_checkpoint(run_dir: str | Path, step: int, shards: Iterable[tuple[Shar
     ``latest`` at it; returns its path.
 
     ``shards`` yields, in shard order, each shard's layout and its flat tensors by kind (every
-    kind of ``CHECKPOINT_KINDS``). It is consumed while writing, so a caller can hand over one
+    kind of ``CHECKPOINT_KINDS``, and those of ``OPTIONAL_KINDS`` it has). It is consumed while writing, so a caller can hand over one
     shard at a time (or stop in the middle: the parameter store's ``store.mid_checkpoint``
     fault point fires from its generator). ``doc`` goes into ``state.json`` beside ``format``,
     ``step`` and ``num_shards``, which this function writes and ``doc`` may not hold.
@@ -195,7 +197,7 @@ def _write_step_dir(root: Path, step: int, shards: Iterable, doc: dict) -> Path:
             meta = {"names": json.dumps(lay.names), "shapes": json.dumps(lay.shapes),
                     "offsets": json.dumps(lay.offsets), "shard": str(i)}
             path = tmp / shard_file(i)
-            kinds = {kind: tensors[kind] for kind in CHECKPOINT_KINDS}
+            kinds = {kind: tensors[kind] for kind in CHECKPOINT_KINDS + OPTIONAL_KINDS if kind in tensors}
             bad = nonfinite_kinds(kinds)
             if bad:
                 raise NonFiniteStateError(f"step {step}: shard {i}'s {'/'.join(bad)} hold(s) NaN or Inf values")
@@ -471,6 +473,9 @@ class CheckpointReader:
         tensor of another size is refused (the checkpoint is of another configuration)."""
         if kind not in READABLE_KINDS:
             raise ValueError(f"kind={kind!r}; a checkpoint serves {list(READABLE_KINDS)}")
+        if kind in OPTIONAL_KINDS and not self.has(shard, kind):
+            raise ValueError(f"checkpoint {self.path} holds no {kind!r} weights (shard {shard}): it was written by a "
+                             f"run without training.ema_decay; use its trained weights (master) instead")
         if kind == "w" and "w" not in self._files[shard].keys():
             t = self._verified(shard, "master").to(self.w_dtype)
         else:
@@ -479,6 +484,10 @@ class CheckpointReader:
             raise RuntimeError(f"checkpoint {self.path} shard {shard} {kind} has {t.numel()} values, the model "
                                f"needs {numel}: the checkpoint and the model's configuration disagree")
         return t
+
+    def has(self, shard: int, kind: str) -> bool:
+        """Whether the shard's file stores ``kind`` (``ema`` only where the run kept the average)."""
+        return kind in self._files[shard].keys() or (kind == "w" and "master" in self._files[shard].keys())
 
     def _verified(self, shard: int, kind: str) -> torch.Tensor:
         """The stored ``kind`` tensor of ``shard``, its checksum checked against ``state.json``

@@ -75,9 +75,11 @@ def w_dtype_bytes(cfg: Config) -> int:
 
 
 def state_bytes(cfg: Config, wbytes: int) -> int:
-    """The store's segments for ``cfg``: ``numel * (wbytes + 12)`` summed over shards, from the
-    model built on the meta device (no memory)."""
-    return sum(ShardLayout.of(build_shard(cfg, i, "meta"), i).numel for i in range(num_shards(cfg))) * (wbytes + 12)
+    """The store's segments for ``cfg``: ``numel * (wbytes + 12)`` summed over shards (4 more per
+    parameter with the moving average, ``training.ema_decay``), from the model built on the meta
+    device (no memory)."""
+    per_param = wbytes + 12 + (4 if cfg.training.ema_decay else 0)
+    return sum(ShardLayout.of(build_shard(cfg, i, "meta"), i).numel for i in range(num_shards(cfg))) * per_param
 
 
 def offload_bytes(cfg: Config, wbytes: int) -> int:

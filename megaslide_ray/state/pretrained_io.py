@@ -160,9 +160,10 @@ def checkpoint_experts(ckpt: CheckpointReader) -> int:
 
 def is_fresh_part(name: str) -> bool:
     """Parameters a pretrained source may lack: the DSA offset head (``*.offsets.*``), which a
-    model without 3D-DSA does not have. They start as a fresh model's (last layer zero, so the
-    swapped model starts as neighborhood attention)."""
-    return ".offsets." in name
+    model without 3D-DSA does not have, and the attention's per-head temperature (``*.tau``,
+    ``attention.learn_temperature``). They start as a fresh model's (the head's last layer zero,
+    ``tau`` zero: the swapped model starts as neighborhood attention at the source's temperature)."""
+    return ".offsets." in name or name.endswith(".tau")
 
 
 def model_names(cfg: Config) -> dict[str, tuple[tuple[int, ...], int, int]]:
@@ -333,12 +334,17 @@ def describe_init(cfg: Config, path: str | Path, source: dict[str, Entry]) -> st
     numel = lambda names: sum(math.prod(model[n][0]) for n in names)  # noqa: E731
     line = (f"init-from: {len(loaded)} tensors ({numel(loaded):,} parameters) from {where} ({len(files)} file"
             f"{'s' if len(files) != 1 else ''})")
+    taus = [n for n in fresh if n.endswith(".tau")]
+    fresh = [n for n in fresh if n not in taus]
     if fresh:
         heads = sorted({n.split(".offsets.")[0] + ".offsets.*" for n in fresh})
         line += (f"; {len(fresh)} tensors ({numel(fresh):,} parameters) start fresh: the DSA offset heads "
                  f"({', '.join(heads[:3])}{', ...' if len(heads) > 3 else ''}), zero at the end, so the model starts "
                  f"as neighborhood attention")
-    else:
+    if taus:
+        line += (f"; {len(taus)} per-head temperatures (*.tau, attention.learn_temperature) start at 0: the "
+                 f"source's softmax")
+    if not fresh and not taus:
         line += "; nothing starts fresh"
     return line
 
@@ -436,13 +442,13 @@ def _remove_stale(out: Path, pattern: str, keep: list[str]) -> None:
 
 def export_state_dict(checkpoint: str | Path, out: str | Path, kind: str = "master",
                       dtype: torch.dtype | None = None, overwrite: bool = False) -> list[str]:
-    """Write a checkpoint's ``kind`` tensors (``master`` or ``w``) under the standard model
-    names: one file if ``out`` ends in ``.safetensors``, else one file per shard in the
+    """Write a checkpoint's ``kind`` tensors (``master``, ``w``, or ``ema``: the moving average of
+    the weights of a run with ``training.ema_decay``) under the standard model names: one file if ``out`` ends in ``.safetensors``, else one file per shard in the
     directory ``out``. An existing ``out`` is refused (``check_export_target``) unless
     ``overwrite``. Returns the files written."""
     checkpoint, out = Path(checkpoint), Path(out)
-    if kind not in ("master", "w"):
-        raise ValueError(f"kind={kind!r}; use 'master' or 'w'")
+    if kind not in ("master", "w", "ema"):
+        raise ValueError(f"kind={kind!r}; use 'master', 'w' or 'ema'")
     check_export_target(out, out.suffix == ".safetensors", overwrite)
     ckpt = CheckpointReader(checkpoint)
     n, arch, experts = ckpt.num_shards, checkpoint_arch(ckpt), checkpoint_experts(ckpt)
@@ -473,8 +479,8 @@ DIFFUSERS_INDEX = "diffusion_pytorch_model.safetensors.index.json"
 
 
 def export_diffusers(checkpoint: str | Path, out: str | Path, dtype: torch.dtype | None = None,
-                     drop_offsets: bool = False, overwrite: bool = False) -> list[str]:
-    """Write a ``wan`` checkpoint's master weights as a diffusers ``WanTransformer3DModel``
+                     drop_offsets: bool = False, overwrite: bool = False, kind: str = "master") -> list[str]:
+    """Write a ``wan`` checkpoint's master weights (``kind = ema``: their moving average) as a diffusers ``WanTransformer3DModel``
     folder: ``config.json``, one ``diffusion_pytorch_model-XXXXX-of-NNNNN.safetensors`` per
     shard and the index that maps each name to its file, so ``from_pretrained(out)`` loads it.
     diffusers' model has dense self-attention and no offset heads (``attn1.offsets.*``, kept in
@@ -497,13 +503,28 @@ def export_diffusers(checkpoint: str | Path, out: str | Path, dtype: torch.dtype
             raise ValueError(f"{checkpoint} holds a {checkpoint_arch(ckpt)} model; --format diffusers exports "
                              f"model.arch = 'wan' checkpoints (use --format safetensors for this one)")
         cfg = config_from_dict(ckpt.state["config"])
+        _check_diffusers_export(ckpt, cfg, kind)
         if checkpoint_experts(ckpt) == 1:
-            return _write_transformer(ckpt, cfg, range(ckpt.num_shards), out, dtype, drop_offsets)
+            return _write_transformer(ckpt, cfg, range(ckpt.num_shards), out, dtype, drop_offsets, kind)
         per = ckpt.num_shards // 2
-        written = [*_write_transformer(ckpt, cfg, range(per), out / "transformer", dtype, drop_offsets),
-                   *_write_transformer(ckpt, cfg, range(per, 2 * per), out / "transformer_2", dtype, drop_offsets)]
+        written = [*_write_transformer(ckpt, cfg, range(per), out / "transformer", dtype, drop_offsets, kind),
+                   *_write_transformer(ckpt, cfg, range(per, 2 * per), out / "transformer_2", dtype, drop_offsets,
+                                       kind)]
     (out / "model_index.json").write_text(json.dumps(_model_index(cfg), indent=2))
     return [*written, str(out / "model_index.json")]
+
+
+def _check_diffusers_export(ckpt: CheckpointReader, cfg: Config, kind: str) -> None:
+    """Refuse a diffusers export that would not be the model trained (ValueError naming why)."""
+    if kind not in ("master", "ema"):
+        raise ValueError(f"kind={kind!r}: a diffusers export writes fp32 weights, 'master' or 'ema'")
+    if kind == "ema" and not ckpt.has(0, "ema"):
+        raise ValueError(f"{ckpt.path} holds no moving average of the weights (its run had training.ema_decay = 0): "
+                         f"export --kind master")
+    if cfg.attention.learn_temperature:
+        raise ValueError(f"{ckpt.path} was trained with attention.learn_temperature: diffusers' attention (and "
+                         f"enable_dsa) has no per-head temperature, so a diffusers folder would run another model; "
+                         f"export --format safetensors (the *.tau tensors are kept)")
 
 
 def _diffusers_version() -> str:
@@ -532,7 +553,7 @@ def _model_index(cfg: Config) -> dict:
 
 
 def _write_transformer(ckpt: CheckpointReader, cfg: Config, shards: range, out: Path, dtype: torch.dtype | None,
-                       drop_offsets: bool) -> list[str]:
+                       drop_offsets: bool, kind: str = "master") -> list[str]:
     """One transformer (checkpoint shards ``shards``) as a diffusers folder ``out`` (``export_diffusers``)."""
     out.mkdir(parents=True, exist_ok=True)
     n = len(shards)
@@ -540,7 +561,7 @@ def _write_transformer(ckpt: CheckpointReader, cfg: Config, shards: range, out: 
     for i, shard in enumerate(shards):
         name = f"diffusion_pytorch_model-{i + 1:05d}-of-{n:05d}.safetensors"
         tensors = {}
-        for key, t in ckpt.tensors(shard, "master").items():
+        for key, t in ckpt.tensors(shard, kind).items():
             full = shard_prefix(i, n, "wan") + key
             if drop_offsets and is_fresh_part(full):
                 continue

@@ -3,6 +3,10 @@
 It is the correctness anchor of the streamed trainer (same init, same batches, same noise, same
 schedule and clipping: parameters must agree step by step) and the baseline of the pipeline
 overhead benchmark.
+
+With ``training.ema_decay`` it keeps the moving average of the weights as the parameter store does
+(``ema``: one fp32 tensor per parameter, ``lerp_`` towards the weights after each step, the weights
+themselves until ``training.ema_start_step`` steps are done), so the two can be compared.
 """
 
 from __future__ import annotations
@@ -46,6 +50,9 @@ class InProcessTrainer:
         self.opt = torch.optim.AdamW(self.model.parameters(), lr=o.lr, betas=o.betas, eps=o.eps,
                                      weight_decay=o.weight_decay)
         self.step = 0
+        # the moving average of the weights (training.ema_decay), fp32, in parameter order
+        self.ema = ([p.detach().float().clone() for p in self.model.parameters()] if cfg.training.ema_decay
+                    else None)
 
     def train_step(self, batch: dict, noise_step: int | None = None) -> BaselineStep:
         t0 = time.perf_counter()
@@ -71,6 +78,25 @@ class InProcessTrainer:
         for group in self.opt.param_groups:
             group["lr"] = lr_at(cfg.optim, cfg.training.steps, self.step)
         self.opt.step()
+        self._update_ema()
         result = BaselineStep(self.step, float(loss.detach()), norm, time.perf_counter() - t0)
         self.step += 1
         return result
+
+    @torch.no_grad()
+    def _update_ema(self) -> None:
+        """The average after this step (``training.ema_decay``; see the module docstring)."""
+        if self.ema is None:
+            return
+        params = [p.detach() for p in self.model.parameters()]
+        if self.step + 1 <= self.cfg.training.ema_start_step:
+            torch._foreach_copy_(self.ema, params)
+        else:
+            torch._foreach_lerp_(self.ema, params, 1.0 - self.cfg.training.ema_decay)
+
+    @torch.no_grad()
+    def load_average(self) -> None:
+        """Put the moving average into the model's parameters (to evaluate or sample with it)."""
+        if self.ema is None:
+            raise ValueError("this trainer keeps no moving average of the weights: set training.ema_decay")
+        torch._foreach_copy_([p.detach() for p in self.model.parameters()], self.ema)
