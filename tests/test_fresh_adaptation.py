@@ -212,6 +212,27 @@ def test_an_arm_runs_its_kind_with_its_overrides_and_is_compared_with_dense_and_
     assert R.comparisons(["dense", "ema"], {"ema": ("dense", {})}) == [("ema", "dense")]
 
 
+def test_an_ema_arm_starts_its_average_at_the_teacher_and_is_measured_with_it():
+    p = FA.parser()
+    a = p.parse_args(["--grid", "small", "--kinds", "dense", "--arm", "ema", "dense", "training.ema_decay=0.5",
+                      "--set", "model.depth", "1", "--threads", "1"])
+    setup = FA.checked_setup(p, a)
+    setup["source"] = F.ClipSource.of(FA.run_config(setup, "dense", 0, 2), "simple")
+    trainer = FA.fresh_trainer(FA.run_config(setup, "ema", 0, 2), 0, 1)
+    teacher = {k: v + 0.01 for k, v in trainer.model.state_dict().items()}  # weights loaded after __init__
+    trainer.model.load_state_dict(teacher)
+    start = [p.detach().clone() for p in trainer.model.parameters()]
+    trainer.train_step(FA.train_batch(setup, 0, 0))
+    after = [p.detach().clone() for p in trainer.model.parameters()]
+    for e, s0, s1 in zip(trainer.ema, start, after):  # the average of the teacher and the step's weights
+        torch.testing.assert_close(e, 0.5 * s0 + 0.5 * s1, rtol=0, atol=1e-7)
+    with FA.measured_weights(trainer):
+        for p_, e in zip(trainer.model.parameters(), trainer.ema):
+            assert torch.equal(p_.detach(), e)
+    for p_, s1 in zip(trainer.model.parameters(), after):  # trained weights back
+        assert torch.equal(p_.detach(), s1)
+
+
 @pytest.mark.slow
 def test_the_study_end_to_end_writes_curves_sweep_and_intervals(tmp_path):
     assert FA.main([*TINY, "--out", str(tmp_path), "--json"]) == 0

@@ -44,6 +44,7 @@ every run with its curves, the intervals), ``fresh_adaptation.md`` and the curve
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import math
 import os
@@ -165,6 +166,23 @@ def samples(model, cfg, setup: dict, seed: int) -> dict:
     return out
 
 
+@contextlib.contextmanager
+def measured_weights(trainer):
+    """The weights a run is measured with (curves and samples): its moving average where it keeps
+    one and ``training.ema_eval`` says so (as the trainer's validation and samples do), else its
+    trained weights; the trained weights are back afterwards."""
+    if trainer.ema is None or not trainer.cfg.training.ema_eval:
+        yield
+        return
+    params = [p.detach() for p in trainer.model.parameters()]
+    trained = [p.clone() for p in params]
+    torch._foreach_copy_(params, trainer.ema)
+    try:
+        yield
+    finally:
+        torch._foreach_copy_(params, trained)
+
+
 def adapt(setup: dict, kind: str, seed: int, lr: float, teacher: dict, sets: tuple[str, ...],
           with_samples: bool) -> dict:
     """One adaptation of ``kind`` from the seed's teacher at ``lr`` on fresh batches
@@ -178,8 +196,9 @@ def adapt(setup: dict, kind: str, seed: int, lr: float, teacher: dict, sets: tup
     def point(step: int) -> None:
         nonlocal eval_seconds
         t0 = time.perf_counter()
-        curve.append({"step": step, **{s: evaluate(trainer.model, setup["sets"][s], setup["eval_batch"])
-                                       for s in sets}})
+        with measured_weights(trainer):
+            curve.append({"step": step, **{s: evaluate(trainer.model, setup["sets"][s], setup["eval_batch"])
+                                           for s in sets}})
         eval_seconds += time.perf_counter() - t0
         log(f"  {kind:<12} seed {seed} lr {lr:g} step {step:>4}: " + ", ".join(
             f"{s} {curve[-1][s]['loss_ge25']:.4f}" for s in sets))
@@ -195,7 +214,8 @@ def adapt(setup: dict, kind: str, seed: int, lr: float, teacher: dict, sets: tup
            "train_loss_last20": statistics.fmean(losses[-20:]), "step_seconds": statistics.median(wall[1:] or wall),
            "train_seconds": math.fsum(wall), "eval_seconds": eval_seconds}
     if with_samples:
-        out.update(samples(trainer.model, cfg, setup, seed))
+        with measured_weights(trainer):
+            out.update(samples(trainer.model, cfg, setup, seed))
     return out
 
 

@@ -6,7 +6,8 @@ overhead benchmark.
 
 With ``training.ema_decay`` it keeps the moving average of the weights as the parameter store does
 (``ema``: one fp32 tensor per parameter, ``lerp_`` towards the weights after each step, the weights
-themselves until ``training.ema_start_step`` steps are done), so the two can be compared.
+themselves until ``training.ema_start_step`` steps are done; taken from the weights when the first
+step starts, so weights loaded after construction are its start), so the two can be compared.
 """
 
 from __future__ import annotations
@@ -50,13 +51,15 @@ class InProcessTrainer:
         self.opt = torch.optim.AdamW(self.model.parameters(), lr=o.lr, betas=o.betas, eps=o.eps,
                                      weight_decay=o.weight_decay)
         self.step = 0
-        # the moving average of the weights (training.ema_decay), fp32, in parameter order
-        self.ema = ([p.detach().float().clone() for p in self.model.parameters()] if cfg.training.ema_decay
-                    else None)
+        # the moving average of the weights (training.ema_decay), fp32, in parameter order: taken
+        # from the weights when the first step starts (a caller may load weights after __init__)
+        self.ema: list[torch.Tensor] | None = None
 
     def train_step(self, batch: dict, noise_step: int | None = None) -> BaselineStep:
         t0 = time.perf_counter()
         cfg = self.cfg
+        if cfg.training.ema_decay and self.ema is None:
+            self.ema = [p.detach().float().clone() for p in self.model.parameters()]
         step = self.step if noise_step is None else noise_step
         fx = batch_flow_inputs(batch, cfg.training.seed, step, cfg.training.t_sampling, cfg.training.flow_shift,
                                t_range=step_t_range(cfg, step))
