@@ -19,6 +19,7 @@ l runs only after every shard reported its gradient for step k (exact global-nor
 in shard order 0..L+1, so the next forward can start on shard 0 while the rest update.
 
 Two experts (``training.expert = both``): each step trains one; ``actors/store_experts.py``.
+Distillation (``training.distill_weight``): the frozen dense teacher's segments; ``actors/store_teacher.py``.
 
 Restarts: the segments outlive the store's process. A store constructed again over a state
 directory that holds a ``layout.json`` (``attach=True``, or Ray re-running ``__init__`` after a
@@ -71,6 +72,7 @@ from actors.ray_context import node_id as _node_id
 from actors.ray_context import was_reconstructed as _was_reconstructed
 from actors.store_checkpoints import CheckpointMethods
 from actors.store_experts import ExpertMethods
+from actors.store_teacher import TeacherMethods
 from actors.store_types import GradientsLostError, ShardInfo, StateNotTrustedError, StoreStatus, UpdateResult
 from megaslide_ray.config import Config
 from megaslide_ray.models.registry import build_shard, initialize_shard, num_experts, num_shards
@@ -99,12 +101,13 @@ RECORDS = 4          # update records kept in shared memory (ring indexed by ste
 RECORD_FIELDS = 6    # step, grad_norm, clip_coef, lr, skipped, optimizer_seconds
 
 
-class ParameterStore(NodeSyncMethods, CheckpointMethods, ExpertMethods):
+class ParameterStore(NodeSyncMethods, CheckpointMethods, ExpertMethods, TeacherMethods):
     """The store of one node (module docstring). Its methods for checkpoints
-    (``actors/store_checkpoints.py``), several nodes (``actors/node_sync.py``) and two experts
-    (``actors/store_experts.py``) live in mixins beside it: each concern reads alone, and all of
-    them act on the one state this class maps (its segments, versions and lock), which a separate
-    object would have to be handed whole; Ray makes the one class an actor."""
+    (``actors/store_checkpoints.py``), several nodes (``actors/node_sync.py``), two experts
+    (``actors/store_experts.py``) and the distillation teacher (``actors/store_teacher.py``) live
+    in mixins beside it: each concern reads alone, and all of them act on the one state this class
+    maps (its segments, versions and lock), which a separate object would have to be handed whole;
+    Ray makes the one class an actor."""
 
     def __init__(self, cfg: Config, run_dir: str, w_dtype: str = "float32",
                  resume_checkpoint: str | None = None, attach: bool = False, init_from: str | None = None,
@@ -179,6 +182,7 @@ class ParameterStore(NodeSyncMethods, CheckpointMethods, ExpertMethods):
         self._root = Path(cfg.runtime.state_dir) if cfg.runtime.state_dir else default_state_root()
         self.dir = self._root / node_state_key(run_dir, self.nodes, self.node)
         self.layouts = [ShardLayout.of(build_shard(cfg, i, "meta"), i) for i in range(self.n)]
+        self.teacher_layouts = self._teacher_layouts()
         self._lock = threading.Condition()
         self._pending: dict[int, dict[int, float]] = {}   # step -> {shard: ||g||^2}
         self._results: dict[int, UpdateResult] = {}
@@ -214,6 +218,7 @@ class ParameterStore(NodeSyncMethods, CheckpointMethods, ExpertMethods):
                     dtype = DTYPES[self.w_dtype] if kind == "w" else torch.float32
                     segs[kind] = map_segment(self._path(i, kind), lay.numel, dtype, create=not attached)
                 self.seg.append(segs)
+            self._map_teacher(attached)
         except OSError as e:
             if attached or e.errno not in (errno.ENOSPC, errno.EDQUOT):
                 raise
@@ -246,6 +251,7 @@ class ParameterStore(NodeSyncMethods, CheckpointMethods, ExpertMethods):
                 load_pretrained_into(self, init_from)
             else:
                 self._initialize(self.cfg.training.seed)
+            self._fill_teacher(self.cfg.training.init_from or init_from)
             (self.dir / "layout.json").write_text(json.dumps(self._layout_doc()))
         except BaseException:
             # A fresh state that could not be filled (a damaged checkpoint or source) holds
@@ -271,7 +277,8 @@ class ParameterStore(NodeSyncMethods, CheckpointMethods, ExpertMethods):
         return self.dir / f"shard_{shard:04d}.{kind}"
 
     def _layout_doc(self) -> dict:
-        return {"w_dtype": self.w_dtype, "numels": [lay.numel for lay in self.layouts]}
+        doc = {"w_dtype": self.w_dtype, "numels": [lay.numel for lay in self.layouts]}
+        return {**doc, "teacher_numels": [lay.numel for lay in self.teacher_layouts]} if self.teacher_layouts else doc
 
     def _check_layout(self) -> None:
         doc = json.loads((self.dir / "layout.json").read_text())
@@ -280,7 +287,7 @@ class ParameterStore(NodeSyncMethods, CheckpointMethods, ExpertMethods):
                                f"{len(doc['numels'])} shards); cannot re-attach")
 
     def _check_space(self, root: Path) -> None:
-        need = self.state_bytes() + self.slot_bytes()
+        need = self.state_bytes() + self.slot_bytes() + self.teacher_bytes()
         usage = shutil.disk_usage(root)
         if need > usage.free:
 
@@ -334,7 +341,8 @@ class ParameterStore(NodeSyncMethods, CheckpointMethods, ExpertMethods):
 
     # -- queries ------------------------------------------------------------------------------
     def shard_infos(self) -> list[ShardInfo]:
-        return [ShardInfo(i, lay.numel, self.w_dtype, {"w": str(self._path(i, "w"))}, lay)
+        teacher = lambda i: {"teacher": str(self._path(i, "teacher"))} if self.teacher_layouts else {}  # noqa: E731
+        return [ShardInfo(i, lay.numel, self.w_dtype, {"w": str(self._path(i, "w")), **teacher(i)}, lay)
                 for i, lay in enumerate(self.layouts)]
 
     def grad_slots(self) -> GradSlots | None:
@@ -679,6 +687,6 @@ class ParameterStore(NodeSyncMethods, CheckpointMethods, ExpertMethods):
         self._worker.join(timeout=30)
         if self.reducer is not None:
             self.reducer.close()
-        self.seg = []
+        self.seg, self.teacher_seg = [], []
         if remove_state:
             shutil.rmtree(self.dir, ignore_errors=True)

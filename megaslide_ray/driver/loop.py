@@ -295,6 +295,9 @@ class Trainer:
             "device": c.device, "time": time.time(),
             # the flow time of each clip of the step's global batch; a two-expert model: the expert trained
             "t": list(c.t), "expert": EXPERT_NAMES[c.expert] if c.expert >= 0 else None,
+            # training.distill_weight > 0: the distillation term (before its weight; ``loss`` is the task's)
+            **({"distill_loss": c.distill_loss, "teacher_seconds": c.teacher_seconds}
+               if self.cfg.training.distill_weight > 0 else {}),
             # several compute actors: each one's own times (the fields above are the slowest's)
             **({"compute_actors": [{"rank": r.rank, "loss": r.loss, "compute_seconds": r.seconds,
                                     "weight_wait_seconds": r.weight_wait_seconds,
