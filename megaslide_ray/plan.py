@@ -145,6 +145,9 @@ def _add_runtime_args(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--grad-slot-mb", type=float, default=None, metavar="MB",
                     help="runtime.grad_slot_mb: one gradient slot's MB (a larger shard goes in pieces; 0: the "
                          "largest shard; default: the config's, 512)")
+    ap.add_argument("--distill-weight", type=float, default=None, metavar="W",
+                    help="training.distill_weight: W > 0 counts the frozen dense teacher (its host weights, its "
+                         "forward and one more crossing of its weights per step)")
     ap.add_argument("--network-gbps", type=_positive(float), default=25.0,
                     help="with --nodes > 1: network GB/s each way per node (default 25: 200 Gb/s)")
 
@@ -181,6 +184,13 @@ def _config(args: argparse.Namespace) -> tuple[Config, tuple[int, int, int]]:
             raise ConfigError(f"--grad-slot-mb {args.grad_slot_mb} must be >= 0 (MB per gradient slot; 0: a "
                               f"slot holds the largest shard)")
         cfg.runtime.grad_slot_mb = args.grad_slot_mb
+    if args.distill_weight is not None:
+        if not (args.distill_weight >= 0 and math.isfinite(args.distill_weight)):
+            raise ConfigError(f"--distill-weight {args.distill_weight} must be a finite number >= 0 (0: no teacher)")
+        if args.distill_weight and cfg.attention.kind == "dense":
+            raise ConfigError(f"--distill-weight {args.distill_weight} with attention.kind dense: the model is the "
+                              f"dense teacher itself; plan another --attention or leave the flag out")
+        cfg.training.distill_weight = args.distill_weight
     if args.prefetch_depth is not None:
         if args.prefetch_depth < 1:
             raise ConfigError(f"--prefetch-depth {args.prefetch_depth} must be >= 1")

@@ -16,6 +16,7 @@ from megaslide_ray.config import ConfigError, build_config
 from megaslide_ray.data.demo import ensure_demo_dataset
 from megaslide_ray.models.registry import build_model, teacher_config
 from megaslide_ray.planning.estimate import plan
+from megaslide_ray.planning.schedule import step_positions, teacher_positions
 from megaslide_ray.training.baseline import InProcessTrainer
 from megaslide_ray.training.flow import batch_conditioning, batch_flow_inputs, caption_dropout
 
@@ -189,6 +190,13 @@ def test_plan_counts_the_teacher(setup, tmp_path):
     off, on = plan(cfg_off), plan(cfg_on)
     p_teacher = sum(p.numel() for p in build_model(teacher_config(cfg_on)).parameters())
     assert on.host_terms["dense teacher (distillation, frozen w)"] == 2 * p_teacher
-    assert on.host_required - off.host_required == 2 * p_teacher
+    assert on.host_required_bytes - off.host_required_bytes == 2 * p_teacher
     assert on.h2d_bytes - off.h2d_bytes == 2 * p_teacher
-    assert on.flops_executed > off.flops_executed
+    assert on.flops_executed == pytest.approx(off.flops_executed + on.flops_teacher, rel=1e-12)
+    # the schedule prices the same forward, position by position, with the teacher's fetches first
+    fetch, flops = teacher_positions(cfg_on, 2)
+    assert sum(flops) == pytest.approx(on.flops_teacher, rel=1e-9) and sum(fetch) == 2 * p_teacher
+    assert step_positions(cfg_on, 2).fetch_bytes[:len(fetch)] == fetch
+    # a dense run's forward: a third of its linear and attention FLOPs (forward + backward = 3 forwards)
+    dense = plan(build_config("tiny", None, {**SMALL, "attention.kind": "dense"}))
+    assert on.flops_teacher == pytest.approx((dense.flops_linear + dense.flops_attention) / 3, rel=1e-9)
