@@ -2,6 +2,7 @@
 equals a plain PyTorch computation, the streamed trainer equals the in-process trainer with it on,
 a weight of 0 changes nothing, the config refuses what cannot work, the planner counts the teacher."""
 
+import json
 import math
 
 import numpy as np
@@ -14,6 +15,7 @@ from actors.decoder import VideoDecoder
 from actors.param_store import ParameterStore
 from megaslide_ray.config import ConfigError, build_config
 from megaslide_ray.data.demo import ensure_demo_dataset
+from megaslide_ray.driver import Trainer
 from megaslide_ray.models.registry import build_model, teacher_config
 from megaslide_ray.planning.estimate import plan
 from megaslide_ray.planning.schedule import step_positions, teacher_positions
@@ -166,6 +168,52 @@ def test_weight_zero_changes_nothing(setup, tmp_path):
     assert np.allclose([r.loss for r in results], [r.loss for r in reference], rtol=1e-5)
     for i, (a, b) in enumerate(zip(masters, flat_shards(base.model))):
         assert float((a - b).norm() / b.norm()) < 1e-5, f"shard {i}"
+
+
+def trainer_run(cfg, run_dir, steps, **kw) -> list[dict]:
+    """``steps`` steps of the Trainer (through Ray), then its metrics.jsonl rows."""
+    trainer = Trainer(cfg, run_dir=str(run_dir), progress=False, **kw)
+    try:
+        for step in range(trainer.start_step, steps):
+            trainer.train_step(step)
+    finally:
+        trainer.close()
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def reference_rows(cfg, path, steps):
+    """The in-process trainer's steps on the batches the Trainer's decoder serves."""
+    base = in_process(cfg, path)
+    with VideoDecoder(cfg.data, cfg.training.seed, cfg.model.caption_max_bytes) as dec:
+        return [base.train_step(dec.next_batch()) for _ in range(steps)]
+
+
+def test_through_ray_metrics_log_the_term(ray_session, setup, tmp_path):
+    """The Trainer through Ray actors: metrics.jsonl logs distill_loss beside the task loss, both
+    the in-process trainer's on the same batches."""
+    manifest, _, path = setup
+    cfg = config(setup, tmp_path, **{"training.distill_weight": 1.0})
+    rows = trainer_run(cfg, tmp_path / "run", 2, init_from=str(path))
+    reference = reference_rows(cfg, path, 2)
+    assert [r["step"] for r in rows] == [1, 2]
+    assert np.allclose([r["loss"] for r in rows], [r.loss for r in reference], rtol=1e-5)
+    assert np.allclose([r["distill_loss"] for r in rows], [r.distill_loss for r in reference], rtol=1e-5)
+    assert all(r["teacher_seconds"] > 0 for r in rows)
+
+
+@pytest.mark.slow  # 30 s; test_through_ray_metrics_log_the_term runs the Trainer in the default run
+def test_resume_reads_the_teacher_again(ray_session, setup, tmp_path):
+    """A run resumed from its step-2 checkpoint (which holds no teacher) reads the teacher again
+    from training.init_from: step 3 is the in-process trainer's."""
+    manifest, _, path = setup
+    cfg = config(setup, tmp_path, **{"training.distill_weight": 1.0, "training.steps": 3,
+                                     "training.checkpoint_every": 2})
+    trainer_run(cfg, tmp_path / "run", 2, init_from=str(path))
+    rows = trainer_run(cfg, tmp_path / "run", 3, resume=True)
+    reference = reference_rows(cfg, path, 3)
+    assert [r["step"] for r in rows] == [1, 2, 3]
+    assert np.allclose([r["loss"] for r in rows], [r.loss for r in reference], rtol=1e-5)
+    assert np.allclose([r["distill_loss"] for r in rows], [r.distill_loss for r in reference], rtol=1e-5)
 
 
 @pytest.mark.parametrize("over, words", [
