@@ -8,7 +8,7 @@ import math
 import numpy as np
 import pytest
 import torch
-from safetensors.torch import save_file
+from safetensors.torch import load_file, save_file
 
 from actors.compute import ComputeActor, LocalStoreClient
 from actors.decoder import VideoDecoder
@@ -19,6 +19,8 @@ from megaslide_ray.driver import Trainer
 from megaslide_ray.models.registry import build_model, teacher_config
 from megaslide_ray.planning.estimate import plan
 from megaslide_ray.planning.schedule import step_positions, teacher_positions
+from megaslide_ray.state.pretrained_io import PretrainedMismatchError
+from megaslide_ray.state.teacher_io import check_teacher
 from megaslide_ray.training.baseline import InProcessTrainer
 from megaslide_ray.training.flow import batch_conditioning, batch_flow_inputs, caption_dropout
 
@@ -56,8 +58,6 @@ def config(setup, tmp_path, **over):
 def in_process(cfg, path) -> InProcessTrainer:
     """The in-process trainer started from ``path`` as ``--init-from`` starts the store (offset
     heads fresh, from the seeded initialisation)."""
-    from safetensors.torch import load_file
-
     trainer = InProcessTrainer(cfg, threads=1)
     missing, unexpected = trainer.model.load_state_dict(load_file(str(path)), strict=False)
     assert not unexpected and missing and all(".offsets." in n for n in missing)
@@ -94,8 +94,6 @@ def test_in_process_distillation_term_is_plain_pytorch(setup, tmp_path):
     student = build_model(cfg)
     student.load_state_dict(trainer.model.state_dict())
     teacher = build_model(teacher_config(cfg))
-    from safetensors.torch import load_file
-
     teacher.load_state_dict(load_file(str(path)))  # strict: every dense weight, nothing else
     got = trainer.train_step(batches[0])
 
@@ -120,13 +118,20 @@ def test_in_process_distillation_term_is_plain_pytorch(setup, tmp_path):
         torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7, msg=f"shard {i}")
 
 
-def test_streamed_trainer_equals_in_process_with_distillation(setup, tmp_path):
+@pytest.mark.parametrize("over, transport", [
+    ({}, "shm"),
+    ({"training.micro_batches": 2, "data.batch_size": 1}, "shm"),  # the term per micro-batch, then the mean
+    ({"runtime.recompute_blocks": False}, "shm"),                  # kept graphs
+    ({"runtime.link_gbps": 50.0}, "shm"),                          # staged copies of the teacher's shards
+    ({}, "object_ref"),                                            # the teacher's bytes asked of the store
+], ids=["plain", "micro_batches", "kept_graphs", "staged", "object_ref"])
+def test_streamed_trainer_equals_in_process_with_distillation(setup, tmp_path, over, transport):
     """Two steps streamed (store + compute actor) and in process, distillation on: the same task
     losses, distillation terms and parameters; the store's teacher segments hold the source's
     dense weights."""
     manifest, batches, path = setup
-    cfg = config(setup, tmp_path, **{"training.distill_weight": 2.0})
-    results, masters, files, teacher, teacher_bytes = streamed(cfg, batches, tmp_path)
+    cfg = config(setup, tmp_path, **{"training.distill_weight": 2.0, **over})
+    results, masters, files, teacher, teacher_bytes = streamed(cfg, batches, tmp_path, transport)
     base = in_process(cfg, path)
     reference = [base.train_step(b) for b in batches]
     assert np.allclose([r.loss for r in results], [r.loss for r in reference], rtol=1e-5)
@@ -140,6 +145,33 @@ def test_streamed_trainer_equals_in_process_with_distillation(setup, tmp_path):
         assert torch.equal(a, b), f"teacher shard {i}"
     assert teacher_bytes == sum(t.numel() for t in dense) * 4
     assert sum(f.endswith(".teacher") for f in files) == cfg.model.depth + 2
+
+
+def test_reattached_store_keeps_the_teacher_and_a_bad_source_is_refused(setup, tmp_path):
+    """A store that re-attaches to its state (a restart) maps the same teacher; a teacher source
+    that lacks a dense weight, or is gone, is refused with what to do."""
+    manifest, _, path = setup
+    cfg = config(setup, tmp_path, **{"training.distill_weight": 1.0})
+    store = ParameterStore(cfg, str(tmp_path / "run"), init_from=str(path))
+    first = [t.clone() for t in store.teacher_seg]
+    store.close(remove_state=False)
+    again = ParameterStore(cfg, str(tmp_path / "run"), attach=True)
+    try:
+        assert all(torch.equal(a, b) for a, b in zip(first, again.teacher_seg))
+        assert float(sum(t.abs().sum() for t in again.teacher_seg)) > 0
+    finally:
+        again.close()
+    state = load_file(str(path))
+    dropped = sorted(state)[0]
+    del state[dropped]
+    partial = tmp_path / "partial.safetensors"
+    save_file(state, str(partial))
+    with pytest.raises(PretrainedMismatchError) as e:
+        check_teacher(cfg, partial)
+    assert dropped in str(e.value) and "missing from the source (1)" in str(e.value)
+    with pytest.raises(PretrainedMismatchError) as e:
+        check_teacher(cfg, tmp_path / "gone.safetensors")
+    assert "does not exist" in str(e.value) and "training.distill_weight=0" in str(e.value)
 
 
 def test_distillation_moves_the_student_towards_the_teacher(setup, tmp_path):

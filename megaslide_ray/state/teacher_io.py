@@ -22,7 +22,7 @@ from megaslide_ray.state.checkpoint import CheckpointReader, is_checkpoint_dir
 from megaslide_ray.state.pretrained_io import (
     Entry,
     PretrainedMismatchError,
-    _read_source,
+    read_source,
     index_source,
     model_names,
     shard_prefix,
@@ -78,7 +78,7 @@ def load_teacher_into(store, path: str | Path) -> None:
                 if shard == i:
                     files.setdefault(source[name].file, []).append(name)
             for file, names in files.items():
-                for name, t in zip(names, _read_source(ckpt, file, [source[name] for name in names])):
+                for name, t in zip(names, read_source(ckpt, file, [source[name] for name in names])):
                     views[name[len(prefix):]].copy_(t.reshape(source[name].shape).to(torch.float32))
             store.teacher_seg[i].copy_(flat)
             del flat, views
