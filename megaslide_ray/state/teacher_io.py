@@ -22,9 +22,9 @@ from megaslide_ray.state.checkpoint import CheckpointReader, is_checkpoint_dir
 from megaslide_ray.state.pretrained_io import (
     Entry,
     PretrainedMismatchError,
-    read_source,
     index_source,
     model_names,
+    read_source,
     shard_prefix,
 )
 
