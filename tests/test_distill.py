@@ -280,3 +280,34 @@ def test_plan_counts_the_teacher(setup, tmp_path):
     # a dense run's forward: a third of its linear and attention FLOPs (forward + backward = 3 forwards)
     dense = plan(build_config("tiny", None, {**SMALL, "attention.kind": "dense"}))
     assert on.flops_teacher == pytest.approx((dense.flops_linear + dense.flops_attention) / 3, rel=1e-9)
+
+
+WAN = {"model.arch": "wan", "model.hidden_size": 32, "model.num_heads": 2, "model.depth": 2, "model.ffn_dim": 48,
+       "model.in_channels": 4, "model.patch_size": "1,2,2", "model.text_dim": 12, "model.text_len": 8,
+       "model.timestep_freq_dim": 16, "data.num_frames": 9, "data.height": 48, "data.width": 80,
+       "data.batch_size": 2, "attention.kind": "dsa", "attention.window": "3,3,3", "optim.grad_clip": 0.05,
+       "optim.lr": 3e-3, "training.steps": 2, "runtime.compute_threads": 1, "runtime.optimizer_threads": 1}
+
+
+def test_wan_streamed_equals_in_process_with_distillation(tmp_path):
+    """The same comparison for a small Wan model (diffusers' names, latents and text embeddings),
+    on synthetic latent batches: its dense teacher read from a safetensors file of those names."""
+    dense_cfg = build_config("tiny", None, {**WAN, "attention.kind": "dense"})
+    g = torch.Generator().manual_seed(3)
+    state = {k: (torch.randn(v.shape, generator=g) * 0.2).contiguous()
+             for k, v in build_model(dense_cfg).state_dict().items()}
+    path = tmp_path / "wan-dense.safetensors"
+    save_file(state, str(path))
+    cfg = build_config("tiny", None, {**WAN, "runtime.state_dir": str(tmp_path), "training.init_from": str(path),
+                                      "training.distill_weight": 1.0})
+    (F, H, W), B = cfg.latent_grid, cfg.data.batch_size
+    batches = [{"latents": torch.randn(B, F, H, W, 4, generator=g).numpy(),
+                "text": torch.randn(B, 8, 12, generator=g).numpy(), "text_len": np.array([3, 8])} for _ in range(2)]
+    results, masters, _, _, _ = streamed(cfg, batches, tmp_path)
+    base = in_process(cfg, path)
+    reference = [base.train_step(b) for b in batches]
+    assert np.allclose([r.loss for r in results], [r.loss for r in reference], rtol=1e-5)
+    assert np.allclose([r.distill_loss for r in results], [r.distill_loss for r in reference], rtol=1e-5)
+    assert min(r.distill_loss for r in reference) > 1e-4
+    for i, (a, b) in enumerate(zip(masters, flat_shards(base.model))):
+        assert float((a - b).norm() / b.norm()) < 1e-5, f"shard {i}"
