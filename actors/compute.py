@@ -194,7 +194,7 @@ class ComputeActor:
         self.experts = num_experts(cfg)
         self._base = 0
         self.modules = [build_shard(cfg, i, "meta") for i in range(self.per_expert)]
-        self.teacher = DenseTeacher(cfg, self.per_expert) if distills(cfg) else None
+        self.teacher = DenseTeacher(cfg, self.per_expert, [i.numel for i in shards]) if distills(cfg) else None
         rt = cfg.runtime
         self.rank = rank
         self.actors = grad_slots.actors if grad_slots is not None else 1
@@ -286,7 +286,7 @@ class ComputeActor:
         if self.teacher is None:
             return None, 0.0
         t0, feed = time.perf_counter(), self._feed(list(range(self.per_expert)), step, fetch=self.link.fetch_teacher)
-        return self.teacher.forward(feed, micro), time.perf_counter() - t0
+        return self.teacher.forward(feed, micro, self.link.staging), time.perf_counter() - t0
 
     def train_step(self, batch, step: int) -> StepResult:
         """One step. ``batch``: the decoder's dict, or ``[ObjectRef]`` of it (the pipeline wraps

@@ -493,4 +493,12 @@ class StagingPool:
         with self._lock:
             self._free.setdefault((buf.numel(), buf.dtype, buf.device), []).append((buf, fence))
 
+    def drop_sizes(self, numels: set[int]) -> int:
+        """Forget the free buffers of ``numels`` elements (another weight set's, e.g. the
+        distillation teacher's, once its forward is done); returns how many. On CUDA each was
+        recorded on the stream that last used it, so its memory is reused only after that work."""
+        with self._lock:
+            gone = [key for key in self._free if key[0] in numels]
+            return sum(len(self._free.pop(key)) for key in gone)
+
 

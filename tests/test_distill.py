@@ -74,6 +74,7 @@ def streamed(cfg, batches, tmp_path, transport="shm"):
             results.append(compute.train_step(b, step))
             store.wait_step(step)
         files = sorted(p.name for p in store.dir.iterdir())
+        streamed.pooled = {numel for numel, _, _ in compute.link.staging._free}  # staging buffers kept
         teacher = [t.clone() for t in store.teacher_seg]
         return results, [s["master"].clone() for s in store.seg], files, teacher, store.teacher_bytes()
     finally:
@@ -145,6 +146,10 @@ def test_streamed_trainer_equals_in_process_with_distillation(setup, tmp_path, o
         assert torch.equal(a, b), f"teacher shard {i}"
     assert teacher_bytes == sum(t.numel() for t in dense) * 4
     assert sum(f.endswith(".teacher") for f in files) == cfg.model.depth + 2
+    if "runtime.link_gbps" in over:  # staged: the pool keeps the student's sizes, not the teacher's blocks'
+        student = {m.numel() for m in masters}
+        assert student <= streamed.pooled and not streamed.pooled - student
+        assert {t.numel() for t in teacher} - student  # (the teacher's blocks do have sizes of their own)
 
 
 def test_reattached_store_keeps_the_teacher_and_a_bad_source_is_refused(setup, tmp_path):
