@@ -354,7 +354,8 @@ class Trainer:
                     msg = (f"step {row['step']}/{steps} | loss {row['loss']:.4f} | lr {row['lr']:.2e} | "
                            f"grad {row['grad_norm']:.3f} | {row['tokens_per_s']:.0f} tok/s | "
                            f"{per_step:.2f} s/step | skipped files {row['skipped_files']}"
-                           + (f" | expert {row['expert']}" if row.get("expert") else ""))
+                           + (f" | expert {row['expert']}" if row.get("expert") else "")
+                           + (f" | distill {row['distill_loss']:.4f}" if "distill_loss" in row else ""))
                     self._say(msg, bar)
                 if "val_loss" in row:
                     buckets = sorted((k for k in row if k.startswith("val_loss_t")), key=lambda k: int(k[10:]))
