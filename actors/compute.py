@@ -9,6 +9,9 @@ One training step, in the order ``train_step`` reads:
 3. ``_backward``: blocks L..1 recomputed from their saved inputs, newest first, then shard 0;
    each shard's gradient goes to the store as soon as it exists.
 
+Distillation (``training.distill_weight``): before step 1 the frozen dense teacher streams for a
+forward without gradients (``actors/teacher.py``); ``_loss`` adds its weighted term.
+
 With ``runtime.recompute_blocks=false`` (CPU, weights read in place) step 1 runs every shard with
 gradients and keeps its graph, and step 3 walks the kept graphs instead of recomputing
 (``_forward_keeping_graphs``, ``_backward_graphs``).
@@ -44,11 +47,12 @@ from torch.func import functional_call
 from actors.activations import ActivationStash
 from actors.grad_reduce import GradSlots
 from actors.param_store import ShardInfo
+from actors.teacher import DenseTeacher
 from actors.transfer import ShardFeed, StagingPool, Transfers
 from megaslide_ray.config import Config
 from megaslide_ray.models.chunking import FP32_GRAD, fp32_grad_params
 from megaslide_ray.models.prediction import as_velocity
-from megaslide_ray.models.registry import build_shard, expert_shards, num_experts, num_shards
+from megaslide_ray.models.registry import build_shard, distills, expert_shards, num_experts, num_shards
 from megaslide_ray.models.shards import resident_shards
 from megaslide_ray.runtime.faults import fault_point
 from megaslide_ray.runtime.faults import set_node as set_fault_node
@@ -57,6 +61,7 @@ from megaslide_ray.training.flow import (
     batch_conditioning,
     batch_flow_inputs,
     caption_dropout,
+    distill_loss,
     expert_t_range,
     keep_first_frame,
     model_loss,
@@ -102,6 +107,8 @@ class StepResult:
     grad_slot_wait_seconds: float = 0.0  # several compute actors: time blocked on a full gradient slot
     t: tuple = ()                   # the flow time of each of its clips
     expert: int = -1                # two-expert model: the expert it trained (0 high noise, 1 low); -1: none
+    distill_loss: float = 0.0       # training.distill_weight > 0: the distillation term (before its weight)
+    teacher_seconds: float = 0.0    # the dense teacher's forward (its weight waits included)
 
 
 class BlockGraph(NamedTuple):
@@ -187,6 +194,7 @@ class ComputeActor:
         self.experts = num_experts(cfg)
         self._base = 0
         self.modules = [build_shard(cfg, i, "meta") for i in range(self.per_expert)]
+        self.teacher = DenseTeacher(cfg, self.per_expert, [i.numel for i in shards]) if distills(cfg) else None
         rt = cfg.runtime
         self.rank = rank
         self.actors = grad_slots.actors if grad_slots is not None else 1
@@ -197,7 +205,8 @@ class ComputeActor:
         self.loss_scale = 1.0 / (nodes * self.actors * self.micro_batches)
         self.w_dtype = DTYPES[shards[0].w_dtype]  # the weights' dtype: gradients are sent in it
         self.link = Transfers(self.device, store, shards, transport, DTYPES[shards[0].w_dtype],
-                              rt.overlap, rt.prefetch_depth, rt.link_gbps, grad_slots, rank)
+                              rt.overlap, rt.prefetch_depth, rt.link_gbps, grad_slots, rank,
+                              self.teacher.store_numels(self.n) if self.teacher is not None else None)
         self.stash = ActivationStash(self.link, rt.offload_activations, rt.state_dir, rt.offload_keep)
         # CPU: the shards' fp32 gradient buffers are reused from step to step (``grad_views``); a
         # GPU's caching allocator already reuses device memory.
@@ -264,12 +273,20 @@ class ComputeActor:
             reuse[n + L - shard] = shard  # the backward's position of ``shard`` reuses its forward fetch
         return list(range(n)) + list(range(L, -1, -1)), reuse
 
-    def _feed(self, order: list[int], step: int, reuse: dict[int, int] | None = None) -> "ShardFeed | ExpertFeed":
+    def _feed(self, order: list[int], step: int, reuse: dict[int, int] | None = None,
+              fetch=None) -> "ShardFeed | ExpertFeed":
         """The step's ``ShardFeed`` over ``order`` (one transformer's shard indices), fetching the
-        shards of the expert that starts at ``_base`` in the store."""
+        shards of the expert that starts at ``_base`` in the store (``fetch``: the teacher's)."""
         if self.experts == 1:
-            return ShardFeed(self.link, order, step, reuse)
-        return ExpertFeed(ShardFeed(self.link, [self._base + i for i in order], step, reuse), self._base)
+            return ShardFeed(self.link, order, step, reuse, fetch)
+        return ExpertFeed(ShardFeed(self.link, [self._base + i for i in order], step, reuse, fetch), self._base)
+
+    def _teacher_forward(self, micro: list[FlowInputs], step: int) -> tuple[list | None, float]:
+        """The dense teacher's velocity per micro-batch (None without distillation), and its seconds."""
+        if self.teacher is None:
+            return None, 0.0
+        t0, feed = time.perf_counter(), self._feed(list(range(self.per_expert)), step, fetch=self.link.fetch_teacher)
+        return self.teacher.forward(feed, micro, self.link.staging), time.perf_counter() - t0
 
     def train_step(self, batch, step: int) -> StepResult:
         """One step. ``batch``: the decoder's dict, or ``[ObjectRef]`` of it (the pipeline wraps
@@ -292,12 +309,13 @@ class ComputeActor:
         feed = self._feed(order, step, reuse)
         inputs = self._inputs(batch, step)
         micro = inputs.split(self.micro_batches)
+        teachers, teacher_seconds = self._teacher_forward(micro, step)
 
         if not self.keep_graphs:
             xs, cs = self._forward(feed, micro, step)
             self._grads_sent = max(self._grads_sent, step)
             t_fwd = time.perf_counter()
-            loss, dxs, dcs = self._loss(feed, micro, xs, cs, step)
+            loss, distill, dxs, dcs = self._loss(feed, micro, xs, cs, step, teachers)
             self._backward(feed, micro, cs, dxs, dcs, step)
         else:
             graphs = self._forward_keeping_graphs(feed, micro, step)
@@ -305,7 +323,7 @@ class ComputeActor:
             t_fwd = time.perf_counter()
             xs = [y.detach() for y, _ in graphs[-1].out]
             cs = [c for _, c in graphs[-1].out]
-            loss, dxs, dcs = self._loss(feed, micro, xs, cs, step)
+            loss, distill, dxs, dcs = self._loss(feed, micro, xs, cs, step, teachers)
             self._backward_graphs(graphs, dxs, dcs, step)
 
         for r in self._returns:  # every gradient has reached the store (errors surface here)
@@ -325,6 +343,7 @@ class ComputeActor:
             device_memory_peak_bytes=peak_memory(self.device), store_unanswered=unanswered, rank=self.rank,
             grad_slot_wait_seconds=self.link.slot_wait_seconds,
             t=tuple(float(x) for x in inputs.t.float().cpu()), expert=-1 if expert is None else expert,
+            distill_loss=0.0 if distill is None else float(distill), teacher_seconds=teacher_seconds,
         )
 
     def _inputs(self, batch: dict, step: int) -> FlowInputs:
@@ -370,32 +389,34 @@ class ComputeActor:
         """The loss whose gradient this actor adds to the global batch's (``loss_scale``)."""
         return loss if self.loss_scale == 1.0 else loss * self.loss_scale
 
-    def _loss(self, feed: ShardFeed, micro: list[FlowInputs], xs: list, cs: list,
-              step: int) -> tuple[torch.Tensor, list, list]:
-        """The head and the loss of every micro-batch, with gradients: the head's gradient (summed
-        over the micro-batches) goes to the store. Returns (the micro-batches' mean loss,
-        d loss / d x and d loss / d c per micro-batch)."""
+    def _loss(self, feed: ShardFeed, micro: list[FlowInputs], xs: list, cs: list, step: int,
+              teachers: list | None = None) -> tuple[torch.Tensor, torch.Tensor | None, list, list]:
+        """The head and loss of every micro-batch (distillation: plus the weighted ``distill_loss`` to
+        ``teachers``), with gradients; the head's gradient (summed over them) goes to the store. Returns
+        (the mean task loss, the mean distillation term or None, d loss / d x and d c per micro-batch)."""
         L, k = self.cfg.model.depth, len(micro)
         head = L + 1
         w_staged = feed.take(head)
         for i in range(L * k - 1, L * k - 1 - self.link.prefetch_depth * k, -1):  # the backward's first inputs
             self.stash.prefetch(i)
         params, grad = grad_views(self.infos[head].layout, w_staged, self._grad_pool)
-        losses, dxs, dcs = [], [], []
+        losses, terms, dxs, dcs = [], [], [], []
         bad_loss = None
-        for m, x, c in zip(micro, xs, cs):
+        clean = self.cfg.model.arch == "wan" and self.cfg.model.clean_first_frame
+        for j, (m, x, c) in enumerate(zip(micro, xs, cs)):
             x_last = x.detach().requires_grad_(True)
             c_leaf = c.detach().requires_grad_(True)
-            pred = self._run_with_grad(head, params, x_last, c_leaf)
-            loss = model_loss(as_velocity(pred, m.x_t, m.t, self.cfg.model.prediction), m.target,
-                              self.cfg.model.arch == "wan" and self.cfg.model.clean_first_frame)
+            velocity = as_velocity(self._run_with_grad(head, params, x_last, c_leaf), m.x_t, m.t,
+                                   self.cfg.model.prediction)
+            loss = model_loss(velocity, m.target, clean)
             if fault_point("compute.loss", step) == "nan":
                 loss = loss * float("nan")
-            # A NaN/Inf loss with finite gradients must not slip through: poison the step's norm
-            # (on the device: no host sync).
-            bad = ~torch.isfinite(loss.detach())
+            terms += [] if teachers is None else [distill_loss(velocity, teachers[j], clean)]
+            total = loss if teachers is None else loss + self.teacher.weight * terms[-1]
+            # A NaN/Inf loss with finite gradients must not slip through: poison the step's norm (on the device).
+            bad = ~torch.isfinite(total.detach())
             bad_loss = bad if bad_loss is None else bad_loss | bad
-            self._scaled(loss).backward()
+            self._scaled(total).backward()
             losses.append(loss.detach())
             dxs.append(x_last.grad)
             # dc sums one term per block: fp32 whatever c's dtype (bf16 on CUDA runs).
@@ -403,7 +424,8 @@ class ComputeActor:
         self._push_grad(head, step, grad, poison=bad_loss)
         feed.done(w_staged)
         loss = losses[0] if k == 1 else torch.stack(losses).mean()
-        return loss, dxs, dcs
+        distill = None if teachers is None else torch.stack([d.detach() for d in terms]).mean()
+        return loss, distill, dxs, dcs
 
     def _backward(self, feed: ShardFeed, micro: list[FlowInputs], cs: list, dxs: list, dcs: list,
                   step: int) -> None:
@@ -575,6 +597,9 @@ class LocalStoreClient:
 
     def get_weights(self, shard: int, step: int) -> np.ndarray:
         return self._store.get_weights(shard, step)
+
+    def get_teacher_weights(self, shard: int) -> np.ndarray:
+        return self._store.get_teacher_weights(shard)
 
     def report_grad(self, shard: int, step: int, sqnorm: float, grad, slot: int = -1, piece: int = 0) -> None:
         if slot >= 0:

@@ -19,6 +19,7 @@ l runs only after every shard reported its gradient for step k (exact global-nor
 in shard order 0..L+1, so the next forward can start on shard 0 while the rest update.
 
 Two experts (``training.expert = both``): each step trains one; ``actors/store_experts.py``.
+Distillation (``training.distill_weight``): the frozen dense teacher's segments; ``actors/store_teacher.py``.
 
 The moving average of the weights (``training.ema_decay``): one more fp32 segment per owned
 shard, ``ema``, updated after the shard's AdamW inside its crash marker; ``actors/store_average.py``.
@@ -75,6 +76,7 @@ from actors.ray_context import was_reconstructed as _was_reconstructed
 from actors.store_average import AverageMethods
 from actors.store_checkpoints import CheckpointMethods
 from actors.store_experts import ExpertMethods
+from actors.store_teacher import TeacherMethods
 from actors.store_types import GradientsLostError, ShardInfo, StateNotTrustedError, StoreStatus, UpdateResult
 from megaslide_ray.config import Config
 from megaslide_ray.models.registry import build_shard, initialize_shard, num_experts, num_shards
@@ -102,12 +104,11 @@ RECORDS = 4          # update records kept in shared memory (ring indexed by ste
 RECORD_FIELDS = 6    # step, grad_norm, clip_coef, lr, skipped, optimizer_seconds
 
 
-class ParameterStore(NodeSyncMethods, CheckpointMethods, ExpertMethods, AverageMethods):
-    """The store of one node (module docstring). Its methods for checkpoints
-    (``actors/store_checkpoints.py``), several nodes (``actors/node_sync.py``), two experts
-    (``actors/store_experts.py``) and the moving average (``actors/store_average.py``) live in mixins beside it: each concern reads alone, and all of
-    them act on the one state this class maps (its segments, versions and lock), which a separate
-    object would have to be handed whole; Ray makes the one class an actor."""
+class ParameterStore(NodeSyncMethods, CheckpointMethods, ExpertMethods, AverageMethods, TeacherMethods):
+    """The store of one node (module docstring). Checkpoints, several nodes, two experts, the moving
+    average and the distillation teacher are mixins beside it (``actors/store_*.py``,
+    ``node_sync.py``): each concern reads alone, all act on the one state this class maps (segments,
+    versions, lock), which a separate object would need whole; Ray makes the one class an actor."""
 
     def __init__(self, cfg: Config, run_dir: str, w_dtype: str = "float32",
                  resume_checkpoint: str | None = None, attach: bool = False, init_from: str | None = None,
@@ -183,6 +184,7 @@ class ParameterStore(NodeSyncMethods, CheckpointMethods, ExpertMethods, AverageM
         self._root = Path(cfg.runtime.state_dir) if cfg.runtime.state_dir else default_state_root()
         self.dir = self._root / node_state_key(run_dir, self.nodes, self.node)
         self.layouts = [ShardLayout.of(build_shard(cfg, i, "meta"), i) for i in range(self.n)]
+        self.teacher_layouts = self._teacher_layouts()
         self._lock = threading.Condition()
         self._pending: dict[int, dict[int, float]] = {}   # step -> {shard: ||g||^2}
         self._results: dict[int, UpdateResult] = {}
@@ -218,6 +220,7 @@ class ParameterStore(NodeSyncMethods, CheckpointMethods, ExpertMethods, AverageM
                     dtype = DTYPES[self.w_dtype] if kind == "w" else torch.float32
                     segs[kind] = map_segment(self._path(i, kind), lay.numel, dtype, create=not attached)
                 self.seg.append(segs)
+            self._map_teacher(attached)
         except OSError as e:
             if attached or e.errno not in (errno.ENOSPC, errno.EDQUOT):
                 raise
@@ -252,6 +255,7 @@ class ParameterStore(NodeSyncMethods, CheckpointMethods, ExpertMethods, AverageM
             else:
                 self._initialize(self.cfg.training.seed)
                 self._start_average()
+            self._fill_teacher(self.cfg.training.init_from or init_from)
             (self.dir / "layout.json").write_text(json.dumps(self._layout_doc()))
         except BaseException:
             # A fresh state that could not be filled (a damaged checkpoint or source) holds
@@ -278,7 +282,9 @@ class ParameterStore(NodeSyncMethods, CheckpointMethods, ExpertMethods, AverageM
 
     def _layout_doc(self) -> dict:
         doc = {"w_dtype": self.w_dtype, "numels": [lay.numel for lay in self.layouts]}
-        return {**doc, "ema": True} if self.ema_decay else doc  # a state without the average is refused
+        doc.update({"ema": True} if self.ema_decay else {})  # a state without the average is refused
+        teacher = {"teacher_numels": [lay.numel for lay in self.teacher_layouts]} if self.teacher_layouts else {}
+        return {**doc, **teacher}
 
     def _check_layout(self) -> None:
         doc = json.loads((self.dir / "layout.json").read_text())
@@ -287,10 +293,9 @@ class ParameterStore(NodeSyncMethods, CheckpointMethods, ExpertMethods, AverageM
                                f"{len(doc['numels'])} shards); cannot re-attach")
 
     def _check_space(self, root: Path) -> None:
-        need = self.state_bytes() + self.slot_bytes()
+        need = self.state_bytes() + self.slot_bytes() + self.teacher_bytes()
         usage = shutil.disk_usage(root)
         if need > usage.free:
-
             raise StateSpaceError(f"the parameter store needs {need / 1e9:.2f} GB in {root} but only "
                                   f"{usage.free / 1e9:.2f} GB are free; " + shm_advice(root, need, usage.free, usage.total))
 
@@ -342,7 +347,8 @@ class ParameterStore(NodeSyncMethods, CheckpointMethods, ExpertMethods, AverageM
 
     # -- queries ------------------------------------------------------------------------------
     def shard_infos(self) -> list[ShardInfo]:
-        return [ShardInfo(i, lay.numel, self.w_dtype, {"w": str(self._path(i, "w"))}, lay)
+        teacher = lambda i: {"teacher": str(self._path(i, "teacher"))} if self.teacher_layouts else {}  # noqa: E731
+        return [ShardInfo(i, lay.numel, self.w_dtype, {"w": str(self._path(i, "w")), **teacher(i)}, lay)
                 for i, lay in enumerate(self.layouts)]
 
     def grad_slots(self) -> GradSlots | None:
@@ -689,6 +695,6 @@ class ParameterStore(NodeSyncMethods, CheckpointMethods, ExpertMethods, AverageM
         self._worker.join(timeout=30)
         if self.reducer is not None:
             self.reducer.close()
-        self.seg = []
+        self.seg, self.teacher_seg = [], []
         if remove_state:
             shutil.rmtree(self.dir, ignore_errors=True)

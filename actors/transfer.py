@@ -52,11 +52,13 @@ class Transfers:
     ``store``: the compute actor's store client (``wait_version``, ``get_weights``,
     ``report_grad``); ``shards``: the store's ``ShardInfo`` list; ``transport``: ``shm`` (map the
     store's segments, same node) or ``object_ref``. ``grad_slots``: with several compute actors,
-    the store's gradient slots; this actor (``rank``) returns its gradients through its own."""
+    the store's gradient slots; this actor (``rank``) returns its gradients through its own.
+    ``teacher_numels``: with distillation (``training.distill_weight``), the dense teacher's shard
+    sizes: its frozen weights come through ``fetch_teacher`` as ``w`` comes through ``fetch``."""
 
     def __init__(self, device: torch.device, store, shards: list, transport: str, dtype: torch.dtype,
                  overlap: bool, prefetch_depth: int, link_gbps: float, grad_slots: GradSlots | None = None,
-                 rank: int = 0):
+                 rank: int = 0, teacher_numels: list[int] | None = None):
         self.device = device
         self.store = store
         self.transport = transport
@@ -71,6 +73,9 @@ class Transfers:
         if transport == "shm":
             for info in shards:
                 self.w_maps.append(map_segment(info.paths["w"], info.numel, dtype))
+        # Distillation: the teacher's segments, mapped the same way (never written: no version).
+        self.teacher_maps = [map_segment(info.paths["teacher"], numel, dtype)
+                             for info, numel in zip(shards, teacher_numels or [])] if transport == "shm" else []
         # Several compute actors: w_l holds weights the others still read, so gradients go to this
         # actor's slots, used in turn, each claimed once the store has summed what it held last.
         self.grad_slots, self.rank = grad_slots, rank
@@ -113,7 +118,7 @@ class Transfers:
         if self.cuda:
             self.h2d_stream = torch.cuda.Stream(device)
             self.d2h_stream = torch.cuda.Stream(device)
-            for seg in self.w_maps + self.slot_maps:
+            for seg in self.w_maps + self.slot_maps + self.teacher_maps:
                 if not self.pinning.register(seg):
                     break  # copies from unpinned pages still work, only synchronously
 
@@ -218,6 +223,23 @@ class Transfers:
             # np.array copies: arrays from Ray are read-only views of the object store.
             src = torch.from_numpy(np.array(raw, copy=True)).view(self.dtype)
             moved = src.numel() * src.element_size()
+        return self._deliver(src, moved, t_copy)
+
+    def fetch_teacher(self, shard: int, step: int) -> torch.Tensor:
+        """The dense teacher's weights of shard ``shard`` (distillation), delivered as ``fetch``
+        delivers ``w``; frozen, so valid at any ``step`` (no version to wait for)."""
+        t_copy, moved = time.perf_counter(), 0
+        if self.transport == "shm":
+            src = self.teacher_maps[shard]
+        else:
+            # np.array copies: arrays from Ray are read-only views of the object store.
+            src = torch.from_numpy(np.array(self.store.get_teacher_weights(shard), copy=True)).view(self.dtype)
+            moved = src.numel() * src.element_size()
+        return self._deliver(src, moved, t_copy)
+
+    def _deliver(self, src: torch.Tensor, moved: int, t_copy: float) -> torch.Tensor:
+        """``src`` (host weights) where the compute can use them; ``moved`` bytes already copied
+        since ``t_copy`` (an object fetch) are counted with the staging copy."""
         if self.stage:  # simulated link: a throttled copy into a reused buffer
             w, _ = self.staging.acquire(src.numel(), src.dtype)
             throttled_copy(w, src, self.link_gbps)
@@ -381,7 +403,7 @@ class Transfers:
         if self.cuda:
             torch.cuda.synchronize(self.device)
         self.pinning.release()
-        self.w_maps, self.slot_maps, self.slot_state = [], [], None
+        self.w_maps, self.slot_maps, self.slot_state, self.teacher_maps = [], [], None, []
 
 
 class ShardFeed:
@@ -389,12 +411,16 @@ class ShardFeed:
     the prefetch thread keeps ``prefetch_depth`` shards in flight behind the one being taken;
     without, each is fetched when taken. ``reuse`` maps a position to an earlier position whose
     weights it takes again instead of fetching them (the turn: see ``ComputeActor.step_order``).
+    ``fetch``: where the weights come from (default ``link.fetch``; ``link.fetch_teacher`` for the
+    distillation teacher's forward).
 
     ``wait`` = time the compute thread was blocked; ``log`` = (asked, got) clock readings of each
     take, for the overlap benchmark's schedule model."""
 
-    def __init__(self, link: Transfers, order: list[int], step: int, reuse: dict[int, int] | None = None):
+    def __init__(self, link: Transfers, order: list[int], step: int, reuse: dict[int, int] | None = None,
+                 fetch=None):
         self.link, self.order, self.step = link, order, step
+        self.fetch = fetch or link.fetch  # ``link.fetch_teacher``: the dense teacher's weights instead
         self.reused_from = {src: dst for dst, src in (reuse or {}).items()}  # kept position -> reusing one
         if any(order[src] != order[dst] for src, dst in self.reused_from.items()):
             raise ValueError(f"reuse {reuse} pairs positions of different shards in {order}")
@@ -415,14 +441,14 @@ class ShardFeed:
         link = self.link
         for ahead in range(pos + 1, min(pos + link.prefetch_depth + 1, len(self.order))):
             if ahead not in self.futures and ahead not in self.reusing:
-                self.futures[ahead] = link.prefetcher.submit(link.fetch, self.order[ahead], self.step)
+                self.futures[ahead] = link.prefetcher.submit(self.fetch, self.order[ahead], self.step)
         t0 = time.perf_counter()
         if pos in self.reusing:
             w = self.kept.pop(pos)
         elif pos in self.futures:
             w = self.futures.pop(pos).result()
         else:  # the first shard, or no overlap: fetch now, in sequence
-            w = link.fetch(shard, self.step)
+            w = self.fetch(shard, self.step)
         t1 = time.perf_counter()
         self.wait += t1 - t0
         self.log.append((t0, t1))
@@ -466,5 +492,13 @@ class StagingPool:
     def release(self, buf: torch.Tensor, fence: object = None) -> None:
         with self._lock:
             self._free.setdefault((buf.numel(), buf.dtype, buf.device), []).append((buf, fence))
+
+    def drop_sizes(self, numels: set[int]) -> int:
+        """Forget the free buffers of ``numels`` elements (another weight set's, e.g. the
+        distillation teacher's, once its forward is done); returns how many. On CUDA each was
+        recorded on the stream that last used it, so its memory is reused only after that work."""
+        with self._lock:
+            gone = [key for key in self._free if key[0] in numels]
+            return sum(len(self._free.pop(key)) for key in gone)
 
 

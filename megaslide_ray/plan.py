@@ -148,6 +148,9 @@ def _add_runtime_args(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--ema-decay", type=float, default=None,
                     help="training.ema_decay: the store keeps a moving average of the weights (4 B/param more, "
                          "fp32; 0: none; default: the config's)")
+    ap.add_argument("--distill-weight", type=float, default=None, metavar="W",
+                    help="training.distill_weight: W > 0 counts the frozen dense teacher (its host weights, its "
+                         "forward and one more crossing of its weights per step)")
     ap.add_argument("--network-gbps", type=_positive(float), default=25.0,
                     help="with --nodes > 1: network GB/s each way per node (default 25: 200 Gb/s)")
 
@@ -188,6 +191,13 @@ def _config(args: argparse.Namespace) -> tuple[Config, tuple[int, int, int]]:
         if not 0 <= args.ema_decay < 1:
             raise ConfigError(f"--ema-decay {args.ema_decay} must lie in [0, 1) (0: no average of the weights)")
         cfg.training.ema_decay = args.ema_decay
+    if args.distill_weight is not None:
+        if not (args.distill_weight >= 0 and math.isfinite(args.distill_weight)):
+            raise ConfigError(f"--distill-weight {args.distill_weight} must be a finite number >= 0 (0: no teacher)")
+        if args.distill_weight and cfg.attention.kind == "dense":
+            raise ConfigError(f"--distill-weight {args.distill_weight} with attention.kind dense: the model is the "
+                              f"dense teacher itself; plan another --attention or leave the flag out")
+        cfg.training.distill_weight = args.distill_weight
     if args.prefetch_depth is not None:
         if args.prefetch_depth < 1:
             raise ConfigError(f"--prefetch-depth {args.prefetch_depth} must be >= 1")

@@ -43,8 +43,8 @@ def resolve_compute_actors(cfg) -> int:
 
 
 def combine(results: list[StepResult]) -> StepResult:
-    """One step's results of every compute actor as one: the loss is the mean (each actor's batch
-    is as large), tokens and bytes add up, times are the slowest actor's (the step waits for it)."""
+    """One step's results of every compute actor as one: the loss (and the distillation term) is
+    the mean (each actor's batch is as large), tokens and bytes add up, times are the slowest actor's (the step waits for it)."""
     if len(results) == 1:
         return results[0]
     r0 = results[0]
@@ -63,7 +63,8 @@ def combine(results: list[StepResult]) -> StepResult:
         h2d_seconds=total("h2d_seconds"), d2h_bytes=total("d2h_bytes"), d2h_seconds=total("d2h_seconds"),
         device_memory_peak_bytes=max(r.device_memory_peak_bytes for r in results), rank=0,
         grad_slot_wait_seconds=slowest("grad_slot_wait_seconds"), t=tuple(x for r in results for x in r.t),
-        expert=r0.expert)
+        expert=r0.expert, distill_loss=total("distill_loss") / len(results),
+        teacher_seconds=slowest("teacher_seconds"))
 
 
 def combine_batches(infos: list[BatchInfo | None]) -> BatchInfo | None:

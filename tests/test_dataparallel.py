@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 import torch
 from conftest import EXACT
+from safetensors.torch import save_file
 
 from actors.compute import ComputeActor, LocalStoreClient
 from actors.decoder import VideoDecoder
@@ -17,6 +18,7 @@ from actors.grad_reduce import GradientReducer, slot_value
 from actors.param_store import ParameterStore
 from megaslide_ray.config import build_config
 from megaslide_ray.data.demo import ensure_demo_dataset
+from megaslide_ray.models.registry import build_model
 from megaslide_ray.training.flow import batch_conditioning, batch_flow_inputs
 
 STEPS = 3
@@ -44,14 +46,15 @@ def split(batch: dict, n: int) -> list[dict]:
 
 def train(tmp_path, manifest, batches, actors=1, tag="run", transport="shm", **overrides):
     """Train ``batches`` with ``actors`` compute actors (threads, each its part of every batch);
-    returns the weights after the last update and each step's mean loss. ``transport``: ``shm`` or
+    returns the weights after the last update and each step's mean loss (with distillation,
+    ``train.distill`` holds each step's mean term). ``transport``: ``shm`` or
     ``object_ref`` (gradients as bytes, copied into the slots by the store)."""
     cfg = build_config("tiny", None, {**EXACT, "data.manifest": manifest, "runtime.state_dir": str(tmp_path),
                                       "runtime.compute_actors": actors, **overrides})
-    store = ParameterStore(cfg, str(tmp_path / tag), compute_actors=actors)
+    store = ParameterStore(cfg, str(tmp_path / tag), compute_actors=actors, init_from=cfg.training.init_from or None)
     computes = [ComputeActor(cfg, store.shard_infos(), LocalStoreClient(store, r), transport, rank=r,
                              grad_slots=store.grad_slots()) for r in range(actors)]
-    losses = []
+    losses, train.distill = [], []
     try:
         for step, batch in enumerate(batches):
             results = [None] * actors
@@ -72,6 +75,7 @@ def train(tmp_path, manifest, batches, actors=1, tag="run", transport="shm", **o
             update = store.wait_step(step)
             assert update.reduce_seconds > 0 or actors == 1
             losses.append(sum(r.loss for r in results) / actors)
+            train.distill.append(sum(r.distill_loss for r in results) / actors)
         return [s["w"].clone() for s in store.seg], losses
     finally:
         for c in computes:
@@ -123,6 +127,27 @@ def test_actors_and_micro_batches_together(tmp_path, manifest):
     one, _ = train(tmp_path, manifest, batches, 1, "one", **{"data.batch_size": 4})
     both, _ = train(tmp_path, manifest, batches, 2, "both", **{"data.batch_size": 1, "training.micro_batches": 2})
     assert_close(both, one)
+
+
+def test_distillation_with_actors_and_micro_batches_equals_one_batch(tmp_path, manifest):
+    """Distillation from the dense teacher (``training.distill_weight``): 2 actors of 2 micro-batches
+    equal one actor with their 4 clips, task loss, term and weights: each actor's and micro-batch's
+    term is scaled like its loss."""
+    dense = build_model(build_config("tiny", None, EXACT))
+    g = torch.Generator().manual_seed(1)
+    path = tmp_path / "dense.safetensors"
+    save_file({k: torch.randn(v.shape, generator=g) * 0.1 for k, v in dense.state_dict().items()}, str(path))
+    over = {"attention.kind": "dsa", "attention.window": "1,3,3", "training.init_from": str(path),
+            "training.distill_weight": 1.0}
+    batches = global_batches(manifest, 4)
+    one, one_loss = train(tmp_path, manifest, batches, 1, "one", **{"data.batch_size": 4, **over})
+    one_distill = train.distill
+    both, both_loss = train(tmp_path, manifest, batches, 2, "both",
+                            **{"data.batch_size": 1, "training.micro_batches": 2, **over})
+    assert_close(both, one)
+    np.testing.assert_allclose(both_loss, one_loss, rtol=1e-6)
+    np.testing.assert_allclose(train.distill, one_distill, rtol=1e-6)
+    assert min(one_distill) > 1e-5  # the term is there (the teacher and the student differ)
 
 
 def test_noise_and_caption_drops_follow_the_global_sample():

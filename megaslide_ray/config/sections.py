@@ -508,6 +508,18 @@ class TrainingConfig:
     """With ``ema_decay``: the validation loss (``eval_every``) and the samples taken during training
     (``sample_every``) use the averaged weights; false: the trained weights. The ``sample`` and
     ``evaluate`` commands and the export choose for themselves (``--weights ema``)."""
+    distill_weight: float = 0.0
+    """Distillation from the dense teacher beside the task loss (adapting a pretrained dense model
+    to ``attention.kind`` dsa, neighborhood or swin): each step adds ``distill_weight x`` the mean
+    squared difference between the model's velocity and that of the teacher on the same noised
+    input, t and conditioning. The teacher is the model of ``training.init_from`` run with dense
+    attention (no offset heads), frozen: its weights stay in host RAM in the compute dtype beside
+    the state (``plan`` counts them) and stream for one forward without gradients per step.
+    ``training.init_from`` must name it (on ``--resume`` it is read again from there; the teacher is
+    never saved). 0 (default): off, nothing changes. ``metrics.jsonl`` logs the term as
+    ``distill_loss`` (``loss`` stays the task loss)."""
+    distill_target: Literal["output"] = "output"
+    """What ``distill_weight`` matches: ``output``, the model's predicted velocity."""
     overfit_one_batch: bool = False
     """Debug: train on the first batch only, with the same noise and timesteps every step (the loss
     must fall steadily; a quick check that model, streaming and optimizer work together)."""

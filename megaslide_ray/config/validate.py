@@ -30,7 +30,8 @@ def validate(cfg: Config) -> Config:
     if cfg.model.arch == "wan":  # a wan model reads latents whatever an older config.toml said
         cfg.model.inputs = "latents"
     for check in (_check_sizes_and_model, _check_runtime_counts, _check_decoding, _check_shapes_and_attention,
-                  _check_buckets, _check_optimizer_and_runtime, _check_weight_average, _check_run):
+                  _check_buckets, _check_optimizer_and_runtime, _check_weight_average, _check_run,
+                  _check_distillation):
         check(cfg)
     return cfg
 
@@ -251,6 +252,29 @@ def _check_run(cfg: Config) -> None:
         raise ConfigError(f"optim.lr={o.lr} must be finite")
     if t.sample_every:
         _check_sampling(cfg)
+
+
+def _check_distillation(cfg: Config) -> None:
+    """``training.distill_weight``: a finite weight >= 0, a known target, and when on a teacher to
+    distil from (``training.init_from``) and a student that is not dense already."""
+    t = cfg.training
+    if not (t.distill_weight >= 0 and math.isfinite(t.distill_weight)):
+        raise ConfigError(f"training.distill_weight={t.distill_weight} must be a finite number >= 0 (0: no "
+                          f"distillation; e.g. 1.0 weighs the teacher's term like the task loss)")
+    if t.distill_target != "output":
+        raise ConfigError(f"training.distill_target={t.distill_target!r} is not one of ['output'] (the predicted "
+                          f"velocity)")
+    if not t.distill_weight:
+        return
+    if not t.init_from:
+        raise ConfigError(f"training.distill_weight={t.distill_weight} distils from the pretrained dense model the "
+                          f"run starts from, but training.init_from is empty (no teacher): give --init-from "
+                          f"WEIGHTS (the dense model's checkpoint, safetensors or diffusers folder), or set "
+                          f"training.distill_weight=0")
+    if cfg.attention.kind == "dense":
+        raise ConfigError(f"training.distill_weight={t.distill_weight} with attention.kind='dense': the model is the "
+                          f"dense teacher itself, nothing to distil; set training.distill_weight=0, or adapt to "
+                          f"attention.kind dsa, neighborhood or swin")
 
 
 IMAGE_SEP = " | "

@@ -52,6 +52,7 @@ from megaslide_ray.driver.raystart import (
 from megaslide_ray.driver.trackers import check_tracker, open_tracker
 from megaslide_ray.evaluation.sampling import sample_model_dir
 from megaslide_ray.evaluation.validation import load_val_set
+from megaslide_ray.models.registry import distills
 from megaslide_ray.runtime import faults
 from megaslide_ray.state.kept import (
     dir_bytes,
@@ -63,6 +64,7 @@ from megaslide_ray.state.kept import (
 )
 from megaslide_ray.state.preflight import StateSpaceError, plan_state_space
 from megaslide_ray.state.pretrained_io import PretrainedMismatchError, check_pretrained, describe_init
+from megaslide_ray.state.teacher_io import check_teacher
 from pipelines.errors import root_cause
 
 log = logging.getLogger(__name__)
@@ -238,7 +240,8 @@ def _preflight(cfg: Config, run_dir: str, resume: bool, overwrite: bool) -> tupl
 
 
 def check_sources(cfg: Config, init_from: str | None) -> bool:
-    """The pretrained weights (``init_from``) fit the model, and a latent model that samples during
+    """The pretrained weights (``init_from``) fit the model, ``training.init_from`` holds the dense
+    teacher of a run that distils (``training.distill_weight``), and a latent model that samples during
     training has its model folder (``vae/``, a wan's text encoder); said before Ray starts, and what
     ``init_from`` loads is printed. False (the error printed) when either is refused."""
     if init_from:
@@ -248,6 +251,12 @@ def check_sources(cfg: Config, init_from: str | None) -> bool:
             print(f"init-from error: {e}", file=sys.stderr)
             return False
         print(describe_init(cfg, init_from, source), flush=True)
+    if distills(cfg):  # the dense teacher: read from training.init_from by every fresh store, a resumed run's too
+        try:
+            check_teacher(cfg, cfg.training.init_from)
+        except PretrainedMismatchError as e:
+            print(f"distillation error: {e}", file=sys.stderr)
+            return False
     if cfg.training.sample_every:
         try:
             sample_model_dir(cfg, init_from)

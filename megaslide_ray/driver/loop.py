@@ -317,6 +317,9 @@ class Trainer:
             "device": c.device, "time": time.time(),
             # the flow time of each clip of the step's global batch; a two-expert model: the expert trained
             "t": list(c.t), "expert": EXPERT_NAMES[c.expert] if c.expert >= 0 else None,
+            # training.distill_weight > 0: the distillation term (before its weight; ``loss`` is the task's)
+            **({"distill_loss": c.distill_loss, "teacher_seconds": c.teacher_seconds}
+               if self.cfg.training.distill_weight > 0 else {}),
             # several compute actors: each one's own times (the fields above are the slowest's)
             **({"compute_actors": [{"rank": r.rank, "loss": r.loss, "compute_seconds": r.seconds,
                                     "weight_wait_seconds": r.weight_wait_seconds,
@@ -373,7 +376,8 @@ class Trainer:
                     msg = (f"step {row['step']}/{steps} | loss {row['loss']:.4f} | lr {row['lr']:.2e} | "
                            f"grad {row['grad_norm']:.3f} | {row['tokens_per_s']:.0f} tok/s | "
                            f"{per_step:.2f} s/step | skipped files {row['skipped_files']}"
-                           + (f" | expert {row['expert']}" if row.get("expert") else ""))
+                           + (f" | expert {row['expert']}" if row.get("expert") else "")
+                           + (f" | distill {row['distill_loss']:.4f}" if "distill_loss" in row else ""))
                     self._say(msg, bar)
                 if "val_loss" in row:
                     buckets = sorted((k for k in row if k.startswith("val_loss_t")), key=lambda k: int(k[10:]))

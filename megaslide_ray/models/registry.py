@@ -10,6 +10,7 @@ never names an architecture.
 
 from __future__ import annotations
 
+import copy
 from dataclasses import dataclass
 from types import ModuleType
 
@@ -103,3 +104,18 @@ def build_model(cfg: Config, seed: int | None = None, device: str = "cpu") -> nn
         model = architecture(cfg.model.arch).model(cfg)
     model.initialize_weights(cfg.training.seed if seed is None else seed)
     return model
+
+
+def distills(cfg: Config) -> bool:
+    """Whether the run distils from a dense teacher (``training.distill_weight`` > 0)."""
+    return cfg.training.distill_weight > 0
+
+
+def teacher_config(cfg: Config) -> Config:
+    """The config of the dense teacher ``training.distill_weight`` distils from: ``cfg`` with
+    ``attention.kind = dense`` (its blocks have no offset heads; everything else, the token chunk
+    included, is the student's), distillation off."""
+    out = copy.deepcopy(cfg)
+    out.attention.kind = "dense"
+    out.training.distill_weight = 0.0
+    return out

@@ -16,7 +16,7 @@ from typing import Any
 
 from megaslide_ray.config import Config, ConfigError
 from megaslide_ray.config.buckets import largest_bucket
-from megaslide_ray.models.registry import num_experts
+from megaslide_ray.models.registry import distills, num_experts, teacher_config
 from megaslide_ray.models.shards import grad_slot_numel, resident_shards
 from megaslide_ray.planning.scaleout import ScaleOut, scale_out
 from megaslide_ray.planning.schedule import StepPrediction, predict_step
@@ -132,6 +132,10 @@ class Plan:
     step_s: float = 0.0            # with overlap: fetches, compute and returns position by position
     step_off_s: float = 0.0        # fetch, compute, return in sequence
     step_binding: str = ""         # link, compute or host DRAM: the busiest
+    # -- distillation (training.distill_weight > 0): the frozen dense teacher
+    teacher_params: int = 0        # one transformer's dense teacher (no offset heads)
+    teacher_bytes: int = 0         # its weights in host RAM, compute dtype (every expert's; per node)
+    flops_teacher: float = 0.0     # its forward per step (dense attention, no backward), in flops_executed
 
     @property
     def fits(self) -> bool | None:
@@ -187,6 +191,7 @@ class _Sizes:
 @dataclass(frozen=True)
 class _Memory:
     """Host and device memory of one step, before the fit."""
+    teacher: int               # distillation: the dense teacher's frozen w (0 without)
     host: dict[str, int]       # w, master, m, v, scratch (training); w (generation)
     state: int                 # w + master + m + v (generation: w)
     scratch: int
@@ -214,6 +219,7 @@ class _Traffic:
     flops_recompute: float
     flops_6pt: float
     flops_executed: float
+    flops_teacher: float       # distillation: the dense teacher's forward (in flops_executed)
 
 
 @dataclass(frozen=True)
@@ -330,7 +336,8 @@ def _memory(cfg: Config, s: _Sizes, generate: bool) -> _Memory:
     shard_bytes = staged_shards(cfg) * s.Smax * (wb if generate else wb + 4)  # gradients are summed in fp32
     resident = [] if generate else resident_shards(cfg.model.depth, s.counts, wb, cfg.runtime.resident_gb * 1e9)
     parts, block_terms, act_totals, Q = _activations(cfg, wb, generate)
-    return _Memory(host=host, state=state, scratch=scratch, store=state + scratch, shard_bytes=shard_bytes,
+    teacher = 0 if generate else wb * num_experts(cfg) * teacher_params(cfg)
+    return _Memory(teacher=teacher, host=host, state=state, scratch=scratch, store=state + scratch, shard_bytes=shard_bytes,
                    resident=resident, resident_bytes=sum(s.counts[i] for i in resident) * wb, parts=parts,
                    block_terms=block_terms, act_totals=act_totals, Q=Q, variant=SELECTED_VARIANT[cfg.attention.kind])
 
@@ -360,9 +367,32 @@ def _traffic(cfg: Config, s: _Sizes, mem: _Memory, generate: bool) -> _Traffic:
         if s.chunk:  # the nested per-chunk checkpoint: one more forward of the blocks
             flops_recompute += 2.0 * s.p_tok * tokens + micro * attn_fwd
         flops_6pt = 6.0 * P * tokens
+    flops_teacher = 0.0 if generate else teacher_forward_flops(cfg)
+    if flops_teacher:
+        h2d += wb * teacher_params(cfg)  # the teacher's weights cross once per step (its forward)
     return _Traffic(h2d=h2d, d2h=d2h, adamw_pp=adamw_pp, adamw_store_pp=adamw_store_pp, adamw_bytes=adamw_bytes,
                     flops_linear=flops_linear, flops_attention=flops_attention, flops_recompute=flops_recompute,
-                    flops_6pt=flops_6pt, flops_executed=flops_linear + flops_attention + flops_recompute)
+                    flops_6pt=flops_6pt, flops_teacher=flops_teacher,
+                    flops_executed=flops_linear + flops_attention + flops_recompute + flops_teacher)
+
+
+def teacher_params(cfg: Config) -> int:
+    """Parameters of one transformer's dense teacher (``training.distill_weight`` > 0; else 0)."""
+    return sum(_shard_counts(teacher_config(cfg))[0]) if distills(cfg) else 0
+
+
+def teacher_forward_flops(cfg: Config) -> float:
+    """FLOPs of the dense teacher's forward per step (``training.distill_weight`` > 0; else 0):
+    its linear layers on every token, sample and text token, and dense attention, once per
+    micro-batch, with no backward and no recompute."""
+    if not distills(cfg):
+        return 0.0
+    tcfg = teacher_config(cfg)
+    _, p_tok, p_sample, p_text, _ = _shard_counts(tcfg)
+    B, micro = cfg.data.batch_size, cfg.training.micro_batches
+    linear = 2.0 * p_tok * micro * B * cfg.tokens_per_sample + micro * (2.0 * p_sample * B
+                                                                       + 2.0 * p_text * B * text_tokens(cfg))
+    return linear + micro * _attention_flops_fwd(tcfg)
 
 
 def _timing(cfg: Config, s: _Sizes, mem: _Memory, tr: _Traffic, generate: bool, pcie_gbps: float,
@@ -405,6 +435,8 @@ def _fit(mem: _Memory, timing: _Timing, generate: bool, ram_gb: float | None, gp
             host_terms[timing.label] = parts["offloaded_checkpoints"]
     else:
         host_terms = dict(timing.scale.host_terms)
+    if mem.teacher:
+        host_terms["dense teacher (distillation, frozen w)"] = mem.teacher
     host_terms["reserve (OS, Ray, processes)"] = reserve
     host_required = sum(host_terms.values())
     kernel_scratch = parts.get(variant + "_scratch", 0)  # on the device (``scratch`` is the host's)
@@ -494,6 +526,8 @@ def _assemble(cfg: Config, s: _Sizes, mem: _Memory, tr: _Traffic, timing: _Timin
         scale=timing.scale, resident_shards=tuple(mem.resident), resident_bytes=mem.resident_bytes,
         step_s=sched.seconds if sched else 0.0, step_off_s=sched.off_seconds if sched else 0.0,
         step_binding=sched.binding if sched else "",
+        teacher_params=teacher_params(cfg) if mem.teacher else 0, teacher_bytes=mem.teacher,
+        flops_teacher=tr.flops_teacher,
     )
 
 

@@ -90,6 +90,9 @@ def _host_memory(p: Plan, out: _Lines) -> None:
             label = (f"offloaded block inputs: (L - {p.offload_keep}) x B x N x D x a" if p.offload_keep
                      else "offloaded block inputs: L x B x N x D x a")
             out.row(label, fmt_bytes(p.host_offloaded_bytes))
+        if p.teacher_bytes:
+            out.row(f"dense teacher (distillation): {p.teacher_params:,} params x {wb} B, frozen",
+                    fmt_bytes(p.teacher_bytes))
     if p.scale is not None and (p.gpus_per_node > 1 or p.nodes > 1):
         out.append(f"\nhost memory per node ({p.gpus_per_node} GPU(s) x {p.nodes} node(s); planning/scaleout.py)")
         for name, v in p.scale.host_terms.items():
@@ -167,6 +170,9 @@ def _traffic(p: Plan, out: _Lines) -> None:
         out.row("  attention: forward + backward", f"{p.flops_attention:.3e}")
         out.row("  recompute: one more forward" + (" (+ one per chunk)" if p.token_chunk else ""),
                 f"{p.flops_recompute:.3e}")
+        if p.flops_teacher:
+            out.row("  dense teacher: one forward (distillation; its weights cross once more)",
+                    f"{p.flops_teacher:.3e}")
 
 
 def _floor(p: Plan, out: _Lines) -> None:

@@ -12,7 +12,9 @@ no contention between them. Without overlap, fetch, compute and return run in se
 ``predict_step`` prices it for a config: each position's compute from its FLOPs at
 ``device_tflops`` (a block's forward: 2 x its per-token parameters x tokens, plus its attention;
 recompute + backward: 3x that; shard 0 and the head run forward and backward together: 3x), each
-fetch and gradient at ``link_gbps``. ``benchmarks/overlap.py`` replays the same schedule with the
+fetch and gradient at ``link_gbps``. With distillation (``training.distill_weight``) the step
+starts with the dense teacher's forward, 0..L+1, each position fetching a teacher shard and
+computing its forward (dense attention), returning nothing. ``benchmarks/overlap.py`` replays the same schedule with the
 compute times it measured and holds both against the measured step.
 
 What it leaves out: the step boundary (shard 0's next fetch waits for its AdamW update, which
@@ -25,6 +27,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from megaslide_ray.config import Config
+from megaslide_ray.models.registry import distills, teacher_config
 from megaslide_ray.models.shards import resident_shards
 from megaslide_ray.planning.terms import _attention_flops_fwd, _shard_counts, shard_roles, text_tokens
 
@@ -85,7 +88,26 @@ def step_positions(cfg: Config, wbytes: int) -> StepPositions:
     flops += [(backward if s else 3.0) * forward(s) for s in order[n:]]
     fetch = [0 if p in reuse else counts[s] * wbytes for p, s in enumerate(order)]
     grads = {n - 1: counts[n - 1] * wbytes, **{p: counts[order[p]] * wbytes for p in range(n, len(order))}}
+    if distills(cfg):  # the teacher's forward first: n more positions, nothing returned
+        t_fetch, t_flops = teacher_positions(cfg, wbytes)
+        order, fetch, flops = list(range(n)) + order, t_fetch + fetch, t_flops + flops
+        grads = {p + n: b for p, b in grads.items()}
     return StepPositions(order, fetch, grads, flops)
+
+
+def teacher_positions(cfg: Config, wbytes: int) -> tuple[list[int], list[float]]:
+    """The dense teacher's forward (distillation), shards 0..L+1: each one's fetch bytes and FLOPs."""
+    tcfg = teacher_config(cfg)
+    counts, roles, L = _shard_counts(tcfg)[0], shard_roles(tcfg), cfg.model.depth
+    k, B = cfg.training.micro_batches, cfg.data.batch_size
+    tokens, texts = k * B * cfg.tokens_per_sample, k * B * text_tokens(cfg)
+    attention = k * _attention_flops_fwd(tcfg) / L
+
+    def forward(shard: int) -> float:
+        tok, sample, text, _ = roles[min(shard, 1) if shard <= L else L + 1]
+        return 2.0 * (tok * tokens + sample * k * B + text * texts) + (attention if 1 <= shard <= L else 0.0)
+
+    return [c * wbytes for c in counts], [forward(s) for s in range(L + 2)]
 
 
 def schedule_seconds(pre: float, fetch_s: list[float], comp_s: list[float], grad_s: dict[int, float],

@@ -3,6 +3,7 @@ of a block and of attention by kind, FLOPs, and the units they are printed in.""
 
 from __future__ import annotations
 
+import copy
 import math
 
 from kernels import slab_kv_frames
@@ -62,6 +63,10 @@ def check_shape(cfg: Config) -> None:
     """Frames, height and width must be multiples of the patch; the message names the value.
     (Latent space: ``validate`` checks the clip against the VAE compression and the patch.)"""
     if cfg.latent_space:
+        if cfg.training.distill_weight and not cfg.training.init_from:
+            # A plan of distillation counts the teacher; it reads no weights, so it names none.
+            cfg = copy.deepcopy(cfg)
+            cfg.training.distill_weight = 0.0
         validate(cfg)
         return
     for flag, size, p in (("frames", cfg.data.num_frames, cfg.model.patch_size[0]),

@@ -29,7 +29,7 @@ from pathlib import Path
 
 from megaslide_ray.config import Config
 from megaslide_ray.config.buckets import largest_bucket
-from megaslide_ray.models.registry import build_shard, num_shards
+from megaslide_ray.models.registry import build_shard, distills, num_shards, teacher_config
 from megaslide_ray.models.shards import ShardLayout
 from megaslide_ray.state.segments import default_state_root, state_key
 
@@ -80,6 +80,14 @@ def state_bytes(cfg: Config, wbytes: int) -> int:
     device (no memory)."""
     per_param = wbytes + 12 + (4 if cfg.training.ema_decay else 0)
     return sum(ShardLayout.of(build_shard(cfg, i, "meta"), i).numel for i in range(num_shards(cfg))) * per_param
+
+
+def teacher_bytes(cfg: Config, wbytes: int) -> int:
+    """The dense teacher's frozen weights beside the state (``training.distill_weight`` > 0; else 0)."""
+    if not distills(cfg):
+        return 0
+    tcfg = teacher_config(cfg)
+    return sum(ShardLayout.of(build_shard(tcfg, i, "meta"), i).numel for i in range(num_shards(tcfg))) * wbytes
 
 
 def offload_bytes(cfg: Config, wbytes: int) -> int:
@@ -136,7 +144,7 @@ def plan_state_space(cfg: Config, run_dir: str | None = None, local_ray: bool = 
     Ray's object store so that it and the state fit together."""
     wbytes = wbytes or w_dtype_bytes(cfg)
     root = state_root(cfg)
-    need = state_bytes(cfg, wbytes) + offload_bytes(cfg, wbytes) + MARGIN_BYTES
+    need = state_bytes(cfg, wbytes) + offload_bytes(cfg, wbytes) + teacher_bytes(cfg, wbytes) + MARGIN_BYTES
     fs = _existing(root)
     usage = shutil.disk_usage(fs)
     free = usage.free
@@ -148,6 +156,7 @@ def plan_state_space(cfg: Config, run_dir: str | None = None, local_ray: bool = 
             f"weights, master copy and AdamW moments"
             + (f", {offload_bytes(cfg, wbytes) / 1e9:.2f} GB of offloaded block inputs" if cfg.runtime.offload_activations
                else "")
+            + (f", {teacher_bytes(cfg, wbytes) / 1e9:.2f} GB of the dense teacher's weights" if distills(cfg) else "")
             + f") under {root}, but that filesystem ({usage.total / 1e9:.2f} GB) has {free / 1e9:.2f} GB free. "
             + shm_advice(root, need, free, usage.total))
     on_shm = local_ray and _same_filesystem(fs, SHM)

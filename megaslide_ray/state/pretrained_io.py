@@ -380,7 +380,7 @@ def load_pretrained_into(store, path: str | Path) -> None:
             if name in source:
                 files.setdefault(source[name].file, []).append(name)
         for file, names in files.items():
-            for name, t in zip(names, _read_source(ckpt, file, [source[name] for name in names])):
+            for name, t in zip(names, read_source(ckpt, file, [source[name] for name in names])):
                 views[name[len(prefix):]].copy_(t.reshape(source[name].shape).to(torch.float32))
         store.seg[i]["w"].copy_(master)
         if owned:
@@ -393,7 +393,7 @@ def load_pretrained_into(store, path: str | Path) -> None:
     log.info("initialised %d shards from %s", store.n, path)
 
 
-def _read_source(ckpt: CheckpointReader | None, file: str, entries: list[Entry]):
+def read_source(ckpt: CheckpointReader | None, file: str, entries: list[Entry]):
     """The tensors of ``entries``, all in ``file``, one at a time. From our checkpoint (``ckpt``)
     one shard's flat ``master`` is read once and served by parameter name."""
     if ckpt is not None:

@@ -8,6 +8,12 @@ With ``training.ema_decay`` it keeps the moving average of the weights as the pa
 (``ema``: one fp32 tensor per parameter, ``lerp_`` towards the weights after each step, the weights
 themselves until ``training.ema_start_step`` steps are done; taken from the weights when the first
 step starts, so weights loaded after construction are its start), so the two can be compared.
+
+With ``training.distill_weight`` > 0 it distils as the streamed trainer does: a frozen dense copy
+of the model (``teacher_config``), taken when the first step runs (the model the adaptation
+starts from: its weights are the caller's, e.g. ``training.init_from``'s loaded by hand) or given
+as ``teacher`` (a state dict of the dense model), predicts the velocity on the same input, and
+``distill_weight x distill_loss`` is added to the task loss.
 """
 
 from __future__ import annotations
@@ -19,11 +25,12 @@ from dataclasses import dataclass
 import torch
 
 from megaslide_ray.config import Config
-from megaslide_ray.models.registry import build_model, num_experts
+from megaslide_ray.models.registry import build_model, distills, num_experts, teacher_config
 from megaslide_ray.training.flow import (
     batch_conditioning,
     batch_flow_inputs,
     caption_dropout,
+    distill_loss,
     keep_first_frame,
     model_loss,
     step_t_range,
@@ -38,10 +45,11 @@ class BaselineStep:
     loss: float
     grad_norm: float
     seconds: float
+    distill_loss: float = 0.0  # training.distill_weight > 0: the distillation term before its weight
 
 
 class InProcessTrainer:
-    def __init__(self, cfg: Config, threads: int = 0):
+    def __init__(self, cfg: Config, threads: int = 0, teacher: dict | None = None):
         torch.set_num_threads(threads or os.cpu_count() or 1)
         if num_experts(cfg) > 1:
             raise ValueError("the in-process baseline trains one transformer; training.expert='both' holds two")
@@ -54,6 +62,29 @@ class InProcessTrainer:
         # the moving average of the weights (training.ema_decay), fp32, in parameter order: taken
         # from the weights when the first step starts (a caller may load weights after __init__)
         self.ema: list[torch.Tensor] | None = None
+        self.teacher: torch.nn.Module | None = None
+        if teacher is not None:
+            self.set_teacher(teacher)
+
+    def set_teacher(self, state: dict) -> None:
+        """The dense teacher of ``training.distill_weight``: ``teacher_config``'s model with the
+        weights of ``state`` (names of the dense model; a DSA model's offset heads are left out),
+        frozen, in eval mode."""
+        teacher = build_model(teacher_config(self.cfg))
+        names = set(teacher.state_dict())
+        teacher.load_state_dict({k: v for k, v in state.items() if k in names})
+        self.teacher = teacher.eval().requires_grad_(False)
+
+    def _distill(self, pred: torch.Tensor, inputs: tuple, clean: bool) -> torch.Tensor | None:
+        """The distillation term of this step (None when off): the teacher (taken now from the
+        model's weights if none was given) predicts on the same ``inputs``."""
+        if not distills(self.cfg):
+            return None
+        if self.teacher is None:
+            self.set_teacher({k: v.detach().clone() for k, v in self.model.state_dict().items()})
+        with torch.no_grad():
+            target = self.teacher(*inputs)
+        return distill_loss(pred, target, clean)
 
     def train_step(self, batch: dict, noise_step: int | None = None) -> BaselineStep:
         t0 = time.perf_counter()
@@ -71,9 +102,13 @@ class InProcessTrainer:
             condition, image = batch_condition(batch, cfg.model)
             x_in = fx.x_t if condition is None else model_input(fx.x_t, condition)
             extra = () if image is None else (image,)
-        loss = model_loss(self.model(x_in, fx.t, cap, cap_len, *extra), fx.target, clean)
+        inputs = (x_in, fx.t, cap, cap_len, *extra)
+        pred = self.model(*inputs)
+        loss = model_loss(pred, fx.target, clean)
+        distill = self._distill(pred, inputs, clean)
+        total = loss if distill is None else loss + cfg.training.distill_weight * distill
         self.opt.zero_grad(set_to_none=True)
-        loss.backward()
+        total.backward()
         if cfg.optim.grad_clip > 0:
             norm = float(torch.nn.utils.clip_grad_norm_(self.model.parameters(), cfg.optim.grad_clip))
         else:
@@ -82,7 +117,8 @@ class InProcessTrainer:
             group["lr"] = lr_at(cfg.optim, cfg.training.steps, self.step)
         self.opt.step()
         self._update_ema()
-        result = BaselineStep(self.step, float(loss.detach()), norm, time.perf_counter() - t0)
+        result = BaselineStep(self.step, float(loss.detach()), norm, time.perf_counter() - t0,
+                              0.0 if distill is None else float(distill.detach()))
         self.step += 1
         return result
 

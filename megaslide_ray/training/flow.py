@@ -244,3 +244,10 @@ def model_loss(pred: torch.Tensor, target: torch.Tensor, clean_first_frame: bool
     if clean_first_frame:
         return flow_loss(pred[:, 1:], target[:, 1:])
     return flow_loss(pred, target)
+
+
+def distill_loss(pred: torch.Tensor, teacher: torch.Tensor, clean_first_frame: bool = False) -> torch.Tensor:
+    """``training.distill_weight``'s term before the weight: the mean squared difference between
+    the model's velocity ``pred`` and the dense teacher's ``teacher`` on the same input (no
+    gradient reaches the teacher), over the frames ``model_loss`` counts."""
+    return model_loss(pred, teacher.detach(), clean_first_frame)
