@@ -201,13 +201,17 @@ TINY = ["--grid", "small", "--teacher-steps", "2", "--steps", "2", "--evals", "2
 def test_an_arm_runs_its_kind_with_its_overrides_and_is_compared_with_dense_and_its_kind():
     p = FA.parser()
     a = p.parse_args(["--grid", "small", "--kinds", "dense", "dsa", "--arm", "dsa-b1", "dsa",
-                      "attention.max_offset=1.5", "attention.offset_bound=clamp", "--set", "model.depth", "1"])
+                      "attention.max_offset=1.5", "attention.offset_bound=clamp", "--set", "model.depth", "1",
+                      "--arm", "dsa-kd", "dsa", "training.distill_weight=0.5"])
     setup = FA.checked_setup(p, a)
-    assert setup["kinds"] == ["dense", "dsa", "dsa-b1"]
+    assert setup["kinds"] == ["dense", "dsa", "dsa-b1", "dsa-kd"]
+    kd = FA.run_config(setup, "dsa-kd", 0, 5, lr=1e-4)  # distils from the teacher the adaptation starts from
+    assert kd.training.distill_weight == 0.5 and "teacher" in kd.training.init_from
     arm, dsa = (FA.run_config(setup, k, 0, 5) for k in ("dsa-b1", "dsa"))
     assert arm.attention.kind == "dsa" and arm.attention.max_offset == 1.5 and arm.attention.offset_bound == "clamp"
     assert dsa.attention.max_offset != 1.5 and arm.model.depth == dsa.model.depth == 1
-    assert R.comparisons(setup["kinds"], setup["arms"]) == [("dsa", "dense"), ("dsa-b1", "dense"), ("dsa-b1", "dsa")]
+    assert R.comparisons(setup["kinds"], setup["arms"]) == [("dsa", "dense"), ("dsa-b1", "dense"), ("dsa-kd", "dense"),
+                                                            ("dsa-b1", "dsa"), ("dsa-kd", "dsa")]
     # an arm of dense is compared with dense once
     assert R.comparisons(["dense", "ema"], {"ema": ("dense", {})}) == [("ema", "dense")]
 

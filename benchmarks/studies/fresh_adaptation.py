@@ -86,6 +86,9 @@ def run_config(setup: dict, kind: str, seed: int, steps: int, lr: float | None =
     over.update(arm_over)
     if lr is not None:
         over["optim.lr"] = lr
+        # an adaptation starts from the seed's teacher (loaded by hand: ``load_teacher``), which is also
+        # the dense teacher a distilling arm (training.distill_weight) distils from at its first step
+        over.setdefault("training.init_from", f"the study's dense teacher of seed {seed}")
     return study_config(setup["preset"], over)
 
 
@@ -402,7 +405,7 @@ def main(argv: list[str] | None = None) -> int:
     cfg0 = run_config(setup, "dense", setup["seeds"][0], setup["steps"])
     for name in setup["arms"]:  # a bad override is refused here, before any clip is rendered
         try:
-            run_config(setup, name, setup["seeds"][0], setup["steps"])
+            run_config(setup, name, setup["seeds"][0], setup["steps"], lr=1e-4)
         except (ValueError, KeyError, TypeError) as e:
             p.error(f"--arm {name}: {e}")
     source = F.ClipSource.of(cfg0, setup["clips"])
