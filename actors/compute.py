@@ -46,6 +46,7 @@ from actors.grad_reduce import GradSlots
 from actors.param_store import ShardInfo
 from actors.transfer import ShardFeed, StagingPool, Transfers
 from megaslide_ray.config import Config
+from megaslide_ray.models.attention_levers import step_mix
 from megaslide_ray.models.chunking import FP32_GRAD, fp32_grad_params
 from megaslide_ray.models.prediction import as_velocity
 from megaslide_ray.models.registry import build_shard, expert_shards, num_experts, num_shards
@@ -121,6 +122,7 @@ class FlowInputs(NamedTuple):
     caption_len: torch.Tensor
     condition: torch.Tensor | None = None  # image-to-video: (B, F, H, W, mask + C) mask and image latents
     image: torch.Tensor | None = None      # image-to-video with CLIP: (B n, Li, image_dim) image states
+    dense_mix: torch.Tensor | None = None  # (B,) the curriculum's dense weights (attention_levers.step_mix)
 
     def split(self, k: int) -> list["FlowInputs"]:
         """The k micro-batches, consecutive clips of the batch (``training.micro_batches``)."""
@@ -136,6 +138,10 @@ class FlowInputs(NamedTuple):
         channels after them), t, the conditioning, and the image states when there are some."""
         x = self.x_t if self.condition is None else model_input(self.x_t, self.condition)
         return (x, self.t, self.caption, self.caption_len) + (() if self.image is None else (self.image,))
+
+    def embed_kwargs(self) -> dict:
+        """Shard 0's keyword arguments: the step's dense weights while the curriculum lasts."""
+        return {} if self.dense_mix is None else {"dense_mix": self.dense_mix}
 
 
 def select_device(cfg: Config) -> str:
@@ -210,15 +216,15 @@ class ComputeActor:
         # The last step's (start, ShardFeed.log, end) on the perf_counter clock (benchmarks).
         self.last_timeline: tuple[float, list[tuple[float, float]], float] = (0.0, [], 0.0)
 
-    def _run(self, shard: int, flat: torch.Tensor, *args):
+    def _run(self, shard: int, flat: torch.Tensor, *args, **kwargs):
         params = self.infos[shard].layout.views(flat)
-        return functional_call(self.modules[shard], params, args)
+        return functional_call(self.modules[shard], params, args, kwargs)
 
-    def _run_with_grad(self, shard: int, params: dict, *args):
+    def _run_with_grad(self, shard: int, params: dict, *args, **kwargs):
         """Run shard ``shard`` on ``params`` from ``grad_views`` (their backward adds the gradient
         into that flat buffer; the micro-batches of a step add into the same one, in fp32 whatever
         the weights' dtype: each call is one use, ``fp32_grad_params``)."""
-        return functional_call(self.modules[shard], fp32_grad_params(params), args)
+        return functional_call(self.modules[shard], fp32_grad_params(params), args, kwargs)
 
     def _push_grad(self, shard: int, step: int, grad: torch.Tensor, poison: torch.Tensor | None = None) -> None:
         """Hand shard ``shard``'s flat gradient to the store with its squared norm, computed on
@@ -342,8 +348,9 @@ class ComputeActor:
         cond, cond_len = batch_conditioning(batch, t.seed, noise_step, self._caption_dropout, first)
         dev = self.device
         condition, image = batch_condition(batch, self.cfg.model) if self.cfg.model.arch == "wan" else (None, None)
+        mix = step_mix(self.cfg, fx.t, step).get("dense_mix")  # the curriculum: the step's dense weights
         return FlowInputs(fx.x_t.to(dev), fx.t.to(dev), fx.target.to(dev), cond.to(dev), cond_len.to(dev),
-                          *(None if a is None else a.to(dev) for a in (condition, image)))
+                          *(None if a is None else a.to(dev) for a in (condition, image, mix)))
 
     @torch.no_grad()
     def _forward(self, feed: ShardFeed, micro: list[FlowInputs], step: int) -> tuple[list, list]:
@@ -353,7 +360,7 @@ class ComputeActor:
         L, k = self.cfg.model.depth, len(micro)
         w = feed.take(0)
         fault_point("compute.after_weights", step)
-        xs, cs = map(list, zip(*(self._run(0, w, *m.embed_args()) for m in micro)))
+        xs, cs = map(list, zip(*(self._run(0, w, *m.embed_args(), **m.embed_kwargs()) for m in micro)))
         feed.done(w)
         self.stash.begin(L * k, group=k)
         for shard in range(1, L + 1):
@@ -437,7 +444,7 @@ class ComputeActor:
         params, grad = grad_views(self.infos[0].layout, w_staged, self._grad_pool)
         for j in range(k - 1, -1, -1):
             m = micro[j]
-            x0, c0 = self._run_with_grad(0, params, *m.embed_args())
+            x0, c0 = self._run_with_grad(0, params, *m.embed_args(), **m.embed_kwargs())
             torch.autograd.backward([x0, c0], [dxs[j], dcs[j].to(c0.dtype)])
         self._push_grad(0, step, grad)
         feed.done(w_staged)
@@ -452,7 +459,7 @@ class ComputeActor:
         w = feed.take(0)
         fault_point("compute.after_weights", step)
         params, grad = grad_views(self.infos[0].layout, w, self._grad_pool)
-        outs = [self._run_with_grad(0, params, *m.embed_args()) for m in micro]
+        outs = [self._run_with_grad(0, params, *m.embed_args(), **m.embed_kwargs()) for m in micro]
         feed.done(w)
         graphs = [BlockGraph([None] * len(micro), [None] * len(micro), outs, grad)]
         for shard in range(1, L + 1):

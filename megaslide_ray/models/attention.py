@@ -28,6 +28,7 @@ from kernels import deformable_slide_attention
 from kernels.swin import swin_attention_3d
 from megaslide_ray.config import Config
 from megaslide_ray.models.chunking import Chunked, bind, slabbed_attention, token_map
+from megaslide_ray.models.attention_levers import blend, rows_of
 
 KINDS = ("dense", "swin", "neighborhood", "dsa")
 
@@ -73,13 +74,26 @@ def window_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, h: torch
 
 
 def self_attention(attn: SelfAttention, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                   h: torch.Tensor, cond: torch.Tensor | None = None) -> torch.Tensor:
+                   h: torch.Tensor, cond: torch.Tensor | None = None,
+                   mix: torch.Tensor | None = None) -> torch.Tensor:
     """The block's self-attention over a whole clip: ``q, k, v (B, T, H, W, nh, d)`` ->
     ``(B, T, H, W, nh, d)``. ``h (B, T, H, W, D)``: what the offset head reads (``dsa``); ``cond
-    (B, D)``: the block's condition vector, which it also reads with ``attention.offset_condition``."""
-    if attn.kind == "dense":
+    (B, D)``: the block's condition vector, which it also reads with ``attention.offset_condition``.
+    ``mix (B,)``: each sample's weight of dense attention (``attention_levers``; None: none)."""
+    if attn.kind == "dense" or mix is None:
+        return _self_attention(attn, attn.kind, q, k, v, h, cond)
+
+    def run(kind, rows):
+        sel = rows_of(rows)
+        return _self_attention(attn, kind or attn.kind, sel(q), sel(k), sel(v), sel(h), sel(cond))
+
+    return blend(mix, run)
+
+
+def _self_attention(attn: SelfAttention, kind: str, q, k, v, h, cond) -> torch.Tensor:
+    if kind == "dense":
         return dense_attention(q, k, v, attn.scale)
-    if attn.kind == "swin":
+    if kind == "swin":
         return swin_attention_3d(q, k, v, attn.window, attn.shift, scale=attn.scale)
     # dsa, or neighborhood (no offset head: offsets fixed at zero)
     return window_attention(q, k, v, h, attn.offsets, attn.window, attn.scale, attn.backend, cond)
@@ -88,7 +102,27 @@ def self_attention(attn: SelfAttention, q: torch.Tensor, k: torch.Tensor, v: tor
 def chunked_self_attention(attn: SelfAttention, x: torch.Tensor, qkv: torch.Tensor, chunk: int,
                            residual: Callable, offset_input: Callable | None,
                            modulation: Sequence[torch.Tensor], gates: Sequence[torch.Tensor],
-                           cond: torch.Tensor | None = None) -> torch.Tensor:
+                           cond: torch.Tensor | None = None, mix: torch.Tensor | None = None) -> torch.Tensor:
+    """``_chunked_self_attention`` of the block's kind, or with ``mix (B,)`` (each sample's weight
+    of dense attention, ``attention_levers``) the blend of the dense and the block's kind's
+    residual streams: ``x + g P(o)`` is affine in ``o``, so this is the stream after the blended
+    attention (exactly the one kind's for a sample of weight 0 or 1)."""
+    if attn.kind == "dense" or mix is None:
+        return _chunked_self_attention(attn, attn.kind, x, qkv, chunk, residual, offset_input, modulation, gates,
+                                       cond)
+
+    def run(kind, rows):
+        sel = rows_of(rows)
+        return _chunked_self_attention(attn, kind or attn.kind, sel(x), sel(qkv), chunk, residual, offset_input,
+                                       [sel(m) for m in modulation], [sel(g) for g in gates], sel(cond))
+
+    return blend(mix, run)
+
+
+def _chunked_self_attention(attn: SelfAttention, kind: str, x: torch.Tensor, qkv: torch.Tensor, chunk: int,
+                            residual: Callable, offset_input: Callable | None,
+                            modulation: Sequence[torch.Tensor], gates: Sequence[torch.Tensor],
+                            cond: torch.Tensor | None = None) -> torch.Tensor:
     """The block's self-attention and the residual stream after it, token-chunked: returns
     ``residual(x_chunk, o_chunk, *gates)`` over the whole grid ``(B, T, H, W, D)``.
 
@@ -102,11 +136,11 @@ def chunked_self_attention(attn: SelfAttention, x: torch.Tensor, qkv: torch.Tens
     frames, keys from the slab plus its halo (``chunking.slabbed_attention``)."""
     B, T, H, W, D = x.shape
     nh, hd = attn.num_heads, attn.head_dim
-    if attn.kind == "swin":
+    if kind == "swin":
         q, k, v = qkv.view(B, T, H, W, 3, nh, hd).unbind(4)
         o = swin_attention_3d(q, k, v, attn.window, attn.shift, scale=attn.scale).reshape(B, T, H, W, D)
         return token_map(residual, x, chunk, Chunked(o), *gates)
-    if attn.kind == "dense":
+    if kind == "dense":
         kv = qkv.view(B, T * H * W, 3, nh, hd)[:, :, 1:].transpose(1, 3)  # (B, nh, 2, N, d)
 
         def dense_chunk(xc, qkvc, kvw, *g):
@@ -140,10 +174,11 @@ def reads_queries(attn: SelfAttention) -> bool:
     return attn.offsets is not None and attn.offsets.source == "query"
 
 
-def offset_head(cfg: Config) -> "OffsetPredictor | None":
-    """The offset head a ``dsa`` block's self-attention gets (None for the other kinds)."""
+def offset_head(cfg: Config, kind: str | None = None) -> "OffsetPredictor | None":
+    """The offset head a ``dsa`` block's self-attention gets (None for the other kinds; ``kind``:
+    the block's, default ``attention.kind``: a block of ``attention.dense_blocks`` has none)."""
     m, a = cfg.model, cfg.attention
-    if a.kind != "dsa":
+    if (kind or a.kind) != "dsa":
         return None
     return OffsetPredictor(m.hidden_size, m.num_heads, tuple(a.window), a.max_offset, a.offset_groups,
                            a.offset_kernel, a.offset_scale, a.offset_condition, a.offset_source, a.offset_bound)

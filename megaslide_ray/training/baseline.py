@@ -14,6 +14,7 @@ from dataclasses import dataclass
 import torch
 
 from megaslide_ray.config import Config
+from megaslide_ray.models.attention_levers import step_mix
 from megaslide_ray.models.registry import build_model, num_experts
 from megaslide_ray.training.flow import (
     batch_conditioning,
@@ -61,9 +62,13 @@ class InProcessTrainer:
             condition, image = batch_condition(batch, cfg.model)
             x_in = fx.x_t if condition is None else model_input(fx.x_t, condition)
             extra = () if image is None else (image,)
-        loss = model_loss(self.model(x_in, fx.t, cap, cap_len, *extra), fx.target, clean)
+        mix = step_mix(cfg, fx.t, self.step)  # the curriculum's dense weights (attention.dense_warmup_steps)
+        loss = model_loss(self.model(x_in, fx.t, cap, cap_len, *extra, **mix), fx.target, clean)
         self.opt.zero_grad(set_to_none=True)
         loss.backward()
+        for p in self.model.parameters():  # a weight this step did not use (an offset head while every sample's
+            if p.grad is None:  # attention is dense) still takes its AdamW step, as in the streamed trainer
+                p.grad = torch.zeros_like(p)
         if cfg.optim.grad_clip > 0:
             norm = float(torch.nn.utils.clip_grad_norm_(self.model.parameters(), cfg.optim.grad_clip))
         else:
