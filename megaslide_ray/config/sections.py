@@ -175,7 +175,7 @@ class AttentionConfig:
     self-attention is dense (SDPA over every token) whatever ``kind``; they have no offset head, so
     a converted or pretrained model loads into them as it is. The other blocks use ``kind``. A few
     dense layers among local ones is what Radial Attention keeps; each costs a dense attention
-    (``python -m kernels.dsa_cost --dense-blocks``). Empty: none."""
+    (``python -m kernels.dsa_lever_cost``). Empty: none."""
     dense_above_t: float = 0.0
     """Samples whose flow time ``t >= dense_above_t`` (t = 1: pure noise, as the trainer draws it)
     use dense self-attention in every block; the others ``kind``. Chosen per sample (a batch may
