@@ -249,3 +249,26 @@ def test_levers_that_make_no_sense_are_refused(over, needle):
     with pytest.raises(ConfigError) as e:
         _cfg("videodit", **over)
     assert needle in str(e.value)
+
+
+def test_a_pretrained_dense_model_loads_into_dense_blocks(wan_dir, tmp_path):
+    """``--init-from`` a diffusers Wan folder (dense, no offset heads) with block 0 dense: only
+    block 1's offset head starts fresh, and the store's shards are filled."""
+    from megaslide_ray.state.pretrained_io import (
+        check_pretrained,
+        config_for_diffusers_dir,
+        describe_init,
+        load_pretrained_into,
+    )
+
+    cfg = config_for_diffusers_dir(wan_dir, None, None, {"attention.dense_blocks": "0",
+                                                        "runtime.state_dir": str(tmp_path)})
+    assert cfg.attention.kind == "dsa" and cfg.model.depth == 2
+    line = describe_init(cfg, str(wan_dir), check_pretrained(cfg, str(wan_dir)))
+    assert "start fresh: the DSA offset heads (blocks.1.attn1.offsets.*)" in line, line
+    store = ParameterStore(cfg, str(tmp_path / "run"))
+    try:
+        load_pretrained_into(store, wan_dir)
+        assert all(torch.isfinite(s["master"]).all() for s in store.seg)
+    finally:
+        store.close()
