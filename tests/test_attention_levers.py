@@ -7,6 +7,8 @@ the dense model (``attention.kind = dense``) and the DSA model without the lever
 each lever against the in-process trainer; and the config refusals.
 """
 
+import math
+
 import numpy as np
 import pytest
 import torch
@@ -211,16 +213,21 @@ def test_streamed_trainer_equals_in_process_with_each_lever(tmp_path, batches, l
     store = ParameterStore(cfg, str(tmp_path / "run"))
     compute = ComputeActor(cfg, store.shard_infos(), LocalStoreClient(store), "shm")
     baseline = InProcessTrainer(cfg, threads=1)
+    b = bs[0]
+    args = (torch.randn((2, 6, 32, 32, 3), generator=torch.Generator().manual_seed(5)), torch.tensor([0.9, 0.2]),
+            torch.from_numpy(b["caption"][:2]), torch.from_numpy(b["caption_len"][:2]))
     try:
         results = []
         for step, batch in enumerate(bs):
             results.append(compute.train_step(batch, step))
             store.wait_step(step)
         masters = [s["master"].clone() for s in store.seg]
+        predicted = compute.predict(*args, step=len(bs))  # sampling and validation: the schedule's end
     finally:
         compute.close()
         store.close()
     reference = [baseline.train_step(batch).loss for batch in bs]
+    _check_prediction(cfg, baseline.model, predicted, args)
     assert np.allclose([r.loss for r in results], reference, rtol=1e-5)
     if "attention.dense_above_t" in lever:  # the draws put samples on both sides of the time
         ts = [t for r in results for t in r.t]
@@ -228,6 +235,25 @@ def test_streamed_trainer_equals_in_process_with_each_lever(tmp_path, batches, l
     for i, (a, shard) in enumerate(zip(masters, baseline.model.shards())):
         ref = torch.cat([p.detach().reshape(-1) for p in shard.parameters()])
         assert float((a - ref).norm() / ref.norm()) < 1e-5, f"shard {i}"
+
+
+def _check_prediction(cfg, model, predicted, args) -> None:
+    """The compute actor's prediction after training (the store's weights, within 1e-5 of the
+    in-process model's) is the in-process model's: with ``dense_above_t`` 0.5 the sample at t = 0.9
+    the dense model's and the one at 0.2 DSA's; after the curriculum both DSA's."""
+    kinds = {"dense": build_config("tiny", None, {**SMALL, "attention.kind": "dense"}),
+             "dsa": build_config("tiny", None, {**SMALL, "attention.dense_blocks": cfg.attention.dense_blocks})}
+    out = {}
+    with torch.no_grad():
+        for name, c in kinds.items():
+            other = build_model(c)
+            other.load_state_dict(model.state_dict(), strict=False)
+            out[name] = other(*args)
+        want = model(*args)
+    assert float((predicted - want).norm() / want.norm()) < 1e-5
+    first = "dense" if cfg.attention.dense_above_t else "dsa"
+    assert torch.equal(want[0], out[first][0]) and torch.equal(want[1], out["dsa"][1])
+    assert float((out["dense"][0] - out["dsa"][0]).norm() / out["dsa"][0].norm()) > 1e-4  # so the equalities tell
 
 
 # -- refusals --------------------------------------------------------------------------------------
@@ -272,3 +298,29 @@ def test_a_pretrained_dense_model_loads_into_dense_blocks(wan_dir, tmp_path):
         assert all(torch.isfinite(s["master"]).all() for s in store.seg)
     finally:
         store.close()
+
+
+def test_the_planner_counts_dense_blocks_and_dense_samples():
+    """The planner's attention FLOPs: every block dense is the dense model's; dense samples weigh
+    the dense and the lever-free counts by the trainer's share of t above the time (within an
+    expert's range); its notes name the levers."""
+    from megaslide_ray.planning.estimate import plan
+    from megaslide_ray.planning.terms import _attention_flops_fwd, dense_share
+    from megaslide_ray.training.flow import base_cdf
+
+    dense, dsa = _attention_flops_fwd(_cfg("videodit", **{"attention.kind": "dense"})), _attention_flops_fwd(_cfg("videodit"))
+    assert _attention_flops_fwd(_cfg("videodit", **{"attention.dense_blocks": "0,1"})) == dense
+    one = _attention_flops_fwd(_cfg("videodit", **{"attention.dense_blocks": "1"}))
+    assert math.isclose(one, (dense + dsa) / 2)
+    cfg = _cfg("videodit", **{"attention.dense_above_t": 0.7, "training.flow_shift": 3.0})
+    p = 1.0 - base_cdf(0.7, "logit_normal", 3.0)
+    assert math.isclose(dense_share(cfg), p)
+    assert math.isclose(_attention_flops_fwd(cfg), p * dense + (1 - p) * dsa)
+    high = build_config("wan2.2-t2v-a14b", None, {"attention.dense_above_t": 0.9, "training.expert": "high"})
+    b = high.training.boundary_ratio
+    want = (1 - base_cdf(0.9, "logit_normal", 5.0)) / (1 - base_cdf(b, "logit_normal", 5.0))
+    assert math.isclose(dense_share(high), want)
+    low = build_config("wan2.2-t2v-a14b", None, {"attention.dense_above_t": 0.9, "training.expert": "low"})
+    assert dense_share(low) == 0.0  # the low-noise expert never sees t >= 0.9
+    notes = plan(_cfg("videodit", **{"attention.dense_blocks": "1", "attention.dense_warmup_steps": 5})).notes
+    assert any("1 dense blocks" in n and "first 5 steps" in n for n in notes), notes

@@ -6,6 +6,7 @@ from __future__ import annotations
 import math
 
 from kernels import slab_kv_frames
+from kernels.dsa_lever_cost import share_above
 from megaslide_ray.config import Config, ConfigError, validate
 from megaslide_ray.models.layers import ffn_width
 from megaslide_ray.models.registry import build_shard, expert_shards
@@ -273,18 +274,40 @@ def _activations(cfg: Config, a: int, generate: bool) -> tuple[dict[str, int], d
 
 
 def _attention_flops_fwd(cfg: Config) -> float:
-    """Forward FLOPs of all blocks' attention operators (module docstring)."""
+    """Forward FLOPs of all blocks' attention operators (module docstring): ``attention.dense_blocks``
+    dense, the rest ``attention.kind``, and a sample at or above ``attention.dense_above_t`` (the
+    share of the training draws there, ``dense_share``) dense in every block. A curriculum step
+    (``attention.dense_warmup_steps``) runs both kinds; the estimate is of the steps after it."""
     B, N, D, L = cfg.data.batch_size, cfg.tokens_per_sample, cfg.model.hidden_size, cfg.model.depth
     K = math.prod(cfg.attention.window)
     kind = cfg.attention.kind
+    dense = 4.0 * B * N * N * D
     if kind == "dense":
-        per_block = 4.0 * B * N * N * D
+        per_block = dense
     elif kind in ("dsa", "neighborhood"):
         per_block = 36.0 * B * N * K * D
     else:  # swin
         per_block = 4.0 * B * N * K * D
-    per_block += 4.0 * B * N * text_tokens(cfg) * D  # cross-attention of every video token to the text
-    return L * per_block
+    n = 0 if kind == "dense" else len(tuple(cfg.attention.dense_blocks))
+    share = 0.0 if kind == "dense" else dense_share(cfg)
+    local = n * dense + (L - n) * per_block
+    cross = 4.0 * B * N * text_tokens(cfg) * D  # cross-attention of every video token to the text
+    return share * L * dense + (1.0 - share) * local + L * cross
+
+
+def dense_share(cfg: Config) -> float:
+    """The share of training samples whose t is at or above ``attention.dense_above_t`` (0: off),
+    under ``training.t_sampling`` and ``flow_shift``, within the expert's range when
+    ``training.expert`` is ``high`` or ``low``."""
+    a, t = cfg.attention, cfg.training
+    if a.dense_above_t <= 0:
+        return 0.0
+    lo, hi = 0.0, 1.0
+    if t.expert in ("high", "low") and t.boundary_ratio > 0:
+        lo, hi = (t.boundary_ratio, 1.0) if t.expert == "high" else (0.0, t.boundary_ratio)
+    above = lambda x: share_above(x, t.t_sampling, t.flow_shift)  # noqa: E731
+    inside = above(lo) - above(hi)
+    return (above(max(a.dense_above_t, lo)) - above(max(a.dense_above_t, hi))) / inside if inside > 0 else 0.0
 
 
 def text_tokens(cfg: Config) -> int:
