@@ -324,3 +324,15 @@ def test_the_planner_counts_dense_blocks_and_dense_samples():
     assert dense_share(low) == 0.0  # the low-noise expert never sees t >= 0.9
     notes = plan(_cfg("videodit", **{"attention.dense_blocks": "1", "attention.dense_warmup_steps": 5})).notes
     assert any("1 dense blocks" in n and "first 5 steps" in n for n in notes), notes
+
+
+def test_the_planner_counts_the_dense_blocks_parameters():
+    """Dense blocks have no offset heads: the planner's per-shard counts are the built shards'."""
+    from megaslide_ray.models.registry import build_shard
+    from megaslide_ray.planning.terms import _shard_counts
+
+    cfg = _cfg("videodit", **{"model.depth": 3, "attention.dense_blocks": "0,2"})
+    counts, *_, offsets = _shard_counts(cfg)
+    built = [sum(p.numel() for p in build_shard(cfg, i, "meta").parameters()) for i in range(5)]
+    assert counts == built and counts[1] < counts[2] and counts[1] == counts[3]
+    assert offsets == sum(p.numel() for n, p in build_shard(cfg, 2, "meta").named_parameters() if ".offsets." in n)

@@ -112,18 +112,24 @@ def _shard_counts(cfg: Config) -> tuple[list[int], int, int, int, int]:
     """Per-shard parameter counts, the totals of parameters applied per video token, per sample
     and per text token (wan; see ``PER_TEXT_TOKEN``), and the DSA offset heads' parameters.
 
-    Every block is the same module, so three meta builds (embed, one block, head) suffice; the
-    result depends only on the model and attention sections (cached for the searches)."""
+    Every block is the same module but for the dense ones of ``attention.dense_blocks`` (no offset
+    head), so four meta builds (embed, a block of each kind, head) suffice; the result depends only
+    on the model and attention sections (cached for the searches)."""
     key = repr((cfg.model, cfg.attention))
     if key in _COUNT_CACHE:
         return _COUNT_CACHE[key]
     L = cfg.model.depth
-    kinds = {0: build_shard(cfg, 0, "meta"), 1: build_shard(cfg, 1, "meta"), L + 1: build_shard(cfg, L + 1, "meta")}
+    dense = {i + 1 for i in cfg.attention.dense_blocks}
+    local = min(set(range(1, L + 1)) - dense, default=1)  # a block of attention.kind
+    block_of = {i: min(dense) if i in dense else local for i in range(1, L + 1)}
+    kinds = {i: build_shard(cfg, i, "meta") for i in {0, L + 1, local, *block_of.values()}}
     per_kind = {i: _roles(module) for i, module in kinds.items()}
-    _ROLE_CACHE[key] = per_kind
-    counts = [sum(per_kind[0]), *[sum(per_kind[1])] * L, sum(per_kind[L + 1])]
-    p_tok, p_sample, p_text = (per_kind[0][r] + L * per_kind[1][r] + per_kind[L + 1][r] for r in range(3))
-    offsets = L * sum(p.numel() for n, p in kinds[1].named_parameters() if ".offsets." in f".{n}")
+    _ROLE_CACHE[key] = {0: per_kind[0], 1: per_kind[local], L + 1: per_kind[L + 1]}
+    blocks = [per_kind[block_of[i]] for i in range(1, L + 1)]
+    counts = [sum(per_kind[0]), *[sum(b) for b in blocks], sum(per_kind[L + 1])]
+    p_tok, p_sample, p_text = (per_kind[0][r] + sum(b[r] for b in blocks) + per_kind[L + 1][r] for r in range(3))
+    offsets = sum(p.numel() for i in range(1, L + 1) for n, p in kinds[block_of[i]].named_parameters()
+                  if ".offsets." in f".{n}")
     assert len(counts) == expert_shards(cfg)  # one transformer (two experts: each has these)
     _COUNT_CACHE[key] = (counts, p_tok, p_sample, p_text, offsets)
     return _COUNT_CACHE[key]
@@ -149,8 +155,8 @@ def _roles(module) -> list[int]:
 
 
 def shard_roles(cfg: Config) -> dict[int, list[int]]:
-    """``_roles`` of the embedding (key 0), of one block (1: every block is the same module) and
-    of the head (depth + 1)."""
+    """``_roles`` of the embedding (key 0), of one block (1: every block is the same module, but
+    for the dense blocks' lack of an offset head) and of the head (depth + 1)."""
     _shard_counts(cfg)
     return _ROLE_CACHE[repr((cfg.model, cfg.attention))]
 
