@@ -27,8 +27,8 @@ import torch.nn.functional as F
 from kernels import deformable_slide_attention
 from kernels.swin import swin_attention_3d
 from megaslide_ray.config import Config
-from megaslide_ray.models.chunking import Chunked, bind, slabbed_attention, token_map
 from megaslide_ray.models.attention_levers import blend, rows_of
+from megaslide_ray.models.chunking import Chunked, bind, slabbed_attention, token_map
 
 KINDS = ("dense", "swin", "neighborhood", "dsa")
 

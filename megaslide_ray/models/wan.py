@@ -74,7 +74,6 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from megaslide_ray.config import Config
-from megaslide_ray.models.attention_levers import attach_mix, block_kind, mixes, split_mix
 from megaslide_ray.models.attention import (
     chunked_self_attention,
     init_streams,
@@ -82,6 +81,7 @@ from megaslide_ray.models.attention import (
     reads_queries,
     self_attention,
 )
+from megaslide_ray.models.attention_levers import attach_mix, block_kind, mixes, split_mix
 from megaslide_ray.models.chunking import Chunked, bind, token_map
 from megaslide_ray.models.layers import ffn_width, first_frame_timesteps, unpatchify
 
