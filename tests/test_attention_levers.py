@@ -277,6 +277,12 @@ def test_levers_that_make_no_sense_are_refused(over, needle):
     assert needle in str(e.value)
 
 
+def test_dense_samples_the_low_noise_expert_never_sees_are_refused():
+    with pytest.raises(ConfigError, match=r"attention.dense_above_t=0.9 with training.expert='low'"):
+        build_config("wan2.2-t2v-a14b", None, {"attention.dense_above_t": 0.9, "training.expert": "low"})
+    build_config("wan2.2-t2v-a14b", None, {"attention.dense_above_t": 0.5, "training.expert": "low"})
+
+
 def test_a_pretrained_dense_model_loads_into_dense_blocks(wan_dir, tmp_path):
     """``--init-from`` a diffusers Wan folder (dense, no offset heads) with block 0 dense: only
     block 1's offset head starts fresh, and the store's shards are filled."""
@@ -320,8 +326,9 @@ def test_the_planner_counts_dense_blocks_and_dense_samples():
     b = high.training.boundary_ratio
     want = (1 - base_cdf(0.9, "logit_normal", 5.0)) / (1 - base_cdf(b, "logit_normal", 5.0))
     assert math.isclose(dense_share(high), want)
-    low = build_config("wan2.2-t2v-a14b", None, {"attention.dense_above_t": 0.9, "training.expert": "low"})
-    assert dense_share(low) == 0.0  # the low-noise expert never sees t >= 0.9
+    low = build_config("wan2.2-t2v-a14b", None, {"attention.dense_above_t": 0.5, "training.expert": "low"})
+    want = (base_cdf(b, "logit_normal", 5.0) - base_cdf(0.5, "logit_normal", 5.0)) / base_cdf(b, "logit_normal", 5.0)
+    assert math.isclose(dense_share(low), want)
     notes = plan(_cfg("videodit", **{"attention.dense_blocks": "1", "attention.dense_warmup_steps": 5})).notes
     assert any("1 dense blocks" in n and "first 5 steps" in n for n in notes), notes
 

@@ -195,6 +195,11 @@ def _check_dense_levers(cfg: Config) -> None:
                           f"noise, which no sample reaches; 0 = off), e.g. 0.9 for the noisiest tenth of the path")
     if a.dense_warmup_steps < 0:
         raise ConfigError(f"attention.dense_warmup_steps={a.dense_warmup_steps} must be >= 0 (0 = no curriculum)")
+    t = cfg.training
+    if t.expert == "low" and t.boundary_ratio > 0 and a.dense_above_t >= t.boundary_ratio:
+        raise ConfigError(f"attention.dense_above_t={a.dense_above_t} with training.expert='low': the low-noise "
+                          f"expert only sees t < training.boundary_ratio={t.boundary_ratio}, so no sample is ever "
+                          f"dense; set it below the boundary or to 0")
     if a.kind == "dense":
         on = [f"{k}={v}" for k, v in (("dense_blocks", list(blocks)), ("dense_above_t", a.dense_above_t),
                                       ("dense_warmup_steps", a.dense_warmup_steps)) if v]
