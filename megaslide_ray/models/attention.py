@@ -13,7 +13,10 @@ with RoPE; videodit projects them from the modulated input) and hand them, chann
 all tokens; ``swin``: 3D shifted windows, ``shift`` on every other block; ``neighborhood``: DSA
 with offsets fixed at zero; ``dsa``: offsets from the module's ``offsets`` head, an
 ``OffsetPredictor``), ``window``, ``scale`` (None: ``head_dim ** -0.5``), ``num_heads``,
-``head_dim`` and ``backend`` (``attention.backend``: the DSA kernel, see ``kernels``).
+``head_dim`` and ``backend`` (``attention.backend``: the DSA kernel, see ``kernels``). A block of
+``attention.dense_blocks`` has kind ``dense``; both dispatches also take ``mix (B,)``, each
+sample's weight of dense attention (``attention.dense_above_t``, the curriculum:
+``attention_levers``), and blend the dense and the block's kind per sample.
 """
 
 from __future__ import annotations
