@@ -10,11 +10,11 @@ One training step, in the order ``train_step`` reads:
    each shard's gradient goes to the store as soon as it exists.
 
 Distillation (``training.distill_weight``): before step 1 the frozen dense teacher streams for a
-forward without gradients (``actors/teacher.py``); ``_loss`` adds its weighted term.
+forward without gradients (``actors/teacher.py``); ``_loss`` adds its term. The curriculum
+(``attention.dense_warmup_steps``) hands shard 0 the step's dense weights (``FlowInputs.dense_mix``).
 
-With ``runtime.recompute_blocks=false`` (CPU, weights read in place) step 1 runs every shard with
-gradients and keeps its graph, and step 3 walks the kept graphs instead of recomputing
-(``_forward_keeping_graphs``, ``_backward_graphs``).
+With ``runtime.recompute_blocks=false`` (CPU, weights read in place) step 1 keeps every shard's
+graph and step 3 walks them (``_forward_keeping_graphs``, ``_backward_graphs``).
 
 Layer-major micro-batches (``training.micro_batches`` k): the batch is cut into k micro-batches
 and every shard runs all k while its weights are on the device (k block inputs kept per block);
@@ -23,12 +23,9 @@ so the weights still cross the link twice per step whatever k. Each micro-batch'
 by 1/k, and by 1/N with N data-parallel compute actors (``runtime.compute_actors``; the store
 sums their gradients), so the step's gradient is that of the mean loss over the global batch.
 
-Between steps the actor holds no weights: only mappings of the store's segments (same node)
-or nothing (object refs). The model is built on the ``meta`` device and called with
-``torch.func.functional_call`` on views into the fetched flat buffer, so the model code does
-not know it is streamed. Moving the bytes (staging, pinning, streams, the simulated link,
-offloaded activations) is ``actors/transfer.py``'s job; the schedule is described in
-docs/architecture.md ("One training step").
+Between steps the actor holds no weights. The model is built on ``meta`` and called with
+``functional_call`` on views into the fetched flat buffer; moving the bytes is
+``actors/transfer.py``'s job (schedule: docs/architecture.md, "One training step").
 """
 
 from __future__ import annotations
@@ -50,6 +47,7 @@ from actors.param_store import ShardInfo
 from actors.teacher import DenseTeacher
 from actors.transfer import ShardFeed, StagingPool, Transfers
 from megaslide_ray.config import Config
+from megaslide_ray.models.attention_levers import step_mix
 from megaslide_ray.models.chunking import FP32_GRAD, fp32_grad_params
 from megaslide_ray.models.prediction import as_velocity
 from megaslide_ray.models.registry import build_shard, distills, expert_shards, num_experts, num_shards
@@ -128,6 +126,7 @@ class FlowInputs(NamedTuple):
     caption_len: torch.Tensor
     condition: torch.Tensor | None = None  # image-to-video: (B, F, H, W, mask + C) mask and image latents
     image: torch.Tensor | None = None      # image-to-video with CLIP: (B n, Li, image_dim) image states
+    dense_mix: torch.Tensor | None = None  # (B,) the curriculum's dense weights (attention_levers.step_mix)
 
     def split(self, k: int) -> list["FlowInputs"]:
         """The k micro-batches, consecutive clips of the batch (``training.micro_batches``)."""
@@ -143,6 +142,10 @@ class FlowInputs(NamedTuple):
         channels after them), t, the conditioning, and the image states when there are some."""
         x = self.x_t if self.condition is None else model_input(self.x_t, self.condition)
         return (x, self.t, self.caption, self.caption_len) + (() if self.image is None else (self.image,))
+
+    def embed_kwargs(self) -> dict:
+        """Shard 0's keyword arguments: the step's dense weights while the curriculum lasts."""
+        return {} if self.dense_mix is None else {"dense_mix": self.dense_mix}
 
 
 def select_device(cfg: Config) -> str:
@@ -219,15 +222,15 @@ class ComputeActor:
         # The last step's (start, ShardFeed.log, end) on the perf_counter clock (benchmarks).
         self.last_timeline: tuple[float, list[tuple[float, float]], float] = (0.0, [], 0.0)
 
-    def _run(self, shard: int, flat: torch.Tensor, *args):
+    def _run(self, shard: int, flat: torch.Tensor, *args, **kwargs):
         params = self.infos[shard].layout.views(flat)
-        return functional_call(self.modules[shard], params, args)
+        return functional_call(self.modules[shard], params, args, kwargs)
 
-    def _run_with_grad(self, shard: int, params: dict, *args):
+    def _run_with_grad(self, shard: int, params: dict, *args, **kwargs):
         """Run shard ``shard`` on ``params`` from ``grad_views`` (their backward adds the gradient
         into that flat buffer; the micro-batches of a step add into the same one, in fp32 whatever
         the weights' dtype: each call is one use, ``fp32_grad_params``)."""
-        return functional_call(self.modules[shard], fp32_grad_params(params), args)
+        return functional_call(self.modules[shard], fp32_grad_params(params), args, kwargs)
 
     def _push_grad(self, shard: int, step: int, grad: torch.Tensor, poison: torch.Tensor | None = None) -> None:
         """Hand shard ``shard``'s flat gradient to the store with its squared norm, computed on
@@ -354,15 +357,15 @@ class ComputeActor:
         noise_step = 0 if t.overfit_one_batch else step
         first = self.global_rank * len(batch["latents"] if "latents" in batch else batch["video"])  # every actor's batch is as large
         expert = step_expert(self.cfg, step)  # a two-expert model: t in the step's expert's range
-        t_range = None if expert is None else expert_t_range(t.boundary_ratio, expert)
-        fx = batch_flow_inputs(batch, t.seed, noise_step, t.t_sampling, t.flow_shift, first, t_range)
+        fx = batch_flow_inputs(batch, t.seed, noise_step, t.t_sampling, t.flow_shift, first,
+                               None if expert is None else expert_t_range(t.boundary_ratio, expert))
         if self.cfg.model.arch == "wan" and self.cfg.model.clean_first_frame:
             fx = keep_first_frame(fx)
         cond, cond_len = batch_conditioning(batch, t.seed, noise_step, self._caption_dropout, first)
-        dev = self.device
         condition, image = batch_condition(batch, self.cfg.model) if self.cfg.model.arch == "wan" else (None, None)
+        mix, dev = step_mix(self.cfg, fx.t, step).get("dense_mix"), self.device  # the curriculum's dense weights
         return FlowInputs(fx.x_t.to(dev), fx.t.to(dev), fx.target.to(dev), cond.to(dev), cond_len.to(dev),
-                          *(None if a is None else a.to(dev) for a in (condition, image)))
+                          *(None if a is None else a.to(dev) for a in (condition, image, mix)))
 
     @torch.no_grad()
     def _forward(self, feed: ShardFeed, micro: list[FlowInputs], step: int) -> tuple[list, list]:
@@ -372,7 +375,7 @@ class ComputeActor:
         L, k = self.cfg.model.depth, len(micro)
         w = feed.take(0)
         fault_point("compute.after_weights", step)
-        xs, cs = map(list, zip(*(self._run(0, w, *m.embed_args()) for m in micro)))
+        xs, cs = map(list, zip(*(self._run(0, w, *m.embed_args(), **m.embed_kwargs()) for m in micro)))
         feed.done(w)
         self.stash.begin(L * k, group=k)
         for shard in range(1, L + 1):
@@ -459,7 +462,7 @@ class ComputeActor:
         params, grad = grad_views(self.infos[0].layout, w_staged, self._grad_pool)
         for j in range(k - 1, -1, -1):
             m = micro[j]
-            x0, c0 = self._run_with_grad(0, params, *m.embed_args())
+            x0, c0 = self._run_with_grad(0, params, *m.embed_args(), **m.embed_kwargs())
             torch.autograd.backward([x0, c0], [dxs[j], dcs[j].to(c0.dtype)])
         self._push_grad(0, step, grad)
         feed.done(w_staged)
@@ -474,7 +477,7 @@ class ComputeActor:
         w = feed.take(0)
         fault_point("compute.after_weights", step)
         params, grad = grad_views(self.infos[0].layout, w, self._grad_pool)
-        outs = [self._run_with_grad(0, params, *m.embed_args()) for m in micro]
+        outs = [self._run_with_grad(0, params, *m.embed_args(), **m.embed_kwargs()) for m in micro]
         feed.done(w)
         graphs = [BlockGraph([None] * len(micro), [None] * len(micro), outs, grad)]
         for shard in range(1, L + 1):
@@ -584,8 +587,7 @@ class LocalStoreClient:
     actor it serves when the store has several."""
 
     def __init__(self, store, rank: int = 0):
-        self._store = store
-        self._rank = rank
+        self._store, self._rank = store, rank
 
     @property
     def generation(self) -> int:
@@ -602,10 +604,8 @@ class LocalStoreClient:
         return self._store.get_teacher_weights(shard)
 
     def report_grad(self, shard: int, step: int, sqnorm: float, grad, slot: int = -1, piece: int = 0) -> None:
-        if slot >= 0:
-            self._store.report_grad(shard, step, sqnorm, grad, actor=self._rank, slot=slot, piece=piece)
-        else:
-            self._store.report_grad(shard, step, sqnorm, grad)
+        slots = {"actor": self._rank, "slot": slot, "piece": piece} if slot >= 0 else {}  # several actors
+        self._store.report_grad(shard, step, sqnorm, grad, **slots)
 
     def wait_grad_slot(self, slot: int) -> None:
         self._store.wait_grad_slot(self._rank, slot)

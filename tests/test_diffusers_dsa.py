@@ -5,6 +5,7 @@ error), and loading the export without it warns that attention will be dense."""
 
 from __future__ import annotations
 
+import copy
 import json
 from types import SimpleNamespace
 
@@ -161,3 +162,36 @@ def test_enable_dsa_on_a_two_transformer_pipeline(tmp_path, caplog):
         for model in (both.transformer, both.transformer_2, one.transformer):
             assert _rel(model(x, ts, text, return_dict=False)[0], want) < 1e-5
     assert not isinstance(one.transformer_2.blocks[0].attn1.processor, DSAAttnProcessor)
+
+
+def test_enable_dsa_keeps_dense_blocks_and_dense_samples(tmp_path):
+    """An export of a model with ``attention.dense_blocks`` (block 0: no offset head) and
+    ``attention.dense_above_t``: diffusers runs block 0 dense and a sample at t = 0.7 dense in every
+    block, one at 0.3 with DSA in block 1, in one batch, as ours does; ``--init-from`` reads the
+    dense blocks back and ``from_diffusers`` both."""
+    from megaslide_ray.models.wan_diffusers import from_diffusers
+
+    ours, folder = _trained_export(tmp_path, "dsa", {"attention.dense_blocks": "0", "attention.dense_above_t": 0.5})
+    assert {n.split(".attn1")[0] for n, _ in ours.named_parameters() if ".offsets." in n} == {"blocks.1"}
+    settings = json.loads((folder / "config.json").read_text())["megaslide_dsa"]
+    assert settings["dense_blocks"] == [0] and settings["dense_above_t"] == 0.5
+    assert config_for_diffusers_dir(folder, None, None, {}).attention.dense_blocks == (0,)
+    x, _, text = _inputs()
+    x, text, ts = x.expand(2, -1, -1, -1, -1), text.expand(2, -1, -1), torch.tensor([700.0, 300.0])
+    model = enable_dsa(WanTransformer3DModel.from_pretrained(str(folder)))
+    assert isinstance(model.blocks[1].attn1.processor, DSAAttnProcessor)
+    assert not isinstance(model.blocks[0].attn1.processor, DSAAttnProcessor)
+    loaded = from_diffusers(folder)
+    assert loaded.cfg.attention.dense_blocks == (0,) and loaded.cfg.attention.dense_above_t == 0.5
+    cfg = copy.deepcopy(ours.cfg)
+    cfg.attention.dense_above_t = 0.0
+    never = WanTransformer(cfg)  # the same weights without dense samples
+    never.load_state_dict(ours.state_dict())
+    with torch.no_grad():
+        want = ours.forward_diffusers(x, ts, text)
+        got = model(x, ts, text, return_dict=False)[0]
+        again = loaded(x, ts, text)
+        sparse = never.forward_diffusers(x, ts, text)
+    assert _rel(got, want) < 1e-5 and _rel(again, want) < 1e-5
+    assert torch.equal(want[1], sparse[1])  # t = 0.3: DSA in block 1
+    assert _rel(want[0], sparse[0]) > 1e-3  # t = 0.7: dense there too

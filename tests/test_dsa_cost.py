@@ -130,3 +130,72 @@ def test_the_fused_forward_is_priced_from_its_compile():
     d = halo_dense_design(grid, window, 128, 1.5)
     assert d["passes"]["fwd"]["ms"] == pytest.approx(1e3 * cost.seconds(CHIPS[0])["seconds"])
     assert fused_fwd_cost(grid, (3, 5, 5), 128, 1.5) is None  # compiled at the Wan shape only
+
+
+# -- the dense-attention levers (kernels/dsa_lever_cost.py) ---------------------------------------
+
+
+@pytest.mark.parametrize("sampling", ["logit_normal", "uniform"])
+@pytest.mark.parametrize("shift", [1.0, 3.0, 5.0])
+def test_the_lever_cost_draws_t_as_the_trainer_does(sampling, shift):
+    """``share_above`` is ``1 - base_cdf`` of the trainer's t distribution, and the share of t the
+    trainer's own draws put at or above each time."""
+    from kernels.dsa_lever_cost import share_above
+    from megaslide_ray.training.flow import base_cdf, flow_inputs
+
+    for t in (0.1, 0.5, 0.75, 0.9, 0.99):
+        assert math.isclose(share_above(t, sampling, shift), 1.0 - base_cdf(t, sampling, shift), rel_tol=1e-9,
+                            abs_tol=1e-12)
+    import torch
+
+    ts = flow_inputs(torch.zeros(4000, 1), seed=0, step=0, t_sampling=sampling, flow_shift=shift).t
+    for t in (0.5, 0.9):
+        drawn = float((ts >= t).float().mean())
+        assert abs(drawn - share_above(t, sampling, shift)) < 0.03, (t, drawn)
+
+
+def test_each_lever_is_priced_block_by_block():
+    """``lever_ms`` against a sum over blocks and samples written out, and ``budget`` where the
+    setting meets a fifth of dense's time (none where its dense part alone is a fifth: 2 of 10
+    blocks, 20% of the samples, a curriculum step)."""
+    from kernels.dsa_lever_cost import budget, lever_ms
+
+    D, F, L = 3.0, 2.0, 10
+
+    def by_hand(dense_blocks, share, warmup):
+        sample_dense = L * F
+        sample_mixed = sum(F if b < dense_blocks else (D + F if warmup else D) for b in range(L))
+        return share * sample_dense + (1 - share) * sample_mixed
+
+    for args in [(0, 0.0, False), (3, 0.0, False), (0, 0.25, False), (2, 0.25, False), (0, 0.0, True),
+                 (2, 0.5, True), (L, 0.0, False)]:
+        assert math.isclose(lever_ms(D, F, L, *args), by_hand(*args))
+    assert lever_ms(D, F, L) == L * D and lever_ms(D, F, L, L) == L * F
+    for args in [(0, 0.0, False), (1, 0.0, False), (0, 0.1, False)]:
+        r = budget(F, L, *args)
+        assert math.isclose(lever_ms(r * F, F, L, *args), L * F / 5)
+    assert budget(F, L, 0, 0.2) is None and budget(F, L, 0, 0.0, True) is None and budget(F, L, 2) is None
+    with pytest.raises(ValueError):
+        lever_ms(D, F, L, L + 1)
+
+
+def test_lever_cli_prices_both_wan_grids_against_the_cost_model():
+    from kernels.dsa_cost import call_breakdown
+
+    proc = subprocess.run([sys.executable, "-m", "kernels.dsa_lever_cost", "--json", "--dense-blocks", "2",
+                           "--dense-above-t", "0.9"], capture_output=True, text=True, cwd=ROOT, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    tables = [json.loads(line) for line in proc.stdout.splitlines()]
+    assert [t["name"] for t in tables] == ["480p", "720p"]
+    for t in tables:
+        b = call_breakdown(t["grid"], (3, 7, 7), 128, 1.5)
+        assert math.isclose(t["block_dsa_ms"], b["dsa_ms"]["total"] + b["dsa_ms"]["fwd"])
+        assert math.isclose(t["block_fa3_ms"], b["fa3_ms"]["total"] + b["fa3_ms"]["fwd"])
+        rows = {json.dumps({k: v for k, v in r.items() if k in ("dense_blocks", "dense_above_t", "warmup")}): r
+                for r in t["rows"]}
+        assert set(rows) == {"{}", '{"dense_blocks": 2}', '{"dense_above_t": 0.9}', '{"warmup": true}'}
+        assert rows["{}"]["vs_dsa"] == 1.0 and math.isclose(rows["{}"]["dense_over"], t["dense_ms"] / t["dsa_ms"])
+        assert rows['{"warmup": true}']["ms"] > t["dsa_ms"] and rows['{"warmup": true}']["ms"] > t["dense_ms"]
+    bad = subprocess.run([sys.executable, "-m", "kernels.dsa_lever_cost", "--grid", "21by30"], capture_output=True,
+                         text=True, cwd=ROOT, timeout=300)
+    assert bad.returncode == 2 and "--grid '21by30'" in bad.stderr

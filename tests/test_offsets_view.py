@@ -60,3 +60,20 @@ def test_offset_field_of_a_checkpoint_with_a_planted_motion(tmp_path):
     assert out.is_file() and out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     with pytest.raises(ValueError, match="shape"):
         offset_field(ckpt, clip[:4], "x")
+
+
+def test_offset_field_with_dense_attention_levers(tmp_path):
+    """A run with a dense block and dense samples above t = 0.3: the dense block has no offsets to
+    draw (a clear error), a dsa block's are drawn at t = 0.5 all the same."""
+    cfg = build_config("tiny", None, {**OVR, "runtime.state_dir": str(tmp_path), "attention.dense_blocks": "0",
+                                      "attention.dense_above_t": 0.3})
+    store = ParameterStore(cfg, str(tmp_path / "run"))
+    try:
+        ckpt = store.save_checkpoint(str(tmp_path / "run"), 0, {})
+    finally:
+        store.close()
+    clip = np.random.default_rng(0).integers(0, 256, (5, 24, 32, 3), dtype=np.uint8)
+    with pytest.raises(ValueError, match="block=1 is dense"):
+        offset_field(ckpt, clip, "x", block=1)
+    offsets, _ = offset_field(ckpt, clip, "x", block=2, t=0.5)
+    assert offsets.shape == (5, 6, 8, 4, 27, 3) and offsets.abs().max() == 0  # a fresh head: zero offsets

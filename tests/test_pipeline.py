@@ -69,6 +69,26 @@ def test_resume_continues_bit_identical(ray_session, manifest, small_config, tmp
         assert torch.equal(x, y), f"shard {i} differs after resume"
 
 
+@pytest.mark.slow  # 30 s; tests/test_attention_levers.py holds each lever to the in-process trainer by default
+def test_dense_attention_levers_through_ray_and_a_resume(ray_session, manifest, small_config, tmp_path):
+    """A dense block, dense samples above t = 0.5 and a 4-step dense-to-sparse curriculum, run
+    through the Trainer, interrupted after step 2 and resumed: the curriculum continues from the
+    checkpoint's step, so the parameters are the in-process trainer's after 4 straight steps."""
+    cfg = small_config(**{"training.steps": 4, "training.checkpoint_every": 2, "attention.dense_blocks": "1",
+                          "attention.dense_above_t": 0.5, "attention.dense_warmup_steps": 4})
+    run(cfg, tmp_path / "a", steps=2)
+    resumed = run(cfg, tmp_path / "a", resume=True)
+    assert resumed.first_step == 2 and resumed.last_step == 4
+    baseline = InProcessTrainer(cfg)
+    decoder = VideoDecoder(cfg.data, cfg.training.seed, cfg.model.caption_max_bytes)
+    for _ in range(4):
+        baseline.train_step(decoder.next_batch())
+    decoder.close()
+    for i, (a, shard) in enumerate(zip(read_checkpoint_shards(Path(resumed.checkpoint)), baseline.model.shards())):
+        b = torch.cat([p.detach().reshape(-1) for p in shard.parameters()])
+        assert float((a - b).norm() / b.norm()) < 1e-5, f"shard {i}"
+
+
 def test_bad_files_are_skipped_and_counted(ray_session, manifest, small_config, tmp_path):
     rows = read_manifest(manifest)
     (tmp_path / "zero.mp4").write_bytes(b"")

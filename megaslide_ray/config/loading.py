@@ -71,6 +71,8 @@ def _coerce(section: str, name: str, tp: Any, value: Any) -> Any:
             parts = [p for p in value.replace("(", "").replace(")", "").replace("x", ",").split(",") if p.strip()]
         else:
             parts = list(value)
+        if len(args) == 2 and args[1] is Ellipsis:  # ``tuple[int, ...]``: any number, "" none
+            return tuple(_coerce(section, name, args[0], p) for p in parts)
         if len(parts) != len(args):
             raise ConfigError(f"{where}={value!r} needs {len(args)} values, e.g. "
                               f"--{where} {','.join('1' for _ in args)}")

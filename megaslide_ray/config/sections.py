@@ -178,6 +178,24 @@ class AttentionConfig:
     sparser or wider window may want a sharper or flatter softmax. ``tau`` starts at 0, so the
     model starts unchanged; a pretrained source without it loads (``tau`` starts fresh, at 0).
     The offset head (``dsa``) reads the unscaled queries."""
+    dense_blocks: tuple[int, ...] = ()
+    """Blocks (0-based, ``0 .. model.depth - 1``; ``"0,20,39"`` on the command line) whose
+    self-attention is dense (SDPA over every token) whatever ``kind``; they have no offset head, so
+    a converted or pretrained model loads into them as it is. The other blocks use ``kind``. A few
+    dense layers among local ones is what Radial Attention keeps; each costs a dense attention
+    (``python -m kernels.dsa_lever_cost``). Empty: none."""
+    dense_above_t: float = 0.0
+    """Samples whose flow time ``t >= dense_above_t`` (t = 1: pure noise, as the trainer draws it)
+    use dense self-attention in every block; the others ``kind``. Chosen per sample (a batch may
+    mix t), in training, validation and sampling alike; 0: off. On Wan2.2 A14B ``training.expert =
+    high`` trains only ``t >= training.boundary_ratio`` (0.875): ``dense_above_t <= boundary_ratio``
+    then makes the whole high-noise expert dense, a value above it only its noisiest part."""
+    dense_warmup_steps: int = 0
+    """A dense-to-sparse curriculum: at training step ``s < dense_warmup_steps`` self-attention is
+    ``(1 - a) dense + a kind`` with ``a = s / dense_warmup_steps`` (step 0 dense, linear to pure
+    ``kind``), then pure ``kind``. The step comes from the trainer (a resumed run continues the
+    schedule from its checkpoint's step); validation and sampling use the schedule's end (pure
+    ``kind``, except ``dense_above_t``). 0: off."""
 
 
 @dataclass

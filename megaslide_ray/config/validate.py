@@ -30,8 +30,8 @@ def validate(cfg: Config) -> Config:
     if cfg.model.arch == "wan":  # a wan model reads latents whatever an older config.toml said
         cfg.model.inputs = "latents"
     for check in (_check_sizes_and_model, _check_runtime_counts, _check_decoding, _check_shapes_and_attention,
-                  _check_buckets, _check_optimizer_and_runtime, _check_weight_average, _check_run,
-                  _check_distillation):
+                  _check_dense_levers, _check_buckets, _check_optimizer_and_runtime, _check_weight_average,
+                  _check_run, _check_distillation):
         check(cfg)
     return cfg
 
@@ -177,6 +177,36 @@ def _check_shapes_and_attention(cfg: Config) -> None:
         raise ConfigError(f"attention.max_offset={a.max_offset} must be >= 0 (0 = unbounded)")
     if a.scale < 0:
         raise ConfigError(f"attention.scale={a.scale} must be >= 0 (0 = head_dim ** -0.5)")
+
+
+def _check_dense_levers(cfg: Config) -> None:
+    """``attention.dense_blocks``, ``dense_above_t`` and ``dense_warmup_steps``: in range, and only
+    beside a kind that is not already dense."""
+    a, depth = cfg.attention, cfg.model.depth
+    blocks = tuple(a.dense_blocks)
+    bad = [i for i in blocks if not 0 <= i < depth]
+    if bad:
+        raise ConfigError(f"attention.dense_blocks={list(blocks)}: block {bad[0]} is not one of the model's blocks "
+                          f"0 .. {depth - 1} (model.depth={depth}); list indices from 0, e.g. "
+                          f"--attention.dense_blocks 0,{depth - 1}")
+    if len(set(blocks)) != len(blocks):
+        raise ConfigError(f"attention.dense_blocks={list(blocks)} names a block twice; list each once")
+    if not (math.isfinite(a.dense_above_t) and 0 <= a.dense_above_t < 1):
+        raise ConfigError(f"attention.dense_above_t={a.dense_above_t} must be a flow time in [0, 1) (t = 1 is pure "
+                          f"noise, which no sample reaches; 0 = off), e.g. 0.9 for the noisiest tenth of the path")
+    if a.dense_warmup_steps < 0:
+        raise ConfigError(f"attention.dense_warmup_steps={a.dense_warmup_steps} must be >= 0 (0 = no curriculum)")
+    t = cfg.training
+    if t.expert == "low" and t.boundary_ratio > 0 and a.dense_above_t >= t.boundary_ratio:
+        raise ConfigError(f"attention.dense_above_t={a.dense_above_t} with training.expert='low': the low-noise "
+                          f"expert only sees t < training.boundary_ratio={t.boundary_ratio}, so no sample is ever "
+                          f"dense; set it below the boundary or to 0")
+    if a.kind == "dense":
+        on = [f"{k}={v}" for k, v in (("dense_blocks", list(blocks)), ("dense_above_t", a.dense_above_t),
+                                      ("dense_warmup_steps", a.dense_warmup_steps)) if v]
+        if on:
+            raise ConfigError(f"attention.{on[0]} with attention.kind='dense': every block is already dense; "
+                              f"set attention.kind to dsa (or neighborhood, swin) or drop the lever")
 
 
 def _check_optimizer_and_runtime(cfg: Config) -> None:

@@ -70,12 +70,16 @@ def offset_field(checkpoint: str | Path, clip: np.ndarray, caption: str, block: 
     with CheckpointReader(path) as ckpt:
         cfg = config_from_dict(ckpt.state["config"])
         cfg.runtime.token_chunk = 0  # one call of the offset predictor per block
+        cfg.attention.dense_above_t = 0.0  # the head's offsets at any t, even where the run attends densely
         if cfg.model.arch != "videodit":
             raise ValueError(f"offset_field draws videodit runs; this checkpoint is model.arch={cfg.model.arch!r}")
         if cfg.attention.kind != "dsa":
             raise ValueError(f"the checkpoint's attention.kind is {cfg.attention.kind!r}: only dsa learns offsets")
         if not 1 <= block <= cfg.model.depth:
             raise ValueError(f"block={block}: the model has blocks 1..{cfg.model.depth}")
+        if block - 1 in tuple(cfg.attention.dense_blocks):
+            raise ValueError(f"block={block} is dense (attention.dense_blocks={list(cfg.attention.dense_blocks)}, "
+                             f"0-based): it has no offset head; pick another block")
         d = cfg.data
         want = (d.num_frames, d.height, d.width, cfg.model.in_channels)
         if tuple(clip.shape) != want:
@@ -188,6 +192,10 @@ def run_offsets_plot(run_dir: str | Path, out: str | Path, block: int = 1) -> tu
     cfg = config_from_dict(read_checkpoint_state(ckpt)["config"])
     if cfg.attention.kind != "dsa" or cfg.model.arch != "videodit" or cfg.latent_space:
         return None, f"attention.kind={cfg.attention.kind!r}, model.arch={cfg.model.arch!r}: no pixel-space dsa offsets"
+    local = [i for i in range(1, cfg.model.depth + 1) if i - 1 not in tuple(cfg.attention.dense_blocks)]
+    if not local:
+        return None, "every block is dense (attention.dense_blocks): no offsets"
+    block = block if block in local else local[0]  # a dense block has no offset head: the first dsa one
     manifest = cfg.data.val_manifest or cfg.data.manifest
     if not manifest or not Path(manifest).is_file():
         return None, f"its data manifest {manifest!r} is not here"

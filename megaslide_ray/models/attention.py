@@ -16,7 +16,10 @@ with offsets fixed at zero; ``dsa``: offsets from the module's ``offsets`` head,
 ``head_dim`` and ``backend`` (``attention.backend``: the DSA kernel, see ``kernels``), and ``tau``:
 the per-head log-temperature (``attention.learn_temperature``; None without it). With ``tau`` the
 dispatch multiplies each head's queries by ``exp(tau_h)`` before the operator, so head h's scores
-are ``scale * exp(tau_h) * <q, k>`` whatever the kind and the kernel (none of them changes).
+are ``scale * exp(tau_h) * <q, k>`` whatever the kind and the kernel (none of them changes). A
+block of ``attention.dense_blocks`` has kind ``dense``; both dispatches also take ``mix (B,)``,
+each sample's weight of dense attention (``attention.dense_above_t``, the curriculum:
+``attention_levers``), and blend the dense and the block's kind per sample.
 """
 
 from __future__ import annotations
@@ -30,6 +33,7 @@ import torch.nn.functional as F
 from kernels import deformable_slide_attention
 from kernels.swin import swin_attention_3d
 from megaslide_ray.config import Config
+from megaslide_ray.models.attention_levers import blend, rows_of
 from megaslide_ray.models.chunking import Chunked, bind, slabbed_attention, token_map
 
 KINDS = ("dense", "swin", "neighborhood", "dsa")
@@ -55,10 +59,12 @@ def temperature(cfg: Config, num_heads: int) -> nn.Parameter | None:
     return nn.Parameter(torch.zeros(num_heads)) if cfg.attention.learn_temperature else None
 
 
-def self_attention_parts(cfg: Config, num_heads: int) -> tuple["OffsetPredictor | None", nn.Parameter | None]:
-    """What a block's self-attention learns beside its projections: the offset head (``dsa``) and
-    the per-head log-temperature (``attention.learn_temperature``); None where there is none."""
-    return offset_head(cfg), temperature(cfg, num_heads)
+def self_attention_parts(cfg: Config, num_heads: int,
+                         kind: str | None = None) -> tuple["OffsetPredictor | None", nn.Parameter | None]:
+    """What a block's self-attention learns beside its projections: the offset head (``dsa``; the
+    block's ``kind``, see ``offset_head``) and the per-head log-temperature
+    (``attention.learn_temperature``); None where there is none."""
+    return offset_head(cfg, kind), temperature(cfg, num_heads)
 
 
 @torch.no_grad()
@@ -113,15 +119,28 @@ def window_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, h: torch
 
 
 def self_attention(attn: SelfAttention, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                   h: torch.Tensor, cond: torch.Tensor | None = None) -> torch.Tensor:
+                   h: torch.Tensor, cond: torch.Tensor | None = None,
+                   mix: torch.Tensor | None = None) -> torch.Tensor:
     """The block's self-attention over a whole clip: ``q, k, v (B, T, H, W, nh, d)`` ->
     ``(B, T, H, W, nh, d)``. ``h (B, T, H, W, D)``: what the offset head reads (``dsa``); ``cond
     (B, D)``: the block's condition vector, which it also reads with ``attention.offset_condition``.
-    A block with a temperature (``tau``) has its queries scaled per head here."""
+    A block with a temperature (``tau``) has its queries scaled per head here. ``mix (B,)``: each
+    sample's weight of dense attention (``attention_levers``; None: none)."""
     q = scale_queries(q, query_gain(attn))
-    if attn.kind == "dense":
+    if attn.kind == "dense" or mix is None:
+        return _self_attention(attn, attn.kind, q, k, v, h, cond)
+
+    def run(kind, rows):
+        sel = rows_of(rows)
+        return _self_attention(attn, kind or attn.kind, sel(q), sel(k), sel(v), sel(h), sel(cond))
+
+    return blend(mix, run)
+
+
+def _self_attention(attn: SelfAttention, kind: str, q, k, v, h, cond) -> torch.Tensor:
+    if kind == "dense":
         return dense_attention(q, k, v, attn.scale)
-    if attn.kind == "swin":
+    if kind == "swin":
         return swin_attention_3d(q, k, v, attn.window, attn.shift, scale=attn.scale)
     # dsa, or neighborhood (no offset head: offsets fixed at zero)
     return window_attention(q, k, v, h, attn.offsets, attn.window, attn.scale, attn.backend, cond)
@@ -130,7 +149,27 @@ def self_attention(attn: SelfAttention, q: torch.Tensor, k: torch.Tensor, v: tor
 def chunked_self_attention(attn: SelfAttention, x: torch.Tensor, qkv: torch.Tensor, chunk: int,
                            residual: Callable, offset_input: Callable | None,
                            modulation: Sequence[torch.Tensor], gates: Sequence[torch.Tensor],
-                           cond: torch.Tensor | None = None) -> torch.Tensor:
+                           cond: torch.Tensor | None = None, mix: torch.Tensor | None = None) -> torch.Tensor:
+    """``_chunked_self_attention`` of the block's kind, or with ``mix (B,)`` (each sample's weight
+    of dense attention, ``attention_levers``) the blend of the dense and the block's kind's
+    residual streams: ``x + g P(o)`` is affine in ``o``, so this is the stream after the blended
+    attention (exactly the one kind's for a sample of weight 0 or 1)."""
+    if attn.kind == "dense" or mix is None:
+        return _chunked_self_attention(attn, attn.kind, x, qkv, chunk, residual, offset_input, modulation, gates,
+                                       cond)
+
+    def run(kind, rows):
+        sel = rows_of(rows)
+        return _chunked_self_attention(attn, kind or attn.kind, sel(x), sel(qkv), chunk, residual, offset_input,
+                                       [sel(m) for m in modulation], [sel(g) for g in gates], sel(cond))
+
+    return blend(mix, run)
+
+
+def _chunked_self_attention(attn: SelfAttention, kind: str, x: torch.Tensor, qkv: torch.Tensor, chunk: int,
+                            residual: Callable, offset_input: Callable | None,
+                            modulation: Sequence[torch.Tensor], gates: Sequence[torch.Tensor],
+                            cond: torch.Tensor | None = None) -> torch.Tensor:
     """The block's self-attention and the residual stream after it, token-chunked: returns
     ``residual(x_chunk, o_chunk, *gates)`` over the whole grid ``(B, T, H, W, D)``.
 
@@ -145,12 +184,12 @@ def chunked_self_attention(attn: SelfAttention, x: torch.Tensor, qkv: torch.Tens
     B, T, H, W, D = x.shape
     nh, hd = attn.num_heads, attn.head_dim
     gain = query_gain(attn)  # a temperature's query scale, applied per chunk (dense) or slab (dsa)
-    if attn.kind == "swin":
+    if kind == "swin":
         q, k, v = qkv.view(B, T, H, W, 3, nh, hd).unbind(4)
         o = swin_attention_3d(scale_queries(q, gain), k, v, attn.window, attn.shift,
                               scale=attn.scale).reshape(B, T, H, W, D)
         return token_map(residual, x, chunk, Chunked(o), *gates)
-    if attn.kind == "dense":
+    if kind == "dense":
         kv = qkv.view(B, T * H * W, 3, nh, hd)[:, :, 1:].transpose(1, 3)  # (B, nh, 2, N, d)
 
         def dense_chunk(xc, qkvc, kvw, *g):
@@ -186,10 +225,11 @@ def reads_queries(attn: SelfAttention) -> bool:
     return attn.offsets is not None and attn.offsets.source == "query"
 
 
-def offset_head(cfg: Config) -> "OffsetPredictor | None":
-    """The offset head a ``dsa`` block's self-attention gets (None for the other kinds)."""
+def offset_head(cfg: Config, kind: str | None = None) -> "OffsetPredictor | None":
+    """The offset head a ``dsa`` block's self-attention gets (None for the other kinds; ``kind``:
+    the block's, default ``attention.kind``: a block of ``attention.dense_blocks`` has none)."""
     m, a = cfg.model, cfg.attention
-    if a.kind != "dsa":
+    if (kind or a.kind) != "dsa":
         return None
     return OffsetPredictor(m.hidden_size, m.num_heads, tuple(a.window), a.max_offset, a.offset_groups,
                            a.offset_kernel, a.offset_scale, a.offset_condition, a.offset_source, a.offset_bound)

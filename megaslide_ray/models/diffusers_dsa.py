@@ -23,7 +23,10 @@ transformer's ``rope`` module (which sees the latents) records it for the proces
 forward. Likewise an offset head trained with ``attention.offset_condition`` reads the timestep
 embedding ``temb``, which a forward hook on the transformer's ``condition_embedder`` records (its
 first output); one trained with ``attention.offset_source = query`` reads the normed queries
-before RoPE, which the processor has at hand. The ``megaslide_dsa`` key is also what a plain
+before RoPE, which the processor has at hand. Blocks of ``attention.dense_blocks`` keep diffusers'
+processor (dense, no offset head); with ``attention.dense_above_t`` a forward pre-hook on
+``condition_embedder`` records each sample's timestep, and a sample at or above it gets dense
+attention in every block, as in training. The ``megaslide_dsa`` key is also what a plain
 load shows: diffusers warns about config attributes it does not expect and prints them, and the
 key's ``note`` says that attention is dense without ``enable_dsa``."""
 
@@ -49,15 +52,17 @@ DENSE_NOTE = ("this transformer was trained with {kind} self-attention (megaslid
 
 def export_settings(kind: str, window, scale: float, max_offset: float, offset_groups: int, offset_kernel,
                     offset_scale: float, offsets: bool, offset_condition: str = "none",
-                    offset_source: str = "block", offset_bound: str = "tanh") -> dict:
+                    offset_source: str = "block", offset_bound: str = "tanh", dense_blocks=(),
+                    dense_above_t: float = 0.0) -> dict:
     """The ``config.json`` entry (``CONFIG_KEY``) an export of a model with ``attention.kind`` other
     than dense carries: everything ``enable_dsa`` needs, and the note a plain load prints. An
-    entry without ``offset_condition`` / ``offset_source`` / ``offset_bound`` (older exports) means
-    ``none`` / ``block`` / ``tanh``."""
+    entry without ``offset_condition`` / ``offset_source`` / ``offset_bound`` / ``dense_blocks`` /
+    ``dense_above_t`` (older exports) means ``none`` / ``block`` / ``tanh`` / none / 0."""
     return {"note": DENSE_NOTE.format(kind=kind), "kind": kind, "window": list(window), "scale": scale,
             "max_offset": max_offset, "offset_groups": offset_groups, "offset_kernel": list(offset_kernel),
             "offset_scale": offset_scale, "offsets": offsets, "offset_condition": offset_condition,
-            "offset_source": offset_source, "offset_bound": offset_bound}
+            "offset_source": offset_source, "offset_bound": offset_bound, "dense_blocks": list(dense_blocks),
+            "dense_above_t": dense_above_t}
 
 
 class TokenGrid:
@@ -77,10 +82,21 @@ class TokenGrid:
 class TimestepEmbedding:
     """The timestep embedding ``temb (B, D)`` of the forward in progress, recorded from the first
     output of the transformer's ``condition_embedder`` (what an offset head trained with
-    ``attention.offset_condition`` reads, as ``models.wan`` hands it)."""
+    ``attention.offset_condition`` reads, as ``models.wan`` hands it); with ``dense_above_t`` > 0
+    (``attention.dense_above_t``) also each sample's weight of dense attention, from the timestep
+    it was called with (``mix``: 1 where ``timestep / 1000 >= dense_above_t``)."""
 
-    def __init__(self):
+    def __init__(self, dense_above_t: float = 0.0):
         self.temb: torch.Tensor | None = None
+        self.dense_above_t = dense_above_t
+        self.mix: torch.Tensor | None = None
+
+    def record_time(self, module: nn.Module, args: tuple, kwargs: dict) -> None:  # a forward pre-hook
+        t = args[0].float() / 1000.0
+        tokens = kwargs.get("timestep_seq_len")
+        if tokens is not None:  # Wan2.2 TI2V's per-token timesteps, flattened: the sample's t is on its last token
+            t = t.view(-1, tokens)[:, -1]
+        self.mix = (t >= self.dense_above_t).float()
 
     def record(self, module: nn.Module, args: tuple, output) -> None:  # a forward hook
         temb = output[0]
@@ -151,7 +167,9 @@ class DSAAttnProcessor:
             if self.temb is None or self.temb.temb is None:
                 raise RuntimeError("the timestep embedding is unknown: call enable_dsa on the WanTransformer3DModel itself")
             cond = self.temb.temb
-        o = self_attention(spec, q.reshape(grid), k.reshape(grid), v.reshape(grid), off_in.view(B, T, H, W, D), cond)
+        mix = self.temb.mix if self.temb is not None else None  # attention.dense_above_t
+        o = self_attention(spec, q.reshape(grid), k.reshape(grid), v.reshape(grid), off_in.view(B, T, H, W, D), cond,
+                           mix)
         o = o.reshape(B, N, D).type_as(q)
         return attn.to_out[1](attn.to_out[0](o))
 
@@ -217,9 +235,12 @@ def _enable(transformer: nn.Module, path: str | Path | None, backend: str) -> No
                          f"as trained; export it again without that flag")
     param = transformer.blocks[0].attn1.to_q.weight  # the heads take the attention's device and dtype
     heads = {}
+    dense = set(settings.get("dense_blocks", ()))  # attention.dense_blocks: diffusers' own attention
     if kind == "dsa":
         weights = _offset_weights(folder)
         for i, block in enumerate(transformer.blocks):
+            if i in dense:
+                continue
             attn = block.attn1
             D = attn.to_q.out_features
             head = OffsetPredictor(D, attn.heads, tuple(settings["window"]), settings["max_offset"],
@@ -237,16 +258,33 @@ def _enable(transformer: nn.Module, path: str | Path | None, backend: str) -> No
     if getattr(transformer, "_megaslide_grid_hook", None) is not None:
         transformer._megaslide_grid_hook.remove()  # enabled twice: one hook
     transformer._megaslide_grid_hook = transformer.rope.register_forward_pre_hook(grid.record)
-    temb = None
-    if any(h.condition != "none" for h in heads.values()):
-        temb = TimestepEmbedding()
-        if getattr(transformer, "_megaslide_temb_hook", None) is not None:
-            transformer._megaslide_temb_hook.remove()
-        transformer._megaslide_temb_hook = transformer.condition_embedder.register_forward_hook(temb.record)
+    temb = _record_timestep(transformer, heads, settings.get("dense_above_t", 0.0))
     scale = settings["scale"] if settings["scale"] > 0 else None
     for i, block in enumerate(transformer.blocks):
+        if i in dense:
+            continue
         if i in heads:
             block.attn1.offsets = heads[i]  # a submodule: moved, saved and listed with the model
         # swin shifts its windows on every other block (models.wan: block index i + 1 even)
         block.attn1.set_processor(DSAAttnProcessor(grid, kind, settings["window"], scale, shift=(i + 1) % 2 == 0,
                                                    backend=backend, temb=temb))
+
+
+def _record_timestep(transformer: nn.Module, heads: dict, dense_above_t: float) -> TimestepEmbedding | None:
+    """The hooks on ``condition_embedder`` that record what the processors read of the timestep:
+    ``temb`` for offset heads with ``offset_condition``, each sample's dense weight for
+    ``dense_above_t`` (None: neither is needed). Enabled twice: one set of hooks."""
+    for name in ("_megaslide_temb_hook", "_megaslide_time_hook"):
+        if getattr(transformer, name, None) is not None:
+            getattr(transformer, name).remove()
+            setattr(transformer, name, None)
+    conditioned = any(h.condition != "none" for h in heads.values())
+    if not conditioned and not dense_above_t > 0:
+        return None
+    temb = TimestepEmbedding(dense_above_t)
+    embedder = transformer.condition_embedder
+    if conditioned:
+        transformer._megaslide_temb_hook = embedder.register_forward_hook(temb.record)
+    if dense_above_t > 0:
+        transformer._megaslide_time_hook = embedder.register_forward_pre_hook(temb.record_time, with_kwargs=True)
+    return temb

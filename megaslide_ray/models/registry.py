@@ -114,8 +114,10 @@ def distills(cfg: Config) -> bool:
 def teacher_config(cfg: Config) -> Config:
     """The config of the dense teacher ``training.distill_weight`` distils from: ``cfg`` with
     ``attention.kind = dense`` (its blocks have no offset heads; everything else, the token chunk
-    included, is the student's), distillation off."""
+    included, is the student's), distillation off, and none of the student's own levers (no dense
+    weights in its condition, no learned temperatures): the pretrained dense model as it is."""
     out = copy.deepcopy(cfg)
-    out.attention.kind = "dense"
+    a = out.attention
+    a.kind, a.dense_blocks, a.dense_above_t, a.dense_warmup_steps, a.learn_temperature = "dense", (), 0.0, 0, False
     out.training.distill_weight = 0.0
     return out

@@ -36,6 +36,7 @@ from megaslide_ray.models.attention import (
     self_attention,
     self_attention_parts,
 )
+from megaslide_ray.models.attention_levers import attach_mix, block_kind, mixes, split_mix
 from megaslide_ray.models.chunking import bind, token_map
 from megaslide_ray.models.layers import ffn_width, unpatchify
 from megaslide_ray.models.prediction import as_velocity
@@ -208,10 +209,12 @@ class InputEmbed(nn.Module):
                                    nn.Linear(m.hidden_size, m.hidden_size))
         self.caption = CaptionEncoder(m.caption_dim, m.hidden_size, m.caption_layers, m.caption_max_bytes,
                                       tokens=m.cross_attention)
+        self.cfg = cfg  # for the dense weight column of c (attention_levers.attach_mix)
 
     def forward(self, x_t: torch.Tensor, t: torch.Tensor, caption: torch.Tensor,
-                caption_len: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        # x_t: (B, F, Hp, Wp, C) pixels in [-1, 1] (noised); t: (B,)
+                caption_len: torch.Tensor, dense_mix: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        # x_t: (B, F, Hp, Wp, C) pixels in [-1, 1] (noised); t: (B,); dense_mix (B,): the trainer's
+        # dense weights (attention.dense_warmup_steps), None: from t (attention_levers)
         dtype = self.patch.weight.dtype
         x = self.patch(x_t.to(dtype).permute(0, 4, 1, 2, 3))  # (B, D, T, H, W)
         x = x.permute(0, 2, 3, 4, 1)  # (B, T, H, W, D)
@@ -219,7 +222,7 @@ class InputEmbed(nn.Module):
         cap = self.caption(caption, caption_len)
         pooled, tokens, keys = cap if isinstance(cap, tuple) else (cap, None, None)
         c = self.t_mlp(timestep_features(t, self.freq_dim).to(dtype)) + pooled
-        return x, pack_condition(c, tokens, keys)
+        return x, attach_mix(self.cfg, pack_condition(c, tokens, keys), t, dense_mix)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -230,11 +233,11 @@ class InputEmbed(nn.Module):
 class Attention(nn.Module):
     """Self-attention over the token grid by ``attention.kind`` (``attention.self_attention``)."""
 
-    def __init__(self, cfg: Config, shift: bool = False):
+    def __init__(self, cfg: Config, shift: bool = False, kind: str | None = None):
         super().__init__()
         self.shift = shift  # swin only: odd-numbered blocks use shifted windows
         m, a = cfg.model, cfg.attention
-        self.kind = a.kind
+        self.kind = kind or a.kind  # a block of attention.dense_blocks: dense
         self.backend = a.backend
         self.num_heads = m.num_heads
         self.head_dim = m.hidden_size // m.num_heads
@@ -242,14 +245,16 @@ class Attention(nn.Module):
         self.scale = a.scale if a.scale > 0 else self.head_dim ** -0.5
         self.qkv = nn.Linear(m.hidden_size, 3 * m.hidden_size)
         self.proj = nn.Linear(m.hidden_size, m.hidden_size)
-        self.offsets, self.tau = self_attention_parts(cfg, m.num_heads)  # dsa offset head, temperature
+        self.offsets, self.tau = self_attention_parts(cfg, m.num_heads, self.kind)  # dsa offset head, temperature
 
-    def forward(self, h: torch.Tensor, cond: torch.Tensor | None = None) -> torch.Tensor:
-        # cond (B, D): the block's adaLN condition, read by an offset head with attention.offset_condition
+    def forward(self, h: torch.Tensor, cond: torch.Tensor | None = None, mix: torch.Tensor | None = None
+                ) -> torch.Tensor:
+        # cond (B, D): the block's adaLN condition, read by an offset head with attention.offset_condition;
+        # mix (B,): each sample's weight of dense attention (attention_levers), None: none
         B, T, H, W, D = h.shape
         q, k, v = self.qkv(h).view(B, T, H, W, 3, self.num_heads, self.head_dim).unbind(4)  # (B,T,H,W,nh,d)
         off_in = q.reshape(B, T, H, W, D) if reads_queries(self) else h  # what the offset head reads
-        return self.proj(self_attention(self, q, k, v, off_in, cond).reshape(B, T, H, W, D))
+        return self.proj(self_attention(self, q, k, v, off_in, cond, mix).reshape(B, T, H, W, D))
 
 
 class CrossAttention(nn.Module):
@@ -294,25 +299,27 @@ class DiTBlock(nn.Module):
         D = cfg.model.hidden_size
         hidden = ffn_width(cfg)
         self.norm1 = nn.LayerNorm(D, elementwise_affine=False, eps=1e-6)
-        self.attn = Attention(cfg, shift=index % 2 == 0)
+        self.attn = Attention(cfg, shift=index % 2 == 0, kind=block_kind(cfg, index))
         self.cross = CrossAttention(D, cfg.model.num_heads) if cfg.model.cross_attention else None
         self.norm2 = nn.LayerNorm(D, elementwise_affine=False, eps=1e-6)
         self.mlp = nn.Sequential(nn.Linear(D, hidden), nn.GELU(approximate="tanh"), nn.Linear(hidden, D))
         self.ada = nn.Sequential(nn.SiLU(), nn.Linear(D, 6 * D))
         self.token_chunk = cfg.runtime.token_chunk  # 0: whole clip; else chunked (see chunking.py)
+        self.mixes = mixes(cfg)  # c's last column: each sample's weight of dense attention
 
     def forward(self, x: torch.Tensor, c: torch.Tensor) -> torch.Tensor:
+        c, mix = split_mix(c, self.mixes)
         if self.token_chunk:
-            return self._forward_chunked(x, c)
+            return self._forward_chunked(x, c, mix)
         c, tokens, keys = split_condition(c, x.shape[-1], self.cross is not None)
         shift_a, scale_a, gate_a, shift_m, scale_m, gate_m = self.ada(c).chunk(6, dim=-1)
-        x = x + gate(self.attn(modulate(self.norm1(x), shift_a, scale_a), c), gate_a)
+        x = x + gate(self.attn(modulate(self.norm1(x), shift_a, scale_a), c, mix), gate_a)
         if self.cross is not None:
             x = x + self.cross(x, tokens, keys)
         x = x + gate(self.mlp(modulate(self.norm2(x), shift_m, scale_m)), gate_m)
         return x
 
-    def _forward_chunked(self, x: torch.Tensor, c: torch.Tensor) -> torch.Tensor:
+    def _forward_chunked(self, x: torch.Tensor, c: torch.Tensor, mix: torch.Tensor | None) -> torch.Tensor:
         """``forward`` with ``runtime.token_chunk``: the same function, computed a chunk of
         tokens (per-token parts) or a slab of frames (attention) at a time, each chunk
         checkpointed (``megaslide_ray/models/chunking.py``). q, k, v stay whole."""
@@ -334,7 +341,7 @@ class DiTBlock(nn.Module):
             def offset_input(xe, sh, sc):
                 return modulate(norm1(xe), sh, sc)
         x = chunked_self_attention(attn, x, qkv, N, lambda xc, oc, g: xc + gate(proj_f(oc), g),
-                                   offset_input, (shift_a, scale_a), (gate_a,), c)
+                                   offset_input, (shift_a, scale_a), (gate_a,), c, mix)
         del qkv
 
         if self.cross is None:
@@ -367,8 +374,10 @@ class FinalLayer(nn.Module):
         self.norm = nn.LayerNorm(m.hidden_size, elementwise_affine=False, eps=1e-6)
         self.ada = nn.Sequential(nn.SiLU(), nn.Linear(m.hidden_size, 2 * m.hidden_size))
         self.linear = nn.Linear(m.hidden_size, math.prod(m.patch_size) * m.in_channels)
+        self.mixes = mixes(cfg)
 
     def forward(self, x: torch.Tensor, c: torch.Tensor) -> torch.Tensor:
+        c, _ = split_mix(c, self.mixes)
         shift, scale = self.ada(split_condition(c, x.shape[-1])[0]).chunk(2, dim=-1)
         y = self.linear(modulate(self.norm(x), shift, scale))  # (B, T, H, W, pt*ph*pw*C)
         return unpatchify(y, self.patch_size, self.channels)
@@ -391,8 +400,8 @@ class VideoDiT(nn.Module):
         """Modules in streaming order: input side, each block, head."""
         return [self.embed, *self.blocks, self.head]
 
-    def forward(self, x_t, t, caption, caption_len):
-        x, c = self.embed(x_t, t, caption, caption_len)
+    def forward(self, x_t, t, caption, caption_len, dense_mix=None):
+        x, c = self.embed(x_t, t, caption, caption_len, dense_mix)
         for block in self.blocks:
             x = block(x, c)
         return as_velocity(self.head(x, c), x_t, t, self.prediction)  # always a velocity

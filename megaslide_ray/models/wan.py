@@ -81,8 +81,9 @@ from megaslide_ray.models.attention import (
     self_attention,
     self_attention_parts,
 )
+from megaslide_ray.models.attention_levers import attach_mix, block_kind, mixes, split_mix
 from megaslide_ray.models.chunking import Chunked, bind, token_map
-from megaslide_ray.models.layers import ffn_width, unpatchify
+from megaslide_ray.models.layers import ffn_width, first_frame_timesteps, unpatchify
 
 KEEP_FP32 = ("time_embedder", "scale_shift_table", "norm1", "norm2", "norm3")
 """diffusers' ``WanTransformer3DModel._keep_in_fp32_modules`` that hold parameters (``rope`` holds
@@ -296,12 +297,12 @@ class WanAttention(nn.Module):
     through keys and values of their own, ``add_k_proj``/``norm_added_k``/``add_v_proj``, the
     two attentions' outputs summed before ``to_out``)."""
 
-    def __init__(self, cfg: Config, cross: bool, shift: bool = False):
+    def __init__(self, cfg: Config, cross: bool, shift: bool = False, kind: str | None = None):
         super().__init__()
         m, a = cfg.model, cfg.attention
         D = m.hidden_size
         self.cross = cross
-        self.kind = "dense" if cross else a.kind
+        self.kind = "dense" if cross else kind or a.kind  # kind: the block's (attention.dense_blocks)
         self.backend = a.backend
         self.shift = shift  # swin only: even-numbered blocks use shifted windows
         self.num_heads = m.num_heads
@@ -315,7 +316,7 @@ class WanAttention(nn.Module):
         self.to_out = nn.ModuleList([nn.Linear(D, D), nn.Identity()])  # [1]: diffusers' dropout
         self.norm_q = nn.RMSNorm(D, eps=m.eps)
         self.norm_k = nn.RMSNorm(D, eps=m.eps)
-        self.offsets, self.tau = (None, None) if cross else self_attention_parts(cfg, m.num_heads)  # dsa, temperature
+        self.offsets, self.tau = (None, None) if cross else self_attention_parts(cfg, m.num_heads, self.kind)
         if cross and m.added_kv_proj_dim:
             self.add_k_proj = nn.Linear(m.added_kv_proj_dim, D)
             self.add_v_proj = nn.Linear(m.added_kv_proj_dim, D)
@@ -331,8 +332,10 @@ class WanAttention(nn.Module):
         return z.unflatten(-1, (self.num_heads, self.head_dim))
 
     def forward(self, h: torch.Tensor, text: torch.Tensor | None = None,
-                temb: torch.Tensor | None = None, image: torch.Tensor | None = None) -> torch.Tensor:
+                temb: torch.Tensor | None = None, image: torch.Tensor | None = None,
+                mix: torch.Tensor | None = None) -> torch.Tensor:
         # temb (B, D): the timestep embedding, read by an offset head with attention.offset_condition
+        # mix (B,): each sample's weight of dense self-attention (attention_levers), None: none
         # image (B, Li, D): the embedded image tokens (cross-attention of an image-to-video model)
         B, T, H, W, D = h.shape
         src = text if self.cross else h
@@ -347,7 +350,7 @@ class WanAttention(nn.Module):
         else:
             cos, sin = rope_tables((T, H, W), self.head_dim, self.rope_max_seq_len, h.device)
             off_in = q.flatten(-2) if reads_queries(self) else h  # what the offset head reads (queries before RoPE)
-            o = self_attention(self, apply_rope(q, cos, sin), apply_rope(k, cos, sin), v, off_in, temb)
+            o = self_attention(self, apply_rope(q, cos, sin), apply_rope(k, cos, sin), v, off_in, temb, mix)
         return self.to_out[0](o.reshape(B, T, H, W, D))
 
     def _sdpa(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
@@ -421,11 +424,14 @@ class WanEmbed(nn.Module):
         self.patch_embedding = (patch_embedding if patch_embedding is not None else
                                 nn.Conv3d(m.in_channels, m.hidden_size, kernel_size=m.patch_size, stride=m.patch_size))
         self.condition_embedder = condition_embedder if condition_embedder is not None else ConditionEmbedder(cfg)
+        self.cfg = cfg  # for the dense weight column of c (attention_levers.attach_mix)
 
-    def forward(self, x_t: torch.Tensor, t: torch.Tensor, text: torch.Tensor,
-                text_len: torch.Tensor, image: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-        return embed_inputs(self.patch_embedding, self.condition_embedder, self.freq_dim, x_t, t * 1000.0,
+    def forward(self, x_t: torch.Tensor, t: torch.Tensor, text: torch.Tensor, text_len: torch.Tensor,
+                image: torch.Tensor | None = None, dense_mix: torch.Tensor | None = None
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+        x, c = embed_inputs(self.patch_embedding, self.condition_embedder, self.freq_dim, x_t, t * 1000.0,
                             pad_text(text, text_len, self.text_len), image, self.clean_first_frame)
+        return x, attach_mix(self.cfg, c, t, dense_mix)  # dense_mix: the trainer's (attention_levers)
 
 
 class WanBlock(nn.Module):
@@ -439,13 +445,14 @@ class WanBlock(nn.Module):
         D = m.hidden_size
         self.eps = m.eps
         self.scale_shift_table = nn.Parameter(torch.randn(1, 6, D) / D ** 0.5)
-        self.attn1 = WanAttention(cfg, cross=False, shift=index % 2 == 0)
+        self.attn1 = WanAttention(cfg, cross=False, shift=index % 2 == 0, kind=block_kind(cfg, index))
         self.attn2 = WanAttention(cfg, cross=True)
         self.norm2 = FP32LayerNorm(D, eps=m.eps) if m.cross_attn_norm else None
         self.ffn = FeedForward(D, ffn_width(cfg))
         self.token_chunk = cfg.runtime.token_chunk  # 0: whole clip; else chunked (see chunking.py)
         self.text_len = m.text_len
         self.parts = CLEAN_PARTS if m.clean_first_frame else CONDITION_PARTS
+        self.mixes = mixes(cfg)  # c's last column: each sample's weight of dense attention
 
     def context(self, ctx: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor]:
         """The cross-attention's ``(image, text)`` tokens: with image keys/values, ``ctx``'s last
@@ -459,8 +466,9 @@ class WanBlock(nn.Module):
         return ctx[:, :-self.text_len], ctx[:, -self.text_len:]
 
     def forward(self, x: torch.Tensor, c: torch.Tensor) -> torch.Tensor:
+        c, mix = split_mix(c, self.mixes)
         if self.token_chunk:
-            return self._forward_chunked(x, c)
+            return self._forward_chunked(x, c, mix)
         B, D = x.shape[0], x.shape[-1]
         temb, proj, ctx = split_condition(c, D, self.parts)
         image, text = self.context(ctx)
@@ -470,13 +478,13 @@ class WanBlock(nn.Module):
             mods = (_broadcast(z, x) for z in (self.scale_shift_table.float() + proj.float().view(B, 6, D)).unbind(1))
         shift_a, scale_a, gate_a, shift_f, scale_f, gate_f = mods
         h = (layer_norm32(x, self.eps) * (1 + scale_a) + shift_a).to(x.dtype)
-        x = (x.float() + self.attn1(h, temb=temb) * gate_a).to(x.dtype)
+        x = (x.float() + self.attn1(h, temb=temb, mix=mix) * gate_a).to(x.dtype)
         h = self.norm2(x).to(x.dtype) if self.norm2 is not None else x
         x = x + self.attn2(h, text, image=image)
         h = (layer_norm32(x, self.eps) * (1 + scale_f) + shift_f).to(x.dtype)
         return (x.float() + self.ffn(h).float() * gate_f).to(x.dtype)
 
-    def _forward_chunked(self, x: torch.Tensor, c: torch.Tensor) -> torch.Tensor:
+    def _forward_chunked(self, x: torch.Tensor, c: torch.Tensor, mix: torch.Tensor | None) -> torch.Tensor:
         """``forward`` with ``runtime.token_chunk``: self-attention's projections, norms and RoPE
         over chunks of tokens, its attention over query chunks (dense) or slabs of frames (dsa,
         neighborhood; swin stays whole), cross-attention and feed-forward together over chunks
@@ -515,7 +523,7 @@ class WanBlock(nn.Module):
                 return qn1(q1(modulated(xe, sh, sc)))
         else:
             offset_input = modulated
-        x = chunked_self_attention(a1, x, qkv, N, residual, offset_input, (shift_a, scale_a), (gate_a,), temb)
+        x = chunked_self_attention(a1, x, qkv, N, residual, offset_input, (shift_a, scale_a), (gate_a,), temb, mix)
         del qkv
         k_text = a2.norm_k(a2.to_k(text)).unflatten(-1, (nh, hd))  # (B, Lt, nh, d): once per block
         v_text = a2.to_v(text).unflatten(-1, (nh, hd))
@@ -550,21 +558,11 @@ class WanHead(nn.Module):
                                   else nn.Parameter(torch.randn(1, 2, D) / D ** 0.5))
         out = (m.out_channels or m.in_channels) * math.prod(m.patch_size)
         self.proj_out = proj_out if proj_out is not None else nn.Linear(D, out)
+        self.mixes = mixes(cfg)
 
     def forward(self, x: torch.Tensor, c: torch.Tensor) -> torch.Tensor:
+        c = split_mix(c, self.mixes)[0]
         return head_output(self.scale_shift_table, self.proj_out, self.patch_size, self.eps, x, c, self.parts)
-
-
-def first_frame_timesteps(timestep: torch.Tensor, frames: int) -> torch.Tensor:
-    """diffusers' per-token timesteps of Wan2.2 TI2V from an image ``(B, N)`` (0 on the first token
-    frame, the sample's ``t`` elsewhere) -> ``(B,)`` ``t``; a ``ValueError`` for any other layout."""
-    B, N = timestep.shape
-    per_frame = timestep.view(B, frames, N // frames)
-    t = per_frame[:, -1, 0]
-    if per_frame[:, 0].any() or not torch.equal(per_frame[:, 1:], t.view(B, 1, 1).expand_as(per_frame[:, 1:])):
-        raise ValueError("per-token timesteps other than 0 on the first frame and one t elsewhere (Wan2.2 TI2V "
-                         "from an image) are not supported")
-    return t
 
 
 class WanTransformer(nn.Module):
@@ -597,15 +595,15 @@ class WanTransformer(nn.Module):
         for block in self.blocks:
             x = block(x, c)
         m = self.cfg.model
-        return head_output(self.scale_shift_table, self.proj_out, tuple(m.patch_size), m.eps, x, c,
-                           CLEAN_PARTS if m.clean_first_frame else CONDITION_PARTS)
+        return head_output(self.scale_shift_table, self.proj_out, tuple(m.patch_size), m.eps, x,
+                           split_mix(c, mixes(self.cfg))[0], CLEAN_PARTS if m.clean_first_frame else CONDITION_PARTS)
 
     def forward(self, x_t: torch.Tensor, t: torch.Tensor, text: torch.Tensor, text_len: torch.Tensor,
-                image: torch.Tensor | None = None) -> torch.Tensor:
+                image: torch.Tensor | None = None, dense_mix: torch.Tensor | None = None) -> torch.Tensor:
         m = self.cfg.model
         x, c = embed_inputs(self.patch_embedding, self.condition_embedder, m.timestep_freq_dim, x_t, t * 1000.0,
                             pad_text(text, text_len, m.text_len), image, m.clean_first_frame)
-        return self._run(x, c)
+        return self._run(x, attach_mix(self.cfg, c, t, dense_mix))
 
     def forward_diffusers(self, hidden_states: torch.Tensor, timestep: torch.Tensor,
                           encoder_hidden_states: torch.Tensor,
@@ -628,7 +626,7 @@ class WanTransformer(nn.Module):
         x, c = embed_inputs(self.patch_embedding, self.condition_embedder, m.timestep_freq_dim,
                             hidden_states.permute(0, 2, 3, 4, 1), timestep, encoder_hidden_states,
                             encoder_hidden_states_image, m.clean_first_frame)
-        return self._run(x, c).permute(0, 4, 1, 2, 3).contiguous()
+        return self._run(x, attach_mix(self.cfg, c, timestep / 1000.0)).permute(0, 4, 1, 2, 3).contiguous()
 
     def initialize_weights(self, seed: int) -> None:
         for index, shard in enumerate(self.shards()):

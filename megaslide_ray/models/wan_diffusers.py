@@ -92,7 +92,8 @@ def wan_config_from_diffusers(config_json: dict, vae_config: dict | None = None)
                     "attention.offset_scale": float(dsa["offset_scale"]),
                     "attention.offset_condition": dsa.get("offset_condition", "none"),
                     "attention.offset_source": dsa.get("offset_source", "block"),
-                    "attention.offset_bound": dsa.get("offset_bound", "tanh")})
+                    "attention.offset_bound": dsa.get("offset_bound", "tanh"),
+                    "attention.dense_blocks": tuple(dsa.get("dense_blocks", ()))})  # the blocks without heads
     if vae_config is not None:
         z = vae_config.get("z_dim")
         if z is not None and out["model.in_channels"] not in (int(z), 2 * int(z) + 4):
@@ -214,6 +215,11 @@ def _attention_config(tdir: Path, attention_kind: str | None, window, offset_gro
         chosen["attention.offset_groups"] = offset_groups or 0
     if attention_kind == "dsa" and "attention.max_offset" not in found:  # the Wan presets' bound
         chosen.update({f"attention.{k}": v for k, v in GPU_OFFSET_FIELDS.items()})
+    if recorded and attention_kind == found["attention.kind"]:  # the export's dense samples, as it ran them (a
+        dsa = json.loads((tdir / "config.json").read_text()).get(DSA_CONFIG_KEY, {})  # run's --init-from picks its own)
+        chosen["attention.dense_above_t"] = float(dsa.get("dense_above_t", 0.0))
+    else:
+        chosen["attention.dense_blocks"] = ()  # another kind than the export's: every block of it
     apply_overrides(cfg, chosen)
     return cfg, attention_kind
 

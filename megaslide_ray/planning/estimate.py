@@ -30,6 +30,7 @@ from megaslide_ray.planning.terms import (
     _attention_flops_fwd,
     _shard_counts,
     check_shape,
+    dense_share,
     fmt_bytes,
     offload_keep,
     staged_shards,
@@ -585,6 +586,12 @@ def _notes(cfg: Config, generate: bool, wb: int, P: int, parts: dict[str, int], 
     if a.kind == "dense":
         notes.append("dense assumes flash/SDPA on the device; a materialised N^2 score matrix would need "
                      f"{fmt_bytes(act_totals['dense_materialised'])} of activations")
+    if a.kind != "dense" and (a.dense_blocks or a.dense_above_t > 0 or a.dense_warmup_steps > 0):
+        notes.append(f"dense attention beside {a.kind}: {len(tuple(a.dense_blocks))} dense blocks and "
+                     f"{dense_share(cfg):.1%} of the samples dense in every block (t >= attention.dense_above_t) "
+                     f"are in the attention FLOPs; the curriculum's first {a.dense_warmup_steps} steps, which run both "
+                     f"kinds, are not; the activations are counted as {a.kind}'s (python -m kernels.dsa_lever_cost "
+                     f"prices the levers)")
     if not generate and not cfg.runtime.recompute_blocks:
         kept = cfg.model.depth * (parts["block_linear"] + parts[variant])
         notes.append(f"runtime.recompute_blocks = false (a CPU compute only) keeps every block's autograd graph: "

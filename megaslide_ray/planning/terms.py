@@ -7,6 +7,7 @@ import copy
 import math
 
 from kernels import slab_kv_frames
+from kernels.dsa_lever_cost import share_above
 from megaslide_ray.config import Config, ConfigError, validate
 from megaslide_ray.models.layers import ffn_width
 from megaslide_ray.models.registry import build_shard, expert_shards
@@ -116,18 +117,24 @@ def _shard_counts(cfg: Config) -> tuple[list[int], int, int, int, int]:
     """Per-shard parameter counts, the totals of parameters applied per video token, per sample
     and per text token (wan; see ``PER_TEXT_TOKEN``), and the DSA offset heads' parameters.
 
-    Every block is the same module, so three meta builds (embed, one block, head) suffice; the
-    result depends only on the model and attention sections (cached for the searches)."""
+    Every block is the same module but for the dense ones of ``attention.dense_blocks`` (no offset
+    head), so four meta builds (embed, a block of each kind, head) suffice; the result depends only
+    on the model and attention sections (cached for the searches)."""
     key = repr((cfg.model, cfg.attention))
     if key in _COUNT_CACHE:
         return _COUNT_CACHE[key]
     L = cfg.model.depth
-    kinds = {0: build_shard(cfg, 0, "meta"), 1: build_shard(cfg, 1, "meta"), L + 1: build_shard(cfg, L + 1, "meta")}
+    dense = {i + 1 for i in cfg.attention.dense_blocks}
+    local = min(set(range(1, L + 1)) - dense, default=1)  # a block of attention.kind
+    block_of = {i: min(dense) if i in dense else local for i in range(1, L + 1)}
+    kinds = {i: build_shard(cfg, i, "meta") for i in {0, L + 1, local, *block_of.values()}}
     per_kind = {i: _roles(module) for i, module in kinds.items()}
-    _ROLE_CACHE[key] = per_kind
-    counts = [sum(per_kind[0]), *[sum(per_kind[1])] * L, sum(per_kind[L + 1])]
-    p_tok, p_sample, p_text = (per_kind[0][r] + L * per_kind[1][r] + per_kind[L + 1][r] for r in range(3))
-    offsets = L * sum(p.numel() for n, p in kinds[1].named_parameters() if ".offsets." in f".{n}")
+    _ROLE_CACHE[key] = {0: per_kind[0], 1: per_kind[local], L + 1: per_kind[L + 1]}
+    blocks = [per_kind[block_of[i]] for i in range(1, L + 1)]
+    counts = [sum(per_kind[0]), *[sum(b) for b in blocks], sum(per_kind[L + 1])]
+    p_tok, p_sample, p_text = (per_kind[0][r] + sum(b[r] for b in blocks) + per_kind[L + 1][r] for r in range(3))
+    offsets = sum(p.numel() for i in range(1, L + 1) for n, p in kinds[block_of[i]].named_parameters()
+                  if ".offsets." in f".{n}")
     assert len(counts) == expert_shards(cfg)  # one transformer (two experts: each has these)
     _COUNT_CACHE[key] = (counts, p_tok, p_sample, p_text, offsets)
     return _COUNT_CACHE[key]
@@ -153,8 +160,8 @@ def _roles(module) -> list[int]:
 
 
 def shard_roles(cfg: Config) -> dict[int, list[int]]:
-    """``_roles`` of the embedding (key 0), of one block (1: every block is the same module) and
-    of the head (depth + 1)."""
+    """``_roles`` of the embedding (key 0), of one block (1: every block is the same module, but
+    for the dense blocks' lack of an offset head) and of the head (depth + 1)."""
     _shard_counts(cfg)
     return _ROLE_CACHE[repr((cfg.model, cfg.attention))]
 
@@ -278,18 +285,40 @@ def _activations(cfg: Config, a: int, generate: bool) -> tuple[dict[str, int], d
 
 
 def _attention_flops_fwd(cfg: Config) -> float:
-    """Forward FLOPs of all blocks' attention operators (module docstring)."""
+    """Forward FLOPs of all blocks' attention operators (module docstring): ``attention.dense_blocks``
+    dense, the rest ``attention.kind``, and a sample at or above ``attention.dense_above_t`` (the
+    share of the training draws there, ``dense_share``) dense in every block. A curriculum step
+    (``attention.dense_warmup_steps``) runs both kinds; the estimate is of the steps after it."""
     B, N, D, L = cfg.data.batch_size, cfg.tokens_per_sample, cfg.model.hidden_size, cfg.model.depth
     K = math.prod(cfg.attention.window)
     kind = cfg.attention.kind
+    dense = 4.0 * B * N * N * D
     if kind == "dense":
-        per_block = 4.0 * B * N * N * D
+        per_block = dense
     elif kind in ("dsa", "neighborhood"):
         per_block = 36.0 * B * N * K * D
     else:  # swin
         per_block = 4.0 * B * N * K * D
-    per_block += 4.0 * B * N * text_tokens(cfg) * D  # cross-attention of every video token to the text
-    return L * per_block
+    n = 0 if kind == "dense" else len(tuple(cfg.attention.dense_blocks))
+    share = 0.0 if kind == "dense" else dense_share(cfg)
+    local = n * dense + (L - n) * per_block
+    cross = 4.0 * B * N * text_tokens(cfg) * D  # cross-attention of every video token to the text
+    return share * L * dense + (1.0 - share) * local + L * cross
+
+
+def dense_share(cfg: Config) -> float:
+    """The share of training samples whose t is at or above ``attention.dense_above_t`` (0: off),
+    under ``training.t_sampling`` and ``flow_shift``, within the expert's range when
+    ``training.expert`` is ``high`` or ``low``."""
+    a, t = cfg.attention, cfg.training
+    if a.dense_above_t <= 0:
+        return 0.0
+    lo, hi = 0.0, 1.0
+    if t.expert in ("high", "low") and t.boundary_ratio > 0:
+        lo, hi = (t.boundary_ratio, 1.0) if t.expert == "high" else (0.0, t.boundary_ratio)
+    above = lambda x: share_above(x, t.t_sampling, t.flow_shift)  # noqa: E731
+    inside = above(lo) - above(hi)
+    return (above(max(a.dense_above_t, lo)) - above(max(a.dense_above_t, hi))) / inside if inside > 0 else 0.0
 
 
 def text_tokens(cfg: Config) -> int:

@@ -580,6 +580,7 @@ def _write_transformer(ckpt: CheckpointReader, cfg: Config, shards: range, out: 
         config[DSA_CONFIG_KEY] = export_settings(a.kind, a.window, a.scale, a.max_offset, a.offset_groups,
                                                  a.offset_kernel, a.offset_scale, offsets=not drop_offsets,
                                                  offset_condition=a.offset_condition, offset_source=a.offset_source,
-                                                 offset_bound=a.offset_bound)
+                                                 offset_bound=a.offset_bound, dense_blocks=a.dense_blocks,
+                                                 dense_above_t=a.dense_above_t)
     (out / "config.json").write_text(json.dumps(config, indent=2))
     return [*written, str(out / DIFFUSERS_INDEX), str(out / "config.json")]

@@ -25,6 +25,7 @@ from dataclasses import dataclass
 import torch
 
 from megaslide_ray.config import Config
+from megaslide_ray.models.attention_levers import step_mix
 from megaslide_ray.models.registry import build_model, distills, num_experts, teacher_config
 from megaslide_ray.training.flow import (
     batch_conditioning,
@@ -103,12 +104,16 @@ class InProcessTrainer:
             x_in = fx.x_t if condition is None else model_input(fx.x_t, condition)
             extra = () if image is None else (image,)
         inputs = (x_in, fx.t, cap, cap_len, *extra)
-        pred = self.model(*inputs)
+        mix = step_mix(cfg, fx.t, self.step)  # the curriculum's dense weights (attention.dense_warmup_steps)
+        pred = self.model(*inputs, **mix)
         loss = model_loss(pred, fx.target, clean)
         distill = self._distill(pred, inputs, clean)
         total = loss if distill is None else loss + cfg.training.distill_weight * distill
         self.opt.zero_grad(set_to_none=True)
         total.backward()
+        for p in self.model.parameters():  # a weight this step did not use (an offset head while every sample's
+            if p.grad is None:  # attention is dense) still takes its AdamW step, as in the streamed trainer
+                p.grad = torch.zeros_like(p)
         if cfg.optim.grad_clip > 0:
             norm = float(torch.nn.utils.clip_grad_norm_(self.model.parameters(), cfg.optim.grad_clip))
         else:
