@@ -42,6 +42,7 @@ __all__ = ["gluon_halo_refusal", "gluon_halo_constexprs", "GLUON_WARPS", "TILE_Y
 GLUON_WARPS = 8
 TILE_Y, TILE_X = 8, 8  # queries per tile: one frame, 8 x 8 tokens (64 rows: one wgmma M)
 SAMPLE_CHUNK = 16  # samples of one window layer handled at once (registers: 64 x 16 per tensor)
+BWD_SAMPLE_CHUNK = 8  # the backward's: its offsets' gradient holds twice the forward's tensors per sample
 
 
 def gluon_halo_refusal() -> str | None:
@@ -86,6 +87,22 @@ def halo_dense_kernel():
     return _KERNEL
 
 
+_BWD_KERNEL = None
+
+
+def halo_dense_bwd_kernel():
+    """The compiled-on-launch Gluon backward (built once; refused where ``gluon_halo_refusal`` says)."""
+    global _BWD_KERNEL
+    why = gluon_halo_refusal()
+    if why is not None:
+        raise RuntimeError(why)
+    if _BWD_KERNEL is None:
+        from .dsa_gluon_halo_bwd_jit import halo_dense_bwd  # lazy: Gluon, where this Triton has what it needs
+
+        _BWD_KERNEL = halo_dense_bwd
+    return _BWD_KERNEL
+
+
 def halo_dense_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, offsets: torch.Tensor, window,
                        scale: float, bound: float) -> tuple[torch.Tensor, torch.Tensor]:
     """``(out, lse)`` of the Gluon forward on CUDA bf16 inputs (``lse`` base 2, ``(B, nh, N)`` fp32: the
@@ -115,9 +132,17 @@ def aot_variants(shape) -> list[dict]:
     sig = {n: "i32" for n in fn.arg_names}
     sig.update({n: t for n in ("Q", "K", "V", "OFF", "OUT")}, LSE="*fp32", qk_scale="fp32")
     sig.update({n: "constexpr" for n in cx})
-    return [dict(kernel="fused_fwd", fn=fn, signature=sig, constexprs=cx, num_warps=GLUON_WARPS, num_stages=1,
-                 config=f"tile 1x{TILE_Y}x{TILE_X},JC={cx['JC']}", tensor_cores=True, may_pick=False, archs=("sm_90",),
-                 note="the fused halo-dense forward (Gluon): not picked until a GPU run checks it")]
+    fwd = dict(kernel="fused_fwd", fn=fn, signature=sig, constexprs=cx, num_warps=GLUON_WARPS, num_stages=1,
+               config=f"tile 1x{TILE_Y}x{TILE_X},JC={cx['JC']}", tensor_cores=True, may_pick=False, archs=("sm_90",),
+               note="the fused halo-dense forward (Gluon): not picked until a GPU run checks it")
+    bwd_fn = halo_dense_bwd_kernel()
+    bsig = {n: "i32" for n in bwd_fn.arg_names}
+    bsig.update({n: t for n in ("Q", "K", "V", "OFF", "OUT", "DO", "DQ")}, qk_scale="fp32", scale="fp32",
+                **{n: "*fp32" for n in ("LSE", "DK", "DV", "DOFF")}, **{n: "constexpr" for n in cx})
+    bcx = dict(cx, JC=BWD_SAMPLE_CHUNK)
+    bwd = dict(fwd, kernel="fused_bwd", fn=bwd_fn, signature=bsig, constexprs=bcx, config=f"tile 1x{TILE_Y}x{TILE_X},JC={bcx['JC']}",
+               note="the fused halo-dense backward (Gluon): not picked until a GPU run checks it")
+    return [fwd, bwd]
 
 
 # -----------------------------------------------------------------------------
