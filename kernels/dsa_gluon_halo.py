@@ -30,6 +30,7 @@ compiles it for sm_90 here (registers, spills, shared memory, the dots as ``wgmm
 
 from __future__ import annotations
 
+import itertools
 import logging
 import math
 
@@ -117,6 +118,47 @@ def halo_dense_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, offset
     return out, lse
 
 
+def phase_launches(grid, window, bound: float) -> tuple[tuple[int, int, int], list[tuple[int, int, int, int]]]:
+    """The backward's launches: the colour counts ``(ct, cy, cx)`` of the mirror's tiles
+    (``dsa_halo_dense.colour_counts``) and per colour phase ``(pt, py, px, tiles)``, the phases with
+    tiles, in the mirror's order. Phase ``p`` holds the tiles whose index is ``p`` modulo the counts."""
+    from .dsa_halo_dense import colour_counts, halo_tiles  # lazy: the mirror's tiles, at launch
+
+    tiles = halo_tiles(tuple(grid), tuple(window), float(bound), (1, TILE_Y, TILE_X))
+    counts = colour_counts(tiles)
+    per_axis = (grid[0], -(-grid[1] // TILE_Y), -(-grid[2] // TILE_X))
+    phases = []
+    for p in itertools.product(*(range(c) for c in counts)):
+        n = math.prod(max(0, -(-(size - i) // c)) for size, i, c in zip(per_axis, p, counts))
+        if n:
+            phases.append((*p, n))
+    return counts, phases
+
+
+def phase_tile(i: int, phase, counts, grid) -> tuple[int, int, int]:
+    """Program ``i``'s tile index (t, y, x) in ``phase`` (the kernel's ``_phase_tile``, x fastest)."""
+    nx = -(-(-(-grid[2] // TILE_X) - phase[2]) // counts[2])
+    ny = -(-(-(-grid[1] // TILE_Y) - phase[1]) // counts[1])
+    return phase[0] + i // (nx * ny) * counts[0], phase[1] + (i // nx) % ny * counts[1], phase[2] + i % nx * counts[2]
+
+
+def halo_dense_backward(q, k, v, offsets, out, dout, lse, window, scale: float, bound: float):
+    """``(dq, dk, dv, doffsets)`` of the Gluon backward on CUDA bf16 inputs, after any forward that left
+    ``lse`` in the gather kernels' convention (base 2, ``(B, nh, N)`` fp32): one launch per colour phase;
+    dk, dv and the offsets' gradient summed in fp32 and cast to the inputs' dtypes."""
+    B, T, H, W, nh, d = q.shape
+    cx = dict(gluon_halo_constexprs(d, window, bound), JC=BWD_SAMPLE_CHUNK)
+    dq = torch.empty_like(q)
+    dk, dv = (torch.zeros(x.shape, device=x.device, dtype=torch.float32) for x in (k, v))
+    doff = torch.zeros(offsets.shape, device=offsets.device, dtype=torch.float32)
+    counts, phases = phase_launches((T, H, W), window, bound)
+    for pt, py, px, n in phases:  # one after another: the tiles of one phase share no key
+        halo_dense_bwd_kernel()[(n, B * nh)](q, k, v, offsets, out, dout, lse, dq, dk, dv, doff,
+                                             scale * 1.4426950408889634, scale, T, H, W, nh, pt, py, px, *counts,
+                                             **cx, num_warps=GLUON_WARPS)
+    return dq, dk.to(k.dtype), dv.to(v.dtype), doff.to(offsets.dtype)
+
+
 def aot_variants(shape) -> list[dict]:
     """The Gluon forward as the compile-only check compiles it at ``shape`` (bf16 or fp16, a bound
     given, head dim 128 and window 3x7x7: the Wan shape it was written for): sm_90 only
@@ -153,10 +195,20 @@ _CHECKED: dict[tuple, str | None] = {}
 CHECK_SHAPE = (1, 3, 20, 20, 2, 128)  # the first-use check's problem: 3 frames of 20 x 20 tokens, two heads  # (device, dtype, head dim, window, bound) -> None (passed) or why not
 
 
-def fused_refusal(q: torch.Tensor, window, bound: float | None, slab=None) -> str | None:
-    """Why the fused forward cannot take this call, or None: it needs Gluon's shared-memory ops, an
-    sm_90 GPU, bf16 or fp16, a bound, the whole clip (no slab), head dim 128 and window 3x7x7 (the
-    shape it was written and compiled for), and its first-use check passed at this shape."""
+def fused_refusal(q: torch.Tensor, window, bound: float | None, slab=None, pass_: str = "forward") -> str | None:
+    """Why the fused ``pass_`` ("forward" or "backward") cannot take this call, or None: it needs Gluon's
+    shared-memory ops, an sm_90 GPU, bf16 or fp16, a bound, the whole clip (no slab), head dim 128 and
+    window 3x7x7 (the shape it was written and compiled for), and its first-use check passed at this shape."""
+    why = _shape_refusal(q, window, bound, slab)
+    if why is not None:
+        return why.replace("the fused forward", f"the fused {pass_}")
+    if pass_ == "backward":
+        return first_use_check_bwd(q.device, q.dtype, tuple(window), float(bound))
+    return first_use_check(q.device, q.dtype, tuple(window), float(bound))
+
+
+def _shape_refusal(q: torch.Tensor, window, bound: float | None, slab) -> str | None:
+    """``fused_refusal`` before the first-use check: the Triton, the device, dtype and shape."""
     why = gluon_halo_refusal()
     if why is not None:
         return why
@@ -168,7 +220,7 @@ def fused_refusal(q: torch.Tensor, window, bound: float | None, slab=None) -> st
         return "the fused forward needs a bound (attention.max_offset) and the whole clip (no token chunks)"
     if (q.shape[-1], tuple(window)) != (128, (3, 7, 7)):
         return f"the fused forward is built for head dim 128 and window 3x7x7, not {q.shape[-1]} and {tuple(window)}"
-    return first_use_check(q.device, q.dtype, tuple(window), float(bound))
+    return None
 
 
 def first_use_check(device, dtype, window, bound: float) -> str | None:
@@ -201,19 +253,59 @@ def _check_once(device, dtype, window, bound: float) -> str | None:
     return f"the fused forward failed its first-use check against the reference ({errors[0]})" if errors else None
 
 
+_CHECKED_BWD: dict[tuple, str | None] = {}
+
+
+def first_use_check_bwd(device, dtype, window, bound: float) -> str | None:
+    """The backward's first-use check, once per (device, dtype, window, bound): the Gluon backward on
+    ``CHECK_SHAPE`` after the mirror's forward (its out and log-sum-exp, fp32), its four gradients held
+    to the reference's by the flash rule; None when it passed, else why not (the caller falls back)."""
+    key = (str(device), dtype, window, bound)
+    if key not in _CHECKED_BWD:
+        _CHECKED_BWD[key] = _check_bwd_once(device, dtype, window, bound)
+    return _CHECKED_BWD[key]
+
+
+def _check_bwd_once(device, dtype, window, bound: float) -> str | None:
+    from .checks import flash_rule_errors, grads  # lazy: test helpers, needed only here
+    from .dsa_halo_dense import _forward, _Layout  # lazy: the mirror's forward gives out and lse
+    from .dsa_reference import dsa_reference  # lazy: as above
+
+    g = torch.Generator().manual_seed(1)
+    shape = CHECK_SHAPE
+    q, k, v, dout = (torch.randn(shape, generator=g) for _ in range(4))
+    off = (torch.rand((*shape[:5], 147, 3), generator=g) * 2 - 1) * bound
+    low = [x.to(dtype) for x in (q, k, v, off)]
+    L = _Layout(low[0], low[3], window, bound, (1, TILE_Y, TILE_X))
+    out, lse = _forward(L, *low[:3], 128 ** -0.5)  # (BH, T, H, W, d) and natural-log lse
+    out = L.unrows(out).contiguous()
+    lse2 = (lse / math.log(2.0)).reshape(shape[0], shape[4], -1).float()
+    try:
+        got = halo_dense_backward(*(x.to(device) for x in low), out.to(device), dout.to(device, dtype),
+                                  lse2.to(device), window, 128 ** -0.5, bound)
+        if torch.device(device).type == "cuda":
+            torch.cuda.synchronize(device)
+    except Exception as e:  # noqa: BLE001 - any failure to build or run means: not this kernel
+        return f"the fused backward failed its first-use run ({type(e).__name__}: {str(e)[:200]})"
+    ref32 = grads(lambda *a: dsa_reference(*a, window), [q, k, v, off], dout)
+    same = grads(lambda *a: dsa_reference(*a, window, upcast=False), low, dout.to(dtype))
+    errors = flash_rule_errors((ref32[0], *(x.float().cpu() for x in got)), ref32, same, 1e-3)
+    return f"the fused backward failed its first-use check against the reference ({errors[0]})" if errors else None
+
+
 _NOTED: set = set()
 
 
-def note_fused_once(refused: str | None) -> None:
-    """Say once per reason what took the forward: the fused kernel (INFO), or why not -- a failed
+def note_fused_once(refused: str | None, pass_: str = "forward") -> None:
+    """Say once per pass and reason what took the pass: the fused kernel (INFO), or why not -- a failed
     first-use check as a warning (the kernel exists but disagreed), any other reason as INFO."""
-    key = refused or "fused"
+    key = (pass_, refused or "fused")
     if key in _NOTED:
         return
     _NOTED.add(key)
     if refused is None:
-        log.info("3D-DSA forward: the fused halo-dense kernel (its first-use check passed)")
+        log.info("3D-DSA %s: the fused halo-dense kernel (its first-use check passed)", pass_)
     elif "first-use" in refused:
-        log.warning("3D-DSA forward: %s; the other kernels take it", refused)
+        log.warning("3D-DSA %s: %s; the other kernels take it", pass_, refused)
     else:
-        log.info("3D-DSA forward: not the fused kernel (%s); the other kernels take it", refused)
+        log.info("3D-DSA %s: not the fused kernel (%s); the other kernels take it", pass_, refused)

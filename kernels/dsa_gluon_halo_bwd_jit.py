@@ -22,8 +22,15 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia import hopper
 
-from .dsa_gluon_halo_jit import (_frame_probs, _frame_sample_scores, _frame_scores, _axis, _halo_rows, _start,
-                                 _zero_samples)
+from .dsa_gluon_halo_jit import (
+    _axis,
+    _frame_probs,
+    _frame_sample_scores,
+    _frame_scores,
+    _halo_rows,
+    _start,
+    _zero_samples,
+)
 
 
 @gluon.jit
@@ -258,9 +265,7 @@ def halo_dense_bwd(Q, K, V, OFF, OUT, DO, LSE, DQ, DK, DV, DOFF, qk_scale, scale
     N = T * H * W
     row_stride = NH * HEAD_DIM
     base = ((bh // NH) * N * NH + bh % NH) * HEAD_DIM
-    qy, qx, q_ok, st, sy, sx, lo_t, lo_y, lo_x, ftn, fyn, fxn = _tile_geometry(
-        t, y0, x0, T, H, W, KT, KH, KW, ELO, EHI, TY, TX, M, smp)
-    off_row = (((bh // NH) * N + (t * H + qy) * W + qx) * NH + bh % NH) * (KT * KH * KW * 3)
+    qy, qx, q_ok = _tile_geometry(t, y0, x0, T, H, W, KT, KH, KW, ELO, EHI, TY, TX, M, smp)[:3]
 
     lm = gl.arange(0, M, layout=gl.SliceLayout(1, ld))
     cols = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, ld))
