@@ -1,8 +1,10 @@
-"""The fused halo-dense forward of 3D-DSA in Triton's Gluon dialect (sm_90): the algorithm of
-``dsa_halo_dense`` (its blocked PyTorch mirror, tested against the reference) on one 3D query tile
-per program, with the tile's scores and probabilities in shared memory.
+"""The fused halo-dense forward and backward of 3D-DSA in Triton's Gluon dialect (sm_90): the algorithm
+of ``dsa_halo_dense`` (its blocked PyTorch mirror, tested against the reference) on one 3D query tile
+per program, with the tile's scores and probabilities in shared memory. The backward's kernel
+(``dsa_gluon_halo_bwd_jit``, its docstring says how) runs once per colour phase (``phase_launches``)
+and adds dk, dv without atomics; this module holds both kernels' host side.
 
-One program = a 1 x 8 x 8 query tile of one (batch, head) pair, 8 warps, 168 KB of shared memory:
+The forward: one program = a 1 x 8 x 8 query tile of one (batch, head) pair, 8 warps, 152 KB of shared memory:
 
 1. ``Q`` (64 x d, bf16) into shared memory.
 2. Per halo frame ``f`` (at most kt + ELO + EHI frames, ELO = ceil(bound), EHI = floor(bound) + 1):
@@ -12,7 +14,7 @@ One program = a 1 x 8 x 8 query tile of one (batch, head) pair, 8 warps, 168 KB 
    rounding of a score of 30 moves its logit by about 1e-3); then per window layer ``jt`` whose
    samples can reach ``f``, in chunks of ``JC`` samples: their positions, clamped, their corners in
    ``f`` and the trilinear weights, the corners' scores read back with a shared-memory gather and
-   summed, fp32, into the samples' scores ``Z_s (64 x KT*KP)``.
+   summed, fp32, into the samples' scores ``Z_s`` (one ``64 x KP`` buffer per window layer).
 3. Softmax over the window (base 2; the log-sum-exp kept as the gather kernels keep it, so their
    backward can follow this forward); the unnormalised probabilities written over ``Z_s``.
 4. Per halo frame again: the probabilities times the corners' weights scatter-added into ``S_s``

@@ -2,17 +2,23 @@
 holds the host side). Imported only where ``dsa_gluon_halo.gluon_halo_refusal`` finds a Triton whose
 Gluon has the shared-memory gather and atomic scatter-add (>= 3.8).
 
-One program = one 1 x 8 x 8 query tile of one (batch, head) pair, launched per colour phase (the
-tiles of one phase share no key, so each adds its halo's dk, dv rows with plain loads and stores).
-Four frame loops, each frame's 64-key chunks on tensor cores, the frame's scores in ``S_s``:
+One program = one 1 x 8 x 8 query tile of one (batch, head) pair, 8 warps, 216 KB of shared memory,
+launched per colour phase (the tiles of one phase share no key, so each adds its halo's dk, dv rows
+with plain loads and stores). Five frame loops, each frame's 64-key chunks on tensor cores, the
+frame's matrix in ``S_s`` (fp16), the samples' values in ``P_s`` and ``G_s`` (fp32, one buffer per
+window layer):
 
 1. ``S = Q K^T``; the samples' scores gathered into ``P_s`` (the forward's pass 1), then
    ``p = exp2(z qk_scale - lse)`` over them.
 2. ``dP = dO V^T``; the samples' ``dp`` gathered into ``G_s``, then ``ds = p (dp - D)`` over them.
-3. ``S`` again: the offsets' gradient's ``scale ds S_c`` part added into ``DOFF``; ``dS`` (``scale ds``
-   times the corners' weights) scattered onto the frame; ``dQ += dS K``, ``dK = dS^T Q`` (plain adds).
-4. ``dP`` again: the gradient's ``p dP_c`` part; ``P`` scattered onto the frame; ``dV = P^T dO``.
+3. ``S`` again: the offsets' gradient's ``scale ds S_c dw_c`` part added into ``DOFF``.
+4. ``dP`` again: its ``p dP_c dw_c`` part; ``P`` scattered onto the frame; ``dV = P^T dO`` (plain adds).
+5. ``dS`` (``ds`` times the corners' weights, times ``DS_GAIN`` in fp16) scattered onto the frame;
+   ``dQ += dS K``, ``dK = dS^T Q`` (plain adds), both times ``scale / DS_GAIN``.
 
+Recomputing S and dP (passes 3, 4) costs two more dots per chunk but holds only two per-sample
+arrays (p, ds) where the offsets' gradient would need eight; the dQ accumulator is live in pass 5
+alone, and each pass recomputes the tile's geometry (``_where``): held across passes it spilled.
 ``DOFF``, ``DK`` and ``DV`` are fp32 and zeroed by the caller; a program adds to its own queries'
 offset rows only (the same thread reads and writes an element: no barrier needed)."""
 
