@@ -44,10 +44,10 @@ from pathlib import Path
 
 ISSUE_FILE = Path(__file__).with_name("dsa_issue_sm90.json")
 ISSUE_KERNELS = ("gather_fwd", "gather_bwd_pull", "gather_bwd_atomic", "halo_scores", "halo_out", "halo_bwd_v",
-                 "halo_bwd_k", "halo_dq", "pull_dk", "pull_dv", "fused_fwd")
+                 "halo_bwd_k", "halo_dq", "pull_dk", "pull_dv", "fused_fwd", "fused_bwd")
 """The kernels the issue table holds: those ``choose_halo`` weighs, the key-side pass the pull
-mode adds, and the atomic mode's backward (the per-head totals), and the fused halo-dense forward (Gluon; compiled, not
-yet picked)."""
+mode adds, and the atomic mode's backward (the per-head totals), and the fused halo-dense forward and backward (Gluon;
+compiled, not yet picked)."""
 
 
 @dataclass(frozen=True)
@@ -515,6 +515,47 @@ def fused_fwd_cost(grid, window, head_dim: int, bound: float) -> Cost | None:
                 issue=32 * GLUON_WARPS * per_thread, blocks_per_sm=entry.get("blocks_per_sm"))
 
 
+def fused_bwd_cost(grid, window, head_dim: int, bound: float) -> Cost | None:
+    """The fused halo-dense backward (``dsa_gluon_halo_bwd_jit``, compiled for sm_90, not yet run) from
+    its compile, as ``fused_fwd_cost``: the PTX instructions of its five frame loops' bodies times each
+    tile's halo frames plus the rest, 256 threads per tile; seven dots of 64 x 64 x d per chunk of 64
+    halo keys and frame (S and dP twice each, dV, dQ, dK); the halo's K or V chunks into shared memory
+    five times per frame and the fp32 dk, dv rows read and written per chunk (L1/L2); DRAM: q, k, v,
+    out, dout and the offsets read, dq written, dk, dv and the offsets' gradient in fp32 then cast.
+    None where the issue table lacks the compile."""
+    from .dsa_gluon_halo import BWD_SAMPLE_CHUNK, GLUON_WARPS, gluon_halo_constexprs  # lazy: imports torch
+    from .dsa_halo_dense import halo_tiles  # lazy: imports torch
+
+    cx = dict(gluon_halo_constexprs(head_dim, window, bound), JC=BWD_SAMPLE_CHUNK)
+    entry = issue_table().get(issue_key("fused_bwd", head_dim, window, cx, GLUON_WARPS))
+    if entry is None:
+        return None
+    tiles = halo_tiles(tuple(grid), tuple(window), bound, (1, 8, 8))
+    frames = sum(t.halo_shape[0] for t in tiles)
+    per_thread = len(tiles) * entry["depths"].get("0", 0) + frames * entry["depths"].get("1", 0)
+    N, K, d = math.prod(grid), math.prod(window), head_dim
+    chunks = frames * cx["NCH"]
+    return Cost("fused_bwd", N, K, d, 0.0, tc_flops=7 * 2 * 64 * 64 * d * chunks,
+                dram_bytes=N * (6 * d * 2 + K * 3 * 2 + 2 * (d * 4 * 2 + d * 2) + K * 3 * (4 * 2 + 2)),
+                l1_bytes=chunks * 64 * d * (5 * 2 + 2 * 2 * 4), atomic_bytes=0.0,
+                issue=32 * GLUON_WARPS * per_thread, blocks_per_sm=entry.get("blocks_per_sm"))
+
+
+def fused_compiled(grid, window, head_dim: int, bound: float, chip: Chip = CHIPS[0]) -> dict | None:
+    """The compiled fused halo-dense forward and backward (their sm_90 compiles' issue slots, not a run)
+    for one head beside FlashAttention-3: ``{"passes", "dsa_ms", "fa3_ms", "ratio"}``; None where the
+    issue table lacks either compile."""
+    fwd, bwd = fused_fwd_cost(grid, window, head_dim, bound), fused_bwd_cost(grid, window, head_dim, bound)
+    if fwd is None or bwd is None:
+        return None
+    passes = {"fwd": _terms(fwd, chip, "fwd"), "bwd": _terms(bwd, chip, "bwd")}
+    fa3 = {p: 1e3 * v for p, v in fa3_seconds(math.prod(grid), head_dim, chip).items()}
+    dsa = {"fwd": passes["fwd"]["ms"], "bwd": passes["bwd"]["ms"]}
+    dsa["total"], fa3["total"] = dsa["fwd"] + dsa["bwd"], fa3["fwd"] + fa3["bwd"]
+    return {"how": "the Gluon kernels' sm_90 compiles (not yet run)", "passes": passes, "dsa_ms": dsa,
+            "fa3_ms": fa3, "ratio": fa3["total"] / dsa["total"]}
+
+
 def halo_dense_design(grid, window, head_dim: int, bound: float, chip: Chip = CHIPS[0]) -> dict:
     """The design estimate of the fused halo-dense forward and backward (``kernels/dsa_halo_dense``)
     for one head, beside FlashAttention-3: the mirror's work counts priced with
@@ -539,9 +580,10 @@ def halo_dense_design(grid, window, head_dim: int, bound: float, chip: Chip = CH
         rows[pass_] = {"ms": 1e3 * terms[bound_by], "bound_by": bound_by,
                        "terms_ms": {k: 1e3 * v for k, v in terms.items()}}
     rows["fwd"]["how"] = rows["bwd"]["how"] = "design estimate (no kernel yet)"
-    compiled = fused_fwd_cost(grid, window, head_dim, bound)
-    if compiled is not None:  # the Gluon forward exists: its compile, not the assumptions
-        rows["fwd"] = {**_terms(compiled, chip, "fwd"), "how": "the Gluon kernel's sm_90 compile (not yet run)"}
+    for pass_, compiled in (("fwd", fused_fwd_cost(grid, window, head_dim, bound)),
+                            ("bwd", fused_bwd_cost(grid, window, head_dim, bound))):
+        if compiled is not None:  # the Gluon kernel exists: its compile, not the assumptions
+            rows[pass_] = {**_terms(compiled, chip, pass_), "how": "the Gluon kernel's sm_90 compile (not yet run)"}
     fa3 = {p: 1e3 * v for p, v in fa3_seconds(N, head_dim, chip).items()}
     dsa = {"fwd": rows["fwd"]["ms"], "bwd": rows["bwd"]["ms"]}
     dsa["total"], fa3["total"] = dsa["fwd"] + dsa["bwd"], fa3["fwd"] + fa3["bwd"]
@@ -600,6 +642,8 @@ def main(argv=None) -> int:
         if bound is None:
             p.error("--design needs a bound (the halo is sized by attention.max_offset)")
         b["design"] = halo_dense_design(grid, window, a.head_dim, bound, next(c for c in CHIPS if c.name == a.chip))
+    if bound is not None:  # the compiled fused halo-dense kernels, where the issue table has them
+        b["fused"] = fused_compiled(grid, window, a.head_dim, bound, next(c for c in CHIPS if c.name == a.chip))
     if a.json:
         print(json.dumps(b))
         return 0
@@ -613,6 +657,13 @@ def main(argv=None) -> int:
     print(f"  FA3  fwd {f['fwd']:.3f} + bwd {f['bwd']:.3f} = {f['total']:.3f} ms (dense, {FA3_MFU['fwd']:.0%}/"
           f"{FA3_MFU['bwd']:.0%} MFU)")
     print(f"  FA3 / DSA: {b['ratio']:.2f}x")
+    if b.get("fused"):
+        g = b["fused"]
+        for pass_, r in g["passes"].items():
+            terms = ", ".join(f"{k} {v:.3g}" for k, v in r["terms_ms"].items() if v)
+            print(f"  fused halo-dense {pass_}: {r['ms']:.3f} ms, bound by {r['bound_by']} ({terms})")
+        print(f"  fused halo-dense fwd + bwd: {g['dsa_ms']['total']:.3f} ms, FA3 / fused {g['ratio']:.2f}x "
+              f"({g['how']})")
     if a.design:
         g = b["design"]
         for pass_, r in g["passes"].items():

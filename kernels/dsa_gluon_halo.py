@@ -1,8 +1,10 @@
-"""The fused halo-dense forward of 3D-DSA in Triton's Gluon dialect (sm_90): the algorithm of
-``dsa_halo_dense`` (its blocked PyTorch mirror, tested against the reference) on one 3D query tile
-per program, with the tile's scores and probabilities in shared memory.
+"""The fused halo-dense forward and backward of 3D-DSA in Triton's Gluon dialect (sm_90): the algorithm
+of ``dsa_halo_dense`` (its blocked PyTorch mirror, tested against the reference) on one 3D query tile
+per program, with the tile's scores and probabilities in shared memory. The backward's kernel
+(``dsa_gluon_halo_bwd_jit``, its docstring says how) runs once per colour phase (``phase_launches``)
+and adds dk, dv without atomics; this module holds both kernels' host side.
 
-One program = a 1 x 8 x 8 query tile of one (batch, head) pair, 8 warps, 168 KB of shared memory:
+The forward: one program = a 1 x 8 x 8 query tile of one (batch, head) pair, 8 warps, 152 KB of shared memory:
 
 1. ``Q`` (64 x d, bf16) into shared memory.
 2. Per halo frame ``f`` (at most kt + ELO + EHI frames, ELO = ceil(bound), EHI = floor(bound) + 1):
@@ -12,7 +14,7 @@ One program = a 1 x 8 x 8 query tile of one (batch, head) pair, 8 warps, 168 KB 
    rounding of a score of 30 moves its logit by about 1e-3); then per window layer ``jt`` whose
    samples can reach ``f``, in chunks of ``JC`` samples: their positions, clamped, their corners in
    ``f`` and the trilinear weights, the corners' scores read back with a shared-memory gather and
-   summed, fp32, into the samples' scores ``Z_s (64 x KT*KP)``.
+   summed, fp32, into the samples' scores ``Z_s`` (one ``64 x KP`` buffer per window layer).
 3. Softmax over the window (base 2; the log-sum-exp kept as the gather kernels keep it, so their
    backward can follow this forward); the unnormalised probabilities written over ``Z_s``.
 4. Per halo frame again: the probabilities times the corners' weights scatter-added into ``S_s``
@@ -30,6 +32,7 @@ compiles it for sm_90 here (registers, spills, shared memory, the dots as ``wgmm
 
 from __future__ import annotations
 
+import itertools
 import logging
 import math
 
@@ -42,6 +45,7 @@ __all__ = ["gluon_halo_refusal", "gluon_halo_constexprs", "GLUON_WARPS", "TILE_Y
 GLUON_WARPS = 8
 TILE_Y, TILE_X = 8, 8  # queries per tile: one frame, 8 x 8 tokens (64 rows: one wgmma M)
 SAMPLE_CHUNK = 16  # samples of one window layer handled at once (registers: 64 x 16 per tensor)
+BWD_SAMPLE_CHUNK = 8  # the backward's: its offsets' gradient holds twice the forward's tensors per sample
 
 
 def gluon_halo_refusal() -> str | None:
@@ -86,6 +90,22 @@ def halo_dense_kernel():
     return _KERNEL
 
 
+_BWD_KERNEL = None
+
+
+def halo_dense_bwd_kernel():
+    """The compiled-on-launch Gluon backward (built once; refused where ``gluon_halo_refusal`` says)."""
+    global _BWD_KERNEL
+    why = gluon_halo_refusal()
+    if why is not None:
+        raise RuntimeError(why)
+    if _BWD_KERNEL is None:
+        from .dsa_gluon_halo_bwd_jit import halo_dense_bwd  # lazy: Gluon, where this Triton has what it needs
+
+        _BWD_KERNEL = halo_dense_bwd
+    return _BWD_KERNEL
+
+
 def halo_dense_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, offsets: torch.Tensor, window,
                        scale: float, bound: float) -> tuple[torch.Tensor, torch.Tensor]:
     """``(out, lse)`` of the Gluon forward on CUDA bf16 inputs (``lse`` base 2, ``(B, nh, N)`` fp32: the
@@ -98,6 +118,47 @@ def halo_dense_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, offset
     halo_dense_kernel()[grid](q, k, v, offsets, out, lse, scale * 1.4426950408889634, T, H, W, nh, **cx,
                               num_warps=GLUON_WARPS)
     return out, lse
+
+
+def phase_launches(grid, window, bound: float) -> tuple[tuple[int, int, int], list[tuple[int, int, int, int]]]:
+    """The backward's launches: the colour counts ``(ct, cy, cx)`` of the mirror's tiles
+    (``dsa_halo_dense.colour_counts``) and per colour phase ``(pt, py, px, tiles)``, the phases with
+    tiles, in the mirror's order. Phase ``p`` holds the tiles whose index is ``p`` modulo the counts."""
+    from .dsa_halo_dense import colour_counts, halo_tiles  # lazy: the mirror's tiles, at launch
+
+    tiles = halo_tiles(tuple(grid), tuple(window), float(bound), (1, TILE_Y, TILE_X))
+    counts = colour_counts(tiles)
+    per_axis = (grid[0], -(-grid[1] // TILE_Y), -(-grid[2] // TILE_X))
+    phases = []
+    for p in itertools.product(*(range(c) for c in counts)):
+        n = math.prod(max(0, -(-(size - i) // c)) for size, i, c in zip(per_axis, p, counts))
+        if n:
+            phases.append((*p, n))
+    return counts, phases
+
+
+def phase_tile(i: int, phase, counts, grid) -> tuple[int, int, int]:
+    """Program ``i``'s tile index (t, y, x) in ``phase`` (the kernel's ``_phase_tile``, x fastest)."""
+    nx = -(-(-(-grid[2] // TILE_X) - phase[2]) // counts[2])
+    ny = -(-(-(-grid[1] // TILE_Y) - phase[1]) // counts[1])
+    return phase[0] + i // (nx * ny) * counts[0], phase[1] + (i // nx) % ny * counts[1], phase[2] + i % nx * counts[2]
+
+
+def halo_dense_backward(q, k, v, offsets, out, dout, lse, window, scale: float, bound: float):
+    """``(dq, dk, dv, doffsets)`` of the Gluon backward on CUDA bf16 inputs, after any forward that left
+    ``lse`` in the gather kernels' convention (base 2, ``(B, nh, N)`` fp32): one launch per colour phase;
+    dk, dv and the offsets' gradient summed in fp32 and cast to the inputs' dtypes."""
+    B, T, H, W, nh, d = q.shape
+    cx = dict(gluon_halo_constexprs(d, window, bound), JC=BWD_SAMPLE_CHUNK)
+    dq = torch.empty_like(q)
+    dk, dv = (torch.zeros(x.shape, device=x.device, dtype=torch.float32) for x in (k, v))
+    doff = torch.zeros(offsets.shape, device=offsets.device, dtype=torch.float32)
+    counts, phases = phase_launches((T, H, W), window, bound)
+    for pt, py, px, n in phases:  # one after another: the tiles of one phase share no key
+        halo_dense_bwd_kernel()[(n, B * nh)](q, k, v, offsets, out, dout, lse, dq, dk, dv, doff,
+                                             scale * 1.4426950408889634, scale, T, H, W, nh, pt, py, px, *counts,
+                                             **cx, num_warps=GLUON_WARPS)
+    return dq, dk.to(k.dtype), dv.to(v.dtype), doff.to(offsets.dtype)
 
 
 def aot_variants(shape) -> list[dict]:
@@ -115,9 +176,17 @@ def aot_variants(shape) -> list[dict]:
     sig = {n: "i32" for n in fn.arg_names}
     sig.update({n: t for n in ("Q", "K", "V", "OFF", "OUT")}, LSE="*fp32", qk_scale="fp32")
     sig.update({n: "constexpr" for n in cx})
-    return [dict(kernel="fused_fwd", fn=fn, signature=sig, constexprs=cx, num_warps=GLUON_WARPS, num_stages=1,
-                 config=f"tile 1x{TILE_Y}x{TILE_X},JC={cx['JC']}", tensor_cores=True, may_pick=False, archs=("sm_90",),
-                 note="the fused halo-dense forward (Gluon): not picked until a GPU run checks it")]
+    fwd = dict(kernel="fused_fwd", fn=fn, signature=sig, constexprs=cx, num_warps=GLUON_WARPS, num_stages=1,
+               config=f"tile 1x{TILE_Y}x{TILE_X},JC={cx['JC']}", tensor_cores=True, may_pick=False, archs=("sm_90",),
+               note="the fused halo-dense forward (Gluon): not picked until a GPU run checks it")
+    bwd_fn = halo_dense_bwd_kernel()
+    bsig = {n: "i32" for n in bwd_fn.arg_names}
+    bsig.update({n: t for n in ("Q", "K", "V", "OFF", "OUT", "DO", "DQ")}, qk_scale="fp32", scale="fp32",
+                **{n: "*fp32" for n in ("LSE", "DK", "DV", "DOFF")}, **{n: "constexpr" for n in cx})
+    bcx = dict(cx, JC=BWD_SAMPLE_CHUNK)
+    bwd = dict(fwd, kernel="fused_bwd", fn=bwd_fn, signature=bsig, constexprs=bcx, config=f"tile 1x{TILE_Y}x{TILE_X},JC={bcx['JC']}",
+               note="the fused halo-dense backward (Gluon): not picked until a GPU run checks it")
+    return [fwd, bwd]
 
 
 # -----------------------------------------------------------------------------
@@ -128,10 +197,20 @@ _CHECKED: dict[tuple, str | None] = {}
 CHECK_SHAPE = (1, 3, 20, 20, 2, 128)  # the first-use check's problem: 3 frames of 20 x 20 tokens, two heads  # (device, dtype, head dim, window, bound) -> None (passed) or why not
 
 
-def fused_refusal(q: torch.Tensor, window, bound: float | None, slab=None) -> str | None:
-    """Why the fused forward cannot take this call, or None: it needs Gluon's shared-memory ops, an
-    sm_90 GPU, bf16 or fp16, a bound, the whole clip (no slab), head dim 128 and window 3x7x7 (the
-    shape it was written and compiled for), and its first-use check passed at this shape."""
+def fused_refusal(q: torch.Tensor, window, bound: float | None, slab=None, pass_: str = "forward") -> str | None:
+    """Why the fused ``pass_`` ("forward" or "backward") cannot take this call, or None: it needs Gluon's
+    shared-memory ops, an sm_90 GPU, bf16 or fp16, a bound, the whole clip (no slab), head dim 128 and
+    window 3x7x7 (the shape it was written and compiled for), and its first-use check passed at this shape."""
+    why = _shape_refusal(q, window, bound, slab)
+    if why is not None:
+        return why.replace("the fused forward", f"the fused {pass_}")
+    if pass_ == "backward":
+        return first_use_check_bwd(q.device, q.dtype, tuple(window), float(bound))
+    return first_use_check(q.device, q.dtype, tuple(window), float(bound))
+
+
+def _shape_refusal(q: torch.Tensor, window, bound: float | None, slab) -> str | None:
+    """``fused_refusal`` before the first-use check: the Triton, the device, dtype and shape."""
     why = gluon_halo_refusal()
     if why is not None:
         return why
@@ -143,7 +222,7 @@ def fused_refusal(q: torch.Tensor, window, bound: float | None, slab=None) -> st
         return "the fused forward needs a bound (attention.max_offset) and the whole clip (no token chunks)"
     if (q.shape[-1], tuple(window)) != (128, (3, 7, 7)):
         return f"the fused forward is built for head dim 128 and window 3x7x7, not {q.shape[-1]} and {tuple(window)}"
-    return first_use_check(q.device, q.dtype, tuple(window), float(bound))
+    return None
 
 
 def first_use_check(device, dtype, window, bound: float) -> str | None:
@@ -176,19 +255,59 @@ def _check_once(device, dtype, window, bound: float) -> str | None:
     return f"the fused forward failed its first-use check against the reference ({errors[0]})" if errors else None
 
 
+_CHECKED_BWD: dict[tuple, str | None] = {}
+
+
+def first_use_check_bwd(device, dtype, window, bound: float) -> str | None:
+    """The backward's first-use check, once per (device, dtype, window, bound): the Gluon backward on
+    ``CHECK_SHAPE`` after the mirror's forward (its out and log-sum-exp, fp32), its four gradients held
+    to the reference's by the flash rule; None when it passed, else why not (the caller falls back)."""
+    key = (str(device), dtype, window, bound)
+    if key not in _CHECKED_BWD:
+        _CHECKED_BWD[key] = _check_bwd_once(device, dtype, window, bound)
+    return _CHECKED_BWD[key]
+
+
+def _check_bwd_once(device, dtype, window, bound: float) -> str | None:
+    from .checks import flash_rule_errors, grads  # lazy: test helpers, needed only here
+    from .dsa_halo_dense import _forward, _Layout  # lazy: the mirror's forward gives out and lse
+    from .dsa_reference import dsa_reference  # lazy: as above
+
+    g = torch.Generator().manual_seed(1)
+    shape = CHECK_SHAPE
+    q, k, v, dout = (torch.randn(shape, generator=g) for _ in range(4))
+    off = (torch.rand((*shape[:5], 147, 3), generator=g) * 2 - 1) * bound
+    low = [x.to(dtype) for x in (q, k, v, off)]
+    L = _Layout(low[0], low[3], window, bound, (1, TILE_Y, TILE_X))
+    out, lse = _forward(L, *low[:3], 128 ** -0.5)  # (BH, T, H, W, d) and natural-log lse
+    out = L.unrows(out).contiguous()
+    lse2 = (lse / math.log(2.0)).reshape(shape[0], shape[4], -1).float()
+    try:
+        got = halo_dense_backward(*(x.to(device) for x in low), out.to(device), dout.to(device, dtype),
+                                  lse2.to(device), window, 128 ** -0.5, bound)
+        if torch.device(device).type == "cuda":
+            torch.cuda.synchronize(device)
+    except Exception as e:  # noqa: BLE001 - any failure to build or run means: not this kernel
+        return f"the fused backward failed its first-use run ({type(e).__name__}: {str(e)[:200]})"
+    ref32 = grads(lambda *a: dsa_reference(*a, window), [q, k, v, off], dout)
+    same = grads(lambda *a: dsa_reference(*a, window, upcast=False), low, dout.to(dtype))
+    errors = flash_rule_errors((ref32[0], *(x.float().cpu() for x in got)), ref32, same, 1e-3)
+    return f"the fused backward failed its first-use check against the reference ({errors[0]})" if errors else None
+
+
 _NOTED: set = set()
 
 
-def note_fused_once(refused: str | None) -> None:
-    """Say once per reason what took the forward: the fused kernel (INFO), or why not -- a failed
+def note_fused_once(refused: str | None, pass_: str = "forward") -> None:
+    """Say once per pass and reason what took the pass: the fused kernel (INFO), or why not -- a failed
     first-use check as a warning (the kernel exists but disagreed), any other reason as INFO."""
-    key = refused or "fused"
+    key = (pass_, refused or "fused")
     if key in _NOTED:
         return
     _NOTED.add(key)
     if refused is None:
-        log.info("3D-DSA forward: the fused halo-dense kernel (its first-use check passed)")
+        log.info("3D-DSA %s: the fused halo-dense kernel (its first-use check passed)", pass_)
     elif "first-use" in refused:
-        log.warning("3D-DSA forward: %s; the other kernels take it", refused)
+        log.warning("3D-DSA %s: %s; the other kernels take it", pass_, refused)
     else:
-        log.info("3D-DSA forward: not the fused kernel (%s); the other kernels take it", refused)
+        log.info("3D-DSA %s: not the fused kernel (%s); the other kernels take it", pass_, refused)

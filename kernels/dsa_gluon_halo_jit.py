@@ -31,9 +31,9 @@ def _layer_samples(OFF, off_row, q_ok, jt, j0, st, sy, sx, T, H, W, lo_t, lo_y, 
     jx = j % KW
     ok = q_ok[:, None] & (j < KH * KW)[None, :]
     ptr = OFF + off_row[:, None] + ((jt * KH * KW + j) * 3)[None, :]
-    ot = gl.load(ptr, mask=ok, other=0.0).to(gl.float32)
-    oy = gl.load(ptr + 1, mask=ok, other=0.0).to(gl.float32)
-    ox = gl.load(ptr + 2, mask=ok, other=0.0).to(gl.float32)
+    ot = gl.load(ptr, mask=ok, other=0.0, volatile=True).to(gl.float32)
+    oy = gl.load(ptr + 1, mask=ok, other=0.0, volatile=True).to(gl.float32)
+    ox = gl.load(ptr + 2, mask=ok, other=0.0, volatile=True).to(gl.float32)
     t0, t1, ft = _axis(st + jt + gl.zeros_like(jy)[None, :], ot, T, lo_t)
     y0, y1, fy = _axis(sy[:, None] + jy[None, :], oy, H, lo_y)
     x0, x1, fx = _axis(sx[:, None] + jx[None, :], ox, W, lo_x)
@@ -89,7 +89,7 @@ def _frame_sample_scores(S_s, Z_s, OFF, off_row, q_ok, broken, st, sy, sx, T, H,
                      + S_s.gather(y0 * FX + x1, 1).to(gl.float32) * (1.0 - fy) * fx
                      + S_s.gather(y1 * FX + x0, 1).to(gl.float32) * fy * (1.0 - fx)
                      + S_s.gather(y1 * FX + x1, 1).to(gl.float32) * fy * fx)
-                zs = Z_s.slice(jt * KP + j0, JC, dim=1)
+                zs = Z_s[jt].slice(j0, JC, dim=1)
                 zs.store(zs.load(smp) + wt * z)
     gl.barrier()
     return broken
@@ -104,13 +104,13 @@ def _softmax(Z_s, qk_scale, M: gl.constexpr, KT: gl.constexpr, KH: gl.constexpr,
     for jt in gl.static_range(KT):
         for j0 in gl.static_range(0, KP, JC):
             j = j0 + gl.arange(0, JC, layout=gl.SliceLayout(0, smp))
-            z = gl.where((j < KH * KW)[None, :], Z_s.slice(jt * KP + j0, JC, dim=1).load(smp) * qk_scale, -float("inf"))
+            z = gl.where((j < KH * KW)[None, :], Z_s[jt].slice(j0, JC, dim=1).load(smp) * qk_scale, -float("inf"))
             mx = gl.maximum(mx, gl.max(z, axis=1))
     den = gl.zeros([M], gl.float32, gl.SliceLayout(1, smp))
     for jt in gl.static_range(KT):
         for j0 in gl.static_range(0, KP, JC):
             j = j0 + gl.arange(0, JC, layout=gl.SliceLayout(0, smp))
-            zs = Z_s.slice(jt * KP + j0, JC, dim=1)
+            zs = Z_s[jt].slice(j0, JC, dim=1)
             e = gl.where((j < KH * KW)[None, :], gl.exp2(zs.load(smp) * qk_scale - mx[:, None]), 0.0)
             den = den + gl.sum(e, axis=1)
             zs.store(e)
@@ -134,7 +134,7 @@ def _frame_probs(S_s, Z_s, inv, OFF, off_row, q_ok, st, sy, sx, T, H, W, lo_t, l
             for j0 in gl.static_range(0, KP, JC):
                 wt, y0, y1, fy, x0, x1, fx, out = _layer_samples(
                     OFF, off_row, q_ok, jt, j0, st, sy, sx, T, H, W, lo_t, lo_y, lo_x, fyn, fxn, f, KH, KW, JC, smp)
-                a = Z_s.slice(jt * KP + j0, JC, dim=1).load(smp) * inv[:, None] * wt
+                a = Z_s[jt].slice(j0, JC, dim=1).load(smp) * inv[:, None] * wt
                 keep = (a != 0.0) & (out == 0)
                 S_s.atomic_scatter_add((a * (1.0 - fy) * (1.0 - fx)).to(gl.float16), y0 * FX + x0, 1, mask=keep)
                 S_s.atomic_scatter_add((a * (1.0 - fy) * fx).to(gl.float16), y0 * FX + x1, 1, mask=keep)
@@ -157,6 +157,15 @@ def _frame_output(acc, S_s, kv_s, p_s, V, base, row_stride, tf, H, W, lo_y, lo_x
         acc = hopper.warpgroup_mma(p_s, kv_s, acc)
     gl.barrier()
     return acc
+
+
+@gluon.jit
+def _zero_samples(Z_s, M: gl.constexpr, KT: gl.constexpr, KP: gl.constexpr, JC: gl.constexpr, smp: gl.constexpr):
+    """Every sample slot of ``Z_s`` (one ``M x KP`` fp32 buffer per window layer) set to 0."""
+    for jt in gl.static_range(KT):
+        for c in gl.static_range(KP // JC):
+            Z_s[jt].slice(c * JC, JC, dim=1).store(gl.zeros([M, JC], gl.float32, smp))
+    gl.barrier()
 
 
 @gluon.jit
@@ -216,9 +225,10 @@ def halo_dense_fwd(Q, K, V, OFF, OUT, LSE, qk_scale, T, H, W, NH,
                                      gl.NVMMASharedLayout.get_default_for([64, HEAD_DIM], gl.bfloat16))
     p_s = gl.allocate_shared_memory(gl.bfloat16, [M, 64], gl.NVMMASharedLayout.get_default_for([M, 64], gl.bfloat16))
     S_s = gl.allocate_shared_memory(gl.float16, [M, SW], flat)  # a frame's scores, then its P
-    Z_s = gl.allocate_shared_memory(gl.float32, [M, KTP * KP], flat)  # the samples' scores, then p
-    for c in gl.static_range(KTP * KP // JC):
-        Z_s.slice(c * JC, JC, dim=1).store(gl.zeros([M, JC], gl.float32, smp))
+    gl.static_assert(KT == 3, "the samples' buffers are one per window layer: built for kt = 3")
+    Z_s = (gl.allocate_shared_memory(gl.float32, [M, KP], flat), gl.allocate_shared_memory(gl.float32, [M, KP], flat),
+           gl.allocate_shared_memory(gl.float32, [M, KP], flat))  # per window layer: the samples' scores, then p
+    _zero_samples(Z_s, M, KT, KP, JC, smp)
     broken = gl.zeros([M], gl.int32, gl.SliceLayout(1, smp))
 
     for f in range(0, ftn):  # pass 1: the samples' scores, frame by frame

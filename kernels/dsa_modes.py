@@ -21,10 +21,10 @@ class KernelModes:
     """Which kernels take the forward and the backward's query side: ``auto`` -- per pass, the halo
     kernels (tensor cores) for bf16 and fp16 when the offsets' bound allows them and the cost model
     predicts them faster there, else the gather kernels; ``halo`` -- the halo kernels whenever the
-    bound allows them, fp32 too; ``gather`` -- always the gather kernels; ``fused`` -- the forward on
-    the fused halo-dense kernel (``dsa_gluon_halo``: Gluon, Triton >= 3.8, sm_90) where it can run and
-    its first-use check against the reference passed, else as ``auto`` (the reason logged once); the
-    backward as ``auto``. A call with an explicit ``block_m`` takes the gather kernels."""
+    bound allows them, fp32 too; ``gather`` -- always the gather kernels; ``fused`` -- the forward and
+    the backward each on the fused halo-dense kernel (``dsa_gluon_halo``: Gluon, Triton >= 3.8, sm_90)
+    where it can run and its first-use check against the reference passed, else as ``auto`` (the
+    reason logged once per pass). A call with an explicit ``block_m`` takes the gather kernels."""
     dkv: str = "auto"
     """How the backward sums dk and dv: ``auto`` -- the key-side pass (deterministic, no float
     atomics) when the offsets' bound allows it; past its cap, or with no bound, the split mode (the

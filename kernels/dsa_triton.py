@@ -53,6 +53,7 @@ Verification status (Caution):
 from __future__ import annotations
 
 import logging
+import math
 from typing import Sequence
 
 import torch
@@ -528,17 +529,29 @@ def _dsa_fwd_launch(q, k, v, offsets, win, scale, block_m, slab=None, max_offset
     return out, lse
 
 
+def _fused_bwd(q, k, v, offsets, out, dout, lse, win, scale, slab, max_offset):
+    """``(dq, dk, dv, doffsets)`` of the fused halo-dense backward where ``fused_refusal`` lets it take
+    the call (said once per reason), else None."""
+    from .dsa_gluon_halo import fused_refusal, halo_dense_backward, note_fused_once  # lazy: Gluon, when asked
+
+    refused = fused_refusal(q, win, max_offset, slab, "backward")
+    note_fused_once(refused, "backward")
+    if refused is not None:
+        return None
+    return halo_dense_backward(q, k, v, offsets, out, dout, lse, win, scale, float(max_offset))
+
+
 def _dsa_bwd_launch(q, k, v, offsets, out, dout, lse, win, scale, block_m, slab=None, max_offset=None,
                     modes: KernelModes = AUTO):
-    """dq, dk, dv, d(offsets). dk and dv come from the key-side pass (``dsa_triton_pull``) when the
-    offsets' bound allows it (``modes.dkv`` "auto"), else from the split mode (the key-side pass at its
-    cap, fp32 atomics for the queries past it) or, where no bound fits, the query-side pass's atomics."""
-    B, T, H, W, nh, d = q.shape
-    N = T * H * W
+    """dq, dk, dv, d(offsets). dk and dv come from the key-side pass (``dsa_triton_pull``) when the offsets'
+    bound allows it (``modes.dkv`` "auto"), else from the split mode (the key-side pass at its cap, fp32
+    atomics for the queries past it) or, where no bound fits, the query-side pass's atomics."""
+    (B, T, H, W, nh, d), N = q.shape, math.prod(q.shape[1:4])
     kv_args, T = _slab_args(q, k, slab)
-    dq = torch.empty_like(q)
-    doff = torch.empty_like(offsets)
-    if modes.halo == "fused":  # the fused forward's backward: auto's kernels
+    dq, doff = torch.empty_like(q), torch.empty_like(offsets)
+    if modes.halo == "fused":  # the fused halo-dense backward where it can run, else auto's kernels
+        if (got := _fused_bwd(q, k, v, offsets, out, dout, lse, win, scale, slab, max_offset)) is not None:
+            return got
         modes = KernelModes(dkv=modes.dkv)
     bound, why = ((None, "dkv mode atomic") if modes.dkv == "atomic"
                   else pull_bound(offsets, max_offset, slab, win[0], win[2]))

@@ -224,17 +224,20 @@ def test_sm90_compile_only_check_passes_at_the_preset_shapes(tmp_path):
     assert shapes == {(d, w) for d in (64, 128) for w in ((3, 5, 5), (3, 7, 7))}
     from kernels.dsa_gluon_halo import gluon_halo_refusal
 
-    fused = set() if gluon_halo_refusal() else {"fused_fwd"}  # the Gluon forward, where this Triton builds it
+    fused = set() if gluon_halo_refusal() else {"fused_fwd", "fused_bwd"}  # the Gluon kernels, where Triton builds them
     assert {r["kernel"] for r in recs} == {"gather_fwd", "gather_bwd_pull", "gather_bwd_atomic", "gather_bwd_split",
                                            "pull_dk", "pull_dv", "pull_dk+acc", "pull_dv+acc", "halo_scores", "halo_out",
                                            "halo_bwd_v", "halo_bwd_k", "halo_dq"} | fused
-    for r in recs:  # the fused forward (not picked yet): clean by the same rules, each of its 12 dots a bf16 wgmma
-        if r["kernel"] == "fused_fwd":
-            assert r["ok"] and r["mma_dots"] == r["tt_dots"] == 12 and r["wgmma_not_16bit"] == 0, r
+    # the fused kernels (not picked yet): clean by the same rules, every dot of the source a bf16 wgmma (the
+    # forward's 2 per chunk of 64 halo keys, the backward's 7, unrolled over the frame's 6 chunks), no float atomics
+    for r in recs:
+        if r["kernel"] in ("fused_fwd", "fused_bwd"):
+            dots = {"fused_fwd": 12, "fused_bwd": 42}[r["kernel"]]
+            assert r["ok"] and r["mma_dots"] == r["tt_dots"] == dots and r["wgmma_not_16bit"] == 0, r
             assert not r["mma_serialized"] and r["atomics_f32"] == 0, r
     for r in recs:
         assert r["ok"] and r["spill_stores"] == 0 and r["smem"] <= aot.SMEM_PER_BLOCK[90], r
-        assert r["compile_s"] < 60, r
+        assert r["compile_s"] < (180 if r["kernel"] == "fused_bwd" else 60), r  # the fused backward: 42 dots, ~1 min
         if r["kernel"] in ("gather_bwd_pull",) or r["kernel"].startswith(("pull", "halo")):
             assert r["atomics_f32"] == 0, r  # the backward that runs at this bound: no float atomics
         if r["kernel"].startswith("pull"):  # its products on Hopper's tensor cores, 2 blocks per SM
@@ -287,7 +290,7 @@ def test_sm90_compile_only_check_passes_at_the_preset_shapes(tmp_path):
             assert table["entries"][key]["depths"] == {str(k): v for k, v in r["loop_instr"].items()}, key
             assert table["entries"][key]["blocks_per_sm"] == r["blocks_per_sm"], key
             checked.add(r["kernel"])
-    assert checked == set(ISSUE_KERNELS) - ({"fused_fwd"} - fused)
+    assert checked == set(ISSUE_KERNELS) - ({"fused_fwd", "fused_bwd"} - fused)
 
 
 @pytest.mark.slow

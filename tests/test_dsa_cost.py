@@ -51,9 +51,10 @@ def _cli(*args) -> subprocess.CompletedProcess:
 
 def test_cli_json_reports_the_picked_kernels_against_fa3(capsys):
     """``python -m kernels.dsa_cost ... --json`` (a fresh process) prints what ``call_breakdown``
-    computes: each kernel's time and terms summing to the pass, FA3 on the same tokens, the ratio."""
+    computes: each kernel's time and terms summing to the pass, FA3 on the same tokens, the ratio;
+    and, under ``fused``, what ``fused_compiled`` computes for the fused halo-dense kernels."""
     pytest.importorskip("triton")
-    from kernels.dsa_cost import call_breakdown, main
+    from kernels.dsa_cost import call_breakdown, fused_compiled, main
 
     proc = subprocess.run([sys.executable, "-m", "kernels.dsa_cost", "--grid", "21x30x52", "--window", "3x7x7",
                            "--head-dim", "128", "--bound", "1.5", "--json"], capture_output=True, text=True, cwd=ROOT,
@@ -61,6 +62,7 @@ def test_cli_json_reports_the_picked_kernels_against_fa3(capsys):
     assert proc.returncode == 0, proc.stderr
     got = json.loads(proc.stdout)
     want = call_breakdown((21, 30, 52), (3, 7, 7), 128, 1.5)
+    assert got.pop("fused") == json.loads(json.dumps(fused_compiled((21, 30, 52), (3, 7, 7), 128, 1.5)))
     assert got == json.loads(json.dumps(want))  # what the model computes, nothing added
     assert got["how"] == "issue slots from the sm_90 compile"
     for p in ("fwd", "bwd"):
@@ -92,13 +94,14 @@ def test_cli_unbounded_needs_the_far_share_and_refuses_bad_shapes(capsys):
 
 def test_cli_design_prices_the_mirrors_work(capsys):
     """``--design``: the fused halo-dense design estimate, from the mirror's work counts (its tensor-core
-    term is the counted MACs at FA3's efficiency; the pass time is its largest term)."""
+    term is the counted MACs at FA3's efficiency; the pass time is its largest term). At window 3x5x5,
+    where no Gluon kernel is compiled (at 3x7x7 the compiles replace both rows)."""
     from kernels.dsa_cost import main
     from kernels.dsa_halo_dense import halo_dense_counts
 
-    assert main(["--grid", "5x16x24", "--window", "3x7x7", "--bound", "1.5", "--design", "--json"]) == 0
+    assert main(["--grid", "5x16x24", "--window", "3x5x5", "--bound", "1.5", "--design", "--json"]) == 0
     d = json.loads(capsys.readouterr().out)["design"]
-    counts = halo_dense_counts((5, 16, 24), (3, 7, 7), 128, 1.5)
+    counts = halo_dense_counts((5, 16, 24), (3, 5, 5), 128, 1.5)
     assert d["counts"] == counts
     tc = 1e3 * 2 * counts["bwd_macs"] / (CHIPS[0].bf16_tc * FA3_MFU["bwd"])
     bwd = d["passes"]["bwd"]
@@ -199,3 +202,42 @@ def test_lever_cli_prices_both_wan_grids_against_the_cost_model():
     bad = subprocess.run([sys.executable, "-m", "kernels.dsa_lever_cost", "--grid", "21by30"], capture_output=True,
                          text=True, cwd=ROOT, timeout=300)
     assert bad.returncode == 2 and "--grid '21by30'" in bad.stderr
+
+
+def test_the_fused_backward_is_priced_from_its_compile(capsys):
+    """The Gluon backward's row, as the forward's: issue slots from its sm_90 compile (depths 0 and 1
+    times the tiles and their halo frames, 256 threads a tile), seven 64 x 64 x d dots per chunk of 64
+    halo keys and frame; the design row's backward is this row, and the command line reports the
+    compiled forward and backward against FA3 (JSON key ``fused``)."""
+    from kernels.dsa_cost import (
+        fused_bwd_cost,
+        fused_compiled,
+        fused_fwd_cost,
+        halo_dense_design,
+        issue_key,
+        issue_table,
+        main,
+    )
+    from kernels.dsa_gluon_halo import BWD_SAMPLE_CHUNK, gluon_halo_constexprs
+    from kernels.dsa_halo_dense import halo_tiles
+
+    grid, window = (5, 16, 24), (3, 7, 7)
+    cx = dict(gluon_halo_constexprs(128, window, 1.5), JC=BWD_SAMPLE_CHUNK)
+    entry = issue_table().get(issue_key("fused_bwd", 128, window, cx, 8))
+    if entry is None:
+        pytest.skip("the issue table has no fused backward (a Triton whose Gluon cannot build it)")
+    tiles = halo_tiles(grid, window, 1.5, (1, 8, 8))
+    frames = sum(t.halo_shape[0] for t in tiles)
+    cost = fused_bwd_cost(grid, window, 128, 1.5)
+    assert cost.issue == 256 * (len(tiles) * entry["depths"]["0"] + frames * entry["depths"]["1"])
+    assert cost.tc_flops == 7 * 2 * 64 * cx["NCH"] * 64 * 128 * frames
+    d = halo_dense_design(grid, window, 128, 1.5)
+    assert d["passes"]["bwd"]["ms"] == pytest.approx(1e3 * cost.seconds(CHIPS[0])["seconds"])
+    assert fused_bwd_cost(grid, (3, 5, 5), 128, 1.5) is None  # compiled at the Wan shape only
+    both = fused_compiled(grid, window, 128, 1.5)
+    fwd_ms = 1e3 * fused_fwd_cost(grid, window, 128, 1.5).seconds(CHIPS[0])["seconds"]
+    assert both["dsa_ms"]["total"] == pytest.approx(fwd_ms + d["passes"]["bwd"]["ms"])
+    assert both["ratio"] == pytest.approx(both["fa3_ms"]["total"] / both["dsa_ms"]["total"])
+    assert main(["--grid", "5x16x24", "--window", "3x7x7", "--bound", "1.5", "--json"]) == 0
+    cli = json.loads(capsys.readouterr().out)["fused"]
+    assert cli["dsa_ms"] == pytest.approx(both["dsa_ms"]) and cli["ratio"] == pytest.approx(both["ratio"])

@@ -211,3 +211,79 @@ def test_fused_mode_takes_the_fused_forward_only_where_it_may(monkeypatch):
     monkeypatch.setattr(G, "fused_refusal", lambda *a: None)
     monkeypatch.setattr(G, "halo_dense_forward", lambda *a: ("fused", None))
     assert DT._dsa_fwd_launch(q, q, q, off, (3, 7, 7), 0.1, None, None, 1.5, KernelModes(halo="fused"))[0] == "fused"
+
+
+# -----------------------------------------------------------------------------
+# The fused backward (Gluon): its launches per colour phase, its first-use check and its fallback
+
+
+@pytest.mark.parametrize("grid,bound", [((5, 20, 27), 1.5), ((4, 15, 26), 0.5), ((6, 9, 17), 2.5)])
+def test_the_backward_launches_every_tile_once_and_no_phase_shares_a_key(grid, bound):
+    """``phase_launches`` and the kernel's tile arithmetic (``phase_tile``): every tile of the mirror
+    (``halo_tiles``) is launched exactly once, and the tiles of one launch (a colour phase) have
+    pairwise disjoint halos, so their dk, dv rows are added without atomics."""
+    from kernels.dsa_gluon_halo import phase_launches, phase_tile
+
+    window = (3, 7, 7)
+    tiles = {t.index: t for t in halo_tiles(grid, window, bound, (1, 8, 8))}
+    counts, phases = phase_launches(grid, window, bound)
+    assert counts == colour_counts(list(tiles.values()))
+    launched = []
+    for pt, py, px, n in phases:
+        group = [tiles[phase_tile(i, (pt, py, px), counts, grid)] for i in range(n)]
+        launched += [t.index for t in group]
+        for a, b in itertools.combinations(group, 2):
+            assert any(a.k_hi[ax] < b.k_lo[ax] or b.k_hi[ax] < a.k_lo[ax] for ax in range(3)), (a, b)
+    assert sorted(launched) == sorted(tiles)
+
+
+def _mirror_backward(q, k, v, off, out, dout, lse, window, scale, bound):
+    """The mirror's gradients, standing in for the Gluon backward on a CPU."""
+    got = grads(lambda *a: dsa_halo_dense(*a, window, bound, scale=scale), [q, k, v, off], dout)
+    return got[1:]
+
+
+def test_the_backward_first_use_check_passes_a_right_kernel_and_catches_a_wrong_or_failing_one(monkeypatch):
+    """``first_use_check_bwd`` holds the backward's four gradients to the reference's by the flash rule
+    on a small problem: the mirror (the kernel's algorithm) passes; a dk 10% off, or a kernel
+    that raises, is refused with the reason, so the caller falls back; the verdict is kept per shape."""
+    import kernels.dsa_gluon_halo as G
+
+    def dk_off(*a):
+        dq, dk, dv, doff = _mirror_backward(*a)
+        return dq, dk * 1.1, dv, doff
+
+    def broken(*a):
+        raise RuntimeError("illegal memory access")
+
+    monkeypatch.setattr(G, "CHECK_SHAPE", (1, 3, 12, 12, 1, 128))  # two tiles a side: small enough for a CPU
+    for fn, verdict in ((_mirror_backward, None), (dk_off, "dk: err"), (broken, "illegal memory")):
+        monkeypatch.setattr(G, "halo_dense_backward", fn)
+        monkeypatch.setattr(G, "_CHECKED_BWD", {})
+        got = G.first_use_check_bwd("cpu", torch.bfloat16, (3, 7, 7), 1.5)
+        assert (got is None) if verdict is None else (verdict in got), (fn.__name__, got)
+    monkeypatch.setattr(G, "halo_dense_backward", broken)
+    monkeypatch.setattr(G, "_CHECKED_BWD", {("cpu", torch.bfloat16, (3, 7, 7), 1.5): None})
+    assert G.first_use_check_bwd("cpu", torch.bfloat16, (3, 7, 7), 1.5) is None
+
+
+def test_fused_mode_takes_the_fused_backward_only_where_it_may(monkeypatch):
+    """``KernelModes(halo="fused")``: the backward launcher runs the fused backward where
+    ``fused_refusal(..., "backward")`` allows it (its first-use check passed), else auto's kernels
+    (here on a CPU: refused, sm_90 only, and the refusal names the backward)."""
+    pytest.importorskip("triton")
+    import kernels.dsa_gluon_halo as G
+    import kernels.dsa_triton as DT
+    from kernels import KernelModes
+
+    shape = (1, 3, 8, 8, 1, 128)
+    q = torch.zeros(shape, dtype=torch.bfloat16)
+    off = torch.zeros(*shape[:5], 147, 3, dtype=torch.bfloat16)
+    why = G.fused_refusal(q, (3, 7, 7), 1.5, None, "backward")
+    assert "sm_90" in why and "backward" in why
+    asked = []
+    monkeypatch.setattr(G, "fused_refusal", lambda *a: asked.append(a[-1]))
+    monkeypatch.setattr(G, "halo_dense_backward", lambda *a: "fused")
+    assert DT._dsa_bwd_launch(q, q, q, off, q, q, None, (3, 7, 7), 0.1, None, None, 1.5,
+                              KernelModes(halo="fused")) == "fused"
+    assert asked == ["backward"]

@@ -57,9 +57,10 @@ def predicted_ms(kind: str, grid, window, nh: int, d: int) -> tuple[float, float
     if kind in ("dsa", "neighborhood", "dsa_gather_split", "dsa_fused"):
         bound = {"dsa": 1.5, "neighborhood": 0.0, "dsa_gather_split": None, "dsa_fused": 1.5}[kind]
         b = C.call_breakdown(grid, window, d, bound, far_share=SPLIT_FAR_SHARE)
-        fused = C.fused_fwd_cost(grid, window, d, 1.5) if kind == "dsa_fused" else None
-        fwd_ms = 1e3 * fused.seconds(chip)["seconds"] if fused is not None else b["dsa_ms"]["fwd"]
-        return nh * fwd_ms, nh * b["dsa_ms"]["bwd"]
+        fused = [C.fused_fwd_cost(grid, window, d, 1.5), C.fused_bwd_cost(grid, window, d, 1.5)] \
+            if kind == "dsa_fused" else [None, None]
+        return tuple(nh * (1e3 * c.seconds(chip)["seconds"] if c is not None else b["dsa_ms"][p])
+                     for c, p in zip(fused, ("fwd", "bwd")))
     gather_fwd, gather_atomic = C.gather_costs(N, window, d)
     query, key = C.pull_costs(grid, window, d, 1.5)
     fwd, bwd = [gather_fwd], {"dsa_gather": [query, key], "dsa_gather_atomic": [gather_atomic]}.get(kind)
@@ -135,7 +136,7 @@ def measure_attention(kind: str, grid, window, nh: int, d: int, device, reps: in
                         "dsa_gather_atomic": "triton gather, dk/dv by atomics",
                         "dsa_gather_split": "triton gather, dk/dv split: pulled, 5% of queries by atomics",
                         "dsa_halo": "triton halo (tensor cores), dk/dv pulled",
-                        "dsa_fused": "fused halo-dense forward (Gluon) where it may run, else auto; backward auto"}.get(
+                        "dsa_fused": "fused halo-dense forward and backward (Gluon) where they may run, else auto"}.get(
                 kind, "triton auto (halo or gather per pass by the cost model), dk/dv pulled")}
 
 

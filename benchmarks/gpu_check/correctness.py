@@ -69,8 +69,8 @@ def check_case(t, case: Case, dtype, device: str, kernel: str = "gather") -> dic
     if kernel == "fused":  # it runs only where it may (and passed its first-use check): say what ran
         from kernels.dsa_gluon_halo import fused_refusal  # lazy: as above
 
-        refused = fused_refusal(inputs[0], case.window, bound)
-        ran = "fused" if refused is None else f"auto ({refused})"
+        ran = "; ".join(f"{p}: fused" if why is None else f"{p}: auto ({why})" for p, why in
+                        ((p, fused_refusal(inputs[0], case.window, bound, None, p)) for p in ("forward", "backward")))
     result = {"case": f"{case.name} [{kernel}]", "shape": case.shape, "window": case.window,
               "dtype": str(dtype).replace("torch.", ""), "block_m": case.block_m, "kernel": ran}
     if dtype == torch.float32:

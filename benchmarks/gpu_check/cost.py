@@ -136,8 +136,8 @@ def main(argv=None) -> int:
               f"{d['total']:.2f} | {f['fwd']:.2f} + {f['bwd']:.2f} = {f['total']:.2f} | {r['ratio']:.2f}x | "
               f"{r['design_ms']['total']:.3f} | {r['design_ratio']:.1f}x |")
     print(f"\n{a.chip} figures, one head, bf16; {rows[0]['how'] if rows else 'no GPU preset'}; the halo-dense "
-          "columns: kernels.dsa_cost.halo_dense_design, the forward from the Gluon kernel's sm_90 compile where it "
-          "exists (d 128, 3x7x7), else the design's assumptions; the backward the design's (no kernel of it has run)")
+          "columns: kernels.dsa_cost.halo_dense_design, each pass from its Gluon kernel's sm_90 compile where it "
+          "exists (d 128, 3x7x7), else the design's assumptions (no kernel of it has run)")
     return 0
 
 

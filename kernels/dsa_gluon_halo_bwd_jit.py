@@ -1,0 +1,354 @@
+"""The Gluon code of the fused halo-dense backward (``dsa_gluon_halo`` describes the algorithm and
+holds the host side). Imported only where ``dsa_gluon_halo.gluon_halo_refusal`` finds a Triton whose
+Gluon has the shared-memory gather and atomic scatter-add (>= 3.8).
+
+One program = one 1 x 8 x 8 query tile of one (batch, head) pair, 8 warps, 216 KB of shared memory,
+launched per colour phase (the tiles of one phase share no key, so each adds its halo's dk, dv rows
+with plain loads and stores). Five frame loops, each frame's 64-key chunks on tensor cores, the
+frame's matrix in ``S_s`` (fp16), the samples' values in ``P_s`` and ``G_s`` (fp32, one buffer per
+window layer):
+
+1. ``S = Q K^T``; the samples' scores gathered into ``P_s`` (the forward's pass 1), then
+   ``p = exp2(z qk_scale - lse)`` over them.
+2. ``dP = dO V^T``; the samples' ``dp`` gathered into ``G_s``, then ``ds = p (dp - D)`` over them.
+3. ``S`` again: the offsets' gradient's ``scale ds S_c dw_c`` part added into ``DOFF``.
+4. ``dP`` again: its ``p dP_c dw_c`` part; ``P`` scattered onto the frame; ``dV = P^T dO`` (plain adds).
+5. ``dS`` (``ds`` times the corners' weights, times ``DS_GAIN`` in fp16) scattered onto the frame;
+   ``dQ += dS K``, ``dK = dS^T Q`` (plain adds), both times ``scale / DS_GAIN``.
+
+Recomputing S and dP (passes 3, 4) costs two more dots per chunk but holds only two per-sample
+arrays (p, ds) where the offsets' gradient would need eight; the dQ accumulator is live in pass 5
+alone, and each pass recomputes the tile's geometry (``_where``): held across passes it spilled.
+``DOFF``, ``DK`` and ``DV`` are fp32 and zeroed by the caller; a program adds to its own queries'
+offset rows only (the same thread reads and writes an element: no barrier needed)."""
+
+from __future__ import annotations
+
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia import hopper
+
+from .dsa_gluon_halo_jit import (
+    _axis,
+    _frame_probs,
+    _frame_sample_scores,
+    _frame_scores,
+    _halo_rows,
+    _start,
+    _zero_samples,
+)
+
+
+@gluon.jit
+def _pin(geo):
+    """``geo`` with the queries' offset rows and window starts passed through an opaque move: what is
+    computed from them stays inside the frame loop (hoisted, every layer's addresses and positions
+    would be held across it, and spill)."""
+    off_row, q_ok, st, sy, sx = geo[0], geo[1], geo[2], geo[3], geo[4]
+    off_row, sy, sx = gl.inline_asm_elementwise("mov.b32 $0, $3;\n\tmov.b32 $1, $4;\n\tmov.b32 $2, $5;",
+                                                "=r,=r,=r,r,r,r", [off_row, sy, sx],
+                                                dtype=(gl.int32, gl.int32, gl.int32), is_pure=False, pack=1)
+    return (off_row, q_ok, st, sy, sx, geo[5], geo[6], geo[7], geo[8], geo[9], geo[10], geo[11], geo[12])
+
+
+@gluon.jit
+def _live(base, off, size):
+    """1 where the clamp passes the position's gradient (raw position within ``[0, size - 1]``), else 0."""
+    p = base.to(gl.float32) + off
+    return gl.where((p >= 0.0) & (p <= (size - 1).to(gl.float32)), 1.0, 0.0)
+
+
+@gluon.jit
+def _layer_derivs(OFF, off_row, q_ok, jt, j0, st, sy, sx, T, H, W, lo_t, lo_y, lo_x, fyn, fxn, f,
+                  KH: gl.constexpr, KW: gl.constexpr, JC: gl.constexpr, layout: gl.constexpr):
+    """The forward's ``_layer_samples`` for samples ``j0 .. j0 + JC`` of layer ``jt`` in frame ``f`` (weight,
+    corners, fractions, leaving the halo), and the derivatives: of the weight along t (``-1`` at the
+    lower corner frame, ``+1`` at the upper, 0 where clamped), the y and x clamps' pass-through (1 or 0).
+    The offsets are read volatile: kept per frame, not hoisted out of the frame loop for every layer."""
+    j = j0 + gl.arange(0, JC, layout=gl.SliceLayout(0, layout))
+    jy = j // KW
+    jx = j % KW
+    ok = q_ok[:, None] & (j < KH * KW)[None, :]
+    idx = off_row[:, None] + ((jt * KH * KW + j) * 3)[None, :]
+    ot = gl.load(OFF + idx, mask=ok, other=0.0, volatile=True).to(gl.float32)
+    oy = gl.load(OFF + idx + 1, mask=ok, other=0.0, volatile=True).to(gl.float32)
+    ox = gl.load(OFF + idx + 2, mask=ok, other=0.0, volatile=True).to(gl.float32)
+    bt = st + jt + gl.zeros_like(jy)[None, :]
+    by = sy[:, None] + jy[None, :]
+    bx = sx[:, None] + jx[None, :]
+    t0, t1, ft = _axis(bt, ot, T, lo_t)
+    y0, y1, fy = _axis(by, oy, H, lo_y)
+    x0, x1, fx = _axis(bx, ox, W, lo_x)
+    wt = gl.where(t0 == f, 1.0 - ft, 0.0) + gl.where(t1 == f, ft, 0.0)
+    lt = _live(bt, ot, T)
+    dwt = gl.where(t0 == f, -lt, 0.0) + gl.where(t1 == f, lt, 0.0)
+    out = (t0 < 0) | (y0 < 0) | (x0 < 0) | (y1 >= fyn) | (x1 >= fxn)
+    return (gl.where(ok, wt, 0.0), y0, y1, fy, x0, x1, fx, ok & out, dwt, _live(by, oy, H), _live(bx, ox, W), idx,
+            ok)
+
+
+@gluon.jit
+def _frame_offset_grads(F_s, A_s, a_scale, OFF, DOFF, off_row, q_ok, st, sy, sx, T, H, W, lo_t, lo_y, lo_x,
+                        fyn, fxn, f, KT: gl.constexpr, KH: gl.constexpr, KW: gl.constexpr, ELO: gl.constexpr,
+                        EHI: gl.constexpr, FY: gl.constexpr, FX: gl.constexpr, KP: gl.constexpr, JC: gl.constexpr,
+                        smp: gl.constexpr):
+    """The offsets' gradient from frame ``f``'s matrix ``F_s`` (``S`` or ``dP``) with per-sample factors
+    ``a = a_scale A_s`` (``scale ds`` or ``p``): ``sum_c a F_c dw_c / dpos`` over the sample's corners
+    in ``f``, added into ``DOFF``."""
+    for jt in gl.static_range(KT):
+        if (lo_t + f >= st + jt - ELO) & (lo_t + f <= st + jt + EHI):
+            for j0 in gl.static_range(0, KP, JC):
+                wt, y0, y1, fy, x0, x1, fx, out, dwt, ly, lx, idx, ok = _layer_derivs(
+                    OFF, off_row, q_ok, jt, j0, st, sy, sx, T, H, W, lo_t, lo_y, lo_x, fyn, fxn, f, KH, KW, JC, smp)
+                y0 = gl.minimum(gl.maximum(y0, 0), FY - 1)
+                y1 = gl.minimum(gl.maximum(y1, 0), FY - 1)
+                x0 = gl.minimum(gl.maximum(x0, 0), FX - 1)
+                x1 = gl.minimum(gl.maximum(x1, 0), FX - 1)
+                f00 = F_s.gather(y0 * FX + x0, 1).to(gl.float32)
+                f01 = F_s.gather(y0 * FX + x1, 1).to(gl.float32)
+                f10 = F_s.gather(y1 * FX + x0, 1).to(gl.float32)
+                f11 = F_s.gather(y1 * FX + x1, 1).to(gl.float32)
+                a = gl.where(ok & (out == 0), A_s[jt].slice(j0, JC, dim=1).load(smp) * a_scale, 0.0)
+                bil = (1.0 - fy) * ((1.0 - fx) * f00 + fx * f01) + fy * ((1.0 - fx) * f10 + fx * f11)
+                gy = ly * ((1.0 - fx) * (f10 - f00) + fx * (f11 - f01))
+                gx = lx * ((1.0 - fy) * (f01 - f00) + fy * (f11 - f10))
+                dptr = DOFF + idx
+                gl.store(dptr, gl.load(dptr, mask=ok, other=0.0) + a * dwt * bil, mask=ok)
+                gl.store(dptr + 1, gl.load(dptr + 1, mask=ok, other=0.0) + a * wt * gy, mask=ok)
+                gl.store(dptr + 2, gl.load(dptr + 2, mask=ok, other=0.0) + a * wt * gx, mask=ok)
+                gl.barrier()  # one chunk's tensors at a time: unfenced, the chunks are scheduled together and spill
+    gl.barrier()
+
+
+
+@gluon.jit
+def _probs_from_lse(P_s, lse, qk_scale, M: gl.constexpr, KT: gl.constexpr, KH: gl.constexpr, KW: gl.constexpr,
+                    KP: gl.constexpr, JC: gl.constexpr, smp: gl.constexpr):
+    """The samples' scores in ``P_s`` become their probabilities ``exp2(z qk_scale - lse)`` (0 on padding)."""
+    for jt in gl.static_range(KT):
+        for j0 in gl.static_range(0, KP, JC):
+            j = j0 + gl.arange(0, JC, layout=gl.SliceLayout(0, smp))
+            zs = P_s[jt].slice(j0, JC, dim=1)
+            zs.store(gl.where((j < KH * KW)[None, :], gl.exp2(zs.load(smp) * qk_scale - lse[:, None]), 0.0))
+    gl.barrier()
+
+
+@gluon.jit
+def _ds_from_dp(G_s, P_s, D, M: gl.constexpr, KT: gl.constexpr, KP: gl.constexpr, JC: gl.constexpr,
+                smp: gl.constexpr):
+    """The samples' ``dp`` in ``G_s`` become ``ds = p (dp - D)``."""
+    for jt in gl.static_range(KT):
+        for j0 in gl.static_range(0, KP, JC):
+            gs = G_s[jt].slice(j0, JC, dim=1)
+            gs.store(P_s[jt].slice(j0, JC, dim=1).load(smp) * (gs.load(smp) - D[:, None]))
+    gl.barrier()
+
+
+@gluon.jit
+def _add_rows(X, acc, base, row_stride, tf, c, H, W, lo_y, lo_x, fyn, fxn, COLS: gl.constexpr, FX: gl.constexpr):
+    """``X[halo rows of chunk c of frame tf, :COLS] += acc`` (fp32, in the accumulator's layout: no shared-memory
+    round trip; plain loads and stores: the colour phase gives this program the rows alone)."""
+    r = c * 64 + gl.arange(0, 64, layout=gl.SliceLayout(1, acc.type.layout))
+    cols = gl.arange(0, COLS, layout=gl.SliceLayout(0, acc.type.layout))
+    hy = r // FX
+    hx = r % FX
+    ok = ((hy < fyn) & (hx < fxn))[:, None]
+    ptr = X + base + ((tf * H + lo_y + hy) * W + lo_x + hx)[:, None] * row_stride + cols[None, :]
+    gl.store(ptr, gl.load(ptr, mask=ok, other=0.0) + acc, mask=ok)
+
+
+@gluon.jit
+def _frame_dq_dk(dq, S_s, kv_s, p_s, q_s, K, DK, base, row_stride, tf, H, W, lo_y, lo_x, fyn, fxn,
+                 M: gl.constexpr, HEAD_DIM: gl.constexpr, NCH: gl.constexpr, FX: gl.constexpr, ld: gl.constexpr,
+                 smp: gl.constexpr, o_mma: gl.constexpr, dk_scale):
+    """Frame ``tf``'s ``dS`` (in ``S_s``) times its keys: ``dQ += dS K`` and ``dK += dS^T Q``, 64 keys a
+    chunk on tensor cores, ``dS`` cast to bf16."""
+    kr = gl.arange(0, 64, layout=gl.SliceLayout(1, ld))
+    cols = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, ld))
+    for c in gl.static_range(NCH):
+        gl.barrier()
+        kv_s.store(_halo_rows(K, base, row_stride, tf, c * 64 + kr, H, W, lo_y, lo_x, fyn, fxn, cols, FX))
+        p_s.store(S_s.slice(c * 64, 64, dim=1).load(smp).to(gl.bfloat16))
+        hopper.fence_async_shared()
+        dq = hopper.warpgroup_mma(p_s, kv_s, dq)
+        dk = hopper.warpgroup_mma(p_s.permute((1, 0)), q_s, gl.zeros([64, HEAD_DIM], gl.float32, o_mma))
+        _add_rows(DK, dk * dk_scale, base, row_stride, tf, c, H, W, lo_y, lo_x, fyn, fxn, HEAD_DIM, FX)
+    gl.barrier()
+    return dq
+
+
+@gluon.jit
+def _frame_dv(S_s, p_s, do_s, DV, base, row_stride, tf, H, W, lo_y, lo_x, fyn, fxn, M: gl.constexpr,
+              HEAD_DIM: gl.constexpr, NCH: gl.constexpr, FX: gl.constexpr, ld: gl.constexpr, smp: gl.constexpr,
+              o_mma: gl.constexpr):
+    """Frame ``tf``'s ``P`` (in ``S_s``): ``dV += P^T dO``, 64 keys a chunk on tensor cores, P in bf16."""
+    for c in gl.static_range(NCH):
+        gl.barrier()
+        p_s.store(S_s.slice(c * 64, 64, dim=1).load(smp).to(gl.bfloat16))
+        hopper.fence_async_shared()
+        dv = hopper.warpgroup_mma(p_s.permute((1, 0)), do_s, gl.zeros([64, HEAD_DIM], gl.float32, o_mma))
+        _add_rows(DV, dv, base, row_stride, tf, c, H, W, lo_y, lo_x, fyn, fxn, HEAD_DIM, FX)
+    gl.barrier()
+
+
+@gluon.jit
+def _phase_tile(i, H, W, PT, PY, PX, CT, CY, CX, TY: gl.constexpr, TX: gl.constexpr):
+    """The tile (frame t, first row y0, first column x0) this program takes in colour phase
+    ``(PT, PY, PX)`` of colour counts ``(CT, CY, CX)``: tiles whose indices are the phase's modulo the
+    counts, x fastest (``i``: the program's index in the phase)."""
+    nx = gl.cdiv(gl.cdiv(W, TX) - PX, CX)
+    ny = gl.cdiv(gl.cdiv(H, TY) - PY, CY)
+    x0 = (PX + (i % nx) * CX) * TX
+    y0 = (PY + ((i // nx) % ny) * CY) * TY
+    t = PT + (i // (nx * ny)) * CT
+    return t, y0, x0
+
+
+@gluon.jit
+def _tile_geometry(t, y0, x0, T, H, W, KT: gl.constexpr, KH: gl.constexpr, KW: gl.constexpr, ELO: gl.constexpr,
+                   EHI: gl.constexpr, TY: gl.constexpr, TX: gl.constexpr, M: gl.constexpr, smp: gl.constexpr):
+    """The forward's geometry of a tile: its queries' window starts and the halo's corner and extent."""
+    m = gl.arange(0, M, layout=gl.SliceLayout(1, smp))
+    qy = y0 + m // TX
+    qx = x0 + m % TX
+    q_ok = (qy < H) & (qx < W)
+    st = _start(t, KT, T)
+    lo_t = gl.maximum(st - ELO, 0)
+    lo_y = gl.maximum(_start(y0, KH, H) - ELO, 0)
+    lo_x = gl.maximum(_start(x0, KW, W) - ELO, 0)
+    ftn = gl.minimum(st + KT - 1 + EHI, T - 1) - lo_t + 1
+    fyn = gl.minimum(_start(gl.minimum(y0 + TY, H) - 1, KH, H) + KH - 1 + EHI, H - 1) - lo_y + 1
+    fxn = gl.minimum(_start(gl.minimum(x0 + TX, W) - 1, KW, W) + KW - 1 + EHI, W - 1) - lo_x + 1
+    return qy, qx, q_ok, st, _start(qy, KH, H), _start(qx, KW, W), lo_t, lo_y, lo_x, ftn, fyn, fxn
+
+
+@gluon.jit
+def _where(pid, args, HEAD_DIM: gl.constexpr, KT: gl.constexpr, KH: gl.constexpr, KW: gl.constexpr,
+           ELO: gl.constexpr, EHI: gl.constexpr, TY: gl.constexpr, TX: gl.constexpr, M: gl.constexpr,
+           smp: gl.constexpr):
+    """The tile's geometry as the frame helpers take it (``geo``, ``kv``) and its halo frames, from the
+    program's index ``pid`` in the phase and ``args = (T, H, W, NH, PT, PY, PX, CT, CY, CX)``. Each
+    pass recomputes it from an opaque read of the program id: held across the passes, it spills."""
+    T, H, W, NH = args[0], args[1], args[2], args[3]
+    t, y0, x0 = _phase_tile(pid, H, W, args[4], args[5], args[6], args[7], args[8], args[9], TY, TX)
+    bh = gl.program_id(1)
+    N = T * H * W
+    base = ((bh // NH) * N * NH + bh % NH) * HEAD_DIM
+    qy, qx, q_ok, st, sy, sx, lo_t, lo_y, lo_x, ftn, fyn, fxn = _tile_geometry(
+        t, y0, x0, T, H, W, KT, KH, KW, ELO, EHI, TY, TX, M, smp)
+    off_row = (((bh // NH) * N + (t * H + qy) * W + qx) * NH + bh % NH) * (KT * KH * KW * 3)
+    return ((off_row, q_ok, st, sy, sx, T, H, W, lo_t, lo_y, lo_x, fyn, fxn),
+            (base, NH * HEAD_DIM, H, W, lo_y, lo_x, fyn, fxn), ftn)
+
+
+@gluon.jit
+def _opaque_pid():
+    """``program_id(0)``, read so that the compiler cannot reuse an earlier read (``_where``)."""
+    return gl.inline_asm_elementwise("mov.u32 $0, %ctaid.x;", "=r,r", [gl.program_id(1)], dtype=gl.int32,
+                                     is_pure=False, pack=1)
+
+
+DS_GAIN = gl.constexpr(256.0)  # dS is staged in fp16 times this power of two (no underflow of small ds), undone after
+
+
+@gluon.jit
+def halo_dense_bwd(Q, K, V, OFF, OUT, DO, LSE, DQ, DK, DV, DOFF, qk_scale, scale, T, H, W, NH, PT, PY, PX, CT, CY, CX,
+                   HEAD_DIM: gl.constexpr, KT: gl.constexpr, KH: gl.constexpr, KW: gl.constexpr,
+                   ELO: gl.constexpr, EHI: gl.constexpr, FY: gl.constexpr, FX: gl.constexpr,
+                   NCH: gl.constexpr, SW: gl.constexpr, KTP: gl.constexpr, KP: gl.constexpr,
+                   JC: gl.constexpr, TY: gl.constexpr, TX: gl.constexpr):
+    M: gl.constexpr = TY * TX
+    ld: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [8, 1], [1, 0])  # 16-byte rows of q, k, v
+    smp: gl.constexpr = gl.BlockedLayout([1, 1], [4, 8], [8, 1], [1, 0])  # (query, sample) tensors
+    s_mma: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 2], instr_shape=[16, 32, 16])
+    o_mma: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 2],
+                                                    instr_shape=[16, HEAD_DIM // 2, 16])
+    flat: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [1, 0])
+    gl.static_assert(KT == 3, "the samples' buffers are one per window layer: built for kt = 3")
+
+    t, y0, x0 = _phase_tile(gl.program_id(0), H, W, PT, PY, PX, CT, CY, CX, TY, TX)
+    bh = gl.program_id(1)
+    N = T * H * W
+    row_stride = NH * HEAD_DIM
+    base = ((bh // NH) * N * NH + bh % NH) * HEAD_DIM
+    qy, qx, q_ok = _tile_geometry(t, y0, x0, T, H, W, KT, KH, KW, ELO, EHI, TY, TX, M, smp)[:3]
+
+    lm = gl.arange(0, M, layout=gl.SliceLayout(1, ld))
+    cols = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, ld))
+    rows = ((t * H + y0 + lm // TX) * W + x0 + lm % TX)[:, None] * row_stride + cols[None, :]
+    rows_ok = ((y0 + lm // TX < H) & (x0 + lm % TX < W))[:, None]
+    do = gl.load(DO + base + rows, mask=rows_ok, other=0.0)
+    o = gl.load(OUT + base + rows, mask=rows_ok, other=0.0)
+    D = gl.convert_layout(gl.sum(do.to(gl.float32) * o.to(gl.float32), axis=1), gl.SliceLayout(1, smp))
+    lse = gl.load(LSE + bh * N + (t * H + qy) * W + qx, mask=q_ok, other=0.0)
+    io_l: gl.constexpr = gl.NVMMASharedLayout.get_default_for([M, HEAD_DIM], gl.bfloat16)
+    q_s = gl.allocate_shared_memory(gl.bfloat16, [M, HEAD_DIM], io_l,
+                                    gl.load(Q + base + rows, mask=rows_ok, other=0.0).to(gl.bfloat16))
+    do_s = gl.allocate_shared_memory(gl.bfloat16, [M, HEAD_DIM], io_l, do.to(gl.bfloat16))
+    kv_s = gl.allocate_shared_memory(gl.bfloat16, [64, HEAD_DIM], io_l)
+    p_s = gl.allocate_shared_memory(gl.bfloat16, [M, 64], gl.NVMMASharedLayout.get_default_for([M, 64], gl.bfloat16))
+    S_s = gl.allocate_shared_memory(gl.float16, [M, SW], flat)  # a frame's S or dP, then its dS or P
+    P_s = (gl.allocate_shared_memory(gl.float32, [M, KP], flat), gl.allocate_shared_memory(gl.float32, [M, KP], flat),
+           gl.allocate_shared_memory(gl.float32, [M, KP], flat))  # per window layer: the samples' z, then p
+    G_s = (gl.allocate_shared_memory(gl.float32, [M, KP], flat), gl.allocate_shared_memory(gl.float32, [M, KP], flat),
+           gl.allocate_shared_memory(gl.float32, [M, KP], flat))  # per window layer: the samples' dp, then ds
+    _zero_samples(P_s, M, KT, KP, JC, smp)
+    _zero_samples(G_s, M, KT, KP, JC, smp)
+    broken = gl.zeros([M], gl.int32, gl.SliceLayout(1, smp))
+    args = (T, H, W, NH, PT, PY, PX, CT, CY, CX)
+    geo, kv, ftn = _where(_opaque_pid(), args, HEAD_DIM, KT, KH, KW, ELO, EHI, TY, TX, M, smp)
+    lo_t = geo[8]
+    for f in range(0, ftn):  # pass 1: the samples' scores, then p from the forward's log-sum-exp
+        _frame_scores(q_s, kv_s, S_s, K, kv[0], kv[1], lo_t + f, *kv[2:], M, HEAD_DIM, NCH, FX, ld, s_mma)
+        g = _pin(geo)
+        broken = _frame_sample_scores(S_s, P_s, OFF, g[0], g[1], broken, *g[2:], f,
+                                      KT, KH, KW, ELO, EHI, FY, FX, KP, JC, smp)
+    _probs_from_lse(P_s, lse, qk_scale, M, KT, KH, KW, KP, JC, smp)
+    geo, kv, ftn = _where(_opaque_pid(), args, HEAD_DIM, KT, KH, KW, ELO, EHI, TY, TX, M, smp)
+    lo_t = geo[8]
+    for f in range(0, ftn):  # pass 2: the samples' dp, then ds = p (dp - D)
+        _frame_scores(do_s, kv_s, S_s, V, kv[0], kv[1], lo_t + f, *kv[2:], M, HEAD_DIM, NCH, FX, ld, s_mma)
+        g = _pin(geo)
+        _frame_sample_scores(S_s, G_s, OFF, g[0], g[1], broken, *g[2:], f, KT, KH, KW, ELO, EHI, FY, FX, KP, JC, smp)
+    _ds_from_dp(G_s, P_s, D, M, KT, KP, JC, smp)
+    dq = _passes_3_5(Q, K, V, OFF, DK, DV, DOFF, scale, q_s, do_s, kv_s, p_s, S_s, P_s, G_s, args, M, HEAD_DIM,
+                     KT, KH, KW, ELO, EHI, FY, FX, NCH, SW, KP, JC, TY, TX, ld, smp, s_mma, o_mma)
+    t, y0, x0 = _phase_tile(_opaque_pid(), H, W, PT, PY, PX, CT, CY, CX, TY, TX)  # again: not held (spill)
+    am = gl.arange(0, M, layout=gl.SliceLayout(1, o_mma))
+    acols = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, o_mma))
+    arows = ((t * H + y0 + am // TX) * W + x0 + am % TX)[:, None] * row_stride + acols[None, :]
+    bad = gl.convert_layout(broken, gl.SliceLayout(1, o_mma)) != 0
+    dq = gl.where(bad[:, None], float("nan"), dq * (scale / DS_GAIN))
+    gl.store(DQ + base + arows, dq.to(DQ.dtype.element_ty), mask=((y0 + am // TX < H) & (x0 + am % TX < W))[:, None])
+
+
+@gluon.jit
+def _passes_3_5(Q, K, V, OFF, DK, DV, DOFF, scale, q_s, do_s, kv_s, p_s, S_s, P_s, G_s, args,
+                M: gl.constexpr, HEAD_DIM: gl.constexpr, KT: gl.constexpr, KH: gl.constexpr, KW: gl.constexpr,
+                ELO: gl.constexpr, EHI: gl.constexpr, FY: gl.constexpr, FX: gl.constexpr, NCH: gl.constexpr,
+                SW: gl.constexpr, KP: gl.constexpr, JC: gl.constexpr, TY: gl.constexpr, TX: gl.constexpr,
+                ld: gl.constexpr, smp: gl.constexpr, s_mma: gl.constexpr, o_mma: gl.constexpr):
+    """Passes 3-5 (module docstring): the offsets' gradient from S; from dP, then P and dV; dS, dQ and
+    dK. The dQ accumulator is live in pass 5 alone (the offsets' gradient would spill beside it)."""
+    gain = gl.full([M], DS_GAIN, gl.float32, gl.SliceLayout(1, smp))
+    one = gl.full([M], 1.0, gl.float32, gl.SliceLayout(1, smp))
+    geo, kv, ftn = _where(_opaque_pid(), args, HEAD_DIM, KT, KH, KW, ELO, EHI, TY, TX, M, smp)
+    lo_t = geo[8]
+    for f in range(0, ftn):  # pass 3: S again; the gradient's scale ds S_c part
+        _frame_scores(q_s, kv_s, S_s, K, kv[0], kv[1], lo_t + f, *kv[2:], M, HEAD_DIM, NCH, FX, ld, s_mma)
+        _frame_offset_grads(S_s, G_s, scale, OFF, DOFF, *_pin(geo), f, KT, KH, KW, ELO, EHI, FY, FX, KP, JC, smp)
+    geo, kv, ftn = _where(_opaque_pid(), args, HEAD_DIM, KT, KH, KW, ELO, EHI, TY, TX, M, smp)
+    lo_t = geo[8]
+    for f in range(0, ftn):  # pass 4: dP again; the gradient's p dP_c part; P; dV += P^T dO
+        _frame_scores(do_s, kv_s, S_s, V, kv[0], kv[1], lo_t + f, *kv[2:], M, HEAD_DIM, NCH, FX, ld, s_mma)
+        _frame_offset_grads(S_s, P_s, 1.0, OFF, DOFF, *_pin(geo), f, KT, KH, KW, ELO, EHI, FY, FX, KP, JC, smp)
+        _frame_probs(S_s, P_s, one, OFF, *_pin(geo), f, M, KT, KH, KW, ELO, EHI, FX, SW, KP, JC, smp)
+        _frame_dv(S_s, p_s, do_s, DV, kv[0], kv[1], lo_t + f, *kv[2:], M, HEAD_DIM, NCH, FX, ld, smp, o_mma)
+    dq = gl.zeros([M, HEAD_DIM], gl.float32, o_mma)
+    geo, kv, ftn = _where(_opaque_pid(), args, HEAD_DIM, KT, KH, KW, ELO, EHI, TY, TX, M, smp)
+    lo_t = geo[8]
+    for f in range(0, ftn):  # pass 5: dS; dQ += dS K, dK += dS^T Q
+        _frame_probs(S_s, G_s, gain, OFF, *_pin(geo), f, M, KT, KH, KW, ELO, EHI, FX, SW, KP, JC, smp)
+        dq = _frame_dq_dk(dq, S_s, kv_s, p_s, q_s, K, DK, kv[0], kv[1], lo_t + f, *kv[2:], M, HEAD_DIM, NCH, FX,
+                          ld, smp, o_mma, scale / DS_GAIN)
+    return dq
