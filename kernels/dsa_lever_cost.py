@@ -27,7 +27,7 @@ from __future__ import annotations
 import json
 import math
 
-from .dsa_cost import CHIPS, call_breakdown
+from .dsa_cost import CHIPS, call_breakdown, fused_compiled
 
 WAN_GRIDS = {"480p": (21, 30, 52), "720p": (21, 45, 80)}
 """Wan's token grids: 81 frames of 480 x 832 and 720 x 1280 through the 4x8x8 VAE and 1x2x2 patches."""
@@ -78,11 +78,19 @@ def budget(fa3_ms: float, depth: int, dense_blocks: int = 0, dense_share: float 
 
 
 def lever_table(grid, window, head_dim: int, bound: float, depth: int, settings: list[dict],
-                chip=CHIPS[0], t_sampling: str = "logit_normal", shift: float = 1.0, recompute: bool = True) -> dict:
+                chip=CHIPS[0], t_sampling: str = "logit_normal", shift: float = 1.0, recompute: bool = True,
+                kernels: str = "auto") -> dict:
     """Each setting (``{"dense_blocks": n, "dense_above_t": t, "warmup": bool}``, any omitted: off)
     priced at ``grid``: its attention ms per sample and step (per head) and its ratio to pure DSA
-    and to dense (``dense / setting``: how many times cheaper than dense it stays)."""
+    and to dense (``dense / setting``: how many times cheaper than dense it stays). ``kernels``:
+    ``auto``, the kernels ``auto`` picks today; ``fused``, the compiled fused halo-dense pair
+    (``dsa_cost.fused_compiled``: priced from their sm_90 compiles, never run; opt-in)."""
     b = call_breakdown(grid, window, head_dim, bound, chip=chip)
+    if kernels == "fused":
+        b = fused_compiled(grid, window, head_dim, bound, chip)
+        if b is None:
+            raise ValueError(f"the fused kernels were compiled at window 3x7x7 only (issue table); --window "
+                             f"{'x'.join(map(str, window))} has no price for them: use --kernels auto")
     again = 1.0 if recompute else 0.0  # activation checkpointing runs each forward twice
     dsa = b["dsa_ms"]["total"] + again * b["dsa_ms"]["fwd"]
     fa3 = b["fa3_ms"]["total"] + again * b["fa3_ms"]["fwd"]
@@ -96,7 +104,7 @@ def lever_table(grid, window, head_dim: int, bound: float, depth: int, settings:
         rows.append({**s, "dense_share": share, "ms": ms, "vs_dsa": ms / pure, "dense_over": dense / ms,
                      "budget_5x": budget(fa3, *args)})
     return {"grid": list(grid), "window": list(window), "head_dim": head_dim, "bound": bound, "depth": depth,
-            "chip": chip.name, "t_sampling": t_sampling, "flow_shift": shift, "recompute": recompute,
+            "chip": chip.name, "t_sampling": t_sampling, "flow_shift": shift, "recompute": recompute, "kernels": kernels,
             "block_dsa_ms": dsa, "block_fa3_ms": fa3, "dsa_ms": pure, "dense_ms": dense, "rows": rows}
 
 
@@ -135,6 +143,8 @@ def main(argv=None) -> int:
     p.add_argument("--t-sampling", choices=("logit_normal", "uniform"), default="logit_normal")
     p.add_argument("--no-recompute", action="store_true", help="without the recomputed forward (kept graphs)")
     p.add_argument("--chip", choices=[c.name for c in CHIPS], default=CHIPS[0].name)
+    p.add_argument("--kernels", choices=("auto", "fused"), default="auto",
+                   help="DSA's price: the kernels auto picks (default) or the compiled fused pair (never run)")
     p.add_argument("--json", action="store_true", help="one JSON object per grid instead of the table")
     a = p.parse_args(argv)
     try:
@@ -148,13 +158,13 @@ def main(argv=None) -> int:
     for name, grid in grids.items():
         try:
             r = lever_table(grid, window, a.head_dim, a.bound, a.depth, settings, chip, a.t_sampling, a.flow_shift,
-                            not a.no_recompute)
+                            not a.no_recompute, a.kernels)
         except ValueError as e:
             p.error(str(e))
         if a.json:
             print(json.dumps({"name": name, **r}))
             continue
-        print(f"{name} (grid {'x'.join(map(str, grid))}), {a.depth} blocks, per head and sample: DSA "
+        print(f"{name} (grid {'x'.join(map(str, grid))}), {a.depth} blocks, per head and sample: DSA ({a.kernels}) "
               f"{r['block_dsa_ms']:.2f} ms, FA3 {r['block_fa3_ms']:.2f} ms per block call; t {a.t_sampling}, "
               f"shift {a.flow_shift:g}")
         for row in r["rows"]:

@@ -241,3 +241,19 @@ def test_the_fused_backward_is_priced_from_its_compile(capsys):
     assert main(["--grid", "5x16x24", "--window", "3x7x7", "--bound", "1.5", "--json"]) == 0
     cli = json.loads(capsys.readouterr().out)["fused"]
     assert cli["dsa_ms"] == pytest.approx(both["dsa_ms"]) and cli["ratio"] == pytest.approx(both["ratio"])
+
+
+def test_the_levers_priced_with_the_fused_kernels_use_their_compiles():
+    from kernels.dsa_cost import fused_compiled
+    from kernels.dsa_lever_cost import lever_table
+
+    grid = (21, 45, 80)
+    both = fused_compiled(grid, (3, 7, 7), 128, 1.5)
+    if both is None:
+        pytest.skip("the issue table has no fused kernels (a Triton whose Gluon cannot build them)")
+    r = lever_table(grid, (3, 7, 7), 128, 1.5, 40, [{}, {"dense_blocks": 2}], kernels="fused")
+    assert math.isclose(r["block_dsa_ms"], both["dsa_ms"]["total"] + both["dsa_ms"]["fwd"])
+    assert math.isclose(r["block_fa3_ms"], both["fa3_ms"]["total"] + both["fa3_ms"]["fwd"])
+    assert r["kernels"] == "fused" and r["rows"][1]["dense_over"] < r["rows"][0]["dense_over"]
+    with pytest.raises(ValueError, match="--kernels auto"):
+        lever_table(grid, (3, 5, 5), 128, 1.5, 40, [{}], kernels="fused")
