@@ -225,6 +225,7 @@ def reference_rows(cfg, path, steps):
         return [base.train_step(dec.next_batch()) for _ in range(steps)]
 
 
+@pytest.mark.slow  # 45 s with its Ray session: the Ray drills run it
 def test_through_ray_metrics_log_the_term(ray_session, setup, tmp_path):
     """The Trainer through Ray actors: metrics.jsonl logs distill_loss beside the task loss, both
     the in-process trainer's on the same batches."""
@@ -238,7 +239,7 @@ def test_through_ray_metrics_log_the_term(ray_session, setup, tmp_path):
     assert all(r["teacher_seconds"] > 0 for r in rows)
 
 
-@pytest.mark.slow  # 30 s; test_through_ray_metrics_log_the_term runs the Trainer in the default run
+@pytest.mark.slow  # 30 s
 def test_resume_reads_the_teacher_again(ray_session, setup, tmp_path):
     """A run resumed from its step-2 checkpoint (which holds no teacher) reads the teacher again
     from training.init_from: step 3 is the in-process trainer's."""
