@@ -88,6 +88,41 @@ def _layer_derivs(OFF, off_row, q_ok, jt, j0, st, sy, sx, T, H, W, lo_t, lo_y, l
 
 
 @gluon.jit
+def _frame_scores_derivs(S_s, Z_s, OFF, DOFF, off_row, q_ok, st, sy, sx, T, H, W, lo_t, lo_y, lo_x, fyn, fxn,
+                         f, KT: gl.constexpr, KH: gl.constexpr, KW: gl.constexpr, ELO: gl.constexpr,
+                         EHI: gl.constexpr, FY: gl.constexpr, FX: gl.constexpr, JC: gl.constexpr, smp: gl.constexpr):
+    """Pass 1's walk over frame ``f``'s ``S`` (in ``S_s``): each sample's score from its corners added to
+    ``Z_s`` (the forward's ``_frame_sample_scores``), and from the same corners the score's derivative
+    along its position, ``dz/dpos = sum_c S_c dw_c / dpos``, added into ``DOFF`` (scaled by ``scale ds``
+    once ds is known: ``_ds_from_dp``). Samples whose corners leave the halo add nothing there."""
+    for jt in gl.static_range(KT):
+        if (lo_t + f >= st + jt - ELO) & (lo_t + f <= st + jt + EHI):
+            for j0 in gl.static_range(0, KH * KW, JC):
+                wt, y0, y1, fy, x0, x1, fx, out, dwt, ly, lx, idx, ok = _layer_derivs(
+                    OFF, off_row, q_ok, jt, j0, st, sy, sx, T, H, W, lo_t, lo_y, lo_x, fyn, fxn, f, KH, KW, JC, smp)
+                y0 = gl.minimum(gl.maximum(y0, 0), FY - 1)
+                y1 = gl.minimum(gl.maximum(y1, 0), FY - 1)
+                x0 = gl.minimum(gl.maximum(x0, 0), FX - 1)
+                x1 = gl.minimum(gl.maximum(x1, 0), FX - 1)
+                f00 = S_s.gather(y0 * FX + x0, 1).to(gl.float32)
+                f01 = S_s.gather(y0 * FX + x1, 1).to(gl.float32)
+                f10 = S_s.gather(y1 * FX + x0, 1).to(gl.float32)
+                f11 = S_s.gather(y1 * FX + x1, 1).to(gl.float32)
+                bil = (1.0 - fy) * ((1.0 - fx) * f00 + fx * f01) + fy * ((1.0 - fx) * f10 + fx * f11)
+                zs = Z_s[jt].slice(j0, JC, dim=1)
+                zs.store(zs.load(smp) + wt * bil)
+                keep = ok & (out == 0)
+                gy = ly * ((1.0 - fx) * (f10 - f00) + fx * (f11 - f01))
+                gx = lx * ((1.0 - fy) * (f01 - f00) + fy * (f11 - f10))
+                dptr = DOFF + idx
+                gl.store(dptr, gl.load(dptr, mask=keep, other=0.0) + dwt * bil, mask=keep)
+                gl.store(dptr + 1, gl.load(dptr + 1, mask=keep, other=0.0) + wt * gy, mask=keep)
+                gl.store(dptr + 2, gl.load(dptr + 2, mask=keep, other=0.0) + wt * gx, mask=keep)
+                gl.barrier()  # one chunk's tensors at a time (as ``_frame_offset_grads``)
+    gl.barrier()
+
+
+@gluon.jit
 def _frame_offset_grads(F_s, A_s, a_scale, OFF, DOFF, off_row, q_ok, st, sy, sx, T, H, W, lo_t, lo_y, lo_x,
                         fyn, fxn, f, KT: gl.constexpr, KH: gl.constexpr, KW: gl.constexpr, ELO: gl.constexpr,
                         EHI: gl.constexpr, FY: gl.constexpr, FX: gl.constexpr, KP: gl.constexpr, JC: gl.constexpr,
@@ -97,7 +132,7 @@ def _frame_offset_grads(F_s, A_s, a_scale, OFF, DOFF, off_row, q_ok, st, sy, sx,
     in ``f``, added into ``DOFF``."""
     for jt in gl.static_range(KT):
         if (lo_t + f >= st + jt - ELO) & (lo_t + f <= st + jt + EHI):
-            for j0 in gl.static_range(0, KP, JC):
+            for j0 in gl.static_range(0, KH * KW, JC):
                 wt, y0, y1, fy, x0, x1, fx, out, dwt, ly, lx, idx, ok = _layer_derivs(
                     OFF, off_row, q_ok, jt, j0, st, sy, sx, T, H, W, lo_t, lo_y, lo_x, fyn, fxn, f, KH, KW, JC, smp)
                 y0 = gl.minimum(gl.maximum(y0, 0), FY - 1)
@@ -126,7 +161,7 @@ def _probs_from_lse(P_s, lse, qk_scale, M: gl.constexpr, KT: gl.constexpr, KH: g
                     KP: gl.constexpr, JC: gl.constexpr, smp: gl.constexpr):
     """The samples' scores in ``P_s`` become their probabilities ``exp2(z qk_scale - lse)`` (0 on padding)."""
     for jt in gl.static_range(KT):
-        for j0 in gl.static_range(0, KP, JC):
+        for j0 in gl.static_range(0, KH * KW, JC):
             j = j0 + gl.arange(0, JC, layout=gl.SliceLayout(0, smp))
             zs = P_s[jt].slice(j0, JC, dim=1)
             zs.store(gl.where((j < KH * KW)[None, :], gl.exp2(zs.load(smp) * qk_scale - lse[:, None]), 0.0))
@@ -134,13 +169,22 @@ def _probs_from_lse(P_s, lse, qk_scale, M: gl.constexpr, KT: gl.constexpr, KH: g
 
 
 @gluon.jit
-def _ds_from_dp(G_s, P_s, D, M: gl.constexpr, KT: gl.constexpr, KP: gl.constexpr, JC: gl.constexpr,
-                smp: gl.constexpr):
-    """The samples' ``dp`` in ``G_s`` become ``ds = p (dp - D)``."""
+def _ds_from_dp(G_s, P_s, D, DOFF, off_row, q_ok, scale, M: gl.constexpr, KT: gl.constexpr, KH: gl.constexpr,
+                KW: gl.constexpr, JC: gl.constexpr, smp: gl.constexpr):
+    """The samples' ``dp`` in ``G_s`` become ``ds = p (dp - D)``; the scores' position derivatives that
+    pass 1 left in ``DOFF`` become the offsets' gradient's ``scale ds dz/dpos`` part."""
     for jt in gl.static_range(KT):
-        for j0 in gl.static_range(0, KP, JC):
+        for j0 in gl.static_range(0, KH * KW, JC):
+            j = j0 + gl.arange(0, JC, layout=gl.SliceLayout(0, smp))
             gs = G_s[jt].slice(j0, JC, dim=1)
-            gs.store(P_s[jt].slice(j0, JC, dim=1).load(smp) * (gs.load(smp) - D[:, None]))
+            ds = P_s[jt].slice(j0, JC, dim=1).load(smp) * (gs.load(smp) - D[:, None])
+            gs.store(ds)
+            ok = q_ok[:, None] & (j < KH * KW)[None, :]
+            dptr = DOFF + off_row[:, None] + ((jt * KH * KW + j) * 3)[None, :]
+            c = ds * scale
+            gl.store(dptr, gl.load(dptr, mask=ok, other=0.0) * c, mask=ok)
+            gl.store(dptr + 1, gl.load(dptr + 1, mask=ok, other=0.0) * c, mask=ok)
+            gl.store(dptr + 2, gl.load(dptr + 2, mask=ok, other=0.0) * c, mask=ok)
     gl.barrier()
 
 
@@ -280,7 +324,6 @@ def halo_dense_bwd(Q, K, V, OFF, OUT, DO, LSE, DQ, DK, DV, DOFF, qk_scale, scale
     do = gl.load(DO + base + rows, mask=rows_ok, other=0.0)
     o = gl.load(OUT + base + rows, mask=rows_ok, other=0.0)
     D = gl.convert_layout(gl.sum(do.to(gl.float32) * o.to(gl.float32), axis=1), gl.SliceLayout(1, smp))
-    lse = gl.load(LSE + bh * N + (t * H + qy) * W + qx, mask=q_ok, other=0.0)
     io_l: gl.constexpr = gl.NVMMASharedLayout.get_default_for([M, HEAD_DIM], gl.bfloat16)
     q_s = gl.allocate_shared_memory(gl.bfloat16, [M, HEAD_DIM], io_l,
                                     gl.load(Q + base + rows, mask=rows_ok, other=0.0).to(gl.bfloat16))
@@ -301,16 +344,21 @@ def halo_dense_bwd(Q, K, V, OFF, OUT, DO, LSE, DQ, DK, DV, DOFF, qk_scale, scale
     for f in range(0, ftn):  # pass 1: the samples' scores, then p from the forward's log-sum-exp
         _frame_scores(q_s, kv_s, S_s, K, kv[0], kv[1], lo_t + f, *kv[2:], M, HEAD_DIM, NCH, FX, ld, s_mma)
         g = _pin(geo)
-        broken = _frame_sample_scores(S_s, P_s, OFF, g[0], g[1], broken, *g[2:], f,
-                                      KT, KH, KW, ELO, EHI, FY, FX, KP, JC, smp)
+        _frame_scores_derivs(S_s, P_s, OFF, DOFF, *g, f,
+                                      KT, KH, KW, ELO, EHI, FY, FX, JC, smp)
+    tl, yl, xl = _phase_tile(_opaque_pid(), H, W, PT, PY, PX, CT, CY, CX, TY, TX)  # not held across pass 1
+    ql = gl.arange(0, M, layout=gl.SliceLayout(1, smp))
+    lse = gl.load(LSE + gl.program_id(1) * N + (tl * H + yl + ql // TX) * W + xl + ql % TX,
+                  mask=(yl + ql // TX < H) & (xl + ql % TX < W), other=0.0)
     _probs_from_lse(P_s, lse, qk_scale, M, KT, KH, KW, KP, JC, smp)
     geo, kv, ftn = _where(_opaque_pid(), args, HEAD_DIM, KT, KH, KW, ELO, EHI, TY, TX, M, smp)
     lo_t = geo[8]
     for f in range(0, ftn):  # pass 2: the samples' dp, then ds = p (dp - D)
         _frame_scores(do_s, kv_s, S_s, V, kv[0], kv[1], lo_t + f, *kv[2:], M, HEAD_DIM, NCH, FX, ld, s_mma)
         g = _pin(geo)
-        _frame_sample_scores(S_s, G_s, OFF, g[0], g[1], broken, *g[2:], f, KT, KH, KW, ELO, EHI, FY, FX, KP, JC, smp)
-    _ds_from_dp(G_s, P_s, D, M, KT, KP, JC, smp)
+        broken = _frame_sample_scores(S_s, G_s, OFF, g[0], g[1], broken, *g[2:], f,
+                                      KT, KH, KW, ELO, EHI, FY, FX, KP, JC, smp)
+    _ds_from_dp(G_s, P_s, D, DOFF, geo[0], geo[1], scale, M, KT, KH, KW, JC, smp)
     dq = _passes_3_5(Q, K, V, OFF, DK, DV, DOFF, scale, q_s, do_s, kv_s, p_s, S_s, P_s, G_s, args, M, HEAD_DIM,
                      KT, KH, KW, ELO, EHI, FY, FX, NCH, SW, KP, JC, TY, TX, ld, smp, s_mma, o_mma)
     t, y0, x0 = _phase_tile(_opaque_pid(), H, W, PT, PY, PX, CT, CY, CX, TY, TX)  # again: not held (spill)
@@ -332,11 +380,6 @@ def _passes_3_5(Q, K, V, OFF, DK, DV, DOFF, scale, q_s, do_s, kv_s, p_s, S_s, P_
     dK. The dQ accumulator is live in pass 5 alone (the offsets' gradient would spill beside it)."""
     gain = gl.full([M], DS_GAIN, gl.float32, gl.SliceLayout(1, smp))
     one = gl.full([M], 1.0, gl.float32, gl.SliceLayout(1, smp))
-    geo, kv, ftn = _where(_opaque_pid(), args, HEAD_DIM, KT, KH, KW, ELO, EHI, TY, TX, M, smp)
-    lo_t = geo[8]
-    for f in range(0, ftn):  # pass 3: S again; the gradient's scale ds S_c part
-        _frame_scores(q_s, kv_s, S_s, K, kv[0], kv[1], lo_t + f, *kv[2:], M, HEAD_DIM, NCH, FX, ld, s_mma)
-        _frame_offset_grads(S_s, G_s, scale, OFF, DOFF, *_pin(geo), f, KT, KH, KW, ELO, EHI, FY, FX, KP, JC, smp)
     geo, kv, ftn = _where(_opaque_pid(), args, HEAD_DIM, KT, KH, KW, ELO, EHI, TY, TX, M, smp)
     lo_t = geo[8]
     for f in range(0, ftn):  # pass 4: dP again; the gradient's p dP_c part; P; dV += P^T dO

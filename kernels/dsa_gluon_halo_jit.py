@@ -77,7 +77,7 @@ def _frame_sample_scores(S_s, Z_s, OFF, off_row, q_ok, broken, st, sy, sx, T, H,
     skipped. Returns ``broken`` with the queries whose corners leave the halo."""
     for jt in gl.static_range(KT):
         if (lo_t + f >= st + jt - ELO) & (lo_t + f <= st + jt + EHI):
-            for j0 in gl.static_range(0, KP, JC):
+            for j0 in gl.static_range(0, KH * KW, JC):
                 wt, y0, y1, fy, x0, x1, fx, out = _layer_samples(
                     OFF, off_row, q_ok, jt, j0, st, sy, sx, T, H, W, lo_t, lo_y, lo_x, fyn, fxn, f, KH, KW, JC, smp)
                 broken = broken | gl.max(out.to(gl.int32), axis=1)
@@ -102,13 +102,13 @@ def _softmax(Z_s, qk_scale, M: gl.constexpr, KT: gl.constexpr, KH: gl.constexpr,
     over the scores in ``Z_s``."""
     mx = gl.full([M], -float("inf"), gl.float32, gl.SliceLayout(1, smp))
     for jt in gl.static_range(KT):
-        for j0 in gl.static_range(0, KP, JC):
+        for j0 in gl.static_range(0, KH * KW, JC):
             j = j0 + gl.arange(0, JC, layout=gl.SliceLayout(0, smp))
             z = gl.where((j < KH * KW)[None, :], Z_s[jt].slice(j0, JC, dim=1).load(smp) * qk_scale, -float("inf"))
             mx = gl.maximum(mx, gl.max(z, axis=1))
     den = gl.zeros([M], gl.float32, gl.SliceLayout(1, smp))
     for jt in gl.static_range(KT):
-        for j0 in gl.static_range(0, KP, JC):
+        for j0 in gl.static_range(0, KH * KW, JC):
             j = j0 + gl.arange(0, JC, layout=gl.SliceLayout(0, smp))
             zs = Z_s[jt].slice(j0, JC, dim=1)
             e = gl.where((j < KH * KW)[None, :], gl.exp2(zs.load(smp) * qk_scale - mx[:, None]), 0.0)
@@ -131,7 +131,7 @@ def _frame_probs(S_s, Z_s, inv, OFF, off_row, q_ok, st, sy, sx, T, H, W, lo_t, l
     gl.barrier()
     for jt in gl.static_range(KT):
         if (lo_t + f >= st + jt - ELO) & (lo_t + f <= st + jt + EHI):
-            for j0 in gl.static_range(0, KP, JC):
+            for j0 in gl.static_range(0, KH * KW, JC):
                 wt, y0, y1, fy, x0, x1, fx, out = _layer_samples(
                     OFF, off_row, q_ok, jt, j0, st, sy, sx, T, H, W, lo_t, lo_y, lo_x, fyn, fxn, f, KH, KW, JC, smp)
                 a = Z_s[jt].slice(j0, JC, dim=1).load(smp) * inv[:, None] * wt
