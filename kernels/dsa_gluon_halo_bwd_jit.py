@@ -4,21 +4,26 @@ Gluon has the shared-memory gather and atomic scatter-add (>= 3.8).
 
 One program = one 1 x 8 x 8 query tile of one (batch, head) pair, 8 warps, 216 KB of shared memory,
 launched per colour phase (the tiles of one phase share no key, so each adds its halo's dk, dv rows
-with plain loads and stores). Five frame loops, each frame's 64-key chunks on tensor cores, the
+with plain loads and stores). Four frame loops, each frame's 64-key chunks on tensor cores, the
 frame's matrix in ``S_s`` (fp16), the samples' values in ``P_s`` and ``G_s`` (fp32, one buffer per
-window layer):
+window layer); every walk over the samples stops at the window's ``KH * KW`` (whole chunks of ``JC``),
+not the padded ``KP``:
 
-1. ``S = Q K^T``; the samples' scores gathered into ``P_s`` (the forward's pass 1), then
-   ``p = exp2(z qk_scale - lse)`` over them.
-2. ``dP = dO V^T``; the samples' ``dp`` gathered into ``G_s``, then ``ds = p (dp - D)`` over them.
-3. ``S`` again: the offsets' gradient's ``scale ds S_c dw_c`` part added into ``DOFF``.
-4. ``dP`` again: its ``p dP_c dw_c`` part; ``P`` scattered onto the frame; ``dV = P^T dO`` (plain adds).
-5. ``dS`` (``ds`` times the corners' weights, times ``DS_GAIN`` in fp16) scattered onto the frame;
+1. ``S = Q K^T``; the samples' scores gathered into ``P_s`` (the forward's pass 1) and, from the same
+   corners, each score's derivative along its position (``dz/dpos = sum_c S_c dw_c``) added into
+   ``DOFF``; then ``p = exp2(z qk_scale - lse)`` over them.
+2. ``dP = dO V^T``; the samples' ``dp`` gathered into ``G_s``, then ``ds = p (dp - D)`` over them and
+   ``DOFF`` times ``scale ds``: the offsets' gradient's ``scale ds S_c dw_c`` part.
+3. ``dP`` again: its ``p dP_c dw_c`` part; ``P`` scattered onto the frame; ``dV = P^T dO`` (plain adds).
+4. ``dS`` (``ds`` times the corners' weights, times ``DS_GAIN`` in fp16) scattered onto the frame;
    ``dQ += dS K``, ``dK = dS^T Q`` (plain adds), both times ``scale / DS_GAIN``.
 
-Recomputing S and dP (passes 3, 4) costs two more dots per chunk but holds only two per-sample
-arrays (p, ds) where the offsets' gradient would need eight; the dQ accumulator is live in pass 5
-alone, and each pass recomputes the tile's geometry (``_where``): held across passes it spilled.
+The ``S`` part of the offsets' gradient is linear in the sample's ``ds``, so it is taken where ``S``
+is first computed and scaled once ds is known (an earlier version recomputed ``S`` in a pass of its
+own: six more dots a frame and a second walk). Recomputing dP (pass 3) costs a dot per chunk but
+holds only two per-sample arrays (p, ds); the dQ accumulator is live in pass 4 alone, and each pass
+recomputes the tile's geometry (``_where``): held across passes it spilled. The queries whose
+corners leave the halo are found in pass 2 (held across pass 1 beside the derivatives, they spilled).
 ``DOFF``, ``DK`` and ``DV`` are fp32 and zeroed by the caller; a program adds to its own queries'
 offset rows only (the same thread reads and writes an element: no barrier needed)."""
 
@@ -341,7 +346,7 @@ def halo_dense_bwd(Q, K, V, OFF, OUT, DO, LSE, DQ, DK, DV, DOFF, qk_scale, scale
     args = (T, H, W, NH, PT, PY, PX, CT, CY, CX)
     geo, kv, ftn = _where(_opaque_pid(), args, HEAD_DIM, KT, KH, KW, ELO, EHI, TY, TX, M, smp)
     lo_t = geo[8]
-    for f in range(0, ftn):  # pass 1: the samples' scores, then p from the forward's log-sum-exp
+    for f in range(0, ftn):  # pass 1: the samples' scores and dz/dpos, then p from the forward's lse
         _frame_scores(q_s, kv_s, S_s, K, kv[0], kv[1], lo_t + f, *kv[2:], M, HEAD_DIM, NCH, FX, ld, s_mma)
         g = _pin(geo)
         _frame_scores_derivs(S_s, P_s, OFF, DOFF, *g, f,
@@ -353,13 +358,13 @@ def halo_dense_bwd(Q, K, V, OFF, OUT, DO, LSE, DQ, DK, DV, DOFF, qk_scale, scale
     _probs_from_lse(P_s, lse, qk_scale, M, KT, KH, KW, KP, JC, smp)
     geo, kv, ftn = _where(_opaque_pid(), args, HEAD_DIM, KT, KH, KW, ELO, EHI, TY, TX, M, smp)
     lo_t = geo[8]
-    for f in range(0, ftn):  # pass 2: the samples' dp, then ds = p (dp - D)
+    for f in range(0, ftn):  # pass 2: the samples' dp (and who is broken), then ds = p (dp - D)
         _frame_scores(do_s, kv_s, S_s, V, kv[0], kv[1], lo_t + f, *kv[2:], M, HEAD_DIM, NCH, FX, ld, s_mma)
         g = _pin(geo)
         broken = _frame_sample_scores(S_s, G_s, OFF, g[0], g[1], broken, *g[2:], f,
                                       KT, KH, KW, ELO, EHI, FY, FX, KP, JC, smp)
     _ds_from_dp(G_s, P_s, D, DOFF, geo[0], geo[1], scale, M, KT, KH, KW, JC, smp)
-    dq = _passes_3_5(Q, K, V, OFF, DK, DV, DOFF, scale, q_s, do_s, kv_s, p_s, S_s, P_s, G_s, args, M, HEAD_DIM,
+    dq = _passes_3_4(Q, K, V, OFF, DK, DV, DOFF, scale, q_s, do_s, kv_s, p_s, S_s, P_s, G_s, args, M, HEAD_DIM,
                      KT, KH, KW, ELO, EHI, FY, FX, NCH, SW, KP, JC, TY, TX, ld, smp, s_mma, o_mma)
     t, y0, x0 = _phase_tile(_opaque_pid(), H, W, PT, PY, PX, CT, CY, CX, TY, TX)  # again: not held (spill)
     am = gl.arange(0, M, layout=gl.SliceLayout(1, o_mma))
@@ -371,18 +376,18 @@ def halo_dense_bwd(Q, K, V, OFF, OUT, DO, LSE, DQ, DK, DV, DOFF, qk_scale, scale
 
 
 @gluon.jit
-def _passes_3_5(Q, K, V, OFF, DK, DV, DOFF, scale, q_s, do_s, kv_s, p_s, S_s, P_s, G_s, args,
+def _passes_3_4(Q, K, V, OFF, DK, DV, DOFF, scale, q_s, do_s, kv_s, p_s, S_s, P_s, G_s, args,
                 M: gl.constexpr, HEAD_DIM: gl.constexpr, KT: gl.constexpr, KH: gl.constexpr, KW: gl.constexpr,
                 ELO: gl.constexpr, EHI: gl.constexpr, FY: gl.constexpr, FX: gl.constexpr, NCH: gl.constexpr,
                 SW: gl.constexpr, KP: gl.constexpr, JC: gl.constexpr, TY: gl.constexpr, TX: gl.constexpr,
                 ld: gl.constexpr, smp: gl.constexpr, s_mma: gl.constexpr, o_mma: gl.constexpr):
-    """Passes 3-5 (module docstring): the offsets' gradient from S; from dP, then P and dV; dS, dQ and
-    dK. The dQ accumulator is live in pass 5 alone (the offsets' gradient would spill beside it)."""
+    """Passes 3 and 4 (module docstring): the offsets' gradient from dP, then P and dV; dS, dQ and dK.
+    The dQ accumulator is live in pass 4 alone (the offsets' gradient would spill beside it)."""
     gain = gl.full([M], DS_GAIN, gl.float32, gl.SliceLayout(1, smp))
     one = gl.full([M], 1.0, gl.float32, gl.SliceLayout(1, smp))
     geo, kv, ftn = _where(_opaque_pid(), args, HEAD_DIM, KT, KH, KW, ELO, EHI, TY, TX, M, smp)
     lo_t = geo[8]
-    for f in range(0, ftn):  # pass 4: dP again; the gradient's p dP_c part; P; dV += P^T dO
+    for f in range(0, ftn):  # pass 3: dP again; the gradient's p dP_c part; P; dV += P^T dO
         _frame_scores(do_s, kv_s, S_s, V, kv[0], kv[1], lo_t + f, *kv[2:], M, HEAD_DIM, NCH, FX, ld, s_mma)
         _frame_offset_grads(S_s, P_s, 1.0, OFF, DOFF, *_pin(geo), f, KT, KH, KW, ELO, EHI, FY, FX, KP, JC, smp)
         _frame_probs(S_s, P_s, one, OFF, *_pin(geo), f, M, KT, KH, KW, ELO, EHI, FX, SW, KP, JC, smp)
@@ -390,7 +395,7 @@ def _passes_3_5(Q, K, V, OFF, DK, DV, DOFF, scale, q_s, do_s, kv_s, p_s, S_s, P_
     dq = gl.zeros([M, HEAD_DIM], gl.float32, o_mma)
     geo, kv, ftn = _where(_opaque_pid(), args, HEAD_DIM, KT, KH, KW, ELO, EHI, TY, TX, M, smp)
     lo_t = geo[8]
-    for f in range(0, ftn):  # pass 5: dS; dQ += dS K, dK += dS^T Q
+    for f in range(0, ftn):  # pass 4: dS; dQ += dS K, dK += dS^T Q
         _frame_probs(S_s, G_s, gain, OFF, *_pin(geo), f, M, KT, KH, KW, ELO, EHI, FX, SW, KP, JC, smp)
         dq = _frame_dq_dk(dq, S_s, kv_s, p_s, q_s, K, DK, kv[0], kv[1], lo_t + f, *kv[2:], M, HEAD_DIM, NCH, FX,
                           ld, smp, o_mma, scale / DS_GAIN)

@@ -28,7 +28,8 @@ The backward reruns 2-4 from the saved log-sum-exp and, per tile:
 ``D = rowsum(dO * O)``; ``dS[:, h] = scale * sum ds_j w_jc`` (scatter-add); ``dQ = dS K_halo``;
 ``dK_halo = dS^T Q``; ``dV_halo = P^T dO``; and the offsets' gradient from the weights'
 derivatives: ``dL/dw_jc = scale ds_j S[:, h_jc] + p_j dP[:, h_jc]`` times ``dw_jc/dpos`` per axis
-(0 where the position was clamped). Halos of neighbouring tiles overlap, so ``dK_halo`` and
+(0 where the position was clamped), summed as ``scale ds_j dz_j/dpos + p_j d(dp_j)/dpos`` (the
+scores' position derivative ``sum_c S[:, h_jc] dw_jc/dpos`` is taken beside the scores, before ds). Halos of neighbouring tiles overlap, so ``dK_halo`` and
 ``dV_halo`` are added into dk, dv **in colour phases**: tiles whose index along each axis agrees
 modulo that axis's colour count (the number of tiles one halo spans) never share a key, so the
 tiles of one phase add their halos without atomics and in a fixed order (deterministic); the
@@ -266,10 +267,11 @@ def _backward(L: _Layout, q, k, v, out, lse, dout, scale: float):
             P = _scatter(p, smp, kh.shape[1])
             dqt = _mm(dS, kh, L.io)
             dqt[smp.broken] = float("nan")
-            g = None  # dL/dpos = sum_c (scale ds S_c + p dP_c) dw_c/dpos
-            for idx, dw in zip(smp.idx, smp.dw):
-                gc = (scale * ds * torch.gather(S, 2, idx) + p * torch.gather(dP, 2, idx)).unsqueeze(-1) * dw
-                g = gc if g is None else g + gc
+            # dL/dpos = scale ds dz/dpos + p d(dp)/dpos, each derivative sum_c X_c dw_c/dpos (X = S, dP): the
+            # first is known after the scores (the kernel's pass 1), its factor scale ds after dp
+            dz, ddp = (sum(torch.gather(X, 2, idx).unsqueeze(-1) * dw for idx, dw in zip(smp.idx, smp.dw))
+                       for X in (S, dP))
+            g = (scale * ds).unsqueeze(-1) * dz + p.unsqueeze(-1) * ddp
             _put(dq, tile, dqt)
             _put(doff, tile, g)
             _add(dk, tile, _mm(dS.transpose(1, 2), qt, L.io))
