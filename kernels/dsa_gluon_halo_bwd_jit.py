@@ -292,7 +292,6 @@ def halo_dense_bwd(Q, K, V, OFF, OUT, DO, LSE, DQ, DK, DV, DOFF, qk_scale, scale
     N = T * H * W
     row_stride = NH * HEAD_DIM
     base = ((bh // NH) * N * NH + bh % NH) * HEAD_DIM
-    qy, qx, q_ok = _tile_geometry(t, y0, x0, T, H, W, KT, KH, KW, ELO, EHI, TY, TX, M, smp)[:3]
 
     lm = gl.arange(0, M, layout=gl.SliceLayout(1, ld))
     cols = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, ld))
