@@ -517,10 +517,10 @@ def fused_fwd_cost(grid, window, head_dim: int, bound: float) -> Cost | None:
 
 def fused_bwd_cost(grid, window, head_dim: int, bound: float) -> Cost | None:
     """The fused halo-dense backward (``dsa_gluon_halo_bwd_jit``, compiled for sm_90, not yet run) from
-    its compile, as ``fused_fwd_cost``: the PTX instructions of its five frame loops' bodies times each
-    tile's halo frames plus the rest, 256 threads per tile; seven dots of 64 x 64 x d per chunk of 64
-    halo keys and frame (S and dP twice each, dV, dQ, dK); the halo's K or V chunks into shared memory
-    five times per frame and the fp32 dk, dv rows read and written per chunk (L1/L2); DRAM: q, k, v,
+    its compile, as ``fused_fwd_cost``: the PTX instructions of its four frame loops' bodies times each
+    tile's halo frames plus the rest, 256 threads per tile; five dots of 64 x 64 x d per chunk of 64
+    halo keys and frame (dP, S, dV, dQ, dK); the halo's K or V chunks into shared memory three times
+    per frame (V, K, K) and the fp32 dk, dv rows read and written per chunk (L1/L2); DRAM: q, k, v,
     out, dout and the offsets read, dq written, dk, dv and the offsets' gradient in fp32 then cast.
     None where the issue table lacks the compile."""
     from .dsa_gluon_halo import BWD_SAMPLE_CHUNK, GLUON_WARPS, gluon_halo_constexprs  # lazy: imports torch
@@ -535,9 +535,9 @@ def fused_bwd_cost(grid, window, head_dim: int, bound: float) -> Cost | None:
     per_thread = len(tiles) * entry["depths"].get("0", 0) + frames * entry["depths"].get("1", 0)
     N, K, d = math.prod(grid), math.prod(window), head_dim
     chunks = frames * cx["NCH"]
-    return Cost("fused_bwd", N, K, d, 0.0, tc_flops=7 * 2 * 64 * 64 * d * chunks,
+    return Cost("fused_bwd", N, K, d, 0.0, tc_flops=5 * 2 * 64 * 64 * d * chunks,
                 dram_bytes=N * (6 * d * 2 + K * 3 * 2 + 2 * (d * 4 * 2 + d * 2) + K * 3 * (4 * 2 + 2)),
-                l1_bytes=chunks * 64 * d * (5 * 2 + 2 * 2 * 4), atomic_bytes=0.0,
+                l1_bytes=chunks * 64 * d * (3 * 2 + 2 * 2 * 4), atomic_bytes=0.0,
                 issue=32 * GLUON_WARPS * per_thread, blocks_per_sm=entry.get("blocks_per_sm"))
 
 

@@ -4,20 +4,27 @@ Gluon has the shared-memory gather and atomic scatter-add (>= 3.8).
 
 One program = one 1 x 8 x 8 query tile of one (batch, head) pair, 8 warps, 216 KB of shared memory,
 launched per colour phase (the tiles of one phase share no key, so each adds its halo's dk, dv rows
-with plain loads and stores). Five frame loops, each frame's 64-key chunks on tensor cores, the
+with plain loads and stores). Four frame loops, each frame's 64-key chunks on tensor cores, the
 frame's matrix in ``S_s`` (fp16), the samples' values in ``P_s`` and ``G_s`` (fp32, one buffer per
-window layer):
+window layer); every walk over the samples stops at the window's ``KH * KW`` (whole chunks of ``JC``),
+not the padded ``KP``:
 
-1. ``S = Q K^T``; the samples' scores gathered into ``P_s`` (the forward's pass 1), then
-   ``p = exp2(z qk_scale - lse)`` over them.
-2. ``dP = dO V^T``; the samples' ``dp`` gathered into ``G_s``, then ``ds = p (dp - D)`` over them.
-3. ``S`` again: the offsets' gradient's ``scale ds S_c dw_c`` part added into ``DOFF``.
-4. ``dP`` again: its ``p dP_c dw_c`` part; ``P`` scattered onto the frame; ``dV = P^T dO`` (plain adds).
-5. ``dS`` (``ds`` times the corners' weights, times ``DS_GAIN`` in fp16) scattered onto the frame;
+1. ``dP = dO V^T``; the samples' ``dp`` gathered into ``G_s`` and, from the same corners, each one's
+   derivative along the sample's position (``d(dp)/dpos = sum_c dP_c dw_c``) added into ``DOFF``.
+2. ``S = Q K^T``; the samples' scores gathered into ``P_s`` and ``scale (dp - D) dz/dpos`` added
+   into ``DOFF`` (dp is complete after pass 1); then ``p = exp2(z qk_scale - lse)``,
+   ``ds = p (dp - D)``, and ``DOFF`` times ``p``: the offsets' gradient
+   ``p d(dp)/dpos + scale ds dz/dpos``, done.
+3. ``P`` scattered onto the frame (and the queries whose corners leave the halo found);
+   ``dV = P^T dO`` (plain adds).
+4. ``dS`` (``ds`` times the corners' weights, times ``DS_GAIN`` in fp16) scattered onto the frame;
    ``dQ += dS K``, ``dK = dS^T Q`` (plain adds), both times ``scale / DS_GAIN``.
 
-Recomputing S and dP (passes 3, 4) costs two more dots per chunk but holds only two per-sample
-arrays (p, ds) where the offsets' gradient would need eight; the dQ accumulator is live in pass 5
+Both parts of the offsets' gradient are taken where their matrix is computed, with the per-sample
+factors that are known there (``scale (dp - D)``; ``p`` once the scores are complete), so S and dP
+are computed once a frame (an earlier version recomputed both in two more passes: 12 more dots a
+frame and two more walks over the samples). Shared memory holds one frame matrix and two per-sample
+arrays (96 KB) beside Q, dO, a K/V chunk and the bf16 operand. The dQ accumulator is live in pass 4
 alone, and each pass recomputes the tile's geometry (``_where``): held across passes it spilled.
 ``DOFF``, ``DK`` and ``DV`` are fp32 and zeroed by the caller; a program adds to its own queries'
 offset rows only (the same thread reads and writes an element: no barrier needed)."""
@@ -31,7 +38,6 @@ from triton.experimental.gluon.language.nvidia import hopper
 from .dsa_gluon_halo_jit import (
     _axis,
     _frame_probs,
-    _frame_sample_scores,
     _frame_scores,
     _halo_rows,
     _start,
@@ -88,37 +94,44 @@ def _layer_derivs(OFF, off_row, q_ok, jt, j0, st, sy, sx, T, H, W, lo_t, lo_y, l
 
 
 @gluon.jit
-def _frame_offset_grads(F_s, A_s, a_scale, OFF, DOFF, off_row, q_ok, st, sy, sx, T, H, W, lo_t, lo_y, lo_x,
-                        fyn, fxn, f, KT: gl.constexpr, KH: gl.constexpr, KW: gl.constexpr, ELO: gl.constexpr,
-                        EHI: gl.constexpr, FY: gl.constexpr, FX: gl.constexpr, KP: gl.constexpr, JC: gl.constexpr,
-                        smp: gl.constexpr):
-    """The offsets' gradient from frame ``f``'s matrix ``F_s`` (``S`` or ``dP``) with per-sample factors
-    ``a = a_scale A_s`` (``scale ds`` or ``p``): ``sum_c a F_c dw_c / dpos`` over the sample's corners
-    in ``f``, added into ``DOFF``."""
+def _frame_scores_derivs(S_s, Z_s, C_s, D, c_scale, OFF, DOFF, off_row, q_ok, st, sy, sx, T, H, W, lo_t, lo_y, lo_x,
+                         fyn, fxn, f, KT: gl.constexpr, KH: gl.constexpr, KW: gl.constexpr, ELO: gl.constexpr,
+                         EHI: gl.constexpr, FY: gl.constexpr, FX: gl.constexpr, JC: gl.constexpr, smp: gl.constexpr,
+                         FACTOR: gl.constexpr):
+    """A walk over frame ``f``'s matrix ``X`` (``dP`` in pass 1, ``S`` in pass 2; in ``S_s``): each sample's
+    value from its corners added to ``Z_s`` (the forward's ``_frame_sample_scores``), and from the same
+    corners its derivative along the sample's position, ``sum_c X_c dw_c / dpos``, added into ``DOFF``
+    -- with ``FACTOR``, times ``c_scale (C_s - D)`` (pass 2: ``scale (dp - D)``, dp complete after
+    pass 1). Samples whose corners leave the halo add nothing to ``DOFF``."""
     for jt in gl.static_range(KT):
         if (lo_t + f >= st + jt - ELO) & (lo_t + f <= st + jt + EHI):
-            for j0 in gl.static_range(0, KP, JC):
+            for j0 in gl.static_range(0, KH * KW, JC):
                 wt, y0, y1, fy, x0, x1, fx, out, dwt, ly, lx, idx, ok = _layer_derivs(
                     OFF, off_row, q_ok, jt, j0, st, sy, sx, T, H, W, lo_t, lo_y, lo_x, fyn, fxn, f, KH, KW, JC, smp)
                 y0 = gl.minimum(gl.maximum(y0, 0), FY - 1)
                 y1 = gl.minimum(gl.maximum(y1, 0), FY - 1)
                 x0 = gl.minimum(gl.maximum(x0, 0), FX - 1)
                 x1 = gl.minimum(gl.maximum(x1, 0), FX - 1)
-                f00 = F_s.gather(y0 * FX + x0, 1).to(gl.float32)
-                f01 = F_s.gather(y0 * FX + x1, 1).to(gl.float32)
-                f10 = F_s.gather(y1 * FX + x0, 1).to(gl.float32)
-                f11 = F_s.gather(y1 * FX + x1, 1).to(gl.float32)
-                a = gl.where(ok & (out == 0), A_s[jt].slice(j0, JC, dim=1).load(smp) * a_scale, 0.0)
+                f00 = S_s.gather(y0 * FX + x0, 1).to(gl.float32)
+                f01 = S_s.gather(y0 * FX + x1, 1).to(gl.float32)
+                f10 = S_s.gather(y1 * FX + x0, 1).to(gl.float32)
+                f11 = S_s.gather(y1 * FX + x1, 1).to(gl.float32)
                 bil = (1.0 - fy) * ((1.0 - fx) * f00 + fx * f01) + fy * ((1.0 - fx) * f10 + fx * f11)
+                zs = Z_s[jt].slice(j0, JC, dim=1)
+                zs.store(zs.load(smp) + wt * bil)
+                keep = ok & (out == 0)
                 gy = ly * ((1.0 - fx) * (f10 - f00) + fx * (f11 - f01))
                 gx = lx * ((1.0 - fy) * (f01 - f00) + fy * (f11 - f10))
+                if FACTOR:
+                    c = (C_s[jt].slice(j0, JC, dim=1).load(smp) - D[:, None]) * c_scale
+                    bil = bil * c
+                    wt = wt * c
                 dptr = DOFF + idx
-                gl.store(dptr, gl.load(dptr, mask=ok, other=0.0) + a * dwt * bil, mask=ok)
-                gl.store(dptr + 1, gl.load(dptr + 1, mask=ok, other=0.0) + a * wt * gy, mask=ok)
-                gl.store(dptr + 2, gl.load(dptr + 2, mask=ok, other=0.0) + a * wt * gx, mask=ok)
+                gl.store(dptr, gl.load(dptr, mask=keep, other=0.0) + dwt * bil, mask=keep)  # bil, wt: times c
+                gl.store(dptr + 1, gl.load(dptr + 1, mask=keep, other=0.0) + wt * gy, mask=keep)
+                gl.store(dptr + 2, gl.load(dptr + 2, mask=keep, other=0.0) + wt * gx, mask=keep)
                 gl.barrier()  # one chunk's tensors at a time: unfenced, the chunks are scheduled together and spill
     gl.barrier()
-
 
 
 @gluon.jit
@@ -126,7 +139,7 @@ def _probs_from_lse(P_s, lse, qk_scale, M: gl.constexpr, KT: gl.constexpr, KH: g
                     KP: gl.constexpr, JC: gl.constexpr, smp: gl.constexpr):
     """The samples' scores in ``P_s`` become their probabilities ``exp2(z qk_scale - lse)`` (0 on padding)."""
     for jt in gl.static_range(KT):
-        for j0 in gl.static_range(0, KP, JC):
+        for j0 in gl.static_range(0, KH * KW, JC):
             j = j0 + gl.arange(0, JC, layout=gl.SliceLayout(0, smp))
             zs = P_s[jt].slice(j0, JC, dim=1)
             zs.store(gl.where((j < KH * KW)[None, :], gl.exp2(zs.load(smp) * qk_scale - lse[:, None]), 0.0))
@@ -134,13 +147,21 @@ def _probs_from_lse(P_s, lse, qk_scale, M: gl.constexpr, KT: gl.constexpr, KH: g
 
 
 @gluon.jit
-def _ds_from_dp(G_s, P_s, D, M: gl.constexpr, KT: gl.constexpr, KP: gl.constexpr, JC: gl.constexpr,
-                smp: gl.constexpr):
-    """The samples' ``dp`` in ``G_s`` become ``ds = p (dp - D)``."""
+def _ds_from_dp(G_s, P_s, D, DOFF, off_row, q_ok, M: gl.constexpr, KT: gl.constexpr, KH: gl.constexpr,
+                KW: gl.constexpr, JC: gl.constexpr, smp: gl.constexpr):
+    """The samples' ``dp`` in ``G_s`` become ``ds = p (dp - D)``; what passes 1 and 2 left in ``DOFF``,
+    ``d(dp)/dpos + scale (dp - D) dz/dpos``, times ``p``: the offsets' gradient."""
     for jt in gl.static_range(KT):
-        for j0 in gl.static_range(0, KP, JC):
+        for j0 in gl.static_range(0, KH * KW, JC):
+            j = j0 + gl.arange(0, JC, layout=gl.SliceLayout(0, smp))
             gs = G_s[jt].slice(j0, JC, dim=1)
-            gs.store(P_s[jt].slice(j0, JC, dim=1).load(smp) * (gs.load(smp) - D[:, None]))
+            c = P_s[jt].slice(j0, JC, dim=1).load(smp)
+            gs.store(c * (gs.load(smp) - D[:, None]))
+            ok = q_ok[:, None] & (j < KH * KW)[None, :]
+            dptr = DOFF + off_row[:, None] + ((jt * KH * KW + j) * 3)[None, :]
+            gl.store(dptr, gl.load(dptr, mask=ok, other=0.0) * c, mask=ok)
+            gl.store(dptr + 1, gl.load(dptr + 1, mask=ok, other=0.0) * c, mask=ok)
+            gl.store(dptr + 2, gl.load(dptr + 2, mask=ok, other=0.0) * c, mask=ok)
     gl.barrier()
 
 
@@ -271,7 +292,6 @@ def halo_dense_bwd(Q, K, V, OFF, OUT, DO, LSE, DQ, DK, DV, DOFF, qk_scale, scale
     N = T * H * W
     row_stride = NH * HEAD_DIM
     base = ((bh // NH) * N * NH + bh % NH) * HEAD_DIM
-    qy, qx, q_ok = _tile_geometry(t, y0, x0, T, H, W, KT, KH, KW, ELO, EHI, TY, TX, M, smp)[:3]
 
     lm = gl.arange(0, M, layout=gl.SliceLayout(1, ld))
     cols = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, ld))
@@ -280,7 +300,6 @@ def halo_dense_bwd(Q, K, V, OFF, OUT, DO, LSE, DQ, DK, DV, DOFF, qk_scale, scale
     do = gl.load(DO + base + rows, mask=rows_ok, other=0.0)
     o = gl.load(OUT + base + rows, mask=rows_ok, other=0.0)
     D = gl.convert_layout(gl.sum(do.to(gl.float32) * o.to(gl.float32), axis=1), gl.SliceLayout(1, smp))
-    lse = gl.load(LSE + bh * N + (t * H + qy) * W + qx, mask=q_ok, other=0.0)
     io_l: gl.constexpr = gl.NVMMASharedLayout.get_default_for([M, HEAD_DIM], gl.bfloat16)
     q_s = gl.allocate_shared_memory(gl.bfloat16, [M, HEAD_DIM], io_l,
                                     gl.load(Q + base + rows, mask=rows_ok, other=0.0).to(gl.bfloat16))
@@ -294,25 +313,27 @@ def halo_dense_bwd(Q, K, V, OFF, OUT, DO, LSE, DQ, DK, DV, DOFF, qk_scale, scale
            gl.allocate_shared_memory(gl.float32, [M, KP], flat))  # per window layer: the samples' dp, then ds
     _zero_samples(P_s, M, KT, KP, JC, smp)
     _zero_samples(G_s, M, KT, KP, JC, smp)
-    broken = gl.zeros([M], gl.int32, gl.SliceLayout(1, smp))
     args = (T, H, W, NH, PT, PY, PX, CT, CY, CX)
     geo, kv, ftn = _where(_opaque_pid(), args, HEAD_DIM, KT, KH, KW, ELO, EHI, TY, TX, M, smp)
     lo_t = geo[8]
-    for f in range(0, ftn):  # pass 1: the samples' scores, then p from the forward's log-sum-exp
-        _frame_scores(q_s, kv_s, S_s, K, kv[0], kv[1], lo_t + f, *kv[2:], M, HEAD_DIM, NCH, FX, ld, s_mma)
-        g = _pin(geo)
-        broken = _frame_sample_scores(S_s, P_s, OFF, g[0], g[1], broken, *g[2:], f,
-                                      KT, KH, KW, ELO, EHI, FY, FX, KP, JC, smp)
-    _probs_from_lse(P_s, lse, qk_scale, M, KT, KH, KW, KP, JC, smp)
+    for f in range(0, ftn):  # pass 1: the samples' dp and d(dp)/dpos
+        _frame_scores(do_s, kv_s, S_s, V, kv[0], kv[1], lo_t + f, *kv[2:], M, HEAD_DIM, NCH, FX, ld, s_mma)
+        _frame_scores_derivs(S_s, G_s, G_s, D, scale, OFF, DOFF, *_pin(geo), f, KT, KH, KW, ELO, EHI, FY, FX, JC,
+                             smp, False)
     geo, kv, ftn = _where(_opaque_pid(), args, HEAD_DIM, KT, KH, KW, ELO, EHI, TY, TX, M, smp)
     lo_t = geo[8]
-    for f in range(0, ftn):  # pass 2: the samples' dp, then ds = p (dp - D)
-        _frame_scores(do_s, kv_s, S_s, V, kv[0], kv[1], lo_t + f, *kv[2:], M, HEAD_DIM, NCH, FX, ld, s_mma)
-        g = _pin(geo)
-        _frame_sample_scores(S_s, G_s, OFF, g[0], g[1], broken, *g[2:], f, KT, KH, KW, ELO, EHI, FY, FX, KP, JC, smp)
-    _ds_from_dp(G_s, P_s, D, M, KT, KP, JC, smp)
-    dq = _passes_3_5(Q, K, V, OFF, DK, DV, DOFF, scale, q_s, do_s, kv_s, p_s, S_s, P_s, G_s, args, M, HEAD_DIM,
-                     KT, KH, KW, ELO, EHI, FY, FX, NCH, SW, KP, JC, TY, TX, ld, smp, s_mma, o_mma)
+    for f in range(0, ftn):  # pass 2: the samples' scores and scale (dp - D) dz/dpos
+        _frame_scores(q_s, kv_s, S_s, K, kv[0], kv[1], lo_t + f, *kv[2:], M, HEAD_DIM, NCH, FX, ld, s_mma)
+        _frame_scores_derivs(S_s, P_s, G_s, D, scale, OFF, DOFF, *_pin(geo), f, KT, KH, KW, ELO, EHI, FY, FX, JC,
+                             smp, True)
+    tl, yl, xl = _phase_tile(_opaque_pid(), H, W, PT, PY, PX, CT, CY, CX, TY, TX)  # not held across the passes
+    ql = gl.arange(0, M, layout=gl.SliceLayout(1, smp))
+    lse = gl.load(LSE + gl.program_id(1) * N + (tl * H + yl + ql // TX) * W + xl + ql % TX,
+                  mask=(yl + ql // TX < H) & (xl + ql % TX < W), other=0.0)
+    _probs_from_lse(P_s, lse, qk_scale, M, KT, KH, KW, KP, JC, smp)
+    _ds_from_dp(G_s, P_s, D, DOFF, geo[0], geo[1], M, KT, KH, KW, JC, smp)
+    dq, broken = _passes_3_4(Q, K, V, OFF, DK, DV, DOFF, scale, q_s, do_s, kv_s, p_s, S_s, P_s, G_s, args, M,
+                             HEAD_DIM, KT, KH, KW, ELO, EHI, FY, FX, NCH, SW, KP, JC, TY, TX, ld, smp, s_mma, o_mma)
     t, y0, x0 = _phase_tile(_opaque_pid(), H, W, PT, PY, PX, CT, CY, CX, TY, TX)  # again: not held (spill)
     am = gl.arange(0, M, layout=gl.SliceLayout(1, o_mma))
     acols = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, o_mma))
@@ -323,32 +344,27 @@ def halo_dense_bwd(Q, K, V, OFF, OUT, DO, LSE, DQ, DK, DV, DOFF, qk_scale, scale
 
 
 @gluon.jit
-def _passes_3_5(Q, K, V, OFF, DK, DV, DOFF, scale, q_s, do_s, kv_s, p_s, S_s, P_s, G_s, args,
+def _passes_3_4(Q, K, V, OFF, DK, DV, DOFF, scale, q_s, do_s, kv_s, p_s, S_s, P_s, G_s, args,
                 M: gl.constexpr, HEAD_DIM: gl.constexpr, KT: gl.constexpr, KH: gl.constexpr, KW: gl.constexpr,
                 ELO: gl.constexpr, EHI: gl.constexpr, FY: gl.constexpr, FX: gl.constexpr, NCH: gl.constexpr,
                 SW: gl.constexpr, KP: gl.constexpr, JC: gl.constexpr, TY: gl.constexpr, TX: gl.constexpr,
                 ld: gl.constexpr, smp: gl.constexpr, s_mma: gl.constexpr, o_mma: gl.constexpr):
-    """Passes 3-5 (module docstring): the offsets' gradient from S; from dP, then P and dV; dS, dQ and
-    dK. The dQ accumulator is live in pass 5 alone (the offsets' gradient would spill beside it)."""
+    """Passes 3 and 4 (module docstring): P and dV (and the queries whose corners leave the halo); dS,
+    dQ and dK. The dQ accumulator is live in pass 4 alone."""
     gain = gl.full([M], DS_GAIN, gl.float32, gl.SliceLayout(1, smp))
     one = gl.full([M], 1.0, gl.float32, gl.SliceLayout(1, smp))
+    broken = gl.zeros([M], gl.int32, gl.SliceLayout(1, smp))
     geo, kv, ftn = _where(_opaque_pid(), args, HEAD_DIM, KT, KH, KW, ELO, EHI, TY, TX, M, smp)
     lo_t = geo[8]
-    for f in range(0, ftn):  # pass 3: S again; the gradient's scale ds S_c part
-        _frame_scores(q_s, kv_s, S_s, K, kv[0], kv[1], lo_t + f, *kv[2:], M, HEAD_DIM, NCH, FX, ld, s_mma)
-        _frame_offset_grads(S_s, G_s, scale, OFF, DOFF, *_pin(geo), f, KT, KH, KW, ELO, EHI, FY, FX, KP, JC, smp)
-    geo, kv, ftn = _where(_opaque_pid(), args, HEAD_DIM, KT, KH, KW, ELO, EHI, TY, TX, M, smp)
-    lo_t = geo[8]
-    for f in range(0, ftn):  # pass 4: dP again; the gradient's p dP_c part; P; dV += P^T dO
-        _frame_scores(do_s, kv_s, S_s, V, kv[0], kv[1], lo_t + f, *kv[2:], M, HEAD_DIM, NCH, FX, ld, s_mma)
-        _frame_offset_grads(S_s, P_s, 1.0, OFF, DOFF, *_pin(geo), f, KT, KH, KW, ELO, EHI, FY, FX, KP, JC, smp)
-        _frame_probs(S_s, P_s, one, OFF, *_pin(geo), f, M, KT, KH, KW, ELO, EHI, FX, SW, KP, JC, smp)
+    for f in range(0, ftn):  # pass 3: P; dV += P^T dO
+        broken = _frame_probs(S_s, P_s, one, OFF, *_pin(geo), f, M, KT, KH, KW, ELO, EHI, FX, SW, KP, JC, smp,
+                              broken, True)
         _frame_dv(S_s, p_s, do_s, DV, kv[0], kv[1], lo_t + f, *kv[2:], M, HEAD_DIM, NCH, FX, ld, smp, o_mma)
     dq = gl.zeros([M, HEAD_DIM], gl.float32, o_mma)
     geo, kv, ftn = _where(_opaque_pid(), args, HEAD_DIM, KT, KH, KW, ELO, EHI, TY, TX, M, smp)
     lo_t = geo[8]
-    for f in range(0, ftn):  # pass 5: dS; dQ += dS K, dK += dS^T Q
-        _frame_probs(S_s, G_s, gain, OFF, *_pin(geo), f, M, KT, KH, KW, ELO, EHI, FX, SW, KP, JC, smp)
+    for f in range(0, ftn):  # pass 4: dS; dQ += dS K, dK += dS^T Q
+        _frame_probs(S_s, G_s, gain, OFF, *_pin(geo), f, M, KT, KH, KW, ELO, EHI, FX, SW, KP, JC, smp, broken, False)
         dq = _frame_dq_dk(dq, S_s, kv_s, p_s, q_s, K, DK, kv[0], kv[1], lo_t + f, *kv[2:], M, HEAD_DIM, NCH, FX,
                           ld, smp, o_mma, scale / DS_GAIN)
-    return dq
+    return dq, broken

@@ -77,7 +77,7 @@ def _frame_sample_scores(S_s, Z_s, OFF, off_row, q_ok, broken, st, sy, sx, T, H,
     skipped. Returns ``broken`` with the queries whose corners leave the halo."""
     for jt in gl.static_range(KT):
         if (lo_t + f >= st + jt - ELO) & (lo_t + f <= st + jt + EHI):
-            for j0 in gl.static_range(0, KP, JC):
+            for j0 in gl.static_range(0, KH * KW, JC):
                 wt, y0, y1, fy, x0, x1, fx, out = _layer_samples(
                     OFF, off_row, q_ok, jt, j0, st, sy, sx, T, H, W, lo_t, lo_y, lo_x, fyn, fxn, f, KH, KW, JC, smp)
                 broken = broken | gl.max(out.to(gl.int32), axis=1)
@@ -102,13 +102,13 @@ def _softmax(Z_s, qk_scale, M: gl.constexpr, KT: gl.constexpr, KH: gl.constexpr,
     over the scores in ``Z_s``."""
     mx = gl.full([M], -float("inf"), gl.float32, gl.SliceLayout(1, smp))
     for jt in gl.static_range(KT):
-        for j0 in gl.static_range(0, KP, JC):
+        for j0 in gl.static_range(0, KH * KW, JC):
             j = j0 + gl.arange(0, JC, layout=gl.SliceLayout(0, smp))
             z = gl.where((j < KH * KW)[None, :], Z_s[jt].slice(j0, JC, dim=1).load(smp) * qk_scale, -float("inf"))
             mx = gl.maximum(mx, gl.max(z, axis=1))
     den = gl.zeros([M], gl.float32, gl.SliceLayout(1, smp))
     for jt in gl.static_range(KT):
-        for j0 in gl.static_range(0, KP, JC):
+        for j0 in gl.static_range(0, KH * KW, JC):
             j = j0 + gl.arange(0, JC, layout=gl.SliceLayout(0, smp))
             zs = Z_s[jt].slice(j0, JC, dim=1)
             e = gl.where((j < KH * KW)[None, :], gl.exp2(zs.load(smp) * qk_scale - mx[:, None]), 0.0)
@@ -122,18 +122,21 @@ def _softmax(Z_s, qk_scale, M: gl.constexpr, KT: gl.constexpr, KH: gl.constexpr,
 def _frame_probs(S_s, Z_s, inv, OFF, off_row, q_ok, st, sy, sx, T, H, W, lo_t, lo_y, lo_x, fyn, fxn, f,
                  M: gl.constexpr, KT: gl.constexpr, KH: gl.constexpr, KW: gl.constexpr, ELO: gl.constexpr,
                  EHI: gl.constexpr, FX: gl.constexpr, SW: gl.constexpr, KP: gl.constexpr, JC: gl.constexpr,
-                 smp: gl.constexpr):
+                 smp: gl.constexpr, broken, TRACK: gl.constexpr):
     """Frame ``f``'s ``P``: ``S_s`` zeroed, then every sample's probability times its corners' weights
-    scatter-added onto its corners (``red.shared.add.f16``)."""
+    scatter-added onto its corners (``red.shared.add.f16``). With ``TRACK``, returns ``broken`` with the
+    queries whose corners leave the halo (the backward finds them here)."""
     zero = gl.zeros([M, 64], gl.float16, smp)
     for c in gl.static_range(SW // 64):
         S_s.slice(c * 64, 64, dim=1).store(zero)
     gl.barrier()
     for jt in gl.static_range(KT):
         if (lo_t + f >= st + jt - ELO) & (lo_t + f <= st + jt + EHI):
-            for j0 in gl.static_range(0, KP, JC):
+            for j0 in gl.static_range(0, KH * KW, JC):
                 wt, y0, y1, fy, x0, x1, fx, out = _layer_samples(
                     OFF, off_row, q_ok, jt, j0, st, sy, sx, T, H, W, lo_t, lo_y, lo_x, fyn, fxn, f, KH, KW, JC, smp)
+                if TRACK:
+                    broken = broken | gl.max(out.to(gl.int32), axis=1)
                 a = Z_s[jt].slice(j0, JC, dim=1).load(smp) * inv[:, None] * wt
                 keep = (a != 0.0) & (out == 0)
                 S_s.atomic_scatter_add((a * (1.0 - fy) * (1.0 - fx)).to(gl.float16), y0 * FX + x0, 1, mask=keep)
@@ -141,6 +144,7 @@ def _frame_probs(S_s, Z_s, inv, OFF, off_row, q_ok, st, sy, sx, T, H, W, lo_t, l
                 S_s.atomic_scatter_add((a * fy * (1.0 - fx)).to(gl.float16), y1 * FX + x0, 1, mask=keep)
                 S_s.atomic_scatter_add((a * fy * fx).to(gl.float16), y1 * FX + x1, 1, mask=keep)
     gl.barrier()
+    return broken
 
 
 @gluon.jit
@@ -241,7 +245,7 @@ def halo_dense_fwd(Q, K, V, OFF, OUT, LSE, qk_scale, T, H, W, NH,
     acc = gl.zeros([M, HEAD_DIM], gl.float32, o_mma)
     for f in range(0, ftn):  # pass 2: the probabilities onto the halo, O = P V, frame by frame
         _frame_probs(S_s, Z_s, inv, OFF, off_row, q_ok, st, sy, sx, T, H, W, lo_t, lo_y, lo_x, fyn, fxn, f,
-                     M, KT, KH, KW, ELO, EHI, FX, SW, KP, JC, smp)
+                     M, KT, KH, KW, ELO, EHI, FX, SW, KP, JC, smp, broken, False)
         acc = _frame_output(acc, S_s, kv_s, p_s, V, base, row_stride, lo_t + f, H, W, lo_y, lo_x, fyn, fxn,
                             HEAD_DIM, NCH, FX, ld, smp)
 

@@ -28,8 +28,10 @@ The backward reruns 2-4 from the saved log-sum-exp and, per tile:
 ``D = rowsum(dO * O)``; ``dS[:, h] = scale * sum ds_j w_jc`` (scatter-add); ``dQ = dS K_halo``;
 ``dK_halo = dS^T Q``; ``dV_halo = P^T dO``; and the offsets' gradient from the weights'
 derivatives: ``dL/dw_jc = scale ds_j S[:, h_jc] + p_j dP[:, h_jc]`` times ``dw_jc/dpos`` per axis
-(0 where the position was clamped). Halos of neighbouring tiles overlap, so ``dK_halo`` and
-``dV_halo`` are added into dk, dv **in colour phases**: tiles whose index along each axis agrees
+(0 where the position was clamped), summed as ``p_j (d(dp_j)/dpos + scale (dp_j - D) dz_j/dpos)``
+with ``dX_j/dpos = sum_c X[:, h_jc] dw_jc/dpos`` (X = dP, S): each derivative is taken beside the
+sample's value, dp first, so the kernel computes S and dP once a frame. Halos of neighbouring tiles
+overlap, so ``dK_halo`` and ``dV_halo`` are added into dk, dv **in colour phases**: tiles whose index along each axis agrees
 modulo that axis's colour count (the number of tiles one halo spans) never share a key, so the
 tiles of one phase add their halos without atomics and in a fixed order (deterministic); the
 phases run one after another. No per-sample record goes to memory: everything per sample lives in
@@ -261,15 +263,18 @@ def _backward(L: _Layout, q, k, v, out, lse, dout, scale: float):
             S, p, _ = _tile_probs(qt, kh, smp, scale, L.io, L.box(lser, tile.q_lo, tile.q_hi))
             D = (dot.to(L.io).to(L.cd) * L.box(outr, tile.q_lo, tile.q_hi).to(L.cd)).sum(-1, keepdim=True)
             dP = _mm(dot, vh.transpose(1, 2), L.io)
-            ds = p * (_gather(dP, smp) - D)
+            dp = _gather(dP, smp)
+            ds = p * (dp - D)
             dS = _scatter(scale * ds, smp, kh.shape[1])
             P = _scatter(p, smp, kh.shape[1])
             dqt = _mm(dS, kh, L.io)
             dqt[smp.broken] = float("nan")
-            g = None  # dL/dpos = sum_c (scale ds S_c + p dP_c) dw_c/dpos
-            for idx, dw in zip(smp.idx, smp.dw):
-                gc = (scale * ds * torch.gather(S, 2, idx) + p * torch.gather(dP, 2, idx)).unsqueeze(-1) * dw
-                g = gc if g is None else g + gc
+            # dL/dpos = scale ds dz/dpos + p d(dp)/dpos = p (d(dp)/dpos + scale (dp - D) dz/dpos), each
+            # derivative sum_c X_c dw_c/dpos (X = dP, S), in the kernel's order: d(dp)/dpos beside dp (its pass
+            # 1), dz/dpos times scale (dp - D) beside z (pass 2), all times p once z gives p
+            ddp, dz = (sum(torch.gather(X, 2, idx).unsqueeze(-1) * dw for idx, dw in zip(smp.idx, smp.dw))
+                       for X in (dP, S))
+            g = p.unsqueeze(-1) * (ddp + (scale * (dp - D)).unsqueeze(-1) * dz)
             _put(dq, tile, dqt)
             _put(doff, tile, g)
             _add(dk, tile, _mm(dS.transpose(1, 2), qt, L.io))
