@@ -74,36 +74,32 @@ def gluon_halo_constexprs(head_dim: int, window, bound: float) -> dict:
                 KP=1 << (kh * kw - 1).bit_length(), JC=SAMPLE_CHUNK, TY=TILE_Y, TX=TILE_X)
 
 
-_KERNEL = None
+_KERNELS: dict[str, object] = {}
+
+
+def _gluon_kernel(pass_: str):
+    """The compiled-on-launch Gluon kernel of ``pass_`` (``fwd`` or ``bwd``), imported once; refused
+    where ``gluon_halo_refusal`` says (the import itself needs a Triton whose Gluon has what it uses)."""
+    why = gluon_halo_refusal()
+    if why is not None:
+        raise RuntimeError(why)
+    if pass_ not in _KERNELS:
+        if pass_ == "fwd":
+            from .dsa_gluon_halo_jit import halo_dense_fwd as kernel  # lazy: Gluon, where this Triton has it
+        else:
+            from .dsa_gluon_halo_bwd_jit import halo_dense_bwd as kernel  # lazy: as above
+        _KERNELS[pass_] = kernel
+    return _KERNELS[pass_]
 
 
 def halo_dense_kernel():
-    """The compiled-on-launch Gluon kernel (built once; refused where ``gluon_halo_refusal`` says)."""
-    global _KERNEL
-    why = gluon_halo_refusal()
-    if why is not None:
-        raise RuntimeError(why)
-    if _KERNEL is None:
-        from .dsa_gluon_halo_jit import halo_dense_fwd  # lazy: Gluon, where this Triton has what it needs
-
-        _KERNEL = halo_dense_fwd
-    return _KERNEL
-
-
-_BWD_KERNEL = None
+    """The Gluon forward (``_gluon_kernel``)."""
+    return _gluon_kernel("fwd")
 
 
 def halo_dense_bwd_kernel():
-    """The compiled-on-launch Gluon backward (built once; refused where ``gluon_halo_refusal`` says)."""
-    global _BWD_KERNEL
-    why = gluon_halo_refusal()
-    if why is not None:
-        raise RuntimeError(why)
-    if _BWD_KERNEL is None:
-        from .dsa_gluon_halo_bwd_jit import halo_dense_bwd  # lazy: Gluon, where this Triton has what it needs
-
-        _BWD_KERNEL = halo_dense_bwd
-    return _BWD_KERNEL
+    """The Gluon backward (``_gluon_kernel``)."""
+    return _gluon_kernel("bwd")
 
 
 def halo_dense_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, offsets: torch.Tensor, window,
