@@ -14,7 +14,7 @@ from megaslide_ray import planning
 from megaslide_ray.config import Config, ConfigError, build_config
 from megaslide_ray.planning.render import render, render_search
 from megaslide_ray.planning.search import config_for, max_frames, plan_with_resident, requested_clip
-from megaslide_ray.planning.terms import HOST_RESERVE_GB, W_DTYPES
+from megaslide_ray.planning.terms import HOST_RESERVE_GB, W_DTYPES, validate_plan
 
 
 def _token_chunk_arg(text: str) -> int | str:
@@ -172,37 +172,36 @@ def _config(args: argparse.Namespace) -> tuple[Config, tuple[int, int, int]]:
         batch = 2 * (batch or build_config(args.preset, args.config).data.batch_size)
     asked = requested_clip(args.preset, args.frames, args.height, args.width, args.config)
     cfg = config_for(args.preset, args.frames, args.height, args.width, batch, args.attention, args.config)
-    if args.offload_activations:
-        cfg.runtime.offload_activations = True
-    if args.micro_batches is not None:
-        cfg.training.micro_batches = args.micro_batches
-    if args.resident_gb is not None and args.resident_gb != "auto":
-        cfg.runtime.resident_gb = args.resident_gb
     if args.resident_gb == "auto" and args.max_frames:
         raise ConfigError("--resident-gb auto uses the device a plan leaves free; with --max-frames give GB")
-    if args.grad_slots is not None:
-        cfg.runtime.grad_slots = args.grad_slots
-    if args.grad_slot_mb is not None:
-        if not (args.grad_slot_mb >= 0 and math.isfinite(args.grad_slot_mb)):
-            raise ConfigError(f"--grad-slot-mb {args.grad_slot_mb} must be >= 0 (MB per gradient slot; 0: a "
-                              f"slot holds the largest shard)")
-        cfg.runtime.grad_slot_mb = args.grad_slot_mb
-    if args.ema_decay is not None:
-        if not 0 <= args.ema_decay < 1:
-            raise ConfigError(f"--ema-decay {args.ema_decay} must lie in [0, 1) (0: no average of the weights)")
-        cfg.training.ema_decay = args.ema_decay
-    if args.distill_weight is not None:
-        if not (args.distill_weight >= 0 and math.isfinite(args.distill_weight)):
-            raise ConfigError(f"--distill-weight {args.distill_weight} must be a finite number >= 0 (0: no teacher)")
-        if args.distill_weight and cfg.attention.kind == "dense":
-            raise ConfigError(f"--distill-weight {args.distill_weight} with attention.kind dense: the model is the "
-                              f"dense teacher itself; plan another --attention or leave the flag out")
-        cfg.training.distill_weight = args.distill_weight
-    if args.prefetch_depth is not None:
-        if args.prefetch_depth < 1:
-            raise ConfigError(f"--prefetch-depth {args.prefetch_depth} must be >= 1")
-        cfg.runtime.prefetch_depth = args.prefetch_depth
+    _apply_flags(cfg, args)
     return cfg, asked
+
+
+_FIELD_FLAGS = (("offload_activations", "runtime.offload_activations"), ("micro_batches", "training.micro_batches"),
+                ("resident_gb", "runtime.resident_gb"), ("grad_slots", "runtime.grad_slots"),
+                ("grad_slot_mb", "runtime.grad_slot_mb"), ("ema_decay", "training.ema_decay"),
+                ("distill_weight", "training.distill_weight"), ("prefetch_depth", "runtime.prefetch_depth"))
+"""The flags that set one config field each (the argument's name, the field)."""
+
+
+def _apply_flags(cfg: Config, args: argparse.Namespace) -> None:
+    """Set the fields of ``_FIELD_FLAGS`` the command line gives, then check ``cfg`` as a run's
+    config is checked: a bad value is refused by the config's own rule, its message naming the flag."""
+    set_by = {}
+    for name, field in _FIELD_FLAGS:
+        value = getattr(args, name)
+        if value is None or value is False or value == "auto":  # not given (auto: the plan picks it)
+            continue
+        section, key = field.split(".")
+        setattr(getattr(cfg, section), key, value)
+        flag = "--" + name.replace("_", "-")
+        set_by[field] = flag if value is True else f"{flag} {value}"
+    try:
+        validate_plan(cfg)
+    except ConfigError as e:
+        flags = [flag for field, flag in set_by.items() if f"{field}=" in str(e)]
+        raise ConfigError(f"{e}" + (f" (set by {', '.join(flags)})" if flags else "")) from None
 
 
 def _machine(args: argparse.Namespace) -> dict:

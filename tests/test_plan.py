@@ -401,6 +401,35 @@ def test_cli_help_and_refusals(capsys):
         assert capsys.readouterr().err.startswith("error: ")
 
 
+@pytest.mark.parametrize("argv,rule", [
+    (["--ema-decay", "1"], "training.ema_decay=1.0 must lie in [0, 1)"),
+    (["--ema-decay", "nan"], "training.ema_decay=nan must lie in [0, 1)"),
+    (["--distill-weight", "-1"], "training.distill_weight=-1.0 must be a finite number >= 0"),
+    (["--distill-weight", "inf"], "training.distill_weight=inf must be a finite number >= 0"),
+    (["--distill-weight", "1", "--attention", "dense"], "training.distill_weight=1.0 with attention.kind='dense'"),
+    (["--grad-slot-mb", "-1"], "runtime.grad_slot_mb=-1.0 must be >= 0"),
+    (["--grad-slot-mb", "nan"], "runtime.grad_slot_mb=nan must be >= 0"),
+    (["--prefetch-depth", "0"], "runtime.prefetch_depth=0 must be >= 1"),
+    (["--offload-activations", "--preset", "tiny-motion"], "runtime.recompute_blocks=false with "
+                                                            "runtime.offload_activations=true"),
+])
+def test_cli_runtime_flags_meet_the_configs_own_rules(capsys, argv, rule):
+    """The flags that set a config field are checked by ``validate``'s rules, with their messages
+    and the flag that set the field."""
+    code = main(argv + ["--json"])
+    err = capsys.readouterr().err
+    assert code == 2 and err.startswith(f"error: {rule}"), err
+    flag = argv[0] if argv[0] == "--offload-activations" else f"{argv[0]} {float(argv[1])}" \
+        if argv[0] != "--prefetch-depth" else f"{argv[0]} {argv[1]}"
+    assert f"(set by {flag})" in err, err
+
+
+def test_plan_of_distillation_needs_no_teacher_weights(capsys):
+    """A plan counts the teacher without reading it: no ``training.init_from`` needed."""
+    assert main(["--preset", "tiny", "--distill-weight", "1", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)
+
+
 # -- several GPUs, nodes, micro-batches (planning/scaleout.py) ---------------------------------------
 
 

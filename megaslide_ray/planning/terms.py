@@ -60,15 +60,21 @@ MIN_SUB_SLICE_CHUNK = 512
 """``--token-chunk auto`` tries chunks of whole time slices, then halves of one slice down to this."""
 
 
+def validate_plan(cfg: Config) -> None:
+    """``validate(cfg)``: every rule a run's config meets, but a plan of distillation needs no
+    teacher's weights (it counts the teacher, it reads none), so without ``training.init_from`` a
+    copy that names one is checked."""
+    if cfg.training.distill_weight and not cfg.training.init_from:
+        cfg = copy.deepcopy(cfg)
+        cfg.training.init_from = "(the dense teacher a plan counts)"
+    validate(cfg)
+
+
 def check_shape(cfg: Config) -> None:
     """Frames, height and width must be multiples of the patch; the message names the value.
     (Latent space: ``validate`` checks the clip against the VAE compression and the patch.)"""
     if cfg.latent_space:
-        if cfg.training.distill_weight and not cfg.training.init_from:
-            # A plan of distillation counts the teacher; it reads no weights, so it names none.
-            cfg = copy.deepcopy(cfg)
-            cfg.training.distill_weight = 0.0
-        validate(cfg)
+        validate_plan(cfg)
         return
     for flag, size, p in (("frames", cfg.data.num_frames, cfg.model.patch_size[0]),
                           ("height", cfg.data.height, cfg.model.patch_size[1]),
