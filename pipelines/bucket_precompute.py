@@ -20,13 +20,11 @@ import os
 from pathlib import Path
 from typing import Any
 
-import ray
-
 from megaslide_ray.config.buckets import Bucket
 from megaslide_ray.data.buckets import row_buckets
 from megaslide_ray.data.latents import read_latent_manifest, write_latent_manifest
 from megaslide_ray.data.manifest import MANIFEST_NAME, read_manifest, write_manifest
-from pipelines.encoder_pool import start_ray
+from pipelines.encoder_pool import start_ray, stop_ray
 from pipelines.latent_precompute import PrecomputeReport, precompute
 
 SOURCE_NAME = "source.parquet"
@@ -50,7 +48,7 @@ def precompute_buckets(model_dir: str | os.PathLike, data: str | os.PathLike, ou
         reports, merged, metadata = _each_bucket(model_dir, entries, bucket_of, out, buckets, kwargs)
     finally:
         if started:
-            ray.shutdown()
+            stop_ray()
     if not reports:
         raise ValueError(f"--buckets: no row of {data} falls in any bucket")
     metadata = {k: v for k, v in metadata.items() if k not in ("kind", "format_version")}

@@ -7,7 +7,10 @@ keeps two calls in flight per actor: one encodes while the other's clips decode 
 thread, so an actor never waits for the driver. On CPU each of the ``N`` actors gets ``CPUs / N``
 torch threads (several actors with a few threads each, rather than one with all of them); before
 the captions, ``shrink_to_one`` keeps one actor with every thread (a UMT5-XXL copy is 22 GB in
-float32, and the captions are few)."""
+float32, and the captions are few).
+
+Ray is imported where it is used: importing this module (the ``precompute`` command line does)
+and an in-process pool cost no Ray import."""
 
 from __future__ import annotations
 
@@ -17,9 +20,7 @@ import time
 from collections import deque
 from typing import Callable
 
-import ray
 import torch
-from ray.exceptions import RayActorError
 
 from megaslide_ray.config import DataConfig
 from megaslide_ray.data.encoders import Encoder
@@ -41,11 +42,18 @@ CAPTIONS_PER_CALL = 16
 
 def start_ray() -> bool:
     """A local Ray for the encoder actors unless this process already runs one; True when it was
-    started here (whoever started it shuts it down)."""
+    started here (whoever started it shuts it down: ``stop_ray``)."""
+    import ray  # lazy: Ray costs seconds; --num-encoders 0 runs without it
     if ray.is_initialized():
         return False
     ray.init(address="local", include_dashboard=False, namespace="megaslide", logging_level="ERROR")
     return True
+
+
+def stop_ray() -> None:
+    """Shut down the Ray ``start_ray`` started."""
+    import ray  # lazy: Ray costs seconds; --num-encoders 0 runs without it
+    ray.shutdown()
 
 
 def pick_device(device: str, use_ray: bool) -> str:
@@ -54,12 +62,14 @@ def pick_device(device: str, use_ray: bool) -> str:
     if device != "auto":
         return device
     if use_ray:
+        import ray  # lazy: Ray costs seconds; --num-encoders 0 runs without it
         return "cuda" if ray.cluster_resources().get("GPU", 0) >= 1 else "cpu"
     return "cuda" if torch.cuda.is_available() else "cpu"
 
 
 def default_size(device: str) -> int:
     """Encoder actors when none are asked for: one per GPU of the cluster, or ``min(CPUs, 4)``."""
+    import ray  # lazy: Ray costs seconds; --num-encoders 0 runs without it
     res = ray.cluster_resources()
     return max(1, int(res.get("GPU", 0))) if device == "cuda" else max(1, min(int(res.get("CPU", 1)), 4))
 
@@ -92,6 +102,7 @@ class EncoderPool:
             self.local = self.encoder_cls(*self.args, **self.kwargs)
             self.actors = []
             return
+        import ray  # lazy: Ray costs seconds; --num-encoders 0 runs without it
         self.cpus = int(ray.cluster_resources().get("CPU", os.cpu_count() or 1))
         self.threads = 0 if device == "cuda" else max(1, self.cpus // n)
         self.actors = [self._start(i) for i in range(n)]
@@ -110,12 +121,13 @@ class EncoderPool:
             pool = cls(n, model_dir, data, dev, dtype, condition, hang_timeout_s)
         except BaseException:
             if started:
-                ray.shutdown()
+                stop_ray()
             raise
         pool.started_ray = started
         return pool
 
     def _start(self, i: int):
+        import ray  # lazy: Ray costs seconds; --num-encoders 0 runs without it
         opts = {"num_gpus": 1} if self.device == "cuda" else {}
         actor = ray.remote(self.encoder_cls).options(num_cpus=0, max_concurrency=2, **opts)
         return actor.remote(*self.args, self.threads, **self.kwargs)
@@ -124,6 +136,7 @@ class EncoderPool:
     def _wait_ready(actors: list, timeout: float = 600.0) -> None:
         """Until the actors' processes are up (imports done): their start does not count against
         the hang watchdog. One that failed to start says so on its first call."""
+        import ray  # lazy: Ray costs seconds; --num-encoders 0 runs without it
         ray.wait([a.__ray_ready__.remote() for a in actors], num_returns=len(actors), timeout=timeout)
 
     def run(self, method: str, chunks: list[list[dict]], on_result: Callable[[list[dict]], None]) -> None:
@@ -133,6 +146,8 @@ class EncoderPool:
             for chunk in chunks:
                 on_result(getattr(self.local, method)(chunk))
             return
+        import ray  # lazy: Ray costs seconds; --num-encoders 0 runs without it
+        from ray.exceptions import RayActorError  # lazy: Ray costs seconds; --num-encoders 0 runs without it
         queue = deque((c, 0) for c in chunks)  # (chunk, attempt); attempt 1: a retry, run alone
         running: dict = {}  # ref -> (actor index, actor, chunk, attempt)
         busy = [0] * self.n  # calls in flight on the current actor i
@@ -196,6 +211,7 @@ class EncoderPool:
     def _kill_hung(self, busy: list[int], progress: list[float], hung: set) -> None:
         """The watchdog: kill each actor with calls in flight and no progress for ``hang_timeout_s``
         (its calls then fail as a death's do, and land in ``run``)."""
+        import ray  # lazy: Ray costs seconds; --num-encoders 0 runs without it
         for i in range(self.n):
             if busy[i] and time.monotonic() - progress[i] >= self.hang_timeout_s:
                 log.warning("encoder %d finished no call in %.0f s (precompute --hang-timeout); killing it as hung",
@@ -205,6 +221,7 @@ class EncoderPool:
                 progress[i] = time.monotonic()
 
     def _died(self, i: int, error: BaseException) -> None:
+        import ray  # lazy: Ray costs seconds; --num-encoders 0 runs without it
         self.replacements += 1
         if self.replacements > 2 * self.n + 4:
             raise RuntimeError(f"encoder actors died {self.replacements} times (last: {error}); check memory and the "
@@ -219,6 +236,7 @@ class EncoderPool:
         takes 22 GB in float32, and the captions are few)."""
         if self.n <= 1:
             return
+        import ray  # lazy: Ray costs seconds; --num-encoders 0 runs without it
         for a in self.actors[1:]:
             ray.kill(a)
         self.actors, self.n = self.actors[:1], 1
@@ -229,7 +247,8 @@ class EncoderPool:
         if self.n == 0:
             self.local.close()
         else:
+            import ray  # lazy: Ray costs seconds; --num-encoders 0 runs without it
             for a in self.actors:
                 ray.kill(a)
         if self.started_ray:
-            ray.shutdown()
+            stop_ray()
