@@ -267,9 +267,7 @@ def plan(cfg: Config, w_dtype: str = "bfloat16", pcie_gbps: float = 55.0, dram_g
     timing = _timing(cfg, sizes, memory, traffic, generate, pcie_gbps, dram_gbps, device_tflops, gpus_per_node,
                      nodes, network_gbps)
     fit = _fit(memory, timing, generate, ram_gb, gpu_gb, host_reserve_gb)
-    notes = _notes(cfg, generate, sizes.wb, sizes.P, memory.parts, memory.block_terms, memory.act_totals,
-                   memory.variant, fit.fits_host, fit.fits_device, fit.host_short, fit.device_short,
-                   fit.device_required, gpu_gb, timing.terms)
+    notes = _notes(cfg, sizes, memory, timing, fit, generate, gpu_gb)
     notes += _scale_out_notes(cfg, sizes, traffic, timing, fit, generate, dram_gbps, gpus_per_node, nodes)
     return _assemble(cfg, sizes, memory, traffic, timing, fit, notes, w_dtype=w_dtype, pcie_gbps=pcie_gbps,
                      dram_gbps=dram_gbps, device_tflops=device_tflops, ram_gb=ram_gb, gpu_gb=gpu_gb,
@@ -532,15 +530,14 @@ def _assemble(cfg: Config, s: _Sizes, mem: _Memory, tr: _Traffic, timing: _Timin
     )
 
 
-def _notes(cfg: Config, generate: bool, wb: int, P: int, parts: dict[str, int], block_terms: dict[str, int],
-           act_totals: dict[str, int], variant: str, fits_host, fits_device, host_short: int, device_short: int,
-           device_required: int, gpu_gb: float | None, time_terms: dict[str, float]) -> list[str]:
-    """What would change a plan that does not fit (or what it assumes)."""
+def _notes(cfg: Config, s: _Sizes, mem: _Memory, timing: _Timing, fit: _Fit, generate: bool,
+           gpu_gb: float | None) -> list[str]:
+    """What would change a plan that does not fit (or what it assumes), from ``plan``'s steps."""
     notes = []
-    m = cfg.model
-    ND1 = cfg.data.batch_size * cfg.tokens_per_sample * m.hidden_size * wb  # one micro-batch's whole-clip tensor
+    m, parts, fits_device, device_required = cfg.model, mem.parts, fit.fits_device, fit.device_required
+    ND1 = cfg.data.batch_size * cfg.tokens_per_sample * m.hidden_size * s.wb  # one micro-batch's whole-clip tensor
     ND = (1 if generate else cfg.training.micro_batches) * ND1  # a kept block holds every micro-batch's input
-    whole = sum(v for k, v in block_terms.items() if k.startswith("whole clip"))
+    whole = sum(v for k, v in mem.block_terms.items() if k.startswith("whole clip"))
     keep = offload_keep(cfg)
     if fits_device is False and keep and not generate:
         notes.append(f"runtime.offload_keep = {cfg.runtime.offload_keep} keeps {keep} block inputs on the device "
@@ -557,13 +554,13 @@ def _notes(cfg: Config, generate: bool, wb: int, P: int, parts: dict[str, int], 
                      f"({whole // ND1} x {fmt_bytes(ND1)}): a smaller token chunk cannot help; computing k and v "
                      f"per time slab with its halo instead of for the whole clip (and dq per query chunk) "
                      f"would (not implemented)")
-    if fits_host is False:
+    if fit.fits_host is False:
         if parts["offloaded_checkpoints"]:
             ssd = parts["offloaded_checkpoints"] / 7e9
             notes.append(f"the offloaded block inputs take {fmt_bytes(parts['offloaded_checkpoints'])} of host RAM: "
                          f"a disk tier for them (a separate directory on NVMe; not implemented: they share "
                          f"runtime.state_dir with the store) would free it, at about {ssd:.0f} s each way per step "
-                         f"at 7 GB/s, against a compute floor of {time_terms['compute']:.0f} s")
+                         f"at 7 GB/s, against a compute floor of {timing.terms['compute']:.0f} s")
             if gpu_gb is not None and fits_device:
                 spare = int(gpu_gb * 1e9) - device_required
                 room = min(m.depth - keep, spare // ND) if ND else 0
@@ -573,7 +570,7 @@ def _notes(cfg: Config, generate: bool, wb: int, P: int, parts: dict[str, int], 
                                  f"block inputs there, {fmt_bytes(room * ND)} off the host")
         if not generate:
             notes.append(f"bf16 AdamW moments (an option the store does not have) would save 4 B/param, "
-                         f"{fmt_bytes(4 * P)}; runtime.state_dir on a fast disk lets the store exceed RAM, at "
+                         f"{fmt_bytes(4 * s.P)}; runtime.state_dir on a fast disk lets the store exceed RAM, at "
                          f"disk speed for AdamW")
     a = cfg.attention
     if a.kind == "dsa" and a.max_offset == 0 and cfg.runtime.device != "cpu":
@@ -585,7 +582,7 @@ def _notes(cfg: Config, generate: bool, wb: int, P: int, parts: dict[str, int], 
                      "(docs/dsa.md, the bound a call runs at: what the bound costs in held-out loss)")
     if a.kind == "dense":
         notes.append("dense assumes flash/SDPA on the device; a materialised N^2 score matrix would need "
-                     f"{fmt_bytes(act_totals['dense_materialised'])} of activations")
+                     f"{fmt_bytes(mem.act_totals['dense_materialised'])} of activations")
     if a.kind != "dense" and (a.dense_blocks or a.dense_above_t > 0 or a.dense_warmup_steps > 0):
         notes.append(f"dense attention beside {a.kind}: {len(tuple(a.dense_blocks))} dense blocks and "
                      f"{dense_share(cfg):.1%} of the samples dense in every block (t >= attention.dense_above_t) "
@@ -593,7 +590,7 @@ def _notes(cfg: Config, generate: bool, wb: int, P: int, parts: dict[str, int], 
                      f"kinds, are not; the activations are counted as {a.kind}'s (python -m kernels.dsa_lever_cost "
                      f"prices the levers)")
     if not generate and not cfg.runtime.recompute_blocks:
-        kept = cfg.model.depth * (parts["block_linear"] + parts[variant])
+        kept = cfg.model.depth * (parts["block_linear"] + parts[mem.variant])
         notes.append(f"runtime.recompute_blocks = false (a CPU compute only) keeps every block's autograd graph: "
                      f"about depth x one block's working set, {fmt_bytes(kept)}, in place of the "
                      f"{fmt_bytes(parts['checkpoints'])} of block inputs counted here, and one forward per block "
