@@ -9,15 +9,12 @@ each lever against the in-process trainer; and the config refusals.
 
 import math
 
-import numpy as np
 import pytest
 import torch
+from helpers import assert_streamed_equals_in_process, demo_batches, masters, streamed, train_steps
 
-from actors.compute import ComputeActor, LocalStoreClient
-from actors.decoder import VideoDecoder
 from actors.param_store import ParameterStore
 from megaslide_ray.config import ConfigError, build_config
-from megaslide_ray.data.demo import ensure_demo_dataset
 from megaslide_ray.models.attention import dense_attention, self_attention
 from megaslide_ray.models.attention_levers import dense_weight, step_mix
 from megaslide_ray.models.registry import build_model
@@ -196,10 +193,7 @@ SMALL = {"model.depth": 2, "model.hidden_size": 32, "model.num_heads": 2, "model
 
 @pytest.fixture(scope="module")
 def batches(tmp_path_factory):
-    manifest = str(ensure_demo_dataset(tmp_path_factory.mktemp("cache"), num_videos=4))
-    cfg = build_config("tiny", None, {**SMALL, "data.manifest": manifest})
-    with VideoDecoder(cfg.data, 0, cfg.model.caption_max_bytes) as dec:
-        return manifest, [dec.next_batch() for _ in range(3)]
+    return demo_batches(tmp_path_factory, SMALL, 3)
 
 
 @pytest.mark.parametrize("lever", [{"attention.dense_blocks": "1"}, {"attention.dense_above_t": 0.5},
@@ -213,31 +207,20 @@ def test_streamed_trainer_equals_in_process_with_each_lever(tmp_path, batches, l
     manifest, bs = batches
     cfg = build_config("tiny", None, {**SMALL, "data.manifest": manifest, "runtime.state_dir": str(tmp_path),
                                       **lever})
-    store = ParameterStore(cfg, str(tmp_path / "run"))
-    compute = ComputeActor(cfg, store.shard_infos(), LocalStoreClient(store), "shm")
     baseline = InProcessTrainer(cfg, threads=1)
     b = bs[0]
     args = (torch.randn((2, 6, 32, 32, 3), generator=torch.Generator().manual_seed(5)), torch.tensor([0.9, 0.2]),
             torch.from_numpy(b["caption"][:2]), torch.from_numpy(b["caption_len"][:2]))
-    try:
-        results = []
-        for step, batch in enumerate(bs):
-            results.append(compute.train_step(batch, step))
-            store.wait_step(step)
-        masters = [s["master"].clone() for s in store.seg]
+    with streamed(cfg, tmp_path / "run") as (store, compute):
+        results = train_steps(store, compute, bs)
+        weights = masters(store)
         predicted = compute.predict(*args, step=len(bs))  # sampling and validation: the schedule's end
-    finally:
-        compute.close()
-        store.close()
-    reference = [baseline.train_step(batch).loss for batch in bs]
+    reference = [baseline.train_step(batch) for batch in bs]
     _check_prediction(cfg, baseline.model, predicted, args)
-    assert np.allclose([r.loss for r in results], reference, rtol=1e-5)
+    assert_streamed_equals_in_process(results, weights, reference, baseline.model)
     if "attention.dense_above_t" in lever:  # the draws put samples on both sides of the time
         ts = [t for r in results for t in r.t]
         assert min(ts) < 0.5 <= max(ts), ts
-    for i, (a, shard) in enumerate(zip(masters, baseline.model.shards())):
-        ref = torch.cat([p.detach().reshape(-1) for p in shard.parameters()])
-        assert float((a - ref).norm() / ref.norm()) < 1e-5, f"shard {i}"
 
 
 def _check_prediction(cfg, model, predicted, args) -> None:

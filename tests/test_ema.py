@@ -13,13 +13,11 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+from helpers import demo_batches, streamed, train_steps
 from safetensors.torch import load_file
 
-from actors.compute import ComputeActor, LocalStoreClient
-from actors.decoder import VideoDecoder
 from actors.param_store import ParameterStore
 from megaslide_ray.config import ConfigError, build_config
-from megaslide_ray.data.demo import ensure_demo_dataset
 from megaslide_ray.driver.loop import Trainer
 from megaslide_ray.evaluation.sampling import CheckpointWeights, use_average
 from megaslide_ray.models.registry import param_count
@@ -39,10 +37,7 @@ DECAY, START = 0.8, 1
 
 @pytest.fixture(scope="module")
 def batches(tmp_path_factory):
-    manifest = str(ensure_demo_dataset(tmp_path_factory.mktemp("cache"), num_videos=4))
-    cfg = build_config("tiny", None, {**SMALL, "data.manifest": manifest})
-    with VideoDecoder(cfg.data, 0, cfg.model.caption_max_bytes) as dec:
-        return manifest, [dec.next_batch() for _ in range(4)]
+    return demo_batches(tmp_path_factory, SMALL, 4)
 
 
 def _cfg(tmp_path, manifest, **extra):
@@ -53,19 +48,14 @@ def _cfg(tmp_path, manifest, **extra):
 def _streamed(cfg, run_dir, bs, first=0, resume=None, save_at=None):
     """Train steps ``first..first + len(bs) - 1``; returns each shard's (master, ema) and the store's
     state bytes; ``save_at``: checkpoint after that many steps (its path in the result)."""
-    store = ParameterStore(cfg, str(run_dir), resume_checkpoint=resume)
-    compute = ComputeActor(cfg, store.shard_infos(), LocalStoreClient(store), "shm")
-    saved = None
-    try:
-        for step, b in enumerate(bs, start=first):
-            compute.train_step(b, step)
-            store.wait_step(step)
+    saved = []
+    with streamed(cfg, run_dir, resume_checkpoint=resume) as (store, compute):
+        def save(step):
             if save_at == step + 1:
-                saved = store.save_checkpoint(str(run_dir), step + 1, {})
-        return ([(s["master"].clone(), s["ema"].clone()) for s in store.seg], store.state_bytes(), saved)
-    finally:
-        compute.close()
-        store.close()
+                saved.append(store.save_checkpoint(str(run_dir), step + 1, {}))
+        train_steps(store, compute, bs, first, after=save)
+        return ([(s["master"].clone(), s["ema"].clone()) for s in store.seg], store.state_bytes(),
+                saved[0] if saved else None)
 
 
 def _flat(params) -> torch.Tensor:
@@ -126,13 +116,11 @@ def test_resume_gives_the_uninterrupted_average(tmp_path, batches):
 def test_predictions_read_the_average_when_asked(tmp_path, batches):
     manifest, bs = batches
     cfg = _cfg(tmp_path, manifest)
-    store = ParameterStore(cfg, str(tmp_path / "run"))
-    compute = ComputeActor(cfg, store.shard_infos(), LocalStoreClient(store), "shm")
     baseline = InProcessTrainer(cfg, threads=1)
     b = bs[0]
     args = (torch.randn((1, 6, 32, 32, 3), generator=torch.Generator().manual_seed(5)), torch.full((1,), 0.3),
             torch.from_numpy(b["caption"][:1]), torch.from_numpy(b["caption_len"][:1]))
-    try:
+    with streamed(cfg, tmp_path / "run") as (store, compute):
         for step, batch in enumerate(bs[:2]):
             compute.train_step(batch, step)
             store.wait_step(step)
@@ -142,9 +130,6 @@ def test_predictions_read_the_average_when_asked(tmp_path, batches):
         averaged = compute.predict(*args, step=2)
         store.use_weights("master")
         again = compute.predict(*args, step=2)
-    finally:
-        compute.close()
-        store.close()
     with torch.no_grad():
         want_trained = baseline.model(*args)
         baseline.load_average()

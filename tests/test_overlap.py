@@ -7,15 +7,13 @@ import sys
 import time
 from pathlib import Path
 
-import numpy as np
 import pytest
 import torch
+from helpers import assert_streamed_equals_in_process, demo_batches, masters, streamed, train_steps
 from torch.func import functional_call
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from actors.compute import ComputeActor, LocalStoreClient
-from actors.decoder import VideoDecoder
-from actors.param_store import ParameterStore
+from actors.compute import ComputeActor
 from actors.pinned import (
     PINNED,
     HostPinning,
@@ -26,7 +24,6 @@ from actors.pinned import (
     throttled_copy,
 )
 from megaslide_ray.config import build_config
-from megaslide_ray.data.demo import ensure_demo_dataset
 from megaslide_ray.models.registry import build_model
 
 SMALL = {"model.depth": 3, "model.hidden_size": 32, "model.num_heads": 2, "model.caption_dim": 16,
@@ -36,30 +33,20 @@ SMALL = {"model.depth": 3, "model.hidden_size": 32, "model.num_heads": 2, "model
 
 @pytest.fixture(scope="module")
 def batches(tmp_path_factory):
-    manifest = str(ensure_demo_dataset(tmp_path_factory.mktemp("cache"), num_videos=4))
-    cfg = build_config("tiny", None, {**SMALL, "data.manifest": manifest})
-    with VideoDecoder(cfg.data, 0, cfg.model.caption_max_bytes) as dec:
-        return manifest, [dec.next_batch() for _ in range(3)]
+    return demo_batches(tmp_path_factory, SMALL, 3)
 
 
 def train(tmp_path, manifest, batches, depth=3, **runtime):
     over = {f"runtime.{k}": v for k, v in runtime.items()}
     cfg = build_config("tiny", None, {**SMALL, "data.manifest": manifest, "runtime.state_dir": str(tmp_path),
                                       "model.depth": depth, **over})
-    store = ParameterStore(cfg, str(tmp_path / f"run-{len(list(tmp_path.iterdir()))}"))
-    compute = ComputeActor(cfg, store.shard_infos(), LocalStoreClient(store), "shm")
-    try:
-        for step, b in enumerate(batches):
-            result = compute.train_step(b, step)
-            store.wait_step(step)
-        train.last, train.sizes = result, [info.numel * 4 for info in store.shard_infos()]
+    with streamed(cfg, tmp_path / f"run-{len(list(tmp_path.iterdir()))}") as (store, compute):
+        train.last = train_steps(store, compute, batches)[-1]
+        train.sizes = [info.numel * 4 for info in store.shard_infos()]
         stash = compute.stash  # the last step's: inputs on the device at most, host slots
         train.peak = stash.peak_device_inputs
         train.host_slots = 0 if stash._host is None else stash._host.numel() // stash._slot
-        return [s["master"].clone() for s in store.seg], compute.link.staging.allocated
-    finally:
-        compute.close()
-        store.close()
+        return masters(store), compute.link.staging.allocated
 
 
 def test_overlap_on_off_and_staging_give_identical_parameters(tmp_path, batches):
@@ -362,10 +349,8 @@ def test_a_shards_backward_makes_one_zero_fill_not_one_per_parameter(tmp_path, b
     manifest, bs = batches
     cfg = build_config("tiny", None, {**SMALL, "data.manifest": manifest, "runtime.state_dir": str(tmp_path),
                                       "runtime.overlap": False})
-    store = ParameterStore(cfg, str(tmp_path / "run"))
-    compute = ComputeActor(cfg, store.shard_infos(), LocalStoreClient(store), "shm")
-    sizes = [info.numel for info in store.shard_infos()]
-    try:
+    with streamed(cfg, tmp_path / "run") as (store, compute):
+        sizes = [info.numel for info in store.shard_infos()]
         with ZeroFills(sizes) as count:
             compute.train_step(bs[0], 0)
         store.wait_step(0)
@@ -376,9 +361,6 @@ def test_a_shards_backward_makes_one_zero_fill_not_one_per_parameter(tmp_path, b
         y = functional_call(compute.modules[1], layout.views(flat), (x, torch.randn(2, 32)))
         with ZeroFills(sizes) as old:
             y.sum().backward()
-    finally:
-        compute.close()
-        store.close()
     assert old.slice_backward == len(layout.names) == 14, "the counter must see the old per-parameter fills"
     assert count.slice_backward == 0
     assert count.fills == len(sizes), f"{count.fills} shard-sized zero fills for {len(sizes)} shard backwards"
@@ -389,12 +371,10 @@ def test_predict_refuses_weights_that_gradients_replaced(tmp_path, batches):
     predicting with that version is refused; the next version (after the update) serves."""
     manifest, bs = batches
     cfg = build_config("tiny", None, {**SMALL, "data.manifest": manifest, "runtime.state_dir": str(tmp_path)})
-    store = ParameterStore(cfg, str(tmp_path / "run"))
-    compute = ComputeActor(cfg, store.shard_infos(), LocalStoreClient(store), "shm")
     b = bs[0]
     x = torch.zeros((1, 6, 32, 32, 3))
     args = (x, torch.full((1,), 0.5), torch.from_numpy(b["caption"][:1]), torch.from_numpy(b["caption_len"][:1]))
-    try:
+    with streamed(cfg, tmp_path / "run") as (store, compute):
         before = compute.predict(*args, step=0)
         compute.train_step(b, 0)
         with pytest.raises(RuntimeError, match="replaced by its gradients"):
@@ -402,9 +382,6 @@ def test_predict_refuses_weights_that_gradients_replaced(tmp_path, batches):
         store.wait_step(0)
         after = compute.predict(*args, step=1)
         assert torch.isfinite(after).all() and not torch.equal(before, after)
-    finally:
-        compute.close()
-        store.close()
 
 
 def test_sample_prediction_streams_like_the_whole_model(tmp_path, batches):
@@ -416,27 +393,16 @@ def test_sample_prediction_streams_like_the_whole_model(tmp_path, batches):
     manifest, bs = batches
     cfg = build_config("tiny", None, {**SMALL, "data.manifest": manifest, "runtime.state_dir": str(tmp_path),
                                       "model.prediction": "sample"})
-    store = ParameterStore(cfg, str(tmp_path / "run"))
-    compute = ComputeActor(cfg, store.shard_infos(), LocalStoreClient(store), "shm")
     baseline = InProcessTrainer(cfg, threads=1)
     b = bs[0]
     args = (torch.randn((1, 6, 32, 32, 3), generator=torch.Generator().manual_seed(5)), torch.full((1,), 0.3),
             torch.from_numpy(b["caption"][:1]), torch.from_numpy(b["caption_len"][:1]))
-    try:
-        streamed = []
-        for step, batch in enumerate(bs[:2]):
-            streamed.append(compute.train_step(batch, step).loss)
-            store.wait_step(step)
-        reference = [baseline.train_step(batch).loss for batch in bs[:2]]
+    with streamed(cfg, tmp_path / "run") as (store, compute):
+        results = train_steps(store, compute, bs[:2])
+        reference = [baseline.train_step(batch) for batch in bs[:2]]
         got = compute.predict(*args, step=2)
-        masters = [s["master"].clone() for s in store.seg]
-    finally:
-        compute.close()
-        store.close()
-    assert np.allclose(streamed, reference, rtol=1e-5), (streamed, reference)
-    for i, (a, shard) in enumerate(zip(masters, baseline.model.shards())):
-        ref = torch.cat([p.detach().reshape(-1) for p in shard.parameters()])
-        assert float((a - ref).norm() / ref.norm()) < 1e-5, f"shard {i}"
+        weights = masters(store)
+    assert_streamed_equals_in_process(results, weights, reference, baseline.model)
     with torch.no_grad():
         want = baseline.model(*args)
     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
