@@ -11,7 +11,8 @@ One training step, in the order ``train_step`` reads:
 
 Distillation (``training.distill_weight``): before step 1 the frozen dense teacher streams for a
 forward without gradients (``actors/teacher.py``); ``_loss`` adds its term. The curriculum
-(``attention.dense_warmup_steps``) hands shard 0 the step's dense weights (``FlowInputs.dense_mix``).
+(``attention.dense_warmup_steps``) hands shard 0 the step's dense weights (``FlowInputs.dense_mix``); with
+it or ``attention.dense_above_t`` the blocks choose their kinds by the host's (``FlowInputs.host_mix``).
 
 With ``runtime.recompute_blocks=false`` (CPU, weights read in place) step 1 keeps every shard's
 graph and step 3 walks them (``_forward_keeping_graphs``, ``_backward_graphs``).
@@ -44,10 +45,11 @@ from torch.func import functional_call
 from actors.activations import ActivationStash
 from actors.grad_reduce import GradSlots
 from actors.param_store import ShardInfo
+from actors.step_inputs import FlowInputs, step_inputs
 from actors.teacher import DenseTeacher
 from actors.transfer import ShardFeed, StagingPool, Transfers
 from megaslide_ray.config import Config
-from megaslide_ray.models.attention_levers import step_mix
+from megaslide_ray.models.attention_levers import host_weights, weights_on_host
 from megaslide_ray.models.chunking import FP32_GRAD, fp32_grad_params
 from megaslide_ray.models.prediction import as_velocity
 from megaslide_ray.models.registry import build_shard, distills, expert_shards, num_experts, num_shards
@@ -55,18 +57,7 @@ from megaslide_ray.models.shards import resident_shards
 from megaslide_ray.runtime.faults import fault_point
 from megaslide_ray.runtime.faults import set_node as set_fault_node
 from megaslide_ray.state.segments import DTYPES
-from megaslide_ray.training.flow import (
-    batch_conditioning,
-    batch_flow_inputs,
-    caption_dropout,
-    distill_loss,
-    expert_t_range,
-    keep_first_frame,
-    model_loss,
-    route_expert,
-    step_expert,
-)
-from megaslide_ray.training.image_inputs import batch_condition, model_input
+from megaslide_ray.training.flow import caption_dropout, distill_loss, model_loss, route_expert, step_expert
 
 log = logging.getLogger(__name__)
 
@@ -115,37 +106,6 @@ class BlockGraph(NamedTuple):
     c_in: list                  # per micro-batch: its conditioning leaf
     out: list                   # per micro-batch: (output, conditioning): shard 0's (x, c); a block's (y, c)
     grad: torch.Tensor          # the flat buffer its backwards accumulate the gradient into
-
-
-class FlowInputs(NamedTuple):
-    """One step's model inputs on the compute device."""
-    x_t: torch.Tensor       # (B, F, H, W, C) noised clips (pixels or latents)
-    t: torch.Tensor         # (B,) flow-matching time
-    target: torch.Tensor    # (B, F, H, W, C) velocity to predict
-    caption: torch.Tensor   # (B, Lc) uint8 caption bytes, or (B, L, text_dim) text embeddings
-    caption_len: torch.Tensor
-    condition: torch.Tensor | None = None  # image-to-video: (B, F, H, W, mask + C) mask and image latents
-    image: torch.Tensor | None = None      # image-to-video with CLIP: (B n, Li, image_dim) image states
-    dense_mix: torch.Tensor | None = None  # (B,) the curriculum's dense weights (attention_levers.step_mix)
-
-    def split(self, k: int) -> list["FlowInputs"]:
-        """The k micro-batches, consecutive clips of the batch (``training.micro_batches``)."""
-        if k == 1:
-            return [self]
-        B = self.x_t.shape[0]
-        if B % k:
-            raise ValueError(f"a batch of {B} clips does not split into training.micro_batches={k}")
-        return [FlowInputs(*(None if a is None else a.chunk(k)[j] for a in self)) for j in range(k)]
-
-    def embed_args(self) -> tuple:
-        """Shard 0's arguments: the noised clips (with an image-to-video model's condition
-        channels after them), t, the conditioning, and the image states when there are some."""
-        x = self.x_t if self.condition is None else model_input(self.x_t, self.condition)
-        return (x, self.t, self.caption, self.caption_len) + (() if self.image is None else (self.image,))
-
-    def embed_kwargs(self) -> dict:
-        """Shard 0's keyword arguments: the step's dense weights while the curriculum lasts."""
-        return {} if self.dense_mix is None else {"dense_mix": self.dense_mix}
 
 
 def select_device(cfg: Config) -> str:
@@ -222,15 +182,18 @@ class ComputeActor:
         # The last step's (start, ShardFeed.log, end) on the perf_counter clock (benchmarks).
         self.last_timeline: tuple[float, list[tuple[float, float]], float] = (0.0, [], 0.0)
 
-    def _run(self, shard: int, flat: torch.Tensor, *args, **kwargs):
-        params = self.infos[shard].layout.views(flat)
-        return functional_call(self.modules[shard], params, args, kwargs)
+    def _run(self, shard: int, flat: torch.Tensor, *args, mix: torch.Tensor | None = None, **kwargs):
+        """Run shard ``shard`` on the weights ``flat``; ``mix``: the batch's dense weights on the
+        host (``FlowInputs.host_mix``), which a block chooses its kinds by (``weights_on_host``)."""
+        with weights_on_host(mix):
+            return functional_call(self.modules[shard], self.infos[shard].layout.views(flat), args, kwargs)
 
-    def _run_with_grad(self, shard: int, params: dict, *args, **kwargs):
-        """Run shard ``shard`` on ``params`` from ``grad_views`` (their backward adds the gradient
-        into that flat buffer; the micro-batches of a step add into the same one, in fp32 whatever
-        the weights' dtype: each call is one use, ``fp32_grad_params``)."""
-        return functional_call(self.modules[shard], fp32_grad_params(params), args, kwargs)
+    def _run_with_grad(self, shard: int, params: dict, *args, mix: torch.Tensor | None = None, **kwargs):
+        """``_run`` on ``params`` from ``grad_views`` (their backward adds the gradient into that
+        flat buffer; the micro-batches of a step add into the same one, in fp32 whatever the
+        weights' dtype: each call is one use, ``fp32_grad_params``)."""
+        with weights_on_host(mix):
+            return functional_call(self.modules[shard], fp32_grad_params(params), args, kwargs)
 
     def _push_grad(self, shard: int, step: int, grad: torch.Tensor, poison: torch.Tensor | None = None) -> None:
         """Hand shard ``shard``'s flat gradient to the store with its squared norm, computed on
@@ -350,22 +313,9 @@ class ComputeActor:
         )
 
     def _inputs(self, batch: dict, step: int) -> FlowInputs:
-        """Noise and t drawn from (seed, step, sample) (the same step always sees the same noise;
-        this actor's clips are samples ``rank x B ...`` of the step's global batch), moved to the
-        device, with the batch's conditioning (caption bytes, or text embeddings)."""
-        t = self.cfg.training
-        noise_step = 0 if t.overfit_one_batch else step
+        """``step_inputs`` of this actor's clips: samples ``rank x B ...`` of the step's global batch."""
         first = self.global_rank * len(batch["latents"] if "latents" in batch else batch["video"])  # every actor's batch is as large
-        expert = step_expert(self.cfg, step)  # a two-expert model: t in the step's expert's range
-        fx = batch_flow_inputs(batch, t.seed, noise_step, t.t_sampling, t.flow_shift, first,
-                               None if expert is None else expert_t_range(t.boundary_ratio, expert))
-        if self.cfg.model.arch == "wan" and self.cfg.model.clean_first_frame:
-            fx = keep_first_frame(fx)
-        cond, cond_len = batch_conditioning(batch, t.seed, noise_step, self._caption_dropout, first)
-        condition, image = batch_condition(batch, self.cfg.model) if self.cfg.model.arch == "wan" else (None, None)
-        mix, dev = step_mix(self.cfg, fx.t, step).get("dense_mix"), self.device  # the curriculum's dense weights
-        return FlowInputs(fx.x_t.to(dev), fx.t.to(dev), fx.target.to(dev), cond.to(dev), cond_len.to(dev),
-                          *(None if a is None else a.to(dev) for a in (condition, image, mix)))
+        return step_inputs(self.cfg, batch, step, first, self._caption_dropout, self.device)
 
     @torch.no_grad()
     def _forward(self, feed: ShardFeed, micro: list[FlowInputs], step: int) -> tuple[list, list]:
@@ -384,7 +334,7 @@ class ComputeActor:
             for j in range(k):
                 self.stash.put((shard - 1) * k + j, xs[j])
             w = feed.take(shard)
-            xs = [self._run(shard, w, xs[j], cs[j]) for j in range(k)]
+            xs = [self._run(shard, w, xs[j], cs[j], mix=micro[j].host_mix) for j in range(k)]
             feed.done(w)
         return xs, cs
 
@@ -447,7 +397,7 @@ class ComputeActor:
                 stash.prefetch(i - ahead)
                 x_in = x_saved.detach().requires_grad_(True)
                 c_leaf = cs[j].detach().requires_grad_(True)
-                y = self._run_with_grad(shard, params, x_in, c_leaf)
+                y = self._run_with_grad(shard, params, x_in, c_leaf, mix=micro[j].host_mix)
                 torch.autograd.backward(y, dxs[j])
                 stash.give_back(i, x_saved)
                 del x_saved, y
@@ -486,10 +436,10 @@ class ComputeActor:
             w = feed.take(shard)
             params, grad = grad_views(self.infos[shard].layout, w, self._grad_pool)
             g = BlockGraph([], [], [], grad)
-            for x, c in graphs[-1].out:
+            for m, (x, c) in zip(micro, graphs[-1].out):
                 x_in = x.detach().requires_grad_(True)
                 c_leaf = c.detach().requires_grad_(True)
-                y = self._run_with_grad(shard, params, x_in, c_leaf)
+                y = self._run_with_grad(shard, params, x_in, c_leaf, mix=m.host_mix)
                 g.x_in.append(x_in)
                 g.c_in.append(c_leaf)
                 g.out.append((y, c))
@@ -543,6 +493,7 @@ class ComputeActor:
                                f"Predict before queueing the next training step (the trainer queues nothing "
                                f"ahead of a sample or an evaluation)")
         x_t, t, cap, cap_len = (as_tensor(a) for a in (x_t, t, caption, caption_len))
+        mix = host_weights(self.cfg, t)  # the blocks' dense weights: one read of t, not one per block
         self._base = self._predict_base(t)
         self.link.begin_step()  # (predictions report no transfer counters)
         feed = self._feed(list(range(self.per_expert)), step)
@@ -552,7 +503,7 @@ class ComputeActor:
         feed.done(w)
         for shard in range(1, self.per_expert):
             w = feed.take(shard)
-            x = self._run(shard, w, x, c)
+            x = self._run(shard, w, x, c, mix=mix)
             feed.done(w)
             del w
         x = as_velocity(x, x_t, t, self.cfg.model.prediction)

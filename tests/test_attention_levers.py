@@ -16,7 +16,8 @@ from helpers import assert_streamed_equals_in_process, demo_batches, masters, st
 from actors.param_store import ParameterStore
 from megaslide_ray.config import ConfigError, build_config
 from megaslide_ray.models.attention import dense_attention, self_attention
-from megaslide_ray.models.attention_levers import dense_weight, step_mix
+from megaslide_ray.models import attention_levers
+from megaslide_ray.models.attention_levers import dense_weight, host_weights, step_mix, weights_on_host
 from megaslide_ray.models.registry import build_model
 from megaslide_ray.training.baseline import InProcessTrainer
 
@@ -184,6 +185,50 @@ def test_dense_weights_follow_the_time_and_the_step():
     assert step_mix(_cfg("videodit"), t, 0) == {}
 
 
+def _no_device_read(mix):
+    raise AssertionError(f"a block read its dense weights {mix.shape} back from the device")
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_blocks_choose_by_the_host_weights_without_reading_the_device(arch, monkeypatch):
+    """Inside ``weights_on_host`` a block takes each sample's kind from the host's weights (no
+    read of ``c``'s column, a device sync on CUDA) and computes what it computes from the column;
+    the weights are really used (wrong ones give another output), and must match the batch."""
+    levers = {"attention.dense_above_t": 0.6, "attention.dense_warmup_steps": 4}
+    model, _, _ = _models(arch, **levers)
+    args = _inputs(arch, [0.9, 0.2, 0.6])
+    mix = torch.tensor([1.0, 0.3, 0.0])  # dense, a blend, the block's kind
+    with torch.no_grad():
+        want_t, want_mix = model(*args), model(*args, dense_mix=mix)
+        monkeypatch.setattr(attention_levers, "read_weights", _no_device_read)
+        with weights_on_host(host_weights(_cfg(arch, **levers), args[1])):
+            assert torch.equal(model(*args), want_t)
+        with weights_on_host(mix):
+            assert torch.equal(model(*args, dense_mix=mix), want_mix)
+        with weights_on_host(torch.zeros(3)):  # every sample the block's kind: sample 0 is not dense now
+            wrong = model(*args)
+        assert torch.equal(wrong[1], want_t[1]) and not torch.equal(wrong[0], want_t[0])
+        with weights_on_host(torch.zeros(2)), pytest.raises(ValueError, match="2 dense weights for a batch of 3"):
+            model(*args)
+
+
+def test_host_weights_are_rounded_as_the_column_is():
+    """A bf16 ``c`` rounds a weight of 0.999 to 1: the host's choice rounds alike (dense alone)."""
+    calls = []
+
+    def run(kind, rows):
+        calls.append((kind, rows))
+        return torch.ones(2 if rows is None else len(rows), 3)
+
+    with weights_on_host(torch.tensor([0.999, 0.0])):
+        attention_levers.blend(torch.tensor([0.999, 0.0]).to(torch.bfloat16), run)
+    assert calls == [("dense", [0]), (None, [1])]
+    calls.clear()
+    with weights_on_host(torch.tensor([0.999, 0.0])):
+        attention_levers.blend(torch.tensor([0.999, 0.0]), run)  # fp32: a blend of both kinds
+    assert calls == [("dense", [0]), (None, [0, 1])]
+
+
 # -- the streamed trainer against the in-process trainer -----------------------------------------
 
 SMALL = {"model.depth": 2, "model.hidden_size": 32, "model.num_heads": 2, "model.caption_dim": 16,
@@ -203,7 +248,7 @@ def batches(tmp_path_factory):
                                     "attention.learn_temperature": "true", "training.ema_decay": 0.5}],
                          ids=["dense_blocks", "dense_above_t", "curriculum", "curriculum-kept-graphs",
                               "with-temperature-and-average"])
-def test_streamed_trainer_equals_in_process_with_each_lever(tmp_path, batches, lever):
+def test_streamed_trainer_equals_in_process_with_each_lever(tmp_path, batches, lever, monkeypatch):
     manifest, bs = batches
     cfg = build_config("tiny", None, {**SMALL, "data.manifest": manifest, "runtime.state_dir": str(tmp_path),
                                       **lever})
@@ -211,11 +256,13 @@ def test_streamed_trainer_equals_in_process_with_each_lever(tmp_path, batches, l
     b = bs[0]
     args = (torch.randn((2, 6, 32, 32, 3), generator=torch.Generator().manual_seed(5)), torch.tensor([0.9, 0.2]),
             torch.from_numpy(b["caption"][:2]), torch.from_numpy(b["caption_len"][:2]))
+    monkeypatch.setattr(attention_levers, "read_weights", _no_device_read)  # both trainers choose on the host
     with streamed(cfg, tmp_path / "run") as (store, compute):
         results = train_steps(store, compute, bs)
         weights = masters(store)
         predicted = compute.predict(*args, step=len(bs))  # sampling and validation: the schedule's end
     reference = [baseline.train_step(batch) for batch in bs]
+    monkeypatch.undo()
     _check_prediction(cfg, baseline.model, predicted, args)
     assert_streamed_equals_in_process(results, weights, reference, baseline.model)
     if "attention.dense_above_t" in lever:  # the draws put samples on both sides of the time

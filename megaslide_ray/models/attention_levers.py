@@ -17,14 +17,19 @@
 
 ``blend`` runs each kind only on the samples that need it: a batch whose samples all share
 one kind (every batch of one clip) runs that kind alone, exactly. Choosing needs the weights on
-the host: one read of ``B`` values per block call (a device sync on CUDA), only with these levers.
+the host. The trainers know them there (``t`` is drawn on the host): they compute them
+(``host_weights``) and call the blocks inside ``weights_on_host``, so a block reads nothing back
+from the device. A block called outside one (sampling with the whole model) reads ``c``'s column:
+``B`` values per block call, a device sync on CUDA.
 On a bf16 run ``c`` is bf16, so a curriculum weight between 0 and 1 is rounded to bf16 (0 and 1
-are exact).
+are exact); ``blend`` rounds the host's weights the same way.
 """
 
 from __future__ import annotations
 
-from typing import Callable
+from contextlib import contextmanager
+from contextvars import ContextVar
+from typing import Callable, Iterator
 
 import torch
 
@@ -74,6 +79,47 @@ def attach_mix(cfg: Config, c: torch.Tensor, t: torch.Tensor, mix: torch.Tensor 
     return torch.cat([c, w.to(device=c.device, dtype=c.dtype).view(-1, 1)], dim=1)
 
 
+def host_weights(cfg: Config, t: torch.Tensor, step: int | None = None) -> torch.Tensor | None:
+    """``(B,)`` float32 on the host: the dense weights the blocks find in ``c`` for times ``t`` at
+    training step ``step`` (shard 0's: the curriculum's while it lasts, else ``t``'s), for
+    ``weights_on_host``; None when ``c`` carries none (``mixes``). ``t`` on the host costs no sync."""
+    if not mixes(cfg):
+        return None
+    return dense_weight(cfg, t.detach().float().cpu(), step)
+
+
+_ON_HOST: ContextVar[list[float] | None] = ContextVar("dense_weights_on_host", default=None)
+
+
+@contextmanager
+def weights_on_host(weights: torch.Tensor | None) -> Iterator[None]:
+    """Blocks called inside choose each sample's kind by ``weights`` (``host_weights`` of the batch
+    they run on, on the host) instead of reading ``c``'s column back from the device; None: they
+    read it."""
+    token = _ON_HOST.set(None if weights is None else [float(w) for w in weights])
+    try:
+        yield
+    finally:
+        _ON_HOST.reset(token)
+
+
+def _choice(mix: torch.Tensor) -> list[float]:
+    """Each sample's weight on the host: ``weights_on_host``'s, rounded to ``c``'s dtype as its
+    column is, else read from ``mix`` (a device sync on CUDA)."""
+    host = _ON_HOST.get()
+    if host is None:
+        return read_weights(mix)
+    if len(host) != mix.shape[0]:
+        raise ValueError(f"weights_on_host gave {len(host)} dense weights for a batch of {mix.shape[0]} samples: "
+                         f"hand the blocks the host_weights of the batch (the micro-batch) they run on")
+    return torch.tensor(host, dtype=torch.float32).to(mix.dtype).float().tolist()
+
+
+def read_weights(mix: torch.Tensor) -> list[float]:
+    """``mix`` on the host (a device sync on CUDA): the blocks' choice without ``weights_on_host``."""
+    return mix.float().tolist()
+
+
 def split_mix(c: torch.Tensor, carried: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
     """``(c without the weight column, the weights (B,))`` when ``carried``, else ``(c, None)``."""
     if not carried:
@@ -88,7 +134,7 @@ def blend(mix: torch.Tensor | None, run: Callable[[str | None, list | None], tor
     exactly, one of weight 1 dense's; each kind runs only on the samples that need it."""
     if mix is None:
         return run(None, None)
-    host = mix.float().tolist()  # host sync: which samples need which kind
+    host = _choice(mix)  # which samples need which kind
     dense = [i for i, w in enumerate(host) if w > 0]
     sparse = [i for i, w in enumerate(host) if w < 1]
     if not dense:

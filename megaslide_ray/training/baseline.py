@@ -25,7 +25,7 @@ from dataclasses import dataclass
 import torch
 
 from megaslide_ray.config import Config
-from megaslide_ray.models.attention_levers import step_mix
+from megaslide_ray.models.attention_levers import host_weights, step_mix, weights_on_host
 from megaslide_ray.models.registry import build_model, distills, num_experts, teacher_config
 from megaslide_ray.training.flow import (
     batch_conditioning,
@@ -105,7 +105,8 @@ class InProcessTrainer:
             extra = () if image is None else (image,)
         inputs = (x_in, fx.t, cap, cap_len, *extra)
         mix = step_mix(cfg, fx.t, self.step)  # the curriculum's dense weights (attention.dense_warmup_steps)
-        pred = self.model(*inputs, **mix)
+        with weights_on_host(host_weights(cfg, fx.t, self.step)):  # the blocks choose by the host's t: no read back
+            pred = self.model(*inputs, **mix)
         loss = model_loss(pred, fx.target, clean)
         distill = self._distill(pred, inputs, clean)
         total = loss if distill is None else loss + cfg.training.distill_weight * distill
