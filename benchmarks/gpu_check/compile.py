@@ -115,6 +115,7 @@ class Record:
     atomics_f32: int = 0
     compile_s: float | None = None
     loop_instr: dict = field(default_factory=dict)  # PTX instructions by loop depth (``loop_instructions``)
+    guarded: dict = field(default_factory=dict)  # of them, each conditional region's, by depth (``guarded_regions``)
     constexprs: dict = field(default_factory=dict)  # the compile's constexprs (tile sizes, window, ...)
     ok: bool = False
     problems: list = field(default_factory=list)
@@ -177,6 +178,73 @@ def loop_instructions(ptx: str) -> dict:
     return out
 
 
+_BRANCH = re.compile(r"^(@!?%p\d+\s+)?bra(?:\.uni)?\s+(\$L__BB\d+_\d+);")
+
+
+def _blocks(ptx: str) -> list[dict]:
+    """The PTX's basic blocks in order: label (``None`` for a fall-through ``// %bb.N:``), innermost loop
+    ``(header, depth)`` (``("", 0)`` outside every loop), whether it heads its loop, its instructions."""
+    blocks: list[dict] = []
+    heading = False
+    for line in ptx.splitlines():
+        s = line.strip()
+        if _BLOCK.match(s):
+            label = s.split(":")[0] if s.startswith("$") else None
+            blocks.append({"label": label, "loop": ("", 0), "header": False, "instr": []})
+            heading = True
+        elif not (heading and s.startswith("//")):
+            heading = False
+        if heading and blocks:
+            b = blocks[-1]
+            for depth in map(int, _DEPTH.findall(s)):  # one a comment line; the innermost wins
+                if depth >= b["loop"][1]:
+                    own = "Loop Header:" in s  # "=>This Inner Loop Header: Depth=2": the block heads its loop
+                    m = re.search(r"Header=(BB\d+_\d+)", s)
+                    head = (b["label"] or "")[len("$L__"):] if own else (m.group(1) if m else "")
+                    b["loop"], b["header"] = (head, depth), own
+            continue
+        if blocks and s and not s.startswith(("//", ".", "$", "{", "}")):
+            blocks[-1]["instr"].append(s)
+    return blocks
+
+
+def guarded_regions(ptx: str) -> dict:
+    """The code a loop body runs only when a condition holds: ``{depth: [instructions of each region, in
+    order]}``. A region is the fall-through blocks after a conditional branch ``@%p bra L`` at the end of
+    a block inside a loop, up to ``L`` (reached by falling through or by ``bra.uni L``), all in the same
+    loop and branch-free: an ``if`` without ``else`` (the fused halo kernels' window layers: a layer's
+    samples are walked only in the frames they can reach, ``kernels.dsa_cost``). Its instructions are
+    in ``loop_instructions``'s count of that depth too; they issue only where the condition holds."""
+    blocks = _blocks(ptx)
+    at = {b["label"]: i for i, b in enumerate(blocks) if b["label"]}
+    out: dict[int, list[int]] = {}
+    for i, b in enumerate(blocks):
+        m = _BRANCH.match(b["instr"][-1]) if b["instr"] else None
+        loop = b["loop"]
+        if not m or not m.group(1) or loop[1] == 0 or m.group(2) not in at or blocks[at[m.group(2)]]["loop"] != loop:
+            continue
+        size, j = 0, i + 1
+        while j < len(blocks):
+            r = blocks[j]
+            if r["label"] == m.group(2):
+                break
+            if r["loop"] != loop or r["header"]:
+                size = 0
+                break
+            jumps = [_BRANCH.match(x) for x in r["instr"]]
+            last = jumps[-1] if jumps else None
+            if any(jumps[:-1]) or (last and (last.group(1) or last.group(2) != m.group(2))):
+                size = 0
+                break
+            size += len(r["instr"])
+            if last:
+                break
+            j += 1
+        if size:
+            out.setdefault(loop[1], []).append(size)
+    return out
+
+
 def count_ptx(ptx: str) -> dict:
     wgmma = len(re.findall(r"wgmma\.mma_async", ptx))
     tcgen05 = len(re.findall(r"\btcgen05\.mma", ptx))  # Blackwell's (sm_100) tensor-core MMA
@@ -185,7 +253,7 @@ def count_ptx(ptx: str) -> dict:
     not_16bit = sum(1 for w in _WGMMA.findall(ptx) if not w.endswith((".bf16.bf16", ".f16.f16")))
     return {"wgmma": wgmma, "mma_sync": mma, "dot": dot, "wgmma_not_16bit": not_16bit,
             "atomics_f32": len(_ATOMIC.findall(ptx)),
-            "loop_instr": loop_instructions(ptx)}
+            "loop_instr": loop_instructions(ptx), "guarded": guarded_regions(ptx)}
 
 
 def _compile_in_child(variant: Variant, cc: int, conn, cache: str) -> None:
