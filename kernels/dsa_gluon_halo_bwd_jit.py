@@ -190,7 +190,7 @@ def _frame_dq_dk(dq, S_s, kv_s, p_s, q_s, K, DK, base, row_stride, tf, H, W, lo_
     for c in gl.static_range(NCH):
         gl.barrier()
         kv_s.store(_halo_rows(K, base, row_stride, tf, c * 64 + kr, H, W, lo_y, lo_x, fyn, fxn, cols, FX))
-        p_s.store(S_s.slice(c * 64, 64, dim=1).load(smp).to(gl.bfloat16))
+        p_s.store(S_s.slice(c * 64, 64, dim=1).load(ld).to(gl.bfloat16))  # 8 a thread: 16-byte copies
         hopper.fence_async_shared()
         dq = hopper.warpgroup_mma(p_s, kv_s, dq)
         dk = hopper.warpgroup_mma(p_s.permute((1, 0)), q_s, gl.zeros([64, HEAD_DIM], gl.float32, o_mma))
@@ -206,7 +206,7 @@ def _frame_dv(S_s, p_s, do_s, DV, base, row_stride, tf, H, W, lo_y, lo_x, fyn, f
     """Frame ``tf``'s ``P`` (in ``S_s``): ``dV += P^T dO``, 64 keys a chunk on tensor cores, P in bf16."""
     for c in gl.static_range(NCH):
         gl.barrier()
-        p_s.store(S_s.slice(c * 64, 64, dim=1).load(smp).to(gl.bfloat16))
+        p_s.store(S_s.slice(c * 64, 64, dim=1).load(ld).to(gl.bfloat16))  # 8 a thread: 16-byte copies
         hopper.fence_async_shared()
         dv = hopper.warpgroup_mma(p_s.permute((1, 0)), do_s, gl.zeros([64, HEAD_DIM], gl.float32, o_mma))
         _add_rows(DV, dv, base, row_stride, tf, c, H, W, lo_y, lo_x, fyn, fxn, HEAD_DIM, FX)

@@ -172,7 +172,7 @@ def _frame_output(acc, S_s, kv_s, p_s, V, base, row_stride, tf, H, W, lo_y, lo_x
     for c in gl.static_range(NCH):
         gl.barrier()
         kv_s.store(_halo_rows(V, base, row_stride, tf, c * 64 + kr, H, W, lo_y, lo_x, fyn, fxn, cols, FX))
-        p_s.store(S_s.slice(c * 64, 64, dim=1).load(smp).to(gl.bfloat16))
+        p_s.store(S_s.slice(c * 64, 64, dim=1).load(ld).to(gl.bfloat16))  # 8 a thread: 16-byte copies
         hopper.fence_async_shared()
         acc = hopper.warpgroup_mma(p_s, kv_s, acc)
     gl.barrier()
