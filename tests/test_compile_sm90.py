@@ -119,6 +119,35 @@ def test_the_code_a_loop_runs_under_a_condition_is_found():
     assert aot.guarded_regions(LOOPS_PTX) == {}
 
 
+def test_a_variant_listed_at_two_shapes_is_compiled_once(monkeypatch):
+    """The fused kernels compile the same at every Wan grid (the grid is a run-time argument): the check
+    compiles such a variant once and repeats its measurements at the other shapes; another constexpr is
+    another compile."""
+    import kernels
+
+    def variants(shape):
+        return [dict(kernel="k", fn=variants, signature={"X": "*bf16", "BLOCK": "constexpr"},
+                     constexprs={"BLOCK": 64 if shape.grid[0] < 30 else 128}, num_warps=4, num_stages=1,
+                     config="c", tensor_cores=False)]
+
+    compiled = []
+
+    def fake_compile(variant, arch, shape, timeout_s=0):
+        compiled.append(shape.label)
+        rec = aot._record(variant, arch, shape)
+        rec.regs, rec.loop_instr, rec.ok = 40, {0: 7}, True
+        return rec
+
+    monkeypatch.setattr(kernels, "aot_variants", variants)
+    monkeypatch.setattr(aot, "compile_variant", fake_compile)
+    shapes = [aot.AotShape("bf16", 128, (3, 7, 7), g, 1.5, label=f"s{g[0]}") for g in ((21, 30, 52), (21, 15, 26),
+                                                                                      (31, 45, 80))]
+    recs = aot.run(["sm_90"], shapes, progress=None)
+    assert compiled == ["s21", "s31"]
+    assert [r.shape for r in recs] == ["s21", "s21", "s31"] and recs[1].grid == [21, 15, 26]
+    assert recs[1].regs == 40 and recs[1].loop_instr == {0: 7} and recs[1].ok and "the compile of s21" in recs[1].note
+
+
 def test_each_target_wants_its_own_tensor_core_instruction():
     for cc, dot, ok in ((90, "wgmma", True), (90, "tcgen05", False), (100, "tcgen05", True), (100, "wgmma", False)):
         rec = _record(regs=128, spill_stores=0, spill_loads=0, smem=128, dot=dot)

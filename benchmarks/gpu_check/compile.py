@@ -28,6 +28,7 @@ Every compile runs in a forked child with its own Triton cache (a real compile, 
 from __future__ import annotations
 
 import contextlib
+import copy
 import io
 import math
 import multiprocessing
@@ -293,13 +294,19 @@ def _compile_in_child(variant: Variant, cc: int, conn, cache: str) -> None:
         conn.close()
 
 
+def _record(variant: Variant, arch: str, shape: AotShape) -> Record:
+    """A record of ``variant`` compiled for ``arch`` at ``shape``, before the compile."""
+    return Record(kernel=variant.kernel, arch=arch, shape=shape.label, dtype=shape.dtype, head_dim=shape.head_dim,
+                  window=list(shape.window), grid=list(shape.grid), max_offset=shape.max_offset,
+                  presets=list(shape.presets), config=variant.config, num_warps=variant.num_warps,
+                  num_stages=variant.num_stages, may_pick=variant.may_pick, note=variant.note,
+                  smem_limit=SMEM_PER_BLOCK[ARCHS[arch]],
+                  constexprs={k: v for k, v in variant.constexprs.items() if isinstance(v, (bool, int, str))})
+
+
 def compile_variant(variant: Variant, arch: str, shape: AotShape, timeout_s: float = COMPILE_TIMEOUT_S) -> Record:
     cc = ARCHS[arch]
-    rec = Record(kernel=variant.kernel, arch=arch, shape=shape.label, dtype=shape.dtype, head_dim=shape.head_dim,
-                 window=list(shape.window), grid=list(shape.grid), max_offset=shape.max_offset,
-                 presets=list(shape.presets), config=variant.config, num_warps=variant.num_warps, num_stages=variant.num_stages,
-                 may_pick=variant.may_pick, note=variant.note, smem_limit=SMEM_PER_BLOCK[cc],
-                 constexprs={k: v for k, v in variant.constexprs.items() if isinstance(v, (bool, int, str))})
+    rec = _record(variant, arch, shape)
     ctx = multiprocessing.get_context("fork")
     parent, child = ctx.Pipe(duplex=False)
     cache = tempfile.mkdtemp(prefix="megaslide-aot-")
@@ -406,15 +413,30 @@ def preset_shapes(full: bool = False) -> list[AotShape]:
                      + ("unbounded" if s.max_offset is None else f"off{s.max_offset:g}"), s.presets) for s in shapes]
 
 
+def _compile_key(variant: Variant, arch: str) -> tuple:
+    """What a compile depends on: the same key, the same kernel binary (the grid and the bound are
+    run-time arguments: the fused kernels compile the same at every Wan grid)."""
+    return (variant.kernel, arch, getattr(variant.fn, "__qualname__", repr(variant.fn)),
+            repr(sorted(variant.signature.items())), repr(sorted((k, repr(v)) for k, v in variant.constexprs.items())),
+            variant.num_warps, variant.num_stages, repr(variant.attrs), variant.maxnreg)
+
+
+_MEASURED = ("regs", "spill_stores", "spill_loads", "stack", "smem", "blocks_per_sm", "dot", "wgmma", "tt_dots",
+             "mma_dots", "wgmma_not_16bit", "mma_serialized", "mma_sync", "atomics_f32", "compile_s", "loop_instr",
+             "guarded", "ok", "problems")
+
+
 def run(archs: list[str], shapes: list[AotShape], kernels: tuple[str, ...] | None = None,
         timeout_s: float = COMPILE_TIMEOUT_S, progress=print) -> list[Record]:
     """Compile every variant the kernel modules list for ``shapes`` (``kernels.aot_variants``), for
-    each target; ``kernels``: only these kernel names."""
+    each target; ``kernels``: only these kernel names. A variant listed again at another shape with
+    the same compile (``_compile_key``) is not compiled again: its record repeats the first one's
+    measurements at the new shape (``note`` says so)."""
     from kernels import (
         aot_variants,  # lazy: imports triton (a CPU machine without it can still --help)
     )
 
-    records = []
+    records, done = [], {}
     for shape in shapes:
         for spec in aot_variants(shape):
             variant = Variant(**spec)
@@ -423,7 +445,15 @@ def run(archs: list[str], shapes: list[AotShape], kernels: tuple[str, ...] | Non
             for arch in archs:
                 if variant.archs is not None and arch not in variant.archs:
                     continue  # another target's launch configuration
-                rec = compile_variant(variant, arch, shape, timeout_s)
+                key = _compile_key(variant, arch)
+                if key in done:
+                    first = done[key]
+                    rec = _record(variant, arch, shape)
+                    for name in _MEASURED:
+                        setattr(rec, name, copy.deepcopy(getattr(first, name)))
+                    rec.note = (rec.note + f" (the compile of {first.shape}: the same binary)").strip()
+                else:
+                    rec = done[key] = compile_variant(variant, arch, shape, timeout_s)
                 records.append(rec)
                 if progress:
                     progress(table_line(rec))
