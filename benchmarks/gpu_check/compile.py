@@ -15,7 +15,9 @@ this module compiles once per target and records, from ``ptxas -v`` and the PTX:
   tensor-core MMA, ``mma.sync`` =
   Ampere-style tensor cores, ``-`` = no dot in the kernel) and how many fp32 global atomics
   (``atom`` / ``red`` ``.global`` ``.f32``) the PTX issues;
-- the compile time (a config whose ``ptxas`` runs for minutes is a config that spills).
+- the compile time (a config whose ``ptxas`` runs for minutes is a config that spills);
+- the PTX instructions per loop depth, and of them the code a loop runs only under a condition
+  (``guarded_regions``): the cost model's issue table.
 
 A record fails (``ok`` false) when the config cannot launch (shared memory over the limit, or
 more than 255 registers), spills, times out or does not compile, or when a kernel whose design
