@@ -490,24 +490,51 @@ DESIGN_ASSUMPTIONS = {
 }
 
 
-def fused_fwd_cost(grid, window, head_dim: int, bound: float) -> Cost | None:
-    """The fused halo-dense forward (``dsa_gluon_halo``, compiled for sm_90, not yet run) from its
-    compile: issue slots are the PTX instructions of its frame loop (both passes' bodies) times the
-    halo frames of each tile, plus the rest, for 256 threads per tile (an upper bound: a window layer
-    that cannot reach a frame is skipped at run time, counted here); its dots are 64 x 64 x d per
-    chunk of 64 halo keys, twice (``S = Q K^T``, ``O = P V``), per frame. None where the issue table
-    lacks the compile (another head dim, window or Triton)."""
-    from .dsa_gluon_halo import GLUON_WARPS, gluon_halo_constexprs  # lazy: imports torch
+def layer_frames(tiles, grid, cx: dict) -> list[int]:
+    """Per window layer ``jt``: the (tile, halo frame) pairs whose frame loops walk its samples in the fused
+    kernels, the frames ``st + jt - ELO .. st + jt + EHI`` it reaches within the tile's halo (the kernels'
+    guard; ``st`` the window's first frame). At bound 1.5 an inner tile has 7 halo frames, a layer reaches 5."""
+    T, KT, ELO, EHI = grid[0], cx["KT"], cx["ELO"], cx["EHI"]
+    out = [0] * KT
+    for tile in tiles:
+        st = min(max(tile.q_lo[0] - KT // 2, 0), T - KT)
+        lo, hi = max(st - ELO, 0), min(st + KT - 1 + EHI, T - 1)
+        for jt in range(KT):
+            out[jt] += max(0, min(hi, st + jt + EHI) - max(lo, st + jt - ELO) + 1)
+    return out
+
+
+def _fused_work(kernel: str, grid, window, head_dim: int, bound: float, cx: dict) -> tuple | None:
+    """A fused kernel's issue table entry, its tiles' halo frames and the PTX instructions one thread issues
+    over them (None where the table lacks the compile): the rest once per 1x8x8 tile, the frame loops once
+    per halo frame, but their conditional regions (``guarded_regions``: one per window layer and loop, in
+    layer order) only in the frames their layer reaches (``layer_frames``)."""
+    from .dsa_gluon_halo import GLUON_WARPS  # lazy: imports torch
     from .dsa_halo_dense import halo_tiles  # lazy: imports torch
 
-    cx = gluon_halo_constexprs(head_dim, window, bound)
-    key = issue_key("fused_fwd", head_dim, window, cx, GLUON_WARPS)
-    entry = issue_table().get(key)
+    entry = issue_table().get(issue_key(kernel, head_dim, window, cx, GLUON_WARPS))
     if entry is None:
         return None
     tiles = halo_tiles(tuple(grid), tuple(window), bound, (1, 8, 8))
-    frames = sum(t.halo_shape[0] for t in tiles)
-    per_thread = len(tiles) * entry["depths"].get("0", 0) + frames * entry["depths"].get("1", 0)
+    regions, KT, frames = entry.get("guarded", {}).get("1", []), cx["KT"], sum(t.halo_shape[0] for t in tiles)
+    if len(regions) % KT:
+        raise ValueError(f"{kernel}: {len(regions)} conditional regions in its frame loops, not a multiple of the "
+                         f"window's {KT} layers: rerun `python -m benchmarks.gpu_check.issue_table`")
+    walks = zip(layer_frames(tiles, grid, cx), (sum(regions[jt::KT]) for jt in range(KT)))
+    return entry, frames, (len(tiles) * entry["depths"].get("0", 0) + sum(w * r for w, r in walks)
+                           + frames * (entry["depths"].get("1", 0) - sum(regions)))
+
+
+def fused_fwd_cost(grid, window, head_dim: int, bound: float) -> Cost | None:
+    """The fused halo-dense forward (``dsa_gluon_halo``, compiled for sm_90, not yet run) from its compile:
+    issue slots ``_fused_work``'s, 256 threads per tile; its dots 64 x 64 x d per chunk of 64 halo keys,
+    twice (``S = Q K^T``, ``O = P V``), per frame. None where the issue table lacks the compile."""
+    from .dsa_gluon_halo import GLUON_WARPS, gluon_halo_constexprs  # lazy: imports torch
+
+    cx = gluon_halo_constexprs(head_dim, window, bound)
+    if (work := _fused_work("fused_fwd", grid, window, head_dim, bound, cx)) is None:
+        return None
+    entry, frames, per_thread = work
     N, K = math.prod(grid), math.prod(window)
     return Cost("fused_fwd", N, K, head_dim, 0.0, tc_flops=2 * 2 * 64 * cx["NCH"] * 64 * head_dim * frames,
                 dram_bytes=N * (4 * head_dim * 2 + K * 3 * 2),
@@ -517,22 +544,17 @@ def fused_fwd_cost(grid, window, head_dim: int, bound: float) -> Cost | None:
 
 def fused_bwd_cost(grid, window, head_dim: int, bound: float) -> Cost | None:
     """The fused halo-dense backward (``dsa_gluon_halo_bwd_jit``, compiled for sm_90, not yet run) from
-    its compile, as ``fused_fwd_cost``: the PTX instructions of its four frame loops' bodies times each
-    tile's halo frames plus the rest, 256 threads per tile; five dots of 64 x 64 x d per chunk of 64
-    halo keys and frame (dP, S, dV, dQ, dK); the halo's K or V chunks into shared memory three times
-    per frame (V, K, K) and the fp32 dk, dv rows read and written per chunk (L1/L2); DRAM: q, k, v,
-    out, dout and the offsets read, dq written, dk, dv and the offsets' gradient in fp32 then cast.
-    None where the issue table lacks the compile."""
+    its compile, as ``fused_fwd_cost`` (four frame loops); five dots of 64 x 64 x d per chunk of 64 halo
+    keys and frame (dP, S, dV, dQ, dK); the halo's K or V chunks into shared memory three times per frame
+    (V, K, K) and the fp32 dk, dv rows read and written per chunk (L1/L2); DRAM: q, k, v, out, dout and
+    the offsets read, dq written, dk, dv and the offsets' gradient in fp32 then cast. None where the
+    issue table lacks the compile."""
     from .dsa_gluon_halo import BWD_SAMPLE_CHUNK, GLUON_WARPS, gluon_halo_constexprs  # lazy: imports torch
-    from .dsa_halo_dense import halo_tiles  # lazy: imports torch
 
     cx = dict(gluon_halo_constexprs(head_dim, window, bound), JC=BWD_SAMPLE_CHUNK)
-    entry = issue_table().get(issue_key("fused_bwd", head_dim, window, cx, GLUON_WARPS))
-    if entry is None:
+    if (work := _fused_work("fused_bwd", grid, window, head_dim, bound, cx)) is None:
         return None
-    tiles = halo_tiles(tuple(grid), tuple(window), bound, (1, 8, 8))
-    frames = sum(t.halo_shape[0] for t in tiles)
-    per_thread = len(tiles) * entry["depths"].get("0", 0) + frames * entry["depths"].get("1", 0)
+    entry, frames, per_thread = work
     N, K, d = math.prod(grid), math.prod(window), head_dim
     chunks = frames * cx["NCH"]
     return Cost("fused_bwd", N, K, d, 0.0, tc_flops=5 * 2 * 64 * 64 * d * chunks,

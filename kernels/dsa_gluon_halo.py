@@ -38,7 +38,7 @@ import math
 
 import torch
 
-from .aot import AOT_POINTER_TYPES
+from .aot import AOT_POINTER_TYPES, aligned_pointer_attrs
 
 __all__ = ["gluon_halo_refusal", "gluon_halo_constexprs", "GLUON_WARPS", "TILE_Y", "TILE_X"]
 
@@ -173,6 +173,7 @@ def aot_variants(shape) -> list[dict]:
     sig.update({n: t for n in ("Q", "K", "V", "OFF", "OUT")}, LSE="*fp32", qk_scale="fp32")
     sig.update({n: "constexpr" for n in cx})
     fwd = dict(kernel="fused_fwd", fn=fn, signature=sig, constexprs=cx, num_warps=GLUON_WARPS, num_stages=1,
+               attrs=aligned_pointer_attrs(fn, {n: v for n, v in sig.items() if v.startswith("*")}),
                config=f"tile 1x{TILE_Y}x{TILE_X},JC={cx['JC']}", tensor_cores=True, may_pick=False, archs=("sm_90",),
                note="the fused halo-dense forward (Gluon): not picked until a GPU run checks it")
     bwd_fn = halo_dense_bwd_kernel()
@@ -180,7 +181,8 @@ def aot_variants(shape) -> list[dict]:
     bsig.update({n: t for n in ("Q", "K", "V", "OFF", "OUT", "DO", "DQ")}, qk_scale="fp32", scale="fp32",
                 **{n: "*fp32" for n in ("LSE", "DK", "DV", "DOFF")}, **{n: "constexpr" for n in cx})
     bcx = dict(cx, JC=BWD_SAMPLE_CHUNK)
-    bwd = dict(fwd, kernel="fused_bwd", fn=bwd_fn, signature=bsig, constexprs=bcx, config=f"tile 1x{TILE_Y}x{TILE_X},JC={bcx['JC']}",
+    bwd = dict(fwd, kernel="fused_bwd", fn=bwd_fn, signature=bsig, constexprs=bcx,
+               attrs=aligned_pointer_attrs(bwd_fn, {n: v for n, v in bsig.items() if v.startswith("*")}), config=f"tile 1x{TILE_Y}x{TILE_X},JC={bcx['JC']}",
                note="the fused halo-dense backward (Gluon): not picked until a GPU run checks it")
     return [fwd, bwd]
 

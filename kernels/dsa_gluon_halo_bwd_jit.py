@@ -37,6 +37,8 @@ from triton.experimental.gluon.language.nvidia import hopper
 
 from .dsa_gluon_halo_jit import (
     _axis,
+    _corner_index,
+    _frame_i32,
     _frame_probs,
     _frame_scores,
     _halo_rows,
@@ -59,9 +61,10 @@ def _pin(geo):
 
 @gluon.jit
 def _live(base, off, size):
-    """1 where the clamp passes the position's gradient (raw position within ``[0, size - 1]``), else 0."""
+    """1 where the clamp passes the position's gradient (raw position within ``[0, size - 1]``: the clamped
+    position, ``_axis``'s, equals it), else 0."""
     p = base.to(gl.float32) + off
-    return gl.where((p >= 0.0) & (p <= (size - 1).to(gl.float32)), 1.0, 0.0)
+    return gl.where(gl.minimum(gl.maximum(p, 0.0), (size - 1).to(gl.float32)) == p, 1.0, 0.0)
 
 
 @gluon.jit
@@ -96,26 +99,24 @@ def _layer_derivs(OFF, off_row, q_ok, jt, j0, st, sy, sx, T, H, W, lo_t, lo_y, l
 @gluon.jit
 def _frame_scores_derivs(S_s, Z_s, C_s, D, c_scale, OFF, DOFF, off_row, q_ok, st, sy, sx, T, H, W, lo_t, lo_y, lo_x,
                          fyn, fxn, f, KT: gl.constexpr, KH: gl.constexpr, KW: gl.constexpr, ELO: gl.constexpr,
-                         EHI: gl.constexpr, FY: gl.constexpr, FX: gl.constexpr, JC: gl.constexpr, smp: gl.constexpr,
+                         EHI: gl.constexpr, SW: gl.constexpr, FX: gl.constexpr, JC: gl.constexpr, smp: gl.constexpr,
                          FACTOR: gl.constexpr):
     """A walk over frame ``f``'s matrix ``X`` (``dP`` in pass 1, ``S`` in pass 2; in ``S_s``): each sample's
     value from its corners added to ``Z_s`` (the forward's ``_frame_sample_scores``), and from the same
     corners its derivative along the sample's position, ``sum_c X_c dw_c / dpos``, added into ``DOFF``
     -- with ``FACTOR``, times ``c_scale (C_s - D)`` (pass 2: ``scale (dp - D)``, dp complete after
     pass 1). Samples whose corners leave the halo add nothing to ``DOFF``."""
+    f = _frame_i32(f)
     for jt in gl.static_range(KT):
         if (lo_t + f >= st + jt - ELO) & (lo_t + f <= st + jt + EHI):
             for j0 in gl.static_range(0, KH * KW, JC):
                 wt, y0, y1, fy, x0, x1, fx, out, dwt, ly, lx, idx, ok = _layer_derivs(
                     OFF, off_row, q_ok, jt, j0, st, sy, sx, T, H, W, lo_t, lo_y, lo_x, fyn, fxn, f, KH, KW, JC, smp)
-                y0 = gl.minimum(gl.maximum(y0, 0), FY - 1)
-                y1 = gl.minimum(gl.maximum(y1, 0), FY - 1)
-                x0 = gl.minimum(gl.maximum(x0, 0), FX - 1)
-                x1 = gl.minimum(gl.maximum(x1, 0), FX - 1)
-                f00 = S_s.gather(y0 * FX + x0, 1).to(gl.float32)
-                f01 = S_s.gather(y0 * FX + x1, 1).to(gl.float32)
-                f10 = S_s.gather(y1 * FX + x0, 1).to(gl.float32)
-                f11 = S_s.gather(y1 * FX + x1, 1).to(gl.float32)
+                c00, c01, c10, c11 = _corner_index(y0, y1, x0, x1, FX, SW)
+                f00 = S_s.gather(c00, 1).to(gl.float32)
+                f01 = S_s.gather(c01, 1).to(gl.float32)
+                f10 = S_s.gather(c10, 1).to(gl.float32)
+                f11 = S_s.gather(c11, 1).to(gl.float32)
                 bil = (1.0 - fy) * ((1.0 - fx) * f00 + fx * f01) + fy * ((1.0 - fx) * f10 + fx * f11)
                 zs = Z_s[jt].slice(j0, JC, dim=1)
                 zs.store(zs.load(smp) + wt * bil)
@@ -189,7 +190,7 @@ def _frame_dq_dk(dq, S_s, kv_s, p_s, q_s, K, DK, base, row_stride, tf, H, W, lo_
     for c in gl.static_range(NCH):
         gl.barrier()
         kv_s.store(_halo_rows(K, base, row_stride, tf, c * 64 + kr, H, W, lo_y, lo_x, fyn, fxn, cols, FX))
-        p_s.store(S_s.slice(c * 64, 64, dim=1).load(smp).to(gl.bfloat16))
+        p_s.store(S_s.slice(c * 64, 64, dim=1).load(ld).to(gl.bfloat16))  # 8 a thread: 16-byte copies
         hopper.fence_async_shared()
         dq = hopper.warpgroup_mma(p_s, kv_s, dq)
         dk = hopper.warpgroup_mma(p_s.permute((1, 0)), q_s, gl.zeros([64, HEAD_DIM], gl.float32, o_mma))
@@ -205,7 +206,7 @@ def _frame_dv(S_s, p_s, do_s, DV, base, row_stride, tf, H, W, lo_y, lo_x, fyn, f
     """Frame ``tf``'s ``P`` (in ``S_s``): ``dV += P^T dO``, 64 keys a chunk on tensor cores, P in bf16."""
     for c in gl.static_range(NCH):
         gl.barrier()
-        p_s.store(S_s.slice(c * 64, 64, dim=1).load(smp).to(gl.bfloat16))
+        p_s.store(S_s.slice(c * 64, 64, dim=1).load(ld).to(gl.bfloat16))  # 8 a thread: 16-byte copies
         hopper.fence_async_shared()
         dv = hopper.warpgroup_mma(p_s.permute((1, 0)), do_s, gl.zeros([64, HEAD_DIM], gl.float32, o_mma))
         _add_rows(DV, dv, base, row_stride, tf, c, H, W, lo_y, lo_x, fyn, fxn, HEAD_DIM, FX)
@@ -318,13 +319,13 @@ def halo_dense_bwd(Q, K, V, OFF, OUT, DO, LSE, DQ, DK, DV, DOFF, qk_scale, scale
     lo_t = geo[8]
     for f in range(0, ftn):  # pass 1: the samples' dp and d(dp)/dpos
         _frame_scores(do_s, kv_s, S_s, V, kv[0], kv[1], lo_t + f, *kv[2:], M, HEAD_DIM, NCH, FX, ld, s_mma)
-        _frame_scores_derivs(S_s, G_s, G_s, D, scale, OFF, DOFF, *_pin(geo), f, KT, KH, KW, ELO, EHI, FY, FX, JC,
+        _frame_scores_derivs(S_s, G_s, G_s, D, scale, OFF, DOFF, *_pin(geo), f, KT, KH, KW, ELO, EHI, SW, FX, JC,
                              smp, False)
     geo, kv, ftn = _where(_opaque_pid(), args, HEAD_DIM, KT, KH, KW, ELO, EHI, TY, TX, M, smp)
     lo_t = geo[8]
     for f in range(0, ftn):  # pass 2: the samples' scores and scale (dp - D) dz/dpos
         _frame_scores(q_s, kv_s, S_s, K, kv[0], kv[1], lo_t + f, *kv[2:], M, HEAD_DIM, NCH, FX, ld, s_mma)
-        _frame_scores_derivs(S_s, P_s, G_s, D, scale, OFF, DOFF, *_pin(geo), f, KT, KH, KW, ELO, EHI, FY, FX, JC,
+        _frame_scores_derivs(S_s, P_s, G_s, D, scale, OFF, DOFF, *_pin(geo), f, KT, KH, KW, ELO, EHI, SW, FX, JC,
                              smp, True)
     tl, yl, xl = _phase_tile(_opaque_pid(), H, W, PT, PY, PX, CT, CY, CX, TY, TX)  # not held across the passes
     ql = gl.arange(0, M, layout=gl.SliceLayout(1, smp))

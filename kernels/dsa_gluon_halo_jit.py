@@ -21,6 +21,13 @@ def _axis(base, off, size, lo):
 
 
 @gluon.jit
+def _frame_i32(f):
+    """The frame loop's index through an opaque 32-bit move: LLVM widens the loop's counter to 64 bits,
+    and every sample's compare with it (``t0 == f``) with it."""
+    return gl.inline_asm_elementwise("mov.b32 $0, $1;", "=r,r", [f], dtype=gl.int32, is_pure=True, pack=1)
+
+
+@gluon.jit
 def _layer_samples(OFF, off_row, q_ok, jt, j0, st, sy, sx, T, H, W, lo_t, lo_y, lo_x, fyn, fxn, f,
                    KH: gl.constexpr, KW: gl.constexpr, JC: gl.constexpr, layout: gl.constexpr):
     """The samples ``j0 .. j0 + JC`` of window layer ``jt`` of every query: per sample its weight in
@@ -40,6 +47,16 @@ def _layer_samples(OFF, off_row, q_ok, jt, j0, st, sy, sx, T, H, W, lo_t, lo_y, 
     wt = gl.where(t0 == f, 1.0 - ft, 0.0) + gl.where(t1 == f, ft, 0.0)
     out = (t0 < 0) | (y0 < 0) | (x0 < 0) | (y1 >= fyn) | (x1 >= fxn)
     return gl.where(ok, wt, 0.0), y0, y1, fy, x0, x1, fx, ok & out
+
+
+@gluon.jit
+def _corner_index(y0, y1, x0, x1, FX: gl.constexpr, SW: gl.constexpr):
+    """The 4 corners' columns in a frame's ``S_s`` (``y * FX + x``), kept inside it for a gather: the
+    first clamped to ``[0, SW - FX - 2]`` and the others one column and/or one row past it (within the
+    halo the clamp changes nothing; a sample leaving it reads some element and is flagged)."""
+    c00 = gl.minimum(gl.maximum(y0 * FX + x0, 0), SW - FX - 2)
+    c10 = c00 + (y1 - y0) * FX
+    return c00, c00 + (x1 - x0), c10, c10 + (x1 - x0)
 
 
 @gluon.jit
@@ -71,24 +88,22 @@ def _frame_scores(q_s, kv_s, S_s, K, base, row_stride, tf, H, W, lo_y, lo_x, fyn
 @gluon.jit
 def _frame_sample_scores(S_s, Z_s, OFF, off_row, q_ok, broken, st, sy, sx, T, H, W, lo_t, lo_y, lo_x, fyn, fxn, f,
                          KT: gl.constexpr, KH: gl.constexpr, KW: gl.constexpr, ELO: gl.constexpr, EHI: gl.constexpr,
-                         FY: gl.constexpr, FX: gl.constexpr, KP: gl.constexpr, JC: gl.constexpr, smp: gl.constexpr):
+                         SW: gl.constexpr, FX: gl.constexpr, KP: gl.constexpr, JC: gl.constexpr, smp: gl.constexpr):
     """Each sample's score from its corners in frame ``f`` (a shared-memory gather of ``S_s``), added
     to ``Z_s`` with the sample's weight in that frame; the window layers that cannot reach ``f``
     skipped. Returns ``broken`` with the queries whose corners leave the halo."""
+    f = _frame_i32(f)
     for jt in gl.static_range(KT):
         if (lo_t + f >= st + jt - ELO) & (lo_t + f <= st + jt + EHI):
             for j0 in gl.static_range(0, KH * KW, JC):
                 wt, y0, y1, fy, x0, x1, fx, out = _layer_samples(
                     OFF, off_row, q_ok, jt, j0, st, sy, sx, T, H, W, lo_t, lo_y, lo_x, fyn, fxn, f, KH, KW, JC, smp)
                 broken = broken | gl.max(out.to(gl.int32), axis=1)
-                y0 = gl.minimum(gl.maximum(y0, 0), FY - 1)
-                y1 = gl.minimum(gl.maximum(y1, 0), FY - 1)
-                x0 = gl.minimum(gl.maximum(x0, 0), FX - 1)
-                x1 = gl.minimum(gl.maximum(x1, 0), FX - 1)
-                z = (S_s.gather(y0 * FX + x0, 1).to(gl.float32) * (1.0 - fy) * (1.0 - fx)
-                     + S_s.gather(y0 * FX + x1, 1).to(gl.float32) * (1.0 - fy) * fx
-                     + S_s.gather(y1 * FX + x0, 1).to(gl.float32) * fy * (1.0 - fx)
-                     + S_s.gather(y1 * FX + x1, 1).to(gl.float32) * fy * fx)
+                c00, c01, c10, c11 = _corner_index(y0, y1, x0, x1, FX, SW)
+                z = (S_s.gather(c00, 1).to(gl.float32) * (1.0 - fy) * (1.0 - fx)
+                     + S_s.gather(c01, 1).to(gl.float32) * (1.0 - fy) * fx
+                     + S_s.gather(c10, 1).to(gl.float32) * fy * (1.0 - fx)
+                     + S_s.gather(c11, 1).to(gl.float32) * fy * fx)
                 zs = Z_s[jt].slice(j0, JC, dim=1)
                 zs.store(zs.load(smp) + wt * z)
     gl.barrier()
@@ -126,6 +141,7 @@ def _frame_probs(S_s, Z_s, inv, OFF, off_row, q_ok, st, sy, sx, T, H, W, lo_t, l
     """Frame ``f``'s ``P``: ``S_s`` zeroed, then every sample's probability times its corners' weights
     scatter-added onto its corners (``red.shared.add.f16``). With ``TRACK``, returns ``broken`` with the
     queries whose corners leave the halo (the backward finds them here)."""
+    f = _frame_i32(f)
     zero = gl.zeros([M, 64], gl.float16, smp)
     for c in gl.static_range(SW // 64):
         S_s.slice(c * 64, 64, dim=1).store(zero)
@@ -156,7 +172,7 @@ def _frame_output(acc, S_s, kv_s, p_s, V, base, row_stride, tf, H, W, lo_y, lo_x
     for c in gl.static_range(NCH):
         gl.barrier()
         kv_s.store(_halo_rows(V, base, row_stride, tf, c * 64 + kr, H, W, lo_y, lo_x, fyn, fxn, cols, FX))
-        p_s.store(S_s.slice(c * 64, 64, dim=1).load(smp).to(gl.bfloat16))
+        p_s.store(S_s.slice(c * 64, 64, dim=1).load(ld).to(gl.bfloat16))  # 8 a thread: 16-byte copies
         hopper.fence_async_shared()
         acc = hopper.warpgroup_mma(p_s, kv_s, acc)
     gl.barrier()
@@ -239,7 +255,7 @@ def halo_dense_fwd(Q, K, V, OFF, OUT, LSE, qk_scale, T, H, W, NH,
         _frame_scores(q_s, kv_s, S_s, K, base, row_stride, lo_t + f, H, W, lo_y, lo_x, fyn, fxn,
                       M, HEAD_DIM, NCH, FX, ld, s_mma)
         broken = _frame_sample_scores(S_s, Z_s, OFF, off_row, q_ok, broken, st, sy, sx, T, H, W, lo_t, lo_y, lo_x,
-                                      fyn, fxn, f, KT, KH, KW, ELO, EHI, FY, FX, KP, JC, smp)
+                                      fyn, fxn, f, KT, KH, KW, ELO, EHI, SW, FX, KP, JC, smp)
     mx, den = _softmax(Z_s, qk_scale, M, KT, KH, KW, KP, JC, smp)
     inv = 1.0 / den
     acc = gl.zeros([M, HEAD_DIM], gl.float32, o_mma)

@@ -43,7 +43,7 @@ def test_ptxas_log_and_ptx_are_read():
     assert aot.parse_ptxas_log(PTXAS_LOG) == {"regs": 255, "stack": 696, "spill_stores": 824, "spill_loads": 700}
     got = aot.count_ptx(PTX)
     assert got == {"wgmma": 1, "mma_sync": 1, "dot": "wgmma", "wgmma_not_16bit": 0, "atomics_f32": 2,
-                   "loop_instr": {0: 5}}
+                   "loop_instr": {0: 5}, "guarded": {}}
     tf32 = PTX.replace("m64n128k16.f32.bf16.bf16", "m64n128k8.f32.tf32.tf32")
     assert aot.count_ptx(tf32)["wgmma_not_16bit"] == 1
     serialized = PTXAS_LOG + ("ptxas info    : (C7515) Potential Performance Loss: wgmma.mma_async instructions "
@@ -84,6 +84,68 @@ def test_ptx_instructions_are_counted_by_loop_depth():
     """A block's depth is its innermost loop's (LLVM's block comments; a fall-through block is headed
     by ``// %bb.N:``); labels, directives and comments are not instructions."""
     assert aot.loop_instructions(LOOPS_PTX) == {0: 4, 1: 5, 2: 3}
+
+
+GUARDED_PTX = """
+	mov.b32 	%r1, 0;
+	bra.uni 	$L__BB0_1;
+$L__BB0_5:                              //   in Loop: Header=BB0_1 Depth=1
+	add.s32 	%r1, %r1, 1;
+	setp.lt.s32 	%p3, %r1, 8;
+	@!%p3 bra 	$L__BB0_6;
+$L__BB0_1:                              // =>This Inner Loop Header: Depth=1
+	setp.lt.s32 	%p1, %r1, %r9;
+	@%p1 bra 	$L__BB0_3;
+// %bb.2:                               //   in Loop: Header=BB0_1 Depth=1
+	add.f32 	%r2, %r2, %r3;
+	mul.f32 	%r2, %r2, %r3;
+$L__BB0_3:                              //   in Loop: Header=BB0_1 Depth=1
+	setp.gt.s32 	%p2, %r1, %r8;
+	@%p2 bra 	$L__BB0_5;
+// %bb.4:                               //   in Loop: Header=BB0_1 Depth=1
+	fma.rn.f32 	%r4, %r4, %r5, %r4;
+	bra.uni 	$L__BB0_5;
+$L__BB0_6:
+	ret;
+"""
+
+
+def test_the_code_a_loop_runs_under_a_condition_is_found():
+    """An ``if`` without ``else`` inside a loop (the fused kernels' window layers, skipped in the frames
+    they cannot reach): the fall-through blocks up to the branch's target, counted per region; the
+    loop's exit and back edges are no regions, nor is a loop nested in the body."""
+    assert aot.guarded_regions(GUARDED_PTX) == {1: [2, 2]}  # the second ends by jumping to the latch
+    assert aot.loop_instructions(GUARDED_PTX) == {0: 3, 1: 11}
+    assert aot.guarded_regions(LOOPS_PTX) == {}
+
+
+def test_a_variant_listed_at_two_shapes_is_compiled_once(monkeypatch):
+    """The fused kernels compile the same at every Wan grid (the grid is a run-time argument): the check
+    compiles such a variant once and repeats its measurements at the other shapes; another constexpr is
+    another compile."""
+    import kernels
+
+    def variants(shape):
+        return [dict(kernel="k", fn=variants, signature={"X": "*bf16", "BLOCK": "constexpr"},
+                     constexprs={"BLOCK": 64 if shape.grid[0] < 30 else 128}, num_warps=4, num_stages=1,
+                     config="c", tensor_cores=False)]
+
+    compiled = []
+
+    def fake_compile(variant, arch, shape, timeout_s=0):
+        compiled.append(shape.label)
+        rec = aot._record(variant, arch, shape)
+        rec.regs, rec.loop_instr, rec.ok = 40, {0: 7}, True
+        return rec
+
+    monkeypatch.setattr(kernels, "aot_variants", variants)
+    monkeypatch.setattr(aot, "compile_variant", fake_compile)
+    shapes = [aot.AotShape("bf16", 128, (3, 7, 7), g, 1.5, label=f"s{g[0]}") for g in ((21, 30, 52), (21, 15, 26),
+                                                                                      (31, 45, 80))]
+    recs = aot.run(["sm_90"], shapes, progress=None)
+    assert compiled == ["s21", "s31"]
+    assert [r.shape for r in recs] == ["s21", "s21", "s31"] and recs[1].grid == [21, 15, 26]
+    assert recs[1].regs == 40 and recs[1].loop_instr == {0: 7} and recs[1].ok and "the compile of s21" in recs[1].note
 
 
 def test_each_target_wants_its_own_tensor_core_instruction():
@@ -288,6 +350,7 @@ def test_sm90_compile_only_check_passes_at_the_preset_shapes(tmp_path):
             key = issue_key(r["kernel"], r["head_dim"], r["window"], r["constexprs"], r["num_warps"])
             assert key in table["entries"], key
             assert table["entries"][key]["depths"] == {str(k): v for k, v in r["loop_instr"].items()}, key
+            assert table["entries"][key]["guarded"] == {str(k): v for k, v in r["guarded"].items()}, key
             assert table["entries"][key]["blocks_per_sm"] == r["blocks_per_sm"], key
             checked.add(r["kernel"])
     assert checked == set(ISSUE_KERNELS) - ({"fused_fwd", "fused_bwd"} - fused)

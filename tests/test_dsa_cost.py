@@ -112,9 +112,45 @@ def test_cli_design_prices_the_mirrors_work(capsys):
         main(["--bound", "-1", "--far-share", "0.06", "--design"])
 
 
+def _walked(entry, tiles, grid, cx) -> int:
+    """What one thread of a fused kernel issues, walked frame by frame as the kernel runs: per tile the
+    code outside the frame loops, per halo frame the loops' code, and a window layer's conditional
+    regions (one per loop, in layer order) only where the kernel's guard lets the layer reach the frame."""
+    T, KT, ELO, EHI = grid[0], cx["KT"], cx["ELO"], cx["EHI"]
+    regions = entry["guarded"]["1"]
+    assert len(regions) % KT == 0 and regions, regions
+    total = 0
+    for tile in tiles:
+        total += entry["depths"]["0"]
+        st = min(max(tile.q_lo[0] - KT // 2, 0), T - KT)
+        lo_t = max(st - ELO, 0)
+        ftn = min(st + KT - 1 + EHI, T - 1) - lo_t + 1
+        assert ftn == tile.halo_shape[0]
+        for f in range(ftn):
+            total += entry["depths"]["1"] - sum(regions)
+            total += sum(sum(regions[jt::KT]) for jt in range(KT) if st + jt - ELO <= lo_t + f <= st + jt + EHI)
+    return total
+
+
+def test_the_fused_kernels_walk_a_layer_only_in_the_frames_it_reaches():
+    """At bound 1.5 (ELO = EHI = 2) an inner tile's halo has 7 frames and each window layer's samples
+    reach 5 of them: the 15 walks of 21 the frame loops would run without the kernels' guard."""
+    from kernels.dsa_cost import layer_frames
+    from kernels.dsa_gluon_halo import gluon_halo_constexprs
+    from kernels.dsa_halo_dense import halo_tiles
+
+    cx = gluon_halo_constexprs(128, (3, 7, 7), 1.5)
+    inner = [t for t in halo_tiles((21, 16, 16), (3, 7, 7), 1.5, (1, 8, 8)) if t.q_lo[0] == 10]
+    assert [t.halo_shape[0] for t in inner] == [7] * 4 and layer_frames(inner, (21, 16, 16), cx) == [20, 20, 20]
+    first = [t for t in halo_tiles((21, 16, 16), (3, 7, 7), 1.5, (1, 8, 8)) if t.q_lo[0] == 0]
+    assert [t.halo_shape[0] for t in first] == [5] * 4  # frames 0-4: layer 0 reaches 0-2, 1 0-3, 2 0-4
+    assert layer_frames(first, (21, 16, 16), cx) == [12, 16, 20]
+
+
 def test_the_fused_forward_is_priced_from_its_compile():
     """The Gluon forward's row: issue slots from its sm_90 compile (the issue table's counts at loop
-    depths 0 and 1, times the tiles and their halo frames, 256 threads a tile), its dots two 64 x 64 x d
+    depths 0 and 1, times the tiles and their halo frames, a layer's walks only in the frames it
+    reaches, 256 threads a tile), its dots two 64 x 64 x d
     products per chunk of 64 halo keys and frame; the design row's forward is this row."""
     from kernels.dsa_cost import fused_fwd_cost, halo_dense_design, issue_key, issue_table
     from kernels.dsa_gluon_halo import gluon_halo_constexprs
@@ -128,7 +164,7 @@ def test_the_fused_forward_is_priced_from_its_compile():
     tiles = halo_tiles(grid, window, 1.5, (1, 8, 8))
     frames = sum(t.halo_shape[0] for t in tiles)
     cost = fused_fwd_cost(grid, window, 128, 1.5)
-    assert cost.issue == 256 * (len(tiles) * entry["depths"]["0"] + frames * entry["depths"]["1"])
+    assert cost.issue == 256 * _walked(entry, tiles, grid, cx)
     assert cost.tc_flops == 4 * 64 * cx["NCH"] * 64 * 128 * frames
     d = halo_dense_design(grid, window, 128, 1.5)
     assert d["passes"]["fwd"]["ms"] == pytest.approx(1e3 * cost.seconds(CHIPS[0])["seconds"])
@@ -206,7 +242,7 @@ def test_lever_cli_prices_both_wan_grids_against_the_cost_model():
 
 def test_the_fused_backward_is_priced_from_its_compile(capsys):
     """The Gluon backward's row, as the forward's: issue slots from its sm_90 compile (depths 0 and 1
-    times the tiles and their halo frames, 256 threads a tile), five 64 x 64 x d dots per chunk of 64
+    times the tiles and their halo frames, a layer's walks where it reaches, 256 threads a tile), five 64 x 64 x d dots per chunk of 64
     halo keys and frame; the design row's backward is this row, and the command line reports the
     compiled forward and backward against FA3 (JSON key ``fused``)."""
     from kernels.dsa_cost import (
@@ -229,7 +265,7 @@ def test_the_fused_backward_is_priced_from_its_compile(capsys):
     tiles = halo_tiles(grid, window, 1.5, (1, 8, 8))
     frames = sum(t.halo_shape[0] for t in tiles)
     cost = fused_bwd_cost(grid, window, 128, 1.5)
-    assert cost.issue == 256 * (len(tiles) * entry["depths"]["0"] + frames * entry["depths"]["1"])
+    assert cost.issue == 256 * _walked(entry, tiles, grid, cx)
     assert cost.tc_flops == 5 * 2 * 64 * cx["NCH"] * 64 * 128 * frames  # dP, S, dV, dQ, dK
     d = halo_dense_design(grid, window, 128, 1.5)
     assert d["passes"]["bwd"]["ms"] == pytest.approx(1e3 * cost.seconds(CHIPS[0])["seconds"])

@@ -15,7 +15,9 @@ this module compiles once per target and records, from ``ptxas -v`` and the PTX:
   tensor-core MMA, ``mma.sync`` =
   Ampere-style tensor cores, ``-`` = no dot in the kernel) and how many fp32 global atomics
   (``atom`` / ``red`` ``.global`` ``.f32``) the PTX issues;
-- the compile time (a config whose ``ptxas`` runs for minutes is a config that spills).
+- the compile time (a config whose ``ptxas`` runs for minutes is a config that spills);
+- the PTX instructions per loop depth, and of them the code a loop runs only under a condition
+  (``guarded_regions``): the cost model's issue table.
 
 A record fails (``ok`` false) when the config cannot launch (shared memory over the limit, or
 more than 255 registers), spills, times out or does not compile, or when a kernel whose design
@@ -28,6 +30,7 @@ Every compile runs in a forked child with its own Triton cache (a real compile, 
 from __future__ import annotations
 
 import contextlib
+import copy
 import io
 import math
 import multiprocessing
@@ -115,6 +118,7 @@ class Record:
     atomics_f32: int = 0
     compile_s: float | None = None
     loop_instr: dict = field(default_factory=dict)  # PTX instructions by loop depth (``loop_instructions``)
+    guarded: dict = field(default_factory=dict)  # of them, each conditional region's, by depth (``guarded_regions``)
     constexprs: dict = field(default_factory=dict)  # the compile's constexprs (tile sizes, window, ...)
     ok: bool = False
     problems: list = field(default_factory=list)
@@ -177,6 +181,73 @@ def loop_instructions(ptx: str) -> dict:
     return out
 
 
+_BRANCH = re.compile(r"^(@!?%p\d+\s+)?bra(?:\.uni)?\s+(\$L__BB\d+_\d+);")
+
+
+def _blocks(ptx: str) -> list[dict]:
+    """The PTX's basic blocks in order: label (``None`` for a fall-through ``// %bb.N:``), innermost loop
+    ``(header, depth)`` (``("", 0)`` outside every loop), whether it heads its loop, its instructions."""
+    blocks: list[dict] = []
+    heading = False
+    for line in ptx.splitlines():
+        s = line.strip()
+        if _BLOCK.match(s):
+            label = s.split(":")[0] if s.startswith("$") else None
+            blocks.append({"label": label, "loop": ("", 0), "header": False, "instr": []})
+            heading = True
+        elif not (heading and s.startswith("//")):
+            heading = False
+        if heading and blocks:
+            b = blocks[-1]
+            for depth in map(int, _DEPTH.findall(s)):  # one a comment line; the innermost wins
+                if depth >= b["loop"][1]:
+                    own = "Loop Header:" in s  # "=>This Inner Loop Header: Depth=2": the block heads its loop
+                    m = re.search(r"Header=(BB\d+_\d+)", s)
+                    head = (b["label"] or "")[len("$L__"):] if own else (m.group(1) if m else "")
+                    b["loop"], b["header"] = (head, depth), own
+            continue
+        if blocks and s and not s.startswith(("//", ".", "$", "{", "}")):
+            blocks[-1]["instr"].append(s)
+    return blocks
+
+
+def guarded_regions(ptx: str) -> dict:
+    """The code a loop body runs only when a condition holds: ``{depth: [instructions of each region, in
+    order]}``. A region is the fall-through blocks after a conditional branch ``@%p bra L`` at the end of
+    a block inside a loop, up to ``L`` (reached by falling through or by ``bra.uni L``), all in the same
+    loop and branch-free: an ``if`` without ``else`` (the fused halo kernels' window layers: a layer's
+    samples are walked only in the frames they can reach, ``kernels.dsa_cost``). Its instructions are
+    in ``loop_instructions``'s count of that depth too; they issue only where the condition holds."""
+    blocks = _blocks(ptx)
+    at = {b["label"]: i for i, b in enumerate(blocks) if b["label"]}
+    out: dict[int, list[int]] = {}
+    for i, b in enumerate(blocks):
+        m = _BRANCH.match(b["instr"][-1]) if b["instr"] else None
+        loop = b["loop"]
+        if not m or not m.group(1) or loop[1] == 0 or m.group(2) not in at or blocks[at[m.group(2)]]["loop"] != loop:
+            continue
+        size, j = 0, i + 1
+        while j < len(blocks):
+            r = blocks[j]
+            if r["label"] == m.group(2):
+                break
+            if r["loop"] != loop or r["header"]:
+                size = 0
+                break
+            jumps = [_BRANCH.match(x) for x in r["instr"]]
+            last = jumps[-1] if jumps else None
+            if any(jumps[:-1]) or (last and (last.group(1) or last.group(2) != m.group(2))):
+                size = 0
+                break
+            size += len(r["instr"])
+            if last:
+                break
+            j += 1
+        if size:
+            out.setdefault(loop[1], []).append(size)
+    return out
+
+
 def count_ptx(ptx: str) -> dict:
     wgmma = len(re.findall(r"wgmma\.mma_async", ptx))
     tcgen05 = len(re.findall(r"\btcgen05\.mma", ptx))  # Blackwell's (sm_100) tensor-core MMA
@@ -185,7 +256,7 @@ def count_ptx(ptx: str) -> dict:
     not_16bit = sum(1 for w in _WGMMA.findall(ptx) if not w.endswith((".bf16.bf16", ".f16.f16")))
     return {"wgmma": wgmma, "mma_sync": mma, "dot": dot, "wgmma_not_16bit": not_16bit,
             "atomics_f32": len(_ATOMIC.findall(ptx)),
-            "loop_instr": loop_instructions(ptx)}
+            "loop_instr": loop_instructions(ptx), "guarded": guarded_regions(ptx)}
 
 
 def _compile_in_child(variant: Variant, cc: int, conn, cache: str) -> None:
@@ -225,13 +296,19 @@ def _compile_in_child(variant: Variant, cc: int, conn, cache: str) -> None:
         conn.close()
 
 
+def _record(variant: Variant, arch: str, shape: AotShape) -> Record:
+    """A record of ``variant`` compiled for ``arch`` at ``shape``, before the compile."""
+    return Record(kernel=variant.kernel, arch=arch, shape=shape.label, dtype=shape.dtype, head_dim=shape.head_dim,
+                  window=list(shape.window), grid=list(shape.grid), max_offset=shape.max_offset,
+                  presets=list(shape.presets), config=variant.config, num_warps=variant.num_warps,
+                  num_stages=variant.num_stages, may_pick=variant.may_pick, note=variant.note,
+                  smem_limit=SMEM_PER_BLOCK[ARCHS[arch]],
+                  constexprs={k: v for k, v in variant.constexprs.items() if isinstance(v, (bool, int, str))})
+
+
 def compile_variant(variant: Variant, arch: str, shape: AotShape, timeout_s: float = COMPILE_TIMEOUT_S) -> Record:
     cc = ARCHS[arch]
-    rec = Record(kernel=variant.kernel, arch=arch, shape=shape.label, dtype=shape.dtype, head_dim=shape.head_dim,
-                 window=list(shape.window), grid=list(shape.grid), max_offset=shape.max_offset,
-                 presets=list(shape.presets), config=variant.config, num_warps=variant.num_warps, num_stages=variant.num_stages,
-                 may_pick=variant.may_pick, note=variant.note, smem_limit=SMEM_PER_BLOCK[cc],
-                 constexprs={k: v for k, v in variant.constexprs.items() if isinstance(v, (bool, int, str))})
+    rec = _record(variant, arch, shape)
     ctx = multiprocessing.get_context("fork")
     parent, child = ctx.Pipe(duplex=False)
     cache = tempfile.mkdtemp(prefix="megaslide-aot-")
@@ -338,15 +415,30 @@ def preset_shapes(full: bool = False) -> list[AotShape]:
                      + ("unbounded" if s.max_offset is None else f"off{s.max_offset:g}"), s.presets) for s in shapes]
 
 
+def _compile_key(variant: Variant, arch: str) -> tuple:
+    """What a compile depends on: the same key, the same kernel binary (the grid and the bound are
+    run-time arguments: the fused kernels compile the same at every Wan grid)."""
+    return (variant.kernel, arch, getattr(variant.fn, "__qualname__", repr(variant.fn)),
+            repr(sorted(variant.signature.items())), repr(sorted((k, repr(v)) for k, v in variant.constexprs.items())),
+            variant.num_warps, variant.num_stages, repr(variant.attrs), variant.maxnreg)
+
+
+_MEASURED = ("regs", "spill_stores", "spill_loads", "stack", "smem", "blocks_per_sm", "dot", "wgmma", "tt_dots",
+             "mma_dots", "wgmma_not_16bit", "mma_serialized", "mma_sync", "atomics_f32", "compile_s", "loop_instr",
+             "guarded", "ok", "problems")
+
+
 def run(archs: list[str], shapes: list[AotShape], kernels: tuple[str, ...] | None = None,
         timeout_s: float = COMPILE_TIMEOUT_S, progress=print) -> list[Record]:
     """Compile every variant the kernel modules list for ``shapes`` (``kernels.aot_variants``), for
-    each target; ``kernels``: only these kernel names."""
+    each target; ``kernels``: only these kernel names. A variant listed again at another shape with
+    the same compile (``_compile_key``) is not compiled again: its record repeats the first one's
+    measurements at the new shape (``note`` says so)."""
     from kernels import (
         aot_variants,  # lazy: imports triton (a CPU machine without it can still --help)
     )
 
-    records = []
+    records, done = [], {}
     for shape in shapes:
         for spec in aot_variants(shape):
             variant = Variant(**spec)
@@ -355,7 +447,15 @@ def run(archs: list[str], shapes: list[AotShape], kernels: tuple[str, ...] | Non
             for arch in archs:
                 if variant.archs is not None and arch not in variant.archs:
                     continue  # another target's launch configuration
-                rec = compile_variant(variant, arch, shape, timeout_s)
+                key = _compile_key(variant, arch)
+                if key in done:
+                    first = done[key]
+                    rec = _record(variant, arch, shape)
+                    for name in _MEASURED:
+                        setattr(rec, name, copy.deepcopy(getattr(first, name)))
+                    rec.note = (rec.note + f" (the compile of {first.shape}: the same binary)").strip()
+                else:
+                    rec = done[key] = compile_variant(variant, arch, shape, timeout_s)
                 records.append(rec)
                 if progress:
                     progress(table_line(rec))
