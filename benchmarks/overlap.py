@@ -59,7 +59,7 @@ from actors.param_store import ParameterStore
 from megaslide_ray.config import build_config
 from megaslide_ray.driver import resolve_data
 from megaslide_ray.planning.estimate import plan
-from megaslide_ray.planning.schedule import schedule_seconds, step_positions
+from megaslide_ray.planning.schedule import schedule_seconds, schedule_waits, step_positions
 
 MODELS = {
     "tiny": {},
@@ -146,6 +146,19 @@ def simulate(pure: dict, gbps: float, depth: int, overlap: bool = True) -> float
     """Step time of the actor's schedule on an ideal machine (``planning.schedule``): compute
     times from the pure run's timelines (each position's mean over the timed steps), fetch and
     gradient-return times = bytes / link."""
+    return schedule_seconds(*_positions(pure, gbps), depth, overlap)
+
+
+def model_waits(pure: dict, gbps: float, depth: int) -> dict[str, float]:
+    """Where ``simulate``'s overlapped step exceeds its compute: the step boundary's ``fill`` and
+    ``drain`` and the ``stalls`` between (``planning.schedule.schedule_waits``)."""
+    _, fetch, comp, grad = _positions(pure, gbps)
+    return schedule_waits(fetch, comp, grad, depth)
+
+
+def _positions(pure: dict, gbps: float) -> tuple[float, list[float], list[float], dict[int, float]]:
+    """``simulate``'s inputs: the time before the first position, each position's fetch and
+    compute seconds, and the gradients' return seconds after their positions."""
     sizes, n = pure["grad_bytes"], pure["n"]
     P = len(sizes)
     pre, comp = 0.0, [0.0] * P
@@ -157,7 +170,7 @@ def simulate(pure: dict, gbps: float, depth: int, overlap: bool = True) -> float
     fetch = [b / (gbps * 1e9) for b in pure["fetch_bytes"]]
     # gradients: the head's after its position (n - 1), each backward position's after its own
     grad = {p: sizes[p] / (gbps * 1e9) for p in [n - 1, *range(n, P)]}
-    return schedule_seconds(pre, fetch, comp, grad, depth, overlap)
+    return pre, fetch, comp, grad
 
 
 def _ints(text: str, flag: str, low: int) -> list[int]:
@@ -295,6 +308,7 @@ def _row(name: str, actors: int, s: tuple, ratio: float, gbps: float, pures: lis
             "compute_s_each": [r["seconds"] for r in pures], "prefetch_depth": depth,
             "model_off_s": simulate(pooled, gbps, depth, overlap=False), "model_on_s": model_on,
             "model_efficiency": best / model_on,
+            **{f"model_{k}_s": v for k, v in model_waits(pooled, gbps, depth).items()},
             "unbounded_prefetch_efficiency": best / simulate(pooled, gbps, len(pures[0]["grad_bytes"])),
             "plan_step_s": p.step_s, "plan_off_s": p.step_off_s, "plan_error": p.step_s / on_s - 1,
             "plan_binding": p.step_binding, "plan_compute_s": p.time_terms["compute"],
@@ -366,7 +380,9 @@ def print_rows(rows: list[dict]) -> None:
               f"link {r['link_gbps'] * 1e3:.3g} MB/s; compute " + ", ".join(f"{x:.2f}" for x in r["compute_s_each"])
               + "; off " + ", ".join(f"{x:.2f}" for x in r["off_s_each"])
               + "; on " + ", ".join(f"{x:.2f}" for x in r["on_s_each"])
-              + f"; model eff with unlimited prefetch {r['unbounded_prefetch_efficiency']:.2f}")
+              + f"; model eff with unlimited prefetch {r['unbounded_prefetch_efficiency']:.2f}"
+              + f"; model's compute waits: boundary {r['model_fill_s']:.2f} + {r['model_drain_s']:.2f} s (first "
+              f"fetches + last gradients), stalls {r['model_stalls_s']:.2f} s")
 
 
 if __name__ == "__main__":

@@ -201,7 +201,7 @@ def assert_bf16_flash_rule(got, inputs, dout, window, label: str) -> None:
     assert not errors, f"{label}: " + "; ".join(errors)
 
 
-def assert_interpreter_tests_pass(test_file, marker: str | None = None, timeout: float = 900) -> None:
+def assert_interpreter_tests_pass(test_file, marker: str | None = None, timeout: float = 1500) -> None:
     """Run the ``test_interp_*`` tests of ``test_file`` (under ``tests/``) in a child pytest with
     ``TRITON_INTERPRET=1``; assert that it passed and
     skipped none. ``marker``: the child's ``-m`` expression (default: the project's ``addopts``).

@@ -299,7 +299,6 @@ def test_sm90_compile_only_check_passes_at_the_preset_shapes(tmp_path):
             assert not r["mma_serialized"] and r["atomics_f32"] == 0, r
     for r in recs:
         assert r["ok"] and r["spill_stores"] == 0 and r["smem"] <= aot.SMEM_PER_BLOCK[90], r
-        assert r["compile_s"] < (180 if r["kernel"] == "fused_bwd" else 60), r  # the fused backward: 30 dots, ~30 s
         if r["kernel"] in ("gather_bwd_pull",) or r["kernel"].startswith(("pull", "halo")):
             assert r["atomics_f32"] == 0, r  # the backward that runs at this bound: no float atomics
         if r["kernel"].startswith("pull"):  # its products on Hopper's tensor cores, 2 blocks per SM

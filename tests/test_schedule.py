@@ -7,11 +7,11 @@ import pytest
 from actors.compute import ComputeActor, LocalStoreClient
 from actors.decoder import VideoDecoder
 from actors.param_store import ParameterStore
-from benchmarks.overlap import parse_args, run, simulate
+from benchmarks.overlap import model_waits, parse_args, run, simulate
 from megaslide_ray.config import build_config
 from megaslide_ray.data.demo import ensure_demo_dataset
 from megaslide_ray.planning.estimate import plan
-from megaslide_ray.planning.schedule import schedule_seconds, step_positions
+from megaslide_ray.planning.schedule import schedule_seconds, schedule_waits, step_positions
 
 SMALL = {"model.depth": 3, "model.hidden_size": 32, "model.num_heads": 2, "model.caption_dim": 16,
          "model.patch_size": "2,8,8", "data.num_frames": 6, "data.height": 32, "data.width": 32}
@@ -82,6 +82,34 @@ def test_schedule_is_the_slower_resource_when_the_other_is_free():
     assert schedule_seconds(0.5, [1.0, 2.0, 0.0, 3.0], [0.0] * 4, {3: 2.0}, 1) == 0.5 + 6.0 + 2.0
     # a fetch waits for its prefetch slot: position 2 is submitted when position 1 starts computing
     assert schedule_seconds(0.0, [1.0, 1.0, 1.0], [5.0, 0.0, 0.0], {}, 1) == 1.0 + 5.0 + 1.0
+
+
+def test_schedule_waits_split_the_step_beyond_its_compute():
+    """The compute's waits: the first fetches (fill), the stalls between, the gradients still on the
+    link after the last compute (drain); they add up to the step minus the compute."""
+    # fetch 1, 2 before positions 0 and 1 compute (fill 1 + 1); position 2's fetch (4) is submitted
+    # when position 1 starts (t=3) and ends at 7, one after position 1's compute (stall 1); its
+    # gradient (3) returns after it computes (7-8): 8-11 (drain 3)
+    fetch, comp, grads = [1.0, 2.0, 4.0], [1.0, 3.0, 1.0], {2: 3.0}
+    w = schedule_waits(fetch, comp, grads, 1)
+    assert w == {"fill": 2.0, "stalls": 1.0, "drain": 3.0}
+    assert sum(w.values()) == schedule_seconds(0.0, fetch, comp, grads, 1) - sum(comp) == 6.0
+    assert schedule_waits([0.0] * 3, comp, {}, 1) == {"fill": 0.0, "stalls": 0.0, "drain": 0.0}
+
+
+@pytest.mark.parametrize("k", [1, 2])
+def test_plan_reports_the_step_boundary_the_benchmark_models(k):
+    """``plan``'s boundary (fill + drain) is the benchmark model's for the same positions, and it
+    does not grow with K while the compute does; a floor above the schedule hides it."""
+    cfg = build_config("tiny", None, {**SMALL, "training.micro_batches": k})
+    gbps, tflops = 0.002, 3e-3
+    p = plan(cfg, "float32", pcie_gbps=gbps, device_tflops=tflops, dram_gbps=1e3)
+    w = model_waits(pure_run_of(step_positions(cfg, 4), 1 / (tflops * 1e12)), gbps, 1)
+    assert p.step_boundary_s == pytest.approx(w["fill"] + w["drain"], rel=1e-9) and p.step_boundary_s > 0
+    one = plan(build_config("tiny", None, {**SMALL, "training.micro_batches": 1}), "float32", pcie_gbps=gbps,
+               device_tflops=tflops, dram_gbps=1e3)
+    assert p.step_boundary_s <= one.step_boundary_s * (1 + 1e-9)
+    assert plan(cfg, "float32", pcie_gbps=gbps, device_tflops=tflops, dram_gbps=1e-6).step_boundary_s == 0.0
 
 
 def test_plan_binding_follows_the_busiest_resource():

@@ -48,7 +48,9 @@ SMEM_PER_BLOCK = {90: 232_448, 100: 232_448}
 SMEM_PER_SM = {90: 233_472, 100: 233_472}
 REGS_PER_SM = 65_536
 MAX_REGS_PER_THREAD = 255
-COMPILE_TIMEOUT_S = 120.0
+COMPILE_TIMEOUT_S = 600.0
+"""A hang guard, not a speed check: one compile takes 1-40 s on 2 quiet cores and several times that
+beside CI's other test groups; spills, the thing a slow ``ptxas`` used to signal, are checked directly."""
 
 
 @dataclass(frozen=True)

@@ -133,6 +133,7 @@ class Plan:
     step_s: float = 0.0            # with overlap: fetches, compute and returns position by position
     step_off_s: float = 0.0        # fetch, compute, return in sequence
     step_binding: str = ""         # link, compute or host DRAM: the busiest
+    step_boundary_s: float = 0.0   # of step_s, the compute's waits at the step boundary (first fetches, last gradients)
     # -- distillation (training.distill_weight > 0): the frozen dense teacher
     teacher_params: int = 0        # one transformer's dense teacher (no offset heads)
     teacher_bytes: int = 0         # its weights in host RAM, compute dtype (every expert's; per node)
@@ -524,7 +525,7 @@ def _assemble(cfg: Config, s: _Sizes, mem: _Memory, tr: _Traffic, timing: _Timin
         global_batch=gpus_per_node * nodes * s.micro * s.B, transfer_compute_ratio=terms["h2d"] / terms["compute"],
         scale=timing.scale, resident_shards=tuple(mem.resident), resident_bytes=mem.resident_bytes,
         step_s=sched.seconds if sched else 0.0, step_off_s=sched.off_seconds if sched else 0.0,
-        step_binding=sched.binding if sched else "",
+        step_binding=sched.binding if sched else "", step_boundary_s=sched.boundary_s if sched else 0.0,
         teacher_params=teacher_params(cfg) if mem.teacher else 0, teacher_bytes=mem.teacher,
         flops_teacher=tr.flops_teacher,
     )

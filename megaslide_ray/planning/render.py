@@ -190,6 +190,9 @@ def _floor(p: Plan, out: _Lines) -> None:
     if p.step_s:
         out.row(f"predicted step: the schedule, prefetch depth {p.prefetch_depth} (planning/schedule.py)",
                 fmt_seconds(p.step_s), f"({p.step_binding} binds; overlap off: {fmt_seconds(p.step_off_s)})")
+        if p.step_boundary_s:
+            out.row("  of which the compute waits at the step boundary (first fetches, last gradients)",
+                    fmt_seconds(p.step_boundary_s), "(its share falls with depth and with --micro-batches k)")
     if not gen:
         out.row("transfer / compute, one GPU (host -> device time / compute time)", f"{p.transfer_compute_ratio:.3g}",
                 "(falls as 1/k with --micro-batches k)")

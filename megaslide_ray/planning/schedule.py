@@ -17,9 +17,14 @@ starts with the dense teacher's forward, 0..L+1, each position fetching a teache
 computing its forward (dense attention), returning nothing. ``benchmarks/overlap.py`` replays the same schedule with the
 compute times it measured and holds both against the measured step.
 
-What it leaves out: the step boundary (shard 0's next fetch waits for its AdamW update, which
-waits for the last gradient: exact global-norm clipping), AdamW competing with the compute for a
-CPU's cores, and the first position's input preparation.
+The step boundary is in the replay: a step's first fetches start when it starts (the weights
+are the previous step's update, which waits for every gradient: exact global-norm clipping), and
+it ends when its last gradient is back. ``schedule_waits`` splits the time the compute waits
+into that boundary's two halves, ``fill`` (the first positions' fetches, before the first block
+computes) and ``drain`` (the gradients still on the link after the last compute), and the
+``stalls`` between. What it leaves out: the AdamW time between one step's last gradient and the
+next step's first fetch, AdamW competing with the compute for a CPU's cores, and the first
+position's input preparation.
 """
 
 from __future__ import annotations
@@ -52,6 +57,8 @@ class StepPrediction:
     return_s: float           # the gradients at the link speed, summed
     adamw_s: float            # the update's DRAM traffic (it overlaps the next forward)
     binding: str              # "link", "compute" or "host DRAM": the largest of the three
+    boundary_s: float = 0.0   # the compute's waits at the step boundary (``schedule_waits``: fill + drain)
+    stalls_s: float = 0.0     # its waits between (a link slower than the compute at those positions)
 
     @property
     def terms(self) -> dict[str, float]:
@@ -115,9 +122,29 @@ def schedule_seconds(pre: float, fetch_s: list[float], comp_s: list[float], grad
     """The step time of the schedule on an ideal machine (module docstring): ``pre`` before the
     first position, each position's fetch (0: kept, it neither waits for nor uses the link) and
     compute, the gradients returned after the positions of ``grad_s``."""
-    P = len(comp_s)
     if not overlap:
         return pre + sum(fetch_s) + sum(comp_s) + sum(grad_s.values())
+    return _replay(pre, fetch_s, comp_s, grad_s, depth)[0]
+
+
+def schedule_waits(fetch_s: list[float], comp_s: list[float], grad_s: dict[int, float], depth: int,
+                   first_block: int = 1) -> dict[str, float]:
+    """Where the overlapped schedule's step exceeds its compute (seconds): ``fill``, the compute's
+    waits for the fetches up to position ``first_block`` (shard 0 and the first block, or the
+    distillation teacher's: the step boundary's first half); ``stalls``, its waits at every later position; ``drain``, the
+    gradients still on the link after the last position computed (the boundary's second half).
+    ``step - sum(comp_s) == fill + stalls + drain``."""
+    step, c_start, c_end = _replay(0.0, fetch_s, comp_s, grad_s, depth)
+    waits = [c_start[p] - (c_end[p - 1] if p else 0.0) for p in range(len(comp_s))]
+    return {"fill": sum(waits[:first_block + 1]), "stalls": sum(waits[first_block + 1:]),
+            "drain": step - c_end[-1]}
+
+
+def _replay(pre: float, fetch_s: list[float], comp_s: list[float], grad_s: dict[int, float],
+            depth: int) -> tuple[float, list[float], list[float]]:
+    """The overlapped schedule (``schedule_seconds``): the step time, and each position's compute
+    start and end."""
+    P = len(comp_s)
     link = pre
     f_end, c_start, c_end = [0.0] * P, [0.0] * P, [0.0] * P
     ret = 0.0
@@ -130,7 +157,7 @@ def schedule_seconds(pre: float, fetch_s: list[float], comp_s: list[float], grad
         c_end[p] = c_start[p] + comp_s[p]
         if p in grad_s:
             ret = max(ret, c_end[p]) + grad_s[p]
-    return max(c_end[-1], ret)
+    return max(c_end[-1], ret), c_start, c_end
 
 
 def predict_step(cfg: Config, wbytes: int, link_gbps: float, device_tflops: float, dram_gbps: float,
@@ -150,7 +177,10 @@ def predict_step(cfg: Config, wbytes: int, link_gbps: float, device_tflops: floa
     terms = {"link": max(sum(fetch), sum(grads.values())), "compute": sum(comp), "host DRAM": adamw,
              **(node_terms or {})}
     floor = max(terms.values())  # what overlaps the whole step
-    on = max(floor, schedule_seconds(0.0, fetch, comp, grads, depth, cfg.runtime.overlap))
-    off = max(floor, schedule_seconds(0.0, fetch, comp, grads, depth, overlap=False))
+    sched = schedule_seconds(0.0, fetch, comp, grads, depth, cfg.runtime.overlap)
+    on, off = max(floor, sched), max(floor, schedule_seconds(0.0, fetch, comp, grads, depth, overlap=False))
+    # the waits are part of the step only where the schedule, not a whole-step floor, sets it
+    waits = schedule_waits(fetch, comp, grads, depth) if cfg.runtime.overlap and sched >= floor else {}
     return StepPrediction(on, off, sum(comp), sum(fetch), sum(grads.values()), terms["host DRAM"],
-                          max(terms, key=terms.__getitem__))
+                          max(terms, key=terms.__getitem__), waits.get("fill", 0.0) + waits.get("drain", 0.0),
+                          waits.get("stalls", 0.0))
