@@ -212,6 +212,29 @@ def test_blocks_choose_by_the_host_weights_without_reading_the_device(arch, monk
             model(*args)
 
 
+@pytest.mark.parametrize("arch", ARCHS)
+def test_the_whole_model_reads_the_device_once_per_forward(arch, monkeypatch):
+    """Called directly (sampling, validation) with the levers on, the whole model reads ``c``'s
+    dense weights back once per forward (a device sync on CUDA), not once per block, and gives
+    what its shards called one by one give (each block reading the column itself)."""
+    model, _, _ = _models(arch, **{"attention.dense_above_t": 0.6, "attention.dense_warmup_steps": 4})
+    args = _inputs(arch, [0.9, 0.2, 0.6])
+    reads, read = [], attention_levers.read_weights
+    monkeypatch.setattr(attention_levers, "read_weights", lambda mix: reads.append(mix.shape) or read(mix))
+    for kw in ({}, {"dense_mix": torch.tensor([1.0, 0.3, 0.0])}):  # by t; a dense, a blended, a dsa sample
+        with torch.no_grad():
+            shards = model.shards()
+            x, c = shards[0](*args, **kw)
+            for block in shards[1:-1]:
+                x = block(x, c)
+            want = shards[-1](x, c)
+            assert len(reads) == len(model.blocks) == 2  # a block called alone reads the column itself
+            reads.clear()
+            assert torch.equal(model(*args, **kw), want)
+        assert reads == [torch.Size([3])]
+        reads.clear()
+
+
 def test_host_weights_are_rounded_as_the_column_is():
     """A bf16 ``c`` rounds a weight of 0.999 to 1: the host's choice rounds alike (dense alone)."""
     calls = []

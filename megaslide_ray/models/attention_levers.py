@@ -19,8 +19,9 @@
 one kind (every batch of one clip) runs that kind alone, exactly. Choosing needs the weights on
 the host. The trainers know them there (``t`` is drawn on the host): they compute them
 (``host_weights``) and call the blocks inside ``weights_on_host``, so a block reads nothing back
-from the device. A block called outside one (sampling with the whole model) reads ``c``'s column:
-``B`` values per block call, a device sync on CUDA.
+from the device. The whole model (sampling, validation) called outside one reads ``c``'s column
+once per forward (``whole_model_weights``: one device sync on CUDA) and runs its blocks inside;
+only a block called alone, outside both, reads it itself: a device sync per block call.
 On a bf16 run ``c`` is bf16, so a curriculum weight between 0 and 1 is rounded to bf16 (0 and 1
 are exact); ``blend`` rounds the host's weights the same way.
 """
@@ -118,6 +119,21 @@ def _choice(mix: torch.Tensor) -> list[float]:
 def read_weights(mix: torch.Tensor) -> list[float]:
     """``mix`` on the host (a device sync on CUDA): the blocks' choice without ``weights_on_host``."""
     return mix.float().tolist()
+
+
+@contextmanager
+def whole_model_weights(c: torch.Tensor, carried: bool) -> Iterator[None]:
+    """The whole model's blocks run inside: when ``c`` carries the dense weights (``carried``) and
+    no ``weights_on_host`` is in scope (a trainer's), ``c``'s column is read back once here (one
+    device sync per forward on CUDA) and every block chooses by it, as it would by reading it."""
+    if not carried or _ON_HOST.get() is not None:
+        yield
+        return
+    token = _ON_HOST.set(read_weights(c[:, -1]))
+    try:
+        yield
+    finally:
+        _ON_HOST.reset(token)
 
 
 def split_mix(c: torch.Tensor, carried: bool) -> tuple[torch.Tensor, torch.Tensor | None]:

@@ -36,7 +36,7 @@ from megaslide_ray.models.attention import (
     self_attention,
     self_attention_parts,
 )
-from megaslide_ray.models.attention_levers import attach_mix, block_kind, mixes, split_mix
+from megaslide_ray.models.attention_levers import attach_mix, block_kind, mixes, split_mix, whole_model_weights
 from megaslide_ray.models.chunking import bind, token_map
 from megaslide_ray.models.layers import ffn_width, unpatchify
 from megaslide_ray.models.prediction import as_velocity
@@ -395,6 +395,7 @@ class VideoDiT(nn.Module):
         self.blocks = nn.ModuleList(DiTBlock(cfg, i) for i in range(1, cfg.model.depth + 1))
         self.head = FinalLayer(cfg)
         self.prediction = cfg.model.prediction
+        self.mixes = mixes(cfg)  # c's last column: each sample's weight of dense attention
 
     def shards(self) -> list[nn.Module]:
         """Modules in streaming order: input side, each block, head."""
@@ -402,8 +403,9 @@ class VideoDiT(nn.Module):
 
     def forward(self, x_t, t, caption, caption_len, dense_mix=None):
         x, c = self.embed(x_t, t, caption, caption_len, dense_mix)
-        for block in self.blocks:
-            x = block(x, c)
+        with whole_model_weights(c, self.mixes):  # c's dense weights read back once, not once per block
+            for block in self.blocks:
+                x = block(x, c)
         return as_velocity(self.head(x, c), x_t, t, self.prediction)  # always a velocity
 
     def initialize_weights(self, seed: int) -> None:

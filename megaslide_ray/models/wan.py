@@ -81,7 +81,7 @@ from megaslide_ray.models.attention import (
     self_attention,
     self_attention_parts,
 )
-from megaslide_ray.models.attention_levers import attach_mix, block_kind, mixes, split_mix
+from megaslide_ray.models.attention_levers import attach_mix, block_kind, mixes, split_mix, whole_model_weights
 from megaslide_ray.models.chunking import Chunked, bind, token_map
 from megaslide_ray.models.layers import ffn_width, first_frame_timesteps, unpatchify
 
@@ -592,8 +592,9 @@ class WanTransformer(nn.Module):
                 WanHead(self.cfg, self.scale_shift_table, self.proj_out)]
 
     def _run(self, x: torch.Tensor, c: torch.Tensor) -> torch.Tensor:
-        for block in self.blocks:
-            x = block(x, c)
+        with whole_model_weights(c, mixes(self.cfg)):  # c's dense weights read back once, not once per block
+            for block in self.blocks:
+                x = block(x, c)
         m = self.cfg.model
         return head_output(self.scale_shift_table, self.proj_out, tuple(m.patch_size), m.eps, x,
                            split_mix(c, mixes(self.cfg))[0], CLEAN_PARTS if m.clean_first_frame else CONDITION_PARTS)
