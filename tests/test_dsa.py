@@ -505,7 +505,7 @@ interpreter_only = pytest.mark.skipif(
 )
 
 
-@pytest.mark.slow  # about 80 s: every Triton interpreter child runs in the slow half
+@pytest.mark.slow  # about 6 min on one core: every Triton interpreter child runs in the slow half
 @pytest.mark.child_process
 @pytest.mark.skipif(INTERPRETER_ACTIVE, reason="already inside the interpreter run")
 def test_triton_kernels_under_interpreter():
@@ -518,7 +518,7 @@ def test_triton_kernels_under_interpreter():
 @pytest.mark.parametrize(
     "grid,window,d,block_m,chunk",
     [
-        ((3, 5, 4), (3, 3, 3), 6, 32, None),  # d not a power of 2; partial last query block
+        ((3, 5, 4), (3, 3, 3), 6, 32, None),  # d not a power of 2; partial last query block (auto: the split mode)
         ((5, 3, 7), (5, 1, 3), 4, 64, 3),  # window spans all of T; every border on x; the atomic mode's
         # fp32 dk, dv in chunks of 3 (batch, head) pairs of 4: the first chunk spans both batch items
     ],
@@ -526,23 +526,36 @@ def test_triton_kernels_under_interpreter():
 @interpreter_only
 def test_interp_fp32_matches_reference(grid, window, d, block_m, chunk, monkeypatch):
     import kernels.dsa_triton as DT
+    from kernels.dsa_modes import AUTO, KernelModes
     from kernels.dsa_triton import dsa_triton
 
     if chunk is not None:
         monkeypatch.setattr(DT, "ATOMIC_BUDGET_BYTES", chunk * 2 * math.prod(grid) * d * 4)
         assert DT.atomic_chunk(4, math.prod(grid), d) == chunk
-    shape = (2, *grid, 2, d)
+    # one clip for the split mode's case (its key-side pass is the interpreter's slowest kernel; the
+    # atomic case keeps two clips of two heads: pairs across batch items)
+    shape = (1 if chunk is None else 2, *grid, 2, d)
     q, k, v = make_qkv(shape, seed=12)
     offsets = wild_offsets(shape, window)
     dout = torch.randn(shape, generator=torch.Generator().manual_seed(13))
 
+    # the chunked case asks for the atomic mode itself (auto reaches it at this window only because
+    # no split bound fits it: kernels/dsa_triton_split.py), and counts the chunks it takes
+    modes = AUTO if chunk is None else KernelModes(dkv="atomic")
+
     def tri(q, k, v, offsets):
-        return dsa_triton(q, k, v, offsets, window, block_m=block_m)
+        return dsa_triton(q, k, v, offsets, window, block_m=block_m, modes=modes)
 
     def ref(q, k, v, offsets):
         return dsa_reference(q, k, v, offsets, window)
 
+    if chunk is not None:  # the chunks are really taken: count the launches of the query-side pass
+        launches = []
+        real = DT.atomic_chunk
+        monkeypatch.setattr(DT, "atomic_chunk", lambda *a: launches.append(real(*a)) or launches[-1])
     got = grads(tri, (q, k, v, offsets), dout)
+    if chunk is not None:
+        assert launches == [chunk], launches
     want = grads(ref, (q, k, v, offsets), dout)
     for name, a, b in zip("out dq dk dv doffsets".split(), got, want):
         torch.testing.assert_close(a, b, rtol=1e-4, atol=2e-5, msg=f"{name}")
@@ -550,7 +563,10 @@ def test_interp_fp32_matches_reference(grid, window, d, block_m, chunk, monkeypa
 
 @interpreter_only
 def test_interp_bf16_tolerance_rule():
-    """flash-attention rule: |tri - ref32| <= 2 |torch_bf16 - ref32| + atol (max abs)."""
+    """flash-attention rule: |tri - ref32| <= 2 |torch_bf16 - ref32| + atol (max abs), for the gather
+    kernels with the atomic mode's dk, dv (the key-side pass and the split mode have their own bf16
+    checks: tests/test_dsa_pull.py, tests/test_dsa_split.py)."""
+    from kernels.dsa_modes import KernelModes
     from kernels.dsa_triton import dsa_triton
 
     window = (3, 3, 3)
@@ -561,7 +577,7 @@ def test_interp_bf16_tolerance_rule():
     inputs = (q, k, v, offsets)
 
     got = grads(
-        lambda *a: dsa_triton(*a, window, block_m=64), inputs, dout
+        lambda *a: dsa_triton(*a, window, block_m=64, modes=KernelModes(dkv="atomic")), inputs, dout
     )
     assert_bf16_flash_rule(got, inputs, dout, window, "triton")
 
