@@ -20,7 +20,8 @@ actor replaced, the step in flight finished or redone on every node alike); a no
 stops the run with the ``--resume`` command (``NodeLostError``).
 
 Failures: the store is restartable (``runtime.max_restarts``); a restarted store re-attaches
-to its shared-memory state (see ``actors/param_store.py``). Gradients reported for an
+to its shared-memory state (see ``actors/param_store.py``); the store's client over Ray and its
+failures' kinds: ``pipelines/store_client.py``. Gradients reported for an
 unfinished step lived only in the dead process, so when a step fails because an actor died,
 the driver waits for the store to come back, replaces the compute actor (it holds no state
 between steps; a new one cannot be left blocked on a version that will never come), and
@@ -48,24 +49,24 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import ray
-from ray.exceptions import (
-    ActorUnschedulableError,
-    GetTimeoutError,
-    RayActorError,
-    RayTaskError,
-)
+from ray.exceptions import RayActorError, RayTaskError
 
 from actors.compute import StepResult
 from actors.decoder import BatchInfo
-from actors.param_store import GradientsLostError, ParameterStore, UpdateResult
+from actors.param_store import ParameterStore, UpdateResult
 from megaslide_ray.runtime import faults
-from megaslide_ray.state.checkpoint import CheckpointDamagedError
 from megaslide_ray.state.kept import is_kept, keep_state, release_state, state_path
-from megaslide_ray.state.preflight import StateSpaceError
 from megaslide_ray.state.segments import run_owner
 from pipelines.compute_group import ComputeGroup, NodeSide, combine, combine_batches, resolve_compute_actors
 from pipelines.decoder_pool import DataCursor, DecoderPool
 from pipelines.multinode import NodeStores, StateCutError, StoreCallError, on_node, pick_nodes, status_once_back
+from pipelines.store_client import (
+    RayStoreClient,
+    StoreHungError,
+    StoreLostError,
+    is_actor_failure,
+    raise_store_start_error,
+)
 
 log = logging.getLogger(__name__)
 
@@ -76,18 +77,8 @@ STORE_SETTLE_TIMEOUT_S = 120.0
 """How long a failed run waits for the store to finish its queued updates and answer."""
 
 
-class StoreLostError(RuntimeError):
-    """The parameter store died and could not come back on its shared state: the run must
-    restore its latest checkpoint (the Trainer does)."""
-
-
 class RestartLimitError(RuntimeError):
     """More actor failures than ``runtime.max_restarts``: the run stops."""
-
-
-class StoreHungError(RuntimeError):
-    """The parameter store did not answer a step's gradient reports within
-    ``runtime.store_timeout_s``: it is killed, Ray restarts it on its state, the step is recovered."""
 
 
 def actor_options() -> dict:
@@ -95,25 +86,6 @@ def actor_options() -> dict:
     environment (``megaslide_ray/runtime/faults.py``), so a fault can target any actor."""
     env = {k: os.environ[k] for k in (faults.ENV_SPEC, faults.ENV_DIR) if os.environ.get(k)}
     return {"runtime_env": {"env_vars": env}} if env else {}
-
-
-def raise_store_start_error(e: BaseException) -> None:
-    """The store's constructor refused for want of room (``StateSpaceError``) or because a tensor
-    of the checkpoint it loads does not match its checksum (``CheckpointDamagedError``): raise it
-    again here with its own message, instead of Ray's actor traceback around it."""
-    text = str(getattr(e, "error", e))  # several nodes: a StoreCallError around the store's failure
-    for cls in (StateSpaceError, CheckpointDamagedError):
-        key = f"{cls.__name__}: "
-        if key in text:
-            raise cls(text[text.rindex(key) + len(key):].strip().splitlines()[0]) from None
-
-
-def is_actor_failure(error: BaseException) -> bool:
-    """An actor died under the call (directly, or inside the task that made the call; or it cannot
-    be placed again: its node is gone), or a restarted store no longer holds a step's gradients:
-    redoing the step recovers (or the recovery finds the node lost)."""
-    kinds = (RayActorError, ActorUnschedulableError, GradientsLostError, StoreHungError, StoreCallError)
-    return isinstance(error, kinds) or isinstance(getattr(error, "cause", None), kinds)
 
 
 def get_each(refs: list) -> list:
@@ -124,74 +96,6 @@ def get_each(refs: list) -> list:
         ready, waiting = ray.wait(waiting, num_returns=1)
         ray.get(ready[0])
     return ray.get(refs)
-
-
-class RayStoreClient:
-    """The compute actor's view of a remote ParameterStore. Gradient reports are fire-and-
-    forget (their refs are kept and checked once per step, so an error is never lost).
-    ``rank``: which of several compute actors this one is (``pipelines/compute_group.py``)."""
-
-    def __init__(self, store_handle, generation: int = 0, rank: int = 0, timeout_s: float = 0.0):
-        self._store = store_handle
-        self._generation = generation  # which compute actor this is: the store drops stale reports
-        self._rank = rank
-        self._timeout = timeout_s or None  # runtime.store_timeout_s (0: wait forever)
-        self._inflight: list = []
-
-    @property
-    def generation(self) -> int:
-        """The compute actors' generation this client reports for (written into gradient slots)."""
-        return self._generation
-
-    def wait_version(self, shard: int, step: int) -> int:
-        return ray.get(self._store.wait_version.remote(shard, step))
-
-    def get_weights(self, shard: int, step: int):
-        return ray.get(self._store.get_weights.remote(shard, step))
-
-    def get_teacher_weights(self, shard: int):
-        return ray.get(self._store.get_teacher_weights.remote(shard))
-
-    def report_grad(self, shard: int, step: int, sqnorm: float, grad, slot: int = -1, piece: int = 0) -> None:
-        if slot >= 0:  # several compute actors: the gradient (its piece ``piece``) is in (or goes to) this actor's slot
-            ref = self._store.report_grad.remote(shard, step, sqnorm, grad, self._generation, self._rank, slot,
-                                                 piece)
-        else:
-            ref = self._store.report_grad.remote(shard, step, sqnorm, grad, self._generation)
-        self._inflight.append(ref)
-
-    def wait_grad_slot(self, slot: int) -> None:
-        ray.get(self._store.wait_grad_slot.remote(self._rank, slot, self._generation))
-
-    def flush(self) -> int:
-        """Wait until this step's reports are answered; returns how many were not answered within
-        ``runtime.store_timeout_s`` (0 normally). An error the store raised surfaces here.
-        A store that died under a report is not this step's error: it may have counted every
-        report before dying (then its restart finishes the update from shared memory) or not
-        (then the gradients are gone); the driver, which waits for the step's update next,
-        tells the two apart and redoes the step only in the second case. Raising here would
-        lose the step's result in the first case, with its update already applied. A store that
-        hangs is the same case once the driver has killed it: the step's result says so
-        (``StepResult.store_unanswered``), and the driver does."""
-        refs, self._inflight = self._inflight, []
-        try:
-            ray.get(refs, timeout=self._timeout)
-        except RayTaskError:
-            raise
-        except RayActorError as e:
-            log.warning("the parameter store died while this step's gradient reports were answered (%s); "
-                        "the driver checks whether it applied them", type(e).__name__)
-        except GetTimeoutError:
-            ready, waiting = ray.wait(refs, num_returns=len(refs), timeout=0)
-            log.warning("the parameter store did not answer %d of this step's %d gradient reports within "
-                        "runtime.store_timeout_s=%s s; the driver treats it as dead", len(waiting), len(refs),
-                        self._timeout)
-            return len(waiting)
-        return 0
-
-    def __getstate__(self):
-        return {"_store": self._store, "_generation": self._generation, "_rank": self._rank, "_timeout": self._timeout,
-                "_inflight": []}
 
 
 @dataclass(frozen=True)

@@ -17,7 +17,8 @@ from diffusers.utils import logging as dlog
 from megaslide_ray.config import build_config
 from megaslide_ray.models.diffusers_dsa import DSAAttnProcessor, enable_dsa
 from megaslide_ray.models.shards import ShardLayout
-from megaslide_ray.models.wan import WanTransformer, cast_like_diffusers
+from megaslide_ray.models.wan import WanTransformer
+from megaslide_ray.models.wan_layers import cast_like_diffusers
 from megaslide_ray.state.checkpoint import write_checkpoint
 from megaslide_ray.state.pretrained_io import config_for_diffusers_dir, export_diffusers
 

@@ -44,7 +44,7 @@ from pipelines.multinode import (
     on_node,
     pick_nodes,
 )
-from pipelines.streaming import RayStoreClient
+from pipelines.store_client import RayStoreClient
 
 SMALL = {"model.depth": 2, "model.hidden_size": 32, "model.num_heads": 2, "model.caption_dim": 16,
          "model.patch_size": "2,8,8", "data.num_frames": 6, "data.height": 32, "data.width": 32,

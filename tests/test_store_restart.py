@@ -10,7 +10,8 @@ import pytest
 import ray
 import torch
 
-from actors.param_store import ParameterStore, StateNotTrustedError
+from actors.param_store import ParameterStore
+from actors.store_types import StateNotTrustedError
 from megaslide_ray.config import build_config
 from megaslide_ray.driver import Trainer
 from megaslide_ray.state.checkpoint import read_checkpoint_shards

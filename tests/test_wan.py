@@ -16,7 +16,7 @@ from torch.func import functional_call
 from megaslide_ray.config import Config, ConfigError, apply_overrides, build_config
 from megaslide_ray.models.registry import build_model, build_shard, initialize_shard, num_shards, param_count
 from megaslide_ray.models.shards import ShardLayout
-from megaslide_ray.models.wan import KEEP_FP32, WanTransformer
+from megaslide_ray.models.wan import WanTransformer
 from megaslide_ray.models.wan_diffusers import (
     DiffusersWanTransformer,
     check_against,
@@ -24,6 +24,7 @@ from megaslide_ray.models.wan_diffusers import (
     from_diffusers,
     wan_config_from_diffusers,
 )
+from megaslide_ray.models.wan_layers import KEEP_FP32
 from megaslide_ray.training.flow import flow_loss
 
 # Tiny diffusers configs: (constructor arguments, latent shape (C, F, H, W), text tokens).

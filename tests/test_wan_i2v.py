@@ -15,13 +15,14 @@ from wan_models import CLIP_TOKENS
 
 from megaslide_ray.config import Config, ConfigError, apply_overrides
 from megaslide_ray.config.validate import validate
-from megaslide_ray.models.wan import KEEP_FP32, WanTransformer
+from megaslide_ray.models.wan import WanTransformer
 from megaslide_ray.models.wan_diffusers import (
     DiffusersWanTransformer,
     diffusers_config,
     from_diffusers,
     wan_config_from_diffusers,
 )
+from megaslide_ray.models.wan_layers import KEEP_FP32
 
 Z, IMAGE_DIM, IMAGE_TOKENS, TEXT_TOKENS = 4, 10, 5, 512
 """Latent channels, CLIP state width, image tokens per frame, text tokens (diffusers' fixed 512)."""

@@ -41,7 +41,8 @@ from megaslide_ray.state.preflight import w_dtype_bytes
 from megaslide_ray.state.pretrained_io import check_pretrained
 from megaslide_ray.training.flow import EXPERT_NAMES
 from pipelines.decoder_pool import DataCursor
-from pipelines.streaming import StoreLostError, StreamingPipeline
+from pipelines.store_client import StoreLostError
+from pipelines.streaming import StreamingPipeline
 
 log = logging.getLogger(__name__)
 

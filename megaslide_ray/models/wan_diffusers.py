@@ -18,7 +18,8 @@ from megaslide_ray.config.presets import GPU_OFFSET_FIELDS
 from megaslide_ray.config.wan_folders import describe_wan_folder, refuse_unsupported
 from megaslide_ray.models.diffusers_dsa import CONFIG_KEY as DSA_CONFIG_KEY
 from megaslide_ray.models.layers import ffn_width
-from megaslide_ray.models.wan import WanTransformer, cast_like_diffusers, initialize_shard
+from megaslide_ray.models.wan import WanTransformer, initialize_shard
+from megaslide_ray.models.wan_layers import cast_like_diffusers
 
 
 class DiffusersWanTransformer(WanTransformer):
