@@ -127,16 +127,16 @@ def schedule_seconds(pre: float, fetch_s: list[float], comp_s: list[float], grad
     return _replay(pre, fetch_s, comp_s, grad_s, depth)[0]
 
 
-def schedule_waits(fetch_s: list[float], comp_s: list[float], grad_s: dict[int, float], depth: int,
-                   first_block: int = 1) -> dict[str, float]:
+def schedule_waits(fetch_s: list[float], comp_s: list[float], grad_s: dict[int, float],
+                   depth: int) -> dict[str, float]:
     """Where the overlapped schedule's step exceeds its compute (seconds): ``fill``, the compute's
-    waits for the fetches up to position ``first_block`` (shard 0 and the first block, or the
-    distillation teacher's: the step boundary's first half); ``stalls``, its waits at every later position; ``drain``, the
+    waits for the fetches of positions 0 and 1 (shard 0 and the first block, or the distillation
+    teacher's: the step boundary's first half); ``stalls``, its waits at every later position; ``drain``, the
     gradients still on the link after the last position computed (the boundary's second half).
     ``step - sum(comp_s) == fill + stalls + drain``."""
     step, c_start, c_end = _replay(0.0, fetch_s, comp_s, grad_s, depth)
     waits = [c_start[p] - (c_end[p - 1] if p else 0.0) for p in range(len(comp_s))]
-    return {"fill": sum(waits[:first_block + 1]), "stalls": sum(waits[first_block + 1:]),
+    return {"fill": sum(waits[:2]), "stalls": sum(waits[2:]),
             "drain": step - c_end[-1]}
 
 
