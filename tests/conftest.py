@@ -9,6 +9,7 @@ import sys
 
 import pytest
 import ray
+import shards
 import torch
 
 from megaslide_ray.config import build_config
@@ -84,3 +85,28 @@ def wan_dir(tmp_path_factory):
     torch.manual_seed(3)
     WanTransformer3DModel(**TRANSFORMER).save_pretrained(root / "transformer")
     return root
+
+
+# -----------------------------------------------------------------------------
+# CI's share of the slow Ray drills
+
+
+def pytest_addoption(parser):
+    parser.addoption(
+        "--drill-shard", default=None, metavar="I/N",
+        help="of the selected `slow` tests not marked `core`, keep only shard I of N (0 <= I < N: sorted by "
+             "test id, every N-th from the I-th); the `core` ones and every test not `slow` stay")
+
+
+@pytest.hookimpl(trylast=True)  # after `-m` has deselected: the shards split what was selected
+def pytest_collection_modifyitems(config, items):
+    shard = config.getoption("--drill-shard")
+    if shard is None:
+        return
+    try:
+        kept, dropped = shards.split(items, shard)
+    except ValueError as e:
+        raise pytest.UsageError(str(e)) from None
+    if dropped:
+        config.hook.pytest_deselected(items=dropped)
+        items[:] = kept

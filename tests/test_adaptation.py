@@ -83,6 +83,7 @@ def test_a_teacher_that_does_not_fit_is_refused():
         adaptation.load_teacher(model, teacher)
 
 
+@pytest.mark.slow  # 10 s of Ray: the study's parts have unit tests in the default run
 def test_the_study_end_to_end_and_a_variant_added_on_resume(stand_in, tmp_path, capsys):
     out = tmp_path / "adaptation"
     args = ["--teacher-steps", "2", "--steps", "2", "--evals", "1", "--seeds", "0", "--samples", "1",

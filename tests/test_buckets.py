@@ -336,6 +336,7 @@ def test_precompute_keys_latents_by_bucket(bucket_latents, wan_dir, tmp_path):
         check_data(replace(cfg, data=replace(cfg.data, buckets="32x32x9,32x48x9")))
 
 
+@pytest.mark.slow  # 20 s: a Wan run through two buckets; the buckets' batching has unit tests in the default run
 def test_wan_trains_through_latent_buckets(ray_session, bucket_latents, wan_dir, tmp_path):
     """The Wan model (rotary positions, DSA) takes a new latent shape every step through the actors."""
     from megaslide_ray.state.pretrained_io import config_for_diffusers_dir

@@ -19,6 +19,8 @@ def _train(args, env):
     return run_cli([*SMALL, *args], env)
 
 
+@pytest.mark.core  # CI runs it every time: the user's own train-then-resume
+@pytest.mark.slow  # 40 s: a second CLI run on top of the shared one; the default run keeps to 10 minutes
 def test_train_then_resume_continues_the_step_count(cli_run, tmp_path):
     first_dir, first, env = cli_run
     assert "Ray dashboard" in first.stdout and "done: steps 0->2" in first.stdout
@@ -73,6 +75,7 @@ def _wait_for_steps(proc, metrics, n, timeout=300):
     raise AssertionError(f"no {n} steps after {timeout} s")
 
 
+@pytest.mark.core
 @pytest.mark.slow
 def test_sigterm_checkpoints_exits_0_and_resume_matches_an_uninterrupted_run(tmp_path):
     from megaslide_ray.state.checkpoint import latest_checkpoint, read_checkpoint_shards

@@ -272,6 +272,7 @@ def test_the_gather_kernels_are_listed_as_picked_only_where_auto_may_take_them(m
     assert picked("fp32", 128, (3, 7, 7))["gather_fwd"] is True
 
 
+@pytest.mark.core
 @pytest.mark.slow  # about 2 min on 2 cores: every config at the presets' shapes, for sm_90
 @pytest.mark.child_process
 def test_sm90_compile_only_check_passes_at_the_preset_shapes(tmp_path):
@@ -355,6 +356,7 @@ def test_sm90_compile_only_check_passes_at_the_preset_shapes(tmp_path):
     assert checked == set(ISSUE_KERNELS) - ({"fused_fwd", "fused_bwd"} - fused)
 
 
+@pytest.mark.core
 @pytest.mark.slow
 @pytest.mark.child_process
 def test_a_spilling_config_fails_the_check():

@@ -1,8 +1,8 @@
 """Several compute actors through Ray, with the Trainer (the slow half): a checkpoint written with
 two actors resumes with one or two, and three actors with micro-batches equal one actor with the
-whole batch. The default run checks two actors against one through Ray and the two-actor fault
-rows in test_faults.py, and the arithmetic on its own (N = 2, 3, micro-batches) in
-test_dataparallel.py."""
+whole batch. The default run checks two actors on two nodes against one (test_multinode.py) and
+the arithmetic on its own (N = 2, 3, micro-batches) in test_dataparallel.py; test_faults.py's
+two-actor rows are slow too."""
 
 import json
 import shutil

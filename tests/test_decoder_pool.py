@@ -152,6 +152,7 @@ def _drawn_rows(seed, n_rows, end):
     return [int(np.random.default_rng([seed, p // n_rows]).permutation(n_rows)[p % n_rows]) for p in range(end)]
 
 
+@pytest.mark.core
 @pytest.mark.slow  # about 26 s (a decode left to time out): test_pipeline keeps a bad-file drill in the default run
 def test_training_skips_bad_files_and_survives_a_hung_decode(ray_session, small_config, mixed_manifest, tmp_path,
                                                              monkeypatch):

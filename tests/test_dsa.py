@@ -505,6 +505,7 @@ interpreter_only = pytest.mark.skipif(
 )
 
 
+@pytest.mark.core  # CI runs it every time: the gather kernels every mode builds on
 @pytest.mark.slow  # about 6 min on one core: every Triton interpreter child runs in the slow half
 @pytest.mark.child_process
 @pytest.mark.skipif(INTERPRETER_ACTIVE, reason="already inside the interpreter run")

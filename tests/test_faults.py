@@ -68,14 +68,15 @@ def straight_two(ray_session, small_config, tmp_path_factory):
 
 # Several faults per run keep CI short; each one is a separate actor death the run recovers
 # from (benchmarks/faults.py injects them one per run and times the recovery).
-# The store rows (about 20 s each) run in the slow half; test_store_restart's cut inside a
-# shard kills the store in the default run.
+# Every row is slow (the compute row about 45 s, the store rows about 20 s each): the compute and
+# store rows are core drills (CI runs them every time); test_store_restart's cut inside a shard
+# kills the store in the default run.
 MATRIX = [
     # compute actor: killed at every point of a step (steps 1-4; step 2 is queued ahead of step 1's update)
     pytest.param("compute.after_weights@1,compute.mid_forward@2,compute.mid_backward@3,compute.before_weights@4", 4, 0,
-                 id="compute"),
+                 id="compute", marks=[pytest.mark.slow, pytest.mark.core]),
     # parameter store: killed between two shards' updates, and while writing the step-2 checkpoint
-    pytest.param("store.mid_update@1,store.mid_checkpoint@2", 2, 0, id="store", marks=pytest.mark.slow),
+    pytest.param("store.mid_update@1,store.mid_checkpoint@2", 2, 0, id="store", marks=[pytest.mark.slow, pytest.mark.core]),
     # parameter store killed after it counted step 1's last gradient report but before it answered it:
     # the compute actor never hears back, the restarted store finishes the update (one store death)
     pytest.param("store.after_last_report@1:hang,store.mid_update@1", 1, 0, id="store-unanswered",
@@ -99,6 +100,7 @@ def test_fault_matrix_recovers_bit_identical(spec, restarts, rollbacks, uninterr
         assert torch.equal(a, b), f"{spec}: shard {i} differs from the uninterrupted run"
 
 
+@pytest.mark.slow  # two uninterrupted runs; test_multinode and test_dataparallel_pipeline split a batch by default
 def test_two_compute_actors_equal_one_with_twice_the_batch(straight, straight_two):
     (want, rows1), (got, rows2) = straight, straight_two
     for i, (a, b) in enumerate(zip(got, want)):
@@ -133,6 +135,7 @@ def test_fault_matrix_with_two_compute_actors(spec, restarts, straight_two, smal
         assert torch.equal(a, b), f"{spec}: shard {i} differs from the uninterrupted two-actor run"
 
 
+@pytest.mark.slow  # 25 s of Ray drill: the default run keeps it under 10 minutes
 def test_restart_limit_stops_with_a_clear_message(ray_session, small_config, tmp_path, monkeypatch):
     cfg = small_config(**STEPS, **{"runtime.max_restarts": 1})
     with pytest.raises(RestartLimitError, match=r"runtime.max_restarts=1.*--resume"):
@@ -195,6 +198,7 @@ def test_nan_steps_are_skipped_then_too_many_stop(ray_session, small_config, tmp
     assert sorted(p.name for p in (tmp_path / "c" / "checkpoints").iterdir()) == ["latest", "step_2"]
 
 
+@pytest.mark.slow  # 24 s of Ray: test_store_restart's cut inside a shard keeps a crash's saved state in the default run
 def test_disk_full_during_checkpoint_keeps_the_previous_one(ray_session, small_config, tmp_path, monkeypatch):
     cfg = small_config(**STEPS)
     with pytest.raises(CheckpointWriteError, match=r"(?s)step-4 checkpoint.*No space left.*step_2.*--resume"):

@@ -225,6 +225,7 @@ def test_two_nodes_equal_one_node_of_the_same_global_batch(two, tmp_path):
         run.close()
 
 
+@pytest.mark.slow  # 20 s: three runs; the two-node equality tests stay in the default run
 def test_a_two_node_checkpoint_resumes_on_one_node_and_back(two, tmp_path):
     manifest, batches = two
     cfg1 = config(manifest, tmp_path, **{"data.batch_size": 2})
@@ -316,6 +317,7 @@ def test_the_trainer_on_two_nodes_equals_one_node_and_resumes_on_one(two, tmp_pa
     assert_close(got1, want)
 
 
+@pytest.mark.slow  # 18 s: the run-level twin of the lost-node test above, which stays in the default run
 def test_the_trainer_stops_on_a_lost_node_with_the_resume_command(two, tmp_path):
     manifest, _ = two
     cfg2 = config(manifest, tmp_path, **{"training.steps": 4, "training.checkpoint_every": 1, "data.batch_size": 1,

@@ -62,6 +62,7 @@ def _message(proc: subprocess.CompletedProcess) -> list[str]:
             and not line.startswith("[")]
 
 
+@pytest.mark.core  # CI runs it every time: README's recipe must work as written
 @pytest.mark.slow  # two Ray nodes, a 2-step run over them, two refused drivers: about 90 s
 def test_readme_two_node_recipe_with_token_auth(tmp_path):
     token = secrets.token_hex(32)

@@ -53,7 +53,8 @@ def test_streamed_trainer_equals_in_process_adamw(ray_session, manifest, small_c
     assert moved > 1e-3  # the parameters really changed, so agreement means something
 
 
-@pytest.mark.slow  # 25 s; test_cli's train-then-resume covers resume in the default run
+@pytest.mark.core
+@pytest.mark.slow  # 25 s; a core drill, as test_cli's train-then-resume is (CI runs both every time)
 def test_resume_continues_bit_identical(ray_session, manifest, small_config, tmp_path):
     cfg = small_config(**{"training.steps": 4, "training.checkpoint_every": 2})
     run(cfg, tmp_path / "a", steps=2)  # interrupted after the step-2 checkpoint
@@ -224,6 +225,7 @@ def test_each_prompt_starts_from_its_own_fixed_noise_whatever_the_training_seed(
     assert np.array_equal(handed[0][0], initial_noise(cfg, 7).numpy())  # a zero velocity: the sample is its noise
 
 
+@pytest.mark.slow  # 15 s: test_samples_during_training keeps sampling during training in the default run
 def test_samples_during_training_use_the_moving_average(ray_session, small_config, tmp_path, monkeypatch):
     """``training.ema_decay`` with ``ema_eval``: through Ray, the step-2 sample is denoised with the
     average of the weights (the checkpoint's ``ema``), not with the trained weights, and training

@@ -19,7 +19,7 @@ from megaslide_ray.state.segments import map_segment
 from megaslide_ray.training.schedule import clip_coefficient, lr_at
 
 
-@pytest.mark.slow  # 31 s: the default run keeps the store cut inside a shard and the fault matrix's compute row
+@pytest.mark.slow  # 31 s: the default run keeps the store cut inside a shard (CI's core drills: the fault matrix)
 def test_store_killed_between_steps_changes_nothing(ray_session, small_config, tmp_path):
     cfg = small_config(**{"training.steps": 4,
                                       "optim.grad_clip": 0.05})

@@ -10,14 +10,12 @@ child process under the CPU interpreter, as in tests/test_dsa.py.
 """
 
 import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import torch
 from torch.func import functional_call
 
+from kernels.checks import assert_interpreter_tests_pass
 from megaslide_ray.config import build_config
 from megaslide_ray.models.chunking import time_slabs
 from megaslide_ray.models.registry import build_shard
@@ -228,21 +226,25 @@ interpreter_only = pytest.mark.skipif(
 def test_token_chunk_under_interpreter():
     """Run the ``test_interp_*`` tests below in a child process with TRITON_INTERPRET=1."""
     pytest.importorskip("triton")
-    env = {**os.environ, "TRITON_INTERPRET": "1"}
-    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-k", "test_interp_", __file__]
-    proc = subprocess.run(cmd, cwd=Path(__file__).resolve().parents[1], env=env,
-                          capture_output=True, text=True, timeout=900)
-    summary = proc.stdout.strip().splitlines()[-1] if proc.stdout.strip() else ""
-    assert proc.returncode == 0, f"interpreter tests failed ({summary}):\n{proc.stdout[-6000:]}\n{proc.stderr[-2000:]}"
-    assert " passed" in summary and "skipped" not in summary, summary
+    assert_interpreter_tests_pass(__file__)
+
+
+def _atomic_dkv(monkeypatch):
+    """dk, dv by the atomic mode: the interpreter runs the key-side pass about 8x slower, and the
+    slab and chunk arithmetic under test is the same in every mode (each has its own tests)."""
+    from kernels import dsa_triton
+    from kernels.dsa_modes import KernelModes
+
+    monkeypatch.setattr(dsa_triton, "AUTO", KernelModes(dkv="atomic"))
 
 
 @interpreter_only
-def test_interp_dsa_chunked_equals_whole_triton(arch="videodit"):
+def test_interp_dsa_chunked_equals_whole_triton(monkeypatch, arch="videodit"):
     """Tiny: 8 x 3 x 3 tokens, one clip; slabs of 3 frames (27 tokens): the first holds keys
     up to frame 6 of 8, the last from frame 3 (max_offset 0.5). The videodit block only (the
     interpreter is slow): the Wan block calls the same slab operator, and the slab test below
     checks the operator itself."""
+    _atomic_dkv(monkeypatch)
     assert time_slabs(27, (8, 3, 3), 3, 0.5) == [(0, 3, 0, 6), (3, 6, 0, 8), (6, 8, 3, 8)]
     _compare(arch, "dsa", 27, max_offset=0.5, grid=(8, 3, 3), B=1, backend="triton")
 
@@ -309,7 +311,8 @@ def test_slab_kv_gradients_sum_to_the_whole(backend):
 
 
 @interpreter_only
-def test_interp_slab_rows_equal_the_whole_grid_triton():
+def test_interp_slab_rows_equal_the_whole_grid_triton(monkeypatch):
+    _atomic_dkv(monkeypatch)
     from kernels import deformable_slide_attention, deformable_slide_attention_slab
     from kernels.dsa_reference import slab_kv_frames
 

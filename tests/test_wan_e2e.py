@@ -49,6 +49,7 @@ def _train(cfg, run_dir, wan_dir=None, resume=False):
         trainer.close()
 
 
+@pytest.mark.core
 @pytest.mark.slow  # 35 s; by default test_wan holds the streamed Wan shards equal to the module
 def test_precompute_train_resume_export_sample(ray_session, wan_dir, latents, tmp_path):
     straight = _train(_config(wan_dir, latents, tmp_path, 3), tmp_path / "straight", wan_dir)
