@@ -8,6 +8,8 @@ channels, patch 1x2x2) but ``--depth`` blocks and a small latent clip, so it run
 all fp32, forward + backward of one batch (B=1, 512 text tokens):
 
     diffusers      ``WanTransformer3DModel`` in process (the reference; no optimizer)
+    diffusers + AdamW  the same and ``torch.optim.AdamW(fused=True)`` on its parameters: a whole
+                   training step in process, as a user's own loop runs it
     ours           ``megaslide_ray.models.wan``'s model in process, the same weights (no optimizer)
     streamed       the compute actor over a parameter store in this process: each shard's flat
                    weights fetched per use, blocks recomputed in the backward (activation
@@ -17,14 +19,18 @@ all fp32, forward + backward of one batch (B=1, 512 text tokens):
     streamed, kept graphs  the same with ``runtime.recompute_blocks = false``: a CPU compute
                    reading the weights in place keeps each block's graph from the forward, so the
                    backward computes no forward again (what a CPU run does; a GPU recomputes)
+    ... + AdamW    each streamed row again, timed to the end of the store's AdamW (``wait_step``):
+                   the whole step, to hold against ``diffusers + AdamW`` (``ratio_vs_adamw``)
 
 ``--data-wait`` instead trains the same model through the main job's Ray actors on a latent
 manifest of random clips (bf16 latents of ``--grid``, 120 valid text tokens each, padded to 512)
 and reports the share of each step the compute actor waited for the decoder's latent batch.
 
-Ratios are against ``diffusers`` in the same run (see docs/architecture.md, "Measuring"). The
-rows take turns step by step (a change in load hits them alike); the first step of each row is a
-warm-up and not counted; the figure is the median of the rest.
+Ratios are against ``diffusers`` in the same run (see docs/architecture.md, "Measuring"). Each
+streamed row runs in its own phase, ``--steps`` steps with one store and compute actor alive, its
+steps taking turns with the in-process rows' (a change in load hits them alike); its ratios are
+against the in-process rows of its phase. The first step of each row in a phase is a warm-up and
+not counted; the figure is the median of the rest (the in-process rows: of both phases).
 """
 
 from __future__ import annotations
@@ -87,39 +93,68 @@ def run(depth: int, grid: tuple[int, int, int], steps: int, attention: str, cloc
     ours = DiffusersWanTransformer(cfg)
     ours.load_state_dict(ref.state_dict(), strict=attention != "dsa")
 
+    ref_opt = copy.deepcopy(ref)
+    opt = torch.optim.AdamW(ref_opt.parameters(), lr=1e-5, fused=True)
+
+    def diffusers_adamw_step():
+        opt.zero_grad(set_to_none=True)
+        (ref_opt(latents, timestep, text, return_dict=False)[0] * weight).sum().backward()
+        opt.step()
+
     def ours_step():
         ours.zero_grad(set_to_none=True)
         (ours(latents, timestep, text) * weight).sum().backward()
 
     batch = {"latents": latents[0].permute(1, 2, 3, 0).numpy()[None], "text": text.numpy(),
              "text_len": np.array([512], dtype=np.int32), "position": 0}
-    times: dict[str, list[float]] = {"diffusers": [], "ours": [], "streamed": [], "streamed, kept graphs": []}
-    kept = copy.deepcopy(cfg)
-    kept.runtime.recompute_blocks = False
+    in_process = {"diffusers": diffusers_step, "diffusers + AdamW": diffusers_adamw_step, "ours": ours_step}
+    times: dict[str, list[float]] = {name: [] for name in in_process}
+    rows = []
     with tempfile.TemporaryDirectory(prefix="megaslide-wan-bench-") as tmp:
-        cfg.runtime.state_dir = kept.runtime.state_dir = tmp
-        stores = [ParameterStore(c, f"{tmp}/run{i}") for i, c in enumerate((cfg, kept))]
-        computes = [ComputeActor(c, s.shard_infos(), LocalStoreClient(s), "shm") for c, s in zip((cfg, kept), stores)]
-        try:
-            # The rows take turns, step by step, so a change in the machine's load hits them alike.
-            for step in range(steps):
-                times["diffusers"].append(_timed(diffusers_step, 1, clock))
-                times["ours"].append(_timed(ours_step, 1, clock))
-                for name, compute, store in zip(("streamed", "streamed, kept graphs"), computes, stores):
-                    t0 = CLOCKS[clock]()
-                    r = compute.train_step(batch, step)
-                    times[name].append(r.seconds if clock == "wall" else CLOCKS[clock]() - t0)
-                    store.wait_step(step)  # AdamW outside the timed compute
-        finally:
-            for c in computes + stores:
-                c.close()
-    rows = [{"row": name, "seconds": statistics.median(ts[1:] or ts)} for name, ts in times.items()]
-    base = rows[0]["seconds"]
+        for name, recompute in (("streamed", True), ("streamed, kept graphs", False)):
+            c = copy.deepcopy(cfg)
+            c.runtime.recompute_blocks, c.runtime.state_dir = recompute, f"{tmp}/{len(rows)}"
+            phase = _phase(c, name, steps, clock, batch, in_process, ParameterStore, ComputeActor, LocalStoreClient)
+            mid = {k: statistics.median(ts[1:] or ts) for k, ts in phase.items()}
+            for k in in_process:
+                times[k] += phase[k][1:] or phase[k]
+            rows += [{"row": name, "seconds": mid[name], "ratio": mid[name] / mid["diffusers"]},
+                     {"row": f"{name} + AdamW", "seconds": mid[f"{name} + AdamW"],
+                      "ratio": mid[f"{name} + AdamW"] / mid["diffusers"],
+                      "ratio_vs_adamw": mid[f"{name} + AdamW"] / mid["diffusers + AdamW"]}]
+    mid = {k: statistics.median(ts) for k, ts in times.items()}
+    rows = [{"row": k, "seconds": mid[k], "ratio": mid[k] / mid["diffusers"]} for k in in_process] + rows
+    rows[1]["ratio_vs_adamw"] = 1.0
     tokens = F_ * (H_ // 2) * (W_ // 2)
     for r in rows:
-        r.update(ratio=r["seconds"] / base, depth=depth, tokens=tokens, attention=attention, clock=clock,
+        r.update(depth=depth, tokens=tokens, attention=attention, clock=clock,
                  params=sum(p.numel() for p in ref.parameters()))
     return rows
+
+
+def _phase(cfg, name: str, steps: int, clock: str, batch: dict, in_process: dict, store_cls, compute_cls,
+           client_cls) -> dict[str, list[float]]:
+    """One streamed row: a parameter store and a compute actor in this process for ``steps`` steps,
+    each step taking turns with the ``in_process`` rows (a change in load hits them alike). One
+    pair alive at a time: with a second pair training beside it (in turns) the first's compute
+    took 2x and its AdamW 15x here, which the product, each actor its own process, never sees.
+    Returns each row's times: ``name`` the compute, ``name + AdamW`` to the end of the update."""
+    times: dict[str, list[float]] = {k: [] for k in (*in_process, name, f"{name} + AdamW")}
+    store = store_cls(cfg, f"{cfg.runtime.state_dir}/run")
+    compute = compute_cls(cfg, store.shard_infos(), client_cls(store), "shm")
+    try:
+        for step in range(steps):
+            for k, fn in in_process.items():
+                times[k].append(_timed(fn, 1, clock))
+            t0 = CLOCKS[clock]()
+            r = compute.train_step(batch, step)
+            times[name].append(r.seconds if clock == "wall" else CLOCKS[clock]() - t0)
+            store.wait_step(step)  # the store's AdamW: outside the compute row, inside the step row
+            times[f"{name} + AdamW"].append(CLOCKS[clock]() - t0)
+    finally:
+        compute.close()
+        store.close()
+    return times
 
 
 def data_wait(depth: int, grid: tuple[int, int, int], steps: int, clips: int = 16) -> dict:
@@ -197,9 +232,10 @@ def main(argv: list[str] | None = None) -> int:
     r0 = rows[0]
     print(f"Wan 1.3B widths, {r0['depth']} blocks ({r0['params'] / 1e6:.0f}M parameters), {r0['tokens']} video "
           f"tokens + 512 text tokens, fp32, attention {a.attention} (ours/streamed)")
-    print(f"{'row':<24}{'s/step':>10}{'vs diffusers':>15}")
+    print(f"{'row':<32}{'s/step':>10}{'vs diffusers':>15}{'vs diffusers + AdamW':>23}")
     for r in rows:
-        print(f"{r['row']:<24}{r['seconds']:>10.3f}{r['ratio']:>14.2f}x")
+        step = f"{r['ratio_vs_adamw']:>22.2f}x" if "ratio_vs_adamw" in r else ""
+        print(f"{r['row']:<32}{r['seconds']:>10.3f}{r['ratio']:>14.2f}x{step}")
     return 0
 
 

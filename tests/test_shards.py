@@ -11,7 +11,8 @@ def _item(nodeid, *marks):
 
 
 ITEMS = [_item("t/a.py::fast"), _item("t/a.py::core_drill", "slow", "core"),
-         *(_item(f"t/b.py::drill_{k}", "slow") for k in (3, 0, 4, 1, 2)), _item("t/c.py::child", "slow", "child_process")]
+         *(_item(f"t/b.py::drill_{k}", "slow") for k in (3, 0, 4, 1, 2)),
+         _item("t/c.py::child", "slow", "child_process")]
 
 
 def test_the_shards_partition_the_rotating_tests_and_keep_the_others():

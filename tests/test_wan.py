@@ -371,3 +371,19 @@ def test_wan_clip_validation_and_grids():
         assert needle in str(e.value)
     with pytest.raises(ConfigError, match="model.out_channels=4: the videodit model predicts its 3 input channels"):
         build_config("tiny", None, {"model.out_channels": 4})
+
+
+@pytest.mark.slow  # about a minute: two steps of each row at Wan 1.3B's widths, one block
+def test_the_wan_benchmark_times_whole_steps_against_diffusers_with_adamw():
+    """``benchmarks.wan`` times each streamed row twice: its compute, and its whole step to the end
+    of the store's AdamW, which is held against diffusers with ``torch.optim.AdamW``."""
+    from benchmarks import wan
+
+    rows = {r["row"]: r for r in wan.run(1, (1, 2, 2), 2, "dense")}
+    assert list(rows) == ["diffusers", "diffusers + AdamW", "ours", "streamed", "streamed + AdamW",
+                          "streamed, kept graphs", "streamed, kept graphs + AdamW"]
+    assert all(r["seconds"] > 0 and r["ratio"] > 0 for r in rows.values())
+    assert rows["diffusers"]["ratio"] == 1.0 and rows["diffusers + AdamW"]["ratio_vs_adamw"] == 1.0
+    for name in ("streamed", "streamed, kept graphs"):  # the step holds its compute and the store's update
+        assert rows[f"{name} + AdamW"]["seconds"] >= rows[name]["seconds"]
+        assert rows[f"{name} + AdamW"]["ratio_vs_adamw"] > 0 and "ratio_vs_adamw" not in rows[name]

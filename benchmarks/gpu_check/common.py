@@ -94,7 +94,8 @@ SMOKE = Sizes(
             "data.batch_size": 2, "attention.window": "1,1,1"},
     stream_steps=2, attn_grids=((3, 3, 3), (3, 3, 6)), attn_windows=((3, 1, 3),), attn_heads=1,
     # the interpreter runs the key-side pass in ~20 s and the halo passes in ~60 s at 48 tokens (2 cores)
-    attn_dim=16, attn_reps=0, attn_slow_s=120.0, attn_first_grid_only=("dsa_gather", "dsa_gather_atomic", "dsa_gather_split", "dsa_halo", "neighborhood"),
+    attn_dim=16, attn_reps=0, attn_slow_s=120.0,
+    attn_first_grid_only=("dsa_gather", "dsa_gather_atomic", "dsa_gather_split", "dsa_halo", "neighborhood"),
     model={"model.hidden_size": 32, "model.num_heads": 2, "model.depth": 2, "model.patch_size": "1,4,4",
            "model.caption_dim": 16, "model.caption_max_bytes": 32, "attention.window": "1,3,3",
            "data.batch_size": 1},
