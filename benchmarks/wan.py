@@ -67,8 +67,6 @@ def _timed(fn, steps: int, clock: str = "wall") -> float:
 def run(depth: int, grid: tuple[int, int, int], steps: int, attention: str, clock: str = "wall") -> list[dict]:
     from diffusers import WanTransformer3DModel
 
-    from actors.compute import ComputeActor, LocalStoreClient
-    from actors.param_store import ParameterStore
     from megaslide_ray.config import Config, apply_overrides
     from megaslide_ray.models.wan_diffusers import DiffusersWanTransformer, wan_config_from_diffusers
 
@@ -114,7 +112,7 @@ def run(depth: int, grid: tuple[int, int, int], steps: int, attention: str, cloc
         for name, recompute in (("streamed", True), ("streamed, kept graphs", False)):
             c = copy.deepcopy(cfg)
             c.runtime.recompute_blocks, c.runtime.state_dir = recompute, f"{tmp}/{len(rows)}"
-            phase = _phase(c, name, steps, clock, batch, in_process, ParameterStore, ComputeActor, LocalStoreClient)
+            phase = _phase(c, name, steps, clock, batch, in_process)
             mid = {k: statistics.median(ts[1:] or ts) for k, ts in phase.items()}
             for k in in_process:
                 times[k] += phase[k][1:] or phase[k]
@@ -132,16 +130,18 @@ def run(depth: int, grid: tuple[int, int, int], steps: int, attention: str, cloc
     return rows
 
 
-def _phase(cfg, name: str, steps: int, clock: str, batch: dict, in_process: dict, store_cls, compute_cls,
-           client_cls) -> dict[str, list[float]]:
+def _phase(cfg, name: str, steps: int, clock: str, batch: dict, in_process: dict) -> dict[str, list[float]]:
     """One streamed row: a parameter store and a compute actor in this process for ``steps`` steps,
     each step taking turns with the ``in_process`` rows (a change in load hits them alike). One
     pair alive at a time: with a second pair training beside it (in turns) the first's compute
     took 2x and its AdamW 15x here, which the product, each actor its own process, never sees.
     Returns each row's times: ``name`` the compute, ``name + AdamW`` to the end of the update."""
+    from actors.compute import ComputeActor, LocalStoreClient  # lazy: like run's imports, loaded only when a row runs
+    from actors.param_store import ParameterStore  # lazy: like run's imports, loaded only when a row runs
+
     times: dict[str, list[float]] = {k: [] for k in (*in_process, name, f"{name} + AdamW")}
-    store = store_cls(cfg, f"{cfg.runtime.state_dir}/run")
-    compute = compute_cls(cfg, store.shard_infos(), client_cls(store), "shm")
+    store = ParameterStore(cfg, f"{cfg.runtime.state_dir}/run")
+    compute = ComputeActor(cfg, store.shard_infos(), LocalStoreClient(store), "shm")
     try:
         for step in range(steps):
             for k, fn in in_process.items():

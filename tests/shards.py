@@ -23,7 +23,6 @@ def rotating(item) -> bool:
 def split(items: list, spec: str) -> tuple[list, list]:
     """``(kept, dropped)`` of ``items`` (pytest items: ``nodeid``, ``iter_markers``), in their order."""
     i, n = parse(spec)
-    keep = set(sorted(item.nodeid for item in items if rotating(item))[i::n])
-    kept = [item for item in items if not rotating(item) or item.nodeid in keep]
-    dropped = [item for item in items if rotating(item) and item.nodeid not in keep]
-    return kept, dropped
+    rotate = {item.nodeid for item in items if rotating(item)}
+    drop = rotate - set(sorted(rotate)[i::n])
+    return [x for x in items if x.nodeid not in drop], [x for x in items if x.nodeid in drop]
