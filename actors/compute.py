@@ -43,6 +43,7 @@ import torch
 from torch.func import functional_call
 
 from actors.activations import ActivationStash
+from actors.device_shards import DeviceShards
 from actors.grad_reduce import GradSlots
 from actors.param_store import ShardInfo
 from actors.step_inputs import FlowInputs, step_inputs
@@ -167,6 +168,9 @@ class ComputeActor:
         # actors and the nodes are those of the mean loss over the global batch (1: no scaling at all).
         self.loss_scale = 1.0 / (nodes * self.actors * self.micro_batches)
         self.w_dtype = DTYPES[shards[0].w_dtype]  # the weights' dtype: gradients are sent in it
+        # runtime.device_shards: shards 0..N-1 kept and updated on this device (actors/device_shards.py)
+        self.dev = DeviceShards(cfg, self.device, self.w_dtype)
+        self._dev_bufs: list[torch.Tensor] = []  # their gradient buffers, released after the update
         self.link = Transfers(self.device, store, shards, transport, DTYPES[shards[0].w_dtype],
                               rt.overlap, rt.prefetch_depth, rt.link_gbps, grad_slots, rank,
                               self.teacher.store_numels(self.n) if self.teacher is not None else None)
@@ -207,6 +211,13 @@ class ComputeActor:
         sqnorm = torch.linalg.vector_norm(grad, dtype=torch.float32).square()
         if poison is not None:
             sqnorm = torch.where(poison, torch.full_like(sqnorm, float("nan")), sqnorm)
+        if self.dev:
+            self.dev.add_norm(sqnorm)
+            if shard in self.dev:  # kept for the update on this device; the store gets its norm only
+                self.dev.keep_grad(shard, grad)
+                self._dev_bufs.append(acc)
+                self._returns.append(self.link.report_norm(shard, step, sqnorm))
+                return
         sent = self.link.return_grad(self._base + shard, step, grad, sqnorm)
         self._returns.append(sent)
         if self._grad_pool is not None:  # the buffer is free once the gradient is sent
@@ -243,8 +254,9 @@ class ComputeActor:
               fetch=None) -> "ShardFeed | ExpertFeed":
         """The step's ``ShardFeed`` over ``order`` (one transformer's shard indices), fetching the
         shards of the expert that starts at ``_base`` in the store (``fetch``: the teacher's)."""
-        if self.experts == 1:
-            return ShardFeed(self.link, order, step, reuse, fetch)
+        if self.experts == 1:  # (device shards: one expert only)
+            device = self.dev.weights() if fetch is None else None
+            return ShardFeed(self.link, order, step, reuse, fetch, device=device)
         return ExpertFeed(ShardFeed(self.link, [self._base + i for i in order], step, reuse, fetch), self._base)
 
     def _teacher_forward(self, micro: list[FlowInputs], step: int) -> tuple[list | None, float]:
@@ -269,6 +281,9 @@ class ComputeActor:
             torch.cuda.reset_peak_memory_stats(self.device)
         self.link.begin_step()
         self._returns = []
+        if self.dev:
+            self.dev.begin_step()
+            self.dev.load(self.store, step)
         expert = step_expert(self.cfg, step)
         self._base = expert * self.per_expert if self.experts > 1 else 0  # one expert alone: the store holds it only
         order, reuse = self.step_order()
@@ -292,6 +307,12 @@ class ComputeActor:
             loss, distill, dxs, dcs = self._loss(feed, micro, xs, cs, step, teachers)
             self._backward_graphs(graphs, dxs, dcs, step)
 
+        if self.dev:  # its shards' AdamW, while the last gradients are still on their way to the store
+            self.dev.update(step)
+            for buf in self._dev_bufs:
+                if self._grad_pool is not None:
+                    self._grad_pool.release(buf)
+            self._dev_bufs = []
         for r in self._returns:  # every gradient has reached the store (errors surface here)
             if r is not None:
                 r.result()
@@ -495,6 +516,9 @@ class ComputeActor:
         x_t, t, cap, cap_len = (as_tensor(a) for a in (x_t, t, caption, caption_len))
         mix = host_weights(self.cfg, t)  # the blocks' dense weights: one read of t, not one per block
         self._base = self._predict_base(t)
+        if self.dev.state is not None and self.dev.version != step:
+            raise RuntimeError(f"predict with the weights of step {step}, but the device shards {self.dev.ids} hold "
+                               f"those of step {self.dev.version}")
         self.link.begin_step()  # (predictions report no transfer counters)
         feed = self._feed(list(range(self.per_expert)), step)
         w = feed.take(0)
@@ -519,6 +543,11 @@ class ComputeActor:
             raise ValueError(f"predict at times {t.tolist()} straddles the experts' boundary "
                              f"{self.cfg.training.boundary_ratio}: call it once per expert")
         return experts.pop() * self.per_expert
+
+    def device_state(self) -> tuple[int, dict]:
+        """``runtime.device_shards``: (their version, their master, m and v as host arrays), which
+        the driver hands to ``ParameterStore.put_device_state`` before a checkpoint."""
+        return self.dev.export()
 
     def transport_name(self) -> str:
         return self.transport
@@ -553,6 +582,9 @@ class LocalStoreClient:
 
     def get_teacher_weights(self, shard: int) -> np.ndarray:
         return self._store.get_teacher_weights(shard)
+
+    def device_state(self, step: int) -> dict:
+        return self._store.device_state(step)
 
     def report_grad(self, shard: int, step: int, sqnorm: float, grad, slot: int = -1, piece: int = 0) -> None:
         slots = {"actor": self._rank, "slot": slot, "piece": piece} if slot >= 0 else {}  # several actors

@@ -177,6 +177,9 @@ class ParameterStore(UpdateMethods, NodeSyncMethods, CheckpointMethods, ExpertMe
         self.compute_actors = int(compute_actors)
         self.nodes, self.node = int(nodes), int(node)
         self.owned = [i for i in range(self.n) if i % self.nodes == self.node]  # optimizer state kept here
+        # runtime.device_shards: the compute actor updates these on its device; here their versions
+        # move on with the step, and their segments hold the state of the last ``put_device_state``.
+        self.device_shards = range(cfg.runtime.device_shards)
         self._middle = self.owned[len(self.owned) // 2]  # where the mid-update fault points fire
         self._root = Path(cfg.runtime.state_dir) if cfg.runtime.state_dir else default_state_root()
         self.dir = self._root / node_state_key(run_dir, self.nodes, self.node)
@@ -374,6 +377,41 @@ class ParameterStore(UpdateMethods, NodeSyncMethods, CheckpointMethods, ExpertMe
         """Object-ref transport: the shard's ``w`` bytes once it is valid for ``step``."""
         self.wait_version(shard, step)
         return self.seg[shard]["w"].view(torch.uint8).numpy().copy()
+
+    # -- shards kept on the compute device (runtime.device_shards) -----------------------------
+    def device_state(self, step: int) -> dict[int, dict[str, np.ndarray]]:
+        """The state the compute actor starts its device shards from: their ``master``, ``m`` and
+        ``v`` once they are at version ``step`` (copies)."""
+        out = {}
+        for i in self.device_shards:
+            self.wait_version(i, step)
+            out[i] = {kind: self.seg[i][kind].numpy().copy() for kind in ("master", "m", "v")}
+        return out
+
+    def put_device_state(self, step: int, states: dict[int, dict[str, np.ndarray]]) -> None:
+        """The compute actor's device shards after ``step`` steps (their version ``step``) written into
+        their segments, before a checkpoint or a failed run's kept state reads them (``states`` empty:
+        the compute actor has not taken them since they came from here). Each shard is
+        written inside its crash marker (``updating[i] = step`` while ``versions[i] == step``: a store
+        cut in the middle finds it half-written and refuses to re-attach)."""
+        if not states:  # the compute actor never took them: the copies here are current
+            return
+        if sorted(states) != list(self.device_shards):
+            raise ValueError(f"put_device_state got shards {sorted(states)}; this run keeps shards "
+                             f"{list(self.device_shards)} on the device (runtime.device_shards)")
+        for i, state in states.items():
+            self.wait_version(i, step)
+            with self._lock:
+                if int(self.versions[i]) != step:
+                    raise RuntimeError(f"device shard {i}'s state is that of step {step}, but the store holds it at "
+                                       f"version {int(self.versions[i])}")
+                self.updating[i] = step
+            s = self.seg[i]
+            for kind in ("master", "m", "v"):
+                s[kind].copy_(torch.from_numpy(np.asarray(state[kind])))
+            s["w"].copy_(s["master"])
+            with self._lock:
+                self.updating[i] = -1
 
     # -- gradients and updates ----------------------------------------------------------------
     def report_grad(self, shard: int, step: int, sqnorm: float, grad: np.ndarray | None = None,

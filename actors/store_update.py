@@ -16,12 +16,11 @@ import math
 import time
 
 import torch
-from torch.optim.adamw import adamw as adamw_functional
 
 from actors.store_types import StateNotTrustedError, UpdateResult
 from megaslide_ray.runtime.faults import fault_point
-from megaslide_ray.training.adamw import adamw_scalars
-from megaslide_ray.training.schedule import clip_coefficient, lr_at
+from megaslide_ray.training.adamw import adamw_fused, adamw_scalars
+from megaslide_ray.training.schedule import global_norm, step_constants
 
 log = logging.getLogger(__name__)
 
@@ -33,7 +32,8 @@ class UpdateMethods:
     """Mixed into ``ParameterStore`` (which sets ``cfg``, ``n``, ``seg``, ``owned``, ``versions``,
     ``updating``, ``records``, ``threads``, ``_lock``, ``_queue``, ``_pending``, ``_totals``,
     ``_results``, ``_inflight``, ``_applying``, ``_saving``, ``_closed``, ``_error``, ``_middle``,
-    ``_grad32``, ``_single_pass``, ``adamw``, ``sync``, ``_reduce_seconds`` and ``_restore_w``)."""
+    ``_grad32``, ``_single_pass``, ``adamw``, ``sync``, ``_reduce_seconds``, ``device_shards`` and
+    ``_restore_w``)."""
 
     def _update_loop(self) -> None:
         # OpenMP keeps the thread count per thread: a new thread starts from OMP_NUM_THREADS,
@@ -47,7 +47,7 @@ class UpdateMethods:
                 if self._closed:
                     return
                 step = self._queue.pop(0)
-                total = (math.sqrt(sum(self._pending.pop(step).values())) if self.sync is None
+                total = (global_norm(self._pending.pop(step).values()) if self.sync is None
                          else math.sqrt(self._totals.pop(step)))
                 self._applying = True
             try:
@@ -78,7 +78,9 @@ class UpdateMethods:
         for i in self.owned:  # shard order: the next forward needs shard 0 first
             if i == self._middle:
                 fault_point("store.mid_update", step)
-            if i not in trained:  # the idle expert's shard: its weights and moments stay as they are
+            if i not in trained or i in self.device_shards:
+                # the idle expert's shard, or one the compute actor updates on its device
+                # (runtime.device_shards): its weights and moments here stay as they are
                 self._pass_shard(i, step)
                 continue
             # Several nodes: the new weights go to the other nodes before the version bump lets this
@@ -95,10 +97,7 @@ class UpdateMethods:
     def _step_constants(self, step: int, total: float) -> tuple[float, float, bool]:
         """The clipping coefficient and learning rate of ``step`` for the global norm ``total``, and
         whether the norm is finite (if not, the update is skipped)."""
-        o = self.cfg.optim
-        finite = math.isfinite(total)
-        lr = lr_at(o, self.cfg.training.steps, step) * self.expert_lr_factor(step)
-        return (clip_coefficient(total, o.grad_clip) if finite else 0.0), lr, finite
+        return step_constants(self.cfg.optim, self.cfg.training.steps, step, total, self.expert_lr_factor(step))
 
     def _update_shard(self, i: int, step: int, coef: float, lr: float, skip: bool = False, publish=None) -> None:
         """AdamW of step ``step`` on shard ``i`` (its gradient is in ``w``), bracketed by its
@@ -131,13 +130,8 @@ class UpdateMethods:
         else:
             g = self._grad32[:s["w"].numel()]
             g.copy_(s["w"])
-        if coef < 1.0:
-            g.mul_(coef)
-        st = torch.tensor(float(step), dtype=torch.float32)
         # One fused pass over master, m, v and the gradient (torch's vectorised CPU kernel).
-        adamw_functional([s["master"]], [g], [s["m"]], [s["v"]], [], [st], fused=True,
-                         amsgrad=False, beta1=o.betas[0], beta2=o.betas[1], lr=lr,
-                         weight_decay=o.weight_decay, eps=o.eps, maximize=False)
+        adamw_fused(s["master"], g, s["m"], s["v"], o, step, coef, lr)
         s["w"].copy_(s["master"])  # the gradient is consumed: w becomes the compute copy again
 
     def _single_pass_update(self, s: dict[str, torch.Tensor], step: int, coef: float, lr: float) -> None:
@@ -186,7 +180,7 @@ class UpdateMethods:
         log.warning("the update of step %d was cut between shards; finishing it on shards %s", lo + 1, todo)
         trained = self.step_shards(lo)
         for i in todo:  # their gradients of step lo are still in their w segments
-            if i in trained:
+            if i in trained and i not in self.device_shards:
                 self._update_shard(i, lo, rec.clip_coef, rec.lr, skip=rec.skipped)
             else:
                 self._pass_shard(i, lo)

@@ -342,6 +342,18 @@ class Transfers:
             return futures[0]
         return self.returner.submit(lambda: [f.result() for f in futures])  # after the pieces (one thread, FIFO)
 
+    def report_norm(self, shard: int, step: int, sqnorm: torch.Tensor) -> Future | None:
+        """Report shard ``shard``'s squared gradient norm without its gradient (a shard updated on
+        the device, ``runtime.device_shards``), in order with the gradients returned before it:
+        from the return thread with overlap, now without."""
+        def send() -> None:
+            self.store.report_grad(shard, step, float(sqnorm), None)
+
+        if not self.overlap:
+            send()
+            return None
+        return self.returner.submit(send)
+
     def _prepare_return(self, shard: int, step: int, g: torch.Tensor, sqnorm: torch.Tensor, piece: int):
         """``return_grad`` for one piece (the whole gradient with one compute actor): starts the
         device copy (CUDA) and returns the function that finishes it and sends the report."""
@@ -412,14 +424,16 @@ class ShardFeed:
     without, each is fetched when taken. ``reuse`` maps a position to an earlier position whose
     weights it takes again instead of fetching them (the turn: see ``ComputeActor.step_order``).
     ``fetch``: where the weights come from (default ``link.fetch``; ``link.fetch_teacher`` for the
-    distillation teacher's forward).
+    distillation teacher's forward). ``device``: shards whose weights already live on the device
+    (``runtime.device_shards``): taken from there, never fetched nor handed back.
 
     ``wait`` = time the compute thread was blocked; ``log`` = (asked, got) clock readings of each
     take, for the overlap benchmark's schedule model."""
 
     def __init__(self, link: Transfers, order: list[int], step: int, reuse: dict[int, int] | None = None,
-                 fetch=None):
+                 fetch=None, device: dict[int, torch.Tensor] | None = None):
         self.link, self.order, self.step = link, order, step
+        self.device = device or {}
         self.fetch = fetch or link.fetch  # ``link.fetch_teacher``: the dense teacher's weights instead
         self.reused_from = {src: dst for dst, src in (reuse or {}).items()}  # kept position -> reusing one
         if any(order[src] != order[dst] for src, dst in self.reused_from.items()):
@@ -439,11 +453,13 @@ class ShardFeed:
             raise RuntimeError(f"the step takes shard {shard} at position {pos}, but the order is {self.order}")
         self.pos = pos
         link = self.link
-        for ahead in range(pos + 1, min(pos + link.prefetch_depth + 1, len(self.order))):
+        for ahead in self._window(pos):
             if ahead not in self.futures and ahead not in self.reusing:
                 self.futures[ahead] = link.prefetcher.submit(self.fetch, self.order[ahead], self.step)
         t0 = time.perf_counter()
-        if pos in self.reusing:
+        if shard in self.device:
+            w = self.device[shard]
+        elif pos in self.reusing:
             w = self.kept.pop(pos)
         elif pos in self.futures:
             w = self.futures.pop(pos).result()
@@ -456,10 +472,23 @@ class ShardFeed:
         link.compute_begin()
         return w
 
+    def _window(self, pos: int) -> list[int]:
+        """The ``prefetch_depth`` positions after ``pos`` whose weights are staged while ``pos``
+        computes; device shards' positions are passed over (they fetch nothing), so the first
+        fetch of a step starts with its first position even when device shards come first."""
+        out, p = [], pos + 1
+        while len(out) < self.link.prefetch_depth and p < len(self.order):
+            if self.order[p] not in self.device:
+                out.append(p)
+            p += 1
+        return out
+
     def done(self, w: torch.Tensor) -> None:
         """The compute is done with the weights ``w`` of the position last taken: keep them for
         the position that reuses them, else hand the buffer back."""
         self.link.compute_end()
+        if self.order[self.pos] in self.device:
+            return
         if self.pos in self.reused_from:
             self.kept[self.reused_from[self.pos]] = w
         else:

@@ -80,6 +80,9 @@ class RayStoreClient:
     def get_teacher_weights(self, shard: int):
         return ray.get(self._store.get_teacher_weights.remote(shard))
 
+    def device_state(self, step: int) -> dict:
+        return ray.get(self._store.device_state.remote(step))
+
     def report_grad(self, shard: int, step: int, sqnorm: float, grad, slot: int = -1, piece: int = 0) -> None:
         if slot >= 0:  # several compute actors: the gradient (its piece ``piece``) is in (or goes to) this actor's slot
             ref = self._store.report_grad.remote(shard, step, sqnorm, grad, self._generation, self._rank, slot,

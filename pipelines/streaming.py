@@ -391,7 +391,13 @@ class StreamingPipeline:
     def _recover(self, step: int) -> None:
         """After an actor died during ``step``: wait for the store, replace the compute actor,
         and keep only the results of steps whose update the store holds. Several nodes: every
-        store, ``NodeStores.recover``."""
+        store, ``NodeStores.recover``. With ``runtime.device_shards`` the state of those shards
+        since the latest checkpoint lived on the compute actor only: ``StoreLostError``, and the
+        Trainer rolls back to the latest checkpoint."""
+        if self.cfg.runtime.device_shards:
+            raise StoreLostError(
+                f"step {step + 1}: an actor died while runtime.device_shards={self.cfg.runtime.device_shards} kept the "
+                f"state of the first shards on the compute actor's device, which is not recovered in place")
         if self._node_stores is None:
             self._wait_for_store()
         for s, refs in list(self._queued.items()):  # finished results of queued steps are kept
@@ -423,7 +429,24 @@ class StreamingPipeline:
         log.warning("recovered: store at versions %s, compute actor(s) replaced; redoing from step %d",
                     sorted(set(versions)), applied + 1)
 
+    def _put_device_state(self, timeout: float | None = None) -> None:
+        """``runtime.device_shards``: the compute actor's device shards into the store's segments,
+        which a checkpoint or a kept state then reads. A compute actor that is gone took them with
+        it: ``StoreLostError`` (the Trainer rolls back to the latest checkpoint)."""
+        if not self.cfg.runtime.device_shards:
+            return
+        try:
+            version, states = self._computes.first.device_state.options(num_returns=2).remote()
+            ray.get(self._store.put_device_state.remote(version, states), timeout=timeout)
+        except Exception as e:
+            if not is_actor_failure(e):
+                raise
+            raise StoreLostError(f"the compute actor holding the device shards (runtime.device_shards="
+                                 f"{self.cfg.runtime.device_shards}) is gone ({type(e).__name__}): their state since the "
+                                 f"latest checkpoint went with it") from e
+
     def save_checkpoint(self, run_dir: str, step: int, extra: dict) -> str:
+        self._put_device_state()
         while self._node_stores is not None:
             try:
                 return self._node_stores.save_checkpoint(run_dir, step, extra)
@@ -500,7 +523,17 @@ class StreamingPipeline:
         """The run failed: stop every actor, and keep the store's state if it holds progress that
         would be lost (every shard at ``done``, the steps the driver completed, newer than
         ``checkpoint_step``; ``doc``: the data cursor after ``done``, for ``--resume``); else release
-        it. Returns the kept state's (path, bytes), or None when it was released."""
+        it. Returns the kept state's (path, bytes), or None when it was released. With
+        ``runtime.device_shards`` the state is kept only once the compute actor handed its device
+        shards back."""
+        synced = True
+        if done > checkpoint_step and self.cfg.runtime.device_shards:
+            try:
+                self._put_device_state(timeout=STORE_SETTLE_TIMEOUT_S)
+            except Exception as e:  # noqa: BLE001 - a failed run: release instead of keeping a stale state
+                log.warning("the device shards' state could not be handed to the parameter store (%r): the state "
+                            "after step %d is released; --resume continues from the latest checkpoint", e, done)
+                synced = False
         for h in (*self._computes.actors, *self._decoder_pool.actors):  # they hold no state
             try:
                 ray.kill(h, no_restart=True)
@@ -520,7 +553,7 @@ class StreamingPipeline:
         if self._node_stores is not None:  # several nodes: no kept state, every store releases its own
             self._node_stores.close()
             return None
-        if done > checkpoint_step:
+        if done > checkpoint_step and synced:
             try:  # a store that died or hangs is not asked twice: its state is not trusted
                 versions = ray.get(self._store.settle.remote(), timeout=STORE_SETTLE_TIMEOUT_S)
                 if all(v == done for v in versions):

@@ -268,3 +268,27 @@ def test_samples_during_training_use_the_moving_average(ray_session, small_confi
     for i, (got, shard) in enumerate(zip(final, baseline.model.shards())):
         want = torch.cat([p.detach().reshape(-1) for p in shard.parameters()])
         assert float((got - want).norm() / want.norm()) < 1e-5, f"shard {i}"
+
+
+@pytest.mark.slow  # 40 s: four Trainer runs; tests/test_device_shards.py holds the update itself by default
+def test_device_shards_checkpoint_resume_and_a_lost_compute_actor(ray_session, small_config, tmp_path, monkeypatch):
+    """runtime.device_shards through the Trainer: a checkpoint holds the device shards' state, so an
+    interrupted run resumed ends bit-identical to a straight run without device shards; a compute
+    actor killed mid-step takes their state with it, and the run rolls back to the latest
+    checkpoint, redoes the steps after it and ends there too."""
+    from megaslide_ray.runtime import faults
+
+    over = {"training.steps": 4, "training.checkpoint_every": 2}
+    straight = run(small_config(**over), tmp_path / "plain")
+    cfg = small_config(**over, **{"runtime.device_shards": 2})
+    run(cfg, tmp_path / "a", steps=2)
+    resumed = run(cfg, tmp_path / "a", resume=True)
+    monkeypatch.setenv(faults.ENV_DIR, str(tmp_path / "faults"))
+    monkeypatch.setenv(faults.ENV_SPEC, "compute.mid_backward@3")
+    killed = run(cfg, tmp_path / "killed")
+    monkeypatch.delenv(faults.ENV_SPEC)
+    assert killed.rollbacks == 1 and killed.last_step == 4
+    want = read_checkpoint_shards(Path(straight.checkpoint))
+    for summary in (resumed, killed):
+        for i, (x, y) in enumerate(zip(read_checkpoint_shards(Path(summary.checkpoint)), want)):
+            assert torch.equal(x, y), f"shard {i} differs ({summary.run_dir})"

@@ -363,6 +363,17 @@ class RuntimeConfig:
     streams once per step. 0: only the turn's block. ``plan --resident-gb auto`` finds the most that
     fits the device. Where the compute reads the weights in place (a CPU compute actor without
     ``link_gbps``) nothing is fetched, and this changes nothing."""
+    device_shards: int = 0
+    """The forward's first N shards (the input side, then blocks 1, 2, ...) kept on the compute
+    device across steps with their AdamW state (fp32 weights and moments: 16 B per parameter on the
+    device beside the compute copy) and updated there right after the step's backward, with the
+    global gradient norm the compute actor sums from every shard's norm. They cross the link
+    neither at the step's start (each fetch there waits for the shard's update, which waits for the
+    step's last gradient) nor at its end (their gradients are the backward's last): the step
+    boundary's fetches and returns go. Checkpoints take their state from the compute actor; a
+    compute actor that dies takes it with it, so the run rolls back to the latest checkpoint
+    instead of recovering in place. One node, one compute actor, one expert, no moving average.
+    0: every shard lives in the parameter store."""
     compute_actors: int | Literal["auto"] = 1
     """Compute actors training data-parallel on the parameter store's node, all sharing its one
     store: each trains its own batch (``data.batch_size`` x ``training.micro_batches`` clips) on the

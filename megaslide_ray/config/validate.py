@@ -105,6 +105,7 @@ def _check_runtime_counts(cfg: Config) -> None:
     if not (rt.resident_gb >= 0 and math.isfinite(rt.resident_gb)):
         raise ConfigError(f"runtime.resident_gb={rt.resident_gb} must be a finite number of GB >= 0 (0: only the "
                           f"turn's block is kept from the forward to the backward)")
+    _check_device_shards(cfg)
     if rt.grad_slots < 1:
         raise ConfigError(f"runtime.grad_slots={rt.grad_slots} must be >= 1 (2 lets a compute actor write one "
                           f"shard's gradient while the store sums the last)")
@@ -117,6 +118,25 @@ def _check_runtime_counts(cfg: Config) -> None:
     if cfg.runtime.offload_keep < 0:
         raise ConfigError(f"runtime.offload_keep={cfg.runtime.offload_keep} must be >= 0 (0 = offload every "
                           f"block input; only used with runtime.offload_activations)")
+
+
+def _check_device_shards(cfg: Config) -> None:
+    """``runtime.device_shards``: shards 0..N-1 live on the one compute actor's device."""
+    rt, t, n = cfg.runtime, cfg.training, cfg.runtime.device_shards
+    if not isinstance(n, int) or not 0 <= n <= cfg.model.depth:
+        raise ConfigError(f"runtime.device_shards={n!r} must be an integer from 0 to model.depth={cfg.model.depth} "
+                          f"(the input shard and blocks; the head always streams)")
+    if not n:
+        return
+    clashes = [(f"runtime.compute_actors={rt.compute_actors!r}", "set runtime.compute_actors=1")
+               if rt.compute_actors != 1 else None,
+               (f"runtime.nodes={rt.nodes}", "set runtime.nodes=1") if rt.nodes != 1 else None,
+               (f"training.expert={t.expert!r}", "train one expert") if t.expert == "both" else None,
+               (f"training.ema_decay={t.ema_decay}", "set training.ema_decay=0") if t.ema_decay else None]
+    for what, fix in filter(None, clashes):
+        raise ConfigError(f"runtime.device_shards={n} with {what}: shards kept and updated on the device need one "
+                          f"compute actor on one node training one model without a moving average (their state "
+                          f"lives on that device only); {fix}, or set runtime.device_shards=0")
 
 
 def _check_decoding(cfg: Config) -> None:

@@ -16,6 +16,7 @@ import math
 import time
 
 import torch
+from torch.optim.adamw import adamw as adamw_functional
 
 log = logging.getLogger(__name__)
 
@@ -51,6 +52,19 @@ def adamw_scalars(o, step: int, coef: float, lr: float) -> tuple:
     t = lambda x: torch.tensor(x, dtype=torch.float32)  # noqa: E731
     return (t(coef), t(1 - lr * o.weight_decay), t(lr / (1 - o.betas[0] ** k)),
             t(math.sqrt(1 - o.betas[1] ** k)), o.betas[0], o.betas[1], o.eps)
+
+
+def adamw_fused(master: torch.Tensor, g: torch.Tensor, m: torch.Tensor, v: torch.Tensor, o, step: int,
+                coef: float, lr: float) -> None:
+    """One AdamW step of 0-based ``step`` on a flat fp32 shard: ``g`` (fp32, scaled in place by the
+    clipping coefficient ``coef``), then torch's fused kernel over ``master``, ``m``, ``v`` (CPU or
+    CUDA tensors alike). The parameter store's ``fused`` update and the device-side update of
+    ``runtime.device_shards`` both run this."""
+    if coef < 1.0:
+        g.mul_(coef)
+    st = torch.tensor(float(step), dtype=torch.float32, device=master.device)
+    adamw_functional([master], [g], [m], [v], [], [st], fused=True, amsgrad=False, beta1=o.betas[0],
+                     beta2=o.betas[1], lr=lr, weight_decay=o.weight_decay, eps=o.eps, maximize=False)
 
 
 def compile_single_pass(o, w_dtype: torch.dtype, numel: int = 4099, steps: int = 3):

@@ -27,3 +27,19 @@ def clip_coefficient(total_norm: float, max_norm: float) -> float:
     if max_norm <= 0:
         return 1.0
     return min(1.0, max_norm / (total_norm + 1e-6))
+
+
+def step_constants(optim: OptimizerConfig, total_steps: int, step: int, total_norm: float,
+                   lr_factor: float = 1.0) -> tuple[float, float, bool]:
+    """The clipping coefficient and learning rate of 0-based ``step`` for the global gradient norm
+    ``total_norm``, and whether that norm is finite (if not, the step's update is skipped
+    everywhere): the one rule the parameter store and a device-side update share."""
+    finite = math.isfinite(total_norm)
+    lr = lr_at(optim, total_steps, step) * lr_factor
+    return (clip_coefficient(total_norm, optim.grad_clip) if finite else 0.0), lr, finite
+
+
+def global_norm(sqnorms) -> float:
+    """The global gradient norm from the shards' squared norms: an exactly rounded sum, so it is
+    the same whatever order the reports arrived in (the store and the compute actor agree)."""
+    return math.sqrt(math.fsum(sqnorms))
