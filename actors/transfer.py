@@ -41,6 +41,7 @@ import torch
 
 from actors.grad_reduce import GradSlots, slot_value
 from actors.pinned import HostPinning, copy_in_pieces, copy_pieces, throttled_copy
+from megaslide_ray.planning.schedule import prefetch_window
 from megaslide_ray.state.segments import map_segment
 
 log = logging.getLogger(__name__)
@@ -475,13 +476,9 @@ class ShardFeed:
     def _window(self, pos: int) -> list[int]:
         """The ``prefetch_depth`` positions after ``pos`` whose weights are staged while ``pos``
         computes; device shards' positions are passed over (they fetch nothing), so the first
-        fetch of a step starts with its first position even when device shards come first."""
-        out, p = [], pos + 1
-        while len(out) < self.link.prefetch_depth and p < len(self.order):
-            if self.order[p] not in self.device:
-                out.append(p)
-            p += 1
-        return out
+        fetch of a step starts with its first position even when device shards come first
+        (``planning.schedule.prefetch_window``, which the planner's replay uses too)."""
+        return prefetch_window([s in self.device for s in self.order], pos, self.link.prefetch_depth)
 
     def done(self, w: torch.Tensor) -> None:
         """The compute is done with the weights ``w`` of the position last taken: keep them for

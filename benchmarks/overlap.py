@@ -3,14 +3,16 @@ speed where moving a step's weights takes about as long as the step's compute.
 
     python -m benchmarks.overlap [--steps 4] [--rounds 1] [--ratios 1.0,0.5] [--models tiny,wide]
                                  [--prefetch-depth 1] [--micro-batches 1,2,4] [--resident-gb 0,0.003]
-                                 [--actors 1,2] [--skip-memory] [--json]
+                                 [--actors 1,2] [--device-shards 0,2] [--skip-memory] [--json]
 
 Micro-batches, resident shards, several actors: every (K, resident_gb) setting runs at the link
 speed set from the pure step with one micro-batch and no residency (so T_x = T_c at K=1 with
 ``--ratios 1.0``); K multiplies the compute per fetched byte, residency takes fetches off the
 link. ``--actors N``: N compute actors on one store in threads, each on its own batch and its own
 simulated link, sharing the cores (as CPU compute actors of one node do); the link is set from
-that N's own K=1 step. Each row carries the planner's predicted step (``planning/schedule.py``)
+that N's own K=1 step. ``--device-shards D``: ``runtime.device_shards``, the forward's first D
+shards kept and updated in the compute process (the device), so the step boundary's fetches and
+returns go. Each row carries the planner's predicted step (``planning/schedule.py``)
 at that link speed and the compute rate measured in the setting, its error against the measured
 on-time, and what binds by each (link when the on-run's link is busier than the pure compute).
 
@@ -128,7 +130,8 @@ def run(overrides: dict, batches, steps: int, measure_memory: bool = False, acto
         store.wait_step(steps - 1)
         n = compute.n
         order, reuse = compute.step_order()
-        grads = [compute.infos[i].numel * 4 for i in order]
+        device = [p for p, i in enumerate(order) if i in compute.dev]  # device shards: no fetch, no return
+        grads = [0 if p in device else compute.infos[i].numel * 4 for p, i in enumerate(order)]
         fetches = [0 if p in reuse else b for p, b in enumerate(grads)]  # reused positions fetch nothing
     finally:
         pool.shutdown()
@@ -137,7 +140,7 @@ def run(overrides: dict, batches, steps: int, measure_memory: bool = False, acto
         store.close()
         shutil.rmtree(state, ignore_errors=True)
     return {"seconds": statistics.mean(times[1:]) if len(times) > 1 else times[0],
-            "staged_bytes": sum(fetches), "fetch_bytes": fetches, "grad_bytes": grads, "n": n,
+            "staged_bytes": sum(fetches), "fetch_bytes": fetches, "grad_bytes": grads, "n": n, "device": device,
             "timelines": timelines[1:] or timelines, "h2d_bytes": r.h2d_bytes, "peak_anon_bytes": peak,
             "h2d_seconds": statistics.mean(h2d_s[1:] or h2d_s)}
 
@@ -146,14 +149,14 @@ def simulate(pure: dict, gbps: float, depth: int, overlap: bool = True) -> float
     """Step time of the actor's schedule on an ideal machine (``planning.schedule``): compute
     times from the pure run's timelines (each position's mean over the timed steps), fetch and
     gradient-return times = bytes / link."""
-    return schedule_seconds(*_positions(pure, gbps), depth, overlap)
+    return schedule_seconds(*_positions(pure, gbps), depth, overlap, pure.get("device", ()))
 
 
 def model_waits(pure: dict, gbps: float, depth: int) -> dict[str, float]:
     """Where ``simulate``'s overlapped step exceeds its compute: the step boundary's ``fill`` and
     ``drain`` and the ``stalls`` between (``planning.schedule.schedule_waits``)."""
     _, fetch, comp, grad = _positions(pure, gbps)
-    return schedule_waits(fetch, comp, grad, depth)
+    return schedule_waits(fetch, comp, grad, depth, pure.get("device", ()))
 
 
 def _positions(pure: dict, gbps: float) -> tuple[float, list[float], list[float], dict[int, float]]:
@@ -207,6 +210,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--micro-batches", default="1", help="training.micro_batches K to run (comma-separated)")
     p.add_argument("--resident-gb", default="0", help="runtime.resident_gb to run (comma-separated, decimal GB)")
     p.add_argument("--actors", default="1", help="compute actors N on one store (comma-separated)")
+    p.add_argument("--device-shards", default="0",
+                   help="runtime.device_shards D to run (comma-separated; the forward's first D shards updated on "
+                        "the device)")
     p.add_argument("--memory-depth", type=int, help=argparse.SUPPRESS)  # one measurement, in a child
     p.add_argument("--memory-offload", action="store_true", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
@@ -216,6 +222,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     args.ks = _ints(args.micro_batches, "--micro-batches", 1)
     args.residents = _floats(args.resident_gb, "--resident-gb")
     args.ns = _ints(args.actors, "--actors", 1)
+    args.devices = _ints(args.device_shards, "--device-shards", 0)
     args.ratio_list = _floats(args.ratios, "--ratios")
     if 0 in args.ratio_list:
         raise SystemExit(f"--ratios {args.ratios!r}: every ratio must be > 0")
@@ -252,20 +259,21 @@ def measure(name: str, actors: int, args, common: dict, base_cfg, dram: float) -
     if actors > 1:  # the actors share the cores, as CPU compute actors of one node do
         ov["runtime.compute_threads"] = str(max(1, (os.cpu_count() or 1) // actors))
 
-    def setting(k: int, resident: float, **more) -> dict:
-        return {**ov, "training.micro_batches": str(k), "runtime.resident_gb": str(resident), **more}
+    def setting(k: int, resident: float, device: int = 0, **more) -> dict:
+        return {**ov, "training.micro_batches": str(k), "runtime.resident_gb": str(resident),
+                "runtime.device_shards": str(device), **more}
 
-    settings = [(k, r) for k in args.ks for r in args.residents]
+    settings = [(k, r, d) for k in args.ks for r in args.residents for d in args.devices]
     batches = {k: decode_batches(base_cfg, k, 2 * actors) for k in {1, *args.ks}}
     base = run(setting(1, 0.0), batches[1], args.steps, actors=actors)
     links = {ratio: base["staged_bytes"] / (ratio * base["seconds"]) / 1e9 for ratio in args.ratio_list}
-    pures = {s: [base] if s == (1, 0.0) else [] for s in settings}
+    pures = {s: [base] if s == (1, 0.0, 0) else [] for s in settings}
     offs = {(s, ratio): [] for s in settings for ratio in links}
     ons = {(s, ratio): [] for s in settings for ratio in links}
     depth = args.prefetch_depth
     for rnd in range(args.rounds):
         for s in settings:
-            if rnd or s != (1, 0.0):
+            if rnd or s != (1, 0.0, 0):
                 pures[s].append(run(setting(*s), batches[s[0]], args.steps, actors=actors))
             for ratio, gbps in links.items():
                 link = {"runtime.link_gbps": str(gbps), "runtime.prefetch_depth": str(depth)}
@@ -277,7 +285,7 @@ def measure(name: str, actors: int, args, common: dict, base_cfg, dram: float) -
         return sum(step_positions(build_config("tiny", None, setting(*s)), 4).flops) / \
             statistics.median(r["seconds"] for r in runs) / 1e12
 
-    k1 = rate((1, 0.0), pures.get((1, 0.0), [base]))
+    k1 = rate((1, 0.0, 0), pures.get((1, 0.0, 0), [base]))
     rows = []
     for s in settings:
         cfg = build_config("tiny", None, setting(*s, **{"runtime.prefetch_depth": str(depth)}))
@@ -301,7 +309,8 @@ def _row(name: str, actors: int, s: tuple, ratio: float, gbps: float, pures: lis
     best = max(compute, transfer)
     model_on = simulate(pooled, gbps, depth)
     link_busy = statistics.median(r["h2d_seconds"] for r in ons)  # the on runs' throttled copies, per step
-    return {"model": name, "actors": actors, "micro_batches": s[0], "resident_gb": s[1], "ratio": ratio,
+    return {"model": name, "actors": actors, "micro_batches": s[0], "resident_gb": s[1], "device_shards": s[2],
+            "ratio": ratio,
             "compute_s": compute, "link_gbps": gbps, "transfer_s": transfer, "off_s": off_s, "on_s": on_s,
             "efficiency": best / on_s, "speedup": off_s / on_s, "staged_mb": pures[0]["staged_bytes"] / 1e6,
             "rounds": rounds, "on_s_each": [r["seconds"] for r in ons], "off_s_each": offs,
@@ -367,17 +376,17 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def print_rows(rows: list[dict]) -> None:
-    print(f"{'model':<6}{'N':>3}{'K':>3}{'res GB':>8}{'T_x/T_c':>8}{'compute s':>10}{'transfer s':>11}{'off s':>8}"
-          f"{'on s':>8}{'eff':>6}{'speedup':>8}{'model on s':>11}{'model eff':>10}{'plan s':>8}{'plan err':>9}"
+    print(f"{'model':<6}{'N':>3}{'K':>3}{'D':>3}{'res GB':>8}{'T_x/T_c':>8}{'compute s':>10}{'transfer s':>11}"
+          f"{'off s':>8}{'on s':>8}{'eff':>6}{'speedup':>8}{'model on s':>11}{'model eff':>10}{'plan s':>8}{'plan err':>9}"
           f"{'binds (measured / plan)':>25}")
     for r in rows:
-        print(f"{r['model']:<6}{r['actors']:>3}{r['micro_batches']:>3}{r['resident_gb']:>8.4g}{r['ratio']:>8.2f}"
-              f"{r['compute_s']:>10.3f}{r['transfer_s']:>11.3f}{r['off_s']:>8.3f}{r['on_s']:>8.3f}"
+        print(f"{r['model']:<6}{r['actors']:>3}{r['micro_batches']:>3}{r['device_shards']:>3}"
+              f"{r['resident_gb']:>8.4g}{r['ratio']:>8.2f}{r['compute_s']:>10.3f}{r['transfer_s']:>11.3f}{r['off_s']:>8.3f}{r['on_s']:>8.3f}"
               f"{r['efficiency']:>6.2f}{r['speedup']:>8.2f}{r['model_on_s']:>11.3f}{r['model_efficiency']:>10.2f}"
               f"{r['plan_step_s']:>8.3f}{r['plan_error']:>+9.0%}{r['binding'] + ' / ' + r['plan_binding']:>25}")
     for r in rows:
-        print(f"{r['model']} N={r['actors']} K={r['micro_batches']} resident {r['resident_gb']:g} GB @ {r['ratio']:.2f}: "
-              f"link {r['link_gbps'] * 1e3:.3g} MB/s; compute " + ", ".join(f"{x:.2f}" for x in r["compute_s_each"])
+        print(f"{r['model']} N={r['actors']} K={r['micro_batches']} D={r['device_shards']} resident "
+              f"{r['resident_gb']:g} GB @ {r['ratio']:.2f}: link {r['link_gbps'] * 1e3:.3g} MB/s; compute " + ", ".join(f"{x:.2f}" for x in r["compute_s_each"])
               + "; off " + ", ".join(f"{x:.2f}" for x in r["off_s_each"])
               + "; on " + ", ".join(f"{x:.2f}" for x in r["on_s_each"])
               + f"; model eff with unlimited prefetch {r['unbounded_prefetch_efficiency']:.2f}"

@@ -29,7 +29,8 @@ position's input preparation.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Collection, Sequence
+from dataclasses import dataclass, field
 
 from megaslide_ray.config import Config
 from megaslide_ray.models.registry import distills, teacher_config
@@ -41,11 +42,15 @@ from megaslide_ray.planning.terms import _attention_flops_fwd, _shard_counts, sh
 class StepPositions:
     """One step's positions (``order``: the shard each takes), the bytes each fetches (0: kept
     from an earlier position), the gradient bytes returned after a position, and the FLOPs each
-    computes."""
+    computes; ``device``: the positions of device shards (``runtime.device_shards``: nothing
+    fetched, returned, nor counted in the prefetch window), whose update after the backward moves
+    ``device_update_bytes``."""
     order: list[int]
     fetch_bytes: list[int]
     grad_bytes: dict[int, int]
     flops: list[float]
+    device: frozenset = field(default_factory=frozenset)
+    device_update_bytes: int = 0
 
 
 @dataclass(frozen=True)
@@ -93,13 +98,19 @@ def step_positions(cfg: Config, wbytes: int) -> StepPositions:
     backward = 4.0 if cfg.runtime.token_chunk else 3.0  # recompute (+ the chunk's) + 2x the forward
     flops = [forward(s) for s in range(L + 1)] + [3.0 * forward(L + 1)]
     flops += [(backward if s else 3.0) * forward(s) for s in order[n:]]
-    fetch = [0 if p in reuse else counts[s] * wbytes for p, s in enumerate(order)]
-    grads = {n - 1: counts[n - 1] * wbytes, **{p: counts[order[p]] * wbytes for p in range(n, len(order))}}
+    on_device = cfg.runtime.device_shards  # shards 0..N-1: neither fetched nor returned
+    fetch = [0 if p in reuse or s < on_device else counts[s] * wbytes for p, s in enumerate(order)]
+    grads = {n - 1: counts[n - 1] * wbytes,
+             **{p: counts[order[p]] * wbytes for p in range(n, len(order)) if order[p] >= on_device}}
+    device = {p for p, s in enumerate(order) if s < on_device}
     if distills(cfg):  # the teacher's forward first: n more positions, nothing returned
         t_fetch, t_flops = teacher_positions(cfg, wbytes)
         order, fetch, flops = list(range(n)) + order, t_fetch + fetch, t_flops + flops
         grads = {p + n: b for p, b in grads.items()}
-    return StepPositions(order, fetch, grads, flops)
+        device = {p + n for p in device}
+    # the device update: the gradient, master, m, v read, master, m, v and the compute copy written
+    update = sum(counts[:on_device]) * (wbytes + 28 + wbytes)
+    return StepPositions(order, fetch, grads, flops, frozenset(device), update)
 
 
 def teacher_positions(cfg: Config, wbytes: int) -> tuple[list[int], list[float]]:
@@ -117,39 +128,59 @@ def teacher_positions(cfg: Config, wbytes: int) -> tuple[list[int], list[float]]
     return [c * wbytes for c in counts], [forward(s) for s in range(L + 2)]
 
 
+def prefetch_window(device: Sequence[bool], pos: int, depth: int) -> list[int]:
+    """The positions whose fetches are in flight while position ``pos`` computes: the next
+    ``depth`` after it, passing over device shards' positions (``device[p]``: they fetch nothing).
+    ``ShardFeed`` stages by this rule, and the replay below models it."""
+    out, p = [], pos + 1
+    while len(out) < depth and p < len(device):
+        if not device[p]:
+            out.append(p)
+        p += 1
+    return out
+
+
 def schedule_seconds(pre: float, fetch_s: list[float], comp_s: list[float], grad_s: dict[int, float],
-                     depth: int, overlap: bool = True) -> float:
+                     depth: int, overlap: bool = True, device: Collection[int] = ()) -> float:
     """The step time of the schedule on an ideal machine (module docstring): ``pre`` before the
     first position, each position's fetch (0: kept, it neither waits for nor uses the link) and
-    compute, the gradients returned after the positions of ``grad_s``."""
+    compute, the gradients returned after the positions of ``grad_s``; ``device``: the device
+    shards' positions (``prefetch_window``)."""
     if not overlap:
         return pre + sum(fetch_s) + sum(comp_s) + sum(grad_s.values())
-    return _replay(pre, fetch_s, comp_s, grad_s, depth)[0]
+    return _replay(pre, fetch_s, comp_s, grad_s, depth, device)[0]
 
 
 def schedule_waits(fetch_s: list[float], comp_s: list[float], grad_s: dict[int, float],
-                   depth: int) -> dict[str, float]:
+                   depth: int, device: Collection[int] = ()) -> dict[str, float]:
     """Where the overlapped schedule's step exceeds its compute (seconds): ``fill``, the compute's
     waits for the fetches of positions 0 and 1 (shard 0 and the first block, or the distillation
     teacher's: the step boundary's first half); ``stalls``, its waits at every later position; ``drain``, the
     gradients still on the link after the last position computed (the boundary's second half).
     ``step - sum(comp_s) == fill + stalls + drain``."""
-    step, c_start, c_end = _replay(0.0, fetch_s, comp_s, grad_s, depth)
+    step, c_start, c_end = _replay(0.0, fetch_s, comp_s, grad_s, depth, device)
     waits = [c_start[p] - (c_end[p - 1] if p else 0.0) for p in range(len(comp_s))]
     return {"fill": sum(waits[:2]), "stalls": sum(waits[2:]),
             "drain": step - c_end[-1]}
 
 
 def _replay(pre: float, fetch_s: list[float], comp_s: list[float], grad_s: dict[int, float],
-            depth: int) -> tuple[float, list[float], list[float]]:
+            depth: int, device: Collection[int] = ()) -> tuple[float, list[float], list[float]]:
     """The overlapped schedule (``schedule_seconds``): the step time, and each position's compute
-    start and end."""
+    start and end. A fetch is submitted when the first position whose prefetch window holds it
+    starts (the step's start for the first position's window), else when its own position is taken."""
     P = len(comp_s)
+    flags = [p in device for p in range(P)]
+    submitter: dict[int, int] = {}
+    for p in range(P):
+        for q in prefetch_window(flags, p, depth):
+            submitter.setdefault(q, p)
     link = pre
     f_end, c_start, c_end = [0.0] * P, [0.0] * P, [0.0] * P
     ret = 0.0
     for p in range(P):
-        submit = pre if p <= depth else c_start[p - depth]
+        sp = submitter.get(p, p)
+        submit = pre if sp == 0 else c_start[sp] if sp < p else (c_end[p - 1] if p else pre)
         if fetch_s[p]:
             f_end[p] = max(link, submit) + fetch_s[p]
             link = f_end[p]
@@ -171,16 +202,18 @@ def predict_step(cfg: Config, wbytes: int, link_gbps: float, device_tflops: floa
     link, rate = link_gbps * 1e9, device_tflops * 1e12
     fetch = [b / link for b in pos.fetch_bytes]
     comp = [f / rate for f in pos.flops]
+    # the device shards' AdamW ends the step (priced at the host's DRAM rate: an upper bound on a GPU)
+    comp[-1] += pos.device_update_bytes / (dram_gbps * 1e9)
     grads = {p: b / link for p, b in pos.grad_bytes.items()}
     depth = cfg.runtime.prefetch_depth if cfg.runtime.overlap else 0
     adamw = sum(_shard_counts(cfg)[0]) * (2 * wbytes + 24) / (dram_gbps * 1e9)
     terms = {"link": max(sum(fetch), sum(grads.values())), "compute": sum(comp), "host DRAM": adamw,
              **(node_terms or {})}
     floor = max(terms.values())  # what overlaps the whole step
-    sched = schedule_seconds(0.0, fetch, comp, grads, depth, cfg.runtime.overlap)
+    sched = schedule_seconds(0.0, fetch, comp, grads, depth, cfg.runtime.overlap, pos.device)
     on, off = max(floor, sched), max(floor, schedule_seconds(0.0, fetch, comp, grads, depth, overlap=False))
     # the waits are part of the step only where the schedule, not a whole-step floor, sets it
-    waits = schedule_waits(fetch, comp, grads, depth) if cfg.runtime.overlap and sched >= floor else {}
+    waits = schedule_waits(fetch, comp, grads, depth, pos.device) if cfg.runtime.overlap and sched >= floor else {}
     return StepPrediction(on, off, sum(comp), sum(fetch), sum(grads.values()), terms["host DRAM"],
                           max(terms, key=terms.__getitem__), waits.get("fill", 0.0) + waits.get("drain", 0.0),
                           waits.get("stalls", 0.0))
