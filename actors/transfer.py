@@ -41,7 +41,7 @@ import torch
 
 from actors.grad_reduce import GradSlots, slot_value
 from actors.pinned import HostPinning, copy_in_pieces, copy_pieces, throttled_copy
-from megaslide_ray.planning.schedule import prefetch_window
+from megaslide_ray.models.shards import prefetch_window
 from megaslide_ray.state.segments import map_segment
 
 log = logging.getLogger(__name__)
@@ -477,7 +477,7 @@ class ShardFeed:
         """The ``prefetch_depth`` positions after ``pos`` whose weights are staged while ``pos``
         computes; device shards' positions are passed over (they fetch nothing), so the first
         fetch of a step starts with its first position even when device shards come first
-        (``planning.schedule.prefetch_window``, which the planner's replay uses too)."""
+        (``models.shards.prefetch_window``, which the planner's replay uses too)."""
         return prefetch_window([s in self.device for s in self.order], pos, self.link.prefetch_depth)
 
     def done(self, w: torch.Tensor) -> None:

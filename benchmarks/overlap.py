@@ -5,6 +5,9 @@ speed where moving a step's weights takes about as long as the step's compute.
                                  [--prefetch-depth 1] [--micro-batches 1,2,4] [--resident-gb 0,0.003]
                                  [--actors 1,2] [--device-shards 0,2] [--skip-memory] [--json]
 
+Every row is one setting: K micro-batches, resident GB, N actors and D device shards (default D = 0,
+the product's default, and D = 2).
+
 Micro-batches, resident shards, several actors: every (K, resident_gb) setting runs at the link
 speed set from the pure step with one micro-batch and no residency (so T_x = T_c at K=1 with
 ``--ratios 1.0``); K multiplies the compute per fetched byte, residency takes fetches off the
@@ -210,9 +213,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--micro-batches", default="1", help="training.micro_batches K to run (comma-separated)")
     p.add_argument("--resident-gb", default="0", help="runtime.resident_gb to run (comma-separated, decimal GB)")
     p.add_argument("--actors", default="1", help="compute actors N on one store (comma-separated)")
-    p.add_argument("--device-shards", default="0",
+    p.add_argument("--device-shards", default="0,2",
                    help="runtime.device_shards D to run (comma-separated; the forward's first D shards updated on "
-                        "the device)")
+                        "the device; default both the product's default 0 and 2, shard 0 and block 1)")
     p.add_argument("--memory-depth", type=int, help=argparse.SUPPRESS)  # one measurement, in a child
     p.add_argument("--memory-offload", action="store_true", help=argparse.SUPPRESS)
     args = p.parse_args(argv)

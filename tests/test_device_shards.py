@@ -115,3 +115,40 @@ def test_predict_reads_the_device_shards(tmp_path, batches):
 def test_device_shards_refuse_what_they_cannot_serve(over, match):
     with pytest.raises(ConfigError, match=match):
         build_config("tiny", None, {**SMALL, **over})
+
+
+def test_the_prefetch_window_passes_over_device_positions():
+    """The feed's staging rule, which the planner's replay shares: the next ``depth`` positions
+    that fetch; a step whose first positions are device shards starts its first fetch at once."""
+    from megaslide_ray.models.shards import prefetch_window
+    from megaslide_ray.planning.schedule import schedule_seconds
+
+    device = [True, True, False, False, False]
+    assert prefetch_window(device, 0, 1) == [2]
+    assert prefetch_window(device, 2, 2) == [3, 4]
+    assert prefetch_window([False] * 4, 0, 2) == [1, 2]
+    # two device positions computing 1 s each, then a position whose fetch takes 1.5 s: fetched from
+    # the step's start, it waits 0 s; without the device positions the same fetch would wait 1.5 s
+    assert schedule_seconds(0.0, [0.0, 0.0, 1.5], [1.0, 1.0, 1.0], {}, 1, device={0, 1}) == 3.0
+    assert schedule_seconds(0.0, [1.5, 0.0, 0.0], [1.0, 1.0, 1.0], {}, 1) == 4.5
+
+
+def test_the_planner_counts_device_shards(tmp_path):
+    """``plan``: the device shards cross the link neither way and are not updated in host DRAM;
+    the device holds their w and fp32 master, m, v and gradient; the step's positions fetch and
+    return nothing at theirs."""
+    from megaslide_ray.planning.estimate import plan
+    from megaslide_ray.planning.schedule import step_positions
+
+    base, dev = (build_config("tiny", None, {**SMALL, "runtime.device_shards": d}) for d in (0, 2))
+    p0, p2 = (plan(c, "float32", pcie_gbps=1.0, device_tflops=1.0, dram_gbps=10.0) for c in (base, dev))
+    pos = step_positions(dev, 4)
+    numels = [n // 4 for n in step_positions(base, 4).fetch_bytes[:2]]  # shards 0 and 1, fp32
+    moved = 4 * sum(numels)
+    assert p0.h2d_bytes - p2.h2d_bytes == 2 * moved and p0.d2h_bytes - p2.d2h_bytes == moved
+    assert p2.device_state_bytes == sum(numels) * (4 + 16)
+    assert p2.device_required_bytes - p0.device_required_bytes == p2.device_state_bytes
+    assert p0.adamw_dram_bytes - p2.adamw_dram_bytes == sum(numels) * p0.adamw_bytes_per_param
+    assert sorted(pos.device) == [0, 1, len(pos.order) - 2, len(pos.order) - 1]
+    assert all(pos.fetch_bytes[p] == 0 and p not in pos.grad_bytes for p in pos.device)
+    assert p2.step_boundary_s < p0.step_boundary_s

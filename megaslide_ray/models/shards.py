@@ -9,6 +9,7 @@ the flat leaf is the flat gradient.
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -69,3 +70,16 @@ def grad_slot_numel(largest: int, slot_mb: float, itemsize: int) -> int:
     if slot_mb <= 0:
         return largest
     return max(1, min(largest, int(slot_mb * 1e6) // itemsize))
+
+
+def prefetch_window(device: Sequence[bool], pos: int, depth: int) -> list[int]:
+    """The positions whose fetches are in flight while position ``pos`` computes: the next
+    ``depth`` after it, passing over device shards' positions (``device[p]``: they fetch nothing).
+    ``actors.transfer.ShardFeed`` stages by this rule, and the planner's replay
+    (``planning/schedule.py``) models it."""
+    out, p = [], pos + 1
+    while len(out) < depth and p < len(device):
+        if not device[p]:
+            out.append(p)
+        p += 1
+    return out

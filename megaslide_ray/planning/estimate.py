@@ -129,6 +129,7 @@ class Plan:
     experts: int = 1               # transformers in the host store (2: both experts of a Wan2.2 A14B model)
     resident_shards: tuple[int, ...] = ()  # runtime.resident_gb: shards kept from forward to backward
     resident_bytes: int = 0        # their weights on the device (one fetch per step each, not two)
+    device_state_bytes: int = 0    # runtime.device_shards: their w, fp32 master, m, v and gradient on the device
     # -- the schedule's step (training; planning/schedule.py): not a floor, the predicted time
     step_s: float = 0.0            # with overlap: fetches, compute and returns position by position
     step_off_s: float = 0.0        # fetch, compute, return in sequence
@@ -201,6 +202,8 @@ class _Memory:
     shard_bytes: int
     resident: list[int]        # the resident shards' indices
     resident_bytes: int
+    device_params: int         # runtime.device_shards: their parameters (state on the device, not streamed)
+    device_bytes: int          # their w + fp32 master, m, v + the fp32 gradient kept until their update
     parts: dict[str, int]
     block_terms: dict[str, int]
     act_totals: dict[str, int]
@@ -334,11 +337,15 @@ def _memory(cfg: Config, s: _Sizes, generate: bool) -> _Memory:
             host["ema"] = 4 * PH
         state = host["w"] + host["master"] + host["m"] + host["v"] + host.get("ema", 0)
     shard_bytes = staged_shards(cfg) * s.Smax * (wb if generate else wb + 4)  # gradients are summed in fp32
-    resident = [] if generate else resident_shards(cfg.model.depth, s.counts, wb, cfg.runtime.resident_gb * 1e9)
+    on_device = 0 if generate else cfg.runtime.device_shards  # (kept across steps: not resident as well)
+    resident = [] if generate else [i for i in resident_shards(cfg.model.depth, s.counts, wb,
+                                                                   cfg.runtime.resident_gb * 1e9) if i >= on_device]
+    device_params = sum(s.counts[:on_device])
     parts, block_terms, act_totals, Q = _activations(cfg, wb, generate)
     teacher = 0 if generate else wb * num_experts(cfg) * teacher_params(cfg)
     return _Memory(teacher=teacher, host=host, state=state, scratch=scratch, store=state + scratch, shard_bytes=shard_bytes,
-                   resident=resident, resident_bytes=sum(s.counts[i] for i in resident) * wb, parts=parts,
+                   resident=resident, resident_bytes=sum(s.counts[i] for i in resident) * wb,
+                   device_params=device_params, device_bytes=device_params * (wb + 16), parts=parts,
                    block_terms=block_terms, act_totals=act_totals, Q=Q, variant=SELECTED_VARIANT[cfg.attention.kind])
 
 
@@ -356,11 +363,12 @@ def _traffic(cfg: Config, s: _Sizes, mem: _Memory, generate: bool) -> _Traffic:
     else:
         # offloaded block inputs all go out and come back, the ones a step holds on the device included
         offloaded = mem.parts["offloaded_checkpoints"]
-        h2d = 2 * P * wb - mem.resident_bytes + offloaded  # a resident shard's weights cross once
-        d2h = P * wb + offloaded
+        # a resident shard's weights cross once, a device shard's never (runtime.device_shards)
+        h2d = 2 * (P - mem.device_params) * wb - mem.resident_bytes + offloaded
+        d2h = (P - mem.device_params) * wb + offloaded
         adamw_pp = wb + 12 + 12 + wb + (12 if cfg.training.ema_decay else 0)  # the average: master read, ema r/w
         adamw_store_pp = adamw_pp + (12 if wb == 2 else 4)  # fused; bf16: g upcast and w cast; fp32: w.copy_
-        adamw_bytes = P * adamw_pp
+        adamw_bytes = (P - mem.device_params) * adamw_pp  # (device shards: updated on the device)
         flops_linear = 6.0 * s.p_tok * tokens + micro * (6.0 * s.p_sample * B + 6.0 * s.p_text * n_text)
         flops_attention = 3.0 * micro * attn_fwd
         flops_recompute = 2.0 * s.p_tok * tokens + micro * (2.0 * s.p_text * n_text + attn_fwd)
@@ -444,6 +452,8 @@ def _fit(mem: _Memory, timing: _Timing, generate: bool, ram_gb: float | None, gp
     device_terms = {"shard buffers": mem.shard_bytes}
     if mem.resident_bytes:
         device_terms[f"resident shards ({len(mem.resident)}, kept from forward to backward)"] = mem.resident_bytes
+    if mem.device_bytes:
+        device_terms["device shards (runtime.device_shards: w, fp32 master, m, v, gradient)"] = mem.device_bytes
     if parts["checkpoints"]:
         device_terms["block-input checkpoints"] = parts["checkpoints"]
     if parts["input_side"] > block_total:
@@ -454,7 +464,7 @@ def _fit(mem: _Memory, timing: _Timing, generate: bool, ram_gb: float | None, gp
         if kernel_scratch:
             device_terms["attention kernels' scratch (records, scores or fp32 dk/dv)"] = kernel_scratch
     device_terms["input tensors (fp32)"] = parts["pixels"]
-    device_required = mem.shard_bytes + mem.resident_bytes + mem.act_totals[variant]
+    device_required = mem.shard_bytes + mem.resident_bytes + mem.device_bytes + mem.act_totals[variant]
     assert device_required == sum(device_terms.values())
     return _Fit(reserve=reserve, host_terms=host_terms, host_required=host_required, device_terms=device_terms,
                 device_required=device_required,
@@ -524,6 +534,7 @@ def _assemble(cfg: Config, s: _Sizes, mem: _Memory, tr: _Traffic, timing: _Timin
         gpus_per_node=gpus_per_node, nodes=nodes, micro_batches=s.micro,
         global_batch=gpus_per_node * nodes * s.micro * s.B, transfer_compute_ratio=terms["h2d"] / terms["compute"],
         scale=timing.scale, resident_shards=tuple(mem.resident), resident_bytes=mem.resident_bytes,
+        device_state_bytes=mem.device_bytes,
         step_s=sched.seconds if sched else 0.0, step_off_s=sched.off_seconds if sched else 0.0,
         step_binding=sched.binding if sched else "", step_boundary_s=sched.boundary_s if sched else 0.0,
         teacher_params=teacher_params(cfg) if mem.teacher else 0, teacher_bytes=mem.teacher,

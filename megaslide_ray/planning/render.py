@@ -112,6 +112,9 @@ def _device_memory(p: Plan, out: _Lines) -> None:
     if p.resident_bytes:
         out.row(f"resident shards: {len(p.resident_shards)} kept from forward to backward (runtime.resident_gb)",
                 fmt_bytes(p.resident_bytes))
+    if p.device_state_bytes:
+        out.row("device shards: w + fp32 master, m, v, gradient, updated here (runtime.device_shards)",
+                fmt_bytes(p.device_state_bytes))
     if not gen:
         if p.offload_keep:
             out.row(f"checkpoints: min(L, {p.prefetch_depth + 1} + {p.offload_keep} kept) x B x N x D x {wb} B",
@@ -211,7 +214,8 @@ def _fit(p: Plan, out: _Lines) -> None:
                 f"vs {p.ram_gb:g} GB RAM: {verdict}")
     if p.gpu_gb is not None:
         verdict = "fits" if p.fits_device else f"DOES NOT FIT, short by {fmt_bytes(p.device_shortfall_bytes)}"
-        out.row("device: shard buffers + " + ("resident shards + " if p.resident_bytes else "") + "activations",
+        out.row("device: shard buffers + " + ("resident shards + " if p.resident_bytes else "")
+                + ("device shards + " if p.device_state_bytes else "") + "activations",
                 fmt_bytes(p.device_required_bytes),
                 f"vs {p.gpu_gb:g} GB: {verdict}")
     bind = p.binding_memory

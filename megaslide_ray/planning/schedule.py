@@ -29,12 +29,12 @@ position's input preparation.
 
 from __future__ import annotations
 
-from collections.abc import Collection, Sequence
+from collections.abc import Collection
 from dataclasses import dataclass, field
 
 from megaslide_ray.config import Config
 from megaslide_ray.models.registry import distills, teacher_config
-from megaslide_ray.models.shards import resident_shards
+from megaslide_ray.models.shards import prefetch_window, resident_shards
 from megaslide_ray.planning.terms import _attention_flops_fwd, _shard_counts, shard_roles, text_tokens
 
 
@@ -128,18 +128,6 @@ def teacher_positions(cfg: Config, wbytes: int) -> tuple[list[int], list[float]]
     return [c * wbytes for c in counts], [forward(s) for s in range(L + 2)]
 
 
-def prefetch_window(device: Sequence[bool], pos: int, depth: int) -> list[int]:
-    """The positions whose fetches are in flight while position ``pos`` computes: the next
-    ``depth`` after it, passing over device shards' positions (``device[p]``: they fetch nothing).
-    ``ShardFeed`` stages by this rule, and the replay below models it."""
-    out, p = [], pos + 1
-    while len(out) < depth and p < len(device):
-        if not device[p]:
-            out.append(p)
-        p += 1
-    return out
-
-
 def schedule_seconds(pre: float, fetch_s: list[float], comp_s: list[float], grad_s: dict[int, float],
                      depth: int, overlap: bool = True, device: Collection[int] = ()) -> float:
     """The step time of the schedule on an ideal machine (module docstring): ``pre`` before the
@@ -206,7 +194,8 @@ def predict_step(cfg: Config, wbytes: int, link_gbps: float, device_tflops: floa
     comp[-1] += pos.device_update_bytes / (dram_gbps * 1e9)
     grads = {p: b / link for p, b in pos.grad_bytes.items()}
     depth = cfg.runtime.prefetch_depth if cfg.runtime.overlap else 0
-    adamw = sum(_shard_counts(cfg)[0]) * (2 * wbytes + 24) / (dram_gbps * 1e9)
+    counts = _shard_counts(cfg)[0]
+    adamw = sum(counts[cfg.runtime.device_shards:]) * (2 * wbytes + 24) / (dram_gbps * 1e9)  # the store's shards
     terms = {"link": max(sum(fetch), sum(grads.values())), "compute": sum(comp), "host DRAM": adamw,
              **(node_terms or {})}
     floor = max(terms.values())  # what overlaps the whole step

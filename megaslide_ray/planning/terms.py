@@ -51,6 +51,7 @@ NO_MATMUL = ("scale_shift_table",)
 
 
 FIXED_TERMS = ("store state", "weights w", "fp32 update scratch", "reserve", "shard buffers", "resident shards",
+               "device shards",
                "optimizer state", "weight average",
                "gradient slots", "fp32 sum", "network receive slots")
 """Memory terms that do not grow with the clip (``Plan.binding_memory`` names another when it can)."""
