@@ -24,7 +24,11 @@ so the weights still cross the link twice per step whatever k. Each micro-batch'
 by 1/k, and by 1/N with N data-parallel compute actors (``runtime.compute_actors``; the store
 sums their gradients), so the step's gradient is that of the mean loss over the global batch.
 
-Between steps the actor holds no weights. The model is built on ``meta`` and called with
+Device shards (``runtime.device_shards`` N): shards 0..N-1 stay on the device across steps with
+their optimizer state and are updated here after the backward (``actors/device_shards.py``); the
+store gets their norms only.
+
+Between steps the actor holds no other weights. The model is built on ``meta`` and called with
 ``functional_call`` on views into the fetched flat buffer; moving the bytes is
 ``actors/transfer.py``'s job (schedule: docs/architecture.md, "One training step").
 """

@@ -18,6 +18,10 @@ Versions: ``versions[l]`` is the step whose weights ``w_l`` holds. Step k's upda
 l runs only after every shard reported its gradient for step k (exact global-norm clipping),
 in shard order 0..L+1, so the next forward can start on shard 0 while the rest update.
 
+Device shards (``runtime.device_shards`` N): the compute actor keeps shards 0..N-1 and updates
+them on its device; here their versions move on with each step (their norms count towards the
+global one) and their segments hold the state of the last ``put_device_state`` (before a checkpoint).
+
 Two experts (``training.expert = both``): each step trains one; ``actors/store_experts.py``.
 Distillation (``training.distill_weight``): the frozen dense teacher's segments; ``actors/store_teacher.py``.
 
