@@ -1,5 +1,7 @@
-"""Part 3, ``streaming``: the compute actor with overlap on, on again, off and offloaded, compared within
-the tolerance derived in the package docstring (``benchmarks/gpu_check/__main__.py``)."""
+"""Part 3, ``streaming``: the compute actor with overlap on, on again, off, offloaded and with two
+device shards (``runtime.device_shards``: shard 0 and block 1 updated by CUDA's fused AdamW on the
+device, the rest by the store's on the host), compared within the tolerance derived in the package
+docstring (``benchmarks/gpu_check/__main__.py``)."""
 
 from __future__ import annotations
 
@@ -46,17 +48,20 @@ def part_streaming(ctx: Run) -> dict:
             self.sqnorms[(shard, step)] = sqnorm
             super().report_grad(shard, step, sqnorm, grad)
 
-    variants = (("on", True, False), ("on_again", True, False), ("off", False, False), ("on_offload", True, True))
+    # (name, overlap, offloaded block inputs, device shards: shard 0 and block 1 updated on the device)
+    variants = (("on", True, False, 0), ("on_again", True, False, 0), ("off", False, False, 0),
+                ("on_offload", True, True, 0), ("on_device_shards", True, False, 2))
     results, masters, init, norms = {}, {}, None, {}
     tmp = tempfile.mkdtemp(prefix="megaslide-gpu-stream-", dir=state_root(1 << 30)[0])
     try:
-        for name, overlap, offload in variants:
+        for name, overlap, offload, on_device in variants:
             if ctx.past_deadline():
                 results[name] = {"status": "skipped: time budget (--budget-s)"}
                 continue
             cfg = build_config("tiny", None, {
                 **sz.stream, "training.steps": 100, "runtime.overlap": overlap,
                 "runtime.offload_activations": offload, "runtime.prefetch_depth": 2, "runtime.state_dir": tmp,
+                "runtime.device_shards": on_device,
                 "runtime.device": ctx.device_kind, "optim.lr": 0.1, "optim.eps": 1.0, "optim.weight_decay": 0.0,
                 "optim.schedule": "constant", "optim.warmup_steps": 0, "optim.grad_clip": 1.0})
             batches = synthetic_batches(cfg, steps, seed=1)
@@ -73,6 +78,8 @@ def part_streaming(ctx: Run) -> dict:
                         r = compute.train_step(batches[k], k)
                         store.wait_step(k)
                         rows.append((time.perf_counter() - t0, r))
+                    if on_device:  # the device shards' state back into the store, as before a checkpoint
+                        store.put_device_state(*compute.device_state())
                     masters[name] = [seg["master"].clone() for seg in store.seg]
                     norms[name] = dict(client.sqnorms)
                 finally:
@@ -99,7 +106,7 @@ def part_streaming(ctx: Run) -> dict:
         return {**out, "ok": False, "error": "the reference run (overlap on) did not finish"}
     ref = masters["on"]
     comparisons = {}
-    for name in ("on_again", "off", "on_offload"):
+    for name in ("on_again", "off", "on_offload", "on_device_shards"):
         if name not in masters:
             comparisons[name] = {"ok": False, "status": results.get(name, {}).get("status", "missing")}
             continue
