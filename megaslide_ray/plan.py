@@ -140,6 +140,9 @@ def _add_runtime_args(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--resident-gb", type=_resident_arg, default=None, metavar="GB|auto",
                     help="runtime.resident_gb: device GB for shards kept from their forward to their backward "
                          "(one fetch per step instead of two); auto (needs --gpu-gb): what the plan leaves free")
+    ap.add_argument("--device-shards", type=int, default=None, metavar="N",
+                    help="runtime.device_shards: the forward's first N shards kept and updated on the device (no "
+                         "step boundary; their w and fp32 state there; default: the config's)")
     ap.add_argument("--grad-slots", type=_positive(int), default=None,
                     help="runtime.grad_slots: gradient slots per GPU in the store's scratch (default: the config's)")
     ap.add_argument("--grad-slot-mb", type=float, default=None, metavar="MB",
@@ -179,7 +182,8 @@ def _config(args: argparse.Namespace) -> tuple[Config, tuple[int, int, int]]:
 
 
 _FIELD_FLAGS = (("offload_activations", "runtime.offload_activations"), ("micro_batches", "training.micro_batches"),
-                ("resident_gb", "runtime.resident_gb"), ("grad_slots", "runtime.grad_slots"),
+                ("resident_gb", "runtime.resident_gb"), ("device_shards", "runtime.device_shards"),
+                ("grad_slots", "runtime.grad_slots"),
                 ("grad_slot_mb", "runtime.grad_slot_mb"), ("ema_decay", "training.ema_decay"),
                 ("distill_weight", "training.distill_weight"), ("prefetch_depth", "runtime.prefetch_depth"))
 """The flags that set one config field each (the argument's name, the field)."""

@@ -410,6 +410,7 @@ def test_cli_help_and_refusals(capsys):
     (["--grad-slot-mb", "-1"], "runtime.grad_slot_mb=-1.0 must be >= 0"),
     (["--grad-slot-mb", "nan"], "runtime.grad_slot_mb=nan must be >= 0"),
     (["--prefetch-depth", "0"], "runtime.prefetch_depth=0 must be >= 1"),
+    (["--device-shards", "9"], "runtime.device_shards=9 must be an integer from 0 to model.depth"),
     (["--offload-activations", "--preset", "tiny-motion"], "runtime.recompute_blocks=false with "
                                                             "runtime.offload_activations=true"),
 ])
@@ -420,7 +421,7 @@ def test_cli_runtime_flags_meet_the_configs_own_rules(capsys, argv, rule):
     err = capsys.readouterr().err
     assert code == 2 and err.startswith(f"error: {rule}"), err
     flag = argv[0] if argv[0] == "--offload-activations" else f"{argv[0]} {float(argv[1])}" \
-        if argv[0] != "--prefetch-depth" else f"{argv[0]} {argv[1]}"
+        if argv[0] not in ("--prefetch-depth", "--device-shards") else f"{argv[0]} {argv[1]}"
     assert f"(set by {flag})" in err, err
 
 

@@ -195,7 +195,8 @@ def _floor(p: Plan, out: _Lines) -> None:
                 fmt_seconds(p.step_s), f"({p.step_binding} binds; overlap off: {fmt_seconds(p.step_off_s)})")
         if p.step_boundary_s:
             out.row("  of which the compute waits at the step boundary (first fetches, last gradients)",
-                    fmt_seconds(p.step_boundary_s), "(its share falls with depth and with --micro-batches k)")
+                    fmt_seconds(p.step_boundary_s), "(its share falls with depth and with --micro-batches k; "
+                    "--device-shards 2 removes it for the device memory of shard 0 and block 1)")
     if not gen:
         out.row("transfer / compute, one GPU (host -> device time / compute time)", f"{p.transfer_compute_ratio:.3g}",
                 "(falls as 1/k with --micro-batches k)")
