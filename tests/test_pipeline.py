@@ -270,7 +270,8 @@ def test_samples_during_training_use_the_moving_average(ray_session, small_confi
         assert float((got - want).norm() / want.norm()) < 1e-5, f"shard {i}"
 
 
-@pytest.mark.slow  # 40 s: four Trainer runs; tests/test_device_shards.py holds the update itself by default
+@pytest.mark.core  # CI runs it every time: the device shards' checkpoint and rollback rules
+@pytest.mark.slow  # 80 s: four Trainer runs; tests/test_device_shards.py holds the update itself by default
 def test_device_shards_checkpoint_resume_and_a_lost_compute_actor(ray_session, small_config, tmp_path, monkeypatch):
     """runtime.device_shards through the Trainer: a checkpoint holds the device shards' state, so an
     interrupted run resumed ends bit-identical to a straight run without device shards; a compute
