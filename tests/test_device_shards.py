@@ -9,12 +9,9 @@ uninterrupted run; bad combinations are refused before any work."""
 import pytest
 import torch
 from helpers import assert_streamed_equals_in_process, demo_batches, streamed, train_steps
+from test_overlap import SMALL  # the small model the streaming tests train (3 blocks, 3 steps)
 
 from megaslide_ray.config import ConfigError, build_config
-
-SMALL = {"model.depth": 3, "model.hidden_size": 32, "model.num_heads": 2, "model.caption_dim": 16,
-         "model.patch_size": "2,8,8", "data.num_frames": 6, "data.height": 32, "data.width": 32,
-         "training.steps": 3}
 
 
 @pytest.fixture(scope="module")
