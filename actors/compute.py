@@ -174,7 +174,7 @@ class ComputeActor:
         self.w_dtype = DTYPES[shards[0].w_dtype]  # the weights' dtype: gradients are sent in it
         # runtime.device_shards: shards 0..N-1 kept and updated on this device (actors/device_shards.py)
         self.dev = DeviceShards(cfg, self.device, self.w_dtype)
-        self._dev_bufs: list[torch.Tensor] = []  # their gradient buffers, released after the update
+        self._dev_bufs: list[torch.Tensor] = []  # CPU: their pooled gradient buffers, released after the update
         self.link = Transfers(self.device, store, shards, transport, DTYPES[shards[0].w_dtype],
                               rt.overlap, rt.prefetch_depth, rt.link_gbps, grad_slots, rank,
                               self.teacher.store_numels(self.n) if self.teacher is not None else None)
@@ -219,7 +219,8 @@ class ComputeActor:
             self.dev.add_norm(sqnorm)
             if shard in self.dev:  # kept for the update on this device; the store gets its norm only
                 self.dev.keep_grad(shard, grad)
-                self._dev_bufs.append(acc)
+                if self._grad_pool is not None:  # released once the device update has read it
+                    self._dev_bufs.append(acc)
                 self._returns.append(self.link.report_norm(shard, step, sqnorm))
                 return
         sent = self.link.return_grad(self._base + shard, step, grad, sqnorm)
@@ -314,8 +315,7 @@ class ComputeActor:
         if self.dev:  # its shards' AdamW, while the last gradients are still on their way to the store
             self.dev.update(step)
             for buf in self._dev_bufs:
-                if self._grad_pool is not None:
-                    self._grad_pool.release(buf)
+                self._grad_pool.release(buf)
             self._dev_bufs = []
         for r in self._returns:  # every gradient has reached the store (errors surface here)
             if r is not None:

@@ -435,6 +435,7 @@ class ShardFeed:
                  fetch=None, device: dict[int, torch.Tensor] | None = None):
         self.link, self.order, self.step = link, order, step
         self.device = device or {}
+        self.on_device = [s in self.device for s in order]  # positions that fetch nothing (prefetch_window)
         self.fetch = fetch or link.fetch  # ``link.fetch_teacher``: the dense teacher's weights instead
         self.reused_from = {src: dst for dst, src in (reuse or {}).items()}  # kept position -> reusing one
         if any(order[src] != order[dst] for src, dst in self.reused_from.items()):
@@ -478,13 +479,13 @@ class ShardFeed:
         computes; device shards' positions are passed over (they fetch nothing), so the first
         fetch of a step starts with its first position even when device shards come first
         (``models.shards.prefetch_window``, which the planner's replay uses too)."""
-        return prefetch_window([s in self.device for s in self.order], pos, self.link.prefetch_depth)
+        return prefetch_window(self.on_device, pos, self.link.prefetch_depth)
 
     def done(self, w: torch.Tensor) -> None:
         """The compute is done with the weights ``w`` of the position last taken: keep them for
         the position that reuses them, else hand the buffer back."""
         self.link.compute_end()
-        if self.order[self.pos] in self.device:
+        if self.on_device[self.pos]:
             return
         if self.pos in self.reused_from:
             self.kept[self.reused_from[self.pos]] = w

@@ -108,9 +108,14 @@ def step_positions(cfg: Config, wbytes: int) -> StepPositions:
         order, fetch, flops = list(range(n)) + order, t_fetch + fetch, t_flops + flops
         grads = {p + n: b for p, b in grads.items()}
         device = {p + n for p in device}
-    # the device update: the gradient, master, m, v read, master, m, v and the compute copy written
-    update = sum(counts[:on_device]) * (wbytes + 28 + wbytes)
+    update = sum(counts[:on_device]) * adamw_pass_bytes(wbytes)  # the device update's pass
     return StepPositions(order, fetch, grads, flops, frozenset(device), update)
+
+
+def adamw_pass_bytes(wbytes: int) -> int:
+    """Bytes per parameter of one ideal AdamW pass: the gradient, master, m and v read, master, m, v
+    and the compute copy written (the store's update and the device shards' alike)."""
+    return 2 * wbytes + 24
 
 
 def teacher_positions(cfg: Config, wbytes: int) -> tuple[list[int], list[float]]:
@@ -168,7 +173,7 @@ def _replay(pre: float, fetch_s: list[float], comp_s: list[float], grad_s: dict[
     ret = 0.0
     for p in range(P):
         sp = submitter.get(p, p)
-        submit = pre if sp == 0 else c_start[sp] if sp < p else (c_end[p - 1] if p else pre)
+        submit = pre if sp == 0 else c_start[sp] if sp < p else c_end[p - 1]  # (sp == p: when it is taken)
         if fetch_s[p]:
             f_end[p] = max(link, submit) + fetch_s[p]
             link = f_end[p]
@@ -195,7 +200,7 @@ def predict_step(cfg: Config, wbytes: int, link_gbps: float, device_tflops: floa
     grads = {p: b / link for p, b in pos.grad_bytes.items()}
     depth = cfg.runtime.prefetch_depth if cfg.runtime.overlap else 0
     counts = _shard_counts(cfg)[0]
-    adamw = sum(counts[cfg.runtime.device_shards:]) * (2 * wbytes + 24) / (dram_gbps * 1e9)  # the store's shards
+    adamw = sum(counts[cfg.runtime.device_shards:]) * adamw_pass_bytes(wbytes) / (dram_gbps * 1e9)  # the store's
     terms = {"link": max(sum(fetch), sum(grads.values())), "compute": sum(comp), "host DRAM": adamw,
              **(node_terms or {})}
     floor = max(terms.values())  # what overlaps the whole step
