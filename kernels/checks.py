@@ -73,7 +73,8 @@ def bounded_offsets(shape, window, bound, seed=3, dtype=torch.float32):
     g = torch.Generator().manual_seed(seed)
     off = (torch.rand((B, T, H, W, nh, K, 3), generator=g) * 2 - 1) * bound
     whole = torch.rand(off.shape, generator=g) < 0.15
-    return torch.where(whole, off.round(), off).to(dtype)
+    moves = torch.where(off.round().abs() <= bound, off.round(), off.trunc())  # whole moves within the bound too
+    return torch.where(whole, moves, off).to(dtype)
 
 
 def make_qkv(shape, dtype=torch.float32, seed=0, requires_grad=False):

@@ -37,9 +37,18 @@ tiles of one phase add their halos without atomics and in a fixed order (determi
 phases run one after another. No per-sample record goes to memory: everything per sample lives in
 the tile's program.
 
-A query whose samples reach past its tile's halo (an offset beyond the promised bound) cannot be
-computed from the halo: its output row and its ``dq`` row are NaN, as in the GPU kernels, so a
-broken promise shows instead of giving a wrong number.
+The kernels walk the samples frame by frame (a frame's scores are in shared memory one frame at a
+time), and a sample touches 2 of the 5 frames its window layer can reach (bound 1.5): the samples of
+each query and layer are sorted by their lower time corner before the launch (``sample_order``), so
+the samples touching a frame are one run of that order (``frame_range``) and a walk visits only them.
+The sums are the same as over every sample (the others have weight 0 in that frame); this mirror
+computes them over every sample at once, and ``tests/test_dsa_halo_dense.py`` holds the runs to the
+frames' samples.
+
+A query with a sample whose lower corner lies past its reach on some axis (an offset beyond the
+promised bound: ``time_reach``) is not computed: its output row and its ``dq`` row are NaN, as in
+the GPU kernels, so a broken promise shows instead of giving a wrong number (the kernels sort such
+samples out of every walk and flag the query before the first frame).
 
 ``halo_dense_counts`` gives the algorithm's work per call (tensor-core MACs, weighted gathers and
 scatters, phases): the inputs of the cost model's row for these kernels (``kernels/dsa_cost.py``).
@@ -56,7 +65,8 @@ import torch
 
 from .dsa_reference import validate_dsa_inputs, window_base_positions, window_starts
 
-__all__ = ["TILE", "Tile", "dsa_halo_dense", "halo_box", "halo_tiles", "colour_counts", "halo_dense_counts"]
+__all__ = ["TILE", "Tile", "dsa_halo_dense", "halo_box", "halo_tiles", "colour_counts", "halo_dense_counts",
+           "time_reach", "sample_order", "frame_range"]
 
 TILE = (1, 8, 8)  # queries per tile (t, y, x): 64 rows, the M of one warpgroup's MMA
 
@@ -121,6 +131,66 @@ def _phases(tiles: list[Tile]) -> list[list[Tile]]:
 
 
 # -----------------------------------------------------------------------------
+# The samples in frame order: which samples a kernel's walk over one frame visits
+
+
+ORDER_WIDTH = 64  # int8 entries per (query, head, window layer): the order, then the bucket starts
+STARTS_AT = 56  # where the bucket starts begin (a layer of at most 56 samples, at most 7 buckets)
+
+
+def time_reach(bound: float) -> tuple[int, int]:
+    """``(ELO, EHI)``: a sample of window layer ``jt`` at offset ``|o| <= bound`` has its lower time corner
+    in frames ``st + jt - ELO .. st + jt + EHI - 1`` and touches ``st + jt - ELO .. st + jt + EHI``."""
+    return math.ceil(bound), math.floor(bound) + 1
+
+
+def sample_order(offsets: torch.Tensor, window, bound: float) -> torch.Tensor:
+    """Each query's samples of each window layer sorted by their lower time corner: ``(B, T, H, W, nh, kt,
+    ORDER_WIDTH)`` int8, entries ``[:kh*kw]`` the layer's samples as ``jy * 8 + jx`` (stable: ascending
+    within a frame), entries ``STARTS_AT + b`` (``b = 0 .. ELO + EHI``) where bucket ``b`` starts, bucket
+    ``b`` the samples whose lower time corner is frame ``st + jt - ELO + b``. A sample with a lower corner
+    past its reach on any axis (``time_reach``: an offset past the bound) is sorted last, after
+    ``STARTS_AT + ELO + EHI``'s count, and its query is broken (NaN rows). So the samples that touch a
+    frame (lower corner there or one below) are one contiguous run of the order (``frame_range``), and
+    a kernel's walk over a frame visits only them. Computed where the offsets are (no host sync),
+    positions in fp32 as the kernels compute them."""
+    B, T, H, W, nh, K, _ = offsets.shape
+    kt, kh, kw = (int(w) for w in window)
+    elo, ehi = time_reach(bound)
+    nb = elo + ehi
+    if kh * kw > STARTS_AT or kw > 8 or kh > 15 or nb + 1 > ORDER_WIDTH - STARTS_AT:
+        raise ValueError(f"window {tuple(window)} and bound {bound}: the sample order holds layers of at most "
+                         f"{STARTS_AT} samples (kw <= 8, kh <= 15) and bounds of at most 3")
+    dev = offsets.device
+    off = offsets.float().reshape(B, T, H, W, nh, kt, kh, kw, 3)
+    rel = []
+    for axis, (size, k) in enumerate(zip((T, H, W), (kt, kh, kw))):
+        view = [1] * 8
+        view[1 + axis], view[5 + axis] = size, k
+        base = (window_starts(size, k, dev)[:, None] + torch.arange(k, device=dev)).float().view(view)
+        rel.append(torch.floor((base + off[..., axis]).clamp(0, size - 1)) - base)  # lower corner - base
+    key = rel[0].reshape(B, T, H, W, nh, kt, kh * kw) + elo
+    inside = torch.stack([(r >= -elo) & (r <= ehi - 1) for r in rel]).all(0).reshape(key.shape)
+    key = torch.where(inside, key, torch.full_like(key, nb)).to(torch.int64)
+    order = torch.sort(key, dim=-1, stable=True).indices
+    starts = torch.stack([(key < b).sum(-1) for b in range(nb + 1)], dim=-1)
+    out = torch.zeros((B, T, H, W, nh, kt, ORDER_WIDTH), dtype=torch.int8, device=dev)
+    out[..., :kh * kw] = (order // kw * 8 + order % kw).to(torch.int8)
+    out[..., STARTS_AT:STARTS_AT + nb + 1] = starts.to(torch.int8)
+    return out
+
+
+def frame_range(starts: torch.Tensor, rel: int, bound: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """The run ``[a, e)`` of a layer's order (``sample_order``) whose samples touch the frame ``rel`` frames
+    from the layer's (``rel = f - st - jt``, in ``-ELO .. EHI``): lower corner there or one below.
+    ``starts (..., ELO + EHI + 1)``: the bucket starts."""
+    elo, ehi = time_reach(bound)
+    nb = elo + ehi
+    lo, hi = min(max(rel - 1 + elo, 0), nb), min(max(rel + elo + 1, 0), nb)
+    return starts[..., lo], starts[..., hi]
+
+
+# -----------------------------------------------------------------------------
 # One tile's samples: corners as halo indices, weights and their derivatives
 
 
@@ -132,9 +202,11 @@ class _Samples:
     broken: torch.Tensor  # (BH, M) bool: a corner lies outside the halo (offset past the bound)
 
 
-def _tile_samples(off: torch.Tensor, base: torch.Tensor, tile: Tile, grid, cd: torch.dtype) -> _Samples:
+def _tile_samples(off: torch.Tensor, base: torch.Tensor, tile: Tile, grid, cd: torch.dtype, bound: float) -> _Samples:
     """Corners of the samples of one tile's queries. ``off (BH, M, K, 3)``, ``base (M, K, 3)``;
-    positions and weights in ``cd`` (fp32, or fp64 for fp64 inputs)."""
+    positions and weights in ``cd`` (fp32, or fp64 for fp64 inputs). A sample is broken where a lower
+    corner leaves its reach on some axis (``time_reach``: an offset past the bound; the kernels sort it
+    out of every walk, ``sample_order``), which it must for a corner to leave the tile's halo."""
     raw = base.to(cd)[None] + off.to(cd)
     axes = []
     for a, size in enumerate(grid):
@@ -157,7 +229,12 @@ def _tile_samples(off: torch.Tensor, base: torch.Tensor, tile: Tile, grid, cd: t
         idx.append(flat)
         w.append(wt * wy * wx)
         dw.append(torch.stack((gt * wy * wx, wt * gy * wx, wt * wy * gx), dim=-1))
-    broken = (axes[0][4] | axes[1][4] | axes[2][4]).any(dim=-1)
+    elo, ehi = time_reach(bound)
+    late = torch.zeros_like(axes[0][4])
+    for a in range(3):  # a lower corner past its reach (``time_reach``, on every axis): implies ``out``
+        rel = axes[a][0] + tile.k_lo[a] - base[None, ..., a]
+        late = late | (rel < -elo) | (rel > ehi - 1)
+    broken = (axes[0][4] | axes[1][4] | axes[2][4] | late).any(dim=-1)
     return _Samples(idx, w, dw, broken)
 
 
@@ -197,6 +274,7 @@ class _Layout:
         self.cd = torch.promote_types(q.dtype, torch.float32)  # positions, weights, softmax, sums
         self.B, self.nh, self.d, self.K = B, nh, d, window[0] * window[1] * window[2]
         self.tiles = halo_tiles(self.grid, self.window, bound, tile)
+        self.bound = float(bound)
         self.base = window_base_positions(self.grid, self.window).to(q.device)  # (T, H, W, K, 3)
         self.off = offsets.permute(0, 4, 1, 2, 3, 5, 6).reshape(B * nh, T, H, W, self.K, 3)
 
@@ -216,7 +294,7 @@ class _Layout:
         off = self.box(self.off, tile.q_lo, tile.q_hi)
         base = self.base[tile.q_lo[0]:tile.q_hi[0] + 1, tile.q_lo[1]:tile.q_hi[1] + 1,
                          tile.q_lo[2]:tile.q_hi[2] + 1].reshape(-1, self.K, 3)
-        return _tile_samples(off, base, tile, self.grid, self.cd)
+        return _tile_samples(off, base, tile, self.grid, self.cd, self.bound)
 
 
 def _tile_probs(qt, kh, smp: _Samples, scale: float, io, lse=None):

@@ -287,3 +287,80 @@ def test_fused_mode_takes_the_fused_backward_only_where_it_may(monkeypatch):
     assert DT._dsa_bwd_launch(q, q, q, off, q, q, None, (3, 7, 7), 0.1, None, None, 1.5,
                               KernelModes(halo="fused")) == "fused"
     assert asked == ["backward"]
+
+
+def test_the_sample_order_puts_each_frames_samples_in_one_run():
+    """``sample_order``: for every query, window layer and frame of the clip its layer reaches, the run
+    ``frame_range`` gives holds exactly the samples whose time corners touch that frame (lower corner
+    there or one below, clamped at the clip's ends as the operator clamps), each layer's order is a
+    permutation (as ``jy * 8 + jx``), and a sample with a lower corner past its reach on any axis (an
+    offset past the bound) is in no run."""
+    from kernels.dsa_halo_dense import STARTS_AT, frame_range, sample_order, time_reach
+    from kernels.dsa_reference import window_starts
+
+    grid, window, bound = (6, 4, 5), (3, 2, 3), 1.5
+    B, nh, kt, kh, kw = 2, 2, *window
+    kk = kh * kw
+    g = torch.Generator().manual_seed(11)
+    off = (torch.rand((B, *grid, nh, kt * kk, 3), generator=g) * 2 - 1) * bound
+    off[0, 2, 1, 1, 0, kk + 1, 0] = 2.7  # past the bound in time: 2 frames past layer 1's reach
+    off[1, 3, 2, 4, 1, 2 * kk + 4, 2] = -2.2  # past the bound in x (base 3 -> 0.8: lower corner 3 columns back)
+    off[1, 0, 0, 0, 1, 0, 0] = -1.5  # exactly at the bound, clamped at the clip's start
+    off = off.to(torch.bfloat16)
+    order = sample_order(off, window, bound)
+    elo, ehi = time_reach(bound)
+    starts_of = [window_starts(n, k) for n, k in zip(grid, window)]
+    T = grid[0]
+    late = 0
+    for b, t, y, x, h, jt in itertools.product(range(B), range(T), range(grid[1]), range(grid[2]), range(nh), range(kt)):
+        row = order[b, t, y, x, h, jt].long()
+        packed = row[:kk]
+        js = (packed >> 3) * kw + (packed & 7)
+        assert sorted(js.tolist()) == list(range(kk)) and ((packed & 7) < kw).all()
+        starts = row[STARTS_AT:STARTS_AT + elo + ehi + 1]
+        o = off[b, t, y, x, h, jt * kk:(jt + 1) * kk].float()
+        jy, jx = torch.arange(kk) // kw, torch.arange(kk) % kw
+        bases = (int(starts_of[0][t]) + jt, int(starts_of[1][y]) + jy, int(starts_of[2][x]) + jx)
+        ok = torch.ones(kk, dtype=torch.bool)
+        for a, (size, base) in enumerate(zip(grid, bases)):
+            rel = torch.floor((base + o[:, a]).clamp(0, size - 1)) - base
+            ok &= (rel >= -elo) & (rel <= ehi - 1)
+        late += int((~ok).sum())
+        assert int(starts[-1]) == int(ok.sum())  # the samples past their reach: after every bucket
+        layer = bases[0]
+        t0 = torch.floor((layer + o[:, 0]).clamp(0, T - 1)).long()
+        t1 = (t0 + 1).clamp(max=T - 1)
+        for rel in range(-elo, ehi + 1):
+            f = layer + rel
+            if not 0 <= f < T:
+                continue  # no such frame: no walk
+            a, e = (int(v) for v in frame_range(starts, rel, bound))
+            want = {j for j in range(kk) if ok[j] and (t0[j] == f or t1[j] == f)}
+            assert set(js[a:e].tolist()) == want, (b, t, y, x, h, jt, rel)
+    assert late == 2
+
+
+def test_a_sample_past_its_layers_reach_is_broken_though_inside_the_halo():
+    """A sample whose lower time corner leaves its window layer's reach (the frames the kernels walk that
+    layer in) gives a NaN row even where its corners stay inside the tile's halo (another layer's
+    reach): never a silently missing corner."""
+    grid, window, bound = (5, 4, 4), (3, 3, 3), 1.0
+    shape = (1, *grid, 1, 8)
+    q, k, v = make_qkv(shape, torch.float64, seed=8)
+    off = bounded_offsets(shape, window, bound, seed=9, dtype=torch.float64)
+    off[0, 2, 1, 1, 0, 4, 0] = 2.6  # query t = 2 (window frames 1..3), layer 0 at frame 1 -> 3.6: corners 3, 4
+    got = dsa_halo_dense(q, k, v, off, window, bound, tile=(1, 4, 4))
+    assert got.isnan().any(-1)[0, ..., 0].nonzero().tolist() == [[2, 1, 1]]
+
+
+def test_the_gluon_kernels_read_the_order_as_it_is_written():
+    """The Gluon kernels' layout of the sample order (entries per query and layer, where the bucket
+    starts begin) is ``sample_order``'s."""
+    from kernels.dsa_gluon_halo import gluon_halo_refusal
+    from kernels.dsa_halo_dense import ORDER_WIDTH, STARTS_AT
+
+    if gluon_halo_refusal() is not None:
+        pytest.skip(gluon_halo_refusal())
+    from kernels import dsa_gluon_halo_jit as jit
+
+    assert (jit.ORDER_WIDTH.value, jit.STARTS_AT.value) == (ORDER_WIDTH, STARTS_AT)
