@@ -12,17 +12,22 @@ The forward: one program = a 1 x 8 x 8 query tile of one (batch, head) pair, 8 w
    into shared memory, ``S = Q K^T`` per chunk on tensor cores (``warpgroup_mma``), stored into the
    frame's score buffer ``S_s (64 x SW)`` in fp16 (scores are scaled by ``d^-1/2`` after: an fp16
    rounding of a score of 30 moves its logit by about 1e-3); then per window layer ``jt`` whose
-   samples can reach ``f``, in chunks of ``JC`` samples: their positions, clamped, their corners in
-   ``f`` and the trilinear weights, the corners' scores read back with a shared-memory gather and
-   summed, fp32, into the samples' scores ``Z_s`` (one ``64 x KP`` buffer per window layer).
+   samples can reach ``f``, only the samples that touch ``f`` (each query's run of the layer's sample
+   order, ``dsa_halo_dense.sample_order``: sorted by lower time corner on the offsets' device before
+   the launch), in chunks of ``JC`` samples, as many as the tile's longest run needs: their
+   positions, clamped, their corners in ``f`` and the trilinear weights, the corners' scores read
+   back with a shared-memory gather and added, fp32, into the samples' scores ``Z_s`` (one
+   ``64 x KP`` buffer per window layer, indexed by sample: a shared-memory atomic add). A sample
+   touches 2 of the 5 frames its layer can reach: the unsorted walks visited every sample in all 5.
 3. Softmax over the window (base 2; the log-sum-exp kept as the gather kernels keep it, so their
    backward can follow this forward); the unnormalised probabilities written over ``Z_s``.
-4. Per halo frame again: the probabilities times the corners' weights scatter-added into ``S_s``
+4. Per halo frame again (the same runs): the probabilities times the corners' weights scatter-added into ``S_s``
    (now the frame's ``P``, zeroed first: ``atomic_scatter_add`` on shared memory, a native
    ``red.shared.add.f16``), then ``O += P V`` per chunk of 64 keys on tensor cores, ``P`` cast to
    bf16 as flash attention casts its probabilities.
-5. ``O`` to memory; a query whose corners leave the halo (an offset past the promised bound) gets
-   a NaN row, as in the other bounded kernels.
+5. ``O`` to memory; a query whose corners leave the halo, or with a sample past its layer's reach
+   (an offset past the promised bound: sorted after every run), gets a NaN row, as in the other
+   bounded kernels.
 
 Needs Triton >= 3.8 (Gluon's shared-memory gather and atomic scatter-add: ``gluon_halo_refusal``
 says why not where they are missing). No GPU has run it yet: ``tests/test_compile_sm90.py``
@@ -108,10 +113,12 @@ def halo_dense_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, offset
     gather kernels' convention, so their backward can follow it)."""
     B, T, H, W, nh, d = q.shape
     cx = gluon_halo_constexprs(d, window, bound)
+    from .dsa_halo_dense import sample_order  # lazy: the walks' order, computed on the offsets' device
+
     out = torch.empty_like(q)
     lse = torch.empty((B, nh, T * H * W), device=q.device, dtype=torch.float32)
     grid = (T * -(-H // TILE_Y) * -(-W // TILE_X), B * nh)
-    halo_dense_kernel()[grid](q, k, v, offsets, out, lse, scale * 1.4426950408889634, T, H, W, nh, **cx,
+    halo_dense_kernel()[grid](q, k, v, offsets, sample_order(offsets, window, bound), out, lse, scale * 1.4426950408889634, T, H, W, nh, **cx,
                               num_warps=GLUON_WARPS)
     return out, lse
 
@@ -149,9 +156,12 @@ def halo_dense_backward(q, k, v, offsets, out, dout, lse, window, scale: float, 
     dq = torch.empty_like(q)
     dk, dv = (torch.zeros(x.shape, device=x.device, dtype=torch.float32) for x in (k, v))
     doff = torch.zeros(offsets.shape, device=offsets.device, dtype=torch.float32)
+    from .dsa_halo_dense import sample_order  # lazy: the walks' order, computed on the offsets' device
+
+    order = sample_order(offsets, window, bound)
     counts, phases = phase_launches((T, H, W), window, bound)
     for pt, py, px, n in phases:  # one after another: the tiles of one phase share no key
-        halo_dense_bwd_kernel()[(n, B * nh)](q, k, v, offsets, out, dout, lse, dq, dk, dv, doff,
+        halo_dense_bwd_kernel()[(n, B * nh)](q, k, v, offsets, order, out, dout, lse, dq, dk, dv, doff,
                                              scale * 1.4426950408889634, scale, T, H, W, nh, pt, py, px, *counts,
                                              **cx, num_warps=GLUON_WARPS)
     return dq, dk.to(k.dtype), dv.to(v.dtype), doff.to(offsets.dtype)
@@ -170,7 +180,7 @@ def aot_variants(shape) -> list[dict]:
     cx = gluon_halo_constexprs(shape.head_dim, shape.window, float(shape.max_offset))
     t = AOT_POINTER_TYPES[shape.dtype]
     sig = {n: "i32" for n in fn.arg_names}
-    sig.update({n: t for n in ("Q", "K", "V", "OFF", "OUT")}, LSE="*fp32", qk_scale="fp32")
+    sig.update({n: t for n in ("Q", "K", "V", "OFF", "OUT")}, ORD="*i8", LSE="*fp32", qk_scale="fp32")
     sig.update({n: "constexpr" for n in cx})
     fwd = dict(kernel="fused_fwd", fn=fn, signature=sig, constexprs=cx, num_warps=GLUON_WARPS, num_stages=1,
                attrs=aligned_pointer_attrs(fn, {n: v for n, v in sig.items() if v.startswith("*")}),
@@ -178,7 +188,7 @@ def aot_variants(shape) -> list[dict]:
                note="the fused halo-dense forward (Gluon): not picked until a GPU run checks it")
     bwd_fn = halo_dense_bwd_kernel()
     bsig = {n: "i32" for n in bwd_fn.arg_names}
-    bsig.update({n: t for n in ("Q", "K", "V", "OFF", "OUT", "DO", "DQ")}, qk_scale="fp32", scale="fp32",
+    bsig.update({n: t for n in ("Q", "K", "V", "OFF", "OUT", "DO", "DQ")}, ORD="*i8", qk_scale="fp32", scale="fp32",
                 **{n: "*fp32" for n in ("LSE", "DK", "DV", "DOFF")}, **{n: "constexpr" for n in cx})
     bcx = dict(cx, JC=BWD_SAMPLE_CHUNK)
     bwd = dict(fwd, kernel="fused_bwd", fn=bwd_fn, signature=bsig, constexprs=bcx,

@@ -6,8 +6,8 @@ One program = one 1 x 8 x 8 query tile of one (batch, head) pair, 8 warps, 216 K
 launched per colour phase (the tiles of one phase share no key, so each adds its halo's dk, dv rows
 with plain loads and stores). Four frame loops, each frame's 64-key chunks on tensor cores, the
 frame's matrix in ``S_s`` (fp16), the samples' values in ``P_s`` and ``G_s`` (fp32, one buffer per
-window layer); every walk over the samples stops at the window's ``KH * KW`` (whole chunks of ``JC``),
-not the padded ``KP``:
+window layer); every walk over a frame visits only the samples that touch it (each query's run of
+its layer's sample order, ``dsa_halo_dense.sample_order``, ``JC`` samples a chunk):
 
 1. ``dP = dO V^T``; the samples' ``dp`` gathered into ``G_s`` and, from the same corners, each one's
    derivative along the sample's position (``d(dp)/dpos = sum_c dP_c dw_c``) added into ``DOFF``.
@@ -15,7 +15,7 @@ not the padded ``KP``:
    into ``DOFF`` (dp is complete after pass 1); then ``p = exp2(z qk_scale - lse)``,
    ``ds = p (dp - D)``, and ``DOFF`` times ``p``: the offsets' gradient
    ``p d(dp)/dpos + scale ds dz/dpos``, done.
-3. ``P`` scattered onto the frame (and the queries whose corners leave the halo found);
+3. ``P`` scattered onto the frame (the queries with a sample past its reach found before it);
    ``dV = P^T dO`` (plain adds).
 4. ``dS`` (``ds`` times the corners' weights, times ``DS_GAIN`` in fp16) scattered onto the frame;
    ``dQ += dS K``, ``dK = dS^T Q`` (plain adds), both times ``scale / DS_GAIN``.
@@ -40,8 +40,12 @@ from .dsa_gluon_halo_jit import (
     _corner_index,
     _frame_i32,
     _frame_probs,
+    _frame_run,
     _frame_scores,
     _halo_rows,
+    _late,
+    _order_row,
+    _run_samples,
     _start,
     _zero_samples,
 )
@@ -68,70 +72,61 @@ def _live(base, off, size):
 
 
 @gluon.jit
-def _layer_derivs(OFF, off_row, q_ok, jt, j0, st, sy, sx, T, H, W, lo_t, lo_y, lo_x, fyn, fxn, f,
+def _layer_derivs(OFF, off_row, ORD, ord_row, a, e, r0, q_ok, jt, st, sy, sx, T, H, W, lo_t, lo_y, lo_x, fyn, fxn, f,
                   KH: gl.constexpr, KW: gl.constexpr, JC: gl.constexpr, layout: gl.constexpr):
-    """The forward's ``_layer_samples`` for samples ``j0 .. j0 + JC`` of layer ``jt`` in frame ``f`` (weight,
-    corners, fractions, leaving the halo), and the derivatives: of the weight along t (``-1`` at the
-    lower corner frame, ``+1`` at the upper, 0 where clamped), the y and x clamps' pass-through (1 or 0).
-    The offsets are read volatile: kept per frame, not hoisted out of the frame loop for every layer."""
-    j = j0 + gl.arange(0, JC, layout=gl.SliceLayout(0, layout))
-    jy = j // KW
-    jx = j % KW
-    ok = q_ok[:, None] & (j < KH * KW)[None, :]
-    idx = off_row[:, None] + ((jt * KH * KW + j) * 3)[None, :]
-    ot = gl.load(OFF + idx, mask=ok, other=0.0, volatile=True).to(gl.float32)
-    oy = gl.load(OFF + idx + 1, mask=ok, other=0.0, volatile=True).to(gl.float32)
-    ox = gl.load(OFF + idx + 2, mask=ok, other=0.0, volatile=True).to(gl.float32)
-    bt = st + jt + gl.zeros_like(jy)[None, :]
-    by = sy[:, None] + jy[None, :]
-    bx = sx[:, None] + jx[None, :]
+    """The forward's ``_layer_samples`` for the samples at ``r0 .. r0 + JC`` of each query's run ``[a, e)``
+    of layer ``jt``'s sample order in frame ``f`` (index, weight, corners, fractions, within the run),
+    and the derivatives: of the weight along t (``-1`` at the lower corner frame, ``+1`` at the upper, 0
+    where clamped), the y and x clamps' pass-through (1 or 0)."""
+    j, jy, jx, ok, idx, ot, oy, ox = _run_samples(OFF, off_row, ORD, ord_row, a, e, r0, q_ok, jt, KH, KW, JC, layout)
+    bt = st + jt + gl.zeros_like(jy)
+    by = sy[:, None] + jy
+    bx = sx[:, None] + jx
     t0, t1, ft = _axis(bt, ot, T, lo_t)
     y0, y1, fy = _axis(by, oy, H, lo_y)
     x0, x1, fx = _axis(bx, ox, W, lo_x)
     wt = gl.where(t0 == f, 1.0 - ft, 0.0) + gl.where(t1 == f, ft, 0.0)
     lt = _live(bt, ot, T)
     dwt = gl.where(t0 == f, -lt, 0.0) + gl.where(t1 == f, lt, 0.0)
-    out = (t0 < 0) | (y0 < 0) | (x0 < 0) | (y1 >= fyn) | (x1 >= fxn)
-    return (gl.where(ok, wt, 0.0), y0, y1, fy, x0, x1, fx, ok & out, dwt, _live(by, oy, H), _live(bx, ox, W), idx,
-            ok)
+    return (gl.where(ok, wt, 0.0), y0, y1, fy, x0, x1, fx, dwt, _live(by, oy, H), _live(bx, ox, W), idx, ok, j)
 
 
 @gluon.jit
-def _frame_scores_derivs(S_s, Z_s, C_s, D, c_scale, OFF, DOFF, off_row, q_ok, st, sy, sx, T, H, W, lo_t, lo_y, lo_x,
-                         fyn, fxn, f, KT: gl.constexpr, KH: gl.constexpr, KW: gl.constexpr, ELO: gl.constexpr,
+def _frame_scores_derivs(S_s, Z_s, C_s, D, c_scale, OFF, DOFF, ORD, off_row, q_ok, st, sy, sx, T, H, W, lo_t, lo_y,
+                         lo_x, fyn, fxn, f, KT: gl.constexpr, KH: gl.constexpr, KW: gl.constexpr, ELO: gl.constexpr,
                          EHI: gl.constexpr, SW: gl.constexpr, FX: gl.constexpr, JC: gl.constexpr, smp: gl.constexpr,
                          FACTOR: gl.constexpr):
-    """A walk over frame ``f``'s matrix ``X`` (``dP`` in pass 1, ``S`` in pass 2; in ``S_s``): each sample's
-    value from its corners added to ``Z_s`` (the forward's ``_frame_sample_scores``), and from the same
-    corners its derivative along the sample's position, ``sum_c X_c dw_c / dpos``, added into ``DOFF``
-    -- with ``FACTOR``, times ``c_scale (C_s - D)`` (pass 2: ``scale (dp - D)``, dp complete after
-    pass 1). Samples whose corners leave the halo add nothing to ``DOFF``."""
+    """A walk over frame ``f``'s matrix ``X`` (``dP`` in pass 1, ``S`` in pass 2; in ``S_s``), per window
+    layer only over the samples that touch ``f`` (their run of the sample order): each one's value from
+    its corners added to ``Z_s`` (the forward's ``_frame_sample_scores``), and from the same corners its
+    derivative along the sample's position, ``sum_c X_c dw_c / dpos``, added into ``DOFF`` -- with
+    ``FACTOR``, times ``c_scale (C_s - D)`` (pass 2: ``scale (dp - D)``, dp complete after pass 1)."""
     f = _frame_i32(f)
+    ord_row = _order_row(off_row, KT, KH, KW)
     for jt in gl.static_range(KT):
         if (lo_t + f >= st + jt - ELO) & (lo_t + f <= st + jt + EHI):
-            for j0 in gl.static_range(0, KH * KW, JC):
-                wt, y0, y1, fy, x0, x1, fx, out, dwt, ly, lx, idx, ok = _layer_derivs(
-                    OFF, off_row, q_ok, jt, j0, st, sy, sx, T, H, W, lo_t, lo_y, lo_x, fyn, fxn, f, KH, KW, JC, smp)
+            a, e, n = _frame_run(ORD, ord_row, q_ok, jt, lo_t + f - st - jt, ELO, EHI)
+            for r0 in range(0, n, JC):
+                wt, y0, y1, fy, x0, x1, fx, dwt, ly, lx, idx, ok, j = _layer_derivs(
+                    OFF, off_row, ORD, ord_row, a, e, r0, q_ok, jt, st, sy, sx, T, H, W, lo_t, lo_y, lo_x, fyn, fxn,
+                    f, KH, KW, JC, smp)
                 c00, c01, c10, c11 = _corner_index(y0, y1, x0, x1, FX, SW)
                 f00 = S_s.gather(c00, 1).to(gl.float32)
                 f01 = S_s.gather(c01, 1).to(gl.float32)
                 f10 = S_s.gather(c10, 1).to(gl.float32)
                 f11 = S_s.gather(c11, 1).to(gl.float32)
                 bil = (1.0 - fy) * ((1.0 - fx) * f00 + fx * f01) + fy * ((1.0 - fx) * f10 + fx * f11)
-                zs = Z_s[jt].slice(j0, JC, dim=1)
-                zs.store(zs.load(smp) + wt * bil)
-                keep = ok & (out == 0)
+                Z_s[jt].atomic_scatter_add(wt * bil, j, 1, mask=ok)
                 gy = ly * ((1.0 - fx) * (f10 - f00) + fx * (f11 - f01))
                 gx = lx * ((1.0 - fy) * (f01 - f00) + fy * (f11 - f10))
                 if FACTOR:
-                    c = (C_s[jt].slice(j0, JC, dim=1).load(smp) - D[:, None]) * c_scale
+                    c = (C_s[jt].gather(j, 1) - D[:, None]) * c_scale
                     bil = bil * c
                     wt = wt * c
                 dptr = DOFF + idx
-                gl.store(dptr, gl.load(dptr, mask=keep, other=0.0) + dwt * bil, mask=keep)  # bil, wt: times c
-                gl.store(dptr + 1, gl.load(dptr + 1, mask=keep, other=0.0) + wt * gy, mask=keep)
-                gl.store(dptr + 2, gl.load(dptr + 2, mask=keep, other=0.0) + wt * gx, mask=keep)
-                gl.barrier()  # one chunk's tensors at a time: unfenced, the chunks are scheduled together and spill
+                gl.store(dptr, gl.load(dptr, mask=ok, other=0.0) + dwt * bil, mask=ok)  # bil, wt: times c
+                gl.store(dptr + 1, gl.load(dptr + 1, mask=ok, other=0.0) + wt * gy, mask=ok)
+                gl.store(dptr + 2, gl.load(dptr + 2, mask=ok, other=0.0) + wt * gx, mask=ok)
     gl.barrier()
 
 
@@ -274,7 +269,7 @@ DS_GAIN = gl.constexpr(256.0)  # dS is staged in fp16 times this power of two (n
 
 
 @gluon.jit
-def halo_dense_bwd(Q, K, V, OFF, OUT, DO, LSE, DQ, DK, DV, DOFF, qk_scale, scale, T, H, W, NH, PT, PY, PX, CT, CY, CX,
+def halo_dense_bwd(Q, K, V, OFF, ORD, OUT, DO, LSE, DQ, DK, DV, DOFF, qk_scale, scale, T, H, W, NH, PT, PY, PX, CT, CY, CX,
                    HEAD_DIM: gl.constexpr, KT: gl.constexpr, KH: gl.constexpr, KW: gl.constexpr,
                    ELO: gl.constexpr, EHI: gl.constexpr, FY: gl.constexpr, FX: gl.constexpr,
                    NCH: gl.constexpr, SW: gl.constexpr, KTP: gl.constexpr, KP: gl.constexpr,
@@ -319,13 +314,13 @@ def halo_dense_bwd(Q, K, V, OFF, OUT, DO, LSE, DQ, DK, DV, DOFF, qk_scale, scale
     lo_t = geo[8]
     for f in range(0, ftn):  # pass 1: the samples' dp and d(dp)/dpos
         _frame_scores(do_s, kv_s, S_s, V, kv[0], kv[1], lo_t + f, *kv[2:], M, HEAD_DIM, NCH, FX, ld, s_mma)
-        _frame_scores_derivs(S_s, G_s, G_s, D, scale, OFF, DOFF, *_pin(geo), f, KT, KH, KW, ELO, EHI, SW, FX, JC,
+        _frame_scores_derivs(S_s, G_s, G_s, D, scale, OFF, DOFF, ORD, *_pin(geo), f, KT, KH, KW, ELO, EHI, SW, FX, JC,
                              smp, False)
     geo, kv, ftn = _where(_opaque_pid(), args, HEAD_DIM, KT, KH, KW, ELO, EHI, TY, TX, M, smp)
     lo_t = geo[8]
     for f in range(0, ftn):  # pass 2: the samples' scores and scale (dp - D) dz/dpos
         _frame_scores(q_s, kv_s, S_s, K, kv[0], kv[1], lo_t + f, *kv[2:], M, HEAD_DIM, NCH, FX, ld, s_mma)
-        _frame_scores_derivs(S_s, P_s, G_s, D, scale, OFF, DOFF, *_pin(geo), f, KT, KH, KW, ELO, EHI, SW, FX, JC,
+        _frame_scores_derivs(S_s, P_s, G_s, D, scale, OFF, DOFF, ORD, *_pin(geo), f, KT, KH, KW, ELO, EHI, SW, FX, JC,
                              smp, True)
     tl, yl, xl = _phase_tile(_opaque_pid(), H, W, PT, PY, PX, CT, CY, CX, TY, TX)  # not held across the passes
     ql = gl.arange(0, M, layout=gl.SliceLayout(1, smp))
@@ -333,7 +328,7 @@ def halo_dense_bwd(Q, K, V, OFF, OUT, DO, LSE, DQ, DK, DV, DOFF, qk_scale, scale
                   mask=(yl + ql // TX < H) & (xl + ql % TX < W), other=0.0)
     _probs_from_lse(P_s, lse, qk_scale, M, KT, KH, KW, KP, JC, smp)
     _ds_from_dp(G_s, P_s, D, DOFF, geo[0], geo[1], M, KT, KH, KW, JC, smp)
-    dq, broken = _passes_3_4(Q, K, V, OFF, DK, DV, DOFF, scale, q_s, do_s, kv_s, p_s, S_s, P_s, G_s, args, M,
+    dq, broken = _passes_3_4(Q, K, V, OFF, ORD, DK, DV, DOFF, scale, q_s, do_s, kv_s, p_s, S_s, P_s, G_s, args, M,
                              HEAD_DIM, KT, KH, KW, ELO, EHI, FY, FX, NCH, SW, KP, JC, TY, TX, ld, smp, s_mma, o_mma)
     t, y0, x0 = _phase_tile(_opaque_pid(), H, W, PT, PY, PX, CT, CY, CX, TY, TX)  # again: not held (spill)
     am = gl.arange(0, M, layout=gl.SliceLayout(1, o_mma))
@@ -345,27 +340,27 @@ def halo_dense_bwd(Q, K, V, OFF, OUT, DO, LSE, DQ, DK, DV, DOFF, qk_scale, scale
 
 
 @gluon.jit
-def _passes_3_4(Q, K, V, OFF, DK, DV, DOFF, scale, q_s, do_s, kv_s, p_s, S_s, P_s, G_s, args,
+def _passes_3_4(Q, K, V, OFF, ORD, DK, DV, DOFF, scale, q_s, do_s, kv_s, p_s, S_s, P_s, G_s, args,
                 M: gl.constexpr, HEAD_DIM: gl.constexpr, KT: gl.constexpr, KH: gl.constexpr, KW: gl.constexpr,
                 ELO: gl.constexpr, EHI: gl.constexpr, FY: gl.constexpr, FX: gl.constexpr, NCH: gl.constexpr,
                 SW: gl.constexpr, KP: gl.constexpr, JC: gl.constexpr, TY: gl.constexpr, TX: gl.constexpr,
                 ld: gl.constexpr, smp: gl.constexpr, s_mma: gl.constexpr, o_mma: gl.constexpr):
-    """Passes 3 and 4 (module docstring): P and dV (and the queries whose corners leave the halo); dS,
+    """Passes 3 and 4 (module docstring): P and dV (and the queries with a sample past its reach); dS,
     dQ and dK. The dQ accumulator is live in pass 4 alone."""
     gain = gl.full([M], DS_GAIN, gl.float32, gl.SliceLayout(1, smp))
     one = gl.full([M], 1.0, gl.float32, gl.SliceLayout(1, smp))
     broken = gl.zeros([M], gl.int32, gl.SliceLayout(1, smp))
     geo, kv, ftn = _where(_opaque_pid(), args, HEAD_DIM, KT, KH, KW, ELO, EHI, TY, TX, M, smp)
     lo_t = geo[8]
+    broken = _late(ORD, _order_row(geo[0], KT, KH, KW), geo[1], broken, KT, KH, KW, ELO, EHI)
     for f in range(0, ftn):  # pass 3: P; dV += P^T dO
-        broken = _frame_probs(S_s, P_s, one, OFF, *_pin(geo), f, M, KT, KH, KW, ELO, EHI, FX, SW, KP, JC, smp,
-                              broken, True)
+        _frame_probs(S_s, P_s, one, OFF, ORD, *_pin(geo), f, M, KT, KH, KW, ELO, EHI, FX, SW, KP, JC, smp, NCH)
         _frame_dv(S_s, p_s, do_s, DV, kv[0], kv[1], lo_t + f, *kv[2:], M, HEAD_DIM, NCH, FX, ld, smp, o_mma)
     dq = gl.zeros([M, HEAD_DIM], gl.float32, o_mma)
     geo, kv, ftn = _where(_opaque_pid(), args, HEAD_DIM, KT, KH, KW, ELO, EHI, TY, TX, M, smp)
     lo_t = geo[8]
     for f in range(0, ftn):  # pass 4: dS; dQ += dS K, dK += dS^T Q
-        _frame_probs(S_s, G_s, gain, OFF, *_pin(geo), f, M, KT, KH, KW, ELO, EHI, FX, SW, KP, JC, smp, broken, False)
+        _frame_probs(S_s, G_s, gain, OFF, ORD, *_pin(geo), f, M, KT, KH, KW, ELO, EHI, FX, SW, KP, JC, smp, NCH)
         dq = _frame_dq_dk(dq, S_s, kv_s, p_s, q_s, K, DK, kv[0], kv[1], lo_t + f, *kv[2:], M, HEAD_DIM, NCH, FX,
                           ld, smp, o_mma, scale / DS_GAIN)
     return dq, broken

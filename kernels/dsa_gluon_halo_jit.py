@@ -27,26 +27,73 @@ def _frame_i32(f):
     return gl.inline_asm_elementwise("mov.b32 $0, $1;", "=r,r", [f], dtype=gl.int32, is_pure=True, pack=1)
 
 
+ORDER_WIDTH = gl.constexpr(64)  # int8 entries per (query, head, window layer) of ``ORD`` (``dsa_halo_dense.sample_order``)
+STARTS_AT = gl.constexpr(56)  # where its bucket starts begin
+
+
 @gluon.jit
-def _layer_samples(OFF, off_row, q_ok, jt, j0, st, sy, sx, T, H, W, lo_t, lo_y, lo_x, fyn, fxn, f,
+def _order_row(off_row, KT: gl.constexpr, KH: gl.constexpr, KW: gl.constexpr):
+    """A query's first entry in ``ORD`` from its first offset in ``OFF`` (both per (query, head) rows)."""
+    return (off_row // (KT * KH * KW * 3)) * (KT * ORDER_WIDTH)
+
+
+@gluon.jit
+def _frame_run(ORD, ord_row, q_ok, jt, rel, ELO: gl.constexpr, EHI: gl.constexpr):
+    """Per query, the run ``[a, e)`` of layer ``jt``'s sample order whose samples touch the frame ``rel``
+    frames from the layer's (lower time corner there or one below: ``dsa_halo_dense.frame_range``), and
+    the tile's longest run: the walk's length."""
+    lo = gl.minimum(gl.maximum(rel - 1 + ELO, 0), ELO + EHI)
+    hi = gl.minimum(gl.maximum(rel + ELO + 1, 0), ELO + EHI)
+    srow = ORD + ord_row + jt * ORDER_WIDTH + STARTS_AT
+    a = gl.load(srow + lo, mask=q_ok, other=0).to(gl.int32)
+    e = gl.load(srow + hi, mask=q_ok, other=0).to(gl.int32)
+    return a, e, gl.max(e - a, axis=0)
+
+
+@gluon.jit
+def _late(ORD, ord_row, q_ok, broken, KT: gl.constexpr, KH: gl.constexpr, KW: gl.constexpr, ELO: gl.constexpr,
+          EHI: gl.constexpr):
+    """``broken`` with the queries that have a sample past its reach on some axis (an offset past the
+    bound: sorted after the last bucket, walked in no frame)."""
+    for jt in gl.static_range(KT):
+        n = gl.load(ORD + ord_row + jt * ORDER_WIDTH + STARTS_AT + ELO + EHI, mask=q_ok, other=KH * KW)
+        broken = broken | (n.to(gl.int32) < KH * KW).to(gl.int32)
+    return broken
+
+
+@gluon.jit
+def _run_samples(OFF, off_row, ORD, ord_row, a, e, r0, q_ok, jt, KH: gl.constexpr, KW: gl.constexpr,
+                 JC: gl.constexpr, layout: gl.constexpr):
+    """The samples at ``r0 .. r0 + JC`` of each query's run ``[a, e)`` of layer ``jt``'s sample order: their
+    index ``j`` in the layer (and its row and column), whether each is one (within the run), their
+    offsets' index in ``OFF`` and the three offsets, fp32. The offsets are read volatile: kept per
+    frame, not hoisted out of the frame loop for every layer."""
+    r = a[:, None] + r0 + gl.arange(0, JC, layout=gl.SliceLayout(0, layout))[None, :]
+    ok = q_ok[:, None] & (r < e[:, None])
+    v = gl.load(ORD + ord_row[:, None] + jt * ORDER_WIDTH + r, mask=ok, other=0).to(gl.int32)  # jy * 8 + jx
+    jy = v >> 3
+    jx = v & 7
+    j = jy * KW + jx
+    idx = off_row[:, None] + (jt * KH * KW + j) * 3
+    ot = gl.load(OFF + idx, mask=ok, other=0.0, volatile=True).to(gl.float32)
+    oy = gl.load(OFF + idx + 1, mask=ok, other=0.0, volatile=True).to(gl.float32)
+    ox = gl.load(OFF + idx + 2, mask=ok, other=0.0, volatile=True).to(gl.float32)
+    return j, jy, jx, ok, idx, ot, oy, ox
+
+
+@gluon.jit
+def _layer_samples(OFF, off_row, ORD, ord_row, a, e, r0, q_ok, jt, st, sy, sx, T, H, W, lo_t, lo_y, lo_x, fyn, fxn, f,
                    KH: gl.constexpr, KW: gl.constexpr, JC: gl.constexpr, layout: gl.constexpr):
-    """The samples ``j0 .. j0 + JC`` of window layer ``jt`` of every query: per sample its weight in
-    frame ``f`` (0 where it does not touch it), its 4 (y, x) corners relative to the halo with their
-    fractions, and whether a corner leaves the halo."""
-    j = j0 + gl.arange(0, JC, layout=gl.SliceLayout(0, layout))
-    jy = j // KW
-    jx = j % KW
-    ok = q_ok[:, None] & (j < KH * KW)[None, :]
-    ptr = OFF + off_row[:, None] + ((jt * KH * KW + j) * 3)[None, :]
-    ot = gl.load(ptr, mask=ok, other=0.0, volatile=True).to(gl.float32)
-    oy = gl.load(ptr + 1, mask=ok, other=0.0, volatile=True).to(gl.float32)
-    ox = gl.load(ptr + 2, mask=ok, other=0.0, volatile=True).to(gl.float32)
-    t0, t1, ft = _axis(st + jt + gl.zeros_like(jy)[None, :], ot, T, lo_t)
-    y0, y1, fy = _axis(sy[:, None] + jy[None, :], oy, H, lo_y)
-    x0, x1, fx = _axis(sx[:, None] + jx[None, :], ox, W, lo_x)
+    """The samples at ``r0 .. r0 + JC`` of each query's run ``[a, e)`` of layer ``jt``'s sample order: per
+    sample its index ``j`` in the layer, its weight in frame ``f``, its 4 (y, x) corners relative to the
+    halo with their fractions, and whether it is one (within the run). Every sample of a run has its
+    corners in the halo (``sample_order`` sorts the others out of every run)."""
+    j, jy, jx, ok, idx, ot, oy, ox = _run_samples(OFF, off_row, ORD, ord_row, a, e, r0, q_ok, jt, KH, KW, JC, layout)
+    t0, t1, ft = _axis(st + jt + gl.zeros_like(jy), ot, T, lo_t)
+    y0, y1, fy = _axis(sy[:, None] + jy, oy, H, lo_y)
+    x0, x1, fx = _axis(sx[:, None] + jx, ox, W, lo_x)
     wt = gl.where(t0 == f, 1.0 - ft, 0.0) + gl.where(t1 == f, ft, 0.0)
-    out = (t0 < 0) | (y0 < 0) | (x0 < 0) | (y1 >= fyn) | (x1 >= fxn)
-    return gl.where(ok, wt, 0.0), y0, y1, fy, x0, x1, fx, ok & out
+    return gl.where(ok, wt, 0.0), y0, y1, fy, x0, x1, fx, j, ok
 
 
 @gluon.jit
@@ -86,28 +133,29 @@ def _frame_scores(q_s, kv_s, S_s, K, base, row_stride, tf, H, W, lo_y, lo_x, fyn
 
 
 @gluon.jit
-def _frame_sample_scores(S_s, Z_s, OFF, off_row, q_ok, broken, st, sy, sx, T, H, W, lo_t, lo_y, lo_x, fyn, fxn, f,
-                         KT: gl.constexpr, KH: gl.constexpr, KW: gl.constexpr, ELO: gl.constexpr, EHI: gl.constexpr,
-                         SW: gl.constexpr, FX: gl.constexpr, KP: gl.constexpr, JC: gl.constexpr, smp: gl.constexpr):
+def _frame_sample_scores(S_s, Z_s, OFF, ORD, off_row, q_ok, st, sy, sx, T, H, W, lo_t, lo_y, lo_x,
+                         fyn, fxn, f, KT: gl.constexpr, KH: gl.constexpr, KW: gl.constexpr, ELO: gl.constexpr,
+                         EHI: gl.constexpr, SW: gl.constexpr, FX: gl.constexpr, KP: gl.constexpr, JC: gl.constexpr,
+                         smp: gl.constexpr):
     """Each sample's score from its corners in frame ``f`` (a shared-memory gather of ``S_s``), added
-    to ``Z_s`` with the sample's weight in that frame; the window layers that cannot reach ``f``
-    skipped. Returns ``broken`` with the queries whose corners leave the halo."""
+    to ``Z_s`` with the sample's weight in that frame; per window layer only the samples that touch ``f``
+    (their run of the sample order), none in the layers that cannot reach it."""
     f = _frame_i32(f)
+    ord_row = _order_row(off_row, KT, KH, KW)
     for jt in gl.static_range(KT):
         if (lo_t + f >= st + jt - ELO) & (lo_t + f <= st + jt + EHI):
-            for j0 in gl.static_range(0, KH * KW, JC):
-                wt, y0, y1, fy, x0, x1, fx, out = _layer_samples(
-                    OFF, off_row, q_ok, jt, j0, st, sy, sx, T, H, W, lo_t, lo_y, lo_x, fyn, fxn, f, KH, KW, JC, smp)
-                broken = broken | gl.max(out.to(gl.int32), axis=1)
+            a, e, n = _frame_run(ORD, ord_row, q_ok, jt, lo_t + f - st - jt, ELO, EHI)
+            for r0 in range(0, n, JC):
+                wt, y0, y1, fy, x0, x1, fx, j, ok = _layer_samples(
+                    OFF, off_row, ORD, ord_row, a, e, r0, q_ok, jt, st, sy, sx, T, H, W, lo_t, lo_y, lo_x, fyn, fxn,
+                    f, KH, KW, JC, smp)
                 c00, c01, c10, c11 = _corner_index(y0, y1, x0, x1, FX, SW)
                 z = (S_s.gather(c00, 1).to(gl.float32) * (1.0 - fy) * (1.0 - fx)
                      + S_s.gather(c01, 1).to(gl.float32) * (1.0 - fy) * fx
                      + S_s.gather(c10, 1).to(gl.float32) * fy * (1.0 - fx)
                      + S_s.gather(c11, 1).to(gl.float32) * fy * fx)
-                zs = Z_s[jt].slice(j0, JC, dim=1)
-                zs.store(zs.load(smp) + wt * z)
+                Z_s[jt].atomic_scatter_add(wt * z, j, 1, mask=ok)
     gl.barrier()
-    return broken
 
 
 @gluon.jit
@@ -134,33 +182,34 @@ def _softmax(Z_s, qk_scale, M: gl.constexpr, KT: gl.constexpr, KH: gl.constexpr,
 
 
 @gluon.jit
-def _frame_probs(S_s, Z_s, inv, OFF, off_row, q_ok, st, sy, sx, T, H, W, lo_t, lo_y, lo_x, fyn, fxn, f,
+def _frame_probs(S_s, Z_s, inv, OFF, ORD, off_row, q_ok, st, sy, sx, T, H, W, lo_t, lo_y, lo_x, fyn, fxn, f,
                  M: gl.constexpr, KT: gl.constexpr, KH: gl.constexpr, KW: gl.constexpr, ELO: gl.constexpr,
                  EHI: gl.constexpr, FX: gl.constexpr, SW: gl.constexpr, KP: gl.constexpr, JC: gl.constexpr,
-                 smp: gl.constexpr, broken, TRACK: gl.constexpr):
-    """Frame ``f``'s ``P``: ``S_s`` zeroed, then every sample's probability times its corners' weights
-    scatter-added onto its corners (``red.shared.add.f16``). With ``TRACK``, returns ``broken`` with the
-    queries whose corners leave the halo (the backward finds them here)."""
+                 smp: gl.constexpr, NCH: gl.constexpr):
+    """Frame ``f``'s ``P``: ``S_s``'s halo chunks zeroed, then every sample that touches ``f`` (its layer's run of the
+    sample order) scatter-adds its probability times its corners' weights onto its corners
+    (``red.shared.add.f16``)."""
     f = _frame_i32(f)
-    zero = gl.zeros([M, 64], gl.float16, smp)
-    for c in gl.static_range(SW // 64):
+    ord_row = _order_row(off_row, KT, KH, KW)
+    vec: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [8, 1], [1, 0])  # 16-byte stores
+    zero = gl.zeros([M, 64], gl.float16, vec)
+    for c in gl.static_range(NCH):  # the halo's chunks: no sample of a run reaches the padding past them
         S_s.slice(c * 64, 64, dim=1).store(zero)
     gl.barrier()
     for jt in gl.static_range(KT):
         if (lo_t + f >= st + jt - ELO) & (lo_t + f <= st + jt + EHI):
-            for j0 in gl.static_range(0, KH * KW, JC):
-                wt, y0, y1, fy, x0, x1, fx, out = _layer_samples(
-                    OFF, off_row, q_ok, jt, j0, st, sy, sx, T, H, W, lo_t, lo_y, lo_x, fyn, fxn, f, KH, KW, JC, smp)
-                if TRACK:
-                    broken = broken | gl.max(out.to(gl.int32), axis=1)
-                a = Z_s[jt].slice(j0, JC, dim=1).load(smp) * inv[:, None] * wt
-                keep = (a != 0.0) & (out == 0)
-                S_s.atomic_scatter_add((a * (1.0 - fy) * (1.0 - fx)).to(gl.float16), y0 * FX + x0, 1, mask=keep)
-                S_s.atomic_scatter_add((a * (1.0 - fy) * fx).to(gl.float16), y0 * FX + x1, 1, mask=keep)
-                S_s.atomic_scatter_add((a * fy * (1.0 - fx)).to(gl.float16), y1 * FX + x0, 1, mask=keep)
-                S_s.atomic_scatter_add((a * fy * fx).to(gl.float16), y1 * FX + x1, 1, mask=keep)
+            a, e, n = _frame_run(ORD, ord_row, q_ok, jt, lo_t + f - st - jt, ELO, EHI)
+            for r0 in range(0, n, JC):
+                wt, y0, y1, fy, x0, x1, fx, j, ok = _layer_samples(
+                    OFF, off_row, ORD, ord_row, a, e, r0, q_ok, jt, st, sy, sx, T, H, W, lo_t, lo_y, lo_x, fyn, fxn,
+                    f, KH, KW, JC, smp)
+                p = Z_s[jt].gather(j, 1) * inv[:, None] * wt
+                keep = p != 0.0
+                S_s.atomic_scatter_add((p * (1.0 - fy) * (1.0 - fx)).to(gl.float16), y0 * FX + x0, 1, mask=keep)
+                S_s.atomic_scatter_add((p * (1.0 - fy) * fx).to(gl.float16), y0 * FX + x1, 1, mask=keep)
+                S_s.atomic_scatter_add((p * fy * (1.0 - fx)).to(gl.float16), y1 * FX + x0, 1, mask=keep)
+                S_s.atomic_scatter_add((p * fy * fx).to(gl.float16), y1 * FX + x1, 1, mask=keep)
     gl.barrier()
-    return broken
 
 
 @gluon.jit
@@ -195,7 +244,7 @@ def _start(x, k: gl.constexpr, size):
 
 
 @gluon.jit
-def halo_dense_fwd(Q, K, V, OFF, OUT, LSE, qk_scale, T, H, W, NH,
+def halo_dense_fwd(Q, K, V, OFF, ORD, OUT, LSE, qk_scale, T, H, W, NH,
                    HEAD_DIM: gl.constexpr, KT: gl.constexpr, KH: gl.constexpr, KW: gl.constexpr,
                    ELO: gl.constexpr, EHI: gl.constexpr, FY: gl.constexpr, FX: gl.constexpr,
                    NCH: gl.constexpr, SW: gl.constexpr, KTP: gl.constexpr, KP: gl.constexpr,
@@ -232,7 +281,9 @@ def halo_dense_fwd(Q, K, V, OFF, OUT, LSE, qk_scale, T, H, W, NH,
     ftn = gl.minimum(st + KT - 1 + EHI, T - 1) - lo_t + 1
     fyn = gl.minimum(_start(gl.minimum(y0 + TY, H) - 1, KH, H) + KH - 1 + EHI, H - 1) - lo_y + 1
     fxn = gl.minimum(_start(gl.minimum(x0 + TX, W) - 1, KW, W) + KW - 1 + EHI, W - 1) - lo_x + 1
-    off_row = (((bh // NH) * N + (t * H + qy) * W + qx) * NH + bh % NH) * (KT * KH * KW * 3)
+    qrow = ((bh // NH) * N + (t * H + qy) * W + qx) * NH + bh % NH
+    off_row = qrow * (KT * KH * KW * 3)
+    ord_row = qrow * (KT * ORDER_WIDTH)
 
     lm = gl.arange(0, M, layout=gl.SliceLayout(1, ld))
     cols = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, ld))
@@ -249,19 +300,19 @@ def halo_dense_fwd(Q, K, V, OFF, OUT, LSE, qk_scale, T, H, W, NH,
     Z_s = (gl.allocate_shared_memory(gl.float32, [M, KP], flat), gl.allocate_shared_memory(gl.float32, [M, KP], flat),
            gl.allocate_shared_memory(gl.float32, [M, KP], flat))  # per window layer: the samples' scores, then p
     _zero_samples(Z_s, M, KT, KP, JC, smp)
-    broken = gl.zeros([M], gl.int32, gl.SliceLayout(1, smp))
+    broken = _late(ORD, ord_row, q_ok, gl.zeros([M], gl.int32, gl.SliceLayout(1, smp)), KT, KH, KW, ELO, EHI)
 
     for f in range(0, ftn):  # pass 1: the samples' scores, frame by frame
         _frame_scores(q_s, kv_s, S_s, K, base, row_stride, lo_t + f, H, W, lo_y, lo_x, fyn, fxn,
                       M, HEAD_DIM, NCH, FX, ld, s_mma)
-        broken = _frame_sample_scores(S_s, Z_s, OFF, off_row, q_ok, broken, st, sy, sx, T, H, W, lo_t, lo_y, lo_x,
+        _frame_sample_scores(S_s, Z_s, OFF, ORD, off_row, q_ok, st, sy, sx, T, H, W, lo_t, lo_y, lo_x,
                                       fyn, fxn, f, KT, KH, KW, ELO, EHI, SW, FX, KP, JC, smp)
     mx, den = _softmax(Z_s, qk_scale, M, KT, KH, KW, KP, JC, smp)
     inv = 1.0 / den
     acc = gl.zeros([M, HEAD_DIM], gl.float32, o_mma)
     for f in range(0, ftn):  # pass 2: the probabilities onto the halo, O = P V, frame by frame
-        _frame_probs(S_s, Z_s, inv, OFF, off_row, q_ok, st, sy, sx, T, H, W, lo_t, lo_y, lo_x, fyn, fxn, f,
-                     M, KT, KH, KW, ELO, EHI, FX, SW, KP, JC, smp, broken, False)
+        _frame_probs(S_s, Z_s, inv, OFF, ORD, off_row, q_ok, st, sy, sx, T, H, W, lo_t, lo_y, lo_x, fyn, fxn, f,
+                     M, KT, KH, KW, ELO, EHI, FX, SW, KP, JC, smp, NCH)
         acc = _frame_output(acc, S_s, kv_s, p_s, V, base, row_stride, lo_t + f, H, W, lo_y, lo_x, fyn, fxn,
                             HEAD_DIM, NCH, FX, ld, smp)
 
