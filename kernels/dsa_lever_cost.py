@@ -27,7 +27,8 @@ from __future__ import annotations
 import json
 import math
 
-from .dsa_cost import CHIPS, call_breakdown, fused_compiled
+from .dsa_cost import CHIPS, call_breakdown
+from .dsa_fused_cost import fused_compiled
 
 WAN_GRIDS = {"480p": (21, 30, 52), "720p": (21, 45, 80)}
 """Wan's token grids: 81 frames of 480 x 832 and 720 x 1280 through the 4x8x8 VAE and 1x2x2 patches."""
@@ -84,7 +85,7 @@ def lever_table(grid, window, head_dim: int, bound: float, depth: int, settings:
     priced at ``grid``: its attention ms per sample and step (per head) and its ratio to pure DSA
     and to dense (``dense / setting``: how many times cheaper than dense it stays). ``kernels``:
     ``auto``, the kernels ``auto`` picks today; ``fused``, the compiled fused halo-dense pair
-    (``dsa_cost.fused_compiled``: priced from their sm_90 compiles, never run; opt-in)."""
+    (``dsa_fused_cost.fused_compiled``: priced from their sm_90 compiles, never run; opt-in)."""
     b = call_breakdown(grid, window, head_dim, bound, chip=chip)
     if kernels == "fused":
         b = fused_compiled(grid, window, head_dim, bound, chip)

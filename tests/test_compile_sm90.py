@@ -43,7 +43,7 @@ def test_ptxas_log_and_ptx_are_read():
     assert aot.parse_ptxas_log(PTXAS_LOG) == {"regs": 255, "stack": 696, "spill_stores": 824, "spill_loads": 700}
     got = aot.count_ptx(PTX)
     assert got == {"wgmma": 1, "mma_sync": 1, "dot": "wgmma", "wgmma_not_16bit": 0, "atomics_f32": 2,
-                   "loop_instr": {0: 5}, "guarded": {}}
+                   "loop_instr": {0: 5}, "guarded": {}, "loops": {}}
     tf32 = PTX.replace("m64n128k16.f32.bf16.bf16", "m64n128k8.f32.tf32.tf32")
     assert aot.count_ptx(tf32)["wgmma_not_16bit"] == 1
     serialized = PTXAS_LOG + ("ptxas info    : (C7515) Potential Performance Loss: wgmma.mma_async instructions "
@@ -84,6 +84,7 @@ def test_ptx_instructions_are_counted_by_loop_depth():
     """A block's depth is its innermost loop's (LLVM's block comments; a fall-through block is headed
     by ``// %bb.N:``); labels, directives and comments are not instructions."""
     assert aot.loop_instructions(LOOPS_PTX) == {0: 4, 1: 5, 2: 3}
+    assert aot.loop_bodies(LOOPS_PTX) == {1: [5], 2: [3]}  # each loop's own code, not its nested loop's
 
 
 GUARDED_PTX = """
@@ -351,6 +352,7 @@ def test_sm90_compile_only_check_passes_at_the_preset_shapes(tmp_path):
             assert key in table["entries"], key
             assert table["entries"][key]["depths"] == {str(k): v for k, v in r["loop_instr"].items()}, key
             assert table["entries"][key]["guarded"] == {str(k): v for k, v in r["guarded"].items()}, key
+            assert table["entries"][key]["loops"] == {str(k): v for k, v in r["loops"].items() if int(k) >= 2}, key
             assert table["entries"][key]["blocks_per_sm"] == r["blocks_per_sm"], key
             checked.add(r["kernel"])
     assert checked == set(ISSUE_KERNELS) - ({"fused_fwd", "fused_bwd"} - fused)

@@ -52,9 +52,11 @@ def _cli(*args) -> subprocess.CompletedProcess:
 def test_cli_json_reports_the_picked_kernels_against_fa3(capsys):
     """``python -m kernels.dsa_cost ... --json`` (a fresh process) prints what ``call_breakdown``
     computes: each kernel's time and terms summing to the pass, FA3 on the same tokens, the ratio;
-    and, under ``fused``, what ``fused_compiled`` computes for the fused halo-dense kernels."""
+    and, under ``fused``, what ``fused_compiled`` computes for the fused halo-dense kernels (their walks
+    priced at offsets spread uniformly within the bound, and at zero offsets)."""
     pytest.importorskip("triton")
-    from kernels.dsa_cost import call_breakdown, fused_compiled, main
+    from kernels.dsa_cost import call_breakdown, main
+    from kernels.dsa_fused_cost import fused_compiled
 
     proc = subprocess.run([sys.executable, "-m", "kernels.dsa_cost", "--grid", "21x30x52", "--window", "3x7x7",
                            "--head-dim", "128", "--bound", "1.5", "--json"], capture_output=True, text=True, cwd=ROOT,
@@ -62,7 +64,11 @@ def test_cli_json_reports_the_picked_kernels_against_fa3(capsys):
     assert proc.returncode == 0, proc.stderr
     got = json.loads(proc.stdout)
     want = call_breakdown((21, 30, 52), (3, 7, 7), 128, 1.5)
-    assert got.pop("fused") == json.loads(json.dumps(fused_compiled((21, 30, 52), (3, 7, 7), 128, 1.5)))
+    fused = got.pop("fused")
+    zero = fused_compiled((21, 30, 52), (3, 7, 7), 128, 1.5, offsets="zero")
+    assert fused.pop("at_zero_offsets") == json.loads(json.dumps({"dsa_ms": zero["dsa_ms"], "ratio": zero["ratio"]}))
+    assert fused == json.loads(json.dumps(fused_compiled((21, 30, 52), (3, 7, 7), 128, 1.5)))
+    assert fused["offsets"] == "uniform" and zero["ratio"] > fused["ratio"]  # fewer samples a walk at zero offsets
     assert got == json.loads(json.dumps(want))  # what the model computes, nothing added
     assert got["how"] == "issue slots from the sm_90 compile"
     for p in ("fwd", "bwd"):
@@ -112,30 +118,45 @@ def test_cli_design_prices_the_mirrors_work(capsys):
         main(["--bound", "-1", "--far-share", "0.06", "--design"])
 
 
-def _walked(entry, tiles, grid, cx) -> int:
-    """What one thread of a fused kernel issues, walked frame by frame as the kernel runs: per tile the
-    code outside the frame loops, per halo frame the loops' code, and a window layer's conditional
-    regions (one per loop, in layer order) only where the kernel's guard lets the layer reach the frame."""
-    T, KT, ELO, EHI = grid[0], cx["KT"], cx["ELO"], cx["EHI"]
-    regions = entry["guarded"]["1"]
-    assert len(regions) % KT == 0 and regions, regions
-    total = 0
+def _walked(entry, tiles, grid, cx, bound=1.5) -> int:
+    """What one thread of a fused kernel issues, walked tile by tile and frame by frame as the kernel runs:
+    per tile the code outside the frame loops, per halo frame the frame loops' own code, and per window
+    layer the frame can reach the walk's loop bodies (one per walk, in layer order) once per chunk of JC
+    samples of the tile's longest run of samples touching the frame (offsets uniform within the bound,
+    drawn as ``walk_trips`` draws them: its seed, group by group)."""
+    import torch
+
+    T, KT, ELO, EHI, JC = grid[0], cx["KT"], cx["ELO"], cx["EHI"], cx["JC"]
+    loops = entry["loops"]["2"]
+    assert len(loops) % KT == 0 and loops, loops
+    gen = torch.Generator().manual_seed(0)
+    groups = {}
     for tile in tiles:
-        total += entry["depths"]["0"]
-        st = min(max(tile.q_lo[0] - KT // 2, 0), T - KT)
+        m = math.prod(h - lo + 1 for lo, h in zip(tile.q_lo, tile.q_hi))
+        groups.setdefault((tile.q_lo[0], m), []).append(tile)
+    total = 0
+    for (t, m), members in sorted(groups.items()):
+        st = min(max(t - KT // 2, 0), T - KT)
         lo_t = max(st - ELO, 0)
         ftn = min(st + KT - 1 + EHI, T - 1) - lo_t + 1
-        assert ftn == tile.halo_shape[0]
-        for f in range(ftn):
-            total += entry["depths"]["1"] - sum(regions)
-            total += sum(sum(regions[jt::KT]) for jt in range(KT) if st + jt - ELO <= lo_t + f <= st + jt + EHI)
+        assert all(tile.halo_shape[0] == ftn for tile in members)
+        total += len(members) * (entry["depths"]["0"] + ftn * entry["depths"]["1"])
+        for jt in range(KT):
+            ot = (torch.rand((len(members), m, cx["KH"] * cx["KW"]), generator=gen, dtype=torch.float64) * 2 - 1) * bound
+            t0 = torch.floor((st + jt + ot.float()).clamp(0, T - 1)).long()
+            t1 = (t0 + 1).clamp(max=T - 1)
+            for i in range(len(members)):
+                for f in range(lo_t, lo_t + ftn):
+                    if st + jt - ELO <= f <= st + jt + EHI:
+                        run = int(((t0[i] == f) | (t1[i] == f)).sum(-1).max())
+                        total += math.ceil(run / JC) * sum(loops[jt::KT])
     return total
 
 
 def test_the_fused_kernels_walk_a_layer_only_in_the_frames_it_reaches():
     """At bound 1.5 (ELO = EHI = 2) an inner tile's halo has 7 frames and each window layer's samples
     reach 5 of them: the 15 walks of 21 the frame loops would run without the kernels' guard."""
-    from kernels.dsa_cost import layer_frames
+    from kernels.dsa_fused_cost import layer_frames
     from kernels.dsa_gluon_halo import gluon_halo_constexprs
     from kernels.dsa_halo_dense import halo_tiles
 
@@ -147,12 +168,31 @@ def test_the_fused_kernels_walk_a_layer_only_in_the_frames_it_reaches():
     assert layer_frames(first, (21, 16, 16), cx) == [12, 16, 20]
 
 
+def test_the_fused_walks_visit_only_the_samples_that_touch_a_frame():
+    """``walk_trips``: at zero offsets a layer's 49 samples touch their own frame and the next, 7 chunks
+    of 8 each, in every tile (2 x 7 = 14 a tile and layer, where the unsorted walks ran 5 x 7 = 35); spread
+    uniformly within the bound 1.5 they touch 2 frames each but the longest run of a 64-query tile sets
+    the chunks: between the 14 and the 35, the same for the same seed."""
+    from kernels.dsa_fused_cost import walk_trips
+    from kernels.dsa_gluon_halo import gluon_halo_constexprs
+
+    grid = (9, 16, 16)  # 9 frames: tiles at t = 0..8, 4 a frame
+    cx = tuple(sorted(gluon_halo_constexprs(128, (3, 7, 7), 1.5).items()))
+    zero = walk_trips(grid, cx, 1.5, "zero")
+    # every layer of every tile: its frame and the next, where the clip has it (layer 2 of the last tiles: none)
+    assert zero == (9 * 4 * 14, 9 * 4 * 14, (7 * 14 + 2 * 7) * 4)
+    spread = walk_trips(grid, cx, 1.5, "uniform")
+    assert all(z < u < 9 * 4 * 35 for z, u in zip(zero, spread)) and spread == walk_trips(grid, cx, 1.5, "uniform")
+    assert spread != walk_trips(grid, cx, 1.5, "uniform", seed=1)
+
+
 def test_the_fused_forward_is_priced_from_its_compile():
     """The Gluon forward's row: issue slots from its sm_90 compile (the issue table's counts at loop
-    depths 0 and 1, times the tiles and their halo frames, a layer's walks only in the frames it
-    reaches, 256 threads a tile), its dots two 64 x 64 x d
+    depths 0 and 1 times the tiles and their halo frames, the walks' loop bodies once per chunk of the
+    samples that touch a frame, offsets uniform within the bound, 256 threads a tile), its dots two 64 x 64 x d
     products per chunk of 64 halo keys and frame; the design row's forward is this row."""
-    from kernels.dsa_cost import fused_fwd_cost, halo_dense_design, issue_key, issue_table
+    from kernels.dsa_cost import issue_key, issue_table
+    from kernels.dsa_fused_cost import fused_fwd_cost, halo_dense_design
     from kernels.dsa_gluon_halo import gluon_halo_constexprs
     from kernels.dsa_halo_dense import halo_tiles
 
@@ -245,15 +285,8 @@ def test_the_fused_backward_is_priced_from_its_compile(capsys):
     times the tiles and their halo frames, a layer's walks where it reaches, 256 threads a tile), five 64 x 64 x d dots per chunk of 64
     halo keys and frame; the design row's backward is this row, and the command line reports the
     compiled forward and backward against FA3 (JSON key ``fused``)."""
-    from kernels.dsa_cost import (
-        fused_bwd_cost,
-        fused_compiled,
-        fused_fwd_cost,
-        halo_dense_design,
-        issue_key,
-        issue_table,
-        main,
-    )
+    from kernels.dsa_cost import issue_key, issue_table, main
+    from kernels.dsa_fused_cost import fused_bwd_cost, fused_compiled, fused_fwd_cost, halo_dense_design
     from kernels.dsa_gluon_halo import BWD_SAMPLE_CHUNK, gluon_halo_constexprs
     from kernels.dsa_halo_dense import halo_tiles
 
@@ -280,7 +313,7 @@ def test_the_fused_backward_is_priced_from_its_compile(capsys):
 
 
 def test_the_levers_priced_with_the_fused_kernels_use_their_compiles():
-    from kernels.dsa_cost import fused_compiled
+    from kernels.dsa_fused_cost import fused_compiled
     from kernels.dsa_lever_cost import lever_table
 
     grid = (21, 45, 80)

@@ -296,8 +296,9 @@ def test_cost_model_weighs_issue_slots_counted_from_the_compile(monkeypatch):
     import math
 
     import kernels.dsa_cost as C
+    import kernels.dsa_roofline as R
 
-    assert C._per_thread({"0": 10, "1": 5, "2": 2}, (3, 8)) == 10 + 3 * (5 + 8 * 2)
+    assert R._per_thread({"0": 10, "1": 5, "2": 2}, (3, 8)) == 10 + 3 * (5 + 8 * 2)
     grid, win = (21, 30, 52), (3, 7, 7)
     N, K = math.prod(grid), math.prod(win)
     real = C.issue_table()
@@ -310,6 +311,7 @@ def test_cost_model_weighs_issue_slots_counted_from_the_compile(monkeypatch):
         kernel="gather_fwd", head_dim=128, window=list(win), constexprs={"BLOCK_M": 16}, warps=4,
         depths={"0": 10, "1": 5, "2": 2})}
     monkeypatch.setattr(C, "issue_table", lambda: fake)
+    monkeypatch.setattr(R, "issue_table", lambda: fake)  # where issue_slots reads it
     C._choose_halo.cache_clear()
     fwd = C.gather_costs(N, win, 128)[0]
     assert fwd.issue == math.ceil(N / 16) * 4 * 32 * (10 + K * (5 + 8 * 2))

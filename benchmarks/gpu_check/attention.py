@@ -49,6 +49,7 @@ def predicted_ms(kind: str, grid, window, nh: int, d: int) -> tuple[float, float
     ``dsa_gather_split``: ``call_breakdown``); ``dense``: FlashAttention-3's model (the row measures
     SDPA's flash kernel). Printed beside the measurement, so the first GPU run checks the model."""
     from kernels import dsa_cost as C  # lazy: imports triton
+    from kernels import dsa_fused_cost as F  # lazy: as above
 
     chip, N, grid, window = C.CHIPS[0], math.prod(grid), tuple(grid), tuple(window)
     if kind == "dense":
@@ -57,7 +58,7 @@ def predicted_ms(kind: str, grid, window, nh: int, d: int) -> tuple[float, float
     if kind in ("dsa", "neighborhood", "dsa_gather_split", "dsa_fused"):
         bound = {"dsa": 1.5, "neighborhood": 0.0, "dsa_gather_split": None, "dsa_fused": 1.5}[kind]
         b = C.call_breakdown(grid, window, d, bound, far_share=SPLIT_FAR_SHARE)
-        fused = [C.fused_fwd_cost(grid, window, d, 1.5), C.fused_bwd_cost(grid, window, d, 1.5)] \
+        fused = [F.fused_fwd_cost(grid, window, d, 1.5), F.fused_bwd_cost(grid, window, d, 1.5)] \
             if kind == "dsa_fused" else [None, None]
         return tuple(nh * (1e3 * c.seconds(chip)["seconds"] if c is not None else b["dsa_ms"][p])
                      for c, p in zip(fused, ("fwd", "bwd")))

@@ -17,7 +17,7 @@ this module compiles once per target and records, from ``ptxas -v`` and the PTX:
   (``atom`` / ``red`` ``.global`` ``.f32``) the PTX issues;
 - the compile time (a config whose ``ptxas`` runs for minutes is a config that spills);
 - the PTX instructions per loop depth, and of them the code a loop runs only under a condition
-  (``guarded_regions``): the cost model's issue table.
+  (``guarded_regions``), and each loop's own code (``loop_bodies``): the cost model's issue table.
 
 A record fails (``ok`` false) when the config cannot launch (shared memory over the limit, or
 more than 255 registers), spills, times out or does not compile, or when a kernel whose design
@@ -121,6 +121,7 @@ class Record:
     compile_s: float | None = None
     loop_instr: dict = field(default_factory=dict)  # PTX instructions by loop depth (``loop_instructions``)
     guarded: dict = field(default_factory=dict)  # of them, each conditional region's, by depth (``guarded_regions``)
+    loops: dict = field(default_factory=dict)  # of them, each loop's own, by depth (``loop_bodies``)
     constexprs: dict = field(default_factory=dict)  # the compile's constexprs (tile sizes, window, ...)
     ok: bool = False
     problems: list = field(default_factory=list)
@@ -218,7 +219,7 @@ def guarded_regions(ptx: str) -> dict:
     order]}``. A region is the fall-through blocks after a conditional branch ``@%p bra L`` at the end of
     a block inside a loop, up to ``L`` (reached by falling through or by ``bra.uni L``), all in the same
     loop and branch-free: an ``if`` without ``else`` (the fused halo kernels' window layers: a layer's
-    samples are walked only in the frames they can reach, ``kernels.dsa_cost``). Its instructions are
+    samples are walked only in the frames they can reach, ``kernels.dsa_fused_cost``). Its instructions are
     in ``loop_instructions``'s count of that depth too; they issue only where the condition holds."""
     blocks = _blocks(ptx)
     at = {b["label"]: i for i, b in enumerate(blocks) if b["label"]}
@@ -250,6 +251,21 @@ def guarded_regions(ptx: str) -> dict:
     return out
 
 
+def loop_bodies(ptx: str) -> dict:
+    """Each loop's own instructions (its blocks', not those of loops nested in it), by depth and in the
+    order the loops first appear: ``{depth: [instructions, ...]}``. The fused halo kernels' sample walks
+    are loops inside the frame loops, one per window layer and pass, their trips data-dependent (the
+    samples that touch the frame, ``kernels.dsa_fused_cost``)."""
+    sizes: dict[tuple, int] = {}
+    for b in _blocks(ptx):
+        if b["loop"][1]:
+            sizes[b["loop"]] = sizes.get(b["loop"], 0) + len(b["instr"])
+    out: dict[int, list[int]] = {}
+    for (_, depth), n in sizes.items():
+        out.setdefault(depth, []).append(n)
+    return out
+
+
 def count_ptx(ptx: str) -> dict:
     wgmma = len(re.findall(r"wgmma\.mma_async", ptx))
     tcgen05 = len(re.findall(r"\btcgen05\.mma", ptx))  # Blackwell's (sm_100) tensor-core MMA
@@ -258,7 +274,7 @@ def count_ptx(ptx: str) -> dict:
     not_16bit = sum(1 for w in _WGMMA.findall(ptx) if not w.endswith((".bf16.bf16", ".f16.f16")))
     return {"wgmma": wgmma, "mma_sync": mma, "dot": dot, "wgmma_not_16bit": not_16bit,
             "atomics_f32": len(_ATOMIC.findall(ptx)),
-            "loop_instr": loop_instructions(ptx), "guarded": guarded_regions(ptx)}
+            "loop_instr": loop_instructions(ptx), "guarded": guarded_regions(ptx), "loops": loop_bodies(ptx)}
 
 
 def _compile_in_child(variant: Variant, cc: int, conn, cache: str) -> None:
@@ -427,7 +443,7 @@ def _compile_key(variant: Variant, arch: str) -> tuple:
 
 _MEASURED = ("regs", "spill_stores", "spill_loads", "stack", "smem", "blocks_per_sm", "dot", "wgmma", "tt_dots",
              "mma_dots", "wgmma_not_16bit", "mma_serialized", "mma_sync", "atomics_f32", "compile_s", "loop_instr",
-             "guarded", "ok", "problems")
+             "guarded", "loops", "ok", "problems")
 
 
 def run(archs: list[str], shapes: list[AotShape], kernels: tuple[str, ...] | None = None,

@@ -97,7 +97,8 @@ def preset_rows(chip_name: str = "H100") -> list[dict]:
     """The cost model's figure for every GPU preset's attention call (``kernels.dsa_cost.call_breakdown``
     at the preset's token grid, window, head dim and bound, one head): what ``auto`` runs and its
     forward + backward against FlashAttention-3 on the same tokens."""
-    from kernels.dsa_cost import call_breakdown, halo_dense_design  # lazy: imports triton
+    from kernels.dsa_cost import call_breakdown  # lazy: imports triton
+    from kernels.dsa_fused_cost import halo_dense_design  # lazy: as above
 
     from .compile import gpu_preset_shapes
 
@@ -136,7 +137,7 @@ def main(argv=None) -> int:
               f"{d['total']:.2f} | {f['fwd']:.2f} + {f['bwd']:.2f} = {f['total']:.2f} | {r['ratio']:.2f}x | "
               f"{r['design_ms']['total']:.3f} | {r['design_ratio']:.1f}x |")
     print(f"\n{a.chip} figures, one head, bf16; {rows[0]['how'] if rows else 'no GPU preset'}; the halo-dense "
-          "columns: kernels.dsa_cost.halo_dense_design, each pass from its Gluon kernel's sm_90 compile where it "
+          "columns: kernels.dsa_fused_cost.halo_dense_design, each pass from its Gluon kernel's sm_90 compile where it "
           "exists (d 128, 3x7x7), else the design's assumptions (no kernel of it has run)")
     return 0
 

@@ -1,0 +1,195 @@
+"""The fused halo-dense kernels' price (``kernels/dsa_halo_dense.py``'s algorithm; the Gluon kernels of
+``dsa_gluon_halo``): from their sm_90 compiles (the issue table's PTX counts per loop level, their
+sample walks' loop bodies once per chunk of the samples that land in a frame, simulated per tile:
+``walk_trips``), or, where no compile exists, from the design's work counts and assumptions
+(``halo_dense_design``). The roofline terms, chips and FlashAttention-3's figures are
+``dsa_cost``'s; ``python -m kernels.dsa_cost`` prints these rows under ``fused``."""
+
+from __future__ import annotations
+
+import functools
+import math
+
+from .dsa_roofline import CHIPS, FA3_MFU, Chip, Cost, _terms, fa3_seconds, issue_key, issue_table
+
+DESIGN_ASSUMPTIONS = {
+    "mma_efficiency": "FA3_MFU per pass (the same tensor-core efficiency as the dense baseline)",
+    "corner_instr": 6,  # lane instructions per sample corner per gather or scatter (index, weight, smem op)
+    "sample_instr": 40,  # per sample and pass: positions, clamps, floors, fractions, 8 weights and indices
+    "smem_conflict": 2.0,  # shared-memory gathers and scatter-adds at half the conflict-free rate
+    "blocks_per_sm": 1,  # ~200 KB of halo K or V, scores and probabilities per block: no second block
+}
+
+
+def layer_frames(tiles, grid, cx: dict) -> list[int]:
+    """Per window layer ``jt``: the (tile, halo frame) pairs whose frame loops walk its samples in the fused
+    kernels, the frames ``st + jt - ELO .. st + jt + EHI`` it reaches within the tile's halo (the kernels'
+    guard; ``st`` the window's first frame). At bound 1.5 an inner tile has 7 halo frames, a layer reaches 5."""
+    T, KT, ELO, EHI = grid[0], cx["KT"], cx["ELO"], cx["EHI"]
+    out = [0] * KT
+    for tile in tiles:
+        st = min(max(tile.q_lo[0] - KT // 2, 0), T - KT)
+        lo, hi = max(st - ELO, 0), min(st + KT - 1 + EHI, T - 1)
+        for jt in range(KT):
+            out[jt] += max(0, min(hi, st + jt + EHI) - max(lo, st + jt - ELO) + 1)
+    return out
+
+
+def order_bytes(window) -> int:
+    """DRAM bytes per query and head of the walks' sample order (``dsa_halo_dense.sample_order``), per pass:
+    the offsets read to sort them (bf16), the int8 order written and read back by the kernel."""
+    return math.prod(window) * 3 * 2 + 2 * window[0] * 64
+
+
+WALK_OFFSETS = ("uniform", "zero")  # the offsets the fused kernels' walks are priced at (``walk_trips``)
+
+
+@functools.lru_cache(maxsize=64)
+def walk_trips(grid, cx_items: tuple, bound: float, offsets: str = "uniform", seed: int = 0) -> tuple[int, ...]:
+    """Per window layer ``jt``: the sample-walk chunks the fused kernels run in one walk over every tile
+    and halo frame. A walk over frame ``f`` visits, per query, the run of its layer's sample order whose
+    samples touch ``f`` (``dsa_halo_dense.sample_order``), ``JC`` a chunk, as many chunks as the tile's
+    longest run needs; frames the layer cannot reach are skipped (``layer_frames``). The runs depend on
+    the offsets' time components: ``uniform`` draws them uniform in ``[-bound, bound]`` (the widest spread
+    within the bound; ``seed`` fixed, so the figure is reproducible), ``zero`` puts every sample on its
+    layer's frame (it touches that frame and, with weight 0, the next). Offsets piled at both ends of the
+    bound in different queries of one tile would make every run full: the walks of today's unsorted
+    kernels, ``5 x 7`` chunks a layer at bound 1.5."""
+    import torch  # lazy: the simulation only
+
+    from .dsa_halo_dense import halo_tiles  # lazy: imports torch
+
+    cx = dict(cx_items)
+    T, KT, ELO, EHI, JC, K2 = grid[0], cx["KT"], cx["ELO"], cx["EHI"], cx["JC"], cx["KH"] * cx["KW"]
+    window = (KT, cx["KH"], cx["KW"])
+    gen = torch.Generator().manual_seed(seed)
+    groups: dict[tuple, int] = {}
+    for tile in halo_tiles(tuple(grid), window, bound, (1, 8, 8)):
+        m = math.prod(h - lo + 1 for lo, h in zip(tile.q_lo, tile.q_hi))
+        groups[(tile.q_lo[0], m)] = groups.get((tile.q_lo[0], m), 0) + 1
+    out = [0] * KT
+    for (t, m), n in sorted(groups.items()):
+        st = min(max(t - KT // 2, 0), T - KT)
+        lo, hi = max(st - ELO, 0), min(st + KT - 1 + EHI, T - 1)
+        for jt in range(KT):
+            ot = (torch.zeros((n, m, K2), dtype=torch.float64) if offsets == "zero"
+                  else (torch.rand((n, m, K2), generator=gen, dtype=torch.float64) * 2 - 1) * bound)
+            t0 = torch.floor((st + jt + ot.float()).clamp(0, T - 1)).long()
+            t1 = (t0 + 1).clamp(max=T - 1)
+            for f in range(max(lo, st + jt - ELO), min(hi, st + jt + EHI) + 1):
+                runs = ((t0 == f) | (t1 == f)).sum(-1).amax(-1)  # per tile: its longest run
+                out[jt] += int((-(-runs // JC)).sum())
+    return tuple(out)
+
+
+def _fused_work(kernel: str, grid, window, head_dim: int, bound: float, cx: dict,
+                offsets: str = "uniform") -> tuple | None:
+    """A fused kernel's issue table entry, its tiles' halo frames and the PTX instructions one thread issues
+    over them (None where the table lacks the compile): the code outside the frame loops once per 1x8x8
+    tile, the frame loops' own code once per halo frame, and the sample walks' loop bodies (``loops``:
+    one per window layer and walk, in layer order) once per chunk ``walk_trips`` counts at ``offsets``."""
+    from .dsa_gluon_halo import GLUON_WARPS  # lazy: imports torch
+    from .dsa_halo_dense import halo_tiles  # lazy: imports torch
+
+    entry = issue_table().get(issue_key(kernel, head_dim, window, cx, GLUON_WARPS))
+    if entry is None:
+        return None
+    tiles = halo_tiles(tuple(grid), tuple(window), bound, (1, 8, 8))
+    loops, KT, frames = entry.get("loops", {}).get("2", []), cx["KT"], sum(t.halo_shape[0] for t in tiles)
+    if not loops or len(loops) % KT:
+        raise ValueError(f"{kernel}: {len(loops)} sample walks in its frame loops, not a multiple of the window's "
+                         f"{KT} layers: rerun `python -m benchmarks.gpu_check.issue_table`")
+    trips = walk_trips(tuple(grid), tuple(sorted(cx.items())), float(bound), offsets)
+    walks = sum(n * sum(loops[jt::KT]) for jt, n in enumerate(trips))
+    return entry, frames, len(tiles) * entry["depths"].get("0", 0) + frames * entry["depths"].get("1", 0) + walks
+
+
+def fused_fwd_cost(grid, window, head_dim: int, bound: float, offsets: str = "uniform") -> Cost | None:
+    """The fused halo-dense forward (``dsa_gluon_halo``, compiled for sm_90, not yet run) from its compile:
+    issue slots ``_fused_work``'s (its walks at ``offsets``), 256 threads per tile; its dots 64 x 64 x d per chunk of 64 halo keys,
+    twice (``S = Q K^T``, ``O = P V``), per frame. None where the issue table lacks the compile."""
+    from .dsa_gluon_halo import GLUON_WARPS, gluon_halo_constexprs  # lazy: imports torch
+
+    cx = gluon_halo_constexprs(head_dim, window, bound)
+    if (work := _fused_work("fused_fwd", grid, window, head_dim, bound, cx, offsets)) is None:
+        return None
+    entry, frames, per_thread = work
+    N, K = math.prod(grid), math.prod(window)
+    return Cost("fused_fwd", N, K, head_dim, 0.0, tc_flops=2 * 2 * 64 * cx["NCH"] * 64 * head_dim * frames,
+                dram_bytes=N * (4 * head_dim * 2 + K * 3 * 2 + order_bytes(window)),
+                l1_bytes=frames * cx["NCH"] * 64 * head_dim * 2 * 2, atomic_bytes=0.0,
+                issue=32 * GLUON_WARPS * per_thread, blocks_per_sm=entry.get("blocks_per_sm"))
+
+
+def fused_bwd_cost(grid, window, head_dim: int, bound: float, offsets: str = "uniform") -> Cost | None:
+    """The fused halo-dense backward (``dsa_gluon_halo_bwd_jit``, compiled for sm_90, not yet run) from
+    its compile, as ``fused_fwd_cost`` (four frame loops); five dots of 64 x 64 x d per chunk of 64 halo
+    keys and frame (dP, S, dV, dQ, dK); the halo's K or V chunks into shared memory three times per frame
+    (V, K, K) and the fp32 dk, dv rows read and written per chunk (L1/L2); DRAM: q, k, v, out, dout and
+    the offsets read, dq written, dk, dv and the offsets' gradient in fp32 then cast. None where the
+    issue table lacks the compile."""
+    from .dsa_gluon_halo import BWD_SAMPLE_CHUNK, GLUON_WARPS, gluon_halo_constexprs  # lazy: imports torch
+
+    cx = dict(gluon_halo_constexprs(head_dim, window, bound), JC=BWD_SAMPLE_CHUNK)
+    if (work := _fused_work("fused_bwd", grid, window, head_dim, bound, cx, offsets)) is None:
+        return None
+    entry, frames, per_thread = work
+    N, K, d = math.prod(grid), math.prod(window), head_dim
+    chunks = frames * cx["NCH"]
+    return Cost("fused_bwd", N, K, d, 0.0, tc_flops=5 * 2 * 64 * 64 * d * chunks,
+                dram_bytes=N * (6 * d * 2 + K * 3 * 2 + 2 * (d * 4 * 2 + d * 2) + K * 3 * (4 * 2 + 2) + order_bytes(window)),
+                l1_bytes=chunks * 64 * d * (3 * 2 + 2 * 2 * 4), atomic_bytes=0.0,
+                issue=32 * GLUON_WARPS * per_thread, blocks_per_sm=entry.get("blocks_per_sm"))
+
+
+def fused_compiled(grid, window, head_dim: int, bound: float, chip: Chip = CHIPS[0],
+                   offsets: str = "uniform") -> dict | None:
+    """The compiled fused halo-dense forward and backward (their sm_90 compiles' issue slots, not a run)
+    for one head beside FlashAttention-3: ``{"passes", "dsa_ms", "fa3_ms", "ratio"}``; None where the
+    issue table lacks either compile."""
+    fwd = fused_fwd_cost(grid, window, head_dim, bound, offsets)
+    bwd = fused_bwd_cost(grid, window, head_dim, bound, offsets)
+    if fwd is None or bwd is None:
+        return None
+    passes = {"fwd": _terms(fwd, chip, "fwd"), "bwd": _terms(bwd, chip, "bwd")}
+    fa3 = {p: 1e3 * v for p, v in fa3_seconds(math.prod(grid), head_dim, chip).items()}
+    dsa = {"fwd": passes["fwd"]["ms"], "bwd": passes["bwd"]["ms"]}
+    dsa["total"], fa3["total"] = dsa["fwd"] + dsa["bwd"], fa3["fwd"] + fa3["bwd"]
+    return {"how": "the Gluon kernels' sm_90 compiles (not yet run)", "offsets": offsets, "passes": passes, "dsa_ms": dsa,
+            "fa3_ms": fa3, "ratio": fa3["total"] / dsa["total"]}
+
+
+def halo_dense_design(grid, window, head_dim: int, bound: float, chip: Chip = CHIPS[0]) -> dict:
+    """The design estimate of the fused halo-dense forward and backward (``kernels/dsa_halo_dense``)
+    for one head, beside FlashAttention-3: the mirror's work counts priced with
+    ``DESIGN_ASSUMPTIONS``. Per pass: tensor-core time plus issue time (one block per SM: the
+    synchronous dots do not overlap the per-sample instructions), or the shared-memory, L2 (every
+    tile's halo read once) or DRAM time where larger. A design figure, not a compiled kernel's."""
+    from .dsa_halo_dense import halo_dense_counts  # lazy: imports torch
+
+    c = halo_dense_counts(tuple(grid), tuple(window), head_dim, bound)
+    A, N, K = DESIGN_ASSUMPTIONS, math.prod(grid), math.prod(window)
+    halo_bytes = c["tiles"] * c["mean_halo_keys"] * head_dim * 2
+    rows = {}
+    for pass_, macs, corners, halo_reads, dram in (
+            ("fwd", c["fwd_macs"], c["fwd_corner_ops"], 2 * halo_bytes, N * (4 * head_dim * 2 + K * 3 * 2)),
+            ("bwd", c["bwd_macs"], c["bwd_corner_ops"], 4 * halo_bytes, N * (8 * head_dim * 2 + 2 * K * 3 * 2))):
+        terms = {"tc": 2 * macs / (chip.bf16_tc * FA3_MFU[pass_]),
+                 "issue": (corners * A["corner_instr"] + c["samples"] * A["sample_instr"]) / chip.issue,
+                 "smem": corners * 4 * A["smem_conflict"] / chip.l1,
+                 "l2": halo_reads / chip.l2_atomic, "dram": dram / chip.hbm}
+        terms["issue+tc"] = (terms["tc"] + terms["issue"]) / A["blocks_per_sm"]
+        bound_by = max(("issue+tc", "smem", "l2", "dram"), key=terms.get)
+        rows[pass_] = {"ms": 1e3 * terms[bound_by], "bound_by": bound_by,
+                       "terms_ms": {k: 1e3 * v for k, v in terms.items()}}
+    rows["fwd"]["how"] = rows["bwd"]["how"] = "design estimate (no kernel yet)"
+    for pass_, compiled in (("fwd", fused_fwd_cost(grid, window, head_dim, bound)),
+                            ("bwd", fused_bwd_cost(grid, window, head_dim, bound))):
+        if compiled is not None:  # the Gluon kernel exists: its compile, not the assumptions
+            rows[pass_] = {**_terms(compiled, chip, pass_), "how": "the Gluon kernel's sm_90 compile (not yet run)"}
+    fa3 = {p: 1e3 * v for p, v in fa3_seconds(N, head_dim, chip).items()}
+    dsa = {"fwd": rows["fwd"]["ms"], "bwd": rows["bwd"]["ms"]}
+    dsa["total"], fa3["total"] = dsa["fwd"] + dsa["bwd"], fa3["fwd"] + fa3["bwd"]
+    return {"grid": list(grid), "window": list(window), "head_dim": head_dim, "bound": bound, "chip": chip.name,
+            "how": "; ".join(f"{p}: {r['how']}" for p, r in rows.items()), "assumptions": A, "counts": c,
+            "passes": rows, "dsa_ms": dsa, "fa3_ms": fa3, "ratio": fa3["total"] / dsa["total"]}
