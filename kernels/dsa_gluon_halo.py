@@ -13,8 +13,8 @@ The forward: one program = a 1 x 8 x 8 query tile of one (batch, head) pair, 8 w
    frame's score buffer ``S_s (64 x SW)`` in fp16 (scores are scaled by ``d^-1/2`` after: an fp16
    rounding of a score of 30 moves its logit by about 1e-3); then per window layer ``jt`` whose
    samples can reach ``f``, only the samples that touch ``f`` (each query's run of the layer's sample
-   order, ``dsa_halo_dense.sample_order``: sorted by lower time corner on the offsets' device before
-   the launch), in chunks of ``JC`` samples, as many as the tile's longest run needs: their
+   order, ``dsa_halo_dense.sample_order``: sorted by lower time corner before the launch, by one
+   Triton kernel, ``dsa_order``), in chunks of ``JC`` samples, as many as the tile's longest run needs: their
    positions, clamped, their corners in ``f`` and the trilinear weights, the corners' scores read
    back with a shared-memory gather and added, fp32, into the samples' scores ``Z_s`` (one
    ``64 x KP`` buffer per window layer, indexed by sample: a shared-memory atomic add). A sample
@@ -113,12 +113,13 @@ def halo_dense_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, offset
     gather kernels' convention, so their backward can follow it)."""
     B, T, H, W, nh, d = q.shape
     cx = gluon_halo_constexprs(d, window, bound)
-    from .dsa_halo_dense import sample_order  # lazy: the walks' order, computed on the offsets' device
+    from .dsa_order import sample_order_kernel  # lazy: the walks' order (a Triton kernel), on the GPU only
 
     out = torch.empty_like(q)
     lse = torch.empty((B, nh, T * H * W), device=q.device, dtype=torch.float32)
     grid = (T * -(-H // TILE_Y) * -(-W // TILE_X), B * nh)
-    halo_dense_kernel()[grid](q, k, v, offsets, sample_order(offsets, window, bound), out, lse, scale * 1.4426950408889634, T, H, W, nh, **cx,
+    order = sample_order_kernel(offsets, window, bound)
+    halo_dense_kernel()[grid](q, k, v, offsets, order, out, lse, scale * 1.4426950408889634, T, H, W, nh, **cx,
                               num_warps=GLUON_WARPS)
     return out, lse
 
@@ -156,9 +157,9 @@ def halo_dense_backward(q, k, v, offsets, out, dout, lse, window, scale: float, 
     dq = torch.empty_like(q)
     dk, dv = (torch.zeros(x.shape, device=x.device, dtype=torch.float32) for x in (k, v))
     doff = torch.zeros(offsets.shape, device=offsets.device, dtype=torch.float32)
-    from .dsa_halo_dense import sample_order  # lazy: the walks' order, computed on the offsets' device
+    from .dsa_order import sample_order_kernel  # lazy: the walks' order (a Triton kernel), on the GPU only
 
-    order = sample_order(offsets, window, bound)
+    order = sample_order_kernel(offsets, window, bound)
     counts, phases = phase_launches((T, H, W), window, bound)
     for pt, py, px, n in phases:  # one after another: the tiles of one phase share no key
         halo_dense_bwd_kernel()[(n, B * nh)](q, k, v, offsets, order, out, dout, lse, dq, dk, dv, doff,
@@ -168,10 +169,11 @@ def halo_dense_backward(q, k, v, offsets, out, dout, lse, window, scale: float, 
 
 
 def aot_variants(shape) -> list[dict]:
-    """The Gluon forward as the compile-only check compiles it at ``shape`` (bf16 or fp16, a bound
-    given, head dim 128 and window 3x7x7: the Wan shape it was written for): sm_90 only
-    (``warpgroup_mma`` is Hopper's), listed for the record (``auto`` does not pick it: no GPU has run
-    it yet). Empty where this Triton cannot build it or the shape has no bound."""
+    """The Gluon forward and backward as the compile-only check compiles them at ``shape`` (bf16 or fp16, a
+    bound given, head dim 128 and window 3x7x7: the Wan shape they were written for): sm_90 only
+    (``warpgroup_mma`` is Hopper's), listed for the record (``auto`` does not pick them: no GPU has run
+    them yet), and the Triton kernel that writes their sample order. Empty where this Triton cannot
+    build them or the shape has no bound."""
 
     if (shape.dtype == "fp32" or shape.max_offset is None or (shape.head_dim, tuple(shape.window)) != (128, (3, 7, 7))
             or gluon_halo_refusal() is not None):
@@ -194,7 +196,25 @@ def aot_variants(shape) -> list[dict]:
     bwd = dict(fwd, kernel="fused_bwd", fn=bwd_fn, signature=bsig, constexprs=bcx,
                attrs=aligned_pointer_attrs(bwd_fn, {n: v for n, v in bsig.items() if v.startswith("*")}), config=f"tile 1x{TILE_Y}x{TILE_X},JC={bcx['JC']}",
                note="the fused halo-dense backward (Gluon): not picked until a GPU run checks it")
-    return [fwd, bwd]
+    return [fwd, bwd, _order_variant(shape, t)]
+
+
+def _order_variant(shape, offsets_type: str) -> dict:
+    """The sample order's Triton kernel (``dsa_order``) as the compile-only check compiles it beside the
+    fused pair (plain Triton, no dots: any arch)."""
+    from .dsa_halo_dense import ORDER_WIDTH, STARTS_AT, time_reach  # lazy: imports torch
+    from .dsa_order import ORDER_BLOCK_ROWS, _order_kernel  # lazy: as above
+
+    elo, ehi = time_reach(float(shape.max_offset))
+    kt, kh, kw = shape.window
+    cx = dict(KT=kt, KH=kh, KW=kw, ELO=elo, EHI=ehi, KP=1 << (kh * kw - 1).bit_length(), OW=ORDER_WIDTH,
+              SA=STARTS_AT, BLOCK_R=ORDER_BLOCK_ROWS)
+    sig = {n: "i32" for n in _order_kernel.arg_names}
+    sig.update(OFF=offsets_type, ORD="*i8", **{n: "constexpr" for n in cx})
+    return dict(kernel="fused_order", fn=_order_kernel, signature=sig, constexprs=cx, num_warps=4, num_stages=1,
+                attrs=aligned_pointer_attrs(_order_kernel, {"OFF": offsets_type, "ORD": "*i8"}),
+                config=f"{ORDER_BLOCK_ROWS} rows", tensor_cores=False, may_pick=False,
+                note="the fused kernels' sample order (Triton): runs with them")
 
 
 # -----------------------------------------------------------------------------

@@ -288,7 +288,8 @@ def test_sm90_compile_only_check_passes_at_the_preset_shapes(tmp_path):
     assert shapes == {(d, w) for d in (64, 128) for w in ((3, 5, 5), (3, 7, 7))}
     from kernels.dsa_gluon_halo import gluon_halo_refusal
 
-    fused = set() if gluon_halo_refusal() else {"fused_fwd", "fused_bwd"}  # the Gluon kernels, where Triton builds them
+    # the Gluon kernels, where Triton builds them, and the Triton kernel that sorts their samples
+    fused = set() if gluon_halo_refusal() else {"fused_fwd", "fused_bwd", "fused_order"}
     assert {r["kernel"] for r in recs} == {"gather_fwd", "gather_bwd_pull", "gather_bwd_atomic", "gather_bwd_split",
                                            "pull_dk", "pull_dv", "pull_dk+acc", "pull_dv+acc", "halo_scores", "halo_out",
                                            "halo_bwd_v", "halo_bwd_k", "halo_dq"} | fused
