@@ -35,13 +35,39 @@ def layer_frames(tiles, grid, cx: dict) -> list[int]:
     return out
 
 
+RECORD_BYTES = 16  # one sample's record (``dsa_halo_dense.sample_records``)
+
+
 def order_bytes(window) -> int:
-    """DRAM bytes per query and head of the walks' sample order (``dsa_halo_dense.sample_order``), per pass:
-    the offsets read to sort them (bf16), the int8 order written and read back by the kernel."""
-    return math.prod(window) * 3 * 2 + 2 * window[0] * 64
+    """DRAM bytes per query and head of the kernel that writes the walks' sample order and records
+    (``dsa_order``), once per pass: the offsets read (bf16), the int8 order and the records written."""
+    return math.prod(window) * (3 * 2 + RECORD_BYTES) + window[0] * 64
 
 
-WALK_OFFSETS = ("uniform", "zero")  # the offsets the fused kernels' walks are priced at (``walk_trips``)
+def walk_bytes(window) -> int:
+    """DRAM bytes per query and head a fused kernel reads of what ``dsa_order`` wrote: every record once
+    (a walk's later visits to a sample hit the caches: they are priced as L1 bytes, ``_fused_work``) and
+    the order's bucket starts (a 32-byte sector per layer)."""
+    return math.prod(window) * RECORD_BYTES + window[0] * 32
+
+
+def order_cost(grid, window, head_dim: int, bound: float) -> Cost | None:
+    """The sample order and records' Triton kernel (``dsa_order``), a launch of its own before each fused
+    kernel: its DRAM bytes (``order_bytes``) and issue slots from its sm_90 compile (straight-line code,
+    ``ORDER_BLOCK_ROWS`` (query, head) rows of one layer per program of ``ORDER_WARPS`` warps). None where the issue
+    table lacks the compile."""
+    from .dsa_halo_dense import time_reach  # lazy: imports torch
+    from .dsa_order import ORDER_BLOCK_ROWS, ORDER_WARPS  # lazy: as above
+
+    elo, ehi = time_reach(bound)
+    entry = issue_table().get(issue_key("fused_order", head_dim, window, {"ELO": elo, "EHI": ehi}, ORDER_WARPS))
+    if entry is None:
+        return None
+    N = math.prod(grid)
+    programs = -(-N // ORDER_BLOCK_ROWS) * window[0]
+    return Cost("fused_order", N, math.prod(window), head_dim, 0.0, tc_flops=0.0, dram_bytes=N * order_bytes(window),
+                l1_bytes=0.0, atomic_bytes=0.0, issue=programs * 32 * ORDER_WARPS * sum(entry["depths"].values()),
+                blocks_per_sm=entry.get("blocks_per_sm"))
 
 
 @functools.lru_cache(maxsize=64)
@@ -101,7 +127,9 @@ def _fused_work(kernel: str, grid, window, head_dim: int, bound: float, cx: dict
                          f"{KT} layers: rerun `python -m benchmarks.gpu_check.issue_table`")
     trips = walk_trips(tuple(grid), tuple(sorted(cx.items())), float(bound), offsets)
     walks = sum(n * sum(loops[jt::KT]) for jt, n in enumerate(trips))
-    return entry, frames, len(tiles) * entry["depths"].get("0", 0) + frames * entry["depths"].get("1", 0) + walks
+    records = sum(trips) * len(loops) // KT * 64 * cx["JC"] * RECORD_BYTES  # every chunk reads a record per lane
+    return (entry, frames, len(tiles) * entry["depths"].get("0", 0) + frames * entry["depths"].get("1", 0) + walks,
+            records)
 
 
 def fused_fwd_cost(grid, window, head_dim: int, bound: float, offsets: str = "uniform") -> Cost | None:
@@ -113,11 +141,11 @@ def fused_fwd_cost(grid, window, head_dim: int, bound: float, offsets: str = "un
     cx = gluon_halo_constexprs(head_dim, window, bound)
     if (work := _fused_work("fused_fwd", grid, window, head_dim, bound, cx, offsets)) is None:
         return None
-    entry, frames, per_thread = work
+    entry, frames, per_thread, records = work
     N, K = math.prod(grid), math.prod(window)
     return Cost("fused_fwd", N, K, head_dim, 0.0, tc_flops=2 * 2 * 64 * cx["NCH"] * 64 * head_dim * frames,
-                dram_bytes=N * (4 * head_dim * 2 + K * 3 * 2 + order_bytes(window)),
-                l1_bytes=frames * cx["NCH"] * 64 * head_dim * 2 * 2, atomic_bytes=0.0,
+                dram_bytes=N * (4 * head_dim * 2 + walk_bytes(window)),
+                l1_bytes=frames * cx["NCH"] * 64 * head_dim * 2 * 2 + records, atomic_bytes=0.0,
                 issue=32 * GLUON_WARPS * per_thread, blocks_per_sm=entry.get("blocks_per_sm"))
 
 
@@ -133,13 +161,28 @@ def fused_bwd_cost(grid, window, head_dim: int, bound: float, offsets: str = "un
     cx = dict(gluon_halo_constexprs(head_dim, window, bound), JC=BWD_SAMPLE_CHUNK)
     if (work := _fused_work("fused_bwd", grid, window, head_dim, bound, cx, offsets)) is None:
         return None
-    entry, frames, per_thread = work
+    entry, frames, per_thread, records = work
     N, K, d = math.prod(grid), math.prod(window), head_dim
     chunks = frames * cx["NCH"]
     return Cost("fused_bwd", N, K, d, 0.0, tc_flops=5 * 2 * 64 * 64 * d * chunks,
-                dram_bytes=N * (6 * d * 2 + K * 3 * 2 + 2 * (d * 4 * 2 + d * 2) + K * 3 * (4 * 2 + 2) + order_bytes(window)),
-                l1_bytes=chunks * 64 * d * (3 * 2 + 2 * 2 * 4), atomic_bytes=0.0,
+                dram_bytes=N * (6 * d * 2 + 2 * (d * 4 * 2 + d * 2) + K * 3 * (4 * 2 + 2) + walk_bytes(window)),
+                l1_bytes=chunks * 64 * d * (3 * 2 + 2 * 2 * 4) + records, atomic_bytes=0.0,
                 issue=32 * GLUON_WARPS * per_thread, blocks_per_sm=entry.get("blocks_per_sm"))
+
+
+def fused_pass(cost: Cost, grid, window, head_dim: int, bound: float, chip: Chip, pass_: str) -> dict:
+    """One fused pass's row: the fused kernel's roofline terms (``_terms``) and, added to its time
+    (``ms``), the order kernel's that runs before it (``order_ms``; its DRAM time where its compile is
+    missing)."""
+    row = _terms(cost, chip, pass_)
+    order = order_cost(grid, window, head_dim, bound)
+    if order is None:
+        order_s = math.prod(grid) * order_bytes(window) / chip.hbm
+    else:
+        order_s = order.seconds(chip)["seconds"]
+    row["kernel_ms"], row["order_ms"] = row["ms"], 1e3 * order_s
+    row["ms"] = row["kernel_ms"] + row["order_ms"]
+    return row
 
 
 def fused_compiled(grid, window, head_dim: int, bound: float, chip: Chip = CHIPS[0],
@@ -151,7 +194,7 @@ def fused_compiled(grid, window, head_dim: int, bound: float, chip: Chip = CHIPS
     bwd = fused_bwd_cost(grid, window, head_dim, bound, offsets)
     if fwd is None or bwd is None:
         return None
-    passes = {"fwd": _terms(fwd, chip, "fwd"), "bwd": _terms(bwd, chip, "bwd")}
+    passes = {p: fused_pass(c, grid, window, head_dim, bound, chip, p) for p, c in (("fwd", fwd), ("bwd", bwd))}
     fa3 = {p: 1e3 * v for p, v in fa3_seconds(math.prod(grid), head_dim, chip).items()}
     dsa = {"fwd": passes["fwd"]["ms"], "bwd": passes["bwd"]["ms"]}
     dsa["total"], fa3["total"] = dsa["fwd"] + dsa["bwd"], fa3["fwd"] + fa3["bwd"]
@@ -186,7 +229,8 @@ def halo_dense_design(grid, window, head_dim: int, bound: float, chip: Chip = CH
     for pass_, compiled in (("fwd", fused_fwd_cost(grid, window, head_dim, bound)),
                             ("bwd", fused_bwd_cost(grid, window, head_dim, bound))):
         if compiled is not None:  # the Gluon kernel exists: its compile, not the assumptions
-            rows[pass_] = {**_terms(compiled, chip, pass_), "how": "the Gluon kernel's sm_90 compile (not yet run)"}
+            rows[pass_] = {**fused_pass(compiled, grid, window, head_dim, bound, chip, pass_),
+                           "how": "the Gluon kernel's sm_90 compile (not yet run)"}
     fa3 = {p: 1e3 * v for p, v in fa3_seconds(N, head_dim, chip).items()}
     dsa = {"fwd": rows["fwd"]["ms"], "bwd": rows["bwd"]["ms"]}
     dsa["total"], fa3["total"] = dsa["fwd"] + dsa["bwd"], fa3["fwd"] + fa3["bwd"]

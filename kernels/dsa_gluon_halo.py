@@ -14,8 +14,10 @@ The forward: one program = a 1 x 8 x 8 query tile of one (batch, head) pair, 8 w
    rounding of a score of 30 moves its logit by about 1e-3); then per window layer ``jt`` whose
    samples can reach ``f``, only the samples that touch ``f`` (each query's run of the layer's sample
    order, ``dsa_halo_dense.sample_order``: sorted by lower time corner before the launch, by one
-   Triton kernel, ``dsa_order``), in chunks of ``JC`` samples, as many as the tile's longest run needs: their
-   positions, clamped, their corners in ``f`` and the trilinear weights, the corners' scores read
+   Triton kernel, ``dsa_order``, which also writes each sample's 16-byte record in that order:
+   its corners' column in the tile's halo, fractions and clamps, ``dsa_halo_dense.sample_records``),
+   in chunks of ``JC`` samples, as many as the tile's longest run needs: one 16-byte load per sample
+   (no position is computed in the walk), its weight in ``f`` and the trilinear weights, the corners' scores read
    back with a shared-memory gather and added, fp32, into the samples' scores ``Z_s`` (one
    ``64 x KP`` buffer per window layer, indexed by sample: a shared-memory atomic add). A sample
    touches 2 of the 5 frames its layer can reach: the unsorted walks visited every sample in all 5.
@@ -118,8 +120,8 @@ def halo_dense_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, offset
     out = torch.empty_like(q)
     lse = torch.empty((B, nh, T * H * W), device=q.device, dtype=torch.float32)
     grid = (T * -(-H // TILE_Y) * -(-W // TILE_X), B * nh)
-    order = sample_order_kernel(offsets, window, bound)
-    halo_dense_kernel()[grid](q, k, v, offsets, order, out, lse, scale * 1.4426950408889634, T, H, W, nh, **cx,
+    order, records = sample_order_kernel(offsets, window, bound, (1, TILE_Y, TILE_X))
+    halo_dense_kernel()[grid](q, k, v, records, order, out, lse, scale * 1.4426950408889634, T, H, W, nh, **cx,
                               num_warps=GLUON_WARPS)
     return out, lse
 
@@ -159,10 +161,10 @@ def halo_dense_backward(q, k, v, offsets, out, dout, lse, window, scale: float, 
     doff = torch.zeros(offsets.shape, device=offsets.device, dtype=torch.float32)
     from .dsa_order import sample_order_kernel  # lazy: the walks' order (a Triton kernel), on the GPU only
 
-    order = sample_order_kernel(offsets, window, bound)
+    order, records = sample_order_kernel(offsets, window, bound, (1, TILE_Y, TILE_X))
     counts, phases = phase_launches((T, H, W), window, bound)
     for pt, py, px, n in phases:  # one after another: the tiles of one phase share no key
-        halo_dense_bwd_kernel()[(n, B * nh)](q, k, v, offsets, order, out, dout, lse, dq, dk, dv, doff,
+        halo_dense_bwd_kernel()[(n, B * nh)](q, k, v, records, order, out, dout, lse, dq, dk, dv, doff,
                                              scale * 1.4426950408889634, scale, T, H, W, nh, pt, py, px, *counts,
                                              **cx, num_warps=GLUON_WARPS)
     return dq, dk.to(k.dtype), dv.to(v.dtype), doff.to(offsets.dtype)
@@ -182,7 +184,7 @@ def aot_variants(shape) -> list[dict]:
     cx = gluon_halo_constexprs(shape.head_dim, shape.window, float(shape.max_offset))
     t = AOT_POINTER_TYPES[shape.dtype]
     sig = {n: "i32" for n in fn.arg_names}
-    sig.update({n: t for n in ("Q", "K", "V", "OFF", "OUT")}, ORD="*i8", LSE="*fp32", qk_scale="fp32")
+    sig.update({n: t for n in ("Q", "K", "V", "OUT")}, REC="*i32", ORD="*i8", LSE="*fp32", qk_scale="fp32")
     sig.update({n: "constexpr" for n in cx})
     fwd = dict(kernel="fused_fwd", fn=fn, signature=sig, constexprs=cx, num_warps=GLUON_WARPS, num_stages=1,
                attrs=aligned_pointer_attrs(fn, {n: v for n, v in sig.items() if v.startswith("*")}),
@@ -190,7 +192,7 @@ def aot_variants(shape) -> list[dict]:
                note="the fused halo-dense forward (Gluon): not picked until a GPU run checks it")
     bwd_fn = halo_dense_bwd_kernel()
     bsig = {n: "i32" for n in bwd_fn.arg_names}
-    bsig.update({n: t for n in ("Q", "K", "V", "OFF", "OUT", "DO", "DQ")}, ORD="*i8", qk_scale="fp32", scale="fp32",
+    bsig.update({n: t for n in ("Q", "K", "V", "OUT", "DO", "DQ")}, REC="*i32", ORD="*i8", qk_scale="fp32", scale="fp32",
                 **{n: "*fp32" for n in ("LSE", "DK", "DV", "DOFF")}, **{n: "constexpr" for n in cx})
     bcx = dict(cx, JC=BWD_SAMPLE_CHUNK)
     bwd = dict(fwd, kernel="fused_bwd", fn=bwd_fn, signature=bsig, constexprs=bcx,
@@ -202,17 +204,20 @@ def aot_variants(shape) -> list[dict]:
 def _order_variant(shape, offsets_type: str) -> dict:
     """The sample order's Triton kernel (``dsa_order``) as the compile-only check compiles it beside the
     fused pair (plain Triton, no dots: any arch)."""
-    from .dsa_halo_dense import ORDER_WIDTH, STARTS_AT, time_reach  # lazy: imports torch
-    from .dsa_order import ORDER_BLOCK_ROWS, _order_kernel  # lazy: as above
+    from .dsa_halo_dense import ORDER_WIDTH, STARTS_AT, halo_frame, time_reach  # lazy: imports torch
+    from .dsa_order import ORDER_BLOCK_ROWS, ORDER_WARPS, _order_kernel  # lazy: as above
 
     elo, ehi = time_reach(float(shape.max_offset))
     kt, kh, kw = shape.window
+    tile = (1, TILE_Y, TILE_X)
+    _, fx, _, sw = halo_frame(shape.window, float(shape.max_offset), tile)
     cx = dict(KT=kt, KH=kh, KW=kw, ELO=elo, EHI=ehi, KP=1 << (kh * kw - 1).bit_length(), OW=ORDER_WIDTH,
-              SA=STARTS_AT, BLOCK_R=ORDER_BLOCK_ROWS)
+              SA=STARTS_AT, TT=1, TY=TILE_Y, TX=TILE_X, FX=fx, SW=sw, BLOCK_R=ORDER_BLOCK_ROWS)
     sig = {n: "i32" for n in _order_kernel.arg_names}
-    sig.update(OFF=offsets_type, ORD="*i8", **{n: "constexpr" for n in cx})
-    return dict(kernel="fused_order", fn=_order_kernel, signature=sig, constexprs=cx, num_warps=4, num_stages=1,
-                attrs=aligned_pointer_attrs(_order_kernel, {"OFF": offsets_type, "ORD": "*i8"}),
+    pointers = {"OFF": offsets_type, "ORD": "*i8", "REC": "*i32"}
+    sig.update(pointers, **{n: "constexpr" for n in cx})
+    return dict(kernel="fused_order", fn=_order_kernel, signature=sig, constexprs=cx, num_warps=ORDER_WARPS, num_stages=1,
+                attrs=aligned_pointer_attrs(_order_kernel, pointers),
                 config=f"{ORDER_BLOCK_ROWS} rows", tensor_cores=False, may_pick=False,
                 note="the fused kernels' sample order (Triton): runs with them")
 
@@ -242,6 +247,10 @@ def _shape_refusal(q: torch.Tensor, window, bound: float | None, slab) -> str | 
     why = gluon_halo_refusal()
     if why is not None:
         return why
+    rows = q.numel() // q.shape[-1]  # (query, head) rows; the kernels index the offsets' elements in int32
+    if rows * math.prod(window) * 3 >= 2 ** 31:
+        return (f"the fused forward indexes the offsets in 32 bits: {rows} (query, head) rows x {math.prod(window)} "
+                f"samples x 3 is past 2^31; split the batch")
     if q.device.type != "cuda" or torch.cuda.get_device_capability(q.device)[0] != 9:
         return "the fused forward runs on sm_90 (Hopper) GPUs only"
     if q.dtype not in (torch.bfloat16, torch.float16):

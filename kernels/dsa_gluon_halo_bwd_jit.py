@@ -36,64 +36,47 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia import hopper
 
 from .dsa_gluon_halo_jit import (
-    _axis,
-    _corner_index,
+    _LT,
+    _LX,
+    _LY,
     _frame_i32,
     _frame_probs,
     _frame_run,
     _frame_scores,
     _halo_rows,
     _late,
+    _layer_samples,
     _order_row,
-    _run_samples,
+    _record_row,
+    _run_base,
     _start,
     _zero_samples,
+    _zero_tail,
 )
 
 
 @gluon.jit
 def _pin(geo):
-    """``geo`` with the queries' offset rows and window starts passed through an opaque move: what is
-    computed from them stays inside the frame loop (hoisted, every layer's addresses and positions
-    would be held across it, and spill)."""
-    off_row, q_ok, st, sy, sx = geo[0], geo[1], geo[2], geo[3], geo[4]
-    off_row, sy, sx = gl.inline_asm_elementwise("mov.b32 $0, $3;\n\tmov.b32 $1, $4;\n\tmov.b32 $2, $5;",
-                                                "=r,=r,=r,r,r,r", [off_row, sy, sx],
-                                                dtype=(gl.int32, gl.int32, gl.int32), is_pure=False, pack=1)
-    return (off_row, q_ok, st, sy, sx, geo[5], geo[6], geo[7], geo[8], geo[9], geo[10], geo[11], geo[12])
+    """``geo`` with the queries' offset rows passed through an opaque move: what is computed from them
+    stays inside the frame loop (hoisted, every layer's addresses would be held across it, and spill)."""
+    off_row = gl.inline_asm_elementwise("mov.b32 $0, $1;", "=r,r", [geo[0]], dtype=gl.int32, is_pure=False, pack=1)
+    return (off_row, geo[1], geo[2], geo[3])
 
 
 @gluon.jit
-def _live(base, off, size):
-    """1 where the clamp passes the position's gradient (raw position within ``[0, size - 1]``: the clamped
-    position, ``_axis``'s, equals it), else 0."""
-    p = base.to(gl.float32) + off
-    return gl.where(gl.minimum(gl.maximum(p, 0.0), (size - 1).to(gl.float32)) == p, 1.0, 0.0)
-
-
-@gluon.jit
-def _layer_derivs(OFF, off_row, ORD, ord_row, a, e, r0, q_ok, jt, st, sy, sx, T, H, W, lo_t, lo_y, lo_x, fyn, fxn, f,
-                  KH: gl.constexpr, KW: gl.constexpr, JC: gl.constexpr, layout: gl.constexpr):
-    """The forward's ``_layer_samples`` for the samples at ``r0 .. r0 + JC`` of each query's run ``[a, e)``
-    of layer ``jt``'s sample order in frame ``f`` (index, weight, corners, fractions, within the run),
+def _layer_derivs(rbase, a, e, r0, q_ok, f, FX: gl.constexpr, JC: gl.constexpr, layout: gl.constexpr):
+    """The forward's ``_layer_samples`` (weight in frame ``f``, corners, fractions, index, within the run)
     and the derivatives: of the weight along t (``-1`` at the lower corner frame, ``+1`` at the upper, 0
-    where clamped), the y and x clamps' pass-through (1 or 0)."""
-    j, jy, jx, ok, idx, ot, oy, ox = _run_samples(OFF, off_row, ORD, ord_row, a, e, r0, q_ok, jt, KH, KW, JC, layout)
-    bt = st + jt + gl.zeros_like(jy)
-    by = sy[:, None] + jy
-    bx = sx[:, None] + jx
-    t0, t1, ft = _axis(bt, ot, T, lo_t)
-    y0, y1, fy = _axis(by, oy, H, lo_y)
-    x0, x1, fx = _axis(bx, ox, W, lo_x)
-    wt = gl.where(t0 == f, 1.0 - ft, 0.0) + gl.where(t1 == f, ft, 0.0)
-    lt = _live(bt, ot, T)
+    where clamped), the y and x clamps' pass-through (1 or 0), from the records' clamp bits."""
+    wt, c00, c01, c10, c11, fy, fx, j, ok, w, t0, t1 = _layer_samples(rbase, a, e, r0, q_ok, f, FX, JC, layout)
+    lt = ((w >> _LT) & 1).to(gl.float32)
     dwt = gl.where(t0 == f, -lt, 0.0) + gl.where(t1 == f, lt, 0.0)
-    return (gl.where(ok, wt, 0.0), y0, y1, fy, x0, x1, fx, dwt, _live(by, oy, H), _live(bx, ox, W), idx, ok, j)
+    return (wt, c00, c01, c10, c11, fy, fx, dwt, ((w >> _LY) & 1).to(gl.float32), ((w >> _LX) & 1).to(gl.float32),
+            j, ok)
 
 
 @gluon.jit
-def _frame_scores_derivs(S_s, Z_s, C_s, D, c_scale, OFF, DOFF, ORD, off_row, q_ok, st, sy, sx, T, H, W, lo_t, lo_y,
-                         lo_x, fyn, fxn, f, KT: gl.constexpr, KH: gl.constexpr, KW: gl.constexpr, ELO: gl.constexpr,
+def _frame_scores_derivs(S_s, Z_s, C_s, D, c_scale, REC, DOFF, ORD, off_row, q_ok, st, lo_t, f, KT: gl.constexpr, KH: gl.constexpr, KW: gl.constexpr, ELO: gl.constexpr,
                          EHI: gl.constexpr, SW: gl.constexpr, FX: gl.constexpr, JC: gl.constexpr, smp: gl.constexpr,
                          FACTOR: gl.constexpr):
     """A walk over frame ``f``'s matrix ``X`` (``dP`` in pass 1, ``S`` in pass 2; in ``S_s``), per window
@@ -106,11 +89,9 @@ def _frame_scores_derivs(S_s, Z_s, C_s, D, c_scale, OFF, DOFF, ORD, off_row, q_o
     for jt in gl.static_range(KT):
         if (lo_t + f >= st + jt - ELO) & (lo_t + f <= st + jt + EHI):
             a, e, n = _frame_run(ORD, ord_row, q_ok, jt, lo_t + f - st - jt, ELO, EHI)
+            rbase = _run_base(REC, _record_row(off_row), q_ok, jt, KH * KW)
             for r0 in range(0, n, JC):
-                wt, y0, y1, fy, x0, x1, fx, dwt, ly, lx, idx, ok, j = _layer_derivs(
-                    OFF, off_row, ORD, ord_row, a, e, r0, q_ok, jt, st, sy, sx, T, H, W, lo_t, lo_y, lo_x, fyn, fxn,
-                    f, KH, KW, JC, smp)
-                c00, c01, c10, c11 = _corner_index(y0, y1, x0, x1, FX, SW)
+                wt, c00, c01, c10, c11, fy, fx, dwt, ly, lx, j, ok = _layer_derivs(rbase, a, e, r0, q_ok, f, FX, JC, smp)
                 f00 = S_s.gather(c00, 1).to(gl.float32)
                 f01 = S_s.gather(c01, 1).to(gl.float32)
                 f10 = S_s.gather(c10, 1).to(gl.float32)
@@ -123,7 +104,7 @@ def _frame_scores_derivs(S_s, Z_s, C_s, D, c_scale, OFF, DOFF, ORD, off_row, q_o
                     c = (C_s[jt].gather(j, 1) - D[:, None]) * c_scale
                     bil = bil * c
                     wt = wt * c
-                dptr = DOFF + idx
+                dptr = DOFF + off_row[:, None] + (jt * KH * KW + j) * 3
                 gl.store(dptr, gl.load(dptr, mask=ok, other=0.0) + dwt * bil, mask=ok)  # bil, wt: times c
                 gl.store(dptr + 1, gl.load(dptr + 1, mask=ok, other=0.0) + wt * gy, mask=ok)
                 gl.store(dptr + 2, gl.load(dptr + 2, mask=ok, other=0.0) + wt * gx, mask=ok)
@@ -254,7 +235,7 @@ def _where(pid, args, HEAD_DIM: gl.constexpr, KT: gl.constexpr, KH: gl.constexpr
     qy, qx, q_ok, st, sy, sx, lo_t, lo_y, lo_x, ftn, fyn, fxn = _tile_geometry(
         t, y0, x0, T, H, W, KT, KH, KW, ELO, EHI, TY, TX, M, smp)
     off_row = (((bh // NH) * N + (t * H + qy) * W + qx) * NH + bh % NH) * (KT * KH * KW * 3)
-    return ((off_row, q_ok, st, sy, sx, T, H, W, lo_t, lo_y, lo_x, fyn, fxn),
+    return ((off_row, q_ok, st, lo_t),
             (base, NH * HEAD_DIM, H, W, lo_y, lo_x, fyn, fxn), ftn)
 
 
@@ -269,14 +250,14 @@ DS_GAIN = gl.constexpr(256.0)  # dS is staged in fp16 times this power of two (n
 
 
 @gluon.jit
-def halo_dense_bwd(Q, K, V, OFF, ORD, OUT, DO, LSE, DQ, DK, DV, DOFF, qk_scale, scale, T, H, W, NH, PT, PY, PX, CT, CY, CX,
+def halo_dense_bwd(Q, K, V, REC, ORD, OUT, DO, LSE, DQ, DK, DV, DOFF, qk_scale, scale, T, H, W, NH, PT, PY, PX, CT, CY, CX,
                    HEAD_DIM: gl.constexpr, KT: gl.constexpr, KH: gl.constexpr, KW: gl.constexpr,
                    ELO: gl.constexpr, EHI: gl.constexpr, FY: gl.constexpr, FX: gl.constexpr,
                    NCH: gl.constexpr, SW: gl.constexpr, KTP: gl.constexpr, KP: gl.constexpr,
                    JC: gl.constexpr, TY: gl.constexpr, TX: gl.constexpr):
     M: gl.constexpr = TY * TX
     ld: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [8, 1], [1, 0])  # 16-byte rows of q, k, v
-    smp: gl.constexpr = gl.BlockedLayout([1, 1], [4, 8], [8, 1], [1, 0])  # (query, sample) tensors
+    smp: gl.constexpr = gl.BlockedLayout([1, 1], [32 // JC, JC], [8, 1], [1, 0])  # (query, sample) tensors
     s_mma: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 2], instr_shape=[16, 32, 16])
     o_mma: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 2],
                                                     instr_shape=[16, HEAD_DIM // 2, 16])
@@ -307,20 +288,21 @@ def halo_dense_bwd(Q, K, V, OFF, ORD, OUT, DO, LSE, DQ, DK, DV, DOFF, qk_scale, 
            gl.allocate_shared_memory(gl.float32, [M, KP], flat))  # per window layer: the samples' z, then p
     G_s = (gl.allocate_shared_memory(gl.float32, [M, KP], flat), gl.allocate_shared_memory(gl.float32, [M, KP], flat),
            gl.allocate_shared_memory(gl.float32, [M, KP], flat))  # per window layer: the samples' dp, then ds
+    _zero_tail(S_s, M, NCH, SW)
     _zero_samples(P_s, M, KT, KP, JC, smp)
     _zero_samples(G_s, M, KT, KP, JC, smp)
     args = (T, H, W, NH, PT, PY, PX, CT, CY, CX)
     geo, kv, ftn = _where(_opaque_pid(), args, HEAD_DIM, KT, KH, KW, ELO, EHI, TY, TX, M, smp)
-    lo_t = geo[8]
+    lo_t = geo[3]
     for f in range(0, ftn):  # pass 1: the samples' dp and d(dp)/dpos
         _frame_scores(do_s, kv_s, S_s, V, kv[0], kv[1], lo_t + f, *kv[2:], M, HEAD_DIM, NCH, FX, ld, s_mma)
-        _frame_scores_derivs(S_s, G_s, G_s, D, scale, OFF, DOFF, ORD, *_pin(geo), f, KT, KH, KW, ELO, EHI, SW, FX, JC,
+        _frame_scores_derivs(S_s, G_s, G_s, D, scale, REC, DOFF, ORD, *_pin(geo), f, KT, KH, KW, ELO, EHI, SW, FX, JC,
                              smp, False)
     geo, kv, ftn = _where(_opaque_pid(), args, HEAD_DIM, KT, KH, KW, ELO, EHI, TY, TX, M, smp)
-    lo_t = geo[8]
+    lo_t = geo[3]
     for f in range(0, ftn):  # pass 2: the samples' scores and scale (dp - D) dz/dpos
         _frame_scores(q_s, kv_s, S_s, K, kv[0], kv[1], lo_t + f, *kv[2:], M, HEAD_DIM, NCH, FX, ld, s_mma)
-        _frame_scores_derivs(S_s, P_s, G_s, D, scale, OFF, DOFF, ORD, *_pin(geo), f, KT, KH, KW, ELO, EHI, SW, FX, JC,
+        _frame_scores_derivs(S_s, P_s, G_s, D, scale, REC, DOFF, ORD, *_pin(geo), f, KT, KH, KW, ELO, EHI, SW, FX, JC,
                              smp, True)
     tl, yl, xl = _phase_tile(_opaque_pid(), H, W, PT, PY, PX, CT, CY, CX, TY, TX)  # not held across the passes
     ql = gl.arange(0, M, layout=gl.SliceLayout(1, smp))
@@ -328,7 +310,7 @@ def halo_dense_bwd(Q, K, V, OFF, ORD, OUT, DO, LSE, DQ, DK, DV, DOFF, qk_scale, 
                   mask=(yl + ql // TX < H) & (xl + ql % TX < W), other=0.0)
     _probs_from_lse(P_s, lse, qk_scale, M, KT, KH, KW, KP, JC, smp)
     _ds_from_dp(G_s, P_s, D, DOFF, geo[0], geo[1], M, KT, KH, KW, JC, smp)
-    dq, broken = _passes_3_4(Q, K, V, OFF, ORD, DK, DV, DOFF, scale, q_s, do_s, kv_s, p_s, S_s, P_s, G_s, args, M,
+    dq, broken = _passes_3_4(Q, K, V, REC, ORD, DK, DV, DOFF, scale, q_s, do_s, kv_s, p_s, S_s, P_s, G_s, args, M,
                              HEAD_DIM, KT, KH, KW, ELO, EHI, FY, FX, NCH, SW, KP, JC, TY, TX, ld, smp, s_mma, o_mma)
     t, y0, x0 = _phase_tile(_opaque_pid(), H, W, PT, PY, PX, CT, CY, CX, TY, TX)  # again: not held (spill)
     am = gl.arange(0, M, layout=gl.SliceLayout(1, o_mma))
@@ -340,7 +322,7 @@ def halo_dense_bwd(Q, K, V, OFF, ORD, OUT, DO, LSE, DQ, DK, DV, DOFF, qk_scale, 
 
 
 @gluon.jit
-def _passes_3_4(Q, K, V, OFF, ORD, DK, DV, DOFF, scale, q_s, do_s, kv_s, p_s, S_s, P_s, G_s, args,
+def _passes_3_4(Q, K, V, REC, ORD, DK, DV, DOFF, scale, q_s, do_s, kv_s, p_s, S_s, P_s, G_s, args,
                 M: gl.constexpr, HEAD_DIM: gl.constexpr, KT: gl.constexpr, KH: gl.constexpr, KW: gl.constexpr,
                 ELO: gl.constexpr, EHI: gl.constexpr, FY: gl.constexpr, FX: gl.constexpr, NCH: gl.constexpr,
                 SW: gl.constexpr, KP: gl.constexpr, JC: gl.constexpr, TY: gl.constexpr, TX: gl.constexpr,
@@ -351,16 +333,16 @@ def _passes_3_4(Q, K, V, OFF, ORD, DK, DV, DOFF, scale, q_s, do_s, kv_s, p_s, S_
     one = gl.full([M], 1.0, gl.float32, gl.SliceLayout(1, smp))
     broken = gl.zeros([M], gl.int32, gl.SliceLayout(1, smp))
     geo, kv, ftn = _where(_opaque_pid(), args, HEAD_DIM, KT, KH, KW, ELO, EHI, TY, TX, M, smp)
-    lo_t = geo[8]
+    lo_t = geo[3]
     broken = _late(ORD, _order_row(geo[0], KT, KH, KW), geo[1], broken, KT, KH, KW, ELO, EHI)
     for f in range(0, ftn):  # pass 3: P; dV += P^T dO
-        _frame_probs(S_s, P_s, one, OFF, ORD, *_pin(geo), f, M, KT, KH, KW, ELO, EHI, FX, SW, KP, JC, smp, NCH)
+        _frame_probs(S_s, P_s, one, REC, ORD, *_pin(geo), f, M, KT, KH, KW, ELO, EHI, FX, SW, KP, JC, smp, NCH)
         _frame_dv(S_s, p_s, do_s, DV, kv[0], kv[1], lo_t + f, *kv[2:], M, HEAD_DIM, NCH, FX, ld, smp, o_mma)
     dq = gl.zeros([M, HEAD_DIM], gl.float32, o_mma)
     geo, kv, ftn = _where(_opaque_pid(), args, HEAD_DIM, KT, KH, KW, ELO, EHI, TY, TX, M, smp)
-    lo_t = geo[8]
+    lo_t = geo[3]
     for f in range(0, ftn):  # pass 4: dS; dQ += dS K, dK += dS^T Q
-        _frame_probs(S_s, G_s, gain, OFF, ORD, *_pin(geo), f, M, KT, KH, KW, ELO, EHI, FX, SW, KP, JC, smp, NCH)
+        _frame_probs(S_s, G_s, gain, REC, ORD, *_pin(geo), f, M, KT, KH, KW, ELO, EHI, FX, SW, KP, JC, smp, NCH)
         dq = _frame_dq_dk(dq, S_s, kv_s, p_s, q_s, K, DK, kv[0], kv[1], lo_t + f, *kv[2:], M, HEAD_DIM, NCH, FX,
                           ld, smp, o_mma, scale / DS_GAIN)
     return dq, broken

@@ -10,17 +10,6 @@ from triton.experimental.gluon.language.nvidia import hopper
 
 
 @gluon.jit
-def _axis(base, off, size, lo):
-    """Clamped position along one axis: (lower corner, upper corner) relative to ``lo``, and the
-    fraction; positions are fp32."""
-    p = gl.minimum(gl.maximum(base.to(gl.float32) + off, 0.0), (size - 1).to(gl.float32))
-    f0 = gl.floor(p)
-    i0 = f0.to(gl.int32)
-    i1 = gl.minimum(i0 + 1, size - 1)
-    return i0 - lo, i1 - lo, p - f0
-
-
-@gluon.jit
 def _frame_i32(f):
     """The frame loop's index through an opaque 32-bit move: LLVM widens the loop's counter to 64 bits,
     and every sample's compare with it (``t0 == f``) with it."""
@@ -61,49 +50,54 @@ def _late(ORD, ord_row, q_ok, broken, KT: gl.constexpr, KH: gl.constexpr, KW: gl
     return broken
 
 
+# a sample record's word 0 (``dsa_halo_dense.RECORD_BITS``): each field's first bit (``c00`` at bit 0)
+_T0 = gl.constexpr(9)
+_J = gl.constexpr(13)
+_LT = gl.constexpr(19)
+_LY = gl.constexpr(20)
+_LX = gl.constexpr(21)
+
+
 @gluon.jit
-def _run_samples(OFF, off_row, ORD, ord_row, a, e, r0, q_ok, jt, KH: gl.constexpr, KW: gl.constexpr,
-                 JC: gl.constexpr, layout: gl.constexpr):
-    """The samples at ``r0 .. r0 + JC`` of each query's run ``[a, e)`` of layer ``jt``'s sample order: their
-    index ``j`` in the layer (and its row and column), whether each is one (within the run), their
-    offsets' index in ``OFF`` and the three offsets, fp32. The offsets are read volatile: kept per
-    frame, not hoisted out of the frame loop for every layer."""
+def _record_row(off_row):
+    """A query's first record in ``REC`` (16 bytes each) from its first offset in ``OFF``."""
+    return off_row // 3
+
+
+@gluon.jit
+def _load_records(ptr):
+    """The 16-byte records at ``ptr`` (one ``ld.global.nc.v4`` each, unmasked: the records are followed by
+    ``RECORD_PAD`` in memory): word 0 and the fractions ``fy, fx, ft`` (fp32)."""
+    w, fy, fx, ft = gl.inline_asm_elementwise(
+        "ld.global.nc.v4.b32 {$0, $1, $2, $3}, [$4];", "=r,=r,=r,=r,l", [ptr],
+        dtype=(gl.int32, gl.int32, gl.int32, gl.int32), is_pure=True, pack=1)
+    return w, fy.to(gl.float32, bitcast=True), fx.to(gl.float32, bitcast=True), ft.to(gl.float32, bitcast=True)
+
+
+@gluon.jit
+def _run_base(REC, rec_row, q_ok, jt, K2: gl.constexpr):
+    """Per query, the address of its layer ``jt``'s first record (64-bit: no overflow at any size); the
+    first query's for queries past the grid (a partial tile: never walked, but read)."""
+    return REC + (gl.where(q_ok, rec_row, 0).to(gl.int64) + jt * K2) * 4
+
+
+@gluon.jit
+def _layer_samples(rbase, a, e, r0, q_ok, f, FX: gl.constexpr, JC: gl.constexpr, layout: gl.constexpr):
+    """The samples at ``r0 .. r0 + JC`` of each query's run ``[a, e)`` of a layer's sample records
+    (``rbase``: ``_run_base``): per sample its weight in frame ``f`` (0 outside the run), its 4 corners'
+    columns in the frame buffer (the upper ones a step past the lower: where the clamp makes them one,
+    the fraction is 0), the fractions ``fy, fx``, its index ``j`` in the layer, whether it is one (within
+    the run), and the record's word 0, its lower and upper time corner. Every sample of a run has its
+    corners in the halo (``sample_order`` sorts the others out of every run); nothing about its position
+    is computed here (``dsa_halo_dense.sample_records``)."""
     r = a[:, None] + r0 + gl.arange(0, JC, layout=gl.SliceLayout(0, layout))[None, :]
     ok = q_ok[:, None] & (r < e[:, None])
-    v = gl.load(ORD + ord_row[:, None] + jt * ORDER_WIDTH + r, mask=ok, other=0).to(gl.int32)  # jy * 8 + jx
-    jy = v >> 3
-    jx = v & 7
-    j = jy * KW + jx
-    idx = off_row[:, None] + (jt * KH * KW + j) * 3
-    ot = gl.load(OFF + idx, mask=ok, other=0.0, volatile=True).to(gl.float32)
-    oy = gl.load(OFF + idx + 1, mask=ok, other=0.0, volatile=True).to(gl.float32)
-    ox = gl.load(OFF + idx + 2, mask=ok, other=0.0, volatile=True).to(gl.float32)
-    return j, jy, jx, ok, idx, ot, oy, ox
-
-
-@gluon.jit
-def _layer_samples(OFF, off_row, ORD, ord_row, a, e, r0, q_ok, jt, st, sy, sx, T, H, W, lo_t, lo_y, lo_x, fyn, fxn, f,
-                   KH: gl.constexpr, KW: gl.constexpr, JC: gl.constexpr, layout: gl.constexpr):
-    """The samples at ``r0 .. r0 + JC`` of each query's run ``[a, e)`` of layer ``jt``'s sample order: per
-    sample its index ``j`` in the layer, its weight in frame ``f``, its 4 (y, x) corners relative to the
-    halo with their fractions, and whether it is one (within the run). Every sample of a run has its
-    corners in the halo (``sample_order`` sorts the others out of every run)."""
-    j, jy, jx, ok, idx, ot, oy, ox = _run_samples(OFF, off_row, ORD, ord_row, a, e, r0, q_ok, jt, KH, KW, JC, layout)
-    t0, t1, ft = _axis(st + jt + gl.zeros_like(jy), ot, T, lo_t)
-    y0, y1, fy = _axis(sy[:, None] + jy, oy, H, lo_y)
-    x0, x1, fx = _axis(sx[:, None] + jx, ox, W, lo_x)
+    w, fy, fx, ft = _load_records(rbase[:, None] + r * 4)
+    c00 = w & 511
+    t0 = (w >> _T0) & 15
+    t1 = t0 + 1
     wt = gl.where(t0 == f, 1.0 - ft, 0.0) + gl.where(t1 == f, ft, 0.0)
-    return gl.where(ok, wt, 0.0), y0, y1, fy, x0, x1, fx, j, ok
-
-
-@gluon.jit
-def _corner_index(y0, y1, x0, x1, FX: gl.constexpr, SW: gl.constexpr):
-    """The 4 corners' columns in a frame's ``S_s`` (``y * FX + x``), kept inside it for a gather: the
-    first clamped to ``[0, SW - FX - 2]`` and the others one column and/or one row past it (within the
-    halo the clamp changes nothing; a sample leaving it reads some element and is flagged)."""
-    c00 = gl.minimum(gl.maximum(y0 * FX + x0, 0), SW - FX - 2)
-    c10 = c00 + (y1 - y0) * FX
-    return c00, c00 + (x1 - x0), c10, c10 + (x1 - x0)
+    return gl.where(ok, wt, 0.0), c00, c00 + 1, c00 + FX, c00 + (FX + 1), fy, fx, (w >> _J) & 63, ok, w, t0, t1
 
 
 @gluon.jit
@@ -133,8 +127,7 @@ def _frame_scores(q_s, kv_s, S_s, K, base, row_stride, tf, H, W, lo_y, lo_x, fyn
 
 
 @gluon.jit
-def _frame_sample_scores(S_s, Z_s, OFF, ORD, off_row, q_ok, st, sy, sx, T, H, W, lo_t, lo_y, lo_x,
-                         fyn, fxn, f, KT: gl.constexpr, KH: gl.constexpr, KW: gl.constexpr, ELO: gl.constexpr,
+def _frame_sample_scores(S_s, Z_s, REC, ORD, off_row, q_ok, st, lo_t, f, KT: gl.constexpr, KH: gl.constexpr, KW: gl.constexpr, ELO: gl.constexpr,
                          EHI: gl.constexpr, SW: gl.constexpr, FX: gl.constexpr, KP: gl.constexpr, JC: gl.constexpr,
                          smp: gl.constexpr):
     """Each sample's score from its corners in frame ``f`` (a shared-memory gather of ``S_s``), added
@@ -145,11 +138,9 @@ def _frame_sample_scores(S_s, Z_s, OFF, ORD, off_row, q_ok, st, sy, sx, T, H, W,
     for jt in gl.static_range(KT):
         if (lo_t + f >= st + jt - ELO) & (lo_t + f <= st + jt + EHI):
             a, e, n = _frame_run(ORD, ord_row, q_ok, jt, lo_t + f - st - jt, ELO, EHI)
+            rbase = _run_base(REC, _record_row(off_row), q_ok, jt, KH * KW)
             for r0 in range(0, n, JC):
-                wt, y0, y1, fy, x0, x1, fx, j, ok = _layer_samples(
-                    OFF, off_row, ORD, ord_row, a, e, r0, q_ok, jt, st, sy, sx, T, H, W, lo_t, lo_y, lo_x, fyn, fxn,
-                    f, KH, KW, JC, smp)
-                c00, c01, c10, c11 = _corner_index(y0, y1, x0, x1, FX, SW)
+                wt, c00, c01, c10, c11, fy, fx, j, ok, _w, _t0, _t1 = _layer_samples(rbase, a, e, r0, q_ok, f, FX, JC, smp)
                 z = (S_s.gather(c00, 1).to(gl.float32) * (1.0 - fy) * (1.0 - fx)
                      + S_s.gather(c01, 1).to(gl.float32) * (1.0 - fy) * fx
                      + S_s.gather(c10, 1).to(gl.float32) * fy * (1.0 - fx)
@@ -182,8 +173,7 @@ def _softmax(Z_s, qk_scale, M: gl.constexpr, KT: gl.constexpr, KH: gl.constexpr,
 
 
 @gluon.jit
-def _frame_probs(S_s, Z_s, inv, OFF, ORD, off_row, q_ok, st, sy, sx, T, H, W, lo_t, lo_y, lo_x, fyn, fxn, f,
-                 M: gl.constexpr, KT: gl.constexpr, KH: gl.constexpr, KW: gl.constexpr, ELO: gl.constexpr,
+def _frame_probs(S_s, Z_s, inv, REC, ORD, off_row, q_ok, st, lo_t, f, M: gl.constexpr, KT: gl.constexpr, KH: gl.constexpr, KW: gl.constexpr, ELO: gl.constexpr,
                  EHI: gl.constexpr, FX: gl.constexpr, SW: gl.constexpr, KP: gl.constexpr, JC: gl.constexpr,
                  smp: gl.constexpr, NCH: gl.constexpr):
     """Frame ``f``'s ``P``: ``S_s``'s halo chunks zeroed, then every sample that touches ``f`` (its layer's run of the
@@ -199,16 +189,15 @@ def _frame_probs(S_s, Z_s, inv, OFF, ORD, off_row, q_ok, st, sy, sx, T, H, W, lo
     for jt in gl.static_range(KT):
         if (lo_t + f >= st + jt - ELO) & (lo_t + f <= st + jt + EHI):
             a, e, n = _frame_run(ORD, ord_row, q_ok, jt, lo_t + f - st - jt, ELO, EHI)
+            rbase = _run_base(REC, _record_row(off_row), q_ok, jt, KH * KW)
             for r0 in range(0, n, JC):
-                wt, y0, y1, fy, x0, x1, fx, j, ok = _layer_samples(
-                    OFF, off_row, ORD, ord_row, a, e, r0, q_ok, jt, st, sy, sx, T, H, W, lo_t, lo_y, lo_x, fyn, fxn,
-                    f, KH, KW, JC, smp)
+                wt, c00, c01, c10, c11, fy, fx, j, ok, _w, _t0, _t1 = _layer_samples(rbase, a, e, r0, q_ok, f, FX, JC, smp)
                 p = Z_s[jt].gather(j, 1) * inv[:, None] * wt
                 keep = p != 0.0
-                S_s.atomic_scatter_add((p * (1.0 - fy) * (1.0 - fx)).to(gl.float16), y0 * FX + x0, 1, mask=keep)
-                S_s.atomic_scatter_add((p * (1.0 - fy) * fx).to(gl.float16), y0 * FX + x1, 1, mask=keep)
-                S_s.atomic_scatter_add((p * fy * (1.0 - fx)).to(gl.float16), y1 * FX + x0, 1, mask=keep)
-                S_s.atomic_scatter_add((p * fy * fx).to(gl.float16), y1 * FX + x1, 1, mask=keep)
+                S_s.atomic_scatter_add((p * (1.0 - fy) * (1.0 - fx)).to(gl.float16), c00, 1, mask=keep)
+                S_s.atomic_scatter_add((p * (1.0 - fy) * fx).to(gl.float16), c01, 1, mask=keep)
+                S_s.atomic_scatter_add((p * fy * (1.0 - fx)).to(gl.float16), c10, 1, mask=keep)
+                S_s.atomic_scatter_add((p * fy * fx).to(gl.float16), c11, 1, mask=keep)
     gl.barrier()
 
 
@@ -229,6 +218,15 @@ def _frame_output(acc, S_s, kv_s, p_s, V, base, row_stride, tf, H, W, lo_y, lo_x
 
 
 @gluon.jit
+def _zero_tail(S_s, M: gl.constexpr, NCH: gl.constexpr, SW: gl.constexpr):
+    """The frame buffer's columns past the halo's chunks set to 0 once: a walk reads a corner one step past
+    the last row or column with weight 0 (``_layer_samples``), which must find a finite value there."""
+    vec: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [8, 1], [1, 0])  # 16-byte stores
+    for c in gl.static_range(NCH, SW // 64):
+        S_s.slice(c * 64, 64, dim=1).store(gl.zeros([M, 64], gl.float16, vec))
+
+
+@gluon.jit
 def _zero_samples(Z_s, M: gl.constexpr, KT: gl.constexpr, KP: gl.constexpr, JC: gl.constexpr, smp: gl.constexpr):
     """Every sample slot of ``Z_s`` (one ``M x KP`` fp32 buffer per window layer) set to 0."""
     for jt in gl.static_range(KT):
@@ -244,14 +242,14 @@ def _start(x, k: gl.constexpr, size):
 
 
 @gluon.jit
-def halo_dense_fwd(Q, K, V, OFF, ORD, OUT, LSE, qk_scale, T, H, W, NH,
+def halo_dense_fwd(Q, K, V, REC, ORD, OUT, LSE, qk_scale, T, H, W, NH,
                    HEAD_DIM: gl.constexpr, KT: gl.constexpr, KH: gl.constexpr, KW: gl.constexpr,
                    ELO: gl.constexpr, EHI: gl.constexpr, FY: gl.constexpr, FX: gl.constexpr,
                    NCH: gl.constexpr, SW: gl.constexpr, KTP: gl.constexpr, KP: gl.constexpr,
                    JC: gl.constexpr, TY: gl.constexpr, TX: gl.constexpr):
     M: gl.constexpr = TY * TX
     ld: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [8, 1], [1, 0])  # 16-byte rows of q, k, v
-    smp: gl.constexpr = gl.BlockedLayout([1, 1], [4, 8], [8, 1], [1, 0])  # (query, sample) tensors
+    smp: gl.constexpr = gl.BlockedLayout([1, 1], [32 // JC, JC], [8, 1], [1, 0])  # (query, sample) tensors
     s_mma: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 2], instr_shape=[16, 32, 16])
     o_mma: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 2],
                                                     instr_shape=[16, HEAD_DIM // 2, 16])
@@ -273,8 +271,6 @@ def halo_dense_fwd(Q, K, V, OFF, ORD, OUT, LSE, qk_scale, T, H, W, NH,
     qx = x0 + m % TX
     q_ok = (qy < H) & (qx < W)
     st = _start(t, KT, T)
-    sy = _start(qy, KH, H)
-    sx = _start(qx, KW, W)
     lo_t = gl.maximum(st - ELO, 0)
     lo_y = gl.maximum(_start(y0, KH, H) - ELO, 0)
     lo_x = gl.maximum(_start(x0, KW, W) - ELO, 0)
@@ -299,20 +295,19 @@ def halo_dense_fwd(Q, K, V, OFF, ORD, OUT, LSE, qk_scale, T, H, W, NH,
     gl.static_assert(KT == 3, "the samples' buffers are one per window layer: built for kt = 3")
     Z_s = (gl.allocate_shared_memory(gl.float32, [M, KP], flat), gl.allocate_shared_memory(gl.float32, [M, KP], flat),
            gl.allocate_shared_memory(gl.float32, [M, KP], flat))  # per window layer: the samples' scores, then p
+    _zero_tail(S_s, M, NCH, SW)
     _zero_samples(Z_s, M, KT, KP, JC, smp)
     broken = _late(ORD, ord_row, q_ok, gl.zeros([M], gl.int32, gl.SliceLayout(1, smp)), KT, KH, KW, ELO, EHI)
 
     for f in range(0, ftn):  # pass 1: the samples' scores, frame by frame
         _frame_scores(q_s, kv_s, S_s, K, base, row_stride, lo_t + f, H, W, lo_y, lo_x, fyn, fxn,
                       M, HEAD_DIM, NCH, FX, ld, s_mma)
-        _frame_sample_scores(S_s, Z_s, OFF, ORD, off_row, q_ok, st, sy, sx, T, H, W, lo_t, lo_y, lo_x,
-                                      fyn, fxn, f, KT, KH, KW, ELO, EHI, SW, FX, KP, JC, smp)
+        _frame_sample_scores(S_s, Z_s, REC, ORD, off_row, q_ok, st, lo_t, f, KT, KH, KW, ELO, EHI, SW, FX, KP, JC, smp)
     mx, den = _softmax(Z_s, qk_scale, M, KT, KH, KW, KP, JC, smp)
     inv = 1.0 / den
     acc = gl.zeros([M, HEAD_DIM], gl.float32, o_mma)
     for f in range(0, ftn):  # pass 2: the probabilities onto the halo, O = P V, frame by frame
-        _frame_probs(S_s, Z_s, inv, OFF, ORD, off_row, q_ok, st, sy, sx, T, H, W, lo_t, lo_y, lo_x, fyn, fxn, f,
-                     M, KT, KH, KW, ELO, EHI, FX, SW, KP, JC, smp, NCH)
+        _frame_probs(S_s, Z_s, inv, REC, ORD, off_row, q_ok, st, lo_t, f, M, KT, KH, KW, ELO, EHI, FX, SW, KP, JC, smp, NCH)
         acc = _frame_output(acc, S_s, kv_s, p_s, V, base, row_stride, lo_t + f, H, W, lo_y, lo_x, fyn, fxn,
                             HEAD_DIM, NCH, FX, ld, smp)
 

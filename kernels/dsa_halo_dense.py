@@ -66,7 +66,8 @@ import torch
 from .dsa_reference import validate_dsa_inputs, window_base_positions, window_starts
 
 __all__ = ["TILE", "Tile", "dsa_halo_dense", "halo_box", "halo_tiles", "colour_counts", "halo_dense_counts",
-           "time_reach", "sample_order", "frame_range"]
+           "time_reach", "sample_order", "frame_range",
+           "sample_limits", "halo_frame", "sample_records", "RECORD_BITS", "RECORD_PAD"]
 
 TILE = (1, 8, 8)  # queries per tile (t, y, x): 64 rows, the M of one warpgroup's MMA
 
@@ -144,6 +145,55 @@ def time_reach(bound: float) -> tuple[int, int]:
     return math.ceil(bound), math.floor(bound) + 1
 
 
+def sample_limits(window, bound: float, tile=TILE) -> None:
+    """Refuse a window, bound or tile the sample order and records cannot hold (``ValueError`` naming
+    them): a layer of at most ``STARTS_AT`` samples, ``kw <= 8`` and ``kh <= 15`` (the order's
+    ``jy * 8 + jx``), a bound of at most 3 (its buckets), and a halo frame buffer of at most 512
+    positions and 16 frames (the records' fields, ``RECORD_BITS``)."""
+    kt, kh, kw = (int(w) for w in window)
+    elo, ehi = time_reach(bound)
+    sw = halo_frame(window, bound, tile)[3]
+    if (kh * kw > STARTS_AT or kw > 8 or kh > 15 or elo + ehi + 1 > ORDER_WIDTH - STARTS_AT or sw > 512
+            or tile[0] - 1 + kt + elo + ehi > 16):
+        raise ValueError(f"window {tuple(window)}, bound {bound}, tile {tuple(tile)}: the sample order and records "
+                         f"hold layers of at most {STARTS_AT} samples (kw <= 8, kh <= 15), bounds of at most 3 and "
+                         f"halo frames of at most 512 positions; use a smaller window or bound")
+
+
+def halo_frame(window, bound: float, tile=TILE) -> tuple[int, int, int, int]:
+    """``(FY, FX, NCH, SW)``: the largest halo frame of a ``tile``'s queries (rows, columns), its chunks
+    of 64 keys, and the width of the fused kernels' frame buffer (a power of two past them)."""
+    _, kh, kw = (int(w) for w in window)
+    elo, ehi = time_reach(bound)
+    fy, fx = tile[1] - 1 + kh - 1 + elo + ehi + 1, tile[2] - 1 + kw - 1 + elo + ehi + 1
+    nch = -(-fy * fx // 64)
+    return fy, fx, nch, 1 << (nch * 64 - 1).bit_length()
+
+
+def _sorted_samples(offsets: torch.Tensor, window, bound: float):
+    """Per query, head and layer: each sample's sort key (its lower time corner's bucket, or past the
+    reach), the stable order by key, and the fp32 positions per axis (raw and clamped) with their
+    window bases (``(B, T, H, W, nh, kt, kh, kw)`` each)."""
+    B, T, H, W, nh, K, _ = offsets.shape
+    kt, kh, kw = (int(w) for w in window)
+    elo, ehi = time_reach(bound)
+    dev = offsets.device
+    off = offsets.float().reshape(B, T, H, W, nh, kt, kh, kw, 3)
+    rel, axes = [], []
+    for axis, (size, k) in enumerate(zip((T, H, W), (kt, kh, kw))):
+        view = [1] * 8
+        view[1 + axis], view[5 + axis] = size, k
+        base = (window_starts(size, k, dev)[:, None] + torch.arange(k, device=dev)).float().view(view)
+        raw = base + off[..., axis]
+        p = raw.clamp(0, size - 1)
+        rel.append(torch.floor(p) - base)  # lower corner - base
+        axes.append((raw, p))
+    key = rel[0].reshape(B, T, H, W, nh, kt, kh * kw) + elo
+    inside = torch.stack([(r >= -elo) & (r <= ehi - 1) for r in rel]).all(0).reshape(key.shape)
+    key = torch.where(inside, key, torch.full_like(key, elo + ehi)).to(torch.int64)
+    return key, torch.sort(key, dim=-1, stable=True).indices, axes
+
+
 def sample_order(offsets: torch.Tensor, window, bound: float) -> torch.Tensor:
     """Each query's samples of each window layer sorted by their lower time corner: ``(B, T, H, W, nh, kt,
     ORDER_WIDTH)`` int8, entries ``[:kh*kw]`` the layer's samples as ``jy * 8 + jx`` (stable: ascending
@@ -154,30 +204,63 @@ def sample_order(offsets: torch.Tensor, window, bound: float) -> torch.Tensor:
     frame (lower corner there or one below) are one contiguous run of the order (``frame_range``), and
     a kernel's walk over a frame visits only them. Computed where the offsets are (no host sync),
     positions in fp32 as the kernels compute them."""
+    sample_limits(window, bound)
     B, T, H, W, nh, K, _ = offsets.shape
     kt, kh, kw = (int(w) for w in window)
-    elo, ehi = time_reach(bound)
-    nb = elo + ehi
-    if kh * kw > STARTS_AT or kw > 8 or kh > 15 or nb + 1 > ORDER_WIDTH - STARTS_AT:
-        raise ValueError(f"window {tuple(window)} and bound {bound}: the sample order holds layers of at most "
-                         f"{STARTS_AT} samples (kw <= 8, kh <= 15) and bounds of at most 3")
-    dev = offsets.device
-    off = offsets.float().reshape(B, T, H, W, nh, kt, kh, kw, 3)
-    rel = []
-    for axis, (size, k) in enumerate(zip((T, H, W), (kt, kh, kw))):
-        view = [1] * 8
-        view[1 + axis], view[5 + axis] = size, k
-        base = (window_starts(size, k, dev)[:, None] + torch.arange(k, device=dev)).float().view(view)
-        rel.append(torch.floor((base + off[..., axis]).clamp(0, size - 1)) - base)  # lower corner - base
-    key = rel[0].reshape(B, T, H, W, nh, kt, kh * kw) + elo
-    inside = torch.stack([(r >= -elo) & (r <= ehi - 1) for r in rel]).all(0).reshape(key.shape)
-    key = torch.where(inside, key, torch.full_like(key, nb)).to(torch.int64)
-    order = torch.sort(key, dim=-1, stable=True).indices
+    nb = sum(time_reach(bound))
+    key, order, _ = _sorted_samples(offsets, window, bound)
     starts = torch.stack([(key < b).sum(-1) for b in range(nb + 1)], dim=-1)
-    out = torch.zeros((B, T, H, W, nh, kt, ORDER_WIDTH), dtype=torch.int8, device=dev)
+    out = torch.zeros((B, T, H, W, nh, kt, ORDER_WIDTH), dtype=torch.int8, device=offsets.device)
     out[..., :kh * kw] = (order // kw * 8 + order % kw).to(torch.int8)
     out[..., STARTS_AT:STARTS_AT + nb + 1] = starts.to(torch.int8)
     return out
+
+
+RECORD_BITS = {"c00": (0, 9), "t0": (9, 4), "j": (13, 6), "lt": (19, 1), "ly": (20, 1), "lx": (21, 1)}
+# field: (first bit, bits) of a record's word 0
+RECORD_PAD = 64  # records past the last: a walk's chunk may read up to 56 past its query's (weight 0)
+
+
+def sample_records(offsets: torch.Tensor, window, bound: float, tile=TILE) -> torch.Tensor:
+    """Every sample as the fused kernels' walks read it, in ``sample_order``'s order: ``(B, T, H, W, nh,
+    kt, kh*kw, 4)`` int32, record ``r`` of a query's layer the sample at position ``r`` of its order.
+    Word 0 packs (``RECORD_BITS``) the lower corner's column in the kernels' frame buffer relative to the
+    query's tile's halo (``c00 = y0 * FX + x0``, clamped to ``[0, SW - FX - 2]``; ``halo_frame``), the
+    lower time corner's frame in the halo (``t0``), the sample's index in its layer (``j``), and per axis
+    whether the weights' derivative along it is live (``lt, ly, lx``: the clamp passes the gradient,
+    raw position within the grid, and the upper corner is not the lower one); words 1-3 the fractions
+    ``fy, fx, ft`` (fp32 bits). The walks take the upper corners one step past the lower (``c00 + 1``,
+    ``c00 + FX``, ``t0 + 1``): where the clamp makes them one (the grid's last row, column or frame)
+    the fraction is exactly 0 and the axis not live, so the step reads a finite value that counts 0.
+    So a walk reads 16 bytes per sample and computes no position: the positions, clamps and floors
+    are this one pass's, in fp32 as the operator's. Fields of samples past their reach are clamped to
+    their widths (never walked)."""
+    sample_limits(window, bound, tile)
+    B, T, H, W, nh, K, _ = offsets.shape
+    kt, kh, kw = (int(w) for w in window)
+    elo, _ = time_reach(bound)
+    _, FX, _, SW = halo_frame(window, bound, tile)
+    dev = offsets.device
+    _, order, axes = _sorted_samples(offsets, window, bound)
+    fields, frac = [], []
+    for axis, (size, k, step) in enumerate(zip((T, H, W), (kt, kh, kw), tile)):
+        raw, p = axes[axis]
+        first = torch.arange(size, device=dev) // step * step  # each query's tile's first row on this axis
+        lo = (window_starts(size, k, dev)[first] - elo).clamp(min=0)
+        view = [1] * 8
+        view[1 + axis] = size
+        i0 = torch.floor(p)
+        live = (raw >= 0) & (raw <= size - 1) & (i0 < size - 1)
+        fields.append((i0.long() - lo.view(view), live.long()))
+        frac.append(p - i0)
+    (t0, lt), (y0, ly), (x0, lx) = fields
+    c00 = (y0 * FX + x0).clamp(0, SW - FX - 2)
+    j = torch.arange(kh * kw, device=dev).view(kh, kw).expand_as(c00)
+    vals = {"c00": c00, "t0": t0.clamp(0, 15), "j": j, "lt": lt, "ly": ly, "lx": lx}
+    w0 = sum(vals[name] << first for name, (first, _) in RECORD_BITS.items())
+    words = [w0.to(torch.int32)] + [f.contiguous().view(torch.int32) for f in (frac[1], frac[2], frac[0])]
+    rec = torch.stack([w.reshape(B, T, H, W, nh, kt, kh * kw) for w in words], dim=-1)
+    return torch.gather(rec, 6, order[..., None].expand_as(rec))
 
 
 def frame_range(starts: torch.Tensor, rel: int, bound: float) -> tuple[torch.Tensor, torch.Tensor]:

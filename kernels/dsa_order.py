@@ -1,5 +1,5 @@
-"""The fused kernels' sample order as one Triton kernel: ``dsa_halo_dense.sample_order`` (the
-definition, in torch ops) in a single pass over the offsets.
+"""The fused kernels' sample order and records as one Triton kernel: ``dsa_halo_dense.sample_order``
+and ``sample_records`` (the definitions, in torch ops) in a single pass over the offsets.
 
 ``sample_order`` in torch materialises fp32 copies of the offsets, int64 keys and a sort per call:
 several bytes of temporaries per byte it reads (at Wan 14B 480p, 40 heads, over 10 GB of traffic
@@ -8,83 +8,118 @@ the bytes the cost model prices (``dsa_fused_cost.order_bytes``). One program ta
 (query, head) rows of one window layer: the samples' lower corners per axis from the offsets (fp32,
 clamped as the operator and the fused kernels clamp), the key (the lower time corner's bucket, or
 "past the reach"), and a stable counting sort by key (per bucket an exclusive running count along
-the samples), the positions scattered as ``jy * 8 + jx``.
+the samples), the positions scattered as ``jy * 8 + jx``, and each sample's record (its corners in its tile's
+halo, fractions and clamps, packed as ``RECORD_BITS`` says) written at its position.
 
-Tested under the Triton interpreter against ``sample_order`` (``tests/test_dsa_order.py``); on a
+Tested under the Triton interpreter against ``sample_order`` and ``sample_records`` (``tests/test_dsa_order.py``); on a
 GPU the fused kernels it feeds are checked against the reference on first use.
 """
 
 from __future__ import annotations
 
+import math
+
 import torch
 import triton
 import triton.language as tl
 
-from .dsa_halo_dense import ORDER_WIDTH, STARTS_AT, time_reach
+from .dsa_halo_dense import ORDER_WIDTH, RECORD_PAD, STARTS_AT, TILE, halo_frame, sample_limits, time_reach
 
-__all__ = ["sample_order_kernel", "ORDER_BLOCK_ROWS"]
+__all__ = ["sample_order_kernel", "ORDER_BLOCK_ROWS", "ORDER_WARPS"]
 
-ORDER_BLOCK_ROWS = 32  # (query, head) rows a program: 32 x 64 samples a layer
-
-
-@triton.jit
-def _lower_corner(base, off, size):
-    """The lower corner of ``base + off`` clamped to ``[0, size - 1]``, relative to ``base`` (fp32)."""
-    p = tl.minimum(tl.maximum(base + off, 0.0), (size - 1).to(tl.float32))
-    return tl.floor(p) - base
+ORDER_BLOCK_ROWS = 4  # (query, head) rows a program of one warp: 4 x 64 samples of a layer (80 registers: many
+# warps resident, the kernel is bound by DRAM; 8 rows take 210 and leave 9 warps an SM)
+ORDER_WARPS = 1
 
 
 @triton.jit
-def _order_kernel(OFF, ORD, R, T, H, W, NH, KT: tl.constexpr, KH: tl.constexpr, KW: tl.constexpr,
+def _axis(base, off, size, lo):
+    """Along one axis: the raw position ``base + off``, its clamp to ``[0, size - 1]``, the lower corner
+    relative to ``base`` (fp32, the sort's key) and to ``lo`` (the halo's first row), the fraction, and
+    whether the weights' derivative along the axis is live (int32 1 or 0: the clamp passes the gradient
+    and the upper corner is not the lower)."""
+    raw = base + off
+    p = tl.minimum(tl.maximum(raw, 0.0), (size - 1).to(tl.float32))
+    f0 = tl.floor(p)
+    i0 = f0.to(tl.int32)
+    live = ((raw >= 0.0) & (raw <= (size - 1).to(tl.float32)) & (i0 < size - 1)).to(tl.int32)
+    return f0 - base, i0 - lo, p - f0, live
+
+
+@triton.jit
+def _halo_lo(first, k: tl.constexpr, size, ELO: tl.constexpr):
+    """The first key row of the halo of a tile whose first query row is ``first``."""
+    return tl.maximum(tl.minimum(tl.maximum(first - k // 2, 0), size - k) - ELO, 0)
+
+
+@triton.jit
+def _order_kernel(OFF, ORD, REC, R, T, H, W, NH, KT: tl.constexpr, KH: tl.constexpr, KW: tl.constexpr,
                   ELO: tl.constexpr, EHI: tl.constexpr, KP: tl.constexpr, OW: tl.constexpr, SA: tl.constexpr,
-                  BLOCK_R: tl.constexpr):
+                  TT: tl.constexpr, TY: tl.constexpr, TX: tl.constexpr, FX: tl.constexpr, SW: tl.constexpr, BLOCK_R: tl.constexpr):
     jt = tl.program_id(1)
-    rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+    rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)[:, None]
     rok = rows < R
     q = rows // NH  # the query: ((b * T + t) * H + y) * W + x
     x = q % W
     y = (q // W) % H
     t = (q // (W * H)) % T
-    j = tl.arange(0, KP)
-    ok = rok[:, None] & (j < KH * KW)[None, :]
+    j = tl.arange(0, KP)[None, :]
+    ok = rok & (j < KH * KW)
     jy = j // KW
     jx = j % KW
-    ptr = OFF + (rows.to(tl.int64)[:, None] * (KT * KH * KW) + jt * KH * KW + j[None, :]) * 3
+    ptr = OFF + (rows.to(tl.int64) * (KT * KH * KW) + jt * KH * KW + j) * 3
     ot = tl.load(ptr, mask=ok, other=0.0).to(tl.float32)
     oy = tl.load(ptr + 1, mask=ok, other=0.0).to(tl.float32)
     ox = tl.load(ptr + 2, mask=ok, other=0.0).to(tl.float32)
-    bt = (tl.minimum(tl.maximum(t - KT // 2, 0), T - KT) + jt).to(tl.float32)[:, None] + tl.zeros_like(ot)
-    by = (tl.minimum(tl.maximum(y - KH // 2, 0), H - KH)[:, None] + jy[None, :]).to(tl.float32)
-    bx = (tl.minimum(tl.maximum(x - KW // 2, 0), W - KW)[:, None] + jx[None, :]).to(tl.float32)
-    rt = _lower_corner(bt, ot, T)
-    ry = _lower_corner(by, oy, H)
-    rx = _lower_corner(bx, ox, W)
+    bt = (tl.minimum(tl.maximum(t - KT // 2, 0), T - KT) + jt).to(tl.float32) + tl.zeros_like(ot)
+    by = (tl.minimum(tl.maximum(y - KH // 2, 0), H - KH) + jy).to(tl.float32)
+    bx = (tl.minimum(tl.maximum(x - KW // 2, 0), W - KW) + jx).to(tl.float32)
+    rt, t0, ft, lt = _axis(bt, ot, T, _halo_lo(t // TT * TT, KT, T, ELO))
+    ry, y0, fy, ly = _axis(by, oy, H, _halo_lo(y // TY * TY, KH, H, ELO))
+    rx, x0, fx, lx = _axis(bx, ox, W, _halo_lo(x // TX * TX, KW, W, ELO))
     inside = ((rt >= -ELO) & (rt <= EHI - 1) & (ry >= -ELO) & (ry <= EHI - 1) & (rx >= -ELO) & (rx <= EHI - 1))
-    key = tl.where(inside, (rt + ELO).to(tl.int32), ELO + EHI)
-    key = tl.where(ok, key, ELO + EHI + 1)  # the padding past the layer's samples: in no bucket, not written
+    key = tl.where(inside, (rt + ELO).to(tl.int32), ELO + EHI)  # the bucket; "past the reach" last
+    c00 = tl.minimum(tl.maximum(y0 * FX + x0, 0), SW - FX - 2)  # the record's word 0, packed before the sort
+    w0 = c00 | (tl.minimum(tl.maximum(t0, 0), 15) << 9) | (j << 13) | (lt << 19) | (ly << 20) | (lx << 21)
+    # a stable counting sort: every bucket's running count at once, 6 bits each (at most 56 samples) of
+    # one int32 (at most 5 buckets: bounds up to 2) or int64: one scan along the samples
+    pack = tl.int64 if (ELO + EHI + 1) * 6 > 31 else tl.int32
+    shift = (6 * key).to(pack)
+    one = tl.where(ok, tl.full(key.shape, 1, pack) << shift, 0)
+    before = ((tl.cumsum(one, axis=1) - one) >> shift) & 63  # the same bucket's samples before this one
+    starts = tl.sum(one, axis=1) << 6  # per bucket b, the samples in buckets < b: a prefix sum over the fields
+    starts += starts << 6
+    starts += starts << 12
+    starts += starts << 24
+    pos = (((starts[:, None] >> shift) & 63) + before).to(tl.int32)
     out = ORD + rows.to(tl.int64) * (KT * OW) + jt * OW
-    pos = tl.zeros([BLOCK_R, KP], tl.int32)
-    start = tl.zeros([BLOCK_R], tl.int32)
-    for b in tl.static_range(ELO + EHI + 1):  # the buckets in order, "past the reach" last
-        hit = (key == b).to(tl.int32)
-        pos = tl.where(key == b, start[:, None] + tl.cumsum(hit, axis=1) - hit, pos)
-        tl.store(out + SA + b, start.to(tl.int8), mask=rok)
-        start = start + tl.sum(hit, axis=1)
-    tl.store(out[:, None] + pos, (jy * 8 + jx).to(tl.int8)[None, :] + tl.zeros_like(pos).to(tl.int8), mask=ok)
+    for b in tl.static_range(ELO + EHI + 1):
+        tl.store(out + SA + b, ((starts >> (6 * b)) & 63).to(tl.int8)[:, None], mask=rok)
+    tl.store(out + pos, (jy * 8 + jx).to(tl.int8) + tl.zeros_like(pos).to(tl.int8), mask=ok)
+    rec = REC + ((rows.to(tl.int64) * KT + jt) * (KH * KW) + pos) * 4
+    tl.store(rec, w0, mask=ok)
+    tl.store(rec + 1, fy.to(tl.int32, bitcast=True), mask=ok)
+    tl.store(rec + 2, fx.to(tl.int32, bitcast=True), mask=ok)
+    tl.store(rec + 3, ft.to(tl.int32, bitcast=True), mask=ok)
 
 
-def sample_order_kernel(offsets: torch.Tensor, window, bound: float) -> torch.Tensor:
-    """``dsa_halo_dense.sample_order(offsets, window, bound)`` by the Triton kernel (the same tensor: the
-    order as ``jy * 8 + jx``, the bucket starts at ``STARTS_AT``, zeros elsewhere)."""
+def sample_order_kernel(offsets: torch.Tensor, window, bound: float, tile=TILE) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(sample_order(offsets, window, bound), sample_records(offsets, window, bound, tile))`` of
+    ``dsa_halo_dense`` by the Triton kernel: the same tensors (the order's entries past its samples and
+    bucket starts zero; the records followed by ``RECORD_PAD`` zero records in memory)."""
     B, T, H, W, nh, K, _ = offsets.shape
     kt, kh, kw = (int(w) for w in window)
     elo, ehi = time_reach(bound)
-    if kh * kw > STARTS_AT or kw > 8 or kh > 15 or elo + ehi + 1 > ORDER_WIDTH - STARTS_AT:
-        raise ValueError(f"window {tuple(window)} and bound {bound}: the sample order holds layers of at most "
-                         f"{STARTS_AT} samples (kw <= 8, kh <= 15) and bounds of at most 3")
-    out = torch.zeros((B, T, H, W, nh, kt, ORDER_WIDTH), dtype=torch.int8, device=offsets.device)
+    sample_limits(window, bound, tile)
+    _, fx, _, sw = halo_frame(window, bound, tile)
+    order = torch.zeros((B, T, H, W, nh, kt, ORDER_WIDTH), dtype=torch.int8, device=offsets.device)
+    shape = (B, T, H, W, nh, kt, kh * kw, 4)
+    flat = torch.empty(math.prod(shape) + RECORD_PAD * 4, dtype=torch.int32, device=offsets.device)
+    flat[-RECORD_PAD * 4:] = 0  # a walk's last chunk may read past its query's records (weight 0)
+    rec = flat[:math.prod(shape)].view(shape)
     R = B * T * H * W * nh
     grid = (triton.cdiv(R, ORDER_BLOCK_ROWS), kt)
-    _order_kernel[grid](offsets.contiguous(), out, R, T, H, W, nh, KT=kt, KH=kh, KW=kw, ELO=elo, EHI=ehi,
-                        KP=triton.next_power_of_2(kh * kw), OW=ORDER_WIDTH, SA=STARTS_AT, BLOCK_R=ORDER_BLOCK_ROWS)
-    return out
+    _order_kernel[grid](offsets.contiguous(), order, rec, R, T, H, W, nh, KT=kt, KH=kh, KW=kw, ELO=elo, EHI=ehi,
+                        KP=triton.next_power_of_2(kh * kw), OW=ORDER_WIDTH, SA=STARTS_AT, TT=tile[0], TY=tile[1], TX=tile[2],
+                        FX=fx, SW=sw, BLOCK_R=ORDER_BLOCK_ROWS, num_warps=ORDER_WARPS)
+    return order, rec

@@ -12,10 +12,10 @@ from pathlib import Path
 
 ISSUE_FILE = Path(__file__).with_name("dsa_issue_sm90.json")
 ISSUE_KERNELS = ("gather_fwd", "gather_bwd_pull", "gather_bwd_atomic", "halo_scores", "halo_out", "halo_bwd_v",
-                 "halo_bwd_k", "halo_dq", "pull_dk", "pull_dv", "fused_fwd", "fused_bwd")
+                 "halo_bwd_k", "halo_dq", "pull_dk", "pull_dv", "fused_fwd", "fused_bwd", "fused_order")
 """The kernels the issue table holds: those ``choose_halo`` weighs, the key-side pass the pull
 mode adds, and the atomic mode's backward (the per-head totals), and the fused halo-dense forward and backward (Gluon;
-compiled, not yet picked)."""
+compiled, not yet picked) with the Triton kernel that writes their sample order and records."""
 
 
 @dataclass(frozen=True)

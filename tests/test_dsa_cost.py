@@ -192,7 +192,7 @@ def test_the_fused_forward_is_priced_from_its_compile():
     samples that touch a frame, offsets uniform within the bound, 256 threads a tile), its dots two 64 x 64 x d
     products per chunk of 64 halo keys and frame; the design row's forward is this row."""
     from kernels.dsa_cost import issue_key, issue_table
-    from kernels.dsa_fused_cost import fused_fwd_cost, halo_dense_design
+    from kernels.dsa_fused_cost import fused_fwd_cost, halo_dense_design, order_cost
     from kernels.dsa_gluon_halo import gluon_halo_constexprs
     from kernels.dsa_halo_dense import halo_tiles
 
@@ -207,7 +207,10 @@ def test_the_fused_forward_is_priced_from_its_compile():
     assert cost.issue == 256 * _walked(entry, tiles, grid, cx)
     assert cost.tc_flops == 4 * 64 * cx["NCH"] * 64 * 128 * frames
     d = halo_dense_design(grid, window, 128, 1.5)
-    assert d["passes"]["fwd"]["ms"] == pytest.approx(1e3 * cost.seconds(CHIPS[0])["seconds"])
+    order = order_cost(grid, window, 128, 1.5)
+    assert d["passes"]["fwd"]["kernel_ms"] == pytest.approx(1e3 * cost.seconds(CHIPS[0])["seconds"])
+    assert d["passes"]["fwd"]["order_ms"] == pytest.approx(1e3 * order.seconds(CHIPS[0])["seconds"])
+    assert d["passes"]["fwd"]["ms"] == pytest.approx(d["passes"]["fwd"]["kernel_ms"] + d["passes"]["fwd"]["order_ms"])
     assert fused_fwd_cost(grid, (3, 5, 5), 128, 1.5) is None  # compiled at the Wan shape only
 
 
@@ -286,7 +289,7 @@ def test_the_fused_backward_is_priced_from_its_compile(capsys):
     halo keys and frame; the design row's backward is this row, and the command line reports the
     compiled forward and backward against FA3 (JSON key ``fused``)."""
     from kernels.dsa_cost import issue_key, issue_table, main
-    from kernels.dsa_fused_cost import fused_bwd_cost, fused_compiled, fused_fwd_cost, halo_dense_design
+    from kernels.dsa_fused_cost import fused_bwd_cost, fused_compiled, fused_fwd_cost, halo_dense_design, order_cost
     from kernels.dsa_gluon_halo import BWD_SAMPLE_CHUNK, gluon_halo_constexprs
     from kernels.dsa_halo_dense import halo_tiles
 
@@ -301,15 +304,40 @@ def test_the_fused_backward_is_priced_from_its_compile(capsys):
     assert cost.issue == 256 * _walked(entry, tiles, grid, cx)
     assert cost.tc_flops == 5 * 2 * 64 * cx["NCH"] * 64 * 128 * frames  # dP, S, dV, dQ, dK
     d = halo_dense_design(grid, window, 128, 1.5)
-    assert d["passes"]["bwd"]["ms"] == pytest.approx(1e3 * cost.seconds(CHIPS[0])["seconds"])
+    order_ms = 1e3 * order_cost(grid, window, 128, 1.5).seconds(CHIPS[0])["seconds"]
+    assert d["passes"]["bwd"]["ms"] == pytest.approx(1e3 * cost.seconds(CHIPS[0])["seconds"] + order_ms)
     assert fused_bwd_cost(grid, (3, 5, 5), 128, 1.5) is None  # compiled at the Wan shape only
     both = fused_compiled(grid, window, 128, 1.5)
-    fwd_ms = 1e3 * fused_fwd_cost(grid, window, 128, 1.5).seconds(CHIPS[0])["seconds"]
+    fwd_ms = 1e3 * fused_fwd_cost(grid, window, 128, 1.5).seconds(CHIPS[0])["seconds"] + order_ms
     assert both["dsa_ms"]["total"] == pytest.approx(fwd_ms + d["passes"]["bwd"]["ms"])
     assert both["ratio"] == pytest.approx(both["fa3_ms"]["total"] / both["dsa_ms"]["total"])
     assert main(["--grid", "5x16x24", "--window", "3x7x7", "--bound", "1.5", "--json"]) == 0
     cli = json.loads(capsys.readouterr().out)["fused"]
     assert cli["dsa_ms"] == pytest.approx(both["dsa_ms"]) and cli["ratio"] == pytest.approx(both["ratio"])
+
+
+def test_the_order_kernel_is_priced_from_its_compile_and_added_to_each_fused_pass():
+    """``order_cost``: the sample order and records' kernel, a launch of its own before each fused kernel:
+    its issue slots from its sm_90 compile (straight-line code, 128 threads per ``ORDER_BLOCK_ROWS`` rows
+    of one layer), its DRAM bytes the offsets read and the order and records written; a fused pass's
+    time is the two added (nothing overlaps them)."""
+    from kernels.dsa_cost import issue_key, issue_table
+    from kernels.dsa_fused_cost import RECORD_BYTES, fused_compiled, fused_fwd_cost, order_bytes, order_cost
+    from kernels.dsa_order import ORDER_BLOCK_ROWS
+
+    grid, window = (5, 16, 24), (3, 7, 7)
+    entry = issue_table().get(issue_key("fused_order", 128, window, {"ELO": 2, "EHI": 2}, 4))
+    if entry is None:
+        pytest.skip("the issue table has no order kernel (a Triton whose Gluon cannot build the fused pair)")
+    N = 5 * 16 * 24
+    cost = order_cost(grid, window, 128, 1.5)
+    assert cost.issue == -(-N // ORDER_BLOCK_ROWS) * 3 * 128 * entry["depths"]["0"]
+    assert cost.dram_bytes == N * order_bytes(window) == N * (147 * (6 + RECORD_BYTES) + 3 * 64)
+    both = fused_compiled(grid, window, 128, 1.5)
+    row = both["passes"]["fwd"]
+    assert row["kernel_ms"] == pytest.approx(1e3 * fused_fwd_cost(grid, window, 128, 1.5).seconds(CHIPS[0])["seconds"])
+    assert row["order_ms"] == pytest.approx(1e3 * cost.seconds(CHIPS[0])["seconds"]) and row["order_ms"] > 0
+    assert row["ms"] == pytest.approx(row["kernel_ms"] + row["order_ms"])
 
 
 def test_the_levers_priced_with_the_fused_kernels_use_their_compiles():

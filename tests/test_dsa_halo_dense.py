@@ -213,6 +213,20 @@ def test_fused_mode_takes_the_fused_forward_only_where_it_may(monkeypatch):
     assert DT._dsa_fwd_launch(q, q, q, off, (3, 7, 7), 0.1, None, None, 1.5, KernelModes(halo="fused"))[0] == "fused"
 
 
+def test_the_fused_kernels_refuse_a_call_past_their_32_bit_offset_index():
+    """A call whose offsets have 2^31 elements or more is refused with the reason and what to do (the
+    kernels would index them past int32), before anything else is asked of the device."""
+    pytest.importorskip("triton")
+    import kernels.dsa_gluon_halo as G
+
+    if G.gluon_halo_refusal() is not None:
+        pytest.skip(G.gluon_halo_refusal())
+    big = torch.empty((4, 21, 30, 52, 40, 128), dtype=torch.bfloat16, device="meta")  # 4 clips of Wan 480p
+    why = G.fused_refusal(big, (3, 7, 7), 1.5)
+    assert "2^31" in why and "split the batch" in why
+    assert "2^31" not in G.fused_refusal(big[:1], (3, 7, 7), 1.5)
+
+
 # -----------------------------------------------------------------------------
 # The fused backward (Gluon): its launches per colour phase, its first-use check and its fallback
 
@@ -353,14 +367,102 @@ def test_a_sample_past_its_layers_reach_is_broken_though_inside_the_halo():
     assert got.isnan().any(-1)[0, ..., 0].nonzero().tolist() == [[2, 1, 1]]
 
 
-def test_the_gluon_kernels_read_the_order_as_it_is_written():
+def test_the_gluon_kernels_read_the_order_and_records_as_they_are_written():
     """The Gluon kernels' layout of the sample order (entries per query and layer, where the bucket
-    starts begin) is ``sample_order``'s."""
+    starts begin) is ``sample_order``'s, and their fields of a record's word 0 are ``RECORD_BITS``."""
     from kernels.dsa_gluon_halo import gluon_halo_refusal
-    from kernels.dsa_halo_dense import ORDER_WIDTH, STARTS_AT
+    from kernels.dsa_halo_dense import ORDER_WIDTH, RECORD_BITS, STARTS_AT
 
     if gluon_halo_refusal() is not None:
         pytest.skip(gluon_halo_refusal())
     from kernels import dsa_gluon_halo_jit as jit
 
     assert (jit.ORDER_WIDTH.value, jit.STARTS_AT.value) == (ORDER_WIDTH, STARTS_AT)
+    fields = {"c00": 0, "t0": jit._T0.value, "j": jit._J.value, "lt": jit._LT.value, "ly": jit._LY.value,
+              "lx": jit._LX.value}
+    assert fields == {name: first for name, (first, _) in RECORD_BITS.items()}
+    assert RECORD_BITS["c00"][1] == 9 and RECORD_BITS["t0"][1] == 4 and RECORD_BITS["j"][1] == 6  # the masks
+
+
+@pytest.mark.parametrize("grid,window,bound,tile", [
+    ((4, 10, 11), (3, 7, 7), 1.5, (1, 8, 8)),  # the Wan window: partial tiles, every border
+    ((5, 9, 10), (3, 3, 3), 2.7, (1, 4, 4)),
+])
+def test_the_sample_records_are_the_mirrors_samples(grid, window, bound, tile):
+    """``sample_records``: decoded as the fused kernels' walks decode them (upper corners one step past
+    the lower), each record gives its sample's corners in the tile's halo and their trilinear weights
+    exactly (fp32) as the mirror's ``_tile_samples`` (every corner of nonzero weight), and, with the
+    records' live bits, the kernels' formulas for a sample's value and its derivatives along each axis
+    over a matrix on the halo give the mirror's (fp64 sums), for every query the mirror does not flag
+    as broken; the records follow ``sample_order``; every field fits its width."""
+    from kernels.dsa_halo_dense import RECORD_BITS, _tile_samples, halo_frame, sample_order, sample_records
+    from kernels.dsa_reference import window_base_positions
+
+    B, nh = 2, 2
+    kt, kh, kw = window
+    kk = kh * kw
+    off = bounded_offsets((B, *grid, nh, 8), window, bound, seed=5, dtype=torch.bfloat16)
+    off[1, 1, 2, 3, 0, kk + 3, 1] = 2 * bound + 1  # past the bound: the mirror's broken, sorted last here
+    off[0, 1, -1, -1, 1, kk - 1] = torch.tensor([1.0, 0.0, -0.0])  # on the last row and column, exactly
+    rec = sample_records(off, window, bound, tile)
+    order = sample_order(off, window, bound)
+    assert rec.shape == (B, *grid, nh, kt, kk, 4) and rec.dtype == torch.int32
+    w0 = rec[..., 0].long()
+    field = {n: (w0 >> first) & ((1 << bits) - 1) for n, (first, bits) in RECORD_BITS.items()}
+    assert (w0 >> sum(RECORD_BITS["lx"]) == 0).all()
+    packed = order[..., :kk].long()
+    assert torch.equal(field["j"], (packed >> 3) * kw + (packed & 7))
+    inv = torch.argsort(field["j"], dim=-1)  # back to the layer's sample order
+    field = {n: torch.gather(v, -1, inv) for n, v in field.items()}
+    fy, fx, ft = (torch.gather(rec[..., i], -1, inv).contiguous().view(torch.float32) for i in (1, 2, 3))
+    _, FXk, _, _ = halo_frame(window, bound, tile)
+    base = window_base_positions(grid, window)
+    g = torch.Generator().manual_seed(6)
+    checked = 0
+    for t in halo_tiles(grid, window, bound, tile):
+        sl = tuple(slice(lo, hi + 1) for lo, hi in zip(t.q_lo, t.q_hi))
+        o = off[(slice(None), *sl)].movedim(4, 1).reshape(B * nh, -1, kt * kk, 3)
+        smp = _tile_samples(o, base[sl].reshape(-1, kt * kk, 3), t, grid, torch.float32, bound)
+
+        def per_query(x):  # (B, qt, qy, qx, nh, kt, kk) -> (B * nh, M, K), as the mirror's
+            return x[(slice(None), *sl)].movedim(4, 1).reshape(B * nh, -1, kt * kk)
+
+        f = {n: per_query(v) for n, v in field.items()}
+        fr = {"t": per_query(ft), "y": per_query(fy), "x": per_query(fx)}
+        ht, hy, hx = t.halo_shape
+        ok = ~smp.broken[..., None].expand_as(f["j"])
+        L = (ht + 1) * (hy + 1) * (hx + 1)
+        X = torch.randn((B * nh, L), generator=g, dtype=torch.float64)
+
+        def at(i, y, x):  # X at halo positions (t, y, x) of the wider halo, per sample
+            return torch.gather(X, 1, ((i * (hy + 1) + y) * (hx + 1) + x).clamp(0, L - 1).flatten(1)).view(i.shape)
+
+        Xk = {}  # the matrix at each corner as the kernels read it, on a halo one step wider per axis
+        want_val, want_d = 0, 0
+        for c, (ct, cy, cx) in enumerate(itertools.product((0, 1), repeat=3)):
+            it, iy, ix = f["t0"] + ct, f["c00"] // FXk + cy, f["c00"] % FXk + cx
+            wt, wy, wx = (fr[a] if on else 1 - fr[a] for a, on in zip("tyx", (ct, cy, cx)))
+            w = wt * wy * wx
+            assert torch.equal(w[ok], smp.w[c][ok]), (t, c)
+            mine = ((it * hy + iy) * hx + ix).clamp(0, ht * hy * hx - 1)
+            used = ok & (w != 0)
+            assert torch.equal(mine[used], smp.idx[c][used]), (t, c)
+            Xk[ct, cy, cx] = at(it, iy, ix)
+            Xm = at(smp.idx[c] // (hy * hx), (smp.idx[c] // hx) % hy, smp.idx[c] % hx)  # the mirror's corner c
+            want_val = want_val + smp.w[c].double() * Xm
+            want_d = want_d + smp.dw[c].double() * Xm[..., None]
+        ty, tx, tt = (fr[a].double() for a in "yxt")
+        bil = {ct: (1 - ty) * ((1 - tx) * Xk[ct, 0, 0] + tx * Xk[ct, 0, 1]) + ty * ((1 - tx) * Xk[ct, 1, 0]
+                                                                                    + tx * Xk[ct, 1, 1])
+               for ct in (0, 1)}
+        gy = {ct: (1 - tx) * (Xk[ct, 1, 0] - Xk[ct, 0, 0]) + tx * (Xk[ct, 1, 1] - Xk[ct, 0, 1]) for ct in (0, 1)}
+        gx = {ct: (1 - ty) * (Xk[ct, 0, 1] - Xk[ct, 0, 0]) + ty * (Xk[ct, 1, 1] - Xk[ct, 1, 0]) for ct in (0, 1)}
+        wts = {0: 1 - tt, 1: tt}
+        got_val = wts[0] * bil[0] + wts[1] * bil[1]
+        live = {a: f["l" + a].double() for a in "tyx"}
+        got_d = torch.stack((live["t"] * (bil[1] - bil[0]), live["y"] * (wts[0] * gy[0] + wts[1] * gy[1]),
+                             live["x"] * (wts[0] * gx[0] + wts[1] * gx[1])), dim=-1)
+        torch.testing.assert_close(got_val[ok], want_val[ok], rtol=1e-6, atol=1e-6)  # weights: fp32 products
+        torch.testing.assert_close(got_d[ok], want_d[ok], rtol=1e-6, atol=1e-6)
+        checked += int((~smp.broken).sum())
+    assert checked == B * nh * grid[0] * grid[1] * grid[2] - 1  # every query but the one past the bound
