@@ -40,8 +40,9 @@ RECORD_BYTES = 16  # one sample's record (``dsa_halo_dense.sample_records``)
 
 def order_bytes(window) -> int:
     """DRAM bytes per query and head of the kernel that writes the walks' sample order and records
-    (``dsa_order``), once per pass: the offsets read (bf16), the int8 order and the records written."""
-    return math.prod(window) * (3 * 2 + RECORD_BYTES) + window[0] * 64
+    (``dsa_order``), once per pass: the offsets read (bf16), the int8 order zeroed (a fill before it)
+    and written, the records written."""
+    return math.prod(window) * (3 * 2 + RECORD_BYTES) + 2 * window[0] * 64
 
 
 def walk_bytes(window) -> int:
@@ -127,7 +128,9 @@ def _fused_work(kernel: str, grid, window, head_dim: int, bound: float, cx: dict
                          f"{KT} layers: rerun `python -m benchmarks.gpu_check.issue_table`")
     trips = walk_trips(tuple(grid), tuple(sorted(cx.items())), float(bound), offsets)
     walks = sum(n * sum(loops[jt::KT]) for jt, n in enumerate(trips))
-    records = sum(trips) * len(loops) // KT * 64 * cx["JC"] * RECORD_BYTES  # every chunk reads a record per lane
+    # every chunk reads a record per lane: from L2 (a tile's records, ~150 KB, do not stay in the L1 left
+    # beside the shared memory; their first read from DRAM is in ``walk_bytes``)
+    records = sum(trips) * len(loops) // KT * 64 * cx["JC"] * RECORD_BYTES
     return (entry, frames, len(tiles) * entry["depths"].get("0", 0) + frames * entry["depths"].get("1", 0) + walks,
             records)
 
@@ -145,7 +148,7 @@ def fused_fwd_cost(grid, window, head_dim: int, bound: float, offsets: str = "un
     N, K = math.prod(grid), math.prod(window)
     return Cost("fused_fwd", N, K, head_dim, 0.0, tc_flops=2 * 2 * 64 * cx["NCH"] * 64 * head_dim * frames,
                 dram_bytes=N * (4 * head_dim * 2 + walk_bytes(window)),
-                l1_bytes=frames * cx["NCH"] * 64 * head_dim * 2 * 2 + records, atomic_bytes=0.0,
+                l1_bytes=frames * cx["NCH"] * 64 * head_dim * 2 * 2, atomic_bytes=0.0, l2_bytes=records,
                 issue=32 * GLUON_WARPS * per_thread, blocks_per_sm=entry.get("blocks_per_sm"))
 
 
@@ -166,7 +169,7 @@ def fused_bwd_cost(grid, window, head_dim: int, bound: float, offsets: str = "un
     chunks = frames * cx["NCH"]
     return Cost("fused_bwd", N, K, d, 0.0, tc_flops=5 * 2 * 64 * 64 * d * chunks,
                 dram_bytes=N * (6 * d * 2 + 2 * (d * 4 * 2 + d * 2) + K * 3 * (4 * 2 + 2) + walk_bytes(window)),
-                l1_bytes=chunks * 64 * d * (3 * 2 + 2 * 2 * 4) + records, atomic_bytes=0.0,
+                l1_bytes=chunks * 64 * d * (3 * 2 + 2 * 2 * 4), atomic_bytes=0.0, l2_bytes=records,
                 issue=32 * GLUON_WARPS * per_thread, blocks_per_sm=entry.get("blocks_per_sm"))
 
 

@@ -243,14 +243,14 @@ def fused_refusal(q: torch.Tensor, window, bound: float | None, slab=None, pass_
 
 
 def _shape_refusal(q: torch.Tensor, window, bound: float | None, slab) -> str | None:
-    """``fused_refusal`` before the first-use check: the Triton, the device, dtype and shape."""
-    why = gluon_halo_refusal()
-    if why is not None:
-        return why
+    """``fused_refusal`` before the first-use check: the size, the Triton, the device, dtype and shape."""
     rows = q.numel() // q.shape[-1]  # (query, head) rows; the kernels index the offsets' elements in int32
     if rows * math.prod(window) * 3 >= 2 ** 31:
         return (f"the fused forward indexes the offsets in 32 bits: {rows} (query, head) rows x {math.prod(window)} "
                 f"samples x 3 is past 2^31; split the batch")
+    why = gluon_halo_refusal()
+    if why is not None:
+        return why
     if q.device.type != "cuda" or torch.cuda.get_device_capability(q.device)[0] != 9:
         return "the fused forward runs on sm_90 (Hopper) GPUs only"
     if q.dtype not in (torch.bfloat16, torch.float16):

@@ -3,16 +3,18 @@ and ``sample_records`` (the definitions, in torch ops) in a single pass over the
 
 ``sample_order`` in torch materialises fp32 copies of the offsets, int64 keys and a sort per call:
 several bytes of temporaries per byte it reads (at Wan 14B 480p, 40 heads, over 10 GB of traffic
-a call). This kernel reads each query's offsets once and writes its order and bucket starts once,
-the bytes the cost model prices (``dsa_fused_cost.order_bytes``). One program takes ``BLOCK_R``
-(query, head) rows of one window layer: the samples' lower corners per axis from the offsets (fp32,
-clamped as the operator and the fused kernels clamp), the key (the lower time corner's bucket, or
-"past the reach"), and a stable counting sort by key (per bucket an exclusive running count along
-the samples), the positions scattered as ``jy * 8 + jx``, and each sample's record (its corners in its tile's
-halo, fractions and clamps, packed as ``RECORD_BITS`` says) written at its position.
+a call). This kernel reads each query's offsets once and writes its order, bucket starts and
+records once, the bytes the cost model prices (``dsa_fused_cost.order_bytes``, with its issue
+slots: ``order_cost``). One program (a warp) takes ``BLOCK_R`` (query, head) rows of one window
+layer: the samples' positions per axis from the offsets (fp32, clamped as the operator clamps), the
+key (the lower time corner's bucket, or "past the reach"), a stable counting sort by key (every
+bucket's running count along the samples in one scan, packed in 6-bit fields), the positions
+scattered as ``jy * 8 + jx``, and each sample's record (its corners in its tile's halo, fractions
+and clamps, packed as ``RECORD_BITS`` says) written at its position.
 
-Tested under the Triton interpreter against ``sample_order`` and ``sample_records`` (``tests/test_dsa_order.py``); on a
-GPU the fused kernels it feeds are checked against the reference on first use.
+Tested under the Triton interpreter against ``sample_order`` and ``sample_records``
+(``tests/test_dsa_order.py``); on a GPU the fused kernels it feeds are checked against the reference
+on first use.
 """
 
 from __future__ import annotations

@@ -27,6 +27,7 @@ class Chip:
     l1: float  # aggregate L1 / shared-memory B/s
     l2_atomic: float  # B/s of fp32 reductions into L2 (assumed)
     issue: float  # lane instructions per second (4 schedulers x 32 lanes per SM and clock)
+    l2: float = 5.5e12  # B/s of reads served by L2 (assumed, as the reductions)
 
 
 CHIPS = (
@@ -102,6 +103,7 @@ class Cost:
     atomic_bytes: float
     issue: float | None = None  # lane issue slots from the compile (``issue_slots``); None: the FMA estimate
     blocks_per_sm: int | None = None  # resident blocks per SM (the compile's registers and shared memory)
+    l2_bytes: float = 0.0  # reads served by L2 (data re-read past what L1 holds beside the shared memory)
 
     def seconds(self, chip: Chip) -> dict:
         """The roofline time: the largest term. A kernel with tensor-core dots adds ``issue+tc``: its
@@ -113,6 +115,8 @@ class Cost:
         parts = {**lanes, "tc": self.tc_flops / chip.bf16_tc,
                  "dram": self.dram_bytes / chip.hbm, "l1": self.l1_bytes / chip.l1,
                  "atomics": self.atomic_bytes / chip.l2_atomic}
+        if self.l2_bytes:
+            parts["l2"] = self.l2_bytes / chip.l2
         if self.tc_flops:
             parts["issue+tc"] = (next(iter(lanes.values())) + parts["tc"]) / max(1, self.blocks_per_sm or 1)
         bound = max(parts, key=parts.get)

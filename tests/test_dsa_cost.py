@@ -322,17 +322,21 @@ def test_the_order_kernel_is_priced_from_its_compile_and_added_to_each_fused_pas
     of one layer), its DRAM bytes the offsets read and the order and records written; a fused pass's
     time is the two added (nothing overlaps them)."""
     from kernels.dsa_cost import issue_key, issue_table
-    from kernels.dsa_fused_cost import RECORD_BYTES, fused_compiled, fused_fwd_cost, order_bytes, order_cost
-    from kernels.dsa_order import ORDER_BLOCK_ROWS
+    from kernels.dsa_fused_cost import RECORD_BYTES, fused_compiled, fused_fwd_cost, order_bytes, order_cost, walk_trips
+    from kernels.dsa_gluon_halo import gluon_halo_constexprs
+    from kernels.dsa_order import ORDER_BLOCK_ROWS, ORDER_WARPS
 
     grid, window = (5, 16, 24), (3, 7, 7)
-    entry = issue_table().get(issue_key("fused_order", 128, window, {"ELO": 2, "EHI": 2}, 4))
-    if entry is None:
-        pytest.skip("the issue table has no order kernel (a Triton whose Gluon cannot build the fused pair)")
+    cx = gluon_halo_constexprs(128, window, 1.5)
+    if issue_table().get(issue_key("fused_fwd", 128, window, cx, 8)) is None:
+        pytest.skip("the issue table has no fused pair (a Triton whose Gluon cannot build it)")
+    entry = issue_table()[issue_key("fused_order", 128, window, {"ELO": 2, "EHI": 2}, ORDER_WARPS)]
     N = 5 * 16 * 24
     cost = order_cost(grid, window, 128, 1.5)
-    assert cost.issue == -(-N // ORDER_BLOCK_ROWS) * 3 * 128 * entry["depths"]["0"]
-    assert cost.dram_bytes == N * order_bytes(window) == N * (147 * (6 + RECORD_BYTES) + 3 * 64)
+    assert cost.issue == -(-N // ORDER_BLOCK_ROWS) * 3 * 32 * ORDER_WARPS * entry["depths"]["0"]
+    assert cost.dram_bytes == N * order_bytes(window) == N * (147 * (6 + RECORD_BYTES) + 2 * 3 * 64)
+    fwd = fused_fwd_cost(grid, window, 128, 1.5)  # its two walks read a record per lane of every chunk, from L2
+    assert fwd.l2_bytes == 2 * sum(walk_trips(grid, tuple(sorted(cx.items())), 1.5)) * 64 * cx["JC"] * RECORD_BYTES
     both = fused_compiled(grid, window, 128, 1.5)
     row = both["passes"]["fwd"]
     assert row["kernel_ms"] == pytest.approx(1e3 * fused_fwd_cost(grid, window, 128, 1.5).seconds(CHIPS[0])["seconds"])

@@ -215,12 +215,10 @@ def test_fused_mode_takes_the_fused_forward_only_where_it_may(monkeypatch):
 
 def test_the_fused_kernels_refuse_a_call_past_their_32_bit_offset_index():
     """A call whose offsets have 2^31 elements or more is refused with the reason and what to do (the
-    kernels would index them past int32), before anything else is asked of the device."""
+    kernels would index them past int32), before anything else is asked of Triton or the device."""
     pytest.importorskip("triton")
     import kernels.dsa_gluon_halo as G
 
-    if G.gluon_halo_refusal() is not None:
-        pytest.skip(G.gluon_halo_refusal())
     big = torch.empty((4, 21, 30, 52, 40, 128), dtype=torch.bfloat16, device="meta")  # 4 clips of Wan 480p
     why = G.fused_refusal(big, (3, 7, 7), 1.5)
     assert "2^31" in why and "split the batch" in why
@@ -371,7 +369,7 @@ def test_the_gluon_kernels_read_the_order_and_records_as_they_are_written():
     """The Gluon kernels' layout of the sample order (entries per query and layer, where the bucket
     starts begin) is ``sample_order``'s, and their fields of a record's word 0 are ``RECORD_BITS``."""
     from kernels.dsa_gluon_halo import gluon_halo_refusal
-    from kernels.dsa_halo_dense import ORDER_WIDTH, RECORD_BITS, STARTS_AT
+    from kernels.dsa_halo_dense import ORDER_WIDTH, RECORD_BITS, RECORD_PAD, STARTS_AT
 
     if gluon_halo_refusal() is not None:
         pytest.skip(gluon_halo_refusal())
@@ -382,6 +380,10 @@ def test_the_gluon_kernels_read_the_order_and_records_as_they_are_written():
               "lx": jit._LX.value}
     assert fields == {name: first for name, (first, _) in RECORD_BITS.items()}
     assert RECORD_BITS["c00"][1] == 9 and RECORD_BITS["t0"][1] == 4 and RECORD_BITS["j"][1] == 6  # the masks
+    from kernels.dsa_gluon_halo import BWD_SAMPLE_CHUNK, SAMPLE_CHUNK
+
+    for jc in (SAMPLE_CHUNK, BWD_SAMPLE_CHUNK):  # a walk's last chunk reads at most this far past a query's records:
+        assert -(-49 // jc) * jc <= RECORD_PAD  # a run starts at most at 49 and the tile's longest is at most 49
 
 
 @pytest.mark.parametrize("grid,window,bound,tile", [
