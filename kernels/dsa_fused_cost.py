@@ -47,8 +47,8 @@ def order_bytes(window) -> int:
 
 def walk_bytes(window) -> int:
     """DRAM bytes per query and head a fused kernel reads of what ``dsa_order`` wrote: every record once
-    (a walk's later visits to a sample hit the caches: they are priced as L1 bytes, ``_fused_work``) and
-    the order's bucket starts (a 32-byte sector per layer)."""
+    (every walk's reads of them are priced as L2 bytes, ``_fused_work``) and the order's bucket starts (a
+    32-byte sector per layer)."""
     return math.prod(window) * RECORD_BYTES + window[0] * 32
 
 
@@ -157,8 +157,8 @@ def fused_bwd_cost(grid, window, head_dim: int, bound: float, offsets: str = "un
     its compile, as ``fused_fwd_cost`` (four frame loops); five dots of 64 x 64 x d per chunk of 64 halo
     keys and frame (dP, S, dV, dQ, dK); the halo's K or V chunks into shared memory three times per frame
     (V, K, K) and the fp32 dk, dv rows read and written per chunk (L1/L2); DRAM: q, k, v, out, dout and
-    the offsets read, dq written, dk, dv and the offsets' gradient in fp32 then cast. None where the
-    issue table lacks the compile."""
+    the records read (``walk_bytes``), dq written, dk, dv and the offsets' gradient in fp32 then cast.
+    None where the issue table lacks the compile."""
     from .dsa_gluon_halo import BWD_SAMPLE_CHUNK, GLUON_WARPS, gluon_halo_constexprs  # lazy: imports torch
 
     cx = dict(gluon_halo_constexprs(head_dim, window, bound), JC=BWD_SAMPLE_CHUNK)

@@ -72,12 +72,13 @@ def gluon_halo_constexprs(head_dim: int, window, bound: float) -> dict:
     """The compile-time sizes of the Gluon halo forward for a head dim, window and bound: the halo's
     largest extent per axis (``FT`` frames, ``FY x FX`` positions per frame), its chunks of 64 keys
     per frame, the samples per layer padded to whole chunks."""
+    from .dsa_halo_dense import halo_frame, time_reach  # lazy: the mirror's definitions, at launch
+
     kt, kh, kw = (int(w) for w in window)
-    elo, ehi = math.ceil(bound), math.floor(bound) + 1
-    fy, fx = TILE_Y - 1 + kh - 1 + elo + ehi + 1, TILE_X - 1 + kw - 1 + elo + ehi + 1
-    nch = -(-fy * fx // 64)
+    elo, ehi = time_reach(bound)
+    fy, fx, nch, sw = halo_frame(window, bound, (1, TILE_Y, TILE_X))
     return dict(HEAD_DIM=int(head_dim), KT=kt, KH=kh, KW=kw, ELO=elo, EHI=ehi, FY=fy, FX=fx,
-                NCH=nch, SW=1 << (nch * 64 - 1).bit_length(), KTP=1 << (kt - 1).bit_length(),
+                NCH=nch, SW=sw, KTP=1 << (kt - 1).bit_length(),
                 KP=1 << (kh * kw - 1).bit_length(), JC=SAMPLE_CHUNK, TY=TILE_Y, TX=TILE_X)
 
 

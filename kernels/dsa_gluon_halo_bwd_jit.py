@@ -41,14 +41,12 @@ from .dsa_gluon_halo_jit import (
     _LY,
     _frame_i32,
     _frame_probs,
-    _frame_run,
     _frame_scores,
     _halo_rows,
     _late,
+    _layer_run,
     _layer_samples,
     _order_row,
-    _record_row,
-    _run_base,
     _start,
     _zero_samples,
     _zero_tail,
@@ -76,9 +74,9 @@ def _layer_derivs(rbase, a, e, r0, q_ok, f, FX: gl.constexpr, JC: gl.constexpr, 
 
 
 @gluon.jit
-def _frame_scores_derivs(S_s, Z_s, C_s, D, c_scale, REC, DOFF, ORD, off_row, q_ok, st, lo_t, f, KT: gl.constexpr, KH: gl.constexpr, KW: gl.constexpr, ELO: gl.constexpr,
-                         EHI: gl.constexpr, SW: gl.constexpr, FX: gl.constexpr, JC: gl.constexpr, smp: gl.constexpr,
-                         FACTOR: gl.constexpr):
+def _frame_scores_derivs(S_s, Z_s, C_s, D, c_scale, REC, DOFF, ORD, off_row, q_ok, st, lo_t, f, KT: gl.constexpr,
+                         KH: gl.constexpr, KW: gl.constexpr, ELO: gl.constexpr, EHI: gl.constexpr, FX: gl.constexpr,
+                         JC: gl.constexpr, smp: gl.constexpr, FACTOR: gl.constexpr):
     """A walk over frame ``f``'s matrix ``X`` (``dP`` in pass 1, ``S`` in pass 2; in ``S_s``), per window
     layer only over the samples that touch ``f`` (their run of the sample order): each one's value from
     its corners added to ``Z_s`` (the forward's ``_frame_sample_scores``), and from the same corners its
@@ -88,10 +86,10 @@ def _frame_scores_derivs(S_s, Z_s, C_s, D, c_scale, REC, DOFF, ORD, off_row, q_o
     ord_row = _order_row(off_row, KT, KH, KW)
     for jt in gl.static_range(KT):
         if (lo_t + f >= st + jt - ELO) & (lo_t + f <= st + jt + EHI):
-            a, e, n = _frame_run(ORD, ord_row, q_ok, jt, lo_t + f - st - jt, ELO, EHI)
-            rbase = _run_base(REC, _record_row(off_row), q_ok, jt, KH * KW)
+            a, e, n, rbase = _layer_run(ORD, REC, ord_row, off_row, q_ok, jt, lo_t + f - st - jt, KH * KW, ELO, EHI)
             for r0 in range(0, n, JC):
-                wt, c00, c01, c10, c11, fy, fx, dwt, ly, lx, j, ok = _layer_derivs(rbase, a, e, r0, q_ok, f, FX, JC, smp)
+                wt, c00, c01, c10, c11, fy, fx, dwt, ly, lx, j, ok = _layer_derivs(
+                    rbase, a, e, r0, q_ok, f, FX, JC, smp)
                 f00 = S_s.gather(c00, 1).to(gl.float32)
                 f01 = S_s.gather(c01, 1).to(gl.float32)
                 f10 = S_s.gather(c10, 1).to(gl.float32)
@@ -296,13 +294,13 @@ def halo_dense_bwd(Q, K, V, REC, ORD, OUT, DO, LSE, DQ, DK, DV, DOFF, qk_scale, 
     lo_t = geo[3]
     for f in range(0, ftn):  # pass 1: the samples' dp and d(dp)/dpos
         _frame_scores(do_s, kv_s, S_s, V, kv[0], kv[1], lo_t + f, *kv[2:], M, HEAD_DIM, NCH, FX, ld, s_mma)
-        _frame_scores_derivs(S_s, G_s, G_s, D, scale, REC, DOFF, ORD, *_pin(geo), f, KT, KH, KW, ELO, EHI, SW, FX, JC,
+        _frame_scores_derivs(S_s, G_s, G_s, D, scale, REC, DOFF, ORD, *_pin(geo), f, KT, KH, KW, ELO, EHI, FX, JC,
                              smp, False)
     geo, kv, ftn = _where(_opaque_pid(), args, HEAD_DIM, KT, KH, KW, ELO, EHI, TY, TX, M, smp)
     lo_t = geo[3]
     for f in range(0, ftn):  # pass 2: the samples' scores and scale (dp - D) dz/dpos
         _frame_scores(q_s, kv_s, S_s, K, kv[0], kv[1], lo_t + f, *kv[2:], M, HEAD_DIM, NCH, FX, ld, s_mma)
-        _frame_scores_derivs(S_s, P_s, G_s, D, scale, REC, DOFF, ORD, *_pin(geo), f, KT, KH, KW, ELO, EHI, SW, FX, JC,
+        _frame_scores_derivs(S_s, P_s, G_s, D, scale, REC, DOFF, ORD, *_pin(geo), f, KT, KH, KW, ELO, EHI, FX, JC,
                              smp, True)
     tl, yl, xl = _phase_tile(_opaque_pid(), H, W, PT, PY, PX, CT, CY, CX, TY, TX)  # not held across the passes
     ql = gl.arange(0, M, layout=gl.SliceLayout(1, smp))
@@ -334,15 +332,15 @@ def _passes_3_4(Q, K, V, REC, ORD, DK, DV, DOFF, scale, q_s, do_s, kv_s, p_s, S_
     broken = gl.zeros([M], gl.int32, gl.SliceLayout(1, smp))
     geo, kv, ftn = _where(_opaque_pid(), args, HEAD_DIM, KT, KH, KW, ELO, EHI, TY, TX, M, smp)
     lo_t = geo[3]
-    broken = _late(ORD, _order_row(geo[0], KT, KH, KW), geo[1], broken, KT, KH, KW, ELO, EHI)
+    broken = _late(ORD, geo[0], geo[1], broken, KT, KH, KW, ELO, EHI)
     for f in range(0, ftn):  # pass 3: P; dV += P^T dO
-        _frame_probs(S_s, P_s, one, REC, ORD, *_pin(geo), f, M, KT, KH, KW, ELO, EHI, FX, SW, KP, JC, smp, NCH)
+        _frame_probs(S_s, P_s, one, REC, ORD, *_pin(geo), f, M, KT, KH, KW, ELO, EHI, FX, JC, smp, NCH)
         _frame_dv(S_s, p_s, do_s, DV, kv[0], kv[1], lo_t + f, *kv[2:], M, HEAD_DIM, NCH, FX, ld, smp, o_mma)
     dq = gl.zeros([M, HEAD_DIM], gl.float32, o_mma)
     geo, kv, ftn = _where(_opaque_pid(), args, HEAD_DIM, KT, KH, KW, ELO, EHI, TY, TX, M, smp)
     lo_t = geo[3]
     for f in range(0, ftn):  # pass 4: dS; dQ += dS K, dK += dS^T Q
-        _frame_probs(S_s, G_s, gain, REC, ORD, *_pin(geo), f, M, KT, KH, KW, ELO, EHI, FX, SW, KP, JC, smp, NCH)
+        _frame_probs(S_s, G_s, gain, REC, ORD, *_pin(geo), f, M, KT, KH, KW, ELO, EHI, FX, JC, smp, NCH)
         dq = _frame_dq_dk(dq, S_s, kv_s, p_s, q_s, K, DK, kv[0], kv[1], lo_t + f, *kv[2:], M, HEAD_DIM, NCH, FX,
                           ld, smp, o_mma, scale / DS_GAIN)
     return dq, broken

@@ -27,25 +27,12 @@ def _order_row(off_row, KT: gl.constexpr, KH: gl.constexpr, KW: gl.constexpr):
 
 
 @gluon.jit
-def _frame_run(ORD, ord_row, q_ok, jt, rel, ELO: gl.constexpr, EHI: gl.constexpr):
-    """Per query, the run ``[a, e)`` of layer ``jt``'s sample order whose samples touch the frame ``rel``
-    frames from the layer's (lower time corner there or one below: ``dsa_halo_dense.frame_range``), and
-    the tile's longest run: the walk's length."""
-    lo = gl.minimum(gl.maximum(rel - 1 + ELO, 0), ELO + EHI)
-    hi = gl.minimum(gl.maximum(rel + ELO + 1, 0), ELO + EHI)
-    srow = ORD + ord_row + jt * ORDER_WIDTH + STARTS_AT
-    a = gl.load(srow + lo, mask=q_ok, other=0).to(gl.int32)
-    e = gl.load(srow + hi, mask=q_ok, other=0).to(gl.int32)
-    return a, e, gl.max(e - a, axis=0)
-
-
-@gluon.jit
-def _late(ORD, ord_row, q_ok, broken, KT: gl.constexpr, KH: gl.constexpr, KW: gl.constexpr, ELO: gl.constexpr,
+def _late(ORD, off_row, q_ok, broken, KT: gl.constexpr, KH: gl.constexpr, KW: gl.constexpr, ELO: gl.constexpr,
           EHI: gl.constexpr):
     """``broken`` with the queries that have a sample past its reach on some axis (an offset past the
-    bound: sorted after the last bucket, walked in no frame)."""
+    bound: sorted after the last bucket, walked in no frame). ``off_row``: each query's first offset."""
     for jt in gl.static_range(KT):
-        n = gl.load(ORD + ord_row + jt * ORDER_WIDTH + STARTS_AT + ELO + EHI, mask=q_ok, other=KH * KW)
+        n = gl.load(ORD + _order_row(off_row, KT, KH, KW) + jt * ORDER_WIDTH + STARTS_AT + ELO + EHI, mask=q_ok, other=KH * KW)
         broken = broken | (n.to(gl.int32) < KH * KW).to(gl.int32)
     return broken
 
@@ -59,12 +46,6 @@ _LX = gl.constexpr(21)
 
 
 @gluon.jit
-def _record_row(off_row):
-    """A query's first record in ``REC`` (16 bytes each) from its first offset in ``OFF``."""
-    return off_row // 3
-
-
-@gluon.jit
 def _load_records(ptr):
     """The 16-byte records at ``ptr`` (one ``ld.global.nc.v4`` each, unmasked: the records are followed by
     ``RECORD_PAD`` in memory): word 0 and the fractions ``fy, fx, ft`` (fp32)."""
@@ -75,16 +56,26 @@ def _load_records(ptr):
 
 
 @gluon.jit
-def _run_base(REC, rec_row, q_ok, jt, K2: gl.constexpr):
-    """Per query, the address of its layer ``jt``'s first record (64-bit: no overflow at any size); the
-    first query's for queries past the grid (a partial tile: never walked, but read)."""
-    return REC + (gl.where(q_ok, rec_row, 0).to(gl.int64) + jt * K2) * 4
+def _layer_run(ORD, REC, ord_row, off_row, q_ok, jt, rel, K2: gl.constexpr, ELO: gl.constexpr, EHI: gl.constexpr):
+    """A walk's reach in layer ``jt`` over the frame ``rel`` frames from the layer's: per query the run
+    ``[a, e)`` of the layer's sample order whose samples touch that frame (lower time corner there or one
+    below: ``dsa_halo_dense.frame_range``), the tile's longest run (the walk's length), and per query the
+    address of the layer's first record (64-bit: no overflow at any size; the first query's for queries
+    past the grid, a partial tile's: never walked, but read). ``ord_row``, ``off_row``: each query's first
+    entry in ``ORD`` (``_order_row``) and first offset."""
+    lo = gl.minimum(gl.maximum(rel - 1 + ELO, 0), ELO + EHI)
+    hi = gl.minimum(gl.maximum(rel + ELO + 1, 0), ELO + EHI)
+    srow = ORD + ord_row + jt * ORDER_WIDTH + STARTS_AT
+    a = gl.load(srow + lo, mask=q_ok, other=0).to(gl.int32)
+    e = gl.load(srow + hi, mask=q_ok, other=0).to(gl.int32)
+    rbase = REC + (gl.where(q_ok, off_row // 3, 0).to(gl.int64) + jt * K2) * 4  # a record per 3 offsets
+    return a, e, gl.max(e - a, axis=0), rbase
 
 
 @gluon.jit
 def _layer_samples(rbase, a, e, r0, q_ok, f, FX: gl.constexpr, JC: gl.constexpr, layout: gl.constexpr):
     """The samples at ``r0 .. r0 + JC`` of each query's run ``[a, e)`` of a layer's sample records
-    (``rbase``: ``_run_base``): per sample its weight in frame ``f`` (0 outside the run), its 4 corners'
+    (``rbase``: ``_layer_run``): per sample its weight in frame ``f`` (0 outside the run), its 4 corners'
     columns in the frame buffer (the upper ones a step past the lower: where the clamp makes them one,
     the fraction is 0), the fractions ``fy, fx``, its index ``j`` in the layer, whether it is one (within
     the run), and the record's word 0, its lower and upper time corner. Every sample of a run has its
@@ -127,8 +118,8 @@ def _frame_scores(q_s, kv_s, S_s, K, base, row_stride, tf, H, W, lo_y, lo_x, fyn
 
 
 @gluon.jit
-def _frame_sample_scores(S_s, Z_s, REC, ORD, off_row, q_ok, st, lo_t, f, KT: gl.constexpr, KH: gl.constexpr, KW: gl.constexpr, ELO: gl.constexpr,
-                         EHI: gl.constexpr, SW: gl.constexpr, FX: gl.constexpr, KP: gl.constexpr, JC: gl.constexpr,
+def _frame_sample_scores(S_s, Z_s, REC, ORD, off_row, q_ok, st, lo_t, f, KT: gl.constexpr, KH: gl.constexpr,
+                         KW: gl.constexpr, ELO: gl.constexpr, EHI: gl.constexpr, FX: gl.constexpr, JC: gl.constexpr,
                          smp: gl.constexpr):
     """Each sample's score from its corners in frame ``f`` (a shared-memory gather of ``S_s``), added
     to ``Z_s`` with the sample's weight in that frame; per window layer only the samples that touch ``f``
@@ -137,10 +128,9 @@ def _frame_sample_scores(S_s, Z_s, REC, ORD, off_row, q_ok, st, lo_t, f, KT: gl.
     ord_row = _order_row(off_row, KT, KH, KW)
     for jt in gl.static_range(KT):
         if (lo_t + f >= st + jt - ELO) & (lo_t + f <= st + jt + EHI):
-            a, e, n = _frame_run(ORD, ord_row, q_ok, jt, lo_t + f - st - jt, ELO, EHI)
-            rbase = _run_base(REC, _record_row(off_row), q_ok, jt, KH * KW)
+            a, e, n, rbase = _layer_run(ORD, REC, ord_row, off_row, q_ok, jt, lo_t + f - st - jt, KH * KW, ELO, EHI)
             for r0 in range(0, n, JC):
-                wt, c00, c01, c10, c11, fy, fx, j, ok, _w, _t0, _t1 = _layer_samples(rbase, a, e, r0, q_ok, f, FX, JC, smp)
+                wt, c00, c01, c10, c11, fy, fx, j, ok, _, _, _ = _layer_samples(rbase, a, e, r0, q_ok, f, FX, JC, smp)
                 z = (S_s.gather(c00, 1).to(gl.float32) * (1.0 - fy) * (1.0 - fx)
                      + S_s.gather(c01, 1).to(gl.float32) * (1.0 - fy) * fx
                      + S_s.gather(c10, 1).to(gl.float32) * fy * (1.0 - fx)
@@ -173,9 +163,9 @@ def _softmax(Z_s, qk_scale, M: gl.constexpr, KT: gl.constexpr, KH: gl.constexpr,
 
 
 @gluon.jit
-def _frame_probs(S_s, Z_s, inv, REC, ORD, off_row, q_ok, st, lo_t, f, M: gl.constexpr, KT: gl.constexpr, KH: gl.constexpr, KW: gl.constexpr, ELO: gl.constexpr,
-                 EHI: gl.constexpr, FX: gl.constexpr, SW: gl.constexpr, KP: gl.constexpr, JC: gl.constexpr,
-                 smp: gl.constexpr, NCH: gl.constexpr):
+def _frame_probs(S_s, Z_s, inv, REC, ORD, off_row, q_ok, st, lo_t, f, M: gl.constexpr, KT: gl.constexpr,
+                 KH: gl.constexpr, KW: gl.constexpr, ELO: gl.constexpr, EHI: gl.constexpr, FX: gl.constexpr,
+                 JC: gl.constexpr, smp: gl.constexpr, NCH: gl.constexpr):
     """Frame ``f``'s ``P``: ``S_s``'s halo chunks zeroed, then every sample that touches ``f`` (its layer's run of the
     sample order) scatter-adds its probability times its corners' weights onto its corners
     (``red.shared.add.f16``)."""
@@ -188,10 +178,9 @@ def _frame_probs(S_s, Z_s, inv, REC, ORD, off_row, q_ok, st, lo_t, f, M: gl.cons
     gl.barrier()
     for jt in gl.static_range(KT):
         if (lo_t + f >= st + jt - ELO) & (lo_t + f <= st + jt + EHI):
-            a, e, n = _frame_run(ORD, ord_row, q_ok, jt, lo_t + f - st - jt, ELO, EHI)
-            rbase = _run_base(REC, _record_row(off_row), q_ok, jt, KH * KW)
+            a, e, n, rbase = _layer_run(ORD, REC, ord_row, off_row, q_ok, jt, lo_t + f - st - jt, KH * KW, ELO, EHI)
             for r0 in range(0, n, JC):
-                wt, c00, c01, c10, c11, fy, fx, j, ok, _w, _t0, _t1 = _layer_samples(rbase, a, e, r0, q_ok, f, FX, JC, smp)
+                wt, c00, c01, c10, c11, fy, fx, j, ok, _, _, _ = _layer_samples(rbase, a, e, r0, q_ok, f, FX, JC, smp)
                 p = Z_s[jt].gather(j, 1) * inv[:, None] * wt
                 keep = p != 0.0
                 S_s.atomic_scatter_add((p * (1.0 - fy) * (1.0 - fx)).to(gl.float16), c00, 1, mask=keep)
@@ -219,8 +208,10 @@ def _frame_output(acc, S_s, kv_s, p_s, V, base, row_stride, tf, H, W, lo_y, lo_x
 
 @gluon.jit
 def _zero_tail(S_s, M: gl.constexpr, NCH: gl.constexpr, SW: gl.constexpr):
-    """The frame buffer's columns past the halo's chunks set to 0 once: a walk reads a corner one step past
-    the last row or column with weight 0 (``_layer_samples``), which must find a finite value there."""
+    """The frame buffer's columns past the halo's chunks set to 0 once. A run's samples read only the halo's
+    chunks (their corners one step past the lower stay on halo positions, zero keys past the grid); the
+    lanes past a run read other queries' records and may reach past them: what they read stays finite
+    (their results are masked out)."""
     vec: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [8, 1], [1, 0])  # 16-byte stores
     for c in gl.static_range(NCH, SW // 64):
         S_s.slice(c * 64, 64, dim=1).store(gl.zeros([M, 64], gl.float16, vec))
@@ -277,9 +268,7 @@ def halo_dense_fwd(Q, K, V, REC, ORD, OUT, LSE, qk_scale, T, H, W, NH,
     ftn = gl.minimum(st + KT - 1 + EHI, T - 1) - lo_t + 1
     fyn = gl.minimum(_start(gl.minimum(y0 + TY, H) - 1, KH, H) + KH - 1 + EHI, H - 1) - lo_y + 1
     fxn = gl.minimum(_start(gl.minimum(x0 + TX, W) - 1, KW, W) + KW - 1 + EHI, W - 1) - lo_x + 1
-    qrow = ((bh // NH) * N + (t * H + qy) * W + qx) * NH + bh % NH
-    off_row = qrow * (KT * KH * KW * 3)
-    ord_row = qrow * (KT * ORDER_WIDTH)
+    off_row = (((bh // NH) * N + (t * H + qy) * W + qx) * NH + bh % NH) * (KT * KH * KW * 3)
 
     lm = gl.arange(0, M, layout=gl.SliceLayout(1, ld))
     cols = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, ld))
@@ -297,17 +286,17 @@ def halo_dense_fwd(Q, K, V, REC, ORD, OUT, LSE, qk_scale, T, H, W, NH,
            gl.allocate_shared_memory(gl.float32, [M, KP], flat))  # per window layer: the samples' scores, then p
     _zero_tail(S_s, M, NCH, SW)
     _zero_samples(Z_s, M, KT, KP, JC, smp)
-    broken = _late(ORD, ord_row, q_ok, gl.zeros([M], gl.int32, gl.SliceLayout(1, smp)), KT, KH, KW, ELO, EHI)
+    broken = _late(ORD, off_row, q_ok, gl.zeros([M], gl.int32, gl.SliceLayout(1, smp)), KT, KH, KW, ELO, EHI)
 
     for f in range(0, ftn):  # pass 1: the samples' scores, frame by frame
         _frame_scores(q_s, kv_s, S_s, K, base, row_stride, lo_t + f, H, W, lo_y, lo_x, fyn, fxn,
                       M, HEAD_DIM, NCH, FX, ld, s_mma)
-        _frame_sample_scores(S_s, Z_s, REC, ORD, off_row, q_ok, st, lo_t, f, KT, KH, KW, ELO, EHI, SW, FX, KP, JC, smp)
+        _frame_sample_scores(S_s, Z_s, REC, ORD, off_row, q_ok, st, lo_t, f, KT, KH, KW, ELO, EHI, FX, JC, smp)
     mx, den = _softmax(Z_s, qk_scale, M, KT, KH, KW, KP, JC, smp)
     inv = 1.0 / den
     acc = gl.zeros([M, HEAD_DIM], gl.float32, o_mma)
     for f in range(0, ftn):  # pass 2: the probabilities onto the halo, O = P V, frame by frame
-        _frame_probs(S_s, Z_s, inv, REC, ORD, off_row, q_ok, st, lo_t, f, M, KT, KH, KW, ELO, EHI, FX, SW, KP, JC, smp, NCH)
+        _frame_probs(S_s, Z_s, inv, REC, ORD, off_row, q_ok, st, lo_t, f, M, KT, KH, KW, ELO, EHI, FX, JC, smp, NCH)
         acc = _frame_output(acc, S_s, kv_s, p_s, V, base, row_stride, lo_t + f, H, W, lo_y, lo_x, fyn, fxn,
                             HEAD_DIM, NCH, FX, ld, smp)
 

@@ -49,15 +49,22 @@ def _axis(base, off, size, lo):
 
 
 @triton.jit
+def _start(x, k: tl.constexpr, size):
+    """The window's first position along one axis for queries at ``x`` (shifted inward at borders)."""
+    return tl.minimum(tl.maximum(x - k // 2, 0), size - k)
+
+
+@triton.jit
 def _halo_lo(first, k: tl.constexpr, size, ELO: tl.constexpr):
     """The first key row of the halo of a tile whose first query row is ``first``."""
-    return tl.maximum(tl.minimum(tl.maximum(first - k // 2, 0), size - k) - ELO, 0)
+    return tl.maximum(_start(first, k, size) - ELO, 0)
 
 
 @triton.jit
 def _order_kernel(OFF, ORD, REC, R, T, H, W, NH, KT: tl.constexpr, KH: tl.constexpr, KW: tl.constexpr,
                   ELO: tl.constexpr, EHI: tl.constexpr, KP: tl.constexpr, OW: tl.constexpr, SA: tl.constexpr,
-                  TT: tl.constexpr, TY: tl.constexpr, TX: tl.constexpr, FX: tl.constexpr, SW: tl.constexpr, BLOCK_R: tl.constexpr):
+                  TT: tl.constexpr, TY: tl.constexpr, TX: tl.constexpr, FX: tl.constexpr, SW: tl.constexpr,
+                  BLOCK_R: tl.constexpr):
     jt = tl.program_id(1)
     rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)[:, None]
     rok = rows < R
@@ -73,9 +80,9 @@ def _order_kernel(OFF, ORD, REC, R, T, H, W, NH, KT: tl.constexpr, KH: tl.conste
     ot = tl.load(ptr, mask=ok, other=0.0).to(tl.float32)
     oy = tl.load(ptr + 1, mask=ok, other=0.0).to(tl.float32)
     ox = tl.load(ptr + 2, mask=ok, other=0.0).to(tl.float32)
-    bt = (tl.minimum(tl.maximum(t - KT // 2, 0), T - KT) + jt).to(tl.float32) + tl.zeros_like(ot)
-    by = (tl.minimum(tl.maximum(y - KH // 2, 0), H - KH) + jy).to(tl.float32)
-    bx = (tl.minimum(tl.maximum(x - KW // 2, 0), W - KW) + jx).to(tl.float32)
+    bt = (_start(t, KT, T) + jt).to(tl.float32) + tl.zeros_like(ot)
+    by = (_start(y, KH, H) + jy).to(tl.float32)
+    bx = (_start(x, KW, W) + jx).to(tl.float32)
     rt, t0, ft, lt = _axis(bt, ot, T, _halo_lo(t // TT * TT, KT, T, ELO))
     ry, y0, fy, ly = _axis(by, oy, H, _halo_lo(y // TY * TY, KH, H, ELO))
     rx, x0, fx, lx = _axis(bx, ox, W, _halo_lo(x // TX * TX, KW, W, ELO))
