@@ -72,16 +72,17 @@ def order_cost(grid, window, head_dim: int, bound: float) -> Cost | None:
 
 
 @functools.lru_cache(maxsize=64)
-def walk_trips(grid, cx_items: tuple, bound: float, offsets: str = "uniform", seed: int = 0) -> tuple[int, ...]:
-    """Per window layer ``jt``: the sample-walk chunks the fused kernels run in one walk over every tile
-    and halo frame. A walk over frame ``f`` visits, per query, the run of its layer's sample order whose
-    samples touch ``f`` (``dsa_halo_dense.sample_order``), ``JC`` a chunk, as many chunks as the tile's
-    longest run needs; frames the layer cannot reach are skipped (``layer_frames``). The runs depend on
-    the offsets' time components: ``uniform`` draws them uniform in ``[-bound, bound]`` (the widest spread
-    within the bound; ``seed`` fixed, so the figure is reproducible), ``zero`` puts every sample on its
-    layer's frame (it touches that frame and, with weight 0, the next). Offsets piled at both ends of the
-    bound in different queries of one tile would make every run full: the walks of today's unsorted
-    kernels, ``5 x 7`` chunks a layer at bound 1.5."""
+def frame_trips(grid, cx_items: tuple, bound: float, offsets: str = "uniform", seed: int = 0) -> dict:
+    """The sample-walk chunks of one walk over each tile's halo frames, per (tile, frame): ``{(chunks of
+    layer 0, of layer 1, ...): how many (tile, frame) pairs run them}``. A walk over frame ``f`` visits,
+    per query, the run of its layer's sample order whose samples touch ``f``
+    (``dsa_halo_dense.sample_order``), ``JC`` a chunk, as many chunks as the tile's longest run needs;
+    a layer that cannot reach ``f`` runs none (``layer_frames``). The runs depend on the offsets' time
+    components: ``uniform`` draws them uniform in ``[-bound, bound]`` (the widest spread within the
+    bound; ``seed`` fixed, so the figure is reproducible), ``zero`` puts every sample on its layer's
+    frame (it touches that frame and, with weight 0, the next). Offsets piled at both ends of the bound
+    in different queries of one tile would make every run full: the walks of today's unsorted kernels,
+    ``5 x 7`` chunks a layer at bound 1.5."""
     import torch  # lazy: the simulation only
 
     from .dsa_halo_dense import halo_tiles  # lazy: imports torch
@@ -94,10 +95,11 @@ def walk_trips(grid, cx_items: tuple, bound: float, offsets: str = "uniform", se
     for tile in halo_tiles(tuple(grid), window, bound, (1, 8, 8)):
         m = math.prod(h - lo + 1 for lo, h in zip(tile.q_lo, tile.q_hi))
         groups[(tile.q_lo[0], m)] = groups.get((tile.q_lo[0], m), 0) + 1
-    out = [0] * KT
+    out: dict[tuple, int] = {}
     for (t, m), n in sorted(groups.items()):
         st = min(max(t - KT // 2, 0), T - KT)
         lo, hi = max(st - ELO, 0), min(st + KT - 1 + EHI, T - 1)
+        trips = torch.zeros((n, hi - lo + 1, KT), dtype=torch.long)  # per tile, halo frame and layer
         for jt in range(KT):
             ot = (torch.zeros((n, m, K2), dtype=torch.float64) if offsets == "zero"
                   else (torch.rand((n, m, K2), generator=gen, dtype=torch.float64) * 2 - 1) * bound)
@@ -105,8 +107,19 @@ def walk_trips(grid, cx_items: tuple, bound: float, offsets: str = "uniform", se
             t1 = (t0 + 1).clamp(max=T - 1)
             for f in range(max(lo, st + jt - ELO), min(hi, st + jt + EHI) + 1):
                 runs = ((t0 == f) | (t1 == f)).sum(-1).amax(-1)  # per tile: its longest run
-                out[jt] += int((-(-runs // JC)).sum())
-    return tuple(out)
+                trips[:, f - lo, jt] = -(-runs // JC)
+        rows, counts = torch.unique(trips.reshape(-1, KT), dim=0, return_counts=True)
+        for row, c in zip(rows.tolist(), counts.tolist()):
+            out[tuple(row)] = out.get(tuple(row), 0) + c
+    return out
+
+
+def walk_trips(grid, cx_items: tuple, bound: float, offsets: str = "uniform", seed: int = 0) -> tuple[int, ...]:
+    """Per window layer ``jt``: the sample-walk chunks the fused kernels run in one walk over every tile
+    and halo frame (``frame_trips``, summed)."""
+    KT = dict(cx_items)["KT"]
+    return tuple(sum(n * row[jt] for row, n in frame_trips(grid, cx_items, bound, offsets, seed).items())
+                 for jt in range(KT))
 
 
 def _fused_work(kernel: str, grid, window, head_dim: int, bound: float, cx: dict,
@@ -126,13 +139,37 @@ def _fused_work(kernel: str, grid, window, head_dim: int, bound: float, cx: dict
     if not loops or len(loops) % KT:
         raise ValueError(f"{kernel}: {len(loops)} sample walks in its frame loops, not a multiple of the window's "
                          f"{KT} layers: rerun `python -m benchmarks.gpu_check.issue_table`")
-    trips = walk_trips(tuple(grid), tuple(sorted(cx.items())), float(bound), offsets)
+    cx_items = tuple(sorted(cx.items()))
+    trips = walk_trips(tuple(grid), cx_items, float(bound), offsets)
     walks = sum(n * sum(loops[jt::KT]) for jt, n in enumerate(trips))
     # every chunk reads a record per lane: from L2 (a tile's records, ~150 KB, do not stay in the L1 left
     # beside the shared memory; their first read from DRAM is in ``walk_bytes``)
     records = sum(trips) * len(loops) // KT * 64 * cx["JC"] * RECORD_BYTES
     return (entry, frames, len(tiles) * entry["depths"].get("0", 0) + frames * entry["depths"].get("1", 0) + walks,
-            records)
+            records, _overlap(entry, len(tiles), frames, frame_trips(tuple(grid), cx_items, float(bound), offsets)))
+
+
+def _overlap(entry: dict, tiles: int, frames: int, walks: dict) -> tuple:
+    """A fused kernel's asynchronous dots (``Cost.overlap``) from its compile's ``mma_groups``: a group
+    outside the frame loops once per tile, in them once per halo frame, with the instructions it overlaps
+    over the block's warps (one warpgroup each four); where a frame's sample walks run while it does
+    (one loop per window layer), per (tile, frame) with that frame's walk chunks (``walks``:
+    ``frame_trips``)."""
+    warps, out = entry["warps"], []
+    if not entry.get("mma_groups"):
+        raise ValueError(f"{entry['kernel']}: no wgmma groups in the issue table: rerun "
+                         "`python -m benchmarks.gpu_check.issue_table`")
+    for depth, between, flops, loops in entry["mma_groups"]:
+        if depth > 1 or (loops and (depth != 1 or len(loops) != len(next(iter(walks))))):
+            raise ValueError(f"{entry['kernel']}: a wgmma group at loop depth {depth} over {len(loops)} loops: the "
+                             "model counts groups in the frame loops (depth 1), over one walk a window layer")
+        block_flops = flops * warps // 4
+        if not loops:
+            out.append((tiles if depth == 0 else frames, 32 * warps * between, block_flops))
+            continue
+        for trips, n in sorted(walks.items()):
+            out.append((n, 32 * warps * (between + sum(t * size for t, size in zip(trips, loops))), block_flops))
+    return tuple(out)
 
 
 def fused_fwd_cost(grid, window, head_dim: int, bound: float, offsets: str = "uniform") -> Cost | None:
@@ -144,12 +181,12 @@ def fused_fwd_cost(grid, window, head_dim: int, bound: float, offsets: str = "un
     cx = gluon_halo_constexprs(head_dim, window, bound)
     if (work := _fused_work("fused_fwd", grid, window, head_dim, bound, cx, offsets)) is None:
         return None
-    entry, frames, per_thread, records = work
+    entry, frames, per_thread, records, overlap = work
     N, K = math.prod(grid), math.prod(window)
-    return Cost("fused_fwd", N, K, head_dim, 0.0, tc_flops=2 * 2 * 64 * cx["NCH"] * 64 * head_dim * frames,
+    return Cost("fused_fwd", N, K, head_dim, 0.0, tc_flops=sum(n * flops for n, _, flops in overlap),
                 dram_bytes=N * (4 * head_dim * 2 + walk_bytes(window)),
                 l1_bytes=frames * cx["NCH"] * 64 * head_dim * 2 * 2, atomic_bytes=0.0, l2_bytes=records,
-                issue=32 * GLUON_WARPS * per_thread, blocks_per_sm=entry.get("blocks_per_sm"))
+                issue=32 * GLUON_WARPS * per_thread, blocks_per_sm=entry.get("blocks_per_sm"), overlap=overlap)
 
 
 def fused_bwd_cost(grid, window, head_dim: int, bound: float, offsets: str = "uniform") -> Cost | None:
@@ -164,13 +201,13 @@ def fused_bwd_cost(grid, window, head_dim: int, bound: float, offsets: str = "un
     cx = dict(gluon_halo_constexprs(head_dim, window, bound), JC=BWD_SAMPLE_CHUNK)
     if (work := _fused_work("fused_bwd", grid, window, head_dim, bound, cx, offsets)) is None:
         return None
-    entry, frames, per_thread, records = work
+    entry, frames, per_thread, records, overlap = work
     N, K, d = math.prod(grid), math.prod(window), head_dim
     chunks = frames * cx["NCH"]
-    return Cost("fused_bwd", N, K, d, 0.0, tc_flops=5 * 2 * 64 * 64 * d * chunks,
+    return Cost("fused_bwd", N, K, d, 0.0, tc_flops=sum(n * flops for n, _, flops in overlap),
                 dram_bytes=N * (6 * d * 2 + 2 * (d * 4 * 2 + d * 2) + K * 3 * (4 * 2 + 2) + walk_bytes(window)),
                 l1_bytes=chunks * 64 * d * (3 * 2 + 2 * 2 * 4), atomic_bytes=0.0, l2_bytes=records,
-                issue=32 * GLUON_WARPS * per_thread, blocks_per_sm=entry.get("blocks_per_sm"))
+                issue=32 * GLUON_WARPS * per_thread, blocks_per_sm=entry.get("blocks_per_sm"), overlap=overlap)
 
 
 def fused_pass(cost: Cost, grid, window, head_dim: int, bound: float, chip: Chip, pass_: str) -> dict:

@@ -20,6 +20,10 @@ its layer's sample order, ``dsa_halo_dense.sample_order``, ``JC`` samples a chun
 4. ``dS`` (``ds`` times the corners' weights, times ``DS_GAIN`` in fp16) scattered onto the frame;
    ``dQ += dS K``, ``dK = dS^T Q`` (plain adds), both times ``scale / DS_GAIN``.
 
+The dots are asynchronous (``warpgroup_mma(is_async=True)``): while a chunk's run, the warps load the
+next chunk's operands and read or write the fp32 rows of ``dK``/``dV``; in passes 1 and 2 the next
+frame's first chunk runs while this frame's samples are walked (``_first_chunk``, as the forward).
+
 Both parts of the offsets' gradient are taken where their matrix is computed, with the per-sample
 factors that are known there (``scale (dp - D)``; ``p`` once the scores are complete), so S and dP
 are computed once a frame (an earlier version recomputed both in two more passes: 12 more dots a
@@ -39,6 +43,7 @@ from .dsa_gluon_halo_jit import (
     _LT,
     _LX,
     _LY,
+    _first_chunk,
     _frame_i32,
     _frame_probs,
     _frame_scores,
@@ -47,6 +52,7 @@ from .dsa_gluon_halo_jit import (
     _layer_run,
     _layer_samples,
     _order_row,
+    _scores_pass,
     _start,
     _zero_samples,
     _zero_tail,
@@ -141,34 +147,47 @@ def _ds_from_dp(G_s, P_s, D, DOFF, off_row, q_ok, M: gl.constexpr, KT: gl.conste
 
 
 @gluon.jit
-def _add_rows(X, acc, base, row_stride, tf, c, H, W, lo_y, lo_x, fyn, fxn, COLS: gl.constexpr, FX: gl.constexpr):
-    """``X[halo rows of chunk c of frame tf, :COLS] += acc`` (fp32, in the accumulator's layout: no shared-memory
-    round trip; plain loads and stores: the colour phase gives this program the rows alone)."""
-    r = c * 64 + gl.arange(0, 64, layout=gl.SliceLayout(1, acc.type.layout))
-    cols = gl.arange(0, COLS, layout=gl.SliceLayout(0, acc.type.layout))
+def _rows_at(X, layout: gl.constexpr, base, row_stride, tf, c, H, W, lo_y, lo_x, fyn, fxn, COLS: gl.constexpr,
+             FX: gl.constexpr):
+    """The halo rows of chunk ``c`` of frame ``tf`` in ``X`` (fp32, first ``COLS`` columns) in ``layout`` (an
+    accumulator's: no shared-memory round trip): their addresses and which are in the halo. Plain loads
+    and stores: the colour phase gives this program the rows alone."""
+    r = c * 64 + gl.arange(0, 64, layout=gl.SliceLayout(1, layout))
+    cols = gl.arange(0, COLS, layout=gl.SliceLayout(0, layout))
     hy = r // FX
     hx = r % FX
     ok = ((hy < fyn) & (hx < fxn))[:, None]
-    ptr = X + base + ((tf * H + lo_y + hy) * W + lo_x + hx)[:, None] * row_stride + cols[None, :]
-    gl.store(ptr, gl.load(ptr, mask=ok, other=0.0) + acc, mask=ok)
+    return X + base + ((tf * H + lo_y + hy) * W + lo_x + hx)[:, None] * row_stride + cols[None, :], ok
 
 
 @gluon.jit
 def _frame_dq_dk(dq, S_s, kv_s, p_s, q_s, K, DK, base, row_stride, tf, H, W, lo_y, lo_x, fyn, fxn,
                  M: gl.constexpr, HEAD_DIM: gl.constexpr, NCH: gl.constexpr, FX: gl.constexpr, ld: gl.constexpr,
                  smp: gl.constexpr, o_mma: gl.constexpr, dk_scale):
-    """Frame ``tf``'s ``dS`` (in ``S_s``) times its keys: ``dQ += dS K`` and ``dK += dS^T Q``, 64 keys a
-    chunk on tensor cores, ``dS`` cast to bf16."""
+    """Frame ``tf``'s ``dS`` (in ``S_s``) times its keys: ``dK += dS^T Q`` and ``dQ += dS K``, 64 keys a
+    chunk on tensor cores, ``dS`` cast to bf16. Both dots are asynchronous, ``dK``'s first: while it runs
+    the warps read the chunk's ``dK`` rows and load the next chunk's ``dS``; once it is done (``dQ``'s
+    still running) they write the rows and load the next chunk's keys."""
     kr = gl.arange(0, 64, layout=gl.SliceLayout(1, ld))
     cols = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, ld))
+    x = _halo_rows(K, base, row_stride, tf, kr, H, W, lo_y, lo_x, fyn, fxn, cols, FX)
+    p = S_s.slice(0, 64, dim=1).load(ld).to(gl.bfloat16)  # 8 a thread: 16-byte copies
     for c in gl.static_range(NCH):
         gl.barrier()
-        kv_s.store(_halo_rows(K, base, row_stride, tf, c * 64 + kr, H, W, lo_y, lo_x, fyn, fxn, cols, FX))
-        p_s.store(S_s.slice(c * 64, 64, dim=1).load(ld).to(gl.bfloat16))  # 8 a thread: 16-byte copies
+        kv_s.store(x)
+        p_s.store(p)
         hopper.fence_async_shared()
-        dq = hopper.warpgroup_mma(p_s, kv_s, dq)
-        dk = hopper.warpgroup_mma(p_s.permute((1, 0)), q_s, gl.zeros([64, HEAD_DIM], gl.float32, o_mma))
-        _add_rows(DK, dk * dk_scale, base, row_stride, tf, c, H, W, lo_y, lo_x, fyn, fxn, HEAD_DIM, FX)
+        dk = hopper.warpgroup_mma(p_s.permute((1, 0)), q_s, gl.zeros([64, HEAD_DIM], gl.float32, o_mma), is_async=True)
+        dq = hopper.warpgroup_mma(p_s, kv_s, dq, is_async=True)
+        ptr, ok = _rows_at(DK, o_mma, base, row_stride, tf, c, H, W, lo_y, lo_x, fyn, fxn, HEAD_DIM, FX)
+        old = gl.load(ptr, mask=ok, other=0.0)
+        if c + 1 < NCH:
+            p = S_s.slice((c + 1) * 64, 64, dim=1).load(ld).to(gl.bfloat16)
+        dk = hopper.warpgroup_mma_wait(1, deps=[dk])  # dK's product done, dQ's running
+        gl.store(ptr, old + dk * dk_scale, mask=ok)
+        if c + 1 < NCH:
+            x = _halo_rows(K, base, row_stride, tf, (c + 1) * 64 + kr, H, W, lo_y, lo_x, fyn, fxn, cols, FX)
+        dq = hopper.warpgroup_mma_wait(0, deps=[dq])
     gl.barrier()
     return dq
 
@@ -177,13 +196,28 @@ def _frame_dq_dk(dq, S_s, kv_s, p_s, q_s, K, DK, base, row_stride, tf, H, W, lo_
 def _frame_dv(S_s, p_s, do_s, DV, base, row_stride, tf, H, W, lo_y, lo_x, fyn, fxn, M: gl.constexpr,
               HEAD_DIM: gl.constexpr, NCH: gl.constexpr, FX: gl.constexpr, ld: gl.constexpr, smp: gl.constexpr,
               o_mma: gl.constexpr):
-    """Frame ``tf``'s ``P`` (in ``S_s``): ``dV += P^T dO``, 64 keys a chunk on tensor cores, P in bf16."""
+    """Frame ``tf``'s ``P`` (in ``S_s``): ``dV += P^T dO``, 64 keys a chunk on tensor cores, P in bf16. A
+    chunk's dot runs asynchronously while the previous chunk's ``dV`` rows are written, its own read and
+    the next chunk's ``P`` loaded."""
+    p = S_s.slice(0, 64, dim=1).load(ld).to(gl.bfloat16)  # 8 a thread: 16-byte copies
+    old = gl.zeros([64, HEAD_DIM], gl.float32, o_mma)  # the previous chunk's rows and product: none before the first
+    dv = old
     for c in gl.static_range(NCH):
         gl.barrier()
-        p_s.store(S_s.slice(c * 64, 64, dim=1).load(ld).to(gl.bfloat16))  # 8 a thread: 16-byte copies
+        p_s.store(p)
         hopper.fence_async_shared()
-        dv = hopper.warpgroup_mma(p_s.permute((1, 0)), do_s, gl.zeros([64, HEAD_DIM], gl.float32, o_mma))
-        _add_rows(DV, dv, base, row_stride, tf, c, H, W, lo_y, lo_x, fyn, fxn, HEAD_DIM, FX)
+        acc = hopper.warpgroup_mma(p_s.permute((1, 0)), do_s, gl.zeros([64, HEAD_DIM], gl.float32, o_mma),
+                                   is_async=True)
+        if c > 0:  # the previous chunk's rows added, this chunk's read, while this chunk's dot runs
+            ptr, ok = _rows_at(DV, o_mma, base, row_stride, tf, c - 1, H, W, lo_y, lo_x, fyn, fxn, HEAD_DIM, FX)
+            gl.store(ptr, old + dv, mask=ok)
+        ptr, ok = _rows_at(DV, o_mma, base, row_stride, tf, c, H, W, lo_y, lo_x, fyn, fxn, HEAD_DIM, FX)
+        old = gl.load(ptr, mask=ok, other=0.0)
+        if c + 1 < NCH:
+            p = S_s.slice((c + 1) * 64, 64, dim=1).load(ld).to(gl.bfloat16)
+        dv = hopper.warpgroup_mma_wait(0, deps=[acc])
+    ptr, ok = _rows_at(DV, o_mma, base, row_stride, tf, NCH - 1, H, W, lo_y, lo_x, fyn, fxn, HEAD_DIM, FX)
+    gl.store(ptr, old + dv, mask=ok)
     gl.barrier()
 
 
@@ -292,16 +326,24 @@ def halo_dense_bwd(Q, K, V, REC, ORD, OUT, DO, LSE, DQ, DK, DV, DOFF, qk_scale, 
     args = (T, H, W, NH, PT, PY, PX, CT, CY, CX)
     geo, kv, ftn = _where(_opaque_pid(), args, HEAD_DIM, KT, KH, KW, ELO, EHI, TY, TX, M, smp)
     lo_t = geo[3]
+    s = _scores_pass(do_s, kv_s, V, kv[0], kv[1], lo_t, *kv[2:], M, HEAD_DIM, NCH, FX, ld, s_mma)
     for f in range(0, ftn):  # pass 1: the samples' dp and d(dp)/dpos
-        _frame_scores(do_s, kv_s, S_s, V, kv[0], kv[1], lo_t + f, *kv[2:], M, HEAD_DIM, NCH, FX, ld, s_mma)
+        _frame_scores(do_s, kv_s, S_s, s, V, kv[0], kv[1], lo_t + f, *kv[2:], M, HEAD_DIM, NCH, FX, ld, s_mma)
+        tok = _first_chunk(do_s, kv_s, V, kv[0], kv[1], lo_t + gl.minimum(f + 1, ftn - 1), *kv[2:], M, HEAD_DIM, FX,
+                           ld, s_mma)  # the next frame's first chunk while this frame is walked (``halo_dense_fwd``)
         _frame_scores_derivs(S_s, G_s, G_s, D, scale, REC, DOFF, ORD, *_pin(geo), f, KT, KH, KW, ELO, EHI, FX, JC,
                              smp, False)
+        s = hopper.warpgroup_mma_wait(0, deps=[tok])
     geo, kv, ftn = _where(_opaque_pid(), args, HEAD_DIM, KT, KH, KW, ELO, EHI, TY, TX, M, smp)
     lo_t = geo[3]
+    s = _scores_pass(q_s, kv_s, K, kv[0], kv[1], lo_t, *kv[2:], M, HEAD_DIM, NCH, FX, ld, s_mma)
     for f in range(0, ftn):  # pass 2: the samples' scores and scale (dp - D) dz/dpos
-        _frame_scores(q_s, kv_s, S_s, K, kv[0], kv[1], lo_t + f, *kv[2:], M, HEAD_DIM, NCH, FX, ld, s_mma)
+        _frame_scores(q_s, kv_s, S_s, s, K, kv[0], kv[1], lo_t + f, *kv[2:], M, HEAD_DIM, NCH, FX, ld, s_mma)
+        tok = _first_chunk(q_s, kv_s, K, kv[0], kv[1], lo_t + gl.minimum(f + 1, ftn - 1), *kv[2:], M, HEAD_DIM, FX,
+                           ld, s_mma)
         _frame_scores_derivs(S_s, P_s, G_s, D, scale, REC, DOFF, ORD, *_pin(geo), f, KT, KH, KW, ELO, EHI, FX, JC,
                              smp, True)
+        s = hopper.warpgroup_mma_wait(0, deps=[tok])
     tl, yl, xl = _phase_tile(_opaque_pid(), H, W, PT, PY, PX, CT, CY, CX, TY, TX)  # not held across the passes
     ql = gl.arange(0, M, layout=gl.SliceLayout(1, smp))
     lse = gl.load(LSE + gl.program_id(1) * N + (tl * H + yl + ql // TX) * W + xl + ql % TX,

@@ -102,19 +102,49 @@ def _halo_rows(X, base, row_stride, tf, r, H, W, lo_y, lo_x, fyn, fxn, cols, FX:
 
 
 @gluon.jit
-def _frame_scores(q_s, kv_s, S_s, K, base, row_stride, tf, H, W, lo_y, lo_x, fyn, fxn,
-                  M: gl.constexpr, HEAD_DIM: gl.constexpr, NCH: gl.constexpr, FX: gl.constexpr,
-                  ld: gl.constexpr, s_mma: gl.constexpr):
-    """``S = Q K_halo^T`` of frame ``tf``, 64 keys a chunk on tensor cores, into ``S_s`` (fp16)."""
+def _first_chunk(q_s, kv_s, K, base, row_stride, tf, H, W, lo_y, lo_x, fyn, fxn, M: gl.constexpr,
+                 HEAD_DIM: gl.constexpr, FX: gl.constexpr, ld: gl.constexpr, s_mma: gl.constexpr):
+    """The first chunk's ``S = Q K_halo^T`` of frame ``tf`` started on tensor cores, not waited for: the
+    caller walks the previous frame's samples meanwhile (they read ``S_s``, not ``q_s`` or ``kv_s``) and
+    passes the result to ``_frame_scores``."""
     kr = gl.arange(0, 64, layout=gl.SliceLayout(1, ld))
     cols = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, ld))
-    for c in gl.static_range(NCH):
-        gl.barrier()
-        kv_s.store(_halo_rows(K, base, row_stride, tf, c * 64 + kr, H, W, lo_y, lo_x, fyn, fxn, cols, FX))
-        hopper.fence_async_shared()
-        s = hopper.warpgroup_mma(q_s, kv_s.permute((1, 0)), gl.zeros([M, 64], gl.float32, s_mma))
-        S_s.slice(c * 64, 64, dim=1).store(s.to(gl.float16))
     gl.barrier()
+    kv_s.store(_halo_rows(K, base, row_stride, tf, kr, H, W, lo_y, lo_x, fyn, fxn, cols, FX))
+    hopper.fence_async_shared()
+    return hopper.warpgroup_mma(q_s, kv_s.permute((1, 0)), gl.zeros([M, 64], gl.float32, s_mma), is_async=True)
+
+
+@gluon.jit
+def _frame_scores(q_s, kv_s, S_s, s, K, base, row_stride, tf, H, W, lo_y, lo_x, fyn, fxn,
+                  M: gl.constexpr, HEAD_DIM: gl.constexpr, NCH: gl.constexpr, FX: gl.constexpr,
+                  ld: gl.constexpr, s_mma: gl.constexpr):
+    """``S = Q K_halo^T`` of frame ``tf``, 64 keys a chunk on tensor cores, into ``S_s`` (fp16); ``s``: the
+    first chunk's (``_first_chunk``). Each further chunk's dot runs asynchronously while the next chunk's
+    keys are loaded into registers and the previous chunk's scores stored."""
+    kr = gl.arange(0, 64, layout=gl.SliceLayout(1, ld))
+    cols = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, ld))
+    x = _halo_rows(K, base, row_stride, tf, 64 + kr, H, W, lo_y, lo_x, fyn, fxn, cols, FX)
+    for c in gl.static_range(1, NCH):
+        gl.barrier()
+        kv_s.store(x)
+        hopper.fence_async_shared()
+        acc = hopper.warpgroup_mma(q_s, kv_s.permute((1, 0)), gl.zeros([M, 64], gl.float32, s_mma), is_async=True)
+        S_s.slice((c - 1) * 64, 64, dim=1).store(s.to(gl.float16))
+        if c + 1 < NCH:
+            x = _halo_rows(K, base, row_stride, tf, (c + 1) * 64 + kr, H, W, lo_y, lo_x, fyn, fxn, cols, FX)
+        s = hopper.warpgroup_mma_wait(0, deps=[acc])
+    S_s.slice((NCH - 1) * 64, 64, dim=1).store(s.to(gl.float16))
+    gl.barrier()
+
+
+@gluon.jit
+def _scores_pass(q_s, kv_s, K, base, row_stride, lo_t, H, W, lo_y, lo_x, fyn, fxn, M: gl.constexpr,
+                 HEAD_DIM: gl.constexpr, NCH: gl.constexpr, FX: gl.constexpr, ld: gl.constexpr, s_mma: gl.constexpr):
+    """The first frame's first chunk of ``S`` (``_first_chunk``), waited for: the frame loops that walk
+    ``S`` start the next frame's first chunk before each walk."""
+    tok = _first_chunk(q_s, kv_s, K, base, row_stride, lo_t, H, W, lo_y, lo_x, fyn, fxn, M, HEAD_DIM, FX, ld, s_mma)
+    return hopper.warpgroup_mma_wait(0, deps=[tok])
 
 
 @gluon.jit
@@ -193,15 +223,22 @@ def _frame_probs(S_s, Z_s, inv, REC, ORD, off_row, q_ok, st, lo_t, f, M: gl.cons
 @gluon.jit
 def _frame_output(acc, S_s, kv_s, p_s, V, base, row_stride, tf, H, W, lo_y, lo_x, fyn, fxn,
                   HEAD_DIM: gl.constexpr, NCH: gl.constexpr, FX: gl.constexpr, ld: gl.constexpr, smp: gl.constexpr):
-    """``O += P V_halo`` for frame ``tf``, 64 keys a chunk on tensor cores, P cast to bf16."""
+    """``O += P V_halo`` for frame ``tf``, 64 keys a chunk on tensor cores, P cast to bf16. Each chunk's dot
+    runs asynchronously while the next chunk's values and probabilities are loaded into registers."""
     kr = gl.arange(0, 64, layout=gl.SliceLayout(1, ld))
     cols = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, ld))
+    x = _halo_rows(V, base, row_stride, tf, kr, H, W, lo_y, lo_x, fyn, fxn, cols, FX)
+    p = S_s.slice(0, 64, dim=1).load(ld).to(gl.bfloat16)  # 8 a thread: 16-byte copies
     for c in gl.static_range(NCH):
         gl.barrier()
-        kv_s.store(_halo_rows(V, base, row_stride, tf, c * 64 + kr, H, W, lo_y, lo_x, fyn, fxn, cols, FX))
-        p_s.store(S_s.slice(c * 64, 64, dim=1).load(ld).to(gl.bfloat16))  # 8 a thread: 16-byte copies
+        kv_s.store(x)
+        p_s.store(p)
         hopper.fence_async_shared()
-        acc = hopper.warpgroup_mma(p_s, kv_s, acc)
+        acc = hopper.warpgroup_mma(p_s, kv_s, acc, is_async=True)
+        if c + 1 < NCH:
+            x = _halo_rows(V, base, row_stride, tf, (c + 1) * 64 + kr, H, W, lo_y, lo_x, fyn, fxn, cols, FX)
+            p = S_s.slice((c + 1) * 64, 64, dim=1).load(ld).to(gl.bfloat16)
+        acc = hopper.warpgroup_mma_wait(0, deps=[acc])
     gl.barrier()
     return acc
 
@@ -288,10 +325,15 @@ def halo_dense_fwd(Q, K, V, REC, ORD, OUT, LSE, qk_scale, T, H, W, NH,
     _zero_samples(Z_s, M, KT, KP, JC, smp)
     broken = _late(ORD, off_row, q_ok, gl.zeros([M], gl.int32, gl.SliceLayout(1, smp)), KT, KH, KW, ELO, EHI)
 
+    s = _scores_pass(q_s, kv_s, K, base, row_stride, lo_t, H, W, lo_y, lo_x, fyn, fxn, M, HEAD_DIM, NCH, FX, ld, s_mma)
     for f in range(0, ftn):  # pass 1: the samples' scores, frame by frame
-        _frame_scores(q_s, kv_s, S_s, K, base, row_stride, lo_t + f, H, W, lo_y, lo_x, fyn, fxn,
+        _frame_scores(q_s, kv_s, S_s, s, K, base, row_stride, lo_t + f, H, W, lo_y, lo_x, fyn, fxn,
                       M, HEAD_DIM, NCH, FX, ld, s_mma)
+        # the next frame's first chunk (past the last frame, the last's again: unused) while this frame is walked
+        tok = _first_chunk(q_s, kv_s, K, base, row_stride, lo_t + gl.minimum(f + 1, ftn - 1), H, W, lo_y, lo_x, fyn,
+                           fxn, M, HEAD_DIM, FX, ld, s_mma)
         _frame_sample_scores(S_s, Z_s, REC, ORD, off_row, q_ok, st, lo_t, f, KT, KH, KW, ELO, EHI, FX, JC, smp)
+        s = hopper.warpgroup_mma_wait(0, deps=[tok])
     mx, den = _softmax(Z_s, qk_scale, M, KT, KH, KW, KP, JC, smp)
     inv = 1.0 / den
     acc = gl.zeros([M, HEAD_DIM], gl.float32, o_mma)

@@ -104,23 +104,33 @@ class Cost:
     issue: float | None = None  # lane issue slots from the compile (``issue_slots``); None: the FMA estimate
     blocks_per_sm: int | None = None  # resident blocks per SM (the compile's registers and shared memory)
     l2_bytes: float = 0.0  # reads served by L2 (data re-read past what L1 holds beside the shared memory)
+    overlap: tuple = ()  # asynchronous dots: ``(times, lanes, flops)``, a group of ``flops`` running ``times``
+    # while its warps issue ``lanes`` lane instructions (``benchmarks.gpu_check.compile.mma_groups``)
+
+    def hidden_seconds(self, chip: Chip) -> float:
+        """The time the asynchronous dots and the instructions issued meanwhile overlap: per group the
+        shorter of the two (the tensor cores and the schedulers both busy), summed."""
+        return sum(n * min(lanes / chip.issue, flops / chip.bf16_tc) for n, lanes, flops in self.overlap)
 
     def seconds(self, chip: Chip) -> dict:
         """The roofline time: the largest term. A kernel with tensor-core dots adds ``issue+tc``: its
         dots are synchronous (each ``wgmma`` is waited for by the warps that issued it, which have
         nothing else to issue meanwhile), so only other resident blocks overlap a block's dots with
         instructions: at best ``(lanes + tc) / blocks`` per SM; at one block per SM (or where the
-        occupancy is unknown) the two add up instead of overlapping."""
+        occupancy is unknown) the two add up instead of overlapping, less what asynchronous dots overlap
+        with the instructions their warps issue before waiting for them (``overlap``)."""
         lanes = {"fma": self.fma_flops / chip.fp32} if self.issue is None else {"issue": self.issue / chip.issue}
+        hidden = self.hidden_seconds(chip)
         parts = {**lanes, "tc": self.tc_flops / chip.bf16_tc,
                  "dram": self.dram_bytes / chip.hbm, "l1": self.l1_bytes / chip.l1,
                  "atomics": self.atomic_bytes / chip.l2_atomic}
         if self.l2_bytes:
             parts["l2"] = self.l2_bytes / chip.l2
         if self.tc_flops:
-            parts["issue+tc"] = (next(iter(lanes.values())) + parts["tc"]) / max(1, self.blocks_per_sm or 1)
+            parts["issue+tc"] = (next(iter(lanes.values())) + parts["tc"] - hidden) / max(1, self.blocks_per_sm or 1)
         bound = max(parts, key=parts.get)
-        return {"seconds": parts[bound], "bound": bound, **{f"{k}_s": v for k, v in parts.items()}}
+        extra = {"overlap_s": hidden} if self.overlap else {}
+        return {"seconds": parts[bound], "bound": bound, **{f"{k}_s": v for k, v in parts.items()}, **extra}
 
 
 def _terms(cost: Cost, chip: Chip, pass_: str) -> dict:

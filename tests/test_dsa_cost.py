@@ -36,6 +36,22 @@ def test_synchronous_dots_overlap_only_across_resident_blocks():
     assert t["bound"] == "issue" and "issue+tc" not in t
 
 
+def test_asynchronous_dots_hide_only_what_their_warps_issue_meanwhile():
+    """``Cost.overlap``: a group of dots running while its warps issue other instructions hides the
+    shorter of the two, group by group (the tensor cores' surplus in one group does not hide another's
+    instructions); synchronous dots (no groups) hide nothing."""
+    chip = CHIPS[0]
+    lanes_s, flops_s = 1e-6, 3e-6  # one group: its instructions take a third of its dots' time
+    base = dict(kernel="k", tokens=1, K=1, head_dim=128, fma_flops=0.0, tc_flops=4 * flops_s * chip.bf16_tc,
+                dram_bytes=0.0, l1_bytes=0.0, atomic_bytes=0.0, issue=10e-6 * chip.issue, blocks_per_sm=1)
+    sync = Cost(**base).seconds(chip)
+    assert sync["seconds"] == pytest.approx(10e-6 + 12e-6) and "overlap_s" not in sync
+    groups = ((3, lanes_s * chip.issue, flops_s * chip.bf16_tc), (1, 5e-6 * chip.issue, flops_s * chip.bf16_tc))
+    t = Cost(**base, overlap=groups).seconds(chip)
+    assert t["overlap_s"] == pytest.approx(3 * lanes_s + flops_s)  # the first groups' instructions, the last's dots
+    assert t["seconds"] == pytest.approx(10e-6 + 12e-6 - 6e-6) and t["bound"] == "issue+tc"
+
+
 def test_fa3_is_the_stated_dense_model():
     chip = CHIPS[0]
     N, d = 21 * 30 * 52, 128
@@ -190,9 +206,11 @@ def test_the_fused_forward_is_priced_from_its_compile():
     """The Gluon forward's row: issue slots from its sm_90 compile (the issue table's counts at loop
     depths 0 and 1 times the tiles and their halo frames, the walks' loop bodies once per chunk of the
     samples that touch a frame, offsets uniform within the bound, 256 threads a tile), its dots two 64 x 64 x d
-    products per chunk of 64 halo keys and frame; the design row's forward is this row."""
+    products per chunk of 64 halo keys and frame and one more per tile, each asynchronous group credited
+    with the instructions issued meanwhile (the walks' chunks of its frame where it spans them); the
+    design row's forward is this row."""
     from kernels.dsa_cost import issue_key, issue_table
-    from kernels.dsa_fused_cost import fused_fwd_cost, halo_dense_design, order_cost
+    from kernels.dsa_fused_cost import frame_trips, fused_fwd_cost, halo_dense_design, order_cost
     from kernels.dsa_gluon_halo import gluon_halo_constexprs
     from kernels.dsa_halo_dense import halo_tiles
 
@@ -205,7 +223,17 @@ def test_the_fused_forward_is_priced_from_its_compile():
     frames = sum(t.halo_shape[0] for t in tiles)
     cost = fused_fwd_cost(grid, window, 128, 1.5)
     assert cost.issue == 256 * _walked(entry, tiles, grid, cx)
-    assert cost.tc_flops == 4 * 64 * cx["NCH"] * 64 * 128 * frames
+    # the compile's dots: two per chunk and frame, and each tile's first chunk of S before its frame loop
+    # (every frame starts the next frame's first while it walks its samples: the last an unused one)
+    assert cost.tc_flops == 4 * 64 * cx["NCH"] * 64 * 128 * frames + 2 * 64 * 64 * 128 * len(tiles)
+    walks = frame_trips(grid, tuple(sorted(cx.items())), 1.5)
+    assert sum(walks.values()) == frames
+    spanning = [g for g in entry["mma_groups"] if g[3]]
+    assert len(spanning) == 1 and len(spanning[0][3]) == 3  # one group over the three layers' walks
+    _, between, flops, loops = spanning[0]
+    for trips, n in walks.items():  # per (tile, frame): the frame's walk chunks issued while the group runs
+        assert (n, 256 * (between + sum(t * b for t, b in zip(trips, loops))), 2 * flops) in cost.overlap
+    assert 0 < cost.hidden_seconds(CHIPS[0]) < min(cost.issue / CHIPS[0].issue, cost.tc_flops / CHIPS[0].bf16_tc)
     d = halo_dense_design(grid, window, 128, 1.5)
     order = order_cost(grid, window, 128, 1.5)
     assert d["passes"]["fwd"]["kernel_ms"] == pytest.approx(1e3 * cost.seconds(CHIPS[0])["seconds"])
@@ -286,7 +314,7 @@ def test_lever_cli_prices_both_wan_grids_against_the_cost_model():
 def test_the_fused_backward_is_priced_from_its_compile(capsys):
     """The Gluon backward's row, as the forward's: issue slots from its sm_90 compile (depths 0 and 1
     times the tiles and their halo frames, a layer's walks where it reaches, 256 threads a tile), five 64 x 64 x d dots per chunk of 64
-    halo keys and frame; the design row's backward is this row, and the command line reports the
+    halo keys and frame (and two more a tile); the design row's backward is this row, and the command line reports the
     compiled forward and backward against FA3 (JSON key ``fused``)."""
     from kernels.dsa_cost import issue_key, issue_table, main
     from kernels.dsa_fused_cost import fused_bwd_cost, fused_compiled, fused_fwd_cost, halo_dense_design, order_cost
@@ -302,7 +330,8 @@ def test_the_fused_backward_is_priced_from_its_compile(capsys):
     frames = sum(t.halo_shape[0] for t in tiles)
     cost = fused_bwd_cost(grid, window, 128, 1.5)
     assert cost.issue == 256 * _walked(entry, tiles, grid, cx)
-    assert cost.tc_flops == 5 * 2 * 64 * cx["NCH"] * 64 * 128 * frames  # dP, S, dV, dQ, dK
+    # dP, S, dV, dQ, dK per chunk and frame, and each tile's first chunk of dP and of S before their frame loops
+    assert cost.tc_flops == 5 * 2 * 64 * cx["NCH"] * 64 * 128 * frames + 2 * 2 * 64 * 64 * 128 * len(tiles)
     d = halo_dense_design(grid, window, 128, 1.5)
     order_ms = 1e3 * order_cost(grid, window, 128, 1.5).seconds(CHIPS[0])["seconds"]
     assert d["passes"]["bwd"]["ms"] == pytest.approx(1e3 * cost.seconds(CHIPS[0])["seconds"] + order_ms)

@@ -122,6 +122,7 @@ class Record:
     loop_instr: dict = field(default_factory=dict)  # PTX instructions by loop depth (``loop_instructions``)
     guarded: dict = field(default_factory=dict)  # of them, each conditional region's, by depth (``guarded_regions``)
     loops: dict = field(default_factory=dict)  # of them, each loop's own, by depth (``loop_bodies``)
+    mma_groups: list = field(default_factory=list)  # each wgmma group's [depth, overlapped instructions, flops]
     constexprs: dict = field(default_factory=dict)  # the compile's constexprs (tile sizes, window, ...)
     ok: bool = False
     problems: list = field(default_factory=list)
@@ -214,6 +215,23 @@ def _blocks(ptx: str) -> list[dict]:
     return blocks
 
 
+def _skipped_blocks(blocks: list[dict]) -> set[int]:
+    """The ``id`` of every block inside a loop that a forward conditional branch may jump over (to a later
+    block of the same loop; ``blocks`` in ``_iteration_order``): code that does not run on every iteration (the fused kernels' window
+    layers, walked only in the frames they reach, and the walks of no sample)."""
+    at = {b["label"]: i for i, b in enumerate(blocks) if b["label"]}
+    out: set[int] = set()
+    for i, b in enumerate(blocks):
+        for ins in b["instr"]:
+            m = _BRANCH.match(ins)
+            if not m or not m.group(1) or b["loop"][1] == 0 or m.group(2) not in at:
+                continue
+            j = at[m.group(2)]
+            if j > i and blocks[j]["loop"] == b["loop"]:
+                out.update(id(x) for x in blocks[i + 1:j])
+    return out
+
+
 def guarded_regions(ptx: str) -> dict:
     """The code a loop body runs only when a condition holds: ``{depth: [instructions of each region, in
     order]}``. A region is the fall-through blocks after a conditional branch ``@%p bra L`` at the end of
@@ -266,6 +284,64 @@ def loop_bodies(ptx: str) -> dict:
     return out
 
 
+_MMA_SHAPE = re.compile(r"^wgmma\.mma_async\S*\.m(\d+)n(\d+)k(\d+)\.")
+
+
+def _iteration_order(blocks: list[dict]) -> list[dict]:
+    """``blocks`` with each loop's (contiguous) range rotated to start at its header: LLVM may place a
+    loop's latch before its header, so text order is not the order one iteration runs in."""
+    blocks = list(blocks)
+    for b in sorted((b for b in blocks if b["header"]), key=lambda b: -b["loop"][1]):  # innermost first
+        own = [i for i, x in enumerate(blocks) if x["loop"] == b["loop"]]
+        lo, hi, head = own[0], own[-1], blocks.index(b)
+        while hi + 1 < len(blocks) and blocks[hi + 1]["loop"][1] > b["loop"][1]:  # its nested loops' blocks
+            hi += 1
+        blocks[lo:hi + 1] = blocks[head:hi + 1] + blocks[lo:head]
+    return blocks
+
+
+def mma_groups(ptx: str) -> list[list]:
+    """The asynchronous dots' overlap with the instructions around them, ``[depth, between, flops, loops]``
+    per ``wgmma.wait_group`` that retires groups (those it retires run back to back on the tensor cores
+    while the instructions after the first one's commit issue): ``between`` the instructions the warps
+    issue in the commit's loop, past the first group's ``wgmma.commit_group`` (or the previous wait, if
+    later: what came before it was counted for the groups that wait retired) and before the wait, that
+    run on every path (none a forward branch may skip), ``loops`` the loops nested there (each one's own
+    instructions, as ``loop_bodies``; their trips are data-dependent: the cost model counts them),
+    ``flops`` the groups' ``mma_async`` work per warpgroup (``2 m n k`` each), ``depth`` the commit's loop
+    depth. A synchronous dot overlaps nothing; groups retired in another loop than their commit's
+    overlap nothing here (the count would not be per iteration)."""
+    order = _iteration_order(_blocks(ptx))
+    skipped = _skipped_blocks(order)
+    out: list[list] = []
+    open_: list[list] = []  # groups committed and not yet retired, oldest first: [depth, between, flops, loops, loop]
+    pending = 0
+    for b in order:
+        for ins in b["instr"]:
+            if m := _MMA_SHAPE.match(ins):
+                pending += 2 * math.prod(map(int, m.groups()))
+            elif ins.startswith("wgmma.commit_group"):
+                open_.append([b["loop"][1], 0, pending, {}, b["loop"]])
+                pending = 0
+            elif ins.startswith("wgmma.wait_group"):
+                keep = int(re.findall(r"\d+", ins.split()[-1])[0])
+                done, open_ = open_[:max(0, len(open_) - keep)], open_[max(0, len(open_) - keep):]
+                if done:
+                    first = done[0]
+                    mine = all(g[4] == b["loop"] for g in done)
+                    out.append([first[0], first[1] if mine else 0, sum(g[2] for g in done),
+                                list(first[3].values()) if mine else []])
+                for g in open_:  # what follows overlaps them: what came before was counted for the retired
+                    g[1], g[3] = 0, {}
+            else:
+                for g in open_:
+                    if b["loop"] == g[4] and id(b) not in skipped:
+                        g[1] += 1
+                    elif b["loop"][1] > g[0]:
+                        g[3][b["loop"]] = g[3].get(b["loop"], 0) + 1
+    return out
+
+
 def count_ptx(ptx: str) -> dict:
     wgmma = len(re.findall(r"wgmma\.mma_async", ptx))
     tcgen05 = len(re.findall(r"\btcgen05\.mma", ptx))  # Blackwell's (sm_100) tensor-core MMA
@@ -274,7 +350,8 @@ def count_ptx(ptx: str) -> dict:
     not_16bit = sum(1 for w in _WGMMA.findall(ptx) if not w.endswith((".bf16.bf16", ".f16.f16")))
     return {"wgmma": wgmma, "mma_sync": mma, "dot": dot, "wgmma_not_16bit": not_16bit,
             "atomics_f32": len(_ATOMIC.findall(ptx)),
-            "loop_instr": loop_instructions(ptx), "guarded": guarded_regions(ptx), "loops": loop_bodies(ptx)}
+            "loop_instr": loop_instructions(ptx), "guarded": guarded_regions(ptx), "loops": loop_bodies(ptx),
+            "mma_groups": mma_groups(ptx)}
 
 
 def _compile_in_child(variant: Variant, cc: int, conn, cache: str) -> None:
@@ -443,7 +520,7 @@ def _compile_key(variant: Variant, arch: str) -> tuple:
 
 _MEASURED = ("regs", "spill_stores", "spill_loads", "stack", "smem", "blocks_per_sm", "dot", "wgmma", "tt_dots",
              "mma_dots", "wgmma_not_16bit", "mma_serialized", "mma_sync", "atomics_f32", "compile_s", "loop_instr",
-             "guarded", "loops", "ok", "problems")
+             "guarded", "loops", "mma_groups", "ok", "problems")
 
 
 def run(archs: list[str], shapes: list[AotShape], kernels: tuple[str, ...] | None = None,
