@@ -72,10 +72,10 @@ def order_cost(grid, window, head_dim: int, bound: float) -> Cost | None:
 
 
 @functools.lru_cache(maxsize=64)
-def frame_trips(grid, cx_items: tuple, bound: float, offsets: str = "uniform", seed: int = 0) -> dict:
-    """The sample-walk chunks of one walk over each tile's halo frames, per (tile, frame): ``{(chunks of
-    layer 0, of layer 1, ...): how many (tile, frame) pairs run them}``. A walk over frame ``f`` visits,
-    per query, the run of its layer's sample order whose samples touch ``f``
+def tile_trips(grid, cx_items: tuple, bound: float, offsets: str = "uniform", seed: int = 0) -> dict:
+    """The sample-walk chunks of one walk over each tile's halo frames, tile by tile: ``((((chunks of layer
+    0, of layer 1, ...) for each halo frame in order), how many tiles run them), ...)``. A walk over frame ``f``
+    visits, per query, the run of its layer's sample order whose samples touch ``f``
     (``dsa_halo_dense.sample_order``), ``JC`` a chunk, as many chunks as the tile's longest run needs;
     a layer that cannot reach ``f`` runs none (``layer_frames``). The runs depend on the offsets' time
     components: ``uniform`` draws them uniform in ``[-bound, bound]`` (the widest spread within the
@@ -108,9 +108,23 @@ def frame_trips(grid, cx_items: tuple, bound: float, offsets: str = "uniform", s
             for f in range(max(lo, st + jt - ELO), min(hi, st + jt + EHI) + 1):
                 runs = ((t0 == f) | (t1 == f)).sum(-1).amax(-1)  # per tile: its longest run
                 trips[:, f - lo, jt] = -(-runs // JC)
-        rows, counts = torch.unique(trips.reshape(-1, KT), dim=0, return_counts=True)
+        rows, counts = torch.unique(trips.reshape(n, -1), dim=0, return_counts=True)
         for row, c in zip(rows.tolist(), counts.tolist()):
-            out[tuple(row)] = out.get(tuple(row), 0) + c
+            key = tuple(tuple(row[i:i + KT]) for i in range(0, len(row), KT))
+            out[key] = out.get(key, 0) + c
+    return tuple(sorted(out.items()))  # cached: not to be changed by a caller
+
+
+def frame_trips(grid, cx_items: tuple, bound: float, offsets: str = "uniform", seed: int = 0,
+                ahead: bool = False) -> dict:
+    """``tile_trips`` per (tile, frame): ``{(chunks of layer 0, of layer 1, ...): how many (tile, frame)
+    pairs run them}``; with ``ahead``, each frame's pair holds the next frame's chunks (the last frame's:
+    none), as a walk of the next frame run during a frame's dots sees them."""
+    out: dict[tuple, int] = {}
+    for frames, n in tile_trips(grid, cx_items, bound, offsets, seed):
+        seq = frames[1:] + (tuple(0 for _ in frames[0]),) if ahead else frames
+        for trips in seq:
+            out[trips] = out.get(trips, 0) + n
     return out
 
 
@@ -124,10 +138,14 @@ def walk_trips(grid, cx_items: tuple, bound: float, offsets: str = "uniform", se
 
 def _fused_work(kernel: str, grid, window, head_dim: int, bound: float, cx: dict,
                 offsets: str = "uniform") -> tuple | None:
-    """A fused kernel's issue table entry, its tiles' halo frames and the PTX instructions one thread issues
-    over them (None where the table lacks the compile): the code outside the frame loops once per 1x8x8
-    tile, the frame loops' own code once per halo frame, and the sample walks' loop bodies (``loops``:
-    one per window layer and walk, in layer order) once per chunk ``walk_trips`` counts at ``offsets``."""
+    """A fused kernel's issue table entry, its tiles' halo frames, the PTX instructions one thread issues
+    over them, the records' L2 bytes, its dots' overlap (``_overlap``) and the chunks of K or V loaded
+    before the frame loops (None where the table lacks the compile): the code outside the
+    frame loops once per 1x8x8 tile, the frame loops' own code once per halo frame, and the sample walks'
+    loop bodies once per chunk ``tile_trips`` counts at ``offsets``. The walks in the frame loops
+    (``loops["2"]``) are one per window layer and pass, in layer order; a pass that walks a frame while
+    the previous frame's dots run walks its first frame before its frame loop (``outer_walks``, one per
+    layer: those passes are the last ones) and the others a frame ahead in the loop."""
     from .dsa_gluon_halo import GLUON_WARPS  # lazy: imports torch
     from .dsa_halo_dense import halo_tiles  # lazy: imports torch
 
@@ -136,39 +154,55 @@ def _fused_work(kernel: str, grid, window, head_dim: int, bound: float, cx: dict
         return None
     tiles = halo_tiles(tuple(grid), tuple(window), bound, (1, 8, 8))
     loops, KT, frames = entry.get("loops", {}).get("2", []), cx["KT"], sum(t.halo_shape[0] for t in tiles)
-    if not loops or len(loops) % KT:
-        raise ValueError(f"{kernel}: {len(loops)} sample walks in its frame loops, not a multiple of the window's "
-                         f"{KT} layers: rerun `python -m benchmarks.gpu_check.issue_table`")
+    outer = entry.get("outer_walks", [])
+    if not loops or len(loops) % KT or len(outer) % KT or len(outer) > len(loops):
+        raise ValueError(f"{kernel}: {len(loops)} sample walks in its frame loops and {len(outer)} before them, not "
+                         f"one per window layer ({KT}) and pass: rerun `python -m benchmarks.gpu_check.issue_table`")
     cx_items = tuple(sorted(cx.items()))
-    trips = walk_trips(tuple(grid), cx_items, float(bound), offsets)
-    walks = sum(n * sum(loops[jt::KT]) for jt, n in enumerate(trips))
+    per_tile = tile_trips(tuple(grid), cx_items, float(bound), offsets)
+    every = [sum(n * sum(f[jt] for f in seq) for seq, n in per_tile) for jt in range(KT)]
+    first = [sum(n * seq[0][jt] for seq, n in per_tile) for jt in range(KT)]
+    ahead = len(loops) - len(outer)  # the walks from here on run a frame ahead
+    runs = [(size, every[i % KT] - (first[i % KT] if i >= ahead else 0)) for i, size in enumerate(loops)]
+    runs += [(size, first[i % KT]) for i, size in enumerate(outer)]
+    walks = sum(size * n for size, n in runs)
     # every chunk reads a record per lane: from L2 (a tile's records, ~150 KB, do not stay in the L1 left
     # beside the shared memory; their first read from DRAM is in ``walk_bytes``)
-    records = sum(trips) * len(loops) // KT * 64 * cx["JC"] * RECORD_BYTES
-    return (entry, frames, len(tiles) * entry["depths"].get("0", 0) + frames * entry["depths"].get("1", 0) + walks,
-            records, _overlap(entry, len(tiles), frames, frame_trips(tuple(grid), cx_items, float(bound), offsets)))
+    records = sum(n for _, n in runs) * 64 * cx["JC"] * RECORD_BYTES
+    frame_code = entry["depths"].get("1", 0) - sum(outer)  # the walks before the frame loops are counted above
+    walks_at = {False: frame_trips(tuple(grid), cx_items, float(bound), offsets),
+                True: frame_trips(tuple(grid), cx_items, float(bound), offsets, ahead=True)}
+    # the dots before the frame loops (a pass's first chunks): each loads a 64-row chunk of K or V too
+    first_chunks = len(tiles) * sum(f for d, _, f, _ in entry.get("mma_groups", []) if d == 0) * entry["warps"] // 4
+    return (entry, frames, len(tiles) * entry["depths"].get("0", 0) + frames * frame_code + walks, records,
+            _overlap(entry, len(tiles), frames, walks_at, ahead), first_chunks // (2 * 64 * 64 * head_dim))
 
 
-def _overlap(entry: dict, tiles: int, frames: int, walks: dict) -> tuple:
+def _overlap(entry: dict, tiles: int, frames: int, walks_at: dict, ahead: int) -> tuple:
     """A fused kernel's asynchronous dots (``Cost.overlap``) from its compile's ``mma_groups``: a group
     outside the frame loops once per tile, in them once per halo frame, with the instructions it overlaps
-    over the block's warps (one warpgroup each four); where a frame's sample walks run while it does
-    (one loop per window layer), per (tile, frame) with that frame's walk chunks (``walks``:
-    ``frame_trips``)."""
+    over the block's warps (one warpgroup each four); where sample walks run while it does (one loop per
+    window layer), per (tile, frame) with those walks' chunks (``walks_at``: ``frame_trips``, ``True``:
+    a frame ahead, for the walks at index ``ahead`` and past in ``loops["2"]``). Where ptxas serialized the
+    dots (its "wgmma serialized" warning), none overlaps anything."""
     warps, out = entry["warps"], []
+    loops = entry.get("loops", {}).get("2", [])
     if not entry.get("mma_groups"):
         raise ValueError(f"{entry['kernel']}: no wgmma groups in the issue table: rerun "
                          "`python -m benchmarks.gpu_check.issue_table`")
-    for depth, between, flops, loops in entry["mma_groups"]:
-        if depth > 1 or (loops and (depth != 1 or len(loops) != len(next(iter(walks))))):
-            raise ValueError(f"{entry['kernel']}: a wgmma group at loop depth {depth} over {len(loops)} loops: the "
-                             "model counts groups in the frame loops (depth 1), over one walk a window layer")
+    KT = len(next(iter(walks_at[False])))
+    serialized = entry.get("mma_serialized", False)  # ptxas waits for every wgmma where it was issued: no overlap
+    for depth, between, flops, spans in entry["mma_groups"]:
+        if depth > 1 or (spans and (depth != 1 or len(spans) != KT or {i // KT for i in spans} != {spans[0] // KT})):
+            raise ValueError(f"{entry['kernel']}: a wgmma group at loop depth {depth} over loops {spans}: the model "
+                             "counts groups in the frame loops (depth 1), over one pass's walks (one a window layer)")
         block_flops = flops * warps // 4
-        if not loops:
-            out.append((tiles if depth == 0 else frames, 32 * warps * between, block_flops))
+        if not spans or serialized:
+            out.append((tiles if depth == 0 else frames, 0 if serialized else 32 * warps * between, block_flops))
             continue
-        for trips, n in sorted(walks.items()):
-            out.append((n, 32 * warps * (between + sum(t * size for t, size in zip(trips, loops))), block_flops))
+        sizes = [loops[i] for i in spans]
+        for trips, n in sorted(walks_at[spans[0] >= ahead].items()):
+            out.append((n, 32 * warps * (between + sum(t * size for t, size in zip(trips, sizes))), block_flops))
     return tuple(out)
 
 
@@ -181,11 +215,11 @@ def fused_fwd_cost(grid, window, head_dim: int, bound: float, offsets: str = "un
     cx = gluon_halo_constexprs(head_dim, window, bound)
     if (work := _fused_work("fused_fwd", grid, window, head_dim, bound, cx, offsets)) is None:
         return None
-    entry, frames, per_thread, records, overlap = work
+    entry, frames, per_thread, records, overlap, first_chunks = work
     N, K = math.prod(grid), math.prod(window)
     return Cost("fused_fwd", N, K, head_dim, 0.0, tc_flops=sum(n * flops for n, _, flops in overlap),
                 dram_bytes=N * (4 * head_dim * 2 + walk_bytes(window)),
-                l1_bytes=frames * cx["NCH"] * 64 * head_dim * 2 * 2, atomic_bytes=0.0, l2_bytes=records,
+                l1_bytes=(frames * cx["NCH"] * 2 + first_chunks) * 64 * head_dim * 2, atomic_bytes=0.0, l2_bytes=records,
                 issue=32 * GLUON_WARPS * per_thread, blocks_per_sm=entry.get("blocks_per_sm"), overlap=overlap)
 
 
@@ -201,12 +235,13 @@ def fused_bwd_cost(grid, window, head_dim: int, bound: float, offsets: str = "un
     cx = dict(gluon_halo_constexprs(head_dim, window, bound), JC=BWD_SAMPLE_CHUNK)
     if (work := _fused_work("fused_bwd", grid, window, head_dim, bound, cx, offsets)) is None:
         return None
-    entry, frames, per_thread, records, overlap = work
+    entry, frames, per_thread, records, overlap, first_chunks = work
     N, K, d = math.prod(grid), math.prod(window), head_dim
     chunks = frames * cx["NCH"]
     return Cost("fused_bwd", N, K, d, 0.0, tc_flops=sum(n * flops for n, _, flops in overlap),
                 dram_bytes=N * (6 * d * 2 + 2 * (d * 4 * 2 + d * 2) + K * 3 * (4 * 2 + 2) + walk_bytes(window)),
-                l1_bytes=chunks * 64 * d * (3 * 2 + 2 * 2 * 4), atomic_bytes=0.0, l2_bytes=records,
+                l1_bytes=chunks * 64 * d * (3 * 2 + 2 * 2 * 4) + first_chunks * 64 * d * 2, atomic_bytes=0.0,
+                l2_bytes=records,
                 issue=32 * GLUON_WARPS * per_thread, blocks_per_sm=entry.get("blocks_per_sm"), overlap=overlap)
 
 

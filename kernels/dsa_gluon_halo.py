@@ -4,14 +4,14 @@ per program, with the tile's scores and probabilities in shared memory. The back
 (``dsa_gluon_halo_bwd_jit``, its docstring says how) runs once per colour phase (``phase_launches``)
 and adds dk, dv without atomics; this module holds both kernels' host side.
 
-The forward: one program = a 1 x 8 x 8 query tile of one (batch, head) pair, 8 warps, 152 KB of shared memory:
+The forward: one program = a 1 x 8 x 8 query tile of one (batch, head) pair, 8 warps, 184 KB of shared memory:
 
 1. ``Q`` (64 x d, bf16) into shared memory.
 2. Per halo frame ``f`` (at most kt + ELO + EHI frames, ELO = ceil(bound), EHI = floor(bound) + 1):
    the frame's halo keys (``FY x FX`` positions, in ``NCH`` chunks of 64 rows) one chunk at a time
    into shared memory, ``S = Q K^T`` per chunk on tensor cores (``warpgroup_mma``, asynchronous: while a
    chunk's dot runs, the next chunk's keys are loaded and the previous chunk's scores stored, and the next
-   frame's first chunk runs while this frame's samples are walked), stored into the
+   frame's first three chunks run while this frame's samples are walked), stored into the
    frame's score buffer ``S_s (64 x SW)`` in fp16 (scores are scaled by ``d^-1/2`` after: an fp16
    rounding of a score of 30 moves its logit by about 1e-3); then per window layer ``jt`` whose
    samples can reach ``f``, only the samples that touch ``f`` (each query's run of the layer's sample
@@ -29,7 +29,8 @@ The forward: one program = a 1 x 8 x 8 query tile of one (batch, head) pair, 8 w
    (now the frame's ``P``, zeroed first: ``atomic_scatter_add`` on shared memory, a native
    ``red.shared.add.f16``), then ``O += P V`` per chunk of 64 keys on tensor cores, ``P`` cast to
    bf16 as flash attention casts its probabilities (asynchronous: the next chunk's values and ``P``
-   loaded meanwhile).
+   loaded meanwhile; while the frame's last chunk's runs, the next frame's ``P`` is scattered, the
+   first frame's before the loop).
 5. ``O`` to memory; a query whose corners leave the halo, or with a sample past its layer's reach
    (an offset past the promised bound: sorted after every run), gets a NaN row, as in the other
    bounded kernels.

@@ -22,7 +22,10 @@ its layer's sample order, ``dsa_halo_dense.sample_order``, ``JC`` samples a chun
 
 The dots are asynchronous (``warpgroup_mma(is_async=True)``): while a chunk's run, the warps load the
 next chunk's operands and read or write the fp32 rows of ``dK``/``dV``; in passes 1 and 2 the next
-frame's first chunk runs while this frame's samples are walked (``_first_chunk``, as the forward).
+frame's first chunk runs while this frame's samples are walked (``_first_chunk``; the forward starts
+three: the backward has neither the registers nor the shared memory for more); in passes 3 and 4 the
+next frame's P or dS is scattered while the frame's last chunk's dot runs (the first frame's before the
+frame loop).
 
 Both parts of the offsets' gradient are taken where their matrix is computed, with the per-sample
 factors that are known there (``scale (dp - D)``; ``p`` once the scores are complete), so S and dP
@@ -161,13 +164,17 @@ def _rows_at(X, layout: gl.constexpr, base, row_stride, tf, c, H, W, lo_y, lo_x,
 
 
 @gluon.jit
-def _frame_dq_dk(dq, S_s, kv_s, p_s, q_s, K, DK, base, row_stride, tf, H, W, lo_y, lo_x, fyn, fxn,
-                 M: gl.constexpr, HEAD_DIM: gl.constexpr, NCH: gl.constexpr, FX: gl.constexpr, ld: gl.constexpr,
-                 smp: gl.constexpr, o_mma: gl.constexpr, dk_scale):
-    """Frame ``tf``'s ``dS`` (in ``S_s``) times its keys: ``dK += dS^T Q`` and ``dQ += dS K``, 64 keys a
+def _frame_dq_dk(dq, S_s, kv_s, p_s, q_s, K, DK, base, row_stride, f, lo_t, ftn, H, W, lo_y, lo_x, fyn, fxn, walk,
+                 M: gl.constexpr, HEAD_DIM: gl.constexpr, KT: gl.constexpr, KH: gl.constexpr, KW: gl.constexpr,
+                 ELO: gl.constexpr, EHI: gl.constexpr, NCH: gl.constexpr, FX: gl.constexpr, JC: gl.constexpr,
+                 ld: gl.constexpr, smp: gl.constexpr, o_mma: gl.constexpr, dk_scale):
+    """Halo frame ``f``'s ``dS`` (in ``S_s``) times its keys: ``dK += dS^T Q`` and ``dQ += dS K``, 64 keys a
     chunk on tensor cores, ``dS`` cast to bf16. Both dots are asynchronous, ``dK``'s first: while it runs
     the warps read the chunk's ``dK`` rows and load the next chunk's ``dS``; once it is done (``dQ``'s
-    still running) they write the rows and load the next chunk's keys."""
+    still running) they write the rows and load the next chunk's keys -- after the last chunk's, they
+    build the next frame's ``dS`` in ``S_s`` (``_frame_probs`` with ``walk``'s samples' array, factor,
+    records, order and geometry)."""
+    tf = lo_t + f
     kr = gl.arange(0, 64, layout=gl.SliceLayout(1, ld))
     cols = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, ld))
     x = _halo_rows(K, base, row_stride, tf, kr, H, W, lo_y, lo_x, fyn, fxn, cols, FX)
@@ -187,18 +194,24 @@ def _frame_dq_dk(dq, S_s, kv_s, p_s, q_s, K, DK, base, row_stride, tf, H, W, lo_
         gl.store(ptr, old + dk * dk_scale, mask=ok)
         if c + 1 < NCH:
             x = _halo_rows(K, base, row_stride, tf, (c + 1) * 64 + kr, H, W, lo_y, lo_x, fyn, fxn, cols, FX)
+        elif f + 1 < ftn:
+            _frame_probs(S_s, walk[0], walk[1], walk[2], walk[3], *_pin(walk[4]), f + 1, M, KT, KH, KW, ELO, EHI, FX,
+                         JC, smp, NCH)
         dq = hopper.warpgroup_mma_wait(0, deps=[dq])
     gl.barrier()
     return dq
 
 
 @gluon.jit
-def _frame_dv(S_s, p_s, do_s, DV, base, row_stride, tf, H, W, lo_y, lo_x, fyn, fxn, M: gl.constexpr,
-              HEAD_DIM: gl.constexpr, NCH: gl.constexpr, FX: gl.constexpr, ld: gl.constexpr, smp: gl.constexpr,
-              o_mma: gl.constexpr):
-    """Frame ``tf``'s ``P`` (in ``S_s``): ``dV += P^T dO``, 64 keys a chunk on tensor cores, P in bf16. A
+def _frame_dv(S_s, p_s, do_s, DV, base, row_stride, f, lo_t, ftn, H, W, lo_y, lo_x, fyn, fxn, walk, M: gl.constexpr,
+              HEAD_DIM: gl.constexpr, KT: gl.constexpr, KH: gl.constexpr, KW: gl.constexpr, ELO: gl.constexpr,
+              EHI: gl.constexpr, NCH: gl.constexpr, FX: gl.constexpr, JC: gl.constexpr, ld: gl.constexpr,
+              smp: gl.constexpr, o_mma: gl.constexpr):
+    """Halo frame ``f``'s ``P`` (in ``S_s``): ``dV += P^T dO``, 64 keys a chunk on tensor cores, P in bf16. A
     chunk's dot runs asynchronously while the previous chunk's ``dV`` rows are written, its own read and
-    the next chunk's ``P`` loaded."""
+    the next chunk's ``P`` loaded; while the last chunk's runs, the next frame's ``P`` is built in ``S_s``
+    (``_frame_dq_dk``)."""
+    tf = lo_t + f
     p = S_s.slice(0, 64, dim=1).load(ld).to(gl.bfloat16)  # 8 a thread: 16-byte copies
     old = gl.zeros([64, HEAD_DIM], gl.float32, o_mma)  # the previous chunk's rows and product: none before the first
     dv = old
@@ -211,6 +224,9 @@ def _frame_dv(S_s, p_s, do_s, DV, base, row_stride, tf, H, W, lo_y, lo_x, fyn, f
         if c > 0:  # the previous chunk's rows added, this chunk's read, while this chunk's dot runs
             ptr, ok = _rows_at(DV, o_mma, base, row_stride, tf, c - 1, H, W, lo_y, lo_x, fyn, fxn, HEAD_DIM, FX)
             gl.store(ptr, old + dv, mask=ok)
+        if c + 1 == NCH and f + 1 < ftn:
+            _frame_probs(S_s, walk[0], walk[1], walk[2], walk[3], *_pin(walk[4]), f + 1, M, KT, KH, KW, ELO, EHI, FX,
+                         JC, smp, NCH)
         ptr, ok = _rows_at(DV, o_mma, base, row_stride, tf, c, H, W, lo_y, lo_x, fyn, fxn, HEAD_DIM, FX)
         old = gl.load(ptr, mask=ok, other=0.0)
         if c + 1 < NCH:
@@ -328,9 +344,9 @@ def halo_dense_bwd(Q, K, V, REC, ORD, OUT, DO, LSE, DQ, DK, DV, DOFF, qk_scale, 
     lo_t = geo[3]
     s = _scores_pass(do_s, kv_s, V, kv[0], kv[1], lo_t, *kv[2:], M, HEAD_DIM, NCH, FX, ld, s_mma)
     for f in range(0, ftn):  # pass 1: the samples' dp and d(dp)/dpos
-        _frame_scores(do_s, kv_s, S_s, s, V, kv[0], kv[1], lo_t + f, *kv[2:], M, HEAD_DIM, NCH, FX, ld, s_mma)
+        _frame_scores(do_s, kv_s, S_s, s, V, kv[0], kv[1], lo_t + f, *kv[2:], M, HEAD_DIM, NCH, 1, FX, ld, s_mma)
         tok = _first_chunk(do_s, kv_s, V, kv[0], kv[1], lo_t + gl.minimum(f + 1, ftn - 1), *kv[2:], M, HEAD_DIM, FX,
-                           ld, s_mma)  # the next frame's first chunk while this frame is walked (``halo_dense_fwd``)
+                           ld, s_mma)  # the next frame's first chunk while this frame is walked
         _frame_scores_derivs(S_s, G_s, G_s, D, scale, REC, DOFF, ORD, *_pin(geo), f, KT, KH, KW, ELO, EHI, FX, JC,
                              smp, False)
         s = hopper.warpgroup_mma_wait(0, deps=[tok])
@@ -338,7 +354,7 @@ def halo_dense_bwd(Q, K, V, REC, ORD, OUT, DO, LSE, DQ, DK, DV, DOFF, qk_scale, 
     lo_t = geo[3]
     s = _scores_pass(q_s, kv_s, K, kv[0], kv[1], lo_t, *kv[2:], M, HEAD_DIM, NCH, FX, ld, s_mma)
     for f in range(0, ftn):  # pass 2: the samples' scores and scale (dp - D) dz/dpos
-        _frame_scores(q_s, kv_s, S_s, s, K, kv[0], kv[1], lo_t + f, *kv[2:], M, HEAD_DIM, NCH, FX, ld, s_mma)
+        _frame_scores(q_s, kv_s, S_s, s, K, kv[0], kv[1], lo_t + f, *kv[2:], M, HEAD_DIM, NCH, 1, FX, ld, s_mma)
         tok = _first_chunk(q_s, kv_s, K, kv[0], kv[1], lo_t + gl.minimum(f + 1, ftn - 1), *kv[2:], M, HEAD_DIM, FX,
                            ld, s_mma)
         _frame_scores_derivs(S_s, P_s, G_s, D, scale, REC, DOFF, ORD, *_pin(geo), f, KT, KH, KW, ELO, EHI, FX, JC,
@@ -375,14 +391,17 @@ def _passes_3_4(Q, K, V, REC, ORD, DK, DV, DOFF, scale, q_s, do_s, kv_s, p_s, S_
     geo, kv, ftn = _where(_opaque_pid(), args, HEAD_DIM, KT, KH, KW, ELO, EHI, TY, TX, M, smp)
     lo_t = geo[3]
     broken = _late(ORD, geo[0], geo[1], broken, KT, KH, KW, ELO, EHI)
-    for f in range(0, ftn):  # pass 3: P; dV += P^T dO
-        _frame_probs(S_s, P_s, one, REC, ORD, *_pin(geo), f, M, KT, KH, KW, ELO, EHI, FX, JC, smp, NCH)
-        _frame_dv(S_s, p_s, do_s, DV, kv[0], kv[1], lo_t + f, *kv[2:], M, HEAD_DIM, NCH, FX, ld, smp, o_mma)
+    # pass 3: P; dV += P^T dO (each frame's P built while the previous frame's last dot runs, the first's here)
+    _frame_probs(S_s, P_s, one, REC, ORD, *_pin(geo), lo_t * 0, M, KT, KH, KW, ELO, EHI, FX, JC, smp, NCH)
+    for f in range(0, ftn):
+        _frame_dv(S_s, p_s, do_s, DV, kv[0], kv[1], f, lo_t, ftn, *kv[2:], (P_s, one, REC, ORD, geo), M, HEAD_DIM,
+                  KT, KH, KW, ELO, EHI, NCH, FX, JC, ld, smp, o_mma)
     dq = gl.zeros([M, HEAD_DIM], gl.float32, o_mma)
     geo, kv, ftn = _where(_opaque_pid(), args, HEAD_DIM, KT, KH, KW, ELO, EHI, TY, TX, M, smp)
     lo_t = geo[3]
-    for f in range(0, ftn):  # pass 4: dS; dQ += dS K, dK += dS^T Q
-        _frame_probs(S_s, G_s, gain, REC, ORD, *_pin(geo), f, M, KT, KH, KW, ELO, EHI, FX, JC, smp, NCH)
-        dq = _frame_dq_dk(dq, S_s, kv_s, p_s, q_s, K, DK, kv[0], kv[1], lo_t + f, *kv[2:], M, HEAD_DIM, NCH, FX,
-                          ld, smp, o_mma, scale / DS_GAIN)
+    # pass 4: dS; dQ += dS K, dK += dS^T Q (dS built as P in pass 3)
+    _frame_probs(S_s, G_s, gain, REC, ORD, *_pin(geo), lo_t * 0, M, KT, KH, KW, ELO, EHI, FX, JC, smp, NCH)
+    for f in range(0, ftn):
+        dq = _frame_dq_dk(dq, S_s, kv_s, p_s, q_s, K, DK, kv[0], kv[1], f, lo_t, ftn, *kv[2:], (G_s, gain, REC, ORD, geo),
+                          M, HEAD_DIM, KT, KH, KW, ELO, EHI, NCH, FX, JC, ld, smp, o_mma, scale / DS_GAIN)
     return dq, broken

@@ -116,16 +116,34 @@ def _first_chunk(q_s, kv_s, K, base, row_stride, tf, H, W, lo_y, lo_x, fyn, fxn,
 
 
 @gluon.jit
-def _frame_scores(q_s, kv_s, S_s, s, K, base, row_stride, tf, H, W, lo_y, lo_x, fyn, fxn,
-                  M: gl.constexpr, HEAD_DIM: gl.constexpr, NCH: gl.constexpr, FX: gl.constexpr,
-                  ld: gl.constexpr, s_mma: gl.constexpr):
-    """``S = Q K_halo^T`` of frame ``tf``, 64 keys a chunk on tensor cores, into ``S_s`` (fp16); ``s``: the
-    first chunk's (``_first_chunk``). Each further chunk's dot runs asynchronously while the next chunk's
-    keys are loaded into registers and the previous chunk's scores stored."""
+def _first_chunks(q_s, kv_pre, K, base, row_stride, tf, H, W, lo_y, lo_x, fyn, fxn, M: gl.constexpr,
+                  HEAD_DIM: gl.constexpr, FX: gl.constexpr, ld: gl.constexpr, s_mma: gl.constexpr):
+    """The forward's ``_first_chunk`` for three chunks at once (one K buffer each in ``kv_pre``): all
+    three run while the previous frame's samples are walked."""
     kr = gl.arange(0, 64, layout=gl.SliceLayout(1, ld))
     cols = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, ld))
-    x = _halo_rows(K, base, row_stride, tf, 64 + kr, H, W, lo_y, lo_x, fyn, fxn, cols, FX)
-    for c in gl.static_range(1, NCH):
+    gl.barrier()
+    for i in gl.static_range(3):
+        kv_pre.index(i).store(_halo_rows(K, base, row_stride, tf, i * 64 + kr, H, W, lo_y, lo_x, fyn, fxn, cols, FX))
+    hopper.fence_async_shared()
+    zero = gl.zeros([M, 64], gl.float32, s_mma)
+    return (hopper.warpgroup_mma(q_s, kv_pre.index(0).permute((1, 0)), zero, is_async=True),
+            hopper.warpgroup_mma(q_s, kv_pre.index(1).permute((1, 0)), zero, is_async=True),
+            hopper.warpgroup_mma(q_s, kv_pre.index(2).permute((1, 0)), zero, is_async=True))
+
+
+@gluon.jit
+def _frame_scores(q_s, kv_s, S_s, s, K, base, row_stride, tf, H, W, lo_y, lo_x, fyn, fxn,
+                  M: gl.constexpr, HEAD_DIM: gl.constexpr, NCH: gl.constexpr, FIRST: gl.constexpr, FX: gl.constexpr,
+                  ld: gl.constexpr, s_mma: gl.constexpr):
+    """``S = Q K_halo^T`` of frame ``tf``, 64 keys a chunk on tensor cores, into ``S_s`` (fp16), from chunk
+    ``FIRST``; ``s``: chunk ``FIRST - 1``'s (``_first_chunk``: the earlier ones are stored by the caller).
+    Each further chunk's dot runs asynchronously while the next chunk's keys are loaded into registers
+    and the previous chunk's scores stored."""
+    kr = gl.arange(0, 64, layout=gl.SliceLayout(1, ld))
+    cols = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, ld))
+    x = _halo_rows(K, base, row_stride, tf, FIRST * 64 + kr, H, W, lo_y, lo_x, fyn, fxn, cols, FX)
+    for c in gl.static_range(FIRST, NCH):
         gl.barrier()
         kv_s.store(x)
         hopper.fence_async_shared()
@@ -141,8 +159,8 @@ def _frame_scores(q_s, kv_s, S_s, s, K, base, row_stride, tf, H, W, lo_y, lo_x, 
 @gluon.jit
 def _scores_pass(q_s, kv_s, K, base, row_stride, lo_t, H, W, lo_y, lo_x, fyn, fxn, M: gl.constexpr,
                  HEAD_DIM: gl.constexpr, NCH: gl.constexpr, FX: gl.constexpr, ld: gl.constexpr, s_mma: gl.constexpr):
-    """The first frame's first chunk of ``S`` (``_first_chunk``), waited for: the frame loops that walk
-    ``S`` start the next frame's first chunk before each walk."""
+    """The first frame's first chunk of ``S`` (``_first_chunk``), waited for: the backward's frame loops
+    that walk ``S`` or ``dP`` start the next frame's first chunk before each walk."""
     tok = _first_chunk(q_s, kv_s, K, base, row_stride, lo_t, H, W, lo_y, lo_x, fyn, fxn, M, HEAD_DIM, FX, ld, s_mma)
     return hopper.warpgroup_mma_wait(0, deps=[tok])
 
@@ -167,6 +185,29 @@ def _frame_sample_scores(S_s, Z_s, REC, ORD, off_row, q_ok, st, lo_t, f, KT: gl.
                      + S_s.gather(c11, 1).to(gl.float32) * fy * fx)
                 Z_s[jt].atomic_scatter_add(wt * z, j, 1, mask=ok)
     gl.barrier()
+
+
+@gluon.jit
+def _scores_pass_fwd(q_s, kv_pre, S_s, Z_s, K, REC, ORD, off_row, q_ok, st, lo_t, ftn, base, row_stride, H, W, lo_y,
+                     lo_x, fyn, fxn, M: gl.constexpr, HEAD_DIM: gl.constexpr, KT: gl.constexpr, KH: gl.constexpr,
+                     KW: gl.constexpr, ELO: gl.constexpr, EHI: gl.constexpr, FX: gl.constexpr, JC: gl.constexpr,
+                     NCH: gl.constexpr, ld: gl.constexpr, smp: gl.constexpr, s_mma: gl.constexpr):
+    """The forward's first pass: per halo frame ``S`` (``_frame_scores``) and the samples' scores from it
+    (``_frame_sample_scores``); the next frame's first three chunks of ``S`` run while this frame's samples
+    are walked (``_first_chunks``; the first frame's before the loop)."""
+    t0, t1, t2 = _first_chunks(q_s, kv_pre, K, base, row_stride, lo_t, H, W, lo_y, lo_x, fyn, fxn, M, HEAD_DIM, FX,
+                               ld, s_mma)
+    s0, s1, s2 = hopper.warpgroup_mma_wait(0, deps=[t0, t1, t2])
+    for f in range(0, ftn):
+        S_s.slice(0, 64, dim=1).store(s0.to(gl.float16))
+        S_s.slice(64, 64, dim=1).store(s1.to(gl.float16))
+        _frame_scores(q_s, kv_pre.index(0), S_s, s2, K, base, row_stride, lo_t + f, H, W, lo_y, lo_x, fyn, fxn,
+                      M, HEAD_DIM, NCH, 3, FX, ld, s_mma)
+        # the next frame's first chunks (past the last frame, the last's again: unused) while this frame is walked
+        t0, t1, t2 = _first_chunks(q_s, kv_pre, K, base, row_stride, lo_t + gl.minimum(f + 1, ftn - 1), H, W, lo_y,
+                                   lo_x, fyn, fxn, M, HEAD_DIM, FX, ld, s_mma)
+        _frame_sample_scores(S_s, Z_s, REC, ORD, off_row, q_ok, st, lo_t, f, KT, KH, KW, ELO, EHI, FX, JC, smp)
+        s0, s1, s2 = hopper.warpgroup_mma_wait(0, deps=[t0, t1, t2])
 
 
 @gluon.jit
@@ -221,25 +262,35 @@ def _frame_probs(S_s, Z_s, inv, REC, ORD, off_row, q_ok, st, lo_t, f, M: gl.cons
 
 
 @gluon.jit
-def _frame_output(acc, S_s, kv_s, p_s, V, base, row_stride, tf, H, W, lo_y, lo_x, fyn, fxn,
-                  HEAD_DIM: gl.constexpr, NCH: gl.constexpr, FX: gl.constexpr, ld: gl.constexpr, smp: gl.constexpr):
-    """``O += P V_halo`` for frame ``tf``, 64 keys a chunk on tensor cores, P cast to bf16. Each chunk's dot
-    runs asynchronously while the next chunk's values and probabilities are loaded into registers."""
+def _output_pass(acc, S_s, Z_s, kv_s, p_s, inv, V, REC, ORD, off_row, q_ok, st, lo_t, ftn, base, row_stride, H, W,
+                 lo_y, lo_x, fyn, fxn, M: gl.constexpr, HEAD_DIM: gl.constexpr, KT: gl.constexpr, KH: gl.constexpr,
+                 KW: gl.constexpr, ELO: gl.constexpr, EHI: gl.constexpr, FX: gl.constexpr, JC: gl.constexpr,
+                 NCH: gl.constexpr, ld: gl.constexpr, smp: gl.constexpr):
+    """The forward's second pass: per halo frame ``P`` (``_frame_probs``) and ``O += P V_halo``, 64 keys a
+    chunk on tensor cores, P cast to bf16. Each chunk's dot runs asynchronously while the next chunk's
+    values and probabilities are loaded into registers; while the frame's last chunk's runs (every chunk
+    of ``P`` is in registers or ``p_s`` by then), the next frame's ``P`` is built in ``S_s`` (the first
+    frame's before the loop)."""
     kr = gl.arange(0, 64, layout=gl.SliceLayout(1, ld))
     cols = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, ld))
-    x = _halo_rows(V, base, row_stride, tf, kr, H, W, lo_y, lo_x, fyn, fxn, cols, FX)
-    p = S_s.slice(0, 64, dim=1).load(ld).to(gl.bfloat16)  # 8 a thread: 16-byte copies
-    for c in gl.static_range(NCH):
+    _frame_probs(S_s, Z_s, inv, REC, ORD, off_row, q_ok, st, lo_t, lo_t * 0, M, KT, KH, KW, ELO, EHI, FX, JC, smp, NCH)
+    for f in range(0, ftn):
+        x = _halo_rows(V, base, row_stride, lo_t + f, kr, H, W, lo_y, lo_x, fyn, fxn, cols, FX)
+        p = S_s.slice(0, 64, dim=1).load(ld).to(gl.bfloat16)  # 8 a thread: 16-byte copies
+        for c in gl.static_range(NCH):
+            gl.barrier()
+            kv_s.store(x)
+            p_s.store(p)
+            hopper.fence_async_shared()
+            acc = hopper.warpgroup_mma(p_s, kv_s, acc, is_async=True)
+            if c + 1 < NCH:
+                x = _halo_rows(V, base, row_stride, lo_t + f, (c + 1) * 64 + kr, H, W, lo_y, lo_x, fyn, fxn, cols, FX)
+                p = S_s.slice((c + 1) * 64, 64, dim=1).load(ld).to(gl.bfloat16)
+            elif f + 1 < ftn:
+                _frame_probs(S_s, Z_s, inv, REC, ORD, off_row, q_ok, st, lo_t, f + 1, M, KT, KH, KW, ELO, EHI, FX, JC,
+                             smp, NCH)
+            acc = hopper.warpgroup_mma_wait(0, deps=[acc])
         gl.barrier()
-        kv_s.store(x)
-        p_s.store(p)
-        hopper.fence_async_shared()
-        acc = hopper.warpgroup_mma(p_s, kv_s, acc, is_async=True)
-        if c + 1 < NCH:
-            x = _halo_rows(V, base, row_stride, tf, (c + 1) * 64 + kr, H, W, lo_y, lo_x, fyn, fxn, cols, FX)
-            p = S_s.slice((c + 1) * 64, 64, dim=1).load(ld).to(gl.bfloat16)
-        acc = hopper.warpgroup_mma_wait(0, deps=[acc])
-    gl.barrier()
     return acc
 
 
@@ -314,8 +365,10 @@ def halo_dense_fwd(Q, K, V, REC, ORD, OUT, LSE, qk_scale, T, H, W, NH,
     q = gl.load(Q + base + rows[:, None] * row_stride + cols[None, :], mask=rows_ok[:, None], other=0.0)
     q_s = gl.allocate_shared_memory(gl.bfloat16, [M, HEAD_DIM],
                                     gl.NVMMASharedLayout.get_default_for([M, HEAD_DIM], gl.bfloat16), q.to(gl.bfloat16))
-    kv_s = gl.allocate_shared_memory(gl.bfloat16, [64, HEAD_DIM],
-                                     gl.NVMMASharedLayout.get_default_for([64, HEAD_DIM], gl.bfloat16))
+    gl.static_assert(NCH > 3, "three chunks a frame start before the previous frame's walk")
+    kv_pre = gl.allocate_shared_memory(gl.bfloat16, [3, 64, HEAD_DIM],
+                                       gl.NVMMASharedLayout.get_default_for([64, HEAD_DIM], gl.bfloat16))
+    kv_s = kv_pre.index(0)
     p_s = gl.allocate_shared_memory(gl.bfloat16, [M, 64], gl.NVMMASharedLayout.get_default_for([M, 64], gl.bfloat16))
     S_s = gl.allocate_shared_memory(gl.float16, [M, SW], flat)  # a frame's scores, then its P
     gl.static_assert(KT == 3, "the samples' buffers are one per window layer: built for kt = 3")
@@ -325,22 +378,15 @@ def halo_dense_fwd(Q, K, V, REC, ORD, OUT, LSE, qk_scale, T, H, W, NH,
     _zero_samples(Z_s, M, KT, KP, JC, smp)
     broken = _late(ORD, off_row, q_ok, gl.zeros([M], gl.int32, gl.SliceLayout(1, smp)), KT, KH, KW, ELO, EHI)
 
-    s = _scores_pass(q_s, kv_s, K, base, row_stride, lo_t, H, W, lo_y, lo_x, fyn, fxn, M, HEAD_DIM, NCH, FX, ld, s_mma)
-    for f in range(0, ftn):  # pass 1: the samples' scores, frame by frame
-        _frame_scores(q_s, kv_s, S_s, s, K, base, row_stride, lo_t + f, H, W, lo_y, lo_x, fyn, fxn,
-                      M, HEAD_DIM, NCH, FX, ld, s_mma)
-        # the next frame's first chunk (past the last frame, the last's again: unused) while this frame is walked
-        tok = _first_chunk(q_s, kv_s, K, base, row_stride, lo_t + gl.minimum(f + 1, ftn - 1), H, W, lo_y, lo_x, fyn,
-                           fxn, M, HEAD_DIM, FX, ld, s_mma)
-        _frame_sample_scores(S_s, Z_s, REC, ORD, off_row, q_ok, st, lo_t, f, KT, KH, KW, ELO, EHI, FX, JC, smp)
-        s = hopper.warpgroup_mma_wait(0, deps=[tok])
+    # pass 1: the samples' scores, frame by frame
+    _scores_pass_fwd(q_s, kv_pre, S_s, Z_s, K, REC, ORD, off_row, q_ok, st, lo_t, ftn, base, row_stride, H, W, lo_y,
+                     lo_x, fyn, fxn, M, HEAD_DIM, KT, KH, KW, ELO, EHI, FX, JC, NCH, ld, smp, s_mma)
     mx, den = _softmax(Z_s, qk_scale, M, KT, KH, KW, KP, JC, smp)
     inv = 1.0 / den
     acc = gl.zeros([M, HEAD_DIM], gl.float32, o_mma)
-    for f in range(0, ftn):  # pass 2: the probabilities onto the halo, O = P V, frame by frame
-        _frame_probs(S_s, Z_s, inv, REC, ORD, off_row, q_ok, st, lo_t, f, M, KT, KH, KW, ELO, EHI, FX, JC, smp, NCH)
-        acc = _frame_output(acc, S_s, kv_s, p_s, V, base, row_stride, lo_t + f, H, W, lo_y, lo_x, fyn, fxn,
-                            HEAD_DIM, NCH, FX, ld, smp)
+    # pass 2: the probabilities onto the halo, O = P V, frame by frame
+    acc = _output_pass(acc, S_s, Z_s, kv_s, p_s, inv, V, REC, ORD, off_row, q_ok, st, lo_t, ftn, base, row_stride, H, W,
+                       lo_y, lo_x, fyn, fxn, M, HEAD_DIM, KT, KH, KW, ELO, EHI, FX, JC, NCH, ld, smp)
 
     bad = gl.convert_layout(broken, gl.SliceLayout(1, ld)) != 0
     o = gl.where(bad[:, None], float("nan"), gl.convert_layout(acc, ld))

@@ -43,7 +43,7 @@ def test_ptxas_log_and_ptx_are_read():
     assert aot.parse_ptxas_log(PTXAS_LOG) == {"regs": 255, "stack": 696, "spill_stores": 824, "spill_loads": 700}
     got = aot.count_ptx(PTX)
     assert got == {"wgmma": 1, "mma_sync": 1, "dot": "wgmma", "wgmma_not_16bit": 0, "atomics_f32": 2,
-                   "loop_instr": {0: 5}, "guarded": {}, "loops": {}, "mma_groups": []}
+                   "loop_instr": {0: 5}, "guarded": {}, "loops": {}, "mma_groups": [], "outer_walks": []}
     tf32 = PTX.replace("m64n128k16.f32.bf16.bf16", "m64n128k8.f32.tf32.tf32")
     assert aot.count_ptx(tf32)["wgmma_not_16bit"] == 1
     serialized = PTXAS_LOG + ("ptxas info    : (C7515) Potential Performance Loss: wgmma.mma_async instructions "
@@ -202,11 +202,41 @@ def test_a_wait_that_leaves_a_group_running_splits_the_overlap():
     assert aot.mma_groups(TWO_WAITS_PTX) == [[1, 2, 2 * 64 * 64 * 16, []], [1, 1, 2 * 64 * 128 * 16, []]]
 
 
+IF_ELSE_PTX = """
+$L__BB0_1:                              // =>This Inner Loop Header: Depth=1
+	wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 {%r2}, %rd1, %rd2, 0, 1, 1, 0, 0;
+	wgmma.commit_group.sync.aligned;
+	@%p2 bra 	$L__BB0_3;
+// %bb.2:                               //   in Loop: Header=BB0_1 Depth=1
+	add.s32 	%r3, %r3, 1;
+	bra.uni 	$L__BB0_4;
+$L__BB0_3:                              //   in Loop: Header=BB0_1 Depth=1
+	add.s32 	%r3, %r3, 2;
+	add.s32 	%r3, %r3, 3;
+$L__BB0_4:                              //   in Loop: Header=BB0_1 Depth=1
+	mov.b32 	%r4, %r3;
+	wgmma.wait_group.sync.aligned 0;
+	@%p1 bra 	$L__BB0_1;
+// %bb.5:
+	ret;
+"""
+
+
+def test_neither_branch_of_an_if_else_counts_as_issued_on_every_path():
+    """The ``then`` blocks are skipped by the conditional branch, the ``else`` blocks by the unconditional
+    jump past them: only the branch, the join's move (and no ``else`` instruction) count."""
+    assert aot.mma_groups(IF_ELSE_PTX) == [[1, 2, 2 * 64 * 64 * 16, []]]
+
+
 def test_a_dot_that_runs_over_a_nested_loop_counts_the_loop_apart():
     """LLVM puts the frame loop's latch (here the wait) before its header: the group is followed in the
     order an iteration runs. What a forward branch may skip is not counted as issued meanwhile; the nested
-    loop (a sample walk, its trips data-dependent) is listed with its own instructions."""
-    assert aot.mma_groups(SPANNING_PTX) == [[1, 2, 2 * 64 * 64 * 16, [3]]]
+    loop (a sample walk, its trips data-dependent) is listed by its place among its depth's loops. A loop
+    holding none is an inner loop (at depth 1 in the fused kernels: a walk before the frame loops)."""
+    assert aot.mma_groups(SPANNING_PTX) == [[1, 2, 2 * 64 * 64 * 16, [0]]]  # the first loop of depth 2
+    assert aot.loop_bodies(SPANNING_PTX) == {1: [11], 2: [3]}
+    assert aot.inner_loops(SPANNING_PTX, 2) == [3] and aot.inner_loops(SPANNING_PTX, 1) == []  # it holds one
+    assert aot.inner_loops(LOOPS_PTX, 2) == [3] and aot.inner_loops(GUARDED_PTX, 1) == [11]
 
 
 def test_a_variant_listed_at_two_shapes_is_compiled_once(monkeypatch):
@@ -384,10 +414,11 @@ def test_sm90_compile_only_check_passes_at_the_preset_shapes(tmp_path):
                                            "halo_bwd_v", "halo_bwd_k", "halo_dq"} | fused
     # the fused kernels (not picked yet): clean by the same rules, every dot of the source a bf16 wgmma (the
     # forward's 2 per chunk of 64 halo keys, the backward's 5, unrolled over the frame's 6 chunks, and a
-    # frame's first chunk of S (dP and S in the backward) once more before the frame loop), no float atomics
+    # frame's first chunks of S (three; dP's and S's first in the backward) once more before the frame loop),
+    # no float atomics
     for r in recs:
         if r["kernel"] in ("fused_fwd", "fused_bwd"):
-            dots = {"fused_fwd": 12 + 1, "fused_bwd": 30 + 2}[r["kernel"]]
+            dots = {"fused_fwd": 12 + 3, "fused_bwd": 30 + 2}[r["kernel"]]
             assert r["ok"] and r["mma_dots"] == r["tt_dots"] == dots and r["wgmma_not_16bit"] == 0, r
             assert not r["mma_serialized"] and r["atomics_f32"] == 0, r
     for r in recs:
@@ -447,6 +478,7 @@ def test_sm90_compile_only_check_passes_at_the_preset_shapes(tmp_path):
             assert table["entries"][key]["blocks_per_sm"] == r["blocks_per_sm"], key
             if r["kernel"].startswith("fused_"):  # the cost model overlaps their asynchronous dots
                 assert table["entries"][key]["mma_groups"] == r["mma_groups"], key
+                assert table["entries"][key]["outer_walks"] == r["outer_walks"], key
             checked.add(r["kernel"])
     assert checked == set(ISSUE_KERNELS) - ({"fused_fwd", "fused_bwd"} - fused)
 

@@ -139,12 +139,15 @@ def _walked(entry, tiles, grid, cx, bound=1.5) -> int:
     per tile the code outside the frame loops, per halo frame the frame loops' own code, and per window
     layer the frame can reach the walk's loop bodies (one per walk, in layer order) once per chunk of JC
     samples of the tile's longest run of samples touching the frame (offsets uniform within the bound,
-    drawn as ``walk_trips`` draws them: its seed, group by group)."""
+    drawn as ``tile_trips`` draws them: its seed, group by group). The passes that build a frame's matrix
+    while the previous frame's dots run (the last ones) walk their first frame before the frame loop
+    (``outer_walks``, code at loop depth 1) and the others one frame ahead."""
     import torch
 
     T, KT, ELO, EHI, JC = grid[0], cx["KT"], cx["ELO"], cx["EHI"], cx["JC"]
-    loops = entry["loops"]["2"]
-    assert len(loops) % KT == 0 and loops, loops
+    loops, outer = entry["loops"]["2"], entry["outer_walks"]
+    assert len(loops) % KT == 0 and loops and len(outer) % KT == 0, (loops, outer)
+    ahead = len(loops) - len(outer)
     gen = torch.Generator().manual_seed(0)
     groups = {}
     for tile in tiles:
@@ -156,7 +159,7 @@ def _walked(entry, tiles, grid, cx, bound=1.5) -> int:
         lo_t = max(st - ELO, 0)
         ftn = min(st + KT - 1 + EHI, T - 1) - lo_t + 1
         assert all(tile.halo_shape[0] == ftn for tile in members)
-        total += len(members) * (entry["depths"]["0"] + ftn * entry["depths"]["1"])
+        total += len(members) * (entry["depths"]["0"] + ftn * (entry["depths"]["1"] - sum(outer)))
         for jt in range(KT):
             ot = (torch.rand((len(members), m, cx["KH"] * cx["KW"]), generator=gen, dtype=torch.float64) * 2 - 1) * bound
             t0 = torch.floor((st + jt + ot.float()).clamp(0, T - 1)).long()
@@ -165,8 +168,34 @@ def _walked(entry, tiles, grid, cx, bound=1.5) -> int:
                 for f in range(lo_t, lo_t + ftn):
                     if st + jt - ELO <= f <= st + jt + EHI:
                         run = int(((t0[i] == f) | (t1[i] == f)).sum(-1).max())
-                        total += math.ceil(run / JC) * sum(loops[jt::KT])
+                        walks = sum(loops[jt:ahead:KT]) + (sum(outer[jt::KT]) if f == lo_t else sum(loops[ahead + jt::KT]))
+                        total += math.ceil(run / JC) * walks
     return total
+
+
+def _spans_credited(entry, cost, grid, cx, tiles):
+    """Each wgmma group that runs over sample walks is credited, per (tile, halo frame), with its walks' chunks
+    of the frame they walk: the frame's own, or the next one's (none after the last frame) for the passes
+    that walk a frame ahead (the last ``outer_walks`` passes); the per-tile sequences summed are the
+    walks' totals."""
+    from kernels.dsa_fused_cost import frame_trips, tile_trips
+
+    items, loops = tuple(sorted(cx.items())), entry["loops"]["2"]
+    ahead = len(loops) - len(entry["outer_walks"])
+    frames = sum(t.halo_shape[0] for t in tiles)
+    seqs = tile_trips(grid, items, 1.5)
+    assert sum(n for _, n in seqs) == len(tiles) and sum(n * len(seq) for seq, n in seqs) == frames
+    for _, between, flops, spans in (g for g in entry["mma_groups"] if g[3]):
+        walks = frame_trips(grid, items, 1.5, ahead=spans[0] >= ahead)
+        assert sum(walks.values()) == frames
+        if spans[0] >= ahead:  # every frame but the first, once; nothing after the last
+            assert walks[(0, 0, 0)] >= sum(n for _, n in seqs)
+            assert [sum(n * t[jt] for t, n in walks.items()) for jt in range(3)] == [
+                sum(n * sum(f[jt] for f in seq[1:]) for seq, n in seqs) for jt in range(3)]
+        for trips, n in walks.items():
+            assert (n, 256 * (between + sum(t * loops[i] for t, i in zip(trips, spans))), 2 * flops) in cost.overlap
+    hidden = cost.hidden_seconds(CHIPS[0])
+    assert 0 < hidden < min(cost.issue / CHIPS[0].issue, cost.tc_flops / CHIPS[0].bf16_tc)
 
 
 def test_the_fused_kernels_walk_a_layer_only_in_the_frames_it_reaches():
@@ -210,7 +239,7 @@ def test_the_fused_forward_is_priced_from_its_compile():
     with the instructions issued meanwhile (the walks' chunks of its frame where it spans them); the
     design row's forward is this row."""
     from kernels.dsa_cost import issue_key, issue_table
-    from kernels.dsa_fused_cost import frame_trips, fused_fwd_cost, halo_dense_design, order_cost
+    from kernels.dsa_fused_cost import fused_fwd_cost, halo_dense_design, order_cost
     from kernels.dsa_gluon_halo import gluon_halo_constexprs
     from kernels.dsa_halo_dense import halo_tiles
 
@@ -223,17 +252,12 @@ def test_the_fused_forward_is_priced_from_its_compile():
     frames = sum(t.halo_shape[0] for t in tiles)
     cost = fused_fwd_cost(grid, window, 128, 1.5)
     assert cost.issue == 256 * _walked(entry, tiles, grid, cx)
-    # the compile's dots: two per chunk and frame, and each tile's first chunk of S before its frame loop
-    # (every frame starts the next frame's first while it walks its samples: the last an unused one)
-    assert cost.tc_flops == 4 * 64 * cx["NCH"] * 64 * 128 * frames + 2 * 64 * 64 * 128 * len(tiles)
-    walks = frame_trips(grid, tuple(sorted(cx.items())), 1.5)
-    assert sum(walks.values()) == frames
-    spanning = [g for g in entry["mma_groups"] if g[3]]
-    assert len(spanning) == 1 and len(spanning[0][3]) == 3  # one group over the three layers' walks
-    _, between, flops, loops = spanning[0]
-    for trips, n in walks.items():  # per (tile, frame): the frame's walk chunks issued while the group runs
-        assert (n, 256 * (between + sum(t * b for t, b in zip(trips, loops))), 2 * flops) in cost.overlap
-    assert 0 < cost.hidden_seconds(CHIPS[0]) < min(cost.issue / CHIPS[0].issue, cost.tc_flops / CHIPS[0].bf16_tc)
+    # the compile's dots: two per chunk and frame, and each tile's first three chunks of S before its frame
+    # loop (every frame starts the next frame's first three while it walks its samples: the last's unused)
+    assert cost.tc_flops == 4 * 64 * cx["NCH"] * 64 * 128 * frames + 3 * 2 * 64 * 64 * 128 * len(tiles)
+    # pass 1's first chunks run over its walks of the frame; pass 2's last chunk over the next frame's walks
+    assert [g[3] for g in entry["mma_groups"] if g[3]] == [[0, 1, 2], [3, 4, 5]]
+    _spans_credited(entry, cost, grid, cx, tiles)
     d = halo_dense_design(grid, window, 128, 1.5)
     order = order_cost(grid, window, 128, 1.5)
     assert d["passes"]["fwd"]["kernel_ms"] == pytest.approx(1e3 * cost.seconds(CHIPS[0])["seconds"])
@@ -332,6 +356,15 @@ def test_the_fused_backward_is_priced_from_its_compile(capsys):
     assert cost.issue == 256 * _walked(entry, tiles, grid, cx)
     # dP, S, dV, dQ, dK per chunk and frame, and each tile's first chunk of dP and of S before their frame loops
     assert cost.tc_flops == 5 * 2 * 64 * cx["NCH"] * 64 * 128 * frames + 2 * 2 * 64 * 64 * 128 * len(tiles)
+    # passes 1 and 2: the next frame's first chunk over this frame's walks; 3 and 4: the last chunk's dots
+    # over the next frame's walks (pass 4: dQ's product, after dK's is waited for alone)
+    assert [g[3] for g in entry["mma_groups"] if g[3]] == [[0, 1, 2], [3, 4, 5], [6, 7, 8], [9, 10, 11]]
+    _spans_credited(entry, cost, grid, cx, tiles)
+    from kernels.dsa_fused_cost import _overlap
+
+    serial = _overlap({**entry, "mma_serialized": True}, len(tiles), frames,
+                      {False: {(1, 1, 1): frames}, True: {(1, 1, 1): frames}}, 6)
+    assert all(lanes == 0 for _, lanes, _ in serial)  # ptxas serialized the dots: nothing overlaps them
     d = halo_dense_design(grid, window, 128, 1.5)
     order_ms = 1e3 * order_cost(grid, window, 128, 1.5).seconds(CHIPS[0])["seconds"]
     assert d["passes"]["bwd"]["ms"] == pytest.approx(1e3 * cost.seconds(CHIPS[0])["seconds"] + order_ms)

@@ -122,7 +122,8 @@ class Record:
     loop_instr: dict = field(default_factory=dict)  # PTX instructions by loop depth (``loop_instructions``)
     guarded: dict = field(default_factory=dict)  # of them, each conditional region's, by depth (``guarded_regions``)
     loops: dict = field(default_factory=dict)  # of them, each loop's own, by depth (``loop_bodies``)
-    mma_groups: list = field(default_factory=list)  # each wgmma group's [depth, overlapped instructions, flops]
+    mma_groups: list = field(default_factory=list)  # each wgmma group's [depth, overlapped instructions, flops, loops]
+    outer_walks: list = field(default_factory=list)  # loops at depth 1 holding none (``inner_loops``)
     constexprs: dict = field(default_factory=dict)  # the compile's constexprs (tile sizes, window, ...)
     ok: bool = False
     problems: list = field(default_factory=list)
@@ -197,7 +198,7 @@ def _blocks(ptx: str) -> list[dict]:
         s = line.strip()
         if _BLOCK.match(s):
             label = s.split(":")[0] if s.startswith("$") else None
-            blocks.append({"label": label, "loop": ("", 0), "header": False, "instr": []})
+            blocks.append({"label": label, "loop": ("", 0), "header": False, "inner": False, "instr": []})
             heading = True
         elif not (heading and s.startswith("//")):
             heading = False
@@ -208,7 +209,7 @@ def _blocks(ptx: str) -> list[dict]:
                     own = "Loop Header:" in s  # "=>This Inner Loop Header: Depth=2": the block heads its loop
                     m = re.search(r"Header=(BB\d+_\d+)", s)
                     head = (b["label"] or "")[len("$L__"):] if own else (m.group(1) if m else "")
-                    b["loop"], b["header"] = (head, depth), own
+                    b["loop"], b["header"], b["inner"] = (head, depth), own, "Inner Loop Header:" in s
             continue
         if blocks and s and not s.startswith(("//", ".", "$", "{", "}")):
             blocks[-1]["instr"].append(s)
@@ -216,15 +217,16 @@ def _blocks(ptx: str) -> list[dict]:
 
 
 def _skipped_blocks(blocks: list[dict]) -> set[int]:
-    """The ``id`` of every block inside a loop that a forward conditional branch may jump over (to a later
-    block of the same loop; ``blocks`` in ``_iteration_order``): code that does not run on every iteration (the fused kernels' window
-    layers, walked only in the frames they reach, and the walks of no sample)."""
+    """The ``id`` of every block inside a loop that a forward branch may jump over (to a later block of the
+    same loop; ``blocks`` in ``_iteration_order``; an unconditional one skips an ``else``): code that does
+    not run on every iteration (the fused kernels' window layers, walked only in the frames they reach,
+    and the walks of no sample)."""
     at = {b["label"]: i for i, b in enumerate(blocks) if b["label"]}
     out: set[int] = set()
     for i, b in enumerate(blocks):
         for ins in b["instr"]:
             m = _BRANCH.match(ins)
-            if not m or not m.group(1) or b["loop"][1] == 0 or m.group(2) not in at:
+            if not m or b["loop"][1] == 0 or m.group(2) not in at:
                 continue
             j = at[m.group(2)]
             if j > i and blocks[j]["loop"] == b["loop"]:
@@ -306,12 +308,17 @@ def mma_groups(ptx: str) -> list[list]:
     while the instructions after the first one's commit issue): ``between`` the instructions the warps
     issue in the commit's loop, past the first group's ``wgmma.commit_group`` (or the previous wait, if
     later: what came before it was counted for the groups that wait retired) and before the wait, that
-    run on every path (none a forward branch may skip), ``loops`` the loops nested there (each one's own
-    instructions, as ``loop_bodies``; their trips are data-dependent: the cost model counts them),
+    run on every path (none a forward branch may skip), ``loops`` the loops nested there (their places in
+    ``loop_bodies``' list of their depth; their trips are data-dependent: the cost model counts them),
     ``flops`` the groups' ``mma_async`` work per warpgroup (``2 m n k`` each), ``depth`` the commit's loop
     depth. A synchronous dot overlaps nothing; groups retired in another loop than their commit's
     overlap nothing here (the count would not be per iteration)."""
-    order = _iteration_order(_blocks(ptx))
+    blocks = _blocks(ptx)
+    index: dict[tuple, int] = {}  # each loop's place among those of its depth, as ``loop_bodies`` lists them
+    for b in blocks:
+        if b["loop"][1] and b["loop"] not in index:
+            index[b["loop"]] = sum(1 for k in index if k[1] == b["loop"][1])
+    order = _iteration_order(blocks)
     skipped = _skipped_blocks(order)
     out: list[list] = []
     open_: list[list] = []  # groups committed and not yet retired, oldest first: [depth, between, flops, loops, loop]
@@ -330,7 +337,7 @@ def mma_groups(ptx: str) -> list[list]:
                     first = done[0]
                     mine = all(g[4] == b["loop"] for g in done)
                     out.append([first[0], first[1] if mine else 0, sum(g[2] for g in done),
-                                list(first[3].values()) if mine else []])
+                                [index[k] for k in first[3]] if mine else []])
                 for g in open_:  # what follows overlaps them: what came before was counted for the retired
                     g[1], g[3] = 0, {}
             else:
@@ -342,6 +349,19 @@ def mma_groups(ptx: str) -> list[list]:
     return out
 
 
+def inner_loops(ptx: str, depth: int = 1) -> list[int]:
+    """The own instructions of the loops at ``depth`` that hold no loop (LLVM heads them "This Inner Loop
+    Header"), in ``loop_bodies``' order: at depth 1 in the fused halo kernels, the sample walks outside
+    the frame loops (a pass's first frame, walked before its loop: ``kernels.dsa_fused_cost``)."""
+    blocks = _blocks(ptx)
+    inner = {b["loop"] for b in blocks if b["header"] and b["inner"]}
+    sizes: dict[tuple, int] = {}
+    for b in blocks:
+        if b["loop"][1] == depth:
+            sizes[b["loop"]] = sizes.get(b["loop"], 0) + len(b["instr"])
+    return [n for key, n in sizes.items() if key in inner]
+
+
 def count_ptx(ptx: str) -> dict:
     wgmma = len(re.findall(r"wgmma\.mma_async", ptx))
     tcgen05 = len(re.findall(r"\btcgen05\.mma", ptx))  # Blackwell's (sm_100) tensor-core MMA
@@ -351,7 +371,7 @@ def count_ptx(ptx: str) -> dict:
     return {"wgmma": wgmma, "mma_sync": mma, "dot": dot, "wgmma_not_16bit": not_16bit,
             "atomics_f32": len(_ATOMIC.findall(ptx)),
             "loop_instr": loop_instructions(ptx), "guarded": guarded_regions(ptx), "loops": loop_bodies(ptx),
-            "mma_groups": mma_groups(ptx)}
+            "mma_groups": mma_groups(ptx), "outer_walks": inner_loops(ptx, 1)}
 
 
 def _compile_in_child(variant: Variant, cc: int, conn, cache: str) -> None:
@@ -520,7 +540,7 @@ def _compile_key(variant: Variant, arch: str) -> tuple:
 
 _MEASURED = ("regs", "spill_stores", "spill_loads", "stack", "smem", "blocks_per_sm", "dot", "wgmma", "tt_dots",
              "mma_dots", "wgmma_not_16bit", "mma_serialized", "mma_sync", "atomics_f32", "compile_s", "loop_instr",
-             "guarded", "loops", "mma_groups", "ok", "problems")
+             "guarded", "loops", "mma_groups", "outer_walks", "ok", "problems")
 
 
 def run(archs: list[str], shapes: list[AotShape], kernels: tuple[str, ...] | None = None,
