@@ -56,6 +56,7 @@ from .dsa_gluon_halo_jit import (
     _layer_samples,
     _order_row,
     _scores_pass,
+    _stage,
     _start,
     _zero_samples,
     _zero_tail,
@@ -180,10 +181,7 @@ def _frame_dq_dk(dq, S_s, kv_s, p_s, q_s, K, DK, base, row_stride, f, lo_t, ftn,
     x = _halo_rows(K, base, row_stride, tf, kr, H, W, lo_y, lo_x, fyn, fxn, cols, FX)
     p = S_s.slice(0, 64, dim=1).load(ld).to(gl.bfloat16)  # 8 a thread: 16-byte copies
     for c in gl.static_range(NCH):
-        gl.barrier()
-        kv_s.store(x)
-        p_s.store(p)
-        hopper.fence_async_shared()
+        _stage(kv_s, x, p_s, p)
         dk = hopper.warpgroup_mma(p_s.permute((1, 0)), q_s, gl.zeros([64, HEAD_DIM], gl.float32, o_mma), is_async=True)
         dq = hopper.warpgroup_mma(p_s, kv_s, dq, is_async=True)
         ptr, ok = _rows_at(DK, o_mma, base, row_stride, tf, c, H, W, lo_y, lo_x, fyn, fxn, HEAD_DIM, FX)

@@ -262,6 +262,16 @@ def _frame_probs(S_s, Z_s, inv, REC, ORD, off_row, q_ok, st, lo_t, f, M: gl.cons
 
 
 @gluon.jit
+def _stage(kv_s, x, p_s, p):
+    """A chunk's operands into shared memory for its dots, once every warp is past the previous chunk's
+    (``gl.barrier``): ``x`` (K or V rows) into ``kv_s``, ``p`` (P or dS, bf16) into ``p_s``."""
+    gl.barrier()
+    kv_s.store(x)
+    p_s.store(p)
+    hopper.fence_async_shared()
+
+
+@gluon.jit
 def _output_pass(acc, S_s, Z_s, kv_s, p_s, inv, V, REC, ORD, off_row, q_ok, st, lo_t, ftn, base, row_stride, H, W,
                  lo_y, lo_x, fyn, fxn, M: gl.constexpr, HEAD_DIM: gl.constexpr, KT: gl.constexpr, KH: gl.constexpr,
                  KW: gl.constexpr, ELO: gl.constexpr, EHI: gl.constexpr, FX: gl.constexpr, JC: gl.constexpr,
@@ -278,10 +288,7 @@ def _output_pass(acc, S_s, Z_s, kv_s, p_s, inv, V, REC, ORD, off_row, q_ok, st, 
         x = _halo_rows(V, base, row_stride, lo_t + f, kr, H, W, lo_y, lo_x, fyn, fxn, cols, FX)
         p = S_s.slice(0, 64, dim=1).load(ld).to(gl.bfloat16)  # 8 a thread: 16-byte copies
         for c in gl.static_range(NCH):
-            gl.barrier()
-            kv_s.store(x)
-            p_s.store(p)
-            hopper.fence_async_shared()
+            _stage(kv_s, x, p_s, p)
             acc = hopper.warpgroup_mma(p_s, kv_s, acc, is_async=True)
             if c + 1 < NCH:
                 x = _halo_rows(V, base, row_stride, lo_t + f, (c + 1) * 64 + kr, H, W, lo_y, lo_x, fyn, fxn, cols, FX)
