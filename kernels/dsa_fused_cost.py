@@ -1,7 +1,7 @@
 """The fused halo-dense kernels' price (``kernels/dsa_halo_dense.py``'s algorithm; the Gluon kernels of
 ``dsa_gluon_halo``): from their sm_90 compiles (the issue table's PTX counts per loop level, their
 sample walks' loop bodies once per chunk of the samples that land in a frame, simulated per tile:
-``walk_trips``), or, where no compile exists, from the design's work counts and assumptions
+``tile_trips``; their asynchronous dots credited with what the compile issues meanwhile: ``_overlap``), or, where no compile exists, from the design's work counts and assumptions
 (``halo_dense_design``). The roofline terms, chips and FlashAttention-3's figures are
 ``dsa_cost``'s; ``python -m kernels.dsa_cost`` prints these rows under ``fused``."""
 
@@ -72,7 +72,7 @@ def order_cost(grid, window, head_dim: int, bound: float) -> Cost | None:
 
 
 @functools.lru_cache(maxsize=64)
-def tile_trips(grid, cx_items: tuple, bound: float, offsets: str = "uniform", seed: int = 0) -> dict:
+def tile_trips(grid, cx_items: tuple, bound: float, offsets: str = "uniform", seed: int = 0) -> tuple:
     """The sample-walk chunks of one walk over each tile's halo frames, tile by tile: ``((((chunks of layer
     0, of layer 1, ...) for each halo frame in order), how many tiles run them), ...)``. A walk over frame ``f``
     visits, per query, the run of its layer's sample order whose samples touch ``f``
@@ -175,14 +175,14 @@ def _fused_work(kernel: str, grid, window, head_dim: int, bound: float, cx: dict
     # the dots before the frame loops (a pass's first chunks): each loads a 64-row chunk of K or V too
     first_chunks = len(tiles) * sum(f for d, _, f, _ in entry.get("mma_groups", []) if d == 0) * entry["warps"] // 4
     return (entry, frames, len(tiles) * entry["depths"].get("0", 0) + frames * frame_code + walks, records,
-            _overlap(entry, len(tiles), frames, walks_at, ahead), first_chunks // (2 * 64 * 64 * head_dim))
+            _overlap(entry, len(tiles), frames, walks_at, ahead, KT), first_chunks // (2 * 64 * 64 * head_dim))
 
 
-def _overlap(entry: dict, tiles: int, frames: int, walks_at: dict, ahead: int) -> tuple:
+def _overlap(entry: dict, tiles: int, frames: int, walks_at: dict, ahead: int, KT: int) -> tuple:
     """A fused kernel's asynchronous dots (``Cost.overlap``) from its compile's ``mma_groups``: a group
     outside the frame loops once per tile, in them once per halo frame, with the instructions it overlaps
     over the block's warps (one warpgroup each four); where sample walks run while it does (one loop per
-    window layer), per (tile, frame) with those walks' chunks (``walks_at``: ``frame_trips``, ``True``:
+    window layer, ``KT`` of them), per (tile, frame) with those walks' chunks (``walks_at``: ``frame_trips``, ``True``:
     a frame ahead, for the walks at index ``ahead`` and past in ``loops["2"]``). Where ptxas serialized the
     dots (its "wgmma serialized" warning), none overlaps anything."""
     warps, out = entry["warps"], []
@@ -190,7 +190,6 @@ def _overlap(entry: dict, tiles: int, frames: int, walks_at: dict, ahead: int) -
     if not entry.get("mma_groups"):
         raise ValueError(f"{entry['kernel']}: no wgmma groups in the issue table: rerun "
                          "`python -m benchmarks.gpu_check.issue_table`")
-    KT = len(next(iter(walks_at[False])))
     serialized = entry.get("mma_serialized", False)  # ptxas waits for every wgmma where it was issued: no overlap
     for depth, between, flops, spans in entry["mma_groups"]:
         if depth > 1 or (spans and (depth != 1 or len(spans) != KT or {i // KT for i in spans} != {spans[0] // KT})):

@@ -113,12 +113,11 @@ class Cost:
         return sum(n * min(lanes / chip.issue, flops / chip.bf16_tc) for n, lanes, flops in self.overlap)
 
     def seconds(self, chip: Chip) -> dict:
-        """The roofline time: the largest term. A kernel with tensor-core dots adds ``issue+tc``: its
-        dots are synchronous (each ``wgmma`` is waited for by the warps that issued it, which have
-        nothing else to issue meanwhile), so only other resident blocks overlap a block's dots with
-        instructions: at best ``(lanes + tc) / blocks`` per SM; at one block per SM (or where the
-        occupancy is unknown) the two add up instead of overlapping, less what asynchronous dots overlap
-        with the instructions their warps issue before waiting for them (``overlap``)."""
+        """The roofline time: the largest term. A kernel with tensor-core dots adds ``issue+tc``: the warps
+        that issue a ``wgmma`` wait for it, so beyond what they issue before that wait (``overlap``,
+        nothing for a synchronous dot) only other resident blocks overlap a block's dots with
+        instructions: at best ``(lanes + tc - overlap) / blocks`` per SM; at one block per SM (or where the
+        occupancy is unknown) the two add up, less the overlap."""
         lanes = {"fma": self.fma_flops / chip.fp32} if self.issue is None else {"issue": self.issue / chip.issue}
         hidden = self.hidden_seconds(chip)
         parts = {**lanes, "tc": self.tc_flops / chip.bf16_tc,

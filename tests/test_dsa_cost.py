@@ -363,7 +363,7 @@ def test_the_fused_backward_is_priced_from_its_compile(capsys):
     from kernels.dsa_fused_cost import _overlap
 
     serial = _overlap({**entry, "mma_serialized": True}, len(tiles), frames,
-                      {False: {(1, 1, 1): frames}, True: {(1, 1, 1): frames}}, 6)
+                      {False: {(1, 1, 1): frames}, True: {(1, 1, 1): frames}}, 6, 3)
     assert all(lanes == 0 for _, lanes, _ in serial)  # ptxas serialized the dots: nothing overlaps them
     d = halo_dense_design(grid, window, 128, 1.5)
     order_ms = 1e3 * order_cost(grid, window, 128, 1.5).seconds(CHIPS[0])["seconds"]

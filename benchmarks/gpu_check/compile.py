@@ -276,14 +276,20 @@ def loop_bodies(ptx: str) -> dict:
     order the loops first appear: ``{depth: [instructions, ...]}``. The fused halo kernels' sample walks
     are loops inside the frame loops, one per window layer and pass, their trips data-dependent (the
     samples that touch the frame, ``kernels.dsa_fused_cost``)."""
-    sizes: dict[tuple, int] = {}
-    for b in _blocks(ptx):
-        if b["loop"][1]:
-            sizes[b["loop"]] = sizes.get(b["loop"], 0) + len(b["instr"])
     out: dict[int, list[int]] = {}
-    for (_, depth), n in sizes.items():
+    for (_, depth), n in _loop_sizes(_blocks(ptx)).items():
         out.setdefault(depth, []).append(n)
     return out
+
+
+def _loop_sizes(blocks: list[dict]) -> dict[tuple, int]:
+    """Each loop's own instructions, keyed by its ``(header, depth)``, in the order the loops first appear
+    (``loop_bodies``' order within a depth)."""
+    sizes: dict[tuple, int] = {}
+    for b in blocks:
+        if b["loop"][1]:
+            sizes[b["loop"]] = sizes.get(b["loop"], 0) + len(b["instr"])
+    return sizes
 
 
 _MMA_SHAPE = re.compile(r"^wgmma\.mma_async\S*\.m(\d+)n(\d+)k(\d+)\.")
@@ -315,9 +321,8 @@ def mma_groups(ptx: str) -> list[list]:
     overlap nothing here (the count would not be per iteration)."""
     blocks = _blocks(ptx)
     index: dict[tuple, int] = {}  # each loop's place among those of its depth, as ``loop_bodies`` lists them
-    for b in blocks:
-        if b["loop"][1] and b["loop"] not in index:
-            index[b["loop"]] = sum(1 for k in index if k[1] == b["loop"][1])
+    for loop in _loop_sizes(blocks):
+        index[loop] = sum(1 for k in index if k[1] == loop[1])
     order = _iteration_order(blocks)
     skipped = _skipped_blocks(order)
     out: list[list] = []
@@ -355,11 +360,7 @@ def inner_loops(ptx: str, depth: int = 1) -> list[int]:
     the frame loops (a pass's first frame, walked before its loop: ``kernels.dsa_fused_cost``)."""
     blocks = _blocks(ptx)
     inner = {b["loop"] for b in blocks if b["header"] and b["inner"]}
-    sizes: dict[tuple, int] = {}
-    for b in blocks:
-        if b["loop"][1] == depth:
-            sizes[b["loop"]] = sizes.get(b["loop"], 0) + len(b["instr"])
-    return [n for key, n in sizes.items() if key in inner]
+    return [n for key, n in _loop_sizes(blocks).items() if key[1] == depth and key in inner]
 
 
 def count_ptx(ptx: str) -> dict:
