@@ -40,8 +40,8 @@ RECORD_BYTES = 16  # one sample's record (``dsa_halo_dense.sample_records``)
 
 def order_bytes(window) -> int:
     """DRAM bytes per query and head of the kernel that writes the walks' sample order and records
-    (``dsa_order``), once per pass: the offsets read (bf16), the int8 order zeroed (a fill before it)
-    and written, the records written."""
+    (``dsa_order``), before the forward (the backward takes its output): the offsets read (bf16), the
+    int8 order zeroed (a fill before it) and written, the records written."""
     return math.prod(window) * (3 * 2 + RECORD_BYTES) + 2 * window[0] * 64
 
 
@@ -53,10 +53,10 @@ def walk_bytes(window) -> int:
 
 
 def order_cost(grid, window, head_dim: int, bound: float) -> Cost | None:
-    """The sample order and records' Triton kernel (``dsa_order``), a launch of its own before each fused
-    kernel: its DRAM bytes (``order_bytes``) and issue slots from its sm_90 compile (straight-line code,
-    ``ORDER_BLOCK_ROWS`` (query, head) rows of one layer per program of ``ORDER_WARPS`` warps). None where the issue
-    table lacks the compile."""
+    """The sample order and records' Triton kernel (``dsa_order``), a launch of its own before the fused
+    forward (the backward takes the forward's): its DRAM bytes (``order_bytes``) and issue slots from its
+    sm_90 compile (straight-line code, ``ORDER_BLOCK_ROWS`` (query, head) rows of one layer per program of
+    ``ORDER_WARPS`` warps). None where the issue table lacks the compile."""
     from .dsa_halo_dense import time_reach  # lazy: imports torch
     from .dsa_order import ORDER_BLOCK_ROWS, ORDER_WARPS  # lazy: as above
 
@@ -247,10 +247,13 @@ def fused_bwd_cost(grid, window, head_dim: int, bound: float, offsets: str = "un
 def fused_pass(cost: Cost, grid, window, head_dim: int, bound: float, chip: Chip, pass_: str) -> dict:
     """One fused pass's row: the fused kernel's roofline terms (``_terms``) and, added to its time
     (``ms``), the order kernel's that runs before it (``order_ms``; its DRAM time where its compile is
-    missing)."""
+    missing): before the forward only, the backward takes the forward's order and records (``dsa_triton``
+    keeps them for it; ``order_ms`` 0)."""
     row = _terms(cost, chip, pass_)
     order = order_cost(grid, window, head_dim, bound)
-    if order is None:
+    if pass_ != "fwd":
+        order_s = 0.0
+    elif order is None:
         order_s = math.prod(grid) * order_bytes(window) / chip.hbm
     else:
         order_s = order.seconds(chip)["seconds"]

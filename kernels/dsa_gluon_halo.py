@@ -51,7 +51,7 @@ import torch
 
 from .aot import AOT_POINTER_TYPES, aligned_pointer_attrs
 
-__all__ = ["gluon_halo_refusal", "gluon_halo_constexprs", "GLUON_WARPS", "TILE_Y", "TILE_X"]
+__all__ = ["gluon_halo_refusal", "gluon_halo_constexprs", "sample_walks", "GLUON_WARPS", "TILE_Y", "TILE_X"]
 
 GLUON_WARPS = 8
 TILE_Y, TILE_X = 8, 8  # queries per tile: one frame, 8 x 8 tokens (64 rows: one wgmma M)
@@ -114,21 +114,56 @@ def halo_dense_bwd_kernel():
     return _gluon_kernel("bwd")
 
 
-def halo_dense_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, offsets: torch.Tensor, window,
-                       scale: float, bound: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(out, lse)`` of the Gluon forward on CUDA bf16 inputs (``lse`` base 2, ``(B, nh, N)`` fp32: the
-    gather kernels' convention, so their backward can follow it)."""
-    B, T, H, W, nh, d = q.shape
-    cx = gluon_halo_constexprs(d, window, bound)
+def sample_walks(offsets: torch.Tensor, window, bound: float) -> tuple:
+    """The walks' sample order and records (``dsa_order``: one Triton kernel) for the fused kernels, with
+    the key they were written for: ``(key, order, records)``. The forward returns them and the backward
+    takes them (``halo_dense_backward(..., walks=)``) instead of writing them again."""
     from .dsa_order import sample_order_kernel  # lazy: the walks' order (a Triton kernel), on the GPU only
 
+    order, records = sample_order_kernel(offsets, window, bound, (1, TILE_Y, TILE_X))
+    return (_walks_key(offsets, window, bound), order, records)
+
+
+def _walks_key(offsets: torch.Tensor, window, bound: float) -> tuple:
+    """What a sample order and its records depend on besides the offsets' values: their shape, device
+    and version (an in-place change after the forward), the window, the bound and the tile."""
+    return (tuple(offsets.shape), offsets.dtype, str(offsets.device), offsets._version,
+            tuple(int(w) for w in window), float(bound), (1, TILE_Y, TILE_X))
+
+
+def halo_dense_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, offsets: torch.Tensor, window,
+                       scale: float, bound: float) -> tuple[torch.Tensor, torch.Tensor, tuple]:
+    """``(out, lse, walks)`` of the Gluon forward on CUDA bf16 inputs (``lse`` base 2, ``(B, nh, N)`` fp32:
+    the gather kernels' convention, so their backward can follow it; ``walks``: ``sample_walks``, for the
+    backward)."""
+    B, T, H, W, nh, d = q.shape
+    cx = gluon_halo_constexprs(d, window, bound)
     out = torch.empty_like(q)
     lse = torch.empty((B, nh, T * H * W), device=q.device, dtype=torch.float32)
     grid = (T * -(-H // TILE_Y) * -(-W // TILE_X), B * nh)
-    order, records = sample_order_kernel(offsets, window, bound, (1, TILE_Y, TILE_X))
+    walks = sample_walks(offsets, window, bound)
+    _, order, records = walks
     halo_dense_kernel()[grid](q, k, v, records, order, out, lse, scale * 1.4426950408889634, T, H, W, nh, **cx,
                               num_warps=GLUON_WARPS)
-    return out, lse
+    return out, lse, walks
+
+
+def fused_forward(q, k, v, offsets, window, scale: float, slab, bound):
+    """``halo_dense_forward``'s ``(out, lse, walks)`` where ``fused_refusal`` lets the fused forward take the
+    call, else None (either said once per reason: ``note_fused_once``)."""
+    refused = fused_refusal(q, window, bound, slab)
+    note_fused_once(refused)
+    return None if refused is not None else halo_dense_forward(q, k, v, offsets, window, scale, float(bound))
+
+
+def fused_backward(q, k, v, offsets, out, dout, lse, window, scale: float, slab, bound, walks=None):
+    """``halo_dense_backward``'s ``(dq, dk, dv, doffsets)`` (``walks``: the fused forward's sample order and
+    records) where ``fused_refusal`` lets the fused backward take the call, else None (said as the forward's)."""
+    refused = fused_refusal(q, window, bound, slab, "backward")
+    note_fused_once(refused, "backward")
+    if refused is not None:
+        return None
+    return halo_dense_backward(q, k, v, offsets, out, dout, lse, window, scale, float(bound), walks=walks)
 
 
 def phase_launches(grid, window, bound: float) -> tuple[tuple[int, int, int], list[tuple[int, int, int, int]]]:
@@ -155,18 +190,20 @@ def phase_tile(i: int, phase, counts, grid) -> tuple[int, int, int]:
     return phase[0] + i // (nx * ny) * counts[0], phase[1] + (i // nx) % ny * counts[1], phase[2] + i % nx * counts[2]
 
 
-def halo_dense_backward(q, k, v, offsets, out, dout, lse, window, scale: float, bound: float):
+def halo_dense_backward(q, k, v, offsets, out, dout, lse, window, scale: float, bound: float, walks=None):
     """``(dq, dk, dv, doffsets)`` of the Gluon backward on CUDA bf16 inputs, after any forward that left
     ``lse`` in the gather kernels' convention (base 2, ``(B, nh, N)`` fp32): one launch per colour phase;
-    dk, dv and the offsets' gradient summed in fp32 and cast to the inputs' dtypes."""
+    dk, dv and the offsets' gradient summed in fp32 and cast to the inputs' dtypes. ``walks``: the fused
+    forward's sample order and records (``sample_walks``), taken where their key matches these offsets,
+    window and bound; else (None, or another key) the order kernel writes them again."""
     B, T, H, W, nh, d = q.shape
     cx = dict(gluon_halo_constexprs(d, window, bound), JC=BWD_SAMPLE_CHUNK)
     dq = torch.empty_like(q)
     dk, dv = (torch.zeros(x.shape, device=x.device, dtype=torch.float32) for x in (k, v))
     doff = torch.zeros(offsets.shape, device=offsets.device, dtype=torch.float32)
-    from .dsa_order import sample_order_kernel  # lazy: the walks' order (a Triton kernel), on the GPU only
-
-    order, records = sample_order_kernel(offsets, window, bound, (1, TILE_Y, TILE_X))
+    if walks is None or walks[0] != _walks_key(offsets, window, bound):
+        walks = sample_walks(offsets, window, bound)
+    _, order, records = walks
     counts, phases = phase_launches((T, H, W), window, bound)
     for pt, py, px, n in phases:  # one after another: the tiles of one phase share no key
         halo_dense_bwd_kernel()[(n, B * nh)](q, k, v, records, order, out, dout, lse, dq, dk, dv, doff,
@@ -286,7 +323,7 @@ def _check_once(device, dtype, window, bound: float) -> str | None:
     q, k, v = (torch.randn(shape, generator=g) for _ in range(3))
     off = (torch.rand((*shape[:5], 147, 3), generator=g) * 2 - 1) * bound
     try:
-        out, _ = halo_dense_forward(*(x.to(device, dtype) for x in (q, k, v, off)), window, 128 ** -0.5, bound)
+        out = halo_dense_forward(*(x.to(device, dtype) for x in (q, k, v, off)), window, 128 ** -0.5, bound)[0]
         if torch.device(device).type == "cuda":
             torch.cuda.synchronize(device)
     except Exception as e:  # noqa: BLE001 - any failure to build or run means: not this kernel
@@ -325,8 +362,9 @@ def _check_bwd_once(device, dtype, window, bound: float) -> str | None:
     out = L.unrows(out).contiguous()
     lse2 = (lse / math.log(2.0)).reshape(shape[0], shape[4], -1).float()
     try:
-        got = halo_dense_backward(*(x.to(device) for x in low), out.to(device), dout.to(device, dtype),
-                                  lse2.to(device), window, 128 ** -0.5, bound)
+        dev = [x.to(device) for x in low]  # the order and records passed in, as the fused forward passes them
+        got = halo_dense_backward(*dev, out.to(device), dout.to(device, dtype), lse2.to(device), window,
+                                  128 ** -0.5, bound, walks=sample_walks(dev[3], window, bound))
         if torch.device(device).type == "cuda":
             torch.cuda.synchronize(device)
     except Exception as e:  # noqa: BLE001 - any failure to build or run means: not this kernel

@@ -30,12 +30,19 @@ class KernelModes:
     atomics) when the offsets' bound allows it; past its cap, or with no bound, the split mode (the
     key-side pass at its cap for the queries within it, atomics for the rest); ``atomic`` -- always
     fp32 atomics."""
+    keep_walks: bool = True
+    """With ``halo="fused"``: the fused forward's sample order and records (``dsa_gluon_halo.sample_walks``)
+    kept for its backward, which then writes none (2.5 KB a query and head held from the forward to the
+    backward); False: the backward writes them again (one more order kernel a step, nothing held)."""
 
     def __post_init__(self):
         if self.halo not in HALO_MODES:
             raise ValueError(f"KernelModes(halo={self.halo!r}): choose one of {', '.join(HALO_MODES)}")
         if self.dkv not in DKV_MODES:
             raise ValueError(f"KernelModes(dkv={self.dkv!r}): choose one of {', '.join(DKV_MODES)}")
+        if not isinstance(self.keep_walks, bool):
+            raise ValueError(f"KernelModes(keep_walks={self.keep_walks!r}): True (keep the fused forward's "
+                             f"sample order for its backward) or False (write it again)")
 
 
 AUTO = KernelModes()

@@ -61,6 +61,7 @@ import triton
 import triton.language as tl
 
 from .dsa_cost import choose_halo
+from .dsa_gluon_halo import fused_backward, fused_forward  # the fused halo-dense pair (Gluon, built on first use)
 from .dsa_modes import AUTO, KernelModes
 from .dsa_reference import validate_dsa_inputs, validate_slab_inputs
 from .dsa_triton_halo import halo_backward_query, halo_forward
@@ -497,20 +498,17 @@ def halo_choice(pass_: str, q, win, bound: float | None, why: str, block_m=None,
 
 
 def _dsa_fwd_launch(q, k, v, offsets, win, scale, block_m, slab=None, max_offset=None, modes: KernelModes = AUTO):
-    """out and the log-sum-exp: the halo forward (``dsa_triton_halo``: tensor cores) where
-    ``halo_choice`` takes it, else the gather forward."""
+    """``(out, lse, walks)``: the fused halo-dense forward's where ``modes.halo`` is "fused" and it may run
+    (``walks``: its sample order and records, for its backward), else the halo forward's (``dsa_triton_halo``:
+    tensor cores) where ``halo_choice`` takes it, else the gather forward's (``walks`` None both)."""
     B, T, H, W, nh, d = q.shape
     N = T * H * W
     kv_args, T = _slab_args(q, k, slab)
     out = torch.empty_like(q)
     lse = torch.empty((B, nh, N), device=q.device, dtype=torch.float32)
     if modes.halo == "fused":  # the fused halo-dense forward where it can run, else auto's choice
-        from .dsa_gluon_halo import fused_refusal, halo_dense_forward, note_fused_once  # lazy: Gluon, when asked
-
-        refused = fused_refusal(q, win, max_offset, slab)
-        note_fused_once(refused)
-        if refused is None:
-            return halo_dense_forward(q, k, v, offsets, win, scale, float(max_offset))
+        if (got := fused_forward(q, k, v, offsets, win, scale, slab, max_offset)) is not None:
+            return got
         modes = AUTO
     bound, why = ((None, "") if halo_refusal(q, block_m, modes)
                   else pull_bound(offsets, max_offset, slab, win[0], win[2]))
@@ -518,7 +516,7 @@ def _dsa_fwd_launch(q, k, v, offsets, win, scale, block_m, slab=None, max_offset
     log_halo_once("forward", halo, why)
     if halo:
         halo_forward(q, k, v, offsets, win, scale * LOG2E, bound, (N, T, H, W, nh, *kv_args), out, lse)
-        return out, lse
+        return out, lse, None
     args = (q, k, v, offsets, out, lse, scale * LOG2E, N, T, H, W, nh, *kv_args)
     meta = dict(HEAD_DIM=d, KT=win[0], KH=win[1], KW=win[2], BLOCK_D=_block_d(d))
     if block_m is None and not INTERPRETED:  # autotuned over configs the compile-only check passed
@@ -526,23 +524,11 @@ def _dsa_fwd_launch(q, k, v, offsets, win, scale, block_m, slab=None, max_offset
     else:
         block_m = block_m or _default_block_m(d, backward=False)
         _dsa_fwd[(triton.cdiv(N, block_m), B * nh)](*args, **meta, BLOCK_M=block_m, num_warps=4, num_stages=1)
-    return out, lse
-
-
-def _fused_bwd(q, k, v, offsets, out, dout, lse, win, scale, slab, max_offset):
-    """``(dq, dk, dv, doffsets)`` of the fused halo-dense backward where ``fused_refusal`` lets it take
-    the call (said once per reason), else None."""
-    from .dsa_gluon_halo import fused_refusal, halo_dense_backward, note_fused_once  # lazy: Gluon, when asked
-
-    refused = fused_refusal(q, win, max_offset, slab, "backward")
-    note_fused_once(refused, "backward")
-    if refused is not None:
-        return None
-    return halo_dense_backward(q, k, v, offsets, out, dout, lse, win, scale, float(max_offset))
+    return out, lse, None
 
 
 def _dsa_bwd_launch(q, k, v, offsets, out, dout, lse, win, scale, block_m, slab=None, max_offset=None,
-                    modes: KernelModes = AUTO):
+                    modes: KernelModes = AUTO, walks=None):
     """dq, dk, dv, d(offsets). dk and dv come from the key-side pass (``dsa_triton_pull``) when the offsets'
     bound allows it (``modes.dkv`` "auto"), else from the split mode (the key-side pass at its cap, fp32
     atomics for the queries past it) or, where no bound fits, the query-side pass's atomics."""
@@ -550,7 +536,7 @@ def _dsa_bwd_launch(q, k, v, offsets, out, dout, lse, win, scale, block_m, slab=
     kv_args, T = _slab_args(q, k, slab)
     dq, doff = torch.empty_like(q), torch.empty_like(offsets)
     if modes.halo == "fused":  # the fused halo-dense backward where it can run, else auto's kernels
-        if (got := _fused_bwd(q, k, v, offsets, out, dout, lse, win, scale, slab, max_offset)) is not None:
+        if (got := fused_backward(q, k, v, offsets, out, dout, lse, win, scale, slab, max_offset, walks)) is not None:
             return got
         modes = KernelModes(dkv=modes.dkv)
     bound, why = ((None, "dkv mode atomic") if modes.dkv == "atomic"
@@ -628,18 +614,20 @@ class _DSATriton(torch.autograd.Function):
     def forward(ctx, q, k, v, offsets, win, scale, block_m, slab=None, max_offset=None, modes=AUTO):
         q, k, v, offsets = (x.contiguous() for x in (q, k, v, offsets))
         _check_launch(q, k, v, offsets)
-        out, lse = _dsa_fwd_launch(q, k, v, offsets, win, scale, block_m, slab, max_offset, modes)
-        ctx.save_for_backward(q, k, v, offsets, out, lse)
-        ctx.meta = (win, scale, block_m, slab, max_offset, modes)
+        out, lse, walks = _dsa_fwd_launch(q, k, v, offsets, win, scale, block_m, slab, max_offset, modes)
+        # the fused forward's sample order and records, kept for its backward where a gradient is asked for
+        keep = walks is not None and modes.keep_walks and any(ctx.needs_input_grad[:4])
+        ctx.save_for_backward(q, k, v, offsets, out, lse, *(walks[1:] if keep else ()))
+        ctx.meta = (win, scale, block_m, slab, max_offset, modes, walks[0] if keep else None)
         return out
 
     @staticmethod
     def backward(ctx, dout):
-        q, k, v, offsets, out, lse = ctx.saved_tensors
-        win, scale, block_m, slab, max_offset, modes = ctx.meta
+        q, k, v, offsets, out, lse, *kept = ctx.saved_tensors
+        win, scale, block_m, slab, max_offset, modes, walks_key = ctx.meta
         dout = dout.contiguous().to(q.dtype)
         dq, dk, dv, doff = _dsa_bwd_launch(q, k, v, offsets, out, dout, lse, win, scale, block_m, slab, max_offset,
-                                           modes)
+                                           modes, (walks_key, *kept) if kept else None)
         return dq, dk, dv, doff, None, None, None, None, None, None
 
 

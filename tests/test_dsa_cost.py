@@ -367,7 +367,9 @@ def test_the_fused_backward_is_priced_from_its_compile(capsys):
     assert all(lanes == 0 for _, lanes, _ in serial)  # ptxas serialized the dots: nothing overlaps them
     d = halo_dense_design(grid, window, 128, 1.5)
     order_ms = 1e3 * order_cost(grid, window, 128, 1.5).seconds(CHIPS[0])["seconds"]
-    assert d["passes"]["bwd"]["ms"] == pytest.approx(1e3 * cost.seconds(CHIPS[0])["seconds"] + order_ms)
+    # the backward takes the forward's order and records: no order kernel before it
+    assert d["passes"]["bwd"]["ms"] == pytest.approx(1e3 * cost.seconds(CHIPS[0])["seconds"])
+    assert d["passes"]["bwd"]["order_ms"] == 0 < order_ms
     assert fused_bwd_cost(grid, (3, 5, 5), 128, 1.5) is None  # compiled at the Wan shape only
     both = fused_compiled(grid, window, 128, 1.5)
     fwd_ms = 1e3 * fused_fwd_cost(grid, window, 128, 1.5).seconds(CHIPS[0])["seconds"] + order_ms
@@ -378,11 +380,11 @@ def test_the_fused_backward_is_priced_from_its_compile(capsys):
     assert cli["dsa_ms"] == pytest.approx(both["dsa_ms"]) and cli["ratio"] == pytest.approx(both["ratio"])
 
 
-def test_the_order_kernel_is_priced_from_its_compile_and_added_to_each_fused_pass():
-    """``order_cost``: the sample order and records' kernel, a launch of its own before each fused kernel:
+def test_the_order_kernel_is_priced_from_its_compile_and_added_to_the_fused_forward():
+    """``order_cost``: the sample order and records' kernel, a launch of its own before the fused forward:
     its issue slots from its sm_90 compile (straight-line code, 128 threads per ``ORDER_BLOCK_ROWS`` rows
-    of one layer), its DRAM bytes the offsets read and the order and records written; a fused pass's
-    time is the two added (nothing overlaps them)."""
+    of one layer), its DRAM bytes the offsets read and the order and records written; the forward's
+    time is the two added (nothing overlaps them); the backward takes the forward's (no order time)."""
     from kernels.dsa_cost import issue_key, issue_table
     from kernels.dsa_fused_cost import RECORD_BYTES, fused_compiled, fused_fwd_cost, order_bytes, order_cost, walk_trips
     from kernels.dsa_gluon_halo import gluon_halo_constexprs
@@ -404,6 +406,7 @@ def test_the_order_kernel_is_priced_from_its_compile_and_added_to_each_fused_pas
     assert row["kernel_ms"] == pytest.approx(1e3 * fused_fwd_cost(grid, window, 128, 1.5).seconds(CHIPS[0])["seconds"])
     assert row["order_ms"] == pytest.approx(1e3 * cost.seconds(CHIPS[0])["seconds"]) and row["order_ms"] > 0
     assert row["ms"] == pytest.approx(row["kernel_ms"] + row["order_ms"])
+    assert both["passes"]["bwd"]["order_ms"] == 0 and both["passes"]["bwd"]["ms"] == both["passes"]["bwd"]["kernel_ms"]
 
 
 def test_the_levers_priced_with_the_fused_kernels_use_their_compiles():

@@ -209,7 +209,7 @@ def test_fused_mode_takes_the_fused_forward_only_where_it_may(monkeypatch):
     DT._dsa_fwd_launch(q, q, q, off, (3, 7, 7), 0.1, None, None, 1.5, KernelModes())
     assert len(ran) == 2 and ran[0] == ran[1]  # refused: what auto runs at this shape and bound
     monkeypatch.setattr(G, "fused_refusal", lambda *a: None)
-    monkeypatch.setattr(G, "halo_dense_forward", lambda *a: ("fused", None))
+    monkeypatch.setattr(G, "halo_dense_forward", lambda *a: ("fused", None, None))
     assert DT._dsa_fwd_launch(q, q, q, off, (3, 7, 7), 0.1, None, None, 1.5, KernelModes(halo="fused"))[0] == "fused"
 
 
@@ -249,8 +249,9 @@ def test_the_backward_launches_every_tile_once_and_no_phase_shares_a_key(grid, b
     assert sorted(launched) == sorted(tiles)
 
 
-def _mirror_backward(q, k, v, off, out, dout, lse, window, scale, bound):
-    """The mirror's gradients, standing in for the Gluon backward on a CPU."""
+def _mirror_backward(q, k, v, off, out, dout, lse, window, scale, bound, walks=None):
+    """The mirror's gradients, standing in for the Gluon backward on a CPU (``walks``: ignored, the mirror
+    finds each tile's samples itself)."""
     got = grads(lambda *a: dsa_halo_dense(*a, window, bound, scale=scale), [q, k, v, off], dout)
     return got[1:]
 
@@ -261,14 +262,15 @@ def test_the_backward_first_use_check_passes_a_right_kernel_and_catches_a_wrong_
     that raises, is refused with the reason, so the caller falls back; the verdict is kept per shape."""
     import kernels.dsa_gluon_halo as G
 
-    def dk_off(*a):
-        dq, dk, dv, doff = _mirror_backward(*a)
+    def dk_off(*a, **kw):
+        dq, dk, dv, doff = _mirror_backward(*a, **kw)
         return dq, dk * 1.1, dv, doff
 
-    def broken(*a):
+    def broken(*a, **kw):
         raise RuntimeError("illegal memory access")
 
     monkeypatch.setattr(G, "CHECK_SHAPE", (1, 3, 12, 12, 1, 128))  # two tiles a side: small enough for a CPU
+    monkeypatch.setattr(G, "sample_walks", lambda *a: None)  # the order kernel is a GPU kernel (the check passes its walks)
     for fn, verdict in ((_mirror_backward, None), (dk_off, "dk: err"), (broken, "illegal memory")):
         monkeypatch.setattr(G, "halo_dense_backward", fn)
         monkeypatch.setattr(G, "_CHECKED_BWD", {})
@@ -295,10 +297,58 @@ def test_fused_mode_takes_the_fused_backward_only_where_it_may(monkeypatch):
     assert "sm_90" in why and "backward" in why
     asked = []
     monkeypatch.setattr(G, "fused_refusal", lambda *a: asked.append(a[-1]))
-    monkeypatch.setattr(G, "halo_dense_backward", lambda *a: "fused")
+    monkeypatch.setattr(G, "halo_dense_backward", lambda *a, **kw: "fused")
     assert DT._dsa_bwd_launch(q, q, q, off, q, q, None, (3, 7, 7), 0.1, None, None, 1.5,
                               KernelModes(halo="fused")) == "fused"
     assert asked == ["backward"]
+
+
+def test_the_fused_backward_takes_the_forwards_sample_order_and_records(monkeypatch):
+    """A training step through ``dsa_triton`` in fused mode writes the walks' order and records once: the
+    forward's, kept for the backward (its kernel launches read the very tensors the forward's did), unless
+    ``keep_walks`` is False; a backward handed walks written for another bound (or none) writes its own."""
+    pytest.importorskip("triton")
+    import kernels.dsa_gluon_halo as G
+    import kernels.dsa_order as O
+    import kernels.dsa_triton as DT
+    from kernels import KernelModes
+
+    written, read = [], []
+
+    def order_kernel(offsets, window, bound, tile):
+        written.append(bound)
+        return torch.zeros(1, dtype=torch.int8), torch.zeros(1, dtype=torch.int32)
+
+    class Stub:  # stands in for a Gluon kernel (``kernel[grid](...)``): notes the order and records it reads
+        def __getitem__(self, grid):
+            return lambda q, k, v, records, order, *a, **kw: read.append((records, order))
+
+    monkeypatch.setattr(O, "sample_order_kernel", order_kernel)
+    monkeypatch.setattr(G, "fused_refusal", lambda *a: None)
+    monkeypatch.setattr(G, "halo_dense_kernel", Stub)
+    monkeypatch.setattr(G, "halo_dense_bwd_kernel", Stub)
+    monkeypatch.setattr(DT, "_check_launch", lambda *a: None)  # CUDA tensors, compiled: stood in for here
+    shape = (1, 3, 8, 8, 1, 128)
+    q, k, v = (torch.zeros(shape, dtype=torch.bfloat16, requires_grad=True) for _ in range(3))
+    off = torch.zeros(*shape[:5], 147, 3, dtype=torch.bfloat16, requires_grad=True)
+    out = DT.dsa_triton(q, k, v, off, (3, 7, 7), max_offset=1.5, modes=KernelModes(halo="fused"))
+    out.float().sum().backward()
+    assert written == [1.5]  # once, by the forward
+    phases = len(G.phase_launches(shape[1:4], (3, 7, 7), 1.5)[1])
+    assert len(read) == 1 + phases and all(r[0] is read[0][0] and r[1] is read[0][1] for r in read)
+    assert off.grad is not None and off.grad.shape == off.shape
+    out = DT.dsa_triton(q, k, v, off, (3, 7, 7), max_offset=1.5, modes=KernelModes(halo="fused", keep_walks=False))
+    out.float().sum().backward()
+    assert written == [1.5, 1.5, 1.5]  # not kept: the backward writes its own
+    with pytest.raises(ValueError, match="keep_walks"):
+        KernelModes(keep_walks="yes")
+
+    written.clear()
+    read.clear()
+    walks = G.sample_walks(off.detach(), (3, 7, 7), 1.0)  # written for another bound: not taken
+    G.halo_dense_backward(q.detach(), k.detach(), v.detach(), off.detach(), q.detach(), q.detach(), None, (3, 7, 7),
+                          0.1, 1.5, walks=walks)
+    assert written == [1.0, 1.5] and all(r[0] is not walks[2] for r in read)
 
 
 def test_the_sample_order_puts_each_frames_samples_in_one_run():
