@@ -40,7 +40,7 @@ import functools
 import json
 import math
 
-from .dsa_fused_cost import fused_compiled, halo_dense_design
+from .dsa_fused_cost import PAIRS, fused_compiled, halo_dense_design
 from .dsa_roofline import (  # noqa: F401 - the roofline's names, long imported from here
     CHIPS,
     FA3_MFU,
@@ -409,12 +409,17 @@ def main(argv=None) -> int:
     p.add_argument("--dtype", choices=("bf16", "fp32"), default="bf16")
     p.add_argument("--chip", choices=[c.name for c in CHIPS], default=CHIPS[0].name)
     p.add_argument("--json", action="store_true", help="one JSON object instead of the table")
+    p.add_argument("--heads", type=int, default=PAIRS,
+                   help=f"(batch, head) pairs of the call (default {PAIRS}: Wan 14B's heads); the fused kernels' "
+                        "launches take the GPU's slots in whole programs")
     p.add_argument("--design", action="store_true",
                    help="also the fused halo-dense kernels' design estimate (no kernel yet; JSON key 'design')")
     a = p.parse_args(argv)
     grid, window = _dims(a.grid, 3, "grid"), _dims(a.window, 3, "window")
     if a.head_dim <= 0:
         p.error(f"--head-dim {a.head_dim}: give a positive head dim (128 for Wan and the dit-* presets)")
+    if a.heads < 1:
+        p.error(f"--heads {a.heads}: give the call's (batch, head) pairs, at least 1 (40 for Wan 14B)")
     if a.far_share is not None and not 0.0 <= a.far_share <= 1.0:
         p.error(f"--far-share {a.far_share}: give a share between 0 and 1")
     bound = None if a.bound < 0 else a.bound
@@ -426,11 +431,12 @@ def main(argv=None) -> int:
     if a.design:
         if bound is None:
             p.error("--design needs a bound (the halo is sized by attention.max_offset)")
-        b["design"] = halo_dense_design(grid, window, a.head_dim, bound, next(c for c in CHIPS if c.name == a.chip))
+        b["design"] = halo_dense_design(grid, window, a.head_dim, bound, next(c for c in CHIPS if c.name == a.chip),
+                                        a.heads)
     if bound is not None:  # the compiled fused halo-dense kernels, where the issue table has them
         chip = next(c for c in CHIPS if c.name == a.chip)
-        b["fused"] = fused_compiled(grid, window, a.head_dim, bound, chip)  # offsets spread uniform in the bound
-        zero = fused_compiled(grid, window, a.head_dim, bound, chip, offsets="zero")
+        b["fused"] = fused_compiled(grid, window, a.head_dim, bound, chip, pairs=a.heads)  # offsets uniform in the bound
+        zero = fused_compiled(grid, window, a.head_dim, bound, chip, offsets="zero", pairs=a.heads)
         if b["fused"] is not None and zero is not None:
             b["fused"]["at_zero_offsets"] = {"dsa_ms": zero["dsa_ms"], "ratio": zero["ratio"]}
     if a.json:
@@ -452,7 +458,7 @@ def main(argv=None) -> int:
             terms = ", ".join(f"{k} {v:.3g}" for k, v in r["terms_ms"].items() if v)
             print(f"  fused halo-dense {pass_}: {r['ms']:.3f} ms, bound by {r['bound_by']} ({terms})")
         print(f"  fused halo-dense fwd + bwd: {g['dsa_ms']['total']:.3f} ms, FA3 / fused {g['ratio']:.2f}x "
-              f"({g['how']}; offsets uniform within the bound)")
+              f"({g['how']}; offsets uniform within the bound; per head of a call of {g['pairs']})")
         z = g["at_zero_offsets"]
         print(f"  fused halo-dense at zero offsets: {z['dsa_ms']['total']:.3f} ms, FA3 / fused {z['ratio']:.2f}x")
     if a.design:

@@ -8,6 +8,7 @@ sample walks' loop bodies once per chunk of the samples that land in a frame, si
 from __future__ import annotations
 
 import functools
+import heapq
 import math
 
 from .dsa_roofline import CHIPS, FA3_MFU, Chip, Cost, _terms, fa3_seconds, issue_key, issue_table
@@ -244,12 +245,64 @@ def fused_bwd_cost(grid, window, head_dim: int, bound: float, offsets: str = "un
                 issue=32 * GLUON_WARPS * per_thread, blocks_per_sm=entry.get("blocks_per_sm"), overlap=overlap)
 
 
-def fused_pass(cost: Cost, grid, window, head_dim: int, bound: float, chip: Chip, pass_: str) -> dict:
-    """One fused pass's row: the fused kernel's roofline terms (``_terms``) and, added to its time
-    (``ms``), the order kernel's that runs before it (``order_ms``; its DRAM time where its compile is
-    missing): before the forward only, the backward takes the forward's order and records (``dsa_triton``
-    keeps them for it; ``order_ms`` 0)."""
+PAIRS = 40
+"""(batch item, head) pairs one attention call runs when none is given: Wan 14B's 40 heads at batch 1."""
+
+LAUNCH_GAP_S = 2e-6
+"""Seconds between two dependent launches on one stream (the first's last block retired, the next's first
+blocks started): an assumption, about what back-to-back kernels show on an H100, not a measurement."""
+
+
+def launches(grid, window, bound: float, pass_: str, pairs: int) -> list[list[int]]:
+    """The programs of each launch of a fused pass per stream, in order: the forward's one launch of every
+    tile and pair; the backward's colour phases (``dsa_gluon_halo.phase_launches``) for each group of heads
+    on its own stream (``dsa_gluon_halo.head_groups``, a batch item's heads)."""
+    from .dsa_gluon_halo import TILE_X, TILE_Y, head_groups, phase_launches  # lazy: imports torch
+
+    if pass_ == "fwd":
+        return [[grid[0] * -(-grid[1] // TILE_Y) * -(-grid[2] // TILE_X) * pairs]]
+    tiles = [n for *_, n in phase_launches(tuple(grid), tuple(window), bound)[1]]
+    return [[n * (h1 - h0) for n in tiles] for h0, h1 in head_groups(pairs)]
+
+
+def launch_schedule(program: float, streams: list[list[int]], slots: int, gap: float = LAUNCH_GAP_S) -> float:
+    """Seconds until the last of ``streams``' launches ends (``streams[s]``: the programs of each launch stream
+    ``s`` makes, in order), each program ``program`` seconds, on ``slots`` resident blocks: a launch starts
+    ``gap`` after its stream's previous one ended, and its programs take the slots that free first, after
+    those of every launch that started before it (the block scheduler's order). A launch's last partial
+    wave leaves slots idle unless another stream's launch has programs waiting."""
+    free = [0.0] * slots
+    ready = [(gap, s, 0) for s, launched in enumerate(streams) if launched]
+    heapq.heapify(ready)
+    end = 0.0
+    while ready:
+        start, s, i = heapq.heappop(ready)
+        done = start
+        for _ in range(streams[s][i]):
+            finish = max(heapq.heappop(free), start) + program
+            heapq.heappush(free, finish)
+            done = max(done, finish)
+        end = max(end, done)
+        if i + 1 < len(streams[s]):
+            heapq.heappush(ready, (done + gap, s, i + 1))
+    return end
+
+
+def fused_pass(cost: Cost, grid, window, head_dim: int, bound: float, chip: Chip, pass_: str,
+               pairs: int = PAIRS) -> dict:
+    """One fused pass's row, per (batch, head) pair of a call of ``pairs``: the fused kernel's roofline terms
+    (``_terms``; ``roofline_ms``, its work spread evenly over every SM), its time as its launches run
+    (``launch_schedule`` over ``launches``: whole programs, one program's time the roofline's spread over
+    the tiles; ``slot_share`` the slots' busy share) and, added to it (``ms``), the order kernel's that
+    runs before it (``order_ms``; its DRAM time where its compile is missing): before the forward only,
+    the backward takes the forward's order and records (``dsa_triton`` keeps them for it; ``order_ms`` 0)."""
     row = _terms(cost, chip, pass_)
+    streams = launches(grid, window, bound, pass_, pairs)
+    slots = chip.sms * (cost.blocks_per_sm or 1)
+    program = row["ms"] / 1e3 * slots * pairs / sum(map(sum, streams))
+    row["roofline_ms"], row["ms"] = row["ms"], 1e3 * launch_schedule(program, streams, slots) / pairs
+    row.update(launches=sum(map(len, streams)), streams=len(streams), pairs=pairs,
+               slot_share=row["roofline_ms"] / row["ms"])
     order = order_cost(grid, window, head_dim, bound)
     if pass_ != "fwd":
         order_s = 0.0
@@ -263,23 +316,24 @@ def fused_pass(cost: Cost, grid, window, head_dim: int, bound: float, chip: Chip
 
 
 def fused_compiled(grid, window, head_dim: int, bound: float, chip: Chip = CHIPS[0],
-                   offsets: str = "uniform") -> dict | None:
+                   offsets: str = "uniform", pairs: int = PAIRS) -> dict | None:
     """The compiled fused halo-dense forward and backward (their sm_90 compiles' issue slots, not a run)
-    for one head beside FlashAttention-3: ``{"passes", "dsa_ms", "fa3_ms", "ratio"}``; None where the
-    issue table lacks either compile."""
+    per head of a call of ``pairs`` (batch, head) pairs, beside FlashAttention-3: ``{"passes", "dsa_ms",
+    "fa3_ms", "ratio"}``; None where the issue table lacks either compile."""
     fwd = fused_fwd_cost(grid, window, head_dim, bound, offsets)
     bwd = fused_bwd_cost(grid, window, head_dim, bound, offsets)
     if fwd is None or bwd is None:
         return None
-    passes = {p: fused_pass(c, grid, window, head_dim, bound, chip, p) for p, c in (("fwd", fwd), ("bwd", bwd))}
+    passes = {p: fused_pass(c, grid, window, head_dim, bound, chip, p, pairs) for p, c in (("fwd", fwd), ("bwd", bwd))}
     fa3 = {p: 1e3 * v for p, v in fa3_seconds(math.prod(grid), head_dim, chip).items()}
     dsa = {"fwd": passes["fwd"]["ms"], "bwd": passes["bwd"]["ms"]}
     dsa["total"], fa3["total"] = dsa["fwd"] + dsa["bwd"], fa3["fwd"] + fa3["bwd"]
-    return {"how": "the Gluon kernels' sm_90 compiles (not yet run)", "offsets": offsets, "passes": passes, "dsa_ms": dsa,
+    return {"how": "the Gluon kernels' sm_90 compiles (not yet run)", "offsets": offsets, "pairs": pairs,
+            "passes": passes, "dsa_ms": dsa,
             "fa3_ms": fa3, "ratio": fa3["total"] / dsa["total"]}
 
 
-def halo_dense_design(grid, window, head_dim: int, bound: float, chip: Chip = CHIPS[0]) -> dict:
+def halo_dense_design(grid, window, head_dim: int, bound: float, chip: Chip = CHIPS[0], pairs: int = PAIRS) -> dict:
     """The design estimate of the fused halo-dense forward and backward (``kernels/dsa_halo_dense``)
     for one head, beside FlashAttention-3: the mirror's work counts priced with
     ``DESIGN_ASSUMPTIONS``. Per pass: tensor-core time plus issue time (one block per SM: the
@@ -306,7 +360,7 @@ def halo_dense_design(grid, window, head_dim: int, bound: float, chip: Chip = CH
     for pass_, compiled in (("fwd", fused_fwd_cost(grid, window, head_dim, bound)),
                             ("bwd", fused_bwd_cost(grid, window, head_dim, bound))):
         if compiled is not None:  # the Gluon kernel exists: its compile, not the assumptions
-            rows[pass_] = {**fused_pass(compiled, grid, window, head_dim, bound, chip, pass_),
+            rows[pass_] = {**fused_pass(compiled, grid, window, head_dim, bound, chip, pass_, pairs),
                            "how": "the Gluon kernel's sm_90 compile (not yet run)"}
     fa3 = {p: 1e3 * v for p, v in fa3_seconds(N, head_dim, chip).items()}
     dsa = {"fwd": rows["fwd"]["ms"], "bwd": rows["bwd"]["ms"]}

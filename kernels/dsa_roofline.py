@@ -28,6 +28,7 @@ class Chip:
     l2_atomic: float  # B/s of fp32 reductions into L2 (assumed)
     issue: float  # lane instructions per second (4 schedulers x 32 lanes per SM and clock)
     l2: float = 5.5e12  # B/s of reads served by L2 (assumed, as the reductions)
+    sms: int = 132  # streaming multiprocessors (the slots a launch's blocks take in waves)
 
 
 CHIPS = (

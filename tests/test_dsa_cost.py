@@ -260,7 +260,11 @@ def test_the_fused_forward_is_priced_from_its_compile():
     _spans_credited(entry, cost, grid, cx, tiles)
     d = halo_dense_design(grid, window, 128, 1.5)
     order = order_cost(grid, window, 128, 1.5)
-    assert d["passes"]["fwd"]["kernel_ms"] == pytest.approx(1e3 * cost.seconds(CHIPS[0])["seconds"])
+    roof = cost.seconds(CHIPS[0])["seconds"]
+    assert d["passes"]["fwd"]["roofline_ms"] == pytest.approx(1e3 * roof)
+    # one launch of every tile and head (40): whole waves of 132 programs, one program the roofline spread over the tiles
+    waves = -(-len(tiles) * 40 // 132)
+    assert d["passes"]["fwd"]["kernel_ms"] == pytest.approx(1e3 * (waves * roof * 132 / len(tiles) + 2e-6) / 40)
     assert d["passes"]["fwd"]["order_ms"] == pytest.approx(1e3 * order.seconds(CHIPS[0])["seconds"])
     assert d["passes"]["fwd"]["ms"] == pytest.approx(d["passes"]["fwd"]["kernel_ms"] + d["passes"]["fwd"]["order_ms"])
     assert fused_fwd_cost(grid, (3, 5, 5), 128, 1.5) is None  # compiled at the Wan shape only
@@ -341,8 +345,14 @@ def test_the_fused_backward_is_priced_from_its_compile(capsys):
     halo keys and frame (and two more a tile); the design row's backward is this row, and the command line reports the
     compiled forward and backward against FA3 (JSON key ``fused``)."""
     from kernels.dsa_cost import issue_key, issue_table, main
-    from kernels.dsa_fused_cost import fused_bwd_cost, fused_compiled, fused_fwd_cost, halo_dense_design, order_cost
-    from kernels.dsa_gluon_halo import BWD_SAMPLE_CHUNK, gluon_halo_constexprs
+    from kernels.dsa_fused_cost import (
+        fused_bwd_cost,
+        fused_compiled,
+        halo_dense_design,
+        launch_schedule,
+        order_cost,
+    )
+    from kernels.dsa_gluon_halo import BWD_SAMPLE_CHUNK, gluon_halo_constexprs, phase_launches
     from kernels.dsa_halo_dense import halo_tiles
 
     grid, window = (5, 16, 24), (3, 7, 7)
@@ -367,17 +377,44 @@ def test_the_fused_backward_is_priced_from_its_compile(capsys):
     assert all(lanes == 0 for _, lanes, _ in serial)  # ptxas serialized the dots: nothing overlaps them
     d = halo_dense_design(grid, window, 128, 1.5)
     order_ms = 1e3 * order_cost(grid, window, 128, 1.5).seconds(CHIPS[0])["seconds"]
-    # the backward takes the forward's order and records: no order kernel before it
-    assert d["passes"]["bwd"]["ms"] == pytest.approx(1e3 * cost.seconds(CHIPS[0])["seconds"])
-    assert d["passes"]["bwd"]["order_ms"] == 0 < order_ms
+    # the backward takes the forward's order and records: no order kernel before it; its colour phases, two
+    # groups of 20 heads on two streams, as launch_schedule runs them
+    bwd = d["passes"]["bwd"]
+    roof = cost.seconds(CHIPS[0])["seconds"]
+    assert bwd["roofline_ms"] == pytest.approx(1e3 * roof) and bwd["order_ms"] == 0 < order_ms
+    phases = [n for *_, n in phase_launches(grid, window, 1.5)[1]]
+    streams = [[20 * n for n in phases]] * 2
+    assert bwd["ms"] == bwd["kernel_ms"] == pytest.approx(
+        1e3 * launch_schedule(roof * 132 / len(tiles), streams, 132) / 40)
+    assert bwd["launches"] == 2 * len(phases) and bwd["roofline_ms"] < bwd["ms"]
     assert fused_bwd_cost(grid, (3, 5, 5), 128, 1.5) is None  # compiled at the Wan shape only
     both = fused_compiled(grid, window, 128, 1.5)
-    fwd_ms = 1e3 * fused_fwd_cost(grid, window, 128, 1.5).seconds(CHIPS[0])["seconds"] + order_ms
-    assert both["dsa_ms"]["total"] == pytest.approx(fwd_ms + d["passes"]["bwd"]["ms"])
+    assert both["dsa_ms"]["total"] == pytest.approx(d["passes"]["fwd"]["ms"] + bwd["ms"])
     assert both["ratio"] == pytest.approx(both["fa3_ms"]["total"] / both["dsa_ms"]["total"])
     assert main(["--grid", "5x16x24", "--window", "3x7x7", "--bound", "1.5", "--json"]) == 0
     cli = json.loads(capsys.readouterr().out)["fused"]
     assert cli["dsa_ms"] == pytest.approx(both["dsa_ms"]) and cli["ratio"] == pytest.approx(both["ratio"])
+    assert main(["--grid", "5x16x24", "--window", "3x7x7", "--bound", "1.5", "--heads", "4", "--json"]) == 0
+    few = json.loads(capsys.readouterr().out)["fused"]  # 4 heads: one stream, its phases' programs leave slots idle
+    assert few["pairs"] == 4 and few["passes"]["bwd"]["streams"] == 1 and few["ratio"] < both["ratio"]
+    with pytest.raises(SystemExit):
+        main(["--heads", "0"])
+
+
+def test_the_launch_schedule_takes_whole_programs_and_overlaps_only_other_streams():
+    """``launch_schedule``: one stream's launches end in whole waves (a launch of 5 programs on 4 slots takes
+    two program times, the next starts after it and the gap); a second stream's programs take the slots a
+    partial wave leaves; nothing starts before its stream's previous launch ended."""
+    from kernels.dsa_fused_cost import launch_schedule
+
+    assert launch_schedule(1.0, [[5, 5]], 4, gap=0.0) == 4.0  # 2 + 2 waves: 3 slot-times idle in each
+    assert launch_schedule(1.0, [[5, 5]], 4, gap=0.5) == 5.0  # the gap before each launch
+    assert launch_schedule(1.0, [[4, 4]], 4, gap=0.0) == 2.0
+    # two streams of 5 + 5: the first launches share the 4 slots (the earlier-ready first), 20 programs in
+    # 5 program times, as if one stream of 20
+    assert launch_schedule(1.0, [[5, 5], [5, 5]], 4, gap=0.0) == 5.0
+    assert launch_schedule(1.0, [[3], [3]], 4, gap=0.0) == 2.0  # 6 programs on 4 slots
+    assert launch_schedule(2.0, [[1, 1, 1]], 8, gap=0.0) == 6.0  # a chain: slots to spare do not shorten it
 
 
 def test_the_order_kernel_is_priced_from_its_compile_and_added_to_the_fused_forward():
@@ -403,7 +440,7 @@ def test_the_order_kernel_is_priced_from_its_compile_and_added_to_the_fused_forw
     assert fwd.l2_bytes == 2 * sum(walk_trips(grid, tuple(sorted(cx.items())), 1.5)) * 64 * cx["JC"] * RECORD_BYTES
     both = fused_compiled(grid, window, 128, 1.5)
     row = both["passes"]["fwd"]
-    assert row["kernel_ms"] == pytest.approx(1e3 * fused_fwd_cost(grid, window, 128, 1.5).seconds(CHIPS[0])["seconds"])
+    assert row["roofline_ms"] == pytest.approx(1e3 * fused_fwd_cost(grid, window, 128, 1.5).seconds(CHIPS[0])["seconds"])
     assert row["order_ms"] == pytest.approx(1e3 * cost.seconds(CHIPS[0])["seconds"]) and row["order_ms"] > 0
     assert row["ms"] == pytest.approx(row["kernel_ms"] + row["order_ms"])
     assert both["passes"]["bwd"]["order_ms"] == 0 and both["passes"]["bwd"]["ms"] == both["passes"]["bwd"]["kernel_ms"]

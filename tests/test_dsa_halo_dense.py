@@ -271,6 +271,7 @@ def test_the_backward_first_use_check_passes_a_right_kernel_and_catches_a_wrong_
 
     monkeypatch.setattr(G, "CHECK_SHAPE", (1, 3, 12, 12, 1, 128))  # two tiles a side: small enough for a CPU
     monkeypatch.setattr(G, "sample_walks", lambda *a: None)  # the order kernel is a GPU kernel (the check passes its walks)
+    monkeypatch.setattr(G, "CHECK_BWD_HEADS", 1)
     for fn, verdict in ((_mirror_backward, None), (dk_off, "dk: err"), (broken, "illegal memory")):
         monkeypatch.setattr(G, "halo_dense_backward", fn)
         monkeypatch.setattr(G, "_CHECKED_BWD", {})
@@ -303,31 +304,43 @@ def test_fused_mode_takes_the_fused_backward_only_where_it_may(monkeypatch):
     assert asked == ["backward"]
 
 
-def test_the_fused_backward_takes_the_forwards_sample_order_and_records(monkeypatch):
-    """A training step through ``dsa_triton`` in fused mode writes the walks' order and records once: the
-    forward's, kept for the backward (its kernel launches read the very tensors the forward's did), unless
-    ``keep_walks`` is False; a backward handed walks written for another bound (or none) writes its own."""
-    pytest.importorskip("triton")
+def _stub_fused_pair(monkeypatch, read: list, written: list):
+    """The fused pair's Gluon kernels and the order kernel stood in for (a CPU runs none of them): each kernel
+    launch notes its grid and where its q, records and order views start; the order kernel notes its bound
+    and returns zeros of the real shapes."""
     import kernels.dsa_gluon_halo as G
     import kernels.dsa_order as O
     import kernels.dsa_triton as DT
-    from kernels import KernelModes
-
-    written, read = [], []
 
     def order_kernel(offsets, window, bound, tile):
         written.append(bound)
-        return torch.zeros(1, dtype=torch.int8), torch.zeros(1, dtype=torch.int32)
+        B, T, H, W, nh, K, _ = offsets.shape
+        return (torch.zeros((B, T, H, W, nh, 3, 64), dtype=torch.int8),
+                torch.zeros((B, T, H, W, nh, 3, K // 3, 4), dtype=torch.int32))
 
-    class Stub:  # stands in for a Gluon kernel (``kernel[grid](...)``): notes the order and records it reads
+    class Stub:  # stands in for a Gluon kernel (``kernel[grid](...)``)
         def __getitem__(self, grid):
-            return lambda q, k, v, records, order, *a, **kw: read.append((records, order))
+            return lambda q, k, v, rec, order, *a, **kw: read.append((grid, q.data_ptr(), rec.data_ptr(),
+                                                                      order.data_ptr(), a[-6:-3] if len(a) > 12 else ()))
 
     monkeypatch.setattr(O, "sample_order_kernel", order_kernel)
     monkeypatch.setattr(G, "fused_refusal", lambda *a: None)
     monkeypatch.setattr(G, "halo_dense_kernel", Stub)
     monkeypatch.setattr(G, "halo_dense_bwd_kernel", Stub)
     monkeypatch.setattr(DT, "_check_launch", lambda *a: None)  # CUDA tensors, compiled: stood in for here
+
+
+def test_the_fused_backward_takes_the_forwards_sample_order_and_records(monkeypatch):
+    """A training step through ``dsa_triton`` in fused mode writes the walks' order and records once: the
+    forward's, kept for the backward (its kernel launches read the very memory the forward's did), unless
+    ``keep_walks`` is False; a backward handed walks written for another bound (or none) writes its own."""
+    pytest.importorskip("triton")
+    import kernels.dsa_gluon_halo as G
+    import kernels.dsa_triton as DT
+    from kernels import KernelModes
+
+    written, read = [], []
+    _stub_fused_pair(monkeypatch, read, written)
     shape = (1, 3, 8, 8, 1, 128)
     q, k, v = (torch.zeros(shape, dtype=torch.bfloat16, requires_grad=True) for _ in range(3))
     off = torch.zeros(*shape[:5], 147, 3, dtype=torch.bfloat16, requires_grad=True)
@@ -335,7 +348,7 @@ def test_the_fused_backward_takes_the_forwards_sample_order_and_records(monkeypa
     out.float().sum().backward()
     assert written == [1.5]  # once, by the forward
     phases = len(G.phase_launches(shape[1:4], (3, 7, 7), 1.5)[1])
-    assert len(read) == 1 + phases and all(r[0] is read[0][0] and r[1] is read[0][1] for r in read)
+    assert len(read) == 1 + phases and len({r[2:4] for r in read}) == 1  # every launch reads the forward's
     assert off.grad is not None and off.grad.shape == off.shape
     out = DT.dsa_triton(q, k, v, off, (3, 7, 7), max_offset=1.5, modes=KernelModes(halo="fused", keep_walks=False))
     out.float().sum().backward()
@@ -344,11 +357,36 @@ def test_the_fused_backward_takes_the_forwards_sample_order_and_records(monkeypa
         KernelModes(keep_walks="yes")
 
     written.clear()
-    read.clear()
     walks = G.sample_walks(off.detach(), (3, 7, 7), 1.0)  # written for another bound: not taken
-    G.halo_dense_backward(q.detach(), k.detach(), v.detach(), off.detach(), q.detach(), q.detach(), None, (3, 7, 7),
-                          0.1, 1.5, walks=walks)
-    assert written == [1.0, 1.5] and all(r[0] is not walks[2] for r in read)
+    x = q.detach()
+    G.halo_dense_backward(x, x, x, off.detach(), x, x, torch.zeros(1, 1, 192), (3, 7, 7), 0.1, 1.5, walks=walks)
+    assert written == [1.0, 1.5]
+
+
+@pytest.mark.parametrize("heads", [1, 8, 12, 40])
+def test_the_backward_launches_each_group_of_heads_through_every_phase_in_order(monkeypatch, heads):
+    """The backward's launches with its heads in groups (``head_groups``: one stream each on a GPU): the
+    groups split the heads at multiples of 4 (views as aligned as the tensors), each group goes through
+    every colour phase once and in order, and every (head, phase) is launched once."""
+    pytest.importorskip("triton")
+    import kernels.dsa_gluon_halo as G
+
+    groups = G.head_groups(heads)
+    assert [h for g in groups for h in range(*g)] == list(range(heads))
+    assert all(h0 % 4 == 0 for h0, _ in groups) and len(groups) == (2 if heads >= 8 else 1)
+    read = []
+    _stub_fused_pair(monkeypatch, read, [])
+    grid, shape = (3, 9, 17), (1, 3, 9, 17, heads, 128)
+    x = torch.zeros(shape, dtype=torch.bfloat16)
+    off = torch.zeros(*shape[:5], 147, 3, dtype=torch.bfloat16)
+    G.halo_dense_backward(x, x, x, off, x, x, torch.zeros(1, heads, 3 * 9 * 17), (3, 7, 7), 0.1, 1.5)
+    phases = G.phase_launches(grid, (3, 7, 7), 1.5)[1]
+    seen = {}
+    for (tiles, n), q_ptr, *_, phase in read:
+        h0 = (q_ptr - x.data_ptr()) // (128 * 2)
+        seen.setdefault((h0, n), []).append((*phase, tiles))
+    assert sorted(seen) == sorted((h0, h1 - h0) for h0, h1 in groups)
+    assert all(got == [tuple(p) for p in phases] for got in seen.values())
 
 
 def test_the_sample_order_puts_each_frames_samples_in_one_run():

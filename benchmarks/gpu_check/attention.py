@@ -60,7 +60,7 @@ def predicted_ms(kind: str, grid, window, nh: int, d: int) -> tuple[float, float
         b = C.call_breakdown(grid, window, d, bound, far_share=SPLIT_FAR_SHARE)
         fused = [F.fused_fwd_cost(grid, window, d, 1.5), F.fused_bwd_cost(grid, window, d, 1.5)] \
             if kind == "dsa_fused" else [None, None]
-        return tuple(nh * (F.fused_pass(c, grid, window, d, 1.5, chip, p)["ms"] if c is not None else b["dsa_ms"][p])
+        return tuple(nh * (F.fused_pass(c, grid, window, d, 1.5, chip, p, nh)["ms"] if c is not None else b["dsa_ms"][p])
                      for c, p in zip(fused, ("fwd", "bwd")))  # the fused kernels with their order kernel
     gather_fwd, gather_atomic = C.gather_costs(N, window, d)
     query, key = C.pull_costs(grid, window, d, 1.5)
