@@ -135,6 +135,8 @@ def failed_run(tmp_path_factory):
     return root, ran, env
 
 
+@pytest.mark.slow  # 38 s: a CLI run that fails at step 6, run by CI every time (core); the refusals before Ray stay in the default run
+@pytest.mark.core
 def test_an_error_after_ray_started_is_one_message_and_the_newer_state_is_kept(failed_run):
     root, ran, _ = failed_run
     assert ran.rc == 1, ran.err[-3000:]

@@ -180,6 +180,8 @@ def assert_close(got, want, rtol=1e-6):
         assert rel < rtol, f"shard {i}: relative difference {rel:.2e}"
 
 
+@pytest.mark.slow  # 14 s of Ray drill, run by CI every time (core): the object-ref equality test above stays in the default run
+@pytest.mark.core
 def test_two_nodes_equal_one_node_of_the_same_global_batch(two, tmp_path):
     manifest, batches = two
     cfg1 = config(manifest, tmp_path, **{"data.batch_size": 2})
@@ -255,6 +257,8 @@ def test_a_two_node_checkpoint_resumes_on_one_node_and_back(two, tmp_path):
         run.close()
 
 
+@pytest.mark.slow  # 12 s of Ray drill, run by CI every time (core): the default run stays under 10 minutes
+@pytest.mark.core
 def test_a_lost_node_stops_the_run_with_the_resume_command(two, tmp_path):
     manifest, batches = two
     cfg2 = config(manifest, tmp_path, **{"data.batch_size": 1, "runtime.nodes": 2})

@@ -19,7 +19,7 @@ from megaslide_ray.state.segments import map_segment
 from megaslide_ray.training.schedule import clip_coefficient, lr_at
 
 
-@pytest.mark.slow  # 31 s: the default run keeps the store cut inside a shard (CI's core drills: the fault matrix)
+@pytest.mark.slow  # 31 s: a Ray drill (CI: the store cut inside a shard below runs every time, with the fault matrix)
 def test_store_killed_between_steps_changes_nothing(ray_session, small_config, tmp_path):
     cfg = small_config(**{"training.steps": 4,
                                       "optim.grad_clip": 0.05})
@@ -209,6 +209,8 @@ def test_object_ref_report_for_the_wrong_step_does_not_touch_w(cfg, tmp_path):
         store.close()
 
 
+@pytest.mark.slow  # 26 s of Ray drill, run by CI every time (core); the default run keeps the store-level cut tests above
+@pytest.mark.core
 def test_store_cut_inside_a_shard_stops_training_with_a_clear_error(ray_session, small_config, tmp_path):
     cfg = small_config(**{"training.steps": 3})
     trainer = Trainer(cfg, run_dir=str(tmp_path / "run"), progress=False)
