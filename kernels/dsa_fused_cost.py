@@ -164,19 +164,30 @@ def _fused_work(kernel: str, grid, window, head_dim: int, bound: float, cx: dict
     every = [sum(n * sum(f[jt] for f in seq) for seq, n in per_tile) for jt in range(KT)]
     first = [sum(n * seq[0][jt] for seq, n in per_tile) for jt in range(KT)]
     ahead = len(loops) - len(outer)  # the walks from here on run a frame ahead
-    runs = [(size, every[i % KT] - (first[i % KT] if i >= ahead else 0)) for i, size in enumerate(loops)]
-    runs += [(size, first[i % KT]) for i, size in enumerate(outer)]
-    walks = sum(size * n for size, n in runs)
+    trips = [every[i % KT] - (first[i % KT] if i >= ahead else 0) for i in range(len(loops))]
+    trips += [first[i % KT] for i in range(len(outer))]
+
+    def issued(depths: dict, walk_loops: list, outer_walks: list) -> float:
+        """What one thread runs over every tile of counts per loop level (instructions, or barriers):
+        outside the frame loops once a tile, the frame loops' own once a frame (less the walks before them),
+        each walk once per chunk of its trips."""
+        frame_code = depths.get("1", 0) - sum(outer_walks)
+        return (len(tiles) * depths.get("0", 0) + frames * frame_code
+                + sum(size * n for size, n in zip([*walk_loops, *outer_walks], trips)))
+
     # every chunk reads a record per lane: from L2 (a tile's records, ~150 KB, do not stay in the L1 left
     # beside the shared memory; their first read from DRAM is in ``walk_bytes``)
-    records = sum(n for _, n in runs) * 64 * cx["JC"] * RECORD_BYTES
-    frame_code = entry["depths"].get("1", 0) - sum(outer)  # the walks before the frame loops are counted above
+    records = sum(trips) * 64 * cx["JC"] * RECORD_BYTES
+    bars = entry.get("barriers")
+    if bars is None:
+        raise ValueError(f"{kernel}: no barrier counts in the issue table: rerun `python -m benchmarks.gpu_check.issue_table`")
+    barriers = issued(bars["depths"], bars["loops"].get("2", []), bars["outer_walks"])  # a block's, summed over tiles
     walks_at = {False: frame_trips(tuple(grid), cx_items, float(bound), offsets),
                 True: frame_trips(tuple(grid), cx_items, float(bound), offsets, ahead=True)}
     # the dots before the frame loops (a pass's first chunks): each loads a 64-row chunk of K or V too
     first_chunks = len(tiles) * sum(f for d, _, f, _ in entry.get("mma_groups", []) if d == 0) * entry["warps"] // 4
-    return (entry, frames, len(tiles) * entry["depths"].get("0", 0) + frames * frame_code + walks, records,
-            _overlap(entry, len(tiles), frames, walks_at, ahead, KT), first_chunks // (2 * 64 * 64 * head_dim))
+    return (entry, frames, issued(entry["depths"], loops, outer), records,
+            _overlap(entry, len(tiles), frames, walks_at, ahead, KT), first_chunks // (2 * 64 * 64 * head_dim), barriers)
 
 
 def _overlap(entry: dict, tiles: int, frames: int, walks_at: dict, ahead: int, KT: int) -> tuple:
@@ -215,12 +226,13 @@ def fused_fwd_cost(grid, window, head_dim: int, bound: float, offsets: str = "un
     cx = gluon_halo_constexprs(head_dim, window, bound)
     if (work := _fused_work("fused_fwd", grid, window, head_dim, bound, cx, offsets)) is None:
         return None
-    entry, frames, per_thread, records, overlap, first_chunks = work
+    entry, frames, per_thread, records, overlap, first_chunks, barriers = work
     N, K = math.prod(grid), math.prod(window)
     return Cost("fused_fwd", N, K, head_dim, 0.0, tc_flops=sum(n * flops for n, _, flops in overlap),
                 dram_bytes=N * (4 * head_dim * 2 + walk_bytes(window)),
                 l1_bytes=(frames * cx["NCH"] * 2 + first_chunks) * 64 * head_dim * 2, atomic_bytes=0.0, l2_bytes=records,
-                issue=32 * GLUON_WARPS * per_thread, blocks_per_sm=entry.get("blocks_per_sm"), overlap=overlap)
+                issue=32 * GLUON_WARPS * per_thread, blocks_per_sm=entry.get("blocks_per_sm"), overlap=overlap,
+                barriers=barriers)
 
 
 def fused_bwd_cost(grid, window, head_dim: int, bound: float, offsets: str = "uniform") -> Cost | None:
@@ -235,14 +247,15 @@ def fused_bwd_cost(grid, window, head_dim: int, bound: float, offsets: str = "un
     cx = dict(gluon_halo_constexprs(head_dim, window, bound), JC=BWD_SAMPLE_CHUNK)
     if (work := _fused_work("fused_bwd", grid, window, head_dim, bound, cx, offsets)) is None:
         return None
-    entry, frames, per_thread, records, overlap, first_chunks = work
+    entry, frames, per_thread, records, overlap, first_chunks, barriers = work
     N, K, d = math.prod(grid), math.prod(window), head_dim
     chunks = frames * cx["NCH"]
     return Cost("fused_bwd", N, K, d, 0.0, tc_flops=sum(n * flops for n, _, flops in overlap),
                 dram_bytes=N * (6 * d * 2 + 2 * (d * 4 * 2 + d * 2) + K * 3 * (4 * 2 + 2) + walk_bytes(window)),
                 l1_bytes=chunks * 64 * d * (3 * 2 + 2 * 2 * 4) + first_chunks * 64 * d * 2, atomic_bytes=0.0,
                 l2_bytes=records,
-                issue=32 * GLUON_WARPS * per_thread, blocks_per_sm=entry.get("blocks_per_sm"), overlap=overlap)
+                issue=32 * GLUON_WARPS * per_thread, blocks_per_sm=entry.get("blocks_per_sm"), overlap=overlap,
+                barriers=barriers)
 
 
 PAIRS = 40

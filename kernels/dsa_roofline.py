@@ -29,6 +29,13 @@ class Chip:
     issue: float  # lane instructions per second (4 schedulers x 32 lanes per SM and clock)
     l2: float = 5.5e12  # B/s of reads served by L2 (assumed, as the reductions)
     sms: int = 132  # streaming multiprocessors (the slots a launch's blocks take in waves)
+    clock: float = 1.98e9  # boost clock, Hz
+
+
+BARRIER_CYCLES = 20
+"""Cycles a block-wide barrier (``bar.sync``) holds its block's warps: the warps' last shared-memory
+operations performed and the release, with the warps arriving together. An assumption (no GPU has measured
+it here); warps that arrive apart add their skew. At one resident block per SM nothing issues meanwhile."""
 
 
 CHIPS = (
@@ -107,6 +114,7 @@ class Cost:
     l2_bytes: float = 0.0  # reads served by L2 (data re-read past what L1 holds beside the shared memory)
     overlap: tuple = ()  # asynchronous dots: ``(times, lanes, flops)``, a group of ``flops`` running ``times``
     # while its warps issue ``lanes`` lane instructions (``benchmarks.gpu_check.compile.mma_groups``)
+    barriers: float = 0.0  # block-wide barriers the launch's blocks pass, summed over blocks (``compile.barriers``)
 
     def hidden_seconds(self, chip: Chip) -> float:
         """The time the asynchronous dots and the instructions issued meanwhile overlap: per group the
@@ -117,8 +125,9 @@ class Cost:
         """The roofline time: the largest term. A kernel with tensor-core dots adds ``issue+tc``: the warps
         that issue a ``wgmma`` wait for it, so beyond what they issue before that wait (``overlap``,
         nothing for a synchronous dot) only other resident blocks overlap a block's dots with
-        instructions: at best ``(lanes + tc - overlap) / blocks`` per SM; at one block per SM (or where the
-        occupancy is unknown) the two add up, less the overlap."""
+        instructions: at best ``(lanes + tc - overlap + barriers) / blocks`` per SM; at one block per SM (or
+        where the occupancy is unknown) the two add up, less the overlap, plus the time the block's warps
+        wait at its barriers (``BARRIER_CYCLES`` each; counted where the compile's are known)."""
         lanes = {"fma": self.fma_flops / chip.fp32} if self.issue is None else {"issue": self.issue / chip.issue}
         hidden = self.hidden_seconds(chip)
         parts = {**lanes, "tc": self.tc_flops / chip.bf16_tc,
@@ -126,8 +135,11 @@ class Cost:
                  "atomics": self.atomic_bytes / chip.l2_atomic}
         if self.l2_bytes:
             parts["l2"] = self.l2_bytes / chip.l2
+        if self.barriers:  # each holds its SM's warps; other resident blocks issue meanwhile
+            parts["barriers"] = self.barriers * BARRIER_CYCLES / (chip.clock * chip.sms)
         if self.tc_flops:
-            parts["issue+tc"] = (next(iter(lanes.values())) + parts["tc"] - hidden) / max(1, self.blocks_per_sm or 1)
+            parts["issue+tc"] = (next(iter(lanes.values())) + parts["tc"] - hidden
+                                 + parts.get("barriers", 0.0)) / max(1, self.blocks_per_sm or 1)
         bound = max(parts, key=parts.get)
         extra = {"overlap_s": hidden} if self.overlap else {}
         return {"seconds": parts[bound], "bound": bound, **{f"{k}_s": v for k, v in parts.items()}, **extra}

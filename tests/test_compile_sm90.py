@@ -43,7 +43,8 @@ def test_ptxas_log_and_ptx_are_read():
     assert aot.parse_ptxas_log(PTXAS_LOG) == {"regs": 255, "stack": 696, "spill_stores": 824, "spill_loads": 700}
     got = aot.count_ptx(PTX)
     assert got == {"wgmma": 1, "mma_sync": 1, "dot": "wgmma", "wgmma_not_16bit": 0, "atomics_f32": 2,
-                   "loop_instr": {0: 5}, "guarded": {}, "loops": {}, "mma_groups": [], "outer_walks": []}
+                   "loop_instr": {0: 5}, "guarded": {}, "loops": {}, "mma_groups": [], "outer_walks": [],
+                   "barriers": {"depths": {}, "loops": {}, "outer_walks": []}}
     tf32 = PTX.replace("m64n128k16.f32.bf16.bf16", "m64n128k8.f32.tf32.tf32")
     assert aot.count_ptx(tf32)["wgmma_not_16bit"] == 1
     serialized = PTXAS_LOG + ("ptxas info    : (C7515) Potential Performance Loss: wgmma.mma_async instructions "
@@ -237,6 +238,42 @@ def test_a_dot_that_runs_over_a_nested_loop_counts_the_loop_apart():
     assert aot.loop_bodies(SPANNING_PTX) == {1: [11], 2: [3]}
     assert aot.inner_loops(SPANNING_PTX, 2) == [3] and aot.inner_loops(SPANNING_PTX, 1) == []  # it holds one
     assert aot.inner_loops(LOOPS_PTX, 2) == [3] and aot.inner_loops(GUARDED_PTX, 1) == [11]
+
+
+BARRIERS_PTX = """
+	bar.sync 	0;
+	mov.b32 	%r1, 0;
+	bra.uni 	$L__BB0_1;
+$L__BB0_3:                              //   in Loop: Header=BB0_1 Depth=1
+	bar.sync 	0;
+	add.s32 	%r1, %r1, 1;
+	@!%p2 bra 	$L__BB0_4;
+$L__BB0_1:                              // =>This Loop Header: Depth=1
+                                        //     Child Loop BB0_2 Depth 2
+	mov.b32 	%r2, 0;
+$L__BB0_2:                              //   Parent Loop BB0_1 Depth=1
+                                        // =>  This Inner Loop Header: Depth=2
+	st.shared.b32 	[%r3], %r4;
+	bar.sync 	0;
+	ld.shared.b32 	%r4, [%r3];
+	barrier.sync 	0;
+	@%p1 bra 	$L__BB0_2;
+// %bb.5:                               //   in Loop: Header=BB0_1 Depth=1
+	bra.uni 	$L__BB0_3;
+$L__BB0_4:
+	ret;
+"""
+
+
+def test_the_barriers_are_counted_where_the_instructions_are():
+    """``barriers``: the block-wide barriers by loop depth, per nested loop and per walk before the frame
+    loops, in the same places ``loop_instructions``, ``loop_bodies`` and ``inner_loops`` count instructions
+    (a fall-through block without a barrier still opens its loop's count); the cost model prices each."""
+    got = aot.barriers(BARRIERS_PTX)
+    assert got == {"depths": {0: 1, 1: 1, 2: 2}, "loops": {2: [2]}, "outer_walks": []}
+    assert aot.loop_instructions(BARRIERS_PTX) == {0: 4, 1: 5, 2: 5}
+    assert aot.barriers(LOOPS_PTX) == {"depths": {}, "loops": {2: [0]}, "outer_walks": []}
+    assert aot.barriers(GUARDED_PTX)["outer_walks"] == [0]  # one walk before the frame loops, no barrier in it
 
 
 def test_a_variant_listed_at_two_shapes_is_compiled_once(monkeypatch):

@@ -134,6 +134,20 @@ def test_cli_design_prices_the_mirrors_work(capsys):
         main(["--bound", "-1", "--far-share", "0.06", "--design"])
 
 
+def _barriers_priced(entry, cost, tiles, grid, cx) -> None:
+    """A fused kernel's block-wide barriers: the compile's counts per loop level walked as its instructions
+    are (``_walked``), each holding its SM for ``BARRIER_CYCLES`` (one resident block), added to the dots
+    and the issue."""
+    from kernels.dsa_roofline import BARRIER_CYCLES
+
+    bars = entry["barriers"]
+    assert bars["depths"]["1"] > 0 and sum(bars["loops"]["2"]) > 0  # the frame loops and the walks both have some
+    assert cost.barriers == _walked({**entry, **bars}, tiles, grid, cx)
+    t = cost.seconds(CHIPS[0])
+    assert t["barriers_s"] == pytest.approx(cost.barriers * BARRIER_CYCLES / (1.98e9 * 132))
+    assert t["issue+tc_s"] == pytest.approx(t["issue_s"] + t["tc_s"] - t["overlap_s"] + t["barriers_s"])
+
+
 def _walked(entry, tiles, grid, cx, bound=1.5) -> int:
     """What one thread of a fused kernel issues, walked tile by tile and frame by frame as the kernel runs:
     per tile the code outside the frame loops, per halo frame the frame loops' own code, and per window
@@ -252,6 +266,7 @@ def test_the_fused_forward_is_priced_from_its_compile():
     frames = sum(t.halo_shape[0] for t in tiles)
     cost = fused_fwd_cost(grid, window, 128, 1.5)
     assert cost.issue == 256 * _walked(entry, tiles, grid, cx)
+    _barriers_priced(entry, cost, tiles, grid, cx)
     # the compile's dots: two per chunk and frame, and each tile's first three chunks of S before its frame
     # loop (every frame starts the next frame's first three while it walks its samples: the last's unused)
     assert cost.tc_flops == 4 * 64 * cx["NCH"] * 64 * 128 * frames + 3 * 2 * 64 * 64 * 128 * len(tiles)
@@ -364,6 +379,7 @@ def test_the_fused_backward_is_priced_from_its_compile(capsys):
     frames = sum(t.halo_shape[0] for t in tiles)
     cost = fused_bwd_cost(grid, window, 128, 1.5)
     assert cost.issue == 256 * _walked(entry, tiles, grid, cx)
+    _barriers_priced(entry, cost, tiles, grid, cx)
     # dP, S, dV, dQ, dK per chunk and frame, and each tile's first chunk of dP and of S before their frame loops
     assert cost.tc_flops == 5 * 2 * 64 * cx["NCH"] * 64 * 128 * frames + 2 * 2 * 64 * 64 * 128 * len(tiles)
     # passes 1 and 2: the next frame's first chunk over this frame's walks; 3 and 4: the last chunk's dots

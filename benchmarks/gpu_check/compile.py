@@ -124,6 +124,7 @@ class Record:
     loops: dict = field(default_factory=dict)  # of them, each loop's own, by depth (``loop_bodies``)
     mma_groups: list = field(default_factory=list)  # each wgmma group's [depth, overlapped instructions, flops, loops]
     outer_walks: list = field(default_factory=list)  # loops at depth 1 holding none (``inner_loops``)
+    barriers: dict = field(default_factory=dict)  # the ``bar.sync`` among them, counted as they are (``barriers``)
     constexprs: dict = field(default_factory=dict)  # the compile's constexprs (tile sizes, window, ...)
     ok: bool = False
     problems: list = field(default_factory=list)
@@ -363,6 +364,22 @@ def inner_loops(ptx: str, depth: int = 1) -> list[int]:
     return [n for key, n in _loop_sizes(blocks).items() if key[1] == depth and key in inner]
 
 
+_BARRIER = ("bar.sync", "barrier.sync", "bar.red", "barrier.red")
+
+
+def barriers(ptx: str) -> dict:
+    """The block-wide barriers (``bar.sync`` and kin: Triton puts one wherever warps hand data over in shared
+    memory, and after each ``wgmma.wait_group``) counted as the instructions are: ``{"depths": {depth:
+    count}, "loops": {depth: [each loop's own]}, "outer_walks": [each depth-1 loop holding none]}``, in
+    ``loop_instructions``', ``loop_bodies``' and ``inner_loops``' order (the PTX with every other
+    instruction left out). The cost model prices each as a stall of the block's SM."""
+    kept = [line for line in ptx.splitlines()
+            if not (s := line.strip()) or s.startswith(("//", ".", "$", "{", "}", *_BARRIER)) or _BLOCK.match(s)]
+    only = "\n".join(kept)
+    return {"depths": loop_instructions(only), "loops": {k: v for k, v in loop_bodies(only).items() if k >= 2},
+            "outer_walks": inner_loops(only, 1)}
+
+
 def count_ptx(ptx: str) -> dict:
     wgmma = len(re.findall(r"wgmma\.mma_async", ptx))
     tcgen05 = len(re.findall(r"\btcgen05\.mma", ptx))  # Blackwell's (sm_100) tensor-core MMA
@@ -372,7 +389,7 @@ def count_ptx(ptx: str) -> dict:
     return {"wgmma": wgmma, "mma_sync": mma, "dot": dot, "wgmma_not_16bit": not_16bit,
             "atomics_f32": len(_ATOMIC.findall(ptx)),
             "loop_instr": loop_instructions(ptx), "guarded": guarded_regions(ptx), "loops": loop_bodies(ptx),
-            "mma_groups": mma_groups(ptx), "outer_walks": inner_loops(ptx, 1)}
+            "mma_groups": mma_groups(ptx), "outer_walks": inner_loops(ptx, 1), "barriers": barriers(ptx)}
 
 
 def _compile_in_child(variant: Variant, cc: int, conn, cache: str) -> None:
@@ -541,7 +558,7 @@ def _compile_key(variant: Variant, arch: str) -> tuple:
 
 _MEASURED = ("regs", "spill_stores", "spill_loads", "stack", "smem", "blocks_per_sm", "dot", "wgmma", "tt_dots",
              "mma_dots", "wgmma_not_16bit", "mma_serialized", "mma_sync", "atomics_f32", "compile_s", "loop_instr",
-             "guarded", "loops", "mma_groups", "outer_walks", "ok", "problems")
+             "guarded", "loops", "mma_groups", "outer_walks", "barriers", "ok", "problems")
 
 
 def run(archs: list[str], shapes: list[AotShape], kernels: tuple[str, ...] | None = None,

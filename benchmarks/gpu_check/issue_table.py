@@ -35,7 +35,8 @@ def measure(shapes=SHAPES, kernels=None, progress=print, grids=GRIDS) -> dict:
     instructions}, "guarded": {depth: [instructions of each conditional region]}, "loops": {depth >= 2:
     [instructions of each nested loop]}, "mma_groups": [[depth, instructions issued while the group runs,
     flops per warpgroup, [nested loops]], ...], "mma_serialized" (ptxas serialized the wgmma: no overlap), "outer_walks": [instructions of each depth-1 loop holding
-    none], "blocks_per_sm"}}`` (resident blocks per SM, from registers and shared memory) for the kernels ``dsa_cost`` counts (``ISSUE_KERNELS``), compiled for sm_90
+    none], "barriers": the block-wide barriers among them, as "depths", "loops" and "outer_walks" count
+    instructions, "blocks_per_sm"}}`` (resident blocks per SM, from registers and shared memory) for the kernels ``dsa_cost`` counts (``ISSUE_KERNELS``), compiled for sm_90
     at ``shapes``."""
     import triton  # lazy: the compile imports it anyway
 
@@ -65,6 +66,9 @@ def measure(shapes=SHAPES, kernels=None, progress=print, grids=GRIDS) -> dict:
                           "loops": {str(k): v for k, v in sorted(rec.loops.items()) if k >= 2},
                           "mma_groups": rec.mma_groups, "mma_serialized": bool(rec.mma_serialized),
                           "outer_walks": rec.outer_walks,
+                          "barriers": {"depths": {str(k): v for k, v in sorted(rec.barriers["depths"].items())},
+                                       "loops": {str(k): v for k, v in sorted(rec.barriers["loops"].items())},
+                                       "outer_walks": rec.barriers["outer_walks"]},
                           "blocks_per_sm": rec.blocks_per_sm}
             if progress:
                 progress(f"{key}: {spec['num_warps']} warps, {rec.loop_instr}")
