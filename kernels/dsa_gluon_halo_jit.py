@@ -253,12 +253,18 @@ def _frame_probs(S_s, Z_s, inv, REC, ORD, off_row, q_ok, st, lo_t, f, M: gl.cons
             for r0 in range(0, n, JC):
                 wt, c00, c01, c10, c11, fy, fx, j, ok, _, _, _ = _layer_samples(rbase, a, e, r0, q_ok, f, FX, JC, smp)
                 p = Z_s[jt].gather(j, 1) * inv[:, None] * wt
-                keep = p != 0.0
-                S_s.atomic_scatter_add((p * (1.0 - fy) * (1.0 - fx)).to(gl.float16), c00, 1, mask=keep)
-                S_s.atomic_scatter_add((p * (1.0 - fy) * fx).to(gl.float16), c01, 1, mask=keep)
-                S_s.atomic_scatter_add((p * fy * (1.0 - fx)).to(gl.float16), c10, 1, mask=keep)
-                S_s.atomic_scatter_add((p * fy * fx).to(gl.float16), c11, 1, mask=keep)
+                _scatter_corners(S_s, p, fy, fx, c00, c01, c10, c11, M, JC)
     gl.barrier()
+
+
+@gluon.jit
+def _scatter_corners(S_s, p, fy, fx, c00, c01, c10, c11, M: gl.constexpr, JC: gl.constexpr):
+    """``p`` times each corner's weight added onto its 4 corners in ``S_s`` (``red.shared.add.f16``) as one
+    scatter of the 4 x ``JC`` values a row: one shared-memory write for the barrier analysis, not four."""
+    v = gl.join(gl.join(p * (1.0 - fy) * (1.0 - fx), p * (1.0 - fy) * fx), gl.join(p * fy * (1.0 - fx), p * fy * fx))
+    c = gl.join(gl.join(c00, c01), gl.join(c10, c11))
+    v = v.reshape([M, 4 * JC])
+    S_s.atomic_scatter_add(v.to(gl.float16), c.reshape([M, 4 * JC]), 1, mask=v != 0.0)
 
 
 @gluon.jit
