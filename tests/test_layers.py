@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import ast
 import fnmatch
+import functools
 import subprocess
 from pathlib import Path
 
@@ -129,8 +130,8 @@ def _targets(t: str, mods: dict[str, Path]) -> list[str]:
 def imports(name: str, path: Path, mods: dict[str, Path], dynamic: dict):
     """(imported project module, line, function-local?, line text) for every import of ``name``,
     written or listed in ``dynamic``; and the problems of its dynamic imports."""
-    tree = ast.parse(path.read_text())
-    lines = path.read_text().splitlines()
+    source = path.read_text()
+    tree, lines = _parsed(source), source.splitlines()
     is_pkg = path.name == "__init__.py"
     script_dir = not (path.parent / "__init__.py").exists()  # a folder pytest puts on sys.path (tests/)
     listed = {_normal(k): v for k, v in dynamic.get(name, ({}, ""))[0].items()}
@@ -172,6 +173,12 @@ def imports(name: str, path: Path, mods: dict[str, Path], dynamic: dict):
 
     visit(tree, False)
     return out, problems
+
+
+@functools.lru_cache(maxsize=None)
+def _parsed(source: str) -> ast.Module:
+    """``ast.parse`` once per text: the checks below parse a copy of the tree whose files are this one's."""
+    return ast.parse(source)
 
 
 def _normal(source: str) -> str:
