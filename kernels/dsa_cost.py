@@ -423,18 +423,16 @@ def main(argv=None) -> int:
     if a.far_share is not None and not 0.0 <= a.far_share <= 1.0:
         p.error(f"--far-share {a.far_share}: give a share between 0 and 1")
     bound = None if a.bound < 0 else a.bound
+    chip = next(c for c in CHIPS if c.name == a.chip)
     try:
-        b = call_breakdown(grid, window, a.head_dim, bound, 2 if a.dtype == "bf16" else 4,
-                           next(c for c in CHIPS if c.name == a.chip), a.far_share)
+        b = call_breakdown(grid, window, a.head_dim, bound, 2 if a.dtype == "bf16" else 4, chip, a.far_share)
     except ValueError as e:
         p.error(str(e))
     if a.design:
         if bound is None:
             p.error("--design needs a bound (the halo is sized by attention.max_offset)")
-        b["design"] = halo_dense_design(grid, window, a.head_dim, bound, next(c for c in CHIPS if c.name == a.chip),
-                                        a.heads)
+        b["design"] = halo_dense_design(grid, window, a.head_dim, bound, chip, a.heads)
     if bound is not None:  # the compiled fused halo-dense kernels, where the issue table has them
-        chip = next(c for c in CHIPS if c.name == a.chip)
         b["fused"] = fused_compiled(grid, window, a.head_dim, bound, chip, pairs=a.heads)  # offsets uniform in the bound
         zero = fused_compiled(grid, window, a.head_dim, bound, chip, offsets="zero", pairs=a.heads)
         if b["fused"] is not None and zero is not None:

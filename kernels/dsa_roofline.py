@@ -24,12 +24,20 @@ class Chip:
     bf16_tc: float  # dense bf16 tensor-core FLOP/s
     fp32: float  # CUDA-core fp32 FLOP/s (FMA = 2)
     hbm: float  # B/s
-    l1: float  # aggregate L1 / shared-memory B/s
     l2_atomic: float  # B/s of fp32 reductions into L2 (assumed)
-    issue: float  # lane instructions per second (4 schedulers x 32 lanes per SM and clock)
     l2: float = 5.5e12  # B/s of reads served by L2 (assumed, as the reductions)
     sms: int = 132  # streaming multiprocessors (the slots a launch's blocks take in waves)
     clock: float = 1.98e9  # boost clock, Hz
+
+    @property
+    def l1(self) -> float:
+        """Aggregate L1 / shared-memory B/s: 128 B per clock and SM."""
+        return self.sms * 128 * self.clock
+
+    @property
+    def issue(self) -> float:
+        """Lane instructions per second: 4 schedulers x 32 lanes per SM and clock."""
+        return self.sms * 128 * self.clock
 
 
 BARRIER_CYCLES = 20
@@ -39,8 +47,8 @@ it here); warps that arrive apart add their skew. At one resident block per SM n
 
 
 CHIPS = (
-    Chip("H100", 989e12, 67e12, 3.35e12, 132 * 128 * 1.98e9, 5.5e12, 132 * 128 * 1.98e9),
-    Chip("H200", 989e12, 67e12, 4.8e12, 132 * 128 * 1.98e9, 5.5e12, 132 * 128 * 1.98e9),
+    Chip("H100", 989e12, 67e12, 3.35e12, 5.5e12),
+    Chip("H200", 989e12, 67e12, 4.8e12, 5.5e12),
 )
 
 

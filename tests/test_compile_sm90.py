@@ -240,29 +240,9 @@ def test_a_dot_that_runs_over_a_nested_loop_counts_the_loop_apart():
     assert aot.inner_loops(LOOPS_PTX, 2) == [3] and aot.inner_loops(GUARDED_PTX, 1) == [11]
 
 
-BARRIERS_PTX = """
-	bar.sync 	0;
-	mov.b32 	%r1, 0;
-	bra.uni 	$L__BB0_1;
-$L__BB0_3:                              //   in Loop: Header=BB0_1 Depth=1
-	bar.sync 	0;
-	add.s32 	%r1, %r1, 1;
-	@!%p2 bra 	$L__BB0_4;
-$L__BB0_1:                              // =>This Loop Header: Depth=1
-                                        //     Child Loop BB0_2 Depth 2
-	mov.b32 	%r2, 0;
-$L__BB0_2:                              //   Parent Loop BB0_1 Depth=1
-                                        // =>  This Inner Loop Header: Depth=2
-	st.shared.b32 	[%r3], %r4;
-	bar.sync 	0;
-	ld.shared.b32 	%r4, [%r3];
-	barrier.sync 	0;
-	@%p1 bra 	$L__BB0_2;
-// %bb.5:                               //   in Loop: Header=BB0_1 Depth=1
-	bra.uni 	$L__BB0_3;
-$L__BB0_4:
-	ret;
-"""
+BARRIERS_PTX = (LOOPS_PTX.replace("\tmov.b32 \t%r1, 0;", "\tbar.sync \t0;\n\tmov.b32 \t%r1, 0;")  # depth 0
+                .replace("\tadd.s32 \t%r1, %r1, 1;", "\tbar.sync \t0;\n\tadd.s32 \t%r1, %r1, 1;")  # depth 1
+                .replace("\tfma.rn.f32", "\tbar.sync \t0;\n\tbarrier.sync \t0;\n\tfma.rn.f32"))  # depth 2
 
 
 def test_the_barriers_are_counted_where_the_instructions_are():
@@ -271,7 +251,8 @@ def test_the_barriers_are_counted_where_the_instructions_are():
     (a fall-through block without a barrier still opens its loop's count); the cost model prices each."""
     got = aot.barriers(BARRIERS_PTX)
     assert got == {"depths": {0: 1, 1: 1, 2: 2}, "loops": {2: [2]}, "outer_walks": []}
-    assert aot.loop_instructions(BARRIERS_PTX) == {0: 4, 1: 5, 2: 5}
+    assert aot.loop_instructions(BARRIERS_PTX) == {0: 5, 1: 6, 2: 5}  # LOOPS_PTX's and the barriers'
+    assert aot.loop_bodies(BARRIERS_PTX) == {1: [6], 2: [5]}
     assert aot.barriers(LOOPS_PTX) == {"depths": {}, "loops": {2: [0]}, "outer_walks": []}
     assert aot.barriers(GUARDED_PTX)["outer_walks"] == [0]  # one walk before the frame loops, no barrier in it
 

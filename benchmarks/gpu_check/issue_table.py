@@ -30,6 +30,11 @@ SHAPES = [("bf16", d, w) for d in (64, 128) for w in ((3, 5, 5), (3, 7, 7))]
 GRIDS = ((21, 30, 52), (21, 15, 26))
 
 
+def _by_depth(counts: dict) -> dict:
+    """``{depth: value}`` as the table's JSON keeps it: string keys, in depth order."""
+    return {str(k): v for k, v in sorted(counts.items())}
+
+
 def measure(shapes=SHAPES, kernels=None, progress=print, grids=GRIDS) -> dict:
     """``{issue_key: {"kernel", "head_dim", "window", "constexprs", "warps", "depths": {depth:
     instructions}, "guarded": {depth: [instructions of each conditional region]}, "loops": {depth >= 2:
@@ -61,13 +66,13 @@ def measure(shapes=SHAPES, kernels=None, progress=print, grids=GRIDS) -> dict:
                 raise RuntimeError(f"{key}: no PTX counted ({'; '.join(rec.problems)})")
             consts = {k: v for k, v in spec["constexprs"].items() if isinstance(v, (bool, int))}
             table[key] = {"kernel": name, "head_dim": d, "window": list(window), "constexprs": consts,
-                          "warps": spec["num_warps"], "depths": {str(k): v for k, v in sorted(rec.loop_instr.items())},
-                          "guarded": {str(k): v for k, v in sorted(rec.guarded.items())},
-                          "loops": {str(k): v for k, v in sorted(rec.loops.items()) if k >= 2},
+                          "warps": spec["num_warps"], "depths": _by_depth(rec.loop_instr),
+                          "guarded": _by_depth(rec.guarded),
+                          "loops": _by_depth({k: v for k, v in rec.loops.items() if k >= 2}),
                           "mma_groups": rec.mma_groups, "mma_serialized": bool(rec.mma_serialized),
                           "outer_walks": rec.outer_walks,
-                          "barriers": {"depths": {str(k): v for k, v in sorted(rec.barriers["depths"].items())},
-                                       "loops": {str(k): v for k, v in sorted(rec.barriers["loops"].items())},
+                          "barriers": {"depths": _by_depth(rec.barriers["depths"]),
+                                       "loops": _by_depth(rec.barriers["loops"]),
                                        "outer_walks": rec.barriers["outer_walks"]},
                           "blocks_per_sm": rec.blocks_per_sm}
             if progress:
